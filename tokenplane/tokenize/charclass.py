@@ -1,0 +1,113 @@
+"""Character-class tables probed out of the reference engines themselves.
+
+Python's `unicodedata` and the `regex` module disagree with tiktoken (Rust regex / fancy_regex) and HF tokenizers
+(Oniguruma) on thousands of code points, so no table here comes from them. Probing:
+
+* tiktoken: an Encoding whose pattern is the bare class (e.g. `\\p{L}`) and whose vocabulary is the 256 single bytes.
+  tiktoken emits only regex matches, so decoding `encode_ordinary(all code points)` yields exactly the class members.
+* HF tokenizers: a `Split(class, "removed")` pre-tokenizer over all code points returns the non-members.
+
+Tables are one uint16 bitmask per code point (0..0x10FFFF), cached on disk and identified by sha256; `PINNED` holds
+the hashes the boundary derivations in docs/ were checked against.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from functools import lru_cache
+
+import numpy as np
+
+from .artifacts import cache_dir
+
+# Bit per class, in the reference regex dialect.
+CLASSES = ("L", "Lu", "Ll", "Lt", "Lm", "Lo", "M", "N", "P", "S", "s")
+BIT = {name: 1 << i for i, name in enumerate(CLASSES)}
+_PATTERN = {name: (r"\s" if name == "s" else rf"\p{{{name}}}") for name in CLASSES}
+N_CODEPOINTS = 0x110000
+
+# sha256 of the probed tables (uint16 little-endian bytes) for the engine versions this project was derived on.
+# tiktoken's Rust regex and HF's Oniguruma agreed on every class and code point when probed.
+PINNED: dict[str, str] = {
+    "tiktoken-0.14.0": "7b30e600dcd6942538555137b4ce7b90ef70889e3cc72b5dc6f8d5e334a229de",
+    "tokenizers-0.23.3": "7b30e600dcd6942538555137b4ce7b90ef70889e3cc72b5dc6f8d5e334a229de",
+}
+
+
+def _all_codepoints() -> str:
+    # Surrogates cannot appear in valid text (and cannot be encoded), so they are excluded.
+    return "".join(map(chr, range(0xD800))) + "".join(map(chr, range(0xE000, N_CODEPOINTS)))
+
+
+def _members_tiktoken(pattern: str, universe: str) -> str:
+    import tiktoken
+
+    enc = tiktoken.Encoding(name="tokenplane-probe", pat_str=pattern,
+                            mergeable_ranks={bytes([i]): i for i in range(256)}, special_tokens={})
+    return bytes(enc.encode_ordinary(universe)).decode("utf-8")
+
+
+def _nonmembers_hf(pattern: str, universe: str) -> str:
+    from tokenizers import Regex, pre_tokenizers
+
+    split = pre_tokenizers.Split(Regex(pattern), behavior="removed")
+    return "".join(piece for piece, _ in split.pre_tokenize_str(universe))
+
+
+def probe(engine: str) -> np.ndarray:
+    """Probe every class over every code point with the given reference engine ("tiktoken" or "hf")."""
+    universe = _all_codepoints()
+    table = np.zeros(N_CODEPOINTS, dtype=np.uint16)
+    for name in CLASSES:
+        mask = np.zeros(N_CODEPOINTS, dtype=bool)
+        if engine == "tiktoken":
+            members = _members_tiktoken(_PATTERN[name], universe)
+            mask[np.frombuffer(members.encode("utf-32-le"), dtype=np.uint32)] = True
+        elif engine == "hf":
+            mask[:] = True
+            mask[0xD800:0xE000] = False
+            rest = _nonmembers_hf(_PATTERN[name], universe)
+            mask[np.frombuffer(rest.encode("utf-32-le"), dtype=np.uint32)] = False
+        else:
+            raise ValueError(f"unknown engine {engine!r}")
+        table[mask] |= BIT[name]
+    return table
+
+
+def table_hash(table: np.ndarray) -> str:
+    return hashlib.sha256(table.astype("<u2").tobytes()).hexdigest()
+
+
+def _engine_version(engine: str) -> str:
+    if engine == "tiktoken":
+        import tiktoken
+        return f"tiktoken-{tiktoken.__version__}"
+    import tokenizers
+    return f"tokenizers-{tokenizers.__version__}"
+
+
+@lru_cache(maxsize=None)
+def class_table(engine: str) -> np.ndarray:
+    """The (read-only) class bitmask table of a reference engine, probed once per engine version and cached."""
+    path = cache_dir() / f"charclass-{_engine_version(engine)}-{len(CLASSES)}.npy"
+    table = None
+    if path.exists():
+        try:
+            table = np.load(path)
+        except (OSError, ValueError):
+            table = None
+        if table is not None and (table.shape != (N_CODEPOINTS,) or table.dtype != np.uint16):
+            table = None
+    if table is None:
+        table = probe(engine)
+        tmp = path.with_name(path.name + ".tmp.npy")
+        np.save(tmp, table)
+        tmp.replace(path)
+    table.setflags(write=False)
+    return table
+
+
+def table_is_pinned(engine: str) -> bool:
+    """True when the probed table equals the one the family derivations were checked against."""
+    pin = PINNED.get(_engine_version(engine))
+    return pin is not None and pin == table_hash(class_table(engine))

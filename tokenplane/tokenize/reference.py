@@ -1,0 +1,165 @@
+"""Reference engines behind one interface: tiktoken for cl100k/o200k/llama3, HF `tokenizers` for qwen3/deepseek_v4.
+
+Every fast path in tokenplane is defined as "returns what `ReferenceEngine.encode_ordinary` returns" and is
+differential-tested against it. The engine also reports per-token ends (in characters of the normalized text), which
+the session store uses as record positions, and the reference piece boundaries of the pre-tokenizer.
+"""
+
+from __future__ import annotations
+
+import json
+from functools import cached_property
+
+import numpy as np
+
+from .artifacts import parse_tiktoken
+from .families import Family
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's byte <-> printable-char table used by ByteLevel vocabularies."""
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return {b: chr(c) for b, c in zip(bs, cs)}
+
+
+def utf8_char_ends(text: str, byte_ends: np.ndarray) -> np.ndarray:
+    """Map byte end offsets (into text's UTF-8) to character end offsets; a token ending inside a multi-byte
+    character counts that character as covered."""
+    if text.isascii():
+        return byte_ends.astype(np.int64, copy=False)
+    raw = np.frombuffer(text.encode("utf-8"), dtype=np.uint8)
+    leads = np.concatenate(([0], np.cumsum((raw & 0xC0) != 0x80)))
+    return leads[byte_ends.astype(np.int64)]
+
+
+class ReferenceEngine:
+    """Uniform face over tiktoken / HF tokenizers for one family."""
+
+    family: Family
+    token_bytes: list[bytes]        # id -> bytes (specials: their UTF-8)
+    specials: dict[str, int]
+
+    def encode_ordinary(self, text: str) -> np.ndarray:
+        raise NotImplementedError
+
+    def normalize(self, text: str) -> str:
+        return text
+
+    def pretokenize(self, text: str) -> list[tuple[int, int]]:
+        """Reference piece spans (character offsets of the normalized text)."""
+        pieces = [(0, len(text))]
+        for split in self._onig_splitters:
+            out: list[tuple[int, int]] = []
+            for start, end in pieces:
+                for _, (s, e) in split.pre_tokenize_str(text[start:end]):
+                    out.append((start + s, start + e))
+            pieces = out
+        return pieces
+
+    @cached_property
+    def _onig_splitters(self):
+        from tokenizers import Regex, pre_tokenizers
+
+        return [pre_tokenizers.Split(Regex(p), behavior="isolated") for p in self.family.onig_patterns]
+
+    @cached_property
+    def token_lengths(self) -> np.ndarray:
+        return np.fromiter((len(b) for b in self.token_bytes), dtype=np.int64, count=len(self.token_bytes))
+
+    @cached_property
+    def max_token_chars(self) -> int:
+        """Most characters one ordinary token can cover (a token that starts inside a character covers it too)."""
+        best = 0
+        for tok in self.token_bytes:
+            n = sum(1 for b in tok if (b & 0xC0) != 0x80) + (1 if tok and (tok[0] & 0xC0) == 0x80 else 0)
+            best = max(best, n)
+        return best
+
+    def encode_with_ends(self, text: str) -> tuple[np.ndarray, np.ndarray]:
+        """IDs of normalize(text) plus each token's end offset in characters of normalize(text)."""
+        norm = self.normalize(text)
+        ids = self.encode_ordinary_normalized(norm)
+        byte_ends = np.cumsum(self.token_lengths[ids])
+        return ids, utf8_char_ends(norm, byte_ends)
+
+    def encode_ordinary_normalized(self, norm: str) -> np.ndarray:
+        """Encode text that is already normalized (normalization is idempotent, so this equals encode_ordinary)."""
+        return self.encode_ordinary(norm)
+
+    def decode_bytes(self, ids) -> bytes:
+        return b"".join(self.token_bytes[i] for i in ids)
+
+
+class TiktokenReference(ReferenceEngine):
+    def __init__(self, family: Family, tiktoken_bytes: bytes):
+        import tiktoken
+
+        self.family = family
+        ranks = parse_tiktoken(tiktoken_bytes)
+        self.specials = dict(family.specials)
+        self.encoding = tiktoken.Encoding(
+            name=f"tokenplane-{family.name}", pat_str=family.patterns[0], mergeable_ranks=ranks,
+            special_tokens=self.specials)
+        n = max(max(ranks.values()), max(self.specials.values(), default=0)) + 1
+        table: list[bytes] = [b""] * n
+        for tok, rank in ranks.items():
+            table[rank] = tok
+        for text, rank in self.specials.items():
+            table[rank] = text.encode()
+        self.token_bytes = table
+        self.n_ordinary = len(ranks)
+
+    def encode_ordinary(self, text: str) -> np.ndarray:
+        return np.asarray(self.encoding.encode_ordinary(text), dtype=np.uint32)
+
+
+class HFReference(ReferenceEngine):
+    """HF tokenizers with added tokens stripped, so special-token strings in user text encode as ordinary text
+    (the `allowed_special` decision is ours, made by the literal pass before the splitter)."""
+
+    def __init__(self, family: Family, json_bytes: bytes):
+        from tokenizers import Tokenizer as HFTokenizer
+
+        self.family = family
+        config = json.loads(json_bytes)
+        self.full = HFTokenizer.from_str(json.dumps(config))   # with added tokens: the chat-template path
+        added = config.get("added_tokens", [])
+        self.specials = {a["content"]: a["id"] for a in added}
+        config["added_tokens"] = []
+        self.ordinary = HFTokenizer.from_str(json.dumps(config))
+        self._normalizer = self.ordinary.normalizer
+        vocab = config["model"]["vocab"]
+        decode_byte = {c: b for b, c in _bytes_to_unicode().items()}
+        n = max(max(vocab.values()), max(self.specials.values(), default=0)) + 1
+        table: list[bytes] = [b""] * n
+        for tok, rank in vocab.items():
+            if all(c in decode_byte for c in tok):
+                table[rank] = bytes(decode_byte[c] for c in tok)
+            else:   # literal vocab entries (e.g. DeepSeek's BOS/EOS at ids 0-2) are not byte-level encoded
+                table[rank] = tok.encode()
+        for text, rank in self.specials.items():
+            table[rank] = text.encode()
+        self.token_bytes = table
+        self.n_ordinary = len(vocab)
+
+    def normalize(self, text: str) -> str:
+        if self._normalizer is None or text.isascii():
+            return text   # NFC is the identity on ASCII
+        return self._normalizer.normalize_str(text)
+
+    def encode_ordinary(self, text: str) -> np.ndarray:
+        return np.asarray(self.ordinary.encode(text, add_special_tokens=False).ids, dtype=np.uint32)
+
+
+def make_reference(family: Family, data: bytes) -> ReferenceEngine:
+    """`data` is the verified file content: tiktoken rank lines or a tokenizer.json."""
+    if family.engine == "tiktoken":
+        return TiktokenReference(family, data)
+    return HFReference(family, data)
