@@ -1,0 +1,140 @@
+"""R2R (thu-nics/R2R): a neural router on the small model's step decides whether the large model must regenerate
+the token. Commit pattern: small token dropped, large model generates exactly 1 token, accepted, back to small.
+
+Router (official `HiddenStatesTokenLMHeadLogitsClassifier`): inputs are the small model's final-norm hidden state,
+the embedding of its sampled token (a frozen copy of its input embedding) and its top-100 logit values (sorted,
+no softmax). logits_projection Linear(100->H); concat [hidden, token_emb, logits_proj] (3H) -> Linear(3H->D) ->
+input_projection Linear(D->D) -> `num_blocks` pre-LN residual MLP blocks (D -> 4D -> D, GELU) -> LayerNorm -> Linear(D->1)
+-> sigmoid = divergence probability; route to the large model when it is >= threshold (0.5 = the official server's
+default). Official sizes D=1024, 6 blocks; smaller dims are allowed for random-weight runs.
+
+Weights: `router_weights` = a safetensors file with this module's parameter names (`token_embedding.weight`
+optional: otherwise the small model's `embed_tokens.weight` is taken through `attach`). Without a file the router is
+random-initialized from `seed` (deterministic), which is what calibrated mode is for.
+"""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..api import RequestView, StepResult
+from .base import Gate, OneTokenCorrection, load_weights, seeded
+
+# Without the small model's embedding (no attach, no checkpoint), tokens hash into a fixed random table: the router
+# still sees the sampled token, but this only makes sense for random-weight runs.
+FALLBACK_EMBED_ROWS = 4096
+
+
+class ResidualBlock(nn.Module):
+    def __init__(self, dim: int, expansion: int):
+        super().__init__()
+        self.norm = nn.LayerNorm(dim)
+        self.fc1 = nn.Linear(dim, dim * expansion)
+        self.fc2 = nn.Linear(dim * expansion, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.fc2(nn.functional.gelu(self.fc1(self.norm(x))))   # dropout is identity at inference
+
+
+class R2RRouter(nn.Module):
+    def __init__(self, hidden_size: int, *, logits_size: int = 100, dim: int = 1024, num_blocks: int = 6,
+                 expansion: int = 4):
+        super().__init__()
+        self.logits_size = logits_size
+        self.logits_projection = nn.Linear(logits_size, hidden_size)
+        self.combined_projection = nn.Linear(3 * hidden_size, dim)
+        self.input_projection = nn.Linear(dim, dim)
+        self.blocks = nn.ModuleList(ResidualBlock(dim, expansion) for _ in range(num_blocks))
+        self.final_norm = nn.LayerNorm(dim)
+        self.output = nn.Linear(dim, 1)
+
+    def forward(self, hidden: torch.Tensor, token_emb: torch.Tensor, top_logits: torch.Tensor) -> torch.Tensor:
+        x = torch.cat([hidden, token_emb, self.logits_projection(top_logits)], dim=-1)
+        x = self.input_projection(self.combined_projection(x))
+        for block in self.blocks:
+            x = block(x)
+        return torch.sigmoid(self.output(self.final_norm(x))).squeeze(-1)
+
+
+class R2R(OneTokenCorrection):
+    name = "r2r"
+    default_thresholds = {"switch": 0.5}
+    gates = (Gate("switch", 0, "above"),)
+
+    def __init__(self, *, router_weights: str | None = None, router_dim: int = 1024, router_blocks: int = 6,
+                 logits_size: int = 100, **kwargs: Any):
+        super().__init__(**kwargs)
+        self.router_weights = router_weights
+        self.router_dim = int(router_dim)
+        self.router_blocks = int(router_blocks)
+        self.logits_size = int(logits_size)
+        self.router: R2RRouter | None = None
+        self.embedding: torch.Tensor | None = None
+        self._cast: dict[tuple, tuple[R2RRouter, torch.Tensor]] = {}
+
+    def config(self) -> dict[str, Any]:
+        cfg = super().config()
+        cfg.update(router_weights=self.router_weights, router_dim=self.router_dim, router_blocks=self.router_blocks,
+                   logits_size=self.logits_size)
+        return cfg
+
+    def attach(self, model: int, module: Any) -> None:
+        if model != 0 or module is None or self.embedding is not None:
+            return
+        for name, p in module.named_parameters():
+            if name.endswith("embed_tokens.weight"):
+                self.embedding = p.detach()
+                return
+
+    def _build(self, hidden_size: int) -> None:
+        with seeded(self.seed):
+            self.router = R2RRouter(hidden_size, logits_size=self.logits_size, dim=self.router_dim,
+                                    num_blocks=self.router_blocks).eval()
+            if self.router_weights is not None:
+                load_weights(self.router, self.router_weights)
+                from safetensors import safe_open
+                with safe_open(str(self.router_weights), framework="pt") as f:
+                    if "token_embedding.weight" in f.keys():
+                        self.embedding = f.get_tensor("token_embedding.weight")
+            if self.embedding is None:
+                self.embedding = torch.randn(FALLBACK_EMBED_ROWS, hidden_size) * 0.02
+        if self.embedding.shape[-1] != hidden_size:
+            raise ValueError(f"r2r: token embedding has width {self.embedding.shape[-1]}, hidden size is {hidden_size}")
+
+    def divergence(self, result: StepResult) -> float:
+        """The router's divergence probability for this small-model step."""
+        if result.hidden is None:
+            raise ValueError("r2r needs the small model's hidden state in StepResult.hidden")
+        if self.router is None:
+            self._build(int(result.hidden.shape[-1]))
+        dtype, device = result.hidden.dtype, result.hidden.device
+        if (dtype, device) not in self._cast:   # the router runs where the hidden state lives, in its precision
+            router = copy.deepcopy(self.router)   # not a fresh module: init would consume the global RNG
+            self._cast[(dtype, device)] = (router.to(device=device, dtype=dtype),
+                                           self.embedding.to(device=device, dtype=dtype))
+        router, embedding = self._cast[(dtype, device)]
+        token = int(result.token)
+        row = token if embedding.shape[0] != FALLBACK_EMBED_ROWS else token % FALLBACK_EMBED_ROWS
+        k = min(self.logits_size, result.logits.shape[-1])
+        top = torch.topk(result.logits.to(device=device, dtype=dtype), k).values
+        if k < self.logits_size:   # tiny vocabularies: pad with the smallest value so the shape matches
+            top = torch.cat([top, top[-1:].expand(self.logits_size - k)])
+        with torch.no_grad():
+            return float(router(result.hidden[None], embedding[row][None], top[None])[0])
+
+    def signal(self, gate: Gate, result: StepResult) -> float:
+        return self.divergence(result)
+
+
+def save_router(router: R2RRouter, path: str | Path, embedding: torch.Tensor | None = None) -> None:
+    """Write router weights (and optionally the frozen token embedding) in the format `router_weights` loads."""
+    from safetensors.torch import save_file
+    tensors = {k: v.contiguous() for k, v in router.state_dict().items()}
+    if embedding is not None:
+        tensors["token_embedding.weight"] = embedding.contiguous()
+    save_file(tensors, str(path))
