@@ -129,6 +129,16 @@ class RequestView:
             stop_token_ids: Seq[int] = (), model: int = 0) -> "RequestView":
         return cls(request_id, list(prompt_ids), [], model, [0] * num_models, {}, max_tokens, tuple(stop_token_ids))
 
+    @classmethod
+    def from_handoff(cls, handoff: "Handoff", num_models: int) -> "RequestView":
+        """The receiving model's view on a first visit (the handoff carries the prompt and the request limits)."""
+        info = handoff.metadata.get("request")
+        if info is None or handoff.anchor != -int(info["prompt_len"]):
+            raise ValueError(f"request {handoff.request_id}: not a first-visit handoff (anchor {handoff.anchor})")
+        prompt = [int(t) for t in handoff.tokens[:int(info["prompt_len"])]]
+        return cls.new(handoff.request_id, prompt, num_models, max_tokens=int(info["max_tokens"]),
+                       stop_token_ids=tuple(int(t) for t in info["stop_token_ids"]), model=handoff.target)
+
     @property
     def num_output(self) -> int:
         return len(self.output_ids)
@@ -184,9 +194,13 @@ class Algorithm:
         start = req.seen[target]
         tokens = full[start:] + ([int(result.token)] if keep else [])
         done = keep and req.finishes_with(int(result.token), result.position)
+        meta: dict[str, Any] = {"state": dict(req.state)}
+        if start == 0:   # first visit: the target learns the request (prompt = tokens[:prompt_len])
+            meta["request"] = {"prompt_len": len(req.prompt_ids), "max_tokens": req.max_tokens,
+                               "stop_token_ids": list(req.stop_token_ids)}
         return Handoff(request_id=req.request_id, tokens=tokens, anchor=start - len(req.prompt_ids), done=done,
                        keep_last=keep, target=target, source=result.model,
-                       position=result.position + (1 if keep else 0), metadata={"state": dict(req.state)})
+                       position=result.position + (1 if keep else 0), metadata=meta)
 
     def receive(self, req: RequestView, handoff: Handoff) -> list[int]:
         """Tokens the receiving model appends to its own sequence (default: accept them all) + state restore."""
