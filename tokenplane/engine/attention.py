@@ -1,0 +1,100 @@
+"""Attention over a paged KV cache.
+
+Cache layout per layer: [num_kv_heads, num_slots, head_dim] with slot = block_id * block_size + offset, so one
+sequence's keys gathered by block are already [kv_heads, context, head_dim] for SDPA (no transpose copy), and a
+sequence whose blocks are consecutive (the common case: blocks come off the free list in order) is a plain slice.
+
+Two kernels, chosen per batch by the runner:
+- varlen: one SDPA call per sequence over its uncomputed tokens (prefill, decode, a peer's k tokens: same code). The
+  query heads sharing a KV head are folded into the query length, so GQA never copies K/V per query head.
+- padded: decode-only, every sequence gathered into [B, kv_heads, max_blocks * block_size, head_dim] with a length
+  mask. Fixed shapes, so it can be captured in a CUDA graph.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass
+class SeqAttention:
+    q_start: int
+    q_len: int
+    context_len: int                       # tokens attended to, including this run's own tokens
+    kv_slice_start: int | None = None      # first slot when the blocks are consecutive
+    kv_blocks: torch.Tensor | None = None  # block ids otherwise
+    mask: torch.Tensor | None = None       # [group * q_len, context_len] bool, only when q_len > 1
+
+
+@dataclass
+class AttentionMetadata:
+    slot_mapping: torch.Tensor                      # [T] slot for each new token's K/V
+    seqs: list[SeqAttention] = field(default_factory=list)
+    # padded decode only
+    block_tables: torch.Tensor | None = None        # [B, max_blocks]
+    context_lens: torch.Tensor | None = None        # [B]
+
+    @property
+    def padded(self) -> bool:
+        return self.block_tables is not None
+
+
+def causal_mask(q_len: int, context_len: int, group: int, device: torch.device) -> torch.Tensor:
+    """Query i (absolute position context_len - q_len + i) sees keys 0..that position; rows repeat per group."""
+    rows = torch.arange(context_len - q_len, context_len, device=device)[:, None]
+    mask = torch.arange(context_len, device=device)[None, :] <= rows
+    return mask.repeat(group, 1)
+
+
+class PagedAttention(nn.Module):
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.group = num_heads // num_kv_heads
+        self.scale = head_dim ** -0.5
+        # Set by the ModelRunner; plain attributes, not buffers, so state_dict() stays the weights only.
+        self.k_cache: torch.Tensor | None = None
+        self.v_cache: torch.Tensor | None = None
+        self.block_size = 0
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """q [T, heads, d], k/v [T, kv_heads, d] (rope applied) -> [T, heads * d]."""
+        k_cache, v_cache = self.k_cache, self.v_cache
+        if k_cache is None or v_cache is None:
+            raise RuntimeError("KV cache not set: build a ModelRunner around the model first")
+        # Write first, then read: a sequence's own new tokens are attended through the cache like cached ones.
+        k_cache.index_copy_(1, meta.slot_mapping, k.transpose(0, 1))
+        v_cache.index_copy_(1, meta.slot_mapping, v.transpose(0, 1))
+        if meta.padded:
+            return self._padded_decode(q, meta)
+        out = torch.empty(q.shape[0], self.num_heads * self.head_dim, dtype=q.dtype, device=q.device)
+        kvh, g, d = self.num_kv_heads, self.group, self.head_dim
+        for s in meta.seqs:
+            if s.kv_slice_start is not None:
+                kc = k_cache[:, s.kv_slice_start:s.kv_slice_start + s.context_len]
+                vc = v_cache[:, s.kv_slice_start:s.kv_slice_start + s.context_len]
+            else:
+                kc = k_cache.unflatten(1, (-1, self.block_size)).index_select(1, s.kv_blocks).flatten(1, 2)
+                vc = v_cache.unflatten(1, (-1, self.block_size)).index_select(1, s.kv_blocks).flatten(1, 2)
+                kc, vc = kc[:, :s.context_len], vc[:, :s.context_len]
+            qi = q[s.q_start:s.q_start + s.q_len]  # [L, heads, d]; head h reads kv head h // group
+            # [L, kvh, g, d] -> [kvh, g * L, d]: each KV head serves g * L query rows.
+            qi = qi.view(s.q_len, kvh, g, d).permute(1, 2, 0, 3).reshape(kvh, g * s.q_len, d)
+            o = F.scaled_dot_product_attention(qi, kc, vc, attn_mask=s.mask, scale=self.scale)
+            out[s.q_start:s.q_start + s.q_len] = o.view(kvh, g, s.q_len, d).permute(2, 0, 1, 3).reshape(s.q_len, -1)
+        return out
+
+    def _padded_decode(self, q: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        bt, lens = meta.block_tables, meta.context_lens
+        B, nblk = bt.shape
+        kvh, g, d = self.num_kv_heads, self.group, self.head_dim
+        # [kvh, blocks, bs, d][:, bt] -> [kvh, B, nblk, bs, d] -> [B, kvh, nblk * bs, d]
+        kc = self.k_cache.unflatten(1, (-1, self.block_size))[:, bt].flatten(2, 3).transpose(0, 1)
+        vc = self.v_cache.unflatten(1, (-1, self.block_size))[:, bt].flatten(2, 3).transpose(0, 1)
+        mask = torch.arange(nblk * self.block_size, device=q.device)[None, :] < lens[:, None]
+        o = F.scaled_dot_product_attention(q.view(B, kvh, g, d), kc, vc, attn_mask=mask[:, None, None, :],
+                                           scale=self.scale)
+        return o.reshape(B, kvh * g * d)

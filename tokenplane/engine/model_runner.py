@@ -1,0 +1,232 @@
+"""Runs one mixed batch (varlen prefill + decode + catch-up) over the paged KV cache; CUDA graphs for decode.
+
+`run(seqs)` computes every sequence's uncomputed tokens [num_computed_tokens, num_tokens) in one forward pass over a
+flat token batch and returns logits and final hidden states at each sequence's last position. Callers give each
+sequence blocks first (`block_manager.allocate` / `append_slots`, or `prepare`).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from tokenplane.engine.attention import AttentionMetadata, SeqAttention, causal_mask
+from tokenplane.engine.block_manager import BlockManager
+from tokenplane.engine.config import ModelConfig
+from tokenplane.engine.sequence import Sequence
+
+
+@dataclass
+class RunnerOutput:
+    logits: torch.Tensor  # [B, V] float32 (float64 for float64 models, so equivalence tests keep full precision)
+    hidden: torch.Tensor  # [B, H] final-norm hidden state at the same positions, same dtype as logits
+
+
+def _graph_batch_sizes(max_num_seqs: int) -> list[int]:
+    sizes = [b for b in (1, 2, 4, 8) if b < max_num_seqs] + list(range(16, max_num_seqs, 16))
+    return sizes + [max_num_seqs]
+
+
+class ModelRunner:
+    def __init__(self, model: nn.Module, cfg: ModelConfig, *, num_blocks: int, block_size: int = 16,
+                 device: str | torch.device | None = None, dtype: torch.dtype | None = None,
+                 enforce_eager: bool = False, max_num_seqs: int = 256, decode_kernel: str = "auto") -> None:
+        """decode_kernel: "varlen" (per-sequence SDPA), "padded" (one masked SDPA over the padded batch) or "auto"
+        (varlen on CPU, padded on CUDA where it is what the graphs capture). A model serves one runner at a time:
+        the runner binds its KV cache into the model's attention layers."""
+        param = next(model.parameters())
+        self.device = torch.device(device) if device is not None else param.device
+        self.dtype = dtype if dtype is not None else param.dtype
+        if param.device != self.device or param.dtype != self.dtype:
+            model = model.to(device=self.device, dtype=self.dtype)
+        if decode_kernel not in ("auto", "varlen", "padded"):
+            raise ValueError(f"decode_kernel must be auto, varlen or padded, not {decode_kernel!r}")
+        self.model, self.cfg = model, cfg
+        self.block_size = block_size
+        self.block_manager = BlockManager(num_blocks, block_size)
+        self.group = cfg.num_attention_heads // cfg.num_key_value_heads
+        # One extra block at the end is the scratch target of CUDA-graph padding rows; the manager never hands it out.
+        self.scratch_block = num_blocks
+        self.kv_cache = torch.zeros(2, cfg.num_hidden_layers, cfg.num_key_value_heads, (num_blocks + 1) * block_size,
+                                    cfg.head_dim, dtype=self.dtype, device=self.device)
+        for i, attn in enumerate(model.attention_layers()):
+            attn.k_cache, attn.v_cache, attn.block_size = self.kv_cache[0, i], self.kv_cache[1, i], block_size
+        is_cuda = self.device.type == "cuda"
+        self.decode_kernel = ("padded" if is_cuda else "varlen") if decode_kernel == "auto" else decode_kernel
+        self.use_cuda_graphs = is_cuda and not enforce_eager
+        self.max_num_seqs = max_num_seqs
+        self.max_blocks_per_seq = num_blocks
+        self._graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self._graph_pool = None
+        self._static: dict[str, torch.Tensor] = {}
+        self.graph_batch_sizes = _graph_batch_sizes(max_num_seqs)
+
+    # -- block helpers ----------------------------------------------------------------------------------------------
+    def prepare(self, seq: Sequence) -> bool:
+        """Allocate (new sequence, prefix cache lookup) or grow blocks to cover num_tokens; False if out of blocks."""
+        bm = self.block_manager
+        if not seq.block_table:
+            if not bm.can_allocate(seq):
+                return False
+            bm.allocate(seq)
+        else:
+            if not bm.can_append(seq):
+                return False
+            bm.append_slots(seq)
+        return True
+
+    def free(self, seq: Sequence) -> None:
+        self.block_manager.free(seq)
+
+    # -- run --------------------------------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def run(self, seqs: list[Sequence]) -> RunnerOutput:
+        if not seqs:
+            raise ValueError("run() needs at least one sequence")
+        bs = self.block_size
+        ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        spans: list[tuple[int, int]] = []
+        for seq in seqs:
+            if seq.num_tokens == 0:
+                raise ValueError(f"{seq.seq_id}: empty sequence")
+            # Everything computed already (e.g. asked for logits again): recompute the last token.
+            start = min(seq.num_computed_tokens, seq.num_tokens - 1)
+            end = seq.num_tokens
+            if len(seq.block_table) * bs < end:
+                raise ValueError(f"{seq.seq_id}: block table covers {len(seq.block_table) * bs} < {end} tokens; "
+                                 "call block_manager.allocate/append_slots (or runner.prepare) first")
+            bt = seq.block_table
+            ids.extend(seq.token_ids[start:end])
+            positions.extend(range(start, end))
+            slots.extend(bt[p // bs] * bs + p % bs for p in range(start, end))
+            spans.append((start, end))
+        decode_only = len(ids) == len(seqs)
+        if decode_only and self.use_cuda_graphs and len(seqs) <= self.max_num_seqs:
+            hidden = self._run_graph(ids, positions, slots, seqs)
+        else:
+            meta = self._metadata(seqs, spans, slots, padded=decode_only and self.decode_kernel == "padded")
+            dev = self.device
+            hidden = self.model(torch.tensor(ids, device=dev), torch.tensor(positions, device=dev), meta)
+            if not decode_only:
+                last = torch.tensor([0] + [e - s for s, e in spans], device=dev).cumsum(0)[1:] - 1
+                hidden = hidden[last]
+        logits = self.model.compute_logits(hidden)
+        out_dtype = torch.float64 if self.dtype == torch.float64 else torch.float32
+        for seq in seqs:
+            seq.num_computed_tokens = seq.num_tokens
+            self.block_manager.cache_blocks(seq)
+        return RunnerOutput(logits=logits.to(out_dtype), hidden=hidden.to(out_dtype))
+
+    def _metadata(self, seqs: list[Sequence], spans: list[tuple[int, int]], slots: list[int],
+                  padded: bool) -> AttentionMetadata:
+        dev, bs = self.device, self.block_size
+        meta = AttentionMetadata(slot_mapping=torch.tensor(slots, device=dev))
+        if padded:
+            nblk = max(-(-end // bs) for _, end in spans)
+            rows = [seq.block_table[:nblk] + [self.scratch_block] * (nblk - len(seq.block_table[:nblk]))
+                    for seq in seqs]
+            meta.block_tables = torch.tensor(rows, device=dev)
+            meta.context_lens = torch.tensor([end for _, end in spans], device=dev)
+            return meta
+        q_start = 0
+        for seq, (start, end) in zip(seqs, spans):
+            blocks = seq.block_table[:-(-end // bs)]
+            q_len = end - start
+            s = SeqAttention(q_start=q_start, q_len=q_len, context_len=end)
+            if blocks[-1] - blocks[0] == len(blocks) - 1 and blocks == list(range(blocks[0], blocks[-1] + 1)):
+                s.kv_slice_start = blocks[0] * bs  # consecutive blocks: a view, no gather
+            else:
+                s.kv_blocks = torch.tensor(blocks, device=dev)
+            if q_len > 1:
+                s.mask = causal_mask(q_len, end, self.group, dev)
+            meta.seqs.append(s)
+            q_start += q_len
+        return meta
+
+    # -- CUDA graphs (decode only) ------------------------------------------------------------------------------------
+    def _run_graph(self, ids: list[int], positions: list[int], slots: list[int], seqs: list[Sequence]) -> torch.Tensor:
+        B, bs = len(seqs), self.block_size
+        batch = next(b for b in self.graph_batch_sizes if b >= B)
+        need = max(-(-seq.num_tokens // bs) for seq in seqs)
+        nblk = 1
+        while nblk < need:
+            nblk *= 2
+        nblk = min(nblk, self.max_blocks_per_seq)
+        st = self._static_buffers()
+        self._reset_static(batch)
+        dev = self.device
+        st["input_ids"][:B] = torch.tensor(ids, device=dev)
+        st["positions"][:B] = torch.tensor(positions, device=dev)
+        st["slots"][:B] = torch.tensor(slots, device=dev)
+        st["context_lens"][:B] = torch.tensor([seq.num_tokens for seq in seqs], device=dev)
+        rows = [seq.block_table[:nblk] + [self.scratch_block] * (nblk - len(seq.block_table[:nblk])) for seq in seqs]
+        st["block_tables"][:B, :nblk] = torch.tensor(rows, device=dev)
+        graph, out = self._graphs.get((batch, nblk)) or self._capture(batch, nblk)
+        graph.replay()
+        return out[:B].clone()
+
+    def _static_buffers(self) -> dict[str, torch.Tensor]:
+        if not self._static:
+            n, dev = self.max_num_seqs, self.device
+            self._static = {"input_ids": torch.zeros(n, dtype=torch.long, device=dev),
+                            "positions": torch.zeros(n, dtype=torch.long, device=dev),
+                            "slots": torch.zeros(n, dtype=torch.long, device=dev),
+                            "context_lens": torch.ones(n, dtype=torch.long, device=dev),
+                            "block_tables": torch.zeros(n, self.max_blocks_per_seq, dtype=torch.long, device=dev)}
+        return self._static
+
+    def _reset_static(self, batch: int) -> None:
+        """Padding rows: token 0 at position 0 written to the scratch slot, attending to that one slot."""
+        st = self._static
+        st["input_ids"][:batch].zero_()
+        st["positions"][:batch].zero_()
+        st["slots"][:batch].fill_(self.scratch_block * self.block_size)
+        st["context_lens"][:batch].fill_(1)
+        st["block_tables"][:batch].fill_(self.scratch_block)
+
+    def _capture(self, batch: int, nblk: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+        st = self._static
+        meta = AttentionMetadata(slot_mapping=st["slots"][:batch], block_tables=st["block_tables"][:batch, :nblk],
+                                 context_lens=st["context_lens"][:batch])
+        saved = {k: v[:batch].clone() for k, v in st.items()}
+        self._reset_static(batch)  # warmup and capture write only to the scratch block
+        side = torch.cuda.Stream(device=self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                self.model(st["input_ids"][:batch], st["positions"][:batch], meta)
+        torch.cuda.current_stream(self.device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._graph_pool):
+            out = self.model(st["input_ids"][:batch], st["positions"][:batch], meta)
+        if self._graph_pool is None:
+            self._graph_pool = graph.pool()
+        for k, v in saved.items():
+            st[k][:batch] = v
+        self._graphs[(batch, nblk)] = (graph, out)
+        return graph, out
+
+    def capture_graphs(self, batch_sizes: list[int] | None = None, max_context: int = 1024) -> int:
+        """Capture decode graphs ahead of time (otherwise each (batch bucket, block bucket) is captured on first use).
+        Returns the number of graphs held."""
+        if not self.use_cuda_graphs:
+            return 0
+        self._static_buffers()
+        need = -(-max_context // self.block_size)
+        nblk_buckets = []
+        n = 1
+        while True:
+            nblk_buckets.append(min(n, self.max_blocks_per_seq))
+            if n >= need or n >= self.max_blocks_per_seq:
+                break
+            n *= 2
+        with torch.inference_mode():
+            for b in sorted(batch_sizes or self.graph_batch_sizes, reverse=True):
+                batch = next(x for x in self.graph_batch_sizes if x >= b)
+                for nb in nblk_buckets:
+                    if (batch, nb) not in self._graphs:
+                        self._capture(batch, nb)
+        return len(self._graphs)

@@ -1,0 +1,74 @@
+"""Greedy, temperature and top-p sampling with counter-based randomness.
+
+A request's random draw at output step t is a pure function of (seed, t): a splitmix64 hash turned into a uniform
+double, then an inverse-CDF pick over the float64 top-p distribution. So a request samples the same tokens whatever
+batch it lands in, on whichever process or model, which the routing runtimes need to equal the sequential reference.
+"""
+from __future__ import annotations
+
+import secrets
+from dataclasses import dataclass
+
+import torch
+
+MASK64 = (1 << 64) - 1
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 0.0
+    top_p: float = 1.0
+    max_tokens: int = 16
+    seed: int | None = None   # None: drawn once per request by the engine (not reproducible across runs)
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        if self.temperature < 0:
+            raise ValueError("temperature must be >= 0")
+        if not 0 < self.top_p <= 1:
+            raise ValueError("top_p must be in (0, 1]")
+        if self.max_tokens < 1:
+            raise ValueError("max_tokens must be >= 1")
+        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+
+
+def splitmix64(x: int) -> int:
+    x = (x + 0x9E3779B97F4A7C15) & MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & MASK64
+    return x ^ (x >> 31)
+
+
+def uniform(seed: int, step: int) -> float:
+    """Uniform in [0, 1) from (seed, step): 53 random bits."""
+    return (splitmix64(splitmix64(seed & MASK64) ^ (step & MASK64)) >> 11) * (1.0 / (1 << 53))
+
+
+def sample_one(logits: torch.Tensor, params: SamplingParams, step: int) -> int:
+    if params.temperature == 0.0:
+        return int(torch.argmax(logits))
+    probs = torch.softmax(logits.double() / params.temperature, dim=-1)
+    if params.top_p < 1.0:
+        sorted_probs, order = torch.sort(probs, descending=True, stable=True)
+        cum = torch.cumsum(sorted_probs, dim=-1)
+        # keep the smallest prefix whose mass reaches top_p (the first token always stays)
+        keep = int(torch.searchsorted(cum, torch.tensor([params.top_p], dtype=cum.dtype)).item()) + 1
+        sorted_probs, order = sorted_probs[:keep], order[:keep]
+    else:
+        sorted_probs, order = probs, None
+    cum = torch.cumsum(sorted_probs, dim=-1)
+    seed = params.seed if params.seed is not None else secrets.randbits(63)
+    u = uniform(seed, step) * float(cum[-1])
+    idx = min(int(torch.searchsorted(cum, torch.tensor([u], dtype=cum.dtype), right=True).item()),
+              cum.numel() - 1)
+    return int(order[idx]) if order is not None else idx
+
+
+def sample(logits: torch.Tensor, params: list[SamplingParams], steps: list[int]) -> list[int]:
+    """One token per row. logits [B, V]; steps[i] = index of the output token being drawn for row i."""
+    if logits.dim() != 2 or logits.shape[0] != len(params) or len(params) != len(steps):
+        raise ValueError("logits must be [B, V] with one SamplingParams and one step per row")
+    if all(p.temperature == 0.0 for p in params):
+        return torch.argmax(logits, dim=-1).tolist()
+    return [sample_one(logits[i], p, s) for i, (p, s) in enumerate(zip(params, steps))]
