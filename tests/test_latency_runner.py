@@ -8,8 +8,10 @@ from tokenplane.engine.latency_runner import LatencyFit, LatencyModelRunner, fit
 from tokenplane.engine.sequence import Sequence
 
 
-def _seq(sid, n, computed=None):
+def _seq(sid, n, computed=None, runner=None):
     s = Sequence(sid, [(7 * i + 3) % 500 for i in range(n)])
+    if runner is not None:
+        assert runner.prepare(s)
     s.num_computed_tokens = n - 1 if computed is None else computed
     return s
 
@@ -53,17 +55,21 @@ def test_fit_from_engine_decode_json(tmp_path):
 
 def test_run_consumes_tokens_and_is_deterministic_across_batching():
     r = LatencyModelRunner(LatencyFit(1e-4), vocab_size=300, hidden_size=16, seed=0)
-    a, b, c = _seq("a", 10), _seq("b", 25, computed=5), _seq("c", 3, computed=0)
+    a, b, c = _seq("a", 10, runner=r), _seq("b", 25, computed=5, runner=r), _seq("c", 3, computed=0, runner=r)
     out = r.run([a, b, c])
     assert out.logits.shape == (3, 300) and out.hidden.shape == (3, 16)
     assert all(s.num_computed_tokens == s.num_tokens for s in (a, b, c))
     # same tokens under another request id, alone, in another runner object: same outputs
     r2 = LatencyModelRunner(LatencyFit(1e-4), vocab_size=300, hidden_size=16, seed=0)
-    b2 = _seq("other-id", 25)
+    b2 = _seq("other-id", 25, runner=r2)
     out2 = r2.run([b2])
     assert torch.equal(out2.logits[0], out.logits[1]) and torch.equal(out2.hidden[0], out.hidden[1])
-    with pytest.raises(ValueError, match="nothing to compute"):
-        r.run([a])
+    again = r.run([a])  # fully computed: recomputes the last position, as ModelRunner does
+    assert torch.equal(again.logits[0], out.logits[0])
+    with pytest.raises(ValueError, match="at least one"):
+        r.run([])
+    with pytest.raises(ValueError, match="block table"):
+        r.run([_seq("no-blocks", 5)])
 
 
 def test_models_agree_at_tunable_rate():
@@ -84,7 +90,7 @@ def test_step_takes_the_modeled_latency(clock):
     r = LatencyModelRunner(fit, vocab_size=64, clock=clock)
     times = []
     for i in range(15):
-        seqs = [_seq(f"s{i}a", 8), _seq(f"s{i}b", 9)]
+        seqs = [_seq(f"s{i}a", 8, runner=r), _seq(f"s{i}b", 9, runner=r)]
         t = time.perf_counter()
         r.run(seqs)
         times.append(time.perf_counter() - t)
@@ -107,7 +113,7 @@ def test_latency_counts_context_and_catch_up_tokens():
 def test_block_manager_integration():
     r = LatencyModelRunner(LatencyFit(0.0), num_blocks=8, block_size=4)
     s = Sequence("x", list(range(10)))
-    r.block_manager.allocate(s)
+    assert r.prepare(s)
     r.run([s])
     assert s.num_computed_tokens == 10
     s2 = Sequence("y", list(range(10)))

@@ -3,7 +3,7 @@
 Scheduling questions (delayed batching thresholds, async vs sync modes, pending return) depend on step latency as a
 function of batch and context, not on the numbers a model computes. `LatencyModelRunner` keeps ModelRunner's
 `run(seqs) -> RunnerOutput` contract (it consumes every uncomputed token, sets num_computed_tokens = num_tokens,
-owns a BlockManager when the engine provides one) but spends `LatencyFit(batch, context, new tokens)` seconds of wall
+owns a BlockManager and checks block tables exactly like ModelRunner) but spends `LatencyFit(batch, context, new tokens)` seconds of wall
 time instead of computing, so experiments at the paper's GPU scale (a 6 ms small step, a 28 ms large one) run on
 this 2-core CPU with real processes, queues and sockets: a sleeping process leaves the cores to the runtime.
 
@@ -32,6 +32,8 @@ from pathlib import Path
 
 import numpy as np
 import torch
+
+from .model_runner import RunnerOutput
 
 __all__ = ["LatencyFit", "LatencyModelRunner", "PRESETS", "preset", "fit_from_engine_decode"]
 
@@ -172,18 +174,6 @@ def fit_from_engine_decode(path: str | Path, terms: str = "abc") -> dict[str, La
     return fits
 
 
-def _runner_output_cls():
-    try:
-        from .model_runner import RunnerOutput  # the engine's type, when present
-        return RunnerOutput
-    except ImportError:
-        @dataclass
-        class RunnerOutput:  # same fields as the engine's, for use before/without it
-            logits: torch.Tensor
-            hidden: torch.Tensor
-        return RunnerOutput
-
-
 @dataclass
 class RunnerStats:
     steps: int = 0
@@ -199,7 +189,7 @@ class LatencyModelRunner:
 
     def __init__(self, latency: LatencyFit | Callable[[int, float], float], *, vocab_size: int = 512,
                  hidden_size: int = 64, seed: int = 0, shared_seed: int = 1234, noise: float = 0.1,
-                 table_rows: int = 97, num_blocks: int | None = None, block_size: int = 16,
+                 table_rows: int = 97, num_blocks: int = 4096, block_size: int = 16,
                  clock: str = "hybrid", spin_s: float = 2.5e-4, time_scale: float = 1.0,
                  dtype: torch.dtype = torch.float32) -> None:
         if clock not in ("hybrid", "sleep", "spin"):
@@ -224,11 +214,25 @@ class LatencyModelRunner:
         hshared = torch.randn(self._rows, self.hidden_size, generator=base, dtype=torch.float64)
         hmine = torch.randn(self._rows, self.hidden_size, generator=own, dtype=torch.float64)
         self.hidden_table = (hshared + noise * hmine).to(dtype)
-        self.block_manager = None
-        if num_blocks is not None:
-            from .block_manager import BlockManager  # the engine's; the runtime allocates through it as usual
-            self.block_manager = BlockManager(num_blocks, block_size)
-        self._output_cls = _runner_output_cls()
+        from .block_manager import BlockManager  # the engine's: allocation, prefix hits and frees cost as usual
+        self.block_size = int(block_size)
+        self.block_manager = BlockManager(int(num_blocks), self.block_size)
+
+    def prepare(self, seq) -> bool:
+        """ModelRunner.prepare: allocate (prefix-cache lookup) or grow blocks to cover num_tokens."""
+        bm = self.block_manager
+        if not seq.block_table:
+            if not bm.can_allocate(seq):
+                return False
+            bm.allocate(seq)
+        else:
+            if not bm.can_append(seq):
+                return False
+            bm.append_slots(seq)
+        return True
+
+    def free(self, seq) -> None:
+        self.block_manager.free(seq)
 
     def row_for(self, token_ids: Sequence[int], position: int) -> int:
         """Table row for the output at `position` (index of the last token): a hash of position + last 4 tokens."""
@@ -248,20 +252,22 @@ class LatencyModelRunner:
     def run(self, seqs: Sequence):
         start = time.perf_counter()
         if not seqs:
-            return self._output_cls(torch.empty(0, self.vocab_size, dtype=self.dtype),
-                                    torch.empty(0, self.hidden_size, dtype=self.dtype))
+            raise ValueError("run() needs at least one sequence")
         for s in seqs:
-            if s.num_tokens < 1 or s.num_computed_tokens >= s.num_tokens:
-                raise ValueError(f"sequence {s.seq_id!r} has nothing to compute "
-                                 f"({s.num_computed_tokens} of {s.num_tokens} tokens computed)")
+            if s.num_tokens < 1:
+                raise ValueError(f"{s.seq_id}: empty sequence")
+            if len(s.block_table) * self.block_size < s.num_tokens:
+                raise ValueError(f"{s.seq_id}: block table covers {len(s.block_table) * self.block_size} < "
+                                 f"{s.num_tokens} tokens; call block_manager.allocate/append_slots (or prepare) first")
+            # As ModelRunner: a fully computed sequence recomputes its last token.
+            s.num_computed_tokens = min(s.num_computed_tokens, s.num_tokens - 1)
         target = self.step_latency(seqs)
         new_tokens = sum(s.num_tokens - s.num_computed_tokens for s in seqs)
         rows = torch.tensor([self.row_for(s.token_ids, s.num_tokens - 1) for s in seqs], dtype=torch.long)
-        out = self._output_cls(self.logit_table.index_select(0, rows), self.hidden_table.index_select(0, rows))
+        out = RunnerOutput(self.logit_table.index_select(0, rows), self.hidden_table.index_select(0, rows))
         for s in seqs:
             s.num_computed_tokens = s.num_tokens
-            if self.block_manager is not None and s.block_table:
-                self.block_manager.cache_blocks(s)  # as the real runner: computed full blocks become hits
+            self.block_manager.cache_blocks(s)  # as the real runner: computed full blocks become hits
         deadline = start + target
         prepared = time.perf_counter()
         if prepared > deadline:  # our own bookkeeping outlasted the modeled step: the latency is not honoured
