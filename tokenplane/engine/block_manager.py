@@ -132,9 +132,32 @@ class BlockManager:
         block.ref_count = 1
         return block_id
 
+    def truncate(self, seq: Sequence, num_tokens: int) -> None:
+        """Roll a sequence back to its first num_tokens tokens (a token dropped for regeneration). Blocks past the
+        cut are released; a kept partial block that is shared or cached is released too and recomputed, so no run
+        ever writes into KV another sequence may hit."""
+        if not 0 <= num_tokens <= seq.num_tokens:
+            raise ValueError(f"{seq.seq_id}: cannot truncate {seq.num_tokens} tokens to {num_tokens}")
+        del seq.token_ids[num_tokens:]
+        seq.num_prompt_tokens = min(seq.num_prompt_tokens, num_tokens)
+        keep = self.blocks_needed(num_tokens)
+        if num_tokens % self.block_size and keep <= len(seq.block_table):
+            last = self.blocks[seq.block_table[keep - 1]]
+            if last.ref_count > 1 or last.hash is not None:
+                keep -= 1
+        self._release(seq.block_table[keep:])
+        del seq.block_table[keep:]
+        seq.num_computed_tokens = min(seq.num_computed_tokens, num_tokens, keep * self.block_size)
+        seq.num_cached_tokens = min(seq.num_cached_tokens, seq.num_computed_tokens)
+
     def free(self, seq: Sequence) -> None:
         """Release the sequence's blocks (last block first, so a prefix outlives its tails in the LRU)."""
-        for block_id in reversed(seq.block_table):
+        self._release(seq.block_table)
+        seq.block_table = []
+        seq.num_computed_tokens = seq.num_cached_tokens = 0
+
+    def _release(self, block_ids: list[int]) -> None:
+        for block_id in reversed(block_ids):
             block = self.blocks[block_id]
             block.ref_count -= 1
             if block.ref_count == 0:
@@ -143,5 +166,3 @@ class BlockManager:
                     self.free_blocks.move_to_end(block_id, last=False)
                 else:
                     self.free_blocks[block_id] = None
-        seq.block_table = []
-        seq.num_computed_tokens = seq.num_cached_tokens = 0
