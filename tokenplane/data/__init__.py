@@ -1,0 +1,1 @@
+"""Data shipped with the package: the bundled demo session (see NOTICE.md)."""

@@ -1,0 +1,320 @@
+"""`tokenplane verify`: a long differential campaign against the reference engine.
+
+Sources, interleaved per family until the check or time budget is spent:
+  adversarial  generated sessions (adversarial.session_case): appends that continue digit/whitespace/letter runs,
+               combining marks, edits near the tail and in the middle, syncs that rewrite a suffix
+  traces       real mini-swe-agent trajectories: every LLM call's prompt through Session.sync
+  corpus       real text from build_corpus.py (--corpus DIR) as session bases and appends, and as full-encode inputs
+  fullencode   the CPU path (`encode(path="cpu")`) vs the reference on adversarial and corpus text (through
+               tokenplane.tokenize.campaign_fullencode.run_campaign when that module exists)
+Every session operation is one check: the session's IDs must equal a fresh full reference encode of the same text.
+A divergence is shrunk to a minimal reproduction, printed, and written to the JSON summary; the exit status is 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+from . import adversarial
+from .tokenizer import PathUnavailableError, Tokenizer
+
+FAMILIES = ("cl100k_base", "o200k_base", "llama3", "qwen3", "deepseek_v4")
+COUNTERS = ("checks", "session_checks", "fullencode_checks", "divergences", "fallbacks", "widenings", "ops",
+            "sessions", "trace_calls", "chars_checked")
+
+
+def main_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--family", default="all", help="all, or one of " + ", ".join(FAMILIES))
+    parser.add_argument("--checks", type=float, default=None, help="stop after this many million checks")
+    parser.add_argument("--seconds", type=float, default=60.0, help="time budget across all families")
+    parser.add_argument("--corpus", default=None, help="corpus directory from build_corpus.py (mixed.jsonl, "
+                                                       "nonen.jsonl)")
+    parser.add_argument("--traces", default=None, help="mini-swe-agent trajectory directory (default: shared data "
+                                                       "dir if present)")
+    parser.add_argument("--no-traces", action="store_true")
+    parser.add_argument("--sources", default="adversarial,traces,corpus,fullencode")
+    parser.add_argument("--seed", type=int, default=None, help="default: time-based (printed)")
+    parser.add_argument("--json", default="verify_summary.json", help="summary output path")
+    parser.add_argument("--max-context", type=int, default=300_000,
+                        help="trace prompts longer than this are replayed only up to it (keeps reference checks "
+                             "affordable)")
+
+
+# -- corpus ------------------------------------------------------------------------------------------------------
+def load_corpus(directory: str | None, max_docs: int = 4000) -> list[str]:
+    if not directory:
+        return []
+    docs = []
+    for name in ("mixed.jsonl", "nonen.jsonl"):
+        path = Path(directory) / name
+        if path.exists():
+            with open(path, encoding="utf-8") as f:
+                for line in f:
+                    docs.append(json.loads(line)["text"])
+    if not docs:
+        raise SystemExit(f"no mixed.jsonl / nonen.jsonl in {directory} (build one with build_corpus.py DIR)")
+    random.Random(0).shuffle(docs)
+    return docs[:max_docs]
+
+
+# -- session checks ----------------------------------------------------------------------------------------------
+def stats_dict(session) -> dict:
+    stats = session.stats
+    stats = stats() if callable(stats) else stats
+    if hasattr(stats, "__dataclass_fields__"):
+        stats = {k: getattr(stats, k) for k in stats.__dataclass_fields__}
+    return dict(stats)
+
+
+def apply_op(session, op) -> None:
+    kind = op[0]
+    if kind == "append":
+        session.append(op[1])
+    elif kind == "edit":
+        session.edit(op[1], op[2], op[3])
+    elif kind == "sync":
+        session.sync(op[1])
+    else:
+        raise ValueError(kind)
+
+
+def run_case(tok: Tokenizer, base: str, ops: list, counters: dict | None = None) -> tuple[int, str, list] | None:
+    """Replay one case on a fresh session, checking after the base and every op. Returns None if all steps match,
+    else (step index, expected text, concrete ops up to the failure)."""
+    session = tok.session()
+    steps = [(("sync", base), base)] + adversarial.materialize(base, ops)
+    done = []
+    for k, (op, text) in enumerate(steps):
+        apply_op(session, op)
+        done.append(op)
+        ids = np.asarray(session.ids)
+        ref = tok.encode(text, path="reference")
+        if counters is not None:
+            counters["checks"] += 1
+            counters["session_checks"] += 1
+            counters["ops"] += 1
+            counters["chars_checked"] += len(text)
+        if len(ids) != len(ref) or not np.array_equal(ids.astype(np.int64), ref.astype(np.int64)):
+            return k, text, done
+    if counters is not None:
+        counters["sessions"] += 1
+        s = stats_dict(session)
+        counters["fallbacks"] += int(s.get("fallbacks", 0) or 0)
+        counters["widenings"] += int(s.get("widenings", 0) or 0)
+    return None
+
+
+def reproduction(tok: Tokenizer, base: str, ops: list) -> str:
+    lines = ["import numpy as np, tokenplane", f"tok = tokenplane.load({tok.name!r})", "s = tok.session()",
+             f"s.sync({base!r})"]
+    text = base
+    for op, text in adversarial.materialize(base, ops):
+        if op[0] == "append":
+            lines.append(f"s.append({op[1]!r})")
+        elif op[0] == "edit":
+            lines.append(f"s.edit({op[1]}, {op[2]}, {op[3]!r})")
+        else:
+            lines.append(f"s.sync({op[1]!r})")
+    lines.append(f"ref = tok.encode({text!r}, path='reference')")
+    lines.append("print(np.asarray(s.ids).tolist() == ref.tolist())  # expected True")
+    return "\n".join(lines)
+
+
+def shrink_failure(tok: Tokenizer, base: str, ops: list) -> tuple[str, list]:
+    def fails(b, o):
+        return run_case(tok, b, o) is not None
+
+    return adversarial.shrink(base, list(ops), fails)
+
+
+# -- sources -----------------------------------------------------------------------------------------------------
+def adversarial_round(tok, rng, corpus, counters) -> dict | None:
+    base, ops = adversarial.session_case(rng, corpus)
+    bad = run_case(tok, base, ops, counters)
+    if bad is None:
+        return None
+    counters["divergences"] += 1
+    small_base, small_ops = shrink_failure(tok, base, ops)
+    return {"source": "adversarial", "family": tok.name, "reproduction": reproduction(tok, small_base, small_ops),
+            "original_chars": len(base), "shrunk_base": small_base, "shrunk_ops": small_ops}
+
+
+def trace_round(tok, trajectory, counters, max_context: int) -> dict | None:
+    from .traces import render_prompts
+
+    prompts = [p for p in render_prompts(trajectory["messages"]) if len(p) <= max_context]
+    session = tok.session()
+    for k, prompt in enumerate(prompts):
+        session.sync(prompt)
+        ids = np.asarray(session.ids)
+        ref = tok.encode(prompt, path="reference")
+        counters["checks"] += 1
+        counters["session_checks"] += 1
+        counters["trace_calls"] += 1
+        counters["chars_checked"] += len(prompt)
+        if not np.array_equal(ids.astype(np.int64), ref.astype(np.int64)):
+            counters["divergences"] += 1
+            prev = prompts[k - 1] if k else ""
+            base, ops = prev, [("sync", prompt)]
+            small_base, small_ops = shrink_failure(tok, base, ops)
+            return {"source": "traces", "family": tok.name, "instance": trajectory.get("instance_id"), "call": k,
+                    "reproduction": reproduction(tok, small_base, small_ops)}
+    counters["sessions"] += 1
+    s = stats_dict(session)
+    counters["fallbacks"] += int(s.get("fallbacks", 0) or 0)
+    counters["widenings"] += int(s.get("widenings", 0) or 0)
+    return None
+
+
+def fullencode_round(tok, rng, corpus, counters, seconds: float) -> dict | None:
+    try:
+        from . import campaign_fullencode
+    except ModuleNotFoundError:
+        campaign_fullencode = None
+    if campaign_fullencode is not None and hasattr(campaign_fullencode, "run_campaign"):
+        res = campaign_fullencode.run_campaign(tok, seconds=seconds, seed=rng.randrange(1 << 30), corpus=corpus)
+        res = res if isinstance(res, dict) else vars(res)
+        n = int(res.get("checks", 0))
+        counters["checks"] += n
+        counters["fullencode_checks"] += n
+        counters["chars_checked"] += int(res.get("chars", 0) or 0)
+        div = int(res.get("divergences", res.get("mismatches", 0)) or 0)
+        if div:
+            counters["divergences"] += div
+            return {"source": "fullencode", "family": tok.name, "detail": res.get("reproduction", res)}
+        return None
+    deadline = time.monotonic() + seconds
+    stream = adversarial.text_stream(rng, corpus)
+    while time.monotonic() < deadline:
+        text = next(stream)
+        try:
+            ids = tok.encode(text, path="cpu")
+        except PathUnavailableError:
+            return None
+        ref = tok.encode(text, path="reference")
+        counters["checks"] += 1
+        counters["fullencode_checks"] += 1
+        counters["chars_checked"] += len(text)
+        if not np.array_equal(np.asarray(ids, dtype=np.int64), ref.astype(np.int64)):
+            counters["divergences"] += 1
+
+            def fails(b, _o):
+                return not np.array_equal(np.asarray(tok.encode(b, path="cpu"), dtype=np.int64),
+                                          tok.encode(b, path="reference").astype(np.int64))
+            small, _ = adversarial.shrink(text, [], fails)
+            return {"source": "fullencode", "family": tok.name,
+                    "reproduction": (f"import tokenplane\ntok = tokenplane.load({tok.name!r})\ntext = {small!r}\n"
+                                     "print(tok.encode(text, path='cpu').tolist() == "
+                                     "tok.encode(text, path='reference').tolist())  # expected True")}
+    return None
+
+
+def _cpu_available(tok) -> bool:
+    try:
+        tok.encode("probe", path="cpu")
+        return True
+    except PathUnavailableError:
+        return False
+
+
+def campaign_family(tok: Tokenizer, seconds: float, max_checks: float, rng: random.Random, corpus: list[str],
+                    trajectories: list, sources: set[str], max_context: int, log=print) -> tuple[dict, list]:
+    counters = {k: 0 for k in COUNTERS}
+    failures: list = []
+    deadline = time.monotonic() + seconds
+    t_last = time.monotonic()
+    use_corpus = corpus if "corpus" in sources else []
+    rotation = [s for s in ("adversarial", "traces", "fullencode") if s in sources]
+    if "traces" in rotation and not trajectories:
+        rotation.remove("traces")
+    if "fullencode" in rotation and not _cpu_available(tok):
+        rotation.remove("fullencode")
+        counters["fullencode_unavailable"] = 1
+    if "adversarial" not in rotation and "corpus" in sources:
+        rotation.insert(0, "adversarial")   # corpus text enters through session cases
+    trace_i = rng.randrange(max(1, len(trajectories)))
+    k = 0
+    while time.monotonic() < deadline and counters["checks"] < max_checks and not failures:
+        source = rotation[k % len(rotation)] if rotation else "adversarial"
+        k += 1
+        if source == "adversarial":
+            # a batch of cases between source switches keeps the mix time-balanced
+            t_end = min(deadline, time.monotonic() + 2.0)
+            while time.monotonic() < t_end and not failures and counters["checks"] < max_checks:
+                fail = adversarial_round(tok, rng, use_corpus, counters)
+                if fail:
+                    failures.append(fail)
+        elif source == "traces":
+            fail = trace_round(tok, trajectories[trace_i % len(trajectories)], counters, max_context)
+            trace_i += 1
+            if fail:
+                failures.append(fail)
+        elif source == "fullencode":
+            fail = fullencode_round(tok, rng, use_corpus, counters, min(2.0, max(0.1, deadline - time.monotonic())))
+            if fail:
+                failures.append(fail)
+        if time.monotonic() - t_last > 10:
+            t_last = time.monotonic()
+            log(f"  {tok.name}: {counters['checks']:,} checks, {counters['divergences']} divergences, "
+                f"{counters['fallbacks']} fallbacks, {counters['widenings']} widenings")
+    return counters, failures
+
+
+def main(args: argparse.Namespace) -> int:
+    from .tokenizer import load
+
+    names = list(FAMILIES) if args.family == "all" else [args.family]
+    seed = args.seed if args.seed is not None else int(time.time()) % 1_000_000
+    sources = set(args.sources.split(","))
+    corpus = load_corpus(args.corpus) if "corpus" in sources else []
+    trajectories = []
+    if "traces" in sources and not args.no_traces:
+        from .traces import DEFAULT_TRACES_DIR, load_trajectories
+
+        directory = Path(args.traces or DEFAULT_TRACES_DIR)
+        if directory.exists():
+            trajectories = load_trajectories(directory)
+        elif args.traces:
+            raise SystemExit(f"no trajectory directory {directory}")
+    max_checks = args.checks * 1e6 if args.checks else float("inf")
+    print(f"tokenplane verify: families {names}, seed {seed}, budget {args.seconds:.0f} s"
+          + (f" / {max_checks:,.0f} checks" if args.checks else "")
+          + f", corpus docs {len(corpus)}, trajectories {len(trajectories)}", flush=True)
+    t0 = time.monotonic()
+    summary = {"seed": seed, "families": {}, "command": " ".join(sys.argv), "sources": sorted(sources),
+               "corpus": args.corpus, "trajectories": len(trajectories)}
+    all_failures = []
+    for i, name in enumerate(names):
+        tok = load(name)
+        remaining = args.seconds - (time.monotonic() - t0)
+        share = remaining / (len(names) - i)
+        counters, failures = campaign_family(tok, share, max_checks / len(names), random.Random(seed + i), corpus,
+                                             trajectories, sources, args.max_context,
+                                             log=lambda m: print(m, flush=True))
+        counters["seconds"] = round(share, 1)
+        summary["families"][name] = counters
+        all_failures += failures
+        print(f"{name}: {counters['checks']:,} checks ({counters['session_checks']:,} session, "
+              f"{counters['fullencode_checks']:,} full-encode), {counters['divergences']} divergences, "
+              f"{counters['fallbacks']} fallbacks, {counters['widenings']} widenings, "
+              f"{counters['chars_checked'] / 1e6:.1f} M chars", flush=True)
+        if failures:
+            break
+    totals = {k: sum(f.get(k, 0) for f in summary["families"].values()) for k in COUNTERS}
+    summary["totals"] = totals
+    summary["wall_s"] = round(time.monotonic() - t0, 1)
+    summary["failures"] = all_failures
+    Path(args.json).write_text(json.dumps(summary, indent=1, default=str))
+    print(f"total: {totals['checks']:,} checks, {totals['divergences']} divergences, {totals['fallbacks']} "
+          f"fallbacks, {totals['widenings']} widenings in {summary['wall_s']} s; summary -> {args.json}")
+    for f in all_failures:
+        print(f"\nDIVERGENCE ({f['family']}, {f['source']}); minimal reproduction:\n{f.get('reproduction', f)}",
+              file=sys.stderr)
+    return 1 if all_failures else 0
