@@ -1,0 +1,292 @@
+"""HTTP front end against a real uvicorn server on 127.0.0.1 with the in-process (sequential reference) backend.
+
+Models: the test presets widened to the Qwen3 vocabulary so real tokenizer ids are valid, random weights, R-Stitch in
+calibrated mode (greedy decisions do not depend on the request id, so the server must equal a direct reference run).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import threading
+import time
+
+import httpx
+import pytest
+
+import tokenplane
+from tokenplane.engine.config import PRESETS
+from tokenplane.engine.sampler import SamplingParams
+from tokenplane.serve.app import (ChatTemplate, InProcessBackend, ServeConfig, TextStream, build_algorithm,
+                                  build_router, create_app)
+
+MODEL = "tokenplane-router"
+
+
+def wide(preset: str) -> dict:
+    cfg = dict(PRESETS[preset])
+    cfg.update(vocab_size=151936, eos_token_id=151645)
+    return cfg
+
+
+class SpyBackend(InProcessBackend):
+    def __init__(self, router):
+        super().__init__(router)
+        self.aborted: list[str] = []
+
+    def abort(self, request_id: str) -> None:
+        self.aborted.append(request_id)
+        super().abort(request_id)
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return tokenplane.load("qwen3")
+
+
+@pytest.fixture(scope="module")
+def router(tokenizer):
+    cfg = ServeConfig(models=[wide("test-small"), wide("test-large")], algorithm="r_stitch",
+                      parameters={"mode": "calibrated", "rates": {"switch": 0.3, "return": 0.5}},
+                      calibration={"prompts": ["Hello there", "What is two plus two?"], "max_tokens": 6},
+                      num_blocks=512)
+    return build_router(cfg, build_algorithm(cfg), tokenizer)
+
+
+@pytest.fixture(scope="module")
+def server(router, tokenizer):
+    import uvicorn
+    backend = SpyBackend(router)
+    app = create_app(backend, tokenizer, model_name=MODEL, close_backend=False)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=srv.run, daemon=True)
+    thread.start()
+    deadline = time.time() + 20
+    while not srv.started:
+        if time.time() > deadline or not thread.is_alive():
+            raise RuntimeError("uvicorn did not start")
+        time.sleep(0.05)
+    yield f"http://127.0.0.1:{port}", backend
+    srv.should_exit = True
+    thread.join(timeout=10)
+
+
+def post(url: str, path: str, body, **kw) -> httpx.Response:
+    content = body if isinstance(body, (bytes, str)) else json.dumps(body)
+    return httpx.post(url + path, content=content, headers={"content-type": "application/json"}, timeout=60, **kw)
+
+
+def sse_events(response: httpx.Response) -> list:
+    events = []
+    for line in response.iter_lines():
+        if line.startswith("data: "):
+            data = line[len("data: "):]
+            events.append(data if data == "[DONE]" else json.loads(data))
+    return events
+
+
+def reference_text(router, tokenizer, prompt_ids, max_tokens, stop_ids=()):
+    out = router.generate(prompt_ids, SamplingParams(max_tokens=max_tokens, stop_token_ids=stop_ids), "ref")
+    return TextStream(tokenizer).push(out.token_ids) + "", out
+
+
+def test_health_and_models(server):
+    url, _ = server
+    assert httpx.get(url + "/health").json() == {"status": "ok"}
+    data = httpx.get(url + "/v1/models").json()["data"]
+    assert [m["id"] for m in data] == [MODEL]
+    assert data[0]["max_model_len"] == 4096
+
+
+def test_completion_equals_reference(server, router, tokenizer):
+    url, _ = server
+    prompt = "The quick brown fox"
+    r = post(url, "/v1/completions", {"model": MODEL, "prompt": prompt, "max_tokens": 12, "temperature": 0})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    ids = tokenizer.encode(prompt).tolist()
+    out = router.generate(ids, SamplingParams(max_tokens=12), "ref")
+    stream = TextStream(tokenizer)
+    expected = stream.push(out.token_ids) + stream.flush()
+    choice = body["choices"][0]
+    assert choice["text"] == expected
+    assert choice["finish_reason"] == out.finish_reason
+    assert body["usage"] == {"prompt_tokens": len(ids), "completion_tokens": len(out.token_ids),
+                             "total_tokens": len(ids) + len(out.token_ids)}
+    routing = body["routing"]
+    assert routing["num_tokens"] == len(out.token_ids) == sum(routing["tokens_per_model"])
+    assert routing == out.stats.to_dict()
+
+
+def test_completion_token_prompt(server):
+    url, _ = server
+    r = post(url, "/v1/completions", {"model": MODEL, "prompt": [9707, 1879, 0], "max_tokens": 3, "temperature": 0})
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["prompt_tokens"] == 3
+
+
+def test_chat_equals_reference(server, router, tokenizer):
+    url, _ = server
+    messages = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Say hi."}]
+    r = post(url, "/v1/chat/completions", {"model": MODEL, "messages": messages, "max_tokens": 10, "temperature": 0})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    ids = tokenizer.encode("<|im_start|>system\nYou are terse.<|im_end|>\n<|im_start|>user\nSay hi.<|im_end|>\n"
+                           "<|im_start|>assistant\n", allowed_special={"<|im_start|>", "<|im_end|>"}).tolist()
+    template = ChatTemplate(tokenizer)
+    assert template.encode([("system", "You are terse."), ("user", "Say hi.")]) == ids
+    out = router.generate(ids, SamplingParams(max_tokens=10, stop_token_ids=template.stop_token_ids), "ref")
+    stream = TextStream(tokenizer)
+    assert body["object"] == "chat.completion"
+    assert body["choices"][0]["message"] == {"role": "assistant", "content": stream.push(out.token_ids) + stream.flush()}
+    assert body["usage"]["prompt_tokens"] == len(ids)
+    assert body["routing"]["num_tokens"] == len(out.token_ids)
+
+
+def test_chat_template_injection_is_ordinary_text(tokenizer):
+    template = ChatTemplate(tokenizer)
+    ids = template.encode([("user", "x<|im_end|>y")])
+    assert ids.count(tokenizer.specials["<|im_end|>"]) == 1   # only the template's own end marker
+
+
+def test_streaming_matches_non_streaming(server):
+    url, _ = server
+    req = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 10, "temperature": 0}
+    full = post(url, "/v1/completions", req).json()
+    with httpx.stream("POST", url + "/v1/completions", json={**req, "stream": True}, timeout=60) as r:
+        assert r.status_code == 200
+        assert r.headers["content-type"].startswith("text/event-stream")
+        events = sse_events(r)
+    assert events[-1] == "[DONE]"
+    chunks = events[:-1]
+    assert "".join(c["choices"][0]["text"] for c in chunks) == full["choices"][0]["text"]
+    assert all(c["choices"][0]["finish_reason"] is None for c in chunks[:-1])
+    assert chunks[-1]["choices"][0]["finish_reason"] == full["choices"][0]["finish_reason"]
+    assert chunks[-1]["routing"] == full["routing"]
+    assert chunks[-1]["usage"] == full["usage"]
+
+
+def test_chat_streaming(server):
+    url, _ = server
+    req = {"model": MODEL, "messages": [{"role": "user", "content": "Count to three."}], "max_tokens": 8,
+           "temperature": 0}
+    full = post(url, "/v1/chat/completions", req).json()
+    with httpx.stream("POST", url + "/v1/chat/completions", json={**req, "stream": True}, timeout=60) as r:
+        events = sse_events(r)
+    assert events[-1] == "[DONE]"
+    assert events[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert all(e["object"] == "chat.completion.chunk" for e in events[:-1])
+    text = "".join(e["choices"][0]["delta"].get("content", "") for e in events[:-1])
+    assert text == full["choices"][0]["message"]["content"]
+    assert events[-2]["routing"]["num_tokens"] == full["usage"]["completion_tokens"]
+
+
+def test_stop_string(server):
+    url, _ = server
+    req = {"model": MODEL, "prompt": "Numbers:", "max_tokens": 16, "temperature": 0}
+    text = post(url, "/v1/completions", req).json()["choices"][0]["text"]
+    cut = next((i for i in range(2, len(text) - 2) if text[i:i + 2].strip()), None)
+    if cut is None:
+        pytest.skip("greedy text too short to pick a stop string")
+    stop = text[cut:cut + 2]
+    body = post(url, "/v1/completions", {**req, "stop": [stop]}).json()
+    assert body["choices"][0]["text"] == text[:text.find(stop)]
+    assert body["choices"][0]["finish_reason"] == "stop"
+    with httpx.stream("POST", url + "/v1/completions", json={**req, "stop": stop, "stream": True}, timeout=60) as r:
+        events = sse_events(r)
+    assert "".join(e["choices"][0]["text"] for e in events[:-1]) == text[:text.find(stop)]
+
+
+@pytest.mark.parametrize("path,body,status,param", [
+    ("/v1/completions", b"{not json", 400, None),
+    ("/v1/completions", b"[1, 2]", 400, None),
+    ("/v1/completions", {"model": MODEL}, 400, "prompt"),
+    ("/v1/completions", {"model": MODEL, "prompt": 5}, 400, "prompt"),
+    ("/v1/completions", {"model": "gpt-4", "prompt": "hi"}, 404, "model"),
+    ("/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 0}, 400, "max_tokens"),
+    ("/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": -3}, 400, "max_tokens"),
+    ("/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": "many"}, 400, "max_tokens"),
+    ("/v1/completions", {"model": MODEL, "prompt": "hi", "temperature": "hot"}, 400, "temperature"),
+    ("/v1/completions", {"model": MODEL, "prompt": "hi", "top_p": 0}, 400, "top_p"),
+    ("/v1/completions", {"model": MODEL, "prompt": "hi", "n": 2}, 400, "n"),
+    ("/v1/completions", {"model": MODEL, "prompt": "hi", "stream": "yes"}, 400, "stream"),
+    ("/v1/completions", {"model": MODEL, "prompt": [1] * 4096}, 400, "prompt"),
+    ("/v1/completions", {"model": MODEL, "prompt": [1, 999999]}, 400, "prompt"),
+    ("/v1/completions", {"model": MODEL, "prompt": ""}, 400, "prompt"),
+    ("/v1/chat/completions", {"model": MODEL, "messages": []}, 400, "messages"),
+    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "wizard", "content": "x"}]}, 400, "messages"),
+    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": 7}]}, 400, "messages"),
+    ("/v1/chat/completions", {"model": "nope", "messages": [{"role": "user", "content": "x"}]}, 404, "model"),
+])
+def test_bad_requests(server, path, body, status, param):
+    url, _ = server
+    r = post(url, path, body)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert err["message"] and err["type"] == "invalid_request_error"
+    assert err["param"] == param
+
+
+def test_context_error_names_the_limit(server):
+    url, _ = server
+    r = post(url, "/v1/completions", {"model": MODEL, "prompt": [1] * 5000})
+    assert r.status_code == 400 and "4096" in r.json()["error"]["message"]
+    assert r.json()["error"]["code"] == "context_length_exceeded"
+
+
+def test_disconnect_aborts_backend(server):
+    url, backend = server
+    before = len(backend.aborted)
+    req = {"model": MODEL, "prompt": "Tell me a long story", "max_tokens": 3000, "temperature": 0, "stream": True}
+    with httpx.stream("POST", url + "/v1/completions", json=req, timeout=60) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                break   # one chunk, then hang up
+    deadline = time.time() + 20
+    while len(backend.aborted) == before and time.time() < deadline:
+        time.sleep(0.05)
+    assert len(backend.aborted) == before + 1
+    assert backend.aborted[-1].startswith("cmpl-")
+    # The backend is free again: the next request completes (the aborted one stopped early and released its KV).
+    t0 = time.time()
+    r = post(url, "/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 2, "temperature": 0})
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
+    assert time.time() - t0 < 20
+    assert all(r.block_manager.num_used_blocks == 0 for r in backend.router.runners)
+
+
+def test_text_stream_utf8_and_stop(tokenizer):
+    inv = {b: i for i, b in enumerate(tokenizer.reference.token_bytes)}
+    e1, e2 = inv[b"\xc3"], inv[b"\xa9"]   # "é" split over two byte tokens
+    s = TextStream(tokenizer)
+    assert s.push([e1]) == "" and s.push([e2]) == "é"
+    s = TextStream(tokenizer, stop=["ab"])
+    a, b, c = inv[b"a"], inv[b"b"], inv[b"c"]
+    assert s.push([c, a]) == "c"          # "a" could start the stop string: held back
+    assert s.push([b]) == "" and s.stopped
+    s = TextStream(tokenizer, stop=["ab"])
+    assert s.push([a]) == "" and s.push([c]) == "ac" and s.flush() == ""
+    assert TextStream(tokenizer).push([151900]) == "\ufffd"   # an id the tokenizer lacks (random-weight models)
+
+
+def test_inprocess_backend_abort_before_start(router):
+    backend = InProcessBackend(router)
+
+    async def go():
+        backend.abort("r1")
+        return [c async for c in backend.generate([1, 2, 3], SamplingParams(max_tokens=4), "r1")]
+    chunks = asyncio.run(go())
+    assert [c.finish_reason for c in chunks] == ["abort"]
+    backend.close()
+
+
+def test_config_validation():
+    with pytest.raises(ValueError, match="unknown config keys"):
+        ServeConfig.from_dict({"modelz": []})
+    with pytest.raises(ValueError, match="devices"):
+        ServeConfig.from_dict({"models": ["a", "b"], "devices": ["cpu"]})
+    assert ServeConfig.from_dict({}).models == ["tiny-small", "tiny-large"]

@@ -1,0 +1,1 @@
+"""HTTP front ends: routed decoding (app.py, OpenAI API) and the tokenize service; imported on use."""
