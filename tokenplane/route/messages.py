@@ -1,0 +1,252 @@
+"""Typed messages between the front end and the per-model sub-servers, one dataclass per message, grouped by direction.
+
+Every message becomes a plain dict (`to_wire`) of msgpack-able values tagged with its type name; `encode` / `decode`
+wrap msgpack. Nothing is pickled: a message from a peer can only ever become one of the dataclasses below.
+
+    front end  -> sub-server : AddRequest, Abort, StepGrant, Peers, PeerRestarted, StatsQuery, Shutdown
+    sub-server -> sub-server : HandoffMsg (wraps tokenplane.route.api.Handoff), Release, PeerStatus
+    sub-server -> front end  : Ready, TokenChunk, Finished, Error, Heartbeat, StepDone, Yield, StatsReply
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import msgpack
+
+from .api import Handoff
+
+_REGISTRY: dict[str, type] = {}
+
+
+def _message(cls):
+    """Register a dataclass as a wire message under its class name."""
+    cls = dataclass(cls)
+    _REGISTRY[cls.__name__] = cls
+    return cls
+
+
+class _Wire:
+    """Default wire mapping: fields by name; subclasses override for nested types (Handoff)."""
+    nested: ClassVar[dict[str, type]] = {}
+
+    def to_wire(self) -> dict[str, Any]:
+        d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        for name in self.nested:
+            if d[name] is not None:
+                d[name] = d[name].to_wire()
+        d["type"] = type(self).__name__
+        return d
+
+    @classmethod
+    def from_wire(cls, d: dict[str, Any]):
+        names = {f.name for f in dataclasses.fields(cls)}
+        kw = {k: v for k, v in d.items() if k in names}
+        for name, typ in cls.nested.items():
+            if kw.get(name) is not None:
+                kw[name] = typ.from_wire(kw[name])
+        return cls(**kw)
+
+
+# -- front end -> sub-server ---------------------------------------------------------------------------------------
+
+@_message
+class AddRequest(_Wire):
+    """Admit a request. Normally sent to the home model (0) with an empty output. In standard-serving mode the front
+    end re-submits every step to the model that decodes next, carrying the whole request view and the handoff."""
+    request_id: str
+    prompt: list[int]
+    params: dict[str, Any]
+    output: list[int] = field(default_factory=list)
+    models: list[int] = field(default_factory=list)       # per output position: the model that produced it
+    state: dict[str, Any] = field(default_factory=dict)   # RequestView.state (algorithm state)
+    num_handoffs: int = 0
+    handoff: Handoff | None = None                        # standard serving: the switch that led here
+    nested: ClassVar[dict[str, type]] = {"handoff": Handoff}
+
+
+@_message
+class Abort(_Wire):
+    request_id: str
+    reason: str = "abort"
+
+
+@_message
+class StepGrant(_Wire):
+    """Sync modes: run at most one step. `expected[k]` = handoffs model k has sent to this model so far; the
+    sub-server drains its peer socket until it has received that many, so a step never misses a handoff that the
+    coordinator already counted."""
+    round: int
+    expected: list[int]
+
+
+@_message
+class Peers(_Wire):
+    """Addresses of every model's peer inbox (index = model)."""
+    addresses: list[str]
+
+
+@_message
+class PeerRestarted(_Wire):
+    model: int
+    address: str
+
+
+@_message
+class StatsQuery(_Wire):
+    token: int
+
+
+@_message
+class Shutdown(_Wire):
+    reason: str = "shutdown"
+
+
+# -- sub-server -> sub-server --------------------------------------------------------------------------------------
+
+@_message
+class HandoffMsg(_Wire):
+    """A request crossing models. `handoff` is what the algorithm built; the rest is runtime bookkeeping that the
+    sequential reference keeps in one shared object: per-model seen counts, per-position producing model, the
+    sampling parameters (a first visit needs them) and the handoff counter."""
+    handoff: Handoff
+    seen: list[int]
+    models: list[int]          # producing model of each output position in [max(anchor, 0), handoff.position)
+    params: dict[str, Any]
+    num_handoffs: int = 0
+    final: bool = False        # finish delivery to the home model: tokens are committed, receive() is not called
+    nested: ClassVar[dict[str, type]] = {"handoff": Handoff}
+
+
+@_message
+class Release(_Wire):
+    """The home model finished (or aborted) the request: drop any retained state for it."""
+    request_id: str
+    reason: str = "finished"
+
+
+@_message
+class PeerStatus(_Wire):
+    """Delayed batching: whether `model` is executing (or about to). Sent on transitions only."""
+    model: int
+    active: bool
+
+
+# -- sub-server -> front end ---------------------------------------------------------------------------------------
+
+@_message
+class Ready(_Wire):
+    model: int
+    pid: int
+    client_address: str
+    peer_address: str
+    num_blocks: int
+    block_size: int
+    eos_token_ids: list[int] = field(default_factory=list)
+    max_model_len: int | None = None
+
+
+@_message
+class TokenChunk(_Wire):
+    """Committed tokens of one request, in order. `start` is the output position of tokens[0]. The front end hands
+    these to `Runtime.generate` callers; the last one carries finish_reason and stats."""
+    request_id: str
+    tokens: list[int]
+    models: list[int]
+    start: int
+    finish_reason: str | None = None
+    stats: dict[str, Any] | None = None
+
+
+@_message
+class Finished(_Wire):
+    """The request ended on its home model; `tokens` are the not yet streamed tail."""
+    request_id: str
+    tokens: list[int]
+    models: list[int]
+    start: int
+    finish_reason: str
+    stats: dict[str, Any] = field(default_factory=dict)
+
+
+@_message
+class Error(_Wire):
+    """A request (or, with request_id None, the whole sub-server) failed."""
+    request_id: str | None
+    message: str
+    model: int
+    fatal: bool = False
+
+
+@_message
+class Heartbeat(_Wire):
+    model: int
+    pid: int
+    time: float
+    num_waiting: int = 0
+    num_running: int = 0
+    num_pending: int = 0
+
+
+@_message
+class StepDone(_Wire):
+    """Sync modes: the granted step is over. `sent[k]` = handoffs this model has sent to model k so far."""
+    model: int
+    round: int
+    sent: list[int]
+    ran: bool
+    num_ready: int
+
+
+@_message
+class Yield(_Wire):
+    """Standard serving: one single-token call is over and the request left the model. The front end (the external
+    scheduler) streams the new tokens and re-submits the request to `handoff.target` (or the same model)."""
+    request_id: str
+    model: int
+    prompt: list[int]
+    output: list[int]
+    models: list[int]
+    state: dict[str, Any]
+    params: dict[str, Any]
+    num_handoffs: int
+    next_model: int
+    finish_reason: str | None = None
+    handoff: Handoff | None = None
+    nested: ClassVar[dict[str, type]] = {"handoff": Handoff}
+
+
+@_message
+class StatsReply(_Wire):
+    model: int
+    token: int
+    num_blocks: int
+    num_free_blocks: int
+    num_used_blocks: int
+    reserved_blocks: int
+    requests: dict[str, int]        # state name -> count
+    counters: dict[str, Any]
+
+
+def encode(msg) -> bytes:
+    return msgpack.packb(msg.to_wire(), use_bin_type=True)
+
+
+def decode(data: bytes):
+    """Bytes -> message dataclass. Raises ValueError on anything that is not a registered message."""
+    try:
+        d = msgpack.unpackb(data, raw=False, strict_map_key=False)
+    except Exception as exc:  # msgpack raises several unrelated types
+        raise ValueError(f"undecodable message: {exc}") from None
+    if not isinstance(d, dict) or d.get("type") not in _REGISTRY:
+        raise ValueError(f"unknown message: {str(d)[:200]}")
+    return _REGISTRY[d["type"]].from_wire(d)
+
+
+MESSAGE_TYPES = dict(_REGISTRY)
+
+__all__ = ["Abort", "AddRequest", "Error", "Finished", "HandoffMsg", "Heartbeat", "MESSAGE_TYPES", "PeerRestarted",
+           "PeerStatus", "Peers", "Ready", "Release", "Shutdown", "StatsQuery", "StatsReply", "StepDone",
+           "StepGrant", "TokenChunk", "Yield", "decode", "encode"]

@@ -1,0 +1,309 @@
+"""One sub-server process per model: scheduler, model runner, private KV pool, the algorithm's routing functions.
+
+The paper's three loops are three handlers of ONE single-threaded event loop (they share the scheduler, so threads
+would only add locks):
+
+    client service  drains the `client` socket: admissions, aborts, step grants, stats queries, shutdown
+    handoff         drains the `peer` socket: handoffs from peers (resume or first visit), releases, peer status
+    decoding        when requests are ready and the mode allows, schedule -> run -> update_from_output
+
+Each turn of the loop drains both sockets without blocking, runs at most one step, and blocks on the sockets (with
+a timeout) only when it did not step. A step never waits for a peer: a request that left is PENDING_RETURN and the
+others keep decoding.
+
+Execution modes are flags of this loop, not separate loops:
+    immediate_async  launch whenever >= 1 request is ready (BatchPolicy with thresholds all 1)
+    delayed_async    launch when BatchPolicy.should_launch(model, num_ready, nothing_else_can_run, num_live) says so;
+                     nothing_else_can_run comes from peers' PeerStatus transitions, with a max_delay_s backstop
+    stepwise_sync /  run a step only under a StepGrant from the front-end coordinator, then answer StepDone; the
+    model_sync       grant says how many handoffs from each peer must be drained first (cross-sender order is not
+                     guaranteed by ZeroMQ, counts make the barrier exact)
+"""
+
+from __future__ import annotations
+
+import os
+import time
+import traceback
+from typing import Any
+
+import zmq
+
+from .handoff import Inbox, bind_pull, connect_push, drain, send
+from .messages import (Abort, AddRequest, Error, HandoffMsg, Heartbeat, PeerRestarted, PeerStatus, Peers, Ready,
+                       Release, Shutdown, StatsQuery, StatsReply, StepDone, StepGrant)
+from .scheduler import FRONTEND, Scheduler
+
+SYNC_MODES = ("stepwise_sync", "model_sync")
+MODES = ("stepwise_sync", "model_sync", "immediate_async", "delayed_async")
+
+
+def build_runner(spec: dict[str, Any]):
+    """(runner, nn.Module or None) for this model, per spec["runner"]."""
+    import torch
+    dtype = getattr(torch, spec["dtype"])
+    if spec["runner"] == "latency-model":
+        from tokenplane.engine.latency_runner import LatencyFit, LatencyModelRunner, preset
+        kw = dict(spec["source"]) if isinstance(spec["source"], dict) else {}
+        lat = kw.pop("latency", None)
+        if isinstance(lat, str):   # "preset:index", e.g. "seed-r2r:1"
+            name, _, idx = lat.partition(":")
+            lat = preset(name)[int(idx or spec["model"])]
+        elif isinstance(lat, dict):
+            lat = LatencyFit.from_dict(lat)
+        else:
+            raise ValueError("latency-model runner: each model source must be a dict with a 'latency' entry "
+                             "(LatencyFit dict or 'preset:index')")
+        kw.setdefault("seed", spec["model"])
+        runner = LatencyModelRunner(lat, num_blocks=spec["num_blocks"], block_size=spec["block_size"], dtype=dtype,
+                                    **kw)
+        return runner, None
+    if spec["runner"] != "torch":
+        raise ValueError(f"runner must be 'torch' or 'latency-model', got {spec['runner']!r}")
+    from tokenplane.engine.loader import load_model
+    from tokenplane.engine.model_runner import ModelRunner
+    cfg, model = load_model(spec["source"], device=spec["device"], dtype=dtype, seed=spec["seed"])
+    runner = ModelRunner(model, cfg, num_blocks=spec["num_blocks"], block_size=spec["block_size"],
+                         device=spec["device"], dtype=dtype, enforce_eager=spec.get("enforce_eager", False),
+                         max_num_seqs=spec.get("max_num_seqs", 256))
+    return runner, model
+
+
+def build_algorithm(spec: dict[str, Any]):
+    from tokenplane.route.algorithms import make_algorithm
+    return make_algorithm(spec["algorithm"], **spec["algorithm_kwargs"])
+
+
+class SubServer:
+    def __init__(self, spec: dict[str, Any]):
+        self.spec = spec
+        self.model = int(spec["model"])
+        self.num_models = int(spec["num_models"])
+        self.mode = spec["mode"]
+        self.ppid = os.getppid()
+        self.ctx = zmq.Context()
+        self.front = connect_push(self.ctx, spec["frontend"])
+        self.peers: dict[int, zmq.Socket] = {}
+        self.sent = [0] * self.num_models       # HandoffMsgs sent to each model (sync barrier counts)
+        self.received = [0] * self.num_models   # HandoffMsgs received from each model
+        self.grant: StepGrant | None = None
+        self.grant_time = 0.0
+        self.peer_active = [False] * self.num_models
+        self.published_active: bool | None = None
+        self.ready_since: float | None = None
+        self.stopping = False
+        self.step_time = 0.0
+
+        import torch
+        torch.set_num_threads(int(spec.get("threads", 1)))
+        self.runner, module = build_runner(spec)
+        self.algorithm = build_algorithm(spec)
+        if self.algorithm.num_models != self.num_models:
+            raise ValueError(f"algorithm {spec['algorithm']} drives {self.algorithm.num_models} models, the runtime "
+                             f"has {self.num_models}")
+        self.algorithm.attach(self.model, module)
+        self.scheduler = Scheduler(self.model, self.num_models, self.runner.block_manager, self.algorithm,
+                                   pending_return=spec["pending_return"], standard_serving=spec["standard_serving"],
+                                   max_num_seqs=spec.get("max_num_seqs", 256))
+        self.policy = None
+        if self.mode == "delayed_async":
+            from tokenplane.route.batching import BatchPolicy
+            self.policy = BatchPolicy(list(spec["thresholds"]), int(spec["concurrency"]))
+        tag = f"{self.model}.{spec['generation']}"
+        self.client_sock, client_addr = bind_pull(self.ctx, spec["transport"], spec["ipc_dir"], f"c{tag}")
+        self.peer_sock, peer_addr = bind_pull(self.ctx, spec["transport"], spec["ipc_dir"], f"p{tag}")
+        self.inbox = Inbox({"client": self.client_sock, "peer": self.peer_sock})
+        cfg = getattr(self.runner, "cfg", None)
+        eos = getattr(cfg, "eos_token_id", None)
+        eos = [] if eos is None else [int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos])]
+        max_len = getattr(cfg, "max_position_embeddings", None)
+        send(self.front, Ready(self.model, os.getpid(), client_addr, peer_addr, self.runner.block_manager.num_blocks,
+                               self.runner.block_manager.block_size, eos, None if max_len is None else int(max_len)))
+
+    # -- the event loop ------------------------------------------------------------------------------------------
+    def serve(self) -> None:
+        hb_every = float(self.spec.get("heartbeat_s", 0.5))
+        next_hb = 0.0
+        while not self.stopping:
+            if os.getppid() != self.ppid:   # the front end died: nobody can use our results
+                break
+            self._client_service()
+            self._handoff_service()
+            if self.stopping:
+                break
+            ran = self._decode_service()
+            now = time.monotonic()
+            if now >= next_hb:
+                s = self.scheduler
+                send(self.front, Heartbeat(self.model, os.getpid(), time.time(), len(s.waiting), len(s.running),
+                                           s.count_states()["PENDING_RETURN"]))
+                next_hb = now + hb_every
+            if not ran:
+                self.inbox.wait(self._idle_timeout(next_hb - now))
+        self.inbox.close()
+        self.front.close(0)
+        for s in self.peers.values():
+            s.close(0)
+        self.ctx.term()
+
+    def _idle_timeout(self, until_hb: float) -> float:
+        t = max(0.0, until_hb)
+        if self.ready_since is not None:
+            t = min(t, max(0.0, self.ready_since + float(self.spec["max_delay_s"]) - time.monotonic()))
+        return min(t, 0.5)
+
+    # -- handlers ------------------------------------------------------------------------------------------------
+    def _client_service(self) -> None:
+        for msg in drain(self.client_sock):
+            try:
+                self._on_client(msg)
+            except Exception as exc:
+                self._report(getattr(msg, "request_id", None), exc)
+
+    def _on_client(self, msg) -> None:
+        s = self.scheduler
+        if isinstance(msg, AddRequest):
+            self._dispatch(s.add_request(msg))
+        elif isinstance(msg, Abort):
+            s.abort(msg.request_id, msg.reason)
+        elif isinstance(msg, StepGrant):
+            self.grant, self.grant_time = msg, time.monotonic()
+        elif isinstance(msg, Peers):
+            for k, addr in enumerate(msg.addresses):
+                if k != self.model:
+                    self._connect_peer(k, addr)
+        elif isinstance(msg, PeerRestarted):
+            self._connect_peer(msg.model, msg.address)
+            self.sent[msg.model] = self.received[msg.model] = 0
+            self.peer_active[msg.model] = False
+        elif isinstance(msg, StatsQuery):
+            bm = self.runner.block_manager
+            counters = dict(s.counters)
+            counters.update(step_time_s=self.step_time, prefix_hit_tokens=getattr(bm, "num_hit_tokens", 0))
+            if self.policy is not None:
+                counters["policy"] = self.policy.to_dict()
+            send(self.front, StatsReply(self.model, msg.token, bm.num_blocks, bm.num_free_blocks, bm.num_used_blocks,
+                                        s.reserved_blocks(), s.count_states(), counters))
+        elif isinstance(msg, Shutdown):
+            self.stopping = True
+
+    def _connect_peer(self, k: int, addr: str) -> None:
+        old = self.peers.pop(k, None)
+        if old is not None:
+            old.close(0)
+        self.peers[k] = connect_push(self.ctx, addr)
+
+    def _handoff_service(self) -> None:
+        for msg in drain(self.peer_sock):
+            try:
+                if isinstance(msg, HandoffMsg):
+                    self.received[msg.handoff.source] += 1
+                    self._dispatch(self.scheduler.receive_handoff(msg))
+                elif isinstance(msg, Release):
+                    self.scheduler.release(msg)
+                elif isinstance(msg, PeerStatus):
+                    self.peer_active[msg.model] = msg.active
+            except Exception as exc:
+                self._report(getattr(getattr(msg, "handoff", None), "request_id", None), exc)
+
+    def _decode_service(self) -> bool:
+        s = self.scheduler
+        if self.mode in SYNC_MODES:
+            g = self.grant
+            if g is None:
+                return False
+            if any(self.received[k] < g.expected[k] for k in range(self.num_models)):
+                if time.monotonic() - self.grant_time < float(self.spec["grant_timeout_s"]):
+                    return False   # a counted handoff is still in flight: drain it before stepping
+                send(self.front, Error(None, f"model {self.model}: step grant {g.round} waited "
+                                       f"{self.spec['grant_timeout_s']} s for handoffs {g.expected}, got "
+                                       f"{self.received}; stepping anyway", self.model))
+            ran = self._step() if s.has_work() else False
+            self.grant = None
+            send(self.front, StepDone(self.model, g.round, list(self.sent), ran, s.num_ready()))
+            return ran
+        n = s.num_ready()
+        if n == 0:
+            self.ready_since = None
+            self._publish(False)
+            return False
+        now = time.monotonic()
+        if self.ready_since is None:
+            self.ready_since = now
+        launch = True
+        if self.policy is not None:
+            others_idle = all(not self.peer_active[k] for k in range(self.num_models) if k != self.model)
+            num_live = len(s.requests) if s.is_home and not s.standard_serving else None
+            launch = self.policy.should_launch(self.model, n, others_idle, num_live)
+            if not launch and now - self.ready_since >= float(self.spec["max_delay_s"]):
+                launch = True   # backstop against a lost status message; counted as forced
+                self.policy.launches[self.model] += 1
+                self.policy.forced_launches[self.model] += 1
+        if not launch:
+            self._publish(False)
+            return False
+        self._publish(True)
+        self.ready_since = None
+        return self._step()
+
+    def _publish(self, active: bool) -> None:
+        """Delayed batching only: tell peers when this model starts or stops executing."""
+        if self.policy is None or active == self.published_active:
+            return
+        self.published_active = active
+        for k, sock in self.peers.items():
+            send(sock, PeerStatus(self.model, active))
+
+    def _step(self) -> bool:
+        s = self.scheduler
+        batch = s.schedule()
+        if not batch:
+            return False
+        t0 = time.perf_counter()
+        try:
+            out = self.runner.run([r.seq for r in batch])
+        except Exception as exc:   # a failed forward fails its batch, not the process
+            for r in batch:
+                s.abort(r.request_id, "error")
+                send(self.front, Error(r.request_id, f"model {self.model} step failed: {type(exc).__name__}: {exc}",
+                                       self.model))
+            return True
+        self.step_time += time.perf_counter() - t0
+        self._dispatch(s.update_from_output(batch, out))
+        return True
+
+    def _dispatch(self, outs) -> None:
+        for o in outs:
+            if o.dest == FRONTEND:
+                send(self.front, o.msg)
+            else:
+                sock = self.peers.get(o.dest)
+                if sock is None or not send(sock, o.msg):
+                    rid = getattr(getattr(o.msg, "handoff", None), "request_id", getattr(o.msg, "request_id", None))
+                    send(self.front, Error(rid, f"model {self.model} cannot reach model {o.dest}", self.model))
+                    continue
+                if isinstance(o.msg, HandoffMsg):
+                    self.sent[o.dest] += 1
+
+    def _report(self, rid: str | None, exc: Exception) -> None:
+        tb = traceback.format_exc(limit=4)
+        send(self.front, Error(rid, f"model {self.model}: {type(exc).__name__}: {exc}\n{tb}", self.model))
+
+
+def main(spec: dict[str, Any]) -> None:
+    """Process entry point (multiprocessing spawn target)."""
+    try:
+        server = SubServer(spec)
+    except Exception as exc:
+        ctx = zmq.Context()
+        sock = connect_push(ctx, spec["frontend"])
+        sock.setsockopt(zmq.LINGER, 2000)
+        send(sock, Error(None, f"model {spec['model']} failed to start: {type(exc).__name__}: {exc}\n"
+                         f"{traceback.format_exc(limit=6)}", int(spec["model"]), fatal=True))
+        sock.close()
+        ctx.term()
+        raise SystemExit(1)
+    server.serve()
+
+
+__all__ = ["MODES", "SYNC_MODES", "SubServer", "build_algorithm", "build_runner", "main"]
