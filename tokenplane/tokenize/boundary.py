@@ -1,0 +1,131 @@
+"""Stable (synchronizing) boundaries: character-class transitions at which a family's pre-tokenizer provably splits.
+
+A position p of a text T is *stable* for a family when the two characters x = T[p-1] and y = T[p] alone guarantee:
+
+  (i)  p is a piece boundary of every text that has x at p-1 and y at p, whatever lies left of p-1 or right of p;
+  (ii) every regex match attempt that starts left of p reads nothing at or beyond p+1.
+
+Splice theorem (docs/boundaries.md): matching restarts at each match end and no pattern looks behind, so the pieces
+right of a boundary p are a function of T[p:] alone; by (ii) the pieces left of p are a function of T[:p+1]. Hence if
+old and new text agree on [0, d) and p is stable with p + 1 <= d, the cached tokens left of p are the new tokens left
+of p, and the tokens of any window T[s:] with s <= p - 1 right of p are the new tokens right of p.
+
+Every rule below is derived alternative by alternative in docs/boundaries.md for one frozen splitter configuration
+(`Family.splitter_hash`) and one probed class table (`charclass.table_hash`). `rule_for` refuses (returns None, i.e.
+always full encode) when either hash differs from the one the derivation names. The rules are conservative: they
+may miss boundaries (a miss costs a wider window), never accept a wrong one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Callable
+
+import numpy as np
+
+from .charclass import BIT, class_table, table_hash
+
+LOOKBACK = 1    # a: characters left of p the predicate reads (x = T[p-1])
+LOOKAHEAD = 1   # b: characters from p on the predicate and every left match attempt read (y = T[p])
+
+# The probed class table every derivation was checked against (charclass.PINNED).
+TABLE_SHA256 = "7b30e600dcd6942538555137b4ce7b90ef70889e3cc72b5dc6f8d5e334a229de"
+
+_L, _N, _M, _S, _P, _SYM = BIT["L"], BIT["N"], BIT["M"], BIT["s"], BIT["P"], BIT["S"]
+_CR, _LF, _APOS, _SLASH = 0x0D, 0x0A, 0x27, 0x2F
+
+Predicate = Callable[[np.ndarray, np.ndarray, np.ndarray, np.ndarray], np.ndarray]
+
+
+def _crlf(cp: np.ndarray) -> np.ndarray:
+    return (cp == _CR) | (cp == _LF)
+
+
+def _cl100k_like(digits_single: bool) -> Predicate:
+    """cl100k_base, llama3 (digit groups of 3) and qwen3 (single digits): contractions first, letters after an
+    optional one-char prefix, digits, punctuation runs with a CR/LF tail, whitespace alternatives."""
+    def rule(cx, x, cy, y):
+        letter_end = ((cx & _L) != 0) & ((cy & _L) == 0)                      # R1
+        nx, ny = (cx & _N) != 0, (cy & _N) != 0
+        digit_edge = (nx | ny) if digits_single else (nx != ny)               # R2
+        newline_end = _crlf(x) & ((cy & _S) == 0)                             # R3
+        other = (cx & (_L | _N | _S)) == 0
+        punct_space = other & ((cy & _S) != 0) & ~_crlf(y)                   # R4
+        return letter_end | digit_edge | newline_end | punct_space
+    return rule
+
+
+def _o200k(cx, x, cy, y):
+    """o200k_base: case-split letter runs (marks inside), contractions AFTER letters, `[\\r\\n/]*` punctuation tail."""
+    letter_end = ((cx & _L) != 0) & ((cy & (_L | _M)) == 0) & (y != _APOS)    # R1
+    digit_edge = ((cx & _N) != 0) != ((cy & _N) != 0)                        # R2
+    newline_end = _crlf(x) & ((cy & _S) == 0) & (y != _SLASH)                # R3
+    other = (cx & (_L | _N | _S)) == 0                                       # marks included
+    punct_space = other & ((cy & _S) != 0) & ~_crlf(y)                       # R4
+    return letter_end | digit_edge | newline_end | punct_space
+
+
+def _cjk(cp: np.ndarray) -> np.ndarray:
+    return (((cp >= 0x4E00) & (cp <= 0x9FA5)) | ((cp >= 0x3040) & (cp <= 0x309F)) | ((cp >= 0x30A0) & (cp <= 0x30FF)))
+
+
+def _deepseek(cx, x, cy, y):
+    """deepseek_v4: Split(\\p{N}{1,3}) -> Split(CJK runs) -> Split(main); each stage re-splits every piece."""
+    digit_edge = ((cx & _N) != 0) != ((cy & _N) != 0)                        # D1 (stage 1)
+    cjk_edge = _cjk(x) != _cjk(y)                                            # D2 (stage 2)
+    letter_end = ((cx & _L) != 0) & ((cy & (_L | _M)) == 0)                  # D3 (stage 3)
+    newline_end = _crlf(x) & ((cy & _S) == 0)                                # D4
+    punct_space = ((cx & (_P | _SYM)) != 0) & ((cy & _S) != 0) & ~_crlf(y)   # D5
+    return digit_edge | cjk_edge | letter_end | newline_end | punct_space
+
+
+@dataclass(frozen=True)
+class BoundaryRule:
+    family: str
+    splitter_hash: str          # Family.splitter_hash the derivation was made for
+    engine: str                 # which probed class table ("tiktoken" | "hf")
+    predicate: Predicate
+    lookback: int = LOOKBACK
+    lookahead: int = LOOKAHEAD
+
+    def stable_positions(self, text: str, offset: int = 0) -> np.ndarray:
+        """Absolute positions offset+i (1 <= i <= len(text)-1) that are stable, judged from text[i-1] and text[i].
+        The caller passes a slice that holds every character the predicate reads."""
+        if len(text) < 2:
+            return np.zeros(0, dtype=np.int64)
+        cp = np.frombuffer(text.encode("utf-32-le"), dtype="<u4")
+        cls = class_table(self.engine)[cp]
+        x, y = cp[:-1], cp[1:]
+        hit = self.predicate(cls[:-1], x, cls[1:], y)
+        return np.flatnonzero(hit) + (offset + 1)
+
+
+RULES: dict[str, BoundaryRule] = {
+    "cl100k_base": BoundaryRule("cl100k_base", "39f535afc04f0a03fb7cf890321b8114d5fb1ec6b67e8bf959697f7f91589579",
+                                "tiktoken", _cl100k_like(digits_single=False)),
+    "o200k_base": BoundaryRule("o200k_base", "5c820f4df683f5eea5aa0db12b8350ba0afebc7fe6eb13c7b5382a2e201103ed",
+                               "tiktoken", _o200k),
+    "llama3": BoundaryRule("llama3", "680ad71cfc89194a87121c77061171f76db6c979ed0ea55a49b1f363ccf84e94",
+                           "tiktoken", _cl100k_like(digits_single=False)),
+    "qwen3": BoundaryRule("qwen3", "c6965e385661ec033ac6ffb1f8d5fb7a16d3a912c9c940b44dbc7d804d9df966",
+                          "hf", _cl100k_like(digits_single=True)),
+    "deepseek_v4": BoundaryRule("deepseek_v4", "59a6898ff02e65f945412edccde80a37e370b03a027088f580d434dab5a41b8b",
+                                "hf", _deepseek),
+}
+
+
+def rule_for(family) -> BoundaryRule | None:
+    """The derived rule for a frozen family, or None (always full encode) when the splitter configuration or the
+    probed class table is not the one the derivation in docs/boundaries.md was made for."""
+    rule = RULES.get(family.name)
+    if rule is None or rule.splitter_hash != family.splitter_hash:
+        return None
+    if not _table_ok(rule.engine):
+        return None
+    return rule
+
+
+@lru_cache(maxsize=None)
+def _table_ok(engine: str) -> bool:
+    return table_hash(class_table(engine)) == TABLE_SHA256

@@ -1,0 +1,843 @@
+"""Session: per-session token state with certified incremental repair (appends, mid-context edits, full resends).
+
+Contract: after every call, `session.ids` equals `tokenizer.encode(session.text, allowed_special=...)`, or the call
+raised and the session is unchanged. Repair never trusts a heuristic: a window of fresh reference tokens is spliced
+onto the cached ones only at a position the family's stable-boundary predicate (boundary.py, docs/boundaries.md)
+proves synchronizing, inside a run of agreeing (position, ID) records of >= 2 tokens covering more characters than the
+longest vocabulary token. Otherwise the window doubles (up to `max_widenings` times) and finally the whole text is
+encoded. A miss costs time, never correctness.
+
+State (all in normalized-text coordinates): ids uint32 and ends uint32 (character end of each token) in arrays grown
+geometrically and edited in place, so an append does O(delta + window) work, not O(context). Text is kept as a list of
+chunks (joined lazily); families with a normalizer (qwen3: NFC) keep the raw text the user sent and, only when it
+differs, the normalized text beside it. A session is single-writer: callers serialize mutations.
+"""
+
+from __future__ import annotations
+
+import bisect
+import sys
+import time
+import weakref
+from dataclasses import dataclass, field
+from typing import Callable, Collection, Literal
+
+import numpy as np
+
+from . import boundary
+from .reference import ReferenceEngine, utf8_char_ends
+from .tokenizer import SpecialMatcher, TextTooLargeError, Tokenizer, validate_text
+
+DEFAULT_WINDOW = 512
+MAX_WIDENINGS = 5
+_CHUNK_MERGE = 1 << 16      # appends smaller than this merge into the last text chunk (bounded copy)
+_NFC_REACH = 1 << 16        # how far an NFC split point (an ASCII character) is searched for before a full renormalize
+_MAX_CANDIDATES = 24        # stable positions tried per window side before widening
+
+
+class SessionError(ValueError):
+    """Misuse of a session: an edit range out of bounds, a bad option."""
+
+
+class StaleRevisionError(SessionError):
+    """`expect_revision=` did not match the session's current revision (another writer changed it)."""
+
+
+@dataclass(frozen=True)
+class Splice:
+    """The change to the ID sequence: new_ids == old_ids[:keep] + ids."""
+    keep: int
+    ids: np.ndarray
+    revision: int
+    path: Literal["window", "full", "noop"] = "window"
+
+
+@dataclass
+class SessionStats:
+    repairs: int = 0                # mutations of a non-empty session
+    windows_tried: int = 0
+    widenings: int = 0
+    first_window_accepts: int = 0   # repairs certified on the first (w=512) window
+    full_fallbacks: int = 0         # repairs that exhausted the widenings and encoded everything
+    full_encodes: int = 0           # all full encodes (fallbacks, bootstrap, unsupported family)
+    renormalizations: int = 0       # full NFC recomputations (documented O(N) cases)
+    last_repair_s: float = 0.0
+    total_repair_s: float = 0.0
+    last_path: str = ""
+
+
+# -- per-tokenizer lookup tables ----------------------------------------------------------------------------------
+_TABLES: "weakref.WeakKeyDictionary[ReferenceEngine, np.ndarray]" = weakref.WeakKeyDictionary()
+
+
+def _continuation_start(ref: ReferenceEngine) -> np.ndarray:
+    """cont[id]: the token's first byte is a UTF-8 continuation byte, i.e. the previous token ended mid-character
+    (such a character end is not a clean split point)."""
+    table = _TABLES.get(ref)
+    if table is None:
+        table = np.fromiter(((len(b) > 0 and (b[0] & 0xC0) == 0x80) for b in ref.token_bytes), dtype=bool,
+                            count=len(ref.token_bytes))
+        _TABLES[ref] = table
+    return table
+
+
+# -- text store ---------------------------------------------------------------------------------------------------
+def _lcp(a: str, b: str, b_off: int) -> int:
+    """Length of the common prefix of a and b[b_off:], at memcmp speed (block compare, then bisect one block)."""
+    n = min(len(a), len(b) - b_off)
+    step, pos = 4096, 0
+    while pos < n and b.startswith(a[pos:min(pos + step, n)], b_off + pos):
+        pos += step
+    if pos >= n:
+        return n
+    lo, hi = pos, min(pos + step, n)      # a[:lo] matches, a[:hi] does not
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if b.startswith(a[pos:mid], b_off + pos):
+            lo = mid
+        else:
+            hi = mid
+    return lo
+
+
+def _lcs(a: str, b: str) -> int:
+    """Length of the common suffix of a and b."""
+    n = min(len(a), len(b))
+    ra, rb = a[len(a) - n:][::-1], b[len(b) - n:][::-1]
+    return _lcp(ra, rb, 0)
+
+
+class _Chunks:
+    """Text as a list of chunks with start offsets; appends are O(len(chunk)), `joined` compacts lazily."""
+
+    __slots__ = ("chunks", "starts", "length")
+
+    def __init__(self, chunks: list[str] | None = None):
+        self.chunks = [c for c in (chunks or []) if c]
+        self._reindex()
+
+    def _reindex(self) -> None:
+        self.starts, n = [], 0
+        for c in self.chunks:
+            self.starts.append(n)
+            n += len(c)
+        self.length = n
+
+    def __len__(self) -> int:
+        return self.length
+
+    def copy(self) -> "_Chunks":
+        return _Chunks(list(self.chunks))
+
+    def append(self, s: str) -> None:
+        if not s:
+            return
+        if self.chunks and len(self.chunks[-1]) + len(s) <= _CHUNK_MERGE:
+            self.chunks[-1] += s
+        else:
+            self.starts.append(self.length)
+            self.chunks.append(s)
+        self.length += len(s)
+
+    def _locate(self, pos: int) -> int:
+        return bisect.bisect_right(self.starts, pos) - 1
+
+    def slice(self, a: int, b: int) -> str:
+        a, b = max(a, 0), min(b, self.length)
+        if a >= b:
+            return ""
+        i, j = self._locate(a), self._locate(b - 1)
+        if i == j:
+            o = self.starts[i]
+            return self.chunks[i][a - o:b - o]
+        return "".join([self.chunks[i][a - self.starts[i]:], *self.chunks[i + 1:j],
+                        self.chunks[j][:b - self.starts[j]]])
+
+    def char(self, pos: int) -> str:
+        i = self._locate(pos)
+        return self.chunks[i][pos - self.starts[i]]
+
+    def replace(self, a: int, b: int, s: str) -> None:
+        """Replace [a, b) by s; O(chunks + the two chunks cut)."""
+        if a == b == self.length:
+            self.append(s)
+            return
+        left, right = [], []
+        for c, o in zip(self.chunks, self.starts):
+            end = o + len(c)
+            if end <= a:
+                left.append(c)
+            elif o >= b:
+                right.append(c)
+            else:
+                if o < a:
+                    left.append(c[:a - o])
+                if end > b:
+                    right.append(c[b - o:])
+        self.chunks = [c for c in (*left, s, *right) if c]
+        self._reindex()
+
+    def joined(self) -> str:
+        if len(self.chunks) > 1:
+            self.chunks = ["".join(self.chunks)]
+            self.starts = [0]
+        return self.chunks[0] if self.chunks else ""
+
+    def is_prefix_of(self, text: str) -> bool:
+        return self.length <= len(text) and all(text.startswith(c, o) for c, o in zip(self.chunks, self.starts))
+
+    def common_prefix(self, text: str) -> int:
+        for c, o in zip(self.chunks, self.starts):
+            if not text.startswith(c, o):
+                return o + _lcp(c, text, o) if o <= len(text) else len(text)
+        return min(self.length, len(text))
+
+    def common_suffix(self, text: str, limit: int) -> int:
+        shift, k = len(text) - self.length, 0
+        for c, o in zip(reversed(self.chunks), reversed(self.starts)):
+            if k >= limit:
+                break
+            lo = max(o, self.length - limit, -shift)
+            seg = c[lo - o:]
+            other = text[lo + shift:o + len(c) + shift]
+            if seg == other:
+                k += len(seg)
+                if lo > o:
+                    break
+                continue
+            k += _lcs(seg, other)
+            break
+        return min(k, limit)
+
+    def nbytes(self, seen: set[int]) -> int:
+        total = 0
+        for c in self.chunks:
+            if id(c) not in seen:
+                seen.add(id(c))
+                total += sys.getsizeof(c)
+        return total
+
+
+# -- repair plan --------------------------------------------------------------------------------------------------
+@dataclass
+class _Plan:
+    """Everything a mutation changes, computed before anything is mutated."""
+    raw_op: tuple                               # ("append", s) | ("set", full_raw)
+    norm_op: tuple | None                       # None: normalized == raw; ("replace", a, b, s) | ("set", chunks)
+    lits: list | None                           # new literal-match list (None: unchanged)
+    keep: int = 0
+    mid_ids: np.ndarray = field(default_factory=lambda: np.zeros(0, np.uint32))
+    mid_ends: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+    right_from: int = 0                         # old record index where the shifted right part starts
+    delta: int = 0
+    path: str = "window"
+    attempts: int = 0
+    raw_is_norm: bool = True
+
+
+class _NewText:
+    """The new normalized text as old[:d0] + mid + old[e_old:], read by slices without materializing it."""
+
+    def __init__(self, old: _Chunks, d0: int, mid: str, e_old: int):
+        self.old, self.d0, self.mid, self.e_old = old, d0, mid, e_old
+        self.m_end = d0 + len(mid)
+        self.delta = self.m_end - e_old
+        self.length = len(old) + self.delta
+
+    def slice(self, a: int, b: int) -> str:
+        a, b = max(a, 0), min(b, self.length)
+        if a >= b:
+            return ""
+        parts = []
+        if a < self.d0:
+            parts.append(self.old.slice(a, min(b, self.d0)))
+        m0, m1 = max(a, self.d0), min(b, self.m_end)
+        if m0 < m1:
+            parts.append(self.mid[m0 - self.d0:m1 - self.d0])
+        if b > self.m_end:
+            parts.append(self.old.slice(max(a, self.m_end) - self.delta, b - self.delta))
+        return parts[0] if len(parts) == 1 else "".join(parts)
+
+
+class Session:
+    """Token state of one growing (or edited) context. See the module docstring for the contract."""
+
+    def __init__(self, tokenizer: Tokenizer, *, text: str | bytes = "",
+                 allowed_special: Collection[str] | Literal["all"] = (), window: int = DEFAULT_WINDOW,
+                 max_widenings: int = MAX_WIDENINGS, certify: bool = True):
+        if not isinstance(window, int) or window < 1 or not isinstance(max_widenings, int) or max_widenings < 0:
+            raise SessionError("window must be a positive int and max_widenings a non-negative int")
+        self.tokenizer = tokenizer
+        self.reference = tokenizer.reference
+        self.window, self.max_widenings = window, max_widenings
+        self.allowed_special = frozenset(tokenizer._resolve_allowed(allowed_special))
+        self._nfc = tokenizer.family.normalizer is not None
+        # certify=False disables the fast path (baseline flag on the same code path: every call encodes fully).
+        self.rule = boundary.rule_for(tokenizer.family) if certify else None
+        if self._nfc and any(not s.isascii() for s in self.allowed_special):
+            self.rule = None     # split points for NFC assume ASCII literals (docs/boundaries.md)
+        self._matcher = SpecialMatcher(tokenizer.specials) if self.allowed_special else None
+        self._maxlit = max((len(s) for s in tokenizer.specials), default=1)
+        self._cont = _continuation_start(self.reference)
+        self._is_special = np.zeros(len(self._cont), dtype=bool)
+        for s in self.allowed_special:
+            self._is_special[tokenizer.specials[s]] = True
+        self._max_token_chars = tokenizer.max_token_chars
+        self._raw = _Chunks()
+        self._norm: _Chunks | None = None          # None while the normalized text equals the raw text
+        # Literal (special-token string) matches of the allowed-special scan, raw coordinates, sorted:
+        # (raw_start, raw_end, norm_start, norm_end, id) with id = -1 for literals that are not allowed.
+        self._lits: list[tuple[int, int, int, int, int]] = []
+        self._ids = np.zeros(1024, dtype=np.uint32)
+        self._ends = np.zeros(1024, dtype=np.uint32)
+        self._n = 0
+        self.revision = 0
+        self.stats = SessionStats()
+        if text:
+            self.append(text)
+
+    # -- read side ------------------------------------------------------------------------------------------------
+    def __len__(self) -> int:
+        return self._n
+
+    @property
+    def ids(self) -> np.ndarray:
+        """Current IDs: a read-only zero-copy view, valid until the next mutation."""
+        v = self._ids[:self._n]
+        v.flags.writeable = False
+        return v
+
+    @property
+    def ends(self) -> np.ndarray:
+        """Character end of each token in the normalized text (read-only view)."""
+        v = self._ends[:self._n]
+        v.flags.writeable = False
+        return v
+
+    @property
+    def text(self) -> str:
+        """The raw text the user sent (joined lazily, then cached as one chunk)."""
+        return self._raw.joined()
+
+    @property
+    def normalized_text(self) -> str:
+        return self._normtext.joined()
+
+    @property
+    def _normtext(self) -> _Chunks:
+        return self._raw if self._norm is None else self._norm
+
+    @property
+    def nbytes(self) -> int:
+        """Resident bytes of the state: id/end arrays (allocated capacity), text chunks, literal index."""
+        seen: set[int] = set()
+        text = self._raw.nbytes(seen) + (self._norm.nbytes(seen) if self._norm is not None else 0)
+        return self._ids.nbytes + self._ends.nbytes + text + 72 * len(self._lits)
+
+    @property
+    def array_nbytes(self) -> int:
+        return self._ids.nbytes + self._ends.nbytes
+
+    # -- write side -----------------------------------------------------------------------------------------------
+    def append(self, text: str | bytes, *, expect_revision: int | None = None) -> Splice:
+        """Append raw text; returns the splice that turns the previous IDs into the new ones."""
+        self._check_revision(expect_revision)
+        text = validate_text(text, self.tokenizer.max_chars)
+        if len(self._raw) + len(text) > self.tokenizer.max_chars:
+            raise TextTooLargeError(f"session would hold {len(self._raw) + len(text):,} characters; "
+                                    f"the limit is {self.tokenizer.max_chars:,}")
+        if not text:
+            return Splice(self._n, np.zeros(0, np.uint32), self.revision, "noop")
+        t0 = time.perf_counter()
+        plan = self._plan_append(text)
+        return self._commit(plan, t0)
+
+    def edit(self, start: int, end: int, replacement: str | bytes = "", *,
+             expect_revision: int | None = None) -> Splice:
+        """Replace text[start:end] (character offsets into `text`) by `replacement`."""
+        self._check_revision(expect_revision)
+        length = len(self._raw)
+        for v in (start, end):
+            if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
+                raise SessionError(f"edit offsets must be ints, got {type(v).__name__}")
+        start, end = int(start), int(end)
+        if not 0 <= start <= end <= length:
+            raise SessionError(f"edit range [{start}, {end}) is outside the text [0, {length}]")
+        replacement = validate_text(replacement, self.tokenizer.max_chars)
+        if length - (end - start) + len(replacement) > self.tokenizer.max_chars:
+            raise TextTooLargeError("edited text exceeds the tokenizer's size limit")
+        if end == length and start == end:
+            return self.append(replacement)
+        old = self._raw.slice(start, end)
+        if old == replacement:
+            return Splice(self._n, np.zeros(0, np.uint32), self.revision, "noop")
+        t0 = time.perf_counter()
+        plan = self._plan_edit(start, end, replacement)
+        return self._commit(plan, t0)
+
+    def sync(self, full_text: str | bytes, *, expect_revision: int | None = None) -> Splice:
+        """Bring the session to `full_text` (clients that resend the whole context): an append when the stored text
+        is a prefix, else an edit of the changed middle (common prefix and suffix kept)."""
+        self._check_revision(expect_revision)
+        full_text = validate_text(full_text, self.tokenizer.max_chars)
+        length = len(self._raw)
+        if self._raw.is_prefix_of(full_text):
+            return self.append(full_text[length:])
+        cp = self._raw.common_prefix(full_text)
+        cs = self._raw.common_suffix(full_text, min(length, len(full_text)) - cp)
+        return self.edit(cp, length - cs, full_text[cp:len(full_text) - cs])
+
+    def reset(self, text: str | bytes = "", *, expect_revision: int | None = None) -> Splice:
+        """Drop the state and start over from `text` (a session-state miss)."""
+        self._check_revision(expect_revision)
+        text = validate_text(text, self.tokenizer.max_chars)
+        fresh = Session(self.tokenizer, allowed_special=self.allowed_special, window=self.window,
+                        max_widenings=self.max_widenings, certify=self.rule is not None)
+        fresh.append(text)
+        stats, rev = self.stats, self.revision
+        self.__dict__.update(fresh.__dict__)
+        self.stats, self.revision = stats, rev + 1
+        return Splice(0, self._ids[:self._n].copy(), self.revision, "full")
+
+    def _check_revision(self, expect: int | None) -> None:
+        if expect is not None and expect != self.revision:
+            raise StaleRevisionError(f"expected revision {expect}, session is at {self.revision}")
+
+    # -- literals (allowed special tokens) ------------------------------------------------------------------------
+    def _scan(self, text: str, offset: int) -> list[tuple[int, int, int]]:
+        """Literal matches of the special scan (same regex and order as Tokenizer.encode): (start, end, id|-1)."""
+        out = []
+        for m in self._matcher.regex.finditer(text):
+            lit = m.group()
+            out.append((offset + m.start(), offset + m.end(),
+                        self.tokenizer.specials[lit] if lit in self.allowed_special else -1))
+        return out
+
+    # -- planning -------------------------------------------------------------------------------------------------
+    def _plan_append(self, text: str) -> _Plan:
+        L0 = len(self._raw)
+        norm = self._normtext
+        N0 = len(norm)
+        lits_new = None
+        struct_raw = L0                         # first raw position whose segmentation may differ
+        found: list[tuple[int, int, int]] = []
+        keep_lits = len(self._lits)
+        if self._matcher is not None:
+            lo = max(0, L0 - self._maxlit + 1)
+            keep_lits = bisect.bisect_left(self._lits, (lo,))
+            restart = max(lo, self._lits[keep_lits - 1][1] if keep_lits else 0)
+            found = self._scan(self._raw.slice(restart, L0) + text, restart)
+            old_tail = [(a, b, sid) for a, b, _, _, sid in self._lits[keep_lits:]]
+            new_head = [x for x in found if x[0] < L0]
+            if old_tail != new_head:
+                diff = [x[0] for x in old_tail if x not in new_head] + [x[0] for x in new_head if x not in old_tail]
+                struct_raw = min(diff)
+        if self._nfc and struct_raw < L0:
+            return self._plan_rebuild(self._raw.joined() + text, ("append", text))
+        # The normalized middle `mid` replaces norm[d0:N0]; allowed literals get normalized coordinates.
+        if not self._nfc:
+            d0, mid, struct = N0, text, struct_raw
+            lits_new = self._lits[:keep_lits] + [(a, b, a, b, sid) for a, b, sid in found]
+        else:
+            seg_start = max((e[3] for e in self._lits if e[4] >= 0), default=0)
+            d0 = self._nfc_split_before(norm, N0, seg_start)
+            if d0 is None:
+                return self._plan_rebuild(self._raw.joined() + text, ("append", text))
+            # struct_raw == L0 here: the old literal entries all stand; walk the new ones
+            lits_new, pieces, cur, pos, raw_pos = list(self._lits), [], norm.slice(d0, N0), d0, L0
+            for a, b, sid in (x for x in found if x[0] >= L0):
+                if sid < 0:
+                    lits_new.append((a, b, -1, -1, -1))
+                    continue
+                seg = self.reference.normalize(cur + text[raw_pos - L0:a - L0])
+                lit = text[a - L0:b - L0]
+                pieces += [seg, lit]
+                lits_new.append((a, b, pos + len(seg), pos + len(seg) + len(lit), sid))
+                pos += len(seg) + len(lit)
+                cur, raw_pos = "", b
+            pieces.append(self.reference.normalize(cur + text[raw_pos - L0:]))
+            mid, struct = "".join(pieces), N0
+        new = _NewText(norm, d0, mid, N0)
+        d = min(d0 + _lcp(norm.slice(d0, N0), mid, 0), struct)
+        raw_is_norm = self._norm is None and (not self._nfc or mid == norm.slice(d0, N0) + text)
+        plan = _Plan(raw_op=("append", text),
+                     norm_op=None if raw_is_norm else ("replace", d0, N0, mid),
+                     lits=lits_new if self._matcher is not None else None, raw_is_norm=raw_is_norm)
+        self._repair(plan, new, d, new.length, self._special_spans(lits_new))
+        return plan
+
+    def _plan_edit(self, start: int, end: int, replacement: str) -> _Plan:
+        raw_len = len(self._raw)
+        if self._matcher is not None or (self._nfc and self._norm is not None):
+            new_raw = self._raw.slice(0, start) + replacement + self._raw.slice(end, raw_len)
+            return self._plan_rebuild(new_raw, ("set", new_raw))
+        norm = self._raw
+        if not self._nfc:
+            d0, e_old, mid = start, end, replacement
+            raw_is_norm = True
+        else:
+            d0 = self._nfc_split_before(norm, start, 0)
+            e_old = self._nfc_split_after(norm, end)
+            if d0 is None or e_old is None:
+                new_raw = self._raw.slice(0, start) + replacement + self._raw.slice(end, raw_len)
+                return self._plan_rebuild(new_raw, ("set", new_raw))
+            raw_mid = norm.slice(d0, start) + replacement + norm.slice(end, e_old)
+            mid = self.reference.normalize(raw_mid)
+            raw_is_norm = mid == raw_mid
+        old_mid = norm.slice(d0, e_old)
+        cp = _lcp(old_mid, mid, 0)
+        cs = _lcs(old_mid[cp:], mid[cp:])
+        new = _NewText(norm, d0, mid, e_old)
+        plan = _Plan(raw_op=("replace", start, end, replacement),
+                     norm_op=None if raw_is_norm else ("replace", d0, e_old, mid), lits=None,
+                     raw_is_norm=raw_is_norm)
+        self._repair(plan, new, d0 + cp, d0 + len(mid) - cs, [])
+        return plan
+
+    def _plan_rebuild(self, new_raw: str, raw_op: tuple) -> _Plan:
+        """Full renormalization / literal rescan of the new raw text, then the same certified repair on the diff.
+        O(N) in the text (documented: edits with allowed specials, edits of NFC text whose raw form is not NFC)."""
+        self.stats.renormalizations += 1
+        lits = self._scan(new_raw, 0) if self._matcher is not None else []
+        pieces, entries, pos, raw_pos = [], [], 0, 0
+        for a, b, sid in lits:
+            if sid < 0:
+                entries.append((a, b, -1, -1, -1))
+                continue
+            seg = self.reference.normalize(new_raw[raw_pos:a]) if self._nfc else new_raw[raw_pos:a]
+            lit = new_raw[a:b]
+            pieces += [seg, lit]
+            entries.append((a, b, pos + len(seg), pos + len(seg) + len(lit), sid))
+            pos += len(seg) + len(lit)
+            raw_pos = b
+        pieces.append(self.reference.normalize(new_raw[raw_pos:]) if self._nfc else new_raw[raw_pos:])
+        new_norm = "".join(pieces)
+        old_norm = self._normtext.joined()
+        old_sp = [(e[2], e[3], e[4]) for e in self._lits if e[4] >= 0]
+        new_sp = [(e[2], e[3], e[4]) for e in entries if e[4] >= 0]
+        delta = len(new_norm) - len(old_norm)
+        d = _lcp(old_norm, new_norm, 0)
+        cs = _lcs(old_norm[d:], new_norm[d:])
+        e_new = len(new_norm) - cs
+        # segmentation must agree on the kept prefix and the kept (shifted) suffix
+        k = 0
+        while k < min(len(old_sp), len(new_sp)) and old_sp[k] == new_sp[k]:
+            k += 1
+        if k < len(old_sp) or k < len(new_sp):
+            firsts = [old_sp[k][0]] if k < len(old_sp) else []
+            firsts += [new_sp[k][0]] if k < len(new_sp) else []
+            d = min(d, *firsts)
+        j = 0
+        while (j < min(len(old_sp), len(new_sp)) - k
+               and (old_sp[-1 - j][0] + delta, old_sp[-1 - j][1] + delta, old_sp[-1 - j][2]) == new_sp[-1 - j]):
+            j += 1
+        if len(new_sp) - j > k or len(old_sp) - j > k:
+            lasts = [new_sp[len(new_sp) - j - 1][1]] if len(new_sp) - j - 1 >= 0 else []
+            lasts += [old_sp[len(old_sp) - j - 1][1] + delta] if len(old_sp) - j - 1 >= 0 else []
+            e_new = max(e_new, *lasts)
+        d = min(d, e_new)
+        e_old = e_new - delta
+        raw_is_norm = new_norm == new_raw
+        plan = _Plan(raw_op=raw_op, norm_op=None if raw_is_norm else ("set", new_norm),
+                     lits=entries if self._matcher is not None else None, raw_is_norm=raw_is_norm)
+        new = _NewText(_Chunks([old_norm]), d, new_norm[d:e_new], e_old)
+        self._repair(plan, new, d, e_new, new_sp)
+        return plan
+
+    def _special_spans(self, lits) -> list[tuple[int, int, int]]:
+        if not lits:
+            return []
+        return [(ns, ne, sid) for _, _, ns, ne, sid in lits if sid >= 0]
+
+    def _nfc_split_before(self, norm: _Chunks, pos: int, floor: int) -> int | None:
+        """Largest q <= pos (q >= floor) where NFC(text) == NFC(text[:q]) + NFC(text[q:]) holds for any later
+        text: an ASCII character at q (a starter that never composes with what precedes it), or the floor (text
+        start / end of a special literal, where normalization restarts). None: none within reach."""
+        lo = max(floor, pos - _NFC_REACH)
+        step = 256
+        hi = pos
+        while hi > lo:
+            a = max(lo, hi - step)
+            chunk = norm.slice(a, hi)
+            for k in range(len(chunk) - 1, -1, -1):
+                if chunk[k] < "\x80":
+                    return a + k
+            hi = a
+            step *= 2
+        return floor if lo == floor else None
+
+    def _nfc_split_after(self, norm: _Chunks, pos: int) -> int | None:
+        """Smallest q >= pos with an ASCII character at q (or the text end)."""
+        end = len(norm)
+        hi_limit = min(end, pos + _NFC_REACH)
+        a, step = pos, 256
+        while a < hi_limit:
+            b = min(hi_limit, a + step)
+            chunk = norm.slice(a, b)
+            for k, ch in enumerate(chunk):
+                if ch < "\x80":
+                    return a + k
+            a = b
+            step *= 2
+        return end if hi_limit == end else None
+
+    # -- the certified repair -------------------------------------------------------------------------------------
+    def _repair(self, plan: _Plan, new: _NewText, d: int, e_new: int, specials: list[tuple[int, int, int]]) -> None:
+        """Fill plan's record splice for new text that equals the old text on [0, d) and on [e_new, end) (shifted by
+        new.delta), with the same literal segmentation there."""
+        n = self._n
+        plan.delta = new.delta
+        new_len = new.length
+        if n and self.rule is not None:
+            self.stats.repairs += 1
+            for attempt in range(self.max_widenings + 1):
+                w = self.window << attempt
+                s = self._window_start(d - w, d)
+                r = new_len if e_new + w >= new_len else self._window_end(e_new + w, specials)
+                plan.attempts = attempt + 1
+                fresh = self._encode_window(new, s, r, specials)
+                if fresh is None:
+                    continue
+                f_ids, f_ends = fresh
+                left = self._find_left(new, s, d, f_ids, f_ends, specials)
+                if left is None:
+                    continue
+                right = self._find_right(new, e_new, r, new_len, f_ids, f_ends, specials)
+                if right is None:
+                    continue
+                self._fill_window(plan, s, left, right, f_ids, f_ends)
+                plan.path = "window"
+                if attempt == 0:
+                    self.stats.first_window_accepts += 1
+                return
+            self.stats.full_fallbacks += 1
+        elif n:
+            self.stats.repairs += 1
+        self.stats.full_encodes += 1
+        f_ids, f_ends = self._encode_window(new, 0, new_len, specials, check=False)
+        m = min(n, len(f_ids))
+        neq = np.flatnonzero(self._ids[:m] != f_ids[:m])
+        keep = int(neq[0]) if len(neq) else m
+        plan.keep, plan.mid_ids, plan.mid_ends = keep, f_ids[keep:], f_ends[keep:]
+        plan.right_from, plan.path = n, "full"
+
+    def _window_start(self, target: int, d: int) -> int:
+        """A clean cached token boundary <= target (a character boundary no token straddles); ASCII for NFC."""
+        if target <= 0:
+            return 0
+        ends, ids, n = self._ends, self._ids, self._n
+        i = int(np.searchsorted(ends[:n], target, side="right")) - 1
+        norm = self._normtext
+        fallback = None
+        for _ in range(256):
+            if i < 0:
+                return 0
+            pos = int(ends[i])
+            if i + 1 >= n or not self._cont[ids[i + 1]]:
+                if not self._nfc or norm.char(pos) < "\x80":
+                    return pos
+                fallback = pos if fallback is None else fallback
+            i -= 1
+        return fallback if fallback is not None else 0
+
+    @staticmethod
+    def _window_end(target: int, specials) -> int:
+        for a, b, _ in specials:          # never cut a literal
+            if a < target < b:
+                return a
+        return target
+
+    def _encode_window(self, new: _NewText, s: int, r: int, specials, check: bool = True):
+        """Reference records of new[s:r] (literals split out); ends relative to s. None if an NFC self-check fails."""
+        text = new.slice(s, r)
+        id_parts, end_parts, pos = [], [], s
+        inside = [(a, b, sid) for a, b, sid in specials if s <= a and b <= r]
+
+        def ordinary(a: int, b: int) -> bool:
+            if a >= b:
+                return True
+            t = text[a - s:b - s]
+            if self._nfc and check and not t.isascii() and self.reference.normalize(t) != t:
+                return False
+            ids = self.reference.encode_ordinary_normalized(t)
+            byte_ends = np.cumsum(self.reference.token_lengths[ids])
+            id_parts.append(ids)
+            end_parts.append(utf8_char_ends(t, byte_ends) + (a - s))
+            return True
+
+        for a, b, sid in inside:
+            if not ordinary(pos, a):
+                return None
+            id_parts.append(np.array([sid], dtype=np.uint32))
+            end_parts.append(np.array([b - s], dtype=np.int64))
+            pos = b
+        if not ordinary(pos, r):
+            return None
+        if not id_parts:
+            return np.zeros(0, np.uint32), np.zeros(0, np.int64)
+        ids = np.concatenate(id_parts).astype(np.uint32, copy=False)
+        ends = np.concatenate(end_parts).astype(np.int64, copy=False)
+        return ids, ends + s
+
+    def _clean_index(self, ends: np.ndarray, ids: np.ndarray, pos: np.ndarray, origin: int):
+        """For each position: index of the last record ending there if it is a clean boundary, -1 for origin,
+        -2 when not a clean boundary of these records."""
+        if not len(ends):
+            return np.where(pos == origin, -1, -2)
+        idx = np.searchsorted(ends, pos, side="right") - 1
+        ok = idx >= 0
+        safe = np.where(ok, idx, 0)
+        hit = ok & (ends[safe] == pos)
+        nxt = np.minimum(safe + 1, len(ids) - 1)
+        clean = hit & ((safe + 1 >= len(ids)) | ~self._cont[ids[nxt]])
+        out = np.where(clean, idx, -2)
+        return np.where(pos == origin, -1, out)
+
+    def _run_ok(self, c_ids, ci, f_ids, fj, c_ends, c_origin) -> bool:
+        """The agreeing run through the splice point: >= 2 tokens, > max_token_chars characters, and it includes
+        the token left of the point (so the point lies inside the run)."""
+        m = min(ci + 1, fj + 1)
+        if m <= 0:
+            return False
+        a = c_ids[ci - m + 1:ci + 1][::-1]
+        b = f_ids[fj - m + 1:fj + 1][::-1]
+        neq = np.flatnonzero(a != b)
+        back = int(neq[0]) if len(neq) else m
+        if back == 0:
+            return False
+        m2 = min(len(c_ids) - ci - 1, len(f_ids) - fj - 1)
+        neq = np.flatnonzero(c_ids[ci + 1:ci + 1 + m2] != f_ids[fj + 1:fj + 1 + m2])
+        fwd = int(neq[0]) if len(neq) else m2
+        first = ci - back + 1
+        start = int(c_ends[first - 1]) if first > 0 else c_origin
+        stop = int(c_ends[ci + fwd])
+        return back + fwd >= 2 and stop - start > self._max_token_chars
+
+    def _find_left(self, new, s, d, f_ids, f_ends, specials):
+        """Rightmost certified splice point p in [s, d]: (p, cached index, fresh index)."""
+        n = self._n
+        c_ids, c_ends = self._ids[:n], self._ends[:n]
+        hard = {s} if s == 0 or self._is_special_edge(s) else set()
+        for a, b, _ in specials:
+            if b <= d and b >= s:
+                hard.update(x for x in (a, b) if x >= s)
+        stable = self.rule.stable_positions(new.slice(s, d), s) if d - s >= 2 else np.zeros(0, np.int64)
+        cand = np.union1d(np.fromiter(hard, dtype=np.int64, count=len(hard)), stable)[::-1]
+        if not len(cand):
+            return None
+        ci = self._clean_index(c_ends, c_ids, cand, 0)
+        fj = self._clean_index(f_ends, f_ids, cand, s)
+        good = np.flatnonzero((ci >= -1) & (fj >= -1))
+        tried = 0
+        for k in good:
+            p = int(cand[k])
+            if p in hard:
+                return p, int(ci[k]), int(fj[k])
+            if tried >= _MAX_CANDIDATES:
+                break
+            tried += 1
+            if self._run_ok(c_ids, int(ci[k]), f_ids, int(fj[k]), c_ends, 0):
+                return p, int(ci[k]), int(fj[k])
+        return None
+
+    def _find_right(self, new, e_new, r, new_len, f_ids, f_ends, specials):
+        """Leftmost certified splice point q in [e_new, r]: (q, cached index of q - delta, fresh index)."""
+        n, delta = self._n, new.delta
+        if r >= new_len and e_new >= new_len:
+            return new_len, n - 1, len(f_ids) - 1
+        c_ids, c_ends = self._ids[:n], self._ends[:n]
+        hard = {new_len} if r >= new_len else set()
+        for a, b, _ in specials:
+            if a >= e_new and b <= r:
+                hard.update((a, b))
+        stable = self.rule.stable_positions(new.slice(e_new, r), e_new) if r - e_new >= 2 else np.zeros(0, np.int64)
+        cand = np.union1d(np.fromiter(hard, dtype=np.int64, count=len(hard)), stable)
+        if not len(cand):
+            return None
+        ci = self._clean_index(c_ends, c_ids, cand - delta, 0)
+        fj = self._clean_index(f_ends, f_ids, cand, -1)
+        good = np.flatnonzero((ci >= -1) & (fj >= 0))
+        tried = 0
+        for k in good:
+            q = int(cand[k])
+            if q in hard:
+                return q, int(ci[k]), int(fj[k])
+            if tried >= _MAX_CANDIDATES:
+                break
+            tried += 1
+            if self._run_ok(c_ids, int(ci[k]), f_ids, int(fj[k]), c_ends, 0):
+                return q, int(ci[k]), int(fj[k])
+        return None
+
+    def _is_special_edge(self, pos: int) -> bool:
+        if not self._matcher:
+            return False
+        i = int(np.searchsorted(self._ends[:self._n], pos, side="right")) - 1
+        if i >= 0 and self._ends[i] == pos and self._is_special[self._ids[i]]:
+            return True
+        return i + 1 < self._n and self._is_special[self._ids[i + 1]] and (i < 0 or self._ends[i] == pos)
+
+    def _fill_window(self, plan: _Plan, s: int, left, right, f_ids, f_ends) -> None:
+        p, ci_p, fj_p = left
+        q, ci_q, fj_q = right
+        mid_ids = f_ids[fj_p + 1:fj_q + 1]
+        mid_ends = f_ends[fj_p + 1:fj_q + 1]
+        # keep cached tokens that equal the fresh ones after p (same start, same IDs -> same records)
+        cap = min(len(mid_ids), max(0, ci_q - ci_p))
+        neq = np.flatnonzero(self._ids[ci_p + 1:ci_p + 1 + cap] != mid_ids[:cap])
+        k = int(neq[0]) if len(neq) else cap
+        plan.keep = ci_p + 1 + k
+        plan.mid_ids, plan.mid_ends = mid_ids[k:], mid_ends[k:]
+        plan.right_from = ci_q + 1
+
+    # -- commit ---------------------------------------------------------------------------------------------------
+    def _commit(self, plan: _Plan, t0: float) -> Splice:
+        n, keep, right_from = self._n, plan.keep, plan.right_from
+        n_mid, n_right = len(plan.mid_ids), n - right_from
+        new_n = keep + n_mid + n_right
+        ids, ends = self._ids, self._ends
+        if new_n > len(ids):
+            cap = max(new_n, len(ids) + len(ids) // 4 + 4096)
+            ids2, ends2 = np.empty(cap, np.uint32), np.empty(cap, np.uint32)
+            ids2[:keep], ends2[:keep] = ids[:keep], ends[:keep]
+            ids2[keep + n_mid:new_n] = ids[right_from:n]
+            ends2[keep + n_mid:new_n] = ends[right_from:n]
+            ids, ends = ids2, ends2
+        elif n_right and keep + n_mid != right_from:
+            ids[keep + n_mid:new_n] = ids[right_from:n].copy()
+            ends[keep + n_mid:new_n] = ends[right_from:n].copy()
+        if n_right and plan.delta:
+            tail = ends[keep + n_mid:new_n]
+            if plan.delta > 0:
+                tail += np.uint32(plan.delta)
+            else:
+                tail -= np.uint32(-plan.delta)
+        ids[keep:keep + n_mid] = plan.mid_ids
+        ends[keep:keep + n_mid] = plan.mid_ends
+        self._ids, self._ends, self._n = ids, ends, new_n
+        # text: the normalized store splits off the raw one (sharing its chunks) the first time they differ
+        if not plan.raw_is_norm and self._norm is None:
+            self._norm = self._raw.copy()
+        op = plan.raw_op
+        if op[0] == "append":
+            self._raw.append(op[1])
+        elif op[0] == "replace":
+            self._raw.replace(op[1], op[2], op[3])
+        else:
+            self._raw = _Chunks([op[1]])
+        if plan.raw_is_norm:
+            self._norm = None
+        elif plan.norm_op[0] == "replace":
+            self._norm.replace(plan.norm_op[1], plan.norm_op[2], plan.norm_op[3])
+        else:
+            self._norm = _Chunks([plan.norm_op[1]])
+        if plan.lits is not None:
+            self._lits = plan.lits
+        self.revision += 1
+        dt = time.perf_counter() - t0
+        self.stats.last_repair_s = dt
+        self.stats.total_repair_s += dt
+        self.stats.windows_tried += plan.attempts
+        self.stats.widenings += max(0, plan.attempts - 1)
+        self.stats.last_path = plan.path
+        return Splice(keep, self._ids[keep:new_n].copy(), self.revision, plan.path)
