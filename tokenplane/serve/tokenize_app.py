@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import argparse
+from contextlib import asynccontextmanager
 from typing import Any, Sequence
 
 from fastapi import FastAPI
@@ -22,13 +23,15 @@ def create_app(models: Sequence[str | Tokenizer] = ("cl100k_base",), **options: 
     for m in models:
         tok = m if isinstance(m, Tokenizer) else load(m)
         tokenizers[tok.name] = tok
-    app = FastAPI(title="tokenplane tokenize service")
-    service = add_tokenize_routes(app, tokenizers, **options)
+    holder: dict = {}
 
-    @app.on_event("shutdown")
-    def _close_verifiers() -> None:
-        service.close()
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        yield
+        holder["service"].close()   # stop the shadow-verifier threads with the server
 
+    app = FastAPI(title="tokenplane tokenize service", lifespan=lifespan)
+    holder["service"] = add_tokenize_routes(app, tokenizers, **options)
     return app
 
 

@@ -2,7 +2,7 @@
 
 Routes (JSON; text may be given as `text` or as UTF-8 bytes in `text_b64`):
   POST   /v1/tokenize                    {model?, text|text_b64, allowed_special?}        -> {model, ids, n_tokens}
-  POST   /v1/sessions                    {model?}                                         -> {id, model, revision}
+  POST   /v1/sessions                    {model?, allowed_special?}                       -> {id, model, revision}
   POST   /v1/sessions/{id}/append        {text|text_b64, expect_revision?, return_ids?}   -> patch
   POST   /v1/sessions/{id}/edit          {start, end, text|text_b64, expect_revision?}    -> patch
   POST   /v1/sessions/{id}/sync          {text|text_b64, expect_revision?}                -> patch
@@ -11,7 +11,7 @@ Routes (JSON; text may be given as `text` or as UTF-8 bytes in `text_b64`):
   GET    /v1/tokenize/stats
 A patch is {revision, n_tokens, keep, ids}: the first `keep` tokens of the previous revision are unchanged and `ids`
 are the tokens from `keep` on, so a client holding revision r-1 rebuilds revision r exactly. Edit offsets are
-characters of the session text (as normalized by the tokenizer, see GET .../text_chars).
+characters of the session text as sent (before normalization; GET reports its length as text_chars).
 
 Errors: 400 invalid text (bad UTF-8, lone surrogates, bad base64, bad offsets), 404 unknown model or session
 (including sessions evicted by TTL), 409 stale `expect_revision`, 413 oversize body or text, 422 malformed JSON.
@@ -33,7 +33,8 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel
 
 from ..tokenize.tokenizer import InvalidTextError, TextTooLargeError, Tokenizer, validate_text
-from ..tokenize.verify import ShadowVerifier, first_difference
+from ..tokenize.session import SessionError, StaleRevisionError
+from ..tokenize.verify import ShadowVerifier
 
 
 class ServiceError(Exception):
@@ -55,6 +56,7 @@ class TokenizeBody(TextBody):
 
 class CreateSessionBody(BaseModel):
     model: str | None = None
+    allowed_special: list[str] | Literal["all"] = []
 
 
 class AppendBody(TextBody):
@@ -79,7 +81,6 @@ class SessionEntry:
     session: Any
     created: float
     last_used: float
-    revision: int = 0
     lock: threading.Lock = field(default_factory=threading.Lock)
 
 
@@ -204,53 +205,47 @@ class TokenizeService:
 
     def create_session(self, body: CreateSessionBody) -> dict:
         name, tok = self.tokenizer(body.model)
-        entry = self.store.create(name, tok.session())
-        return {"id": entry.id, "model": name, "revision": entry.revision, "ttl_s": self.store.ttl_s}
+        try:
+            session = tok.session(allowed_special=body.allowed_special)
+        except ValueError as exc:   # unknown special-token names
+            raise ServiceError(400, str(exc)) from None
+        entry = self.store.create(name, session)
+        return {"id": entry.id, "model": name, "revision": session.revision, "ttl_s": self.store.ttl_s}
 
     def mutate(self, session_id: str, body: AppendBody, op: str) -> dict:
         entry = self.store.get(session_id)
         tok = self.tokenizers[entry.model]
         text = self.text_of(body, tok)
-        with entry.lock:
-            if body.expect_revision is not None and body.expect_revision != entry.revision:
-                raise ServiceError(409, f"stale revision: expected {body.expect_revision}, session is at "
-                                        f"{entry.revision}", revision=entry.revision)
+        with entry.lock:   # a session is single-writer; concurrent requests on one session queue here
             sess = entry.session
-            old_ids = np.asarray(sess.ids)
-            old_len = len(old_ids)
-            if op == "append":
-                if len(sess.text) + len(text) > tok.max_chars:
-                    raise ServiceError(413, f"session would exceed {tok.max_chars:,} characters")
-                sess.append(text)
-            elif op == "edit":
-                n = len(sess.text)
-                if not 0 <= body.start <= body.end <= n:
-                    raise ServiceError(400, f"edit range [{body.start}, {body.end}) is outside the session text "
-                                            f"(0..{n} characters)")
-                if n - (body.end - body.start) + len(text) > tok.max_chars:
-                    raise ServiceError(413, f"session would exceed {tok.max_chars:,} characters")
-                sess.edit(body.start, body.end, text)
-            else:
-                sess.sync(text)
-            new_ids = np.asarray(sess.ids)
-            # Tokens before `keep` are unchanged: a client applying the patch rebuilds the new IDs exactly.
-            keep = first_difference(old_ids[:min(old_len, len(new_ids))], new_ids[:min(old_len, len(new_ids))])
-            keep = min(old_len, len(new_ids)) if keep < 0 else keep
-            entry.revision += 1
-            out = {"id": entry.id, "revision": entry.revision, "n_tokens": int(len(new_ids)),
-                   "n_chars": len(sess.text), "keep": int(keep)}
+            try:
+                if op == "append":
+                    splice = sess.append(text, expect_revision=body.expect_revision)
+                elif op == "edit":
+                    splice = sess.edit(body.start, body.end, text, expect_revision=body.expect_revision)
+                else:
+                    splice = sess.sync(text, expect_revision=body.expect_revision)
+            except StaleRevisionError as exc:
+                raise ServiceError(409, str(exc), revision=sess.revision) from None
+            except SessionError as exc:
+                raise ServiceError(400, str(exc)) from None
+            ids = sess.ids
+            out = {"id": entry.id, "revision": sess.revision, "n_tokens": int(len(ids)), "n_chars": len(sess.text),
+                   "keep": int(splice.keep), "path": splice.path}
             if body.return_ids:
-                out["ids"] = new_ids[keep:].tolist()
-            self.verify(entry.model, sess.text, new_ids, context={"session": entry.id, "revision": entry.revision})
+                out["ids"] = splice.ids.tolist()
+            self.verify(entry.model, sess.text, ids, tuple(sess.allowed_special),
+                        context={"session": entry.id, "revision": sess.revision})
         return out
 
     def get_session(self, session_id: str, ids: bool) -> dict:
         entry = self.store.get(session_id)
         with entry.lock:
             sess = entry.session
-            out = {"id": entry.id, "model": entry.model, "revision": entry.revision, "n_tokens": int(len(sess.ids)),
+            out = {"id": entry.id, "model": entry.model, "revision": sess.revision, "n_tokens": int(len(sess.ids)),
                    "text_chars": len(sess.text), "nbytes": int(sess.nbytes),
-                   "idle_s": round(self.store.clock() - entry.last_used, 3), "stats": _jsonable(sess.stats)}
+                   "idle_s": round(self.store.clock() - entry.last_used, 3), "stats": _jsonable(sess.stats),
+                   "allowed_special": sorted(sess.allowed_special)}
             if ids:
                 out["ids"] = np.asarray(sess.ids).tolist()
         return out

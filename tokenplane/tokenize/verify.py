@@ -63,9 +63,12 @@ def default_reference_factory(tokenizer: Tokenizer) -> Callable[[], ReferenceEng
     """A factory for a brand-new reference engine from the tokenizer's pinned file (never the serving instance)."""
     from .artifacts import ARTIFACTS, artifact_bytes
 
-    if tokenizer.name not in ARTIFACTS:
-        raise ValueError(f"{tokenizer.name!r} is not a pinned artifact; pass reference_factory= to ShadowVerifier")
-    return lambda: make_reference(tokenizer.family, artifact_bytes(tokenizer.name))
+    # Identify the file by content, so renamed or size-limited Tokenizers over a pinned file work too.
+    name = next((a.name for a in ARTIFACTS.values() if a.sha256 == tokenizer.content_hash), None)
+    if name is None:
+        raise ValueError(f"{tokenizer.name!r} is not built from a pinned artifact; pass reference_factory= to "
+                         "ShadowVerifier")
+    return lambda: make_reference(tokenizer.family, artifact_bytes(name))
 
 
 def first_difference(a: np.ndarray, b: np.ndarray) -> int:
