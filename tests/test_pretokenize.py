@@ -1,0 +1,140 @@
+"""Piece-boundary differential tests: the per-character predicate vs the reference splitter (HF Split, Onig).
+
+Both levels are needed (see docs/pretokenizer.md): a wrong split whose halves BPE-encode to the same IDs passes an
+ID-level test, so this file compares piece spans directly.
+"""
+
+import json
+import os
+import random
+import unicodedata
+from functools import lru_cache
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import tokenplane
+from tokenplane.tokenize import charclass, pretokenize
+
+FAMILIES = ["cl100k_base", "o200k_base", "llama3", "qwen3", "deepseek_v4"]
+CORPUS = os.environ.get("TOKENPLANE_CORPUS", "/tmp/corpus")
+
+
+@lru_cache(maxsize=None)
+def unicode_skew() -> tuple[str, ...]:
+    """Code points where Python's unicodedata disagrees with the probed class table (L, N, M, whitespace)."""
+    table = charclass.class_table("tiktoken")
+    bit = charclass.BIT
+    out = []
+    for cp in range(0x110000):
+        if 0xD800 <= cp < 0xE000:
+            continue
+        cat = unicodedata.category(chr(cp))
+        k = int(table[cp])
+        if (cat[0] == "L") != bool(k & bit["L"]) or (cat[0] == "N") != bool(k & bit["N"]) \
+                or (cat[0] == "M") != bool(k & bit["M"]):
+            out.append(chr(cp))
+    return tuple(out)
+
+
+ALPHABET = (list("aAzZ'sStTlLvVeErRdDmM \n\r\t/.,!(_-\"#0123456789") + ["ſ", "日", "本", "ʰ", "ǅ", "é", "ß", "İ", "٣",
+            "½", "²", "\u0301", "\u0903", "\u00a0", "\u3000", "\u200d", "\u0085", "\u2028", "\x0b", "\x0c", "あ",
+            "ア", "・", "ー", "゛", "\u3099", "中", "。", "，", "👍", "\U0001F3FD", "\ue000", "\u0378", "\x00", "\u00ad"])
+
+FRAGMENTS = ["'s", "'S", "'ſ", "'ll", "'LL", "'Re", "'ve", "don't", "ABCdef", "iPhone", "HTTPServer", "日本B",
+             "日Bc", "12345678", "1,000", "  \n  ", "\r\n\r\n", "   ", "\n\n\n    x", "};\n// c", ".\n/\n/", "x/\ny",
+             " .\u0301a", "..\u0301a", ".\u0301.", "\u0301A", "e\u0301", "नमस्ते", "สวัสดี", "👨\u200d👩\u200d👧",
+             "你好，世界。", "カタカナ・ひらがな", "'hello", "\"Quote\"", "(x)", "a\tb", " \t\n", "x  ", "x \n"]
+
+
+def _text_strategy():
+    skew = unicode_skew()
+    char = st.one_of(st.sampled_from(ALPHABET), st.sampled_from(skew[:: max(1, len(skew) // 4000)]),
+                     st.characters(blacklist_categories=("Cs",)))
+    unit = st.one_of(char, st.sampled_from(FRAGMENTS), char.map(lambda c: c * 5))
+    return st.lists(unit, max_size=30).map("".join)
+
+
+def _check(name: str, text: str) -> None:
+    tok = tokenplane.load(name)
+    norm = tok.normalize(text)
+    ref = tok.reference.pretokenize(norm)
+    got = pretokenize.pieces(name, norm)
+    if got != ref:
+        first = min(set(got) ^ set(ref))
+        lo = max(0, first[0] - 20)
+        raise AssertionError(f"{name}: pieces differ near {norm[lo:first[0] + 20]!r}\n ref {ref[:40]}\n got {got[:40]}")
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_supported_and_pinned(name):
+    assert pretokenize.supported(tokenplane.load(name).family)
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+@pytest.mark.parametrize("text", FRAGMENTS + ["", "a", " ", "\n", "x" * 3 + "  ", "end with space ", "end\n\n \t",
+                                              "'", "''s", "x's's", "a's'sb", "A'S'T", "x'vE", " 's", "1'st"])
+def test_fragments(name, text):
+    _check(name, text)
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(text=_text_strategy())
+def test_adversarial(name, text):
+    _check(name, text)
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_dense_random_alphabet(name):
+    rng = random.Random(name)
+    for _ in range(600):
+        _check(name, "".join(rng.choice(ALPHABET) for _ in range(rng.randint(1, 30))))
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_unicode_skew_code_points(name):
+    """Characters whose class Python's unicodedata gets wrong: the probed table must be what decides."""
+    skew = unicode_skew()
+    assert len(skew) > 1000
+    rng = random.Random(0)
+    for _ in range(200):
+        parts = [rng.choice(skew) if rng.random() < 0.5 else rng.choice(ALPHABET) for _ in range(12)]
+        _check(name, "".join(parts))
+
+
+def _corpus_docs(limit_chars: int):
+    path = os.path.join(CORPUS, "mixed.jsonl")
+    if not os.path.exists(path):
+        pytest.skip(f"no corpus at {CORPUS} (build it: python ../shared/tools/build_corpus.py {CORPUS})")
+    docs = []
+    for fname in ("mixed.jsonl", "nonen.jsonl"):
+        with open(os.path.join(CORPUS, fname), encoding="utf-8") as fh:
+            lines = fh.readlines()
+        for line in lines[:: max(1, len(lines) // 12)]:
+            docs.append(json.loads(line)["text"][:limit_chars])
+    return docs
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_corpus_slices(name):
+    for doc in _corpus_docs(20_000):
+        _check(name, doc)
+
+
+@pytest.mark.campaign
+@pytest.mark.parametrize("name", FAMILIES)
+def test_corpus_full(name):
+    for doc in _corpus_docs(10 ** 7):
+        _check(name, doc)
+
+
+def test_unsupported_family_raises():
+    from tokenplane.tokenize.families import Family
+
+    generic = Family(name="hf-generic", engine="hf", patterns=("x",), onig_patterns=("x",))
+    assert not pretokenize.supported(generic)
+    with pytest.raises(pretokenize.UnsupportedFamily):
+        pretokenize.piece_starts(generic, np.array([65], dtype=np.uint32))

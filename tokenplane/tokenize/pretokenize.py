@@ -1,0 +1,489 @@
+"""Pre-tokenization as a per-character predicate: no backtracking regex on the common path.
+
+Each code point is classified with the class table probed out of the reference engine (`charclass`), the text is cut
+into maximal same-class runs, and "a piece starts here" is decided per character from its offset inside its run, at
+most two characters of lookback across the run boundary, and per-run aggregates computed with prefix scans (run start,
+run end, first non-CR/LF position, last CR/LF position, last non-B letter kind, next non-upper letter). Everything is
+vectorized numpy over the code-point array. The derivation, one regex alternative at a time, is in
+docs/pretokenizer.md; it is claimed only for the frozen splitter configurations (`Family.splitter_hash`) and the
+pinned class tables (`charclass.PINNED`), which `supported()` checks.
+
+o200k has two rare local shapes the vectorized rule does not cover (a combining mark right after punctuation, which
+the punctuation alternative can swallow, and `/` right after CR/LF, which `[\\r\\n/]*` can chain into). Around those the
+pieces are recomputed by a scalar matcher (`_o200k_scan`, the regex emulated alternative by alternative) between two
+synchronizing positions, where a piece starts whatever the left context is.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+
+import numpy as np
+
+from . import charclass
+from .families import FAMILIES, Family
+
+_B = charclass.BIT
+_L, _N, _S, _M, _P, _SY = _B["L"], _B["N"], _B["s"], _B["M"], _B["P"], _B["S"]
+_LU, _LT, _LL = _B["Lu"], _B["Lt"], _B["Ll"]
+CR, LF, SPACE, APOS, SLASH = 13, 10, 32, 39, 47
+
+# Splitter configurations this module was derived for (Family.splitter_hash of the frozen families).
+_DERIVED = {name: fam.splitter_hash for name, fam in FAMILIES.items()}
+
+
+class UnsupportedFamily(ValueError):
+    """The family's splitter (or the probed class table) is not one the predicate was derived for."""
+
+
+def supported(family: Family) -> bool:
+    """True when the family's splitter hash and the engine's class table are the ones the rules were derived on."""
+    return _DERIVED.get(family.name) == family.splitter_hash and charclass.table_is_pinned(family.engine)
+
+
+def _family(family: Family | str) -> Family:
+    fam = FAMILIES.get(family) if isinstance(family, str) else family
+    if fam is None or _DERIVED.get(fam.name) != fam.splitter_hash:
+        raise UnsupportedFamily(f"no per-character pre-tokenizer for family {getattr(family, 'name', family)!r}")
+    return fam
+
+
+@lru_cache(maxsize=None)
+def _table(engine: str) -> np.ndarray:
+    return charclass.class_table(engine)
+
+
+def codepoints(text: str) -> np.ndarray:
+    return np.frombuffer(text.encode("utf-32-le"), dtype=np.uint32)
+
+
+# -- scans ----------------------------------------------------------------------------------------------------------
+def _runs(key: np.ndarray, extra_breaks: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """Per character: start and end index of its maximal same-key run."""
+    n = key.shape[0]
+    brk = np.empty(n, dtype=bool)
+    brk[0] = True
+    np.not_equal(key[1:], key[:-1], out=brk[1:])
+    if extra_breaks is not None:
+        brk |= extra_breaks
+    starts = np.flatnonzero(brk)
+    rid = np.cumsum(brk) - 1
+    ends = np.append(starts[1:], n)
+    return starts[rid], ends[rid]
+
+
+def _shift(a: np.ndarray, k: int, fill) -> np.ndarray:
+    """a[i-k] (lookback by k), `fill` before the text start."""
+    out = np.empty_like(a)
+    out[:k] = fill
+    out[k:] = a[:-k] if k else a
+    return out
+
+
+def _last_at_or_before(mask: np.ndarray, idx: np.ndarray) -> np.ndarray:
+    """Per position i: the largest j <= i with mask[j], or -1."""
+    return np.maximum.accumulate(np.where(mask, idx, -1))
+
+
+def _first_at_or_after(mask: np.ndarray, idx: np.ndarray, n: int) -> np.ndarray:
+    """Per position i: the smallest j >= i with mask[j], or n."""
+    return np.minimum.accumulate(np.where(mask, idx, n)[::-1])[::-1]
+
+
+def _fold(cps: np.ndarray) -> np.ndarray:
+    """Simple case fold of the contraction letters as both engines apply (?i:): S/ſ->s, T->t, ... (probed)."""
+    f = cps.astype(np.int64)
+    up = (f >= 65) & (f <= 90)
+    f = np.where(up, f + 32, f)
+    return np.where(f == 0x17F, ord("s"), f)
+
+
+# -- shared whitespace rule -----------------------------------------------------------------------------------------
+def _whitespace_starts(ws, crlf, idx, rs, re, n, absorbed_head, end_is_boundary, whole_at_end):
+    """Piece starts inside whitespace runs.
+
+    s0: the run start, or past the leading CR/LF that the preceding punctuation piece absorbs (`[\\r\\n]*`).
+    Then `\\s*[\\r\\n]` ends a piece after the last CR/LF, and `\\s+(?!\\S)` leaves the last character (which starts
+    the next piece, alone or as the prefix of a word/punctuation piece) unless the run ends the text (segment).
+    `whole_at_end`: cl100k's `\\s++$` takes the whole run when it ends the text.
+    """
+    first_non_crlf = _first_at_or_after(~crlf, idx, n)
+    s0 = np.where(absorbed_head[rs], np.minimum(first_non_crlf[rs], re), rs)
+    last_crlf = _last_at_or_before(crlf, idx)[re - 1]           # last CR/LF of the run (may be < rs: none)
+    at_end = end_is_boundary[re - 1]
+    after_nl = (idx - 1 == last_crlf) & (last_crlf >= rs)
+    last_char = (idx == re - 1) & ~crlf & ~at_end
+    if whole_at_end:
+        inner = ~at_end & (after_nl | last_char)
+    else:
+        inner = after_nl | last_char
+    return ws & (idx >= s0) & ((idx == s0) | inner)
+
+
+# -- cl100k / llama3 / qwen3 ----------------------------------------------------------------------------------------
+def _starts_gpt4(cps: np.ndarray, cls: np.ndarray, digits: int, whole_at_end: bool) -> np.ndarray:
+    n = cps.shape[0]
+    idx = np.arange(n)
+    is_l = (cls & _L) != 0
+    is_n = (cls & _N) != 0
+    ws = (cls & _S) != 0
+    other = ~(is_l | is_n | ws)
+    kind = np.where(is_l, 0, np.where(is_n, 1, np.where(ws, 2, 3))).astype(np.int8)
+    rs, re = _runs(kind)
+    head = idx == rs
+    crlf = (cps == CR) | (cps == LF)
+    prev_cp = _shift(cps.astype(np.int64), 1, -1)
+    prev2_cp = _shift(cps.astype(np.int64), 2, -1)
+    prev_kind = _shift(kind, 1, -1)
+    prev_crlf = _shift(crlf, 1, False)
+    prev_single = _shift(rs == idx, 1, False)       # char i-1 is a one-character run
+
+    # Punctuation run: starts a piece unless a space right before opens it (` ?[^\s\p{L}\p{N}]++`).
+    o_start = other & head & (prev_cp != SPACE)
+    # Letter run: `[^\r\n\p{L}\p{N}]?+\p{L}++` takes one non-CR/LF whitespace or one punctuation character as prefix
+    # (punctuation only when it is a run of one that itself starts a piece, i.e. no space before it).
+    ws_prefix = (prev_kind == 2) & ~prev_crlf
+    o_prefix = (prev_kind == 3) & prev_single & (prev2_cp != SPACE)
+    l_head = is_l & head
+    starts = (l_head & ~ws_prefix & ~o_prefix) | o_start
+    # Contractions `'(?i:[sdmt]|ll|ve|re)` win over the prefix rule when the apostrophe starts a piece.
+    site = np.flatnonzero(l_head & o_prefix & (prev_cp == APOS))
+    if site.size:
+        _contraction_starts(cps, re, site, starts, pairs_first=False)
+    starts |= is_n & ((idx - rs) % digits == 0)
+    absorbed = _shift(kind == 3, 1, False)          # whitespace run preceded by punctuation: CR/LF absorbed
+    end_bd = np.zeros(n, dtype=bool)
+    end_bd[-1] = True
+    starts |= _whitespace_starts(ws, crlf, idx, rs, re, n, absorbed, end_bd, whole_at_end)
+    return starts
+
+
+def _contraction_starts(cps, re, site, starts, pairs_first: bool) -> None:
+    """At letter-run heads `site` right after a piece-starting apostrophe: the piece ends after 1 or 2 letters."""
+    n = cps.shape[0]
+    f0 = _fold(cps[site])
+    nxt = np.minimum(site + 1, n - 1)
+    f1 = np.where(site + 1 < re[site], _fold(cps[nxt]), -1)
+    one = np.isin(f0, [ord(c) for c in "sdmt"])
+    two = ~one & (((f0 == ord("l")) & (f1 == ord("l"))) | ((f0 == ord("v")) & (f1 == ord("e")))
+                  | ((f0 == ord("r")) & (f1 == ord("e"))))
+    k = np.where(one, 1, np.where(two, 2, 0))
+    cut = site + k
+    ok = (k > 0) & (cut < re[site])
+    starts[cut[ok]] = True
+
+
+# -- o200k ------------------------------------------------------------------------------------------------------------
+def _starts_o200k(cps: np.ndarray, cls: np.ndarray) -> np.ndarray:
+    n = cps.shape[0]
+    idx = np.arange(n)
+    is_m = (cls & _M) != 0
+    word = ((cls & _L) != 0) | is_m
+    is_n = (cls & _N) != 0
+    ws = (cls & _S) != 0
+    other = ~(word | is_n | ws)
+    kind = np.where(word, 0, np.where(is_n, 1, np.where(ws, 2, 3))).astype(np.int8)
+    rs, re = _runs(kind)
+    head = idx == rs
+    crlf = (cps == CR) | (cps == LF)
+    prev_cp = _shift(cps.astype(np.int64), 1, -1)
+    prev2_cp = _shift(cps.astype(np.int64), 2, -1)
+    prev_kind = _shift(kind, 1, -1)
+    prev_crlf = _shift(crlf, 1, False)
+    prev_single = _shift(rs == idx, 1, False)
+
+    o_start = other & head & (prev_cp != SPACE)
+    ws_prefix = (prev_kind == 2) & ~prev_crlf
+    o_prefix = (prev_kind == 3) & prev_single & (prev2_cp != SPACE)
+    w_head = word & head
+    starts = (w_head & ~ws_prefix & ~o_prefix) | o_start
+
+    # Contraction suffix `(?i:'s|'t|'re|'ve|'m|'ll|'d)?` of a word piece: an apostrophe between two word runs.
+    sub_head = w_head.copy()
+    covered = np.zeros(n, dtype=bool)
+    site = np.flatnonzero(w_head & (prev_cp == APOS) & prev_single & (_shift(kind, 2, -1) == 0))
+    if site.size:
+        _o200k_contractions(cps, re, rs, site, starts, sub_head, covered)
+
+    # Case rule inside a word run (P = Lu/Lt, W = Ll, B = Lm/Lo/M): a piece is [PB]*[WB]+ or P+, so an upper
+    # letter starts a piece when the nearest non-B letter before it (same sub-run) is lower-case, or when a B letter
+    # precedes it and only upper letters follow to the run end.
+    up = (cls & (_LU | _LT)) != 0
+    low = (cls & _LL) != 0
+    both = word & ~up & ~low
+    sub_start = _last_at_or_before(sub_head, idx)
+    last_nb = _shift(_last_at_or_before(word & ~both, idx), 1, -1)
+    nb_low = (last_nb >= sub_start) & low[np.maximum(last_nb, 0)]
+    next_not_up = _first_at_or_after(~up, idx, n)
+    tail_up = next_not_up >= re
+    prev_both = _shift(both, 1, False)
+    starts |= up & ~sub_head & (nb_low | (prev_both & tail_up))
+    starts &= ~covered
+
+    starts |= is_n & ((idx - rs) % 3 == 0)
+    absorbed = _shift(kind == 3, 1, False)
+    end_bd = np.zeros(n, dtype=bool)
+    end_bd[-1] = True
+    starts |= _whitespace_starts(ws, crlf, idx, rs, re, n, absorbed, end_bd, whole_at_end=False)
+
+    # Rare shapes -> scalar matcher between synchronizing positions.
+    rare = np.flatnonzero((is_m & (prev_kind == 3)) | ((cps == SLASH) & prev_crlf))
+    if rare.size:
+        sync = np.zeros(n + 1, dtype=bool)
+        sync[0] = sync[n] = True
+        sync[1:n] |= prev_crlf[1:] & ~ws[1:] & (cps[1:] != SLASH)
+        sync[1:n] |= is_n[1:] != is_n[:-1]
+        sync_pos = np.flatnonzero(sync)
+        lo = sync_pos[np.searchsorted(sync_pos, rare, side="right") - 1]
+        hi = sync_pos[np.searchsorted(sync_pos, rare, side="right")]
+        for a, b in _merge_windows(lo, hi):
+            starts[a:b] = False
+            starts[_o200k_scan(cps, cls, a, b)] = True
+    return starts
+
+
+def _o200k_contractions(cps, re, rs, site, starts, sub_head, covered) -> None:
+    """Apostrophe at site-1 between word runs: it extends the left word piece when the right run begins with a
+    contraction, unless the left run is itself only the tail of a previous contraction (then the apostrophe opens a
+    piece as a prefix, the ordinary rule)."""
+    n = cps.shape[0]
+    f0 = _fold(cps[site])
+    nxt = np.minimum(site + 1, n - 1)
+    f1 = np.where(site + 1 < re[site], _fold(cps[nxt]), -1)
+    one = np.isin(f0, [ord(c) for c in "stmd"])
+    two = ~one & (((f0 == ord("r")) & (f1 == ord("e"))) | ((f0 == ord("v")) & (f1 == ord("e")))
+                  | ((f0 == ord("l")) & (f1 == ord("l"))))
+    k = np.where(one, 1, np.where(two, 2, 0))
+    cand = k > 0
+    site, k = site[cand], k[cand]
+    if not site.size:
+        return
+    valid = np.ones(site.size, dtype=bool)
+    # Chains (`x's's`): the left run of a site is the contraction tail of the previous site. Rare: resolve in order.
+    left_start = rs[site - 2]
+    chained = np.flatnonzero(np.isin(left_start, site) & (left_start + k[np.maximum(np.searchsorted(site, left_start), 0)]
+                                                            == site - 1))
+    if chained.size:
+        pos = {int(s): i for i, s in enumerate(site)}
+        for i in range(site.size):
+            ls = int(left_start[i])
+            j = pos.get(ls)
+            if j is not None and valid[j] and ls + int(k[j]) == int(site[i]) - 1:
+                valid[i] = False
+    site, k = site[valid], k[valid]
+    covered[site - 1] = True     # the apostrophe continues the left piece, and so do the contraction letters
+    covered[site] = True
+    covered[(site + 1)[k == 2]] = True
+    cut = site + k
+    inside = cut < re[site]
+    starts[cut[inside]] = True
+    sub_head[cut[inside]] = True
+
+
+def _merge_windows(lo: np.ndarray, hi: np.ndarray):
+    a, b = int(lo[0]), int(hi[0])
+    for x, y in zip(lo[1:].tolist(), hi[1:].tolist()):
+        if x < b:
+            b = max(b, y)
+        else:
+            yield a, b
+            a, b = x, y
+    yield a, b
+
+
+def _o200k_scan(cps: np.ndarray, cls: np.ndarray, a: int, b: int) -> list[int]:
+    """Piece starts in [a, b) by emulating the o200k regex alternative by alternative from `a` (a known start)."""
+    n = cps.shape[0]
+    cp = cps.tolist() if n < 4096 else None
+    get = (lambda i: cp[i]) if cp is not None else (lambda i: int(cps[i]))
+    c = lambda i: int(cls[i])
+
+    def is_u(i):
+        return c(i) & (_LU | _LT | _B["Lm"] | _B["Lo"] | _M) != 0
+
+    def is_lw(i):
+        return c(i) & (_LL | _B["Lm"] | _B["Lo"] | _M) != 0
+
+    def fold(x):
+        return x + 32 if 65 <= x <= 90 else (115 if x == 0x17F else x)
+
+    def contraction(e):
+        if e + 1 < n and get(e) == APOS:
+            f1 = fold(get(e + 1))
+            if f1 in (115, 116, 109, 100):          # s t m d
+                return e + 2
+            if e + 2 < n:
+                f2 = fold(get(e + 2))
+                if (f1, f2) in ((114, 101), (118, 101), (108, 108)):   # re ve ll
+                    return e + 3
+        return e
+
+    def word(alt, x):
+        if x >= n:
+            return -1
+        y = x
+        while y < n and is_u(y):
+            y += 1
+        if alt == 1:
+            if y < n and is_lw(y):
+                z = y
+                while z < n and is_lw(z):
+                    z += 1
+                return z
+            for j in range(y - 1, x - 1, -1):
+                if is_lw(j):
+                    return j + 1
+            return -1
+        if y == x:
+            return -1
+        while y < n and is_lw(y):
+            y += 1
+        return y
+
+    def match(p):
+        k = c(p)
+        ch = get(p)
+        prefix_ok = ch not in (CR, LF) and not (k & (_L | _N))
+        for alt in (1, 2):
+            for pre in ((1, 0) if prefix_ok else (0,)):
+                e = word(alt, p + pre)
+                if e > p + pre:
+                    return contraction(e)
+        if k & _N:
+            e = p
+            while e < n and e - p < 3 and c(e) & _N:
+                e += 1
+            return e
+        for sp in ((1, 0) if ch == SPACE else (0,)):
+            x = e = p + sp
+            while e < n and not (c(e) & (_S | _L | _N)):
+                e += 1
+            if e > x:
+                while e < n and get(e) in (CR, LF, SLASH):
+                    e += 1
+                return e
+        y = p
+        while y < n and c(y) & _S:
+            y += 1
+        last_nl = -1
+        for j in range(y - 1, p - 1, -1):
+            if get(j) in (CR, LF):
+                last_nl = j
+                break
+        if last_nl >= 0:
+            return last_nl + 1
+        if y == n:
+            return y
+        if y - 1 > p:
+            return y - 1
+        return y
+
+    out = []
+    p = a
+    while p < b:
+        out.append(p)
+        p = match(p)
+    if p != b:
+        raise RuntimeError(f"o200k scalar scan overran a synchronizing position ({p} != {b})")
+    return out
+
+
+# -- deepseek (three chained Split stages) ----------------------------------------------------------------------------
+_ASCII_PUNCT = np.zeros(128, dtype=bool)
+_ASCII_PUNCT[[ord(ch) for ch in "!\"#$%&'()*+,-./:;<=>?@[\\]^_`{|}~"]] = True
+
+
+def _starts_deepseek(cps: np.ndarray, cls: np.ndarray) -> np.ndarray:
+    n = cps.shape[0]
+    idx = np.arange(n)
+    is_n = (cls & _N) != 0
+    # Stage 1 `\p{N}{1,3}`: digit groups of three from each digit-run start; the gaps between are pieces.
+    nrs, _ = _runs(is_n)
+    seg = (idx == nrs) | (is_n & ((idx - nrs) % 3 == 0))
+    # Stage 2: runs of the CJK ranges inside the non-digit pieces.
+    cjk = (((cps >= 0x4E00) & (cps <= 0x9FA5)) | ((cps >= 0x3040) & (cps <= 0x309F))
+           | ((cps >= 0x30A0) & (cps <= 0x30FF)))
+    seg[1:] |= ~is_n[1:] & ~is_n[:-1] & (cjk[1:] != cjk[:-1])
+    seg[0] = True
+    # Stage 3 inside each segment (a segment end acts as the end of text; digit segments stay whole: no alternative
+    # matches a digit, so they survive as unmatched spans).
+    lm = ((cls & (_L | _M)) != 0) & ~is_n
+    ps = (cls & (_P | _SY)) != 0
+    ws = (cls & _S) != 0
+    kind = np.where(lm, 0, np.where(ps, 1, np.where(ws, 2, np.where(is_n, 4, 3)))).astype(np.int8)
+    rs, re = _runs(kind, seg)
+    head = idx == rs
+    seg_end = np.zeros(n, dtype=bool)
+    seg_end[:-1] = seg[1:]
+    seg_end[-1] = True
+    in_seg_prev = ~seg                                   # char i-1 is in the same segment
+    crlf = (cps == CR) | (cps == LF)
+    prev_cp = np.where(in_seg_prev, _shift(cps.astype(np.int64), 1, -1), -1)
+    prev_kind = np.where(in_seg_prev, _shift(kind, 1, -1), -1)
+    prev_crlf = in_seg_prev & _shift(crlf, 1, False)
+    prev_single = in_seg_prev & _shift(rs == idx, 1, False)
+    in_seg_prev2 = in_seg_prev & _shift(in_seg_prev, 1, False)
+    prev2_cp = np.where(in_seg_prev2, _shift(cps.astype(np.int64), 2, -1), -1)
+
+    starts = seg.copy()
+    # Punctuation/symbol run: ` ?[\p{P}\p{S}]+[\r\n]*` opens at the run head unless a space precedes.
+    ps_start = (kind == 1) & head & (prev_cp != SPACE)
+    # `[!-/...][A-Za-z]+`: a one-character ASCII punctuation run that starts a piece, followed by ASCII letters.
+    ascii_letter = ((cps >= 65) & (cps <= 90)) | ((cps >= 97) & (cps <= 122))
+    prev_ascii_punct = (prev_cp >= 0) & (prev_cp < 128) & _ASCII_PUNCT[np.clip(prev_cp, 0, 127)]
+    punct_glue = (kind == 0) & head & (prev_kind == 1) & prev_single & (prev2_cp != SPACE) & prev_ascii_punct \
+        & ascii_letter
+    # `[^\r\n\p{L}\p{P}\p{S}]?[\p{L}\p{M}]+`: non-CR/LF whitespace or an "other" character glues to the letters.
+    lm_head = (kind == 0) & head
+    glued = ((prev_kind == 2) & ~prev_crlf) | (prev_kind == 3)
+    starts |= (lm_head & ~glued & ~punct_glue) | ps_start
+    glue = np.flatnonzero(punct_glue)
+    if glue.size:
+        not_ascii = _first_at_or_after(~ascii_letter, idx, n)
+        cut = not_ascii[glue]
+        starts[cut[cut < re[glue]]] = True
+    # Other characters (no alternative matches them): one unmatched span, except the last one before letters, which
+    # is the prefix of the letter piece.
+    other = kind == 3
+    next_lm = np.zeros(n, dtype=bool)
+    next_lm[:-1] = (kind[1:] == 0) & ~seg[1:]
+    starts |= other & (head | ((idx == re - 1) & next_lm))
+    absorbed = prev_kind == 1
+    starts |= _whitespace_starts(ws, crlf, idx, rs, re, n, absorbed, seg_end, whole_at_end=False)
+    return starts
+
+
+# -- public API -----------------------------------------------------------------------------------------------------
+def piece_starts(family: Family | str, cps: np.ndarray) -> np.ndarray:
+    """bool[len(cps)]: True where a piece of the family's pre-tokenizer starts (cps: code points of normalized
+    text)."""
+    fam = _family(family)
+    cps = np.ascontiguousarray(cps, dtype=np.uint32)
+    if cps.shape[0] == 0:
+        return np.zeros(0, dtype=bool)
+    cls = _table(fam.engine)[cps]
+    if fam.name == "cl100k_base":
+        return _starts_gpt4(cps, cls, digits=3, whole_at_end=True)
+    if fam.name == "llama3":
+        return _starts_gpt4(cps, cls, digits=3, whole_at_end=False)
+    if fam.name == "qwen3":
+        return _starts_gpt4(cps, cls, digits=1, whole_at_end=False)
+    if fam.name == "o200k_base":
+        return _starts_o200k(cps, cls)
+    if fam.name == "deepseek_v4":
+        return _starts_deepseek(cps, cls)
+    raise UnsupportedFamily(fam.name)
+
+
+def spans_from_starts(starts: np.ndarray) -> np.ndarray:
+    """int64[k, 2] (start, end) character spans from a piece-start mask."""
+    s = np.flatnonzero(starts)
+    return np.stack([s, np.append(s[1:], starts.shape[0])], axis=1)
+
+
+def pieces(family: Family | str, text: str) -> list[tuple[int, int]]:
+    """Piece spans (character offsets), the format of `ReferenceEngine.pretokenize` (text: already normalized)."""
+    if not text:
+        return []
+    spans = spans_from_starts(piece_starts(family, codepoints(text)))
+    return list(map(tuple, spans.tolist()))
