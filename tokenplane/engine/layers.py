@@ -9,6 +9,14 @@ import torch.nn.functional as F
 from torch import nn
 
 
+class Linear(nn.Linear):
+    """nn.Linear without its random init: every weight comes from the loader, and skipping the init keeps building a
+    151k-vocabulary model (or an 8B one on a GPU) to allocation cost."""
+
+    def reset_parameters(self) -> None:
+        pass
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
@@ -47,7 +55,7 @@ class RotaryEmbedding(nn.Module):
 
     def __init__(self, head_dim: int, theta: float, scaling: dict[str, Any] | None) -> None:
         super().__init__()
-        # Explicit CPU: models are built under torch.device("meta") and this is not a parameter.
+        # Explicit CPU: models are built under a torch.device(target) context and this is not a parameter.
         self._inv_freq_cpu = rope_inv_freq(head_dim, theta, scaling)
         self._inv_freq: dict[torch.device, torch.Tensor] = {}
 
@@ -72,8 +80,8 @@ class SwiGLU(nn.Module):
     def __init__(self, hidden: int, ffn: int, bias: bool) -> None:
         super().__init__()
         self.ffn = ffn
-        self.gate_up_proj = nn.Linear(hidden, 2 * ffn, bias=bias)
-        self.down_proj = nn.Linear(ffn, hidden, bias=bias)
+        self.gate_up_proj = Linear(hidden, 2 * ffn, bias=bias)
+        self.down_proj = Linear(ffn, hidden, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.ffn, dim=-1)

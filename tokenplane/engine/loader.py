@@ -123,9 +123,9 @@ def load_model(source: str | dict[str, Any] | ModelConfig | Path, *, device: str
     """-> (config, model in eval mode without grads). Random weights from `seed` unless `source` has safetensors."""
     cfg, ckpt = resolve_config(source)
     device = torch.device(device)
-    with torch.device("meta"):
+    with torch.device(device):  # uninitialized allocation (see layers.Linear); the loader writes every weight
         model = model_class(cfg.architecture)(cfg)
-    model = model.to(dtype=dtype).to_empty(device=device)
+    model = model.to(dtype=dtype)
     load_weights(model, checkpoint_tensors(ckpt) if ckpt else random_tensors(cfg, seed, device))
     model.eval().requires_grad_(False)
     return cfg, model

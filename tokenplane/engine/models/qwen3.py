@@ -12,7 +12,7 @@ from torch import nn
 
 from tokenplane.engine.attention import AttentionMetadata, PagedAttention
 from tokenplane.engine.config import ModelConfig
-from tokenplane.engine.layers import RMSNorm, RotaryEmbedding, SwiGLU, apply_rope
+from tokenplane.engine.layers import Linear, RMSNorm, RotaryEmbedding, SwiGLU, apply_rope
 
 
 class DecoderAttention(nn.Module):
@@ -22,8 +22,8 @@ class DecoderAttention(nn.Module):
                                                             cfg.head_dim)
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
-        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=cfg.attention_bias)
+        self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
+        self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=cfg.attention_bias)
         self.qk_norm = qk_norm
         if qk_norm:
             self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
@@ -58,7 +58,8 @@ class DecoderLayer(nn.Module):
 class DecoderModel(nn.Module):
     def __init__(self, cfg: ModelConfig, qk_norm: bool) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size,
+                                         _weight=torch.empty(cfg.vocab_size, cfg.hidden_size))  # no init: loader fills
         self.layers = nn.ModuleList(DecoderLayer(cfg, qk_norm) for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
@@ -81,7 +82,7 @@ class Qwen3ForCausalLM(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.model = DecoderModel(cfg, self.qk_norm)
-        self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
 
     def packed_sizes(self, packed: str) -> list[int]:
         c = self.cfg

@@ -1,0 +1,280 @@
+"""Engine exactness: the paged runner against transformers, and against itself across batch shapes and cache states.
+
+Tolerances. float32 vs transformers: 1e-4 absolute on logits of magnitude ~1 (different kernels and op fusion).
+float64 vs transformers: 1e-10, after making transformers' RMSNorm compute at input precision (it rounds to float32
+even in float64 models; its RoPE rounds cos/sin to float32 too, which ours does identically). Runner vs runner in
+float64: 1e-12 and identical argmax, not bit equality: as vLLM notes, different batch shapes (a token batch of 1 vs 7,
+a cache hit's suffix vs a full prefill) run different GEMM shapes that may differ in the last ULP, and that difference
+travels through the residual stream.
+"""
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+
+from tokenplane.engine import (LLMEngine, ModelRunner, SamplingParams, Sequence, load_model, save_pretrained_like)
+
+transformers = pytest.importorskip("transformers")
+
+PRESETS = ["test-small", "test-llama"]
+TOL = {torch.float32: 1e-4, torch.float64: 1e-10}
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Tiny matrices: a second intra-op thread only adds spin-wait, which on a shared 2-core box costs 20-50x."""
+    saved = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(saved)
+
+
+@contextlib.contextmanager
+def hf_norm_at_input_precision():
+    """transformers' RMSNorm casts to float32 even for float64 inputs; compute at input precision for the test."""
+    from transformers.models.llama import modeling_llama
+    from transformers.models.qwen3 import modeling_qwen3
+
+    def forward(self, x):
+        h = x.to(torch.promote_types(x.dtype, torch.float32))
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
+        return self.weight * h.to(x.dtype)
+
+    classes = [modeling_qwen3.Qwen3RMSNorm, modeling_llama.LlamaRMSNorm]
+    saved = [c.forward for c in classes]
+    for c in classes:
+        c.forward = forward
+    try:
+        yield
+    finally:
+        for c, f in zip(classes, saved):
+            c.forward = f
+
+
+@pytest.fixture(scope="module")
+def hf_pair(tmp_path_factory):
+    """(preset, dtype) -> (our cfg, our model, transformers model with the same weights via save_pretrained_like)."""
+    cache = {}
+
+    def get(preset, dtype):
+        if (preset, dtype) not in cache:
+            cfg, model = load_model(preset, dtype=dtype, seed=7)
+            d = save_pretrained_like(model, cfg, tmp_path_factory.mktemp(preset))
+            hf = transformers.AutoModelForCausalLM.from_pretrained(str(d), dtype=dtype, attn_implementation="sdpa")
+            cache[preset, dtype] = (cfg, model, hf.eval())
+        return cache[preset, dtype]
+
+    return get
+
+
+def hf_logits(hf, ids: list[int]) -> torch.Tensor:
+    with torch.no_grad(), hf_norm_at_input_precision():
+        return hf(torch.tensor([ids])).logits[0].double()
+
+
+def prompt(n: int, seed: int, vocab: int = 512) -> list[int]:
+    return torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("kernel", ["varlen", "padded"])
+def test_prefill_and_decode_match_transformers(hf_pair, preset, dtype, kernel):
+    cfg, model, hf = hf_pair(preset, dtype)
+    assert type(hf).__name__ == {"qwen3": "Qwen3ForCausalLM", "llama": "LlamaForCausalLM"}[cfg.architecture]
+    runner = ModelRunner(model, cfg, num_blocks=64, block_size=4, decode_kernel=kernel)
+    a, b = Sequence("a", prompt(13, 1)), Sequence("b", prompt(6, 2))
+    for s in (a, b):
+        assert runner.prepare(s)
+    out = runner.run([a, b])
+    for i, s in enumerate((a, b)):
+        ref = hf_logits(hf, s.token_ids)[-1]
+        assert (out.logits[i].double() - ref).abs().max().item() < TOL[dtype]
+    # Decode both in one batch; they grow block by block, interleaved, so block tables are not consecutive and the
+    # gather path runs, and decode crosses block boundaries.
+    for step in range(7):
+        for s in (a, b):
+            s.append_token((s.token_ids[-1] * 31 + step) % cfg.vocab_size)
+            assert runner.prepare(s)
+        out = runner.run([a, b])
+        for i, s in enumerate((a, b)):
+            ref = hf_logits(hf, s.token_ids)[-1]
+            assert (out.logits[i].double() - ref).abs().max().item() < TOL[dtype]
+    assert a.block_table != list(range(a.block_table[0], a.block_table[0] + len(a.block_table)))
+
+
+def test_final_hidden_matches_transformers(hf_pair):
+    cfg, model, hf = hf_pair("test-small", torch.float64)
+    runner = ModelRunner(model, cfg, num_blocks=32, block_size=4)
+    s = Sequence("a", prompt(9, 3))
+    runner.prepare(s)
+    out = runner.run([s])
+    with torch.no_grad(), hf_norm_at_input_precision():
+        ref = hf(torch.tensor([s.token_ids]), output_hidden_states=True).hidden_states[-1][0, -1]
+    assert (out.hidden[0] - ref).abs().max().item() < 1e-10
+
+
+def test_loader_roundtrip_and_determinism(tmp_path):
+    cfg, m1 = load_model("test-llama", seed=3)
+    _, m2 = load_model("test-llama", seed=3)
+    _, m3 = load_model("test-llama", seed=4)
+    _, m64 = load_model("test-llama", seed=3, dtype=torch.float64)
+    sd1, sd2, sd3, sd64 = (m.state_dict() for m in (m1, m2, m3, m64))
+    assert all(torch.equal(sd1[k], sd2[k]) for k in sd1)
+    assert not torch.equal(sd1["model.embed_tokens.weight"], sd3["model.embed_tokens.weight"])
+    assert all(torch.equal(sd1[k].double(), sd64[k]) for k in sd1)  # float64 holds the float32 draws exactly
+    assert cfg.tie_word_embeddings and m1.lm_head is None
+    save_pretrained_like(m1, cfg, tmp_path)
+    cfg2, loaded = load_model(str(tmp_path))
+    assert cfg2 == cfg and all(torch.equal(sd1[k], loaded.state_dict()[k]) for k in sd1)
+
+
+def test_batched_equals_unbatched_float64():
+    cfg, model = load_model("test-large", dtype=torch.float64, seed=1)
+    lens = [5, 17, 1, 9]
+    alone = []
+    for i, n in enumerate(lens):
+        r = ModelRunner(model, cfg, num_blocks=64, block_size=4)
+        s = Sequence(str(i), prompt(n, 10 + i))
+        r.prepare(s)
+        o1 = r.run([s])
+        s.append_token(int(o1.logits[0].argmax()))
+        r.prepare(s)
+        alone.append((o1.logits[0], r.run([s]).logits[0]))
+    r = ModelRunner(model, cfg, num_blocks=64, block_size=4)
+    seqs = [Sequence(str(i), prompt(n, 10 + i)) for i, n in enumerate(lens)]
+    # Mixed batch: seqs 0 and 1 prefill first; then 2 and 3 prefill together with 0 and 1 decoding.
+    for s in seqs[:2]:
+        r.prepare(s)
+    first = {0: None, 1: None}
+    o = r.run(seqs[:2])
+    first[0], first[1] = o.logits[0], o.logits[1]
+    for i in (0, 1):
+        seqs[i].append_token(int(first[i].argmax()))
+    for s in seqs:
+        r.prepare(s)
+    o = r.run(seqs)
+    for i in (2, 3):
+        first[i] = o.logits[i]
+    for i in (0, 1):
+        assert torch.equal(first[i].argmax(), alone[i][0].argmax())
+        assert (first[i] - alone[i][0]).abs().max().item() < 1e-12
+        assert torch.equal(o.logits[i].argmax(), alone[i][1].argmax())
+        assert (o.logits[i] - alone[i][1]).abs().max().item() < 1e-12
+    for i in (2, 3):
+        assert torch.equal(first[i].argmax(), alone[i][0].argmax())
+        assert (first[i] - alone[i][0]).abs().max().item() < 1e-12
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float64, 1e-12), (torch.float32, 1e-5)])
+def test_prefix_cache_hit_equals_miss(dtype, tol):
+    cfg, model = load_model("test-small", dtype=dtype, seed=2)
+    shared = prompt(20, 5)
+    r = ModelRunner(model, cfg, num_blocks=64, block_size=4)
+    a = Sequence("a", shared)
+    r.prepare(a)
+    r.run([a])
+    r.free(a)  # freed blocks stay hashed
+    b = Sequence("b", shared + [7, 8, 9])
+    r.prepare(b)
+    assert b.num_computed_tokens == 20 and b.num_cached_tokens == 20
+    assert r.block_manager.num_hit_blocks == 5
+    hit = r.run([b]).logits[0]
+    miss_runner = ModelRunner(model, cfg, num_blocks=64, block_size=4)
+    c = Sequence("c", shared + [7, 8, 9])
+    miss_runner.prepare(c)
+    assert c.num_computed_tokens == 0
+    miss = miss_runner.run([c]).logits[0]
+    assert torch.equal(hit.argmax(), miss.argmax()) and (hit - miss).abs().max().item() < tol
+    # A prompt equal to the cached prefix still computes its last block (never a zero-token run).
+    d = Sequence("d", shared)
+    r.prepare(d)
+    assert d.num_computed_tokens == 16
+
+
+def test_peer_catch_up_equals_own_decoding():
+    cfg, model = load_model("test-small", dtype=torch.float64, seed=4)
+    p = prompt(11, 6)
+    own_runner, peer_runner = (ModelRunner(model, cfg, num_blocks=64, block_size=4) for _ in range(2))
+    own, peer = Sequence("own", p), Sequence("peer", p)
+    for r, s in ((own_runner, own), (peer_runner, peer)):
+        r.prepare(s)
+        r.run([s])
+    written = []
+    for step in range(6):  # `own` decodes six tokens itself
+        tok = (own.token_ids[-1] * 17 + step) % cfg.vocab_size
+        written.append(tok)
+        own.append_token(tok)
+        own_runner.prepare(own)
+        last = own_runner.run([own])
+    peer.token_ids.extend(written)  # a peer wrote the same six tokens
+    assert peer.num_tokens - peer.num_computed_tokens == 6
+    peer_runner.prepare(peer)
+    other = Sequence("other", prompt(3, 9))  # caught up inside a mixed batch
+    peer_runner.prepare(other)
+    out = peer_runner.run([other, peer])
+    assert peer.num_computed_tokens == peer.num_tokens
+    assert torch.equal(out.logits[1].argmax(), last.logits[0].argmax())
+    assert (out.logits[1] - last.logits[0]).abs().max().item() < 1e-12
+    assert (out.hidden[1] - last.hidden[0]).abs().max().item() < 1e-12
+
+
+def test_generate_greedy_matches_transformers(hf_pair):
+    cfg, model, hf = hf_pair("test-small", torch.float64)
+    prompts = [prompt(n, 20 + n) for n in (3, 11, 6)]
+    engine = LLMEngine("test-small", dtype=torch.float64, seed=7, num_blocks=64, block_size=4)
+    got = engine.generate(prompts, SamplingParams(max_tokens=10))
+    for p, out in zip(prompts, got):
+        ids = list(p)
+        for _ in range(10):
+            ids.append(int(hf_logits(hf, ids)[-1].argmax()))
+        assert out == ids[len(p):]
+
+
+def test_engine_preemption_and_limits_keep_results():
+    prompts = [prompt(n, 40 + n) for n in (9, 14, 5, 12)]
+    params = [SamplingParams(max_tokens=12), SamplingParams(max_tokens=9, temperature=0.8, top_p=0.9, seed=11),
+              SamplingParams(max_tokens=12), SamplingParams(max_tokens=5, temperature=1.0, seed=12)]
+    roomy = LLMEngine("test-small", dtype=torch.float64, num_blocks=128, block_size=4)
+    expect = roomy.generate(prompts, params)
+    tight = LLMEngine("test-small", dtype=torch.float64, num_blocks=10, block_size=4, max_num_seqs=3,
+                      max_num_batched_tokens=24)
+    seen_batch = []
+    for p, sp in zip(prompts, params):
+        tight.add_request(p, sp)
+    outs: dict[str, list[int]] = {}
+    while tight.has_unfinished():
+        step = tight.step()
+        seen_batch.append(len(step))
+        for o in step:
+            outs.setdefault(o.seq_id, []).append(o.token)
+    assert tight.scheduler.num_preemptions > 0
+    assert max(seen_batch) <= 3
+    assert [outs[f"req-{i}"] for i in range(4)] == expect
+    assert [len(o) for o in expect] == [12, 9, 12, 5]
+    bm = tight.runner.block_manager
+    assert bm.num_free_blocks == bm.num_blocks
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_graph_decode_matches_eager():
+    cfg, model = load_model("test-small", device="cuda", dtype=torch.float32, seed=1)
+    results = []
+    for eager in (True, False):
+        r = ModelRunner(model, cfg, num_blocks=64, block_size=4, device="cuda", enforce_eager=eager, max_num_seqs=8)
+        seqs = [Sequence(str(i), prompt(3 + 4 * i, i)) for i in range(5)]
+        logits = []
+        for s in seqs:
+            r.prepare(s)
+        o = r.run(seqs)
+        for step in range(6):
+            for i, s in enumerate(seqs):
+                s.append_token(int(o.logits[i].argmax()))
+                r.prepare(s)
+            o = r.run(seqs)
+            logits.append(o.logits.cpu())
+        results.append(torch.stack(logits))
+    assert (results[0] - results[1]).abs().max().item() < 1e-4
