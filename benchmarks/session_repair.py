@@ -255,8 +255,8 @@ def run_traces(args, tok, engines: Engines) -> dict | None:
 
 
 def acceptance(stats: dict) -> float | None:
-    first = stats.get("first_window", stats.get("first_window_accepts"))
-    total = stats.get("repairs", stats.get("appends"))
+    first = stats.get("first_window_accepts")
+    total = stats.get("repairs")
     return first / total if (first is not None and total) else None
 
 
@@ -283,7 +283,7 @@ def markdown(res: dict) -> str:
         acc = acceptance(r["session_stats"])
         lines.append(f"| {r['size']} | {r['shape']} | {r['append_chars_p50']:.0f} | " + " | ".join(cells)
                      + f" | {ratios} | {exact} | {'-' if acc is None else f'{acc:.4%}'} | "
-                     f"{r['session_stats'].get('fallbacks', '-')} | {r['bytes_per_token']:.1f} |")
+                     f"{r['session_stats'].get('full_fallbacks', '-')} | {r['bytes_per_token']:.1f} |")
     t = res.get("traces")
     if t:
         lines.append(f"\n## Real mini-swe-agent traces\n\n{t['trajectories']} trajectories, {t['calls']} calls, "

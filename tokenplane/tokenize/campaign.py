@@ -106,7 +106,7 @@ def run_case(tok: Tokenizer, base: str, ops: list, counters: dict | None = None)
     if counters is not None:
         counters["sessions"] += 1
         s = stats_dict(session)
-        counters["fallbacks"] += int(s.get("fallbacks", 0) or 0)
+        counters["fallbacks"] += int(s.get("full_fallbacks", 0) or 0)
         counters["widenings"] += int(s.get("widenings", 0) or 0)
     return None
 
@@ -168,7 +168,7 @@ def trace_round(tok, trajectory, counters, max_context: int) -> dict | None:
                     "reproduction": reproduction(tok, small_base, small_ops)}
     counters["sessions"] += 1
     s = stats_dict(session)
-    counters["fallbacks"] += int(s.get("fallbacks", 0) or 0)
+    counters["fallbacks"] += int(s.get("full_fallbacks", 0) or 0)
     counters["widenings"] += int(s.get("widenings", 0) or 0)
     return None
 
