@@ -1,0 +1,50 @@
+"""GPU tokenizer body (numba-cuda): exact tiktoken-family encoding on the device.
+
+`available()` says whether a device path can run here; `GpuEncoder(tokenizer)` encodes. Nothing here imports numba
+at module import time, so `tokenplane` imports on CPU-only machines without numba-cuda.
+"""
+
+from __future__ import annotations
+
+import os
+
+
+def simulator_enabled() -> bool:
+    return os.environ.get("NUMBA_ENABLE_CUDASIM", "") == "1"
+
+
+def available() -> bool:
+    """True when numba-cuda is installed and either a CUDA device is present or the simulator was enabled
+    explicitly (NUMBA_ENABLE_CUDASIM=1)."""
+    try:
+        from numba import cuda
+    except Exception:  # noqa: BLE001 - numba missing or broken: no device path
+        return False
+    if simulator_enabled():
+        return True
+    try:
+        return bool(cuda.is_available())
+    except Exception:  # noqa: BLE001 - driver probing failed
+        return False
+
+
+def supports(tokenizer) -> bool:
+    """True when the tokenizer's family has device pre-tokenizer rules (cl100k_base, o200k_base, llama3)."""
+    from .encoder import UnsupportedFamilyError, family_code
+
+    try:
+        family_code(tokenizer)
+    except UnsupportedFamilyError:
+        return False
+    return True
+
+
+def __getattr__(name):
+    if name in ("GpuEncoder", "UnsupportedFamilyError"):
+        from . import encoder
+
+        return getattr(encoder, name)
+    raise AttributeError(name)
+
+
+__all__ = ["available", "supports", "simulator_enabled", "GpuEncoder", "UnsupportedFamilyError"]

@@ -1,0 +1,163 @@
+"""Host-built lookup tables for the device pipeline: compact character classes, vocabulary hash, merge-pair hash.
+
+Everything here is plain numpy, built once per tokenizer (cached on disk, keyed by the tokenizer's sha256) and
+uploaded once. The device hash functions in `hashing` and the host ones here must agree bit for bit; both are
+written in int64 arithmetic whose products stay below 2**63, so numpy, the CUDA simulator and the GPU compute the
+same values without relying on wrap-around.
+
+BPE semantics are tiktoken's: a part's rank is the rank of its bytes, and every part is a vocabulary token (all 256
+single bytes are tokens and a merge yields the concatenation's token), so "rank of bytes(left) + bytes(right)" equals
+a lookup of the pair (left_id, right_id) in a table of every split of every token. For tiktoken vocabularies
+rank == token id, which the builder checks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..artifacts import cache_dir
+from ..charclass import BIT, class_table
+
+TABLE_VERSION = 1
+EMPTY = -1
+PAIR_SHIFT = 20          # key = left << 20 | right; vocabularies up to 2**20 ids
+FNV_OFFSET = 2166136261
+FNV_PRIME = 16777619
+MASK32 = 0xFFFFFFFF
+
+# compact class code per code point: bits 0-1 class (L, N, W, O), then case/mark bits for the o200k rules
+K_L, K_N, K_W, K_O = 0, 1, 2, 3
+B_PU, B_PL, B_C, B_M = 4, 8, 16, 32
+
+
+def compact_classes(engine: str = "tiktoken") -> np.ndarray:
+    """uint8 code per code point from the probed class bitmasks (never from unicodedata)."""
+    t = class_table(engine)
+    code = np.full(t.shape, K_O, dtype=np.uint8)
+    is_l = (t & BIT["L"]) != 0
+    is_n = ((t & BIT["N"]) != 0) & ~is_l
+    is_w = ((t & BIT["s"]) != 0) & ~is_l & ~is_n
+    code[is_w] = K_W
+    code[is_n] = K_N
+    code[is_l] = K_L
+    code[(t & (BIT["Lu"] | BIT["Lt"])) != 0] |= B_PU
+    code[(t & BIT["Ll"]) != 0] |= B_PL
+    code[(t & (BIT["Lm"] | BIT["Lo"])) != 0] |= B_C
+    code[(t & BIT["M"]) != 0] |= B_M
+    return code
+
+
+def fnv1a(data: bytes) -> int:
+    h = FNV_OFFSET
+    for b in data:
+        h = ((h ^ b) * FNV_PRIME) & MASK32
+    return h
+
+
+def pair_hash_np(left: np.ndarray, right: np.ndarray) -> np.ndarray:
+    h = left.astype(np.int64) * 0x9E3779B1 + right.astype(np.int64) * 0x85EBCA77
+    h = h & MASK32
+    h ^= h >> 15
+    h = (h * 0x2C1B3C6D) & MASK32
+    h ^= h >> 13
+    return h
+
+
+def _insert_linear(home: np.ndarray, mask: int) -> np.ndarray:
+    """Slot of each entry under linear probing, placing entries in index order (vectorized rounds)."""
+    size = mask + 1
+    slot_of = np.full(len(home), -1, dtype=np.int64)
+    owner = np.full(size, -1, dtype=np.int64)
+    pending = np.arange(len(home))
+    dist = np.zeros(len(home), dtype=np.int64)
+    while len(pending):
+        slots = (home[pending] + dist[pending]) & mask
+        free = owner[slots] < 0
+        cand, cand_slots = pending[free], slots[free]
+        # first (lowest index) candidate per free slot wins this round
+        uniq, first = np.unique(cand_slots, return_index=True)
+        winners = cand[first]
+        owner[uniq] = winners
+        slot_of[winners] = uniq
+        placed = np.zeros(len(home), dtype=bool)
+        placed[winners] = True
+        pending = pending[~placed[pending]]
+        dist[pending] += 1
+    return slot_of
+
+
+@dataclass
+class HostTables:
+    classes: np.ndarray      # uint8[0x110000]
+    byte_id: np.ndarray      # int32[256]
+    tok_off: np.ndarray      # int32[n+1]
+    tok_blob: np.ndarray     # uint8[...]
+    vocab_slots: np.ndarray  # int32[pow2]: token id or -1, keyed by fnv1a(bytes)
+    pair_keys: np.ndarray    # int64[pow2]: left << 20 | right, or -1
+    pair_vals: np.ndarray    # int32[pow2]: merged token id (== rank)
+    max_token_bytes: int
+    n_pairs: int
+
+
+def _build(token_bytes: list[bytes], n_ordinary: int) -> HostTables:
+    toks = token_bytes[:n_ordinary]
+    index = {t: i for i, t in enumerate(toks)}
+    if len(index) != n_ordinary or any(bytes([b]) not in index for b in range(256)):
+        raise ValueError("vocabulary must hold 256 single bytes and unique tokens for tiktoken BPE semantics")
+    byte_id = np.array([index[bytes([b])] for b in range(256)], dtype=np.int32)
+    lens = np.fromiter((len(t) for t in toks), dtype=np.int64, count=n_ordinary)
+    tok_off = np.zeros(n_ordinary + 1, dtype=np.int64)
+    np.cumsum(lens, out=tok_off[1:])
+    blob = np.frombuffer(b"".join(toks), dtype=np.uint8).copy()
+
+    vsize = 1 << int(np.ceil(np.log2(max(2 * n_ordinary, 1024))))
+    vhome = np.fromiter((fnv1a(t) for t in toks), dtype=np.int64, count=n_ordinary) & (vsize - 1)
+    vslot = _insert_linear(vhome, vsize - 1)
+    vocab_slots = np.full(vsize, EMPTY, dtype=np.int32)
+    vocab_slots[vslot] = np.arange(n_ordinary, dtype=np.int32)
+
+    lefts, rights, vals = [], [], []
+    get = index.get
+    for tid, t in enumerate(toks):
+        for k in range(1, len(t)):
+            a = get(t[:k])
+            if a is not None:
+                b = get(t[k:])
+                if b is not None:
+                    lefts.append(a)
+                    rights.append(b)
+                    vals.append(tid)
+    left = np.array(lefts, dtype=np.int64)
+    right = np.array(rights, dtype=np.int64)
+    psize = 1 << int(np.ceil(np.log2(max(2 * len(vals), 1024))))
+    pslot = _insert_linear(pair_hash_np(left, right) & (psize - 1), psize - 1)
+    pair_keys = np.full(psize, EMPTY, dtype=np.int64)
+    pair_vals = np.full(psize, EMPTY, dtype=np.int32)
+    pair_keys[pslot] = (left << PAIR_SHIFT) | right
+    pair_vals[pslot] = np.array(vals, dtype=np.int32)
+    return HostTables(compact_classes(), byte_id, tok_off.astype(np.int32), blob, vocab_slots, pair_keys, pair_vals,
+                      int(lens.max()), len(vals))
+
+
+def host_tables(tokenizer) -> HostTables:
+    """Tables for a tiktoken-engine tokenizer, cached on disk by content hash."""
+    ref = tokenizer.reference
+    n = getattr(ref, "n_ordinary", None)
+    if tokenizer.family.engine != "tiktoken" or n is None:
+        raise ValueError(f"{tokenizer.name}: device BPE tables need tiktoken rank semantics")
+    path = cache_dir() / f"gpu-tables-v{TABLE_VERSION}-{tokenizer.content_hash[:24]}.npz"
+    if path.exists():
+        try:
+            with np.load(path) as z:
+                return HostTables(compact_classes(), z["byte_id"], z["tok_off"], z["tok_blob"], z["vocab_slots"],
+                                  z["pair_keys"], z["pair_vals"], int(z["max_token_bytes"]), int(z["n_pairs"]))
+        except (OSError, ValueError, KeyError):
+            pass
+    t = _build(ref.token_bytes, n)
+    tmp = path.with_name(path.name + ".tmp.npz")
+    np.savez(tmp, byte_id=t.byte_id, tok_off=t.tok_off, tok_blob=t.tok_blob, vocab_slots=t.vocab_slots,
+             pair_keys=t.pair_keys, pair_vals=t.pair_vals, max_token_bytes=t.max_token_bytes, n_pairs=t.n_pairs)
+    tmp.replace(path)
+    return t
