@@ -22,6 +22,8 @@ def available() -> bool:
         return False
     if simulator_enabled():
         return True
+    if cuda.jit.__module__.startswith("numba.cuda.simulator"):
+        return False   # numba.cuda was imported in simulator mode earlier in this process: no real device
     try:
         return bool(cuda.is_available())
     except Exception:  # noqa: BLE001 - driver probing failed
