@@ -202,8 +202,7 @@ def run_traces(args, tok, engines: Engines) -> dict | None:
     n_calls = 0
     ctx_chars = []
     for i, traj in enumerate(trajectories):
-        messages = traj["messages"] if isinstance(traj, dict) else traj.messages
-        prompts = render_prompts(messages)
+        prompts = render_prompts(traj)
         session = tok.session()
         with_peers = i < args.trace_peer_count
         tt_cm = engines.toktier.session() if (with_peers and engines.toktier) else None

@@ -41,16 +41,17 @@ def load_bundled() -> dict:
         return json.loads(gzip.decompress(f.read()))
 
 
-def find_trajectory(trace: str | None, traces_dir: str | None) -> tuple[dict, str]:
-    if trace:
-        return json.loads(Path(trace).read_text(encoding="utf-8")), trace
-    from .tokenize.traces import DEFAULT_TRACES_DIR
+def find_trajectory(trace: str | None, traces_dir: str | None) -> tuple[list[dict], str]:
+    """Messages of the session to replay and a description of where they came from."""
+    from .tokenize.traces import DEFAULT_TRACES_DIR, load_trajectory
 
+    if trace:
+        return load_trajectory(trace), trace
     directory = Path(traces_dir) if traces_dir else Path(DEFAULT_TRACES_DIR)
     candidate = directory / f"{DEFAULT_INSTANCE}.traj.json"
     if candidate.exists():
-        return json.loads(candidate.read_text(encoding="utf-8")), str(candidate)
-    return load_bundled(), "bundled tokenplane/data/demo_session.json.gz (MIT, mini-swe-agent)"
+        return load_trajectory(candidate), str(candidate)
+    return load_bundled()["messages"], "bundled tokenplane/data/demo_session.json.gz (MIT, mini-swe-agent)"
 
 
 def percentile(values, q: float) -> float:
@@ -139,8 +140,8 @@ def main(args: argparse.Namespace) -> int:
     from .tokenize import load
     from .tokenize.traces import render_prompts
 
-    trajectory, source = find_trajectory(args.trace, args.traces_dir)
-    prompts = render_prompts(trajectory["messages"])
+    messages, source = find_trajectory(args.trace, args.traces_dir)
+    prompts = render_prompts(messages)
     if not prompts:
         print("the trajectory has no LLM calls to replay", file=sys.stderr)
         return 2

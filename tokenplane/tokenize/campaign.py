@@ -146,10 +146,10 @@ def adversarial_round(tok, rng, corpus, counters) -> dict | None:
             "original_chars": len(base), "shrunk_base": small_base, "shrunk_ops": small_ops}
 
 
-def trace_round(tok, trajectory, counters, max_context: int) -> dict | None:
-    from .traces import render_prompts
+def trace_round(tok, trace_file: Path, counters, max_context: int) -> dict | None:
+    from .traces import load_trajectory, render_prompts
 
-    prompts = [p for p in render_prompts(trajectory["messages"]) if len(p) <= max_context]
+    prompts = [p for p in render_prompts(load_trajectory(trace_file)) if len(p) <= max_context]
     session = tok.session()
     for k, prompt in enumerate(prompts):
         session.sync(prompt)
@@ -164,7 +164,7 @@ def trace_round(tok, trajectory, counters, max_context: int) -> dict | None:
             prev = prompts[k - 1] if k else ""
             base, ops = prev, [("sync", prompt)]
             small_base, small_ops = shrink_failure(tok, base, ops)
-            return {"source": "traces", "family": tok.name, "instance": trajectory.get("instance_id"), "call": k,
+            return {"source": "traces", "family": tok.name, "trace": str(trace_file), "call": k,
                     "reproduction": reproduction(tok, small_base, small_ops)}
     counters["sessions"] += 1
     s = stats_dict(session)
@@ -276,11 +276,11 @@ def main(args: argparse.Namespace) -> int:
     corpus = load_corpus(args.corpus) if "corpus" in sources else []
     trajectories = []
     if "traces" in sources and not args.no_traces:
-        from .traces import DEFAULT_TRACES_DIR, load_trajectories
+        from .traces import DEFAULT_TRACES_DIR, trajectory_files
 
         directory = Path(args.traces or DEFAULT_TRACES_DIR)
         if directory.exists():
-            trajectories = load_trajectories(directory)
+            trajectories = trajectory_files(directory)   # loaded one at a time, as the rotation reaches them
         elif args.traces:
             raise SystemExit(f"no trajectory directory {directory}")
     max_checks = args.checks * 1e6 if args.checks else float("inf")
