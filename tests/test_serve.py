@@ -40,6 +40,16 @@ class SpyBackend(InProcessBackend):
         super().abort(request_id)
 
 
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    # 2 shared cores: torch's intra-op threads spin against other processes (5-8x slower steps)
+    import torch
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 @pytest.fixture(scope="module")
 def tokenizer():
     return tokenplane.load("qwen3")

@@ -126,6 +126,7 @@ class SequentialRouter:
             seqs[t] = Sequence(f"{h.request_id}#{t}", [])
         seqs[t].token_ids.extend(int(x) for x in tokens)
         self._check(t, views[t], seqs[t])
+        stats.on_catch_up(t, seqs[t].num_tokens - seqs[t].num_computed_tokens)
 
     @staticmethod
     def _check(m: int, view: RequestView, seq: Any) -> None:

@@ -2,8 +2,9 @@
 
 routing_rate = switches away from the primary / committed tokens (R2R's "routing probability"); token_share[m] =
 committed tokens produced by model m / committed tokens; runs = maximal stretches of consecutive committed tokens from
-one model; prefill = tokens a model had to catch up on each visit (the suffix it was sent, prompt included on a first
-visit); dropped = sampled tokens discarded for regeneration; ensembled = positions whose token came from the ME mix.
+one model; prefill = tokens a model had to compute to catch up on each visit (the suffix it was sent, prompt
+included on a first visit, plus its own last kept token if that token's KV was never computed); handoff_tokens = the
+suffix lengths sent; dropped = sampled tokens discarded for regeneration; ensembled = positions whose token came from the ME mix.
 """
 
 from __future__ import annotations
@@ -19,7 +20,8 @@ class RouteStats:
     num_models: int
     token_models: list[int] = field(default_factory=list)       # committed token -> producing model
     switches: list[tuple[int, int]] = field(default_factory=list)   # (source, target) per switching handoff
-    prefill: list[tuple[int, int]] = field(default_factory=list)    # (model, tokens caught up) per visit
+    prefill: list[tuple[int, int]] = field(default_factory=list)    # (model, tokens computed to catch up) per visit
+    sent: list[tuple[int, int]] = field(default_factory=list)       # (target, suffix length) per handoff
     dropped: int = 0
     ensembled: int = 0
     score_visits: int = 0
@@ -36,8 +38,12 @@ class RouteStats:
             self.score_visits += 1
         else:
             self.switches.append((handoff.source, handoff.target))
-        if handoff.tokens:
-            self.prefill.append((handoff.target, len(handoff.tokens)))
+        self.sent.append((handoff.target, len(handoff.tokens)))
+
+    def on_catch_up(self, model: int, num_tokens: int) -> None:
+        """A model resumed a request after a handoff with `num_tokens` uncomputed tokens (its catch-up prefill:
+        the suffix it was sent, plus its own last kept token when that token's KV was never computed)."""
+        self.prefill.append((int(model), int(num_tokens)))
 
     def on_ensemble(self) -> None:
         self.ensembled += 1
@@ -67,6 +73,7 @@ class RouteStats:
             lengths = [length for model, length in runs if model == m]
             run_mean.append(sum(lengths) / len(lengths) if lengths else 0.0)
         prefill = [[k for model, k in self.prefill if model == m] for m in range(self.num_models)]
+        sent = [[k for model, k in self.sent if model == m] for m in range(self.num_models)]
         away = sum(1 for s, _ in self.switches if s == 0)
         return {
             "num_tokens": n,
@@ -77,6 +84,7 @@ class RouteStats:
             "mean_run_length": run_mean,
             "num_runs": [sum(1 for model, _ in runs if model == m) for m in range(self.num_models)],
             "prefill_tokens": prefill,
+            "handoff_tokens": sent,
             "dropped_tokens": self.dropped,
             "ensembled_positions": self.ensembled,
             "score_visits": self.score_visits,
