@@ -142,3 +142,24 @@ def test_allowed_special_and_big_text_window(tok):
         big_report = v.reports[-1]
         assert big_report.text_is_window and big_report.index == 15000 and big_report.context == {"session": "s1"}
         assert len(big_report.text) <= 8192 + 16
+
+
+def test_partial_sampling_catches_every_sampled_fault(tok):
+    """Mixed traffic at 10% sampling: exactly the sampled faulty requests are reported (paper protocol)."""
+    pairs = session_outputs(tok, n_cases=30, seed=4)
+    rng = random.Random(11)
+    byte_index = {b: i for i, b in enumerate(tok.reference.token_bytes) if b}
+    sampled_faulty = sampled_clean = 0
+    with ShadowVerifier(tok, rate=0.1, max_queue=10_000, seed=2) as v:
+        for _ in range(3):
+            for text, ids in pairs:
+                bad = inject_fault(rng.choice(FAULTS), ids, tok.reference.token_bytes, rng, byte_index) \
+                    if rng.random() < 0.15 else None
+                if bad is not None:
+                    sampled_faulty += v.submit(text, bad)
+                else:
+                    sampled_clean += v.submit(text, ids)
+        assert v.drain(60)
+        s = v.stats()
+    assert sampled_faulty >= 1 and sampled_clean >= 10
+    assert s["mismatches"] == sampled_faulty and s["checked"] == sampled_faulty + sampled_clean and s["dropped"] == 0
