@@ -138,3 +138,22 @@ def test_unsupported_family_raises():
     assert not pretokenize.supported(generic)
     with pytest.raises(pretokenize.UnsupportedFamily):
         pretokenize.piece_starts(generic, np.array([65], dtype=np.uint32))
+
+
+@pytest.mark.parametrize("name", ["cl100k_base", "llama3", "qwen3", "o200k_base"])
+def test_run_level_equals_dense_form(name):
+    """The run-level evaluation and the per-character (dense) form of the same predicate agree."""
+    table = charclass.class_table("tiktoken")
+    rng = random.Random(name + "dense")
+    for _ in range(300):
+        text = "".join(rng.choice(ALPHABET + FRAGMENTS) for _ in range(rng.randint(1, 25)))
+        cps = pretokenize.codepoints(text)
+        cls = table[cps]
+        if name == "o200k_base":
+            run, dense = pretokenize._starts_o200k(cps, cls), pretokenize._starts_o200k_dense(cps, cls)
+        else:
+            digits = 1 if name == "qwen3" else 3
+            whole = name == "cl100k_base"
+            run = pretokenize._starts_gpt4(cps, cls, digits, whole)
+            dense = pretokenize._starts_gpt4_dense(cps, cls, digits, whole)
+        assert run.tolist() == dense.tolist(), text

@@ -121,7 +121,9 @@ def _whitespace_starts(ws, crlf, idx, rs, re, n, absorbed_head, end_is_boundary,
 
 
 # -- cl100k / llama3 / qwen3 ----------------------------------------------------------------------------------------
-def _starts_gpt4(cps: np.ndarray, cls: np.ndarray, digits: int, whole_at_end: bool) -> np.ndarray:
+def _starts_gpt4_dense(cps: np.ndarray, cls: np.ndarray, digits: int, whole_at_end: bool) -> np.ndarray:
+    """Per-character form of the cl100k-lineage rules (every aggregate a full-length scan); `_starts_gpt4` is the
+    same predicate evaluated once per run, and the tests hold the two equal."""
     n = cps.shape[0]
     idx = np.arange(n)
     is_l = (cls & _L) != 0
@@ -174,7 +176,8 @@ def _contraction_starts(cps, re, site, starts, pairs_first: bool) -> None:
 
 
 # -- o200k ------------------------------------------------------------------------------------------------------------
-def _starts_o200k(cps: np.ndarray, cls: np.ndarray) -> np.ndarray:
+def _starts_o200k_dense(cps: np.ndarray, cls: np.ndarray) -> np.ndarray:
+    """Per-character form of the o200k rules; `_starts_o200k` evaluates the same predicate once per run."""
     n = cps.shape[0]
     idx = np.arange(n)
     is_m = (cls & _M) != 0
@@ -386,6 +389,199 @@ def _o200k_scan(cps: np.ndarray, cls: np.ndarray, a: int, b: int) -> list[int]:
     if p != b:
         raise RuntimeError(f"o200k scalar scan overran a synchronizing position ({p} != {b})")
     return out
+
+
+# -- run-level evaluation (the default): the same predicate, aggregates computed once per run ------------------------
+def _kind_table(word_bits: int) -> np.ndarray:
+    """class bitmask -> run kind (0 letter-ish, 1 digit, 2 whitespace, 3 other), one gather per text."""
+    masks = np.arange(1 << len(charclass.CLASSES), dtype=np.int64)
+    return np.where(masks & word_bits, 0, np.where(masks & _N, 1, np.where(masks & _S, 2, 3))).astype(np.int8)
+
+
+_KIND_GPT4 = _kind_table(_L)
+_KIND_O200K = _kind_table(_L | _M)
+
+
+def _sorted_union(*arrays: np.ndarray) -> np.ndarray:
+    # np.union1d/np.unique hash-sort here, which is slower than sort + adjacent-difference on these sizes
+    x = np.sort(np.concatenate(arrays))
+    return x[np.append(True, x[1:] != x[:-1])] if x.size else x
+
+
+class _Runs:
+    """Maximal same-kind runs and the lookback the rules need at each run head."""
+
+    def __init__(self, c: np.ndarray, kind: np.ndarray):
+        n = c.shape[0]
+        brk = np.empty(n, dtype=bool)
+        brk[0] = True
+        np.not_equal(kind[1:], kind[:-1], out=brk[1:])
+        self.heads = h = np.flatnonzero(brk)
+        self.ends = e = np.append(h[1:], n)
+        self.kind = kind[h]
+        self.prev_kind = np.append(np.int8(-1), self.kind[:-1])
+        self.prev_cp = np.where(h > 0, c[np.maximum(h - 1, 0)], -1)
+        self.prev2_cp = np.where(h > 1, c[np.maximum(h - 2, 0)], -1)
+        self.prev_single = np.append(False, (e - h)[:-1] == 1)
+        self.prev_crlf = (self.prev_cp == CR) | (self.prev_cp == LF)
+
+
+def _digit_group_starts(runs: _Runs, starts: np.ndarray, group: int) -> None:
+    r = np.flatnonzero(runs.kind == 1)
+    if not r.size:
+        return
+    h = runs.heads[r]
+    counts = (runs.ends[r] - h + group - 1) // group
+    first = np.cumsum(counts) - counts
+    k = np.arange(counts.sum()) - np.repeat(first, counts)
+    starts[np.repeat(h, counts) + group * k] = True
+
+
+def _whitespace_run_starts(c, runs: _Runs, starts, absorbed, run_at_end, whole_at_end) -> None:
+    """`_whitespace_starts` per run: s0 (past CR/LF absorbed by a preceding punctuation piece), after the run's last
+    CR/LF, and the run's last character unless the run ends the text/segment (see docs/pretokenizer.md)."""
+    r = np.flatnonzero(runs.kind == 2)
+    if not r.size:
+        return
+    wh, we = runs.heads[r], runs.ends[r]
+    crlf_pos = np.flatnonzero((c == CR) | (c == LF))
+    s0 = wh.copy()
+    last_nl = np.full(r.size, -1)
+    if crlf_pos.size:
+        j = np.searchsorted(crlf_pos, we) - 1
+        last_nl = np.where(j >= 0, crlf_pos[np.maximum(j, 0)], -1)
+        ab = np.flatnonzero(absorbed[r])
+        if ab.size:
+            # leading CR/LF streak of the run: consecutive CR/LF positions starting at the head
+            streak = np.cumsum(np.append(True, np.diff(crlf_pos) != 1)) - 1
+            streak_last = crlf_pos[np.append(np.flatnonzero(np.diff(streak)), crlf_pos.size - 1)]
+            k = np.searchsorted(crlf_pos, wh[ab])
+            hit = (k < crlf_pos.size) & (crlf_pos[np.minimum(k, crlf_pos.size - 1)] == wh[ab])
+            s0[ab[hit]] = streak_last[streak[k[hit]]] + 1
+    at_end = run_at_end[r]
+    live = s0 < we
+    starts[s0[live]] = True
+    nl_cut = last_nl + 1
+    cond = (last_nl >= wh) & (nl_cut < we) & (nl_cut > s0)
+    if whole_at_end:
+        cond &= ~at_end
+    starts[nl_cut[cond]] = True
+    last = we - 1
+    last_cp = c[last]
+    cond = ~at_end & (last > s0) & (last_cp != CR) & (last_cp != LF)
+    starts[last[cond]] = True
+
+
+def _starts_gpt4(cps: np.ndarray, cls: np.ndarray, digits: int, whole_at_end: bool) -> np.ndarray:
+    n = cps.shape[0]
+    c = cps.view(np.int32)
+    runs = _Runs(c, _KIND_GPT4[cls])
+    starts = np.zeros(n, dtype=bool)
+    k = runs.kind
+    o_start = (k == 3) & (runs.prev_cp != SPACE)
+    ws_prefix = (runs.prev_kind == 2) & ~runs.prev_crlf
+    o_prefix = (runs.prev_kind == 3) & runs.prev_single & (runs.prev2_cp != SPACE)
+    letters = k == 0
+    starts[runs.heads[o_start | (letters & ~ws_prefix & ~o_prefix)]] = True
+    site = np.flatnonzero(letters & o_prefix & (runs.prev_cp == APOS))
+    if site.size:
+        re = np.zeros(n, dtype=np.int64)
+        re[runs.heads[site]] = runs.ends[site]
+        _contraction_starts(cps, re, runs.heads[site], starts, pairs_first=False)
+    _digit_group_starts(runs, starts, digits)
+    at_end = runs.ends == n
+    _whitespace_run_starts(c, runs, starts, runs.prev_kind == 3, at_end, whole_at_end)
+    return starts
+
+
+def _starts_o200k(cps: np.ndarray, cls: np.ndarray) -> np.ndarray:
+    n = cps.shape[0]
+    c = cps.view(np.int32)
+    runs = _Runs(c, _KIND_O200K[cls])
+    starts = np.zeros(n, dtype=bool)
+    k = runs.kind
+    o_start = (k == 3) & (runs.prev_cp != SPACE)
+    ws_prefix = (runs.prev_kind == 2) & ~runs.prev_crlf
+    o_prefix = (runs.prev_kind == 3) & runs.prev_single & (runs.prev2_cp != SPACE)
+    words = k == 0
+    starts[runs.heads[o_start | (words & ~ws_prefix & ~o_prefix)]] = True
+    word_heads = runs.heads[words]
+    sub_heads = word_heads
+    covered = None
+    site_r = np.flatnonzero(words & (runs.prev_cp == APOS) & runs.prev_single
+                            & (np.append([-1, -1], k[:-2]) == 0))
+    if site_r.size:
+        re = np.zeros(n, dtype=np.int64)
+        rs = np.zeros(n, dtype=np.int64)
+        re[runs.heads[site_r]] = runs.ends[site_r]
+        left = runs.heads[site_r] - 2
+        rs[left] = runs.heads[np.searchsorted(runs.heads, left, side="right") - 1]
+        sub = np.zeros(n, dtype=bool)
+        covered = np.zeros(n, dtype=bool)
+        _o200k_contractions(cps, re, rs, runs.heads[site_r], starts, sub, covered)
+        cuts = np.flatnonzero(sub)
+        if cuts.size:
+            sub_heads = _sorted_union(word_heads, cuts)
+    # Case rule at upper-case letters that are not a (sub-)run head.
+    up = (cls & (_LU | _LT)) != 0
+    cand = np.flatnonzero(up)
+    if cand.size:
+        cand = cand[(cand > 0)]
+        sub_start = sub_heads[np.maximum(np.searchsorted(sub_heads, cand, side="right") - 1, 0)]
+        cand_ok = sub_start < cand
+        cand, sub_start = cand[cand_ok], sub_start[cand_ok]
+    if cand.size:
+        pcls = cls[cand - 1]
+        prev_both = (pcls & (_B["Lm"] | _B["Lo"] | _M)) != 0
+        nb_low = ~prev_both & ((pcls & _LL) != 0)
+        hard = np.flatnonzero(prev_both)
+        if hard.size:
+            # the nearest non-B letter before i inside the sub-run, and whether only upper letters follow
+            wcls = cls
+            nonb = np.flatnonzero(((wcls & (_L | _M)) != 0) & ((wcls & (_B["Lm"] | _B["Lo"] | _M)) == 0))
+            j = np.searchsorted(nonb, cand[hard]) - 1
+            p = np.where(j >= 0, nonb[np.maximum(j, 0)], -1)
+            nb_low[hard] = (p >= sub_start[hard]) & ((cls[np.maximum(p, 0)] & _LL) != 0)
+            run_end = runs.ends[np.searchsorted(runs.heads, cand[hard], side="right") - 1]
+            nonup = np.flatnonzero(~up)
+            q = np.searchsorted(nonup, cand[hard])
+            nxt = np.where(q < nonup.size, nonup[np.minimum(q, nonup.size - 1)], n)
+            nb_low[hard] |= nxt >= run_end
+        starts[cand[nb_low]] = True
+    if covered is not None:
+        starts &= ~covered
+    _digit_group_starts(runs, starts, 3)
+    at_end = runs.ends == n
+    _whitespace_run_starts(c, runs, starts, runs.prev_kind == 3, at_end, whole_at_end=False)
+    _o200k_rare(cps, cls, c, runs, starts)
+    return starts
+
+
+def _o200k_rare(cps, cls, c, runs: _Runs, starts) -> None:
+    """Combining mark right after punctuation; `/` right after CR/LF: rescan between synchronizing positions."""
+    n = c.shape[0]
+    m_after_o = runs.heads[(runs.kind == 0) & (runs.prev_kind == 3)]
+    m_after_o = m_after_o[(cls[m_after_o] & _M) != 0]
+    slash = np.flatnonzero(c == SLASH)
+    slash = slash[slash > 0]
+    slash = slash[(c[slash - 1] == CR) | (c[slash - 1] == LF)]
+    rare = _sorted_union(m_after_o, slash)
+    if not rare.size:
+        return
+    ws_or_slash = (runs.kind == 2)
+    # synchronizing: after CR/LF before a non-space non-'/' character; digit-run edges; text ends
+    h = runs.heads
+    sync = [np.array([0, n])]
+    nonws_head = h[(~ws_or_slash) & runs.prev_crlf]
+    sync.append(nonws_head[c[nonws_head] != SLASH])
+    digit = (runs.kind == 1) | (runs.prev_kind == 1)
+    sync.append(h[digit & (h > 0)])
+    sync_pos = _sorted_union(*sync)
+    lo = sync_pos[np.searchsorted(sync_pos, rare, side="right") - 1]
+    hi = sync_pos[np.searchsorted(sync_pos, rare, side="right")]
+    for a, b in _merge_windows(lo, hi):
+        starts[a:b] = False
+        starts[_o200k_scan(cps, cls, a, b)] = True
 
 
 # -- deepseek (three chained Split stages) ----------------------------------------------------------------------------

@@ -1,0 +1,373 @@
+"""Byte-pair encoding of pre-tokenized pieces, with merge ranks in an open-addressing hash table.
+
+One table serves both flavours: a key is the pair of symbol IDs (left, right), the value is (rank, merged ID).
+* tiktoken families: every split of a vocabulary token into two vocabulary tokens is a pair; its rank is the rank
+  (= ID) of the concatenation, so pairs with equal concatenations tie, exactly as tiktoken's `byte_pair_merge` sees it.
+  A piece that is itself a vocabulary entry is one ID (tiktoken checks the whole piece first: `ignore_merges`).
+* HF families (qwen3, deepseek_v4): `model.merges` in order, rank = merge index; `ignore_merges` as configured.
+
+Schedule: each round finds the piece's minimum rank, merges the leftmost non-overlapping occurrences of it, and
+re-probes only the pairs next to a merge. A later occurrence joins the round only while every pair created so far
+ranks strictly above the minimum, which is exactly when iterated single leftmost-minimum merges (tiktoken's
+`byte_pair_merge`, HF's merge heap) would take it next; so the result is the same on any vocabulary (cl100k has
+tokens ranked below one of their own parts, so a global monotonicity assumption would not hold).
+
+The kernel is numba-compiled with nogil=True, so chunks encode in parallel threads (parallel.py). Measured against a
+pure numpy batched-rounds version of the same schedule, see docs/pretokenizer.md ("BPE kernel").
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+from functools import cached_property
+
+import numpy as np
+
+from .artifacts import artifact_bytes, cache_dir
+from .reference import ReferenceEngine, _bytes_to_unicode
+
+try:   # numba is the fast path; without it the same kernel runs as plain Python (exact, slow)
+    from numba import njit
+    HAVE_NUMBA = True
+except ImportError:  # pragma: no cover - exercised only where numba is absent
+    HAVE_NUMBA = False
+
+    def njit(*args, **kwargs):
+        if args and callable(args[0]):
+            return args[0]
+        return lambda fn: fn
+
+EMPTY = np.uint64(0xFFFFFFFFFFFFFFFF)
+_MUL = np.uint64(0x9E3779B97F4A7C15)
+CACHE_WAYS = 1 << 15       # per-thread piece cache slots
+CACHE_BYTES = 24           # pieces up to this many bytes are cached
+CACHE_IDS = 12
+
+
+# -- hash tables ----------------------------------------------------------------------------------------------------
+@njit(cache=True, nogil=True)
+def _pair_slot(keys, key):
+    mask = keys.shape[0] - 1
+    h = (key * np.uint64(0x9E3779B97F4A7C15)) >> np.uint64(29)
+    i = np.int64(h & np.uint64(mask))
+    while True:
+        k = keys[i]
+        if k == key or k == np.uint64(0xFFFFFFFFFFFFFFFF):
+            return i
+        i = (i + 1) & mask
+
+
+@njit(cache=True, nogil=True)
+def _build_pairs(left, right, rank, new, cap):
+    keys = np.full(cap, np.uint64(0xFFFFFFFFFFFFFFFF), dtype=np.uint64)
+    ranks = np.full(cap, -1, dtype=np.int32)
+    news = np.full(cap, -1, dtype=np.int32)
+    for j in range(left.shape[0]):
+        key = (np.uint64(left[j]) << np.uint64(32)) | np.uint64(right[j])
+        i = _pair_slot(keys, key)
+        if keys[i] == key and ranks[i] <= rank[j]:
+            continue      # keep the best (lowest) rank for a repeated pair
+        keys[i] = key
+        ranks[i] = rank[j]
+        news[i] = new[j]
+    return keys, ranks, news
+
+
+@njit(cache=True, nogil=True)
+def _fnv(buf, a, b):
+    h = np.uint64(0xCBF29CE484222325)
+    for i in range(a, b):
+        h = (h ^ np.uint64(buf[i])) * np.uint64(0x100000001B3)
+    return h
+
+
+@njit(cache=True, nogil=True)
+def _whole_lookup(wkeys, wids, tok_flat, tok_off, buf, a, b):
+    """ID of the vocabulary token equal to buf[a:b], or -1."""
+    mask = wkeys.shape[0] - 1
+    h = _fnv(buf, a, b)
+    if h == np.uint64(0xFFFFFFFFFFFFFFFF):
+        h = np.uint64(0)
+    i = np.int64((h * np.uint64(0x9E3779B97F4A7C15)) >> np.uint64(29)) & mask
+    while True:
+        k = wkeys[i]
+        if k == np.uint64(0xFFFFFFFFFFFFFFFF):
+            return -1
+        if k == h:
+            t = wids[i]
+            s, e = tok_off[t], tok_off[t + 1]
+            if e - s == b - a:
+                same = True
+                for j in range(b - a):
+                    if tok_flat[s + j] != buf[a + j]:
+                        same = False
+                        break
+                if same:
+                    return t
+        i = (i + 1) & mask
+
+
+@njit(cache=True, nogil=True)
+def _build_whole(tok_flat, tok_off, ids, cap):
+    wkeys = np.full(cap, np.uint64(0xFFFFFFFFFFFFFFFF), dtype=np.uint64)
+    wids = np.full(cap, -1, dtype=np.int32)
+    mask = cap - 1
+    for t in ids:
+        h = _fnv(tok_flat, tok_off[t], tok_off[t + 1])
+        if h == np.uint64(0xFFFFFFFFFFFFFFFF):
+            h = np.uint64(0)
+        i = np.int64((h * np.uint64(0x9E3779B97F4A7C15)) >> np.uint64(29)) & mask
+        while wkeys[i] != np.uint64(0xFFFFFFFFFFFFFFFF):
+            i = (i + 1) & mask
+        wkeys[i] = h
+        wids[i] = t
+    return wkeys, wids
+
+
+# -- the merge kernel -----------------------------------------------------------------------------------------------
+@njit(cache=True, nogil=True)
+def _pair_rank(pkeys, pranks, pnews, a, b):
+    key = (np.uint64(a) << np.uint64(32)) | np.uint64(b)
+    i = _pair_slot(pkeys, key)
+    if pkeys[i] == key:
+        return pranks[i], pnews[i]
+    return np.int32(0x7FFFFFFF), np.int32(-1)
+
+
+@njit(cache=True, nogil=True)
+def _merge_piece(buf, a, b, byte_ids, pkeys, pranks, pnews, batch, sym, rk, nw, out, o):
+    """BPE of buf[a:b] appended to out[o:]; returns the new o. sym/rk/nw: scratch of length >= b - a.
+
+    rk[i]/nw[i]: rank and product of the pair (sym[i], sym[i+1]). A round merges the leftmost occurrence of the
+    minimum rank, then keeps merging later occurrences left to right for as long as the pairs the merges create
+    rank strictly above the minimum: exactly then the next single leftmost merge would be that occurrence too.
+    """
+    INF = np.int32(0x7FFFFFFF)
+    m = b - a
+    for i in range(m):
+        sym[i] = byte_ids[buf[a + i]]
+    for i in range(m - 1):
+        r, t = _pair_rank(pkeys, pranks, pnews, sym[i], sym[i + 1])
+        rk[i] = r
+        nw[i] = t
+    k = m
+    while k > 1:
+        best = INF
+        for i in range(k - 1):
+            if rk[i] < best:
+                best = rk[i]
+        if best == INF:
+            break
+        w = 0
+        i = 0
+        done = False
+        while i < k:
+            if not done and i < k - 1 and rk[i] == best:
+                t = nw[i]
+                sym[w] = t
+                low = INF
+                if w > 0:       # the pair on the left now ends in the merged token: re-probe it
+                    r, u = _pair_rank(pkeys, pranks, pnews, sym[w - 1], t)
+                    rk[w - 1] = r
+                    nw[w - 1] = u
+                    low = r
+                if i + 2 < k:   # and the pair on the right starts with it
+                    r, u = _pair_rank(pkeys, pranks, pnews, t, sym[i + 2])
+                    rk[w] = r
+                    nw[w] = u
+                    if r < low:
+                        low = r
+                else:
+                    rk[w] = INF
+                if low <= best or not batch:
+                    done = True
+                w += 1
+                i += 2
+            else:
+                sym[w] = sym[i]
+                if i < k - 1:
+                    rk[w] = rk[i]
+                    nw[w] = nw[i]
+                w += 1
+                i += 1
+        k = w
+    for i in range(k):
+        out[o] = sym[i]
+        o += 1
+    return o
+
+
+@njit(cache=True, nogil=True)
+def encode_pieces(buf, bounds, byte_ids, pkeys, pranks, pnews, batch, whole, wkeys, wids, tok_flat, tok_off,
+                  cache_keys, cache_len, cache_ids, cache_n):
+    """IDs of every piece buf[bounds[j]:bounds[j+1]], concatenated (int32). Caches short pieces per caller."""
+    n_pieces = bounds.shape[0] - 1
+    out = np.empty(buf.shape[0], dtype=np.int32)
+    longest = 1
+    for j in range(n_pieces):
+        if bounds[j + 1] - bounds[j] > longest:
+            longest = bounds[j + 1] - bounds[j]
+    sym = np.empty(longest, dtype=np.int32)
+    rk = np.empty(longest, dtype=np.int32)
+    nw = np.empty(longest, dtype=np.int32)
+    cmask = cache_len.shape[0] - 1
+    o = 0
+    for j in range(n_pieces):
+        a = bounds[j]
+        b = bounds[j + 1]
+        m = b - a
+        if m == 1:
+            out[o] = byte_ids[buf[a]]
+            o += 1
+            continue
+        slot = -1
+        if m <= cache_keys.shape[1]:
+            slot = np.int64((_fnv(buf, a, b) * np.uint64(0x9E3779B97F4A7C15)) >> np.uint64(40)) & cmask
+            if cache_len[slot] == m:
+                hit = True
+                for i in range(m):
+                    if cache_keys[slot, i] != buf[a + i]:
+                        hit = False
+                        break
+                if hit:
+                    for i in range(cache_n[slot]):
+                        out[o] = cache_ids[slot, i]
+                        o += 1
+                    continue
+        o0 = o
+        t = -1
+        if whole:
+            t = _whole_lookup(wkeys, wids, tok_flat, tok_off, buf, a, b)
+        if t >= 0:
+            out[o] = t
+            o += 1
+        else:
+            o = _merge_piece(buf, a, b, byte_ids, pkeys, pranks, pnews, batch, sym, rk, nw, out, o)
+        if slot >= 0 and o - o0 <= cache_ids.shape[1]:
+            cache_len[slot] = m
+            for i in range(m):
+                cache_keys[slot, i] = buf[a + i]
+            cache_n[slot] = o - o0
+            for i in range(o - o0):
+                cache_ids[slot, i] = out[o0 + i]
+    return out[:o]
+
+
+class PieceCache:
+    """Per-thread cache of short pieces -> IDs (the kernel writes it; one per thread, never shared)."""
+
+    def __init__(self, ways: int = CACHE_WAYS):
+        self.keys = np.zeros((ways, CACHE_BYTES), dtype=np.uint8)
+        self.length = np.zeros(ways, dtype=np.int32)
+        self.ids = np.zeros((ways, CACHE_IDS), dtype=np.int32)
+        self.n = np.zeros(ways, dtype=np.int32)
+
+
+# -- tables from the pinned files ---------------------------------------------------------------------------------
+def _pow2(n: int) -> int:
+    return 1 << max(4, int(2 * n - 1).bit_length())
+
+
+def _tiktoken_pairs(token_bytes: list[bytes], n_ordinary: int):
+    ids = {tok: i for i, tok in enumerate(token_bytes[:n_ordinary]) if tok}
+    left, right, rank = [], [], []
+    for tok, t in ids.items():
+        for k in range(1, len(tok)):
+            x = ids.get(tok[:k])
+            if x is not None:
+                y = ids.get(tok[k:])
+                if y is not None:
+                    left.append(x)
+                    right.append(y)
+                    rank.append(t)
+    rank = np.asarray(rank, dtype=np.int32)
+    return np.asarray(left, dtype=np.int32), np.asarray(right, dtype=np.int32), rank, rank.copy()
+
+
+def _hf_pairs(config: dict):
+    vocab = config["model"]["vocab"]
+    left, right, rank, new = [], [], [], []
+    for r, merge in enumerate(config["model"]["merges"]):
+        x, y = merge.split(" ", 1) if isinstance(merge, str) else merge
+        left.append(vocab[x])
+        right.append(vocab[y])
+        rank.append(r)
+        new.append(vocab[x + y])
+    as32 = lambda v: np.asarray(v, dtype=np.int32)
+    return as32(left), as32(right), as32(rank), as32(new)
+
+
+class BPE:
+    """The byte-pair encoder of one tokenizer (immutable after construction; encode() is thread-safe)."""
+
+    def __init__(self, reference: ReferenceEngine, content_hash: str):
+        fam = reference.family
+        self.family = fam
+        tokens = reference.token_bytes
+        n_ord = reference.n_ordinary
+        self.n_vocab = len(tokens)
+        lengths = np.fromiter((len(t) for t in tokens), dtype=np.int64, count=len(tokens))
+        self.tok_off = np.zeros(len(tokens) + 1, dtype=np.int64)
+        np.cumsum(lengths, out=self.tok_off[1:])
+        self.tok_flat = np.frombuffer(b"".join(tokens), dtype=np.uint8)
+        cached = cache_dir() / f"bpe-pairs-{content_hash[:24]}.npz"
+        if cached.exists():
+            z = np.load(cached)
+            left, right, rank, new = z["left"], z["right"], z["rank"], z["new"]
+        else:
+            if fam.engine == "tiktoken":
+                left, right, rank, new = _tiktoken_pairs(tokens, n_ord)
+            else:
+                left, right, rank, new = _hf_pairs(json.loads(artifact_bytes(fam.name)))
+            tmp = cached.with_name(cached.name + f".tmp{os.getpid()}.npz")
+            np.savez(tmp, left=left, right=right, rank=rank, new=new)
+            os.replace(tmp, cached)
+        self.n_pairs = int(left.shape[0])
+        self.batch = True        # False: one merge per round (the plain schedule; kept to measure against)
+        self.pkeys, self.pranks, self.pnews = _build_pairs(left, right, rank, new, _pow2(len(left)))
+        if fam.engine == "tiktoken":
+            byte_ids = {tok[0]: i for i, tok in enumerate(tokens[:n_ord]) if len(tok) == 1}
+            self.whole = True
+        else:
+            config = json.loads(artifact_bytes(fam.name))
+            vocab = config["model"]["vocab"]
+            b2u = _bytes_to_unicode()
+            byte_ids = {b: vocab[c] for b, c in b2u.items() if c in vocab}
+            self.whole = bool(config["model"].get("ignore_merges") or False)
+            if config["model"].get("byte_fallback") or config["model"].get("continuing_subword_prefix") \
+                    or config["model"].get("end_of_word_suffix") or config["model"].get("dropout"):
+                raise ValueError(f"{fam.name}: BPE options outside what this kernel implements")
+        if len(byte_ids) != 256:
+            raise ValueError(f"{fam.name}: {256 - len(byte_ids)} single bytes have no token")
+        self.byte_ids = np.array([byte_ids[b] for b in range(256)], dtype=np.int32)
+        multi = np.flatnonzero(lengths[:n_ord] >= 2).astype(np.int64)
+        self.wkeys, self.wids = _build_whole(self.tok_flat, self.tok_off, multi, _pow2(len(multi)))
+        self._local = threading.local()
+
+    def _cache(self) -> PieceCache:
+        cache = getattr(self._local, "cache", None)
+        if cache is None:
+            cache = self._local.cache = PieceCache()
+        return cache
+
+    def encode_bytes(self, buf: np.ndarray, bounds: np.ndarray, cache: PieceCache | None = None) -> np.ndarray:
+        """IDs (int32) of the pieces buf[bounds[j]:bounds[j+1]] (buf: uint8 UTF-8, bounds: int64 byte offsets)."""
+        c = cache if cache is not None else self._cache()
+        return encode_pieces(buf, bounds, self.byte_ids, self.pkeys, self.pranks, self.pnews, self.batch,
+                             self.whole, self.wkeys, self.wids, self.tok_flat, self.tok_off, c.keys, c.length,
+                             c.ids, c.n)
+
+    def encode_piece(self, piece: bytes) -> list[int]:
+        buf = np.frombuffer(piece, dtype=np.uint8)
+        return self.encode_bytes(buf, np.array([0, len(piece)], dtype=np.int64)).tolist()
+
+
+def utf8_offsets(cps: np.ndarray) -> np.ndarray:
+    """Byte offset of every code point in the UTF-8 encoding (length len(cps)+1)."""
+    width = 1 + (cps >= 0x80).astype(np.int64) + (cps >= 0x800) + (cps >= 0x10000)
+    off = np.zeros(cps.shape[0] + 1, dtype=np.int64)
+    np.cumsum(width, out=off[1:])
+    return off
+
