@@ -63,8 +63,6 @@ def cut_docs(pool: str, size: int, count: int) -> tuple[list[str], bool]:
 # -- engines (worker side) -------------------------------------------------------------------------------------
 def engine_factories(family: str, threads: int | None):
     """name -> factory() -> encode(texts) -> list of id sequences. `threads` None = all cores."""
-    import numpy as np
-
     import tokenplane
     from tokenplane.tokenize.artifacts import artifact_bytes
 
@@ -127,7 +125,8 @@ def engine_factories(family: str, threads: int | None):
         else:
             ft = fastokens.Tokenizer.from_file(str(path))
         if threads is None and hasattr(ft, "encode_batch"):
-            return lambda texts: [e.ids for e in ft.encode_batch(texts)] if len(texts) > 1 else [ft.encode(texts[0]).ids]
+            return lambda texts: ([e.ids for e in ft.encode_batch(texts)] if len(texts) > 1
+                                  else [ft.encode(texts[0]).ids])
         return lambda texts: [ft.encode(t).ids for t in texts]
     out["fastokens"] = fastokens_factory
 
@@ -287,7 +286,7 @@ def run_config(args, family: str, threads: str) -> list[dict]:
 
 
 def markdown(results: list[dict], meta: dict) -> str:
-    lines = [f"# Full-encode throughput (MB/s of UTF-8 input)\n",
+    lines = ["# Full-encode throughput (MB/s of UTF-8 input)\n",
              f"Machine: {meta['machine']}; {meta['cpus']} CPUs; load average at start {meta['loadavg']}. "
              "Cold = fresh instance per run (construction not timed), warm = median of repeat passes on one instance "
              "[best]. `exact` = first output equals the reference IDs on every document of the cell. "
@@ -299,8 +298,8 @@ def markdown(results: list[dict], meta: dict) -> str:
                                                                                   list(SIZES).index(c[1])))
         engines = list(dict.fromkeys(r["engine"] for r in rows))
         lines.append(f"\n## {family}, {'1 core' if cores == '1' else 'all cores'}\n")
-        lines.append("| engine | " + " | ".join(f"{c} {s}{'*' if any(r['tiled'] for r in rows if (r['category'], r['size']) == (c, s)) else ''}"
-                                               for c, s in cells) + " |")
+        tiled = {(r["category"], r["size"]) for r in rows if r["tiled"]}
+        lines.append("| engine | " + " | ".join(f"{c} {s}{'*' if (c, s) in tiled else ''}" for c, s in cells) + " |")
         lines.append("|---|" + "---:|" * len(cells))
         for eng in engines:
             vals = []

@@ -8,7 +8,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-import tokenplane
 from tokenplane.tokenize import adversarial, campaign
 from tokenplane.tokenize.tokenizer import Tokenizer
 

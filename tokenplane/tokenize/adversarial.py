@@ -166,7 +166,6 @@ def shrink(base: str, ops: list[Op], fails: Callable[[str, list[Op]], bool], bud
             i += 1
 
     def shrink_str(s: str, rebuild: Callable[[str], bool]) -> str:
-        nonlocal calls
         chunk = max(1, len(s) // 2)
         while chunk >= 1 and calls < budget:
             j, changed = 0, False
