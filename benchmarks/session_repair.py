@@ -181,12 +181,12 @@ def session_stats(session) -> dict:
 
 def diff_stats(after: dict, before: dict) -> dict:
     return {k: (v - before.get(k, 0) if isinstance(v, (int, float)) and not isinstance(v, bool) else v)
-            for k, v in after.items()}
+            for k, v in after.items() if not k.startswith("last_")}
 
 
 def add_stats(total: dict, more: dict) -> None:
     for k, v in more.items():
-        if isinstance(v, (int, float)) and not isinstance(v, bool):
+        if isinstance(v, (int, float)) and not isinstance(v, bool) and not k.startswith("last_"):
             total[k] = total.get(k, 0) + v
 
 
