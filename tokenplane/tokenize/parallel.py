@@ -1,0 +1,131 @@
+"""The data-parallel CPU encode path: per-character pre-tokenizer + numba BPE, serial or chunk-parallel.
+
+Chunk-parallel mode cuts a long (normalized) text at *stable* positions (boundary.py: a position p, judged from the
+two characters around it, where a piece provably starts whatever lies left of p-1 or right of p, and no match that
+starts left of p reads beyond p). Chunk [a, b) is pre-tokenized on text[a:b+1] (the one character right of the cut
+is all a left match may read) and its pieces left of b are the serial pieces there; pieces right of a are a function
+of text[a:] because matching restarts at every piece start and no alternative looks behind. So concatenating the
+chunks' IDs is exactly the serial result. As a run-time guard, every cut must also be a piece start of the left
+chunk's own pre-tokenization; if one is not, the whole text is encoded serially (and `stats["cut_rejected"]` counts
+it). Chunks run on threads: the BPE kernel is numba nogil and the numpy scans release the GIL on large arrays.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+
+from . import boundary, pretokenize
+from .bpe import BPE, utf8_offsets
+
+PARALLEL_MIN_CHARS = 256 * 1024     # below this the thread hand-off costs more than it saves
+CUT_SEARCH_CHARS = 4096             # how far past a target offset to look for a stable position
+
+
+def default_workers() -> int:
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:  # pragma: no cover - non-Linux
+        return max(1, os.cpu_count() or 1)
+
+
+class CpuEncoder:
+    """Exact CPU encoder of one tokenizer's ordinary text (IDs equal `tok.reference.encode_ordinary`)."""
+
+    def __init__(self, tok, *, workers: int | None = None, parallel_min_chars: int = PARALLEL_MIN_CHARS):
+        if not pretokenize.supported(tok.family):
+            raise pretokenize.UnsupportedFamily(tok.family.name)
+        self.tok = tok
+        self.family = tok.family
+        self.bpe = BPE(tok.reference, tok.content_hash)
+        self.rule = boundary.rule_for(tok.family)
+        self.workers = workers or default_workers()
+        self.parallel_min_chars = parallel_min_chars
+        self._pool: ThreadPoolExecutor | None = None
+        self._pool_lock = threading.Lock()
+        self.stats = {"serial": 0, "parallel": 0, "chunks": 0, "cut_rejected": 0}
+
+    # -- serial ---------------------------------------------------------------------------------------------------
+    def _encode_norm(self, norm: str, lookahead: str = "") -> np.ndarray:
+        """IDs of `norm` (already normalized); `lookahead`: the character right of a chunk cut, read by the
+        pre-tokenizer but not encoded."""
+        if not norm:
+            return np.zeros(0, dtype=np.uint32)
+        cps = pretokenize.codepoints(norm + lookahead)
+        starts = pretokenize.piece_starts(self.family, cps)
+        n = len(norm)
+        if lookahead and not starts[n]:
+            raise _CutRejected(n)
+        cps = cps[:n]
+        off = utf8_offsets(cps)
+        bounds = np.append(off[np.flatnonzero(starts[:n])], off[n])
+        buf = np.frombuffer(norm.encode("utf-8"), dtype=np.uint8)
+        return self.bpe.encode_bytes(buf, bounds).view(np.uint32)
+
+    def encode(self, text: str, *, parallel: bool | None = None) -> np.ndarray:
+        norm = self.tok.reference.normalize(text)
+        use_parallel = parallel if parallel is not None else (
+            self.workers > 1 and len(norm) >= self.parallel_min_chars and self.rule is not None)
+        if use_parallel and self.rule is not None:
+            return self.encode_parallel_normalized(norm)
+        self.stats["serial"] += 1
+        return self._encode_norm(norm)
+
+    __call__ = encode
+
+    # -- chunk-parallel -------------------------------------------------------------------------------------------
+    def cuts(self, norm: str, n_chunks: int) -> list[int]:
+        """Stable positions near k*len/n_chunks (k = 1..n_chunks-1), strictly increasing; fewer if none is near."""
+        n = len(norm)
+        out: list[int] = []
+        for k in range(1, n_chunks):
+            target = max(k * n // n_chunks, (out[-1] + 1) if out else 1)
+            if target >= n:
+                break
+            lo = target - 1
+            found = self.rule.stable_positions(norm[lo:min(n, target + CUT_SEARCH_CHARS)], offset=lo)
+            found = found[(found >= target) & (found < n)]
+            if found.size:
+                out.append(int(found[0]))
+        return out
+
+    def _pool_get(self) -> ThreadPoolExecutor:
+        with self._pool_lock:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(max_workers=self.workers, thread_name_prefix="tokenplane-cpu")
+            return self._pool
+
+    def encode_parallel_normalized(self, norm: str, *, n_chunks: int | None = None) -> np.ndarray:
+        """Chunk-parallel encode of normalized text; equals the serial encode (see module docstring)."""
+        chunks = n_chunks or self.workers
+        cuts = self.cuts(norm, chunks) if chunks > 1 else []
+        if not cuts:
+            self.stats["serial"] += 1
+            return self._encode_norm(norm)
+        edges = [0, *cuts, len(norm)]
+        jobs = [(norm[a:b], norm[b:b + 1]) for a, b in zip(edges[:-1], edges[1:])]
+        try:
+            if len(jobs) == 1:
+                parts = [self._encode_norm(*jobs[0])]
+            else:
+                parts = list(self._pool_get().map(lambda j: self._encode_norm(*j), jobs))
+        except _CutRejected:
+            self.stats["cut_rejected"] += 1
+            self.stats["serial"] += 1
+            return self._encode_norm(norm)
+        self.stats["parallel"] += 1
+        self.stats["chunks"] += len(jobs)
+        return np.concatenate(parts)
+
+    def close(self) -> None:
+        with self._pool_lock:
+            if self._pool is not None:
+                self._pool.shutdown(wait=False)
+                self._pool = None
+
+
+class _CutRejected(RuntimeError):
+    """A chunk cut was not a piece start of the left chunk's own pre-tokenization (boundary rule disagrees)."""

@@ -1,0 +1,139 @@
+"""Encode-path registration and the `path="auto"` router.
+
+`enable_fast_paths(tok)` registers on a Tokenizer:
+  "cpu"  -> the data-parallel CPU path (parallel.CpuEncoder), built lazily on first use;
+  "auto" -> Router: small segments to the CPU path, segments above `gpu_min_chars` to the GPU encoder when one is
+            present (tokenplane.tokenize.gpu, imported lazily; ImportError or "unavailable" means no GPU), spilled to
+            the CPU path when the GPU already has `gpu_max_inflight` requests (backpressure);
+  "gpu"  -> the GPU encoder alone, only when a device is available.
+Unsupported families ("hf-generic", any splitter or class table the pre-tokenizer was not derived for) get the
+reference engine under both names: same IDs, no speed-up. The output contract never changes with the route.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from typing import Callable
+
+import numpy as np
+
+from . import pretokenize
+
+GPU_MIN_CHARS = 2048        # the seed's 2 KB threshold (characters of the segment; tunable per router)
+GPU_MAX_INFLIGHT = 4
+
+
+class _Lazy:
+    """Build an encoder on first call (the BPE tables of a family take a few seconds the first time)."""
+
+    def __init__(self, build: Callable[[], Callable[[str], np.ndarray]]):
+        self._build = build
+        self._fn: Callable[[str], np.ndarray] | None = None
+        self._lock = threading.Lock()
+
+    def get(self) -> Callable[[str], np.ndarray]:
+        if self._fn is None:
+            with self._lock:
+                if self._fn is None:
+                    self._fn = self._build()
+        return self._fn
+
+    def __call__(self, text: str) -> np.ndarray:
+        return self.get()(text)
+
+
+def _gpu_encoder(tok):
+    """A GPU encoder for tok, or None (no numba-cuda, no device, unsupported family, disabled, or a failed start)."""
+    if os.environ.get("TOKENPLANE_GPU", "1") == "0":
+        return None
+    try:
+        from . import gpu
+    except ImportError:
+        return None
+    try:
+        if not gpu.available() or not gpu.supports(tok):
+            return None
+        return gpu.GpuEncoder(tok)
+    except Exception:  # noqa: BLE001 - any device start failure means "no GPU" for routing; IDs never change
+        return None
+
+
+class Router:
+    """Per-segment routing between the CPU path and the GPU encoder; every route returns the reference IDs."""
+
+    def __init__(self, tok, cpu: Callable[[str], np.ndarray], *, gpu_min_chars: int = GPU_MIN_CHARS,
+                 gpu_max_inflight: int = GPU_MAX_INFLIGHT, gpu_factory=_gpu_encoder):
+        self.tok = tok
+        self.cpu = cpu
+        self.gpu_min_chars = gpu_min_chars
+        self._gpu_factory = gpu_factory
+        self._gpu = None
+        self._gpu_checked = False
+        self._gpu_lock = threading.Lock()
+        self._slots = threading.BoundedSemaphore(gpu_max_inflight)
+        self.stats = {"cpu": 0, "gpu": 0, "spill": 0}
+
+    def gpu(self):
+        if not self._gpu_checked:
+            with self._gpu_lock:
+                if not self._gpu_checked:
+                    self._gpu = self._gpu_factory(self.tok)
+                    self._gpu_checked = True
+        return self._gpu
+
+    def __call__(self, text: str) -> np.ndarray:
+        if len(text) > self.gpu_min_chars:
+            gpu = self.gpu()
+            if gpu is not None:
+                if self._slots.acquire(blocking=False):
+                    try:
+                        ids = gpu.encode(text)
+                    finally:
+                        self._slots.release()
+                    self.stats["gpu"] += 1
+                    return np.asarray(ids, dtype=np.uint32)
+                self.stats["spill"] += 1
+        self.stats["cpu"] += 1
+        return self.cpu(text)
+
+
+def enable_fast_paths(tok, **router_options) -> bool:
+    """Register "cpu", "auto" (and "gpu" when a device is present) on `tok`. Returns True when the family has the
+    fast CPU path, False when both names fall back to the reference engine."""
+    if tok.family.name == "hf-generic" or not pretokenize.supported(tok.family):
+        ref = tok.reference.encode_ordinary
+        tok.register_path("cpu", ref)
+        tok.register_path("auto", ref)
+        return False
+
+    def build_cpu():
+        from .parallel import CpuEncoder
+
+        return CpuEncoder(tok)
+
+    cpu = _Lazy(build_cpu)
+    router = Router(tok, cpu, **router_options)
+    tok.register_path("cpu", cpu)
+    tok.register_path("auto", router)
+
+    def build_gpu():
+        enc = router.gpu()
+        if enc is None:
+            from .tokenizer import PathUnavailableError
+
+            raise PathUnavailableError(f"no GPU encoder for {tok.name} here")
+        return enc.encode
+
+    if _gpu_present_cheap() and "gpu" not in getattr(tok, "_paths", {}):   # the GPU helper may register its own
+        tok.register_path("gpu", _Lazy(build_gpu))
+    return True
+
+
+def _gpu_present_cheap() -> bool:
+    """Whether a "gpu" path is worth registering, without importing numba.cuda on CPU-only machines."""
+    if os.environ.get("TOKENPLANE_GPU", "1") == "0":
+        return False
+    if os.environ.get("NUMBA_ENABLE_CUDASIM") == "1":
+        return True
+    return os.path.exists("/dev/nvidiactl") or os.path.exists("/dev/nvidia0")
