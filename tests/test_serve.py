@@ -300,3 +300,45 @@ def test_config_validation():
     with pytest.raises(ValueError, match="devices"):
         ServeConfig.from_dict({"models": ["a", "b"], "devices": ["cpu"]})
     assert ServeConfig.from_dict({}).models == ["tiny-small", "tiny-large"]
+
+
+@pytest.mark.campaign
+def test_process_backend_equals_inprocess(tokenizer):
+    """The multi-process Runtime behind the same HTTP layer returns what the in-process reference returns
+    (greedy, float64, calibrated thresholds computed once and shipped to every model process)."""
+    import uvicorn
+    from tokenplane.serve.app import build_backend
+    cfg = ServeConfig(models=[wide("test-small"), wide("test-large")], algorithm="r_stitch", dtype="float64",
+                      parameters={"mode": "calibrated", "rates": {"switch": 0.3, "return": 0.5}},
+                      calibration={"prompts": ["Hello there", "What is two plus two?"], "max_tokens": 6},
+                      num_blocks=512)
+    results = {}
+    for kind in ("inprocess", "process"):
+        backend = build_backend(cfg, kind, tokenizer)
+        app = create_app(backend, tokenizer, model_name=MODEL)
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+        thread = threading.Thread(target=srv.run, daemon=True)
+        thread.start()
+        while not srv.started:
+            assert thread.is_alive()
+            time.sleep(0.05)
+        try:
+            url = f"http://127.0.0.1:{port}"
+            out = []
+            for prompt in ("The quick brown fox", "Once upon a time"):
+                body = post(url, "/v1/completions", {"model": MODEL, "prompt": prompt, "max_tokens": 16,
+                                                     "temperature": 0}).json()
+                out.append((body["choices"][0]["text"], body["usage"], body["routing"]["tokens_per_model"]))
+            with httpx.stream("POST", url + "/v1/chat/completions", timeout=60,
+                              json={"model": MODEL, "stream": True, "max_tokens": 12, "temperature": 0,
+                                    "messages": [{"role": "user", "content": "hi"}]}) as r:
+                events = sse_events(r)
+            out.append("".join(e["choices"][0]["delta"].get("content", "") for e in events[:-1]))
+            results[kind] = out
+        finally:
+            srv.should_exit = True
+            thread.join(timeout=30)
+    assert results["process"] == results["inprocess"]

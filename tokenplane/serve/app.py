@@ -16,7 +16,8 @@ Config file (JSON; every key optional):
      "algorithm": "r_stitch", "parameters": {"mode": "calibrated", "rates": {"switch": 0.1, "return": 0.5}},
      "calibration": {"prompts": ["..."], "max_tokens": 16},
      "served_model_name": "tokenplane-router", "tokenizer": "qwen3", "num_blocks": 1024, "block_size": 16,
-     "seed": 0, "default_max_tokens": 16}
+     "seed": 0, "default_max_tokens": 16,
+     "runtime": {"mode": "delayed_async", "thresholds": "auto", ...}}   extra RuntimeConfig fields (process backend)
 Errors are OpenAI-shaped {"error": {"message", "type", "param", "code"}}: 400 malformed JSON or fields, prompt not
 shorter than the context, max_tokens <= 0, token ids outside the vocabulary; 404 unknown model.
 """
@@ -69,6 +70,7 @@ class ServeConfig:
     block_size: int = 16
     seed: int = 0
     default_max_tokens: int = 16
+    runtime: dict[str, Any] = field(default_factory=dict)   # extra RuntimeConfig fields (mode, thresholds, ...)
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "ServeConfig":
@@ -259,11 +261,17 @@ def build_backend(cfg: ServeConfig, kind: str, tokenizer: Any) -> Any:
         # Calibrate once here (warm-up copies of the models, dropped afterwards) and hand the frozen thresholds to
         # every model process through algorithm.config(), so all of them decide identically.
         build_router(cfg, algorithm, tokenizer)
+    devices = set(cfg.devices or ["cpu"])
+    if len(devices) > 1:
+        raise ValueError(f"the process backend runs every model on one device; got {sorted(devices)}")
     wanted = {"models": list(cfg.models), "algorithm": cfg.algorithm, "algorithm_kwargs": algorithm.config(),
-              "device": (cfg.devices or ["cpu"])[0], "devices": cfg.devices, "dtype": cfg.torch_dtype(),
-              "num_blocks": cfg.num_blocks, "block_size": cfg.block_size, "seed": cfg.seed}
+              "device": devices.pop(), "dtype": cfg.dtype, "num_blocks": cfg.num_blocks,
+              "block_size": cfg.block_size, "seeds": [cfg.seed] * len(cfg.models), **cfg.runtime}
     names = {f.name for f in dataclasses.fields(rt.RuntimeConfig)}
-    runtime = rt.Runtime(rt.RuntimeConfig(**{k: v for k, v in wanted.items() if k in names}))
+    unknown = sorted(set(wanted) - names)
+    if unknown:
+        raise ValueError(f"RuntimeConfig has no field(s) {unknown}")
+    runtime = rt.Runtime(rt.RuntimeConfig(**wanted))   # spawns one process per model, waits until all are ready
     max_len, vocab = model_limits(cfg)
     return RuntimeBackend(runtime, max_model_len=max_len, vocab_size=vocab)
 
