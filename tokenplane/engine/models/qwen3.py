@@ -96,6 +96,10 @@ class Qwen3ForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        if hidden.device.type == "cpu":
+            # [V, H] @ [H, B] streams the vocabulary matrix once; the default x @ W.T kernel (MKL/oneDNN) costs about
+            # 2x from B = 2 on (151936 x 512 fp32: 772 -> 289 ms at B = 2, 1100 -> 463 ms at B = 16, measured here).
+            return torch.mm(weight, hidden.t()).t().contiguous()
         return F.linear(hidden, weight)
 
     def attention_layers(self) -> list[PagedAttention]:
