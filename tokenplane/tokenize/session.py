@@ -62,6 +62,7 @@ class SessionStats:
     full_encodes: int = 0           # all full encodes (fallbacks, bootstrap, unsupported family)
     renormalizations: int = 0       # full NFC recomputations (documented O(N) cases)
     last_repair_s: float = 0.0
+    last_encode_s: float = 0.0      # part of last_repair_s spent inside the reference engine (the rest: bookkeeping)
     total_repair_s: float = 0.0
     last_path: str = ""
 
@@ -291,6 +292,7 @@ class Session:
         self._ids = np.zeros(1024, dtype=np.uint32)
         self._ends = np.zeros(1024, dtype=np.uint32)
         self._n = 0
+        self._encode_s = 0.0
         self.revision = 0
         self.stats = SessionStats()
         if text:
@@ -349,6 +351,7 @@ class Session:
         if not text:
             return Splice(self._n, np.zeros(0, np.uint32), self.revision, "noop")
         t0 = time.perf_counter()
+        self._encode_s = 0.0
         plan = self._plan_append(text)
         return self._commit(plan, t0)
 
@@ -372,6 +375,7 @@ class Session:
         if old == replacement:
             return Splice(self._n, np.zeros(0, np.uint32), self.revision, "noop")
         t0 = time.perf_counter()
+        self._encode_s = 0.0
         plan = self._plan_edit(start, end, replacement)
         return self._commit(plan, t0)
 
@@ -626,7 +630,7 @@ class Session:
         if target <= 0:
             return 0
         ends, ids, n = self._ends, self._ids, self._n
-        i = int(np.searchsorted(ends[:n], target, side="right")) - 1
+        i = int(np.searchsorted(ends[:n], np.uint32(target), side="right")) - 1
         norm = self._normtext
         fallback = None
         for _ in range(256):
@@ -659,7 +663,9 @@ class Session:
             t = text[a - s:b - s]
             if self._nfc and check and not t.isascii() and self.reference.normalize(t) != t:
                 return False
+            t0 = time.perf_counter()
             ids = self.reference.encode_ordinary_normalized(t)
+            self._encode_s += time.perf_counter() - t0
             byte_ends = np.cumsum(self.reference.token_lengths[ids])
             id_parts.append(ids)
             end_parts.append(utf8_char_ends(t, byte_ends) + (a - s))
@@ -684,7 +690,8 @@ class Session:
         -2 when not a clean boundary of these records."""
         if not len(ends):
             return np.where(pos == origin, -1, -2)
-        idx = np.searchsorted(ends, pos, side="right") - 1
+        # query in the array's dtype: a mixed-dtype searchsorted converts the whole (session-sized) array
+        idx = np.searchsorted(ends, pos.astype(ends.dtype), side="right") - 1
         ok = idx >= 0
         safe = np.where(ok, idx, 0)
         hit = ok & (ends[safe] == pos)
@@ -772,7 +779,7 @@ class Session:
     def _is_special_edge(self, pos: int) -> bool:
         if not self._matcher:
             return False
-        i = int(np.searchsorted(self._ends[:self._n], pos, side="right")) - 1
+        i = int(np.searchsorted(self._ends[:self._n], np.uint32(pos), side="right")) - 1
         if i >= 0 and self._ends[i] == pos and self._is_special[self._ids[i]]:
             return True
         return i + 1 < self._n and self._is_special[self._ids[i + 1]] and (i < 0 or self._ends[i] == pos)
@@ -836,6 +843,7 @@ class Session:
         self.revision += 1
         dt = time.perf_counter() - t0
         self.stats.last_repair_s = dt
+        self.stats.last_encode_s = self._encode_s
         self.stats.total_repair_s += dt
         self.stats.windows_tried += plan.attempts
         self.stats.widenings += max(0, plan.attempts - 1)

@@ -1,0 +1,156 @@
+"""Soundness of the stable-boundary predicates, at the piece level (reference pre-tokenizer) and the ID level.
+
+For every position p the predicate accepts in an adversarial text T:
+  * p is a piece boundary of T, and the pieces right of p are the pieces of T[p:] (left-context independence),
+    also after replacing everything left of p-1 by random text;
+  * the pieces left of p do not change when everything from p+1 on is replaced by random text (lookahead 1).
+The ID level repeats the right/left checks on reference token records (tiktoken families use tiktoken's own regex,
+whose dialect differs from the Onig pattern the piece level uses).
+"""
+
+import random
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import tokenplane
+from tokenplane.tokenize import boundary
+from tokenplane.tokenize.charclass import BIT, class_table
+from tokenplane.tokenize.families import Family
+
+NAMES = ["cl100k_base", "o200k_base", "llama3", "qwen3", "deepseek_v4"]
+
+# Characters aimed at the rules: letters of every case class, contractions (incl. U+017F and U+212A), marks,
+# digits of several kinds, every whitespace flavour, punctuation incl. / and ', CJK and kana edges, ZWJ, controls.
+ATOMS = (list("aZsStTdDlLrReEvVmMkK") + ["'", "ſ", "\u212a", "ǅ", "ʰ", "é", "\u0301", "\u0308", "\u3099", "\u309b"]
+         + list("0123456789") + ["²", "Ⅻ", "٣", "½"]
+         + [" ", "  ", "\n", "\r", "\r\n", "\t", "\xa0", "\u3000", "\u2028", "\x0b"]
+         + list(".,;:!?/()-_<|>\"#$%&*+=@[]^`{}~\\") + ["—", "…", "€", "🙂", "\u200d", "\x00", "\x01"]
+         + ["中", "文", "ー", "あ", "ア", "\u30fb", "한", "\u1100", "\u1161"])
+
+text_st = st.lists(st.sampled_from(ATOMS), min_size=2, max_size=14).map("".join)
+
+
+@pytest.fixture(scope="module", params=NAMES)
+def tok(request):
+    return tokenplane.load(request.param)
+
+
+def _pieces(tok, text):
+    return tok.reference.pretokenize(text)
+
+
+def test_rules_pinned_and_refused_for_unknown_configs():
+    for name in NAMES:
+        fam = tokenplane.load(name).family
+        rule = boundary.rule_for(fam)
+        assert rule is not None and rule.splitter_hash == fam.splitter_hash
+    fam = tokenplane.load("qwen3").family
+    generic = Family(name="hf-generic", engine="hf", patterns=fam.patterns, onig_patterns=fam.patterns)
+    assert boundary.rule_for(generic) is None
+    changed = Family(name="qwen3", engine="hf", patterns=(fam.patterns[0] + "|x",), onig_patterns=fam.patterns,
+                     normalizer="nfc")
+    assert boundary.rule_for(changed) is None   # same name, different splitter -> no fast path
+
+
+def test_class_assumptions_of_the_derivations():
+    """docs/boundaries.md relies on these facts of the probed tables (not of unicodedata)."""
+    t = class_table("tiktoken").astype(np.int64)
+    assert np.array_equal(t, class_table("hf"))
+    cls = {k: (t & BIT[k]) != 0 for k in ("L", "N", "M", "P", "S", "s")}
+    for a in cls:
+        for b in cls:
+            if a < b:
+                assert not np.any(cls[a] & cls[b]), (a, b)
+    cjk = np.zeros(len(t), bool)
+    cjk[0x4E00:0x9FA6] = cjk[0x3040:0x30A0] = cjk[0x30A0:0x3100] = True
+    assert not np.any(cjk & cls["N"])
+    assert not np.any(cjk & cls["s"])
+    for c in "\r\n\t \x0b\x0c":
+        assert cls["s"][ord(c)]
+
+
+@pytest.mark.parametrize("pattern", [r"'(?i:[sdmt]|ll|ve|re)", r"(?i:'s|'t|'re|'ve|'m|'ll|'d)"])
+def test_contraction_letters_are_letters(pattern):
+    """Case-insensitive contractions accept U+017F (long s) too; every accepted character must be a letter, since
+    the derivation argues 'a contraction match ends on a letter'. Probed through tiktoken itself (BMP)."""
+    import tiktoken
+
+    enc = tiktoken.Encoding(name="probe", pat_str=pattern, mergeable_ranks={bytes([i]): i for i in range(256)},
+                            special_tokens={})
+    universe = "".join("'" + chr(c) for c in list(range(0x20, 0xD800)) + list(range(0xE000, 0x10000)))
+    matched = set(bytes(enc.encode_ordinary(universe)).decode().replace("'", ""))
+    assert "ſ" in matched and "s" in matched
+    t = class_table("tiktoken")
+    assert all(t[ord(c)] & BIT["L"] for c in matched)
+
+
+def _check_piece_level(tok, text, rng):
+    rule = boundary.rule_for(tok.family)
+    alphabet = ATOMS
+    for p in rule.stable_positions(text):
+        p = int(p)
+        pieces = _pieces(tok, text)
+        assert p in {a for a, _ in pieces}, (text, p, pieces)
+        right = [(a - p, b - p) for a, b in pieces if a >= p]
+        assert right == _pieces(tok, text[p:]), (text, p)
+        left = "".join(rng.choice(alphabet) for _ in range(rng.randint(0, 5)))
+        t2 = left + text[p - 1:]
+        p2 = len(left) + 1
+        assert p2 in {a for a, _ in _pieces(tok, t2)}, (t2, p2)
+        tail = "".join(rng.choice(alphabet) for _ in range(rng.randint(0, 5)))
+        t3 = text[:p + 1] + tail
+        assert [x for x in pieces if x[1] <= p] == [x for x in _pieces(tok, t3) if x[1] <= p], (text, t3, p)
+
+
+def _records(tok, text):
+    ids, ends = tok.reference.encode_with_ends(text)
+    return list(zip(ids.tolist(), ends.tolist()))
+
+
+def _check_id_level(tok, text, rng):
+    rule = boundary.rule_for(tok.family)
+    for p in rule.stable_positions(text):
+        p = int(p)
+        recs = _records(tok, text)
+        assert p in {e for _, e in recs} or p == 0, (text, p)
+        right = [(i, e - p) for i, e in recs if e > p]
+        assert right == _records(tok, text[p:]), (text, p)
+        tail = "".join(rng.choice(ATOMS) for _ in range(rng.randint(0, 5)))
+        t3 = text[:p + 1] + tail
+        assert [r for r in recs if r[1] <= p] == [r for r in _records(tok, t3) if r[1] <= p], (text, t3, p)
+
+
+@settings(max_examples=250, deadline=None, suppress_health_check=list(HealthCheck))
+@given(text=text_st, seed=st.integers(0, 2**16))
+def test_predicate_sound_piece_level(tok, text, seed):
+    _check_piece_level(tok, text, random.Random(seed))
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck))
+@given(text=text_st, seed=st.integers(0, 2**16))
+def test_predicate_sound_id_level(tok, text, seed):
+    if tok.family.normalizer:    # ends are in normalized text; positions of the raw adversarial text would shift
+        text = tok.normalize(text)
+    _check_id_level(tok, text, random.Random(seed))
+
+
+def test_predicate_fires_on_common_transitions(tok):
+    """The rules are conservative but must not be vacuous: ordinary prose and code have many stable positions."""
+    rule = boundary.rule_for(tok.family)
+    text = "def f(x):\n    return x + 1  # 2024 items, don't panic\nHello world. 你好，世界"
+    hits = set(rule.stable_positions(text).tolist())
+    assert len(hits) >= 10
+    assert text.index("(") in hits          # letter -> punctuation
+    assert text.index(" world") in hits     # letter -> space
+    _check_piece_level(tok, text, random.Random(0))
+
+
+@pytest.mark.campaign
+def test_predicate_sound_campaign(tok):
+    rng = random.Random(12345)
+    for _ in range(20000):
+        text = "".join(rng.choice(ATOMS) for _ in range(rng.randint(2, 24)))
+        _check_piece_level(tok, text, rng)

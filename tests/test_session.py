@@ -1,0 +1,279 @@
+"""Session: after EVERY append/edit/sync the IDs equal a full reference encode of the session text (all families),
+the splice describes the change, and bad input never corrupts the state.
+
+Small windows (and a small `window`) force the certified search to work near the seam instead of trivially reaching
+the text start; an adversarial atom generator aims digit runs, whitespace runs, CR/LF, contractions (U+017F), case
+transitions, marks, CJK, emoji ZWJ, special-token strings and NFC-composable pairs at the seams.
+"""
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import tokenplane
+from tokenplane import InvalidTextError, TextTooLargeError
+from tokenplane.tokenize.artifacts import artifact_bytes
+from tokenplane.tokenize.families import Family
+from tokenplane.tokenize.session import Session, SessionError, StaleRevisionError
+from tokenplane.tokenize.tokenizer import Tokenizer
+
+NAMES = ["cl100k_base", "o200k_base", "llama3", "qwen3", "deepseek_v4"]
+
+ATOMS = ["123", "4567", "0", "00000", "12", " ", "   ", "\t", "\n", "\r\n", "\r", "\n\n", " \n", "'s", "'ll", "'S",
+         "ſ", "'ſ", "don't", "Hello", "hello", "WORLD", "aB", "Ab", "ABc", "e", "\u0301", "\u0308", "é", "中文",
+         "日本語", "ー", "，", "。", "!", "?!", "/", "//", "(", ")", "->", "...", "—", "🙂", "👍🏽", "👨\u200d👩\u200d👧",
+         "\x00", "<|endoftext|>", "<|endof", "text|>", "<|im_start|>", "<|im_end|>", "\u1100", "\u1161", "\u11a8",
+         "한", "²", "½", "\xa0", "\u3000", "x" * 40, "def f(x):\n    return x\n", "  foo", "K", "\u212a"]
+
+chunk_st = st.lists(st.sampled_from(ATOMS), min_size=0, max_size=8).map("".join)
+op_st = st.one_of(
+    st.tuples(st.just("append"), chunk_st),
+    st.tuples(st.just("edit"), st.floats(0, 1), st.integers(0, 12), chunk_st),
+    st.tuples(st.just("sync"), st.floats(0, 1), st.integers(0, 12), chunk_st),
+)
+
+
+@pytest.fixture(scope="module")
+def toks():
+    return {name: tokenplane.load(name) for name in NAMES}
+
+
+def _expect(tok, text, allowed=()):
+    return tok.encode(text, allowed_special=allowed)
+
+
+def _check(sess, tok, allowed=()):
+    assert np.array_equal(sess.ids, _expect(tok, sess.text, allowed)), repr(sess.text[-80:])
+    assert (int(sess.ends[-1]) if len(sess) else 0) == len(sess.normalized_text)
+
+
+def _apply(sess, op):
+    before = sess.ids.copy()
+    text = sess.text
+    if op[0] == "append":
+        sp = sess.append(op[1])
+    else:
+        _, frac, width, repl = op
+        a = int(frac * len(text))
+        b = min(len(text), a + width)
+        if op[0] == "edit":
+            sp = sess.edit(a, b, repl)
+        else:
+            sp = sess.sync(text[:a] + repl + text[b:])
+    assert np.array_equal(np.concatenate([before[:sp.keep], sp.ids]), sess.ids)
+    return sp
+
+
+def _seed_text(rng_atoms: list[str]) -> str:
+    return "".join(rng_atoms) * 3
+
+
+@pytest.mark.parametrize("name", NAMES)
+@settings(max_examples=25, deadline=None, suppress_health_check=list(HealthCheck))
+@given(seed=st.lists(st.sampled_from(ATOMS), min_size=5, max_size=40), ops=st.lists(op_st, min_size=1, max_size=6))
+def test_every_step_equals_full_encode(toks, name, seed, ops):
+    tok = toks[name]
+    sess = tok.session(text=_seed_text(seed), window=16)
+    _check(sess, tok)
+    for op in ops:
+        _apply(sess, op)
+        _check(sess, tok)
+
+
+@pytest.mark.parametrize("name", NAMES)
+@settings(max_examples=12, deadline=None, suppress_health_check=list(HealthCheck))
+@given(seed=st.lists(st.sampled_from(ATOMS), min_size=5, max_size=40), ops=st.lists(op_st, min_size=1, max_size=5))
+def test_every_step_with_allowed_specials(toks, name, seed, ops):
+    tok = toks[name]
+    sess = tok.session(text=_seed_text(seed), window=16, allowed_special="all")
+    _check(sess, tok, "all")
+    for op in ops:
+        _apply(sess, op)
+        _check(sess, tok, "all")
+
+
+PROSE = ("The quick brown fox jumps over the lazy dog 1234567 times; it's 42°C — naïve café.\n"
+         "def pipeline(x):\n    return [y for y in x if y % 3 == 0]  # 10,000 items\n") * 30
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_certified_path_is_taken_and_exact(toks, name):
+    """On ordinary text the first 512-char window certifies (not vacuously falling back to full encodes)."""
+    tok = toks[name]
+    sess = tok.session(text=PROSE)
+    for k in range(20):
+        sp = sess.append(PROSE[k * 37:k * 37 + 60 + k])
+        assert sp.path == "window"
+        assert sp.keep > len(sess) - 200
+        _check(sess, tok)
+    assert sess.stats.first_window_accepts == sess.stats.repairs == 20
+    assert sess.stats.full_fallbacks == 0
+    for k in range(10):          # mid-context edits: both sides certified
+        a = 500 + 211 * k
+        sp = sess.edit(a, a + 7, "pipe line 99 ")
+        assert sp.path == "window"
+        _check(sess, tok)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_seam_cases(toks, name):
+    tok = toks[name]
+    cases = [("x" * 600 + " pipe", "line"), ("a" * 600 + " 1234", "5678"), ("b" * 600 + " don", "'t"),
+             ("c" * 600 + " e", "\u0301 and more"), ("d" * 600 + " \u1100", "\u1161\u11a8 x"),
+             ("e" * 600 + "\r", "\n next"), ("f" * 600 + "   ", "  word"), ("g" * 600 + " foo", "Bar baz"),
+             ("h" * 600 + " 中", "文。"), ("i" * 600 + " 👨\u200d", "👩 ok"), ("j" * 600 + " x'", "ſ y")]
+    for left, right in cases:
+        sess = tok.session(text=left, window=8)
+        sess.append(right)
+        _check(sess, tok)
+
+
+def test_special_literal_completed_across_the_seam(toks):
+    for name in NAMES:
+        tok = toks[name]
+        special = "<|endoftext|>" if "<|endoftext|>" in tok.specials else next(iter(tok.specials))
+        cut = len(special) // 2
+        sess = tok.session(text="hello " * 100 + special[:cut], allowed_special="all", window=8)
+        _check(sess, tok, "all")
+        sess.append(special[cut:] + " world")
+        _check(sess, tok, "all")
+        assert tok.specials[special] in sess.ids.tolist()
+        sess.append(special + special[:3])
+        sess.append(special[3:])
+        _check(sess, tok, "all")
+
+
+def test_nfc_raw_text_differs_from_normalized(toks):
+    tok = toks["qwen3"]
+    sess = tok.session(text="cafe" * 200 + "e", window=8)
+    sess.append("\u0301 noted")           # composes with the 'e' before the seam
+    assert sess.text.endswith("e\u0301 noted")
+    assert sess.normalized_text.endswith("é noted")
+    _check(sess, tok)
+    sess.append(" more \u1100")
+    sess.append("\u1161\u11a8 end")       # Hangul L + V + T across two seams
+    _check(sess, tok)
+    sess.edit(10, 20, "A\u030a")         # edit in a session whose raw text is not NFC (full renormalize)
+    _check(sess, tok)
+    sess.sync(sess.text + " tail e\u0301")
+    _check(sess, tok)
+    assert sess.text.endswith("tail e\u0301")
+
+
+def test_splice_and_views(toks):
+    tok = toks["cl100k_base"]
+    sess = tok.session(text=PROSE)
+    ids = sess.ids
+    assert not ids.flags.writeable
+    assert np.shares_memory(ids, sess._ids)   # zero-copy view of the internal buffer
+    buf = sess._ids
+    old = sess.ids.copy()
+    sp = sess.append(" pipe")
+    sp2 = sess.append("line")
+    assert sp2.keep < len(old) + len(sp.ids)    # "pipe"+"line" re-tokenized the seam token
+    assert sess._ids is buf                     # in place: no reallocation for small appends
+    assert sp2.revision == sess.revision == 3
+    assert sess.nbytes > 0 and sess.array_nbytes <= 9.2 * len(sess) + 8 * 8192
+
+
+def test_append_bookkeeping_does_not_touch_the_whole_text(toks):
+    """Appends keep text as chunks (no O(N) join) and edit the arrays in place."""
+    tok = toks["cl100k_base"]
+    sess = tok.session(text=PROSE * 40)
+    chunks_before = len(sess._raw.chunks)
+    big = sess._raw.chunks[0]
+    for k in range(50):
+        sess.append(PROSE[k * 50:k * 50 + 1400])
+    assert sess._raw.chunks[0] is big                 # the bootstrap chunk was never copied
+    assert len(sess._raw.chunks) > chunks_before
+    _check(sess, tok)
+
+
+def test_revision_and_stale_writes(toks):
+    tok = toks["o200k_base"]
+    sess = tok.session(text="abc")
+    rev = sess.revision
+    sess.append(" def", expect_revision=rev)
+    with pytest.raises(StaleRevisionError):
+        sess.append(" ghi", expect_revision=rev)
+    with pytest.raises(StaleRevisionError):
+        sess.edit(0, 1, "x", expect_revision=rev)
+    with pytest.raises(StaleRevisionError):
+        sess.sync("abc def ghi", expect_revision=rev)
+    assert sess.text == "abc def"
+    assert sess.append("").path == "noop" and sess.revision == rev + 1
+
+
+@pytest.mark.parametrize("name", ["cl100k_base", "qwen3"])
+def test_bad_input_never_corrupts(toks, name):
+    tok = toks[name]
+    sess = tok.session(text=PROSE[:2000])
+    state = (sess.text, sess.ids.copy(), sess.revision)
+
+    def unchanged():
+        assert (sess.text, sess.revision) == (state[0], state[2])
+        assert np.array_equal(sess.ids, state[1])
+
+    for bad in [b"\xff\xfe", "a\ud800b", 12, None, 3.5, ["x"]]:
+        for call in (lambda: sess.append(bad), lambda: sess.sync(bad), lambda: sess.edit(0, 1, bad)):
+            with pytest.raises(InvalidTextError):
+                call()
+            unchanged()
+    for a, b in [(-1, 2), (5, 3), (0, 10**9), ("0", 1), (True, 2)]:
+        with pytest.raises(SessionError):
+            sess.edit(a, b, "x")
+        unchanged()
+    if name == "cl100k_base":    # (building a second qwen3 Tokenizer costs seconds; the limit logic is shared)
+        _too_large(tok, state[0])
+    # valid but unusual input: NUL, UTF-8 bytes, a non-extension resend
+    sess.append("a\x00b")
+    sess.append("caf\u00e9 ".encode())
+    _check(sess, tok)
+    sess.sync("completely different " + state[0][:100])
+    _check(sess, tok)
+    sess.sync("")
+    assert len(sess) == 0 and sess.text == ""
+    sess.append(PROSE[:300])
+    _check(sess, tok)
+
+
+def _too_large(tok, text):
+    small = Tokenizer("tiny", tok.family, artifact_bytes(tok.name), max_chars=len(text) + 10)
+    s2 = Session(small, text=text)
+    with pytest.raises(TextTooLargeError):
+        s2.append("y" * 11)
+    with pytest.raises(TextTooLargeError):
+        s2.sync(text + "y" * 11)
+    with pytest.raises(TextTooLargeError):
+        s2.edit(0, 0, "y" * 11)
+    assert s2.text == text
+    s2.append("y" * 10)
+    assert np.array_equal(s2.ids, tok.encode(s2.text))
+
+
+def test_unknown_splitter_takes_the_full_path(toks):
+    fam = toks["cl100k_base"].family
+    generic = Family(name="local-generic", engine="tiktoken", patterns=fam.patterns, onig_patterns=fam.patterns,
+                     ignore_merges=True)
+    t2 = Tokenizer("generic", generic, artifact_bytes("cl100k_base"))
+    sess = t2.session(text=PROSE[:1000])
+    assert sess.rule is None
+    sp = sess.append(" more text")
+    assert sp.path == "full"
+    assert np.array_equal(sess.ids, t2.encode(sess.text))
+    assert sess.stats.full_encodes == 2
+
+
+def test_certify_false_is_the_baseline_flag(toks):
+    tok = toks["llama3"]
+    sess = tok.session(text=PROSE[:3000], certify=False)
+    assert sess.append(" x").path == "full"
+    _check(sess, tok)
+
+
+def test_session_options_validated(toks):
+    with pytest.raises(SessionError):
+        toks["cl100k_base"].session(window=0)
+    with pytest.raises(ValueError):
+        toks["cl100k_base"].session(allowed_special=["<|not a special|>"])
