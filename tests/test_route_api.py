@@ -240,3 +240,16 @@ def test_route_to_missing_model_is_an_error():
         run_sequential(Bad(), [FakeRunner(0), FakeRunner(1)], [[1]], SamplingParams(max_tokens=2))
     with pytest.raises(ValueError, match="drives 2 models"):
         run_sequential(Bad(), [FakeRunner(0)], [[1]], SamplingParams(max_tokens=2))
+
+
+def test_stats_wire_roundtrip_and_summary():
+    from tokenplane.route.stats import RouteStats
+    alg = make_algorithm("r_stitch", mode="synthetic", seed=4, rates={"switch": 0.3, "return": 0.3})
+    out = run_sequential(alg, [FakeRunner(0), FakeRunner(1)], [[1, 2, 3]], SamplingParams(max_tokens=30))[0]
+    back = RouteStats.from_wire(msgpack.unpackb(msgpack.packb(out.stats.to_wire())))
+    assert back == out.stats and back.to_dict() == out.stats.to_dict()
+    d = out.stats.to_dict()
+    runs = out.stats.runs()
+    assert sum(n for _, n in runs) == 30 and all(a[0] != b[0] for a, b in zip(runs, runs[1:]))
+    assert d["num_runs"] == [sum(1 for m, _ in runs if m == k) for k in (0, 1)]
+    assert d["num_handoffs"] == len(out.stats.switches) and d["dropped_tokens"] == out.stats.dropped

@@ -48,6 +48,21 @@ class RouteStats:
     def on_ensemble(self) -> None:
         self.ensembled += 1
 
+    # -- wire (msgpack-able; runtimes move per-request stats between processes) ----------------------------------
+    def to_wire(self) -> dict[str, Any]:
+        return {"num_models": self.num_models, "token_models": list(self.token_models),
+                "switches": [list(x) for x in self.switches], "prefill": [list(x) for x in self.prefill],
+                "sent": [list(x) for x in self.sent], "dropped": self.dropped, "ensembled": self.ensembled,
+                "score_visits": self.score_visits}
+
+    @classmethod
+    def from_wire(cls, d: dict[str, Any]) -> "RouteStats":
+        pairs = lambda key: [(int(a), int(b)) for a, b in d.get(key, [])]   # noqa: E731
+        return cls(int(d["num_models"]), token_models=[int(m) for m in d.get("token_models", [])],
+                   switches=pairs("switches"), prefill=pairs("prefill"), sent=pairs("sent"),
+                   dropped=int(d.get("dropped", 0)), ensembled=int(d.get("ensembled", 0)),
+                   score_visits=int(d.get("score_visits", 0)))
+
     # -- summaries ------------------------------------------------------------------------------------------
     @property
     def num_tokens(self) -> int:
