@@ -126,3 +126,15 @@ def test_bad_arguments():
         LatencyModelRunner(LatencyFit(0.0), clock="fast")
     with pytest.raises(ValueError):
         LatencyModelRunner(LatencyFit(0.0), vocab_size=1)
+
+
+def test_piecewise_fit_recovers_knots_and_interpolates():
+    base = {1: 0.030, 2: 0.060, 4: 0.062, 8: 0.066}
+    samples = [{"batch": b, "context": c, "latency_s": v + 2e-6 * b * c} for b, v in base.items() for c in (0, 128, 512)]
+    f = LatencyFit.fit_piecewise(samples, name="pw")
+    assert f.c == pytest.approx(2e-6, rel=1e-6)
+    assert dict(f.knots) == pytest.approx(base, rel=1e-6)
+    assert f(3, 0) == pytest.approx(0.061, rel=1e-6)
+    assert f(16, 0) == pytest.approx(0.066 + 8 * 0.001, rel=1e-6)  # extrapolated from the last two knots
+    g = LatencyFit.from_dict(f.to_dict())
+    assert g == f and f.scaled(2.0)(2, 100) == pytest.approx(2 * f(2, 100))

@@ -52,32 +52,66 @@ class LatencyFit:
     c: float = 0.0
     d: float = 0.0
     name: str = ""
+    # Piecewise form: ((batch, seconds), ...) sorted by batch replaces a + b*batch, linearly interpolated and
+    # extrapolated from the last two knots. CPU steps are not linear in batch (batch 1 -> 2 doubles a step because
+    # a matrix-vector product becomes a matrix-matrix one, then growth is flat), so measured fits use knots.
+    knots: tuple[tuple[int, float], ...] = ()
+
+    def base(self, batch: int) -> float:
+        if not self.knots:
+            return self.a + self.b * batch
+        ks = self.knots
+        if batch <= ks[0][0] or len(ks) == 1:
+            return ks[0][1] if len(ks) == 1 or batch == ks[0][0] else max(0.0, _lerp(ks[0], ks[1], batch))
+        for lo, hi in zip(ks, ks[1:]):
+            if batch <= hi[0]:
+                return _lerp(lo, hi, batch)
+        return _lerp(ks[-2], ks[-1], batch)
 
     def __call__(self, batch: int, context: float = 0.0, extra_tokens: int = 0) -> float:
         if batch <= 0:
             return 0.0
-        return self.a + self.b * batch + self.c * batch * context + self.d * extra_tokens
+        return self.base(batch) + self.c * batch * context + self.d * extra_tokens
 
     def for_seqs(self, seqs: Sequence) -> float:
         batch = len(seqs)
         ctx = sum(s.num_computed_tokens for s in seqs)
         extra = sum(max(0, s.num_tokens - s.num_computed_tokens - 1) for s in seqs)
-        return self.a + self.b * batch + self.c * ctx + self.d * extra if batch else 0.0
+        return self.base(batch) + self.c * ctx + self.d * extra if batch else 0.0
 
     def at_context(self, context: float) -> Callable[[int], float]:
         """Batch-only latency at a representative context, the form the throughput model takes."""
         return lambda batch: self(batch, context)
 
     def scaled(self, factor: float) -> "LatencyFit":
-        return LatencyFit(self.a * factor, self.b * factor, self.c * factor, self.d * factor, self.name)
+        return LatencyFit(self.a * factor, self.b * factor, self.c * factor, self.d * factor, self.name,
+                          tuple((k, v * factor) for k, v in self.knots))
 
     def to_dict(self) -> dict:
-        return {"name": self.name, "a": self.a, "b": self.b, "c": self.c, "d": self.d}
+        return {"name": self.name, "a": self.a, "b": self.b, "c": self.c, "d": self.d,
+                "knots": [list(k) for k in self.knots]}
 
     @classmethod
     def from_dict(cls, d: dict) -> "LatencyFit":
-        return cls(float(d["a"]), float(d.get("b", 0.0)), float(d.get("c", 0.0)), float(d.get("d", 0.0)),
-                   str(d.get("name", "")))
+        return cls(float(d.get("a", 0.0)), float(d.get("b", 0.0)), float(d.get("c", 0.0)), float(d.get("d", 0.0)),
+                   str(d.get("name", "")), tuple((int(k), float(v)) for k, v in d.get("knots", ())))
+
+    @classmethod
+    def fit_piecewise(cls, samples: Iterable[dict], name: str = "") -> "LatencyFit":
+        """Non-negative least squares for one base latency per measured batch size plus a shared context slope c
+        (latency = base(batch) + c * batch * context), relative residuals."""
+        samples = list(samples)
+        batches = sorted({int(s["batch"]) for s in samples})
+        rows, ys = [], []
+        for s in samples:
+            bsz, ctx, lat = int(s["batch"]), float(s.get("context", 0.0)), float(s["latency_s"])
+            rows.append([(1.0 if bsz == k else 0.0) / lat for k in batches] + [bsz * ctx / lat])
+            ys.append(1.0)
+        if len(rows) < len(batches) + 1:
+            raise ValueError(f"need at least {len(batches) + 1} samples for a piecewise fit, got {len(rows)}")
+        from scipy.optimize import nnls
+        coef, _ = nnls(np.array(rows), np.array(ys))
+        return cls(0.0, 0.0, float(coef[-1]), 0.0, name, tuple((k, float(v)) for k, v in zip(batches, coef[:-1])))
 
     @classmethod
     def fit(cls, samples: Iterable[dict], name: str = "", terms: str = "abc") -> "LatencyFit":
@@ -103,6 +137,10 @@ class LatencyFit:
             coef = np.clip(np.linalg.lstsq(A, y, rcond=None)[0], 0.0, None)
         vals = dict.fromkeys("abcd", 0.0) | {t: float(v) for t, v in zip(terms, coef)}
         return cls(vals["a"], vals["b"], vals["c"], vals["d"], name)
+
+
+def _lerp(lo: tuple[int, float], hi: tuple[int, float], x: float) -> float:
+    return lo[1] + (hi[1] - lo[1]) * (x - lo[0]) / (hi[0] - lo[0])
 
 
 def _anchor(target_s: float, batch: int, context: float, b: float, c: float, d: float, name: str) -> LatencyFit:

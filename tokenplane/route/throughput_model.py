@@ -140,6 +140,13 @@ def _durations(latency_fns: Sequence[LatencyFn], max_batch: int, quantum: float)
     return out
 
 
+def default_quantum(latency_fns: Sequence[LatencyFn], max_batch: int, ticks_per_step: float = 3.0,
+                    max_ticks: int = 36) -> float:
+    fine = min(float(fn(1)) for fn in latency_fns) / ticks_per_step
+    coarse = max(float(fn(max_batch)) for fn in latency_fns) / max_ticks
+    return max(fine, coarse)
+
+
 def _multinomial_outcomes(n: int, probs: Sequence[float]) -> list[tuple[tuple[int, ...], float]]:
     """All ways n requests split over destinations, with their multinomial probabilities (zero-prob dropped)."""
     dests = [j for j, p in enumerate(probs) if p > 0]
@@ -161,12 +168,13 @@ def _multinomial_outcomes(n: int, probs: Sequence[float]) -> list[tuple[tuple[in
 
 
 def solve_chain(thresholds: Sequence[int], concurrency: int, routing, latency_fns: Sequence[LatencyFn], *,
-                quantum: float | None = None, ticks_per_step: float = 3.0, max_batch: int | None = None,
-                max_states: int = 400_000) -> ChainResult:
+                quantum: float | None = None, ticks_per_step: float = 3.0, max_ticks: int = 36,
+                max_batch: int | None = None, max_states: int = 400_000) -> ChainResult:
     """Exact steady state of the chain for one threshold tuple.
 
-    quantum: tick length in seconds; default L_0(1) / ticks_per_step (the fastest model's batch-1 step cut in
-        ticks_per_step ticks; 3 keeps rounding error small at C=16 with ~10^4 states).
+    quantum: tick length in seconds; default: the fastest model's batch-1 step cut in `ticks_per_step` ticks, but
+        coarse enough that the slowest step (largest batch) spans at most `max_ticks` ticks, which bounds the state
+        count (~10^4 at C=16). Randomized rounding keeps every mean step latency exact at any quantum.
     """
     from scipy.sparse import coo_matrix
     from scipy.sparse.linalg import spsolve
@@ -180,7 +188,7 @@ def solve_chain(thresholds: Sequence[int], concurrency: int, routing, latency_fn
         raise ValueError(f"thresholds {list(T)} violate sum_m (T_m - 1) < concurrency = {concurrency}")
     cap = concurrency if max_batch is None else int(max_batch)
     if quantum is None:
-        quantum = min(float(fn(1)) for fn in latency_fns) / ticks_per_step
+        quantum = default_quantum(latency_fns, cap, ticks_per_step, max_ticks)
     dur = _durations(latency_fns, cap, quantum)
     commit = [rm.committed_fraction(m) for m in range(M)]
     outcome_cache: dict[tuple[int, int], list] = {}
@@ -325,7 +333,7 @@ def simulate(thresholds: Sequence[int], concurrency: int, routing, latency_fns: 
     cap = concurrency if max_batch is None else int(max_batch)
     rng = random.Random(seed)
     if ticks_per_step is not None and quantum is None:
-        quantum = min(float(fn(1)) for fn in latency_fns) / ticks_per_step
+        quantum = default_quantum(latency_fns, cap, ticks_per_step)
     dur = _durations(latency_fns, cap, quantum) if quantum is not None else None
     lat = [[0.0] + [float(fn(b)) for b in range(1, cap + 1)] for fn in latency_fns]
     leave = [1.0 - rm.P[m][m] for m in range(M)]

@@ -1,0 +1,161 @@
+"""Validate the throughput model's threshold choice against measured throughput over a threshold sweep.
+
+For each latency setting (the seed's R2R GPU figures; our measured CPU step latencies) and concurrency 4, 8, 16,
+with R2R synthetic routing (switch probability 0.35 per small-model step, large model regenerates the dropped token
+and hands back after one token):
+
+  1. the Markov chain predicts committed tokens/s for every feasible (T_small, T_large) with T <= max_t and
+     choose_thresholds picks the argmax;
+  2. "des": the discrete-event simulator (continuous latencies, long horizon) measures the full sweep;
+  3. "runtime": the real multi-process runtime (tokenplane.route.runtime, one process per model, ZeroMQ handoffs)
+     with the latency-model backend, closed-loop clients, measures T_small = 1 x T_large in a grid (+ the choice);
+  4. reported: measured throughput of the chosen thresholds / best measured throughput (target >= 95%).
+
+    python benchmarks/routing/threshold_validation.py [--backend des runtime] [--settings seed-r2r cpu-measured]
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from common import RESULTS, closed_loop, latency_setting, md_table, write_outputs  # noqa: E402
+
+from tokenplane.route.batching import feasible_thresholds  # noqa: E402
+from tokenplane.route.throughput_model import RoutingModel, simulate, solve_chain  # noqa: E402
+
+P_SWITCH = 0.35
+
+
+def runtime_measure(fits, ts, concurrency: int, duration_s: float, max_tokens: int, prompt_len: int) -> dict:
+    from tokenplane.route.runtime import Runtime, RuntimeConfig
+    cfg = RuntimeConfig(models=[{"latency": f.to_dict()} for f in fits], algorithm="r2r",
+                        algorithm_kwargs={"mode": "synthetic", "rates": {"switch": P_SWITCH}, "seed": 0},
+                        runner="latency-model", mode="delayed_async", pending_return=True, thresholds=list(ts),
+                        concurrency=concurrency, num_blocks=2048)
+    with Runtime(cfg) as rt:
+        res = closed_loop(rt, concurrency, duration_s=duration_s, warmup_s=0.5, max_tokens=max_tokens,
+                          prompt_len=prompt_len)
+        try:
+            res["model_stats"] = rt.stats()
+        except Exception as exc:  # stats are diagnostics; a slow reply must not lose the measurement
+            res["model_stats"] = f"unavailable: {exc}"
+    return res
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--backend", nargs="+", default=["des", "runtime"], choices=["des", "runtime"])
+    ap.add_argument("--settings", nargs="+", default=["seed-r2r", "cpu-measured"])
+    ap.add_argument("--concurrency", type=int, nargs="+", default=[4, 8, 16])
+    ap.add_argument("--max-t", type=int, default=8)
+    ap.add_argument("--runtime-large", type=int, nargs="+", default=[1, 2, 3, 4, 6, 8],
+                    help="T_large values measured on the runtime (T_small = 1), plus the model's choice")
+    ap.add_argument("--duration", type=float, default=3.0, help="runtime window per config, seconds (seed scale)")
+    ap.add_argument("--cpu-duration", type=float, default=8.0, help="runtime window per config at CPU latencies")
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--prompt-len", type=int, default=32)
+    ap.add_argument("--des-steps", type=int, default=60_000)
+    ap.add_argument("--out", default="threshold_validation")
+    args = ap.parse_args(argv)
+
+    context = args.prompt_len + args.max_tokens / 2  # mean context of a request in the closed loop
+    rm = RoutingModel.r2r(P_SWITCH)
+    result = {"p_switch": P_SWITCH, "context": context, "settings": {}}
+    md = ["# Delayed-batching thresholds: throughput model vs measured\n",
+          f"R2R synthetic routing, p = {P_SWITCH}; closed loop, prompt {args.prompt_len}, max_tokens "
+          f"{args.max_tokens}; latency at mean context {context:.0f}. Throughput = committed tokens/s.\n"]
+    for setting in args.settings:
+        fits, provenance = latency_setting(setting)
+        fns = [f.at_context(context) for f in fits]
+        sres = {"provenance": provenance, "fits": [f.to_dict() for f in fits], "by_concurrency": {}}
+        md.append(f"\n## {setting}\n\n{provenance}. Step latency at batch 1 / 4 / 16: small "
+                  f"{fns[0](1) * 1e3:.1f} / {fns[0](4) * 1e3:.1f} / {fns[0](16) * 1e3:.1f} ms, large "
+                  f"{fns[1](1) * 1e3:.1f} / {fns[1](4) * 1e3:.1f} / {fns[1](16) * 1e3:.1f} ms.\n")
+        rows = []
+        for C in args.concurrency:
+            t = time.time()
+            combos = feasible_thresholds(2, C, args.max_t)
+            chain = {ts: solve_chain(ts, C, rm, fns) for ts in combos}
+            best_pred = max(chain.values(), key=lambda r: r.throughput).throughput
+            chosen = min((ts for ts, r in chain.items() if r.throughput >= best_pred * (1 - 1e-6)),
+                         key=lambda ts: (sum(ts), ts))
+            entry = {"chosen": list(chosen), "chain_s": time.time() - t,
+                     "chain": {f"{a},{b}": r.to_dict() for (a, b), r in chain.items()}}
+            print(f"[{setting} C={C}] chain over {len(combos)} combos in {entry['chain_s']:.1f} s: "
+                  f"choice {chosen} predicts {chain[chosen].throughput:.1f} tok/s", flush=True)
+            for backend in args.backend:
+                if backend == "des":
+                    measured = {ts: simulate(ts, C, rm, fns, horizon_steps=args.des_steps, seed=7).throughput
+                                for ts in combos}
+                else:
+                    dur = args.duration if setting == "seed-r2r" else args.cpu_duration
+                    grid = [(1, b) for b in args.runtime_large if (1, b) in chain]
+                    if chosen not in grid:
+                        grid.append(chosen)
+                    measured, raw = {}, {}
+                    for ts in grid:
+                        r = runtime_measure(fits, ts, C, dur, args.max_tokens, args.prompt_len)
+                        measured[ts], raw[f"{ts[0]},{ts[1]}"] = r["throughput"], r
+                        print(f"   runtime {ts}: {r['throughput']:.1f} tok/s (chain {chain[ts].throughput:.1f})",
+                              flush=True)
+                    entry["runtime_raw"] = raw
+                best_ts = max(measured, key=measured.get)
+                ratio = measured[chosen] / measured[best_ts]
+                entry[backend] = {"measured": {f"{a},{b}": v for (a, b), v in measured.items()},
+                                  "best": list(best_ts), "best_throughput": measured[best_ts],
+                                  "chosen_throughput": measured[chosen], "ratio": ratio,
+                                  "all_ones": measured.get((1, 1))}
+                print(f"   {backend}: best {best_ts} {measured[best_ts]:.1f}, chosen {chosen} "
+                      f"{measured[chosen]:.1f} -> {ratio:.1%}", flush=True)
+                rows.append([C, backend, f"{chosen}", chain[chosen].throughput, measured[chosen], f"{best_ts}",
+                             measured[best_ts], f"{ratio:.1%}", measured.get((1, 1), float("nan")),
+                             len(measured)])
+            sres["by_concurrency"][C] = entry
+        result["settings"][setting] = sres
+        md.append(md_table(["C", "measured on", "model's choice (T_s, T_l)", "predicted tok/s",
+                            "measured tok/s (choice)", "best measured (T_s, T_l)", "best tok/s", "choice / best",
+                            "(1,1) tok/s", "configs"], rows))
+    write_outputs(args.out, result, "".join(md))
+    plot(result, RESULTS / f"{args.out}.png")
+    return result
+
+
+def plot(result: dict, path: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    settings = list(result["settings"])
+    concs = sorted({int(c) for s in settings for c in result["settings"][s]["by_concurrency"]})
+    fig, axes = plt.subplots(len(settings), len(concs), figsize=(4.2 * len(concs), 3.4 * len(settings)),
+                             squeeze=False)
+    for i, s in enumerate(settings):
+        for j, C in enumerate(concs):
+            ax = axes[i][j]
+            e = result["settings"][s]["by_concurrency"].get(C) or result["settings"][s]["by_concurrency"].get(str(C))
+            if e is None:
+                continue
+            chain = {tuple(map(int, k.split(","))): v["throughput"] for k, v in e["chain"].items()}
+            xs = sorted(b for a, b in chain if a == 1)
+            ax.plot(xs, [chain[(1, b)] for b in xs], "o-", label="chain (predicted)")
+            for backend, style in (("des", "s--"), ("runtime", "^-")):
+                if backend in e:
+                    m = {tuple(map(int, k.split(","))): v for k, v in e[backend]["measured"].items()}
+                    bx = sorted(b for a, b in m if a == 1)
+                    ax.plot(bx, [m[(1, b)] for b in bx], style, label=f"measured ({backend})")
+            ch = e["chosen"]
+            ax.axvline(ch[1], color="gray", ls=":", lw=1)
+            ax.set_title(f"{s}, C={C}, choice T={tuple(ch)}", fontsize=9)
+            ax.set_xlabel("T_large (T_small = 1)")
+            ax.set_ylabel("committed tok/s")
+            ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    main()
