@@ -76,21 +76,25 @@ def engine_factories(family: str, threads: int | None):
     out: dict = {}
     nthreads = threads or os.cpu_count() or 1
 
-    def ours(parallel: bool):
+    def ours(mode: str):
         def factory():
+            from tokenplane.tokenize.parallel import CpuEncoder
             from tokenplane.tokenize.tokenizer import Tokenizer
 
             fresh = Tokenizer(family, tok.family, artifact_bytes(family))   # new instance: nothing cached
-            _attach_cpu_path(fresh)
-            if parallel:
-                return lambda texts: [fresh.encode(t, path="cpu", threads=nthreads) for t in texts]
-            return lambda texts: [fresh.encode(t, path="cpu") for t in texts]
+            enc = CpuEncoder(fresh, workers=nthreads)
+            enc.encode("warm up the lazily built tables 123")   # construction, not timed (as for the peers)
+            if mode == "serial":
+                return lambda texts: [enc.encode(t, parallel=False) for t in texts]
+            return lambda texts: [enc.encode(t) for t in texts]   # chunk-parallel from 256K chars on
         return factory
 
     if _cpu_path_available(tok):
-        out["tokenplane-cpu"] = ours(False)
-        if threads is None and _cpu_threads_supported(tok):
-            out["tokenplane-cpu-parallel"] = ours(True)
+        if threads is None:
+            out["tokenplane-cpu-serial"] = ours("serial")
+            out["tokenplane-cpu-parallel"] = ours("auto")
+        else:
+            out["tokenplane-cpu"] = ours("serial")
 
     if is_tiktoken:
         def tiktoken_factory():
@@ -172,48 +176,22 @@ def load_toktier(family: str):
     return toktier.load(theirs, config=cfg, manifest=manifest, device="cpu")
 
 
-def _attach_cpu_path(tok) -> None:
-    """The CPU data-parallel path registers itself on a Tokenizer; importing its module is enough if it hooks
-    `load`, otherwise it exposes `attach(tokenizer)`."""
-    try:
-        import importlib
-
-        for name in ("tokenplane.tokenize.cpu", "tokenplane.tokenize.cpu_path", "tokenplane.tokenize.fastpath"):
-            try:
-                mod = importlib.import_module(name)
-            except ModuleNotFoundError:
-                continue
-            for attach in ("attach", "register", "install"):
-                if hasattr(mod, attach):
-                    getattr(mod, attach)(tok)
-                    return
-    except Exception:
-        pass
-
-
 def _cpu_path_available(tok) -> bool:
-    from tokenplane.tokenize.tokenizer import PathUnavailableError
-
-    _attach_cpu_path(tok)
     try:
-        tok.encode("probe 123", path="cpu")
-        return True
-    except PathUnavailableError:
-        return False
+        from tokenplane.tokenize import pretokenize
 
-
-def _cpu_threads_supported(tok) -> bool:
-    try:
-        tok.encode("probe 123", path="cpu", threads=2)
-        return True
-    except TypeError:
+        return bool(pretokenize.supported(tok.family))
+    except ImportError:
         return False
 
 
 def worker(args) -> None:
+    threads = None if args.threads == "all" else int(args.threads)
+    if threads is not None and hasattr(os, "sched_setaffinity"):
+        # Pin the whole process (every engine's thread pool) to `threads` CPUs: a true single-core measurement.
+        os.sched_setaffinity(0, sorted(os.sched_getaffinity(0))[:threads])
     import numpy as np
 
-    threads = None if args.threads == "all" else int(args.threads)
     pools = category_pools(Path(args.corpus))
     tok, factories = engine_factories(args.family, threads)
     budget_end = time.monotonic() + args.budget_s
@@ -314,12 +292,46 @@ def markdown(results: list[dict], meta: dict) -> str:
                     vals.append(f"{r['cold_mbps']:.1f} / {r['warm_mbps']:.1f} [{r['warm_best_mbps']:.1f}]{mark}")
             lines.append(f"| {eng} | " + " | ".join(vals) + " |")
         lines.append("\nCells: cold / warm median [warm best]; ✗ = output differs from the reference.")
+    lines.append("\n## Targets (reported, not asserted)\n")
+    lines += [f"- {t}" for t in targets(results)]
     errs = [r for r in results if "error" in r]
     if errs:
         lines.append("\n## Errors\n")
         lines += [f"- {r.get('family')} {r.get('cores')} {r.get('engine', '')} {r.get('category', '')} "
                   f"{r.get('size', '')}: {r['error']}" for r in errs]
     return "\n".join(lines) + "\n"
+
+
+def targets(results: list[dict]) -> list[str]:
+    ok = [r for r in results if "cold_mbps" in r]
+    out = []
+    for fam in sorted({r["family"] for r in ok}):
+        one = {(r["category"], r["size"], r["engine"]): r for r in ok if r["family"] == fam and r["cores"] == "1"}
+        cells = sorted({(c, s) for c, s, e in one if e == "tokenplane-cpu"})
+        if cells:
+            parts, met = [], True
+            for c, s in cells:
+                ours, ft = one[(c, s, "tokenplane-cpu")], one.get((c, s, "fastokens"))
+                if ft is None:
+                    continue
+                good = ours["exact"] and ours["cold_mbps"] >= ft["cold_mbps"]
+                met &= good
+                parts.append(f"{c} {s} {ours['cold_mbps']:.1f} vs {ft['cold_mbps']:.1f}{'' if good else ' (miss)'}")
+            out.append(f"{fam}: one core, exact, cold >= fastokens cold: {'met' if met else 'NOT met'} ("
+                       + "; ".join(parts) + ")")
+        allc = {(r["category"], r["size"], r["engine"]): r for r in ok if r["family"] == fam and r["cores"] == "all"}
+        parts, met, any_cell = [], True, False
+        for (c, s, e), r in sorted(allc.items()):
+            if e != "tokenplane-cpu-parallel" or s not in ("1M", "4M") or (c, s, "tokenplane-cpu-serial") not in allc:
+                continue
+            any_cell = True
+            ratio = r["warm_mbps"] / allc[(c, s, "tokenplane-cpu-serial")]["warm_mbps"]
+            met &= ratio >= 1.7 and r["exact"]
+            parts.append(f"{c} {s} {ratio:.2f}x")
+        if any_cell:
+            out.append(f"{fam}: chunk-parallel on all cores >= 1.7x serial (same process, warm) at >= 1M chars: "
+                       f"{'met' if met else 'NOT met'} (" + "; ".join(parts) + ")")
+    return out
 
 
 def plot(results: list[dict], path: Path) -> None:
