@@ -95,3 +95,9 @@ def test_trace_source_replays_real_calls(tmp_path):
 def test_long_campaign(tmp_path, family):
     rc, summary = run(tmp_path, "--family", family, "--seconds", "300")
     assert rc == 0, summary["failures"]
+
+
+def test_fullencode_source_checks_the_cpu_path(tmp_path):
+    rc, summary = run(tmp_path, "--family", "cl100k_base", "--seconds", "4", "--sources", "fullencode", "--no-traces")
+    fam = summary["families"]["cl100k_base"]
+    assert rc == 0 and fam["fullencode_checks"] > 10 and fam["divergences"] == 0

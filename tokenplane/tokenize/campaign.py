@@ -200,7 +200,15 @@ def fullencode_round(tok, rng, corpus, counters, seconds: float) -> dict | None:
     deadline = time.monotonic() + seconds
     stream = adversarial.text_stream(rng, corpus)
     while time.monotonic() < deadline:
-        text = next(stream)
+        if corpus and rng.random() < 0.03:
+            # a long text (adversarial fragments spliced into real documents) takes the chunk-parallel route
+            parts, n = [], 0
+            while n < 300_000:
+                parts.append(rng.choice(corpus) + adversarial.random_text(rng, 20))
+                n += len(parts[-1])
+            text = "".join(parts)[:rng.randint(300_000, 600_000)]
+        else:
+            text = next(stream)
         try:
             ids = tok.encode(text, path="cpu")
         except PathUnavailableError:
@@ -224,11 +232,17 @@ def fullencode_round(tok, rng, corpus, counters, seconds: float) -> dict | None:
 
 
 def _cpu_available(tok) -> bool:
+    """Whether the CPU fast path runs for this tokenizer (registering it if the loader has not)."""
     try:
         tok.encode("probe", path="cpu")
-        return True
     except PathUnavailableError:
-        return False
+        try:
+            from .router import enable_fast_paths
+        except ImportError:
+            return False
+        if not enable_fast_paths(tok):
+            return False   # the family falls back to the reference under the name "cpu": nothing to check
+    return True
 
 
 def campaign_family(tok: Tokenizer, seconds: float, max_checks: float, rng: random.Random, corpus: list[str],
