@@ -342,3 +342,13 @@ def test_process_backend_equals_inprocess(tokenizer):
             srv.should_exit = True
             thread.join(timeout=30)
     assert results["process"] == results["inprocess"]
+
+
+def test_cli_defaults_bind_localhost():
+    import argparse
+    from tokenplane.serve.app import main_arguments
+    p = argparse.ArgumentParser()
+    main_arguments(p)
+    args = p.parse_args([])
+    assert (args.host, args.port, args.config, args.backend) == ("127.0.0.1", 8000, None, None)
+    assert p.parse_args(["--backend", "inprocess"]).backend == "inprocess"
