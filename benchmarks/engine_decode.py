@@ -15,6 +15,7 @@ Writes benchmarks/results/engine_decode.{json,md,png}.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import platform
@@ -28,6 +29,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from tokenplane.engine import ModelRunner, Sequence, load_model  # noqa: E402
+from tokenplane.engine.loader import resolve_config  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -128,8 +130,7 @@ def main(argv: list[str] | None = None) -> int:
             "processor": platform.processor(), "torch": torch.__version__, "dtype": "float32",
             "loadavg_before": load_before, "loadavg_after": os.getloadavg(), "wall_s": round(time.time() - t_start, 1),
             "warmup": args.warmup, "block_size": 16,
-            "models": {m: {k: v for k, v in load_model.__globals__["resolve_config"](m)[0].__dict__.items()
-                           if k not in ("extra",)} for m in args.models},
+            "models": {m: dataclasses.asdict(resolve_config(m)[0]) for m in args.models},
             "note": "KV filled with random values; step = runner.run() of B one-token sequences, sampling excluded; "
                     "wall-clock on a shared machine: see loadavg."}
     args.out.mkdir(parents=True, exist_ok=True)
@@ -194,7 +195,7 @@ def write_png(path: Path, rows: list[dict], meta: dict) -> None:
         ax.set_title(f"context {ctx}")
         ax.grid(alpha=0.3)
         ax.legend()
-    fig.suptitle(f"tokenplane engine decode step, CPU {meta['threads']} threads, fp32")
+    fig.suptitle(f"tokenplane engine decode step, CPU, {meta['threads']} thread(s), fp32")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 

@@ -1,7 +1,7 @@
 """Model shape and rope settings, read from an HF config.json dict; presets for tests, CPU benchmarks and GPUs."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 ARCHITECTURES = {"Qwen3ForCausalLM": "qwen3", "LlamaForCausalLM": "llama"}
@@ -27,7 +27,6 @@ class ModelConfig:
     mlp_bias: bool = False
     initializer_range: float = 0.02
     eos_token_id: int | list[int] | None = None
-    extra: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     @classmethod
     def from_hf(cls, hf: dict[str, Any]) -> "ModelConfig":
@@ -54,6 +53,8 @@ class ModelConfig:
         act = hf.get("hidden_act", "silu")
         if act != "silu":
             raise ValueError(f"unsupported hidden_act {act!r}")
+        if hf.get("use_sliding_window"):
+            raise ValueError("sliding-window attention is not supported")
         return cls(
             architecture=arch,
             vocab_size=int(hf["vocab_size"]),

@@ -4,6 +4,7 @@ Used by tests, as the single-model reference, and as the standard-serving baseli
 """
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from dataclasses import dataclass
 from typing import Any
@@ -53,7 +54,7 @@ class LLMEngine:
         n = next(self._ids)
         if params.temperature > 0 and params.seed is None:
             # Reproducible per engine seed and arrival order instead of per process.
-            params = SamplingParams(**{**params.__dict__, "seed": splitmix64(self.seed * 7919 + n) >> 1})
+            params = dataclasses.replace(params, seed=splitmix64(self.seed * 7919 + n) >> 1)
         rid = request_id if request_id is not None else f"req-{n}"
         if not prompt_ids:
             raise ValueError("prompt must contain at least one token")

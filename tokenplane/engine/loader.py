@@ -72,8 +72,6 @@ def random_tensors(cfg: ModelConfig, seed: int, device: torch.device) -> Iterato
         t = torch.empty(shape, dtype=torch.float32, device=device)
         if name.endswith("norm.weight"):
             t.normal_(0.0, 0.1, generator=gen).add_(1.0)
-        elif name.endswith(".bias"):
-            t.normal_(0.0, cfg.initializer_range, generator=gen)
         else:
             t.normal_(0.0, cfg.initializer_range, generator=gen)
         yield name, t

@@ -56,7 +56,7 @@ class ModelRunner:
         self.decode_kernel = ("padded" if is_cuda else "varlen") if decode_kernel == "auto" else decode_kernel
         self.use_cuda_graphs = is_cuda and not enforce_eager
         self.max_num_seqs = max_num_seqs
-        self.max_blocks_per_seq = num_blocks
+        self.max_blocks_per_seq = min(num_blocks, -(-cfg.max_position_embeddings // block_size))
         self._graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self._graph_pool = None
         self._static: dict[str, torch.Tensor] = {}

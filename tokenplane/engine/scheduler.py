@@ -62,7 +62,8 @@ class Scheduler:
         # 2. admit waiting sequences (FIFO; a preempted one was put back at the front).
         while self.waiting and len(scheduled) < self.max_num_seqs:
             seq = self.waiting[0]
-            if seq.num_tokens > budget or not self.bm.can_allocate(seq):
+            # A sequence longer than the whole budget (a preempted one that grew) still runs, alone.
+            if (seq.num_tokens > budget and scheduled) or not self.bm.can_allocate(seq):
                 break
             self.bm.allocate(seq)
             budget -= seq.num_uncomputed_tokens
