@@ -225,7 +225,7 @@ class _Plan:
     """Everything a mutation changes, computed before anything is mutated."""
     raw_op: tuple                               # ("append", s) | ("set", full_raw)
     norm_op: tuple | None                       # None: normalized == raw; ("replace", a, b, s) | ("set", chunks)
-    lits: list | None                           # new literal-match list (None: unchanged)
+    lits: tuple | None                          # ("tail", keep, added) | ("set", entries) | None (unchanged)
     keep: int = 0
     mid_ids: np.ndarray = field(default_factory=lambda: np.zeros(0, np.uint32))
     mid_ends: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
@@ -441,22 +441,22 @@ class Session:
         # The normalized middle `mid` replaces norm[d0:N0]; allowed literals get normalized coordinates.
         if not self._nfc:
             d0, mid, struct = N0, text, struct_raw
-            lits_new = self._lits[:keep_lits] + [(a, b, a, b, sid) for a, b, sid in found]
+            keep_from, added = keep_lits, [(a, b, a, b, sid) for a, b, sid in found]
         else:
-            seg_start = max((e[3] for e in self._lits if e[4] >= 0), default=0)
-            d0 = self._nfc_split_before(norm, N0, seg_start)
+            last = next((e for e in reversed(self._lits) if e[4] >= 0), None)
+            d0 = self._nfc_split_before(norm, N0, last[3] if last else 0)
             if d0 is None:
                 return self._plan_rebuild(self._raw.joined() + text, ("append", text))
             # struct_raw == L0 here: the old literal entries all stand; walk the new ones
-            lits_new, pieces, cur, pos, raw_pos = list(self._lits), [], norm.slice(d0, N0), d0, L0
+            keep_from, added, pieces, cur, pos, raw_pos = len(self._lits), [], [], norm.slice(d0, N0), d0, L0
             for a, b, sid in (x for x in found if x[0] >= L0):
                 if sid < 0:
-                    lits_new.append((a, b, -1, -1, -1))
+                    added.append((a, b, -1, -1, -1))
                     continue
                 seg = self.reference.normalize(cur + text[raw_pos - L0:a - L0])
                 lit = text[a - L0:b - L0]
                 pieces += [seg, lit]
-                lits_new.append((a, b, pos + len(seg), pos + len(seg) + len(lit), sid))
+                added.append((a, b, pos + len(seg), pos + len(seg) + len(lit), sid))
                 pos += len(seg) + len(lit)
                 cur, raw_pos = "", b
             pieces.append(self.reference.normalize(cur + text[raw_pos - L0:]))
@@ -466,8 +466,19 @@ class Session:
         raw_is_norm = self._norm is None and (not self._nfc or mid == norm.slice(d0, N0) + text)
         plan = _Plan(raw_op=("append", text),
                      norm_op=None if raw_is_norm else ("replace", d0, N0, mid),
-                     lits=lits_new if self._matcher is not None else None, raw_is_norm=raw_is_norm)
-        self._repair(plan, new, d, new.length, self._special_spans(lits_new))
+                     lits=("tail", keep_from, added) if self._matcher is not None else None,
+                     raw_is_norm=raw_is_norm)
+        specials = []
+        if self._matcher is not None:   # only literals the widest window can reach: O(window), not O(session)
+            reach = d - (self.window << self.max_widenings) - 1
+            for e in reversed(self._lits[:keep_from]) if keep_from else ():
+                if e[4] >= 0:
+                    if e[3] < reach:
+                        break
+                    specials.append((e[2], e[3], e[4]))
+            specials.reverse()
+            specials += [(e[2], e[3], e[4]) for e in added if e[4] >= 0]
+        self._repair(plan, new, d, new.length, specials)
         return plan
 
     def _plan_edit(self, start: int, end: int, replacement: str) -> _Plan:
@@ -543,15 +554,10 @@ class Session:
         e_old = e_new - delta
         raw_is_norm = new_norm == new_raw
         plan = _Plan(raw_op=raw_op, norm_op=None if raw_is_norm else ("set", new_norm),
-                     lits=entries if self._matcher is not None else None, raw_is_norm=raw_is_norm)
+                     lits=("set", entries) if self._matcher is not None else None, raw_is_norm=raw_is_norm)
         new = _NewText(_Chunks([old_norm]), d, new_norm[d:e_new], e_old)
         self._repair(plan, new, d, e_new, new_sp)
         return plan
-
-    def _special_spans(self, lits) -> list[tuple[int, int, int]]:
-        if not lits:
-            return []
-        return [(ns, ne, sid) for _, _, ns, ne, sid in lits if sid >= 0]
 
     def _nfc_split_before(self, norm: _Chunks, pos: int, floor: int) -> int | None:
         """Largest q <= pos (q >= floor) where NFC(text) == NFC(text[:q]) + NFC(text[q:]) holds for any later
@@ -804,7 +810,7 @@ class Session:
         new_n = keep + n_mid + n_right
         ids, ends = self._ids, self._ends
         if new_n > len(ids):
-            cap = max(new_n, len(ids) + len(ids) // 4 + 4096)
+            cap = max(new_n, len(ids) + len(ids) // 8 + 4096)   # <= 12.5% slack: ~9 bytes/token at most
             ids2, ends2 = np.empty(cap, np.uint32), np.empty(cap, np.uint32)
             ids2[:keep], ends2[:keep] = ids[:keep], ends[:keep]
             ids2[keep + n_mid:new_n] = ids[right_from:n]
@@ -839,7 +845,11 @@ class Session:
         else:
             self._norm = _Chunks([plan.norm_op[1]])
         if plan.lits is not None:
-            self._lits = plan.lits
+            if plan.lits[0] == "tail":
+                del self._lits[plan.lits[1]:]
+                self._lits.extend(plan.lits[2])
+            else:
+                self._lits = plan.lits[1]
         self.revision += 1
         dt = time.perf_counter() - t0
         self.stats.last_repair_s = dt

@@ -1,0 +1,66 @@
+"""Replay real agent sessions (mini-swe-agent trajectories, each call's prompt = all earlier messages in a ChatML
+template, sent whole) through Session.sync and compare every step with a full reference encode."""
+
+import os
+
+import numpy as np
+import pytest
+
+import tokenplane
+from tokenplane.tokenize.traces import DEFAULT_TRACES_DIR, load_trajectories, render_prompts, trajectory_files
+
+pytestmark = pytest.mark.skipif(not trajectory_files(), reason=f"trace data absent ({DEFAULT_TRACES_DIR})")
+
+
+def _replay(tok, messages, allowed=()):
+    sess = tok.session(allowed_special=allowed)
+    prompts = render_prompts(messages)
+    for prompt in prompts:
+        sess.sync(prompt)
+        assert np.array_equal(sess.ids, tok.encode(prompt, allowed_special=allowed)), len(prompt)
+    assert sess.text == prompts[-1]
+    return sess.stats, len(prompts)
+
+
+def test_render_prompts_are_extensions():
+    messages = load_trajectories(limit=1)[0]
+    prompts = render_prompts(messages)
+    assert len(prompts) == sum(m["role"] == "assistant" for m in messages)
+    assert all(b.startswith(a) for a, b in zip(prompts, prompts[1:]))
+    assert prompts[0].startswith("<|im_start|>system\n")
+
+
+@pytest.mark.parametrize("name", ["o200k_base", "qwen3"])
+def test_replay_exact_and_first_window(name):
+    tok = tokenplane.load(name)
+    repairs = accepted = 0
+    for messages in load_trajectories(limit=2):
+        stats, steps = _replay(tok, messages[:24])
+        repairs += stats.repairs
+        accepted += stats.first_window_accepts
+        assert stats.full_fallbacks == 0
+    assert repairs > 10 and accepted == repairs
+
+
+def test_replay_with_specials_allowed():
+    """The chat-template markers become special IDs (hard boundaries) when allowed."""
+    tok = tokenplane.load("qwen3")
+    messages = load_trajectories(limit=3)[2]
+    stats, _ = _replay(tok, messages[:16], allowed="all")
+    assert stats.full_fallbacks == 0
+
+
+@pytest.mark.campaign
+@pytest.mark.parametrize("name", ["cl100k_base", "o200k_base", "llama3", "qwen3", "deepseek_v4"])
+def test_replay_campaign(name):
+    tok = tokenplane.load(name)
+    limit = int(os.environ.get("TOKENPLANE_TRACE_LIMIT", "0")) or None
+    repairs = accepted = widenings = fallbacks = 0
+    for messages in load_trajectories(limit=limit):
+        stats, _ = _replay(tok, messages)
+        repairs += stats.repairs
+        accepted += stats.first_window_accepts
+        widenings += stats.widenings
+        fallbacks += stats.full_fallbacks
+    print(f"{name}: {repairs} repairs, first-window {accepted}, widenings {widenings}, fallbacks {fallbacks}")
+    assert fallbacks == 0
