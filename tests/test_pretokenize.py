@@ -140,7 +140,7 @@ def test_unsupported_family_raises():
         pretokenize.piece_starts(generic, np.array([65], dtype=np.uint32))
 
 
-@pytest.mark.parametrize("name", ["cl100k_base", "llama3", "qwen3", "o200k_base"])
+@pytest.mark.parametrize("name", FAMILIES)
 def test_run_level_equals_dense_form(name):
     """The run-level evaluation and the per-character (dense) form of the same predicate agree."""
     table = charclass.class_table("tiktoken")
@@ -151,6 +151,8 @@ def test_run_level_equals_dense_form(name):
         cls = table[cps]
         if name == "o200k_base":
             run, dense = pretokenize._starts_o200k(cps, cls), pretokenize._starts_o200k_dense(cps, cls)
+        elif name == "deepseek_v4":
+            run, dense = pretokenize._starts_deepseek(cps, cls), pretokenize._starts_deepseek_dense(cps, cls)
         else:
             digits = 1 if name == "qwen3" else 3
             whole = name == "cl100k_base"

@@ -589,7 +589,8 @@ _ASCII_PUNCT = np.zeros(128, dtype=bool)
 _ASCII_PUNCT[[ord(ch) for ch in "!\"#$%&'()*+,-./:;<=>?@[\\]^_`{|}~"]] = True
 
 
-def _starts_deepseek(cps: np.ndarray, cls: np.ndarray) -> np.ndarray:
+def _starts_deepseek_dense(cps: np.ndarray, cls: np.ndarray) -> np.ndarray:
+    """Per-character form of the DeepSeek rules; `_starts_deepseek` evaluates the same predicate once per run."""
     n = cps.shape[0]
     idx = np.arange(n)
     is_n = (cls & _N) != 0
@@ -646,6 +647,80 @@ def _starts_deepseek(cps: np.ndarray, cls: np.ndarray) -> np.ndarray:
     starts |= other & (head | ((idx == re - 1) & next_lm))
     absorbed = prev_kind == 1
     starts |= _whitespace_starts(ws, crlf, idx, rs, re, n, absorbed, seg_end, whole_at_end=False)
+    return starts
+
+
+def _ds_kind_table() -> np.ndarray:
+    masks = np.arange(1 << len(charclass.CLASSES), dtype=np.int64)
+    return np.where(masks & _N, 4, np.where(masks & (_L | _M), 0, np.where(masks & (_P | _SY), 1,
+                    np.where(masks & _S, 2, 3)))).astype(np.int8)
+
+
+_KIND_DS = _ds_kind_table()
+
+
+def _starts_deepseek(cps: np.ndarray, cls: np.ndarray) -> np.ndarray:
+    n = cps.shape[0]
+    c = cps.view(np.int32)
+    kind = _KIND_DS[cls]
+    # Segments of stages 1-2: digit-run edges, digit groups of three, CJK-range edges between non-digits.
+    brk = np.empty(n, dtype=bool)
+    brk[0] = True
+    np.not_equal(kind[1:], kind[:-1], out=brk[1:])
+    heads0 = np.flatnonzero(brk)
+    kinds0 = kind[heads0]
+    ends0 = np.append(heads0[1:], n)
+    is_n = kind == 4
+    seg = np.zeros(n + 1, dtype=bool)
+    seg[0] = seg[n] = True
+    nr = np.flatnonzero(kinds0 == 4)
+    seg[heads0[nr]] = True
+    seg[ends0[nr]] = True
+    if nr.size:
+        h = heads0[nr]
+        counts = (ends0[nr] - h + 2) // 3
+        first = np.cumsum(counts) - counts
+        k = np.arange(counts.sum()) - np.repeat(first, counts)
+        seg[np.repeat(h, counts) + 3 * k] = True
+    cjk = (((c >= 0x4E00) & (c <= 0x9FA5)) | ((c >= 0x3040) & (c <= 0x309F)) | ((c >= 0x30A0) & (c <= 0x30FF)))
+    seg[1:n] |= (cjk[1:] != cjk[:-1]) & ~is_n[1:] & ~is_n[:-1]
+    brk |= seg[:n]
+    runs = _Runs.__new__(_Runs)
+    runs.heads = h = np.flatnonzero(brk)
+    runs.ends = e = np.append(h[1:], n)
+    runs.kind = kind[h]
+    seg_head = seg[h]
+    same = ~seg_head                                       # run head continues the previous run's segment
+    runs.prev_kind = np.where(same, np.append(np.int8(-1), runs.kind[:-1]), -1)
+    runs.prev_cp = np.where(same & (h > 0), c[np.maximum(h - 1, 0)], -1)
+    prev2_ok = same & (h > 1) & ~seg[np.maximum(h - 1, 0)]
+    runs.prev2_cp = np.where(prev2_ok, c[np.maximum(h - 2, 0)], -1)
+    runs.prev_single = same & np.append(False, (e - h)[:-1] == 1)
+    runs.prev_crlf = (runs.prev_cp == CR) | (runs.prev_cp == LF)
+
+    starts = np.zeros(n, dtype=bool)
+    k = runs.kind
+    pc = runs.prev_cp
+    ps_start = (k == 1) & (pc != SPACE)
+    ascii_punct = (pc >= 0) & (pc < 128) & _ASCII_PUNCT[np.clip(pc, 0, 127)]
+    head_cp = c[h]
+    head_ascii = ((head_cp >= 65) & (head_cp <= 90)) | ((head_cp >= 97) & (head_cp <= 122))
+    punct_glue = (k == 0) & (runs.prev_kind == 1) & runs.prev_single & (runs.prev2_cp != SPACE) & ascii_punct \
+        & head_ascii
+    glued = ((runs.prev_kind == 2) & ~runs.prev_crlf) | (runs.prev_kind == 3)
+    starts[h[seg_head | ps_start | (k == 3) | ((k == 0) & ~glued & ~punct_glue)]] = True
+    g = np.flatnonzero(punct_glue)
+    if g.size:
+        non_ascii = np.flatnonzero((kind == 0) & ~(((c >= 65) & (c <= 90)) | ((c >= 97) & (c <= 122))))
+        q = np.searchsorted(non_ascii, h[g])
+        cut = np.where(q < non_ascii.size, non_ascii[np.minimum(q, max(non_ascii.size - 1, 0))], n) \
+            if non_ascii.size else np.full(g.size, n)
+        starts[cut[cut < e[g]]] = True
+    # the last "other" character before letters (same segment) is the letter piece's prefix
+    x_then_lm = np.flatnonzero((k[:-1] == 3) & (k[1:] == 0) & same[1:])
+    starts[e[x_then_lm] - 1] = True
+    run_at_end = seg[e]
+    _whitespace_run_starts(c, runs, starts, runs.prev_kind == 1, run_at_end, whole_at_end=False)
     return starts
 
 
