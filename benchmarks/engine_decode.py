@@ -92,6 +92,31 @@ def measure(model, cfg, batch: int, context: int, args, kernel: str = "varlen", 
             "mean_ms": statistics.fmean(times), "repeats": len(times), "samples_ms": [round(t, 3) for t in times]}
 
 
+def measure_catch_up(model, cfg, context: int, k: int, args) -> dict:
+    """One sequence with `context` computed tokens computes k new ones (a peer's tokens or a prompt chunk) and is
+    rolled back after each timed run. Keyed "seqs", not "batch", so decode-only fits skip these rows."""
+    bs = 16
+    context -= context % bs  # block aligned: the rollback keeps num_computed_tokens = context exactly
+    runner = make_runner(model, cfg, 1, context, k, "varlen")
+    (seq,) = add_seqs(runner, 1, context, 0, False)
+    times, cpu = [], []
+    for step in range(args.warmup + args.repeats):
+        seq.token_ids.extend((seq.token_ids[-1] + 1 + j) % 500 for j in range(k))
+        runner.prepare(seq)
+        t0, c0 = time.perf_counter(), time.process_time()
+        runner.run([seq])
+        dt, dc = time.perf_counter() - t0, time.process_time() - c0
+        runner.block_manager.truncate(seq, context)
+        if seq.num_computed_tokens != context:
+            raise RuntimeError("rollback lost computed tokens")
+        if step >= args.warmup:
+            times.append(dt * 1e3)
+            cpu.append(dc * 1e3)
+    return {"seqs": 1, "context": context, "extra_tokens": k - 1, "new_tokens": k,
+            "median_ms": statistics.median(times), "p90_ms": percentile(times, 0.9),
+            "cpu_median_ms": statistics.median(cpu), "cpu_p90_ms": percentile(cpu, 0.9), "repeats": len(times)}
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--models", nargs="+", default=["tiny-small", "tiny-large"])
@@ -102,13 +127,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())
     ap.add_argument("--no-kernel-compare", action="store_true",
                     help="skip the varlen-gather / varlen-slice / padded comparison on the first model")
+    ap.add_argument("--catch-up", nargs="*", type=int, default=[1, 4, 16, 64, 256],
+                    help="new tokens per run for the one-sequence catch-up/prefill sweep at the largest context")
     ap.add_argument("--out", type=Path, default=RESULTS)
     ap.add_argument("--name", default="engine_decode")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     t_start = time.time()
     load_before = os.getloadavg()
-    rows, compare = [], []
+    rows, compare, catch_up = [], [], []
     for name in args.models:
         cfg, model = load_model(name, dtype=torch.float32, seed=0)
         for context in args.contexts:
@@ -125,6 +152,11 @@ def main(argv: list[str] | None = None) -> int:
                     compare.append(r)
                     print(f"  kernel {kernel:6s} consecutive={consecutive!s:5s} ctx {context} batch {batch:3d}: "
                           f"median {r['median_ms']:8.2f} ms cpu {r['cpu_median_ms']:8.2f} ms", flush=True)
+        for k in args.catch_up:
+            r = {"model": name, **measure_catch_up(model, cfg, max(args.contexts), k, args)}
+            catch_up.append(r)
+            print(f"  catch-up {k:4d} new tokens at ctx {r['context']}: median {r['median_ms']:8.2f} ms "
+                  f"cpu {r['cpu_median_ms']:8.2f} ms", flush=True)
         del model
     meta = {"threads": args.threads, "cpu_count": os.cpu_count(), "machine": platform.machine(),
             "processor": platform.processor(), "torch": torch.__version__, "dtype": "float32",
@@ -134,16 +166,17 @@ def main(argv: list[str] | None = None) -> int:
             "note": "KV filled with random values; step = runner.run() of B one-token sequences, sampling excluded; "
                     "wall-clock on a shared machine: see loadavg."}
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / f"{args.name}.json").write_text(json.dumps({"meta": meta, "results": rows, "kernel_compare": compare},
+    (args.out / f"{args.name}.json").write_text(json.dumps({"meta": meta, "results": rows, "kernel_compare": compare,
+                                                            "catch_up": catch_up},
                                                            indent=1))
-    write_markdown(args.out / f"{args.name}.md", meta, rows, compare)
-    write_png(args.out / f"{args.name}.png", rows, meta)
+    write_markdown(args.out / f"{args.name}.md", meta, rows, compare, catch_up)
+    write_png(args.out / f"{args.name}.png", rows, meta, catch_up)
     print(f"wrote {args.out / args.name}.{{json,md,png}} in {meta['wall_s']} s")
     return 0
 
 
-def write_markdown(path: Path, meta: dict, rows: list[dict], compare: list[dict]) -> None:
-    lines = [f"# Engine decode step latency (CPU, {meta['threads']} threads, float32)", "",
+def write_markdown(path: Path, meta: dict, rows: list[dict], compare: list[dict], catch_up: list[dict] = ()) -> None:
+    lines = [f"# Engine decode step latency (CPU, {meta['threads']} thread(s), float32)", "",
              f"torch {meta['torch']}, {meta['cpu_count']} CPUs, load average before/after "
              f"{meta['loadavg_before'][0]:.1f}/{meta['loadavg_after'][0]:.1f} (shared machine), "
              f"{rows[0]['repeats'] if rows else 0} timed steps per point after {meta['warmup']} warm-up steps. "
@@ -166,10 +199,17 @@ def write_markdown(path: Path, meta: dict, rows: list[dict], compare: list[dict]
             lines.append(f"| {r['model']} | {r['context']} | {r['batch']} | {r['kernel']} | "
                          f"{r['consecutive_blocks']} | {r['median_ms']:.2f} | {r['p90_ms']:.2f} | "
                          f"{r['cpu_median_ms']:.2f} |")
+    if catch_up:
+        lines += ["", "Catch-up / prefill: one sequence with `context` computed tokens computes k new tokens in one run "
+                  "(a peer's tokens, or a prompt), logits at the last one only.", "",
+                  "| model | context | new tokens k | median ms | P90 ms | CPU median ms |", "|---|---:|---:|---:|---:|---:|"]
+        for r in catch_up:
+            lines.append(f"| {r['model']} | {r['context']} | {r['new_tokens']} | {r['median_ms']:.2f} | "
+                         f"{r['p90_ms']:.2f} | {r['cpu_median_ms']:.2f} |")
     path.write_text("\n".join(lines) + "\n")
 
 
-def write_png(path: Path, rows: list[dict], meta: dict) -> None:
+def write_png(path: Path, rows: list[dict], meta: dict, catch_up: list[dict] = ()) -> None:
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -178,7 +218,22 @@ def write_png(path: Path, rows: list[dict], meta: dict) -> None:
         print("matplotlib missing: no PNG")
         return
     contexts = sorted({r["context"] for r in rows})
-    fig, axes = plt.subplots(1, len(contexts), figsize=(5 * len(contexts), 4), squeeze=False)
+    ncols = len(contexts) + (1 if catch_up else 0)
+    fig, axes = plt.subplots(1, ncols, figsize=(5 * ncols, 4), squeeze=False)
+    if catch_up:
+        ax = axes[0][-1]
+        for model in dict.fromkeys(r["model"] for r in catch_up):
+            pts = [r for r in catch_up if r["model"] == model]
+            ax.plot([r["new_tokens"] for r in pts], [r["median_ms"] for r in pts], marker="o", label=f"{model} wall")
+            ax.plot([r["new_tokens"] for r in pts], [r["cpu_median_ms"] for r in pts], ls="--", marker=".",
+                    label=f"{model} CPU time")
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("new tokens in one run (1 sequence)")
+        ax.set_ylabel("run latency, ms (median)")
+        ax.set_title(f"catch-up at context {catch_up[0]['context']}")
+        ax.grid(alpha=0.3)
+        ax.legend()
     for ax, ctx in zip(axes[0], contexts):
         for model in dict.fromkeys(r["model"] for r in rows):
             pts = [r for r in rows if r["model"] == model and r["context"] == ctx]
