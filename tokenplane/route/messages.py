@@ -3,7 +3,7 @@
 Every message becomes a plain dict (`to_wire`) of msgpack-able values tagged with its type name; `encode` / `decode`
 wrap msgpack. Nothing is pickled: a message from a peer can only ever become one of the dataclasses below.
 
-    front end  -> sub-server : AddRequest, Abort, StepGrant, Peers, PeerRestarted, StatsQuery, Shutdown
+    front end  -> sub-server : AddRequest, Abort, StepGrant, Peers, PeerRestarted, StatsQuery, Configure, Shutdown
     sub-server -> sub-server : HandoffMsg (wraps tokenplane.route.api.Handoff), Release, PeerStatus
     sub-server -> front end  : Ready, TokenChunk, Finished, Error, Heartbeat, StepDone, Yield, StatsReply
 """
@@ -64,6 +64,7 @@ class AddRequest(_Wire):
     state: dict[str, Any] = field(default_factory=dict)   # RequestView.state (algorithm state)
     num_handoffs: int = 0
     handoff: Handoff | None = None                        # standard serving: the switch that led here
+    inc: int = 0                                          # incarnation: a request id may be reused after it ends
     nested: ClassVar[dict[str, type]] = {"handoff": Handoff}
 
 
@@ -71,6 +72,7 @@ class AddRequest(_Wire):
 class Abort(_Wire):
     request_id: str
     reason: str = "abort"
+    inc: int = 0
 
 
 @_message
@@ -100,6 +102,20 @@ class StatsQuery(_Wire):
 
 
 @_message
+class Configure(_Wire):
+    """Switch execution-mode flags (and optionally the algorithm) of an idle sub-server: the modes are flags of one
+    code path, so one set of processes can run every mode (tests, ablations) without re-spawning."""
+    mode: str
+    pending_return: bool
+    standard_serving: bool
+    thresholds: list[int]
+    concurrency: int
+    max_delay_s: float
+    algorithm: str | None = None
+    algorithm_kwargs: dict[str, Any] | None = None
+
+
+@_message
 class Shutdown(_Wire):
     reason: str = "shutdown"
 
@@ -117,6 +133,7 @@ class HandoffMsg(_Wire):
     params: dict[str, Any]
     num_handoffs: int = 0
     final: bool = False        # finish delivery to the home model: tokens are committed, receive() is not called
+    inc: int = 0               # incarnation of the request id (see AddRequest.inc)
     nested: ClassVar[dict[str, type]] = {"handoff": Handoff}
 
 
@@ -125,6 +142,7 @@ class Release(_Wire):
     """The home model finished (or aborted) the request: drop any retained state for it."""
     request_id: str
     reason: str = "finished"
+    inc: int = 0
 
 
 @_message
@@ -215,6 +233,7 @@ class Yield(_Wire):
     next_model: int
     finish_reason: str | None = None
     handoff: Handoff | None = None
+    inc: int = 0
     nested: ClassVar[dict[str, type]] = {"handoff": Handoff}
 
 
@@ -247,6 +266,6 @@ def decode(data: bytes):
 
 MESSAGE_TYPES = dict(_REGISTRY)
 
-__all__ = ["Abort", "AddRequest", "Error", "Finished", "HandoffMsg", "Heartbeat", "MESSAGE_TYPES", "PeerRestarted",
+__all__ = ["Abort", "AddRequest", "Configure", "Error", "Finished", "HandoffMsg", "Heartbeat", "MESSAGE_TYPES", "PeerRestarted",
            "PeerStatus", "Peers", "Ready", "Release", "Shutdown", "StatsQuery", "StatsReply", "StepDone",
            "StepGrant", "TokenChunk", "Yield", "decode", "encode"]

@@ -36,7 +36,7 @@ from typing import Any, AsyncIterator, Sequence
 import zmq
 
 from .handoff import bind_pull, connect_push, drain, new_address_dir, send
-from .messages import (Abort, AddRequest, Error, Finished, Heartbeat, PeerRestarted, Peers, Ready, Shutdown,
+from .messages import (Abort, AddRequest, Configure, Error, Finished, Heartbeat, PeerRestarted, Peers, Ready, Shutdown,
                        StatsQuery, StatsReply, StepDone, StepGrant, TokenChunk, Yield)
 from .scheduler import params_to_wire
 from .subserver import MODES, SYNC_MODES
@@ -111,6 +111,7 @@ class _Live:
     streamed: int = 0
     first_token: float | None = None
     done: bool = False
+    inc: int = 0
 
 
 @dataclass
@@ -150,6 +151,7 @@ class Runtime:
         self.events: list[str] = []             # deaths and restarts, for operators and tests
         self._stats_waits: dict[int, tuple[threading.Event, dict[int, StatsReply]]] = {}
         self._stats_token = itertools.count(1)
+        self._inc = itertools.count(1)
         self._startup_error: str | None = None
         # sync-mode coordinator state (I/O thread only)
         self._round = 0
@@ -262,12 +264,13 @@ class Runtime:
         deadline = time.monotonic() + self.config.request_timeout_s
         await self._wait_all_ready(deadline)
         wire = self._prepare_params(prompt, params, rid)
-        live = _Live(rid, asyncio.get_running_loop(), asyncio.Queue(), prompt, wire, time.monotonic())
+        live = _Live(rid, asyncio.get_running_loop(), asyncio.Queue(), prompt, wire, time.monotonic(),
+                     inc=next(self._inc))
         with self._lock:
             if rid in self._live:
                 raise ValueError(f"request id {rid!r} is already running")
             self._live[rid] = live
-            self._send_client(0, AddRequest(rid, prompt, wire))
+            self._send_client(0, AddRequest(rid, prompt, wire, inc=live.inc))
         try:
             while True:
                 left = deadline - time.monotonic()
@@ -314,9 +317,11 @@ class Runtime:
         """Abort a request on every model (frees its KV blocks everywhere). True if it was live."""
         with self._lock:
             live = self._live.pop(request_id, None)
+            if live is None:
+                return False
             for st in self._models:
                 if st.ready and st.client is not None:
-                    send(st.client, Abort(request_id))
+                    send(st.client, Abort(request_id, inc=live.inc))
         if live is None:
             return False
         if not live.done:
@@ -338,6 +343,38 @@ class Runtime:
         if len(replies) < self.num_models:
             raise RequestFailed(f"stats: only models {sorted(replies)} answered within {timeout} s")
         return [dataclasses.asdict(replies[m]) for m in range(self.num_models)]
+
+    _FLAGS = ("mode", "pending_return", "standard_serving", "thresholds", "concurrency", "max_delay_s",
+              "algorithm", "algorithm_kwargs")
+
+    def configure(self, **changes: Any) -> None:
+        """Change execution-mode flags (mode, pending_return, standard_serving, thresholds, concurrency,
+        max_delay_s) and/or the algorithm (algorithm, algorithm_kwargs) while no request is live. The sub-servers
+        keep their models and KV pools; only the flags change."""
+        bad = sorted(set(changes) - set(self._FLAGS))
+        if bad:
+            raise ValueError(f"configure: unknown or non-switchable fields {bad}; switchable: {self._FLAGS}")
+        with self._lock:
+            if self._live:
+                raise RuntimeError(f"configure needs an idle runtime; {len(self._live)} requests are live")
+            new = dataclasses.replace(self.config, **changes)
+            new.validate()
+            old_cfg, self.config = self.config, new
+            try:
+                self.thresholds = self._resolve_thresholds()
+            except ValueError:
+                self.config = old_cfg
+                raise
+            self._outstanding.clear()
+            self._sent_table = [[0] * self.num_models for _ in range(self.num_models)]
+            self._dirty = [True] * self.num_models
+            alg_changed = "algorithm" in changes or "algorithm_kwargs" in changes
+            msg = Configure(new.mode, new.pending_return, new.standard_serving, list(self.thresholds),
+                            new.concurrency, new.max_delay_s, new.algorithm if alg_changed else None,
+                            dict(new.algorithm_kwargs) if alg_changed else None)
+            for m in range(self.num_models):
+                self._send_client(m, msg)
+        self.stats()   # same pipe as Configure: when every model answered, every model has applied it
 
     def restart_model(self, m: int, timeout: float | None = None) -> None:
         """Kill (if alive) and restart model m's sub-server; blocks until the new one is Ready. Live requests fail
@@ -507,7 +544,7 @@ class Runtime:
             return
         try:
             self._send_client(y.next_model, AddRequest(y.request_id, y.prompt, y.params, y.output, y.models, y.state,
-                                                       y.num_handoffs, y.handoff))
+                                                       y.num_handoffs, y.handoff, inc=live.inc))
         except RequestFailed as exc:
             self._live.pop(y.request_id, None)
             self._fail(live, str(exc))
@@ -520,11 +557,12 @@ class Runtime:
                 self._all_ready.set()
             return
         live = self._live.pop(e.request_id, None)
-        if live is not None:
-            self._fail(live, f"request {e.request_id} failed on model {e.model}: {e.message}")
+        if live is None:
+            return
+        self._fail(live, f"request {e.request_id} failed on model {e.model}: {e.message}")
         for m in range(self.num_models):
             if self._models[m].ready:
-                send(self._models[m].client, Abort(e.request_id, "error"))
+                send(self._models[m].client, Abort(e.request_id, "error", live.inc))
 
     def _on_ready(self, r: Ready) -> None:
         st = self._models[r.model]
@@ -587,10 +625,11 @@ class Runtime:
         self.events.append(msg)
         rids = list(self._live)
         for rid in rids:
-            self._fail(self._live.pop(rid), f"{msg}; request {rid} failed")
+            live = self._live.pop(rid)
+            self._fail(live, f"{msg}; request {rid} failed")
             for k, other in enumerate(self._models):
                 if k != m and other.ready:
-                    send(other.client, Abort(rid, "peer failure"))
+                    send(other.client, Abort(rid, "peer failure", live.inc))
         # the barrier restarts from scratch: the new process counts from zero
         self._outstanding.clear()
         for k in range(self.num_models):

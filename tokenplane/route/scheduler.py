@@ -63,6 +63,7 @@ class RouteRequest:
     score_for: int | None = None        # answering an ensemble score visit from that model
     ensemble: EnsembleWait | None = None
     num_handoffs: int = 0
+    inc: int = 0                        # incarnation (request ids may be reused once a request ended)
     arrival: float = field(default_factory=time.monotonic)
 
     @property
@@ -122,7 +123,7 @@ class Scheduler:
         self.requests: dict[str, RouteRequest] = {}
         self.waiting: deque[str] = deque()
         self.running: list[str] = []
-        self.tombstones: OrderedDict[str, None] = OrderedDict()
+        self.tombstones: OrderedDict[tuple[str, int], None] = OrderedDict()
         self.counters = {"steps": 0, "batched_seqs": 0, "computed_tokens": 0, "admissions": 0, "resumes": 0,
                          "readmissions": 0, "handoffs_sent": 0, "handoffs_received": 0, "finished": 0,
                          "aborted": 0, "errors": 0}
@@ -155,7 +156,9 @@ class Scheduler:
         """Front end admission (home model), or a standard-serving single-token call on any model."""
         rid = msg.request_id
         if rid in self.requests:
-            return [self._error_out(rid, f"duplicate request id {rid!r}")]
+            if self.requests[rid].inc == msg.inc:
+                return [self._error_out(rid, f"duplicate request id {rid!r}")]
+            self._drop(self.requests[rid], RequestState.ABORTED)   # a stale incarnation nobody released yet
         try:
             params = params_from_wire(msg.params)
             prompt = [int(t) for t in msg.prompt]
@@ -163,7 +166,8 @@ class Scheduler:
                 raise ValueError("empty prompt")
         except (ValueError, TypeError, KeyError) as exc:
             return [self._error_out(rid, f"bad request: {exc}")]
-        self.tombstones.pop(rid, None)
+        if (rid, msg.inc) in self.tombstones:
+            return []   # aborted before this call arrived
         # The front end folded the home model's EOS into stop_token_ids and capped max_tokens by the context.
         view = RequestView.new(rid, prompt, self.num_models, max_tokens=params.max_tokens,
                                stop_token_ids=params.stop_token_ids, model=self.model)
@@ -171,6 +175,7 @@ class Scheduler:
         models = [int(m) for m in msg.models]
         rec = RouteRequest(view, params, models, stats_from_wire(self.num_models, msg.state.get("__stats__"), models))
         rec.num_handoffs = msg.num_handoffs
+        rec.inc = msg.inc
         state = {k: v for k, v in msg.state.items() if not k.startswith("__")}
         view.state = state if (msg.output or msg.handoff is not None or state) else self.alg.init_state(view)
         if msg.handoff is not None:   # standard serving: the switch happened through the front end
@@ -200,10 +205,13 @@ class Scheduler:
     def receive_handoff(self, msg: HandoffMsg) -> list[Outbound]:
         h = msg.handoff
         rid = h.request_id
-        if rid in self.tombstones:
+        if (rid, msg.inc) in self.tombstones:
             return []   # finished or aborted while the message was in flight
         self.counters["handoffs_received"] += 1
         rec = self.requests.get(rid)
+        if rec is not None and rec.inc != msg.inc:
+            self._drop(rec, RequestState.ABORTED)   # a stale incarnation whose release has not arrived yet
+            rec = None
         if msg.final:
             if rec is None or not self.is_home:
                 return []
@@ -222,6 +230,7 @@ class Scheduler:
                 params = params_from_wire(msg.params)
                 view = RequestView.from_handoff(h, self.num_models)
                 rec = RouteRequest(view, params, [], RouteStats(self.num_models))
+                rec.inc = msg.inc
                 fresh = True
             else:
                 fresh = False
@@ -388,14 +397,16 @@ class Scheduler:
             return self._stream(rec)
         h = self.alg.send(view, result, target)
         rec.stats.on_handoff(h)
+        home_seen = view.seen[self.home]   # after_send may count the target's copy; home may be the target
         after_send(view, result, h)
         if h.keep_last:
+            rec.seq.append_token(result.token)
             rec.models.append(self.model)
             rec.stats.on_commit(self.model)
         rec.num_handoffs += 1
         reason = self._finish_reason(rec)
         if h.done or reason is not None:
-            return self._finish(rec, reason or "stop")
+            return self._finish(rec, reason or "stop", home_seen)
         if self.standard_serving:
             return self._yield(rec, target, h)
         return self._stream(rec) + self._leave(rec, h)
@@ -418,7 +429,7 @@ class Scheduler:
         h.metadata["stats"] = stats_to_wire(rec.stats)
         start = max(h.anchor, 0)
         msg = HandoffMsg(h, list(rec.view.seen), rec.models[start:h.position], params_to_wire(rec.params),
-                         rec.num_handoffs)
+                         rec.num_handoffs, inc=rec.inc)
         return [Outbound(h.target, msg)]
 
     # -- endings -------------------------------------------------------------------------------------------------
@@ -431,7 +442,7 @@ class Scheduler:
             return "length"
         return None
 
-    def _finish(self, rec: RouteRequest, reason: str) -> list[Outbound]:
+    def _finish(self, rec: RouteRequest, reason: str, home_seen: int | None = None) -> list[Outbound]:
         rid = rec.request_id
         rec.stats.token_models = list(rec.models)
         self.counters["finished"] += 1
@@ -440,19 +451,19 @@ class Scheduler:
         if self.is_home:
             out = [Outbound(FRONTEND, Finished(rid, rec.view.output_ids[rec.streamed:], rec.models[rec.streamed:],
                                                rec.streamed, reason, self._final_stats(rec)))]
-            out += [Outbound(k, Release(rid)) for k in range(self.num_models) if k != self.model]
+            out += [Outbound(k, Release(rid, inc=rec.inc)) for k in range(self.num_models) if k != self.model]
             self._drop(rec, RequestState.FINISHED)
             return out
         # Finished on a peer: deliver the committed suffix to the home model, which streams and releases.
         view = rec.view
         p = len(view.prompt_ids)
-        start = view.seen[self.home]
+        start = view.seen[self.home] if home_seen is None else home_seen
         full = view.prompt_ids + view.output_ids
         h = Handoff(rid, full[start:], start - p, done=True, keep_last=True, target=self.home, source=self.model,
                     position=len(view.output_ids),
                     metadata={"state": dict(view.state), "finish_reason": reason, "stats": stats_to_wire(rec.stats)})
         msg = HandoffMsg(h, list(view.seen), rec.models[max(h.anchor, 0):], params_to_wire(rec.params),
-                         rec.num_handoffs, final=True)
+                         rec.num_handoffs, final=True, inc=rec.inc)
         self._drop(rec, RequestState.FINISHED)
         return [Outbound(self.home, msg)]
 
@@ -468,7 +479,7 @@ class Scheduler:
         state = dict(view.state)
         state["__stats__"] = stats_to_wire(rec.stats)
         msg = Yield(rec.request_id, self.model, list(view.prompt_ids), list(view.output_ids), list(rec.models),
-                    state, params_to_wire(rec.params), rec.num_handoffs, next_model, finish_reason, h)
+                    state, params_to_wire(rec.params), rec.num_handoffs, next_model, finish_reason, h, rec.inc)
         if finish_reason is not None:
             msg.state["__final_stats__"] = self._final_stats(rec)
         self._drop(rec, RequestState.FINISHED, tombstone=False)
@@ -487,17 +498,18 @@ class Scheduler:
         rec.streamed = n
         return [Outbound(FRONTEND, chunk)]
 
-    def abort(self, request_id: str, reason: str = "abort") -> bool:
-        """Drop a request wherever it is and free its blocks. True if it was here."""
+    def abort(self, request_id: str, reason: str = "abort", inc: int | None = None) -> bool:
+        """Drop a request wherever it is and free its blocks. True if it was here. `inc` None = any incarnation."""
         rec = self.requests.get(request_id)
-        if rec is None:
-            self._tombstone(request_id)
+        if rec is None or (inc is not None and rec.inc != inc):
+            if inc is not None:
+                self._tombstone((request_id, inc))
             return False
         self._drop(rec, RequestState.ABORTED if reason != "finished" else RequestState.FINISHED)
         return True
 
     def release(self, msg: Release) -> None:
-        self.abort(msg.request_id, msg.reason)
+        self.abort(msg.request_id, msg.reason, msg.inc)
 
     def abort_all(self, reason: str = "abort") -> list[str]:
         rids = list(self.requests)
@@ -512,7 +524,7 @@ class Scheduler:
         self._free_seq(rec)
         self.requests.pop(rec.request_id, None)
         if tombstone:
-            self._tombstone(rec.request_id)
+            self._tombstone((rec.request_id, rec.inc))
         # waiting/running lists are filtered lazily (schedule / update_from_output)
         if rec.request_id in self.running and rec.state != RequestState.RUNNING:
             self.running.remove(rec.request_id)
@@ -522,8 +534,8 @@ class Scheduler:
             self.bm.free(rec.seq)
             rec.seq = None
 
-    def _tombstone(self, rid: str) -> None:
-        self.tombstones[rid] = None
+    def _tombstone(self, key: tuple[str, int]) -> None:
+        self.tombstones[key] = None
         if len(self.tombstones) > _TOMBSTONES:
             self.tombstones.popitem(last=False)
 

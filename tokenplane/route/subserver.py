@@ -30,7 +30,7 @@ from typing import Any
 import zmq
 
 from .handoff import Inbox, bind_pull, connect_push, drain, send
-from .messages import (Abort, AddRequest, Error, HandoffMsg, Heartbeat, PeerRestarted, PeerStatus, Peers, Ready,
+from .messages import (Abort, AddRequest, Configure, Error, HandoffMsg, Heartbeat, PeerRestarted, PeerStatus, Peers, Ready,
                        Release, Shutdown, StatsQuery, StatsReply, StepDone, StepGrant)
 from .scheduler import FRONTEND, Scheduler
 
@@ -101,14 +101,13 @@ class SubServer:
         if self.algorithm.num_models != self.num_models:
             raise ValueError(f"algorithm {spec['algorithm']} drives {self.algorithm.num_models} models, the runtime "
                              f"has {self.num_models}")
+        self.module = module
         self.algorithm.attach(self.model, module)
         self.scheduler = Scheduler(self.model, self.num_models, self.runner.block_manager, self.algorithm,
                                    pending_return=spec["pending_return"], standard_serving=spec["standard_serving"],
                                    max_num_seqs=spec.get("max_num_seqs", 256))
         self.policy = None
-        if self.mode == "delayed_async":
-            from tokenplane.route.batching import BatchPolicy
-            self.policy = BatchPolicy(list(spec["thresholds"]), int(spec["concurrency"]))
+        self._set_policy()
         tag = f"{self.model}.{spec['generation']}"
         self.client_sock, client_addr = bind_pull(self.ctx, spec["transport"], spec["ipc_dir"], f"c{tag}")
         self.peer_sock, peer_addr = bind_pull(self.ctx, spec["transport"], spec["ipc_dir"], f"p{tag}")
@@ -152,6 +151,35 @@ class SubServer:
             t = min(t, max(0.0, self.ready_since + float(self.spec["max_delay_s"]) - time.monotonic()))
         return min(t, 0.5)
 
+    def _set_policy(self) -> None:
+        self.policy = None
+        if self.mode == "delayed_async":
+            from tokenplane.route.batching import BatchPolicy
+            self.policy = BatchPolicy(list(self.spec["thresholds"]), int(self.spec["concurrency"]))
+        self.published_active = None
+        self.ready_since = None
+
+    def _configure(self, msg: Configure) -> None:
+        s = self.scheduler
+        if s.requests:
+            raise RuntimeError(f"configure needs an idle model; {len(s.requests)} requests are live")
+        if msg.mode not in MODES:
+            raise ValueError(f"unknown mode {msg.mode!r}")
+        self.spec.update(mode=msg.mode, pending_return=msg.pending_return, standard_serving=msg.standard_serving,
+                         thresholds=list(msg.thresholds), concurrency=msg.concurrency, max_delay_s=msg.max_delay_s)
+        if msg.algorithm is not None:
+            self.spec.update(algorithm=msg.algorithm, algorithm_kwargs=dict(msg.algorithm_kwargs or {}))
+            self.algorithm = build_algorithm(self.spec)
+            self.algorithm.attach(self.model, self.module)
+            s.alg = self.algorithm
+        self.mode = msg.mode
+        s.pending_return, s.standard_serving = bool(msg.pending_return), bool(msg.standard_serving)
+        self.grant = None
+        self.sent = [0] * self.num_models
+        self.received = [0] * self.num_models
+        self.peer_active = [False] * self.num_models
+        self._set_policy()
+
     # -- handlers ------------------------------------------------------------------------------------------------
     def _client_service(self) -> None:
         for msg in drain(self.client_sock):
@@ -165,7 +193,7 @@ class SubServer:
         if isinstance(msg, AddRequest):
             self._dispatch(s.add_request(msg))
         elif isinstance(msg, Abort):
-            s.abort(msg.request_id, msg.reason)
+            s.abort(msg.request_id, msg.reason, msg.inc)
         elif isinstance(msg, StepGrant):
             self.grant, self.grant_time = msg, time.monotonic()
         elif isinstance(msg, Peers):
@@ -184,6 +212,8 @@ class SubServer:
                 counters["policy"] = self.policy.to_dict()
             send(self.front, StatsReply(self.model, msg.token, bm.num_blocks, bm.num_free_blocks, bm.num_used_blocks,
                                         s.reserved_blocks(), s.count_states(), counters))
+        elif isinstance(msg, Configure):
+            self._configure(msg)
         elif isinstance(msg, Shutdown):
             self.stopping = True
 
@@ -259,6 +289,7 @@ class SubServer:
         batch = s.schedule()
         if not batch:
             return False
+        s.counters["computed_tokens"] += sum(r.seq.num_tokens - r.seq.num_computed_tokens for r in batch)
         t0 = time.perf_counter()
         try:
             out = self.runner.run([r.seq for r in batch])

@@ -1,0 +1,229 @@
+"""Multi-process routing runtime vs the sequential reference, aborts, and sub-server failure.
+
+One Runtime (2 sub-server processes, fp64 "test-small"/"test-large") serves the whole module: processes cost ~20 s
+each to start here, and the execution modes / algorithms are flags switched with `Runtime.configure` on the same
+processes. fp64 makes batched and unbatched forwards agree far below any argmax or threshold margin, so equality is
+exact (token for token, and per-token producing model), with no tolerance.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+
+import pytest
+import torch
+
+from tokenplane.engine.sampler import SamplingParams
+from tokenplane.route.algorithms import make_algorithm
+from tokenplane.route.reference import SequentialRouter, build_runner, calibrate
+from tokenplane.route.runtime import RequestFailed, Runtime, RuntimeConfig
+
+MODELS = ["test-small", "test-large"]
+PARAMS = SamplingParams(max_tokens=24)
+PROMPTS = [[(7 * i + 3 * j) % 500 + 1 for j in range(4 + 3 * i)] for i in range(8)]
+RIDS = [f"eq-{i}" for i in range(len(PROMPTS))]
+
+# Synthetic rates high enough that every request switches several times in 24 tokens.
+ALGORITHMS = {
+    "r2r": {"mode": "synthetic", "seed": 3, "rates": {"switch": 0.25}, "router_dim": 32, "router_blocks": 1},
+    "citer": {"mode": "synthetic", "seed": 4, "rates": {"switch": 0.25}},
+    "co_llm": {"mode": "synthetic", "seed": 5, "rates": {"switch": 0.25}},
+    "r_stitch": {"mode": "synthetic", "seed": 6, "rates": {"switch": 0.2, "return": 0.4}},
+    "ensemble": {"mode": "synthetic", "seed": 7, "rates": {"gate": 0.3}},
+}
+
+
+@pytest.fixture(scope="module")
+def runners():
+    return [build_runner(m, dtype=torch.float64, num_blocks=256) for m in MODELS]
+
+
+@pytest.fixture(scope="module")
+def runtime():
+    cfg = RuntimeConfig(models=MODELS, algorithm="r2r", algorithm_kwargs=ALGORITHMS["r2r"], dtype="float64",
+                        num_blocks=256, mode="immediate_async", heartbeat_timeout_s=20.0)
+    rt = Runtime(cfg)
+    yield rt
+    rt.shutdown()
+
+
+_REF_CACHE: dict = {}
+
+
+def reference(runners, name, kwargs):
+    key = (name, repr(sorted(kwargs.items())))
+    if key not in _REF_CACHE:
+        router = SequentialRouter(make_algorithm(name, **kwargs), runners)
+        _REF_CACHE[key] = [router.generate(p, PARAMS, rid) for p, rid in zip(PROMPTS, RIDS)]
+    return _REF_CACHE[key]
+
+
+def check_equal(rt, runners, name, kwargs, concurrency):
+    ref = reference(runners, name, kwargs)
+    outs = rt.run_batch(PROMPTS, PARAMS, request_ids=RIDS, concurrency=concurrency)
+    switched = 0
+    for r, o in zip(ref, outs):
+        assert o.token_ids == r.token_ids, (name, o.request_id)
+        assert o.token_models == r.token_models, (name, o.request_id)
+        assert o.finish_reason == r.finish_reason
+        assert o.stats["num_handoffs"] == r.stats.to_dict()["num_handoffs"]
+        switched += len(set(o.token_models)) > 1 or o.stats["score_visits"] > 0
+    assert switched >= len(PROMPTS) // 2, "the test must exercise handoffs"
+    return outs
+
+
+@pytest.mark.parametrize("concurrency", [1, 8])
+@pytest.mark.parametrize("name", list(ALGORITHMS))
+def test_equivalence_per_algorithm(runtime, runners, name, concurrency):
+    runtime.configure(algorithm=name, algorithm_kwargs=ALGORITHMS[name], mode="delayed_async", thresholds=None,
+                      pending_return=True, standard_serving=False)
+    check_equal(runtime, runners, name, ALGORITHMS[name], concurrency)
+
+
+FLAGS = [
+    {"mode": "stepwise_sync"},
+    {"mode": "model_sync"},
+    {"mode": "immediate_async"},
+    {"mode": "delayed_async", "thresholds": [1, 3], "concurrency": 8},
+    {"mode": "immediate_async", "pending_return": False},
+    {"mode": "immediate_async", "standard_serving": True},
+]
+
+
+@pytest.mark.parametrize("flags", FLAGS, ids=lambda f: "-".join(f"{k}={v}" for k, v in f.items()))
+@pytest.mark.parametrize("name", ["r2r", "r_stitch"])
+def test_equivalence_per_execution_mode(runtime, runners, name, flags):
+    full = {"thresholds": None, "pending_return": True, "standard_serving": False, **flags}
+    runtime.configure(algorithm=name, algorithm_kwargs=ALGORITHMS[name], **full)
+    check_equal(runtime, runners, name, ALGORITHMS[name], 8)
+    st = runtime.stats()
+    if flags.get("pending_return") is False:
+        assert st[0]["counters"]["readmissions"] > 0 and st[0]["counters"]["resumes"] == 0
+    elif flags.get("standard_serving"):
+        assert st[0]["counters"]["resumes"] == 0
+    else:
+        assert st[0]["counters"]["resumes"] > 0
+
+
+def test_ensemble_modes(runtime, runners):
+    """Score visits (the primary waits for peer distributions) under a sync and the delayed mode."""
+    for flags in ({"mode": "stepwise_sync"}, {"mode": "delayed_async", "thresholds": [2, 1]}):
+        runtime.configure(algorithm="ensemble", algorithm_kwargs=ALGORITHMS["ensemble"], pending_return=True,
+                          standard_serving=False, **{"thresholds": None, **flags})
+        check_equal(runtime, runners, "ensemble", ALGORITHMS["ensemble"], 8)
+
+
+def test_calibrated_signal_routing(runtime, runners):
+    """Decisions read real model outputs (R2R router on hidden states + logits), thresholds calibrated once here and
+    shipped to the sub-servers through algorithm.config()."""
+    alg = make_algorithm("r2r", mode="calibrated", rates={"switch": 0.3}, seed=11, router_dim=32, router_blocks=1)
+    calibrate(alg, runners, PROMPTS[:4], SamplingParams(max_tokens=8))
+    kwargs = alg.config()
+    runtime.configure(algorithm="r2r", algorithm_kwargs=kwargs, mode="delayed_async", thresholds=None,
+                      pending_return=True, standard_serving=False)
+    check_equal(runtime, runners, "r2r", kwargs, 8)
+
+
+def test_streaming_chunks_are_ordered(runtime, runners):
+    runtime.configure(algorithm="r_stitch", algorithm_kwargs=ALGORITHMS["r_stitch"], mode="immediate_async",
+                      thresholds=None, pending_return=True, standard_serving=False)
+    ref = reference(runners, "r_stitch", ALGORITHMS["r_stitch"])[2]
+
+    async def go():
+        chunks = []
+        async for c in runtime.generate(PROMPTS[2], PARAMS, request_id=RIDS[2]):
+            chunks.append(c)
+        return chunks
+    chunks = asyncio.run(go())
+    pos = 0
+    for c in chunks:
+        assert c.start == pos
+        pos += len(c.tokens)
+    assert [t for c in chunks for t in c.tokens] == ref.token_ids
+    assert chunks[-1].finish_reason == ref.finish_reason and chunks[-1].stats["latency_s"] > 0
+    assert sum(1 for c in chunks if c.tokens) > 1   # streamed, not one final blob
+
+
+def _settled(rt, timeout=10.0):
+    deadline = time.monotonic() + timeout
+    while True:
+        st = rt.stats()
+        busy = [(s["model"], s["num_used_blocks"], s["requests"]) for s in st
+                if s["num_used_blocks"] or any(s["requests"].values())]
+        if not busy or time.monotonic() > deadline:
+            return st, busy
+        time.sleep(0.1)
+
+
+def test_abort_frees_every_block(runtime):
+    runtime.configure(algorithm="r_stitch", algorithm_kwargs=ALGORITHMS["r_stitch"], mode="immediate_async",
+                      thresholds=None, pending_return=True, standard_serving=False)
+    params = SamplingParams(max_tokens=400)
+
+    async def one(i):
+        rid = f"abort-{i}"
+        got = 0
+        async for c in runtime.generate(PROMPTS[i % 8] * 3, params, request_id=rid):
+            got += len(c.tokens)
+            if got >= i % 5:     # abort at different depths: before admission, mid-prefill, mid-decode, away
+                runtime.abort(rid)
+            if c.finish_reason is not None:
+                return c.finish_reason
+
+    async def go():
+        return await asyncio.gather(*(one(i) for i in range(100)))
+    reasons = asyncio.run(go())
+    assert reasons.count("abort") == 100
+    st, busy = _settled(runtime)
+    assert not busy, busy
+    assert all(s["reserved_blocks"] == 0 for s in st)
+    assert st[0]["counters"]["aborted"] > 0
+
+
+def test_bad_requests_fail_cleanly(runtime):
+    with pytest.raises(ValueError):
+        asyncio.run(runtime.complete([], PARAMS))
+    with pytest.raises(RequestFailed, match="KV blocks"):
+        asyncio.run(runtime.complete([1] * 100, SamplingParams(max_tokens=4000)))
+    out = asyncio.run(runtime.complete(PROMPTS[0], SamplingParams(max_tokens=3)))   # still serving
+    assert len(out.token_ids) == 3
+
+
+def test_killed_subserver_fails_requests_then_serves_again(runtime, runners):
+    """Last in the module: kills model 1 mid-flight; in-flight requests fail fast with a clear error, the runtime
+    restarts the sub-server by itself and serves (correctly) again."""
+    runtime.configure(algorithm="r2r", algorithm_kwargs=ALGORITHMS["r2r"], mode="delayed_async", thresholds=None,
+                      pending_return=True, standard_serving=False)
+    victim = runtime.pids[1]
+
+    async def doomed(i):
+        try:
+            async for c in runtime.generate(PROMPTS[i], SamplingParams(max_tokens=4000 // 16), request_id=f"k{i}"):
+                pass
+        except RequestFailed as exc:
+            return time.monotonic(), str(exc)
+        return time.monotonic(), "finished"
+
+    async def go():
+        tasks = [asyncio.create_task(doomed(i)) for i in range(4)]
+        await asyncio.sleep(0.3)
+        t_kill = time.monotonic()
+        os.kill(victim, signal.SIGKILL)
+        return t_kill, await asyncio.wait_for(asyncio.gather(*tasks), 30)
+    t_kill, results = asyncio.run(go())
+    failed = [(t, m) for t, m in results if m != "finished"]
+    assert failed, results
+    for t, m in failed:
+        assert "model 1" in m and "exited" in m, m
+        assert t - t_kill < 5.0
+    deadline = time.monotonic() + 240
+    while not all(st.ready for st in runtime._models):
+        assert time.monotonic() < deadline, runtime.events
+        time.sleep(0.2)
+    assert runtime.pids[1] != victim
+    check_equal(runtime, runners, "r2r", ALGORITHMS["r2r"], 8)
+    st, busy = _settled(runtime)
+    assert not busy, busy

@@ -1,0 +1,220 @@
+"""Scheduler unit tests, vLLM style: no processes, no model. A fake runner computes every uncomputed token and
+returns logits whose argmax is a fixed function of the sequence; a scripted algorithm decides routes by
+(request, position). Handoffs are delivered by hand between two Schedulers, so every state transition is visible."""
+
+from __future__ import annotations
+
+import torch
+
+from tokenplane.engine.block_manager import BlockManager
+from tokenplane.route.api import Algorithm
+from tokenplane.route.messages import AddRequest, Finished, HandoffMsg, Release, TokenChunk, Yield
+from tokenplane.route.scheduler import FRONTEND, Scheduler, params_to_wire
+from tokenplane.route.states import RequestState
+from tokenplane.engine.sampler import SamplingParams
+
+V = 64
+
+
+class FakeOut:
+    def __init__(self, logits):
+        self.logits = logits
+        self.hidden = None
+
+
+class FakeRunner:
+    """Consumes every uncomputed token; next token = (sum of tokens + model) % V, as greedy argmax of one-hot."""
+
+    def __init__(self, model: int, bm=None):
+        self.model, self.bm = model, bm
+        self.batches: list[list[tuple[str, int]]] = []   # (seq_id, tokens computed) per run
+
+    def run(self, seqs):
+        self.batches.append([(s.seq_id, s.num_tokens - s.num_computed_tokens) for s in seqs])
+        logits = torch.zeros(len(seqs), V, dtype=torch.float64)
+        for i, s in enumerate(seqs):
+            assert len(s.block_table) * 16 >= s.num_tokens
+            logits[i, (sum(s.token_ids) + self.model) % V] = 1.0
+            s.num_computed_tokens = s.num_tokens
+            if self.bm is not None:
+                self.bm.cache_blocks(s)   # as ModelRunner.run does: computed full blocks become prefix-cache hits
+        return FakeOut(logits)
+
+
+class Scripted(Algorithm):
+    """route: model 0 hands to model 1 at positions in `away`; model 1 always hands back (1-token peer)."""
+    name = "scripted"
+
+    def __init__(self, away=(), keep=True, **kw):
+        super().__init__(**kw)
+        self.away, self.keep = set(away), keep
+
+    def route(self, result, req):
+        if result.model == 0:
+            return 1 if (req.request_id, result.position) in self.away else 0
+        return 0
+
+    def keep_last(self, result, req, target):
+        return self.keep if result.model == 0 else True
+
+
+def make(away=(), keep=True, pending_return=True, num_blocks=64, standard_serving=False):
+    alg = Scripted(away, keep)
+    s = [Scheduler(m, 2, BlockManager(num_blocks, 16), alg, pending_return=pending_return,
+                   standard_serving=standard_serving) for m in range(2)]
+    return s, [FakeRunner(0, s[0].bm), FakeRunner(1, s[1].bm)]
+
+
+def add(s0, rid, prompt, max_tokens=8):
+    return s0.add_request(AddRequest(rid, prompt, params_to_wire(SamplingParams(max_tokens=max_tokens))))
+
+
+def step(s, runner):
+    batch = s.schedule()
+    if not batch:
+        return []
+    return s.update_from_output(batch, runner.run([r.seq for r in batch]))
+
+
+def pump(scheds, runners, outs, max_steps=200):
+    """Drive both schedulers, delivering handoffs; returns front-end messages."""
+    front, queue = [], list(outs)
+    for _ in range(max_steps):
+        while queue:
+            o = queue.pop(0)
+            if o.dest == FRONTEND:
+                front.append(o.msg)
+            elif isinstance(o.msg, HandoffMsg):
+                queue += scheds[o.dest].receive_handoff(o.msg)
+            elif isinstance(o.msg, Release):
+                scheds[o.dest].release(o.msg)
+        if not any(s.has_work() for s in scheds):
+            break
+        for s, r in zip(scheds, runners):
+            queue += step(s, r)
+    return front
+
+
+def tokens_of(front, rid):
+    return [t for m in front if isinstance(m, (TokenChunk, Finished)) and m.request_id == rid for t in m.tokens]
+
+
+def test_continuous_batching_admits_and_runs_together():
+    (s0, s1), (r0, r1) = make()
+    add(s0, "a", [1, 2, 3])
+    add(s0, "b", [4, 5])
+    assert s0.num_ready() == 2
+    step(s0, r0)
+    assert [rid for rid, _ in r0.batches[0]] == ["a", "b"] and r0.batches[0] == [("a", 3), ("b", 2)]
+    assert all(s0.requests[r].state == RequestState.RUNNING for r in "ab")
+    step(s0, r0)
+    assert r0.batches[1] == [("a", 1), ("b", 1)]   # decode: one uncomputed token each
+
+
+def test_pending_return_keeps_blocks_and_resumes_without_readmission():
+    (s0, s1), (r0, r1) = make(away={("a", 2)}, keep=False)
+    add(s0, "a", list(range(1, 20)))   # 19 tokens: 2 blocks
+    add(s0, "b", [7, 8])
+    sends = step(s0, r0) + step(s0, r0)
+    assert not sends or all(o.dest == FRONTEND for o in sends)
+    sends = step(s0, r0)    # position 2 of "a" routes away, token dropped
+    handoffs = [o for o in sends if isinstance(o.msg, HandoffMsg)]
+    assert len(handoffs) == 1 and handoffs[0].dest == 1
+    ra = s0.requests["a"]
+    blocks = list(ra.seq.block_table)
+    assert ra.state == RequestState.PENDING_RETURN and blocks and s0.bm.num_used_blocks >= len(blocks)
+    assert handoffs[0].msg.handoff.anchor == -19 and not handoffs[0].msg.handoff.keep_last
+    # other requests keep decoding while "a" is away
+    step(s0, r0)
+    assert [rid for rid, _ in r0.batches[-1]] == ["b"]
+    # the peer: first visit is an admission (prefill of prompt + 2 output tokens), 1 token, hands back
+    s1.receive_handoff(handoffs[0].msg)
+    assert s1.requests["a"].state == RequestState.WAITING
+    back = step(s1, r1)
+    assert r1.batches[0] == [("a", 21)]
+    ret = [o for o in back if isinstance(o.msg, HandoffMsg)][0]
+    assert ret.dest == 0 and ret.msg.handoff.tokens == [ret.msg.handoff.tokens[0]] and ret.msg.handoff.anchor == 2
+    admissions = s0.counters["admissions"]
+    s0.receive_handoff(ret.msg)
+    assert ra.state == RequestState.RUNNING and ra.seq.block_table[:len(blocks)] == blocks
+    assert s0.counters["admissions"] == admissions and s0.counters["resumes"] == 1
+    step(s0, r0)
+    assert ("a", 1) in r0.batches[-1]    # catch-up of the peer's one token: same code path as a decode
+
+
+def test_multi_token_return_is_a_catch_up_prefill():
+    (s0, s1), (r0, r1) = make(away={("a", 0)}, keep=True)
+    s1.alg.route = lambda result, req: 0 if result.position >= 3 else result.model   # peer stays for 3 tokens
+    front = pump((s0, s1), (r0, r1), add(s0, "a", [3, 1, 4], max_tokens=6))
+    # model 0 after return computes the 3 tokens model 1 wrote (+ nothing else) in one run
+    assert ("a", 3) in [b[0] for b in r0.batches if b]
+    fin = [m for m in front if isinstance(m, Finished)][0]
+    assert fin.finish_reason == "length" and len(tokens_of(front, "a")) == 6
+
+
+def test_pending_return_off_readmits_through_prefix_cache():
+    (s0, s1), (r0, r1) = make(away={("a", 20), ("a", 40)}, keep=False, pending_return=False)
+    front = pump((s0, s1), (r0, r1), add(s0, "a", list(range(1, 40)), max_tokens=48))
+    assert s0.counters["readmissions"] == 2 and s0.counters["resumes"] == 0
+    assert s0.bm.num_hit_tokens > 0      # the re-admission matched the cached prefix
+    assert len(tokens_of(front, "a")) == 48
+    assert s0.bm.num_used_blocks == 0 and s1.bm.num_used_blocks == 0
+
+
+def test_same_tokens_with_and_without_pending_return():
+    outs = []
+    for pr in (True, False):
+        (s0, s1), (r0, r1) = make(away={("x", 1), ("x", 5), ("y", 2)}, keep=False, pending_return=pr)
+        front = pump((s0, s1), (r0, r1), add(s0, "x", [9, 9, 9], 10) + add(s0, "y", [1, 2], 10))
+        outs.append((tokens_of(front, "x"), tokens_of(front, "y")))
+    assert outs[0] == outs[1]
+
+
+def test_finish_on_peer_is_delivered_home_and_released():
+    (s0, s1), (r0, r1) = make(away={("a", 3)}, keep=False)
+    front = pump((s0, s1), (r0, r1), add(s0, "a", [5, 6], max_tokens=4))
+    fin = [m for m in front if isinstance(m, Finished)]
+    assert len(fin) == 1 and fin[0].finish_reason == "length"
+    assert fin[0].start + len(fin[0].tokens) == 4 and fin[0].models[-1] == 1
+    assert not s0.requests and not s1.requests
+    assert s0.bm.num_used_blocks == 0 and s1.bm.num_used_blocks == 0
+
+
+def test_abort_frees_blocks_and_ignores_late_handoffs():
+    (s0, s1), (r0, r1) = make(away={("a", 0)}, keep=False)
+    sends = add(s0, "a", list(range(40)), 8) + step(s0, r0)
+    h = [o for o in sends if isinstance(o.msg, HandoffMsg)][0]
+    assert s0.bm.num_used_blocks > 0
+    assert s0.abort("a") and s0.bm.num_used_blocks == 0 and not s0.requests
+    s1.abort("a", inc=0)                  # the front end aborts everywhere, possibly before the handoff lands
+    assert s1.receive_handoff(h.msg) == [] and not s1.requests and s1.bm.num_used_blocks == 0
+
+
+def test_admission_reserves_worst_case_blocks():
+    (s0, s1), (r0, r1) = make(num_blocks=4)
+    add(s0, "a", [1] * 20, max_tokens=20)    # 40 tokens -> 3 blocks reserved
+    add(s0, "b", [2] * 20, max_tokens=20)    # would need 3 more: must wait
+    step(s0, r0)
+    assert s0.requests["a"].state == RequestState.RUNNING and s0.requests["b"].state == RequestState.WAITING
+    out = add(s0, "c", [1], max_tokens=200)
+    assert out and "KV blocks" in out[0].msg.message
+
+
+def test_zero_token_return_recomputes_last_position():
+    (s0, s1), (r0, r1) = make(away={("a", 1)}, keep=False)
+    sends = add(s0, "a", [1, 2, 3], 6) + step(s0, r0) + step(s0, r0)
+    h = [o for o in sends if isinstance(o.msg, HandoffMsg)][0].msg
+    # a peer that answers with no tokens (e.g. it dropped its own): model 0 has nothing new to compute
+    reply = h.handoff.__class__(h.handoff.request_id, [], 1, keep_last=False, target=0, source=1, position=1,
+                                metadata={})
+    s0.receive_handoff(HandoffMsg(reply, [4, 0], [], h.params))
+    step(s0, r0)
+    assert r0.batches[-1] == [("a", 1)]
+
+
+def test_standard_serving_is_single_token_calls():
+    (s0, s1), (r0, r1) = make(away={("a", 1)}, keep=False, standard_serving=True)
+    out = add(s0, "a", [1, 2, 3], 4) + step(s0, r0)
+    ys = [o.msg for o in out if isinstance(o.msg, Yield)]
+    assert len(ys) == 1 and ys[0].next_model == 0 and ys[0].output and not s0.requests
+    assert s0.bm.num_used_blocks == 0     # the call ended: everything released
