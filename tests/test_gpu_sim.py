@@ -120,7 +120,13 @@ def test_adversarial_pieces_and_ids(name):
 @pytest.mark.parametrize("name", FAMILIES)
 def test_generated_and_real_text(name):
     rng = random.Random(1000 + FAMILIES.index(name))
-    texts = [adversarial.random_text(rng, max_fragments=10)[:100] for _ in range(8)]
+    ref = tokenplane.load(name).reference
+    texts = []
+    while len(texts) < 8:
+        text = adversarial.random_text(rng, max_fragments=10)[:100]
+        # long pieces cost one simulated block reduction per merge; the tiers test and -m campaign cover them
+        if max((len(text[a:b].encode()) for a, b in ref.pretokenize(text)), default=0) <= 48:
+            texts.append(text)
     texts += real_slices(2, 200)
     check_family(name, texts)
 
@@ -193,3 +199,22 @@ def test_every_kernel_compiles_to_ptx():
     if "libnvvm" in out.stdout + out.stderr or "NvvmSupportError" in out.stdout + out.stderr:
         pytest.skip("NVVM not installed")
     assert out.returncode == 0, out.stdout + out.stderr
+
+
+def test_device_decoder_rejects_invalid_utf8():
+    enc = encoder("cl100k_base")
+    for bad in [b"a\x80b", b"\xc3", b"\xe2\x82", b"\xc0\xaf", b"\xed\xa0\x80", b"\xf4\x90\x80\x80", b"ab\xf0\x9f\x99",
+                b"\xe2\x82\xac\x82", b"\xff"]:
+        with pytest.raises(tokenplane.InvalidTextError):
+            enc.encode(bad)
+    ok = "€ ok 🙂".encode()
+    assert enc.encode(ok).tolist() == tokenplane.load("cl100k_base").reference.encode_ordinary(ok.decode()).tolist()
+
+
+@pytest.mark.campaign
+@pytest.mark.parametrize("name", FAMILIES)
+def test_campaign_generated_text(name):
+    """150 generated adversarial texts per family in one device pass, long pieces included (minutes on the simulator)."""
+    rng = random.Random(5)
+    texts = [adversarial.random_text(rng, max_fragments=8)[:80] for _ in range(150)]
+    check_family(name, texts, small_max=32, medium_max=64)

@@ -140,8 +140,22 @@ def make_pretokenize():
                 cp[ci] = c
                 cbyte[ci] = i
                 docflag[ci] = 0
-            elif i == 0:
-                cuda.atomic.max(meta, INVALID, 1)
+            else:
+                # a continuation byte must lie inside the sequence its lead byte announces
+                j = i - 1
+                while j >= 0 and j > i - 4 and (int32(data[j]) & 0xC0) == 0x80:
+                    j -= 1
+                lead_len = 0
+                if j >= 0:
+                    bl = int32(data[j])
+                    if bl >= 0xC2 and bl < 0xE0:
+                        lead_len = 2
+                    elif bl >= 0xE0 and bl < 0xF0:
+                        lead_len = 3
+                    elif bl >= 0xF0 and bl < 0xF5:
+                        lead_len = 4
+                if j < 0 or i - j >= lead_len:
+                    cuda.atomic.max(meta, INVALID, 1)
             i += cuda.gridsize(1)
 
     @cuda.jit
