@@ -277,3 +277,47 @@ def test_session_options_validated(toks):
         toks["cl100k_base"].session(window=0)
     with pytest.raises(ValueError):
         toks["cl100k_base"].session(allowed_special=["<|not a special|>"])
+
+
+@settings(max_examples=200, deadline=None)
+@given(parts=st.lists(st.text(alphabet="ab\u00e9c", max_size=6), max_size=6),
+       other=st.text(alphabet="ab\u00e9c", max_size=30), a=st.integers(0, 40), b=st.integers(0, 40),
+       rep=st.text(alphabet="abx", max_size=5))
+def test_chunk_store_matches_a_plain_string(parts, other, a, b, rep):
+    from tokenplane.tokenize.session import _Chunks
+
+    store = _Chunks()
+    for p in parts:
+        store.append(p)
+    text = "".join(parts)
+    assert len(store) == len(text) and store.slice(a, b) == text[a:b]
+    assert store.is_prefix_of(other) == other.startswith(text)
+    cp = store.common_prefix(other)
+    assert text[:cp] == other[:cp] and (cp == min(len(text), len(other)) or text[cp] != other[cp])
+    limit = min(len(text), len(other))
+    cs = store.common_suffix(other, limit)
+    assert cs <= limit and text[len(text) - cs:] == other[len(other) - cs:]
+    assert cs == limit or text[len(text) - cs - 1] != other[len(other) - cs - 1]
+    lo, hi = min(a, b, len(text)), min(max(a, b), len(text))
+    store.replace(lo, hi, rep)
+    text = text[:lo] + rep + text[hi:]
+    assert store.joined() == text and len(store) == len(text)
+    store.replace(max(0, len(text) - 2), len(text), rep)
+    text = text[:max(0, len(text) - 2)] + rep
+    assert store.slice(0, len(text) + 5) == text and store.length == len(text)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_full_fallback_keeps_early_specials(toks, name):
+    """A fallback (window too small to certify) re-encodes everything: literals far from the seam must still split."""
+    tok = toks[name]
+    special = next(iter(tok.specials))
+    text = "start " + special + " middle " * 300 + special + "x" * 50
+    sess = tok.session(text=text, allowed_special="all", window=4, max_widenings=0)
+    sp = sess.append(" tail" + special)
+    assert sp.path == "full" and sess.stats.full_fallbacks == 1
+    _check(sess, tok, "all")
+    sess.edit(3, 9, "AB" + special)
+    _check(sess, tok, "all")
+    sess.sync(sess.text[:100] + sess.text[120:])
+    _check(sess, tok, "all")

@@ -160,7 +160,16 @@ class _Chunks:
 
     def replace(self, a: int, b: int, s: str) -> None:
         """Replace [a, b) by s; O(chunks + the two chunks cut)."""
-        if a == b == self.length:
+        if b == self.length:          # tail replace (every NFC append): cut the last chunks, then merge-append
+            i = self._locate(a) if a < self.length else len(self.chunks)
+            if i < len(self.chunks):
+                head = self.chunks[i][:a - self.starts[i]]
+                del self.chunks[i:], self.starts[i:]
+                self.length = a - len(head)
+                if head:
+                    self.starts.append(self.length)
+                    self.chunks.append(head)
+                    self.length = a
             self.append(s)
             return
         left, right = [], []
@@ -468,16 +477,21 @@ class Session:
                      norm_op=None if raw_is_norm else ("replace", d0, N0, mid),
                      lits=("tail", keep_from, added) if self._matcher is not None else None,
                      raw_is_norm=raw_is_norm)
-        specials = []
-        if self._matcher is not None:   # only literals the widest window can reach: O(window), not O(session)
-            reach = d - (self.window << self.max_widenings) - 1
+        added_sp = [(e[2], e[3], e[4]) for e in added if e[4] >= 0]
+
+        def specials(lo: int, hi: int) -> list[tuple[int, int, int]]:
+            """Allowed literals inside [lo, hi) in normalized coordinates: O(literals in range), not O(session)."""
+            if self._matcher is None:
+                return []
+            out = []
             for e in reversed(self._lits[:keep_from]) if keep_from else ():
                 if e[4] >= 0:
-                    if e[3] < reach:
+                    if e[3] <= lo:
                         break
-                    specials.append((e[2], e[3], e[4]))
-            specials.reverse()
-            specials += [(e[2], e[3], e[4]) for e in added if e[4] >= 0]
+                    out.append((e[2], e[3], e[4]))
+            out.reverse()
+            return [x for x in out + added_sp if x[1] > lo and x[0] < hi]
+
         self._repair(plan, new, d, new.length, specials)
         return plan
 
@@ -506,7 +520,7 @@ class Session:
         plan = _Plan(raw_op=("replace", start, end, replacement),
                      norm_op=None if raw_is_norm else ("replace", d0, e_old, mid), lits=None,
                      raw_is_norm=raw_is_norm)
-        self._repair(plan, new, d0 + cp, d0 + len(mid) - cs, [])
+        self._repair(plan, new, d0 + cp, d0 + len(mid) - cs, lambda lo, hi: [])
         return plan
 
     def _plan_rebuild(self, new_raw: str, raw_op: tuple) -> _Plan:
@@ -556,7 +570,7 @@ class Session:
         plan = _Plan(raw_op=raw_op, norm_op=None if raw_is_norm else ("set", new_norm),
                      lits=("set", entries) if self._matcher is not None else None, raw_is_norm=raw_is_norm)
         new = _NewText(_Chunks([old_norm]), d, new_norm[d:e_new], e_old)
-        self._repair(plan, new, d, e_new, new_sp)
+        self._repair(plan, new, d, e_new, lambda lo, hi: [x for x in new_sp if x[1] > lo and x[0] < hi])
         return plan
 
     def _nfc_split_before(self, norm: _Chunks, pos: int, floor: int) -> int | None:
@@ -592,7 +606,7 @@ class Session:
         return end if hi_limit == end else None
 
     # -- the certified repair -------------------------------------------------------------------------------------
-    def _repair(self, plan: _Plan, new: _NewText, d: int, e_new: int, specials: list[tuple[int, int, int]]) -> None:
+    def _repair(self, plan: _Plan, new: _NewText, d: int, e_new: int, specials: Callable[[int, int], list]) -> None:
         """Fill plan's record splice for new text that equals the old text on [0, d) and on [e_new, end) (shifted by
         new.delta), with the same literal segmentation there."""
         n = self._n
@@ -603,16 +617,19 @@ class Session:
             for attempt in range(self.max_widenings + 1):
                 w = self.window << attempt
                 s = self._window_start(d - w, d)
-                r = new_len if e_new + w >= new_len else self._window_end(e_new + w, specials)
+                r = new_len
+                if e_new + w < new_len:
+                    r = self._window_end(e_new + w, specials(e_new + w - 1, e_new + w + 1))
                 plan.attempts = attempt + 1
-                fresh = self._encode_window(new, s, r, specials)
+                sp = specials(s, r)
+                fresh = self._encode_window(new, s, r, sp)
                 if fresh is None:
                     continue
                 f_ids, f_ends = fresh
-                left = self._find_left(new, s, d, f_ids, f_ends, specials)
+                left = self._find_left(new, s, d, f_ids, f_ends, sp)
                 if left is None:
                     continue
-                right = self._find_right(new, e_new, r, new_len, f_ids, f_ends, specials)
+                right = self._find_right(new, e_new, r, new_len, f_ids, f_ends, sp)
                 if right is None:
                     continue
                 self._fill_window(plan, s, left, right, f_ids, f_ends)
@@ -624,7 +641,7 @@ class Session:
         elif n:
             self.stats.repairs += 1
         self.stats.full_encodes += 1
-        f_ids, f_ends = self._encode_window(new, 0, new_len, specials, check=False)
+        f_ids, f_ends = self._encode_window(new, 0, new_len, specials(0, new_len), check=False)
         m = min(n, len(f_ids))
         neq = np.flatnonzero(self._ids[:m] != f_ids[:m])
         keep = int(neq[0]) if len(neq) else m
@@ -735,7 +752,8 @@ class Session:
             if b <= d and b >= s:
                 hard.update(x for x in (a, b) if x >= s)
         stable = self.rule.stable_positions(new.slice(s, d), s) if d - s >= 2 else np.zeros(0, np.int64)
-        cand = np.union1d(np.fromiter(hard, dtype=np.int64, count=len(hard)), stable)[::-1]
+        # only the rightmost stable positions are ever tried: index just those (plus every hard boundary)
+        cand = np.union1d(np.fromiter(hard, dtype=np.int64, count=len(hard)), stable[-4 * _MAX_CANDIDATES:])[::-1]
         if not len(cand):
             return None
         ci = self._clean_index(c_ends, c_ids, cand, 0)
@@ -764,7 +782,7 @@ class Session:
             if a >= e_new and b <= r:
                 hard.update((a, b))
         stable = self.rule.stable_positions(new.slice(e_new, r), e_new) if r - e_new >= 2 else np.zeros(0, np.int64)
-        cand = np.union1d(np.fromiter(hard, dtype=np.int64, count=len(hard)), stable)
+        cand = np.union1d(np.fromiter(hard, dtype=np.int64, count=len(hard)), stable[:4 * _MAX_CANDIDATES])
         if not len(cand):
             return None
         ci = self._clean_index(c_ends, c_ids, cand - delta, 0)
