@@ -9,6 +9,7 @@ travels through the residual stream.
 """
 from __future__ import annotations
 
+import collections
 import contextlib
 
 import pytest
@@ -278,3 +279,70 @@ def test_cuda_graph_decode_matches_eager():
             logits.append(o.logits.cpu())
         results.append(torch.stack(logits))
     assert (results[0] - results[1]).abs().max().item() < 1e-4
+
+
+@pytest.mark.parametrize("kernel", ["varlen", "padded"])
+def test_random_schedule_matches_fresh_prefill(kernel):
+    """Random interleaving of prefills, decodes, peer catch-ups, prefix-cache hits, rollbacks (truncate) and frees on
+    one small paged cache (block_size 4, so block tables fragment); after every run each sequence's logits must equal
+    a fresh single-sequence prefill of its tokens (float64, 1e-10: different GEMM shapes, see module docstring)."""
+    import random
+
+    cfg, model = load_model("test-small", dtype=torch.float64, seed=5)
+    ref_cfg, ref_model = load_model("test-small", dtype=torch.float64, seed=5)
+    runner = ModelRunner(model, cfg, num_blocks=40, block_size=4, decode_kernel=kernel)
+
+    def reference(tokens):
+        r = ModelRunner(ref_model, ref_cfg, num_blocks=-(-len(tokens) // 4) + 1, block_size=4)
+        s = Sequence("ref", tokens)
+        r.prepare(s)
+        return r.run([s]).logits[0]
+
+    rng = random.Random(0)
+    base = prompt(12, 99)  # shared prefix so prefix-cache hits happen
+    live: list[Sequence] = []
+    hits_before = 0
+    seen = collections.Counter()
+    for op in range(40):
+        choice = rng.random()
+        if len(live) < 2 or (choice < 0.25 and len(live) < 4):
+            n = rng.randint(1, 14)
+            toks = (base[:rng.randint(0, 12)] + prompt(n, op))[:20] or [1]
+            live.append(Sequence(f"s{op}", toks))
+        elif choice < 0.35:
+            victim = live.pop(rng.randrange(len(live)))
+            runner.free(victim)
+        elif choice < 0.45:
+            s = rng.choice([s for s in live if s.block_table] or live)
+            if s.block_table and s.num_tokens > 2:
+                runner.block_manager.truncate(s, rng.randint(1, s.num_tokens - 1))
+                seen["truncate"] += 1
+        batch = []
+        for s in live:
+            if rng.random() < 0.7:
+                k = rng.choice([1, 1, 1, 2, 5])  # own decode, or a peer's k tokens
+                if s.num_computed_tokens or s.block_table:
+                    s.token_ids.extend(rng.randrange(cfg.vocab_size) for _ in range(k))
+                if s.num_tokens <= 40 and runner.prepare(s):
+                    batch.append(s)
+                    seen["catch-up"] += s.num_uncomputed_tokens > 1 and s.num_computed_tokens > 0
+                else:
+                    runner.free(s)
+                    live.remove(s)
+        if not batch:
+            continue
+        seen["decode-only"] += all(s.num_uncomputed_tokens == 1 for s in batch)
+        seen["mixed"] += len({s.num_uncomputed_tokens == 1 for s in batch}) == 2
+        seen["gather"] += any(s.block_table != list(range(s.block_table[0], s.block_table[0] + len(s.block_table)))
+                              for s in batch)
+        out = runner.run(batch)
+        for i, s in enumerate(batch):
+            ref = reference(s.token_ids)
+            assert torch.equal(out.logits[i].argmax(), ref.argmax())
+            assert (out.logits[i] - ref).abs().max().item() < 1e-10, (op, s)
+        hits_before = runner.block_manager.num_hit_blocks
+    for s in live:
+        runner.free(s)
+    bm = runner.block_manager
+    assert bm.num_free_blocks == bm.num_blocks and hits_before > 0
+    assert all(seen[k] > 0 for k in ("truncate", "catch-up", "decode-only", "mixed", "gather")), seen
