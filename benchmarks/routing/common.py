@@ -103,3 +103,26 @@ def md_table(header: list[str], rows: list[list[Any]]) -> str:
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     lines += ["| " + " | ".join(fmt(x) for x in r) + " |" for r in rows]
     return "\n".join(lines) + "\n"
+
+
+def chain_latency_fns(fits: list[LatencyFit], routing, context: float) -> list:
+    """Batch-only latency per model for the throughput model, with each model's typical catch-up folded in.
+
+    Star routing (model 0 primary): a peer's first step of a visit computes its own last token plus the primary's
+    committed tokens since its last visit (mean 1/p - 1 extra), later steps of the visit compute one; the primary
+    catches up on the peer's tokens after each return (mean 1/r - 1 extra). Steps with extra tokens pay the fit's
+    `mixed` (eager) factor, so R2R's large model is modeled as eager and the small one as CUDA-graph decode.
+    """
+    from tokenplane.route.throughput_model import RoutingModel
+    rm = RoutingModel.coerce(routing)
+    p = 1.0 - rm.P[0][0]
+    fns = []
+    for m, f in enumerate(fits):
+        if m == 0:
+            r = min((1.0 - rm.P[k][k] for k in range(1, rm.num_models) if rm.P[0][k] > 0), default=1.0)
+            extra = p * (1.0 / r - 1.0) if r > 0 else 0.0
+        else:
+            pk, r = rm.P[0][m], 1.0 - rm.P[m][m]
+            extra = r * (1.0 / p - 1.0) if pk > 0 and p > 0 else 0.0
+        fns.append(f.at_context(context, 1.0 + extra))
+    return fns

@@ -22,7 +22,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import RESULTS, closed_loop, latency_setting, md_table, write_outputs  # noqa: E402
+from common import RESULTS, chain_latency_fns, closed_loop, latency_setting, md_table, write_outputs  # noqa: E402
 
 from tokenplane.route.batching import feasible_thresholds  # noqa: E402
 from tokenplane.route.throughput_model import RoutingModel, simulate, solve_chain  # noqa: E402
@@ -70,7 +70,7 @@ def main(argv: list[str] | None = None) -> dict:
           f"{args.max_tokens}; latency at mean context {context:.0f}. Throughput = committed tokens/s.\n"]
     for setting in args.settings:
         fits, provenance = latency_setting(setting)
-        fns = [f.at_context(context) for f in fits]
+        fns = chain_latency_fns(fits, rm, context)
         sres = {"provenance": provenance, "fits": [f.to_dict() for f in fits], "by_concurrency": {}}
         md.append(f"\n## {setting}\n\n{provenance}. Step latency at batch 1 / 4 / 16: small "
                   f"{fns[0](1) * 1e3:.1f} / {fns[0](4) * 1e3:.1f} / {fns[0](16) * 1e3:.1f} ms, large "

@@ -1,0 +1,494 @@
+"""Serving benchmarks of the token-level routing runtime (issue 5, point 5). Every system is a flag setting of the
+same runtime (tokenplane.route.runtime): ours = delayed_async + pending_return + model-chosen thresholds; baselines =
+standard_serving (external single-token scheduler, every step re-admitted), stepwise_sync, model_sync; ablation
+steps in between.
+
+Parts (run all, or pick with --parts):
+  algos      throughput (committed tok/s) and end-to-end latency at concurrency 4, five algorithms, ours vs each
+             baseline, latency-model backend at the seed's scale (6.0 / 27.9 ms steps)
+  greedy     real tiny models on this CPU (torch runner): outputs of ours and of standard serving equal the
+             sequential single-request reference under greedy, for all five algorithms; plus their throughput
+  length     max output short vs 4x longer (CPU analogue of 2048 vs 8192): ours vs standard serving
+  scaling    concurrency 1 -> 16 (ours): throughput growth and single-user decode speed kept
+  ablation   concurrency 8, R2R: base (step-wise sync, no pending return) -> +async -> +pending return -> +delayed batching
+  breakdown  one standard-serving small-model step split into model time, prefix matching, allocation, cache updates,
+             scheduler bookkeeping and message encoding (in-process, the runtime's own Scheduler and BlockManager)
+
+Outputs: benchmarks/routing/results/serving.{json,md,png}.   python benchmarks/routing/serving.py [--parts ...]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from common import RESULTS, chain_latency_fns, closed_loop, latency_setting, md_table, prompt_for  # noqa: E402
+
+from tokenplane.engine.latency_runner import LatencyFit, LatencyModelRunner  # noqa: E402
+from tokenplane.route.throughput_model import RoutingModel, choose_thresholds  # noqa: E402
+
+ALGOS = ["r2r", "citer", "co_llm", "r_stitch", "ensemble"]
+# Synthetic routing rates (counter RNG, identical in every process): R2R at the seed's 0.35; the others at their
+# defaults. The throughput model gets the matching per-step routing matrix.
+RATES = {"r2r": {"switch": 0.35}, "citer": {"switch": 0.1}, "co_llm": {"switch": 0.1},
+         "r_stitch": {"switch": 0.1, "return": 0.5}, "ensemble": {"gate": 0.2}}
+
+
+def routing_model(alg: str) -> RoutingModel:
+    r = RATES[alg]
+    if alg == "r_stitch":   # stays on the large model until its return gate fires (geometric run, mean 2)
+        return RoutingModel.star([r["switch"]], [r["return"]])
+    p = r.get("switch", r.get("gate"))
+    return RoutingModel.star([p], [1.0])   # one large-model token (or score visit) then back
+
+
+SYSTEMS = {   # name -> runtime flags
+    "ours": dict(mode="delayed_async", pending_return=True, standard_serving=False),
+    "standard": dict(mode="immediate_async", pending_return=False, standard_serving=True),
+    "stepwise_sync": dict(mode="stepwise_sync", pending_return=True, standard_serving=False),
+    "model_sync": dict(mode="model_sync", pending_return=True, standard_serving=False),
+}
+ABLATION = [
+    ("base (step-wise sync)", dict(mode="stepwise_sync", pending_return=False)),
+    ("+ async", dict(mode="immediate_async", pending_return=False)),
+    ("+ pending return", dict(mode="immediate_async", pending_return=True)),
+    ("+ delayed batching", dict(mode="delayed_async", pending_return=True)),
+]
+
+
+def make_runtime(models: list, alg: str, flags: dict, concurrency: int, thresholds=None, *, runner="latency-model",
+                 dtype="float32", num_blocks=2048):
+    from tokenplane.route.runtime import Runtime, RuntimeConfig
+    kw = {"mode": "synthetic", "rates": RATES[alg], "seed": 0}
+    cfg = RuntimeConfig(models=models, algorithm=alg, algorithm_kwargs=kw, runner=runner, dtype=dtype,
+                        concurrency=concurrency, thresholds=thresholds, num_blocks=num_blocks, **flags)
+    return Runtime(cfg)
+
+
+def seed_models(fits: list[LatencyFit]) -> list[dict]:
+    return [{"latency": f.to_dict()} for f in fits]
+
+
+def chosen_thresholds(alg: str, fits: list[LatencyFit], concurrency: int, context: float) -> list[int]:
+    rm = routing_model(alg)
+    return choose_thresholds(concurrency, rm, chain_latency_fns(fits, rm, context), max_t=8)
+
+
+def run_closed(alg: str, system: str, flags: dict, C: int, fits, args, *, max_tokens: int, duration: float) -> dict:
+    ctx = args.prompt_len + max_tokens / 2
+    ts = chosen_thresholds(alg, fits, C, ctx) if flags.get("mode") == "delayed_async" else None
+    t = time.time()
+    with make_runtime(seed_models(fits), alg, flags, C, ts) as rt:
+        res = closed_loop(rt, C, duration_s=duration, warmup_s=args.warmup, max_tokens=max_tokens,
+                          prompt_len=args.prompt_len)
+    res.update(system=system, algorithm=alg, concurrency=C, thresholds=ts, wall_s=time.time() - t)
+    print(f"  {alg:>9} {system:>24} C={C:2d} T={ts}: {res['throughput']:7.1f} tok/s, latency "
+          f"{_f(res['latency_mean_s'])} s, user speed {_f(res['user_speed'])} tok/s ({res['wall_s']:.0f} s)",
+          flush=True)
+    return res
+
+
+def _f(x, nd=2):
+    return "n/a" if x is None else f"{x:.{nd}f}"
+
+
+# -- parts ----------------------------------------------------------------------------------------------------------
+def part_algos(args, fits) -> dict:
+    out = {}
+    for alg in args.algos:
+        for system in args.systems:
+            if alg == "ensemble" and system == "standard":
+                out[f"{alg}/{system}"] = {"skipped": "ensemble score visits need retained state; the standard "
+                                                     "serving baseline cannot run them (runtime raises)"}
+                continue
+            out[f"{alg}/{system}"] = run_closed(alg, system, SYSTEMS[system], 4, fits, args,
+                                                max_tokens=args.max_tokens, duration=args.duration)
+    return out
+
+
+def part_scaling(args, fits) -> dict:
+    out = {}
+    for C in args.scaling_c:
+        out[str(C)] = run_closed("r2r", "ours", SYSTEMS["ours"], C, fits, args, max_tokens=args.max_tokens,
+                                 duration=args.duration)
+    return out
+
+
+def part_ablation(args, fits) -> dict:
+    return {name: run_closed("r2r", name, flags, 8, fits, args, max_tokens=args.max_tokens, duration=args.duration)
+            for name, flags in ABLATION}
+
+
+def part_length(args, fits) -> dict:
+    """Fixed batch of C=4 requests run to completion per output limit; throughput = tokens / makespan."""
+    out = {}
+    for system in ("ours", "standard"):
+        for L in args.lengths:
+            flags = SYSTEMS[system]
+            ts = chosen_thresholds("r2r", fits, 4, args.prompt_len + L / 2) if system == "ours" else None
+            res = run_batch_to_completion(seed_models(fits), "r2r", flags, ts, 4, L, args.prompt_len, n=4)
+            res.update(system=system, max_tokens=L, thresholds=ts)
+            out[f"{system}/{L}"] = res
+            print(f"  length {system:>9} L={L:5d}: {res['throughput']:7.1f} tok/s, latency "
+                  f"{res['latency_mean_s']:.2f} s", flush=True)
+    return out
+
+
+def run_batch_to_completion(models, alg, flags, ts, C, max_tokens, prompt_len, n, *, runner="latency-model",
+                            dtype="float32", prompts=None, num_blocks=2048) -> dict:
+    from tokenplane.engine.sampler import SamplingParams
+    prompts = prompts or [prompt_for(i, prompt_len) for i in range(n)]
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    with make_runtime(models, alg, flags, C, ts, runner=runner, dtype=dtype, num_blocks=num_blocks) as rt:
+        t = time.monotonic()
+        outs = rt.run_batch(prompts, params, concurrency=C)
+        wall = time.monotonic() - t
+    tokens = sum(len(o.token_ids) for o in outs)
+    lats = [o.stats.get("latency_s") for o in outs if o.stats.get("latency_s") is not None]
+    return {"throughput": tokens / wall, "tokens": tokens, "makespan_s": wall,
+            "latency_mean_s": statistics.fmean(lats) if lats else wall,
+            "outputs": [o.token_ids for o in outs], "models": [o.token_models for o in outs]}
+
+
+def part_greedy(args) -> dict:
+    """Real tiny models on the CPU: runtime outputs vs the sequential reference under greedy, ours and standard."""
+    from tokenplane.engine.sampler import SamplingParams
+    from tokenplane.route.algorithms import make_algorithm
+    from tokenplane.route.reference import run_sequential
+    models = list(args.real_models)
+    prompts = [prompt_for(i, args.real_prompt_len, 1000) for i in range(args.real_n)]
+    params = SamplingParams(max_tokens=args.real_max_tokens, ignore_eos=True)
+    out = {"models": models, "dtype": args.real_dtype, "prompts": len(prompts), "max_tokens": args.real_max_tokens}
+    import torch
+    torch.set_num_threads(1)
+    for alg in args.algos:
+        a = make_algorithm(alg, mode="synthetic", rates=RATES[alg], seed=0)
+        t = time.time()
+        ref = run_sequential(a, models, prompts, params, dtype=getattr(torch, args.real_dtype), num_blocks=256)
+        ref_wall = time.time() - t
+        entry = {"reference_wall_s": ref_wall}
+        for system in ("ours", "standard"):
+            if alg == "ensemble" and system == "standard":
+                entry[system] = {"skipped": "standard serving cannot run ensemble score visits"}
+                continue
+            ts = [1, 2] if system == "ours" else None   # CPU steps grow ~linearly past batch 2; see threshold_validation
+            res = run_batch_to_completion(models, alg, SYSTEMS[system], ts, 4, args.real_max_tokens, 0, len(prompts),
+                                          runner="torch", dtype=args.real_dtype, prompts=prompts, num_blocks=256)
+            same = [o == r.tokens for o, r in zip(res["outputs"], ref)]
+            same_models = [m == r.models for m, r in zip(res["models"], ref)]
+            res.update(identical=all(same), identical_count=sum(same), models_identical=all(same_models),
+                       thresholds=ts)
+            entry[system] = {k: v for k, v in res.items() if k not in ("outputs", "models")}
+            print(f"  greedy {alg:>9} {system:>9}: identical {sum(same)}/{len(same)} "
+                  f"(model sequence identical {all(same_models)}), {res['throughput']:.1f} tok/s", flush=True)
+        out[alg] = entry
+    return out
+
+
+class _Prof:
+    """Exclusive time per category for nested instrumented calls."""
+
+    def __init__(self):
+        self.total: dict[str, float] = {}
+        self.stack: list[list] = []
+
+    def wrap(self, obj, name: str, cat: str) -> None:
+        fn = getattr(obj, name)
+
+        def timed(*a, **k):
+            self.stack.append([cat, 0.0])
+            t = time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                el = time.perf_counter() - t
+                c, child = self.stack.pop()
+                self.total[c] = self.total.get(c, 0.0) + el - child
+                if self.stack:
+                    self.stack[-1][1] += el
+        setattr(obj, name, timed)
+
+
+def part_breakdown(args, fits) -> dict:
+    """Drive two of the runtime's Schedulers in standard-serving mode in-process, with the front end's Yield ->
+    AddRequest re-submission, and time the small model's steps by category."""
+    from tokenplane.engine.sampler import SamplingParams
+    from tokenplane.route.algorithms import make_algorithm
+    from tokenplane.route.messages import AddRequest, Yield, decode, encode
+    from tokenplane.route.scheduler import FRONTEND, Scheduler, params_to_wire
+    out = {}
+    backends = [("latency-model (seed scale)", None)] + [("torch " + args.real_models[0], args.real_models)]
+    for label, real in backends:
+        for ctx in args.breakdown_contexts:
+            prof = _Prof()
+            runners = []
+            for m in range(2):
+                if real is None:
+                    runners.append(LatencyModelRunner(fits[m], num_blocks=4096, seed=m))
+                else:
+                    import torch
+                    from tokenplane.engine.loader import load_model
+                    from tokenplane.engine.model_runner import ModelRunner
+                    cfg, model = load_model(real[m], seed=0)
+                    runners.append(ModelRunner(model, cfg, num_blocks=1024, block_size=16))
+            scheds = [Scheduler(m, 2, runners[m].block_manager, make_algorithm("r2r", mode="synthetic",
+                                                                               rates=RATES["r2r"], seed=0),
+                                pending_return=False, standard_serving=True) for m in range(2)]
+            s0, bm0, r0 = scheds[0], runners[0].block_manager, runners[0]
+            prof.wrap(bm0, "_cache_hits", "prefix matching")
+            for n in ("allocate", "append_slots", "can_allocate", "can_append"):
+                prof.wrap(bm0, n, "KV allocation")
+            for n in ("cache_blocks", "free"):
+                prof.wrap(bm0, n, "cache updates (hash insert, release)")
+            prof.wrap(r0, "run", "model forward")
+            prof.wrap(s0, "sample_fn", "sampling")
+            for n in ("add_request", "schedule", "update_from_output"):
+                prof.wrap(s0, n, "scheduler bookkeeping + routing")
+            params = params_to_wire(SamplingParams(max_tokens=args.breakdown_steps * 4, ignore_eos=True))
+            n_req = 4
+            inbox = [[], []]
+            for i in range(n_req):
+                inbox[0].append(AddRequest(f"b{i}", prompt_for(i, ctx), params))
+            small_steps = warm = 0
+            t_small = 0.0
+            while small_steps < args.breakdown_steps:
+                for m in range(2):
+                    s = scheds[m]
+                    t0 = time.perf_counter()
+                    for msg in inbox[m]:
+                        if m == 0:
+                            t_enc = time.perf_counter()
+                            msg = decode(encode(msg))   # the wire hop the front end adds per token
+                            prof.total["message encode/decode"] = (prof.total.get("message encode/decode", 0.0)
+                                                                   + time.perf_counter() - t_enc)
+                        s.add_request(msg)
+                    inbox[m] = []
+                    batch = s.schedule()
+                    if not batch:
+                        continue
+                    o = runners[m].run([r.seq for r in batch])
+                    sends = s.update_from_output(batch, o)
+                    for ob in sends:
+                        y = ob.msg
+                        if ob.dest == FRONTEND and isinstance(y, Yield) and y.finish_reason is None:
+                            inbox[y.next_model].append(AddRequest(y.request_id, y.prompt, y.params, y.output,
+                                                                  y.models, y.state, y.num_handoffs, y.handoff))
+                    if m == 0:
+                        warm += 1
+                        if warm <= 4:   # the prompt prefill and first re-admissions are not steady state
+                            prof.total.clear()
+                            continue
+                        small_steps += 1
+                        t_small += time.perf_counter() - t0
+            total = t_small
+            cats = dict(sorted(prof.total.items(), key=lambda kv: -kv[1]))
+            other = max(0.0, total - sum(cats.values()))
+            cats["other (front-end loop)"] = other
+            key = f"{label} / context {ctx}"
+            out[key] = {"steps": small_steps, "mean_step_ms": 1e3 * total / small_steps,
+                        "share": {k: v / total for k, v in cats.items()},
+                        "ms_per_step": {k: 1e3 * v / small_steps for k, v in cats.items()}}
+            print(f"  breakdown {key}: step {1e3 * total / small_steps:.2f} ms; " + ", ".join(
+                f"{k} {v / total:.1%}" for k, v in cats.items()), flush=True)
+    return out
+
+
+# -- report -----------------------------------------------------------------------------------------------------------
+def report(res: dict) -> str:
+    md = ["# Token-level routing serving benchmarks\n",
+          f"Machine: {res['machine']}. Latency-model backend: {res['latency_provenance']}. Throughput = committed "
+          "tokens/s streamed to clients (dropped tokens never count); latency = mean end-to-end request time.\n"]
+    if "algos" in res:
+        a = res["algos"]
+        md.append("\n## Concurrency 4: ours vs baselines (latency-model backend, seed scale)\n\n")
+        rows = []
+        for alg in ALGOS:
+            o = a.get(f"{alg}/ours")
+            if not o:
+                continue
+            for system in SYSTEMS:
+                r = a.get(f"{alg}/{system}")
+                if r is None:
+                    continue
+                if "skipped" in r:
+                    rows.append([alg, system, "n/a", "n/a", "n/a", "n/a", r["skipped"]])
+                    continue
+                lat = r["latency_mean_s"]
+                speedup = o["throughput"] / r["throughput"] if r["throughput"] else float("nan")
+                lat_gain = (lat / o["latency_mean_s"]) if lat and o["latency_mean_s"] else None
+                rows.append([alg, system, r["throughput"], _f(lat), f"{speedup:.2f}x",
+                             "n/a" if lat_gain is None else f"{lat_gain:.2f}x", str(r.get("thresholds") or "")])
+        md.append(md_table(["algorithm", "system", "tok/s", "latency s", "ours / system (tok/s)",
+                            "system / ours (latency)", "thresholds / note"], rows))
+    if "greedy" in res:
+        g = res["greedy"]
+        md.append(f"\n## Real tiny models on the CPU ({' + '.join(g['models'])}, {g['dtype']}, {g['prompts']} "
+                  f"prompts x {g['max_tokens']} tokens, concurrency 4)\n\n")
+        rows = []
+        for alg in ALGOS:
+            e = g.get(alg)
+            if not e:
+                continue
+            for system in ("ours", "standard"):
+                r = e.get(system, {})
+                if "skipped" in r:
+                    rows.append([alg, system, "n/a", "n/a", r["skipped"]])
+                else:
+                    rows.append([alg, system, f"{r['identical_count']}/{g['prompts']}", r["throughput"],
+                                 f"models identical: {r['models_identical']}"])
+        md.append(md_table(["algorithm", "system", "outputs == sequential reference", "tok/s", "note"], rows))
+    if "length" in res:
+        L = res["length"]
+        md.append("\n## Output limit: short vs 4x longer (R2R, concurrency 4, batch run to completion)\n\n")
+        rows = []
+        lens = sorted({v["max_tokens"] for v in L.values()})
+        for system in ("ours", "standard"):
+            base = L.get(f"{system}/{lens[0]}")
+            for n in lens:
+                r = L.get(f"{system}/{n}")
+                rows.append([system, n, r["throughput"], r["latency_mean_s"],
+                             f"{r['throughput'] / base['throughput'] - 1:+.1%}"])
+        md.append(md_table(["system", "max tokens", "tok/s", "latency s", "throughput vs short"], rows))
+    if "scaling" in res:
+        S = res["scaling"]
+        md.append("\n## Concurrency scaling (ours, R2R, latency-model backend)\n\n")
+        c1 = S.get("1")
+        rows = []
+        for c, r in S.items():
+            rows.append([c, r["throughput"], _f(r["user_speed"], 1), str(r["thresholds"]),
+                         f"{r['throughput'] / c1['throughput']:.2f}x" if c1 else "",
+                         f"{r['user_speed'] / c1['user_speed']:.1%}" if c1 and r["user_speed"] and c1["user_speed"]
+                         else ""])
+        md.append(md_table(["concurrency", "tok/s", "single-user tok/s", "thresholds", "growth vs C=1",
+                            "user speed kept"], rows))
+    if "ablation" in res:
+        A = res["ablation"]
+        md.append("\n## Ablation (R2R, concurrency 8, latency-model backend)\n\n")
+        base = next(iter(A.values()))
+        md.append(md_table(["configuration", "tok/s", "vs base", "latency s"],
+                           [[k, r["throughput"], f"{r['throughput'] / base['throughput']:.2f}x",
+                             _f(r["latency_mean_s"])] for k, r in A.items()]))
+    if "breakdown" in res:
+        md.append("\n## One standard-serving small-model step, by category (R2R, 4 requests)\n\n")
+        rows = []
+        for k, r in res["breakdown"].items():
+            top = ", ".join(f"{c} {s:.1%}" for c, s in r["share"].items())
+            rows.append([k, r["mean_step_ms"], top])
+        md.append(md_table(["backend / context", "step ms", "share of step time"], rows))
+    return "".join(md)
+
+
+def plot(res: dict, path: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    panels = [p for p in ("algos", "scaling", "ablation", "length", "breakdown") if p in res]
+    if not panels:
+        return
+    fig, axes = plt.subplots(1, len(panels), figsize=(4.6 * len(panels), 3.8), squeeze=False)
+    for ax, p in zip(axes[0], panels):
+        if p == "algos":
+            a = res["algos"]
+            systems = list(SYSTEMS)
+            w = 0.8 / len(systems)
+            for j, s in enumerate(systems):
+                ys = [a.get(f"{alg}/{s}", {}).get("throughput", 0) or 0 for alg in ALGOS]
+                ax.bar([i + j * w for i in range(len(ALGOS))], ys, w, label=s)
+            ax.set_xticks([i + 0.4 - w / 2 for i in range(len(ALGOS))], ALGOS, fontsize=7)
+            ax.set_ylabel("committed tok/s")
+            ax.set_title("concurrency 4", fontsize=9)
+            ax.legend(fontsize=7)
+        elif p == "scaling":
+            S = res["scaling"]
+            cs = [int(c) for c in S]
+            ax.plot(cs, [S[str(c)]["throughput"] for c in cs], "o-", label="throughput")
+            ax.set_xscale("log", base=2)
+            ax.set_xlabel("concurrency")
+            ax.set_ylabel("tok/s")
+            ax2 = ax.twinx()
+            ax2.plot(cs, [S[str(c)]["user_speed"] or 0 for c in cs], "s--", color="C1", label="single-user tok/s")
+            ax2.set_ylabel("single-user tok/s")
+            ax.set_title("scaling (ours)", fontsize=9)
+        elif p == "ablation":
+            A = res["ablation"]
+            ax.bar(range(len(A)), [r["throughput"] for r in A.values()])
+            ax.set_xticks(range(len(A)), list(A), rotation=20, fontsize=7)
+            ax.set_ylabel("tok/s")
+            ax.set_title("ablation, C=8", fontsize=9)
+        elif p == "length":
+            L = res["length"]
+            lens = sorted({v["max_tokens"] for v in L.values()})
+            for j, s in enumerate(("ours", "standard")):
+                ax.bar([i + 0.4 * j for i in range(len(lens))], [L[f"{s}/{n}"]["throughput"] for n in lens], 0.4,
+                       label=s)
+            ax.set_xticks([i + 0.2 for i in range(len(lens))], [f"max {n}" for n in lens])
+            ax.set_ylabel("tok/s")
+            ax.legend(fontsize=7)
+            ax.set_title("output limit", fontsize=9)
+        elif p == "breakdown":
+            B = res["breakdown"]
+            cats = sorted({c for r in B.values() for c in r["share"]})
+            bottom = [0.0] * len(B)
+            for c in cats:
+                vals = [r["share"].get(c, 0.0) for r in B.values()]
+                ax.bar(range(len(B)), vals, bottom=bottom, label=c)
+                bottom = [b + v for b, v in zip(bottom, vals)]
+            ax.set_xticks(range(len(B)), [k.replace(" / ", "\n") for k in B], fontsize=6)
+            ax.set_ylabel("share of step")
+            ax.legend(fontsize=5)
+            ax.set_title("standard-serving step", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--parts", nargs="+", default=["algos", "greedy", "length", "scaling", "ablation", "breakdown"])
+    ap.add_argument("--algos", nargs="+", default=ALGOS)
+    ap.add_argument("--systems", nargs="+", default=list(SYSTEMS))
+    ap.add_argument("--latency", default="seed-r2r")
+    ap.add_argument("--duration", type=float, default=4.0)
+    ap.add_argument("--warmup", type=float, default=1.0)
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--prompt-len", type=int, default=32)
+    ap.add_argument("--lengths", type=int, nargs="+", default=[128, 512])
+    ap.add_argument("--scaling-c", type=int, nargs="+", default=[1, 2, 4, 8, 16])
+    ap.add_argument("--real-models", nargs=2, default=["tiny-small", "tiny-large"])
+    ap.add_argument("--real-dtype", default="float32")
+    ap.add_argument("--real-n", type=int, default=4)
+    ap.add_argument("--real-max-tokens", type=int, default=24)
+    ap.add_argument("--real-prompt-len", type=int, default=16)
+    ap.add_argument("--breakdown-contexts", type=int, nargs="+", default=[512, 4096])
+    ap.add_argument("--breakdown-steps", type=int, default=60)
+    ap.add_argument("--out", default="serving")
+    ap.add_argument("--merge", action="store_true", help="update parts in an existing results JSON")
+    args = ap.parse_args(argv)
+    fits, provenance = latency_setting(args.latency)
+    path = RESULTS / f"{args.out}.json"
+    res: dict[str, Any] = json.loads(path.read_text()) if args.merge and path.exists() else {}
+    res.update(machine="2 vCPU (shared), CPU only", latency_provenance=provenance,
+               fits=[f.to_dict() for f in fits], args={k: v for k, v in vars(args).items()})
+    parts = {"algos": lambda: part_algos(args, fits), "greedy": lambda: part_greedy(args),
+             "length": lambda: part_length(args, fits), "scaling": lambda: part_scaling(args, fits),
+             "ablation": lambda: part_ablation(args, fits), "breakdown": lambda: part_breakdown(args, fits)}
+    for p in args.parts:
+        print(f"== {p}", flush=True)
+        t = time.time()
+        res[p] = parts[p]()
+        res.setdefault("part_wall_s", {})[p] = time.time() - t
+        RESULTS.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(res, indent=1, default=str))
+    (RESULTS / f"{args.out}.md").write_text(report(res))
+    plot(res, RESULTS / f"{args.out}.png")
+    return res
+
+
+if __name__ == "__main__":
+    main()
