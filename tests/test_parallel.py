@@ -66,6 +66,10 @@ def test_registered_paths_equal_reference(name):
         assert tok.encode(text, path=path).tolist() == tok.encode(text, path="reference").tolist()
         assert tok.encode(text, path=path, allowed_special="all").tolist() == \
             tok.encode(text, path="reference", allowed_special="all").tolist()
+    router = tok._paths["auto"]
+    before = router.stats["cpu"]
+    assert tok.encode("short text", path="auto").tolist() == tok.encode("short text", path="reference").tolist()
+    assert router.stats["cpu"] == before + 1      # "cpu" was built above, so "auto" now takes it
 
 
 class _FakeGpu:
@@ -98,6 +102,24 @@ def test_router_routes_by_size_and_spills_under_backpressure():
     finally:
         r._slots.release()
     assert fake.calls == 1 and r.stats["spill"] == 1 and r.stats["gpu"] == 1
+
+
+def test_auto_answers_from_reference_while_cpu_path_builds():
+    tok = tokenplane.load("llama3")
+    gate = __import__("threading").Event()
+
+    def build():
+        gate.wait(10)
+        return tok.reference.encode_ordinary
+
+    lazy = router_mod._Lazy(build)
+    r = router_mod.Router(tok, lazy, gpu_factory=lambda t: None)
+    assert r("hello there").tolist() == tok.reference.encode_ordinary("hello there").tolist()
+    assert r.stats.get("reference") == 1 and not lazy.ready
+    gate.set()
+    lazy.get()
+    assert r("hello there").tolist() == tok.reference.encode_ordinary("hello there").tolist()
+    assert r.stats["cpu"] == 1
 
 
 def test_router_without_gpu_uses_cpu():

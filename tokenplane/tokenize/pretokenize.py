@@ -264,8 +264,8 @@ def _o200k_contractions(cps, re, rs, site, starts, sub_head, covered) -> None:
     valid = np.ones(site.size, dtype=bool)
     # Chains (`x's's`): the left run of a site is the contraction tail of the previous site. Rare: resolve in order.
     left_start = rs[site - 2]
-    chained = np.flatnonzero(np.isin(left_start, site) & (left_start + k[np.maximum(np.searchsorted(site, left_start), 0)]
-                                                            == site - 1))
+    j = np.minimum(np.searchsorted(site, left_start), site.size - 1)
+    chained = np.flatnonzero((site[j] == left_start) & (left_start + k[j] == site - 1))
     if chained.size:
         pos = {int(s): i for i, s in enumerate(site)}
         for i in range(site.size):

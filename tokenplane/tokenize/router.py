@@ -2,7 +2,8 @@
 
 `enable_fast_paths(tok)` registers on a Tokenizer:
   "cpu"  -> the data-parallel CPU path (parallel.CpuEncoder), built lazily on first use;
-  "auto" -> Router: small segments to the CPU path, segments above `gpu_min_chars` to the GPU encoder when one is
+  "auto" -> Router: until the CPU path is built (in the background on first use) the reference engine answers;
+            then small segments to the CPU path, segments above `gpu_min_chars` to the GPU encoder when one is
             present (tokenplane.tokenize.gpu, imported lazily; ImportError or "unavailable" means no GPU), spilled to
             the CPU path when the GPU already has `gpu_max_inflight` requests (backpressure);
   "gpu"  -> the GPU encoder alone, only when a device is available.
@@ -41,6 +42,18 @@ class _Lazy:
 
     def __call__(self, text: str) -> np.ndarray:
         return self.get()(text)
+
+    @property
+    def ready(self) -> bool:
+        return self._fn is not None
+
+    def warm_async(self) -> None:
+        """Build in a background thread (once), so a router can answer from the reference meanwhile."""
+        with self._lock:
+            if self._fn is not None or getattr(self, "_warming", False):
+                return
+            self._warming = True
+        threading.Thread(target=self.get, name="tokenplane-warm", daemon=True).start()
 
 
 def _gpu_encoder(tok):
@@ -83,6 +96,12 @@ class Router:
         return self._gpu
 
     def __call__(self, text: str) -> np.ndarray:
+        cpu = self.cpu
+        if isinstance(cpu, _Lazy) and not cpu.ready:
+            # First use: the BPE tables take seconds to build; answer from the reference (same IDs) meanwhile.
+            cpu.warm_async()
+            self.stats["reference"] = self.stats.get("reference", 0) + 1
+            return self.tok.reference.encode_ordinary(text)
         if len(text) > self.gpu_min_chars:
             gpu = self.gpu()
             if gpu is not None:
