@@ -193,20 +193,30 @@ class ModelRunner:
                                  context_lens=st["context_lens"][:batch])
         saved = {k: v[:batch].clone() for k, v in st.items()}
         self._reset_static(batch)  # warmup and capture write only to the scratch block
+
+        def forward() -> torch.Tensor:
+            return self.model(st["input_ids"][:batch], st["positions"][:batch], meta)
+
+        graph, out = self._graph_capture(forward)
+        for k, v in saved.items():
+            st[k][:batch] = v
+        self._graphs[(batch, nblk)] = (graph, out)
+        return graph, out
+
+    def _graph_capture(self, forward) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+        """Warm up on a side stream (as torch's CUDA-graph docs require), then capture into the shared pool. Graphs
+        replay one at a time and their outputs are copied right after replay, so sharing one pool is safe."""
         side = torch.cuda.Stream(device=self.device)
         side.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(side):
             for _ in range(2):
-                self.model(st["input_ids"][:batch], st["positions"][:batch], meta)
+                forward()
         torch.cuda.current_stream(self.device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._graph_pool):
-            out = self.model(st["input_ids"][:batch], st["positions"][:batch], meta)
+            out = forward()
         if self._graph_pool is None:
             self._graph_pool = graph.pool()
-        for k, v in saved.items():
-            st[k][:batch] = v
-        self._graphs[(batch, nblk)] = (graph, out)
         return graph, out
 
     def capture_graphs(self, batch_sizes: list[int] | None = None, max_context: int = 1024) -> int:
