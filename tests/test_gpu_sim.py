@@ -39,7 +39,9 @@ ADVERSARIAL = [
     "中A 中AB 中ABc A中B A中Bc Ab中CD", "ǅungla ǅUNGLA xǅ", "ʰʰA aʰB", "日本語のテキスト、です。", "emoji 👍🏽 🙂🙂 x",
     "naïve café", "Привет, МИР мир", "    x", "x    ", "\n", " ", "x's", "x'sAb", "x'sアBc", "$$$x", " $x", "=\"'s'\"",
     "foo.bar(baz)\n\treturn x\r\n", "über Über ÜBER", "     1", "a1b2c3", "<|endoftext|> text", "\x00\x01 \x7f",
-    "e\u0301x a\u0300B", "A\u0300B\u0301c", "it's's'sx", "x\u2028y\u2029z\u0085", "\ufeffBOM", "\U0010ffff\U000e0001",
+    "e\u0301x a\u0300B", "A\u0300B\u0301c", "it's's'sx", "!!\u0301abc", " \u2764\ufe0f x", "\u2764\ufe0fx",
+    "a\u0301!", "\u0301AB \u0301ab", "!\u0301AB", "x\u0301'S", "\u0915\u094d\u0937\u093f \u0928\u092e\u0938\u094d\u0924\u0947",
+    "\u0e2a\u0e27\u0e31\u0e2a\u0e14\u0e35 1\u0301", "!\n/\u0301", "x\u2028y\u2029z\u0085", "\ufeffBOM", "\U0010ffff\U000e0001",
 ]
 
 
@@ -110,8 +112,8 @@ def test_adversarial_pieces_and_ids(name):
     enc = check_family(name, ADVERSARIAL)
     flagged = {t for t, fb in zip(ADVERSARIAL, enc.last_doc_fallback) if fb}
     if name == "o200k_base":
-        # only combining marks and chained contractions may leave the device rules
-        assert flagged == {"e\u0301x a\u0300B", "A\u0300B\u0301c", "it's's'sx"}
+        # only a mark right after punctuation and chained contractions leave the device rules
+        assert flagged == {"it's's'sx", "!!\u0301abc", " \u2764\ufe0f x", "!\n/\u0301"}
     else:
         assert not flagged
     assert enc.last_host_syncs == 2

@@ -40,6 +40,8 @@ def parse_args(argv=None):
     p.add_argument("--out", default=os.environ.get("OUT") or str(ROOT / "benchmarks" / "results"))
     p.add_argument("--reps", type=int, default=None, help="latency repeats per size and mode")
     p.add_argument("--bulk-mb", type=float, default=None, help="bytes per bulk pass (MB)")
+    p.add_argument("--budget-s", type=float, default=420.0,
+                   help="start no new phase after this many seconds (the device lease is shared)")
     p.add_argument("--prepare", metavar="DIR", default=None, help="fill DIR with what the device run needs; exit")
     return p.parse_args(argv)
 
@@ -143,6 +145,9 @@ def run_family(name, corpus, args, result):
     fam["exact_check_s"] = round(time.perf_counter() - t0, 2)
     write(result, args)
 
+    if over_budget(args):
+        fam.setdefault("skipped", []).append("bulk: over --budget-s")
+        return
     # bulk throughput: one batch of documents per pass
     bulk_bytes = int((args.bulk_mb or (0.002 if args.small else 64)) * 1e6)
     bulk_docs, size = [], 0
@@ -167,6 +172,9 @@ def run_family(name, corpus, args, result):
     # single-request latency per size: graph / eager / count-readback baseline; array vs list output
     lat = fam.setdefault("latency", [])
     for n in (SMALL_SIZES if args.small else SIZES):
+        if over_budget(args):
+            fam.setdefault("skipped", []).append(f"latency {n} chars: over --budget-s")
+            continue
         text = (corpus * (1 + n // max(1, len(corpus))))[:n]
         ref = tok.reference.encode_ordinary(text)
         row = {"chars": n, "bytes": len(text.encode()), "tokens": int(len(ref))}
@@ -188,6 +196,13 @@ def run_family(name, corpus, args, result):
         row["cpu_reference_ms_p50"] = round(pct(cpu, 0.5), 3)
         lat.append(row)
         write(result, args)
+
+
+T0 = time.perf_counter()
+
+
+def over_budget(args) -> bool:
+    return time.perf_counter() - T0 > args.budget_s
 
 
 def write(result, args):
@@ -243,6 +258,9 @@ def main(argv=None) -> int:
     result["corpus"] = {"path": str(corpus_path) if corpus_path.exists() else "repo text", "chars": len(corpus)}
     write(result, args)
     for name in args.families.split(","):
+        if over_budget(args):
+            result["errors"][name] = "not run: over --budget-s"
+            continue
         t = time.perf_counter()
         try:
             run_family(name, corpus, args, result)

@@ -18,8 +18,9 @@ characters of lookback. docs/gpu.md derives each rule from the regex alternative
   piece (the optional prefix of the letter alternative). cl100k/llama3 add a start after a contraction `'s` etc.;
   o200k adds the case boundaries of its two word alternatives and attached contractions.
 
-o200k treats combining marks (\\p{M}) as both letters and punctuation; inputs containing one set the FALLBACK flag,
-as do chained contractions (`x's's`); the encoder then returns the CPU result for that request.
+o200k counts combining marks (\\p{M}) in both word sets, so they classify as caseless letters here; a mark that
+starts a letter run right after a punctuation piece (which `[^\\s\\p{L}\\p{N}]+` extends through marks) and chained
+contractions (`x's's`) set the FALLBACK flag of their document; the encoder answers those documents on the CPU.
 """
 
 from __future__ import annotations
@@ -165,6 +166,14 @@ def make_pretokenize():
             docflag[cidx[doc_off[d]]] = 1
             d += cuda.gridsize(1)
 
+    @cuda.jit(device=True)
+    def family_class(classes, c, fam):
+        # o200k: a combining mark is in both word sets ([\p{Lu}..\p{M}] and [\p{Ll}..\p{M}]): a caseless letter
+        k = classes[c]
+        if fam == F_O200K and (k & B_M) != 0 and (k & 3) == K_O:
+            k = (k & 0xFC) | K_L | B_C
+        return k
+
     @cuda.jit
     def k_classify(cp, classes, docflag, meta, fam, code, v_run, v_doc, v_nons, v_nonc, reff, rlastnl, rend,
                    rlastnonpu, docfb):
@@ -172,12 +181,12 @@ def make_pretokenize():
         x = cuda.grid(1)
         while x < n:
             c = cp[x]
-            k = classes[c]
+            k = family_class(classes, c, fam)
             code[x] = k
             first = x == 0 or docflag[x] != 0
             if x == 0:
                 docflag[x] = 1
-            boundary = first or (classes[cp[x - 1]] & 3) != (k & 3)
+            boundary = first or (family_class(classes, cp[x - 1], fam) & 3) != (k & 3)
             v_run[x] = x if boundary else -1
             v_doc[x] = x if first else -1
             v_nons[x] = x if (first or not in_s(c, fam)) else -1
@@ -208,9 +217,6 @@ def make_pretokenize():
             cuda.atomic.max(rend, r, x + 1)
             if (k & 3) == K_L and (k & B_PU) == 0:
                 cuda.atomic.max(rlastnonpu, r, x)
-            if fam == F_O200K and (k & B_M) != 0:
-                cuda.atomic.max(meta, FALLBACK, 1)
-                docfb[docstart[x]] = 1
             x += cuda.gridsize(1)
 
     @cuda.jit(device=True)
@@ -285,6 +291,13 @@ def make_pretokenize():
                 s = start_w(cp, docflag, rstart, rend, reff, rlastnl, n, fam, x)
             else:
                 s = start_l(cp, code, docflag, rstart, rend, reff, rlastnonpu, lastnonc, n, fam, x)
+                if fam == F_O200K and (code[x] & B_M) != 0 and rstart[x] == x and docflag[x] == 0 and \
+                        kind(code, x - 1) == K_O and \
+                        not prefix_taken(cp, code, docflag, rstart, rend, reff, n, fam, x):
+                    # a mark right after a punctuation piece: ` ?[^\s\p{L}\p{N}]+` swallows it (it is not \p{L}),
+                    # possibly chaining on through more punctuation: leave the document to the CPU
+                    cuda.atomic.max(meta, FALLBACK, 1)
+                    docfb[docstart[x]] = 1
             if docflag[x] != 0:
                 s = True
             startflag[x] = 1 if s else 0
