@@ -210,3 +210,15 @@ def test_sampling_params_validation():
         SamplingParams(top_p=0)
     with pytest.raises(ValueError):
         SamplingParams(max_tokens=0)
+
+
+@pytest.mark.parametrize("scale", [0.5, 4.0, 20.0])
+@pytest.mark.parametrize("top_p", [0.05, 0.5, 0.9, 0.999])
+def test_nucleus_equals_full_sort(scale, top_p):
+    from tokenplane.engine.sampler import nucleus
+
+    probs = torch.softmax(torch.randn(5000, generator=torch.Generator().manual_seed(3)).double() * scale, -1)
+    got_p, got_i = nucleus(probs, top_p)
+    ref_p, ref_i = torch.sort(probs, descending=True, stable=True)
+    keep = int((torch.cumsum(ref_p, -1) < top_p).sum()) + 1
+    assert torch.equal(got_i, ref_i[:keep]) and torch.equal(got_p, ref_p[:keep])

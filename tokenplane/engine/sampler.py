@@ -45,16 +45,29 @@ def uniform(seed: int, step: int) -> float:
     return (splitmix64(splitmix64(seed & MASK64) ^ (step & MASK64)) >> 11) * (1.0 / (1 << 53))
 
 
+def nucleus(probs: torch.Tensor, top_p: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The smallest most-probable prefix whose mass reaches top_p, in descending order (the first token always
+    stays). Tries top-k candidates of growing k before a full sort: a full sort of a 151k vocabulary costs ~20 ms."""
+    v = probs.numel()
+    k = 64
+    while True:
+        if 4 * k >= v:
+            sorted_probs, order = torch.sort(probs, descending=True, stable=True)
+        else:
+            sorted_probs, order = torch.topk(probs, k, sorted=True)
+        cum = torch.cumsum(sorted_probs, dim=-1)
+        if cum[-1] >= top_p or sorted_probs.numel() == v:
+            keep = min(int(torch.searchsorted(cum, torch.tensor([top_p], dtype=cum.dtype)).item()) + 1, cum.numel())
+            return sorted_probs[:keep], order[:keep]
+        k *= 8
+
+
 def sample_one(logits: torch.Tensor, params: SamplingParams, step: int) -> int:
     if params.temperature == 0.0:
         return int(torch.argmax(logits))
     probs = torch.softmax(logits.double() / params.temperature, dim=-1)
     if params.top_p < 1.0:
-        sorted_probs, order = torch.sort(probs, descending=True, stable=True)
-        cum = torch.cumsum(sorted_probs, dim=-1)
-        # keep the smallest prefix whose mass reaches top_p (the first token always stays)
-        keep = int(torch.searchsorted(cum, torch.tensor([params.top_p], dtype=cum.dtype)).item()) + 1
-        sorted_probs, order = sorted_probs[:keep], order[:keep]
+        sorted_probs, order = nucleus(probs, params.top_p)
     else:
         sorted_probs, order = probs, None
     cum = torch.cumsum(sorted_probs, dim=-1)
