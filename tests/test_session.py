@@ -321,3 +321,50 @@ def test_full_fallback_keeps_early_specials(toks, name):
     _check(sess, tok, "all")
     sess.sync(sess.text[:100] + sess.text[120:])
     _check(sess, tok, "all")
+
+
+@pytest.mark.campaign
+@pytest.mark.parametrize("name", NAMES)
+def test_random_operations_campaign(toks, name):
+    """Random appends/edits/syncs of real text (repository sources + seam atoms), default and tiny windows, with and
+    without allowed specials; every step compared with a full encode. TOKENPLANE_CAMPAIGN_S seconds per family."""
+    import glob
+    import os
+    import random
+    import time
+
+    tok = toks[name]
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    corpus = "".join(open(f, encoding="utf-8").read()
+                     for f in sorted(glob.glob(os.path.join(root, "tokenplane", "**", "*.py"), recursive=True)))
+    corpus += "".join(ATOMS) * 50
+    rng = random.Random(int(os.environ.get("TOKENPLANE_CAMPAIGN_SEED", "0")))
+    specials = list(tok.specials)[:4]
+
+    def snippet(n):
+        a = rng.randrange(max(1, len(corpus) - n))
+        s = corpus[a:a + n]
+        if rng.random() < 0.1:
+            s += rng.choice(specials)[:rng.randint(1, 15)]
+        return s
+
+    deadline = time.time() + float(os.environ.get("TOKENPLANE_CAMPAIGN_S", "60"))
+    while time.time() < deadline:
+        allowed = "all" if rng.random() < 0.3 else ()
+        window = rng.choice([512, 512, 64, 16, 4])
+        sess = tok.session(text=snippet(rng.randint(0, 5000)), allowed_special=allowed, window=window,
+                           max_widenings=0 if window == 4 else 5)
+        for _ in range(rng.randint(5, 30)):
+            text, r = sess.text, rng.random()
+            a = rng.randint(0, len(text))
+            b = min(len(text), a + rng.choice([0, 1, 10, 300]))
+            if r < 0.6:
+                sp_op = ("append", snippet(rng.choice([1, 5, 50, 1400, 5000])))
+            elif r < 0.8:
+                sp_op = ("edit", a, b, snippet(rng.choice([0, 1, 20, 500])))
+            else:
+                sp_op = ("sync", text[:a] + snippet(rng.randint(0, 100)) + text[b:] + snippet(200))
+            before = sess.ids.copy()
+            sp = getattr(sess, sp_op[0])(*sp_op[1:])
+            assert np.array_equal(sess.ids, _expect(tok, sess.text, allowed)), sp_op[0]
+            assert np.array_equal(np.concatenate([before[:sp.keep], sp.ids]), sess.ids)
