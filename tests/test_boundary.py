@@ -123,13 +123,13 @@ def _check_id_level(tok, text, rng):
         assert [r for r in recs if r[1] <= p] == [r for r in _records(tok, t3) if r[1] <= p], (text, t3, p)
 
 
-@settings(max_examples=250, deadline=None, suppress_health_check=list(HealthCheck))
+@settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck))
 @given(text=text_st, seed=st.integers(0, 2**16))
 def test_predicate_sound_piece_level(tok, text, seed):
     _check_piece_level(tok, text, random.Random(seed))
 
 
-@settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck))
+@settings(max_examples=100, deadline=None, suppress_health_check=list(HealthCheck))
 @given(text=text_st, seed=st.integers(0, 2**16))
 def test_predicate_sound_id_level(tok, text, seed):
     if tok.family.normalizer:    # ends are in normalized text; positions of the raw adversarial text would shift
