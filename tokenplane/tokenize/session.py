@@ -101,11 +101,26 @@ def _lcp(a: str, b: str, b_off: int) -> int:
     return lo
 
 
-def _lcs(a: str, b: str) -> int:
-    """Length of the common suffix of a and b."""
-    n = min(len(a), len(b))
-    ra, rb = a[len(a) - n:][::-1], b[len(b) - n:][::-1]
-    return _lcp(ra, rb, 0)
+def _lcs(a: str, b: str, b_end: int | None = None) -> int:
+    """Length of the common suffix of a and b[:b_end], block-compared from the end (no reversed copies)."""
+    b_end = len(b) if b_end is None else b_end
+    n = min(len(a), b_end)
+    step, k = 4096, 0
+    while k < n:
+        m = min(step, n - k)
+        if not b.endswith(a[len(a) - k - m:len(a) - k], 0, b_end - k):
+            break
+        k += m
+    if k >= n:
+        return n
+    lo, hi = 0, min(step, n - k)          # a suffix of length lo of the block matches, hi does not
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if b.endswith(a[len(a) - k - mid:len(a) - k], 0, b_end - k):
+            lo = mid
+        else:
+            hi = mid
+    return k + lo
 
 
 class _Chunks:
@@ -203,19 +218,18 @@ class _Chunks:
         return min(self.length, len(text))
 
     def common_suffix(self, text: str, limit: int) -> int:
+        """Common suffix length of the stored text and `text`, at most `limit`."""
         shift, k = len(text) - self.length, 0
         for c, o in zip(reversed(self.chunks), reversed(self.starts)):
-            if k >= limit:
-                break
-            lo = max(o, self.length - limit, -shift)
-            seg = c[lo - o:]
-            other = text[lo + shift:o + len(c) + shift]
-            if seg == other:
+            lo = max(o, self.length - limit)
+            seg = c if lo == o else c[lo - o:]
+            end = o + len(c) + shift
+            if text.endswith(seg, 0, end):
                 k += len(seg)
                 if lo > o:
                     break
                 continue
-            k += _lcs(seg, other)
+            k += _lcs(seg, text, end)
             break
         return min(k, limit)
 
