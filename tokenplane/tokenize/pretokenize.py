@@ -636,6 +636,130 @@ def _starts_o200k(cps: np.ndarray, cls: np.ndarray) -> np.ndarray:
     return starts
 
 
+@lru_cache(maxsize=None)
+def _cp_kind_o200k(engine: str) -> np.ndarray:
+    """Per code point: run kind (bits 0-1: 0 word, 1 N, 2 whitespace, 3 other) | 4 upper (Lu/Lt) | 8 lower (Ll) |
+    16 mark."""
+    t = _table(engine).astype(np.int64)
+    kind = _KIND_O200K[t].astype(np.int64)
+    kind |= np.where(t & (_LU | _LT), 4, 0) | np.where(t & _LL, 8, 0) | np.where(t & _M, 16, 0)
+    return kind.astype(np.uint8)
+
+
+def _o200k_loop_impl(c, feat, starts, rare):
+    """The run-level o200k rules as one loop over runs (same rules as `_starts_o200k`); returns how many rare
+    positions (mark after punctuation, '/' after CR/LF) it wrote to `rare` for the scalar rescan."""
+    n = c.shape[0]
+    nrare = 0
+    a = 0
+    prev_kind = -1
+    prev_len = 0
+    pprev_kind = -1          # kind of the run before the previous one
+    prev_tail_full = False   # previous word run was entirely a contraction tail
+    while a < n:
+        k = feat[a] & 3
+        b = a + 1
+        while b < n and (feat[b] & 3) == k:
+            b += 1
+        pc = c[a - 1] if a > 0 else -1
+        p2 = c[a - 2] if a > 1 else -1
+        tail_full = False
+        if k == 3:
+            if pc != 32:
+                starts[a] = True
+            if c[a] == 47 and (pc == 10 or pc == 13):
+                rare[nrare] = a
+                nrare += 1
+        elif k == 0:
+            if prev_kind == 3 and (feat[a] & 16) != 0:
+                rare[nrare] = a
+                nrare += 1
+            ws_prefix = prev_kind == 2 and pc != 10 and pc != 13
+            o_prefix = prev_kind == 3 and prev_len == 1 and p2 != 32
+            x = a
+            if pc == 39 and prev_len == 1 and prev_kind == 3 and pprev_kind == 0 and not prev_tail_full:
+                f0 = c[a]
+                f0 = f0 + 32 if 65 <= f0 <= 90 else (115 if f0 == 0x17F else f0)
+                f1 = -1
+                if a + 1 < b:
+                    f1 = c[a + 1]
+                    f1 = f1 + 32 if 65 <= f1 <= 90 else (115 if f1 == 0x17F else f1)
+                kk = 0
+                if f0 == 115 or f0 == 116 or f0 == 109 or f0 == 100:
+                    kk = 1
+                elif (f0 == 114 and f1 == 101) or (f0 == 118 and f1 == 101) or (f0 == 108 and f1 == 108):
+                    kk = 2
+                if kk > 0:
+                    starts[a - 1] = False        # the apostrophe and the letters continue the left piece
+                    x = a + kk
+                    if x < b:
+                        starts[x] = True
+                    else:
+                        tail_full = True
+            if x == a and not ws_prefix and not o_prefix:
+                starts[a] = True
+            if x < b:
+                # case rule: [PB]*[WB]+ | P+ from the sub-run start x
+                t = b
+                while t > x and (feat[t - 1] & 4) != 0:
+                    t -= 1
+                last_nb = 0                  # 0 none, 4 upper, 8 lower: kind of the nearest non-B letter
+                for j in range(x, b):
+                    f = feat[j]
+                    if j > x and (f & 4) != 0:
+                        pf = feat[j - 1]
+                        prev_b = (pf & 12) == 0
+                        if last_nb == 8 or (prev_b and j >= t):
+                            starts[j] = True
+                    if (f & 12) != 0:
+                        last_nb = f & 12
+        elif k == 1:
+            for j in range(a, b, 3):
+                starts[j] = True
+        else:
+            s0 = a
+            if prev_kind == 3:
+                while s0 < b and (c[s0] == 10 or c[s0] == 13):
+                    s0 += 1
+            last_nl = -1
+            for j in range(b - 1, a - 1, -1):
+                if c[j] == 10 or c[j] == 13:
+                    last_nl = j
+                    break
+            at_end = b == n
+            if s0 < b:
+                starts[s0] = True
+            if last_nl >= a and last_nl + 1 < b and last_nl + 1 > s0:
+                starts[last_nl + 1] = True
+            if not at_end and b - 1 > s0 and c[b - 1] != 10 and c[b - 1] != 13:
+                starts[b - 1] = True
+        if k == 0:
+            prev_tail_full = tail_full
+        pprev_kind = prev_kind
+        prev_kind = k
+        prev_len = b - a
+        a = b
+    return nrare
+
+
+try:
+    _o200k_loop = _njit(cache=True, nogil=True)(_o200k_loop_impl)
+except NameError:   # pragma: no cover - numba absent
+    _o200k_loop = None
+
+
+def _starts_o200k_loop(cps: np.ndarray, engine: str) -> np.ndarray:
+    n = cps.shape[0]
+    starts = np.zeros(n, dtype=np.bool_)
+    rare = np.empty(n, dtype=np.int64)
+    c = cps.view(np.int32)
+    nr = _o200k_loop(c, _cp_kind_o200k(engine)[cps], starts, rare)
+    if nr:
+        cls = _table(engine)[cps]
+        _o200k_rescan(cps, cls, c, np.sort(rare[:nr]), starts)
+    return starts
+
+
 def _o200k_rare(cps, cls, c, runs: _Runs, starts) -> None:
     """Combining mark right after punctuation; `/` right after CR/LF: rescan between synchronizing positions."""
     n = c.shape[0]
@@ -645,17 +769,20 @@ def _o200k_rare(cps, cls, c, runs: _Runs, starts) -> None:
     slash = slash[slash > 0]
     slash = slash[(c[slash - 1] == CR) | (c[slash - 1] == LF)]
     rare = _sorted_union(m_after_o, slash)
-    if not rare.size:
-        return
-    ws_or_slash = (runs.kind == 2)
-    # synchronizing: after CR/LF before a non-space non-'/' character; digit-run edges; text ends
-    h = runs.heads
-    sync = [np.array([0, n])]
-    nonws_head = h[(~ws_or_slash) & runs.prev_crlf]
-    sync.append(nonws_head[c[nonws_head] != SLASH])
-    digit = (runs.kind == 1) | (runs.prev_kind == 1)
-    sync.append(h[digit & (h > 0)])
-    sync_pos = _sorted_union(*sync)
+    if rare.size:
+        _o200k_rescan(cps, cls, c, rare, starts)
+
+
+def _o200k_rescan(cps, cls, c, rare, starts) -> None:
+    """Recompute starts with the scalar matcher between the synchronizing positions around each rare position:
+    after CR/LF before a non-whitespace non-'/' character, at digit-run edges, and the text ends."""
+    n = c.shape[0]
+    is_n = (cls & _N) != 0
+    is_ws = (cls & _S) != 0
+    after_crlf = np.flatnonzero((c[:-1] == CR) | (c[:-1] == LF)) + 1
+    after_crlf = after_crlf[~is_ws[after_crlf] & (c[after_crlf] != SLASH)]
+    digit_edge = np.flatnonzero(is_n[1:] != is_n[:-1]) + 1
+    sync_pos = _sorted_union(np.array([0, n]), after_crlf, digit_edge)
     lo = sync_pos[np.searchsorted(sync_pos, rare, side="right") - 1]
     hi = sync_pos[np.searchsorted(sync_pos, rare, side="right")]
     for a, b in _merge_windows(lo, hi):
@@ -817,6 +944,8 @@ def piece_starts(family: Family | str, cps: np.ndarray) -> np.ndarray:
     if fam.name in _GPT4 and _gpt4_loop is not None:
         digits, whole = _GPT4[fam.name]
         return _starts_gpt4_loop(cps, fam.engine, digits, whole)
+    if fam.name == "o200k_base" and _o200k_loop is not None:
+        return _starts_o200k_loop(cps, fam.engine)
     cls = _table(fam.engine)[cps]
     if fam.name == "cl100k_base":
         return _starts_gpt4(cps, cls, digits=3, whole_at_end=True)
