@@ -64,3 +64,22 @@ def test_replay_campaign(name):
         fallbacks += stats.full_fallbacks
     print(f"{name}: {repairs} repairs, first-window {accepted}, widenings {widenings}, fallbacks {fallbacks}")
     assert fallbacks == 0
+
+
+def test_replay_with_mid_context_edits():
+    """Clients that rewrite history (truncate an old tool output) resend a non-extension: the changed middle is
+    repaired on both sides, certified on real text."""
+    tok = tokenplane.load("o200k_base")
+    messages = load_trajectories(limit=2)[1][:14]
+    sess = tok.session()
+    for k, prompt in enumerate(render_prompts(messages)):
+        sess.sync(prompt)
+        if k >= 2:
+            edited = [dict(m) for m in messages]
+            edited[1]["content"] = edited[1]["content"][: len(edited[1]["content"]) // 2] + "\n[truncated]\n"
+            shorter = render_prompts(edited)[k]
+            sp = sess.sync(shorter)
+            assert sp.path == "window" and sp.keep > 0
+            assert np.array_equal(sess.ids, tok.encode(shorter))
+            sess.sync(prompt)
+            assert np.array_equal(sess.ids, tok.encode(prompt))
