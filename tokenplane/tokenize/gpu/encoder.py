@@ -207,7 +207,7 @@ class GpuEncoder:
         scan(d["startflag"], d["pidx"], N_CHARS, OP_ADD, True, N_PIECES, n=nchars)
         npieces = self._readback(b, N_PIECES) if base else cap
         k["k_pieces"][grid(nchars), g.tpb, s](d["startflag"], d["pidx"], d["cbyte"], meta, d["pstart"])
-        k["k_dispatch"][grid(npieces), g.tpb, s](d["pstart"], meta, self.small_max, self.medium_max, d["small"],
+        k["k_dispatch"][g.grid(npieces, g.warp_tpb), g.warp_tpb, s](d["pstart"], meta, self.small_max, self.medium_max, d["small"],
                                                  d["medium"], d["large"])
         nsmall = nmed = nlarge = cap
         if base:

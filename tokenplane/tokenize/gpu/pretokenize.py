@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from functools import lru_cache
 
-from .layout import BIG, F_O200K, FALLBACK, INVALID, N_BYTES, N_CHARS, N_DOCS, N_LARGE, N_MEDIUM, N_PIECES, N_SMALL
+from .layout import BIG, F_O200K, FALLBACK, INVALID, N_BYTES, N_CHARS, N_DOCS, N_PIECES, N_SMALL
 from .tables import B_C, B_M, B_PL, B_PU, K_L, K_N, K_O, K_W
 
 
@@ -198,23 +198,32 @@ def make_pretokenize():
             docfb[x] = 0
             x += cuda.gridsize(1)
 
+    @cuda.jit(device=True)
+    def absorbed_at(cp, code, lastnons, fam, x):
+        if not in_s(cp[x], fam):
+            return False
+        y = lastnons[x]
+        return y != x and (code[y] & 3) == K_O and not in_s(cp[y], fam)
+
     @cuda.jit
     def k_aggregate(cp, code, meta, fam, rstart, lastnons, reff, rlastnl, rend, rlastnonpu, docstart, docfb):
+        # only a few characters per run issue atomics (long blank runs would otherwise serialize on one address)
         n = meta[N_CHARS]
         x = cuda.grid(1)
         while x < n:
             c = cp[x]
             k = code[x]
             r = rstart[x]
-            absorbed = False
-            if in_s(c, fam):
-                y = lastnons[x]
-                absorbed = y != x and (code[y] & 3) == K_O and not in_s(cp[y], fam)
+            absorbed = absorbed_at(cp, code, lastnons, fam, x)
             if not absorbed:
-                cuda.atomic.min(reff, r, x)
+                if x == r:
+                    reff[r] = x       # the smallest value the run can have: a racing atomic min cannot undercut it
+                elif absorbed_at(cp, code, lastnons, fam, x - 1):
+                    cuda.atomic.min(reff, r, x)   # o200k O runs: "!/-" has two such positions
                 if c == 10 or c == 13:
                     cuda.atomic.max(rlastnl, r, x)
-            cuda.atomic.max(rend, r, x + 1)
+            if x + 1 >= n or rstart[x + 1] != r:
+                rend[r] = x + 1
             if (k & 3) == K_L and (k & B_PU) == 0:
                 cuda.atomic.max(rlastnonpu, r, x)
             x += cuda.gridsize(1)
@@ -314,18 +323,34 @@ def make_pretokenize():
 
     @cuda.jit
     def k_dispatch(pstart, meta, small_max, medium_max, small, medium, large):
+        # warp-aggregated append: one atomic per warp and list instead of one per piece (the counters are hot)
         npieces = meta[N_PIECES]
-        k = cuda.grid(1)
-        while k < npieces:
-            end = pstart[k + 1] if k + 1 < npieces else meta[N_BYTES]
-            length = end - pstart[k]
-            if length <= small_max:
-                small[cuda.atomic.add(meta, N_SMALL, 1)] = k
-            elif length <= medium_max:
-                medium[cuda.atomic.add(meta, N_MEDIUM, 1)] = k
-            else:
-                large[cuda.atomic.add(meta, N_LARGE, 1)] = k
-            k += cuda.gridsize(1)
+        lane = cuda.threadIdx.x % 32
+        base = (cuda.grid(1) // 32) * 32
+        while base < npieces:
+            k = base + lane
+            tier = -1
+            if k < npieces:
+                end = pstart[k + 1] if k + 1 < npieces else meta[N_BYTES]
+                length = end - pstart[k]
+                tier = 0 if length <= small_max else (1 if length <= medium_max else 2)
+            for t in range(3):
+                mask = cuda.ballot_sync(0xFFFFFFFF, tier == t)
+                if mask != 0:
+                    leader = cuda.ffs(mask) - 1
+                    first = 0
+                    if lane == leader:
+                        first = cuda.atomic.add(meta, N_SMALL + t, cuda.popc(mask))
+                    first = cuda.shfl_sync(0xFFFFFFFF, first, leader)
+                    if tier == t:
+                        slot = first + cuda.popc(mask & ((1 << lane) - 1))
+                        if t == 0:
+                            small[slot] = k
+                        elif t == 1:
+                            medium[slot] = k
+                        else:
+                            large[slot] = k
+            base += cuda.gridsize(1)
 
     return dict(k_lead=k_lead, k_decode=k_decode, k_docs=k_docs, k_classify=k_classify, k_aggregate=k_aggregate,
                 k_predicate=k_predicate, k_pieces=k_pieces, k_dispatch=k_dispatch)
