@@ -368,3 +368,18 @@ def test_random_operations_campaign(toks, name):
             sp = getattr(sess, sp_op[0])(*sp_op[1:])
             assert np.array_equal(sess.ids, _expect(tok, sess.text, allowed)), sp_op[0]
             assert np.array_equal(np.concatenate([before[:sp.keep], sp.ids]), sess.ids)
+
+
+def test_windows_can_use_a_registered_exact_path(toks):
+    tok = toks["o200k_base"]
+    calls = []
+
+    def spy(text):
+        calls.append(len(text))
+        return tok.reference.encode_ordinary(text)
+
+    tok.register_path("spy-test", spy)
+    sess = tok.session(text=PROSE, encode_path="spy-test")
+    sess.append(" appended words 123")
+    _check(sess, tok)
+    assert len(calls) == 2 and calls[1] < 2000      # bootstrap, then one window

@@ -288,12 +288,15 @@ class Session:
 
     def __init__(self, tokenizer: Tokenizer, *, text: str | bytes = "",
                  allowed_special: Collection[str] | Literal["all"] = (), window: int = DEFAULT_WINDOW,
-                 max_widenings: int = MAX_WIDENINGS, certify: bool = True):
+                 max_widenings: int = MAX_WIDENINGS, certify: bool = True, encode_path: str = "reference"):
         if not isinstance(window, int) or window < 1 or not isinstance(max_widenings, int) or max_widenings < 0:
             raise SessionError("window must be a positive int and max_widenings a non-negative int")
         self.tokenizer = tokenizer
         self.reference = tokenizer.reference
         self.window, self.max_widenings = window, max_widenings
+        # Which encoder fills windows: the reference engine, or a registered exact path of the tokenizer ("auto",
+        # "cpu", "gpu"; same contract: reference IDs). Ends are derived from token byte lengths either way.
+        self.encode_path = encode_path
         self.allowed_special = frozenset(tokenizer._resolve_allowed(allowed_special))
         self._nfc = tokenizer.family.normalizer is not None
         # certify=False disables the fast path (baseline flag on the same code path: every call encodes fully).
@@ -419,7 +422,8 @@ class Session:
         self._check_revision(expect_revision)
         text = validate_text(text, self.tokenizer.max_chars)
         fresh = Session(self.tokenizer, allowed_special=self.allowed_special, window=self.window,
-                        max_widenings=self.max_widenings, certify=self.rule is not None)
+                        max_widenings=self.max_widenings, certify=self.rule is not None,
+                        encode_path=self.encode_path)
         fresh.append(text)
         stats, rev = self.stats, self.revision
         self.__dict__.update(fresh.__dict__)
@@ -701,7 +705,10 @@ class Session:
             if self._nfc and check and not t.isascii() and self.reference.normalize(t) != t:
                 return False
             t0 = time.perf_counter()
-            ids = self.reference.encode_ordinary_normalized(t)
+            if self.encode_path == "reference":
+                ids = self.reference.encode_ordinary_normalized(t)
+            else:
+                ids = np.asarray(self.tokenizer._encode_ordinary(t, self.encode_path), dtype=np.uint32)
             self._encode_s += time.perf_counter() - t0
             byte_ends = np.cumsum(self.reference.token_lengths[ids])
             id_parts.append(ids)
