@@ -112,7 +112,7 @@ def run_synthetic(args, tok, engines: Engines, pool: str, size_name: str, shape:
         cursor += n
 
     times: dict[str, list[float]] = {"tokenplane": []}
-    session = tok.session()
+    session = tok.session(encode_path=args.session_path)
     t0 = time.perf_counter()
     session.sync(context)
     np.asarray(session.ids)
@@ -203,7 +203,7 @@ def run_traces(args, tok, engines: Engines) -> dict | None:
     ctx_chars = []
     for i, traj in enumerate(trajectories):
         prompts = render_prompts(traj)
-        session = tok.session()
+        session = tok.session(encode_path=args.session_path)
         with_peers = i < args.trace_peer_count
         tt_cm = engines.toktier.session() if (with_peers and engines.toktier) else None
         tt = tt_cm.__enter__() if tt_cm else None
@@ -259,12 +259,23 @@ def acceptance(stats: dict) -> float | None:
     return first / total if (first is not None and total) else None
 
 
-def markdown(res: dict) -> str:
-    meta = res["meta"]
-    lines = [f"# Session repair latency ({meta['family']})\n",
-             f"Machine: {meta['machine']}, {meta['cpus']} CPUs, load average {meta['loadavg']} at start, "
-             f"{meta['loadavg_end']} at end; wall {meta['wall_s']} s. Command: `{meta['command']}`.\n",
-             "Latency per append step in ms, P50 / P90. tokenplane = Session.append + full IDs as an array; "
+def markdown(full: dict) -> str:
+    meta = full["meta"]
+    head = [f"# Session repair latency ({', '.join(full['families'])})\n",
+            f"Machine: {meta['machine']}, {meta['cpus']} CPUs, load average {meta['loadavg']} at start, "
+            f"{meta['loadavg_end']} at end; wall {meta['wall_s']} s. Command: `{meta['command']}`.\n"]
+    return "\n".join(head) + "\n" + "\n".join(markdown_family(fam, res) for fam, res in full["families"].items())
+
+
+def markdown_family(family: str, res: dict) -> str:
+    lines = [f"## {family}\n"]
+    if "meta" in res:
+        m = res["meta"]
+        lines.append(f"Measured by an earlier run: `{m['command']}` ({m['started']}, load average {m['loadavg']} at "
+                     f"start, {m.get('loadavg_end', '?')} at end, wall {m.get('wall_s', '?')} s).\n")
+    lines += [
+             "Latency per append step in ms, P50 / P90. tokenplane = Session.append + full IDs as an array "
+             f"(repair windows encoded with the `{res.get('session_path', 'reference')}` path); "
              "reference/fastokens/gigatoken = full re-encode of the whole text (fastokens/gigatoken prewarmed on the "
              "context); toktier = toktier 0.3.0 Python Session.append_patch. `n` = timed steps (slow full "
              "re-encoders are subsampled). Ratio = peer P50 / tokenplane P50.\n"]
@@ -285,7 +296,7 @@ def markdown(res: dict) -> str:
                      f"{r['session_stats'].get('full_fallbacks', '-')} | {r['bytes_per_token']:.1f} |")
     t = res.get("traces")
     if t:
-        lines.append(f"\n## Real mini-swe-agent traces\n\n{t['trajectories']} trajectories, {t['calls']} calls, "
+        lines.append(f"\n### Real mini-swe-agent traces ({family})\n\n{t['trajectories']} trajectories, {t['calls']} calls, "
                      f"{t['continuations']} continuations; context P50 {t['context_chars_p50']:,.0f} chars, max "
                      f"{t['context_chars_max']:,} chars; final prompt exact vs reference {t['final_prompt_exact']}.\n")
         lines.append("| engine | P50 ms | P90 ms | n |")
@@ -295,7 +306,7 @@ def markdown(res: dict) -> str:
         acc = acceptance(t["session_stats"])
         lines.append(f"\nSession stats summed over trajectories: `{json.dumps(t['session_stats'])}`; first-window "
                      f"acceptance {'-' if acc is None else f'{acc:.4%}'}.")
-    lines.append("\n## Targets (reported, not asserted)\n")
+    lines.append(f"\n### Targets ({family}; reported, not asserted)\n")
     lines += [f"- {k}: {v}" for k, v in res["targets"].items()]
     return "\n".join(lines) + "\n"
 
@@ -323,36 +334,39 @@ def targets(res: dict) -> dict:
     return out
 
 
-def plot(res: dict, path: Path) -> None:
+def plot(full: dict, path: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    shapes = sorted({r["shape"] for r in res["synthetic"]})
-    fig, axes = plt.subplots(1, len(shapes), figsize=(6 * len(shapes), 4), squeeze=False)
-    for ax, shape in zip(axes[0], shapes):
-        rows = [r for r in res["synthetic"] if r["shape"] == shape]
-        for eng in ["tokenplane", "reference", "fastokens", "gigatoken", "toktier"]:
-            pts = [(SIZES[r["size"]], r["latency_ms"][eng]["p50"], r["latency_ms"][eng]["p90"]) for r in rows
-                   if eng in r["latency_ms"] and r["latency_ms"][eng]["n"]]
-            if pts:
-                pts.sort()
-                line, = ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=f"{eng} P50")
-                ax.plot([p[0] for p in pts], [p[2] for p in pts], ls=":", color=line.get_color())
-        ax.set_xscale("log")
-        ax.set_yscale("log")
-        ax.set_xlabel("context characters")
-        ax.set_ylabel("ms per append (solid P50, dotted P90)")
-        ax.set_title(f"{res['meta']['family']}: {shape} appends")
-        ax.legend(fontsize=7)
+    fams = list(full["families"])
+    shapes = sorted({r["shape"] for res in full["families"].values() for r in res["synthetic"]})
+    fig, axes = plt.subplots(len(fams), len(shapes), figsize=(6 * len(shapes), 4 * len(fams)), squeeze=False)
+    for i, fam in enumerate(fams):
+        for ax, shape in zip(axes[i], shapes):
+            rows = [r for r in full["families"][fam]["synthetic"] if r["shape"] == shape]
+            for eng in ["tokenplane", "reference", "fastokens", "gigatoken", "toktier"]:
+                pts = [(SIZES[r["size"]], r["latency_ms"][eng]["p50"], r["latency_ms"][eng]["p90"]) for r in rows
+                       if eng in r["latency_ms"] and r["latency_ms"][eng]["n"]]
+                if pts:
+                    pts.sort()
+                    line, = ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=f"{eng} P50")
+                    ax.plot([p[0] for p in pts], [p[2] for p in pts], ls=":", color=line.get_color())
+            ax.set_xscale("log")
+            ax.set_yscale("log")
+            ax.set_xlabel("context characters")
+            ax.set_ylabel("ms per append (solid P50, dotted P90)")
+            ax.set_title(f"{fam}: {shape} appends")
+            ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--family", default="qwen3")
+    p.add_argument("--family", default="qwen3", help="comma list; toktier runs for qwen3 / deepseek_v4")
+    p.add_argument("--trace-families", default=None, help="families that replay the real traces (default: first)")
     p.add_argument("--corpus", default=os.path.join(os.environ.get("TMPDIR", "/tmp"), "tokenplane_corpus"))
     p.add_argument("--sizes", default="100K,1M,4M")
     p.add_argument("--shapes", default="flat1400,claude-code")
@@ -360,6 +374,8 @@ def main() -> int:
     p.add_argument("--append-cap", type=int, default=100_000, help="cap on a drawn append, characters")
     p.add_argument("--ref-steps", default="100K:10,1M:3,4M:2", help="timed steps of the reference re-encode")
     p.add_argument("--engines", default="fastokens,gigatoken,toktier")
+    p.add_argument("--session-path", default="cpu", choices=["cpu", "reference"],
+                   help="engine the session encodes its repair windows with (cpu = tokenplane's exact fast path)")
     p.add_argument("--traces", default=None, help="mini-swe-agent directory (default: the shared data dir)")
     p.add_argument("--trace-count", type=int, default=250)
     p.add_argument("--trace-peer-count", type=int, default=20, help="trajectories also re-encoded by peers")
@@ -368,34 +384,54 @@ def main() -> int:
                                                                      "trajectory against the reference")
     p.add_argument("--no-traces", action="store_true")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--merge-from", default=None, help="earlier session_repair.json whose other families to keep")
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
     args = p.parse_args()
     args.ref_steps = {k: int(v) for k, v in (x.split(":") for x in args.ref_steps.split(","))}
     import tokenplane
 
     t_start = time.time()
-    meta = {"family": args.family, "machine": platform.processor() or platform.machine(), "cpus": os.cpu_count(),
+    meta = {"machine": platform.processor() or platform.machine(), "cpus": os.cpu_count(),
             "loadavg": " ".join(f"{x:.2f}" for x in os.getloadavg()), "command": " ".join(sys.argv),
             "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
-    tok = tokenplane.load(args.family)
-    engines = Engines(args.family, tok, set(args.engines.split(",")) - {""})
     pool = corpus_pool(ensure_corpus(Path(args.corpus)))
-    rng = random.Random(args.seed)
-    res: dict = {"meta": meta, "synthetic": []}
-    for size_name in args.sizes.split(","):
-        for shape in args.shapes.split(","):
-            res["synthetic"].append(run_synthetic(args, tok, engines, pool, size_name, shape, rng))
-    if not args.no_traces:
-        res["traces"] = run_traces(args, tok, engines)
-    res["targets"] = targets(res)
+    full: dict = {"meta": meta, "families": {}}
+    trace_families = set(args.trace_families.split(",")) if args.trace_families else {args.family.split(",")[0]}
+    for family in args.family.split(","):
+        tok = tokenplane.load(family)
+        if args.session_path == "cpu":
+            from tokenplane.tokenize.router import enable_fast_paths
+
+            enable_fast_paths(tok)
+            tok.encode("build the tables 123", path="cpu")   # one-time table build, not part of any timing
+        engines = Engines(family, tok, set(args.engines.split(",")) - {""})
+        rng = random.Random(args.seed)
+        res: dict = {"synthetic": [], "session_path": args.session_path}
+        for size_name in args.sizes.split(","):
+            for shape in args.shapes.split(","):
+                res["synthetic"].append(run_synthetic(args, tok, engines, pool, size_name, shape, rng))
+        if not args.no_traces and family in trace_families:
+            res["traces"] = run_traces(args, tok, engines)
+        res["targets"] = targets(res)
+        full["families"][family] = res
     meta["wall_s"] = round(time.time() - t_start, 1)
     meta["loadavg_end"] = " ".join(f"{x:.2f}" for x in os.getloadavg())
+    if args.merge_from:
+        # Keep families measured by an earlier run (its own meta travels with them).
+        old = json.loads(Path(args.merge_from).read_text())
+        if "families" not in old:   # single-family layout of the first version of this script
+            old = {"meta": old["meta"], "families": {old["meta"]["family"]: {
+                k: old[k] for k in ("synthetic", "traces", "targets") if k in old}}}
+        for fam, res in old["families"].items():
+            if fam not in full["families"]:
+                res["meta"] = old["meta"]
+                full["families"] = {fam: res, **full["families"]}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "session_repair.json").write_text(json.dumps(res, indent=1, default=str))
-    (out / "session_repair.md").write_text(markdown(res))
-    plot(res, out / "session_repair.png")
-    print(markdown(res))
+    (out / "session_repair.json").write_text(json.dumps(full, indent=1, default=str))
+    (out / "session_repair.md").write_text(markdown(full))
+    plot(full, out / "session_repair.png")
+    print(markdown(full))
     return 0
 
 
