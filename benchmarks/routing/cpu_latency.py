@@ -68,7 +68,12 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--steps", type=int, default=7)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--out", type=Path, default=OUT / "cpu_latency.json")
+    ap.add_argument("--from-engine", type=Path, default=None,
+                    help="fit from the engine helper's engine_decode.json (single-thread CPU-time medians) instead "
+                         "of measuring; on a loaded shared machine wall-clock steps are 3-10x inflated")
     args = ap.parse_args(argv)
+    if args.from_engine is not None:
+        return from_engine(args.from_engine, args.out)
     torch.set_num_threads(args.threads)
     points = []
     for m in args.models:
@@ -86,6 +91,31 @@ def main(argv: list[str] | None = None) -> dict:
                    "(median kept as median_s); piecewise fit base(batch) + c*batch*context"}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(res, indent=1))
+    return res
+
+
+def from_engine(path: Path, out: Path) -> dict:
+    """Piecewise fits from engine_decode.json's CPU-time medians; d (per catch-up token) from its catch-up table."""
+    import dataclasses
+    from tokenplane.engine.latency_runner import fit_from_engine_decode
+    data = json.loads(path.read_text())
+    fits = fit_from_engine_decode(path, piecewise=True)
+    res = {"device": "cpu", "source": str(path), "threads": data.get("meta", {}).get("threads"),
+           "note": "piecewise fit base(batch) + c*batch*context of engine_decode.json cpu_median_ms (single-thread "
+                   "process CPU time per ModelRunner decode step); d = slope of its catch-up table", "fits": {}}
+    for m, fit in fits.items():
+        cu = sorted((r["new_tokens"], r["cpu_median_ms"] / 1e3) for r in data.get("catch_up", [])
+                    if r.get("model") == m and "cpu_median_ms" in r)
+        d = max(0.0, (cu[-1][1] - cu[0][1]) / (cu[-1][0] - cu[0][0])) if len(cu) >= 2 else 0.0
+        fit = dataclasses.replace(fit, d=d, name=f"cpu-{m}")
+        pts = [r for r in data["results"] if r.get("model") == m]
+        worst = max(abs(fit(r["batch"], r["context"]) / (r["cpu_median_ms"] / 1e3) - 1) for r in pts)
+        res["fits"][m] = fit.to_dict() | {"max_rel_error": worst}
+        knots = ", ".join(f"{k}:{v * 1e3:.1f}" for k, v in fit.knots)
+        print(f"fit {m}: base ms by batch {{{knots}}} c={fit.c * 1e6:.3f} us/(seq*token) d={d * 1e3:.3f} ms/token, "
+              f"max rel err {worst:.1%}")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(res, indent=1))
     return res
 
 

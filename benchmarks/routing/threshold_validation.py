@@ -28,6 +28,7 @@ from tokenplane.route.batching import feasible_thresholds  # noqa: E402
 from tokenplane.route.throughput_model import RoutingModel, simulate, solve_chain  # noqa: E402
 
 P_SWITCH = 0.35
+REL_TOL = 0.01   # choose_thresholds' default tie tolerance
 
 
 def runtime_measure(fits, ts, concurrency: int, duration_s: float, max_tokens: int, prompt_len: int) -> dict:
@@ -52,7 +53,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--settings", nargs="+", default=["seed-r2r", "cpu-measured"])
     ap.add_argument("--concurrency", type=int, nargs="+", default=[4, 8, 16])
     ap.add_argument("--max-t", type=int, default=8)
-    ap.add_argument("--runtime-large", type=int, nargs="+", default=[1, 2, 3, 4, 6, 8],
+    ap.add_argument("--runtime-large", type=int, nargs="+", default=[1, 2, 4, 6, 8],
                     help="T_large values measured on the runtime (T_small = 1), plus the model's choice")
     ap.add_argument("--duration", type=float, default=3.0, help="runtime window per config, seconds (seed scale)")
     ap.add_argument("--cpu-duration", type=float, default=8.0, help="runtime window per config at CPU latencies")
@@ -81,8 +82,8 @@ def main(argv: list[str] | None = None) -> dict:
             combos = feasible_thresholds(2, C, args.max_t)
             chain = {ts: solve_chain(ts, C, rm, fns) for ts in combos}
             best_pred = max(chain.values(), key=lambda r: r.throughput).throughput
-            chosen = min((ts for ts, r in chain.items() if r.throughput >= best_pred * (1 - 1e-6)),
-                         key=lambda ts: (sum(ts), ts))
+            chosen = min((ts for ts, r in chain.items() if r.throughput >= best_pred * (1 - REL_TOL)),
+                         key=lambda ts: (sum(ts), ts))   # the choose_thresholds rule
             entry = {"chosen": list(chosen), "chain_s": time.time() - t,
                      "chain": {f"{a},{b}": r.to_dict() for (a, b), r in chain.items()}}
             print(f"[{setting} C={C}] chain over {len(combos)} combos in {entry['chain_s']:.1f} s: "
@@ -93,7 +94,7 @@ def main(argv: list[str] | None = None) -> dict:
                                 for ts in combos}
                 else:
                     dur = args.duration if setting == "seed-r2r" else args.cpu_duration
-                    grid = [(1, b) for b in args.runtime_large if (1, b) in chain]
+                    grid = [(1, b) for b in args.runtime_large if (1, b) in chain and b <= C]
                     if chosen not in grid:
                         grid.append(chosen)
                     measured, raw = {}, {}
@@ -119,8 +120,81 @@ def main(argv: list[str] | None = None) -> dict:
         md.append(md_table(["C", "measured on", "model's choice (T_s, T_l)", "predicted tok/s",
                             "measured tok/s (choice)", "best measured (T_s, T_l)", "best tok/s", "choice / best",
                             "(1,1) tok/s", "configs"], rows))
-    write_outputs(args.out, result, "".join(md))
+    result["prompt_len"], result["max_tokens"] = args.prompt_len, args.max_tokens
+    write_outputs(args.out, result, render(result))
     plot(result, RESULTS / f"{args.out}.png")
+    return result
+
+
+def _key(ts) -> str:
+    return f"{ts[0]},{ts[1]}"
+
+
+def _runtime_diag(raw: dict) -> str:
+    """Mean batch per model and forced (below-threshold) launches, from the sub-servers' counters."""
+    ms = raw.get("model_stats")
+    if not isinstance(ms, list):
+        return ""
+    parts = []
+    for m in ms:
+        c = m.get("counters", {})
+        pol = c.get("policy") or {}
+        steps = c.get("steps") or 0
+        forced = (pol.get("forced_launches") or [0] * 2)[m.get("model", 0)] if pol else 0
+        parts.append(f"m{m.get('model')}: batch {c.get('batched_seqs', 0) / steps:.2f}, forced {forced}/{steps}"
+                     if steps else f"m{m.get('model')}: idle")
+    return "; ".join(parts)
+
+
+def render(result: dict) -> str:
+    """Markdown from the JSON (re-derives the choice with REL_TOL from the stored chain predictions)."""
+    md = ["# Delayed-batching thresholds: throughput model vs measured\n\n",
+          f"R2R synthetic routing, p = {result['p_switch']}; closed loop, prompt {result.get('prompt_len', 32)}, "
+          f"max_tokens {result.get('max_tokens', 128)}; latency evaluated at mean context {result['context']:.0f}. "
+          "Throughput = committed tokens/s. The model's choice = smallest thresholds predicted within "
+          f"{REL_TOL:.0%} of the chain's best. `des` = discrete-event simulation of the same assumptions (a "
+          "consistency check, not an independent measurement); `runtime` = the real multi-process runtime with the "
+          "latency-model backend (measured on a shared 2-core machine under other jobs' load).\n"]
+    for setting, sres in result["settings"].items():
+        md.append(f"\n## {setting}\n\n{sres['provenance']}.\n\n")
+        rows, diag = [], []
+        for C, e in sres["by_concurrency"].items():
+            chain = {tuple(map(int, k.split(","))): v["throughput"] for k, v in e["chain"].items()}
+            best_pred = max(chain.values())
+            chosen = min((ts for ts, v in chain.items() if v >= best_pred * (1 - REL_TOL)),
+                         key=lambda ts: (sum(ts), ts))
+            e["chosen"] = list(chosen)
+            for backend in ("des", "runtime"):
+                b = e.get(backend)
+                if not b:
+                    continue
+                meas = {tuple(map(int, k.split(","))): v for k, v in b["measured"].items()}
+                best_ts = max(meas, key=meas.get)
+                got = meas.get(chosen)
+                ratio = None if got is None else got / meas[best_ts]
+                b.update(chosen=list(chosen), chosen_throughput=got, ratio=ratio, best=list(best_ts),
+                         best_throughput=meas[best_ts])
+                rows.append([C, backend, str(chosen), chain[chosen], "not measured" if got is None else got,
+                             str(best_ts), meas[best_ts], "n/a" if ratio is None else f"{ratio:.1%}",
+                             meas.get((1, 1), float("nan")), len(meas)])
+            if "runtime_raw" in e:
+                for k, raw in e["runtime_raw"].items():
+                    diag.append([C, f"({k})", raw["throughput"], chain[tuple(map(int, k.split(",")))],
+                                 _runtime_diag(raw)])
+        md.append(md_table(["C", "measured on", "model's choice (T_s, T_l)", "predicted tok/s",
+                            "measured tok/s (choice)", "best measured (T_s, T_l)", "best tok/s", "choice / best",
+                            "(1,1) tok/s", "configs"], rows))
+        if diag:
+            md.append("\nRuntime runs (mean batch per model; launches forced below threshold / steps):\n\n")
+            md.append(md_table(["C", "thresholds", "measured tok/s", "predicted tok/s", "runtime counters"], diag))
+    return "".join(md)
+
+
+def reanalyze(path: Path) -> dict:
+    import json
+    result = json.loads(path.read_text())
+    write_outputs(path.stem, result, render(result))
+    plot(result, path.with_suffix(".png"))
     return result
 
 
@@ -158,4 +232,7 @@ def plot(result: dict, path: Path) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    if len(sys.argv) == 3 and sys.argv[1] == "--reanalyze":
+        reanalyze(Path(sys.argv[2]))
+    else:
+        main()

@@ -189,12 +189,16 @@ def preset(name: str) -> tuple[LatencyFit, ...]:
     return PRESETS[name]
 
 
-def fit_from_engine_decode(path: str | Path, terms: str = "abc") -> dict[str, LatencyFit]:
-    """Fit one LatencyFit per model from the engine's decode benchmark JSON.
+def fit_from_engine_decode(path: str | Path, terms: str = "abc", *, piecewise: bool = False) -> dict[str, LatencyFit]:
+    """Fit one LatencyFit per model from the engine's decode benchmark JSON (benchmarks/results/engine_decode.json).
 
     Accepts any JSON whose records (a list, or a dict holding lists) carry a model name ("model"/"preset"), a batch
     size ("batch"/"batch_size"), a context ("context"/"context_len"/"cached_tokens") and a step time ("latency_s",
-    "step_s", "latency_ms", "step_ms", "median_ms"). Raises ValueError when no usable record is found.
+    "step_s", "cpu_median_ms", "latency_ms", "step_ms", "median_ms", in that preference: the engine benchmark's
+    single-thread process CPU time approximates an idle machine's wall time on a shared box, its wall median does
+    not). Kernel-comparison variants (a "kernel" other than varlen, consecutive blocks) are skipped.
+    piecewise: fit base(batch) knots + c instead of a + b*batch + c*batch*context.
+    Raises ValueError when no usable record is found.
     """
     data = json.loads(Path(path).read_text())
     records: list[dict] = []
@@ -218,11 +222,17 @@ def fit_from_engine_decode(path: str | Path, terms: str = "abc") -> dict[str, La
         ctx = next((r[k] for k in ("context", "context_len", "cached_tokens", "ctx") if k in r), 0)
         lat = next((float(r[k]) for k in ("latency_s", "step_s") if k in r), None)
         if lat is None:
-            lat = next((float(r[k]) / 1e3 for k in ("latency_ms", "step_ms", "median_ms", "ms") if k in r), None)
-        if bsz is None or lat is None or lat <= 0:
+            lat = next((float(r[k]) / 1e3 for k in ("cpu_median_ms", "latency_ms", "step_ms", "median_ms", "ms")
+                        if k in r), None)
+        if bsz is None or lat is None or lat <= 0 or r.get("kernel", "varlen") != "varlen" \
+                or r.get("consecutive_blocks"):
             continue
         per_model.setdefault(model, []).append({"batch": int(bsz), "context": float(ctx), "latency_s": lat})
-    fits = {m: LatencyFit.fit(s, name=m, terms=terms) for m, s in per_model.items() if len(s) >= len(terms)}
+    if piecewise:
+        fits = {m: LatencyFit.fit_piecewise(s, name=m) for m, s in per_model.items()
+                if len(s) > len({x["batch"] for x in s})}
+    else:
+        fits = {m: LatencyFit.fit(s, name=m, terms=terms) for m, s in per_model.items() if len(s) >= len(terms)}
     if not fits:
         raise ValueError(f"{path}: no (model, batch, context, latency) records to fit")
     return fits
