@@ -34,6 +34,9 @@ def main_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--traces-dir", default=None, help="directory of .traj.json files to pick the default from")
     parser.add_argument("--json", default=None, help="also write the per-step measurements to this JSON file")
     parser.add_argument("--quiet", action="store_true", help="print only the summary table")
+    parser.add_argument("--session-path", default="cpu", choices=["cpu", "reference"],
+                        help="engine the session encodes its repair windows with (default: the exact CPU fast path "
+                             "when the family has one)")
 
 
 def load_bundled() -> dict:
@@ -58,9 +61,23 @@ def percentile(values, q: float) -> float:
     return float(np.percentile(np.asarray(values, dtype=float), q)) if len(values) else float("nan")
 
 
-def replay(tok, prompts: list[str], verbose: bool = True) -> dict:
+def fast_path(tok, wanted: str) -> str:
+    """The window-encode path to give sessions: "cpu" when the family has the fast CPU path, else "reference"."""
+    if wanted != "cpu":
+        return wanted
+    try:
+        from .tokenize.router import enable_fast_paths
+    except ImportError:
+        return "reference"
+    if not enable_fast_paths(tok):
+        return "reference"
+    tok.encode("build the tables once 123", path="cpu")   # one-time table build, outside every timing
+    return "cpu"
+
+
+def replay(tok, prompts: list[str], verbose: bool = True, session_path: str = "reference") -> dict:
     """Sync the session to each prompt in turn; time it and a full reference encode; compare."""
-    session = tok.session()
+    session = tok.session(encode_path=session_path)
     steps = []
     for k, prompt in enumerate(prompts):
         t0 = time.perf_counter()
@@ -120,7 +137,7 @@ def render_table(s: dict, family: str, source: str) -> str:
     acc = s["first_window_acceptance"]
     rows = [
         ("session", source),
-        ("tokenizer", family),
+        ("tokenizer", f"{family} (session windows: {s.get('session_path', 'reference')} path)"),
         ("steps (LLM calls)", f"{s['steps']}"),
         ("exact matches", f"{s['exact']} / {s['steps']}"),
         ("final prompt", f"{s['final_chars']:,} chars, {s['final_tokens']:,} tokens"),
@@ -148,8 +165,10 @@ def main(args: argparse.Namespace) -> int:
     tok = load(args.family)
     if not args.quiet:
         print(f"replaying {len(prompts)} calls of {source} through a {args.family} session", flush=True)
-    result = replay(tok, prompts, verbose=not args.quiet)
+    session_path = fast_path(tok, args.session_path)
+    result = replay(tok, prompts, verbose=not args.quiet, session_path=session_path)
     summary = summarize(result)
+    summary["session_path"] = session_path
     print(render_table(summary, args.family, source))
     if args.json:
         Path(args.json).write_text(json.dumps({"summary": summary, **result}, indent=1, default=str))

@@ -85,12 +85,12 @@ def apply_op(session, op) -> None:
         raise ValueError(kind)
 
 
-def run_case(tok: Tokenizer, base: str, ops: list, counters: dict | None = None, allowed: tuple | str = ()
-             ) -> tuple[int, str, list] | None:
+def run_case(tok: Tokenizer, base: str, ops: list, counters: dict | None = None, allowed: tuple | str = (),
+             encode_path: str = "reference") -> tuple[int, str, list] | None:
     """Replay one case on a fresh session, checking after the base and every op. Returns None if all steps match,
     else (step index, expected text, concrete ops up to the failure). `allowed`: special tokens the session (and
     the reference encode) treat as specials."""
-    session = tok.session(allowed_special=allowed) if allowed else tok.session()
+    session = tok.session(allowed_special=allowed, encode_path=encode_path)
     steps = [(("sync", base), base)] + adversarial.materialize(base, ops)
     done = []
     for k, (op, text) in enumerate(steps):
@@ -113,8 +113,10 @@ def run_case(tok: Tokenizer, base: str, ops: list, counters: dict | None = None,
     return None
 
 
-def reproduction(tok: Tokenizer, base: str, ops: list, allowed: tuple | str = ()) -> str:
-    opts = f"allowed_special={allowed!r}" if allowed else ""
+def reproduction(tok: Tokenizer, base: str, ops: list, allowed: tuple | str = (), encode_path: str = "reference"
+                 ) -> str:
+    opts = ", ".join(([f"allowed_special={allowed!r}"] if allowed else [])
+                     + ([f"encode_path={encode_path!r}"] if encode_path != "reference" else []))
     lines = ["import numpy as np, tokenplane", f"tok = tokenplane.load({tok.name!r})", f"s = tok.session({opts})",
              f"s.sync({base!r})"]
     text = base
@@ -125,39 +127,43 @@ def reproduction(tok: Tokenizer, base: str, ops: list, allowed: tuple | str = ()
             lines.append(f"s.edit({op[1]}, {op[2]}, {op[3]!r})")
         else:
             lines.append(f"s.sync({op[1]!r})")
-    lines.append(f"ref = tok.encode({text!r}, path='reference'{', ' + opts if opts else ''})")
+    ref_opts = f", allowed_special={allowed!r}" if allowed else ""
+    lines.append(f"ref = tok.encode({text!r}, path='reference'{ref_opts})")
     lines.append("print(np.asarray(s.ids).tolist() == ref.tolist())  # expected True")
     return "\n".join(lines)
 
 
-def shrink_failure(tok: Tokenizer, base: str, ops: list, allowed: tuple | str = ()) -> tuple[str, list]:
+def shrink_failure(tok: Tokenizer, base: str, ops: list, allowed: tuple | str = (), encode_path: str = "reference"
+                   ) -> tuple[str, list]:
     def fails(b, o):
-        return run_case(tok, b, o, allowed=allowed) is not None
+        return run_case(tok, b, o, allowed=allowed, encode_path=encode_path) is not None
 
     return adversarial.shrink(base, list(ops), fails)
 
 
 # -- sources -----------------------------------------------------------------------------------------------------
-def adversarial_round(tok, rng, corpus, counters) -> dict | None:
+def adversarial_round(tok, rng, corpus, counters, paths=("reference",)) -> dict | None:
     base, ops = adversarial.session_case(rng, corpus)
-    # One case in five treats special-token strings as specials (the literal pass must repair too).
+    # One case in five treats special-token strings as specials (the literal pass must repair too); windows are
+    # encoded by each available engine in turn (the reference, and the CPU fast path where the family has one).
     allowed = "all" if rng.random() < 0.2 else ()
-    bad = run_case(tok, base, ops, counters, allowed)
+    path = rng.choice(paths)
+    bad = run_case(tok, base, ops, counters, allowed, path)
     if bad is None:
         return None
     counters["divergences"] += 1
-    small_base, small_ops = shrink_failure(tok, base, ops, allowed)
-    return {"source": "adversarial", "family": tok.name,
-            "reproduction": reproduction(tok, small_base, small_ops, allowed),
+    small_base, small_ops = shrink_failure(tok, base, ops, allowed, path)
+    return {"source": "adversarial", "family": tok.name, "encode_path": path,
+            "reproduction": reproduction(tok, small_base, small_ops, allowed, path),
             "original_chars": len(base), "shrunk_base": small_base, "shrunk_ops": small_ops,
             "allowed_special": bool(allowed)}
 
 
-def trace_round(tok, trace_file: Path, counters, max_context: int) -> dict | None:
+def trace_round(tok, trace_file: Path, counters, max_context: int, path: str = "reference") -> dict | None:
     from .traces import load_trajectory, render_prompts
 
     prompts = [p for p in render_prompts(load_trajectory(trace_file)) if len(p) <= max_context]
-    session = tok.session()
+    session = tok.session(encode_path=path)
     for k, prompt in enumerate(prompts):
         session.sync(prompt)
         ids = np.asarray(session.ids)
@@ -170,9 +176,9 @@ def trace_round(tok, trace_file: Path, counters, max_context: int) -> dict | Non
             counters["divergences"] += 1
             prev = prompts[k - 1] if k else ""
             base, ops = prev, [("sync", prompt)]
-            small_base, small_ops = shrink_failure(tok, base, ops)
+            small_base, small_ops = shrink_failure(tok, base, ops, encode_path=path)
             return {"source": "traces", "family": tok.name, "trace": str(trace_file), "call": k,
-                    "reproduction": reproduction(tok, small_base, small_ops)}
+                    "encode_path": path, "reproduction": reproduction(tok, small_base, small_ops, (), path)}
     counters["sessions"] += 1
     s = stats_dict(session)
     counters["fallbacks"] += int(s.get("full_fallbacks", 0) or 0)
@@ -255,9 +261,11 @@ def campaign_family(tok: Tokenizer, seconds: float, max_checks: float, rng: rand
     rotation = [s for s in ("adversarial", "traces", "fullencode") if s in sources]
     if "traces" in rotation and not trajectories:
         rotation.remove("traces")
-    if "fullencode" in rotation and not _cpu_available(tok):
+    cpu = _cpu_available(tok)
+    if "fullencode" in rotation and not cpu:
         rotation.remove("fullencode")
         counters["fullencode_unavailable"] = 1
+    paths = ("reference", "cpu") if cpu else ("reference",)
     if "adversarial" not in rotation and "corpus" in sources:
         rotation.insert(0, "adversarial")   # corpus text enters through session cases
     trace_i = rng.randrange(max(1, len(trajectories)))
@@ -269,11 +277,12 @@ def campaign_family(tok: Tokenizer, seconds: float, max_checks: float, rng: rand
             # a batch of cases between source switches keeps the mix time-balanced
             t_end = min(deadline, time.monotonic() + 2.0)
             while time.monotonic() < t_end and not failures and counters["checks"] < max_checks:
-                fail = adversarial_round(tok, rng, use_corpus, counters)
+                fail = adversarial_round(tok, rng, use_corpus, counters, paths)
                 if fail:
                     failures.append(fail)
         elif source == "traces":
-            fail = trace_round(tok, trajectories[trace_i % len(trajectories)], counters, max_context)
+            fail = trace_round(tok, trajectories[trace_i % len(trajectories)], counters, max_context,
+                               paths[trace_i % len(paths)])
             trace_i += 1
             if fail:
                 failures.append(fail)
