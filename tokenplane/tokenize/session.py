@@ -303,7 +303,10 @@ class Session:
         self.rule = boundary.rule_for(tokenizer.family) if certify else None
         if self._nfc and any(not s.isascii() for s in self.allowed_special):
             self.rule = None     # split points for NFC assume ASCII literals (docs/boundaries.md)
-        self._matcher = SpecialMatcher(tokenizer.specials) if self.allowed_special else None
+        # the tokenizer's own literal matcher (same regex, same order) when it has one; compiling 1K+ literals per
+        # session would cost milliseconds
+        matcher = getattr(tokenizer, "_special_matcher", None) or SpecialMatcher(tokenizer.specials)
+        self._matcher = matcher if self.allowed_special else None
         self._maxlit = max((len(s) for s in tokenizer.specials), default=1)
         self._cont = _continuation_start(self.reference)
         self._is_special = np.zeros(len(self._cont), dtype=bool)
