@@ -26,6 +26,8 @@ ATOMS = ["123", "4567", "0", "00000", "12", " ", "   ", "\t", "\n", "\r\n", "\r"
          "\x00", "<|endoftext|>", "<|endof", "text|>", "<|im_start|>", "<|im_end|>", "\u1100", "\u1161", "\u11a8",
          "한", "²", "½", "\xa0", "\u3000", "x" * 40, "def f(x):\n    return x\n", "  foo", "K", "\u212a"]
 
+PROSE_HEAD = ("Tokenizer sessions keep state; appended text is repaired near the seam. Numbers like 2024 and 3.14, "
+              "code such as f(x) = x**2 + 1, and prose alternate here.\n") * 20
 chunk_st = st.lists(st.sampled_from(ATOMS), min_size=0, max_size=8).map("".join)
 op_st = st.one_of(
     st.tuples(st.just("append"), chunk_st),
@@ -66,7 +68,9 @@ def _apply(sess, op):
 
 
 def _seed_text(rng_atoms: list[str]) -> str:
-    return "".join(rng_atoms) * 3
+    # ordinary text first, so windows (16..512 chars) end inside real text and splice at predicate positions
+    # instead of reaching the text start; the adversarial atoms sit at the seam
+    return PROSE_HEAD[:40 * len(rng_atoms)] + "".join(rng_atoms) * 3
 
 
 @pytest.mark.parametrize("name", NAMES)
