@@ -155,6 +155,8 @@ def test_run_level_equals_dense_form(name):
                 assert pretokenize._starts_o200k_loop(cps, "tiktoken").tolist() == run.tolist(), text
         elif name == "deepseek_v4":
             run, dense = pretokenize._starts_deepseek(cps, cls), pretokenize._starts_deepseek_dense(cps, cls)
+            if pretokenize._deepseek_loop is not None:
+                assert pretokenize._starts_deepseek_loop(cps, "hf").tolist() == run.tolist(), text
         else:
             digits = 1 if name == "qwen3" else 3
             whole = name == "cl100k_base"

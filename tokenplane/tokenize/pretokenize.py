@@ -933,6 +933,107 @@ def _starts_deepseek(cps: np.ndarray, cls: np.ndarray) -> np.ndarray:
 _GPT4 = {"cl100k_base": (3, True), "llama3": (3, False), "qwen3": (1, False)}   # digit group, `\s++$`
 
 
+@lru_cache(maxsize=None)
+def _cp_feat_deepseek(engine: str) -> np.ndarray:
+    """Per code point: kind (bits 0-2: 0 LM, 1 PS, 2 whitespace, 3 other, 4 N) | 8 CJK range | 16 ASCII letter |
+    32 ASCII punctuation."""
+    f = _KIND_DS[_table(engine)].astype(np.int64)
+    cp = np.arange(f.shape[0])
+    f |= np.where(((cp >= 0x4E00) & (cp <= 0x9FA5)) | ((cp >= 0x3040) & (cp <= 0x309F))
+                  | ((cp >= 0x30A0) & (cp <= 0x30FF)), 8, 0)
+    f |= np.where(((cp >= 65) & (cp <= 90)) | ((cp >= 97) & (cp <= 122)), 16, 0)
+    f[:128] |= np.where(_ASCII_PUNCT, 32, 0)
+    return f.astype(np.uint8)
+
+
+def _ds_seg_head(feat, i):
+    """A stage-1/2 piece starts at i: digit-run edge or CJK-range edge between non-digits (digit groups aside)."""
+    if i == 0:
+        return True
+    k, pk = feat[i] & 7, feat[i - 1] & 7
+    if k == 4 or pk == 4:
+        return k != pk
+    return (feat[i] & 8) != (feat[i - 1] & 8)
+
+
+def _deepseek_loop_impl(c, feat, starts):
+    """The run-level DeepSeek rules (`_starts_deepseek`) as one loop over runs that never cross a segment."""
+    n = c.shape[0]
+    a = 0
+    prev_kind = -1
+    prev_len = 0
+    seg_start = 0
+    while a < n:
+        k = feat[a] & 7
+        b = a + 1
+        while b < n and (feat[b] & 7) == k and not _ds_seg_head(feat, b):
+            b += 1
+        head = _ds_seg_head(feat, a)
+        if head:
+            seg_start = a
+            starts[a] = True
+        same = not head
+        pk = prev_kind if same else -1
+        pc = c[a - 1] if same else -1
+        p2 = c[a - 2] if same and a - 2 >= seg_start else -1
+        single = same and prev_len == 1
+        next_same = b < n and not _ds_seg_head(feat, b)
+        if k == 4:
+            for j in range(a, b, 3):
+                starts[j] = True
+        elif k == 1:
+            if pc != 32:
+                starts[a] = True
+        elif k == 0:
+            glued = (pk == 2 and pc != 10 and pc != 13) or pk == 3
+            punct_glue = pk == 1 and single and p2 != 32 and (feat[a - 1] & 32) != 0 and (feat[a] & 16) != 0
+            if not glued and not punct_glue:
+                starts[a] = True
+            if punct_glue:
+                j = a
+                while j < b and (feat[j] & 16) != 0:
+                    j += 1
+                if j < b:
+                    starts[j] = True
+        elif k == 3:
+            starts[a] = True
+            if next_same and (feat[b] & 7) == 0:
+                starts[b - 1] = True
+        else:
+            s0 = a
+            if pk == 1:
+                while s0 < b and (c[s0] == 10 or c[s0] == 13):
+                    s0 += 1
+            last_nl = -1
+            for j in range(b - 1, a - 1, -1):
+                if c[j] == 10 or c[j] == 13:
+                    last_nl = j
+                    break
+            at_end = not next_same
+            if s0 < b:
+                starts[s0] = True
+            if last_nl >= a and last_nl + 1 < b and last_nl + 1 > s0:
+                starts[last_nl + 1] = True
+            if not at_end and b - 1 > s0 and c[b - 1] != 10 and c[b - 1] != 13:
+                starts[b - 1] = True
+        prev_kind = k
+        prev_len = b - a
+        a = b
+
+
+try:
+    _ds_seg_head = _njit(cache=True, nogil=True)(_ds_seg_head)
+    _deepseek_loop = _njit(cache=True, nogil=True)(_deepseek_loop_impl)
+except NameError:   # pragma: no cover - numba absent
+    _deepseek_loop = None
+
+
+def _starts_deepseek_loop(cps: np.ndarray, engine: str) -> np.ndarray:
+    starts = np.zeros(cps.shape[0], dtype=np.bool_)
+    _deepseek_loop(cps.view(np.int32), _cp_feat_deepseek(engine)[cps], starts)
+    return starts
+
+
 # -- public API -----------------------------------------------------------------------------------------------------
 def piece_starts(family: Family | str, cps: np.ndarray) -> np.ndarray:
     """bool[len(cps)]: True where a piece of the family's pre-tokenizer starts (cps: code points of normalized
@@ -946,6 +1047,8 @@ def piece_starts(family: Family | str, cps: np.ndarray) -> np.ndarray:
         return _starts_gpt4_loop(cps, fam.engine, digits, whole)
     if fam.name == "o200k_base" and _o200k_loop is not None:
         return _starts_o200k_loop(cps, fam.engine)
+    if fam.name == "deepseek_v4" and _deepseek_loop is not None:
+        return _starts_deepseek_loop(cps, fam.engine)
     cls = _table(fam.engine)[cps]
     if fam.name == "cl100k_base":
         return _starts_gpt4(cps, cls, digits=3, whole_at_end=True)
