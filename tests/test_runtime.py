@@ -21,6 +21,7 @@ from tokenplane.route.algorithms import make_algorithm
 from tokenplane.route.reference import SequentialRouter, build_runner, calibrate
 from tokenplane.route.runtime import RequestFailed, Runtime, RuntimeConfig
 
+
 MODELS = ["test-small", "test-large"]
 PARAMS = SamplingParams(max_tokens=24)
 PROMPTS = [[(7 * i + 3 * j) % 500 + 1 for j in range(4 + 3 * i)] for i in range(8)]
@@ -38,7 +39,11 @@ ALGORITHMS = {
 
 @pytest.fixture(scope="module")
 def runners():
-    return [build_runner(m, dtype=torch.float64, num_blocks=256) for m in MODELS]
+    # The in-process reference runs tiny fp64 models: one thread is ~20x faster than two on a loaded 2-core box.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield [build_runner(m, dtype=torch.float64, num_blocks=256) for m in MODELS]
+    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")

@@ -176,6 +176,7 @@ class TokenChunk(_Wire):
     start: int
     finish_reason: str | None = None
     stats: dict[str, Any] | None = None
+    inc: int = 0
 
 
 @_message
@@ -187,6 +188,7 @@ class Finished(_Wire):
     start: int
     finish_reason: str
     stats: dict[str, Any] = field(default_factory=dict)
+    inc: int = 0
 
 
 @_message
@@ -196,6 +198,7 @@ class Error(_Wire):
     message: str
     model: int
     fatal: bool = False
+    inc: int | None = None       # None: whichever incarnation is live
 
 
 @_message

@@ -354,6 +354,12 @@ class Runtime:
         bad = sorted(set(changes) - set(self._FLAGS))
         if bad:
             raise ValueError(f"configure: unknown or non-switchable fields {bad}; switchable: {self._FLAGS}")
+        # Finished requests may still be parked on peers until the home model's Release reaches them.
+        deadline = time.monotonic() + 10.0
+        while any(sum(st["requests"].values()) for st in self.stats()):
+            if time.monotonic() > deadline:
+                raise RuntimeError("configure: sub-servers still hold requests after 10 s")
+            time.sleep(0.01)
         with self._lock:
             if self._live:
                 raise RuntimeError(f"configure needs an idle runtime; {len(self._live)} requests are live")
@@ -374,7 +380,13 @@ class Runtime:
                             dict(new.algorithm_kwargs) if alg_changed else None)
             for m in range(self.num_models):
                 self._send_client(m, msg)
-        self.stats()   # same pipe as Configure: when every model answered, every model has applied it
+        # Same pipe as Configure: once every model answered, every model has handled it.
+        for st in self.stats():
+            applied = st["counters"].get("flags", {})
+            want = {"mode": new.mode, "pending_return": new.pending_return, "standard_serving": new.standard_serving}
+            if any(applied.get(k) != v for k, v in want.items()):
+                raise RuntimeError(f"configure: model {st['model']} did not apply {want} (has {applied}); "
+                                   f"errors: {self.errors[-1:]}")
 
     def restart_model(self, m: int, timeout: float | None = None) -> None:
         """Kill (if alive) and restart model m's sub-server; blocks until the new one is Ready. Live requests fail
@@ -480,14 +492,15 @@ class Runtime:
     def _on_message(self, msg) -> None:
         if isinstance(msg, TokenChunk):
             live = self._live.get(msg.request_id)
-            if live is not None and not live.done:
+            if live is not None and not live.done and live.inc == msg.inc:
                 if live.first_token is None:
                     live.first_token = time.monotonic()
                 live.streamed = msg.start + len(msg.tokens)
                 self._deliver(live, msg)
         elif isinstance(msg, Finished):
-            live = self._live.pop(msg.request_id, None)
-            if live is not None and not live.done:
+            live = self._live.get(msg.request_id)
+            if live is not None and live.inc == msg.inc and not live.done:
+                del self._live[msg.request_id]
                 live.done = True
                 self._deliver(live, TokenChunk(msg.request_id, msg.tokens, msg.models, msg.start, msg.finish_reason,
                                                self._final_stats(live, msg.stats)))
@@ -527,7 +540,7 @@ class Runtime:
     def _on_yield(self, y: Yield) -> None:
         """Standard serving: the front end is the external scheduler; one single-token call just ended."""
         live = self._live.get(y.request_id)
-        if live is None or live.done:
+        if live is None or live.done or live.inc != y.inc:
             return
         n = len(y.output)
         if n > live.streamed:
@@ -556,9 +569,10 @@ class Runtime:
                 self._startup_error = e.message
                 self._all_ready.set()
             return
-        live = self._live.pop(e.request_id, None)
-        if live is None:
+        live = self._live.get(e.request_id)
+        if live is None or (e.inc is not None and e.inc != live.inc):
             return
+        del self._live[e.request_id]
         self._fail(live, f"request {e.request_id} failed on model {e.model}: {e.message}")
         for m in range(self.num_models):
             if self._models[m].ready:

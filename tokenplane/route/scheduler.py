@@ -450,7 +450,7 @@ class Scheduler:
             return self._yield(rec, self.model, None, finish_reason=reason)
         if self.is_home:
             out = [Outbound(FRONTEND, Finished(rid, rec.view.output_ids[rec.streamed:], rec.models[rec.streamed:],
-                                               rec.streamed, reason, self._final_stats(rec)))]
+                                               rec.streamed, reason, self._final_stats(rec), inc=rec.inc))]
             out += [Outbound(k, Release(rid, inc=rec.inc)) for k in range(self.num_models) if k != self.model]
             self._drop(rec, RequestState.FINISHED)
             return out
@@ -494,7 +494,7 @@ class Scheduler:
         if n == rec.streamed:
             return []
         chunk = TokenChunk(rec.request_id, rec.view.output_ids[rec.streamed:], rec.models[rec.streamed:n],
-                           rec.streamed)
+                           rec.streamed, inc=rec.inc)
         rec.streamed = n
         return [Outbound(FRONTEND, chunk)]
 
@@ -551,9 +551,11 @@ class Scheduler:
         seq.token_ids = full
         seq.num_computed_tokens = min(seq.num_computed_tokens, common)
 
-    def _error_out(self, rid: str | None, message: str) -> Outbound:
+    def _error_out(self, rid: str | None, message: str, inc: int | None = None) -> Outbound:
         self.counters["errors"] += 1
-        return Outbound(FRONTEND, Error(rid, message, self.model))
+        if inc is None and rid in self.requests:
+            inc = self.requests[rid].inc
+        return Outbound(FRONTEND, Error(rid, message, self.model, inc=inc))
 
 
 __all__ = ["EnsembleWait", "FRONTEND", "Outbound", "RouteRequest", "Scheduler", "params_from_wire",

@@ -207,7 +207,9 @@ class SubServer:
         elif isinstance(msg, StatsQuery):
             bm = self.runner.block_manager
             counters = dict(s.counters)
-            counters.update(step_time_s=self.step_time, prefix_hit_tokens=getattr(bm, "num_hit_tokens", 0))
+            counters.update(step_time_s=self.step_time, prefix_hit_tokens=getattr(bm, "num_hit_tokens", 0),
+                            flags={"mode": self.mode, "pending_return": s.pending_return,
+                                   "standard_serving": s.standard_serving, "algorithm": self.spec["algorithm"]})
             if self.policy is not None:
                 counters["policy"] = self.policy.to_dict()
             send(self.front, StatsReply(self.model, msg.token, bm.num_blocks, bm.num_free_blocks, bm.num_used_blocks,
@@ -297,7 +299,7 @@ class SubServer:
             for r in batch:
                 s.abort(r.request_id, "error")
                 send(self.front, Error(r.request_id, f"model {self.model} step failed: {type(exc).__name__}: {exc}",
-                                       self.model))
+                                       self.model, inc=r.inc))
             return True
         self.step_time += time.perf_counter() - t0
         self._dispatch(s.update_from_output(batch, out))
@@ -311,7 +313,8 @@ class SubServer:
                 sock = self.peers.get(o.dest)
                 if sock is None or not send(sock, o.msg):
                     rid = getattr(getattr(o.msg, "handoff", None), "request_id", getattr(o.msg, "request_id", None))
-                    send(self.front, Error(rid, f"model {self.model} cannot reach model {o.dest}", self.model))
+                    send(self.front, Error(rid, f"model {self.model} cannot reach model {o.dest}", self.model,
+                                           inc=getattr(o.msg, "inc", None)))
                     continue
                 if isinstance(o.msg, HandoffMsg):
                     self.sent[o.dest] += 1
