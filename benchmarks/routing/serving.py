@@ -485,7 +485,7 @@ def main(argv: list[str] | None = None) -> dict:
         res.setdefault("part_wall_s", {})[p] = time.time() - t
         RESULTS.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(res, indent=1, default=str))
-    (RESULTS / f"{args.out}.md").write_text(report(res))
+        (RESULTS / f"{args.out}.md").write_text(report(res))   # after every part: partial runs stay readable
     plot(res, RESULTS / f"{args.out}.png")
     return res
 
