@@ -148,6 +148,14 @@ class _Chunks:
     def append(self, s: str) -> None:
         if not s:
             return
+        if len(s) > 4 * _CHUNK_MERGE:
+            # a str stores every character at the width of its widest one: one emoji would make a whole 4M-char
+            # context 4 bytes/char, so large texts are kept as 64K-char chunks (each at its own width)
+            for i in range(0, len(s), _CHUNK_MERGE):
+                self.starts.append(self.length)
+                self.chunks.append(s[i:i + _CHUNK_MERGE])
+                self.length += len(self.chunks[-1])
+            return
         if self.chunks and len(self.chunks[-1]) + len(s) <= _CHUNK_MERGE:
             self.chunks[-1] += s
         else:
