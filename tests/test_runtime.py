@@ -74,7 +74,9 @@ def check_equal(rt, runners, name, kwargs, concurrency):
         assert o.token_ids == r.token_ids, (name, o.request_id)
         assert o.token_models == r.token_models, (name, o.request_id)
         assert o.finish_reason == r.finish_reason
-        assert o.stats["num_handoffs"] == r.stats.to_dict()["num_handoffs"]
+        rs = r.stats.to_dict()
+        for key in ("num_handoffs", "tokens_per_model", "dropped_tokens", "score_visits", "ensembled_positions"):
+            assert o.stats[key] == rs[key], (key, o.stats[key], rs[key])
         switched += len(set(o.token_models)) > 1 or o.stats["score_visits"] > 0
     assert switched >= len(PROMPTS) // 2, "the test must exercise handoffs"
     return outs

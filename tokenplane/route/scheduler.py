@@ -182,8 +182,10 @@ class Scheduler:
             h = msg.handoff
             tokens = self.alg.receive(view, h)
             apply_handoff(view, h, tokens)
-            del rec.models[max(h.anchor, 0):]
-            rec.models.extend([h.source] * (len(view.output_ids) - len(rec.models)))
+            # msg.models is the sender's full per-position list; receive() may have changed the tail
+            n = len(view.output_ids)
+            del rec.models[n:]
+            rec.models.extend([h.source] * (n - len(rec.models)))
         # A fresh admission: nobody else holds state for it, this model is given the whole sequence.
         view.seen = [0] * self.num_models
         view.seen[self.model] = len(prompt) + len(view.output_ids)
