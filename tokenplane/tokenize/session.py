@@ -460,7 +460,6 @@ class Session:
         L0 = len(self._raw)
         norm = self._normtext
         N0 = len(norm)
-        lits_new = None
         struct_raw = L0                         # first raw position whose segmentation may differ
         found: list[tuple[int, int, int]] = []
         keep_lits = len(self._lits)
