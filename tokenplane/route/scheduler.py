@@ -244,11 +244,11 @@ class Scheduler:
             rec.stats = stats_from_wire(self.num_models, h.metadata.get("stats"), rec.models)
             if "scores" in h.metadata and rec.ensemble is not None:
                 apply_handoff(view, h, self.alg.receive(view, h))
-                self._merge_seen(view, msg.seen)
+                self._merge_seen(view, msg.seen, h.source)
                 return self._on_score(rec, h)
             tokens = self.alg.receive(view, h)
             apply_handoff(view, h, tokens)
-            self._merge_seen(view, msg.seen)
+            self._merge_seen(view, msg.seen, h.source)
             self._set_models(rec, h, msg.models)
             rec.stats.token_models = list(rec.models)
         except (ValueError, KeyError, TypeError) as exc:
@@ -277,11 +277,15 @@ class Scheduler:
         self.running.append(rec.request_id)
         return self._stream(rec)
 
-    def _merge_seen(self, view: RequestView, seen: list[int]) -> None:
-        """The sender knows best what third models have seen (and 0 where a model dropped its state)."""
+    def _merge_seen(self, view: RequestView, seen: list[int], source: int) -> None:
+        """The sender's own entry is exact (0 when it dropped its state: pending_return off). For third models
+        take the max: a view only lags (e.g. model 1's view of model 2 while model 0 ran score visits on both at
+        once), and a third model's count only drops when it drops its state as the sender of some handoff."""
         for k, v in enumerate(seen[:self.num_models]):
-            if k != self.model:
+            if k == source:
                 view.seen[k] = int(v)
+            elif k != self.model:
+                view.seen[k] = max(view.seen[k], int(v))
 
     @staticmethod
     def _set_models(rec: RouteRequest, h: Handoff, models: list[int]) -> None:
