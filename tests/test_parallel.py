@@ -141,3 +141,25 @@ def test_unsupported_family_takes_reference():
     text = "Hello 12345 世界"
     assert tok.encode(text, path="cpu").tolist() == base.encode(text, path="reference").tolist()
     assert tok.encode(text, path="auto").tolist() == base.encode(text, path="reference").tolist()
+
+
+def test_campaign_counts_and_catches_planted_faults(monkeypatch):
+    """run_campaign reports zero on clean text and catches a wrong split and a wrong ID (it can fail)."""
+    from tokenplane.tokenize import campaign_fullencode as cf
+    from tokenplane.tokenize import pretokenize
+
+    clean = cf.run_campaign("cl100k_base", ["hello world 12345", "x  \n\n y"])
+    assert clean["divergences"] == 0 and clean["pieces_checked"] > 5 and clean["ids_checked"] > 5
+    orig_pieces = pretokenize.pieces
+
+    def fused(family, text):
+        p = orig_pieces(family, text)
+        return [(p[0][0], p[1][1])] + p[2:] if len(p) > 1 else p
+    monkeypatch.setattr(pretokenize, "pieces", fused)
+    res = cf.run_campaign("cl100k_base", ["hello world"])
+    assert res["piece_divergences"] == 1 and res["reproduction"][0]["level"] == "pieces"
+    monkeypatch.setattr(pretokenize, "pieces", orig_pieces)
+    orig_encode = CpuEncoder.encode
+    monkeypatch.setattr(CpuEncoder, "encode", lambda self, text, parallel=None: orig_encode(self, text)[:-1])
+    res = cf.run_campaign("cl100k_base", ["hello world"])
+    assert res["id_divergences"] == 1 and res["reproduction"][0]["level"] == "ids"
