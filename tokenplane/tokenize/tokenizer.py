@@ -97,6 +97,9 @@ class Tokenizer:
         # Fast encode paths register here (name -> callable(normalized_text) -> ids); "reference" is always present.
         self._paths: dict[str, Callable[[str], np.ndarray]] = {}
         self._lock = threading.Lock()
+        from .router import enable_fast_paths  # "cpu" / "auto" (and "gpu" with a device); built lazily
+
+        enable_fast_paths(self)
 
     def __repr__(self) -> str:
         return f"Tokenizer({self.name!r}, family={self.family.name!r}, sha256={self.content_hash[:12]}…)"
