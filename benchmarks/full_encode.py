@@ -185,6 +185,22 @@ def _cpu_path_available(tok) -> bool:
         return False
 
 
+def reference_ids(tok, docs: list[str]) -> list:
+    """Reference IDs, cached on disk across the per-configuration subprocesses (HF takes ~10 s per 4M chars)."""
+    import hashlib
+
+    import numpy as np
+
+    key = hashlib.sha256(("\x00".join(docs) + tok.content_hash).encode("utf-8", "surrogatepass")).hexdigest()[:24]
+    path = Path(os.environ.get("TMPDIR", "/tmp")) / "tokenplane_bench_files" / f"ref-{tok.name}-{key}.npz"
+    if path.exists():
+        with np.load(path) as z:
+            return [z[f"a{i}"] for i in range(len(docs))]
+    ids = [tok.encode(d, path="reference") for d in docs]
+    np.savez(path, **{f"a{i}": a for i, a in enumerate(ids)})
+    return ids
+
+
 def worker(args) -> None:
     threads = None if args.threads == "all" else int(args.threads)
     if threads is not None and hasattr(os, "sched_setaffinity"):
@@ -202,7 +218,7 @@ def worker(args) -> None:
                 continue
             docs, tiled = cut_docs(pool, size, DOCS_PER_SIZE[size_name])
             nbytes = sum(len(d.encode("utf-8")) for d in docs)
-            reference = [tok.encode(d, path="reference") for d in docs]
+            reference = reference_ids(tok, docs) if time.monotonic() < budget_end else None
             for name, factory in factories.items():
                 cell = {"family": args.family, "cores": args.threads, "category": cat, "size": size_name,
                         "docs": len(docs), "bytes": nbytes, "tiled": tiled, "engine": name}
@@ -210,8 +226,8 @@ def worker(args) -> None:
                     cell["skipped"] = "time budget"
                     results.append(cell)
                     continue
-                if name == "hf-tokenizers" and size >= 4_000_000 and not args.slow_hf:
-                    cell["skipped"] = "HF at 4M chars takes ~10 s a pass here (--slow-hf to run it)"
+                if name == "hf-tokenizers" and size >= 1_000_000 and not args.slow_hf:
+                    cell["skipped"] = "HF at >= 1M chars takes 3-20 s a pass here (--slow-hf to run it)"
                     results.append(cell)
                     continue
                 try:
@@ -243,7 +259,7 @@ def worker(args) -> None:
     json.dump(results, sys.stdout)
 
 
-def run_config(args, family: str, threads: str) -> list[dict]:
+def run_config(args, family: str, threads: str, budget_s: float) -> list[dict]:
     env = dict(os.environ)
     env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
     if threads != "all":
@@ -254,7 +270,7 @@ def run_config(args, family: str, threads: str) -> list[dict]:
             env.pop(k, None)
         env["TOKENIZERS_PARALLELISM"] = "true"
     cmd = [sys.executable, __file__, "--worker", "--family", family, "--threads", threads, "--corpus", args.corpus,
-           "--sizes", args.sizes, "--budget-s", str(args.budget_s / max(1, len(args.configs))),
+           "--sizes", args.sizes, "--budget-s", str(budget_s),
            "--cold-runs", str(args.cold_runs), "--warm-runs", str(args.warm_runs),
            "--slow-pass-s", str(args.slow_pass_s)] + (["--slow-hf"] if args.slow_hf else [])
     proc = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, text=True)
@@ -269,6 +285,10 @@ def markdown(results: list[dict], meta: dict) -> str:
              "Cold = fresh instance per run (construction not timed), warm = median of repeat passes on one instance "
              "[best]. `exact` = first output equals the reference IDs on every document of the cell. "
              "A `*` marks text tiled to reach the size (the CJK pool is ~2.3 M chars).\n"]
+    if meta.get("merged_from"):
+        m = meta["merged_from"]
+        lines.append(f"Cells not measured by this run come from an earlier run: `{m['command']}` ({m['started']}, "
+                     f"load average {m['loadavg']}).\n")
     keys = sorted({(r["family"], r["cores"]) for r in results if "category" in r})
     for family, cores in keys:
         rows = [r for r in results if r.get("family") == family and r.get("cores") == cores and "category" in r]
@@ -372,9 +392,10 @@ def main() -> int:
     p.add_argument("--sizes", default="1K,100K,1M,4M")
     p.add_argument("--budget-s", type=float, default=480.0, help="total seconds across configurations")
     p.add_argument("--cold-runs", type=int, default=2)
-    p.add_argument("--warm-runs", type=int, default=3)
-    p.add_argument("--slow-pass-s", type=float, default=2.0, help="stop repeating a cell after a pass this long")
+    p.add_argument("--warm-runs", type=int, default=2)
+    p.add_argument("--slow-pass-s", type=float, default=1.5, help="stop repeating a cell after a pass this long")
     p.add_argument("--slow-hf", action="store_true")
+    p.add_argument("--merge-from", default=None, help="earlier full_encode.json whose other cells to keep")
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
     # worker mode
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -392,10 +413,21 @@ def main() -> int:
             "command": " ".join(sys.argv)}
     t0 = time.time()
     results: list[dict] = []
-    for family, cores in args.configs:
-        results += run_config(args, family, cores)
+    for i, (family, cores) in enumerate(args.configs):
+        left = args.budget_s - (time.time() - t0)
+        results += run_config(args, family, cores, max(30.0, left / (len(args.configs) - i)))
     meta["wall_s"] = round(time.time() - t0, 1)
     meta["loadavg_end"] = " ".join(f"{x:.2f}" for x in os.getloadavg())
+    if args.merge_from:
+        # Keep cells an earlier run measured and this one did not (tagged with that run's command).
+        old = json.loads(Path(args.merge_from).read_text())
+        key = lambda r: (r.get("family"), r.get("cores"), r.get("category"), r.get("size"), r.get("engine"))  # noqa
+        measured = {key(r) for r in results if "cold_mbps" in r}
+        kept = [dict(r, run=old["meta"]["command"]) for r in old["results"]
+                if "cold_mbps" in r and key(r) not in measured]
+        kept_keys = {key(r) for r in kept}
+        results = [r for r in results if key(r) not in kept_keys] + kept
+        meta["merged_from"] = old["meta"]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "full_encode.json").write_text(json.dumps({"meta": meta, "results": results}, indent=1))
