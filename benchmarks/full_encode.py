@@ -354,6 +354,11 @@ def targets(results: list[dict]) -> list[str]:
     return out
 
 
+ENGINE_COLORS = {"tokenplane-cpu": "tab:blue", "tokenplane-cpu-serial": "tab:blue", "tokenplane-cpu-parallel": "navy",
+                 "tiktoken": "tab:orange", "hf-tokenizers": "tab:orange", "fastokens": "tab:green",
+                 "gigatoken": "tab:red", "toktier": "tab:purple"}
+
+
 def plot(results: list[dict], path: Path) -> None:
     import matplotlib
 
@@ -372,13 +377,14 @@ def plot(results: list[dict], path: Path) -> None:
                 pts = [(list(SIZES).index(r["size"]), r["cold_mbps"], r["warm_mbps"]) for r in rows
                        if r["engine"] == eng]
                 pts.sort()
-                line, = ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=f"{eng} cold")
-                ax.plot([p[0] for p in pts], [p[2] for p in pts], marker="x", ls="--", color=line.get_color())
+                color = ENGINE_COLORS.get(eng, "black")
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", color=color, label=eng)
+                ax.plot([p[0] for p in pts], [p[2] for p in pts], marker="x", ls="--", color=color)
             ax.set_xticks(range(len(SIZES)), list(SIZES))
             ax.set_yscale("log")
             ax.set_title(f"{family} {cat} ({'1 core' if cores == '1' else 'all cores'})", fontsize=9)
             ax.set_ylabel("MB/s (solid cold, dashed warm)")
-            if i == 0 and j == 0:
+            if rows:
                 ax.legend(fontsize=6)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -401,9 +407,15 @@ def main() -> int:
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--family", help=argparse.SUPPRESS)
     p.add_argument("--threads", help=argparse.SUPPRESS)
+    p.add_argument("--render-only", action="store_true", help="re-render md/png from the existing JSON in --out")
     args = p.parse_args()
     if args.worker:
         worker(args)
+        return 0
+    if args.render_only:
+        data = json.loads((Path(args.out) / "full_encode.json").read_text())
+        (Path(args.out) / "full_encode.md").write_text(markdown(data["results"], data["meta"]))
+        plot(data["results"], Path(args.out) / "full_encode.png")
         return 0
     ensure_corpus(Path(args.corpus))
     args.configs = [(f, c) for f in args.families.split(",") for c in args.cores.split(",")]
