@@ -180,8 +180,8 @@ def part_greedy(args) -> dict:
             ts = [1, 2] if system == "ours" else None   # CPU steps grow ~linearly past batch 2; see threshold_validation
             res = run_batch_to_completion(models, alg, SYSTEMS[system], ts, 4, args.real_max_tokens, 0, len(prompts),
                                           runner="torch", dtype=args.real_dtype, prompts=prompts, num_blocks=256)
-            same = [o == r.tokens for o, r in zip(res["outputs"], ref)]
-            same_models = [m == r.models for m, r in zip(res["models"], ref)]
+            same = [o == r.token_ids for o, r in zip(res["outputs"], ref)]
+            same_models = [m == r.token_models for m, r in zip(res["models"], ref)]
             res.update(identical=all(same), identical_count=sum(same), models_identical=all(same_models),
                        thresholds=ts)
             entry[system] = {k: v for k, v in res.items() if k not in ("outputs", "models")}
@@ -225,7 +225,7 @@ def part_breakdown(args, fits) -> dict:
     out = {}
     backends = [("latency-model (seed scale)", None)] + [("torch " + args.real_models[0], args.real_models)]
     for label, real in backends:
-        for ctx in args.breakdown_contexts:
+        for ctx in (args.breakdown_contexts if real is None else args.breakdown_torch_contexts):
             prof = _Prof()
             runners = []
             for m in range(2):
@@ -301,9 +301,13 @@ def part_breakdown(args, fits) -> dict:
 
 # -- report -----------------------------------------------------------------------------------------------------------
 def report(res: dict) -> str:
-    md = ["# Token-level routing serving benchmarks\n",
+    md = ["# Token-level routing serving benchmarks\n\n",
           f"Machine: {res['machine']}. Latency-model backend: {res['latency_provenance']}. Throughput = committed "
           "tokens/s streamed to clients (dropped tokens never count); latency = mean end-to-end request time.\n"]
+    for cmd in res.get("commands", []):
+        md.append(f"\nRun: `{cmd}`\n")
+    if res.get("load_note"):
+        md.append(f"\n{res['load_note']}\n")
     if "algos" in res:
         a = res["algos"]
         md.append("\n## Concurrency 4: ours vs baselines (latency-model backend, seed scale)\n\n")
@@ -466,6 +470,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--real-max-tokens", type=int, default=24)
     ap.add_argument("--real-prompt-len", type=int, default=16)
     ap.add_argument("--breakdown-contexts", type=int, nargs="+", default=[512, 4096])
+    ap.add_argument("--breakdown-torch-contexts", type=int, nargs="*", default=[512])
     ap.add_argument("--breakdown-steps", type=int, default=60)
     ap.add_argument("--out", default="serving")
     ap.add_argument("--merge", action="store_true", help="update parts in an existing results JSON")
