@@ -66,17 +66,10 @@ def main(argv: list[str] | None = None) -> dict:
     context = args.prompt_len + args.max_tokens / 2  # mean context of a request in the closed loop
     rm = RoutingModel.r2r(P_SWITCH)
     result = {"p_switch": P_SWITCH, "context": context, "settings": {}}
-    md = ["# Delayed-batching thresholds: throughput model vs measured\n",
-          f"R2R synthetic routing, p = {P_SWITCH}; closed loop, prompt {args.prompt_len}, max_tokens "
-          f"{args.max_tokens}; latency at mean context {context:.0f}. Throughput = committed tokens/s.\n"]
     for setting in args.settings:
         fits, provenance = latency_setting(setting)
         fns = chain_latency_fns(fits, rm, context)
         sres = {"provenance": provenance, "fits": [f.to_dict() for f in fits], "by_concurrency": {}}
-        md.append(f"\n## {setting}\n\n{provenance}. Step latency at batch 1 / 4 / 16: small "
-                  f"{fns[0](1) * 1e3:.1f} / {fns[0](4) * 1e3:.1f} / {fns[0](16) * 1e3:.1f} ms, large "
-                  f"{fns[1](1) * 1e3:.1f} / {fns[1](4) * 1e3:.1f} / {fns[1](16) * 1e3:.1f} ms.\n")
-        rows = []
         for C in args.concurrency:
             t = time.time()
             combos = feasible_thresholds(2, C, args.max_t)
@@ -112,14 +105,8 @@ def main(argv: list[str] | None = None) -> dict:
                                   "all_ones": measured.get((1, 1))}
                 print(f"   {backend}: best {best_ts} {measured[best_ts]:.1f}, chosen {chosen} "
                       f"{measured[chosen]:.1f} -> {ratio:.1%}", flush=True)
-                rows.append([C, backend, f"{chosen}", chain[chosen].throughput, measured[chosen], f"{best_ts}",
-                             measured[best_ts], f"{ratio:.1%}", measured.get((1, 1), float("nan")),
-                             len(measured)])
             sres["by_concurrency"][C] = entry
         result["settings"][setting] = sres
-        md.append(md_table(["C", "measured on", "model's choice (T_s, T_l)", "predicted tok/s",
-                            "measured tok/s (choice)", "best measured (T_s, T_l)", "best tok/s", "choice / best",
-                            "(1,1) tok/s", "configs"], rows))
     result["prompt_len"], result["max_tokens"] = args.prompt_len, args.max_tokens
     write_outputs(args.out, result, render(result))
     plot(result, RESULTS / f"{args.out}.png")
