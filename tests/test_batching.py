@@ -77,3 +77,44 @@ def test_feasible_thresholds_bounds():
     assert max(max(t) for t in feasible_thresholds(2, 16, max_t=5)) == 5
     with pytest.raises(ValueError):
         feasible_thresholds(0, 4)
+
+
+# -- the runtime's count-based "nothing else can run" (tokenplane.route.subserver) ----------------------------------
+def _status(model, active=False, ready=0, sent=(0, 0), received=(0, 0)):
+    from tokenplane.route.messages import PeerStatus
+    return PeerStatus(model, active, ready, list(sent), list(received))
+
+
+def test_stale_idle_report_does_not_force_after_a_hand_back():
+    from tokenplane.route.subserver import nothing_else_can_run
+    # The large model (1) just handed 3 requests back to the small one (0) and kept 1 queued below T_1. Model 0's
+    # latest report ("idle, received 0 from model 1") predates those handoffs: it is stale, waiting must win.
+    peers = [_status(0, sent=(0, 4), received=(0, 0)), None]
+    assert not nothing_else_can_run(1, 1, sent=[3, 0], received=[4, 0], peers=peers)
+    # Once model 0 reports having received them (still idle, nothing ready: it launched and finished), it is current.
+    peers[0] = _status(0, sent=(0, 4), received=(0, 3))
+    assert nothing_else_can_run(1, 1, sent=[3, 0], received=[4, 0], peers=peers)
+
+
+def test_active_or_silent_peer_or_in_flight_between_others_blocks_forcing():
+    from tokenplane.route.subserver import nothing_else_can_run
+    assert not nothing_else_can_run(1, 1, [0, 0], [0, 0], [None, None])                       # never reported
+    assert not nothing_else_can_run(1, 1, [0, 0], [0, 0], [_status(0, active=True), None])    # executing
+    # three models: 0 sent 2 to 2, which has only received 1 -> in flight between two peers
+    peers = [_status(0, sent=(0, 0, 2), received=(0, 0, 0)), None,
+             _status(2, sent=(0, 0, 0), received=(1, 0, 0))]
+    assert not nothing_else_can_run(1, 1, [0, 0, 0], [0, 0, 0], peers)
+    peers[2] = _status(2, sent=(0, 0, 0), received=(2, 0, 0))
+    assert nothing_else_can_run(1, 1, [0, 0, 0], [0, 0, 0], peers)
+
+
+def test_exactly_one_waiting_model_is_leader_on_a_consistent_cut():
+    from tokenplane.route.subserver import nothing_else_can_run
+    # both idle below their thresholds, nothing in flight (a drained workload): the one with more ready launches,
+    # ties go to the lower index, so the two never both wait and never both force
+    for r0, r1 in [(2, 1), (1, 2), (2, 2), (0, 3)]:
+        s0 = _status(0, ready=r0, sent=(0, 5), received=(0, 5))
+        s1 = _status(1, ready=r1, sent=(5, 0), received=(5, 0))
+        a = nothing_else_can_run(0, r0, [0, 5], [0, 5], [None, s1]) if r0 else False
+        b = nothing_else_can_run(1, r1, [5, 0], [5, 0], [s0, None])
+        assert a + b == 1, (r0, r1, a, b)

@@ -147,9 +147,16 @@ class Release(_Wire):
 
 @_message
 class PeerStatus(_Wire):
-    """Delayed batching: whether `model` is executing (or about to). Sent on transitions only."""
+    """Delayed batching: `model`'s state as of this message. `active`: executing (or about to). An idle model also
+    reports `ready` (requests queued below its threshold) and its cumulative HandoffMsg counts `sent[k]` / `received[k]`
+    to / from each model; a receiver compares them with its own counts, so a report that predates a handoff still
+    in flight is recognised as stale instead of read as "idle". Sent when any of these changes while idle, and on
+    every idle/active transition."""
     model: int
     active: bool
+    ready: int = 0
+    sent: list[int] = field(default_factory=list)
+    received: list[int] = field(default_factory=list)
 
 
 # -- sub-server -> front end ---------------------------------------------------------------------------------------

@@ -14,7 +14,10 @@ others keep decoding.
 Execution modes are flags of this loop, not separate loops:
     immediate_async  launch whenever >= 1 request is ready (BatchPolicy with thresholds all 1)
     delayed_async    launch when BatchPolicy.should_launch(model, num_ready, nothing_else_can_run, num_live) says so;
-                     nothing_else_can_run comes from peers' PeerStatus transitions, with a max_delay_s backstop
+                     nothing_else_can_run is count-based (see _nothing_else_can_run): every peer reported idle AND
+                     every HandoffMsg any model sent has been received (sent/received counts in PeerStatus), so a
+                     stale "idle" from a peer that has not yet seen our handoff never forces a launch; max_delay_s
+                     stays as the backstop for lost messages / restarted peers
     stepwise_sync /  run a step only under a StepGrant from the front-end coordinator, then answer StepDone; the
     model_sync       grant says how many handoffs from each peer must be drained first (cross-sender order is not
                      guaranteed by ZeroMQ, counts make the barrier exact)
@@ -74,6 +77,33 @@ def build_algorithm(spec: dict[str, Any]):
     return make_algorithm(spec["algorithm"], **spec["algorithm_kwargs"])
 
 
+def nothing_else_can_run(model: int, num_ready: int, sent: list[int], received: list[int],
+                         peers: list[PeerStatus | None]) -> bool:
+    """Delayed batching: may `model` (idle, `num_ready` queued below its threshold) launch anyway?
+
+    True only on a consistent cut where waiting cannot help: every peer's latest report says idle, no HandoffMsg is
+    in flight between any two models (each sender's count equals its receiver's; `model`'s own `sent`/`received`
+    are live), and among the models waiting below their thresholds `model` is the leader (most ready, then lowest
+    index), so exactly one of them launches. A peer's "idle" sent before our handoff reached it fails the count
+    check: that stale report is what used to force large-model launches right after a hand-back. Peers republish
+    whenever their idle state or counts change, so a False caused by staleness is followed by a fresher report
+    (or, if a message was lost, by the max_delay_s backstop).
+    """
+    num_models = len(peers)
+    sent_by, received_by, ready = {model: sent}, {model: received}, {model: num_ready}
+    for k, st in enumerate(peers):
+        if k == model:
+            continue
+        if st is None or st.active or len(st.sent) != num_models or len(st.received) != num_models:
+            return False   # executing, or never reported: it may still produce work for us
+        sent_by[k], received_by[k], ready[k] = st.sent, st.received, int(st.ready)
+    for i in range(num_models):
+        for j in range(num_models):
+            if i != j and sent_by[i][j] != received_by[j][i]:
+                return False   # a handoff i -> j is in flight, or j's report predates it
+    return max(range(num_models), key=lambda k: (ready[k], -k)) == model
+
+
 class SubServer:
     def __init__(self, spec: dict[str, Any]):
         self.spec = spec
@@ -88,8 +118,8 @@ class SubServer:
         self.received = [0] * self.num_models   # HandoffMsgs received from each model
         self.grant: StepGrant | None = None
         self.grant_time = 0.0
-        self.peer_active = [False] * self.num_models
-        self.published_active: bool | None = None
+        self.peer_status: list[PeerStatus | None] = [None] * self.num_models   # latest report per peer
+        self.published: tuple | None = None
         self.ready_since: float | None = None
         self.stopping = False
         self.step_time = 0.0
@@ -156,7 +186,7 @@ class SubServer:
         if self.mode == "delayed_async":
             from tokenplane.route.batching import BatchPolicy
             self.policy = BatchPolicy(list(self.spec["thresholds"]), int(self.spec["concurrency"]))
-        self.published_active = None
+        self.published = None
         self.ready_since = None
 
     def _configure(self, msg: Configure) -> None:
@@ -177,7 +207,7 @@ class SubServer:
         self.grant = None
         self.sent = [0] * self.num_models
         self.received = [0] * self.num_models
-        self.peer_active = [False] * self.num_models
+        self.peer_status = [None] * self.num_models
         self._set_policy()
 
     # -- handlers ------------------------------------------------------------------------------------------------
@@ -203,7 +233,7 @@ class SubServer:
         elif isinstance(msg, PeerRestarted):
             self._connect_peer(msg.model, msg.address)
             self.sent[msg.model] = self.received[msg.model] = 0
-            self.peer_active[msg.model] = False
+            self.peer_status[msg.model] = None   # other peers' counts for it are now inconsistent: backstop only
         elif isinstance(msg, StatsQuery):
             bm = self.runner.block_manager
             counters = dict(s.counters)
@@ -234,7 +264,7 @@ class SubServer:
                 elif isinstance(msg, Release):
                     self.scheduler.release(msg)
                 elif isinstance(msg, PeerStatus):
-                    self.peer_active[msg.model] = msg.active
+                    self.peer_status[msg.model] = msg   # per-sender order: the latest one is the newest state
             except Exception as exc:
                 self._report(getattr(getattr(msg, "handoff", None), "request_id", None), exc)
 
@@ -257,34 +287,41 @@ class SubServer:
         n = s.num_ready()
         if n == 0:
             self.ready_since = None
-            self._publish(False)
+            self._publish(False, 0)
             return False
         now = time.monotonic()
         if self.ready_since is None:
             self.ready_since = now
         launch = True
         if self.policy is not None:
-            others_idle = all(not self.peer_active[k] for k in range(self.num_models) if k != self.model)
             num_live = len(s.requests) if s.is_home and not s.standard_serving else None
-            launch = self.policy.should_launch(self.model, n, others_idle, num_live)
+            launch = self.policy.should_launch(self.model, n, self._nothing_else_can_run(n), num_live)
             if not launch and now - self.ready_since >= float(self.spec["max_delay_s"]):
                 launch = True   # backstop against a lost status message; counted as forced
+                s.counters["backstop_launches"] = s.counters.get("backstop_launches", 0) + 1
                 self.policy.launches[self.model] += 1
                 self.policy.forced_launches[self.model] += 1
         if not launch:
-            self._publish(False)
+            self._publish(False, n)
             return False
-        self._publish(True)
+        self._publish(True, n)
         self.ready_since = None
         return self._step()
 
-    def _publish(self, active: bool) -> None:
-        """Delayed batching only: tell peers when this model starts or stops executing."""
-        if self.policy is None or active == self.published_active:
+    def _nothing_else_can_run(self, n: int) -> bool:
+        return nothing_else_can_run(self.model, n, self.sent, self.received, self.peer_status)
+
+    def _publish(self, active: bool, ready: int) -> None:
+        """Delayed batching only: tell peers this model's state when it starts executing, and whenever its idle
+        state (ready count, handoff counts) changes, so peers can tell a current "idle" from a stale one."""
+        if self.policy is None:
             return
-        self.published_active = active
+        state = (True,) if active else (False, ready, tuple(self.sent), tuple(self.received))
+        if state == self.published:
+            return
+        self.published = state
         for k, sock in self.peers.items():
-            send(sock, PeerStatus(self.model, active))
+            send(sock, PeerStatus(self.model, active, ready, list(self.sent), list(self.received)))
 
     def _step(self) -> bool:
         s = self.scheduler
@@ -340,4 +377,4 @@ def main(spec: dict[str, Any]) -> None:
     server.serve()
 
 
-__all__ = ["MODES", "SYNC_MODES", "SubServer", "build_algorithm", "build_runner", "main"]
+__all__ = ["MODES", "SYNC_MODES", "SubServer", "build_algorithm", "build_runner", "main", "nothing_else_can_run"]
