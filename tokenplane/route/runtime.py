@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import itertools
+import logging
 import multiprocessing as mp
 import os
 import shutil
@@ -40,6 +41,8 @@ from .messages import (Abort, AddRequest, Configure, Error, Finished, Heartbeat,
                        StatsQuery, StatsReply, StepDone, StepGrant, TokenChunk, Yield)
 from .scheduler import params_to_wire
 from .subserver import MODES, SYNC_MODES
+
+log = logging.getLogger(__name__)
 
 
 class RequestFailed(RuntimeError):
@@ -58,7 +61,7 @@ class RuntimeConfig:
     mode: str = "delayed_async"                        # stepwise_sync | model_sync | immediate_async | delayed_async
     pending_return: bool = True
     standard_serving: bool = False
-    thresholds: list[int] | str | None = None          # delayed_async: per-model T_m, "auto", None = all 1
+    thresholds: list[int] | str | None = None          # delayed_async: T_m list, "auto" (no fits: all 1), None = all 1
     concurrency: int = 8                               # what thresholds are validated / chosen for
     routing_probs: Any = None                          # thresholds="auto": routing model (see throughput_model)
     latency_fits: list[dict] | None = None             # thresholds="auto": LatencyFit dicts, one per model
@@ -185,8 +188,11 @@ class Runtime:
             if fits is None and cfg.runner == "latency-model":
                 fits = [m.get("latency") for m in cfg.models]
             if cfg.routing_probs is None or fits is None or not all(isinstance(f, dict) for f in fits):
-                raise ValueError("thresholds='auto' needs routing_probs and one LatencyFit dict per model "
-                                 "(latency_fits, or latency-model sources with a 'latency' dict)")
+                # Without a routing model and latency fits there is nothing to choose from; all 1 (launch whenever
+                # anything is ready) is always feasible and never slower than immediate_async.
+                log.warning("thresholds='auto' without routing_probs and one LatencyFit dict per model (latency_fits, "
+                            "or latency-model sources with a 'latency' dict): using thresholds all 1")
+                return [1] * self.num_models
             fns = [LatencyFit.from_dict(f).at_context(1024) for f in fits]
             return choose_thresholds(cfg.concurrency, cfg.routing_probs, fns)
         from .batching import BatchPolicy
