@@ -87,6 +87,16 @@ def run_closed(alg: str, system: str, flags: dict, C: int, fits, args, *, max_to
     with make_runtime(seed_models(fits), alg, flags, C, ts) as rt:
         res = closed_loop(rt, C, duration_s=duration, warmup_s=args.warmup, max_tokens=max_tokens,
                           prompt_len=args.prompt_len)
+        try:   # per-model step launches, and those below threshold (delayed batching only; whole run incl. warm-up)
+            stats = rt.stats()
+            pol = [r["counters"].get("policy") for r in stats]
+            backstop = [int(r["counters"].get("backstop_launches", 0)) for r in stats]
+        except Exception as exc:   # stats are a diagnostic: never lose the measured run over them
+            pol, backstop = [{"error": f"{type(exc).__name__}: {exc}"}], []
+        if all(p and "launches" in p for p in pol):   # each model's policy counts only its own launches
+            res.update(launches=[p["launches"][m] for m, p in enumerate(pol)],
+                       forced_launches=[p["forced_launches"][m] for m, p in enumerate(pol)],
+                       backstop_launches=backstop)
     res.update(system=system, algorithm=alg, concurrency=C, thresholds=ts, wall_s=time.time() - t)
     print(f"  {alg:>9} {system:>24} C={C:2d} T={ts}: {res['throughput']:7.1f} tok/s, latency "
           f"{_f(res['latency_mean_s'])} s, user speed {_f(res['user_speed'])} tok/s ({res['wall_s']:.0f} s)",
@@ -371,13 +381,21 @@ def report(res: dict) -> str:
                          else ""])
         md.append(md_table(["concurrency", "tok/s", "single-user tok/s", "thresholds", "growth vs C=1",
                             "user speed kept"], rows))
-    if "ablation" in res:
-        A = res["ablation"]
-        md.append("\n## Ablation (R2R, concurrency 8, latency-model backend)\n\n")
+    for key, title in (("ablation", "Ablation (R2R, concurrency 8, latency-model backend)"),
+                       ("ablation_before_fix", "Ablation before the count-based launch fix (commit 453ed5a, same "
+                                               "settings, for comparison)")):
+        if key not in res:
+            continue
+        A = res[key]
+        md.append(f"\n## {title}\n\n")
         base = next(iter(A.values()))
-        md.append(md_table(["configuration", "tok/s", "vs base", "latency s"],
+        md.append(md_table(["configuration", "tok/s", "vs base", "latency s", "thresholds",
+                            "launches per model (forced below threshold; of which max_delay backstop)"],
                            [[k, r["throughput"], f"{r['throughput'] / base['throughput']:.2f}x",
-                             _f(r["latency_mean_s"])] for k, r in A.items()]))
+                             _f(r["latency_mean_s"]), r.get("thresholds") or "",
+                             ", ".join(f"{n} ({f}; {b})" for n, f, b in zip(r["launches"], r["forced_launches"],
+                                                                             r.get("backstop_launches") or ["?"] * 9))
+                             if "launches" in r else ""] for k, r in A.items()]))
     if "breakdown" in res:
         md.append("\n## One standard-serving small-model step, by category (R2R, 4 requests)\n\n")
         rows = []
