@@ -122,6 +122,18 @@ class BlockManager:
         for _ in range(need):
             seq.block_table.append(self._take_free_block())
 
+    def prepare(self, seq: Sequence) -> bool:
+        """Allocate (new sequence: prefix-cache lookup) or grow blocks to cover num_tokens; False if out of blocks."""
+        if not seq.block_table:
+            if not self.can_allocate(seq):
+                return False
+            self.allocate(seq)
+        else:
+            if not self.can_append(seq):
+                return False
+            self.append_slots(seq)
+        return True
+
     def _take_free_block(self) -> int:
         block_id, _ = self.free_blocks.popitem(last=False)
         block = self.blocks[block_id]

@@ -284,16 +284,7 @@ class LatencyModelRunner:
 
     def prepare(self, seq) -> bool:
         """ModelRunner.prepare: allocate (prefix-cache lookup) or grow blocks to cover num_tokens."""
-        bm = self.block_manager
-        if not seq.block_table:
-            if not bm.can_allocate(seq):
-                return False
-            bm.allocate(seq)
-        else:
-            if not bm.can_append(seq):
-                return False
-            bm.append_slots(seq)
-        return True
+        return self.block_manager.prepare(seq)
 
     def free(self, seq) -> None:
         self.block_manager.free(seq)

@@ -65,16 +65,7 @@ class ModelRunner:
     # -- block helpers ----------------------------------------------------------------------------------------------
     def prepare(self, seq: Sequence) -> bool:
         """Allocate (new sequence, prefix cache lookup) or grow blocks to cover num_tokens; False if out of blocks."""
-        bm = self.block_manager
-        if not seq.block_table:
-            if not bm.can_allocate(seq):
-                return False
-            bm.allocate(seq)
-        else:
-            if not bm.can_append(seq):
-                return False
-            bm.append_slots(seq)
-        return True
+        return self.block_manager.prepare(seq)
 
     def free(self, seq: Sequence) -> None:
         self.block_manager.free(seq)
