@@ -500,6 +500,35 @@ def _cp_kind_gpt4(engine: str) -> np.ndarray:
     return _KIND_GPT4[_table(engine)]
 
 
+def _whitespace_run_loop(c, starts, a, b, absorbed, at_end, keep_whole):
+    """Loop form of `_whitespace_run_starts` for one whitespace run [a, b), shared by the three numba loops: CR/LF
+    absorbed by the previous punctuation piece are skipped, a piece starts after the last CR/LF (unless the whole run
+    is one piece: cl100k's `\\s++$` at the end of text), and before the last character when a non-space follows
+    (`\\s+(?!\\S)`)."""
+    s0 = a
+    if absorbed:
+        while s0 < b and (c[s0] == 10 or c[s0] == 13):
+            s0 += 1
+    last_nl = -1
+    for j in range(b - 1, a - 1, -1):
+        if c[j] == 10 or c[j] == 13:
+            last_nl = j
+            break
+    if s0 < b:
+        starts[s0] = True
+    if last_nl >= a and last_nl + 1 < b and last_nl + 1 > s0 and not keep_whole:
+        starts[last_nl + 1] = True
+    if not at_end and b - 1 > s0 and c[b - 1] != 10 and c[b - 1] != 13:
+        starts[b - 1] = True
+
+
+try:
+    from numba import njit as _njit_ws
+    _whitespace_run_loop = _njit_ws(cache=True, nogil=True, inline="always")(_whitespace_run_loop)
+except ImportError:   # pragma: no cover - numba absent
+    pass
+
+
 def _gpt4_loop_impl(c, kind, digits, whole_at_end, starts):
     """The run-level cl100k-lineage rules as one loop over runs (same rules as `_starts_gpt4`, numba-compiled)."""
     n = c.shape[0]
@@ -539,22 +568,7 @@ def _gpt4_loop_impl(c, kind, digits, whole_at_end, starts):
             for j in range(a, b, digits):
                 starts[j] = True
         else:
-            s0 = a
-            if prev_kind == 3:
-                while s0 < b and (c[s0] == 10 or c[s0] == 13):
-                    s0 += 1
-            last_nl = -1
-            for j in range(b - 1, a - 1, -1):
-                if c[j] == 10 or c[j] == 13:
-                    last_nl = j
-                    break
-            at_end = b == n
-            if s0 < b:
-                starts[s0] = True
-            if last_nl >= a and last_nl + 1 < b and last_nl + 1 > s0 and not (whole_at_end and at_end):
-                starts[last_nl + 1] = True
-            if not at_end and b - 1 > s0 and c[b - 1] != 10 and c[b - 1] != 13:
-                starts[b - 1] = True
+            _whitespace_run_loop(c, starts, a, b, prev_kind == 3, b == n, whole_at_end and b == n)
         prev_kind = k
         prev_len = b - a
         a = b
@@ -717,22 +731,7 @@ def _o200k_loop_impl(c, feat, starts, rare):
             for j in range(a, b, 3):
                 starts[j] = True
         else:
-            s0 = a
-            if prev_kind == 3:
-                while s0 < b and (c[s0] == 10 or c[s0] == 13):
-                    s0 += 1
-            last_nl = -1
-            for j in range(b - 1, a - 1, -1):
-                if c[j] == 10 or c[j] == 13:
-                    last_nl = j
-                    break
-            at_end = b == n
-            if s0 < b:
-                starts[s0] = True
-            if last_nl >= a and last_nl + 1 < b and last_nl + 1 > s0:
-                starts[last_nl + 1] = True
-            if not at_end and b - 1 > s0 and c[b - 1] != 10 and c[b - 1] != 13:
-                starts[b - 1] = True
+            _whitespace_run_loop(c, starts, a, b, prev_kind == 3, b == n, False)
         if k == 0:
             prev_tail_full = tail_full
         pprev_kind = prev_kind
@@ -1000,22 +999,7 @@ def _deepseek_loop_impl(c, feat, starts):
             if next_same and (feat[b] & 7) == 0:
                 starts[b - 1] = True
         else:
-            s0 = a
-            if pk == 1:
-                while s0 < b and (c[s0] == 10 or c[s0] == 13):
-                    s0 += 1
-            last_nl = -1
-            for j in range(b - 1, a - 1, -1):
-                if c[j] == 10 or c[j] == 13:
-                    last_nl = j
-                    break
-            at_end = not next_same
-            if s0 < b:
-                starts[s0] = True
-            if last_nl >= a and last_nl + 1 < b and last_nl + 1 > s0:
-                starts[last_nl + 1] = True
-            if not at_end and b - 1 > s0 and c[b - 1] != 10 and c[b - 1] != 13:
-                starts[b - 1] = True
+            _whitespace_run_loop(c, starts, a, b, pk == 1, not next_same, False)
         prev_kind = k
         prev_len = b - a
         a = b
