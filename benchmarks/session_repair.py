@@ -117,7 +117,7 @@ def run_synthetic(args, tok, engines: Engines, pool: str, size_name: str, shape:
     session.sync(context)
     np.asarray(session.ids)
     bootstrap_ms = (time.perf_counter() - t0) * 1e3
-    stats_before = session_stats(session)
+    stats_before = session.stats.to_dict()
     tt_session = tt_cm = None
     if engines.toktier is not None:
         tt_cm = engines.toktier.session()
@@ -160,7 +160,7 @@ def run_synthetic(args, tok, engines: Engines, pool: str, size_name: str, shape:
     if tt_session is not None:
         exact["toktier"] = bool(np.array_equal(np.asarray(tt_session.ids, dtype=np.int64), ref))
         tt_cm.__exit__(None, None, None)
-    stats = diff_stats(session_stats(session), stats_before)
+    stats = diff_stats(session.stats.to_dict(), stats_before)
     out = {"size": size_name, "shape": shape, "context_chars": len(context), "steps": len(chunks),
            "append_chars_p50": pct(lengths, 50), "append_chars_max": max(lengths), "final_chars": len(text),
            "final_tokens": int(len(ref)), "bootstrap_ms": bootstrap_ms,
@@ -169,14 +169,6 @@ def run_synthetic(args, tok, engines: Engines, pool: str, size_name: str, shape:
                                  "n": len(v)} for name, v in times.items()}}
     print(json.dumps({k: out[k] for k in ("size", "shape", "latency_ms", "exact")}), flush=True)
     return out
-
-
-def session_stats(session) -> dict:
-    stats = session.stats
-    stats = stats() if callable(stats) else stats
-    if hasattr(stats, "__dataclass_fields__"):
-        stats = {k: getattr(stats, k) for k in stats.__dataclass_fields__}
-    return {k: (v.item() if isinstance(v, np.generic) else v) for k, v in dict(stats).items()}
 
 
 def diff_stats(after: dict, before: dict) -> dict:
@@ -240,7 +232,7 @@ def run_traces(args, tok, engines: Engines) -> dict | None:
             exact_checked += 1
             exact_ok += bool(np.array_equal(np.asarray(session.ids, dtype=np.int64),
                                             tok.encode(prompts[-1], path="reference").astype(np.int64)))
-        add_stats(totals, session_stats(session))
+        add_stats(totals, session.stats.to_dict())
     out = {"trajectories": len(trajectories), "calls": n_calls, "continuations": len(ours),
            "context_chars_p50": pct(ctx_chars, 50), "context_chars_max": max(ctx_chars) if ctx_chars else None,
            "final_prompt_exact": f"{exact_ok}/{exact_checked}", "session_stats": totals,

@@ -97,16 +97,8 @@ def replay(tok, prompts: list[str], verbose: bool = True, session_path: str = "r
             diff = np.flatnonzero(ids[:min(len(ids), len(ref))] != ref[:min(len(ids), len(ref))])
             first = int(diff[0]) if diff.size else min(len(ids), len(ref))
             steps[-1]["first_difference"] = first
-    return {"steps": steps, "stats": session_stats(session), "nbytes": int(session.nbytes),
+    return {"steps": steps, "stats": session.stats.to_dict(), "nbytes": int(session.nbytes),
             "final_tokens": int(len(np.asarray(session.ids)))}
-
-
-def session_stats(session) -> dict:
-    stats = session.stats
-    stats = stats() if callable(stats) else stats
-    if hasattr(stats, "__dataclass_fields__"):
-        stats = {k: getattr(stats, k) for k in stats.__dataclass_fields__}
-    return {k: (v.item() if isinstance(v, np.generic) else v) for k, v in dict(stats).items()}
 
 
 def summarize(result: dict) -> dict:

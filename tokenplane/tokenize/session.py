@@ -66,6 +66,10 @@ class SessionStats:
     total_repair_s: float = 0.0
     last_path: str = ""
 
+    def to_dict(self) -> dict:
+        """Plain JSON-able values (counters may be numpy scalars after array arithmetic)."""
+        return {k: (v.item() if isinstance(v, np.generic) else v) for k, v in self.__dict__.items()}
+
 
 # -- per-tokenizer lookup tables ----------------------------------------------------------------------------------
 _TABLES: "weakref.WeakKeyDictionary[ReferenceEngine, np.ndarray]" = weakref.WeakKeyDictionary()
