@@ -64,15 +64,11 @@ def cut_docs(pool: str, size: int, count: int) -> tuple[list[str], bool]:
 def engine_factories(family: str, threads: int | None):
     """name -> factory() -> encode(texts) -> list of id sequences. `threads` None = all cores."""
     import tokenplane
-    from tokenplane.tokenize.artifacts import artifact_bytes
+    from tokenplane.tokenize.artifacts import artifact_bytes, artifact_file
 
     tok = tokenplane.load(family)
-    data_dir = Path(os.environ.get("TMPDIR", "/tmp")) / "tokenplane_bench_files"
-    data_dir.mkdir(parents=True, exist_ok=True)
     is_tiktoken = tok.family.engine == "tiktoken"
-    path = data_dir / (f"{family}.tiktoken" if is_tiktoken else f"{family}.tokenizer.json")
-    if not path.exists():
-        path.write_bytes(artifact_bytes(family))
+    path = artifact_file(family)
     out: dict = {}
     nthreads = threads or os.cpu_count() or 1
 

@@ -68,15 +68,11 @@ class Engines:
     """Full-text encoders for one family, built once; `prewarm(text)` encodes once to fill caches."""
 
     def __init__(self, family: str, tok, wanted: set[str]):
-        from tokenplane.tokenize.artifacts import artifact_bytes
+        from tokenplane.tokenize.artifacts import artifact_file
 
         self.family, self.tok = family, tok
-        tmp = Path(os.environ.get("TMPDIR", "/tmp")) / "tokenplane_bench_files"
-        tmp.mkdir(parents=True, exist_ok=True)
         is_tt = tok.family.engine == "tiktoken"
-        path = tmp / (f"{family}.tiktoken" if is_tt else f"{family}.tokenizer.json")
-        if not path.exists():
-            path.write_bytes(artifact_bytes(family))
+        path = artifact_file(family)
         self.full: dict = {"reference": lambda t: tok.encode(t, path="reference")}
         if "fastokens" in wanted:
             import fastokens

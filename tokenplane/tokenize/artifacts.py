@@ -117,6 +117,22 @@ def artifact_bytes(name: str) -> bytes:
     return data
 
 
+def artifact_file(name: str) -> Path:
+    """A verified on-disk copy of an artifact in its load format (for engines that only load from a path)."""
+    art = ARTIFACTS.get(name)
+    if art is None:
+        raise ArtifactError(f"unknown tokenizer artifact {name!r}; known: {sorted(ARTIFACTS)}")
+    # The base name stays `<name>.tiktoken` / `<name>.tokenizer.json`: some peers (gigatoken) infer the scheme from it.
+    folder = cache_dir() / f"files-{art.sha256[:16]}"
+    folder.mkdir(exist_ok=True)
+    path = folder / (f"{art.name}.tiktoken" if art.fmt == "tiktoken" else f"{art.name}.tokenizer.json")
+    if not path.exists() or sha256_bytes(path.read_bytes()) != art.sha256:
+        tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
+        tmp.write_bytes(artifact_bytes(name))
+        os.replace(tmp, path)
+    return path
+
+
 def parse_tiktoken(data: bytes) -> dict[bytes, int]:
     ranks: dict[bytes, int] = {}
     for line in data.splitlines():
