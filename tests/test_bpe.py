@@ -111,6 +111,20 @@ def test_piece_cache_hits_are_exact():
     assert first.tolist() == second.tolist() == enc.tok.reference.encode_ordinary(text).tolist()
 
 
+def test_piece_byte_bounds_equals_numpy_form():
+    rng = np.random.default_rng(7)
+    # every UTF-8 width, starts at random positions including the first and the last character
+    pool = np.array([0x41, 0x20, 0x7F, 0x80, 0x7FF, 0x800, 0xFFFF, 0x10000, 0x10FFFF, 0x4E00], dtype=np.uint32)
+    for n in (1, 2, 17, 1000):
+        cps = rng.choice(pool, n).astype(np.uint32)
+        starts = rng.random(n) < 0.3
+        starts[0] = True
+        off = bpe_mod.utf8_offsets(cps)
+        want = np.append(off[np.flatnonzero(starts)], off[-1])
+        assert bpe_mod.piece_byte_bounds(cps, starts).tolist() == want.tolist()
+        assert off[-1] == len("".join(map(chr, cps)).encode("utf-8"))
+
+
 @pytest.mark.parametrize("name", FAMILIES)
 def test_corpus_slices(name):
     for doc in _corpus_docs(20_000):

@@ -19,7 +19,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 
 from . import boundary, pretokenize
-from .bpe import BPE, utf8_offsets
+from .bpe import BPE, piece_byte_bounds
 
 PARALLEL_MIN_CHARS = 256 * 1024     # below this the thread hand-off costs more than it saves
 CUT_SEARCH_CHARS = 4096             # how far past a target offset to look for a stable position
@@ -59,9 +59,7 @@ class CpuEncoder:
         n = len(norm)
         if lookahead and not starts[n]:
             raise _CutRejected(n)
-        cps = cps[:n]
-        off = utf8_offsets(cps)
-        bounds = np.append(off[np.flatnonzero(starts[:n])], off[n])
+        bounds = piece_byte_bounds(cps[:n], starts[:n])
         buf = np.frombuffer(norm.encode("utf-8"), dtype=np.uint8)
         return self.bpe.encode_bytes(buf, bounds).view(np.uint32)
 

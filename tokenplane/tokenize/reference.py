@@ -135,6 +135,9 @@ class HFReference(ReferenceEngine):
         config["added_tokens"] = []
         self.ordinary = HFTokenizer.from_str(json.dumps(config))
         self._normalizer = self.ordinary.normalizer
+        # Exactly NFC (qwen3): large texts go through nfc.normalize, which calls this same normalizer on the
+        # regions that can change only.
+        self._plain_nfc = config.get("normalizer") == {"type": "NFC"}
         vocab = config["model"]["vocab"]
         decode_byte = {c: b for b, c in _bytes_to_unicode().items()}
         n = max(max(vocab.values()), max(self.specials.values(), default=0)) + 1
@@ -152,6 +155,9 @@ class HFReference(ReferenceEngine):
     def normalize(self, text: str) -> str:
         if self._normalizer is None or text.isascii():
             return text   # NFC is the identity on ASCII
+        if self._plain_nfc:
+            from . import nfc
+            return nfc.normalize(text, self._normalizer.normalize_str)
         return self._normalizer.normalize_str(text)
 
     def encode_ordinary(self, text: str) -> np.ndarray:

@@ -1,0 +1,89 @@
+"""nfc.normalize (regions-only NFC) against the reference normalizer itself, on adversarial and real text."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+
+import pytest
+
+import tokenplane
+from tokenplane.tokenize import nfc
+
+CORPUS = os.environ.get("TOKENPLANE_CORPUS", "/tmp/corpus")
+
+# Characters where NFC acts: marks of many combining classes (incl. 240 and 232, the probe marks), Hangul L/V/T
+# jamo and syllables, compatibility ideographs (singletons), composition exclusions, kana voicing marks, Indic
+# two-part vowels, Greek with ypogegrammeni, marks newer than Python's Unicode tables, and inert neighbours.
+TRICKY = (
+    "ae\u00e9\u0301\u0300\u0316\u0345\u0315\u0327\u0328\u0308\u0344\u0340\u0958\u093c\u094d\u0915"
+    "\u1100\u1161\u11a8\uac00\uac01\u3131\uf900\u2126\u212b\u0041\u030a\u304b\u3099\u309a\u30cf\u309a"
+    "\u09c7\u09be\u09d7\u0b47\u0b3e\u0bc6\u0bbe\u0d46\u0d3e\u03b1\u1f00\u0313\u0342\u07fd\u0898\u08ca"
+    "\u4e00 \n\t.1\U0001d15e\U0001d165\U0001d16e\U000110a5\U000110ba\U00011127\U00011131\ufb2c\u05e9\u05bc\u05c1"
+)
+
+
+@pytest.fixture(scope="module")
+def qwen3():
+    return tokenplane.load("qwen3").reference
+
+
+def test_table_basics():
+    table = nfc.inert_table()
+    assert all(table[c] for c in range(128))            # ASCII: starters, never composed with
+    for c in (0x0301, 0x0345, 0x0315, 0x1161, 0x11A8, 0x3099, 0x09BE, 0xF900, 0x212B, 0x0344):
+        assert not table[c], hex(c)                      # marks, jamo V/T, seconds, singletons, exclusions
+    for c in (0x4E00, 0xAC00, 0x00E9, 0x0915):
+        assert table[c], hex(c)                          # composed and plain starters stay inert
+
+
+def test_table_pinned_for_this_engine():
+    import tokenizers
+    pin = nfc.PINNED.get(f"tokenizers-{tokenizers.__version__}")
+    if pin is None:
+        pytest.skip("no pin for this tokenizers version (the probed table is still exact)")
+    assert nfc.table_hash(nfc.inert_table()) == pin
+
+
+def test_adversarial_equals_reference(qwen3):
+    hf = qwen3._normalizer.normalize_str
+    rng = random.Random(11)
+    for trial in range(400):
+        n = rng.choice([nfc.SMALL_TEXT, 600, 2000, 5000])
+        dense = rng.random()      # from mostly-ASCII with rare tricky characters to all tricky
+        chars = [rng.choice(TRICKY) if rng.random() < dense else rng.choice("abc xyz\n") for _ in range(n)]
+        if trial % 7 == 0:        # every separator candidate present: the per-region fallback
+            chars += [chr(c) for c in range(9)]
+        text = "".join(chars)
+        assert nfc.normalize(text, hf) == hf(text), trial
+
+
+def test_regions_cover_every_change(qwen3):
+    hf = qwen3._normalizer.normalize_str
+    text = ("x" * 300 + "e\u0301" + "y" * 300 + "\u1100\u1161\u11a8" + "z" * 300) * 3
+    spans = nfc.regions(nfc_codepoints(text), nfc.inert_table())
+    assert spans.shape[0] == 6 and spans[0].tolist() == [300, 302]   # widened one left: the 'e' it composes with
+    assert nfc.normalize(text, hf) == hf(text)
+
+
+def nfc_codepoints(text):
+    from tokenplane.tokenize.pretokenize import codepoints
+    return codepoints(text)
+
+
+def test_real_text_equals_reference(qwen3):
+    hf = qwen3._normalizer.normalize_str
+    path = os.path.join(CORPUS, "nonen.jsonl")
+    texts = []
+    if os.path.exists(path):
+        with open(path, encoding="utf-8") as f:
+            texts = [json.loads(line)["text"] for _, line in zip(range(200), f)]
+    # decomposed forms of real text: every accented letter becomes a region
+    texts += [hf(t).replace("\u00e9", "e\u0301").replace("\u00fc", "u\u0308") for t in texts[:50]]
+    if not texts:
+        pytest.skip(f"corpus not built at {CORPUS}")
+    for t in texts:
+        assert nfc.normalize(t, hf) == hf(t)
+    big = "".join(texts)
+    assert qwen3.normalize(big) == hf(big)

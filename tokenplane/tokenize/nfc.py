@@ -1,0 +1,161 @@
+"""NFC that only hands the reference normalizer the parts of a text that can change.
+
+A 4M-character text costs HF's NFC normalizer ~350 ms even when it is already NFC (it builds an alignment map),
+and that pass is serial in front of every qwen3 encode. Almost all real text is NFC already, and the places where
+normalization can act are rare and local.
+
+A code point is *inert* when it is a starter (ccc = 0), NFC_Quick_Check = Yes (it survives NFC alone) and it is no
+composition's second element (it never combines with what precedes it). Then, by UAX #15 (quick check and
+normalization boundaries):
+  * a string of inert code points is its own NFC;
+  * NFC(x + y) = NFC(x) + NFC(y) whenever y starts with an inert code point (nothing reorders across a starter,
+    and the starter neither composes backwards nor lets a later mark reach a starter before it).
+So `normalize` finds the non-inert code points, widens each run of them by the one character on its left (the starter
+they may compose with), and normalizes only those regions, all in one call to the reference normalizer.
+
+The table is probed out of the reference normalizer itself, never from `unicodedata` (whose Unicode version differs):
+  1. NFC of every code point alone: changed -> not inert (Quick_Check No).
+  2. NFD of every code point: every character after the first of a decomposition is marked not inert (this covers
+     all composition second elements, Quick_Check Maybe, including Hangul V/T jamo; it over-marks, which is safe).
+  3. ccc: "一\\u0345" + c reorders iff 0 < ccc(c) < 240, and "一" + c + "\\u0315" reorders iff ccc(c) > 232; any
+     change in either probe marks c not inert.
+Every probe can only clear the inert bit, so an engine quirk costs speed, never exactness; tests compare against
+the reference normalizer on adversarial and real text.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from functools import lru_cache
+
+import numpy as np
+
+from .artifacts import cache_dir
+
+N_CODEPOINTS = 0x110000
+SMALL_TEXT = 512        # below this the reference normalizer is cheaper than the scan
+MERGE_GAP = 64          # non-inert runs closer than this are normalized as one region (fewer slices, same result)
+# sha256 of the packed table per tokenizers version, as probed when this module was written (a regression pin: a
+# different table is still exact, it only means the engine's Unicode data moved).
+PINNED = {"tokenizers-0.23.3": "e889c53e94b642d0b9350cc545d1878dfb8aeca77c54f5102b47c9281c1db8cf"}
+_PROBE1 = ("\u4e00\u0345", "")      # CJK ideograph: composes with nothing; U+0345: ccc 240
+_PROBE2 = ("\u4e00", "\u0315")      # U+0315: ccc 232, composes with nothing
+
+
+def _universe() -> list[str]:
+    return [chr(c) for c in range(N_CODEPOINTS) if not 0xD800 <= c < 0xE000]
+
+
+def _per_char(normalize, items: list[str]) -> list[str]:
+    # One call over "\n"-joined probes equals one call per probe when "\n" is inert, which is checked first; the
+    # probe of "\n" itself (and any probe that contains it) is run on its own.
+    sep = "\n"
+    if any(normalize(p) != p for p in (sep, "\u4e00" + sep, sep + "\u0301", "\u0345" + sep + "\u0315")):
+        return [normalize(p) for p in items]
+    alone = [i for i, p in enumerate(items) if sep in p]
+    joined = [p for p in items if sep not in p]
+    out = normalize(sep.join(joined)).split(sep)
+    if len(out) != len(joined):
+        raise RuntimeError("normalizer probe: separator count changed; cannot probe this normalizer")
+    for i in alone:
+        out.insert(i, normalize(items[i]))
+    return out
+
+
+def probe(nfc, nfd) -> np.ndarray:
+    """bool[0x110000]: True where the code point is inert under `nfc` (functions str -> str of one engine)."""
+    chars = _universe()
+    inert = np.zeros(N_CODEPOINTS, dtype=bool)
+    same = [a == b for a, b in zip(chars, _per_char(nfc, chars))]
+    for c, ok in zip(chars, same):
+        if ok:
+            inert[ord(c)] = True
+    for c, d in zip(chars, _per_char(nfd, chars)):
+        if d != c:
+            for later in d[1:]:
+                inert[ord(later)] = False
+    for left, right in (_PROBE1, _PROBE2):
+        cand = [c for c in chars if inert[ord(c)]]
+        probes = [left + c + right for c in cand]
+        for c, p, q in zip(cand, probes, _per_char(nfc, probes)):
+            if p != q:
+                inert[ord(c)] = False
+    inert[0xD800:0xE000] = False
+    return inert
+
+
+def table_hash(table: np.ndarray) -> str:
+    return hashlib.sha256(np.packbits(table).tobytes()).hexdigest()
+
+
+@lru_cache(maxsize=None)
+def inert_table() -> np.ndarray:
+    """The inert table of this `tokenizers` version's NFC, probed once and cached on disk."""
+    import tokenizers
+    from tokenizers import normalizers
+
+    path = cache_dir() / f"nfc-inert-tokenizers-{tokenizers.__version__}.npy"
+    table = None
+    if path.exists():
+        try:
+            table = np.load(path)
+        except (OSError, ValueError):
+            table = None
+        if table is not None and (table.shape != (N_CODEPOINTS,) or table.dtype != np.bool_):
+            table = None
+    if table is None:
+        table = probe(normalizers.NFC().normalize_str, normalizers.NFD().normalize_str)
+        tmp = path.with_name(path.name + ".tmp.npy")
+        np.save(tmp, table)
+        tmp.replace(path)
+    table.setflags(write=False)
+    return table
+
+
+def regions(cps: np.ndarray, inert: np.ndarray) -> np.ndarray:
+    """int64[k, 2] character spans that may change under NFC; every span starts at 0 or at an inert code point
+    and ends at the text end or before an inert one, so the text between spans is already NFC."""
+    from .pretokenize import _gather
+
+    bad = np.flatnonzero(~_gather(inert, cps))
+    if bad.size == 0:
+        return np.zeros((0, 2), dtype=np.int64)
+    new = np.empty(bad.size, dtype=bool)
+    new[0] = True
+    np.greater(np.diff(bad), MERGE_GAP, out=new[1:])
+    first = bad[new]
+    last = bad[np.append(np.flatnonzero(new)[1:] - 1, bad.size - 1)]
+    return np.stack([np.maximum(first - 1, 0), last + 1], axis=1)
+
+
+def normalize(text: str, reference_nfc) -> str:
+    """NFC(text) computed as `reference_nfc` would on the whole text, calling it only on the regions that can
+    change (see the module docstring)."""
+    if text.isascii():
+        return text
+    if len(text) < SMALL_TEXT:
+        return reference_nfc(text)
+    from .pretokenize import codepoints
+
+    spans = regions(codepoints(text), inert_table())
+    if spans.shape[0] == 0:
+        return text
+    bounds = spans.tolist()
+    dirty = [text[a:b] for a, b in bounds]
+    sep = next((s for s in "\x00\x01\x02\x03\x04\x05\x06\x07\x08" if s not in text), None)
+    if sep is None:
+        done = [reference_nfc(d) for d in dirty]
+    else:
+        # sep is inert and every region starts at an inert code point (or at 0, only the first), so one call over
+        # the joined regions equals one call per region; NFC never produces a control character.
+        done = reference_nfc(sep.join(dirty)).split(sep)
+        if len(done) != len(dirty):   # pragma: no cover - would mean the normalizer produced sep
+            done = [reference_nfc(d) for d in dirty]
+    out: list[str] = []
+    prev = 0
+    for (a, b), d in zip(bounds, done):
+        out.append(text[prev:a])
+        out.append(d)
+        prev = b
+    out.append(text[prev:])
+    return "".join(out)
