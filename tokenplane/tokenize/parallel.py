@@ -106,10 +106,10 @@ class CpuEncoder:
         edges = [0, *cuts, len(norm)]
         jobs = [(norm[a:b], norm[b:b + 1]) for a, b in zip(edges[:-1], edges[1:])]
         try:
-            if len(jobs) == 1:
-                parts = [self._encode_norm(*jobs[0])]
-            else:
-                parts = list(self._pool_get().map(lambda j: self._encode_norm(*j), jobs))
+            # The calling thread encodes the first chunk itself: one thread hand-off fewer per request.
+            rest = [self._pool_get().submit(self._encode_norm, *j) for j in jobs[1:]]
+            parts = [self._encode_norm(*jobs[0])]
+            parts += [f.result() for f in rest]
         except _CutRejected:
             self.stats["cut_rejected"] += 1
             self.stats["serial"] += 1
