@@ -25,22 +25,30 @@ except ImportError:   # run from elsewhere
 RESULTS = Path(__file__).resolve().parent / "results"
 
 
-def measure(family: str, text: str, repeats: int, quiet: bool) -> dict:
+def measure(family: str, text: str, repeats: int, quiet: bool, cache: str) -> dict:
     tok = tokenplane.load(family)
     enc = CpuEncoder(tok)
     ref = tok.encode(text, path="reference")
     for parallel in (False, True):
         if not (enc.encode(text, parallel=parallel) == ref).all():
             raise SystemExit(f"{family}: parallel={parallel} differs from the reference")
+
+    def timed(parallel: bool) -> float:
+        if cache == "cold":     # a fresh request: no piece of this text in any thread's cache (not timed)
+            enc.bpe.clear_caches()
+        t0 = time.perf_counter()
+        enc.encode(text, parallel=parallel)
+        return time.perf_counter() - t0
+
     serial, par, noisy = [], [], 0
     for _ in range(repeats):   # interleaved so drift in machine load hits both alike
         if quiet and not wait_for_idle():
             noisy += 1
-        t0 = time.perf_counter(); enc.encode(text, parallel=False); serial.append(time.perf_counter() - t0)
-        t0 = time.perf_counter(); enc.encode(text, parallel=True); par.append(time.perf_counter() - t0)
+        serial.append(timed(False))
+        par.append(timed(True))
     mb = len(text.encode()) / 1e6
     ratios = sorted(s / p for s, p in zip(serial, par))
-    return {"family": family, "chars": len(text), "workers": enc.workers,
+    return {"family": family, "chars": len(text), "workers": enc.workers, "cache": cache,
             "serial_mb_s": mb / statistics.median(serial), "parallel_mb_s": mb / statistics.median(par),
             "speedup_median": statistics.median(ratios), "speedup_p10": ratios[max(0, len(ratios) // 10 - 1)],
             "speedup_p90": ratios[min(len(ratios) - 1, (9 * len(ratios)) // 10)],
@@ -54,12 +62,17 @@ def main() -> None:
     ap.add_argument("--sizes", default="1000000,4000000")
     ap.add_argument("--repeats", type=int, default=9)
     ap.add_argument("--no-quiet-gate", action="store_true", help="do not wait for an idle machine before each pair")
+    ap.add_argument("--cache", default="cold,warm", help="cold: piece caches cleared before every encode; warm: "
+                    "repeats of one text (cache hits a fresh request would not get)")
     args = ap.parse_args()
     docs = [json.loads(line)["text"] for line in open(Path(args.corpus) / "mixed.jsonl", encoding="utf-8")]
     text = "".join(docs)
-    rows = [measure(f, text[:int(n)], args.repeats, not args.no_quiet_gate) for f in args.families.split(",") for n in args.sizes.split(",")]
-    meta = {"command": "python benchmarks/parallel_speedup.py " + " ".join(
-        f"--{k} {v}" for k, v in vars(args).items()), "loadavg_end": os.getloadavg(), "rows": rows}
+    rows = [measure(f, text[:int(n)], args.repeats, not args.no_quiet_gate, c) for c in args.cache.split(",")
+            for f in args.families.split(",") for n in args.sizes.split(",")]
+    flags = [f"--{k.replace('_', '-')}" + ("" if v is True else f" {v}") for k, v in vars(args).items()
+             if v is not False]
+    meta = {"command": "python benchmarks/parallel_speedup.py " + " ".join(flags), "loadavg_end": os.getloadavg(),
+            "rows": rows}
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / "parallel_speedup.json").write_text(json.dumps(meta, indent=1))
     lines = ["# Chunk-parallel vs serial CPU encode (same encoder, interleaved, exact)", "",
@@ -67,9 +80,9 @@ def main() -> None:
              "Each repetition is one serial and one parallel encode, interleaved; before each pair the script waits for an "
              "idle machine (benchmarks/quiet.py) so another job holding a core is not measured as the code's speedup. "
              "Ratios are per pair.", "",
-             "| family | chars | workers | serial MB/s | parallel MB/s | speedup median | P10 | P90 | pairs not quiet |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
-    lines += [f"| {r['family']} | {r['chars']:,} | {r['workers']} | {r['serial_mb_s']:.1f} | {r['parallel_mb_s']:.1f} | "
+             "| cache | family | chars | workers | serial MB/s | parallel MB/s | speedup median | P10 | P90 | pairs not quiet |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    lines += [f"| {r['cache']} | {r['family']} | {r['chars']:,} | {r['workers']} | {r['serial_mb_s']:.1f} | {r['parallel_mb_s']:.1f} | "
               f"{r['speedup_median']:.2f}x | {r['speedup_p10']:.2f}x | {r['speedup_p90']:.2f}x | "
               f"{r['repeats_not_quiet']}/{r['repeats']} |" for r in rows]
     (RESULTS / "parallel_speedup.md").write_text("\n".join(lines) + "\n")
@@ -80,7 +93,7 @@ def main() -> None:
         fig, ax = plt.subplots(figsize=(7, 3.5))
         ax.bar(range(len(rows)), [r["speedup_median"] for r in rows])
         ax.axhline(1.7, linestyle="--", color="gray")
-        ax.set_xticks(range(len(rows)), [f"{r['family']}\n{r['chars'] // 1000}K" for r in rows], fontsize=7)
+        ax.set_xticks(range(len(rows)), [f"{r['family']}\n{r['chars'] // 1000}K {r['cache']}" for r in rows], fontsize=7)
         ax.set_ylabel("speedup vs serial")
         fig.tight_layout()
         fig.savefig(RESULTS / "parallel_speedup.png", dpi=120)

@@ -345,12 +345,20 @@ class BPE:
         multi = np.flatnonzero(lengths[:n_ord] >= 2).astype(np.int64)
         self.wkeys, self.wids = _build_whole(self.tok_flat, self.tok_off, multi, _pow2(len(multi)))
         self._local = threading.local()
+        self._caches: list[PieceCache] = []     # every thread's cache, so clear_caches can reach them
 
     def _cache(self) -> PieceCache:
         cache = getattr(self._local, "cache", None)
         if cache is None:
             cache = self._local.cache = PieceCache()
+            self._caches.append(cache)
         return cache
+
+    def clear_caches(self) -> None:
+        """Forget every cached piece in every thread (a cold start for benchmarks: warm repeats of one text hit
+        the cache far more often than a fresh request does)."""
+        for cache in list(self._caches):
+            cache.length[:] = 0
 
     def encode_bytes(self, buf: np.ndarray, bounds: np.ndarray, cache: PieceCache | None = None) -> np.ndarray:
         """IDs (int32) of the pieces buf[bounds[j]:bounds[j+1]] (buf: uint8 UTF-8, bounds: int64 byte offsets)."""
