@@ -200,6 +200,26 @@ def _merge_piece(buf, a, b, byte_ids, pkeys, pranks, pnews, batch, sym, rk, nw, 
 
 
 @njit(cache=True, nogil=True)
+def _self_encoding(tok_flat, tok_off, ids, byte_ids, pkeys, pranks, pnews, batch):
+    """keep[j]: merging the bytes of token ids[j] yields exactly that one token."""
+    longest = 1
+    for t in ids:
+        if tok_off[t + 1] - tok_off[t] > longest:
+            longest = tok_off[t + 1] - tok_off[t]
+    sym = np.empty(longest, dtype=np.int32)
+    rk = np.empty(longest, dtype=np.int32)
+    nw = np.empty(longest, dtype=np.int32)
+    out = np.empty(longest, dtype=np.int32)
+    keep = np.zeros(ids.shape[0], dtype=np.bool_)
+    for j in range(ids.shape[0]):
+        t = ids[j]
+        o = _merge_piece(tok_flat, tok_off[t], tok_off[t + 1], byte_ids, pkeys, pranks, pnews, batch, sym, rk, nw,
+                         out, 0)
+        keep[j] = o == 1 and out[0] == t
+    return keep
+
+
+@njit(cache=True, nogil=True)
 def encode_pieces(buf, bounds, byte_ids, pkeys, pranks, pnews, batch, whole, wkeys, wids, tok_flat, tok_off,
                   cache_keys, cache_len, cache_ids, cache_n):
     """IDs of every piece buf[bounds[j]:bounds[j+1]], concatenated (int32). Caches short pieces per caller."""
@@ -335,7 +355,7 @@ class BPE:
             vocab = config["model"]["vocab"]
             b2u = _bytes_to_unicode()
             byte_ids = {b: vocab[c] for b, c in b2u.items() if c in vocab}
-            self.whole = bool(config["model"].get("ignore_merges") or False)
+            ignore_merges = bool(config["model"].get("ignore_merges") or False)
             if config["model"].get("byte_fallback") or config["model"].get("continuing_subword_prefix") \
                     or config["model"].get("end_of_word_suffix") or config["model"].get("dropout"):
                 raise ValueError(f"{fam.name}: BPE options outside what this kernel implements")
@@ -343,6 +363,13 @@ class BPE:
             raise ValueError(f"{fam.name}: {256 - len(byte_ids)} single bytes have no token")
         self.byte_ids = np.array([byte_ids[b] for b in range(256)], dtype=np.int32)
         multi = np.flatnonzero(lengths[:n_ord] >= 2).astype(np.int64)
+        if fam.engine != "tiktoken" and not ignore_merges:
+            # Merges decide, but a piece's BPE depends on its bytes alone: a piece equal to a token whose own bytes
+            # merge back to exactly that token encodes to it, so one lookup replaces the merge rounds (most words).
+            multi = multi[_self_encoding(self.tok_flat, self.tok_off, multi, self.byte_ids, self.pkeys,
+                                         self.pranks, self.pnews, self.batch)]
+        self.whole = True     # whole-piece lookup first: every token (tiktoken, ignore_merges) or self-encoding ones
+        self.n_whole = int(multi.shape[0])
         self.wkeys, self.wids = _build_whole(self.tok_flat, self.tok_off, multi, _pow2(len(multi)))
         self._local = threading.local()
         self._caches: list[PieceCache] = []     # every thread's cache, so clear_caches can reach them
@@ -382,14 +409,15 @@ def utf8_offsets(cps: np.ndarray) -> np.ndarray:
 
 @njit(cache=True, nogil=True)
 def _piece_byte_bounds(cps, starts, out):
+    # branch-free: piece starts are dense and irregular, so a data-dependent branch mispredicts often
     k = 0
     pos = 0
+    last = out.shape[0] - 1
     for i in range(cps.shape[0]):
-        if starts[i]:
-            out[k] = pos
-            k += 1
+        out[min(k, last)] = pos
+        k += 1 if starts[i] else 0
         c = cps[i]
-        pos += 1 if c < 0x80 else (2 if c < 0x800 else (3 if c < 0x10000 else 4))
+        pos += 1 + (c >= 0x80) + (c >= 0x800) + (c >= 0x10000)
     out[k] = pos
     return k + 1
 
