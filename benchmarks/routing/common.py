@@ -53,6 +53,16 @@ async def _closed_loop(rt, concurrency: int, duration_s: float, warmup_s: float,
     speeds: list[float] = []  # per request: output tokens / (finish - first token), decode speed one user sees
     ttfts: list[float] = []
     counter = [0]
+    snaps: list = []
+
+    async def snapshot(at: float) -> None:
+        # Per-model counters at the window's edges (a stats round trip off the event loop), so utilisation and
+        # per-step overhead describe the steady state, not the warm-up or the drain after the window.
+        await asyncio.sleep(max(0.0, at - time.monotonic()))
+        try:
+            snaps.append(await asyncio.get_running_loop().run_in_executor(None, rt.stats))
+        except Exception as exc:   # a diagnostic: never lose the measured run over it
+            snaps.append(exc)
 
     async def client(c: int) -> None:
         nonlocal counted
@@ -78,12 +88,65 @@ async def _closed_loop(rt, concurrency: int, duration_s: float, warmup_s: float,
                 if first is not None and end > first and n > 1:
                     speeds.append((n - 1) / (end - first))
 
-    await asyncio.gather(*(client(c) for c in range(concurrency)))
-    return {"throughput": counted / duration_s, "tokens": counted, "window_s": duration_s,
+    await asyncio.gather(*(client(c) for c in range(concurrency)), snapshot(t0), snapshot(t1))
+    window = window_counters(snaps[0], snaps[1]) if len(snaps) == 2 and not any(
+        isinstance(x, Exception) for x in snaps) else None
+    return {"window_counters": window, "throughput": counted / duration_s, "tokens": counted, "window_s": duration_s,
             "requests_in_window": len(latencies),
             "latency_mean_s": statistics.fmean(latencies) if latencies else None,
             "ttft_mean_s": statistics.fmean(ttfts) if ttfts else None,
             "user_speed": statistics.fmean(speeds) if speeds else None}
+
+
+def window_counters(before: list[dict], after: list[dict]) -> list[dict]:
+    """Per model, what happened between two Runtime.stats() snapshots: steps, mean batch, and the share of wall time
+    spent inside the runner (modeled latency), in the rest of a step (schedule, sample, route, send), idle (blocked
+    on the sockets with nothing to run) and elsewhere (draining messages, policy waits that spin the loop)."""
+    out = []
+    for b, a in zip(before, after):
+        cb, ca = b["counters"], a["counters"]
+        d = {k: ca.get(k, 0) - cb.get(k, 0) for k in ("steps", "batched_seqs", "computed_tokens", "step_time_s",
+                                                       "step_wall_s", "idle_s", "wall_s")}
+        wall = d["wall_s"] or float("nan")
+        steps = max(1, d["steps"])
+        out.append({"model": a["model"], "steps": d["steps"], "mean_batch": d["batched_seqs"] / steps,
+                    "runner_share": d["step_time_s"] / wall,
+                    "step_overhead_share": (d["step_wall_s"] - d["step_time_s"]) / wall,
+                    "idle_share": d["idle_s"] / wall,
+                    "other_share": 1.0 - (d["step_wall_s"] + d["idle_s"]) / wall,
+                    "overhead_ms_per_step": 1e3 * (d["step_wall_s"] - d["step_time_s"]) / steps,
+                    # every busy moment that is not the runner, per step: the step's own overhead plus the loop's
+                    # message handling between steps (what the throughput model's L_m leaves out)
+                    "busy_outside_runner_ms_per_step": 1e3 * (d["wall_s"] - d["idle_s"] - d["step_time_s"]) / steps,
+                    "runner_ms_per_step": 1e3 * d["step_time_s"] / steps})
+    return out
+
+
+def runtime_overhead_s(runs: list[dict]) -> list[float] | None:
+    """Per model, the median over runs of busy time outside the runner per step (seconds): the runtime's own cost
+    of a step, measured, which the throughput model can add to each model's step latency."""
+    per_model: dict[int, list[float]] = {}
+    for r in runs:
+        for w in r.get("window_counters") or []:
+            if w["steps"] > 0:
+                per_model.setdefault(w["model"], []).append(w["busy_outside_runner_ms_per_step"] / 1e3)
+    if not per_model:
+        return None
+    return [statistics.median(per_model[m]) for m in sorted(per_model)]
+
+
+def summarize(values: list[float]) -> dict[str, Any]:
+    """Median, P90 (nearest rank), min, max and n of repeated measurements."""
+    v = sorted(x for x in values if x is not None)
+    if not v:
+        return {"n": 0, "median": None, "p90": None, "min": None, "max": None}
+    return {"n": len(v), "median": statistics.median(v), "p90": v[min(len(v) - 1, int(0.9 * len(v) + 0.5) - 1)],
+            "min": v[0], "max": v[-1]}
+
+
+def loadavg() -> list[float]:
+    import os
+    return [round(x, 2) for x in os.getloadavg()]
 
 
 def closed_loop(rt, concurrency: int, *, duration_s: float, warmup_s: float = 0.5, max_tokens: int = 128,
@@ -107,13 +170,15 @@ def md_table(header: list[str], rows: list[list[Any]]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def chain_latency_fns(fits: list[LatencyFit], routing, context: float) -> list:
+def chain_latency_fns(fits: list[LatencyFit], routing, context: float, overhead_s: list[float] | None = None) -> list:
     """Batch-only latency per model for the throughput model, with each model's typical catch-up folded in.
 
     Star routing (model 0 primary): a peer's first step of a visit computes its own last token plus the primary's
     committed tokens since its last visit (mean 1/p - 1 extra), later steps of the visit compute one; the primary
     catches up on the peer's tokens after each return (mean 1/r - 1 extra). Steps with extra tokens pay the fit's
     `mixed` (eager) factor, so R2R's large model is modeled as eager and the small one as CUDA-graph decode.
+    overhead_s: per model, the runtime's measured busy time per step outside the runner (runtime_overhead_s), added
+    to every step; None = the chain's idealized zero-overhead runtime.
     """
     from tokenplane.route.throughput_model import RoutingModel
     rm = RoutingModel.coerce(routing)
@@ -126,5 +191,12 @@ def chain_latency_fns(fits: list[LatencyFit], routing, context: float) -> list:
         else:
             pk, r = rm.P[0][m], 1.0 - rm.P[m][m]
             extra = r * (1.0 / p - 1.0) if pk > 0 and p > 0 else 0.0
-        fns.append(f.at_context(context, 1.0 + extra))
+        fn = f.at_context(context, 1.0 + extra)
+        if overhead_s:
+            fn = _plus(fn, float(overhead_s[m]))
+        fns.append(fn)
     return fns
+
+
+def _plus(fn, extra: float):
+    return lambda batch: fn(batch) + extra

@@ -8,8 +8,12 @@ and hands back after one token):
      choose_thresholds picks the argmax;
   2. "des": the discrete-event simulator (continuous latencies, long horizon) measures the full sweep;
   3. "runtime": the real multi-process runtime (tokenplane.route.runtime, one process per model, ZeroMQ handoffs)
-     with the latency-model backend, closed-loop clients, measures T_small = 1 x T_large in a grid (+ the choice);
-  4. reported: measured throughput of the chosen thresholds / best measured throughput (target >= 95%).
+     with the latency-model backend, closed-loop clients, measures T_small = 1 x T_large in a grid (+ the choices),
+     each configuration `--repeats` times (median and P90 reported, load average recorded);
+  4. the runtime's own busy time per step outside the runner (scheduling, sampling, routing, messages), measured in
+     the (1, 1) runs' steady-state window, is added to each model's step latency and the chain chooses again: the
+     "overhead-aware" choice (the chain's documented assumption is zero overhead unless folded into L_m);
+  5. reported: measured (median) throughput of each choice / best measured median (target >= 95%).
 
     python benchmarks/routing/threshold_validation.py [--backend des runtime] [--settings seed-r2r cpu-measured]
 """
@@ -22,7 +26,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import RESULTS, chain_latency_fns, closed_loop, latency_setting, md_table, write_outputs  # noqa: E402
+from common import (RESULTS, chain_latency_fns, closed_loop, latency_setting, loadavg, md_table,  # noqa: E402
+                    runtime_overhead_s, summarize, write_outputs)
 
 from tokenplane.route.batching import feasible_thresholds  # noqa: E402
 from tokenplane.route.throughput_model import RoutingModel, simulate, solve_chain  # noqa: E402
@@ -38,13 +43,30 @@ def runtime_measure(fits, ts, concurrency: int, duration_s: float, max_tokens: i
                         runner="latency-model", mode="delayed_async", pending_return=True, thresholds=list(ts),
                         concurrency=concurrency, num_blocks=2048)
     with Runtime(cfg) as rt:
+        load = loadavg()
         res = closed_loop(rt, concurrency, duration_s=duration_s, warmup_s=0.5, max_tokens=max_tokens,
                           prompt_len=prompt_len)
         try:
             res["model_stats"] = rt.stats()
         except Exception as exc:  # stats are diagnostics; a slow reply must not lose the measurement
             res["model_stats"] = f"unavailable: {exc}"
+    res["loadavg_before"], res["loadavg_after"] = load, loadavg()
     return res
+
+
+def runtime_repeats(fits, ts, C, dur, args) -> list[dict]:
+    runs = []
+    for i in range(args.repeats):
+        r = runtime_measure(fits, ts, C, dur, args.max_tokens, args.prompt_len)
+        print(f"   runtime {ts} #{i + 1}: {r['throughput']:.1f} tok/s (load {r['loadavg_before'][0]})", flush=True)
+        runs.append(r)
+    return runs
+
+
+def _choose(chain: dict) -> tuple[int, int]:
+    best_pred = max(chain.values(), key=lambda r: r.throughput).throughput
+    return min((ts for ts, r in chain.items() if r.throughput >= best_pred * (1 - REL_TOL)),
+               key=lambda ts: (sum(ts), ts))   # the choose_thresholds rule
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -60,23 +82,30 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--prompt-len", type=int, default=32)
     ap.add_argument("--des-steps", type=int, default=60_000)
+    ap.add_argument("--repeats", type=int, default=3, help="runtime runs per configuration (median reported)")
     ap.add_argument("--out", default="threshold_validation")
+    ap.add_argument("--merge", action="store_true", help="keep the settings not run now from the existing JSON")
     args = ap.parse_args(argv)
 
     context = args.prompt_len + args.max_tokens / 2  # mean context of a request in the closed loop
     rm = RoutingModel.r2r(P_SWITCH)
     result = {"p_switch": P_SWITCH, "context": context, "settings": {}}
+    path = RESULTS / f"{args.out}.json"
+    if args.merge and path.exists():
+        import json
+        result["settings"] = json.loads(path.read_text()).get("settings", {})
+    result.setdefault("commands", []).append("python benchmarks/routing/threshold_validation.py " +
+                                             " ".join(argv if argv is not None else sys.argv[1:]))
     for setting in args.settings:
         fits, provenance = latency_setting(setting)
         fns = chain_latency_fns(fits, rm, context)
-        sres = {"provenance": provenance, "fits": [f.to_dict() for f in fits], "by_concurrency": {}}
+        sres = {"provenance": provenance, "fits": [f.to_dict() for f in fits],
+                "by_concurrency": dict(result["settings"].get(setting, {}).get("by_concurrency", {}))}
         for C in args.concurrency:
             t = time.time()
             combos = feasible_thresholds(2, C, args.max_t)
             chain = {ts: solve_chain(ts, C, rm, fns) for ts in combos}
-            best_pred = max(chain.values(), key=lambda r: r.throughput).throughput
-            chosen = min((ts for ts, r in chain.items() if r.throughput >= best_pred * (1 - REL_TOL)),
-                         key=lambda ts: (sum(ts), ts))   # the choose_thresholds rule
+            chosen = _choose(chain)
             entry = {"chosen": list(chosen), "chain_s": time.time() - t,
                      "chain": {f"{a},{b}": r.to_dict() for (a, b), r in chain.items()}}
             print(f"[{setting} C={C}] chain over {len(combos)} combos in {entry['chain_s']:.1f} s: "
@@ -87,16 +116,28 @@ def main(argv: list[str] | None = None) -> dict:
                                 for ts in combos}
                 else:
                     dur = args.duration if setting == "seed-r2r" else args.cpu_duration
+                    runs = {(1, 1): runtime_repeats(fits, (1, 1), C, dur, args)}
+                    overhead = runtime_overhead_s(runs[(1, 1)])
+                    t = time.time()
+                    fns_oh = chain_latency_fns(fits, rm, context, overhead)
+                    chain_oh = {ts: solve_chain(ts, C, rm, fns_oh) for ts in combos}
+                    chosen_oh = _choose(chain_oh)
+                    entry.update(overhead_s=overhead, chosen_overhead=list(chosen_oh),
+                                 chain_overhead={_key(ts): r.to_dict() for ts, r in chain_oh.items()})
+                    print(f"   measured runtime overhead per step {[round(1e3 * o, 2) for o in overhead]} ms -> "
+                          f"overhead-aware choice {chosen_oh} ({time.time() - t:.1f} s)", flush=True)
                     grid = [(1, b) for b in args.runtime_large if (1, b) in chain and b <= C]
-                    if chosen not in grid:
-                        grid.append(chosen)
-                    measured, raw = {}, {}
+                    for ts in (chosen, chosen_oh):
+                        if ts not in grid:
+                            grid.append(ts)
                     for ts in grid:
-                        r = runtime_measure(fits, ts, C, dur, args.max_tokens, args.prompt_len)
-                        measured[ts], raw[f"{ts[0]},{ts[1]}"] = r["throughput"], r
-                        print(f"   runtime {ts}: {r['throughput']:.1f} tok/s (chain {chain[ts].throughput:.1f})",
-                              flush=True)
-                    entry["runtime_raw"] = raw
+                        if ts not in runs:
+                            runs[ts] = runtime_repeats(fits, ts, C, dur, args)
+                    measured = {ts: summarize([r["throughput"] for r in rs])["median"] for ts, rs in runs.items()}
+                    entry["runtime_raw"] = {_key(ts): rs for ts, rs in runs.items()}
+                    entry["runtime_summary"] = {_key(ts): summarize([r["throughput"] for r in rs])
+                                                for ts, rs in runs.items()}
+                    entry["runtime_load"] = summarize([r["loadavg_before"][0] for rs in runs.values() for r in rs])
                 best_ts = max(measured, key=measured.get)
                 ratio = measured[chosen] / measured[best_ts]
                 entry[backend] = {"measured": {f"{a},{b}": v for (a, b), v in measured.items()},
@@ -105,7 +146,14 @@ def main(argv: list[str] | None = None) -> dict:
                                   "all_ones": measured.get((1, 1))}
                 print(f"   {backend}: best {best_ts} {measured[best_ts]:.1f}, chosen {chosen} "
                       f"{measured[chosen]:.1f} -> {ratio:.1%}", flush=True)
-            sres["by_concurrency"][C] = entry
+                if backend == "runtime":
+                    got = measured[tuple(entry["chosen_overhead"])]
+                    entry[backend].update(chosen_overhead_throughput=got, ratio_overhead=got / measured[best_ts])
+                    print(f"   runtime: overhead-aware choice {tuple(entry['chosen_overhead'])} {got:.1f} -> "
+                          f"{got / measured[best_ts]:.1%}", flush=True)
+            sres["by_concurrency"][str(C)] = entry
+            result["settings"][setting] = sres
+            write_outputs(args.out, result, render(result))   # partial results stay readable
         result["settings"][setting] = sres
     result["prompt_len"], result["max_tokens"] = args.prompt_len, args.max_tokens
     write_outputs(args.out, result, render(result))
@@ -134,22 +182,26 @@ def _runtime_diag(raw: dict) -> str:
 
 
 def render(result: dict) -> str:
-    """Markdown from the JSON (re-derives the choice with REL_TOL from the stored chain predictions)."""
+    """Markdown from the JSON (re-derives the choices with REL_TOL from the stored chain predictions)."""
     md = ["# Delayed-batching thresholds: throughput model vs measured\n\n",
           f"R2R synthetic routing, p = {result['p_switch']}; closed loop, prompt {result.get('prompt_len', 32)}, "
           f"max_tokens {result.get('max_tokens', 128)}; latency evaluated at mean context {result['context']:.0f}. "
           "Throughput = committed tokens/s. The model's choice = smallest thresholds predicted within "
           f"{REL_TOL:.0%} of the chain's best. `des` = discrete-event simulation of the same assumptions (a "
           "consistency check, not an independent measurement); `runtime` = the real multi-process runtime with the "
-          "latency-model backend (measured on a shared 2-core machine under other jobs' load).\n"]
+          "latency-model backend (measured on a shared 2-core machine under other jobs' load). `runtime, "
+          "overhead-aware` = the same measurements judged against the chain's choice when each model's step latency "
+          "includes the runtime's measured busy time per step outside the runner (from the (1, 1) runs).\n"]
+    for cmd in result.get("commands", []):
+        md.append(f"\nRun: `{cmd}`\n")
+    if result.get("notes"):
+        md.append(f"\n{result['notes']}\n")
     for setting, sres in result["settings"].items():
         md.append(f"\n## {setting}\n\n{sres['provenance']}.\n\n")
         rows, diag = [], []
-        for C, e in sres["by_concurrency"].items():
+        for C, e in sorted(sres["by_concurrency"].items(), key=lambda kv: int(kv[0])):
             chain = {tuple(map(int, k.split(","))): v["throughput"] for k, v in e["chain"].items()}
-            best_pred = max(chain.values())
-            chosen = min((ts for ts, v in chain.items() if v >= best_pred * (1 - REL_TOL)),
-                         key=lambda ts: (sum(ts), ts))
+            chosen = _choose_pred(chain)
             e["chosen"] = list(chosen)
             for backend in ("des", "runtime"):
                 b = e.get(backend)
@@ -157,24 +209,52 @@ def render(result: dict) -> str:
                     continue
                 meas = {tuple(map(int, k.split(","))): v for k, v in b["measured"].items()}
                 best_ts = max(meas, key=meas.get)
-                got = meas.get(chosen)
-                ratio = None if got is None else got / meas[best_ts]
-                b.update(chosen=list(chosen), chosen_throughput=got, ratio=ratio, best=list(best_ts),
-                         best_throughput=meas[best_ts])
-                rows.append([C, backend, str(chosen), chain[chosen], "not measured" if got is None else got,
-                             str(best_ts), meas[best_ts], "n/a" if ratio is None else f"{ratio:.1%}",
-                             meas.get((1, 1), float("nan")), len(meas)])
-            if "runtime_raw" in e:
-                for k, raw in e["runtime_raw"].items():
-                    diag.append([C, f"({k})", raw["throughput"], chain[tuple(map(int, k.split(",")))],
-                                 _runtime_diag(raw)])
+                summ = e.get("runtime_summary", {}) if backend == "runtime" else {}
+                n = f" (n={summ[_key(best_ts)]['n']})" if summ else ""
+                choices = [(backend, chosen, chain)]
+                if backend == "runtime" and "chain_overhead" in e:
+                    ch_oh = {tuple(map(int, k.split(","))): v["throughput"] for k, v in e["chain_overhead"].items()}
+                    choices.append(("runtime, overhead-aware", _choose_pred(ch_oh), ch_oh))
+                for label, ch, pred in choices:
+                    got = meas.get(ch)
+                    ratio = None if got is None else got / meas[best_ts]
+                    if label == backend:
+                        b.update(chosen=list(ch), chosen_throughput=got, ratio=ratio, best=list(best_ts),
+                                 best_throughput=meas[best_ts])
+                    else:
+                        b.update(chosen_overhead=list(ch), chosen_overhead_throughput=got, ratio_overhead=ratio)
+                    rows.append([C, label, str(ch), pred[ch], "not measured" if got is None else got,
+                                 str(best_ts), f"{meas[best_ts]:.3g}{n}", "n/a" if ratio is None else f"{ratio:.1%}",
+                                 meas.get((1, 1), float("nan")), len(meas)])
+            for k, raw in (e.get("runtime_raw") or {}).items():
+                ts = tuple(map(int, k.split(",")))
+                runs = raw if isinstance(raw, list) else [raw]
+                sm = summarize([r["throughput"] for r in runs])
+                load = summarize([r.get("loadavg_before", [None])[0] for r in runs])
+                oh = e.get("chain_overhead", {}).get(k, {}).get("throughput")
+                diag.append([C, f"({k})", sm["median"], sm["p90"], sm["n"], chain[ts],
+                             "" if oh is None else oh, "" if load["median"] is None else load["median"],
+                             _runtime_diag(runs[len(runs) // 2])])
         md.append(md_table(["C", "measured on", "model's choice (T_s, T_l)", "predicted tok/s",
-                            "measured tok/s (choice)", "best measured (T_s, T_l)", "best tok/s", "choice / best",
-                            "(1,1) tok/s", "configs"], rows))
+                            "measured tok/s (choice, median)", "best measured (T_s, T_l)", "best tok/s",
+                            "choice / best", "(1,1) tok/s", "configs"], rows))
+        oh_rows = [[C, ", ".join(f"m{m}: {1e3 * o:.2f} ms" for m, o in enumerate(e["overhead_s"]))]
+                   for C, e in sorted(sres["by_concurrency"].items(), key=lambda kv: int(kv[0])) if e.get("overhead_s")]
+        if oh_rows:
+            md.append("\nMeasured runtime busy time per step outside the runner ((1, 1) runs, median), added to L_m "
+                      "for the overhead-aware choice:\n\n")
+            md.append(md_table(["C", "per model"], oh_rows))
         if diag:
-            md.append("\nRuntime runs (mean batch per model; launches forced below threshold / steps):\n\n")
-            md.append(md_table(["C", "thresholds", "measured tok/s", "predicted tok/s", "runtime counters"], diag))
+            md.append("\nRuntime runs (tok/s median and P90 over n repeats; load average at start, median; counters "
+                      "of the median run: mean batch per model, launches forced below threshold / steps):\n\n")
+            md.append(md_table(["C", "thresholds", "tok/s median", "tok/s P90", "n", "predicted tok/s",
+                                "predicted with overhead", "load avg", "runtime counters"], diag))
     return "".join(md)
+
+
+def _choose_pred(chain: dict) -> tuple[int, int]:
+    best_pred = max(chain.values())
+    return min((ts for ts, v in chain.items() if v >= best_pred * (1 - REL_TOL)), key=lambda ts: (sum(ts), ts))
 
 
 def reanalyze(path: Path) -> dict:

@@ -18,7 +18,7 @@ import tempfile
 
 import zmq
 
-from .messages import decode, encode
+from .messages import decode_all, encode, encode_many
 
 # Bounded queues: a dead peer must not make a sender block forever (we drop instead of hanging).
 _HWM = 100_000
@@ -64,8 +64,20 @@ def send(sock: zmq.Socket, msg) -> bool:
         return False
 
 
+def send_many(sock: zmq.Socket, msgs: list) -> bool:
+    """Non-blocking send of several messages as one frame (order kept); False when the queue is full."""
+    if len(msgs) == 1:
+        return send(sock, msgs[0])
+    try:
+        sock.send(encode_many(msgs), zmq.NOBLOCK)
+        return True
+    except zmq.Again:
+        return False
+
+
 def drain(sock: zmq.Socket, limit: int = 10_000) -> list:
-    """Every message already queued on `sock` (non-blocking), decoded; undecodable frames are dropped."""
+    """Every message already queued on `sock` (non-blocking), decoded, frames of several messages flattened in
+    order; undecodable frames are dropped."""
     out = []
     for _ in range(limit):
         try:
@@ -73,7 +85,7 @@ def drain(sock: zmq.Socket, limit: int = 10_000) -> list:
         except zmq.Again:
             break
         try:
-            out.append(decode(data))
+            out.extend(decode_all(data))
         except ValueError:
             continue
     return out
@@ -97,4 +109,4 @@ class Inbox:
             s.close(0)
 
 
-__all__ = ["Inbox", "bind_pull", "connect_push", "drain", "new_address_dir", "send"]
+__all__ = ["Inbox", "bind_pull", "connect_push", "drain", "new_address_dir", "send", "send_many"]

@@ -36,7 +36,7 @@ from typing import Any, AsyncIterator, Sequence
 
 import zmq
 
-from .handoff import bind_pull, connect_push, drain, new_address_dir, send
+from .handoff import bind_pull, connect_push, drain, new_address_dir, send, send_many
 from .messages import (Abort, AddRequest, Configure, Error, Finished, Heartbeat, PeerRestarted, Peers, Ready, Shutdown,
                        StatsQuery, StatsReply, StepDone, StepGrant, TokenChunk, Yield)
 from .scheduler import params_to_wire
@@ -163,6 +163,11 @@ class Runtime:
         self._dirty = [True] * self.num_models
         self._rr = 0
         self._idle_round_at = 0.0
+        # I/O thread batching: deliveries to a caller's event loop and standard-serving re-submissions collected
+        # while one inbox drain is handled, then handed over once (one loop wake-up, one frame per model).
+        self._batching = False
+        self._pending_deliveries: list[tuple[_Live, Any]] = []
+        self._pending_adds: dict[int, list[tuple[_Live, AddRequest]]] = {}
         self._io = threading.Thread(target=self._io_loop, name="tokenplane-runtime-io", daemon=True)
         try:
             for m in range(self.num_models):
@@ -461,13 +466,37 @@ class Runtime:
         if isinstance(msg, AddRequest):
             self._dirty[m] = True
 
-    @staticmethod
-    def _deliver(live: _Live, item) -> None:
+    def _deliver(self, live: _Live, item) -> None:
+        if self._batching and threading.current_thread() is self._io:
+            self._pending_deliveries.append((live, item))
+            return
         try:
             live.loop.call_soon_threadsafe(live.queue.put_nowait, item)
         except RuntimeError:
             pass   # the caller's event loop is gone; nobody is listening
 
+    def _flush_io(self) -> None:
+        """I/O thread, after handling one drain: re-submissions (one frame per model), then deliveries (one
+        call_soon_threadsafe per caller loop, items in arrival order)."""
+        adds, self._pending_adds = self._pending_adds, {}
+        for m, items in adds.items():
+            st = self._models[m]
+            if st.client is None or not send_many(st.client, [a for _, a in items]):
+                for live, a in items:
+                    if self._live.get(a.request_id) is live:
+                        self._live.pop(a.request_id, None)
+                    self._fail(live, f"model {m} is not reachable")
+            else:
+                self._dirty[m] = True
+        items, self._pending_deliveries = self._pending_deliveries, []
+        by_loop: dict[Any, list] = {}
+        for live, item in items:
+            by_loop.setdefault(live.loop, []).append((live.queue, item))
+        for loop, batch in by_loop.items():
+            try:
+                loop.call_soon_threadsafe(_put_all, batch)
+            except RuntimeError:
+                pass
     def _fail(self, live: _Live, message: str) -> None:
         if not live.done:
             live.done = True
@@ -480,12 +509,19 @@ class Runtime:
         next_check = 0.0
         while not self._stop.is_set():
             poller.poll(5 if self.config.mode in SYNC_MODES else 50)
-            for msg in drain(self._inbox):
-                try:
-                    with self._lock:
-                        self._on_message(msg)
-                except Exception as exc:   # never let one bad message kill the front end
-                    self.errors.append(f"front end: {type(exc).__name__}: {exc}")
+            msgs = drain(self._inbox)
+            if msgs:
+                with self._lock:
+                    self._batching = True
+                    try:
+                        for msg in msgs:
+                            try:
+                                self._on_message(msg)
+                            except Exception as exc:   # never let one bad message kill the front end
+                                self.errors.append(f"front end: {type(exc).__name__}: {exc}")
+                    finally:
+                        self._batching = False
+                        self._flush_io()
             now = time.monotonic()
             if now >= next_check:
                 next_check = now + 0.1
@@ -561,12 +597,9 @@ class Runtime:
             self._deliver(live, TokenChunk(y.request_id, [], [], n, y.finish_reason,
                                            self._final_stats(live, y.state.get("__final_stats__", {}))))
             return
-        try:
-            self._send_client(y.next_model, AddRequest(y.request_id, y.prompt, y.params, y.output, y.models, y.state,
-                                                       y.num_handoffs, y.handoff, inc=live.inc))
-        except RequestFailed as exc:
-            self._live.pop(y.request_id, None)
-            self._fail(live, str(exc))
+        self._pending_adds.setdefault(y.next_model, []).append(
+            (live, AddRequest(y.request_id, y.prompt, y.params, y.output, y.models, y.state, y.num_handoffs,
+                              y.handoff, inc=live.inc)))
 
     def _on_error(self, e: Error) -> None:
         if e.request_id is None:
@@ -679,6 +712,11 @@ class Runtime:
             self._dirty[m] = False
             self._outstanding.add(m)
             send(self._models[m].client, StepGrant(self._round, expected))
+
+
+def _put_all(batch: list) -> None:
+    for queue, item in batch:
+        queue.put_nowait(item)
 
 
 __all__ = ["RequestFailed", "Runtime", "RuntimeConfig", "RuntimeOutput"]

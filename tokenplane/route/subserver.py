@@ -32,7 +32,7 @@ from typing import Any
 
 import zmq
 
-from .handoff import Inbox, bind_pull, connect_push, drain, send
+from .handoff import Inbox, bind_pull, connect_push, drain, send, send_many
 from .messages import (Abort, AddRequest, Configure, Error, HandoffMsg, Heartbeat, PeerRestarted, PeerStatus, Peers, Ready,
                        Release, Shutdown, StatsQuery, StatsReply, StepDone, StepGrant)
 from .scheduler import FRONTEND, Scheduler
@@ -122,7 +122,12 @@ class SubServer:
         self.published: tuple | None = None
         self.ready_since: float | None = None
         self.stopping = False
-        self.step_time = 0.0
+        self.outbox: dict[int, list] = {}   # dest -> messages of this loop turn, sent as one frame per dest
+        self.step_time = 0.0     # inside runner.run (the modeled / real forward)
+        self.step_wall = 0.0     # a whole step: schedule + run + sample/route + sends
+        self.idle_time = 0.0     # blocked in inbox.wait with nothing to run
+        # Diagnostics only (TOKENPLANE_TRACE_DIR): timestamped steps and message events, dumped as JSON at exit.
+        self.trace: list | None = [] if os.environ.get("TOKENPLANE_TRACE_DIR") else None
 
         import torch
         torch.set_num_threads(int(spec.get("threads", 1)))
@@ -168,7 +173,14 @@ class SubServer:
                                            s.count_states()["PENDING_RETURN"]))
                 next_hb = now + hb_every
             if not ran:
+                t = time.perf_counter()
                 self.inbox.wait(self._idle_timeout(next_hb - now))
+                self.idle_time += time.perf_counter() - t
+        if self.trace is not None:
+            import json
+            path = os.path.join(os.environ["TOKENPLANE_TRACE_DIR"], f"model{self.model}.{self.spec['generation']}.json")
+            with open(path, "w") as f:
+                json.dump(self.trace, f)
         self.inbox.close()
         self.front.close(0)
         for s in self.peers.values():
@@ -217,10 +229,13 @@ class SubServer:
                 self._on_client(msg)
             except Exception as exc:
                 self._report(getattr(msg, "request_id", None), exc)
+        self._flush()
 
     def _on_client(self, msg) -> None:
         s = self.scheduler
         if isinstance(msg, AddRequest):
+            if self.trace is not None:
+                self.trace.append(("add", time.perf_counter(), msg.request_id))
             self._dispatch(s.add_request(msg))
         elif isinstance(msg, Abort):
             s.abort(msg.request_id, msg.reason, msg.inc)
@@ -237,13 +252,14 @@ class SubServer:
         elif isinstance(msg, StatsQuery):
             bm = self.runner.block_manager
             counters = dict(s.counters)
-            counters.update(step_time_s=self.step_time, prefix_hit_tokens=getattr(bm, "num_hit_tokens", 0),
+            counters.update(step_time_s=self.step_time, step_wall_s=self.step_wall, idle_s=self.idle_time,
+                            wall_s=time.perf_counter(), prefix_hit_tokens=getattr(bm, "num_hit_tokens", 0),
                             flags={"mode": self.mode, "pending_return": s.pending_return,
                                    "standard_serving": s.standard_serving, "algorithm": self.spec["algorithm"]})
             if self.policy is not None:
                 counters["policy"] = self.policy.to_dict()
-            send(self.front, StatsReply(self.model, msg.token, bm.num_blocks, bm.num_free_blocks, bm.num_used_blocks,
-                                        s.reserved_blocks(), s.count_states(), counters))
+            self._to(FRONTEND, StatsReply(self.model, msg.token, bm.num_blocks, bm.num_free_blocks,
+                                          bm.num_used_blocks, s.reserved_blocks(), s.count_states(), counters))
         elif isinstance(msg, Configure):
             self._configure(msg)
         elif isinstance(msg, Shutdown):
@@ -259,6 +275,8 @@ class SubServer:
         for msg in drain(self.peer_sock):
             try:
                 if isinstance(msg, HandoffMsg):
+                    if self.trace is not None:
+                        self.trace.append(("recv", time.perf_counter(), msg.handoff.request_id, msg.final))
                     self.received[msg.handoff.source] += 1
                     self._dispatch(self.scheduler.receive_handoff(msg))
                 elif isinstance(msg, Release):
@@ -267,6 +285,7 @@ class SubServer:
                     self.peer_status[msg.model] = msg   # per-sender order: the latest one is the newest state
             except Exception as exc:
                 self._report(getattr(getattr(msg, "handoff", None), "request_id", None), exc)
+        self._flush()
 
     def _decode_service(self) -> bool:
         s = self.scheduler
@@ -295,7 +314,9 @@ class SubServer:
         launch = True
         if self.policy is not None:
             num_live = len(s.requests) if s.is_home and not s.standard_serving else None
-            launch = self.policy.should_launch(self.model, n, self._nothing_else_can_run(n), num_live)
+            # The count-based check runs only below threshold (it is the only case that reads it).
+            launch = self.policy.should_launch(self.model, n, False, num_live) or (
+                self._nothing_else_can_run(n) and self.policy.should_launch(self.model, n, True, num_live))
             if not launch and now - self.ready_since >= float(self.spec["max_delay_s"]):
                 launch = True   # backstop against a lost status message; counted as forced
                 s.counters["backstop_launches"] = s.counters.get("backstop_launches", 0) + 1
@@ -316,14 +337,18 @@ class SubServer:
         state (ready count, handoff counts) changes, so peers can tell a current "idle" from a stale one."""
         if self.policy is None:
             return
+        self._flush()   # the counts below must cover every handoff already dispatched
         state = (True,) if active else (False, ready, tuple(self.sent), tuple(self.received))
         if state == self.published:
             return
         self.published = state
+        ts = self.policy.thresholds
         for k, sock in self.peers.items():
-            send(sock, PeerStatus(self.model, active, ready, list(self.sent), list(self.received)))
+            if ts[k] > 1:   # a peer with threshold 1 launches whenever it has work and never reads our status
+                send(sock, PeerStatus(self.model, active, ready, list(self.sent), list(self.received)))
 
     def _step(self) -> bool:
+        t_step = time.perf_counter()
         s = self.scheduler
         batch = s.schedule()
         if not batch:
@@ -335,30 +360,58 @@ class SubServer:
         except Exception as exc:   # a failed forward fails its batch, not the process
             for r in batch:
                 s.abort(r.request_id, "error")
-                send(self.front, Error(r.request_id, f"model {self.model} step failed: {type(exc).__name__}: {exc}",
-                                       self.model, inc=r.inc))
+                self._to(FRONTEND, Error(r.request_id, f"model {self.model} step failed: {type(exc).__name__}: "
+                                         f"{exc}", self.model, inc=r.inc))
+            self._flush()
             return True
-        self.step_time += time.perf_counter() - t0
+        t1 = time.perf_counter()
+        self.step_time += t1 - t0
         self._dispatch(s.update_from_output(batch, out))
+        self._flush()
+        t_end = time.perf_counter()
+        self.step_wall += t_end - t_step
+        if self.trace is not None:
+            self.trace.append(("step", t_step, t0, t1, t_end, [r.request_id for r in batch],
+                               len(s.requests)))
         return True
 
     def _dispatch(self, outs) -> None:
         for o in outs:
-            if o.dest == FRONTEND:
-                send(self.front, o.msg)
-            else:
-                sock = self.peers.get(o.dest)
-                if sock is None or not send(sock, o.msg):
-                    rid = getattr(getattr(o.msg, "handoff", None), "request_id", getattr(o.msg, "request_id", None))
-                    send(self.front, Error(rid, f"model {self.model} cannot reach model {o.dest}", self.model,
-                                           inc=getattr(o.msg, "inc", None)))
-                    continue
-                if isinstance(o.msg, HandoffMsg):
-                    self.sent[o.dest] += 1
+            self._to(o.dest, o.msg)
+
+    def _to(self, dest: int, msg) -> None:
+        self.outbox.setdefault(dest, []).append(msg)
+
+    def _flush(self) -> None:
+        """Send this turn's messages: one frame per destination, in dispatch order (ZeroMQ keeps per-sender
+        order, so a receiver still sees them in order). Called at the end of each handler and of each step."""
+        if not self.outbox:
+            return
+        box, self.outbox = self.outbox, {}
+        if self.trace is not None:
+            t = time.perf_counter()
+            self._send_box(box)
+            self.trace.append(("flush", t, time.perf_counter(), sum(len(v) for v in box.values())))
+            return
+        self._send_box(box)
+
+    def _send_box(self, box: dict[int, list]) -> None:
+        for dest, msgs in box.items():
+            if dest == FRONTEND:
+                send_many(self.front, msgs)
+                continue
+            sock = self.peers.get(dest)
+            if sock is None or not send_many(sock, msgs):
+                send_many(self.front, [Error(getattr(getattr(m, "handoff", None), "request_id",
+                                                     getattr(m, "request_id", None)),
+                                             f"model {self.model} cannot reach model {dest}", self.model,
+                                             inc=getattr(m, "inc", None)) for m in msgs])
+                continue
+            self.sent[dest] += sum(isinstance(m, HandoffMsg) for m in msgs)
 
     def _report(self, rid: str | None, exc: Exception) -> None:
         tb = traceback.format_exc(limit=4)
-        send(self.front, Error(rid, f"model {self.model}: {type(exc).__name__}: {exc}\n{tb}", self.model))
+        self._to(FRONTEND, Error(rid, f"model {self.model}: {type(exc).__name__}: {exc}\n{tb}", self.model))
 
 
 def main(spec: dict[str, Any]) -> None:
@@ -374,7 +427,16 @@ def main(spec: dict[str, Any]) -> None:
         sock.close()
         ctx.term()
         raise SystemExit(1)
-    server.serve()
+    prof_dir = os.environ.get("TOKENPLANE_PROFILE_DIR")
+    if not prof_dir:
+        server.serve()
+        return
+    import cProfile   # diagnostics only: where a sub-server's CPU goes (benchmarks/routing/overhead.py)
+    prof = cProfile.Profile()
+    try:
+        prof.runcall(server.serve)
+    finally:
+        prof.dump_stats(os.path.join(prof_dir, f"model{server.model}.{spec['generation']}.prof"))
 
 
 __all__ = ["MODES", "SYNC_MODES", "SubServer", "build_algorithm", "build_runner", "main", "nothing_else_can_run"]
