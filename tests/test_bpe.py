@@ -165,3 +165,23 @@ def test_corpus_slices(name):
 def test_corpus_full(name):
     for doc in _corpus_docs(10 ** 7):
         _check(name, doc)
+
+
+@pytest.mark.parametrize("name", ["cl100k_base", "o200k_base", "qwen3", "deepseek_v4"])
+def test_heap_merge_equals_rounds_on_long_pieces(name):
+    b = encoder(name).bpe
+    rng = np.random.default_rng(5)
+    alphabets = ["的一是不了人我在有他这中大来上国个到说们为子和你地出道也时年", "abcdefghij", "ab", "\u0301e",
+                 "ありがとうございます日本語のテキスト", "0123456789", "ÿ\u00e9\u4e00🙂"]
+    for trial in range(150):
+        alpha = alphabets[trial % len(alphabets)]
+        text = "".join(rng.choice(list(alpha), int(rng.integers(17, 300))))
+        buf = np.frombuffer(text.encode("utf-8"), dtype=np.uint8)
+        m = buf.shape[0]
+        scratch = [np.empty(m, dtype=np.int32) for _ in range(3)]
+        out1 = np.empty(m, dtype=np.int32)
+        out2 = np.empty(m, dtype=np.int32)
+        n1 = bpe_mod._merge_piece(buf, 0, m, b.byte_ids, b.pkeys, b.pranks, b.pnews, True, *scratch, out1, 0)
+        n2 = bpe_mod._merge_piece_heap(buf, 0, m, b.byte_ids, b.pkeys, b.pranks, b.pnews, *scratch,
+                                       np.empty(3 * m, dtype=np.int64), out2, 0)
+        assert out1[:n1].tolist() == out2[:n2].tolist(), (name, text)

@@ -44,6 +44,7 @@ _MUL = np.uint64(0x9E3779B97F4A7C15)
 CACHE_WAYS = 1 << 15       # per-thread piece cache slots
 CACHE_BYTES = 24           # pieces up to this many bytes are cached
 CACHE_IDS = 12
+HEAP_MIN_BYTES = 48        # longer pieces merge through a heap (O(m log m)) instead of rescanning rounds
 
 
 # -- hash tables ----------------------------------------------------------------------------------------------------
@@ -200,6 +201,89 @@ def _merge_piece(buf, a, b, byte_ids, pkeys, pranks, pnews, batch, sym, rk, nw, 
 
 
 @njit(cache=True, nogil=True)
+def _heap_push(heap, n, key):
+    i = n
+    heap[i] = key
+    while i > 0:
+        parent = (i - 1) >> 1
+        if heap[parent] <= heap[i]:
+            break
+        heap[parent], heap[i] = heap[i], heap[parent]
+        i = parent
+    return n + 1
+
+
+@njit(cache=True, nogil=True)
+def _heap_pop(heap, n):
+    n -= 1
+    heap[0] = heap[n]
+    i = 0
+    while True:
+        c = 2 * i + 1
+        if c >= n:
+            break
+        if c + 1 < n and heap[c + 1] < heap[c]:
+            c += 1
+        if heap[i] <= heap[c]:
+            break
+        heap[i], heap[c] = heap[c], heap[i]
+        i = c
+    return n
+
+
+@njit(cache=True, nogil=True)
+def _merge_piece_heap(buf, a, b, byte_ids, pkeys, pranks, pnews, sym, nxt, prv, heap, out, o):
+    """The same BPE as `_merge_piece` in O(m log m) for long pieces (CJK runs, long identifiers), where the
+    rounds' rescans are quadratic. A min-heap of (rank, position) yields the leftmost minimum-rank pair; an entry is
+    live iff the pair now at its position still has its rank (every current pair was pushed with its current rank,
+    so the smallest live entry is the leftmost minimum). Merges absorb the right symbol into the left one."""
+    INF = np.int64(0x7FFFFFFF)
+    m = b - a
+    for i in range(m):
+        sym[i] = byte_ids[buf[a + i]]
+        nxt[i] = i + 1
+        prv[i] = i - 1
+    nxt[m - 1] = -1
+    n = 0
+    for i in range(m - 1):
+        r, t = _pair_rank(pkeys, pranks, pnews, sym[i], sym[i + 1])
+        if r != INF:
+            n = _heap_push(heap, n, (np.int64(r) << 32) | i)
+    while n > 0:
+        key = heap[0]
+        n = _heap_pop(heap, n)
+        r = key >> 32
+        p = key & 0xFFFFFFFF
+        q = nxt[p]
+        if sym[p] < 0 or q < 0:
+            continue
+        cr, t = _pair_rank(pkeys, pranks, pnews, sym[p], sym[q])
+        if cr != r:
+            continue
+        sym[p] = t
+        sym[q] = -1
+        nq = nxt[q]
+        nxt[p] = nq
+        if nq >= 0:
+            prv[nq] = p
+        lp = prv[p]
+        if lp >= 0:
+            r2, t2 = _pair_rank(pkeys, pranks, pnews, sym[lp], t)
+            if r2 != INF:
+                n = _heap_push(heap, n, (np.int64(r2) << 32) | lp)
+        if nq >= 0:
+            r3, t3 = _pair_rank(pkeys, pranks, pnews, t, sym[nq])
+            if r3 != INF:
+                n = _heap_push(heap, n, (np.int64(r3) << 32) | p)
+    i = 0
+    while i >= 0:
+        out[o] = sym[i]
+        o += 1
+        i = nxt[i]
+    return o
+
+
+@njit(cache=True, nogil=True)
 def _self_encoding(tok_flat, tok_off, ids, byte_ids, pkeys, pranks, pnews, batch):
     """keep[j]: merging the bytes of token ids[j] yields exactly that one token."""
     longest = 1
@@ -232,6 +316,7 @@ def encode_pieces(buf, bounds, byte_ids, pkeys, pranks, pnews, batch, whole, wke
     sym = np.empty(longest, dtype=np.int32)
     rk = np.empty(longest, dtype=np.int32)
     nw = np.empty(longest, dtype=np.int32)
+    heap = np.empty(3 * longest, dtype=np.int64)
     cmask = cache_len.shape[0] - 1
     o = 0
     for j in range(n_pieces):
@@ -263,6 +348,8 @@ def encode_pieces(buf, bounds, byte_ids, pkeys, pranks, pnews, batch, whole, wke
         if t >= 0:
             out[o] = t
             o += 1
+        elif m > HEAP_MIN_BYTES and batch:
+            o = _merge_piece_heap(buf, a, b, byte_ids, pkeys, pranks, pnews, sym, rk, nw, heap, out, o)
         else:
             o = _merge_piece(buf, a, b, byte_ids, pkeys, pranks, pnews, batch, sym, rk, nw, out, o)
         if slot >= 0 and o - o0 <= cache_ids.shape[1]:
