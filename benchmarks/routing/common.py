@@ -171,12 +171,17 @@ def md_table(header: list[str], rows: list[list[Any]]) -> str:
 
 
 def chain_latency_fns(fits: list[LatencyFit], routing, context: float, overhead_s: list[float] | None = None) -> list:
-    """Batch-only latency per model for the throughput model, with each model's typical catch-up folded in.
+    """Batch-only expected step latency per model for the throughput model, with each model's catch-up folded in.
 
-    Star routing (model 0 primary): a peer's first step of a visit computes its own last token plus the primary's
-    committed tokens since its last visit (mean 1/p - 1 extra), later steps of the visit compute one; the primary
-    catches up on the peer's tokens after each return (mean 1/r - 1 extra). Steps with extra tokens pay the fit's
-    `mixed` (eager) factor, so R2R's large model is modeled as eager and the small one as CUDA-graph decode.
+    Star routing (model 0 primary, switch probability p, peer k returns with probability r_k per step): a peer's
+    first step of a visit catches up on the primary's tokens committed since its last visit, which exist only when
+    the primary committed at least one token before switching again (probability 1 - p; then 1/p of them on
+    average); the primary catches up after a return only when the peer ran two steps or more (probability 1 - r;
+    then 1/r extra tokens on average). Mean extra tokens per step are as before; what changes is that a step
+    where ANY sequence has extra tokens pays the fit's `mixed` (eager, no CUDA graph) factor, so the expected
+    latency of a batch of b is  q^b L(b, decode only) + (1 - q^b) L(b, with the batch's extra tokens),  q = the
+    per-sequence chance of no catch-up. (R2R at p = 0.35: 35% of the large model's batch-1 steps are decode-only
+    graph replays; at batch 4 only 1.5% are. Charging every step as mixed overstated what batching saves.)
     overhead_s: per model, the runtime's measured busy time per step outside the runner (runtime_overhead_s), added
     to every step; None = the chain's idealized zero-overhead runtime.
     """
@@ -187,15 +192,29 @@ def chain_latency_fns(fits: list[LatencyFit], routing, context: float, overhead_
     for m, f in enumerate(fits):
         if m == 0:
             r = min((1.0 - rm.P[k][k] for k in range(1, rm.num_models) if rm.P[0][k] > 0), default=1.0)
-            extra = p * (1.0 / r - 1.0) if r > 0 else 0.0
+            # a return with R >= 2 peer tokens (R geometric, mean 1/r) makes the primary compute R - 1 extra
+            # tokens, whose mean given R >= 2 is 1/r (memoryless)
+            s_m, e_m = (p * (1.0 - r), 1.0 / r) if r > 0 else (0.0, 0.0)
         else:
             pk, r = rm.P[0][m], 1.0 - rm.P[m][m]
-            extra = r * (1.0 / p - 1.0) if pk > 0 and p > 0 else 0.0
-        fn = f.at_context(context, 1.0 + extra)
+            s_m, e_m = (r * (1.0 - p), 1.0 / p) if pk > 0 and p > 0 else (0.0, 0.0)
+        fn = _catch_up_mixture(f, context, s_m, e_m)
         if overhead_s:
             fn = _plus(fn, float(overhead_s[m]))
         fns.append(fn)
     return fns
+
+
+def _catch_up_mixture(f: LatencyFit, context: float, s: float, e: float):
+    """E[step latency] for a batch of b when each sequence independently carries e extra tokens with probability s."""
+    def fn(batch: int) -> float:
+        if batch <= 0:
+            return 0.0
+        q = (1.0 - s) ** batch
+        if q >= 1.0:
+            return f(batch, context, 0.0)
+        return q * f(batch, context, 0.0) + (1.0 - q) * f(batch, context, batch * s * e / (1.0 - q))
+    return fn
 
 
 def _plus(fn, extra: float):

@@ -28,7 +28,8 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import RESULTS, chain_latency_fns, closed_loop, latency_setting, md_table, prompt_for  # noqa: E402
+from common import (RESULTS, chain_latency_fns, closed_loop, latency_setting, loadavg, md_table,  # noqa: E402
+                    prompt_for, summarize)
 
 from tokenplane.engine.latency_runner import LatencyFit, LatencyModelRunner  # noqa: E402
 from tokenplane.route.throughput_model import RoutingModel, choose_thresholds  # noqa: E402
@@ -75,18 +76,45 @@ def seed_models(fits: list[LatencyFit]) -> list[dict]:
     return [{"latency": f.to_dict()} for f in fits]
 
 
+# Per-step runtime overhead (busy time outside the runner, seconds per model) by concurrency, measured by
+# threshold_validation.py in its (1, 1) runs (seed-r2r setting); None = the chain's zero-overhead assumption.
+_OVERHEAD: dict[int, list[float]] | None = None
+
+
+def measured_overhead(concurrency: int) -> list[float] | None:
+    global _OVERHEAD
+    if _OVERHEAD is None:
+        _OVERHEAD = {}
+        path = RESULTS / "threshold_validation.json"
+        if path.exists():
+            for C, e in json.loads(path.read_text())["settings"].get("seed-r2r", {}).get("by_concurrency",
+                                                                                         {}).items():
+                if e.get("overhead_s"):
+                    _OVERHEAD[int(C)] = list(e["overhead_s"])
+    if not _OVERHEAD:
+        return None
+    return _OVERHEAD[min(_OVERHEAD, key=lambda c: (abs(c - concurrency), c))]   # nearest measured concurrency
+
+
+THRESHOLD_MODEL = {"value": "overhead"}   # "overhead" (measured runtime overhead folded into L_m) or "ideal"
+
+
 def chosen_thresholds(alg: str, fits: list[LatencyFit], concurrency: int, context: float) -> list[int]:
     rm = routing_model(alg)
-    return choose_thresholds(concurrency, rm, chain_latency_fns(fits, rm, context), max_t=8)
+    oh = measured_overhead(concurrency) if THRESHOLD_MODEL["value"] == "overhead" else None
+    return choose_thresholds(concurrency, rm, chain_latency_fns(fits, rm, context, oh), max_t=8)
 
 
-def run_closed(alg: str, system: str, flags: dict, C: int, fits, args, *, max_tokens: int, duration: float) -> dict:
-    ctx = args.prompt_len + max_tokens / 2
+def run_closed(alg: str, system: str, flags: dict, C: int, fits, args, *, max_tokens: int, duration: float,
+               prompt_len: int | None = None) -> dict:
+    prompt_len = args.prompt_len if prompt_len is None else prompt_len
+    ctx = prompt_len + max_tokens / 2
     ts = chosen_thresholds(alg, fits, C, ctx) if flags.get("mode") == "delayed_async" else None
     t = time.time()
+    load = loadavg()
     with make_runtime(seed_models(fits), alg, flags, C, ts) as rt:
         res = closed_loop(rt, C, duration_s=duration, warmup_s=args.warmup, max_tokens=max_tokens,
-                          prompt_len=args.prompt_len)
+                          prompt_len=prompt_len)
         try:   # per-model step launches, and those below threshold (delayed batching only; whole run incl. warm-up)
             stats = rt.stats()
             pol = [r["counters"].get("policy") for r in stats]
@@ -97,11 +125,44 @@ def run_closed(alg: str, system: str, flags: dict, C: int, fits, args, *, max_to
             res.update(launches=[p["launches"][m] for m, p in enumerate(pol)],
                        forced_launches=[p["forced_launches"][m] for m, p in enumerate(pol)],
                        backstop_launches=backstop)
-    res.update(system=system, algorithm=alg, concurrency=C, thresholds=ts, wall_s=time.time() - t)
+    res.update(system=system, algorithm=alg, concurrency=C, thresholds=ts, wall_s=time.time() - t, prompt_len=prompt_len,
+               loadavg_before=load, loadavg_after=loadavg())
     print(f"  {alg:>9} {system:>24} C={C:2d} T={ts}: {res['throughput']:7.1f} tok/s, latency "
           f"{_f(res['latency_mean_s'])} s, user speed {_f(res['user_speed'])} tok/s ({res['wall_s']:.0f} s)",
           flush=True)
     return res
+
+
+def repeated(configs: list[tuple[str, tuple]], args) -> dict:
+    """Run every config `args.repeats` times, in rounds (config order inside a round), so slow drifts of the shared
+    machine's load hit every system alike. Each result: the median run's fields, with throughput / latency / user
+    speed replaced by their medians, plus `runs` and `summary` (median, P90, min, max, n) and the load average."""
+    runs: dict[str, list[dict]] = {k: [] for k, _ in configs}
+    for i in range(args.repeats):
+        print(f" -- round {i + 1}/{args.repeats}", flush=True)
+        for key, call in configs:
+            runs[key].append(run_closed(*call[0], **call[1]))
+    out = {}
+    for key, rs in runs.items():
+        tp = summarize([r["throughput"] for r in rs])
+        med = sorted(rs, key=lambda r: r["throughput"])[(len(rs) - 1) // 2]
+        res = {k: v for k, v in med.items() if k != "window_counters"}
+        res.update(throughput=tp["median"], latency_mean_s=summarize([r["latency_mean_s"] for r in rs])["median"],
+                   user_speed=summarize([r["user_speed"] for r in rs])["median"],
+                   summary={"throughput": tp, "latency_mean_s": summarize([r["latency_mean_s"] for r in rs]),
+                            "user_speed": summarize([r["user_speed"] for r in rs]),
+                            "load1": summarize([r["loadavg_before"][0] for r in rs])},
+                   runs=rs)
+        out[key] = res
+    return out
+
+
+def _spread(r: dict) -> list:
+    """P90, min-max and n of a repeated configuration's throughput ('' for a single legacy run)."""
+    t = (r.get("summary") or {}).get("throughput")
+    if not t:
+        return ["", "", 1]
+    return [t["p90"], f"{t['min']:.0f}-{t['max']:.0f}", t["n"]]
 
 
 def _f(x, nd=2):
@@ -109,30 +170,29 @@ def _f(x, nd=2):
 
 
 # -- parts ----------------------------------------------------------------------------------------------------------
-def part_algos(args, fits) -> dict:
-    out = {}
+def part_algos(args, fits, prompt_len: int | None = None) -> dict:
+    out, configs = {}, []
+    kw = dict(max_tokens=args.max_tokens, duration=args.duration, prompt_len=prompt_len)
     for alg in args.algos:
         for system in args.systems:
             if alg == "ensemble" and system == "standard":
                 out[f"{alg}/{system}"] = {"skipped": "ensemble score visits need retained state; the standard "
                                                      "serving baseline cannot run them (runtime raises)"}
                 continue
-            out[f"{alg}/{system}"] = run_closed(alg, system, SYSTEMS[system], 4, fits, args,
-                                                max_tokens=args.max_tokens, duration=args.duration)
-    return out
+            configs.append((f"{alg}/{system}", ((alg, system, SYSTEMS[system], 4, fits, args), kw)))
+    out.update(repeated(configs, args))
+    return {k: out[k] for k in sorted(out, key=lambda k: (ALGOS.index(k.split("/")[0]),
+                                                          list(SYSTEMS).index(k.split("/")[1])))}
 
 
 def part_scaling(args, fits) -> dict:
-    out = {}
-    for C in args.scaling_c:
-        out[str(C)] = run_closed("r2r", "ours", SYSTEMS["ours"], C, fits, args, max_tokens=args.max_tokens,
-                                 duration=args.duration)
-    return out
+    kw = dict(max_tokens=args.max_tokens, duration=args.duration)
+    return repeated([(str(C), (("r2r", "ours", SYSTEMS["ours"], C, fits, args), kw)) for C in args.scaling_c], args)
 
 
 def part_ablation(args, fits) -> dict:
-    return {name: run_closed("r2r", name, flags, 8, fits, args, max_tokens=args.max_tokens, duration=args.duration)
-            for name, flags in ABLATION}
+    kw = dict(max_tokens=args.max_tokens, duration=args.duration)
+    return repeated([(name, (("r2r", name, flags, 8, fits, args), kw)) for name, flags in ABLATION], args)
 
 
 def part_length(args, fits) -> dict:
@@ -314,13 +374,34 @@ def report(res: dict) -> str:
     md = ["# Token-level routing serving benchmarks\n\n",
           f"Machine: {res['machine']}. Latency-model backend: {res['latency_provenance']}. Throughput = committed "
           "tokens/s streamed to clients (dropped tokens never count); latency = mean end-to-end request time.\n"]
-    for cmd in res.get("commands", []):
-        md.append(f"\nRun: `{cmd}`\n")
-    if res.get("load_note"):
-        md.append(f"\n{res['load_note']}\n")
-    if "algos" in res:
-        a = res["algos"]
-        md.append("\n## Concurrency 4: ours vs baselines (latency-model backend, seed scale)\n\n")
+    if res.get("notes"):
+        md.append(f"\n{res['notes']}\n")
+    legacy = [p for p in ("greedy", "length", "breakdown", "algos", "algos_long", "scaling", "ablation")
+              if p in res and p not in res.get("part_meta", {})]
+    if legacy and (res.get("commands") or res.get("load_note")):
+        md.append(f"\nParts {', '.join(legacy)} come from an earlier session (single runs):\n")
+        for cmd in res.get("commands", []):
+            md.append(f"\nRun: `{cmd}`\n")
+        if res.get("load_note"):
+            md.append(f"\n{res['load_note']}\n")
+
+    def meta(part: str) -> None:
+        m = res.get("part_meta", {}).get(part)
+        if m:
+            md.append(f"Run: `{m['command']}` ({m['started']}, {m['wall_s']:.0f} s; load average at start "
+                      f"{m['load_before']}, at end {m['load_after']}; ours' thresholds: {m['threshold_model']}). "
+                      f"{m.get('note', '')}\n\n")
+    for part, title in (("algos", "Concurrency 4: ours vs baselines (latency-model backend, seed scale)"),
+                        ("algos_long", "Concurrency 4, prompts at the fits' anchor context: ours vs baselines "
+                                       "(latency-model backend, seed scale)")):
+        if part not in res:
+            continue
+        a = res[part]
+        plen = next((r.get("prompt_len") for r in a.values() if r.get("prompt_len")), None)
+        md.append(f"\n## {title}\n\n")
+        if plen:
+            md.append(f"Prompt {plen} tokens, max_tokens {res['args'].get('max_tokens')}.\n\n")
+        meta(part)
         rows = []
         for alg in ALGOS:
             o = a.get(f"{alg}/ours")
@@ -331,15 +412,15 @@ def report(res: dict) -> str:
                 if r is None:
                     continue
                 if "skipped" in r:
-                    rows.append([alg, system, "n/a", "n/a", "n/a", "n/a", r["skipped"]])
+                    rows.append([alg, system, "n/a", "", "", "", "n/a", "n/a", "n/a", r["skipped"]])
                     continue
                 lat = r["latency_mean_s"]
                 speedup = o["throughput"] / r["throughput"] if r["throughput"] else float("nan")
                 lat_gain = (lat / o["latency_mean_s"]) if lat and o["latency_mean_s"] else None
-                rows.append([alg, system, r["throughput"], _f(lat), f"{speedup:.2f}x",
+                rows.append([alg, system, r["throughput"], *_spread(r), _f(lat), f"{speedup:.2f}x",
                              "n/a" if lat_gain is None else f"{lat_gain:.2f}x", str(r.get("thresholds") or "")])
-        md.append(md_table(["algorithm", "system", "tok/s", "latency s", "ours / system (tok/s)",
-                            "system / ours (latency)", "thresholds / note"], rows))
+        md.append(md_table(["algorithm", "system", "tok/s (median)", "tok/s P90", "min-max", "n", "latency s",
+                            "ours / system (tok/s)", "system / ours (latency)", "thresholds / note"], rows))
     if "greedy" in res:
         g = res["greedy"]
         md.append(f"\n## Real tiny models on the CPU ({' + '.join(g['models'])}, {g['dtype']}, {g['prompts']} "
@@ -372,15 +453,17 @@ def report(res: dict) -> str:
     if "scaling" in res:
         S = res["scaling"]
         md.append("\n## Concurrency scaling (ours, R2R, latency-model backend)\n\n")
+        meta("scaling")
         c1 = S.get("1")
         rows = []
         for c, r in S.items():
-            rows.append([c, r["throughput"], _f(r["user_speed"], 1), str(r["thresholds"]),
+            rows.append([c, r["throughput"], *_spread(r), _f(r["user_speed"], 1), str(r["thresholds"]),
                          f"{r['throughput'] / c1['throughput']:.2f}x" if c1 else "",
                          f"{r['user_speed'] / c1['user_speed']:.1%}" if c1 and r["user_speed"] and c1["user_speed"]
                          else ""])
-        md.append(md_table(["concurrency", "tok/s", "single-user tok/s", "thresholds", "growth vs C=1",
-                            "user speed kept"], rows))
+        md.append(md_table(["concurrency", "tok/s (median)", "tok/s P90", "min-max", "n",
+                            "single-user tok/s (median)", "thresholds", "growth vs C=1 (medians)",
+                            "user speed kept (medians)"], rows))
     for key, title in (("ablation", "Ablation (R2R, concurrency 8, latency-model backend)"),
                        ("ablation_before_fix", "Ablation before the count-based launch fix (commit 453ed5a, same "
                                                "settings, for comparison)")):
@@ -388,10 +471,12 @@ def report(res: dict) -> str:
             continue
         A = res[key]
         md.append(f"\n## {title}\n\n")
+        meta(key)
         base = next(iter(A.values()))
-        md.append(md_table(["configuration", "tok/s", "vs base", "latency s", "thresholds",
-                            "launches per model (forced below threshold; of which max_delay backstop)"],
-                           [[k, r["throughput"], f"{r['throughput'] / base['throughput']:.2f}x",
+        md.append(md_table(["configuration", "tok/s (median)", "tok/s P90", "min-max", "n", "vs base", "latency s",
+                            "thresholds",
+                            "launches per model (forced below threshold; of which max_delay backstop), median run"],
+                           [[k, r["throughput"], *_spread(r), f"{r['throughput'] / base['throughput']:.2f}x",
                              _f(r["latency_mean_s"]), r.get("thresholds") or "",
                              ", ".join(f"{n} ({f}; {b})" for n, f, b in zip(r["launches"], r["forced_launches"],
                                                                              r.get("backstop_launches") or ["?"] * 9))
@@ -410,13 +495,13 @@ def plot(res: dict, path: Path) -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    panels = [p for p in ("algos", "scaling", "ablation", "length", "breakdown") if p in res]
+    panels = [p for p in ("algos", "algos_long", "scaling", "ablation", "length", "breakdown") if p in res]
     if not panels:
         return
     fig, axes = plt.subplots(1, len(panels), figsize=(4.6 * len(panels), 3.8), squeeze=False)
     for ax, p in zip(axes[0], panels):
-        if p == "algos":
-            a = res["algos"]
+        if p in ("algos", "algos_long"):
+            a = res[p]
             systems = list(SYSTEMS)
             w = 0.8 / len(systems)
             for j, s in enumerate(systems):
@@ -424,7 +509,8 @@ def plot(res: dict, path: Path) -> None:
                 ax.bar([i + j * w for i in range(len(ALGOS))], ys, w, label=s)
             ax.set_xticks([i + 0.4 - w / 2 for i in range(len(ALGOS))], ALGOS, fontsize=7)
             ax.set_ylabel("committed tok/s")
-            ax.set_title("concurrency 4", fontsize=9)
+            plen = next((r.get("prompt_len") for r in a.values() if r.get("prompt_len")), None)
+            ax.set_title(f"concurrency 4, prompt {plen}" if plen else "concurrency 4", fontsize=9)
             ax.legend(fontsize=7)
         elif p == "scaling":
             S = res["scaling"]
@@ -481,6 +567,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--prompt-len", type=int, default=32)
     ap.add_argument("--lengths", type=int, nargs="+", default=[128, 512])
+    ap.add_argument("--long-prompt-len", type=int, default=1024,
+                    help="algos_long: prompt length at the latency fits' anchor context (1024)")
     ap.add_argument("--scaling-c", type=int, nargs="+", default=[1, 2, 4, 8, 16])
     ap.add_argument("--real-models", nargs=2, default=["tiny-small", "tiny-large"])
     ap.add_argument("--real-dtype", default="float32")
@@ -490,22 +578,36 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--breakdown-contexts", type=int, nargs="+", default=[512, 4096])
     ap.add_argument("--breakdown-torch-contexts", type=int, nargs="*", default=[512])
     ap.add_argument("--breakdown-steps", type=int, default=60)
+    ap.add_argument("--repeats", type=int, default=3, help="closed-loop runs per configuration (median reported)")
+    ap.add_argument("--threshold-model", choices=["overhead", "ideal"], default="overhead",
+                    help="ours' thresholds: chain with the measured runtime overhead folded into L_m, or without")
+    ap.add_argument("--note", default="", help="a sentence on the conditions of this run, stored with it")
     ap.add_argument("--out", default="serving")
     ap.add_argument("--merge", action="store_true", help="update parts in an existing results JSON")
     args = ap.parse_args(argv)
+    THRESHOLD_MODEL["value"] = args.threshold_model
     fits, provenance = latency_setting(args.latency)
     path = RESULTS / f"{args.out}.json"
     res: dict[str, Any] = json.loads(path.read_text()) if args.merge and path.exists() else {}
     res.update(machine="2 vCPU (shared), CPU only", latency_provenance=provenance,
                fits=[f.to_dict() for f in fits], args={k: v for k, v in vars(args).items()})
-    parts = {"algos": lambda: part_algos(args, fits), "greedy": lambda: part_greedy(args),
+    parts = {"algos": lambda: part_algos(args, fits),
+             "algos_long": lambda: part_algos(args, fits, prompt_len=args.long_prompt_len),
+             "greedy": lambda: part_greedy(args),
              "length": lambda: part_length(args, fits), "scaling": lambda: part_scaling(args, fits),
              "ablation": lambda: part_ablation(args, fits), "breakdown": lambda: part_breakdown(args, fits)}
     for p in args.parts:
         print(f"== {p}", flush=True)
         t = time.time()
+        started, load = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), loadavg()
         res[p] = parts[p]()
         res.setdefault("part_wall_s", {})[p] = time.time() - t
+        res.setdefault("part_meta", {})[p] = {
+            "command": "python benchmarks/routing/serving.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+            "started": started, "wall_s": time.time() - t, "load_before": load, "load_after": loadavg(),
+            "threshold_model": ("chain + measured runtime overhead (threshold_validation.json)"
+                                if args.threshold_model == "overhead" and measured_overhead(4) else
+                                "chain, zero overhead"), "note": args.note, "repeats": args.repeats}
         RESULTS.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(res, indent=1, default=str))
         (RESULTS / f"{args.out}.md").write_text(report(res))   # after every part: partial runs stay readable

@@ -257,6 +257,49 @@ def _choose_pred(chain: dict) -> tuple[int, int]:
     return min((ts for ts, v in chain.items() if v >= best_pred * (1 - REL_TOL)), key=lambda ts: (sum(ts), ts))
 
 
+def rechain(path: Path, settings: list[str] | None, des_steps: int = 60_000) -> dict:
+    """Recompute the model side (chain, overhead-aware chain, DES) of stored results with the current
+    chain_latency_fns, keeping the runtime measurements, which do not depend on the model."""
+    import json
+    result = json.loads(path.read_text())
+    context = result["context"]
+    rm = RoutingModel.r2r(result["p_switch"])
+    only = {}   # "setting" or "setting@4,8" (only those concurrencies)
+    for x in settings or []:
+        name, _, cs = x.partition("@")
+        only[name] = {int(c) for c in cs.split(",")} if cs else None
+    for setting, sres in result["settings"].items():
+        if only and setting not in only:
+            continue
+        fits, _ = latency_setting(setting)
+        for C, e in sres["by_concurrency"].items():
+            C = int(C)
+            if only and only[setting] is not None and C not in only[setting]:
+                continue
+            combos = feasible_thresholds(2, C, 8)
+            fns = chain_latency_fns(fits, rm, context)
+            chain = {ts: solve_chain(ts, C, rm, fns) for ts in combos}
+            e["chain"] = {_key(ts): r.to_dict() for ts, r in chain.items()}
+            e["chosen"] = list(_choose(chain))
+            if e.get("overhead_s"):
+                fns_oh = chain_latency_fns(fits, rm, context, e["overhead_s"])
+                ch = {ts: solve_chain(ts, C, rm, fns_oh) for ts in combos}
+                e["chain_overhead"] = {_key(ts): r.to_dict() for ts, r in ch.items()}
+                e["chosen_overhead"] = list(_choose(ch))
+            if "des" in e:
+                meas = {ts: simulate(ts, C, rm, fns, horizon_steps=des_steps, seed=7).throughput for ts in combos}
+                best = max(meas, key=meas.get)
+                e["des"] = {"measured": {_key(ts): v for ts, v in meas.items()}, "best": list(best),
+                            "best_throughput": meas[best]}
+            print(f"[{setting} C={C}] rechained: choice {e['chosen']}, overhead-aware "
+                  f"{e.get('chosen_overhead')}", flush=True)
+    result.setdefault("commands", []).append(f"python benchmarks/routing/threshold_validation.py --rechain "
+                                             f"{path.name} {' '.join(settings or [])}".strip())
+    write_outputs(path.stem, result, render(result))
+    plot(result, path.with_suffix(".png"))
+    return result
+
+
 def reanalyze(path: Path) -> dict:
     import json
     result = json.loads(path.read_text())
@@ -301,5 +344,7 @@ def plot(result: dict, path: Path) -> None:
 if __name__ == "__main__":
     if len(sys.argv) == 3 and sys.argv[1] == "--reanalyze":
         reanalyze(Path(sys.argv[2]))
+    elif len(sys.argv) >= 3 and sys.argv[1] == "--rechain":
+        rechain(Path(sys.argv[2]), sys.argv[3:] or None)
     else:
         main()
