@@ -155,3 +155,20 @@ def test_mixed_batches_pay_the_eager_factor():
     a, b = _seq("a", 40, runner=r), _seq("b", 40, computed=30, runner=r)
     assert r.step_latency([a]) == pytest.approx(small(1, 39))
     assert r.step_latency([a, b]) == pytest.approx(small(2, (39 + 30) / 2, 9))
+
+
+def test_launch_returns_at_once_and_wait_honours_the_deadline():
+    """launch/wait model an accelerator step: launch returns before the step's latency elapsed (the CPU may work
+    meanwhile), wait never returns before it, and launch + wait gives exactly run's outputs."""
+    fit = LatencyFit(0.03)
+    r1, r2 = LatencyModelRunner(fit, clock="sleep"), LatencyModelRunner(fit, clock="sleep")
+    a, b = [_seq(f"a{i}", 40 + i, runner=r1) for i in range(3)], [_seq(f"a{i}", 40 + i, runner=r2) for i in range(3)]
+    t = time.perf_counter()
+    step = r1.launch(a)
+    assert time.perf_counter() - t < 0.02
+    out1 = r1.wait(step)
+    assert time.perf_counter() - t >= 0.03
+    out2 = r2.run(b)
+    assert torch.equal(out1.logits, out2.logits) and torch.equal(out1.hidden, out2.hidden)
+    assert [s.num_computed_tokens for s in a] == [s.num_computed_tokens for s in b] == [40, 41, 42]
+    assert r1.stats.steps == r2.stats.steps == 1 and r1.stats.busy_s == pytest.approx(0.03)

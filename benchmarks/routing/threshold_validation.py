@@ -93,7 +93,9 @@ def main(argv: list[str] | None = None) -> dict:
     path = RESULTS / f"{args.out}.json"
     if args.merge and path.exists():
         import json
-        result["settings"] = json.loads(path.read_text()).get("settings", {})
+        old = json.loads(path.read_text())
+        result["settings"] = old.get("settings", {})
+        result["commands"] = old.get("commands", [])
     result.setdefault("commands", []).append("python benchmarks/routing/threshold_validation.py " +
                                              " ".join(argv if argv is not None else sys.argv[1:]))
     for setting in args.settings:

@@ -239,6 +239,15 @@ def fit_from_engine_decode(path: str | Path, terms: str = "abc", *, piecewise: b
 
 
 @dataclass
+class _Launched:
+    out: RunnerOutput
+    deadline: float
+    target: float
+    new_tokens: int
+    batch: int
+
+
+@dataclass
 class RunnerStats:
     steps: int = 0
     tokens: int = 0
@@ -305,6 +314,12 @@ class LatencyModelRunner:
         return max(0.0, lat) * self.time_scale
 
     def run(self, seqs: Sequence):
+        return self.wait(self.launch(seqs))
+
+    def launch(self, seqs: Sequence) -> "_Launched":
+        """Start a step: bookkeeping now, outputs ready at start + latency. Like a kernel launch on an accelerator,
+        it returns at once; the caller may do CPU work (send the previous step's messages) before `wait`, which is
+        what a GPU engine's CPU thread does while the device computes. `run` = launch + wait."""
         start = time.perf_counter()
         if not seqs:
             raise ValueError("run() needs at least one sequence")
@@ -327,15 +342,19 @@ class LatencyModelRunner:
         prepared = time.perf_counter()
         if prepared > deadline:  # our own bookkeeping outlasted the modeled step: the latency is not honoured
             self.stats.compute_over_s += prepared - deadline
-        self._wait(deadline)
+        return _Launched(out, deadline, target, new_tokens, len(seqs))
+
+    def wait(self, step: "_Launched"):
+        """The launched step's outputs, at its deadline (never earlier)."""
+        self._wait(step.deadline)
         end = time.perf_counter()
         st = self.stats
         st.steps += 1
-        st.tokens += new_tokens
-        st.busy_s += target
-        st.late_s += max(0.0, end - deadline)
-        st.batch_hist[len(seqs)] = st.batch_hist.get(len(seqs), 0) + 1
-        return out
+        st.tokens += step.new_tokens
+        st.busy_s += step.target
+        st.late_s += max(0.0, end - step.deadline)
+        st.batch_hist[step.batch] = st.batch_hist.get(step.batch, 0) + 1
+        return step.out
 
     def _wait(self, deadline: float) -> None:
         if self.clock == "sleep":

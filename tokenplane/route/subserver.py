@@ -173,9 +173,11 @@ class SubServer:
                                            s.count_states()["PENDING_RETURN"]))
                 next_hb = now + hb_every
             if not ran:
+                self._flush()   # nothing will run: send what the handlers produced before blocking
                 t = time.perf_counter()
                 self.inbox.wait(self._idle_timeout(next_hb - now))
                 self.idle_time += time.perf_counter() - t
+        self._flush()
         if self.trace is not None:
             import json
             path = os.path.join(os.environ["TOKENPLANE_TRACE_DIR"], f"model{self.model}.{self.spec['generation']}.json")
@@ -229,7 +231,6 @@ class SubServer:
                 self._on_client(msg)
             except Exception as exc:
                 self._report(getattr(msg, "request_id", None), exc)
-        self._flush()
 
     def _on_client(self, msg) -> None:
         s = self.scheduler
@@ -285,7 +286,6 @@ class SubServer:
                     self.peer_status[msg.model] = msg   # per-sender order: the latest one is the newest state
             except Exception as exc:
                 self._report(getattr(getattr(msg, "handoff", None), "request_id", None), exc)
-        self._flush()
 
     def _decode_service(self) -> bool:
         s = self.scheduler
@@ -301,6 +301,7 @@ class SubServer:
                                        f"{self.received}; stepping anyway", self.model))
             ran = self._step() if s.has_work() else False
             self.grant = None
+            self._flush()   # StepDone's sent counts cover every handoff of this step
             send(self.front, StepDone(self.model, g.round, list(self.sent), ran, s.num_ready()))
             return ran
         n = s.num_ready()
@@ -337,7 +338,8 @@ class SubServer:
         state (ready count, handoff counts) changes, so peers can tell a current "idle" from a stale one."""
         if self.policy is None:
             return
-        self._flush()   # the counts below must cover every handoff already dispatched
+        if not active:
+            self._flush()   # an idle report's counts must cover every handoff already dispatched
         state = (True,) if active else (False, ready, tuple(self.sent), tuple(self.received))
         if state == self.published:
             return
@@ -355,8 +357,18 @@ class SubServer:
             return False
         s.counters["computed_tokens"] += sum(r.seq.num_tokens - r.seq.num_computed_tokens for r in batch)
         t0 = time.perf_counter()
+        seqs = [r.seq for r in batch]
         try:
-            out = self.runner.run([r.seq for r in batch])
+            launch = getattr(self.runner, "launch", None)
+            if launch is not None:
+                # An accelerator step: launched, the CPU is free until the outputs are needed. The previous step's
+                # (and the handlers') messages are sent now, inside the step, as a GPU engine's CPU thread would.
+                pending = launch(seqs)
+                self._flush()
+                out = self.runner.wait(pending)
+            else:
+                self._flush()
+                out = self.runner.run(seqs)
         except Exception as exc:   # a failed forward fails its batch, not the process
             for r in batch:
                 s.abort(r.request_id, "error")
@@ -367,7 +379,8 @@ class SubServer:
         t1 = time.perf_counter()
         self.step_time += t1 - t0
         self._dispatch(s.update_from_output(batch, out))
-        self._flush()
+        if launch is None:
+            self._flush()   # a CPU forward: nothing to overlap with, send now
         t_end = time.perf_counter()
         self.step_wall += t_end - t_step
         if self.trace is not None:
@@ -431,7 +444,7 @@ def main(spec: dict[str, Any]) -> None:
     if not prof_dir:
         server.serve()
         return
-    import cProfile   # diagnostics only: where a sub-server's CPU goes (benchmarks/routing/overhead.py)
+    import cProfile   # diagnostics only: where a sub-server's CPU goes (benchmarks/routing/overhead.py --profile)
     prof = cProfile.Profile()
     try:
         prof.runcall(server.serve)
