@@ -288,11 +288,11 @@ def rechain(path: Path, settings: list[str] | None, des_steps: int = 60_000) -> 
                 ch = {ts: solve_chain(ts, C, rm, fns_oh) for ts in combos}
                 e["chain_overhead"] = {_key(ts): r.to_dict() for ts, r in ch.items()}
                 e["chosen_overhead"] = list(_choose(ch))
-            if "des" in e:
-                meas = {ts: simulate(ts, C, rm, fns, horizon_steps=des_steps, seed=7).throughput for ts in combos}
-                best = max(meas, key=meas.get)
-                e["des"] = {"measured": {_key(ts): v for ts, v in meas.items()}, "best": list(best),
-                            "best_throughput": meas[best]}
+            # the DES depends on the model inputs alone: always recomputed
+            meas = {ts: simulate(ts, C, rm, fns, horizon_steps=des_steps, seed=7).throughput for ts in combos}
+            best = max(meas, key=meas.get)
+            e["des"] = {"measured": {_key(ts): v for ts, v in meas.items()}, "best": list(best),
+                        "best_throughput": meas[best]}
             print(f"[{setting} C={C}] rechained: choice {e['chosen']}, overhead-aware "
                   f"{e.get('chosen_overhead')}", flush=True)
     result.setdefault("commands", []).append(f"python benchmarks/routing/threshold_validation.py --rechain "
