@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..tokenizer import InvalidTextError, PathUnavailableError
-from .layout import (F_CL100K, F_LLAMA3, F_O200K, FALLBACK, INVALID, META_LEN, N_BYTES, N_CHARS, N_DOCS, N_LARGE,
+from .layout import (F_CL100K, F_LLAMA3, F_O200K, F_QWEN3, FALLBACK, INVALID, META_LEN, N_BYTES, N_CHARS, N_DOCS, N_LARGE,
                      N_MEDIUM, N_PIECES, N_SMALL, N_TOKENS)
 from .scan import OP_ADD, OP_MAX, launch_scan, make_scan
 
@@ -37,9 +37,10 @@ def family_code(tokenizer) -> int:
     from ..families import FAMILIES
 
     fam = tokenizer.family
-    for name, code in (("cl100k_base", F_CL100K), ("llama3", F_LLAMA3), ("o200k_base", F_O200K)):
+    for name, code in (("cl100k_base", F_CL100K), ("llama3", F_LLAMA3), ("o200k_base", F_O200K),
+                       ("qwen3", F_QWEN3)):
         ref = FAMILIES[name]
-        if fam.engine == "tiktoken" and fam.patterns == ref.patterns and fam.normalizer is None:
+        if (fam.engine, fam.patterns, fam.normalizer) == (ref.engine, ref.patterns, ref.normalizer):
             return code
     raise UnsupportedFamilyError(f"{tokenizer.name}: family {fam.name!r} has no GPU pre-tokenizer rules")
 
@@ -320,7 +321,18 @@ class GpuEncoder:
                           "fallback": bool(meta[FALLBACK])}
         return out.view(np.uint32), doc_first
 
+    def _device_text(self, text: str) -> str:
+        # NFC (qwen3) stays on the host, as in the paper: the device pipeline starts from normalized text
+        return self.tokenizer.reference.normalize(text) if self.tokenizer.family.normalizer else text
+
     def encode(self, text: str | bytes) -> np.ndarray:
+        if isinstance(text, str):
+            text = self._device_text(text)
+        elif self.tokenizer.family.normalizer:
+            try:
+                text = self._device_text(bytes(text).decode("utf-8"))
+            except UnicodeDecodeError as exc:
+                raise InvalidTextError(f"input is not valid UTF-8: {exc}") from None
         raw = text.encode("utf-8") if isinstance(text, str) else bytes(text)
         if not raw:
             return np.zeros(0, dtype=np.uint32)
@@ -337,7 +349,7 @@ class GpuEncoder:
         """One device pass over concatenated documents (runs are cut at document boundaries)."""
         if not texts:
             return []
-        blobs = [t.encode("utf-8") for t in texts]
+        blobs = [self._device_text(t).encode("utf-8") for t in texts]
         if not any(blobs):
             return [np.zeros(0, dtype=np.uint32) for _ in texts]
         with self._lock:
@@ -350,7 +362,8 @@ class GpuEncoder:
         return out
 
     def pieces_batch(self, texts: list[str]) -> list[list[tuple[int, int]]]:
-        """Piece spans (character offsets per text) of the device pre-tokenizer, for differential tests."""
+        """Piece spans (character offsets per text, normalized text) of the device pre-tokenizer, for tests."""
+        texts = [self._device_text(t) for t in texts]
         blobs = [t.encode("utf-8") for t in texts]
         if not any(blobs):
             return [[] for _ in texts]

@@ -8,7 +8,7 @@ characters of lookback. docs/gpu.md derives each rule from the regex alternative
 * absorbed: x is in S ({\\r, \\n}; o200k adds '/') and the last non-S character before it is O -> the `[\\r\\n]*`
   (o200k: `[\\r\\n/]*`) tail of the preceding punctuation piece; never a start. Absorbed characters form a prefix
   of their run; `reff` = first non-absorbed position of the run.
-* N: (x - a) % 3 == 0.
+* N: (x - a) % 3 == 0 (qwen3's `\\p{N}`: every digit).
 * O: x == reff, unless x == a and the character before is a space (` ?` of the punctuation alternative took it),
   or (o200k) x is an apostrophe whose contraction attaches to the preceding word.
 * W: x == reff; otherwise with q = last newline of the run: at document end, cl100k has none (`\\s++$`), llama3 and
@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from functools import lru_cache
 
-from .layout import BIG, F_O200K, FALLBACK, INVALID, N_BYTES, N_CHARS, N_DOCS, N_PIECES, N_SMALL
+from .layout import BIG, F_O200K, F_QWEN3, FALLBACK, INVALID, N_BYTES, N_CHARS, N_DOCS, N_PIECES, N_SMALL
 from .tables import B_C, B_M, B_PL, B_PU, K_L, K_N, K_O, K_W
 
 
@@ -286,7 +286,7 @@ def make_pretokenize():
             k = code[x] & 3
             s = False
             if k == K_N:
-                s = (x - rstart[x]) % 3 == 0
+                s = fam == F_QWEN3 or (x - rstart[x]) % 3 == 0
             elif k == K_O:
                 s = start_o(cp, code, docflag, rstart, rend, reff, n, fam, x)
                 if fam == F_O200K and attached(cp, code, docflag, rstart, rend, n, x):

@@ -9,6 +9,11 @@ BPE semantics are tiktoken's: a part's rank is the rank of its bytes, and every 
 single bytes are tokens and a merge yields the concatenation's token), so "rank of bytes(left) + bytes(right)" equals
 a lookup of the pair (left_id, right_id) in a table of every split of every token. For tiktoken vocabularies
 rank == token id, which the builder checks.
+
+HF byte-level BPE (qwen3) runs on the same kernels when two facts hold, both checked by the builder (else it
+refuses): merge ranks are ordered like the ids they produce, so "lowest id" picks the lowest-rank merge, and the pair
+table holds exactly the listed merges; and every multi-byte token's own bytes merge back to that token (the CPU
+BPE's self-encoding check), so the kernels' whole-piece lookup answers what the merges would.
 """
 
 from __future__ import annotations
@@ -101,7 +106,8 @@ class HostTables:
     n_pairs: int
 
 
-def _build(token_bytes: list[bytes], n_ordinary: int) -> HostTables:
+def _build(token_bytes: list[bytes], n_ordinary: int, merges: tuple | None = None,
+           engine: str = "tiktoken") -> HostTables:
     toks = token_bytes[:n_ordinary]
     index = {t: i for i, t in enumerate(toks)}
     if len(index) != n_ordinary or any(bytes([b]) not in index for b in range(256)):
@@ -120,15 +126,18 @@ def _build(token_bytes: list[bytes], n_ordinary: int) -> HostTables:
 
     lefts, rights, vals = [], [], []
     get = index.get
-    for tid, t in enumerate(toks):
-        for k in range(1, len(t)):
-            a = get(t[:k])
-            if a is not None:
-                b = get(t[k:])
-                if b is not None:
-                    lefts.append(a)
-                    rights.append(b)
-                    vals.append(tid)
+    if merges is not None:          # HF: the listed merges only, (left, right) -> merged id
+        lefts, rights, vals = (list(map(int, m)) for m in merges)
+    else:
+        for tid, t in enumerate(toks):
+            for k in range(1, len(t)):
+                a = get(t[:k])
+                if a is not None:
+                    b = get(t[k:])
+                    if b is not None:
+                        lefts.append(a)
+                        rights.append(b)
+                        vals.append(tid)
     left = np.array(lefts, dtype=np.int64)
     right = np.array(rights, dtype=np.int64)
     psize = 1 << int(np.ceil(np.log2(max(2 * len(vals), 1024))))
@@ -137,25 +146,47 @@ def _build(token_bytes: list[bytes], n_ordinary: int) -> HostTables:
     pair_vals = np.full(psize, EMPTY, dtype=np.int32)
     pair_keys[pslot] = (left << PAIR_SHIFT) | right
     pair_vals[pslot] = np.array(vals, dtype=np.int32)
-    return HostTables(compact_classes(), byte_id, tok_off.astype(np.int32), blob, vocab_slots, pair_keys, pair_vals,
-                      int(lens.max()), len(vals))
+    return HostTables(compact_classes(engine), byte_id, tok_off.astype(np.int32), blob, vocab_slots, pair_keys,
+                      pair_vals, int(lens.max()), len(vals))
+
+
+def _hf_merges(tokenizer) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(left, right, merged id) of an HF byte-level BPE whose merges the device kernels can run exactly."""
+    from ..bpe import BPE
+
+    bpe = BPE(tokenizer.reference, tokenizer.content_hash)
+    keys, ranks, news = bpe.pkeys, bpe.pranks, bpe.pnews
+    live = ranks >= 0
+    left = (keys[live] >> np.uint64(32)).astype(np.int64)
+    right = (keys[live] & np.uint64(0xFFFFFFFF)).astype(np.int64)
+    rank, new = ranks[live].astype(np.int64), news[live].astype(np.int64)
+    order = np.argsort(rank, kind="stable")
+    if np.any(np.diff(new[order]) <= 0):
+        raise ValueError(f"{tokenizer.name}: merge ranks are not ordered like merged ids; no device BPE")
+    n_multi = int(np.count_nonzero(tokenizer.reference.token_lengths[:tokenizer.reference.n_ordinary] >= 2))
+    if bpe.n_whole != n_multi:
+        raise ValueError(f"{tokenizer.name}: {n_multi - bpe.n_whole} tokens do not merge back to themselves; "
+                         "the device whole-piece lookup would differ from the merges")
+    return left, right, new
 
 
 def host_tables(tokenizer) -> HostTables:
-    """Tables for a tiktoken-engine tokenizer, cached on disk by content hash."""
+    """Tables for a tiktoken-engine tokenizer (or an HF byte-level BPE that passes `_hf_merges`), cached on disk by
+    content hash."""
     ref = tokenizer.reference
     n = getattr(ref, "n_ordinary", None)
-    if tokenizer.family.engine != "tiktoken" or n is None:
+    engine = tokenizer.family.engine
+    if n is None or (engine != "tiktoken" and tokenizer.family.name != "qwen3"):
         raise ValueError(f"{tokenizer.name}: device BPE tables need tiktoken rank semantics")
     path = cache_dir() / f"gpu-tables-v{TABLE_VERSION}-{tokenizer.content_hash[:24]}.npz"
     if path.exists():
         try:
             with np.load(path) as z:
-                return HostTables(compact_classes(), z["byte_id"], z["tok_off"], z["tok_blob"], z["vocab_slots"],
+                return HostTables(compact_classes(engine), z["byte_id"], z["tok_off"], z["tok_blob"], z["vocab_slots"],
                                   z["pair_keys"], z["pair_vals"], int(z["max_token_bytes"]), int(z["n_pairs"]))
         except (OSError, ValueError, KeyError):
             pass
-    t = _build(ref.token_bytes, n)
+    t = _build(ref.token_bytes, n, None if engine == "tiktoken" else _hf_merges(tokenizer), engine)
     tmp = path.with_name(path.name + ".tmp.npz")
     np.savez(tmp, byte_id=t.byte_id, tok_off=t.tok_off, tok_blob=t.tok_blob, vocab_slots=t.vocab_slots,
              pair_keys=t.pair_keys, pair_vals=t.pair_vals, max_token_bytes=t.max_token_bytes, n_pairs=t.n_pairs)
