@@ -11,6 +11,12 @@ Each turn of the loop drains both sockets without blocking, runs at most one ste
 a timeout) only when it did not step. A step never waits for a peer: a request that left is PENDING_RETURN and the
 others keep decoding.
 
+Outgoing messages collect in an outbox and leave as one frame per destination (a ZeroMQ send wakes the library's I/O
+thread, ~0.1 ms here, so one per request per step was a visible share of a 6 ms step). They are sent while the next
+launched step runs when the runner can launch (the latency-model runner, like an accelerator), right after the step
+otherwise, and always before the loop blocks, before StepDone and before an idle PeerStatus (whose counts must cover
+them).
+
 Execution modes are flags of this loop, not separate loops:
     immediate_async  launch whenever >= 1 request is ready (BatchPolicy with thresholds all 1)
     delayed_async    launch when BatchPolicy.should_launch(model, num_ready, nothing_else_can_run, num_live) says so;
