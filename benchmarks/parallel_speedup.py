@@ -40,12 +40,10 @@ def measure(family: str, text: str, repeats: int, quiet: bool, cache: str) -> di
         enc.encode(text, parallel=parallel)
         return time.perf_counter() - t0
 
-    ceiling = MachineCeiling(enc.workers)
-    serial, par, ceil, noisy = [], [], [], 0
+    serial, par, noisy = [], [], 0
     for _ in range(repeats):   # interleaved so drift in machine load hits both alike
         if quiet and not wait_for_idle():
             noisy += 1
-        ceil.append(ceiling.sample())
         serial.append(timed(False))
         par.append(timed(True))
     mb = len(text.encode()) / 1e6
@@ -54,39 +52,7 @@ def measure(family: str, text: str, repeats: int, quiet: bool, cache: str) -> di
             "serial_mb_s": mb / statistics.median(serial), "parallel_mb_s": mb / statistics.median(par),
             "speedup_median": statistics.median(ratios), "speedup_p10": ratios[max(0, len(ratios) // 10 - 1)],
             "speedup_p90": ratios[min(len(ratios) - 1, (9 * len(ratios)) // 10)],
-            "ceiling_median": statistics.median(ceil), "repeats": repeats, "repeats_not_quiet": noisy,
-            "exact": True}
-
-
-class MachineCeiling:
-    """One sample = speedup of a pure-compute numba loop (no memory traffic, no GIL) on all workers vs one: the most
-    any encoder could get from this machine's cores right now (turbo and shared hosts put it below 2). Sampled in
-    every repetition, next to the encoder's own pair, so both see the same conditions."""
-
-    def __init__(self, workers: int, steps: int = 20_000_000):
-        from concurrent.futures import ThreadPoolExecutor
-
-        from numba import njit
-
-        @njit(nogil=True)
-        def spin(n):
-            x = 0
-            for _ in range(n):
-                x = (x * 1103515245 + 12345) & 0xFFFFFFFF
-            return x
-
-        spin(10)
-        self.spin, self.steps, self.workers = spin, steps, workers
-        self.pool = ThreadPoolExecutor(workers)
-
-    def sample(self) -> float:
-        t0 = time.perf_counter()
-        for _ in range(self.workers):
-            self.spin(self.steps)
-        one = time.perf_counter() - t0
-        t0 = time.perf_counter()
-        list(self.pool.map(self.spin, [self.steps] * self.workers))
-        return one / (time.perf_counter() - t0)
+            "repeats": repeats, "repeats_not_quiet": noisy, "exact": True}
 
 
 def main() -> None:
@@ -114,14 +80,11 @@ def main() -> None:
              "Each repetition is one serial and one parallel encode, interleaved; before each pair the script waits for an "
              "idle machine (benchmarks/quiet.py) so another job holding a core is not measured as the code's speedup. "
              "Ratios are per pair.", "",
-             "Machine ceiling: in every repetition, the speedup of a pure-compute loop (no memory traffic, no GIL) on all "
-             "threads vs one, sampled right before the pair; the most any encoder could get from the cores then.", "",
-             "| cache | family | chars | workers | serial MB/s | parallel MB/s | speedup median | P10 | P90 | machine ceiling "
-             "(median) | pairs not quiet |",
-             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "| cache | family | chars | workers | serial MB/s | parallel MB/s | speedup median | P10 | P90 | pairs not quiet |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     lines += [f"| {r['cache']} | {r['family']} | {r['chars']:,} | {r['workers']} | {r['serial_mb_s']:.1f} | {r['parallel_mb_s']:.1f} | "
               f"{r['speedup_median']:.2f}x | {r['speedup_p10']:.2f}x | {r['speedup_p90']:.2f}x | "
-              f"{r['ceiling_median']:.2f}x | {r['repeats_not_quiet']}/{r['repeats']} |" for r in rows]
+              f"{r['repeats_not_quiet']}/{r['repeats']} |" for r in rows]
     (RESULTS / "parallel_speedup.md").write_text("\n".join(lines) + "\n")
     try:
         import matplotlib
@@ -129,10 +92,7 @@ def main() -> None:
         import matplotlib.pyplot as plt
         fig, ax = plt.subplots(figsize=(7, 3.5))
         ax.bar(range(len(rows)), [r["speedup_median"] for r in rows])
-        ax.axhline(1.7, linestyle="--", color="gray", label="target 1.7x")
-        ax.plot(range(len(rows)), [r["ceiling_median"] for r in rows], "r_", markersize=14,
-                label="machine ceiling (compute loop)")
-        ax.legend(fontsize=7)
+        ax.axhline(1.7, linestyle="--", color="gray")
         ax.set_xticks(range(len(rows)), [f"{r['family']}\n{r['chars'] // 1000}K {r['cache']}" for r in rows], fontsize=7)
         ax.set_ylabel("speedup vs serial")
         fig.tight_layout()
