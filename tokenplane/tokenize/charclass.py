@@ -18,7 +18,7 @@ from functools import lru_cache
 
 import numpy as np
 
-from .artifacts import cache_dir
+from .artifacts import cached_array
 
 # Bit per class, in the reference regex dialect.
 CLASSES = ("L", "Lu", "Ll", "Lt", "Lm", "Lo", "M", "N", "P", "S", "s")
@@ -89,22 +89,8 @@ def _engine_version(engine: str) -> str:
 @lru_cache(maxsize=None)
 def class_table(engine: str) -> np.ndarray:
     """The (read-only) class bitmask table of a reference engine, probed once per engine version and cached."""
-    path = cache_dir() / f"charclass-{_engine_version(engine)}-{len(CLASSES)}.npy"
-    table = None
-    if path.exists():
-        try:
-            table = np.load(path)
-        except (OSError, ValueError):
-            table = None
-        if table is not None and (table.shape != (N_CODEPOINTS,) or table.dtype != np.uint16):
-            table = None
-    if table is None:
-        table = probe(engine)
-        tmp = path.with_name(path.name + ".tmp.npy")
-        np.save(tmp, table)
-        tmp.replace(path)
-    table.setflags(write=False)
-    return table
+    return cached_array(f"charclass-{_engine_version(engine)}-{len(CLASSES)}.npy", (N_CODEPOINTS,), np.uint16,
+                        lambda: probe(engine))
 
 
 def table_is_pinned(engine: str) -> bool:

@@ -30,7 +30,7 @@ from functools import lru_cache
 
 import numpy as np
 
-from .artifacts import cache_dir
+from .artifacts import cached_array
 
 N_CODEPOINTS = 0x110000
 SMALL_TEXT = 512        # below this the reference normalizer is cheaper than the scan
@@ -94,22 +94,8 @@ def inert_table() -> np.ndarray:
     import tokenizers
     from tokenizers import normalizers
 
-    path = cache_dir() / f"nfc-inert-tokenizers-{tokenizers.__version__}.npy"
-    table = None
-    if path.exists():
-        try:
-            table = np.load(path)
-        except (OSError, ValueError):
-            table = None
-        if table is not None and (table.shape != (N_CODEPOINTS,) or table.dtype != np.bool_):
-            table = None
-    if table is None:
-        table = probe(normalizers.NFC().normalize_str, normalizers.NFD().normalize_str)
-        tmp = path.with_name(path.name + ".tmp.npy")
-        np.save(tmp, table)
-        tmp.replace(path)
-    table.setflags(write=False)
-    return table
+    return cached_array(f"nfc-inert-tokenizers-{tokenizers.__version__}.npy", (N_CODEPOINTS,), np.bool_,
+                        lambda: probe(normalizers.NFC().normalize_str, normalizers.NFD().normalize_str))
 
 
 def regions(cps: np.ndarray, inert: np.ndarray) -> np.ndarray:
