@@ -7,7 +7,7 @@ is all a left match may read) and its pieces left of b are the serial pieces the
 of text[a:] because matching restarts at every piece start and no alternative looks behind. So concatenating the
 chunks' IDs is exactly the serial result. As a run-time guard, every cut must also be a piece start of the left
 chunk's own pre-tokenization; if one is not, the whole text is encoded serially (and `stats["cut_rejected"]` counts
-it). Chunks run on threads: the BPE kernel is numba nogil and the numpy scans release the GIL on large arrays.
+it). Chunks (up to four per worker, pulled from one queue) run on threads: the BPE kernel is numba nogil and the numpy scans release the GIL on large arrays.
 """
 
 from __future__ import annotations
@@ -22,6 +22,8 @@ from . import boundary, pretokenize
 from .bpe import BPE, piece_byte_bounds
 
 PARALLEL_MIN_CHARS = 256 * 1024     # below this the thread hand-off costs more than it saves
+CHUNK_CHARS = 250_000               # chunk size aimed at: several chunks per worker even out uneven text
+MAX_CHUNKS_PER_WORKER = 4
 CUT_SEARCH_CHARS = 4096             # how far past a target offset to look for a stable position
 
 
@@ -112,7 +114,10 @@ class CpuEncoder:
 
     def encode_parallel_normalized(self, norm: str, *, n_chunks: int | None = None) -> np.ndarray:
         """Chunk-parallel encode of normalized text; equals the serial encode (see module docstring)."""
-        chunks = n_chunks or self.workers
+        # More chunks than workers, pulled from the pool's queue: the cost per character varies along real text
+        # (one half of a CJK slice took twice the other's BPE time), and equal halves leave a core idle.
+        chunks = n_chunks or max(self.workers, min(len(norm) // CHUNK_CHARS,
+                                                   MAX_CHUNKS_PER_WORKER * self.workers))
         cuts = self.cuts(norm, chunks) if chunks > 1 else []
         if not cuts:
             self.stats["serial"] += 1
@@ -120,10 +125,7 @@ class CpuEncoder:
         edges = [0, *cuts, len(norm)]
         jobs = [(norm[a:b], norm[b:b + 1]) for a, b in zip(edges[:-1], edges[1:])]
         try:
-            # The calling thread encodes the first chunk itself: one thread hand-off fewer per request.
-            rest = [self._pool_get().submit(self._encode_norm, *j) for j in jobs[1:]]
-            parts = [self._encode_norm(*jobs[0])]
-            parts += [f.result() for f in rest]
+            parts = list(self._pool_get().map(lambda j: self._encode_norm(*j), jobs))
         except _CutRejected:
             self.stats["cut_rejected"] += 1
             self.stats["serial"] += 1
