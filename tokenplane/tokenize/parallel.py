@@ -7,7 +7,8 @@ is all a left match may read) and its pieces left of b are the serial pieces the
 of text[a:] because matching restarts at every piece start and no alternative looks behind. So concatenating the
 chunks' IDs is exactly the serial result. As a run-time guard, every cut must also be a piece start of the left
 chunk's own pre-tokenization; if one is not, the whole text is encoded serially (and `stats["cut_rejected"]` counts
-it). Chunks (up to four per worker, pulled from one queue) run on threads: the BPE kernel is numba nogil and the numpy scans release the GIL on large arrays.
+it). Chunks (up to four per worker, pulled from one queue) run on threads: the pre-tokenizer loops and the BPE
+kernel are numba nogil.
 """
 
 from __future__ import annotations
