@@ -23,7 +23,7 @@ from . import boundary, pretokenize
 from .bpe import BPE, piece_byte_bounds
 
 PARALLEL_MIN_CHARS = 256 * 1024     # below this the thread hand-off costs more than it saves
-CHUNK_CHARS = 250_000               # chunk size aimed at: several chunks per worker even out uneven text
+CHUNK_CHARS = 500_000               # chunk size aimed at: several chunks per worker even out uneven text
 MAX_CHUNKS_PER_WORKER = 4
 CUT_SEARCH_CHARS = 4096             # how far past a target offset to look for a stable position
 
