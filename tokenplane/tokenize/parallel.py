@@ -7,8 +7,8 @@ is all a left match may read) and its pieces left of b are the serial pieces the
 of text[a:] because matching restarts at every piece start and no alternative looks behind. So concatenating the
 chunks' IDs is exactly the serial result. As a run-time guard, every cut must also be a piece start of the left
 chunk's own pre-tokenization; if one is not, the whole text is encoded serially (and `stats["cut_rejected"]` counts
-it). Chunks (up to four per worker, pulled from one queue) run on threads: the pre-tokenizer loops and the BPE
-kernel are numba nogil.
+it). Chunks (up to four per worker) are pulled from one queue by the calling thread and workers - 1 pool threads:
+the pre-tokenizer loops and the BPE kernel are numba nogil.
 """
 
 from __future__ import annotations
@@ -113,6 +113,30 @@ class CpuEncoder:
                 self._pool = ThreadPoolExecutor(max_workers=self.workers, thread_name_prefix="tokenplane-cpu")
             return self._pool
 
+    def _run_jobs(self, jobs: list[tuple[str, str]]) -> list[np.ndarray]:
+        """Encode every chunk with the calling thread and workers - 1 pool threads pulling from one queue: the
+        caller works instead of waiting (measured: handing both halves of 1M characters to the pool and waiting
+        gave 1.36-1.46x where the caller taking one gave 1.60-1.68x), and a queue evens out uneven chunks."""
+        results: list[np.ndarray | None] = [None] * len(jobs)
+        order = iter(range(len(jobs)))
+        lock = threading.Lock()
+
+        def drain() -> None:
+            while True:
+                with lock:
+                    i = next(order, None)
+                if i is None:
+                    return
+                results[i] = self._encode_norm(*jobs[i])
+
+        helpers = [self._pool_get().submit(drain) for _ in range(min(self.workers, len(jobs)) - 1)]
+        try:
+            drain()
+        finally:
+            for h in helpers:       # wait for every helper; a helper's _CutRejected surfaces here
+                h.result()
+        return results
+
     def encode_parallel_normalized(self, norm: str, *, n_chunks: int | None = None) -> np.ndarray:
         """Chunk-parallel encode of normalized text; equals the serial encode (see module docstring)."""
         # More chunks than workers, pulled from the pool's queue: the cost per character varies along real text
@@ -126,7 +150,7 @@ class CpuEncoder:
         edges = [0, *cuts, len(norm)]
         jobs = [(norm[a:b], norm[b:b + 1]) for a, b in zip(edges[:-1], edges[1:])]
         try:
-            parts = list(self._pool_get().map(lambda j: self._encode_norm(*j), jobs))
+            parts = self._run_jobs(jobs)
         except _CutRejected:
             self.stats["cut_rejected"] += 1
             self.stats["serial"] += 1
