@@ -20,7 +20,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 
 from . import boundary, pretokenize
-from .bpe import BPE, piece_byte_bounds
+from .bpe import BPE, piece_byte_bounds, utf8_offsets
 
 PARALLEL_MIN_CHARS = 256 * 1024     # below this the thread hand-off costs more than it saves
 CHUNK_CHARS = 500_000               # chunk size aimed at: several chunks per worker even out uneven text
@@ -82,12 +82,10 @@ class CpuEncoder:
     def _targets(norm: str, n_chunks: int) -> list[int]:
         """Character offsets that split the text into n_chunks parts of about equal UTF-8 size. Work follows bytes
         more than characters (a CJK character is 3 bytes and more merges), so equal-character halves of mixed text
-        leave one thread idle; the byte profile is estimated from every SAMPLE-th character."""
+        leave one thread idle; the byte profile is estimated from every step-th character (about 64K samples)."""
         n = len(norm)
         step = max(1, n // 65536)
-        sample = np.frombuffer(norm[::step].encode("utf-32-le"), dtype=np.uint32)
-        width = 1 + (sample >= 0x80).astype(np.int64) + (sample >= 0x800) + (sample >= 0x10000)
-        cum = np.cumsum(width)
+        cum = utf8_offsets(pretokenize.codepoints(norm[::step]))[1:]
         goals = cum[-1] * np.arange(1, n_chunks) / n_chunks
         return [int(min(n - 1, step * int(np.searchsorted(cum, g)))) for g in goals]
 
@@ -139,8 +137,8 @@ class CpuEncoder:
 
     def encode_parallel_normalized(self, norm: str, *, n_chunks: int | None = None) -> np.ndarray:
         """Chunk-parallel encode of normalized text; equals the serial encode (see module docstring)."""
-        # More chunks than workers, pulled from the pool's queue: the cost per character varies along real text
-        # (one half of a CJK slice took twice the other's BPE time), and equal halves leave a core idle.
+        # About CHUNK_CHARS per chunk, up to MAX_CHUNKS_PER_WORKER per worker, pulled from one queue (_run_jobs): the
+        # cost per character varies along real text (one half of a CJK slice took twice the other's BPE time).
         chunks = n_chunks or max(self.workers, min(len(norm) // CHUNK_CHARS,
                                                    MAX_CHUNKS_PER_WORKER * self.workers))
         cuts = self.cuts(norm, chunks) if chunks > 1 else []
