@@ -163,3 +163,65 @@ def test_campaign_counts_and_catches_planted_faults(monkeypatch):
     monkeypatch.setattr(CpuEncoder, "encode", lambda self, text, parallel=None: orig_encode(self, text)[:-1])
     res = cf.run_campaign("cl100k_base", ["hello world"])
     assert res["id_divergences"] == 1 and res["reproduction"][0]["level"] == "ids"
+
+
+# Text that NFC changes: decomposed accents, Hangul jamo, reordered marks, singletons, next to ordinary text.
+NFC_FRAGMENTS = ["e\u0301", "A\u030a", "\u1100\u1161\u11a8", "\u1112\u1161", "a\u0323\u0302", "a\u0302\u0323",
+                 "\u212b", "\u2126", "\u0344", "\u00c5", "\uac00\u11a8", "\u0f73", "q\u0307\u0323", " \u0301",
+                 "\u0301\u0301", "\u3099\u304b", "\u304b\u3099", "\U0001109a", "\U00011099\U000110ba"]
+
+
+def test_qwen3_raw_cuts_normalize_per_chunk():
+    """qwen3's parallel path cuts raw text (inert characters around every cut) and normalizes chunk by chunk: the
+    IDs equal the reference for every chunk count, and the chunks' NFC joins to the whole text's NFC."""
+    enc = encoder("qwen3")
+    assert enc._nfc_inert is not None
+    nfc = enc.tok.reference._normalizer.normalize_str
+    rng = random.Random("qwen3-raw")
+    before, changed = enc.stats["cut_rejected"], 0
+    for _ in range(150):
+        text = "".join(rng.choice(ALPHABET + FRAGMENTS + NFC_FRAGMENTS * 3) for _ in range(rng.randint(20, 300)))
+        changed += nfc(text) != text
+        k = rng.randint(2, 40)
+        got = enc.encode_parallel(text, n_chunks=k)
+        assert got.tolist() == enc.tok.reference.encode_ordinary(text).tolist(), repr(text)
+        cuts = enc.cuts(text, k, enc._nfc_inert)
+        edges = [0, *cuts, len(text)]
+        assert "".join(nfc(text[a:b]) for a, b in zip(edges, edges[1:])) == nfc(text)
+    assert enc.stats["cut_rejected"] == before and changed > 100
+
+
+def test_nfc_cut_needs_inert_neighbours():
+    enc = encoder("qwen3")
+    text = "word e\u0301 word"
+    p = text.index("\u0301")     # raw text is stable between "e" and U+0301, but NFC composes the two into one
+    assert enc._cut_at_or_after(text, p - 1, None) == p
+    cut = enc._cut_at_or_after(text, p - 1, enc._nfc_inert)
+    assert cut is None or cut > p + 1
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_guided_chunks(name):
+    enc = encoder(name)
+    fr = enc._chunk_fractions(4_000_000, None)
+    sizes = np.diff([0.0, *fr, 1.0])
+    assert all(0 < f < 1 for f in fr) and fr == sorted(fr)
+    assert sizes[0] == pytest.approx(1 / (2 * enc.workers)) and sizes.min() > 0
+    assert (np.diff(sizes[:-1]) <= 1e-12).all()       # big chunks first, the small ones even out the end
+    assert enc._chunk_fractions(1000, None) == []     # below one minimum chunk: serial
+    assert enc._chunk_fractions(10, 4) == [0.25, 0.5, 0.75]
+
+
+def test_empty_sequence_normalizer_is_identity():
+    """deepseek_v4's normalizer is an empty Sequence; it is skipped, which is exact only if HF's own normalizer
+    leaves every text unchanged (checked here on adversarial text)."""
+    from tokenizers import Tokenizer as HFTokenizer
+
+    from tokenplane.tokenize.artifacts import artifact_bytes
+
+    tok = tokenplane.load("deepseek_v4")
+    hf = HFTokenizer.from_str(artifact_bytes("deepseek_v4").decode())
+    rng = random.Random("ds-norm")
+    for _ in range(100):
+        text = "".join(rng.choice(ALPHABET + FRAGMENTS + NFC_FRAGMENTS) for _ in range(rng.randint(1, 80)))
+        assert hf.normalizer.normalize_str(text) == text == tok.reference.normalize(text)

@@ -74,7 +74,8 @@ def check_text(tok, enc: CpuEncoder, text: str, counts: dict) -> dict | None:
         return {"level": "ids", "family": tok.name, "text": _shrink(text, fails)}
     if len(norm) >= 64 and enc.rule is not None:
         chunks = 2 + len(norm) // 4096
-        par = enc.encode_parallel_normalized(norm, n_chunks=chunks)
+        # raw text: for qwen3 this is the path that cuts before NFC and normalizes per chunk
+        par = enc.encode_parallel(text, n_chunks=chunks)
         counts["parallel_checked"] += 1
         if not np.array_equal(par, ref_ids):
             counts["parallel_divergences"] += 1

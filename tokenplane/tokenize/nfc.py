@@ -121,7 +121,7 @@ def normalize(text: str, reference_nfc) -> str:
         return text
     if len(text) < SMALL_TEXT:
         return reference_nfc(text)
-    from .pretokenize import codepoints
+    from .strbuf import codepoints   # GIL-free: chunk threads of the parallel encoder normalize their own chunks
 
     spans = regions(codepoints(text), inert_table())
     if spans.shape[0] == 0:

@@ -7,24 +7,31 @@ is all a left match may read) and its pieces left of b are the serial pieces the
 of text[a:] because matching restarts at every piece start and no alternative looks behind. So concatenating the
 chunks' IDs is exactly the serial result. As a run-time guard, every cut must also be a piece start of the left
 chunk's own pre-tokenization; if one is not, the whole text is encoded serially (and `stats["cut_rejected"]` counts
-it). Chunks (up to four per worker) are pulled from one queue by the calling thread and workers - 1 pool threads:
-the pre-tokenizer loops and the BPE kernel are numba nogil.
+it). For plain-NFC families (qwen3) the cuts are made in the raw text at positions NFC cannot touch, and each chunk
+is normalized by the thread that encodes it (`_cut_at_or_after`).
+
+Scheduling: guided self-scheduling (big chunks first, smaller ones to even out the end) from one queue shared by the
+calling thread and workers - 1 pool threads; a chunk's right cut is found by whoever pulls the chunk. Every stage of
+a chunk (code points read from the str's own buffer, pre-tokenizer loop, UTF-8 + piece bounds, BPE) is numba nogil,
+so the threads only meet on the GIL for ~50 us of Python glue per chunk.
 """
 
 from __future__ import annotations
 
 import os
 import threading
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
-from . import boundary, pretokenize
-from .bpe import BPE, piece_byte_bounds, utf8_offsets
+from . import boundary, pretokenize, strbuf
+from .bpe import BPE, utf8_offsets
 
 PARALLEL_MIN_CHARS = 256 * 1024     # below this the thread hand-off costs more than it saves
-CHUNK_CHARS = 500_000               # chunk size aimed at: several chunks per worker even out uneven text
-MAX_CHUNKS_PER_WORKER = 4
+TARGET_SAMPLES = 16_384             # characters sampled for the byte profile that places the cut targets
+MIN_CHUNK_CHARS = 64_000            # smallest guided chunk: per-chunk glue (~50 us) stays small next to its work
+CUT_FIRST_WINDOW = 64               # first window searched for a stable position, widened 4x up to:
 CUT_SEARCH_CHARS = 4096             # how far past a target offset to look for a stable position
 
 
@@ -50,60 +57,93 @@ class CpuEncoder:
         self._pool: ThreadPoolExecutor | None = None
         self._pool_lock = threading.Lock()
         self.stats = {"serial": 0, "parallel": 0, "chunks": 0, "cut_rejected": 0}
+        # Plain NFC (qwen3): chunks are cut in raw text and normalized by their own threads (encode_parallel).
+        self._nfc_inert = None
+        if getattr(tok.reference, "_plain_nfc", False) and getattr(tok.reference, "_normalizer", None) is not None:
+            from . import nfc
+            self._nfc_inert = nfc.inert_table()
 
     # -- serial ---------------------------------------------------------------------------------------------------
-    def _encode_norm(self, norm: str, lookahead: str = "") -> np.ndarray:
-        """IDs of `norm` (already normalized); `lookahead`: the character right of a chunk cut, read by the
-        pre-tokenizer but not encoded."""
-        if not norm:
+    def _encode_range(self, s: str, a: int, b: int, lookahead: str = "") -> np.ndarray:
+        """IDs of s[a:b] (already normalized); `lookahead`: the character right of a chunk cut, read by the
+        pre-tokenizer but not encoded. Apart from Python glue the whole chain runs without the GIL (strbuf)."""
+        n = b - a
+        if n <= 0:
             return np.zeros(0, dtype=np.uint32)
-        cps = pretokenize.codepoints(norm + lookahead)
+        cps = strbuf.codepoints(s, a, b, lookahead)
         starts = pretokenize.piece_starts(self.family, cps)
-        n = len(norm)
         if lookahead and not starts[n]:
-            raise _CutRejected(n)
-        bounds = piece_byte_bounds(cps[:n], starts[:n])
-        buf = np.frombuffer(norm.encode("utf-8"), dtype=np.uint8)
+            raise _CutRejected(b)
+        buf, bounds = strbuf.utf8_and_bounds(cps, n, starts)
         return self.bpe.encode_bytes(buf, bounds).view(np.uint32)
 
+    def _encode_norm(self, norm: str) -> np.ndarray:
+        return self._encode_range(norm, 0, len(norm))
+
     def encode(self, text: str, *, parallel: bool | None = None) -> np.ndarray:
-        norm = self.tok.reference.normalize(text)
         use_parallel = parallel if parallel is not None else (
-            self.workers > 1 and len(norm) >= self.parallel_min_chars and self.rule is not None)
+            self.workers > 1 and len(text) >= self.parallel_min_chars and self.rule is not None)
         if use_parallel and self.rule is not None:
-            return self.encode_parallel_normalized(norm)
+            return self.encode_parallel(text)
         self.stats["serial"] += 1
-        return self._encode_norm(norm)
+        return self._encode_norm(self.tok.reference.normalize(text))
 
     __call__ = encode
 
     # -- chunk-parallel -------------------------------------------------------------------------------------------
-    @staticmethod
-    def _targets(norm: str, n_chunks: int) -> list[int]:
-        """Character offsets that split the text into n_chunks parts of about equal UTF-8 size. Work follows bytes
-        more than characters (a CJK character is 3 bytes and more merges), so equal-character halves of mixed text
-        leave one thread idle; the byte profile is estimated from every step-th character (about 64K samples)."""
-        n = len(norm)
-        step = max(1, n // 65536)
-        cum = utf8_offsets(pretokenize.codepoints(norm[::step]))[1:]
-        goals = cum[-1] * np.arange(1, n_chunks) / n_chunks
-        return [int(min(n - 1, step * int(np.searchsorted(cum, g)))) for g in goals]
+    def _chunk_fractions(self, n_chars: int, n_chunks: int | None) -> list[float]:
+        """Cumulative byte fractions of the cuts. `n_chunks` given: equal parts. Otherwise guided self-scheduling:
+        each chunk takes 1/(2 * workers) of what remains, down to MIN_CHUNK_CHARS, so big chunks go first and the
+        small ones at the end even out what the text's uneven cost leaves (measured on 1M characters of real text:
+        the BPE of one half took 5.5 ms, of the other 6.5; with two equal chunks one core idled for the difference)."""
+        if n_chunks:
+            return [k / n_chunks for k in range(1, n_chunks)]
+        share = 1.0 / (2 * self.workers)
+        floor = min(1.0, MIN_CHUNK_CHARS / max(n_chars, 1))
+        out, done = [], 0.0
+        while True:
+            done += max((1.0 - done) * share, floor)
+            if done >= 1.0 - floor / 2:
+                return out
+            out.append(done)
 
-    def cuts(self, norm: str, n_chunks: int) -> list[int]:
-        """Stable positions at or after byte-balanced targets (k = 1..n_chunks-1), strictly increasing; fewer if
-        none is near."""
-        n = len(norm)
-        out: list[int] = []
-        for goal in self._targets(norm, n_chunks):
-            target = max(goal, (out[-1] + 1) if out else 1)
-            if target >= n:
-                break
-            lo = target - 1
-            found = self.rule.stable_positions(norm[lo:min(n, target + CUT_SEARCH_CHARS)], offset=lo)
+    @staticmethod
+    def _targets(text: str, fractions: list[float]) -> list[int]:
+        """Character offsets at the given fractions of the text's UTF-8 size. Work follows bytes more than
+        characters (a CJK character is 3 bytes and more merges); the byte profile is estimated from every step-th
+        character (about 16K samples, read GIL-free from the string's own buffer)."""
+        n = len(text)
+        step = max(1, n // TARGET_SAMPLES)
+        cum = strbuf.sampled_utf8_sizes(text, step)
+        at = np.searchsorted(cum, cum[-1] * np.asarray(fractions)) * step
+        return np.minimum(at, n - 1).tolist()
+
+    def _cut_at_or_after(self, text: str, target: int, inert: np.ndarray | None) -> int | None:
+        """The first stable position >= target within CUT_SEARCH_CHARS, or None. `inert` (an NFC inert table,
+        nfc.py): `text` is raw, not yet normalized, and the cut p must also have text[p-1], text[p] and text[p+1]
+        inert. Then NFC(text) = NFC(text[:p]) + NFC(text[p:]) (text[p] is inert), NFC(text[:p]) ends with text[p-1]
+        and NFC(text[p:]) starts with text[p] (neither composes: text[p+1] is inert too), so the two characters the
+        stable rule judged are the ones around the cut in the normalized text."""
+        n = len(text)
+        width = CUT_FIRST_WINDOW
+        while True:     # a narrow window first: a stable position is usually within a few characters
+            lo, hi = target - 1, min(n, target + width)
+            found = self.rule.stable_positions(text[lo:hi], offset=lo)
             found = found[(found >= target) & (found < n)]
+            if inert is not None and found.size:
+                window = np.append(inert[pretokenize.codepoints(text[lo:min(n, hi + 1)])], True)  # past the end: ok
+                rel = found - lo
+                found = found[window[rel - 1] & window[rel] & window[rel + 1]]
             if found.size:
-                out.append(int(found[0]))
-        return out
+                return int(found[0])
+            if width >= CUT_SEARCH_CHARS or hi >= n:
+                return None
+            width *= 4
+
+    def cuts(self, text: str, n_chunks: int, inert: np.ndarray | None = None) -> list[int]:
+        """Stable positions at or after byte-balanced targets (k = 1..n_chunks-1), strictly increasing; fewer if
+        none is near (see `_cut_at_or_after` for `inert`)."""
+        return list(_LazyCuts(self, text, self._targets(text, self._chunk_fractions(len(text), n_chunks)), inert))
 
     def _pool_get(self) -> ThreadPoolExecutor:
         with self._pool_lock:
@@ -111,51 +151,68 @@ class CpuEncoder:
                 self._pool = ThreadPoolExecutor(max_workers=self.workers, thread_name_prefix="tokenplane-cpu")
             return self._pool
 
-    def _run_jobs(self, jobs: list[tuple[str, str]]) -> list[np.ndarray]:
-        """Encode every chunk with the calling thread and workers - 1 pool threads pulling from one queue: the
-        caller works instead of waiting (measured: handing both halves of 1M characters to the pool and waiting
-        gave 1.36-1.46x where the caller taking one gave 1.60-1.68x), and a queue evens out uneven chunks."""
-        results: list[np.ndarray | None] = [None] * len(jobs)
-        order = iter(range(len(jobs)))
+    def encode_parallel(self, text: str, *, n_chunks: int | None = None) -> np.ndarray:
+        """Chunk-parallel encode of raw text; equals the serial encode. Plain-NFC families (qwen3) are cut in raw
+        coordinates at positions NFC cannot touch (see `_cut_at_or_after`), so each chunk thread normalizes its own
+        chunk and no serial whole-text NFC pass stands in front of the threads."""
+        if self._nfc_inert is None or text.isascii():
+            return self._encode_parallel(self.tok.reference.normalize(text), n_chunks, normalize=False)
+        return self._encode_parallel(text, n_chunks, normalize=True)
+
+    def encode_parallel_normalized(self, norm: str, *, n_chunks: int | None = None) -> np.ndarray:
+        """Chunk-parallel encode of already normalized text; equals the serial encode (see module docstring)."""
+        return self._encode_parallel(norm, n_chunks, normalize=False)
+
+    def _encode_parallel(self, s: str, n_chunks: int | None, *, normalize: bool) -> np.ndarray:
+        """The calling thread and workers - 1 pool threads pull chunks from one queue: the caller works instead of
+        waiting (measured: handing both halves of 1M characters to the pool and waiting gave 1.36-1.46x where the
+        caller taking one gave 1.60-1.68x). Whoever pulls a chunk first finds its right cut (_LazyCuts), so the cut
+        search overlaps the other threads' GIL-free encoding instead of running in front of them."""
+        ref = self.tok.reference
+        fractions = self._chunk_fractions(len(s), n_chunks)
+        if not fractions:
+            self.stats["serial"] += 1
+            return self._encode_norm(ref.normalize(s) if normalize else s)
+        cuts = _LazyCuts(self, s, self._targets(s, fractions), self._nfc_inert if normalize else None)
+        results: list[np.ndarray] = []
         lock = threading.Lock()
 
         def drain() -> None:
             while True:
                 with lock:
-                    i = next(order, None)
-                if i is None:
-                    return
-                results[i] = self._encode_norm(*jobs[i])
+                    span = cuts.next_span()
+                    if span is None:
+                        return
+                    i, a, b = span
+                    results.append(None)
+                try:
+                    if normalize:
+                        chunk = ref.normalize(s[a:b])
+                        results[i] = self._encode_range(chunk, 0, len(chunk), s[b:b + 1])
+                    else:
+                        results[i] = self._encode_range(s, a, b, s[b:b + 1])
+                except BaseException:
+                    with lock:
+                        cuts.stop()     # the text is encoded serially: no thread should start another chunk
+                    raise
 
-        helpers = [self._pool_get().submit(drain) for _ in range(min(self.workers, len(jobs)) - 1)]
+        helpers = [self._pool_get().submit(drain) for _ in range(min(self.workers, len(fractions) + 1) - 1)]
         try:
-            drain()
-        finally:
-            for h in helpers:       # wait for every helper; a helper's _CutRejected surfaces here
-                h.result()
-        return results
-
-    def encode_parallel_normalized(self, norm: str, *, n_chunks: int | None = None) -> np.ndarray:
-        """Chunk-parallel encode of normalized text; equals the serial encode (see module docstring)."""
-        # About CHUNK_CHARS per chunk, up to MAX_CHUNKS_PER_WORKER per worker, pulled from one queue (_run_jobs): the
-        # cost per character varies along real text (one half of a CJK slice took twice the other's BPE time).
-        chunks = n_chunks or max(self.workers, min(len(norm) // CHUNK_CHARS,
-                                                   MAX_CHUNKS_PER_WORKER * self.workers))
-        cuts = self.cuts(norm, chunks) if chunks > 1 else []
-        if not cuts:
-            self.stats["serial"] += 1
-            return self._encode_norm(norm)
-        edges = [0, *cuts, len(norm)]
-        jobs = [(norm[a:b], norm[b:b + 1]) for a, b in zip(edges[:-1], edges[1:])]
-        try:
-            parts = self._run_jobs(jobs)
+            try:
+                drain()
+            finally:
+                for h in helpers:       # wait for every helper; a helper's _CutRejected surfaces here
+                    h.result()
         except _CutRejected:
             self.stats["cut_rejected"] += 1
             self.stats["serial"] += 1
-            return self._encode_norm(norm)
+            return self._encode_norm(ref.normalize(s) if normalize else s)
+        if len(results) == 1:
+            self.stats["serial"] += 1
+            return results[0]
         self.stats["parallel"] += 1
-        self.stats["chunks"] += len(jobs)
-        return np.concatenate(parts)
+        self.stats["chunks"] += len(results)
+        return np.concatenate(results)
 
     def close(self) -> None:
         with self._pool_lock:
@@ -166,3 +223,41 @@ class CpuEncoder:
 
 class _CutRejected(RuntimeError):
     """A chunk cut was not a piece start of the left chunk's own pre-tokenization (boundary rule disagrees)."""
+
+
+class _LazyCuts:
+    """Chunk spans in order, each right cut found when the chunk is pulled (the caller holds the queue lock)."""
+
+    def __init__(self, enc: CpuEncoder, text: str, targets: list[int], inert: np.ndarray | None):
+        self.enc, self.text, self.targets, self.inert = enc, text, targets, inert
+        self.k = 0          # next target to resolve
+        self.left = 0       # start of the next span
+        self.count = 0
+
+    def stop(self) -> None:
+        self.left = len(self.text)
+
+    def next_span(self) -> tuple[int, int, int] | None:
+        n = len(self.text)
+        if self.left >= n:
+            return None
+        right = n
+        while self.k < len(self.targets):
+            target = max(self.targets[self.k], self.left + 1)
+            self.k += 1
+            if target >= n:
+                self.k = len(self.targets)
+                break
+            cut = self.enc._cut_at_or_after(self.text, target, self.inert)
+            if cut is not None:
+                right = cut
+                break
+        span = (self.count, self.left, right)
+        self.count += 1
+        self.left = right
+        return span
+
+    def __iter__(self):
+        while (span := self.next_span()) is not None:
+            if span[2] < len(self.text):
+                yield span[2]

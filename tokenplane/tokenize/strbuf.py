@@ -1,0 +1,115 @@
+"""A Python str's code points and UTF-8 bytes produced without holding the GIL.
+
+Chunk threads of the parallel encoder (parallel.py) each need their chunk as code points (for the pre-tokenizer)
+and as UTF-8 bytes (for BPE). Made the obvious way, `text[a:b]`, `s.encode("utf-32-le")` and `s.encode("utf-8")` all
+hold the GIL: on 4M characters they cost ~10-16 ms in total, and two threads queue for them while the rest of the
+chain runs GIL-free. Here numba reads the string's own PEP 393 buffer (a str argument is unboxed without a copy:
+pointer, kind, length) and writes the arrays inside nogil kernels, so a chunk thread never slices or encodes a str.
+
+The UTF-8 writer is fused with the piece-bound pass (both walk the code points once and need each one's width).
+Surrogates cannot reach it: the tokenizer rejects them before encoding (tokenizer.py), as tiktoken does.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+try:
+    from numba import njit
+    from numba.cpython.unicode import _get_code_point
+except ImportError:  # pragma: no cover - numba absent or its internals moved: the GIL-holding forms below
+    njit = None
+
+
+def _codepoints_impl(s, a, b, out):
+    for i in range(a, b):
+        out[i - a] = _get_code_point(s, i)
+
+
+def _utf8_and_bounds_impl(cps, n, starts, buf, bounds):
+    # One pass: UTF-8 of cps[:n] into buf, and the byte offset of every piece start (plus the end) into bounds.
+    # Branch-free bound writes for the same reason as bpe._piece_byte_bounds (dense, irregular piece starts).
+    k = 0
+    pos = 0
+    last = bounds.shape[0] - 1
+    for i in range(n):
+        bounds[min(k, last)] = pos
+        k += 1 if starts[i] else 0
+        c = cps[i]
+        if c < 0x80:
+            buf[pos] = c
+            pos += 1
+        elif c < 0x800:
+            buf[pos] = 0xC0 | (c >> 6)
+            buf[pos + 1] = 0x80 | (c & 0x3F)
+            pos += 2
+        elif c < 0x10000:
+            buf[pos] = 0xE0 | (c >> 12)
+            buf[pos + 1] = 0x80 | ((c >> 6) & 0x3F)
+            buf[pos + 2] = 0x80 | (c & 0x3F)
+            pos += 3
+        else:
+            buf[pos] = 0xF0 | (c >> 18)
+            buf[pos + 1] = 0x80 | ((c >> 12) & 0x3F)
+            buf[pos + 2] = 0x80 | ((c >> 6) & 0x3F)
+            buf[pos + 3] = 0x80 | (c & 0x3F)
+            pos += 4
+    bounds[k] = pos
+    return k + 1, pos
+
+
+def _sampled_sizes_impl(s, step, out):
+    total = 0
+    for j in range(out.shape[0]):
+        c = _get_code_point(s, j * step)
+        total += 1 + (c >= 0x80) + (c >= 0x800) + (c >= 0x10000)
+        out[j] = total
+
+
+if njit is not None:
+    _codepoints = njit(cache=True, nogil=True)(_codepoints_impl)
+    _sampled_sizes = njit(cache=True, nogil=True)(_sampled_sizes_impl)
+    _utf8_and_bounds = njit(cache=True, nogil=True)(_utf8_and_bounds_impl)
+
+
+def codepoints(s: str, a: int = 0, b: int | None = None, extra: str = "") -> np.ndarray:
+    """uint32 code points of s[a:b] followed by those of `extra` (a few characters, e.g. the one right of a chunk
+    cut), equal to `np.frombuffer((s[a:b] + extra).encode("utf-32-le"), "<u4")`."""
+    b = len(s) if b is None else b
+    if not 0 <= a <= b <= len(s):
+        raise IndexError(f"code point range [{a}, {b}) outside a string of length {len(s)}")
+    n = b - a
+    out = np.empty(n + len(extra), dtype=np.uint32)
+    if njit is None:
+        out[:n] = np.frombuffer(s[a:b].encode("utf-32-le"), dtype="<u4")
+    elif n:
+        _codepoints(s, a, b, out)
+    for i, ch in enumerate(extra):
+        out[n + i] = ord(ch)
+    return out
+
+
+def sampled_utf8_sizes(s: str, step: int) -> np.ndarray:
+    """int64 running UTF-8 size of s[0], s[step], s[2*step], ... (a byte profile of the text from one character in
+    `step`); equals `np.cumsum` of the UTF-8 widths of `s[::step]`."""
+    count = -(-len(s) // step)
+    out = np.empty(count, dtype=np.int64)
+    if njit is None:
+        from .bpe import utf8_offsets
+        return utf8_offsets(np.frombuffer(s[::step].encode("utf-32-le"), dtype="<u4"))[1:]
+    if count:
+        _sampled_sizes(s, step, out)
+    return out
+
+
+def utf8_and_bounds(cps: np.ndarray, n: int, starts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(UTF-8 bytes of cps[:n] as uint8, int64 byte offsets of the piece starts in starts[:n] plus the end)."""
+    cps = np.ascontiguousarray(cps, dtype=np.uint32)
+    if njit is None:
+        from .bpe import piece_byte_bounds
+        buf = np.frombuffer(cps[:n].tobytes().decode("utf-32-le").encode("utf-8"), dtype=np.uint8)
+        return buf, piece_byte_bounds(cps[:n], starts[:n])
+    buf = np.empty(4 * n, dtype=np.uint8)
+    bounds = np.empty(n + 1, dtype=np.int64)     # untouched tail pages are never faulted in; no GIL-held count
+    k, size = _utf8_and_bounds(cps, n, starts.view(np.bool_), buf, bounds)
+    return buf[:size], bounds[:k]
