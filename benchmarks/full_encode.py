@@ -193,6 +193,7 @@ def reference_ids(tok, docs: list[str]) -> list:
         with np.load(path) as z:
             return [z[f"a{i}"] for i in range(len(docs))]
     ids = [tok.encode(d, path="reference") for d in docs]
+    path.parent.mkdir(parents=True, exist_ok=True)   # a fresh machine has no cache folder yet
     np.savez(path, **{f"a{i}": a for i, a in enumerate(ids)})
     return ids
 

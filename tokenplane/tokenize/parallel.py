@@ -45,7 +45,8 @@ def default_workers() -> int:
 class CpuEncoder:
     """Exact CPU encoder of one tokenizer's ordinary text (IDs equal `tok.reference.encode_ordinary`)."""
 
-    def __init__(self, tok, *, workers: int | None = None, parallel_min_chars: int = PARALLEL_MIN_CHARS):
+    def __init__(self, tok, *, workers: int | None = None, parallel_min_chars: int = PARALLEL_MIN_CHARS,
+                 min_chunk_chars: int = MIN_CHUNK_CHARS):
         if not pretokenize.supported(tok.family):
             raise pretokenize.UnsupportedFamily(tok.family.name)
         self.tok = tok
@@ -54,6 +55,7 @@ class CpuEncoder:
         self.rule = boundary.rule_for(tok.family)
         self.workers = workers or default_workers()
         self.parallel_min_chars = parallel_min_chars
+        self.min_chunk_chars = min_chunk_chars
         self._pool: ThreadPoolExecutor | None = None
         self._pool_lock = threading.Lock()
         self.stats = {"serial": 0, "parallel": 0, "chunks": 0, "cut_rejected": 0}
@@ -93,13 +95,13 @@ class CpuEncoder:
     # -- chunk-parallel -------------------------------------------------------------------------------------------
     def _chunk_fractions(self, n_chars: int, n_chunks: int | None) -> list[float]:
         """Cumulative byte fractions of the cuts. `n_chunks` given: equal parts. Otherwise guided self-scheduling:
-        each chunk takes 1/(2 * workers) of what remains, down to MIN_CHUNK_CHARS, so big chunks go first and the
+        each chunk takes 1/(2 * workers) of what remains, down to min_chunk_chars, so big chunks go first and the
         small ones at the end even out what the text's uneven cost leaves (measured on 1M characters of real text:
         the BPE of one half took 5.5 ms, of the other 6.5; with two equal chunks one core idled for the difference)."""
         if n_chunks:
             return [k / n_chunks for k in range(1, n_chunks)]
         share = 1.0 / (2 * self.workers)
-        floor = min(1.0, MIN_CHUNK_CHARS / max(n_chars, 1))
+        floor = min(1.0, self.min_chunk_chars / max(n_chars, 1))
         out, done = [], 0.0
         while True:
             done += max((1.0 - done) * share, floor)
