@@ -181,7 +181,34 @@ def test_heap_merge_equals_rounds_on_long_pieces(name):
         scratch = [np.empty(m, dtype=np.int32) for _ in range(3)]
         out1 = np.empty(m, dtype=np.int32)
         out2 = np.empty(m, dtype=np.int32)
-        n1 = bpe_mod._merge_piece(buf, 0, m, b.byte_ids, b.pkeys, b.pranks, b.pnews, True, *scratch, out1, 0)
-        n2 = bpe_mod._merge_piece_heap(buf, 0, m, b.byte_ids, b.pkeys, b.pranks, b.pnews, *scratch,
+        n1 = bpe_mod._merge_piece(buf, 0, m, b.byte_ids, b.ptab, True, *scratch, out1, 0)
+        n2 = bpe_mod._merge_piece_heap(buf, 0, m, b.byte_ids, b.ptab, *scratch,
                                        np.empty(3 * m, dtype=np.int64), out2, 0)
         assert out1[:n1].tolist() == out2[:n2].tolist(), (name, text)
+
+
+@pytest.mark.parametrize("name", ["cl100k_base", "qwen3"])
+def test_long_piece_cache_hits_are_exact(name):
+    """The long tier (pieces over CACHE_BYTES up to LONG_BYTES) returns what merging returns, under collisions and
+    replacement in a tiny cache, and a piece with more IDs than a slot holds is merged every time, never truncated."""
+    from tokenplane.tokenize import pretokenize
+
+    enc = encoder(name)
+    cache = bpe_mod.PieceCache(16, long_ways=4)
+    rng = random.Random(name)
+    cjk = "日本語の文章を書きます中文句子测试鬱龘齉𠀀"
+    words = ["".join(rng.choice(cjk) for _ in range(rng.randint(9, 90))) for _ in range(12)]
+    words += ["x" + "".join(rng.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(rng.randint(25, 250)))
+              for _ in range(6)]
+    text = " ".join(rng.choice(words) for _ in range(120))
+    norm = enc.tok.reference.normalize(text)
+    cps = pretokenize.codepoints(norm)
+    buf = np.frombuffer(norm.encode(), dtype=np.uint8)
+    off = bpe_mod.utf8_offsets(cps)
+    bounds = np.append(off[np.flatnonzero(pretokenize.piece_starts(name, cps))], off[-1])
+    assert (np.diff(bounds) > bpe_mod.CACHE_BYTES).any() and (np.diff(bounds) > bpe_mod.LONG_BYTES).any()
+    ref = enc.tok.reference.encode_ordinary(text).tolist()
+    first = enc.bpe.encode_bytes(buf, bounds, cache).tolist()
+    assert (cache.long_length > 0).any()
+    second = enc.bpe.encode_bytes(buf, bounds, cache).tolist()
+    assert first == second == ref

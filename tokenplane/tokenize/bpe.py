@@ -44,6 +44,10 @@ _MUL = np.uint64(0x9E3779B97F4A7C15)
 CACHE_WAYS = 1 << 15       # per-thread piece cache slots
 CACHE_BYTES = 24           # pieces up to this many bytes are cached
 CACHE_IDS = 12
+# Long tier: a piece of up to 256 bytes (85 CJK characters) with up to 128 IDs. 2048 ways: 1.5 MB per thread.
+LONG_WAYS = 1 << 11
+LONG_BYTES = 256
+LONG_IDS = 128
 HEAP_MIN_BYTES = 48        # longer pieces merge through a heap (O(m log m)) instead of rescanning rounds
 
 
@@ -85,10 +89,9 @@ def _fnv(buf, a, b):
 
 
 @njit(cache=True, nogil=True)
-def _whole_lookup(wkeys, wids, tok_flat, tok_off, buf, a, b):
-    """ID of the vocabulary token equal to buf[a:b], or -1."""
+def _whole_lookup(wkeys, wids, tok_flat, tok_off, buf, a, b, h):
+    """ID of the vocabulary token equal to buf[a:b], or -1 (h: _fnv(buf, a, b), which the caller has)."""
     mask = wkeys.shape[0] - 1
-    h = _fnv(buf, a, b)
     if h == np.uint64(0xFFFFFFFFFFFFFFFF):
         h = np.uint64(0)
     i = np.int64((h * np.uint64(0x9E3779B97F4A7C15)) >> np.uint64(29)) & mask
@@ -129,16 +132,25 @@ def _build_whole(tok_flat, tok_off, ids, cap):
 
 # -- the merge kernel -----------------------------------------------------------------------------------------------
 @njit(cache=True, nogil=True)
-def _pair_rank(pkeys, pranks, pnews, a, b):
+def _pair_rank(ptab, a, b):
+    """(rank, merged id) of the pair (a, b), or (INF, -1). ptab[i] = (key, rank << 32 | id): one record per slot,
+    so a probe touches one cache line instead of three (separate key, rank and id arrays: the BPE of CJK text,
+    where most pieces miss the caches, is bound by these random reads)."""
+    mask = ptab.shape[0] - 1
     key = (np.uint64(a) << np.uint64(32)) | np.uint64(b)
-    i = _pair_slot(pkeys, key)
-    if pkeys[i] == key:
-        return pranks[i], pnews[i]
-    return np.int32(0x7FFFFFFF), np.int32(-1)
+    i = np.int64(((key * np.uint64(0x9E3779B97F4A7C15)) >> np.uint64(29)) & np.uint64(mask))
+    while True:
+        k = ptab[i, 0]
+        if k == key:
+            v = ptab[i, 1]
+            return np.int32(v >> np.uint64(32)), np.int32(v & np.uint64(0xFFFFFFFF))
+        if k == np.uint64(0xFFFFFFFFFFFFFFFF):
+            return np.int32(0x7FFFFFFF), np.int32(-1)
+        i = (i + 1) & mask
 
 
 @njit(cache=True, nogil=True)
-def _merge_piece(buf, a, b, byte_ids, pkeys, pranks, pnews, batch, sym, rk, nw, out, o):
+def _merge_piece(buf, a, b, byte_ids, ptab, batch, sym, rk, nw, out, o):
     """BPE of buf[a:b] appended to out[o:]; returns the new o. sym/rk/nw: scratch of length >= b - a.
 
     rk[i]/nw[i]: rank and product of the pair (sym[i], sym[i+1]). A round merges the leftmost occurrence of the
@@ -150,7 +162,7 @@ def _merge_piece(buf, a, b, byte_ids, pkeys, pranks, pnews, batch, sym, rk, nw, 
     for i in range(m):
         sym[i] = byte_ids[buf[a + i]]
     for i in range(m - 1):
-        r, t = _pair_rank(pkeys, pranks, pnews, sym[i], sym[i + 1])
+        r, t = _pair_rank(ptab, sym[i], sym[i + 1])
         rk[i] = r
         nw[i] = t
     k = m
@@ -170,12 +182,12 @@ def _merge_piece(buf, a, b, byte_ids, pkeys, pranks, pnews, batch, sym, rk, nw, 
                 sym[w] = t
                 low = INF
                 if w > 0:       # the pair on the left now ends in the merged token: re-probe it
-                    r, u = _pair_rank(pkeys, pranks, pnews, sym[w - 1], t)
+                    r, u = _pair_rank(ptab, sym[w - 1], t)
                     rk[w - 1] = r
                     nw[w - 1] = u
                     low = r
                 if i + 2 < k:   # and the pair on the right starts with it
-                    r, u = _pair_rank(pkeys, pranks, pnews, t, sym[i + 2])
+                    r, u = _pair_rank(ptab, t, sym[i + 2])
                     rk[w] = r
                     nw[w] = u
                     if r < low:
@@ -232,7 +244,7 @@ def _heap_pop(heap, n):
 
 
 @njit(cache=True, nogil=True)
-def _merge_piece_heap(buf, a, b, byte_ids, pkeys, pranks, pnews, sym, nxt, prv, heap, out, o):
+def _merge_piece_heap(buf, a, b, byte_ids, ptab, sym, nxt, prv, heap, out, o):
     """The same BPE as `_merge_piece` in O(m log m) for long pieces (CJK runs, long identifiers), where the
     rounds' rescans are quadratic. A min-heap of (rank, position) yields the leftmost minimum-rank pair; an entry is
     live iff the pair now at its position still has its rank (every current pair was pushed with its current rank,
@@ -246,7 +258,7 @@ def _merge_piece_heap(buf, a, b, byte_ids, pkeys, pranks, pnews, sym, nxt, prv, 
     nxt[m - 1] = -1
     n = 0
     for i in range(m - 1):
-        r, t = _pair_rank(pkeys, pranks, pnews, sym[i], sym[i + 1])
+        r, t = _pair_rank(ptab, sym[i], sym[i + 1])
         if r != INF:
             n = _heap_push(heap, n, (np.int64(r) << 32) | i)
     while n > 0:
@@ -257,7 +269,7 @@ def _merge_piece_heap(buf, a, b, byte_ids, pkeys, pranks, pnews, sym, nxt, prv, 
         q = nxt[p]
         if sym[p] < 0 or q < 0:
             continue
-        cr, t = _pair_rank(pkeys, pranks, pnews, sym[p], sym[q])
+        cr, t = _pair_rank(ptab, sym[p], sym[q])
         if cr != r:
             continue
         sym[p] = t
@@ -268,11 +280,11 @@ def _merge_piece_heap(buf, a, b, byte_ids, pkeys, pranks, pnews, sym, nxt, prv, 
             prv[nq] = p
         lp = prv[p]
         if lp >= 0:
-            r2, t2 = _pair_rank(pkeys, pranks, pnews, sym[lp], t)
+            r2, t2 = _pair_rank(ptab, sym[lp], t)
             if r2 != INF:
                 n = _heap_push(heap, n, (np.int64(r2) << 32) | lp)
         if nq >= 0:
-            r3, t3 = _pair_rank(pkeys, pranks, pnews, t, sym[nq])
+            r3, t3 = _pair_rank(ptab, t, sym[nq])
             if r3 != INF:
                 n = _heap_push(heap, n, (np.int64(r3) << 32) | p)
     i = 0
@@ -284,7 +296,7 @@ def _merge_piece_heap(buf, a, b, byte_ids, pkeys, pranks, pnews, sym, nxt, prv, 
 
 
 @njit(cache=True, nogil=True)
-def _self_encoding(tok_flat, tok_off, ids, byte_ids, pkeys, pranks, pnews, batch):
+def _self_encoding(tok_flat, tok_off, ids, byte_ids, ptab, batch):
     """keep[j]: merging the bytes of token ids[j] yields exactly that one token."""
     longest = 1
     for t in ids:
@@ -297,16 +309,43 @@ def _self_encoding(tok_flat, tok_off, ids, byte_ids, pkeys, pranks, pnews, batch
     keep = np.zeros(ids.shape[0], dtype=np.bool_)
     for j in range(ids.shape[0]):
         t = ids[j]
-        o = _merge_piece(tok_flat, tok_off[t], tok_off[t + 1], byte_ids, pkeys, pranks, pnews, batch, sym, rk, nw,
+        o = _merge_piece(tok_flat, tok_off[t], tok_off[t + 1], byte_ids, ptab, batch, sym, rk, nw,
                          out, 0)
         keep[j] = o == 1 and out[0] == t
     return keep
 
 
 @njit(cache=True, nogil=True)
-def encode_pieces(buf, bounds, byte_ids, pkeys, pranks, pnews, batch, whole, wkeys, wids, tok_flat, tok_off,
-                  cache_keys, cache_len, cache_ids, cache_n):
-    """IDs of every piece buf[bounds[j]:bounds[j+1]], concatenated (int32). Caches short pieces per caller."""
+def _cache_get(keys, length, ids, count, slot, buf, a, m, out, o):
+    """Copy the cached IDs of buf[a:a+m] from `slot` to out[o:] and return the new o, or -1 on a miss."""
+    if length[slot] != m:
+        return -1
+    for i in range(m):
+        if keys[slot, i] != buf[a + i]:
+            return -1
+    for i in range(count[slot]):
+        out[o + i] = ids[slot, i]
+    return o + count[slot]
+
+
+@njit(cache=True, nogil=True)
+def _cache_put(keys, length, ids, count, slot, buf, a, m, out, o0, o):
+    if o - o0 > ids.shape[1]:
+        return
+    length[slot] = m
+    for i in range(m):
+        keys[slot, i] = buf[a + i]
+    count[slot] = o - o0
+    for i in range(o - o0):
+        ids[slot, i] = out[o0 + i]
+
+
+@njit(cache=True, nogil=True)
+def encode_pieces(buf, bounds, byte_ids, ptab, batch, whole, wkeys, wids, tok_flat, tok_off,
+                  cache_keys, cache_len, cache_ids, cache_n, long_keys, long_len, long_ids, long_n):
+    """IDs of every piece buf[bounds[j]:bounds[j+1]], concatenated (int32). Caches pieces per caller in two
+    direct-mapped tiers: short pieces (most of them) and long ones up to long_keys.shape[1] bytes (CJK runs and
+    long identifiers, which cost the most to merge and recur in agent context)."""
     n_pieces = bounds.shape[0] - 1
     out = np.empty(buf.shape[0], dtype=np.int32)
     longest = 1
@@ -318,6 +357,7 @@ def encode_pieces(buf, bounds, byte_ids, pkeys, pranks, pnews, batch, whole, wke
     nw = np.empty(longest, dtype=np.int32)
     heap = np.empty(3 * longest, dtype=np.int64)
     cmask = cache_len.shape[0] - 1
+    lmask = long_len.shape[0] - 1
     o = 0
     for j in range(n_pieces):
         a = bounds[j]
@@ -327,49 +367,55 @@ def encode_pieces(buf, bounds, byte_ids, pkeys, pranks, pnews, batch, whole, wke
             out[o] = byte_ids[buf[a]]
             o += 1
             continue
+        tier = 0 if m <= cache_keys.shape[1] else (1 if m <= long_keys.shape[1] else -1)
         slot = -1
-        if m <= cache_keys.shape[1]:
-            slot = np.int64((_fnv(buf, a, b) * np.uint64(0x9E3779B97F4A7C15)) >> np.uint64(40)) & cmask
-            if cache_len[slot] == m:
-                hit = True
-                for i in range(m):
-                    if cache_keys[slot, i] != buf[a + i]:
-                        hit = False
-                        break
-                if hit:
-                    for i in range(cache_n[slot]):
-                        out[o] = cache_ids[slot, i]
-                        o += 1
-                    continue
+        h = _fnv(buf, a, b)
+        if tier >= 0:
+            slot = np.int64((h * np.uint64(0x9E3779B97F4A7C15)) >> np.uint64(40))
+            if tier == 0:
+                slot &= cmask
+                got = _cache_get(cache_keys, cache_len, cache_ids, cache_n, slot, buf, a, m, out, o)
+            else:
+                slot &= lmask
+                got = _cache_get(long_keys, long_len, long_ids, long_n, slot, buf, a, m, out, o)
+            if got >= 0:
+                o = got
+                continue
         o0 = o
         t = -1
         if whole:
-            t = _whole_lookup(wkeys, wids, tok_flat, tok_off, buf, a, b)
+            t = _whole_lookup(wkeys, wids, tok_flat, tok_off, buf, a, b, h)
         if t >= 0:
             out[o] = t
             o += 1
         elif m > HEAP_MIN_BYTES and batch:
-            o = _merge_piece_heap(buf, a, b, byte_ids, pkeys, pranks, pnews, sym, rk, nw, heap, out, o)
+            o = _merge_piece_heap(buf, a, b, byte_ids, ptab, sym, rk, nw, heap, out, o)
         else:
-            o = _merge_piece(buf, a, b, byte_ids, pkeys, pranks, pnews, batch, sym, rk, nw, out, o)
-        if slot >= 0 and o - o0 <= cache_ids.shape[1]:
-            cache_len[slot] = m
-            for i in range(m):
-                cache_keys[slot, i] = buf[a + i]
-            cache_n[slot] = o - o0
-            for i in range(o - o0):
-                cache_ids[slot, i] = out[o0 + i]
+            o = _merge_piece(buf, a, b, byte_ids, ptab, batch, sym, rk, nw, out, o)
+        if tier == 0:
+            _cache_put(cache_keys, cache_len, cache_ids, cache_n, slot, buf, a, m, out, o0, o)
+        elif tier == 1:
+            _cache_put(long_keys, long_len, long_ids, long_n, slot, buf, a, m, out, o0, o)
     return out[:o]
 
 
 class PieceCache:
-    """Per-thread cache of short pieces -> IDs (the kernel writes it; one per thread, never shared)."""
+    """Per-thread cache of pieces -> IDs (the kernel writes it; one per thread, never shared): a short tier and a
+    long tier (pieces of CACHE_BYTES+1 .. LONG_BYTES bytes)."""
 
-    def __init__(self, ways: int = CACHE_WAYS):
+    def __init__(self, ways: int = CACHE_WAYS, long_ways: int = LONG_WAYS):
         self.keys = np.zeros((ways, CACHE_BYTES), dtype=np.uint8)
         self.length = np.zeros(ways, dtype=np.int32)
         self.ids = np.zeros((ways, CACHE_IDS), dtype=np.int32)
         self.n = np.zeros(ways, dtype=np.int32)
+        self.long_keys = np.zeros((long_ways, LONG_BYTES), dtype=np.uint8)
+        self.long_length = np.zeros(long_ways, dtype=np.int32)
+        self.long_ids = np.zeros((long_ways, LONG_IDS), dtype=np.int32)
+        self.long_n = np.zeros(long_ways, dtype=np.int32)
+
+    def clear(self) -> None:
+        self.length[:] = 0
+        self.long_length[:] = 0
 
 
 # -- tables from the pinned files ---------------------------------------------------------------------------------
@@ -434,6 +480,9 @@ class BPE:
         self.n_pairs = int(left.shape[0])
         self.batch = True        # False: one merge per round (the plain schedule; kept to measure against)
         self.pkeys, self.pranks, self.pnews = _build_pairs(left, right, rank, new, _pow2(len(left)))
+        # the kernels' form (_pair_rank); the three arrays stay for the GPU tables and the numpy reference
+        self.ptab = np.stack([self.pkeys, (self.pranks.astype(np.uint32).astype(np.uint64) << np.uint64(32))
+                              | self.pnews.astype(np.uint32).astype(np.uint64)], axis=1)
         if fam.engine == "tiktoken":
             byte_ids = {tok[0]: i for i, tok in enumerate(tokens[:n_ord]) if len(tok) == 1}
             self.whole = True
@@ -453,8 +502,7 @@ class BPE:
         if fam.engine != "tiktoken" and not ignore_merges:
             # Merges decide, but a piece's BPE depends on its bytes alone: a piece equal to a token whose own bytes
             # merge back to exactly that token encodes to it, so one lookup replaces the merge rounds (most words).
-            multi = multi[_self_encoding(self.tok_flat, self.tok_off, multi, self.byte_ids, self.pkeys,
-                                         self.pranks, self.pnews, self.batch)]
+            multi = multi[_self_encoding(self.tok_flat, self.tok_off, multi, self.byte_ids, self.ptab, self.batch)]
         self.whole = True     # whole-piece lookup first: every token (tiktoken, ignore_merges) or self-encoding ones
         self.n_whole = int(multi.shape[0])
         self.wkeys, self.wids = _build_whole(self.tok_flat, self.tok_off, multi, _pow2(len(multi)))
@@ -472,14 +520,14 @@ class BPE:
         """Forget every cached piece in every thread (a cold start for benchmarks: warm repeats of one text hit
         the cache far more often than a fresh request does)."""
         for cache in list(self._caches):
-            cache.length[:] = 0
+            cache.clear()
 
     def encode_bytes(self, buf: np.ndarray, bounds: np.ndarray, cache: PieceCache | None = None) -> np.ndarray:
         """IDs (int32) of the pieces buf[bounds[j]:bounds[j+1]] (buf: uint8 UTF-8, bounds: int64 byte offsets)."""
         c = cache if cache is not None else self._cache()
-        return encode_pieces(buf, bounds, self.byte_ids, self.pkeys, self.pranks, self.pnews, self.batch,
+        return encode_pieces(buf, bounds, self.byte_ids, self.ptab, self.batch,
                              self.whole, self.wkeys, self.wids, self.tok_flat, self.tok_off, c.keys, c.length,
-                             c.ids, c.n)
+                             c.ids, c.n, c.long_keys, c.long_length, c.long_ids, c.long_n)
 
     def encode_piece(self, piece: bytes) -> list[int]:
         buf = np.frombuffer(piece, dtype=np.uint8)
