@@ -42,8 +42,8 @@ except ImportError:  # pragma: no cover - exercised only where numba is absent
 EMPTY = np.uint64(0xFFFFFFFFFFFFFFFF)
 _MUL = np.uint64(0x9E3779B97F4A7C15)
 CACHE_WAYS = 1 << 15       # per-thread piece cache slots
-CACHE_BYTES = 24           # pieces up to this many bytes are cached
-CACHE_IDS = 12
+CACHE_BYTES = SHORT_BYTES = 24     # pieces up to this many bytes go to the short tier (6 words of a record)
+SHORT_IDS = 9                       # IDs a short record holds (9 words)
 # Long tier: a piece of up to 256 bytes (85 CJK characters) with up to 128 IDs. 2048 ways: 1.5 MB per thread.
 LONG_WAYS = 1 << 11
 LONG_BYTES = 256
@@ -316,8 +316,46 @@ def _self_encoding(tok_flat, tok_off, ids, byte_ids, ptab, batch):
 
 
 @njit(cache=True, nogil=True)
+def _short_word(buf, a, m, w):
+    """Bytes 4w..4w+3 of buf[a:a+m] as a little-endian word, zero past the piece's end."""
+    v = np.uint32(0)
+    for k in range(4):
+        i = 4 * w + k
+        if i < m:
+            v |= np.uint32(buf[a + i]) << np.uint32(8 * k)
+    return v
+
+
+@njit(cache=True, nogil=True)
+def _short_get(tab, slot, buf, a, m, out, o):
+    """Short tier, one 64-byte record per slot (a hit reads one cache line): word 0 = length | count << 8,
+    words 1-6 = the piece's bytes, words 7-15 = its IDs. Returns the new o, or -1 on a miss."""
+    hdr = tab[slot, 0]
+    if (hdr & np.uint32(0xFF)) != m:
+        return -1
+    for w in range((m + 3) >> 2):
+        if tab[slot, 1 + w] != _short_word(buf, a, m, w):
+            return -1
+    c = np.int64(hdr >> np.uint32(8))
+    for i in range(c):
+        out[o + i] = tab[slot, 7 + i]
+    return o + c
+
+
+@njit(cache=True, nogil=True)
+def _short_put(tab, slot, buf, a, m, out, o0, o):
+    if o - o0 > SHORT_IDS:
+        return
+    tab[slot, 0] = np.uint32(m) | (np.uint32(o - o0) << np.uint32(8))
+    for w in range(6):
+        tab[slot, 1 + w] = _short_word(buf, a, m, w)
+    for i in range(o - o0):
+        tab[slot, 7 + i] = out[o0 + i]
+
+
+@njit(cache=True, nogil=True)
 def _cache_get(keys, length, ids, count, slot, buf, a, m, out, o):
-    """Copy the cached IDs of buf[a:a+m] from `slot` to out[o:] and return the new o, or -1 on a miss."""
+    """Long tier: copy the cached IDs of buf[a:a+m] from `slot` to out[o:] and return the new o, or -1."""
     if length[slot] != m:
         return -1
     for i in range(m):
@@ -342,7 +380,7 @@ def _cache_put(keys, length, ids, count, slot, buf, a, m, out, o0, o):
 
 @njit(cache=True, nogil=True)
 def encode_pieces(buf, bounds, byte_ids, ptab, batch, whole, wkeys, wids, tok_flat, tok_off,
-                  cache_keys, cache_len, cache_ids, cache_n, long_keys, long_len, long_ids, long_n):
+                  short, long_keys, long_len, long_ids, long_n):
     """IDs of every piece buf[bounds[j]:bounds[j+1]], concatenated (int32). Caches pieces per caller in two
     direct-mapped tiers: short pieces (most of them) and long ones up to long_keys.shape[1] bytes (CJK runs and
     long identifiers, which cost the most to merge and recur in agent context)."""
@@ -356,7 +394,7 @@ def encode_pieces(buf, bounds, byte_ids, ptab, batch, whole, wkeys, wids, tok_fl
     rk = np.empty(longest, dtype=np.int32)
     nw = np.empty(longest, dtype=np.int32)
     heap = np.empty(3 * longest, dtype=np.int64)
-    cmask = cache_len.shape[0] - 1
+    cmask = short.shape[0] - 1
     lmask = long_len.shape[0] - 1
     o = 0
     for j in range(n_pieces):
@@ -367,14 +405,14 @@ def encode_pieces(buf, bounds, byte_ids, ptab, batch, whole, wkeys, wids, tok_fl
             out[o] = byte_ids[buf[a]]
             o += 1
             continue
-        tier = 0 if m <= cache_keys.shape[1] else (1 if m <= long_keys.shape[1] else -1)
+        tier = 0 if m <= SHORT_BYTES else (1 if m <= long_keys.shape[1] else -1)
         slot = -1
         h = _fnv(buf, a, b)
         if tier >= 0:
             slot = np.int64((h * np.uint64(0x9E3779B97F4A7C15)) >> np.uint64(40))
             if tier == 0:
                 slot &= cmask
-                got = _cache_get(cache_keys, cache_len, cache_ids, cache_n, slot, buf, a, m, out, o)
+                got = _short_get(short, slot, buf, a, m, out, o)
             else:
                 slot &= lmask
                 got = _cache_get(long_keys, long_len, long_ids, long_n, slot, buf, a, m, out, o)
@@ -393,7 +431,7 @@ def encode_pieces(buf, bounds, byte_ids, ptab, batch, whole, wkeys, wids, tok_fl
         else:
             o = _merge_piece(buf, a, b, byte_ids, ptab, batch, sym, rk, nw, out, o)
         if tier == 0:
-            _cache_put(cache_keys, cache_len, cache_ids, cache_n, slot, buf, a, m, out, o0, o)
+            _short_put(short, slot, buf, a, m, out, o0, o)
         elif tier == 1:
             _cache_put(long_keys, long_len, long_ids, long_n, slot, buf, a, m, out, o0, o)
     return out[:o]
@@ -404,17 +442,14 @@ class PieceCache:
     long tier (pieces of CACHE_BYTES+1 .. LONG_BYTES bytes)."""
 
     def __init__(self, ways: int = CACHE_WAYS, long_ways: int = LONG_WAYS):
-        self.keys = np.zeros((ways, CACHE_BYTES), dtype=np.uint8)
-        self.length = np.zeros(ways, dtype=np.int32)
-        self.ids = np.zeros((ways, CACHE_IDS), dtype=np.int32)
-        self.n = np.zeros(ways, dtype=np.int32)
+        self.short = np.zeros((ways, 16), dtype=np.uint32)     # 64-byte records, see _short_get
         self.long_keys = np.zeros((long_ways, LONG_BYTES), dtype=np.uint8)
         self.long_length = np.zeros(long_ways, dtype=np.int32)
         self.long_ids = np.zeros((long_ways, LONG_IDS), dtype=np.int32)
         self.long_n = np.zeros(long_ways, dtype=np.int32)
 
     def clear(self) -> None:
-        self.length[:] = 0
+        self.short[:, 0] = 0
         self.long_length[:] = 0
 
 
@@ -526,8 +561,8 @@ class BPE:
         """IDs (int32) of the pieces buf[bounds[j]:bounds[j+1]] (buf: uint8 UTF-8, bounds: int64 byte offsets)."""
         c = cache if cache is not None else self._cache()
         return encode_pieces(buf, bounds, self.byte_ids, self.ptab, self.batch,
-                             self.whole, self.wkeys, self.wids, self.tok_flat, self.tok_off, c.keys, c.length,
-                             c.ids, c.n, c.long_keys, c.long_length, c.long_ids, c.long_n)
+                             self.whole, self.wkeys, self.wids, self.tok_flat, self.tok_off, c.short,
+                             c.long_keys, c.long_length, c.long_ids, c.long_n)
 
     def encode_piece(self, piece: bytes) -> list[int]:
         buf = np.frombuffer(piece, dtype=np.uint8)
