@@ -315,7 +315,9 @@ def _self_encoding(tok_flat, tok_off, ids, byte_ids, ptab, batch):
     return keep
 
 
-@njit(cache=True, nogil=True)
+# The cache helpers are inlined at numba IR level: as calls, passing the tier's arrays per piece cost ~10% of a
+# mixed-text encode (measured against the inline form in alternating processes).
+@njit(cache=True, nogil=True, inline="always")
 def _short_word(buf, a, m, w):
     """Bytes 4w..4w+3 of buf[a:a+m] as a little-endian word, zero past the piece's end."""
     v = np.uint32(0)
@@ -326,7 +328,7 @@ def _short_word(buf, a, m, w):
     return v
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, inline="always")
 def _short_get(tab, slot, buf, a, m, out, o):
     """Short tier, one 64-byte record per slot (a hit reads one cache line): word 0 = length | count << 8,
     words 1-6 = the piece's bytes, words 7-15 = its IDs. Returns the new o, or -1 on a miss."""
@@ -342,7 +344,7 @@ def _short_get(tab, slot, buf, a, m, out, o):
     return o + c
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, inline="always")
 def _short_put(tab, slot, buf, a, m, out, o0, o):
     if o - o0 > SHORT_IDS:
         return
@@ -353,7 +355,7 @@ def _short_put(tab, slot, buf, a, m, out, o0, o):
         tab[slot, 7 + i] = out[o0 + i]
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, inline="always")
 def _cache_get(keys, length, ids, count, slot, buf, a, m, out, o):
     """Long tier: copy the cached IDs of buf[a:a+m] from `slot` to out[o:] and return the new o, or -1."""
     if length[slot] != m:
@@ -366,7 +368,7 @@ def _cache_get(keys, length, ids, count, slot, buf, a, m, out, o):
     return o + count[slot]
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, inline="always")
 def _cache_put(keys, length, ids, count, slot, buf, a, m, out, o0, o):
     if o - o0 > ids.shape[1]:
         return
