@@ -117,6 +117,12 @@ class Router:
         return self.cpu(text)
 
 
+# Touches every pre-tokenizer branch family by family: letters, case, contractions, digits, punctuation runs,
+# whitespace and newlines, marks, CJK, emoji (4-byte UTF-8), a long piece.
+_WARM_TEXT = ("Hello, World! don't I'LL 12345 x\n\n  \t(y) e\u0301 \u65e5\u672c\u8a9e\u3067\u3059 "
+              "\U0001F44D\U0001F3FD " + "a" * 40 + " " + "\u4e2d" * 30 + "\r\n")
+
+
 def enable_fast_paths(tok, **router_options) -> bool:
     """Register "cpu", "auto" (and "gpu" when a device is present) on `tok`. Returns True when the family has the
     fast CPU path, False when both names fall back to the reference engine."""
@@ -129,7 +135,12 @@ def enable_fast_paths(tok, **router_options) -> bool:
     def build_cpu():
         from .parallel import CpuEncoder
 
-        return CpuEncoder(tok)
+        enc = CpuEncoder(tok)
+        # First calls load every numba kernel from its on-disk cache (~0.5 s of llvmlite work); do it here, in the
+        # build (a background thread under warm_async), not inside the first request that takes this path.
+        enc.encode(_WARM_TEXT, parallel=False)
+        enc.encode(_WARM_TEXT * 8, parallel=True)
+        return enc
 
     cpu = _Lazy(build_cpu)
     router = Router(tok, cpu, **router_options)
