@@ -348,8 +348,8 @@ def targets(results: list[dict]) -> list[str]:
         if any_cell:
             out.append(f"{fam}: chunk-parallel on all cores >= 1.7x serial (same process, warm) at >= 1M chars: "
                        f"{'met' if met else 'NOT met'} (" + "; ".join(parts) + "); a ratio of two medians of "
-                       "a few passes run one after the other, neither paired nor gated on an idle host: the paired, gated measurement "
-                       "of this target is benchmarks/parallel_speedup.py")
+                       "a few passes run one after the other, neither paired nor gated on an idle host: the "
+                       "paired, gated measurement of this target is benchmarks/parallel_speedup.py")
     return out
 
 

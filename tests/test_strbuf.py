@@ -9,7 +9,8 @@ from tokenplane.tokenize import strbuf
 from tokenplane.tokenize.bpe import piece_byte_bounds
 
 # one string per PEP 393 kind: ASCII, Latin-1, UCS-2, UCS-4 (and mixtures the slices below cut into)
-KINDS = ["plain ascii text\n\t", "caf\u00e9 \u00ff\u00a0x", "\u65e5\u672c\u8a9e \u0301e\u0301 \uffff", "emoji \U0001F44D\U0001F3FD \U0010FFFF a"]
+KINDS = ["plain ascii text\n\t", "caf\u00e9 \u00ff\u00a0x", "\u65e5\u672c\u8a9e \u0301e\u0301 \uffff",
+         "emoji \U0001F44D\U0001F3FD \U0010FFFF a"]
 
 
 def _texts():
