@@ -57,3 +57,12 @@ def test_sampled_utf8_sizes(step):
 def test_out_of_range_is_an_error():
     with pytest.raises(IndexError):
         strbuf.codepoints("abc", 2, 5)
+
+
+def test_lone_surrogate_is_a_clear_error():
+    from tokenplane.tokenize.tokenizer import InvalidTextError
+
+    for text in ("ab\ud800c", "\udfff", "\u65e5\ud83d"):
+        with pytest.raises(InvalidTextError, match="surrogate"):
+            strbuf.codepoints(text)
+    assert strbuf.codepoints("ab\ud800c", 0, 2).tolist() == [97, 98]     # outside the range: fine

@@ -7,12 +7,15 @@ chain runs GIL-free. Here numba reads the string's own PEP 393 buffer (a str arg
 pointer, kind, length) and writes the arrays inside nogil kernels, so a chunk thread never slices or encodes a str.
 
 The UTF-8 writer is fused with the piece-bound pass (both walk the code points once and need each one's width).
-Surrogates cannot reach it: the tokenizer rejects them before encoding (tokenizer.py), as tiktoken does.
+The public encode rejects lone surrogates first (tokenizer.validate_text); the code point reader checks again, in
+the same pass, so a direct caller gets the same clear error instead of CESU-8 bytes.
 """
 
 from __future__ import annotations
 
 import numpy as np
+
+from .tokenizer import InvalidTextError
 
 try:
     from numba import njit
@@ -22,8 +25,13 @@ except ImportError:  # pragma: no cover - numba absent or its internals moved: t
 
 
 def _codepoints_impl(s, a, b, out):
+    first_surrogate = -1
     for i in range(a, b):
-        out[i - a] = _get_code_point(s, i)
+        c = _get_code_point(s, i)
+        out[i - a] = c
+        if first_surrogate < 0 and 0xD800 <= c < 0xE000:
+            first_surrogate = i
+    return first_surrogate
 
 
 def _utf8_and_bounds_impl(cps, n, starts, buf, bounds):
@@ -81,9 +89,11 @@ def codepoints(s: str, a: int = 0, b: int | None = None, extra: str = "") -> np.
     n = b - a
     out = np.empty(n + len(extra), dtype=np.uint32)
     if njit is None:
-        out[:n] = np.frombuffer(s[a:b].encode("utf-32-le"), dtype="<u4")
+        out[:n] = np.frombuffer(s[a:b].encode("utf-32-le"), dtype="<u4")   # raises on a lone surrogate
     elif n:
-        _codepoints(s, a, b, out)
+        bad = _codepoints(s, a, b, out)
+        if bad >= 0:    # str.encode would have refused it; the UTF-8 writer must never see one
+            raise InvalidTextError(f"input contains a lone surrogate U+{ord(s[bad]):04X} at character {bad}")
     for i, ch in enumerate(extra):
         out[n + i] = ord(ch)
     return out
