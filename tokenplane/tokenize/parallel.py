@@ -20,13 +20,12 @@ from __future__ import annotations
 
 import os
 import threading
-from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
 from . import boundary, pretokenize, strbuf
-from .bpe import BPE, utf8_offsets
+from .bpe import BPE
 
 PARALLEL_MIN_CHARS = 256 * 1024     # below this the thread hand-off costs more than it saves
 TARGET_SAMPLES = 16_384             # characters sampled for the byte profile that places the cut targets
@@ -61,7 +60,7 @@ class CpuEncoder:
         self.stats = {"serial": 0, "parallel": 0, "chunks": 0, "cut_rejected": 0}
         # Plain NFC (qwen3): chunks are cut in raw text and normalized by their own threads (encode_parallel).
         self._nfc_inert = None
-        if getattr(tok.reference, "_plain_nfc", False) and getattr(tok.reference, "_normalizer", None) is not None:
+        if getattr(tok.reference, "_plain_nfc", False):     # set only when the normalizer is exactly NFC
             from . import nfc
             self._nfc_inert = nfc.inert_table()
 
