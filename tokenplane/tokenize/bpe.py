@@ -52,11 +52,16 @@ HEAP_MIN_BYTES = 48        # longer pieces merge through a heap (O(m log m)) ins
 
 
 # -- hash tables ----------------------------------------------------------------------------------------------------
+@njit(cache=True, nogil=True, inline="always")
+def _pair_home(key, mask):
+    """First probe slot of a pair key: the one formula the table builder and the kernels' lookup share."""
+    return np.int64(((key * np.uint64(0x9E3779B97F4A7C15)) >> np.uint64(29)) & np.uint64(mask))
+
+
 @njit(cache=True, nogil=True)
 def _pair_slot(keys, key):
     mask = keys.shape[0] - 1
-    h = (key * np.uint64(0x9E3779B97F4A7C15)) >> np.uint64(29)
-    i = np.int64(h & np.uint64(mask))
+    i = _pair_home(key, mask)
     while True:
         k = keys[i]
         if k == key or k == np.uint64(0xFFFFFFFFFFFFFFFF):
@@ -138,7 +143,7 @@ def _pair_rank(ptab, a, b):
     where most pieces miss the caches, is bound by these random reads)."""
     mask = ptab.shape[0] - 1
     key = (np.uint64(a) << np.uint64(32)) | np.uint64(b)
-    i = np.int64(((key * np.uint64(0x9E3779B97F4A7C15)) >> np.uint64(29)) & np.uint64(mask))
+    i = _pair_home(key, mask)
     while True:
         k = ptab[i, 0]
         if k == key:
