@@ -1,0 +1,88 @@
+"""One-core encode throughput of two git revisions, measured in alternating processes (A, B, A, B, ...).
+
+On a shared host two separate runs minutes apart differ by more than most kernel changes; alternating short
+processes puts both revisions under the same drift. Each process loads one revision (a git worktree on PYTHONPATH),
+encodes one text with a fresh 1-thread CpuEncoder, cold piece caches, and prints the best of `--reps` encodes in
+MB/s (best, not median: interference only ever slows a CPU-bound loop down). Used for the BPE layout figures in
+docs/pretokenizer.md:
+
+    python benchmarks/revision_ab.py --revs a27fdcd HEAD --cases cl100k_base:mixed qwen3:cjk cl100k_base:cjk4 \\
+        --rounds 3 --corpus /tmp/corpus
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+_CHILD = r"""
+import json, sys, time
+import tokenplane
+from tokenplane.tokenize.parallel import CpuEncoder
+root, family, kind, corpus, reps = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4], int(sys.argv[5])
+assert tokenplane.__file__.startswith(root), tokenplane.__file__
+if kind.startswith("mixed"):
+    pool = "".join(json.loads(l)["text"] for l in open(corpus + "/mixed.jsonl", encoding="utf-8"))
+else:
+    docs = [json.loads(l) for l in open(corpus + "/nonen.jsonl", encoding="utf-8")]
+    pool = "".join(d["text"] for d in docs if d["kind"] in ("man-cjk", "cpython-cjkencodings", "mo-nonlatin"))
+size = 4_000_000 if kind.endswith("4") else 1_000_000
+text = (pool * (1 + size // max(1, len(pool))))[:size]
+enc = CpuEncoder(tokenplane.load(family), workers=1)
+enc.encode(text, parallel=False)
+best = float("inf")
+for _ in range(reps):
+    enc.bpe.clear_caches()
+    t = time.perf_counter()
+    enc.encode(text, parallel=False)
+    best = min(best, time.perf_counter() - t)
+print(len(text.encode()) / 1e6 / best)
+"""
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--revs", nargs=2, required=True, help="two git revisions (A B)")
+    ap.add_argument("--cases", nargs="+", default=["cl100k_base:mixed", "qwen3:cjk"],
+                    help="family:text with text one of mixed, cjk (1M characters) or mixed4, cjk4 (4M, tiled)")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--reps", type=int, default=15)
+    ap.add_argument("--corpus", default=os.environ.get("TOKENPLANE_CORPUS", "/tmp/corpus"))
+    args = ap.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        trees = []
+        for k, rev in enumerate(args.revs):
+            tree = Path(tmp) / f"rev{k}"
+            subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--detach", "-q", str(tree), rev], check=True)
+            trees.append(tree)
+        try:
+            def run(tree: Path, family: str, kind: str) -> float:
+                env = dict(os.environ, PYTHONPATH=str(tree))
+                out = subprocess.run([sys.executable, "-c", _CHILD, str(tree), family, kind, args.corpus,
+                                      str(args.reps)], env=env, cwd=tree, check=True, capture_output=True,
+                                     text=True)   # cwd: `-c` puts it first on sys.path
+                return float(out.stdout.strip().splitlines()[-1])
+            for case in args.cases:     # one untimed pass per tree: numba compiles into each tree's cache
+                for tree in trees:
+                    run(tree, *case.split(":"))
+            rows = []
+            for case in args.cases:
+                family, kind = case.split(":")
+                pairs = [(run(trees[0], family, kind), run(trees[1], family, kind)) for _ in range(args.rounds)]
+                rows.append({"case": case, "mb_s": pairs})
+                print(f"{case:>20}: " + ", ".join(f"{a:.1f} -> {b:.1f}" for a, b in pairs), flush=True)
+            print(json.dumps({"revs": args.revs, "reps": args.reps, "rows": rows}))
+        finally:
+            for tree in trees:
+                subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(tree)], check=False)
+
+
+if __name__ == "__main__":
+    main()
