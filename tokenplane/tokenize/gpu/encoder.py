@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..tokenizer import InvalidTextError, PathUnavailableError
-from .layout import (F_CL100K, F_LLAMA3, F_O200K, F_QWEN3, FALLBACK, INVALID, META_LEN, N_BYTES, N_CHARS, N_DOCS,
+from .layout import (F_CL100K, F_DEEPSEEK, F_LLAMA3, F_O200K, F_QWEN3, FALLBACK, INVALID, META_LEN, N_BYTES, N_CHARS, N_DOCS,
                      N_LARGE, N_MEDIUM, N_PIECES, N_SMALL, N_TOKENS)
 from .scan import OP_ADD, OP_MAX, launch_scan, make_scan
 
@@ -38,7 +38,7 @@ def family_code(tokenizer) -> int:
 
     fam = tokenizer.family
     for name, code in (("cl100k_base", F_CL100K), ("llama3", F_LLAMA3), ("o200k_base", F_O200K),
-                       ("qwen3", F_QWEN3)):
+                       ("qwen3", F_QWEN3), ("deepseek_v4", F_DEEPSEEK)):
         ref = FAMILIES[name]
         if (fam.engine, fam.patterns, fam.normalizer) == (ref.engine, ref.patterns, ref.normalizer):
             return code
@@ -79,7 +79,7 @@ class Bucket:
 
 
 class GpuEncoder:
-    """Exact tiktoken-family encoding on a CUDA device (or the numba CUDA simulator).
+    """Exact encoding on a CUDA device (or the numba CUDA simulator) for every family with device rules.
 
     `encode(text)` returns the reference IDs as uint32; inputs the device rules do not cover (o200k combining marks,
     chained contractions) are flagged on the device and answered by `fallback` (the reference engine by default).
@@ -121,6 +121,9 @@ class GpuEncoder:
         from .tables import host_tables
 
         self.k = dict(make_pretokenize())
+        if self.family == F_DEEPSEEK:   # same launch sequence and buffers, DeepSeek's classify/aggregate/predicate
+            from .pretokenize_deepseek import make_pretokenize_deepseek
+            self.k.update(make_pretokenize_deepseek())
         self.k.update(make_bpe(small_max, self.geo.block_tpb))
         self.scan_k = make_scan(self.geo.tpb, self.geo.scan_items)
         t = host_tables(tokenizer)
@@ -147,9 +150,11 @@ class GpuEncoder:
         d = b.d
         d["data"] = cuda.device_array(n1, dtype=np.uint8)
         for name in ("lead", "cidx", "cp", "cbyte", "docflag", "v_run", "v_doc", "v_nons", "v_nonc", "reff",
-                     "rlastnl", "rend", "rlastnonpu", "startflag", "pidx", "pstart", "small", "medium", "large",
+                     "rlastnl", "rend", "raux", "startflag", "pidx", "pstart", "small", "medium", "large",
                      "tokflag", "tokidx", "tokid", "wid", "wnx", "wpv", "wrk", "out", "docfb"):
             d[name] = cuda.device_array(n1, dtype=i32)
+        # raux: a per-run aggregate whose meaning is the family's (o200k: last non-uppercase letter; deepseek: first
+        # character that is not an ASCII letter)
         d["code"] = cuda.device_array(n1, dtype=np.uint8)
         d["sums"] = cuda.device_array(n1 // (self.geo.tpb * self.geo.scan_items) + 2, dtype=i32)
         d["meta"] = cuda.device_array(META_LEN, dtype=i32)
@@ -194,14 +199,14 @@ class GpuEncoder:
         k["k_docs"][grid(b.doc_capacity), g.tpb, s](d["doc_off"], meta, d["cidx"], d["docflag"])
         k["k_classify"][grid(nchars), g.tpb, s](d["cp"], t["classes"], d["docflag"], meta, self.family, d["code"],
                                                 d["v_run"], d["v_doc"], d["v_nons"], d["v_nonc"], d["reff"],
-                                                d["rlastnl"], d["rend"], d["rlastnonpu"], d["docfb"])
+                                                d["rlastnl"], d["rend"], d["raux"], d["docfb"])
         for name in ("v_run", "v_doc", "v_nons", "v_nonc"):
             scan(d[name], d[name], N_CHARS, OP_MAX, False, n=nchars)
         k["k_aggregate"][grid(nchars), g.tpb, s](d["cp"], d["code"], meta, self.family, d["v_run"], d["v_nons"],
-                                                 d["reff"], d["rlastnl"], d["rend"], d["rlastnonpu"], d["v_doc"],
+                                                 d["reff"], d["rlastnl"], d["rend"], d["raux"], d["v_doc"],
                                                  d["docfb"])
         k["k_predicate"][grid(nchars), g.tpb, s](d["cp"], d["code"], d["docflag"], meta, self.family, d["v_run"],
-                                                 d["rend"], d["reff"], d["rlastnl"], d["rlastnonpu"], d["v_nonc"],
+                                                 d["rend"], d["reff"], d["rlastnl"], d["raux"], d["v_nonc"],
                                                  d["startflag"], d["v_doc"], d["docfb"])
         if base:
             self._readback(b, FALLBACK)

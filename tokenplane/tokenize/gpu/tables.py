@@ -10,10 +10,11 @@ single bytes are tokens and a merge yields the concatenation's token), so "rank 
 a lookup of the pair (left_id, right_id) in a table of every split of every token. For tiktoken vocabularies
 rank == token id, which the builder checks.
 
-HF byte-level BPE (qwen3) runs on the same kernels when two facts hold, both checked by the builder (else it
-refuses): merge ranks are ordered like the ids they produce, so "lowest id" picks the lowest-rank merge, and the pair
-table holds exactly the listed merges; and every multi-byte token's own bytes merge back to that token (the CPU
-BPE's self-encoding check), so the kernels' whole-piece lookup answers what the merges would.
+HF byte-level BPE (qwen3, deepseek_v4) runs on the same kernels when merge ranks are ordered like the ids they
+produce, so "lowest id" picks the lowest-rank merge, and the pair table holds exactly the listed merges (the builder
+checks it, else it refuses). The whole-piece lookup then holds only the tokens whose own bytes merge back to them
+(the CPU BPE's self-encoding set): for those one lookup answers what the merges would, and any other piece, such as
+DeepSeek's 3 tokens that the merges never produce from their own bytes, goes through the merge rounds.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ import numpy as np
 from ..artifacts import cache_dir
 from ..charclass import BIT, class_table
 
-TABLE_VERSION = 1
+TABLE_VERSION = 2       # 2: an HF whole-piece lookup holds only self-encoding tokens
 EMPTY = -1
 PAIR_SHIFT = 20          # key = left << 20 | right; vocabularies up to 2**20 ids
 FNV_OFFSET = 2166136261
@@ -106,8 +107,9 @@ class HostTables:
     n_pairs: int
 
 
-def _build(token_bytes: list[bytes], n_ordinary: int, merges: tuple | None = None,
-           engine: str = "tiktoken") -> HostTables:
+def _build(token_bytes: list[bytes], n_ordinary: int, merges: tuple | None = None, classes: np.ndarray | None = None,
+           whole_ids: np.ndarray | None = None) -> HostTables:
+    """`whole_ids`: the multi-byte tokens the whole-piece lookup may answer (None: every token, tiktoken)."""
     toks = token_bytes[:n_ordinary]
     index = {t: i for i, t in enumerate(toks)}
     if len(index) != n_ordinary or any(bytes([b]) not in index for b in range(256)):
@@ -118,11 +120,15 @@ def _build(token_bytes: list[bytes], n_ordinary: int, merges: tuple | None = Non
     np.cumsum(lens, out=tok_off[1:])
     blob = np.frombuffer(b"".join(toks), dtype=np.uint8).copy()
 
-    vsize = 1 << int(np.ceil(np.log2(max(2 * n_ordinary, 1024))))
-    vhome = np.fromiter((fnv1a(t) for t in toks), dtype=np.int64, count=n_ordinary) & (vsize - 1)
+    if whole_ids is None:
+        looked_up = np.arange(n_ordinary, dtype=np.int64)
+    else:
+        looked_up = np.union1d(byte_id.astype(np.int64), np.asarray(whole_ids, dtype=np.int64))
+    vsize = 1 << int(np.ceil(np.log2(max(2 * len(looked_up), 1024))))
+    vhome = np.fromiter((fnv1a(toks[t]) for t in looked_up), dtype=np.int64, count=len(looked_up)) & (vsize - 1)
     vslot = _insert_linear(vhome, vsize - 1)
     vocab_slots = np.full(vsize, EMPTY, dtype=np.int32)
-    vocab_slots[vslot] = np.arange(n_ordinary, dtype=np.int32)
+    vocab_slots[vslot] = looked_up.astype(np.int32)
 
     lefts, rights, vals = [], [], []
     get = index.get
@@ -146,12 +152,22 @@ def _build(token_bytes: list[bytes], n_ordinary: int, merges: tuple | None = Non
     pair_vals = np.full(psize, EMPTY, dtype=np.int32)
     pair_keys[pslot] = (left << PAIR_SHIFT) | right
     pair_vals[pslot] = np.array(vals, dtype=np.int32)
-    return HostTables(compact_classes(engine), byte_id, tok_off.astype(np.int32), blob, vocab_slots, pair_keys,
-                      pair_vals, int(lens.max()), len(vals))
+    return HostTables(compact_classes() if classes is None else classes, byte_id, tok_off.astype(np.int32), blob,
+                      vocab_slots, pair_keys, pair_vals, int(lens.max()), len(vals))
 
 
-def _hf_merges(tokenizer) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(left, right, merged id) of an HF byte-level BPE whose merges the device kernels can run exactly."""
+def class_codes(family) -> np.ndarray:
+    """The per-code-point code the family's classify kernel reads."""
+    if family.name == "deepseek_v4":
+        from ..pretokenize import _cp_feat_deepseek
+
+        return _cp_feat_deepseek(family.engine)
+    return compact_classes(family.engine)
+
+
+def _hf_merges(tokenizer) -> tuple[tuple[np.ndarray, np.ndarray, np.ndarray], np.ndarray]:
+    """(left, right, merged id) of an HF byte-level BPE whose merges the device kernels can run exactly, and the
+    tokens the whole-piece lookup may answer."""
     from ..bpe import BPE
 
     bpe = BPE(tokenizer.reference, tokenizer.content_hash)
@@ -163,11 +179,7 @@ def _hf_merges(tokenizer) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     order = np.argsort(rank, kind="stable")
     if np.any(np.diff(new[order]) <= 0):
         raise ValueError(f"{tokenizer.name}: merge ranks are not ordered like merged ids; no device BPE")
-    n_multi = int(np.count_nonzero(tokenizer.reference.token_lengths[:tokenizer.reference.n_ordinary] >= 2))
-    if bpe.n_whole != n_multi:
-        raise ValueError(f"{tokenizer.name}: {n_multi - bpe.n_whole} tokens do not merge back to themselves; "
-                         "the device whole-piece lookup would differ from the merges")
-    return left, right, new
+    return (left, right, new), bpe.whole_ids
 
 
 def host_tables(tokenizer) -> HostTables:
@@ -176,17 +188,19 @@ def host_tables(tokenizer) -> HostTables:
     ref = tokenizer.reference
     n = getattr(ref, "n_ordinary", None)
     engine = tokenizer.family.engine
-    if n is None or (engine != "tiktoken" and tokenizer.family.name != "qwen3"):
+    if n is None or (engine != "tiktoken" and tokenizer.family.name not in ("qwen3", "deepseek_v4")):
         raise ValueError(f"{tokenizer.name}: device BPE tables need tiktoken rank semantics")
+    classes = class_codes(tokenizer.family)
     path = cache_dir() / f"gpu-tables-v{TABLE_VERSION}-{tokenizer.content_hash[:24]}.npz"
     if path.exists():
         try:
             with np.load(path) as z:
-                return HostTables(compact_classes(engine), z["byte_id"], z["tok_off"], z["tok_blob"], z["vocab_slots"],
+                return HostTables(classes, z["byte_id"], z["tok_off"], z["tok_blob"], z["vocab_slots"],
                                   z["pair_keys"], z["pair_vals"], int(z["max_token_bytes"]), int(z["n_pairs"]))
         except (OSError, ValueError, KeyError):
             pass
-    t = _build(ref.token_bytes, n, None if engine == "tiktoken" else _hf_merges(tokenizer), engine)
+    merges, whole_ids = (None, None) if engine == "tiktoken" else _hf_merges(tokenizer)
+    t = _build(ref.token_bytes, n, merges, classes, whole_ids)
     tmp = path.with_name(path.name + ".tmp.npz")
     np.savez(tmp, byte_id=t.byte_id, tok_off=t.tok_off, tok_blob=t.tok_blob, vocab_slots=t.vocab_slots,
              pair_keys=t.pair_keys, pair_vals=t.pair_vals, max_token_bytes=t.max_token_bytes, n_pairs=t.n_pairs)
