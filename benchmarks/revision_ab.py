@@ -1,9 +1,11 @@
-"""One-core encode throughput of two git revisions, measured in alternating processes (A, B, A, B, ...).
+"""One-core encode throughput (or the chunk-parallel speedup) of two git revisions, in alternating processes.
 
 On a shared host two separate runs minutes apart differ by more than most kernel changes; alternating short
 processes puts both revisions under the same drift. Each process loads one revision (a git worktree on PYTHONPATH),
 encodes one text with a fresh 1-thread CpuEncoder, cold piece caches, and prints the best of `--reps` encodes in
-MB/s (best, not median: interference only ever slows a CPU-bound loop down). Used for the BPE layout figures in
+MB/s (best, not median: interference only ever slows a CPU-bound loop down). `--mode parallel` prints instead the
+median over `--reps` pairs of serial time / chunk-parallel time (all cores, cold caches, order alternating, 60 ms of
+untimed parallel encodes before each pair, as benchmarks/parallel_speedup.py). Used for the BPE layout figures in
 docs/pretokenizer.md:
 
     python benchmarks/revision_ab.py --revs a27fdcd HEAD --cases cl100k_base:mixed qwen3:cjk cl100k_base:cjk4 \\
@@ -35,15 +37,33 @@ else:
     pool = "".join(d["text"] for d in docs if d["kind"] in ("man-cjk", "cpython-cjkencodings", "mo-nonlatin"))
 size = 4_000_000 if kind.endswith("4") else 1_000_000
 text = (pool * (1 + size // max(1, len(pool))))[:size]
-enc = CpuEncoder(tokenplane.load(family), workers=1)
-enc.encode(text, parallel=False)
-best = float("inf")
-for _ in range(reps):
-    enc.bpe.clear_caches()
-    t = time.perf_counter()
+mode = sys.argv[6]
+if mode == "serial":
+    enc = CpuEncoder(tokenplane.load(family), workers=1)
     enc.encode(text, parallel=False)
-    best = min(best, time.perf_counter() - t)
-print(len(text.encode()) / 1e6 / best)
+    best = float("inf")
+    for _ in range(reps):
+        enc.bpe.clear_caches()
+        t = time.perf_counter()
+        enc.encode(text, parallel=False)
+        best = min(best, time.perf_counter() - t)
+    print(len(text.encode()) / 1e6 / best)
+else:   # parallel: median over pairs of serial / parallel time, cold caches, 60 ms of parallel encodes before each
+    import statistics
+    enc = CpuEncoder(tokenplane.load(family))
+    ratios = []
+    for i in range(reps):
+        end = time.perf_counter() + 0.06
+        while time.perf_counter() < end:
+            enc.encode(text, parallel=True)
+        times = {}
+        for parallel in ((False, True) if i % 2 else (True, False)):
+            enc.bpe.clear_caches()
+            t = time.perf_counter()
+            enc.encode(text, parallel=parallel)
+            times[parallel] = time.perf_counter() - t
+        ratios.append(times[False] / times[True])
+    print(statistics.median(ratios))
 """
 
 
@@ -55,6 +75,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--reps", type=int, default=15)
     ap.add_argument("--corpus", default=os.environ.get("TOKENPLANE_CORPUS", "/tmp/corpus"))
+    ap.add_argument("--mode", choices=("serial", "parallel"), default="serial",
+                    help="serial: one-core MB/s (best of reps); parallel: median serial/parallel speedup")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         trees = []
@@ -66,7 +88,7 @@ def main() -> None:
             def run(tree: Path, family: str, kind: str) -> float:
                 env = dict(os.environ, PYTHONPATH=str(tree))
                 out = subprocess.run([sys.executable, "-c", _CHILD, str(tree), family, kind, args.corpus,
-                                      str(args.reps)], env=env, cwd=tree, check=True, capture_output=True,
+                                      str(args.reps), args.mode], env=env, cwd=tree, check=True, capture_output=True,
                                      text=True)   # cwd: `-c` puts it first on sys.path
                 return float(out.stdout.strip().splitlines()[-1])
             for case in args.cases:     # one untimed pass per tree: numba compiles into each tree's cache
@@ -76,9 +98,9 @@ def main() -> None:
             for case in args.cases:
                 family, kind = case.split(":")
                 pairs = [(run(trees[0], family, kind), run(trees[1], family, kind)) for _ in range(args.rounds)]
-                rows.append({"case": case, "mb_s": pairs})
-                print(f"{case:>20}: " + ", ".join(f"{a:.1f} -> {b:.1f}" for a, b in pairs), flush=True)
-            print(json.dumps({"revs": args.revs, "reps": args.reps, "rows": rows}))
+                rows.append({"case": case, "mb_s" if args.mode == "serial" else "speedup": pairs})
+                print(f"{case:>20}: " + ", ".join(f"{a:.2f} -> {b:.2f}" for a, b in pairs), flush=True)
+            print(json.dumps({"revs": args.revs, "mode": args.mode, "reps": args.reps, "rows": rows}))
         finally:
             for tree in trees:
                 subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(tree)], check=False)

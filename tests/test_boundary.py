@@ -154,3 +154,38 @@ def test_predicate_sound_campaign(tok):
     for _ in range(20000):
         text = "".join(rng.choice(ATOMS) for _ in range(rng.randint(2, 24)))
         _check_piece_level(tok, text, rng)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_pair_table_says_what_the_predicate_says(name):
+    """The cut search's (signature, signature) table against the predicate on random and targeted pairs."""
+    rule = boundary.RULES[name]
+    sig, pair = boundary.pair_table(rule)
+    cls = class_table(rule.engine)
+    rng = np.random.default_rng(11)
+    special = np.array([ord(c) for c in "".join(ATOMS)] + [0x0D, 0x0A, 0x27, 0x2F, 0x4E00, 0x9FA5, 0x9FA6, 0x3040,
+                                                           0x30FF, 0x3100, 0x10FFFF], dtype=np.int64)
+    x = np.concatenate([rng.integers(0, cls.shape[0], 400_000), np.repeat(special, special.size)])
+    y = np.concatenate([rng.integers(0, cls.shape[0], 400_000), np.tile(special, special.size)])
+    assert (pair[sig[x], sig[y]] != 0).tolist() == rule.predicate(cls[x], x, cls[y], y).tolist()
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_first_stable_is_the_first_stable_position(name):
+    """The GIL-free scan returns the first of stable_positions over the range, with and without the NFC filter."""
+    from tokenplane.tokenize import nfc
+
+    rule = boundary.RULES[name]
+    inert = nfc.inert_table()
+    rng = random.Random(3)
+    for _ in range(300):
+        text = "".join(rng.choice(ATOMS) for _ in range(rng.randint(2, 30)))
+        start = rng.randint(1, len(text) - 1)
+        stop = rng.randint(start, len(text))
+        found = rule.stable_positions(text[start - 1:stop], offset=start - 1)
+        assert rule.first_stable(text, start, stop) == (int(found[0]) if found.size else None), (text, start, stop)
+        ok = np.append(inert[np.frombuffer(text.encode("utf-32-le"), dtype="<u4")], True)
+        keep = [p for p in found.tolist() if ok[p - 1] and ok[p] and ok[p + 1]]
+        assert rule.first_stable(text, start, stop, inert) == (keep[0] if keep else None), (text, start, stop)
+    with pytest.raises(IndexError):
+        rule.first_stable("ab", 0, 2)

@@ -28,9 +28,8 @@ from . import boundary, pretokenize, strbuf
 from .bpe import BPE
 
 PARALLEL_MIN_CHARS = 256 * 1024     # below this the thread hand-off costs more than it saves
-TARGET_SAMPLES = 16_384             # characters sampled for the byte profile that places the cut targets
+TARGET_SAMPLES = 4096               # characters sampled for the byte profile that places the cut targets
 MIN_CHUNK_CHARS = 64_000            # smallest guided chunk: per-chunk glue (~50 us) stays small next to its work
-CUT_FIRST_WINDOW = 64               # first window searched for a stable position, widened 4x up to:
 CUT_SEARCH_CHARS = 4096             # how far past a target offset to look for a stable position
 
 
@@ -114,6 +113,8 @@ class CpuEncoder:
         characters (a CJK character is 3 bytes and more merges); the byte profile is estimated from every step-th
         character (about 16K samples, read GIL-free from the string's own buffer)."""
         n = len(text)
+        if text.isascii():      # one byte per character (an O(1) flag of the str)
+            return np.minimum((n * np.asarray(fractions)).astype(np.int64), n - 1).tolist()
         step = max(1, n // TARGET_SAMPLES)
         cum = strbuf.sampled_utf8_sizes(text, step)
         at = np.searchsorted(cum, cum[-1] * np.asarray(fractions)) * step
@@ -125,21 +126,7 @@ class CpuEncoder:
         inert. Then NFC(text) = NFC(text[:p]) + NFC(text[p:]) (text[p] is inert), NFC(text[:p]) ends with text[p-1]
         and NFC(text[p:]) starts with text[p] (neither composes: text[p+1] is inert too), so the two characters the
         stable rule judged are the ones around the cut in the normalized text."""
-        n = len(text)
-        width = CUT_FIRST_WINDOW
-        while True:     # a narrow window first: a stable position is usually within a few characters
-            lo, hi = target - 1, min(n, target + width)
-            found = self.rule.stable_positions(text[lo:hi], offset=lo)
-            found = found[(found >= target) & (found < n)]
-            if inert is not None and found.size:
-                window = np.append(inert[pretokenize.codepoints(text[lo:min(n, hi + 1)])], True)  # past the end: ok
-                rel = found - lo
-                found = found[window[rel - 1] & window[rel] & window[rel + 1]]
-            if found.size:
-                return int(found[0])
-            if width >= CUT_SEARCH_CHARS or hi >= n:
-                return None
-            width *= 4
+        return self.rule.first_stable(text, target, min(len(text), target + CUT_SEARCH_CHARS), inert)
 
     def cuts(self, text: str, n_chunks: int, inert: np.ndarray | None = None) -> list[int]:
         """Stable positions at or after byte-balanced targets (k = 1..n_chunks-1), strictly increasing; fewer if
