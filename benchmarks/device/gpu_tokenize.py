@@ -60,8 +60,9 @@ def prepare(dest: Path) -> None:
     for name in ("cl100k_base", "o200k_base", "llama3"):
         tokenplane.load(name)
     charclass.class_table("tiktoken")
+    charclass.class_table("hf")      # qwen3 and deepseek_v4: probing HF on the device would take ~20 s a run
     for f in cache_dir().iterdir():
-        if f.name.startswith("charclass-tiktoken") or f.suffix == ".tiktoken":
+        if f.name.startswith(("charclass-tiktoken", "charclass-tokenizers")) or f.suffix == ".tiktoken":
             shutil.copy2(f, cache / f.name)
     whl = dest / "whl"
     whl.mkdir(exist_ok=True)
