@@ -31,6 +31,33 @@ from .layout import BIG, F_O200K, F_QWEN3, FALLBACK, INVALID, N_BYTES, N_CHARS, 
 from .tables import B_C, B_M, B_PL, B_PU, K_L, K_N, K_O, K_W
 
 
+def aggregate_kernel(absorbed_at, run_aux):
+    """The run-aggregate kernel for one family's absorption rule (`absorbed_at(cp, code, lastnons, fam, x)`: x is a
+    CR/LF that the preceding punctuation piece takes) and per-run extra (`run_aux(code, raux, r, x)`): per run, the
+    first non-absorbed position (reff), the last CR/LF and the end. Only a few characters per run issue atomics
+    (long blank runs would otherwise serialize on one address). Call after make_pretokenize (it binds `cuda`)."""
+    @cuda.jit
+    def k_aggregate(cp, code, meta, fam, rstart, lastnons, reff, rlastnl, rend, raux, docstart, docfb):
+        n = meta[N_CHARS]
+        x = cuda.grid(1)
+        while x < n:
+            c = cp[x]
+            r = rstart[x]
+            if not absorbed_at(cp, code, lastnons, fam, x):
+                if x == r:
+                    reff[r] = x       # the smallest value the run can have: a racing atomic min cannot undercut it
+                elif absorbed_at(cp, code, lastnons, fam, x - 1):
+                    cuda.atomic.min(reff, r, x)   # o200k O runs: "!/-" has two such positions
+                if c == 10 or c == 13:
+                    cuda.atomic.max(rlastnl, r, x)
+            if x + 1 >= n or rstart[x + 1] != r:
+                rend[r] = x + 1
+            run_aux(code, raux, r, x)
+            x += cuda.gridsize(1)
+
+    return k_aggregate
+
+
 @lru_cache(maxsize=None)
 def make_pretokenize():
     # kernels must see `cuda` as a module global: the simulator swaps it in the function's globals
@@ -205,28 +232,12 @@ def make_pretokenize():
         y = lastnons[x]
         return y != x and (code[y] & 3) == K_O and not in_s(cp[y], fam)
 
-    @cuda.jit
-    def k_aggregate(cp, code, meta, fam, rstart, lastnons, reff, rlastnl, rend, rlastnonpu, docstart, docfb):
-        # only a few characters per run issue atomics (long blank runs would otherwise serialize on one address)
-        n = meta[N_CHARS]
-        x = cuda.grid(1)
-        while x < n:
-            c = cp[x]
-            k = code[x]
-            r = rstart[x]
-            absorbed = absorbed_at(cp, code, lastnons, fam, x)
-            if not absorbed:
-                if x == r:
-                    reff[r] = x       # the smallest value the run can have: a racing atomic min cannot undercut it
-                elif absorbed_at(cp, code, lastnons, fam, x - 1):
-                    cuda.atomic.min(reff, r, x)   # o200k O runs: "!/-" has two such positions
-                if c == 10 or c == 13:
-                    cuda.atomic.max(rlastnl, r, x)
-            if x + 1 >= n or rstart[x + 1] != r:
-                rend[r] = x + 1
-            if (k & 3) == K_L and (k & B_PU) == 0:
-                cuda.atomic.max(rlastnonpu, r, x)
-            x += cuda.gridsize(1)
+    @cuda.jit(device=True)
+    def last_non_upper(code, rlastnonpu, r, x):
+        if (code[x] & 3) == K_L and (code[x] & B_PU) == 0:
+            cuda.atomic.max(rlastnonpu, r, x)
+
+    k_aggregate = aggregate_kernel(absorbed_at, last_non_upper)
 
     @cuda.jit(device=True)
     def start_w(cp, docflag, rstart, rend, reff, rlastnl, n, fam, x):

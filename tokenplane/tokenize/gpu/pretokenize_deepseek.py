@@ -27,6 +27,9 @@ def make_pretokenize_deepseek():
     global cuda
     from numba import cuda
 
+    from .pretokenize import aggregate_kernel, make_pretokenize
+    make_pretokenize()      # binds the module global the shared aggregate kernel reads
+
     @cuda.jit(device=True)
     def seg_edge(prev_code, code):
         # a stage 1/2 piece boundary between two neighbours of one document
@@ -71,7 +74,7 @@ def make_pretokenize_deepseek():
             x += cuda.gridsize(1)
 
     @cuda.jit(device=True)
-    def absorbed_at(cp, code, lastnons, x):
+    def absorbed_at(cp, code, lastnons, fam, x):
         # ` ?[\p{P}\p{S}]+[\r\n]*` takes the CR/LF right after its punctuation, inside one segment (a CJK-range
         # punctuation character ends its segment before the CR/LF)
         if not is_crlf(cp[x]):
@@ -79,27 +82,14 @@ def make_pretokenize_deepseek():
         y = lastnons[x]
         return y != x and (code[y] & 7) == KIND_PS and (code[y] & F_CJK) == 0
 
-    @cuda.jit
-    def k_aggregate(cp, code, meta, fam, rstart, lastnons, reff, rlastnl, rend, raux, docstart, docfb):
-        n = meta[N_CHARS]
-        x = cuda.grid(1)
-        while x < n:
-            c = cp[x]
-            k = code[x]
-            r = rstart[x]
-            if not absorbed_at(cp, code, lastnons, x):
-                if x == r:
-                    reff[r] = x
-                elif absorbed_at(cp, code, lastnons, x - 1):
-                    reff[r] = x       # the one position of the run right after its absorbed CR/LF
-                if is_crlf(c):
-                    cuda.atomic.max(rlastnl, r, x)
-            if x + 1 >= n or rstart[x + 1] != r:
-                rend[r] = x + 1
-            # only the first of each stretch of non-ASCII letters competes (a CJK run would serialize otherwise)
-            if (k & 7) == KIND_LM and (k & F_ASCII_LETTER) == 0 and (x == r or (code[x - 1] & F_ASCII_LETTER) != 0):
-                cuda.atomic.min(raux, r, x)
-            x += cuda.gridsize(1)
+    @cuda.jit(device=True)
+    def first_non_ascii_letter(code, raux, r, x):
+        # only the first of each stretch of non-ASCII letters competes (a CJK run would serialize otherwise)
+        k = code[x]
+        if (k & 7) == KIND_LM and (k & F_ASCII_LETTER) == 0 and (x == r or (code[x - 1] & F_ASCII_LETTER) != 0):
+            cuda.atomic.min(raux, r, x)
+
+    k_aggregate = aggregate_kernel(absorbed_at, first_non_ascii_letter)
 
     @cuda.jit(device=True)
     def punct_glue(cp, code, docflag, rstart, a):
