@@ -1,6 +1,5 @@
 import hashlib
 
-import numpy as np
 import pytest
 
 import tokenplane

@@ -1,20 +1,17 @@
 """ID-level differential tests of the numba BPE kernel (pieces from the per-character pre-tokenizer) vs the reference
 encoder, plus the kernel's own edge cases (ties, repeated pairs, whole-piece lookup, long pieces)."""
 
-import json
-import os
 import random
 
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
 
 import tokenplane
 from tokenplane.tokenize import bpe as bpe_mod
 from tokenplane.tokenize.parallel import CpuEncoder
 
-from test_pretokenize import ALPHABET, CORPUS, FRAGMENTS, _corpus_docs, _text_strategy
+from test_pretokenize import ALPHABET, FRAGMENTS, _corpus_docs, _text_strategy
 
 FAMILIES = ["cl100k_base", "o200k_base", "llama3", "qwen3", "deepseek_v4"]
 _ENC: dict[str, CpuEncoder] = {}

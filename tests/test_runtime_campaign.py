@@ -3,7 +3,6 @@ and a wider equivalence sweep (all algorithms x all mode flags, longer outputs).
 
 from __future__ import annotations
 
-import asyncio
 
 import pytest
 import torch

@@ -1,4 +1,3 @@
-import numpy as np
 import pytest
 
 from tokenplane.route.throughput_model import (RoutingModel, _multinomial_outcomes, choose_thresholds, simulate,

@@ -26,7 +26,6 @@ import dataclasses
 import itertools
 import logging
 import multiprocessing as mp
-import os
 import shutil
 import threading
 import time

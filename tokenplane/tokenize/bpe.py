@@ -21,7 +21,6 @@ from __future__ import annotations
 import json
 import os
 import threading
-from functools import cached_property
 
 import numpy as np
 

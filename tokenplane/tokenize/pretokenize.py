@@ -771,7 +771,6 @@ def _starts_o200k_loop(cps: np.ndarray, engine: str) -> np.ndarray:
 
 def _o200k_rare(cps, cls, c, runs: _Runs, starts) -> None:
     """Combining mark right after punctuation; `/` right after CR/LF: rescan between synchronizing positions."""
-    n = c.shape[0]
     m_after_o = runs.heads[(runs.kind == 0) & (runs.prev_kind == 3)]
     m_after_o = m_after_o[(cls[m_after_o] & _M) != 0]
     slash = np.flatnonzero(c == SLASH)

@@ -9,7 +9,6 @@ import hashlib
 import json
 import re
 import threading
-from dataclasses import replace
 from functools import cached_property
 from pathlib import Path
 from typing import Callable, Collection, Literal

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..api import RequestView, StepResult
+from ..api import StepResult
 from .base import Gate, OneTokenCorrection, load_weights, seeded
 
 # Without the small model's embedding (no attach, no checkpoint), tokens hash into a fixed random table: the router
