@@ -25,48 +25,73 @@ except ImportError:   # run from elsewhere
 RESULTS = Path(__file__).resolve().parent / "results"
 
 
-def measure(family: str, text: str, repeats: int, quiet: bool, cache: str, warmup_s: float) -> dict:
-    tok = tokenplane.load(family)
-    enc = CpuEncoder(tok)
-    ref = tok.encode(text, path="reference")
-    for parallel in (False, True):
-        if not (enc.encode(text, parallel=parallel) == ref).all():
-            raise SystemExit(f"{family}: parallel={parallel} differs from the reference")
+class Cell:
+    """One table row: a family's encoder on one text, one cache mode, one warm-up; pairs are added by rounds."""
 
-    def timed(parallel: bool) -> float:
-        if cache == "cold":     # a fresh request: no piece of this text in any thread's cache (not timed)
-            enc.bpe.clear_caches()
+    def __init__(self, enc: CpuEncoder, text: str, cache: str, warmup_s: float):
+        self.enc, self.text, self.cache, self.warmup_s = enc, text, cache, warmup_s
+        self.serial: list[float] = []
+        self.par: list[float] = []
+        self.noisy = 0
+
+    def timed(self, parallel: bool) -> float:
+        if self.cache == "cold":     # a fresh request: no piece of this text in any thread's cache (not timed)
+            self.enc.bpe.clear_caches()
         t0 = time.perf_counter()
-        enc.encode(text, parallel=parallel)
+        self.enc.encode(self.text, parallel=parallel)
         return time.perf_counter() - t0
 
-    def warm_up() -> None:
+    def warm_up(self) -> None:
         # Right after an idle spell the second core runs this encoder slowly for its first ~40 ms (a pure compute
         # loop does not: its data lives in registers), so a pair taken straight after the gate measures how fast
         # the host brings an idle vCPU's memory state back, not the code. warmup_s of untimed parallel encodes puts
         # both cores where a busy server keeps them; warmup_s = 0 keeps the from-idle reading.
-        end = time.perf_counter() + warmup_s
+        end = time.perf_counter() + self.warmup_s
         while time.perf_counter() < end:
-            enc.encode(text, parallel=True)
+            self.enc.encode(self.text, parallel=True)
 
-    serial, par, noisy = [], [], 0
-    for i in range(repeats):   # interleaved so drift in machine load hits both alike; order alternates per pair
+    def pair(self, i: int, quiet: bool) -> None:
         if quiet and not wait_for_idle():
-            noisy += 1
-        warm_up()
-        if i % 2:
-            par.append(timed(True))
-            serial.append(timed(False))
+            self.noisy += 1
+        self.warm_up()
+        if i % 2:       # order alternates per pair
+            self.par.append(self.timed(True))
+            self.serial.append(self.timed(False))
         else:
-            serial.append(timed(False))
-            par.append(timed(True))
-    mb = len(text.encode()) / 1e6
-    ratios = sorted(s / p for s, p in zip(serial, par))
-    return {"family": family, "chars": len(text), "workers": enc.workers, "cache": cache, "warmup_ms": warmup_s * 1e3,
-            "serial_mb_s": mb / statistics.median(serial), "parallel_mb_s": mb / statistics.median(par),
-            "speedup_median": statistics.median(ratios), "speedup_p10": ratios[max(0, len(ratios) // 10 - 1)],
-            "speedup_p90": ratios[min(len(ratios) - 1, (9 * len(ratios)) // 10)],
-            "repeats": repeats, "repeats_not_quiet": noisy, "exact": True}
+            self.serial.append(self.timed(False))
+            self.par.append(self.timed(True))
+
+    def row(self) -> dict:
+        mb = len(self.text.encode()) / 1e6
+        ratios = sorted(s / p for s, p in zip(self.serial, self.par))
+        return {"family": self.enc.family.name, "chars": len(self.text), "workers": self.enc.workers,
+                "cache": self.cache, "warmup_ms": self.warmup_s * 1e3,
+                "serial_mb_s": mb / statistics.median(self.serial), "parallel_mb_s": mb / statistics.median(self.par),
+                "speedup_median": statistics.median(ratios), "speedup_p10": ratios[max(0, len(ratios) // 10 - 1)],
+                "speedup_p90": ratios[min(len(ratios) - 1, (9 * len(ratios)) // 10)],
+                "repeats": len(ratios), "repeats_not_quiet": self.noisy, "exact": True}
+
+
+def measure(families: list[str], sizes: list[int], caches: list[str], warmups_s: list[float], text: str,
+            repeats: int, quiet: bool) -> list[dict]:
+    """Every cell gets one pair per round and the rounds go through all cells (forward, then backward), so the
+    host's drift over the run hits every family and size alike instead of whichever cell ran during a noisy spell
+    (measured: the same code's 1M cells moved by 0.1-0.4 between separate runs, and two families interleaved in
+    one process agreed within 0.02)."""
+    encoders = {}
+    for family in families:
+        tok = tokenplane.load(family)
+        enc = encoders[family] = CpuEncoder(tok)
+        for n in sizes:
+            ref = tok.encode(text[:n], path="reference")
+            for parallel in (False, True):
+                if not (enc.encode(text[:n], parallel=parallel) == ref).all():
+                    raise SystemExit(f"{family} {n}: parallel={parallel} differs from the reference")
+    cells = [Cell(encoders[f], text[:n], c, w) for w in warmups_s for c in caches for f in families for n in sizes]
+    for i in range(repeats):
+        for cell in (cells if i % 2 == 0 else cells[::-1]):
+            cell.pair(i, quiet)
+    return [cell.row() for cell in cells]
 
 
 def main() -> None:
@@ -83,9 +108,8 @@ def main() -> None:
     args = ap.parse_args()
     docs = [json.loads(line)["text"] for line in open(Path(args.corpus) / "mixed.jsonl", encoding="utf-8")]
     text = "".join(docs)
-    rows = [measure(f, text[:int(n)], args.repeats, not args.no_quiet_gate, c, float(w) / 1e3)
-            for w in args.warmup_ms.split(",") for c in args.cache.split(",")
-            for f in args.families.split(",") for n in args.sizes.split(",")]
+    rows = measure(args.families.split(","), [int(n) for n in args.sizes.split(",")], args.cache.split(","),
+                   [float(w) / 1e3 for w in args.warmup_ms.split(",")], text, args.repeats, not args.no_quiet_gate)
     flags = [f"--{k.replace('_', '-')}" + ("" if v is True else f" {v}") for k, v in vars(args).items()
              if v is not False]
     meta = {"command": "python benchmarks/parallel_speedup.py " + " ".join(flags), "loadavg_end": os.getloadavg(),
@@ -94,7 +118,9 @@ def main() -> None:
     (RESULTS / "parallel_speedup.json").write_text(json.dumps(meta, indent=1))
     lines = ["# Chunk-parallel vs serial CPU encode (same encoder, interleaved, exact)", "",
              f"Command: `{meta['command']}`; load average at end {meta['loadavg_end']}.", "",
-             "Each repetition is one serial and one parallel encode, interleaved (order alternating); before each pair "
+             "Each repetition is one serial and one parallel encode, interleaved (order alternating); every cell gets "
+             "one pair per round and the rounds sweep all cells (forward, then backward), so drift in the host's speed "
+             "hits every row alike; before each pair "
              "the script waits for an idle machine (benchmarks/quiet.py) so another job holding a core is not measured "
              "as the code's speedup, then runs `warm-up` ms of untimed parallel encodes. After an idle spell the second "
              "vCPU runs the encoder slowly for its first ~40 ms (a register-only compute loop does not slow down), so "
