@@ -158,7 +158,8 @@ def test_predicate_sound_campaign(tok):
 
 @pytest.mark.parametrize("name", NAMES)
 def test_pair_table_says_what_the_predicate_says(name):
-    """The cut search's (signature, signature) table against the predicate on random and targeted pairs."""
+    """The cut search's (signature, signature) table against the predicate: random and targeted pairs, and every
+    code point against every signature's representative."""
     rule = boundary.RULES[name]
     sig, pair = boundary.pair_table(rule)
     cls = class_table(rule.engine)
@@ -168,6 +169,14 @@ def test_pair_table_says_what_the_predicate_says(name):
     x = np.concatenate([rng.integers(0, cls.shape[0], 400_000), np.repeat(special, special.size)])
     y = np.concatenate([rng.integers(0, cls.shape[0], 400_000), np.tile(special, special.size)])
     assert (pair[sig[x], sig[y]] != 0).tolist() == rule.predicate(cls[x], x, cls[y], y).tolist()
+    # every code point on either side against every signature's representative on the other: a fact about one
+    # character that the signature missed would show up as a disagreement here
+    _, reps = boundary._signatures(rule.engine)
+    every = np.arange(cls.shape[0], dtype=np.int64)
+    for r in reps.astype(np.int64):
+        rr = np.full_like(every, r)
+        assert np.array_equal(pair[sig[every], sig[r]] != 0, rule.predicate(cls[every], every, cls[rr], rr)), r
+        assert np.array_equal(pair[sig[r], sig[every]] != 0, rule.predicate(cls[rr], rr, cls[every], every)), r
 
 
 @pytest.mark.parametrize("name", NAMES)
