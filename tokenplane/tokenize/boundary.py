@@ -126,13 +126,20 @@ def _signatures(engine: str) -> tuple[np.ndarray, np.ndarray]:
     P, S; whether it is CR, LF, an apostrophe or a slash; CJK-range membership), and one representative code point
     per id. Equal ids mean the predicates cannot tell two characters apart."""
     cls = class_table(engine)
-    cp = np.arange(cls.shape[0], dtype=np.int64)
-    special = np.select([cp == _CR, cp == _LF, cp == _APOS, cp == _SLASH], [1, 2, 3, 4], 0)
-    key = (cls.astype(np.int64) & (_L | _N | _M | _S | _P | _SYM)) * 64 + special * 2 + _cjk(cp)
-    uniq, first, ids = np.unique(key, return_index=True, return_inverse=True)
-    if uniq.shape[0] > 255:
-        raise ValueError(f"{uniq.shape[0]} character signatures do not fit a uint8 id")
-    return ids.astype(np.uint8), first.astype(np.uint32)
+    cp = np.arange(cls.shape[0], dtype=np.int32)
+    key = (cls.astype(np.int32) & (_L | _N | _M | _S | _P | _SYM)) * 16 + _cjk(cp) * 8
+    for code, ch in enumerate((_CR, _LF, _APOS, _SLASH), start=1):
+        key[ch] += code
+    # ids by a dense key table (np.unique would sort 1.1M keys: ~50 ms on the first parallel encode)
+    present = np.zeros(int(key.max()) + 1, dtype=bool)
+    present[key] = True
+    n_sig = int(present.sum())
+    if n_sig > 255:
+        raise ValueError(f"{n_sig} character signatures do not fit a uint8 id")
+    ids = (np.cumsum(present) - 1).astype(np.uint8)[key]
+    first = np.empty(n_sig, dtype=np.uint32)
+    first[ids[::-1]] = cp[::-1]          # the last write per id wins: its smallest code point
+    return ids, first
 
 
 @lru_cache(maxsize=None)

@@ -51,6 +51,8 @@ class CpuEncoder:
         self.family = tok.family
         self.bpe = BPE(tok.reference, tok.content_hash)
         self.rule = boundary.rule_for(tok.family)
+        if self.rule is not None:
+            boundary.pair_table(self.rule)     # the cut search's table: built here, not in the first request
         self.workers = workers or default_workers()
         self.parallel_min_chars = parallel_min_chars
         self.min_chunk_chars = min_chunk_chars
