@@ -20,8 +20,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..tokenizer import InvalidTextError, PathUnavailableError
-from .layout import (F_CL100K, F_DEEPSEEK, F_LLAMA3, F_O200K, F_QWEN3, FALLBACK, INVALID, META_LEN, N_BYTES, N_CHARS, N_DOCS,
-                     N_LARGE, N_MEDIUM, N_PIECES, N_SMALL, N_TOKENS)
+from .layout import (F_CL100K, F_DEEPSEEK, F_LLAMA3, F_O200K, F_QWEN3, FALLBACK, INVALID, META_LEN, N_BYTES,
+                     N_CHARS, N_DOCS, N_LARGE, N_MEDIUM, N_PIECES, N_SMALL, N_TOKENS)
 from .scan import OP_ADD, OP_MAX, launch_scan, make_scan
 
 

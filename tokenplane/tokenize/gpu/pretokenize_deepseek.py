@@ -109,9 +109,8 @@ def make_pretokenize_deepseek():
         while x < n:
             k = code[x] & 7
             a = rstart[x]
-            s = x == 0 or seg_head(code, docflag, x)
-            if s:
-                pass
+            if x == 0 or seg_head(code, docflag, x):
+                s = True
             elif k == KIND_N:
                 s = (x - a) % 3 == 0
             elif k == KIND_PS:
@@ -128,6 +127,7 @@ def make_pretokenize_deepseek():
                 s = x == a or (x + 1 == rend[a] and x + 1 < n and (code[x + 1] & 7) == KIND_LM
                                and not seg_head(code, docflag, x + 1))
             else:
+                s = False
                 s0 = reff[a]
                 if x == s0:
                     s = True
