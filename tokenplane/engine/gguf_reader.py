@@ -108,7 +108,8 @@ def _hf_config(reader: Any, path: Path, names: set[str]) -> dict[str, Any]:
 
     arch = get("general.architecture")
     if arch not in HF_ARCHITECTURE:
-        raise ModelArtifactError(f"{path}: unsupported GGUF architecture {arch!r}; supported: {sorted(HF_ARCHITECTURE)}")
+        raise ModelArtifactError(f"{path}: unsupported GGUF architecture {arch!r}; "
+                                 f"supported: {sorted(HF_ARCHITECTURE)}")
     p = arch + "."
     heads, hidden = int(get(p + "attention.head_count")), int(get(p + "embedding_length"))
     head_dim = int(get(p + "attention.key_length", hidden // heads))

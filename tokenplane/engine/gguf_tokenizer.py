@@ -33,7 +33,8 @@ def tokenizer_files(field) -> tuple[dict[str, Any], dict[str, Any]] | str:
     tokens, merges = list(field("tokenizer.ggml.tokens")), list(field("tokenizer.ggml.merges", []))
     types = list(field("tokenizer.ggml.token_type", [1] * len(tokens)))
     added = [{"id": i, "content": t, "single_word": False, "lstrip": False, "rstrip": False, "normalized": False,
-              "special": ty == CONTROL} for i, (t, ty) in enumerate(zip(tokens, types)) if ty in (CONTROL, USER_DEFINED)]
+              "special": ty == CONTROL}
+             for i, (t, ty) in enumerate(zip(tokens, types)) if ty in (CONTROL, USER_DEFINED)]
     tokenizer = {
         "version": "1.0", "truncation": None, "padding": None, "added_tokens": added, "normalizer": None,
         "pre_tokenizer": PRE_TOKENIZERS[pre], "post_processor": None,
@@ -48,7 +49,8 @@ def tokenizer_files(field) -> tuple[dict[str, Any], dict[str, Any]] | str:
         return tokens[int(i)] if i is not None and 0 <= int(i) < len(tokens) else None
 
     config: dict[str, Any] = {
-        "tokenizer_class": "PreTrainedTokenizerFast", "add_bos_token": bool(field("tokenizer.ggml.add_bos_token", False)),
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "add_bos_token": bool(field("tokenizer.ggml.add_bos_token", False)),
         "add_eos_token": bool(field("tokenizer.ggml.add_eos_token", False)), "add_prefix_space": False,
         "clean_up_tokenization_spaces": False,
         "model_max_length": int(field(f"{field('general.architecture')}.context_length", 0)) or None,
