@@ -12,6 +12,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import re
 from pathlib import Path
 
 import numpy as np
@@ -269,6 +270,25 @@ def test_smollm2_tokenizer_splits_digits(smol_dir):
     assert tok.decode(tok.encode("Hello, world! 42").ids) == "Hello, world! 42"
 
 
+@needs_smol
+def test_smollm2_tokenizer_equals_transformers_gguf_tokenizer_but_for_digits(smol_dir):
+    """transformers' GGUF tokenizer is the reference for everything but the `smollm` digit split, which it drops."""
+    transformers = pytest.importorskip("transformers")
+    from tokenplane.engine.artifacts import package_file
+
+    gguf_path = package_file(SMOL)
+    theirs = transformers.AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+    ours = transformers.AutoTokenizer.from_pretrained(str(smol_dir))   # our tokenizer.json + tokenizer_config.json
+    text = re.sub(r"\d", "", (Path(__file__).parents[1] / "README.md").read_text(encoding="utf-8"))
+    assert ours(text)["input_ids"] == theirs(text)["input_ids"]
+    assert ours("x  1")["input_ids"] == [104, 256, 33] != theirs("x  1")["input_ids"]
+    chat = [{"role": "system", "content": "Be brief."}, *PARIS_CHAT]
+    for messages in (PARIS_CHAT, chat):
+        assert ours.apply_chat_template(messages, tokenize=False, add_generation_prompt=True) == \
+            theirs.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert (ours.eos_token, ours.bos_token) == ("<|im_end|>", "<|im_start|>")
+
+
 def chat_prompt(smol_dir: Path, messages: list[dict]) -> list[int]:
     import jinja2
     from tokenizers import Tokenizer
@@ -300,9 +320,11 @@ def test_smollm2_logits_equal_transformers_gguf_load(smol_dir):
     from tokenplane.engine.artifacts import package_file
 
     gguf_path = package_file(SMOL)
-    hf = transformers.AutoModelForCausalLM.from_pretrained(
-        str(gguf_path.parent), gguf_file=gguf_path.name, dtype=torch.float32,
-        quantization_config=transformers.GgufConfig(dequantize=True)).eval()
+    # transformers 5.x keeps GGUF blocks quantized unless told to dequantize; 4.x always dequantizes.
+    dense = {"quantization_config": transformers.GgufConfig(dequantize=True)} if hasattr(transformers, "GgufConfig") \
+        else {}
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name,
+                                                           dtype=torch.float32, **dense).eval()
     _, model = load_model(SMOL.name)
     theirs_sd, ours_sd = hf.state_dict(), hf_state_dict(model)
     assert all(torch.equal(ours_sd[k], theirs_sd[k]) for k in ours_sd)      # bit-identical dequantized weights
