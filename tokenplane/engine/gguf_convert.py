@@ -2,18 +2,20 @@
 
 `$TOKENPLANE_CACHE/models/<first 16 hex of the GGUF's sha256>/` holds config.json, model.safetensors (float32),
 tokenizer.json + tokenizer_config.json (when the GGUF's tokenizer is supported), NOTICE (source and modification,
-Apache-2.0 §4), LICENSE (when the source package ships one) and manifest.json (the GGUF's sha256 and each file's).
-The folder is built under a temporary name and renamed into place, manifest last. Using it re-hashes every file
-against the manifest, and, for a registered model, the manifest against the pinned output hashes: a corrupted or
-half-written folder is detected and rebuilt; a conversion whose output differs from the pins fails closed.
+Apache-2.0 §4), LICENSE (when the source package ships one) and manifest.json (the GGUF's sha256 and each file's). The
+folder is built under a temporary name (holding a lock file: one converter per GGUF) and renamed into place. Using it
+re-hashes every file against the manifest, and, for a registered model, the manifest against the pinned output hashes: a
+corrupted or half-written folder is detected and rebuilt; a conversion whose output differs from the pins fails closed.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -41,28 +43,44 @@ def gguf_model_dir(path: str | os.PathLike, *, expected_sha256: str | None = Non
         raise ModelArtifactError(f"{path}: sha256 {sha} does not match the pinned {expected_sha256}")
     pins = artifact.outputs if artifact else None
     folder = cache_dir() / "models" / sha[:16]
-    problem = verify_folder(folder, sha, pins)
-    if problem is None:
+    if verify_folder(folder, sha, pins) is None:
         return folder
-    if folder.exists():
-        print(f"tokenplane: cached model {folder} is invalid ({problem}); rebuilding", file=sys.stderr)
-    tmp = folder.with_name(f".{folder.name}.tmp{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    try:
-        hashes = convert(path, tmp, sha, artifact=artifact, progress=progress)
-        if pins and hashes != pins:
-            diff = sorted(k for k in set(hashes) | set(pins) if hashes.get(k) != pins.get(k))
-            raise ModelArtifactError(f"{path}: converted files {diff} do not match the pinned hashes "
-                                     f"(got {{{', '.join(f'{k}: {hashes.get(k)}' for k in diff)}}})")
-        shutil.rmtree(folder, ignore_errors=True)
-        try:
-            os.replace(tmp, folder)
-        except OSError:  # another process renamed its copy into place first: use it if it verifies
-            if (problem := verify_folder(folder, sha, pins)) is not None:
-                raise ModelArtifactError(f"{folder}: could not replace an invalid cache folder ({problem})") from None
-    finally:
+    with _exclusive(folder.with_name(f".{folder.name}.lock")):   # one converter at a time per GGUF
+        problem = verify_folder(folder, sha, pins)                  # another process may have just built it
+        if problem is None:
+            return folder
+        if folder.exists():
+            print(f"tokenplane: cached model {folder} is invalid ({problem}); rebuilding", file=sys.stderr)
+        tmp = folder.with_name(f".{folder.name}.tmp{os.getpid()}")
         shutil.rmtree(tmp, ignore_errors=True)
+        try:
+            hashes = convert(path, tmp, sha, artifact=artifact, progress=progress)
+            if pins and hashes != pins:
+                diff = sorted(k for k in set(hashes) | set(pins) if hashes.get(k) != pins.get(k))
+                raise ModelArtifactError(f"{path}: converted files {diff} do not match the pinned hashes "
+                                         f"(got {{{', '.join(f'{k}: {hashes.get(k)}' for k in diff)}}})")
+            shutil.rmtree(folder, ignore_errors=True)
+            os.replace(tmp, folder)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
     return folder
+
+
+@contextlib.contextmanager
+def _exclusive(lock: Path) -> Iterator[None]:
+    """An advisory lock file (POSIX flock; elsewhere no lock: concurrent converters then race on the rename)."""
+    try:
+        import fcntl
+    except ImportError:
+        yield
+        return
+    lock.parent.mkdir(parents=True, exist_ok=True)
+    with open(lock, "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 def verify_folder(folder: Path, sha: str, pins: dict[str, str] | None) -> str | None:
@@ -73,7 +91,9 @@ def verify_folder(folder: Path, sha: str, pins: dict[str, str] | None) -> str | 
         return f"no {MANIFEST}"
     except (OSError, ValueError) as e:
         return f"unreadable {MANIFEST}: {e}"
-    files = manifest.get("files") if isinstance(manifest, dict) else None
+    if not isinstance(manifest, dict):
+        return f"{MANIFEST} is not an object"
+    files = manifest.get("files")
     if manifest.get("format") != FORMAT or manifest.get("source_sha256") != sha or not isinstance(files, dict):
         return f"{MANIFEST} is for another source or format"
     if pins and files != pins:

@@ -148,7 +148,11 @@ def _hf_config(reader: Any, path: Path, names: set[str]) -> dict[str, Any]:
 
 def read_gguf(path: str | Path) -> GGUFModel:
     """Open and validate a GGUF file (memory-mapped; nothing is dequantized yet)."""
-    from gguf import GGUFReader
+    try:
+        from gguf import GGUFReader
+    except ImportError:
+        raise ModelArtifactError("reading GGUF files needs the `gguf` package (`pip install gguf`, in the engine "
+                                 "extra)") from None
 
     from tokenplane.engine.loader import hf_tensor_shapes
 
