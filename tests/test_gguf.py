@@ -23,8 +23,14 @@ from safetensors.numpy import save_file
 
 gguf = pytest.importorskip("gguf")
 
-from tokenplane.engine import LLMEngine, ModelRunner, SamplingParams, Sequence, load_model  # noqa: E402
-from tokenplane.engine import artifacts  # noqa: E402
+from tokenplane.engine import (  # noqa: E402
+    LLMEngine,
+    ModelRunner,
+    SamplingParams,
+    Sequence,
+    artifacts,
+    load_model,
+)
 from tokenplane.engine.artifacts import ModelArtifact, ModelArtifactError, sha256_file  # noqa: E402
 from tokenplane.engine.config import PRESETS  # noqa: E402
 from tokenplane.engine.gguf_convert import gguf_model_dir  # noqa: E402

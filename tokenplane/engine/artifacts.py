@@ -90,7 +90,7 @@ def license_text(art: ModelArtifact) -> str | None:
         return None
     for f in dist.files or ():
         if Path(str(f)).name in ("LICENSE", "LICENSE.txt", "LICENSE.md"):
-            return Path(dist.locate_file(f)).read_text(encoding="utf-8")
+            return f.read_text(encoding="utf-8")
     return None
 
 

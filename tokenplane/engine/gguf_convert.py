@@ -19,8 +19,15 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from tokenplane.engine.artifacts import (ModelArtifact, ModelArtifactError, cache_dir, license_text, lookup,
-                                         package_file, sha256_file)
+from tokenplane.engine.artifacts import (
+    ModelArtifact,
+    ModelArtifactError,
+    cache_dir,
+    license_text,
+    lookup,
+    package_file,
+    sha256_file,
+)
 
 MANIFEST = "manifest.json"
 FORMAT = 1
@@ -180,7 +187,7 @@ class _SimpleBar:
             print(f"\r{self.desc}: {pct:3d}% {self.n}/{self.total} {time.monotonic() - self.t0:.1f}s",
                   end="", file=sys.stderr, flush=True)
 
-    def __enter__(self) -> "_SimpleBar":
+    def __enter__(self) -> _SimpleBar:
         return self
 
     def __exit__(self, *exc: Any) -> None:
@@ -191,7 +198,7 @@ class _NoBar:
     def update(self, n: int) -> None:
         pass
 
-    def __enter__(self) -> "_NoBar":
+    def __enter__(self) -> _NoBar:
         return self
 
     def __exit__(self, *exc: Any) -> None:
