@@ -107,7 +107,10 @@ class InProcessBackend:
         return BackendHealth(models, live_requests=self._running + self._waiting, queued_requests=self._waiting)
 
     def abort(self, request_id: str) -> None:
+        """Stop a running or queued request; an id not seen yet is remembered (bounded) in case it arrives."""
         self._abort.setdefault(request_id, threading.Event()).set()
+        while len(self._abort) > 4096:
+            self._abort.pop(next(iter(self._abort)))
 
     async def generate(self, prompt_ids: Sequence[int], params: Any, request_id: str) -> AsyncIterator[Chunk]:
         if self._waiting >= self.max_queued and self._queue_lock.locked():

@@ -14,6 +14,7 @@ import logging
 import secrets
 import time
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import aclosing
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, Callable, Sequence, TypeVar
 
@@ -129,20 +130,21 @@ class OpenAIServer:
         t0 = time.perf_counter()
         backend_done = False   # the backend finished the request itself; otherwise it must be told to stop
         try:
-            async for chunk in self.backend.generate(job.prompt_ids, job.params, request_id):
-                if n == 0 and chunk.token_ids and self.metrics is not None:
-                    self.metrics.ttft.observe(time.perf_counter() - t0)
-                n += len(chunk.token_ids)
-                delta = text.push(chunk.token_ids)
-                backend_done = chunk.finish_reason is not None
-                if text.stopped:   # a stop string: the text ends before it, whatever the backend says
-                    yield Event(delta, "stop", chunk.stats, n)
-                    return
-                if chunk.finish_reason is not None:
-                    yield Event(delta + text.flush(), chunk.finish_reason, chunk.stats, n)
-                    return
-                if delta:
-                    yield Event(delta, None, None, n)
+            async with aclosing(self.backend.generate(job.prompt_ids, job.params, request_id)) as chunks:
+                async for chunk in chunks:
+                    if n == 0 and chunk.token_ids and self.metrics is not None:
+                        self.metrics.ttft.observe(time.perf_counter() - t0)
+                    n += len(chunk.token_ids)
+                    delta = text.push(chunk.token_ids)
+                    backend_done = chunk.finish_reason is not None
+                    if text.stopped:   # a stop string: the text ends before it, whatever the backend says
+                        yield Event(delta, "stop", chunk.stats, n)
+                        return
+                    if chunk.finish_reason is not None:
+                        yield Event(delta + text.flush(), chunk.finish_reason, chunk.stats, n)
+                        return
+                    if delta:
+                        yield Event(delta, None, None, n)
             backend_done = True
             yield Event(text.flush(), "stop", None, n)
         finally:
