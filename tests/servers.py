@@ -23,7 +23,7 @@ class ThreadServer:
                                                     **config))
         self.thread = threading.Thread(target=self.server.run, daemon=True)
 
-    def __enter__(self) -> "ThreadServer":
+    def __enter__(self) -> ThreadServer:
         self.thread.start()
         deadline = time.monotonic() + 30
         while not self.server.started:

@@ -157,7 +157,8 @@ def test_chat_equals_reference(server, router, tokenizer):
     out = router.generate(ids, SamplingParams(max_tokens=10, stop_token_ids=template.stop_token_ids), "ref")
     stream = TextStream(tokenizer)
     assert body["object"] == "chat.completion"
-    assert body["choices"][0]["message"] == {"role": "assistant", "content": stream.push(out.token_ids) + stream.flush()}
+    content = stream.push(out.token_ids) + stream.flush()
+    assert body["choices"][0]["message"] == {"role": "assistant", "content": content}
     assert body["usage"]["prompt_tokens"] == len(ids)
     assert body["routing"]["num_tokens"] == len(out.token_ids)
 
@@ -355,6 +356,7 @@ def test_process_backend_equals_inprocess(tokenizer):
 
 def test_cli_defaults_bind_localhost():
     import argparse
+
     from tokenplane.serve.cli import main_arguments
     p = argparse.ArgumentParser()
     main_arguments(p)

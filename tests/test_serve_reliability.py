@@ -12,9 +12,9 @@ import time
 import httpx
 import openai
 import pytest
+from servers import ThreadServer
 
 import tokenplane
-from servers import ThreadServer
 from tokenplane.engine.config import PRESETS
 from tokenplane.serve.app import create_app
 from tokenplane.serve.backends import Chunk, InProcessBackend, build_router

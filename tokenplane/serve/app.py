@@ -25,8 +25,15 @@ from .errors import APIError, InternalError, InvalidRequest, NotFound, PayloadTo
 from .metrics import CONTENT_TYPE, Metrics
 from .middleware import GuardMiddleware
 from .openai_routes import OpenAIServer
-from .protocol import (ChatCompletionRequest, ChatCompletionResponse, CompletionRequest, CompletionResponse,
-                       ErrorResponse, ModelCard, ModelList)
+from .protocol import (
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    CompletionRequest,
+    CompletionResponse,
+    ErrorResponse,
+    ModelCard,
+    ModelList,
+)
 
 log = logging.getLogger("tokenplane.serve")
 

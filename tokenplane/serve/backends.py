@@ -15,7 +15,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Protocol, Sequence
+from typing import Any, AsyncGenerator, Protocol, Sequence
 
 from . import calibration_cache
 from .config import ServeConfig
@@ -68,7 +68,7 @@ class Backend(Protocol):
     vocab_size: int | None
 
     async def start(self) -> None: ...
-    def generate(self, prompt_ids: Sequence[int], params: Any, request_id: str) -> AsyncIterator[Chunk]: ...
+    def generate(self, prompt_ids: Sequence[int], params: Any, request_id: str) -> AsyncGenerator[Chunk, None]: ...
     def abort(self, request_id: str) -> None: ...
     def health(self) -> BackendHealth: ...
     def close(self) -> None: ...
@@ -112,7 +112,7 @@ class InProcessBackend:
         while len(self._abort) > 4096:
             self._abort.pop(next(iter(self._abort)))
 
-    async def generate(self, prompt_ids: Sequence[int], params: Any, request_id: str) -> AsyncIterator[Chunk]:
+    async def generate(self, prompt_ids: Sequence[int], params: Any, request_id: str) -> AsyncGenerator[Chunk, None]:
         if self._waiting >= self.max_queued and self._queue_lock.locked():
             raise TooManyRequests(f"{self._waiting} requests are already waiting; retry later",
                                   headers=retry_headers(1.0), code="queue_full")
@@ -206,7 +206,7 @@ class RuntimeBackend:
         return BackendHealth(models, live_requests=int(getattr(self.runtime, "num_live", 0)),
                              queued_requests=int(getattr(self.runtime, "num_queued", 0)))
 
-    async def generate(self, prompt_ids: Sequence[int], params: Any, request_id: str) -> AsyncIterator[Chunk]:
+    async def generate(self, prompt_ids: Sequence[int], params: Any, request_id: str) -> AsyncGenerator[Chunk, None]:
         from tokenplane.route import errors as route_errors
         try:
             async for c in self.runtime.generate(list(prompt_ids), params, request_id=request_id):
@@ -250,7 +250,7 @@ def calibrated_algorithm(cfg: ServeConfig, tokenizer: Any, runners: list[Any] | 
     """The configured algorithm, its thresholds calibrated at warm-up when its mode needs it (from the cache when
     this exact calibration ran before)."""
     from tokenplane.engine.sampler import SamplingParams
-    from tokenplane.route.reference import SequentialRouter, calibrate
+    from tokenplane.route.reference import calibrate
     algorithm = build_algorithm(cfg)
     gates = algorithm.calibration_gates() if hasattr(algorithm, "calibration_gates") else []
     if not gates or getattr(algorithm, "calibrated", True):
@@ -260,7 +260,7 @@ def calibrated_algorithm(cfg: ServeConfig, tokenizer: Any, runners: list[Any] | 
     key = calibration_cache.calibration_key(list(cfg.models), cfg.seed, cfg.dtype, cfg.algorithm,
                                             dict(cfg.parameters), texts, max_tokens) if use_cache else None
     cached = calibration_cache.load(key) if key else None
-    if cached is not None:
+    if key and cached is not None:
         log.info("calibration: %s thresholds %s from the cache (%s)", algorithm.name, cached, key[:12])
         return build_algorithm(cfg, cached)
     log.info("calibration: running %d warm-up prompts through %d models (once; cached afterwards)",
@@ -269,7 +269,7 @@ def calibrated_algorithm(cfg: ServeConfig, tokenizer: Any, runners: list[Any] | 
     prompts = [tokenizer.encode(t).tolist() for t in texts]
     sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     t0 = time.perf_counter()
-    thresholds = calibrate(algorithm, SequentialRouter(algorithm, runners), prompts, sp)
+    thresholds = calibrate(algorithm, runners, prompts, sp)
     log.info("calibration: %s thresholds %s in %.1f s", algorithm.name, thresholds, time.perf_counter() - t0)
     if key:
         calibration_cache.store(key, dict(thresholds))

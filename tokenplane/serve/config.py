@@ -36,7 +36,7 @@ class ServeConfig:
     runtime: dict[str, Any] = field(default_factory=dict)   # extra RuntimeConfig fields (mode, thresholds, ...)
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "ServeConfig":
+    def from_dict(cls, d: dict[str, Any]) -> ServeConfig:
         names = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(d) - names)
         if unknown:
@@ -49,7 +49,7 @@ class ServeConfig:
         return cfg
 
     @classmethod
-    def load(cls, path: str | Path | None) -> "ServeConfig":
+    def load(cls, path: str | Path | None) -> ServeConfig:
         return cls() if path is None else cls.from_dict(json.loads(Path(path).read_text()))
 
     def torch_dtype(self) -> Any:

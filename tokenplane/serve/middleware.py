@@ -10,17 +10,13 @@ from __future__ import annotations
 import hmac
 import logging
 import time
-from typing import Any, Awaitable, Callable
+
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from .errors import APIError, InternalError, PayloadTooLarge, Unauthorized
 from .metrics import Metrics
 
 log = logging.getLogger("tokenplane.serve")
-
-Scope = dict[str, Any]
-Receive = Callable[[], Awaitable[dict[str, Any]]]
-Send = Callable[[dict[str, Any]], Awaitable[None]]
-ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 
 OPEN_PATHS = ("/health", "/metrics", "/docs", "/openapi.json", "/redoc")
 
@@ -68,7 +64,7 @@ class GuardMiddleware:
         t0 = time.perf_counter()
         status = {"code": 500, "started": False, "done": False}
 
-        async def tracked_send(message: dict[str, Any]) -> None:
+        async def tracked_send(message: Message) -> None:
             if message["type"] == "http.response.start":
                 status["code"], status["started"] = message["status"], True
             elif message["type"] == "http.response.body" and not message.get("more_body", False):
@@ -107,7 +103,7 @@ class GuardMiddleware:
         limit = self.max_body_bytes
         seen = 0
 
-        async def limited() -> dict[str, Any]:
+        async def limited() -> Message:
             nonlocal seen
             message = await receive()
             if message["type"] == "http.request":

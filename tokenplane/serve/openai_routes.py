@@ -16,7 +16,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import aclosing
 from dataclasses import dataclass
-from typing import Any, AsyncIterator, Callable, Sequence, TypeVar
+from typing import Any, AsyncGenerator, AsyncIterator, Callable, Sequence, TypeVar
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
@@ -124,7 +124,7 @@ class OpenAIServer:
         return out
 
     # -- generation ---------------------------------------------------------------------------------------------
-    async def events(self, job: Job, request_id: str) -> AsyncIterator[Event]:
+    async def events(self, job: Job, request_id: str) -> AsyncGenerator[Event, None]:
         text = TextStream(self.tokenizer, job.stop)
         n = 0
         t0 = time.perf_counter()
@@ -192,10 +192,10 @@ class OpenAIServer:
         c = sum(e.completion_tokens for e in events)
         return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
 
-    async def _primed(self, jobs: list[Job], rid: str) -> list[tuple[AsyncIterator[Event], Event | None]]:
+    async def _primed(self, jobs: list[Job], rid: str) -> list[tuple[AsyncGenerator[Event, None], Event | None]]:
         """Start every choice's stream and wait for its first event, so that errors at admission (queue full,
         model down, request too large) are answered with their HTTP status rather than inside a 200 stream."""
-        streams: list[tuple[AsyncIterator[Event], Event | None]] = []
+        streams: list[tuple[AsyncGenerator[Event, None], Event | None]] = []
         try:
             for i, job in enumerate(jobs):
                 gen = self.events(job, f"{rid}-{i}" if len(jobs) > 1 else rid)
@@ -210,7 +210,7 @@ class OpenAIServer:
             raise
         return streams
 
-    async def _merged(self, streams: list[tuple[AsyncIterator[Event], Event | None]]
+    async def _merged(self, streams: list[tuple[AsyncGenerator[Event, None], Event | None]]
                       ) -> AsyncIterator[tuple[int, Event]]:
         if len(streams) == 1:
             gen, first = streams[0]
@@ -221,7 +221,7 @@ class OpenAIServer:
             return
         queue: asyncio.Queue[tuple[int, Event | BaseException | None]] = asyncio.Queue()
 
-        async def pump(i: int, gen: AsyncIterator[Event], first: Event | None) -> None:
+        async def pump(i: int, gen: AsyncGenerator[Event, None], first: Event | None) -> None:
             try:
                 if first is not None:
                     await queue.put((i, first))
@@ -248,9 +248,9 @@ class OpenAIServer:
             for gen, _ in streams:
                 await gen.aclose()
 
-    async def _sse(self, streams: list[tuple[AsyncIterator[Event], Event | None]], jobs: list[Job],
+    async def _sse(self, streams: list[tuple[AsyncGenerator[Event, None], Event | None]], jobs: list[Job],
                    head: dict[str, Any], choice: Callable[[int, Event], dict[str, Any]], include_usage: bool,
-                   preamble: list[dict[str, Any]] = ()) -> AsyncIterator[str]:
+                   preamble: Sequence[dict[str, Any]] = ()) -> AsyncIterator[str]:
         finals: dict[int, Event] = {}
         try:
             for p in preamble:
@@ -267,7 +267,8 @@ class OpenAIServer:
                     self._record(ev)
                 yield f"data: {json.dumps(out)}\n\n"
             if include_usage:
-                yield f"data: {json.dumps({**head, 'choices': [], 'usage': self.usage(jobs, list(finals.values()))})}\n\n"
+                usage = self.usage(jobs, list(finals.values()))
+                yield f"data: {json.dumps({**head, 'choices': [], 'usage': usage})}\n\n"
         except Exception as exc:   # noqa: BLE001 - told to the client in the stream, then the stream ends cleanly
             err = exc if isinstance(exc, APIError) else APIError(f"internal error: {type(exc).__name__}", status=500)
             if not isinstance(exc, APIError):

@@ -8,8 +8,7 @@ this server does not implement are refused by name instead of being silently ign
 from __future__ import annotations
 
 import json
-import math
-from typing import Any, Literal, Union
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
@@ -148,21 +147,26 @@ class _Common(_Strict):
 
 
 class CompletionRequest(_Common):
-    prompt: Union[str, list[int], list[str], list[list[int]]]
+    prompt: str | list[int]
     echo: bool = False
     suffix: str | None = None
     best_of: int | None = None
 
-    @field_validator("prompt")
+    @field_validator("prompt", mode="before")
     @classmethod
-    def _prompt(cls, v: Any) -> str | list[int]:
+    def _batch_of_one(cls, v: Any) -> Any:
         if isinstance(v, list) and v and isinstance(v[0], (str, list)):
             if len(v) != 1:
                 raise ValueError("batched prompts are not supported; send one prompt per request (or use n)")
-            v = v[0]
+            return v[0]
+        return v
+
+    @field_validator("prompt")
+    @classmethod
+    def _prompt(cls, v: str | list[int]) -> str | list[int]:
         if isinstance(v, str):
             return _check_text(v, "prompt")
-        if any(t < 0 or t > INT64_MAX for t in v):
+        if any(t < 0 for t in v):
             raise ValueError("token ids must be non-negative")
         return v
 
@@ -213,7 +217,7 @@ def validate(model: type[_Common], body: dict[str, Any]) -> Any:
         req = model.model_validate(body)
     except ValidationError as exc:
         err = exc.errors()[0]
-        loc = ".".join(str(p) for p in err["loc"] if not isinstance(p, int) or True)
+        loc = ".".join(str(p) for p in err["loc"])
         param = str(err["loc"][0]) if err["loc"] else None
         msg = err["msg"].removeprefix("Value error, ")
         raise InvalidRequest(f"invalid `{loc}`: {msg}", param=param) from None
@@ -292,10 +296,6 @@ class ModelCard(BaseModel):
 class ModelList(BaseModel):
     object: Literal["list"]
     data: list[ModelCard]
-
-
-def finite(x: float) -> bool:
-    return math.isfinite(x)
 
 
 __all__ = ["ChatCompletionRequest", "ChatCompletionResponse", "ChatMessage", "CompletionRequest",

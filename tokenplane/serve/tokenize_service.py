@@ -246,7 +246,7 @@ class TokenizeService:
             except (binascii.Error, ValueError):
                 raise InvalidRequest("text_b64 is not valid base64", param="text_b64") from None
             return validate_text(raw, tok.max_chars)
-        return validate_text(body.text, tok.max_chars)
+        return validate_text(body.text or "", tok.max_chars)
 
     def verify(self, model: str, text: str, ids, allowed=(), context=None) -> None:
         v = self.verifiers.get(model)
@@ -280,14 +280,15 @@ class TokenizeService:
         text = self.text_of(body, tok)
         with entry.lock:   # a session is single-writer; concurrent requests on one session queue here
             sess = entry.session
-            grown = len(sess.text) + len(text) - (body.end - body.start if op == "edit" else 0)
+            removed = body.end - body.start if isinstance(body, EditBody) else 0
+            grown = len(sess.text) + len(text) - removed
             if op != "sync" and grown > self.max_session_chars or op == "sync" and len(text) > self.max_session_chars:
                 raise PayloadTooLarge(f"the session would hold {max(grown, len(text)):,} characters; the limit is "
                                       f"{self.max_session_chars:,}", code="session_too_large")
             try:
                 if op == "append":
                     splice = sess.append(text, expect_revision=body.expect_revision)
-                elif op == "edit":
+                elif isinstance(body, EditBody):
                     splice = sess.edit(body.start, body.end, text, expect_revision=body.expect_revision)
                 else:
                     splice = sess.sync(text, expect_revision=body.expect_revision)
