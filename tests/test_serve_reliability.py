@@ -324,3 +324,41 @@ def test_session_byte_budget_evicts_lru(server):
     assert httpx.get(url + f"/v1/sessions/{ids[-1]}").status_code == 200      # the newest survives
     assert is_openai_error(httpx.get(url + f"/v1/sessions/{ids[0]}"), 404)    # the oldest was evicted
 
+
+
+# -- conversation sessions in the request path (issue 13, part 3) --------------------------------------------------
+def test_chat_turns_reuse_the_conversation_session(server, tokenizer):
+    from tokenplane.serve.chat import ChatTemplate
+    url, _ = server
+    template = ChatTemplate(tokenizer)
+    messages = [{"role": "system", "content": "You are a coding agent. " * 50},
+                {"role": "user", "content": "Fix the failing test in tests/test_x.py.\n"}]
+    paths = []
+    for turn in range(4):
+        body = {"messages": messages, "max_tokens": 1, "temperature": 0, "prompt_cache_key": "conv-A"}
+        r = post(url, "/v1/chat/completions", body)
+        assert r.status_code == 200, r.text
+        out = r.json()
+        want = template.encode([(m["role"], m["content"]) for m in messages])
+        assert out["usage"]["prompt_tokens"] == len(want)
+        tok = out["tokenization"]
+        paths.append(tok["path"])
+        held = httpx.get(url + f"/v1/sessions/{tok['session']}", params={"ids": "true"}).json()
+        assert held["ids"] == want   # exactly the IDs of a full encode of the rendered prompt
+        assert tok["reused_tokens"] + tok["new_tokens"] == len(want)
+        if turn:
+            assert tok["reused_tokens"] >= previous   # the whole previous prompt was kept
+        previous = len(want)
+        messages = messages + [{"role": "assistant", "content": out["choices"][0]["message"]["content"]},
+                               {"role": "user", "content": f"observation {turn}: <returncode>1</returncode> ok"}]
+    assert paths == ["new_session", "session", "session", "session"]
+    # An edited history repairs the same session and still gives exact IDs.
+    messages[1] = {"role": "user", "content": "Fix the failing test in tests/test_y.py, please.\n"}
+    r = post(url, "/v1/chat/completions", {"messages": messages, "max_tokens": 1, "temperature": 0,
+                                           "prompt_cache_key": "conv-A"})
+    want = template.encode([(m["role"], m["content"]) for m in messages])
+    assert r.json()["usage"]["prompt_tokens"] == len(want) and r.json()["tokenization"]["path"] == "session"
+    # Special-token text in content is ordinary text: encoded apart, never through a session.
+    r = post(url, "/v1/chat/completions", {"messages": [{"role": "user", "content": "x<|im_end|>y"}],
+                                           "max_tokens": 1})
+    assert r.json()["tokenization"]["path"] == "bypass"

@@ -169,6 +169,8 @@ def create_app(backend: Backend, tokenizer: Any, *, model_name: str = "tokenplan
                                       max_session_chars=limits.max_session_chars, verify_rate=limits.verify_rate,
                                       max_body_bytes=limits.max_body_bytes)
         holder["tokenize"] = service
+        if limits.conversation_sessions:
+            server.use_sessions(service.store)
 
         def sessions() -> dict[str, Any]:
             return {**service.store.snapshot(), "verifier": {n: v.stats() for n, v in service.verifiers.items()}}

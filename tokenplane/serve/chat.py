@@ -7,6 +7,7 @@ a turn boundary.
 
 from __future__ import annotations
 
+import re
 from typing import Any, Sequence
 
 CHATML_SPECIALS = ("<|im_start|>", "<|im_end|>")
@@ -20,6 +21,9 @@ class ChatTemplate:
         if missing:
             raise ValueError(f"tokenizer {tokenizer.name} lacks ChatML tokens {missing}")
         self.stop_token_ids = tuple(tokenizer.specials[s] for s in CHAT_STOP_TOKENS if s in tokenizer.specials)
+        # One scan per message for every special-token text (re finds the shared "<" prefix with a fast search).
+        names = sorted(tokenizer.specials, key=len, reverse=True)
+        self._specials = re.compile("|".join(re.escape(s) for s in names)) if names else None
 
     @staticmethod
     def segments(messages: Sequence[tuple[str, str]]) -> list[tuple[str, bool]]:
@@ -31,10 +35,14 @@ class ChatTemplate:
         out.append(("<|im_start|>assistant\n", True))
         return out
 
+    def quotes_specials(self, messages: Sequence[tuple[str, str]]) -> bool:
+        """True when some message content contains special-token text (it must then be encoded apart)."""
+        return self._specials is not None and any(self._specials.search(c) for _, c in messages)
+
     def encode(self, messages: Sequence[tuple[str, str]]) -> list[int]:
         segments = self.segments(messages)
         tok = self.tokenizer
-        if not any(s in content for _, content in messages for s in tok.specials):
+        if not self.quotes_specials(messages):
             # One encode of the rendered text, exactly what HF apply_chat_template + encode gives.
             return tok.encode("".join(t for t, _ in segments), allowed_special=CHATML_SPECIALS).tolist()
         ids: list[int] = []

@@ -72,6 +72,7 @@ class Limits:
     max_session_chars: int = 16 << 20       # one session's text
     verify_rate: float = 0.0
     api_key: str | None = None
+    conversation_sessions: bool = True      # tokenize resent prompts by repairing the conversation's session
 
     def __post_init__(self) -> None:
         for name in ("max_body_bytes", "max_prompt_chars", "max_sessions", "session_bytes", "max_session_chars"):

@@ -24,6 +24,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from .backends import Backend
 from .chat import ChatTemplate
 from .config import Limits
+from .conversations import ConversationCache, TokenizationReport, blocks
 from .errors import APIError, InvalidRequest, NotFound, PayloadTooLarge
 from .metrics import Metrics
 from .protocol import ChatCompletionRequest, CompletionRequest, parse_body, validate
@@ -44,6 +45,7 @@ class Job:
     prompt_ids: list[int]
     params: Any            # tokenplane.engine.sampler.SamplingParams
     stop: list[str]
+    tokenization: TokenizationReport | None = None
 
 
 @dataclass
@@ -63,6 +65,14 @@ class OpenAIServer:
         self.chat = ChatTemplate(tokenizer)
         self.created = int(time.time())
         self._cpu = ThreadPoolExecutor(max_workers=2, thread_name_prefix="tokenplane-text")
+        self.chat_sessions: ConversationCache | None = None
+        self.prompt_sessions: ConversationCache | None = None
+
+    def use_sessions(self, store: Any) -> None:
+        """Tokenize prompts through conversation sessions kept in `store` (the tokenize service's SessionStore)."""
+        from .chat import CHATML_SPECIALS
+        self.chat_sessions = ConversationCache(self.tokenizer, store, allowed_special=CHATML_SPECIALS)
+        self.prompt_sessions = ConversationCache(self.tokenizer, store)
 
     def close(self) -> None:
         self._cpu.shutdown(wait=False, cancel_futures=True)
@@ -85,15 +95,28 @@ class OpenAIServer:
             raise PayloadTooLarge(f"the prompt has {n:,} characters; the limit is {self.limits.max_prompt_chars:,}",
                                   param="prompt", code="prompt_too_large")
 
-    def completion_ids(self, req: CompletionRequest) -> list[int]:
-        if isinstance(req.prompt, str):
-            return self.tokenizer.encode(req.prompt).tolist()
-        return list(req.prompt)
+    def completion_ids(self, req: CompletionRequest) -> tuple[list[int], TokenizationReport | None]:
+        if not isinstance(req.prompt, str):
+            return list(req.prompt), None
+        if self.prompt_sessions is None:
+            return self.tokenizer.encode(req.prompt).tolist(), None
+        ids, report = self.prompt_sessions.encode(req.prompt, blocks(req.prompt), req.conversation_key)
+        return ids.tolist(), report
 
-    def chat_ids(self, req: ChatCompletionRequest) -> list[int]:
-        return self.chat.encode([(m.role, m.text()) for m in req.messages])
+    def chat_ids(self, req: ChatCompletionRequest) -> tuple[list[int], TokenizationReport | None]:
+        messages = [(m.role, m.text()) for m in req.messages]
+        if self.chat_sessions is None or self.chat.quotes_specials(messages):
+            t0 = time.perf_counter()
+            ids = self.chat.encode(messages)
+            return ids, TokenizationReport("bypass", 0, len(ids), (time.perf_counter() - t0) * 1e3)
+        segments = self.chat.segments(messages)
+        pieces = ["".join(t for t, _ in segments[3 * i:3 * i + 3]) for i in range(len(messages))]
+        text = "".join(pieces) + "".join(t for t, _ in segments[3 * len(messages):])
+        ids, report = self.chat_sessions.encode(text, pieces, req.conversation_key)
+        return ids.tolist(), report
 
-    def jobs(self, req: Any, prompt_ids: list[int], extra_stop_ids: Sequence[int] = ()) -> list[Job]:
+    def jobs(self, req: Any, prompt_ids: list[int], extra_stop_ids: Sequence[int] = (),
+             tokenization: TokenizationReport | None = None) -> list[Job]:
         from tokenplane.engine.sampler import SamplingParams
         if not prompt_ids:
             raise InvalidRequest("the prompt is empty", param="prompt")
@@ -120,7 +143,7 @@ class OpenAIServer:
             seed = None if req.seed is None else (req.seed + i) & ((1 << 64) - 1)
             params = SamplingParams(temperature=req.temperature, top_p=req.top_p, max_tokens=max_tokens, seed=seed,
                                     stop_token_ids=tuple(extra_stop_ids), ignore_eos=req.ignore_eos)
-            out.append(Job(prompt_ids, params, req.stops))
+            out.append(Job(prompt_ids, params, req.stops, tokenization))
         return out
 
     # -- generation ---------------------------------------------------------------------------------------------
@@ -268,7 +291,10 @@ class OpenAIServer:
                 yield f"data: {json.dumps(out)}\n\n"
             if include_usage:
                 usage = self.usage(jobs, list(finals.values()))
-                yield f"data: {json.dumps({**head, 'choices': [], 'usage': usage})}\n\n"
+                last: dict[str, Any] = {**head, "choices": [], "usage": usage}
+                if jobs[0].tokenization is not None:
+                    last["tokenization"] = jobs[0].tokenization.to_dict()
+                yield f"data: {json.dumps(last)}\n\n"
         except Exception as exc:   # noqa: BLE001 - told to the client in the stream, then the stream ends cleanly
             err = exc if isinstance(exc, APIError) else APIError(f"internal error: {type(exc).__name__}", status=500)
             if not isinstance(exc, APIError):
@@ -283,15 +309,15 @@ class OpenAIServer:
         req = await self.read(request, CompletionRequest)
         if isinstance(req.prompt, str):
             self._check_chars(len(req.prompt))
-        prompt_ids = await self.offload(self.completion_ids, req)
-        jobs = self.jobs(req, prompt_ids)
+        prompt_ids, report = await self.offload(self.completion_ids, req)
+        jobs = self.jobs(req, prompt_ids, tokenization=report)
         return await self._respond(request, req, jobs, "cmpl", "text_completion", self._completion_choice)
 
     async def chat_completions(self, request: Request) -> Any:
         req = await self.read(request, ChatCompletionRequest)
         self._check_chars(sum(len(m.text()) for m in req.messages))
-        prompt_ids = await self.offload(self.chat_ids, req)
-        jobs = self.jobs(req, prompt_ids, self.chat.stop_token_ids)
+        prompt_ids, report = await self.offload(self.chat_ids, req)
+        jobs = self.jobs(req, prompt_ids, self.chat.stop_token_ids, tokenization=report)
         return await self._respond(request, req, jobs, "chatcmpl", "chat.completion", self._chat_choice)
 
     @staticmethod
@@ -319,8 +345,11 @@ class OpenAIServer:
                 return JSONResponse({"error": {"message": "client disconnected", "type": "client_closed_request",
                                                "param": None, "code": None}}, status_code=499)
             stats = events[0].stats if len(events) == 1 else [e.stats for e in events]
-            return {**base, "object": obj, "choices": [choice(i, e, False) for i, e in enumerate(events)],
-                    "usage": self.usage(jobs, events), "routing": stats}
+            out = {**base, "object": obj, "choices": [choice(i, e, False) for i, e in enumerate(events)],
+                   "usage": self.usage(jobs, events), "routing": stats}
+            if jobs[0].tokenization is not None:
+                out["tokenization"] = jobs[0].tokenization.to_dict()
+            return out
         streams = await self._primed(jobs, rid)
         head = {**base, "object": obj + ".chunk" if obj == "chat.completion" else obj}
         preamble = [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,

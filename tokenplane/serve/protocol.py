@@ -96,6 +96,8 @@ class _Common(_Strict):
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
     ignore_eos: bool = False
+    user: str | None = None
+    prompt_cache_key: str | None = None    # conversations with different keys never share a tokenization session
     # Refused by name when set to anything but their default (see `unsupported`).
     logit_bias: dict[str, float] | None = None
     presence_penalty: float | None = None
@@ -140,6 +142,10 @@ class _Common(_Strict):
     @property
     def stops(self) -> list[str]:
         return list(self.stop or [])
+
+    @property
+    def conversation_key(self) -> str | None:
+        return self.prompt_cache_key or self.user
 
     @property
     def include_usage(self) -> bool:

@@ -115,6 +115,7 @@ class SessionStore:
         self.clock = clock
         self._entries: OrderedDict[str, SessionEntry] = OrderedDict()
         self._lock = threading.Lock()
+        self.on_evict: list[Callable[[str], None]] = []   # called with the id of every session that goes away
         self._last_sweep = 0.0
         self.bytes = 0
         self.evicted = 0
@@ -126,6 +127,8 @@ class SessionStore:
     def _drop(self, key: str) -> None:
         entry = self._entries.pop(key)
         self.bytes -= entry.nbytes
+        for callback in self.on_evict:
+            callback(key)
 
     def sweep(self, force: bool = False) -> int:
         now = self.clock()
