@@ -328,9 +328,9 @@ def test_session_byte_budget_evicts_lru(server):
 
 # -- conversation sessions in the request path (issue 13, part 3) --------------------------------------------------
 def test_chat_turns_reuse_the_conversation_session(server, tokenizer):
-    from tokenplane.serve.chat import ChatTemplate
+    from tokenplane.serve.chat import template_for
     url, _ = server
-    template = ChatTemplate(tokenizer)
+    template = template_for(tokenizer)
     messages = [{"role": "system", "content": "You are a coding agent. " * 50},
                 {"role": "user", "content": "Fix the failing test in tests/test_x.py.\n"}]
     paths = []

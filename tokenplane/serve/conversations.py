@@ -2,7 +2,7 @@
 its longest known prefix, so a growing context costs O(new text) in tokenization, and the IDs stay exactly those of
 a full encode.
 
-Lookup. A prompt arrives as pieces (chat: one rendered piece per message; completions: 4K-character blocks). A chain
+Lookup. A prompt (a completions prompt, or a chat rendered by its template) is cut into 1K-character blocks. A chain
 of hashes over the pieces, h_k = hash((h_{k-1}, hash(piece_k))), keys an index of live sessions: the largest k whose
 h_k is known names the session to use. Hashing reads each character once at memory speed, with no tokenization;
 the key is only a lookup hint: the session's `sync` compares the stored text with the new one itself (a buffer
@@ -25,7 +25,7 @@ import numpy as np
 
 from .tokenize_service import SessionEntry, SessionStore
 
-BLOCK_CHARS = 4096   # completions prompts are hashed in blocks of this many characters
+BLOCK_CHARS = 1024   # prompts are hashed in blocks of this many characters; shorter ones are encoded directly
 
 
 @dataclass
@@ -60,11 +60,12 @@ def blocks(text: str, size: int = BLOCK_CHARS) -> list[str]:
 class ConversationCache:
     """Sessions keyed by prompt-prefix hashes, for one tokenizer and one allowed-special set."""
 
-    def __init__(self, tokenizer: Any, store: SessionStore, *, allowed_special: Sequence[str] = (),
-                 min_chars: int = 0) -> None:
+    def __init__(self, tokenizer: Any, store: SessionStore, *, allowed_special: str | Sequence[str] = (),
+                 min_chars: int = BLOCK_CHARS) -> None:
         self.tokenizer = tokenizer
         self.store = store
-        self.allowed = tuple(allowed_special)
+        self.allowed: str | tuple[str, ...] = allowed_special if isinstance(allowed_special, str) \
+            else tuple(allowed_special)
         self.min_chars = min_chars            # shorter prompts are encoded directly (a session would not pay)
         self._index: dict[int, str] = {}      # prefix hash -> session id
         self._keys: dict[str, list[int]] = {}  # session id -> its hashes in the index

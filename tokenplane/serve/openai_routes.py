@@ -22,7 +22,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from .backends import Backend
-from .chat import ChatTemplate
+from .chat import ChatTemplate, template_for
 from .config import Limits
 from .conversations import ConversationCache, TokenizationReport, blocks
 from .errors import APIError, InvalidRequest, NotFound, PayloadTooLarge
@@ -58,11 +58,12 @@ class Event:
 
 class OpenAIServer:
     def __init__(self, backend: Backend, tokenizer: Any, *, model_name: str, limits: Limits,
-                 metrics: Metrics | None = None, default_max_tokens: int = 16) -> None:
+                 metrics: Metrics | None = None, default_max_tokens: int = 16,
+                 chat_template: ChatTemplate | None = None) -> None:
         self.backend, self.tokenizer, self.model_name = backend, tokenizer, model_name
         self.limits, self.metrics = limits, metrics
         self.default_max_tokens = default_max_tokens
-        self.chat = ChatTemplate(tokenizer)
+        self.chat = chat_template or template_for(tokenizer)
         self.created = int(time.time())
         self._cpu = ThreadPoolExecutor(max_workers=2, thread_name_prefix="tokenplane-text")
         self.chat_sessions: ConversationCache | None = None
@@ -70,8 +71,7 @@ class OpenAIServer:
 
     def use_sessions(self, store: Any) -> None:
         """Tokenize prompts through conversation sessions kept in `store` (the tokenize service's SessionStore)."""
-        from .chat import CHATML_SPECIALS
-        self.chat_sessions = ConversationCache(self.tokenizer, store, allowed_special=CHATML_SPECIALS)
+        self.chat_sessions = ConversationCache(self.tokenizer, store, allowed_special="all")
         self.prompt_sessions = ConversationCache(self.tokenizer, store)
 
     def close(self) -> None:
@@ -109,10 +109,8 @@ class OpenAIServer:
             t0 = time.perf_counter()
             ids = self.chat.encode(messages)
             return ids, TokenizationReport("bypass", 0, len(ids), (time.perf_counter() - t0) * 1e3)
-        segments = self.chat.segments(messages)
-        pieces = ["".join(t for t, _ in segments[3 * i:3 * i + 3]) for i in range(len(messages))]
-        text = "".join(pieces) + "".join(t for t, _ in segments[3 * len(messages):])
-        ids, report = self.chat_sessions.encode(text, pieces, req.conversation_key)
+        text = self.chat.render(messages)
+        ids, report = self.chat_sessions.encode(text, blocks(text), req.conversation_key)
         return ids.tolist(), report
 
     def jobs(self, req: Any, prompt_ids: list[int], extra_stop_ids: Sequence[int] = (),
