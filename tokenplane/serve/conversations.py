@@ -101,7 +101,8 @@ class ConversationCache:
                     self._index[key] = entry.id
                     known.append(key)
 
-    def encode(self, text: str, pieces: Sequence[str], salt: str | None = None) -> tuple[np.ndarray, TokenizationReport]:
+    def encode(self, text: str, pieces: Sequence[str],
+               salt: str | None = None) -> tuple[np.ndarray, TokenizationReport]:
         """IDs of `text` (== tokenizer.encode(text, allowed_special=self.allowed)). `pieces` are consecutive
         prefixes' increments of `text` (their concatenation is a prefix of it)."""
         t0 = time.perf_counter()

@@ -107,8 +107,8 @@ class OpenAIServer:
         messages = [(m.role, m.text()) for m in req.messages]
         if self.chat_sessions is None or self.chat.quotes_specials(messages):
             t0 = time.perf_counter()
-            ids = self.chat.encode(messages)
-            return ids, TokenizationReport("bypass", 0, len(ids), (time.perf_counter() - t0) * 1e3)
+            direct = self.chat.encode(messages)
+            return direct, TokenizationReport("bypass", 0, len(direct), (time.perf_counter() - t0) * 1e3)
         text = self.chat.render(messages)
         ids, report = self.chat_sessions.encode(text, blocks(text), req.conversation_key)
         return ids.tolist(), report
