@@ -5,11 +5,13 @@ sandbox with HF's conventions: trim_blocks/lstrip_blocks, loop controls, a `tojs
 `raise_exception`, `strftime_now`, namespaces that refuse dunder attributes, and the tokenizer's special tokens
 (bos_token, eos_token, ...) as variables. Without a template the tokenizer's ChatML is used.
 
-IDs: when no message content contains special-token text, the rendered text is encoded with every special token
-allowed, which is exactly HF `apply_chat_template(..., tokenize=True)`. When some content does, that content must
-stay ordinary text (no template injection): the template is rendered once more with each content replaced by a
-marker, which locates the contents in the rendered text; special tokens are then recognized only outside them.
-A template that transforms content so that the markers cannot be located is refused for such messages.
+IDs: the rendered text is encoded with every added token recognized, which is exactly HF
+`apply_chat_template(..., tokenize=True)`, unless a user message quotes a control token (an added token flagged
+special, such as <|im_start|> or <|im_end|>: the ones that delimit turns). Quoted control tokens stay ordinary text
+(no template injection): the template is rendered once more with each such content replaced by a marker, which
+locates it in the rendered text, and added tokens are recognized only outside those spans. Non-control added tokens
+(Qwen3's <think>, <tool_call>, <tool_response>) keep HF's meaning everywhere: agents use them in user turns on purpose.
+A template that changes with the quoting content so that the markers cannot be located refuses the request.
 """
 
 from __future__ import annotations
@@ -91,7 +93,8 @@ def _token_text(value: Any) -> str | None:
 
 class ChatTemplate:
     def __init__(self, tokenizer: Any, template: str | None = None, *, special_tokens: dict[str, str] | None = None,
-                 stop_tokens: Sequence[str] = ()) -> None:
+                 stop_tokens: Sequence[str] = (), control_tokens: Sequence[str] | None = None) -> None:
+        """control_tokens: added tokens a user may not inject (default: every added token of the tokenizer)."""
         self.tokenizer = tokenizer
         if template is None:
             missing = [s for s in CHATML_SPECIALS if s not in tokenizer.specials]
@@ -104,9 +107,12 @@ class ChatTemplate:
         if "eos_token" in self.variables:
             stops.append(self.variables["eos_token"])
         self.stop_token_ids = tuple(dict.fromkeys(tokenizer.specials[s] for s in stops if s in tokenizer.specials))
-        # One scan per message for every special-token text (re finds the shared "<" prefix with a fast search).
+        # One scan per message (re finds the shared "<" prefix with a fast search).
+        controls = sorted(tokenizer.specials if control_tokens is None else
+                          [t for t in control_tokens if t in tokenizer.specials], key=len, reverse=True)
+        self._controls = re.compile("|".join(re.escape(t) for t in controls)) if controls else None
         names = sorted(tokenizer.specials, key=len, reverse=True)
-        self._specials = re.compile("|".join(re.escape(s) for s in names)) if names else None
+        self._specials = re.compile("|".join(re.escape(t) for t in names)) if names else None
 
     @classmethod
     def from_tokenizer_config(cls, tokenizer: Any, path: str | Path) -> ChatTemplate:
@@ -117,7 +123,11 @@ class ChatTemplate:
             named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
             template = named.get("default") or next(iter(named.values()), None)
         specials = {k: t for k in _SPECIAL_KEYS if (t := _token_text(config.get(k))) is not None}
-        return cls(tokenizer, template if isinstance(template, str) else None, special_tokens=specials)
+        added = config.get("added_tokens_decoder")
+        controls = [v["content"] for v in added.values() if isinstance(v, dict) and v.get("special")] \
+            if isinstance(added, dict) else None
+        return cls(tokenizer, template if isinstance(template, str) else None, special_tokens=specials,
+                   control_tokens=controls)
 
     # -- rendering --------------------------------------------------------------------------------------------------
     def render(self, messages: Sequence[tuple[str, str]], add_generation_prompt: bool = True) -> str:
@@ -132,15 +142,14 @@ class ChatTemplate:
             raise InvalidRequest(f"the chat template rejected this conversation: {exc}", param="messages") from None
 
     def quotes_specials(self, messages: Sequence[tuple[str, str]]) -> bool:
-        """True when some user message quotes special-token text, which must then stay ordinary text. (Assistant
-        content is the model's own output, e.g. Qwen3's <think> blocks, and keeps HF's meaning.)"""
-        return self._specials is not None and any(role == "user" and self._specials.search(content)
+        """True when some user message quotes a control token, which must then stay ordinary text."""
+        return self._controls is not None and any(role == "user" and self._controls.search(content)
                                                   for role, content in messages)
 
     def _protected_spans(self, messages: Sequence[tuple[str, str]], text: str) -> list[tuple[int, int]]:
         """Where each user content that quotes special-token text lies in the rendered text: the template is
         rendered again with a marker in place of each such content."""
-        quoting = [role == "user" and self._specials is not None and bool(self._specials.search(content))
+        quoting = [role == "user" and self._controls is not None and bool(self._controls.search(content))
                    for role, content in messages]
         marks = {i: f"\ue000{i}\ue001" for i, q in enumerate(quoting) if q}
         marked = self.render([(role, marks.get(i, content)) for i, (role, content) in enumerate(messages)])
