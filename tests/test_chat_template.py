@@ -46,8 +46,8 @@ CONVERSATIONS = [
     [("system", "You are terse."), ("user", "Say hi.")],
     [("system", "S"), ("user", "hi"), ("assistant", "<think>\nplan\n</think>\n\nhello"), ("user", "again")],
     [("user", "ünïcødé 你好 🙂\r\n\ttabs  and   spaces"), ("assistant", "ok"), ("user", "```python\nx = 1\n```")],
-    [("system", "a"), ("user", "<tool_response>\nout\n</tool_response>"), ("assistant", "<tool_call>\n{}\n</tool_call>"),
-     ("user", "<tool_response>\nmore\n</tool_response>")],
+    [("system", "a"), ("user", "<tool_response>\nout\n</tool_response>"),
+     ("assistant", "<tool_call>\n{}\n</tool_call>"), ("user", "<tool_response>\nmore\n</tool_response>")],
 ]
 
 
