@@ -266,7 +266,7 @@ class SubServer:
             if self.policy is not None:
                 counters["policy"] = self.policy.to_dict()
             self._to(FRONTEND, StatsReply(self.model, msg.token, bm.num_blocks, bm.num_free_blocks,
-                                          bm.num_used_blocks, s.reserved_blocks(), s.count_states(), counters))
+                                          bm.num_used_blocks, s.counters["preemptions"], s.count_states(), counters))
         elif isinstance(msg, Configure):
             self._configure(msg)
         elif isinstance(msg, Shutdown):
