@@ -201,6 +201,18 @@ def test_bad_requests_fail_cleanly(runtime):
     assert len(out.token_ids) == 3
 
 
+def test_preemption_and_chunked_prefill_keep_reference_outputs(runners):
+    """A small pool (12 blocks = 192 tokens for 8 requests of up to 49 tokens) and a 16-token step budget: requests
+    are preempted and recomputed, prompts are prefilled in chunks, and every output still equals the reference."""
+    cfg = RuntimeConfig(models=MODELS, algorithm="r2r", algorithm_kwargs=ALGORITHMS["r2r"], dtype="float64",
+                        num_blocks=12, max_num_batched_tokens=16, mode="immediate_async")
+    with Runtime(cfg) as rt:
+        check_equal(rt, runners, "r2r", ALGORITHMS["r2r"], 8)
+        st = rt.stats()
+        assert sum(s["num_preemptions"] for s in st) > 0, st
+        assert rt.max_request_tokens == 192
+
+
 def test_killed_subserver_fails_requests_then_serves_again(runtime, runners):
     """Last in the module: kills model 1 mid-flight; in-flight requests fail fast with a clear error, the runtime
     restarts the sub-server by itself and serves (correctly) again."""
