@@ -19,7 +19,7 @@ import torch
 from tokenplane.engine.sampler import SamplingParams
 from tokenplane.route.algorithms import make_algorithm
 from tokenplane.route.reference import SequentialRouter, build_runner, calibrate
-from tokenplane.route.runtime import ModelUnavailable, RequestFailed, RequestRejected, Runtime, RuntimeConfig
+from tokenplane.route.runtime import ModelUnavailable, RequestRejected, Runtime, RuntimeConfig
 
 
 MODELS = ["test-small", "test-large"]

@@ -135,9 +135,6 @@ class Scheduler:
             out[r.state.name] += 1
         return out
 
-    def num_blocks_used(self) -> int:
-        return self.bm.num_used_blocks
-
     # -- admission -----------------------------------------------------------------------------------------------
     def add_request(self, msg: AddRequest) -> list[Outbound]:
         """Front end admission (home model), or a standard-serving single-token call on any model."""
@@ -567,12 +564,6 @@ class Scheduler:
 
     def release(self, msg: Release) -> None:
         self.abort(msg.request_id, msg.reason, msg.inc)
-
-    def abort_all(self, reason: str = "abort") -> list[str]:
-        rids = list(self.requests)
-        for rid in rids:
-            self.abort(rid, reason)
-        return rids
 
     def _drop(self, rec: RouteRequest, state: RequestState, tombstone: bool = True) -> None:
         rec.state = state
