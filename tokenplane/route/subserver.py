@@ -11,6 +11,12 @@ Each turn of the loop drains both sockets without blocking, runs at most one ste
 a timeout) only when it did not step. A step never waits for a peer: a request that left is PENDING_RETURN and the
 others keep decoding.
 
+Liveness is a separate heartbeat thread with its own zmq context and socket: a Heartbeat every heartbeat_s whatever
+the step does, carrying the current step's start (the supervisor kills a step older than step_timeout_s) and the
+load the loop last published (KV blocks, waiting / running / pending). The thread reads two attributes the loop
+assigns (`step_started`, `load`) and touches nothing else. Steps stay short because the scheduler chunks prefills
+to max_num_batched_tokens tokens per step.
+
 Outgoing messages collect in an outbox and leave as one frame per destination (a ZeroMQ send wakes the library's I/O
 thread, ~0.1 ms here, so one per request per step was a visible share of a 6 ms step). They are sent while the next
 launched step runs when the runner can launch (the latency-model runner, like an accelerator), right after the step

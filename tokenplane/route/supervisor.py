@@ -167,7 +167,11 @@ class Supervisor:
                 self._on_exit(m, code)
                 continue
             if not st.ready:
-                continue   # loading: no heartbeat thread yet (startup_timeout_s bounds startup)
+                # loading: no heartbeat thread yet. The first start is bounded by Runtime.__init__; a restart here.
+                if st.state == ModelState.RESTARTING and now - st.spawned_at > cfg.startup_timeout_s:
+                    self.kill(m, f"not ready {now - st.spawned_at:.0f} s after its restart (startup_timeout_s "
+                                 f"{cfg.startup_timeout_s})")
+                continue
             if now - st.last_heartbeat > cfg.heartbeat_timeout_s:
                 self.kill(m, f"no heartbeat for {now - st.last_heartbeat:.1f} s (heartbeat_timeout_s "
                              f"{cfg.heartbeat_timeout_s}); the heartbeat thread is stuck or the process is frozen")
