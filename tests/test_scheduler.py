@@ -236,6 +236,20 @@ def test_pending_return_victim_readmits_on_return():
     assert scheds[0].counters["preemptions"] >= 1 and scheds[0].counters["readmissions"] == 1
 
 
+def test_admission_takes_kv_of_parked_requests_not_running_ones():
+    """s0's pool is full of "a", parked (PENDING_RETURN) while model 1 has it: "b" is admitted by preempting it (a
+    pool full of requests parked on each other's models would otherwise deadlock); all outputs stay the same."""
+    prompts = {"a": list(range(1, 21)), "b": [7, 8, 9]}
+    want, _, _ = _run_all(prompts, 8, away={("a", 0)}, num_blocks=64)
+    (s0, s1), (r0, r1) = make(away={("a", 0)}, num_blocks=2)
+    outs = add(s0, "a", prompts["a"], max_tokens=8) + step(s0, r0)
+    assert s0.requests["a"].state == RequestState.PENDING_RETURN and s0.bm.num_free_blocks == 0
+    outs += add(s0, "b", prompts["b"], max_tokens=8) + step(s0, r0)
+    assert s0.requests["b"].state == RequestState.RUNNING and s0.requests["a"].seq is None
+    front = pump([s0, s1], [r0, r1], outs)
+    assert {rid: tokens_of(front, rid) for rid in prompts} == want and not s0.requests and not s1.requests
+
+
 def test_chunked_prefill_respects_the_token_budget_and_keeps_outputs():
     want, _, _ = _run_all(PROMPTS, 12, away=AWAY)
     got, scheds, runners = _run_all(PROMPTS, 12, away=AWAY, max_num_batched_tokens=8)

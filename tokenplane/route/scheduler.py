@@ -18,7 +18,8 @@ call: admitted, one step, freed, and the request goes back to the front end (an 
 
 KV memory (vLLM v1 style): admission allocates what the prompt (its first chunk) needs and blocks grow as tokens come.
 When a RUNNING request cannot grow, the most recently admitted request holding blocks that is not already in this
-step is preempted by recompute: its blocks are freed (full blocks stay in the prefix cache), it keeps its tokens,
+step is preempted by recompute (an admission that does not fit may preempt PENDING_RETURN requests only, so pools
+full of requests parked on each other's models cannot deadlock): its blocks are freed (full blocks stay in the prefix cache), it keeps its tokens,
 and its next admission computes them again (mostly prefix-cache hits). A RUNNING victim goes back to the front of
 WAITING. A PENDING_RETURN victim stays PENDING_RETURN without KV; when its peer hands it back it goes through WAITING
 (prefix match, allocate, recompute), the path pending_return=False takes; its view (prompt + output) is bookkeeping,
@@ -328,7 +329,14 @@ class Scheduler:
             tail = seq.token_ids[end:]
             del seq.token_ids[end:]
             if not self.bm.can_allocate(seq):
-                break   # no preemption for admissions: wait until something finishes or leaves
+                # Admissions never preempt RUNNING requests, but may take the KV of parked PENDING_RETURN ones:
+                # otherwise two models whose pools are full of requests parked on each other would deadlock.
+                parked = [r for r in self.requests.values()
+                          if r.state == RequestState.PENDING_RETURN and r.seq is not None]
+                if not parked:
+                    break
+                self._preempt(max(parked, key=lambda r: r.admitted_at))
+                continue
             self.waiting.popleft()
             self.bm.allocate(seq)
             budget -= seq.num_tokens - seq.num_computed_tokens
