@@ -195,7 +195,7 @@ class RuntimeBackend:
         health = getattr(self.runtime, "health", None)
         if health is None:
             return BackendHealth([ModelStatus(f"model{i}", "ready") for i in range(self.runtime.num_models)])
-        now = time.monotonic()
+        now = time.time()   # ModelHealth.down_since is wall-clock time
         models = []
         for h in health():
             state = getattr(h.state, "name", str(h.state)).lower()
