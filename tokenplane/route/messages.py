@@ -284,7 +284,8 @@ class StatsReply(_Wire):
 def params_to_wire(p) -> dict[str, Any]:
     return {"temperature": float(p.temperature), "top_p": float(p.top_p), "max_tokens": int(p.max_tokens),
             "seed": None if p.seed is None else int(p.seed), "stop_token_ids": [int(t) for t in p.stop_token_ids],
-            "ignore_eos": bool(getattr(p, "ignore_eos", False))}
+            "ignore_eos": bool(getattr(p, "ignore_eos", False)),
+            "logprobs": None if getattr(p, "logprobs", None) is None else int(p.logprobs)}
 
 
 def params_from_wire(d: dict[str, Any]):
@@ -292,7 +293,7 @@ def params_from_wire(d: dict[str, Any]):
     return SamplingParams(temperature=float(d.get("temperature", 0.0)), top_p=float(d.get("top_p", 1.0)),
                           max_tokens=int(d.get("max_tokens", 16)), seed=d.get("seed"),
                           stop_token_ids=tuple(d.get("stop_token_ids", ())),
-                          ignore_eos=bool(d.get("ignore_eos", False)))
+                          ignore_eos=bool(d.get("ignore_eos", False)), logprobs=d.get("logprobs"))
 
 
 def stats_to_wire(s: RouteStats) -> dict[str, Any]:

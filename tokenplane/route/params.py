@@ -55,6 +55,9 @@ def validate_params(params: Any) -> None:
     seed = params.seed
     if seed is not None and (not _is_int(seed) or not 0 <= seed <= SEED_MAX):
         raise RequestRejected(f"seed must be an integer in [0, {SEED_MAX}], got {seed!r}", param="seed")
+    k = getattr(params, "logprobs", None)
+    if k is not None and (not _is_int(k) or not 0 <= k <= 20):
+        raise RequestRejected(f"logprobs must be an integer in [0, 20], got {k!r}", param="logprobs")
     for tok in params.stop_token_ids:
         if not _is_int(tok) or not 0 <= tok <= TOKEN_ID_MAX:
             raise RequestRejected(f"stop_token_ids must be token ids in [0, {TOKEN_ID_MAX}], got {tok!r}",

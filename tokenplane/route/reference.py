@@ -23,10 +23,13 @@ from .stats import RouteStats
 
 @dataclass
 class TokenEvent:
-    """A committed output token (what a streaming client sees)."""
+    """A committed output token (what a streaming client sees); its logprob and top alternatives when asked for,
+    under the distribution of the model that committed it."""
     token: int
     model: int
     position: int
+    logprob: float | None = None
+    top_logprobs: list[tuple[int, float]] | None = None
 
 
 @dataclass
@@ -160,7 +163,7 @@ class SequentialRouter:
                     if h.keep_last:
                         seq.token_ids.append(result.token)
                         stats.on_commit(m)
-                        yield TokenEvent(result.token, m, p)
+                        yield self._event(result, result.token, params)
                         finish = self._finish(view, result.token, p)
                     if finish is None:
                         self._deliver(h, views, seqs, stats)
@@ -169,7 +172,7 @@ class SequentialRouter:
                 commit(view, m, token)
                 seq.token_ids.append(token)
                 stats.on_commit(m)
-                yield TokenEvent(token, m, p)
+                yield self._event(result, token, params)
                 finish = self._finish(view, token, p)
             final = views[m]
             yield RouteOutput(request_id, prompt, list(final.output_ids), list(stats.token_models), finish, stats)
@@ -177,6 +180,17 @@ class SequentialRouter:
             for k, s in seqs.items():
                 if s.block_table:
                     self.runners[k].block_manager.free(s)
+
+    @staticmethod
+    def _event(result: StepResult, token: int, params: Any) -> TokenEvent:
+        """The committed token, with its logprob under the committing model's logits when asked for (an ensemble
+        position reports the primary model's)."""
+        k = getattr(params, "logprobs", None)
+        if k is None:
+            return TokenEvent(token, result.model, result.position)
+        from tokenplane.engine.sampler import token_logprobs
+        lp, top = token_logprobs(result.logits, token, k)
+        return TokenEvent(token, result.model, result.position, lp, top)
 
     @staticmethod
     def _finish(view: RequestView, token: int, position: int) -> str | None:
