@@ -31,7 +31,8 @@ BLOCK_CHARS = 1024   # prompts are hashed in blocks of this many characters; sho
 @dataclass
 class TokenizationReport:
     """What the response's `tokenization` field says about how the prompt's IDs were obtained."""
-    path: str                 # "session" (repaired a live session) | "new_session" | "bypass" (full encode)
+    path: str                 # "session" (repaired a live session) | "new_session" | "bypass" (too short, or quotes
+                              # control tokens: encoded directly) | "full_encode" (sessions turned off)
     reused_tokens: int        # tokens kept from the session's previous IDs
     new_tokens: int           # tokens produced by this request's repair or encode
     time_ms: float            # tokenization time in the server (lookup + repair or encode)

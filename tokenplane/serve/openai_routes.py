@@ -100,7 +100,9 @@ class OpenAIServer:
         if not isinstance(req.prompt, str):
             return list(req.prompt), None
         if self.prompt_sessions is None:
-            return self.tokenizer.encode(req.prompt).tolist(), None
+            t0 = time.perf_counter()
+            direct = self.tokenizer.encode(req.prompt)
+            return direct.tolist(), TokenizationReport("full_encode", 0, len(direct), (time.perf_counter() - t0) * 1e3)
         ids, report = self.prompt_sessions.encode(req.prompt, blocks(req.prompt), req.conversation_key)
         return ids.tolist(), report
 
@@ -109,7 +111,8 @@ class OpenAIServer:
         if self.chat_sessions is None or self.chat.quotes_specials(messages):
             t0 = time.perf_counter()
             direct = self.chat.encode(messages)
-            return direct, TokenizationReport("bypass", 0, len(direct), (time.perf_counter() - t0) * 1e3)
+            path = "bypass" if self.chat_sessions is not None else "full_encode"
+            return direct, TokenizationReport(path, 0, len(direct), (time.perf_counter() - t0) * 1e3)
         text = self.chat.render(messages)
         ids, report = self.chat_sessions.encode(text, blocks(text), req.conversation_key)
         return ids.tolist(), report
