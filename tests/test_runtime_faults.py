@@ -69,6 +69,16 @@ def test_bad_prompts_and_duplicate_ids(rt):
     assert len(out.token_ids) == 3 and not rt._live
 
 
+def test_registration_is_exception_safe(rt, monkeypatch):
+    """A failure between registering and returning (here: the send to the home model) leaves nothing live."""
+    def boom(m, msg):
+        raise RuntimeError("send failed")
+    monkeypatch.setattr(rt, "_send_client", boom)
+    with pytest.raises(RuntimeError, match="send failed"):
+        asyncio.run(rt.complete([1, 2, 3], SamplingParams(max_tokens=2), request_id="boom"))
+    assert not rt._live
+
+
 def test_overloaded_before_registration(rt):
     """max_num_seqs 4 + max_queued 2: the 7th live request is refused at once, and nothing of it is registered."""
     async def consume(i):
