@@ -11,7 +11,7 @@ import sys
 COMMANDS: dict[str, tuple[str, str, str]] = {
     "demo": ("tokenplane.demo", "main", "replay a real agent session through a tokenizer session (exact, fast)"),
     "verify": ("tokenplane.tokenize.campaign", "main", "long differential campaign against the reference engine"),
-    "serve": ("tokenplane.serve.app", "main", "combined server: tokenize service + routed decoding (OpenAI API)"),
+    "serve": ("tokenplane.serve.cli", "main", "combined server: tokenize service + routed decoding (OpenAI API)"),
 }
 
 
