@@ -128,13 +128,15 @@ def test_hung_step_is_killed_and_logged(rt, caplog):
         with caplog.at_level(logging.ERROR, logger="tokenplane.route"):
             with pytest.raises(ModelUnavailable) as ei:
                 asyncio.run(rt.complete([4] * 250, SamplingParams(max_tokens=4)))
-        assert ei.value.model == 0 and "step_timeout_s" in str(ei.value), str(ei.value)
+        # The home model's prefill is the long step; a routed peer catching up the same prompt can be as long.
+        killed = ei.value.model
+        assert killed in (0, 1) and "step_timeout_s" in str(ei.value), str(ei.value)
         assert any("hung step" in r.getMessage() for r in caplog.records if r.name == "tokenplane.route")
         assert not rt._live
     finally:
         rt.config.step_timeout_s = None
     _wait_ready(rt)
-    h = rt.health()[0]
+    h = rt.health()[killed]
     assert h.restarts == 1 and "hung step" in h.last_error and h.down_since is None
 
 
