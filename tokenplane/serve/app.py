@@ -105,12 +105,12 @@ def health_body(h: BackendHealth) -> dict[str, Any]:
 
 def create_app(backend: Backend, tokenizer: Any, *, model_name: str = "tokenplane-router",
                default_max_tokens: int = 16, close_backend: bool = True, limits: Limits | None = None,
-               tokenize_routes: bool = True) -> FastAPI:
+               tokenize_routes: bool = True, chat_template: Any = None) -> FastAPI:
     """The app over a backend. The backend's `start()` runs at server startup and `close()` at shutdown."""
     limits = limits or Limits()
     metrics = Metrics()
     server = OpenAIServer(backend, tokenizer, model_name=model_name, limits=limits, metrics=metrics,
-                          default_max_tokens=default_max_tokens)
+                          default_max_tokens=default_max_tokens, chat_template=chat_template)
     holder: dict[str, Any] = {}
 
     @asynccontextmanager

@@ -299,6 +299,28 @@ def model_limits(cfg: ServeConfig) -> tuple[int | None, int | None]:
     return min(c.max_position_embeddings for c in cfgs), min(c.vocab_size for c in cfgs)
 
 
+def resolve_tokenizer(cfg: ServeConfig) -> tuple[Any, Any]:
+    """(tokenizer, chat template) for the served models. `tokenizer: "auto"` takes the first model's own files (an
+    HF directory's tokenizer.json and tokenizer_config.json, as the GGUF conversion writes them) and falls back to
+    qwen3 for random-weight presets; a family name or a tokenizer.json path is loaded as given."""
+    from pathlib import Path
+
+    import tokenplane
+    from tokenplane.engine.loader import resolve_config
+
+    from .chat import ChatTemplate, template_for
+    name = cfg.tokenizer
+    if name == "auto":
+        directory = resolve_config(cfg.models[0])[1]
+        if directory is not None and (Path(directory) / "tokenizer.json").is_file():
+            tok = tokenplane.load(str(Path(directory) / "tokenizer.json"))
+            tc = Path(directory) / "tokenizer_config.json"
+            return tok, ChatTemplate.from_tokenizer_config(tok, tc) if tc.is_file() else template_for(tok)
+        name = "qwen3"
+    tok = tokenplane.load(name)
+    return tok, template_for(tok)
+
+
 def model_label(source: Any) -> str:
     return source if isinstance(source, str) else str(source.get("name", "config")) if isinstance(source, dict) \
         else str(source)
@@ -334,4 +356,5 @@ def build_backend(cfg: ServeConfig, kind: str, tokenizer: Any, *, max_queued: in
 
 
 __all__ = ["Backend", "BackendHealth", "Chunk", "InProcessBackend", "ModelStatus", "RuntimeBackend",
-           "build_algorithm", "build_backend", "build_router", "calibrated_algorithm", "model_limits"]
+           "build_algorithm", "build_backend", "build_router", "calibrated_algorithm", "model_limits",
+           "resolve_tokenizer"]

@@ -50,10 +50,8 @@ def main(args: argparse.Namespace) -> int:
     _progress("starting (importing the engine)")
     import uvicorn
 
-    import tokenplane
-
     from .app import create_app
-    from .backends import build_backend
+    from .backends import build_backend, resolve_tokenizer
     from .config import Limits, ServeConfig
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     cfg = ServeConfig.load(args.config)
@@ -63,8 +61,8 @@ def main(args: argparse.Namespace) -> int:
                     verify_rate=args.verify_rate, api_key=args.api_key or os.environ.get("TOKENPLANE_API_KEY"),
                     conversation_sessions=not args.no_sessions)
     kind = args.backend or "process"
-    _progress(f"loading tokenizer {cfg.tokenizer}")
-    tokenizer = tokenplane.load(cfg.tokenizer)
+    _progress(f"loading tokenizer ({cfg.tokenizer})")
+    tokenizer, chat = resolve_tokenizer(cfg)
     _progress(f"loading models {cfg.models} with {cfg.algorithm} ({kind} backend)")
     t0 = time.perf_counter()
     backend = build_backend(cfg, kind, tokenizer, max_queued=limits.max_queued,
@@ -73,7 +71,7 @@ def main(args: argparse.Namespace) -> int:
     if args.host not in ("127.0.0.1", "localhost", "::1") and limits.api_key is None:
         _progress(f"WARNING: binding {args.host} without --api-key: anyone who can reach it can use it")
     app = create_app(backend, tokenizer, model_name=cfg.served_model_name, default_max_tokens=cfg.default_max_tokens,
-                     limits=limits)
+                     limits=limits, chat_template=chat)
     _progress(f"serving {cfg.served_model_name!r} on http://{args.host}:{args.port}")
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level.lower(), timeout_graceful_shutdown=5)
     return 0

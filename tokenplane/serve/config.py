@@ -28,7 +28,7 @@ class ServeConfig:
     parameters: dict[str, Any] = field(default_factory=lambda: {"mode": "calibrated"})
     calibration: dict[str, Any] = field(default_factory=dict)
     served_model_name: str = "tokenplane-router"
-    tokenizer: str = "qwen3"
+    tokenizer: str = "auto"          # "auto": the first model's own tokenizer files (qwen3 for random presets)
     num_blocks: int = 1024
     block_size: int = 16
     seed: int = 0
