@@ -68,7 +68,7 @@ class Engines:
     """Full-text encoders for one family, built once; `prewarm(text)` encodes once to fill caches."""
 
     def __init__(self, family: str, tok, wanted: set[str]):
-        from tokenplane.tokenize.artifacts import artifact_file
+        from tokenplane.tokenize.spec.artifacts import artifact_file
 
         self.family, self.tok = family, tok
         is_tt = tok.family.engine == "tiktoken"
@@ -179,7 +179,7 @@ def add_stats(total: dict, more: dict) -> None:
 
 
 def run_traces(args, tok, engines: Engines) -> dict | None:
-    from tokenplane.tokenize.traces import DEFAULT_TRACES_DIR, load_trajectories, render_prompts
+    from tokenplane.tokenize.evidence.traces import DEFAULT_TRACES_DIR, load_trajectories, render_prompts
 
     directory = Path(args.traces or DEFAULT_TRACES_DIR)
     if not directory.exists():
@@ -388,9 +388,6 @@ def main() -> int:
     for family in args.family.split(","):
         tok = tokenplane.load(family)
         if args.session_path == "cpu":
-            from tokenplane.tokenize.router import enable_fast_paths
-
-            enable_fast_paths(tok)
             tok.encode("build the tables 123", path="cpu")   # one-time table build, not part of any timing
         engines = Engines(family, tok, set(args.engines.split(",")) - {""})
         rng = random.Random(args.seed)

@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tokenplane.tokenize import adversarial, campaign
+from tokenplane.tokenize.evidence import adversarial, campaign
 from tokenplane.tokenize.tokenizer import Tokenizer
 
 DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "traces" / "mini-swe-agent"

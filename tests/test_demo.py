@@ -9,7 +9,7 @@ import pytest
 
 from tokenplane import demo
 from tokenplane.tokenize.tokenizer import Tokenizer
-from tokenplane.tokenize.traces import load_trajectory
+from tokenplane.tokenize.evidence.traces import load_trajectory
 
 DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "traces" / "mini-swe-agent"
 

@@ -9,7 +9,7 @@ import random
 import pytest
 
 import tokenplane
-from tokenplane.tokenize import nfc
+from tokenplane.tokenize.cpu import nfc
 
 CORPUS = os.environ.get("TOKENPLANE_CORPUS", "/tmp/corpus")
 
@@ -68,7 +68,7 @@ def test_regions_cover_every_change(qwen3):
 
 
 def nfc_codepoints(text):
-    from tokenplane.tokenize.pretokenize import codepoints
+    from tokenplane.tokenize.cpu.pretokenize import codepoints
     return codepoints(text)
 
 

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 import tokenplane
-from tokenplane.tokenize.traces import DEFAULT_TRACES_DIR, load_trajectories, render_prompts, trajectory_files
+from tokenplane.tokenize.evidence.traces import DEFAULT_TRACES_DIR, load_trajectories, render_prompts, trajectory_files
 
 pytestmark = pytest.mark.skipif(not trajectory_files(), reason=f"trace data absent ({DEFAULT_TRACES_DIR})")
 

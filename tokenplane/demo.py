@@ -46,7 +46,7 @@ def load_bundled() -> dict:
 
 def find_trajectory(trace: str | None, traces_dir: str | None) -> tuple[list[dict], str]:
     """Messages of the session to replay and a description of where they came from."""
-    from .tokenize.traces import DEFAULT_TRACES_DIR, load_trajectory
+    from .tokenize.evidence.traces import DEFAULT_TRACES_DIR, load_trajectory
 
     if trace:
         return load_trajectory(trace), trace
@@ -65,11 +65,7 @@ def fast_path(tok, wanted: str) -> str:
     """The window-encode path to give sessions: "cpu" when the family has the fast CPU path, else "reference"."""
     if wanted != "cpu":
         return wanted
-    try:
-        from .tokenize.router import enable_fast_paths
-    except ImportError:
-        return "reference"
-    if not enable_fast_paths(tok):
+    if "cpu" not in tok.fast_paths:
         return "reference"
     tok.encode("build the tables once 123", path="cpu")   # one-time table build, outside every timing
     return "cpu"
@@ -147,7 +143,7 @@ def render_table(s: dict, family: str, source: str) -> str:
 
 def main(args: argparse.Namespace) -> int:
     from .tokenize import load
-    from .tokenize.traces import render_prompts
+    from .tokenize.evidence.traces import render_prompts
 
     messages, source = find_trajectory(args.trace, args.traces_dir)
     prompts = render_prompts(messages)

@@ -20,7 +20,7 @@ from typing import Callable, Collection
 import numpy as np
 
 from .reference import ReferenceEngine, make_reference
-from .tokenizer import Tokenizer
+from .tokenizer import SpecialMatcher, Tokenizer
 
 REPRO_MAX_CHARS = 65536   # mismatch reports carry the full text up to this size, else a window around the divergence
 
@@ -61,7 +61,7 @@ class Mismatch:
 
 def default_reference_factory(tokenizer: Tokenizer) -> Callable[[], ReferenceEngine]:
     """A factory for a brand-new reference engine from the tokenizer's pinned file (never the serving instance)."""
-    from .artifacts import ARTIFACTS, artifact_bytes
+    from .spec.artifacts import ARTIFACTS, artifact_bytes
 
     # Identify the file by content, so renamed or size-limited Tokenizers over a pinned file work too.
     name = next((a.name for a in ARTIFACTS.values() if a.sha256 == tokenizer.content_hash), None)
@@ -96,6 +96,8 @@ class ShadowVerifier:
         self.on_mismatch = on_mismatch
         self.max_reports = max_reports
         self._factory = reference_factory or default_reference_factory(tokenizer)
+        self._matcher: SpecialMatcher | None = None
+        self._matcher_ref: ReferenceEngine | None = None
         self._rng = random.Random(seed)
         self._queue: queue.Queue = queue.Queue(maxsize=max_queue)
         self._lock = threading.Lock()
@@ -213,9 +215,15 @@ class ShadowVerifier:
             if item is None:
                 return
 
+    def _matcher_for(self, reference: ReferenceEngine) -> SpecialMatcher:
+        """A literal matcher of the fresh engine's own specials, built once by the worker (no serving state)."""
+        if self._matcher is None or self._matcher_ref is not reference:
+            self._matcher, self._matcher_ref = SpecialMatcher(reference.specials), reference
+        return self._matcher
+
     def expected_ids(self, reference: ReferenceEngine, text: str, allowed: Collection[str]) -> np.ndarray:
         parts = []
-        for segment, special_id in self.tokenizer._special_matcher.split(text, allowed):
+        for segment, special_id in self._matcher_for(reference).split(text, allowed):
             if special_id is not None:
                 parts.append(np.array([special_id], dtype=np.int64))
             elif segment:

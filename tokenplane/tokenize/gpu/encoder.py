@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ..tokenizer import InvalidTextError, PathUnavailableError
+from ..errors import InvalidTextError, PathUnavailableError
 from .layout import (F_CL100K, F_DEEPSEEK, F_LLAMA3, F_O200K, F_QWEN3, FALLBACK, INVALID, META_LEN, N_BYTES,
                      N_CHARS, N_DOCS, N_LARGE, N_MEDIUM, N_PIECES, N_SMALL, N_TOKENS)
 from .scan import OP_ADD, OP_MAX, launch_scan, make_scan
@@ -34,7 +34,7 @@ def simulator_enabled() -> bool:
 
 
 def family_code(tokenizer) -> int:
-    from ..families import FAMILIES
+    from ..spec.families import FAMILIES
 
     fam = tokenizer.family
     for name, code in (("cl100k_base", F_CL100K), ("llama3", F_LLAMA3), ("o200k_base", F_O200K),
@@ -328,7 +328,7 @@ class GpuEncoder:
 
     def _device_text(self, text: str) -> str:
         # NFC (qwen3) stays on the host, as in the paper: the device pipeline starts from normalized text
-        return self.tokenizer.reference.normalize(text) if self.tokenizer.family.normalizer else text
+        return self.tokenizer.normalize(text) if self.tokenizer.family.normalizer else text
 
     def encode(self, text: str | bytes) -> np.ndarray:
         if isinstance(text, str):

@@ -23,8 +23,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..artifacts import cache_dir
-from ..charclass import BIT, class_table
+from ..spec.artifacts import cache_dir
+from ..spec.charclass import BIT, class_table
 
 TABLE_VERSION = 2       # 2: an HF whole-piece lookup holds only self-encoding tokens
 EMPTY = -1
@@ -159,7 +159,7 @@ def _build(token_bytes: list[bytes], n_ordinary: int, merges: tuple | None = Non
 def class_codes(family) -> np.ndarray:
     """The per-code-point code the family's classify kernel reads."""
     if family.name == "deepseek_v4":
-        from ..pretokenize import _cp_feat_deepseek
+        from ..cpu.pretokenize import _cp_feat_deepseek
 
         return _cp_feat_deepseek(family.engine)
     return compact_classes(family.engine)
@@ -168,7 +168,7 @@ def class_codes(family) -> np.ndarray:
 def _hf_merges(tokenizer) -> tuple[tuple[np.ndarray, np.ndarray, np.ndarray], np.ndarray]:
     """(left, right, merged id) of an HF byte-level BPE whose merges the device kernels can run exactly, and the
     tokens the whole-piece lookup may answer."""
-    from ..bpe import BPE
+    from ..cpu.bpe import BPE
 
     bpe = BPE(tokenizer.reference, tokenizer.content_hash)
     keys, ranks, news = bpe.pkeys, bpe.pranks, bpe.pnews

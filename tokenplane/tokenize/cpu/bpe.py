@@ -24,19 +24,10 @@ import threading
 
 import numpy as np
 
-from .artifacts import artifact_bytes, cache_dir
-from .reference import ReferenceEngine, _bytes_to_unicode
+from ..spec.artifacts import artifact_bytes, cache_dir
+from ..reference import ReferenceEngine, _bytes_to_unicode
 
-try:   # numba is the fast path; without it the same kernel runs as plain Python (exact, slow)
-    from numba import njit
-    HAVE_NUMBA = True
-except ImportError:  # pragma: no cover - exercised only where numba is absent
-    HAVE_NUMBA = False
-
-    def njit(*args, **kwargs):
-        if args and callable(args[0]):
-            return args[0]
-        return lambda fn: fn
+from numba import njit
 
 EMPTY = np.uint64(0xFFFFFFFFFFFFFFFF)
 _MUL = np.uint64(0x9E3779B97F4A7C15)
@@ -576,14 +567,6 @@ class BPE:
         return self.encode_bytes(buf, np.array([0, len(piece)], dtype=np.int64)).tolist()
 
 
-def utf8_offsets(cps: np.ndarray) -> np.ndarray:
-    """Byte offset of every code point in the UTF-8 encoding (length len(cps)+1)."""
-    width = 1 + (cps >= 0x80).astype(np.int64) + (cps >= 0x800) + (cps >= 0x10000)
-    off = np.zeros(cps.shape[0] + 1, dtype=np.int64)
-    np.cumsum(width, out=off[1:])
-    return off
-
-
 @njit(cache=True, nogil=True)
 def _piece_byte_bounds(cps, starts, out):
     # branch-free: piece starts are dense and irregular, so a data-dependent branch mispredicts often
@@ -601,59 +584,8 @@ def _piece_byte_bounds(cps, starts, out):
 
 def piece_byte_bounds(cps: np.ndarray, starts: np.ndarray) -> np.ndarray:
     """UTF-8 byte offsets of the piece starts plus the end (int64[pieces+1]); equals
-    `np.append(utf8_offsets(cps)[starts], utf8_offsets(cps)[-1])` in one pass without the per-character array, so
-    chunk threads spend it outside the GIL (the numpy form cost 7-45 ms per 1-4M chars, mostly memory traffic)."""
+    `np.append(offsets[starts], offsets[-1])` with `offsets` the UTF-8 offset of every code point, in one pass
+    without that per-character array, so chunk threads spend it outside the GIL."""
     out = np.empty(int(np.count_nonzero(starts)) + 1, dtype=np.int64)
     n = _piece_byte_bounds(np.ascontiguousarray(cps, dtype=np.uint32), starts.view(np.bool_), out)
     return out[:n]
-
-
-
-def encode_numpy(model: BPE, buf: np.ndarray, bounds: np.ndarray) -> np.ndarray:
-    """The same BPE as numpy batched rounds across all pieces (one leftmost minimum merge per piece per round).
-
-    Not used on any path: it is the baseline the numba kernel was measured against (docs/pretokenizer.md) and a
-    second implementation the tests compare with."""
-    order = np.argsort(model.pkeys)
-    keys = model.pkeys[order]
-    ranks = model.pranks[order].astype(np.int64)
-    news = model.pnews[order].astype(np.int64)
-    live = keys != EMPTY
-    keys, ranks, news = keys[live], ranks[live], news[live]
-    n_pieces = bounds.shape[0] - 1
-    lengths = np.diff(bounds)
-    whole = np.full(n_pieces, -1, dtype=np.int64)
-    if model.whole:
-        vocab = getattr(model, "_whole_dict", None)
-        if vocab is None:
-            ids = model.wids[model.wids >= 0].tolist()
-            vocab = model._whole_dict = {
-                bytes(model.tok_flat[model.tok_off[t]:model.tok_off[t + 1]]): t for t in ids}
-        raw = buf.tobytes()
-        multi = np.flatnonzero(lengths >= 2)
-        hits = [vocab.get(raw[bounds[j]:bounds[j + 1]], -1) for j in multi.tolist()]
-        whole[multi] = hits
-    pid = np.repeat(np.arange(n_pieces), lengths)
-    sym = model.byte_ids[buf].astype(np.int64)
-    keep = whole[pid] < 0
-    pid, sym = pid[keep], sym[keep]
-    INF = np.int64(1) << 40
-    while sym.size > 1:
-        key = (sym[:-1].astype(np.uint64) << np.uint64(32)) | sym[1:].astype(np.uint64)
-        pos = np.minimum(np.searchsorted(keys, key), keys.size - 1)
-        ok = (keys[pos] == key) & (pid[:-1] == pid[1:])
-        if not ok.any():
-            break
-        rank = np.where(ok, ranks[pos], INF)
-        best = np.full(n_pieces, INF, dtype=np.int64)
-        np.minimum.at(best, pid[:-1][ok], rank[ok])
-        cand = np.flatnonzero(ok & (rank == best[pid[:-1]]))
-        first = cand[np.append(True, pid[cand][1:] != pid[cand][:-1])]
-        sym[first] = news[pos[first]]
-        drop = np.zeros(sym.size, dtype=bool)
-        drop[first + 1] = True
-        sym, pid = sym[~drop], pid[~drop]
-    # interleave whole-piece IDs back in piece order
-    out_pid = np.concatenate([pid, np.flatnonzero(whole >= 0)])
-    out_sym = np.concatenate([sym, whole[whole >= 0]])
-    return out_sym[np.argsort(out_pid, kind="stable")].astype(np.int32)

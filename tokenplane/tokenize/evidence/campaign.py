@@ -5,8 +5,8 @@ Sources, interleaved per family until the check or time budget is spent:
                combining marks, edits near the tail and in the middle, syncs that rewrite a suffix
   traces       real mini-swe-agent trajectories: every LLM call's prompt through Session.sync
   corpus       real text from build_corpus.py (--corpus DIR) as session bases and appends, and as full-encode inputs
-  fullencode   the CPU path (`encode(path="cpu")`) vs the reference on adversarial and corpus text (through
-               tokenplane.tokenize.campaign_fullencode.run_campaign when that module exists)
+  fullencode   the CPU path (`encode(path="cpu")`) vs the reference on adversarial and corpus text
+               (campaign_fullencode.run_campaign)
 Every session operation is one check: the session's IDs must equal a fresh full reference encode of the same text.
 A divergence is shrunk to a minimal reproduction, printed, and written to the JSON summary; the exit status is 1.
 """
@@ -22,8 +22,8 @@ from pathlib import Path
 
 import numpy as np
 
-from . import adversarial
-from .tokenizer import PathUnavailableError, Tokenizer
+from . import adversarial, campaign_fullencode
+from ..tokenizer import Tokenizer
 
 FAMILIES = ("cl100k_base", "o200k_base", "llama3", "qwen3", "deepseek_v4")
 COUNTERS = ("checks", "session_checks", "fullencode_checks", "divergences", "fallbacks", "widenings", "ops",
@@ -186,69 +186,23 @@ def trace_round(tok, trace_file: Path, counters, max_context: int, path: str = "
     return None
 
 
-def fullencode_round(tok, rng, corpus, counters, seconds: float) -> dict | None:
-    try:
-        from . import campaign_fullencode
-    except ModuleNotFoundError:
-        campaign_fullencode = None
-    if campaign_fullencode is not None and hasattr(campaign_fullencode, "run_campaign"):
-        res = campaign_fullencode.run_campaign(tok, seconds=seconds, seed=rng.randrange(1 << 30), corpus=corpus)
-        res = res if isinstance(res, dict) else vars(res)
-        n = int(res.get("checks", 0))
-        counters["checks"] += n
-        counters["fullencode_checks"] += n
-        counters["chars_checked"] += int(res.get("chars", 0) or 0)
-        div = int(res.get("divergences", res.get("mismatches", 0)) or 0)
-        if div:
-            counters["divergences"] += div
-            return {"source": "fullencode", "family": tok.name, "detail": res.get("reproduction", res)}
-        return None
-    deadline = time.monotonic() + seconds
-    stream = adversarial.text_stream(rng, corpus)
-    while time.monotonic() < deadline:
-        if corpus and rng.random() < 0.03:
-            # a long text (adversarial fragments spliced into real documents) takes the chunk-parallel route
-            parts, n = [], 0
-            while n < 300_000:
-                parts.append(rng.choice(corpus) + adversarial.random_text(rng, 20))
-                n += len(parts[-1])
-            text = "".join(parts)[:rng.randint(300_000, 600_000)]
-        else:
-            text = next(stream)
-        try:
-            ids = tok.encode(text, path="cpu")
-        except PathUnavailableError:
-            return None
-        ref = tok.encode(text, path="reference")
-        counters["checks"] += 1
-        counters["fullencode_checks"] += 1
-        counters["chars_checked"] += len(text)
-        if not np.array_equal(np.asarray(ids, dtype=np.int64), ref.astype(np.int64)):
-            counters["divergences"] += 1
-
-            def fails(b, _o):
-                return not np.array_equal(np.asarray(tok.encode(b, path="cpu"), dtype=np.int64),
-                                          tok.encode(b, path="reference").astype(np.int64))
-            small, _ = adversarial.shrink(text, [], fails)
-            return {"source": "fullencode", "family": tok.name,
-                    "reproduction": (f"import tokenplane\ntok = tokenplane.load({tok.name!r})\ntext = {small!r}\n"
-                                     "print(tok.encode(text, path='cpu').tolist() == "
-                                     "tok.encode(text, path='reference').tolist())  # expected True")}
+def fullencode_round(tok: Tokenizer, rng: random.Random, corpus: list[str], counters: dict,
+                     seconds: float) -> dict | None:
+    res = campaign_fullencode.run_campaign(tok, seconds=seconds, seed=rng.randrange(1 << 30), corpus=corpus)
+    n = int(res.get("checks", 0))
+    counters["checks"] += n
+    counters["fullencode_checks"] += n
+    counters["chars_checked"] += int(res.get("chars", 0) or 0)
+    div = int(res.get("divergences", 0) or 0)
+    if div:
+        counters["divergences"] += div
+        return {"source": "fullencode", "family": tok.name, "detail": res.get("reproduction", res)}
     return None
 
 
-def _cpu_available(tok) -> bool:
-    """Whether the CPU fast path runs for this tokenizer (registering it if the loader has not)."""
-    try:
-        tok.encode("probe", path="cpu")
-    except PathUnavailableError:
-        try:
-            from .router import enable_fast_paths
-        except ImportError:
-            return False
-        if not enable_fast_paths(tok):
-            return False   # the family falls back to the reference under the name "cpu": nothing to check
-    return True
+def _cpu_available(tok: Tokenizer) -> bool:
+    """Whether the tokenizer has a CPU fast path to check (without one, "cpu" is the reference: nothing to check)."""
+    return "cpu" in tok.fast_paths
 
 
 def campaign_family(tok: Tokenizer, seconds: float, max_checks: float, rng: random.Random, corpus: list[str],
@@ -298,7 +252,7 @@ def campaign_family(tok: Tokenizer, seconds: float, max_checks: float, rng: rand
 
 
 def main(args: argparse.Namespace) -> int:
-    from .tokenizer import load
+    from ..registry import load
 
     names = list(FAMILIES) if args.family == "all" else [args.family]
     seed = args.seed if args.seed is not None else int(time.time()) % 1_000_000

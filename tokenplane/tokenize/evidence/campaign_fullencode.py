@@ -16,8 +16,9 @@ from typing import Iterable
 
 import numpy as np
 
-from . import adversarial, pretokenize
-from .parallel import CpuEncoder
+from ..cpu import pretokenize
+from ..cpu.parallel import CpuEncoder
+from . import adversarial
 
 _ENCODERS: dict[str, CpuEncoder] = {}
 
@@ -89,9 +90,9 @@ def run_campaign(family, texts: Iterable[str] | None = None, *, seconds: float |
 
     With `texts`, every text is checked. Without, adversarial and corpus-derived texts are generated from `seed`
     for `seconds` (default 10 s)."""
-    import tokenplane
+    from ..registry import load
 
-    tok = tokenplane.load(family) if isinstance(family, str) else family
+    tok = load(family) if isinstance(family, str) else family
     counts = {"family": tok.name, "texts": 0, "chars": 0, "pieces_checked": 0, "ids_checked": 0,
               "parallel_checked": 0, "piece_divergences": 0, "id_divergences": 0, "parallel_divergences": 0}
     failures: list[dict] = []

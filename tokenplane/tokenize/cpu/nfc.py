@@ -30,7 +30,9 @@ from functools import lru_cache
 
 import numpy as np
 
-from .artifacts import cached_array
+from ..spec.artifacts import cached_array
+from .pretokenize import _gather
+from .strbuf import codepoints   # GIL-free: chunk threads of the parallel encoder normalize their own chunks
 
 N_CODEPOINTS = 0x110000
 SMALL_TEXT = 512        # below this the reference normalizer is cheaper than the scan
@@ -101,8 +103,6 @@ def inert_table() -> np.ndarray:
 def regions(cps: np.ndarray, inert: np.ndarray) -> np.ndarray:
     """int64[k, 2] character spans that may change under NFC; every span starts at 0 or at an inert code point
     and ends at the text end or before an inert one, so the text between spans is already NFC."""
-    from .pretokenize import _gather
-
     bad = np.flatnonzero(~_gather(inert, cps))
     if bad.size == 0:
         return np.zeros((0, 2), dtype=np.int64)
@@ -121,7 +121,6 @@ def normalize(text: str, reference_nfc) -> str:
         return text
     if len(text) < SMALL_TEXT:
         return reference_nfc(text)
-    from .strbuf import codepoints   # GIL-free: chunk threads of the parallel encoder normalize their own chunks
 
     spans = regions(codepoints(text), inert_table())
     if spans.shape[0] == 0:
