@@ -181,8 +181,8 @@ def add_stats(total: dict, more: dict) -> None:
 def run_traces(args, tok, engines: Engines) -> dict | None:
     from tokenplane.tokenize.evidence.traces import DEFAULT_TRACES_DIR, load_trajectories, render_prompts
 
-    directory = Path(args.traces or DEFAULT_TRACES_DIR)
-    if not directory.exists():
+    directory = Path(args.traces) if args.traces else DEFAULT_TRACES_DIR
+    if directory is None or not directory.exists():
         return None
     trajectories = load_trajectories(directory)[:args.trace_count]
     ours, peers, totals = [], {n: [] for n in list(engines.full) + (["toktier"] if engines.toktier else [])}, {}
@@ -364,7 +364,8 @@ def main() -> int:
     p.add_argument("--engines", default="fastokens,gigatoken,toktier")
     p.add_argument("--session-path", default="cpu", choices=["cpu", "reference"],
                    help="engine the session encodes its repair windows with (cpu = tokenplane's exact fast path)")
-    p.add_argument("--traces", default=None, help="mini-swe-agent directory (default: the shared data dir)")
+    p.add_argument("--traces", default=None, help="mini-swe-agent directory (default: "
+                   "$TOKENPLANE_DATA/traces/mini-swe-agent)")
     p.add_argument("--trace-count", type=int, default=250)
     p.add_argument("--trace-peer-count", type=int, default=20, help="trajectories also re-encoded by peers")
     p.add_argument("--trace-ref-every", type=int, default=8, help="time the reference on every k-th call")

@@ -5,7 +5,6 @@ ID-level test, so this file compares piece spans directly.
 """
 
 import json
-import os
 import random
 import unicodedata
 from functools import lru_cache
@@ -17,11 +16,11 @@ from hypothesis import strategies as st
 
 import tokenplane
 import pretokenize_oracles as oracles
+from realtext import corpus_lines
 from tokenplane.tokenize.cpu import pretokenize
 from tokenplane.tokenize.spec import charclass
 
 FAMILIES = ["cl100k_base", "o200k_base", "llama3", "qwen3", "deepseek_v4"]
-CORPUS = os.environ.get("TOKENPLANE_CORPUS", "/tmp/corpus")
 
 
 @lru_cache(maxsize=None)
@@ -108,13 +107,10 @@ def test_unicode_skew_code_points(name):
 
 
 def _corpus_docs(limit_chars: int):
-    path = os.path.join(CORPUS, "mixed.jsonl")
-    if not os.path.exists(path):
-        pytest.skip(f"no corpus at {CORPUS} (build it: python ../shared/tools/build_corpus.py {CORPUS})")
+    """Every len//12-th document of mixed and nonen, cut to limit_chars (the shipped fixtures hold exactly those)."""
     docs = []
-    for fname in ("mixed.jsonl", "nonen.jsonl"):
-        with open(os.path.join(CORPUS, fname), encoding="utf-8") as fh:
-            lines = fh.readlines()
+    for fname in ("mixed", "nonen"):
+        lines = corpus_lines(fname)
         for line in lines[:: max(1, len(lines) // 12)]:
             docs.append(json.loads(line)["text"][:limit_chars])
     return docs

@@ -50,9 +50,9 @@ def find_trajectory(trace: str | None, traces_dir: str | None) -> tuple[list[dic
 
     if trace:
         return load_trajectory(trace), trace
-    directory = Path(traces_dir) if traces_dir else Path(DEFAULT_TRACES_DIR)
-    candidate = directory / f"{DEFAULT_INSTANCE}.traj.json"
-    if candidate.exists():
+    directory = Path(traces_dir) if traces_dir else DEFAULT_TRACES_DIR
+    candidate = directory / f"{DEFAULT_INSTANCE}.traj.json" if directory is not None else None
+    if candidate is not None and candidate.exists():
         return load_trajectory(candidate), str(candidate)
     return load_bundled()["messages"], "bundled tokenplane/data/demo_session.json.gz (MIT, mini-swe-agent)"
 

@@ -36,8 +36,8 @@ def main_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seconds", type=float, default=60.0, help="time budget across all families")
     parser.add_argument("--corpus", default=None, help="corpus directory from build_corpus.py (mixed.jsonl, "
                                                        "nonen.jsonl)")
-    parser.add_argument("--traces", default=None, help="mini-swe-agent trajectory directory (default: shared data "
-                                                       "dir if present)")
+    parser.add_argument("--traces", default=None, help="mini-swe-agent trajectory directory (default: "
+                                                       "$TOKENPLANE_DATA/traces/mini-swe-agent when set)")
     parser.add_argument("--no-traces", action="store_true")
     parser.add_argument("--sources", default="adversarial,traces,corpus,fullencode")
     parser.add_argument("--seed", type=int, default=None, help="default: time-based (printed)")
@@ -262,8 +262,8 @@ def main(args: argparse.Namespace) -> int:
     if "traces" in sources and not args.no_traces:
         from .traces import DEFAULT_TRACES_DIR, trajectory_files
 
-        directory = Path(args.traces or DEFAULT_TRACES_DIR)
-        if directory.exists():
+        directory = Path(args.traces) if args.traces else DEFAULT_TRACES_DIR
+        if directory is not None and directory.exists():
             trajectories = trajectory_files(directory)   # loaded one at a time, as the rotation reaches them
         elif args.traces:
             raise SystemExit(f"no trajectory directory {directory}")
