@@ -7,10 +7,12 @@ proves synchronizing, inside a run of agreeing (position, ID) records of >= 2 to
 longest vocabulary token. Otherwise the window doubles (up to `max_widenings` times) and finally the whole text is
 encoded. A miss costs time, never correctness.
 
-State (all in normalized-text coordinates): ids uint32 and ends uint32 (character end of each token) in arrays grown
-geometrically and edited in place, so an append does O(delta + window) work, not O(context). Text is kept as a list of
-chunks (joined lazily); families with a normalizer (qwen3: NFC) keep the raw text the user sent and, only when it
-differs, the normalized text beside it. A session is single-writer: callers serialize mutations.
+State (all in normalized-text coordinates): ids uint32 and ends uint32 (character end of each token) in arrays that
+grow by an eighth (at most 12.5% slack: ~9 bytes/token) and are edited in place, so an append does O(delta + window)
+work, not O(context). Text is kept in a chunked store (textstore.py); families with a normalizer (qwen3: NFC) keep
+the raw text the user sent and, only when it differs, the normalized text beside it. The splice-point search is
+splice.py. A mutation is planned first (`_Plan`: text, literal and record changes as values) and applied by
+`_commit`. A session is single-writer: callers serialize mutations.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import numpy as np
 from .cpu import boundary
 from .errors import SessionError, StaleRevisionError, TextTooLargeError, validate_text  # noqa: F401
 from .reference import utf8_char_ends
+from .splice import MAX_CANDIDATES, Point, SpliceSearch
 from .textstore import (Append, Replace, SetText, SplicedText, TextChange, TextStore, common_prefix_len,
                         common_suffix_len)
 
@@ -34,7 +37,6 @@ if TYPE_CHECKING:   # type names only: tokenizer.py imports this module, never t
 DEFAULT_WINDOW = 512
 MAX_WIDENINGS = 5
 _NFC_REACH = 1 << 16        # how far an NFC split point (an ASCII character) is searched for before a full renormalize
-_MAX_CANDIDATES = 24        # stable positions tried per window side before widening
 _MIN_CAPACITY = 64          # records allocated for an empty session
 _GROWTH = 8                 # arrays grow to n + n / _GROWTH records: at most 12.5% slack, ~9 bytes/token
 
@@ -68,7 +70,6 @@ class SessionStats:
 
 
 # -- repair plan --------------------------------------------------------------------------------------------------
-_Point = tuple[int, int, int]   # splice point: (text position, cached record index, fresh record index)
 # A literal entry: (raw_start, raw_end, norm_start, norm_end, id), id = -1 for a literal that is not allowed.
 LiteralEntry = tuple[int, int, int, int, int]
 
@@ -137,7 +138,7 @@ class Session:
         self._is_special = np.zeros(len(self._cont), dtype=bool)
         for s in self.allowed_special:
             self._is_special[tokenizer.specials[s]] = True
-        self._max_token_chars = tokenizer.max_token_chars
+        self._search = SpliceSearch(self._cont, tokenizer.max_token_chars)
         self._encode_s = 0.0
         self._clear()
         if text:
@@ -299,7 +300,7 @@ class Session:
             keep_from, added = keep_lits, [(a, b, a, b, sid) for a, b, sid in found]
         else:
             last = next((e for e in reversed(self._lits) if e[4] >= 0), None)
-            d0 = self._nfc_split_before(norm, N0, last[3] if last else 0)
+            d0 = norm.nfc_split_before(N0, last[3] if last else 0, _NFC_REACH)
             if d0 is None:
                 return self._plan_rebuild(self._raw.joined() + text, Append(text))
             # struct_raw == L0 here: the old literal entries all stand; walk the new ones
@@ -351,8 +352,8 @@ class Session:
             d0, e_old, mid = start, end, replacement
             raw_is_norm = True
         else:
-            d0 = self._nfc_split_before(norm, start, 0)
-            e_old = self._nfc_split_after(norm, end)
+            d0 = norm.nfc_split_before(start, 0, _NFC_REACH)
+            e_old = norm.nfc_split_after(end, _NFC_REACH)
             if d0 is None or e_old is None:
                 new_raw = self._raw.slice(0, start) + replacement + self._raw.slice(end, raw_len)
                 return self._plan_rebuild(new_raw, SetText(new_raw))
@@ -418,38 +419,6 @@ class Session:
         new = SplicedText(TextStore([old_norm]), d, new_norm[d:e_new], e_old)
         self._repair(plan, new, d, e_new, lambda lo, hi: [x for x in new_sp if x[1] > lo and x[0] < hi])
         return plan
-
-    def _nfc_split_before(self, norm: TextStore, pos: int, floor: int) -> int | None:
-        """Largest q <= pos (q >= floor) where NFC(text) == NFC(text[:q]) + NFC(text[q:]) holds for any later
-        text: an ASCII character at q (a starter that never composes with what precedes it), or the floor (text
-        start / end of a special literal, where normalization restarts). None: none within reach."""
-        lo = max(floor, pos - _NFC_REACH)
-        step = 256
-        hi = pos
-        while hi > lo:
-            a = max(lo, hi - step)
-            chunk = norm.slice(a, hi)
-            for k in range(len(chunk) - 1, -1, -1):
-                if chunk[k] < "\x80":
-                    return a + k
-            hi = a
-            step *= 2
-        return floor if lo == floor else None
-
-    def _nfc_split_after(self, norm: TextStore, pos: int) -> int | None:
-        """Smallest q >= pos with an ASCII character at q (or the text end)."""
-        end = len(norm)
-        hi_limit = min(end, pos + _NFC_REACH)
-        a, step = pos, 256
-        while a < hi_limit:
-            b = min(hi_limit, a + step)
-            chunk = norm.slice(a, b)
-            for k, ch in enumerate(chunk):
-                if ch < "\x80":
-                    return a + k
-            a = b
-            step *= 2
-        return end if hi_limit == end else None
 
     # -- the certified repair -------------------------------------------------------------------------------------
     def _repair(self, plan: _Plan, new: SplicedText, d: int, e_new: int, specials: Callable[[int, int], list]) -> None:
@@ -557,54 +526,19 @@ class Session:
         ends = np.concatenate(end_parts).astype(np.int64, copy=False)
         return ids, ends + s
 
-    def _clean_index(self, ends: np.ndarray, ids: np.ndarray, pos: np.ndarray, origin: int):
-        """For each position: index of the last record ending there if it is a clean boundary, -1 for origin,
-        -2 when not a clean boundary of these records."""
-        if not len(ends):
-            return np.where(pos == origin, -1, -2)
-        # query in the array's dtype: a mixed-dtype searchsorted converts the whole (session-sized) array
-        idx = np.searchsorted(ends, pos.astype(ends.dtype), side="right") - 1
-        ok = idx >= 0
-        safe = np.where(ok, idx, 0)
-        hit = ok & (ends[safe] == pos)
-        nxt = np.minimum(safe + 1, len(ids) - 1)
-        clean = hit & ((safe + 1 >= len(ids)) | ~self._cont[ids[nxt]])
-        out = np.where(clean, idx, -2)
-        return np.where(pos == origin, -1, out)
-
-    def _run_ok(self, c_ids, ci, f_ids, fj, c_ends, c_origin) -> bool:
-        """The agreeing run through the splice point: >= 2 tokens, > max_token_chars characters, and it includes
-        the token left of the point (so the point lies inside the run)."""
-        m = min(ci + 1, fj + 1)
-        if m <= 0:
-            return False
-        a = c_ids[ci - m + 1:ci + 1][::-1]
-        b = f_ids[fj - m + 1:fj + 1][::-1]
-        neq = np.flatnonzero(a != b)
-        back = int(neq[0]) if len(neq) else m
-        if back == 0:
-            return False
-        m2 = min(len(c_ids) - ci - 1, len(f_ids) - fj - 1)
-        neq = np.flatnonzero(c_ids[ci + 1:ci + 1 + m2] != f_ids[fj + 1:fj + 1 + m2])
-        fwd = int(neq[0]) if len(neq) else m2
-        first = ci - back + 1
-        start = int(c_ends[first - 1]) if first > 0 else c_origin
-        stop = int(c_ends[ci + fwd])
-        return back + fwd >= 2 and stop - start > self._max_token_chars
-
     def _find_left(self, new: SplicedText, s: int, d: int, f_ids: np.ndarray, f_ends: np.ndarray,
-                   specials: list[tuple[int, int, int]]) -> _Point | None:
+                   specials: list[tuple[int, int, int]]) -> Point | None:
         """Rightmost certified splice point p in [s, d]: (p, cached index, fresh index)."""
         hard = {s} if s == 0 or self._is_special_edge(s) else set()
         for a, b, _ in specials:
             if s <= b <= d:
                 hard.update(x for x in (a, b) if x >= s)
         stable = self.rule.stable_positions(new.slice(s, d), s) if d - s >= 2 else np.zeros(0, np.int64)
-        return self._splice_point(hard, stable[-4 * _MAX_CANDIDATES:], f_ids, f_ends, rightmost=True, shift=0,
-                                  fresh_origin=s)
+        return self._search.point(hard, stable[-4 * MAX_CANDIDATES:], *self._records(), f_ids, f_ends, rightmost=True,
+                                  shift=0, fresh_origin=s)
 
     def _find_right(self, new: SplicedText, e_new: int, r: int, new_len: int, f_ids: np.ndarray,
-                    f_ends: np.ndarray, specials: list[tuple[int, int, int]]) -> _Point | None:
+                    f_ends: np.ndarray, specials: list[tuple[int, int, int]]) -> Point | None:
         """Leftmost certified splice point q in [e_new, r]: (q, cached index of q - delta, fresh index)."""
         if r >= new_len and e_new >= new_len:
             return new_len, self._n - 1, len(f_ids) - 1
@@ -614,33 +548,12 @@ class Session:
                 hard.update((a, b))
         stable = self.rule.stable_positions(new.slice(e_new, r), e_new) if r - e_new >= 2 else np.zeros(0, np.int64)
         # fresh_origin -1: the fresh window starts left of e_new, so a fresh index must be a real record (>= 0)
-        return self._splice_point(hard, stable[:4 * _MAX_CANDIDATES], f_ids, f_ends, rightmost=False,
-                                  shift=new.delta, fresh_origin=-1)
+        return self._search.point(hard, stable[:4 * MAX_CANDIDATES], *self._records(), f_ids, f_ends,
+                                  rightmost=False, shift=new.delta, fresh_origin=-1)
 
-    def _splice_point(self, hard: set[int], stable: np.ndarray, f_ids: np.ndarray, f_ends: np.ndarray, *,
-                      rightmost: bool, shift: int, fresh_origin: int) -> _Point | None:
-        """The boundary search of both window sides: the candidate nearest the edit (hard boundaries: window and
-        literal edges; stable positions of the rule) that is a clean boundary of the cached records (at position
-        - shift) and of the fresh ones, and, unless hard, lies inside an agreeing run (`_run_ok`)."""
-        cand = np.union1d(np.fromiter(hard, dtype=np.int64, count=len(hard)), stable)
-        if rightmost:
-            cand = cand[::-1]
-        if not len(cand):
-            return None
-        c_ids, c_ends = self._ids[:self._n], self._ends[:self._n]
-        ci = self._clean_index(c_ends, c_ids, cand - shift, 0)
-        fj = self._clean_index(f_ends, f_ids, cand, fresh_origin)
-        tried = 0
-        for k in np.flatnonzero((ci >= -1) & (fj >= -1)):
-            p = int(cand[k])
-            if p in hard:
-                return p, int(ci[k]), int(fj[k])
-            if tried >= _MAX_CANDIDATES:
-                break
-            tried += 1
-            if self._run_ok(c_ids, int(ci[k]), f_ids, int(fj[k]), c_ends, 0):
-                return p, int(ci[k]), int(fj[k])
-        return None
+    def _records(self) -> tuple[np.ndarray, np.ndarray]:
+        """The cached (ids, ends) records as views."""
+        return self._ids[:self._n], self._ends[:self._n]
 
     def _is_special_edge(self, pos: int) -> bool:
         if not self._literals:

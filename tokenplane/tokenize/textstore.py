@@ -203,6 +203,38 @@ class TextStore:
             break
         return min(k, limit)
 
+    def nfc_split_before(self, pos: int, floor: int, reach: int) -> int | None:
+        """Largest q <= pos (q >= floor) where NFC(text) == NFC(text[:q]) + NFC(text[q:]) holds for any later
+        text: an ASCII character at q (a starter that never composes with what precedes it), or the floor (text
+        start / end of a special literal, where normalization restarts). None: none within `reach` characters."""
+        lo = max(floor, pos - reach)
+        step = 256
+        hi = pos
+        while hi > lo:
+            a = max(lo, hi - step)
+            chunk = self.slice(a, hi)
+            for k in range(len(chunk) - 1, -1, -1):
+                if chunk[k] < "\x80":
+                    return a + k
+            hi = a
+            step *= 2
+        return floor if lo == floor else None
+
+    def nfc_split_after(self, pos: int, reach: int) -> int | None:
+        """Smallest q >= pos with an ASCII character at q (or the text end); None: none within `reach`."""
+        end = self.length
+        hi_limit = min(end, pos + reach)
+        a, step = pos, 256
+        while a < hi_limit:
+            b = min(hi_limit, a + step)
+            chunk = self.slice(a, b)
+            for k, ch in enumerate(chunk):
+                if ch < "\x80":
+                    return a + k
+            a = b
+            step *= 2
+        return end if hi_limit == end else None
+
     def nbytes(self, seen: set[int]) -> int:
         total = 0
         for c in self.chunks:
