@@ -3,7 +3,6 @@
 import argparse
 import json
 import random
-from pathlib import Path
 
 import numpy as np
 import pytest

@@ -5,7 +5,6 @@ import json
 from pathlib import Path
 
 import numpy as np
-import pytest
 
 from tokenplane import demo
 from tokenplane.tokenize.tokenizer import Tokenizer

@@ -15,7 +15,7 @@ import random
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Collection
+from typing import Callable, Collection, Sequence
 
 import numpy as np
 
@@ -111,7 +111,8 @@ class ShadowVerifier:
         self._worker.start()
 
     # -- serving side ---------------------------------------------------------------------------------------------
-    def submit(self, text: str, ids, *, allowed_special: Collection[str] = (), context: dict | None = None) -> bool:
+    def submit(self, text: str, ids: Sequence[int] | np.ndarray, *, allowed_special: Collection[str] = (),
+               context: dict | None = None) -> bool:
         """Offer one served (text, ids) pair. Returns True if it was sampled and queued. Never blocks."""
         with self._lock:
             self._counts["submitted"] += 1

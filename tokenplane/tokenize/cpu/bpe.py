@@ -12,8 +12,8 @@ ranks strictly above the minimum, which is exactly when iterated single leftmost
 `byte_pair_merge`, HF's merge heap) would take it next; so the result is the same on any vocabulary (cl100k has
 tokens ranked below one of their own parts, so a global monotonicity assumption would not hold).
 
-The kernel is numba-compiled with nogil=True, so chunks encode in parallel threads (parallel.py). Measured against a
-pure numpy batched-rounds version of the same schedule, see docs/pretokenizer.md ("BPE kernel").
+The kernel is numba-compiled with nogil=True, so chunks encode in parallel threads (parallel.py); docs/pretokenizer.md
+("BPE kernel") compares it with a numpy batched-rounds form of the same schedule.
 """
 
 from __future__ import annotations
@@ -376,8 +376,8 @@ def _cache_put(keys, length, ids, count, slot, buf, a, m, out, o0, o):
 
 
 @njit(cache=True, nogil=True)
-def encode_pieces(buf, bounds, byte_ids, ptab, batch, whole, wkeys, wids, tok_flat, tok_off,
-                  short, long_keys, long_len, long_ids, long_n):
+def _encode_pieces(buf, bounds, byte_ids, ptab, batch, whole, wkeys, wids, tok_flat, tok_off,
+                   short, long_keys, long_len, long_ids, long_n):
     """IDs of every piece buf[bounds[j]:bounds[j+1]], concatenated (int32). Caches pieces per caller in two
     direct-mapped tiers: short pieces (most of them) and long ones up to long_keys.shape[1] bytes (CJK runs and
     long identifiers, which cost the most to merge and recur in agent context)."""
@@ -512,7 +512,7 @@ class BPE:
         self.n_pairs = int(left.shape[0])
         self.batch = True        # False: one merge per round (the plain schedule; kept to measure against)
         self.pkeys, self.pranks, self.pnews = _build_pairs(left, right, rank, new, _pow2(len(left)))
-        # the kernels' form (_pair_rank); the three arrays stay for the GPU tables and the numpy reference
+        # the kernels' form (_pair_rank); the GPU tables read the three arrays
         self.ptab = np.stack([self.pkeys, (self.pranks.astype(np.uint32).astype(np.uint64) << np.uint64(32))
                               | self.pnews.astype(np.uint32).astype(np.uint64)], axis=1)
         if fam.engine == "tiktoken":
@@ -558,9 +558,9 @@ class BPE:
     def encode_bytes(self, buf: np.ndarray, bounds: np.ndarray, cache: PieceCache | None = None) -> np.ndarray:
         """IDs (int32) of the pieces buf[bounds[j]:bounds[j+1]] (buf: uint8 UTF-8, bounds: int64 byte offsets)."""
         c = cache if cache is not None else self._cache()
-        return encode_pieces(buf, bounds, self.byte_ids, self.ptab, self.batch,
-                             self.whole, self.wkeys, self.wids, self.tok_flat, self.tok_off, c.short,
-                             c.long_keys, c.long_length, c.long_ids, c.long_n)
+        return _encode_pieces(buf, bounds, self.byte_ids, self.ptab, self.batch,
+                              self.whole, self.wkeys, self.wids, self.tok_flat, self.tok_off, c.short,
+                              c.long_keys, c.long_length, c.long_ids, c.long_n)
 
     def encode_piece(self, piece: bytes) -> list[int]:
         buf = np.frombuffer(piece, dtype=np.uint8)

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import hashlib
 from functools import lru_cache
+from typing import Callable
 
 import numpy as np
 
@@ -64,7 +65,7 @@ def _per_char(normalize, items: list[str]) -> list[str]:
     return out
 
 
-def probe(nfc, nfd) -> np.ndarray:
+def probe(nfc: Callable[[str], str], nfd: Callable[[str], str]) -> np.ndarray:
     """bool[0x110000]: True where the code point is inert under `nfc` (functions str -> str of one engine)."""
     chars = _universe()
     inert = np.zeros(N_CODEPOINTS, dtype=bool)
@@ -114,7 +115,7 @@ def regions(cps: np.ndarray, inert: np.ndarray) -> np.ndarray:
     return np.stack([np.maximum(first - 1, 0), last + 1], axis=1)
 
 
-def normalize(text: str, reference_nfc) -> str:
+def normalize(text: str, reference_nfc: Callable[[str], str]) -> str:
     """NFC(text) computed as `reference_nfc` would on the whole text, calling it only on the regions that can
     change (see the module docstring)."""
     if text.isascii():

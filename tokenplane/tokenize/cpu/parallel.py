@@ -18,6 +18,8 @@ so the threads only meet on the GIL for ~50 us of Python glue per chunk.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -26,6 +28,9 @@ import numpy as np
 
 from . import boundary, nfc, pretokenize, strbuf
 from .bpe import BPE
+
+if TYPE_CHECKING:   # type names only: these modules sit above this one
+    from ..tokenizer import Tokenizer
 
 PARALLEL_MIN_CHARS = 256 * 1024     # below this the thread hand-off costs more than it saves
 TARGET_SAMPLES = 4096               # characters sampled for the byte profile that places the cut targets
@@ -43,7 +48,7 @@ def default_workers() -> int:
 class CpuEncoder:
     """Exact CPU encoder of one tokenizer's ordinary text (IDs equal `tok.reference.encode_ordinary`)."""
 
-    def __init__(self, tok, *, workers: int | None = None, parallel_min_chars: int = PARALLEL_MIN_CHARS,
+    def __init__(self, tok: Tokenizer, *, workers: int | None = None, parallel_min_chars: int = PARALLEL_MIN_CHARS,
                  min_chunk_chars: int = MIN_CHUNK_CHARS):
         if not pretokenize.supported(tok.family):
             raise pretokenize.UnsupportedFamily(tok.family.name)

@@ -5,9 +5,9 @@ into maximal same-class runs, and "a piece starts here" is decided per character
 most two characters of lookback across the run boundary, and per-run aggregates computed with prefix scans (run start,
 run end, first non-CR/LF position, last CR/LF position, last non-B letter kind, next non-upper letter). Each family's
 rule runs as one numba-compiled loop over the code points, without the GIL; the per-character and run-vectorized numpy
-forms of the same rules are test oracles (tests/pretokenize_oracles.py). The derivation, one regex alternative at a time, is in
-docs/pretokenizer.md; it is claimed only for the frozen splitter configurations (`Family.splitter_hash`) and the
-pinned class tables (`charclass.PINNED`), which `supported()` checks.
+forms of the same rules are test oracles (tests/pretokenize_oracles.py). The derivation, one regex alternative at a
+time, is in docs/pretokenizer.md; it is claimed only for the frozen splitter configurations (`Family.splitter_hash`)
+and the pinned class tables (`charclass.PINNED`), which `supported()` checks.
 
 o200k has two rare local shapes the run rule does not cover (a combining mark right after punctuation, which
 the punctuation alternative can swallow, and `/` right after CR/LF, which `[\\r\\n/]*` can chain into). Around those the

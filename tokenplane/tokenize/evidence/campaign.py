@@ -19,10 +19,12 @@ import random
 import sys
 import time
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 
 from . import adversarial, campaign_fullencode
+from ..session import Session
 from ..tokenizer import Tokenizer
 
 FAMILIES = ("cl100k_base", "o200k_base", "llama3", "qwen3", "deepseek_v4")
@@ -65,7 +67,7 @@ def load_corpus(directory: str | None, max_docs: int = 4000) -> list[str]:
 
 
 # -- session checks ----------------------------------------------------------------------------------------------
-def stats_dict(session) -> dict:
+def stats_dict(session: Session) -> dict:
     stats = session.stats
     stats = stats() if callable(stats) else stats
     if hasattr(stats, "__dataclass_fields__"):
@@ -73,7 +75,7 @@ def stats_dict(session) -> dict:
     return dict(stats)
 
 
-def apply_op(session, op) -> None:
+def apply_op(session: Session, op: tuple) -> None:
     kind = op[0]
     if kind == "append":
         session.append(op[1])
@@ -142,7 +144,8 @@ def shrink_failure(tok: Tokenizer, base: str, ops: list, allowed: tuple | str = 
 
 
 # -- sources -----------------------------------------------------------------------------------------------------
-def adversarial_round(tok, rng, corpus, counters, paths=("reference",)) -> dict | None:
+def adversarial_round(tok: Tokenizer, rng: random.Random, corpus: list[str], counters: dict,
+                      paths: tuple[str, ...] = ("reference",)) -> dict | None:
     base, ops = adversarial.session_case(rng, corpus)
     # One case in five treats special-token strings as specials (the literal pass must repair too); windows are
     # encoded by each available engine in turn (the reference, and the CPU fast path where the family has one).
@@ -159,7 +162,8 @@ def adversarial_round(tok, rng, corpus, counters, paths=("reference",)) -> dict 
             "allowed_special": bool(allowed)}
 
 
-def trace_round(tok, trace_file: Path, counters, max_context: int, path: str = "reference") -> dict | None:
+def trace_round(tok: Tokenizer, trace_file: Path, counters: dict, max_context: int,
+                path: str = "reference") -> dict | None:
     from .traces import load_trajectory, render_prompts
 
     prompts = [p for p in render_prompts(load_trajectory(trace_file)) if len(p) <= max_context]
@@ -206,7 +210,8 @@ def _cpu_available(tok: Tokenizer) -> bool:
 
 
 def campaign_family(tok: Tokenizer, seconds: float, max_checks: float, rng: random.Random, corpus: list[str],
-                    trajectories: list, sources: set[str], max_context: int, log=print) -> tuple[dict, list]:
+                    trajectories: list, sources: set[str], max_context: int,
+                    log: Callable[[str], None] = print) -> tuple[dict, list]:
     counters = {k: 0 for k in COUNTERS}
     failures: list = []
     deadline = time.monotonic() + seconds

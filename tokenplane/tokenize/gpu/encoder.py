@@ -13,6 +13,8 @@ On the CUDA simulator (NUMBA_ENABLE_CUDASIM=1) graph capture is skipped; launche
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Callable
+
 import os
 import threading
 from dataclasses import dataclass, field
@@ -24,6 +26,9 @@ from .layout import (F_CL100K, F_DEEPSEEK, F_LLAMA3, F_O200K, F_QWEN3, FALLBACK,
                      N_CHARS, N_DOCS, N_LARGE, N_MEDIUM, N_PIECES, N_SMALL, N_TOKENS)
 from .scan import OP_ADD, OP_MAX, launch_scan, make_scan
 
+if TYPE_CHECKING:   # type names only: these modules sit above this one
+    from ..tokenizer import Tokenizer
+
 
 class UnsupportedFamilyError(PathUnavailableError):
     """The tokenizer's family has no device rules here; use a CPU path."""
@@ -33,7 +38,7 @@ def simulator_enabled() -> bool:
     return os.environ.get("NUMBA_ENABLE_CUDASIM", "") == "1"
 
 
-def family_code(tokenizer) -> int:
+def family_code(tokenizer: Tokenizer) -> int:
     from ..spec.families import FAMILIES
 
     fam = tokenizer.family
@@ -85,9 +90,9 @@ class GpuEncoder:
     chained contractions) are flagged on the device and answered by `fallback` (the reference engine by default).
     """
 
-    def __init__(self, tokenizer, *, small_max: int = 32, medium_max: int = 128, use_graphs: bool = True,
-                 sync_counts: bool = False, buckets: tuple[int, ...] | None = None, fallback=None,
-                 max_docs: int = 4096):
+    def __init__(self, tokenizer: Tokenizer, *, small_max: int = 32, medium_max: int = 128, use_graphs: bool = True,
+                 sync_counts: bool = False, buckets: tuple[int, ...] | None = None,
+                 fallback: Callable[[str], np.ndarray] | None = None, max_docs: int = 4096):
         self.family = family_code(tokenizer)
         if not 1 <= small_max <= medium_max:
             raise ValueError("need 1 <= small_max <= medium_max")

@@ -15,6 +15,7 @@ kernels keep o200k's last non-uppercase letter.
 from __future__ import annotations
 
 from functools import lru_cache
+from typing import Callable
 
 from .layout import BIG, N_CHARS
 
@@ -23,7 +24,7 @@ F_CJK, F_ASCII_LETTER, F_ASCII_PUNCT = 8, 16, 32
 
 
 @lru_cache(maxsize=None)
-def make_pretokenize_deepseek():
+def make_pretokenize_deepseek() -> dict[str, Callable]:
     global cuda
     from numba import cuda
 

@@ -19,12 +19,18 @@ DeepSeek's 3 tokens that the merges never produce from their own bytes, goes thr
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from dataclasses import dataclass
 
 import numpy as np
 
 from ..spec.artifacts import cache_dir
+from ..spec.families import Family
 from ..spec.charclass import BIT, class_table
+
+if TYPE_CHECKING:   # type names only: these modules sit above this one
+    from ..tokenizer import Tokenizer
 
 TABLE_VERSION = 2       # 2: an HF whole-piece lookup holds only self-encoding tokens
 EMPTY = -1
@@ -156,7 +162,7 @@ def _build(token_bytes: list[bytes], n_ordinary: int, merges: tuple | None = Non
                       vocab_slots, pair_keys, pair_vals, int(lens.max()), len(vals))
 
 
-def class_codes(family) -> np.ndarray:
+def class_codes(family: Family) -> np.ndarray:
     """The per-code-point code the family's classify kernel reads."""
     if family.name == "deepseek_v4":
         from ..cpu.pretokenize import _cp_feat_deepseek
@@ -182,7 +188,7 @@ def _hf_merges(tokenizer) -> tuple[tuple[np.ndarray, np.ndarray, np.ndarray], np
     return (left, right, new), bpe.whole_ids
 
 
-def host_tables(tokenizer) -> HostTables:
+def host_tables(tokenizer: Tokenizer) -> HostTables:
     """Tables for a tiktoken-engine tokenizer (or an HF byte-level BPE that passes `_hf_merges`), cached on disk by
     content hash."""
     ref = tokenizer.reference
