@@ -18,8 +18,11 @@ import pytest
 import tokenplane
 from tokenplane.engine.config import PRESETS
 from tokenplane.engine.sampler import SamplingParams
-from tokenplane.serve.app import (ChatTemplate, InProcessBackend, ServeConfig, TextStream, build_algorithm,
-                                  build_router, create_app)
+from tokenplane.serve.app import create_app
+from tokenplane.serve.backends import InProcessBackend, build_backend, build_router
+from tokenplane.serve.chat import ChatTemplate
+from tokenplane.serve.config import ServeConfig
+from tokenplane.serve.text_stream import TextStream
 
 MODEL = "tokenplane-router"
 
@@ -61,7 +64,7 @@ def router(tokenizer):
                       parameters={"mode": "calibrated", "rates": {"switch": 0.3, "return": 0.5}},
                       calibration={"prompts": ["Hello there", "What is two plus two?"], "max_tokens": 6},
                       num_blocks=512)
-    return build_router(cfg, build_algorithm(cfg), tokenizer)
+    return build_router(cfg, tokenizer, use_cache=False)
 
 
 @pytest.fixture(scope="module")
@@ -106,7 +109,9 @@ def reference_text(router, tokenizer, prompt_ids, max_tokens, stop_ids=()):
 
 def test_health_and_models(server):
     url, _ = server
-    assert httpx.get(url + "/health").json() == {"status": "ok"}
+    health = httpx.get(url + "/health")
+    assert health.status_code == 200 and health.json()["status"] == "ok"
+    assert [m["state"] for m in health.json()["models"]] == ["ready", "ready"]
     data = httpx.get(url + "/v1/models").json()["data"]
     assert [m["id"] for m in data] == [MODEL]
     assert data[0]["max_model_len"] == 4096
@@ -152,7 +157,8 @@ def test_chat_equals_reference(server, router, tokenizer):
     out = router.generate(ids, SamplingParams(max_tokens=10, stop_token_ids=template.stop_token_ids), "ref")
     stream = TextStream(tokenizer)
     assert body["object"] == "chat.completion"
-    assert body["choices"][0]["message"] == {"role": "assistant", "content": stream.push(out.token_ids) + stream.flush()}
+    content = stream.push(out.token_ids) + stream.flush()
+    assert body["choices"][0]["message"] == {"role": "assistant", "content": content}
     assert body["usage"]["prompt_tokens"] == len(ids)
     assert body["routing"]["num_tokens"] == len(out.token_ids)
 
@@ -177,7 +183,12 @@ def test_streaming_matches_non_streaming(server):
     assert all(c["choices"][0]["finish_reason"] is None for c in chunks[:-1])
     assert chunks[-1]["choices"][0]["finish_reason"] == full["choices"][0]["finish_reason"]
     assert chunks[-1]["routing"] == full["routing"]
-    assert chunks[-1]["usage"] == full["usage"]
+    assert all("usage" not in c for c in chunks)   # usage only when asked for, as OpenAI does
+    opts = {**req, "stream": True, "stream_options": {"include_usage": True}}
+    with httpx.stream("POST", url + "/v1/completions", json=opts, timeout=60) as r:
+        events = sse_events(r)
+    assert events[-1] == "[DONE]" and events[-2]["choices"] == [] and events[-2]["usage"] == full["usage"]
+    assert all(e["usage"] is None for e in events[:-2])
 
 
 def test_chat_streaming(server):
@@ -222,7 +233,7 @@ def test_stop_string(server):
     ("/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": "many"}, 400, "max_tokens"),
     ("/v1/completions", {"model": MODEL, "prompt": "hi", "temperature": "hot"}, 400, "temperature"),
     ("/v1/completions", {"model": MODEL, "prompt": "hi", "top_p": 0}, 400, "top_p"),
-    ("/v1/completions", {"model": MODEL, "prompt": "hi", "n": 2}, 400, "n"),
+    ("/v1/completions", {"model": MODEL, "prompt": "hi", "n": 0}, 400, "n"),
     ("/v1/completions", {"model": MODEL, "prompt": "hi", "stream": "yes"}, 400, "stream"),
     ("/v1/completions", {"model": MODEL, "prompt": [1] * 4096}, 400, "prompt"),
     ("/v1/completions", {"model": MODEL, "prompt": [1, 999999]}, 400, "prompt"),
@@ -307,7 +318,6 @@ def test_process_backend_equals_inprocess(tokenizer):
     """The multi-process Runtime behind the same HTTP layer returns what the in-process reference returns
     (greedy, float64, calibrated thresholds computed once and shipped to every model process)."""
     import uvicorn
-    from tokenplane.serve.app import build_backend
     cfg = ServeConfig(models=[wide("test-small"), wide("test-large")], algorithm="r_stitch", dtype="float64",
                       parameters={"mode": "calibrated", "rates": {"switch": 0.3, "return": 0.5}},
                       calibration={"prompts": ["Hello there", "What is two plus two?"], "max_tokens": 6},
@@ -346,7 +356,8 @@ def test_process_backend_equals_inprocess(tokenizer):
 
 def test_cli_defaults_bind_localhost():
     import argparse
-    from tokenplane.serve.app import main_arguments
+
+    from tokenplane.serve.cli import main_arguments
     p = argparse.ArgumentParser()
     main_arguments(p)
     args = p.parse_args([])

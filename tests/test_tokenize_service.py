@@ -89,13 +89,14 @@ def test_tokenize_allowed_special(client, tok):
 def test_tokenize_errors(client, body, status):
     r = client.post("/v1/tokenize", json=body)
     assert r.status_code == status, r.text
-    assert "error" in r.json() or "detail" in r.json()
+    err = r.json()["error"]   # OpenAI-shaped on every route
+    assert set(err) >= {"message", "type", "param", "code"} and err["message"]
 
 
 def test_lone_surrogate_is_400(client):
     # JSON allows "\ud800"; Python decodes it to a lone surrogate, which is not text.
     r = client.post("/v1/tokenize", content=b'{"text": "a\\ud800b"}', headers={"content-type": "application/json"})
-    assert r.status_code == 400 and "surrogate" in r.json()["error"]
+    assert r.status_code == 400 and "surrogate" in r.json()["error"]["message"]
 
 
 def test_oversize_body_is_413(tok):
@@ -140,7 +141,7 @@ def test_session_lifecycle(client, tok):
     assert state["nbytes"] > 0 and state["text_chars"] == len(new_text)
     # stale revision
     r = client.post(f"/v1/sessions/{sid}/append", json={"text": "x", "expect_revision": 3})
-    assert r.status_code == 409 and r.json()["revision"] == 8
+    assert r.status_code == 409 and r.json()["error"]["revision"] == 8
     # bad edit range, invalid text in a session op
     assert client.post(f"/v1/sessions/{sid}/edit", json={"start": 5, "end": 10**6, "text": ""}).status_code == 400
     bad = base64.b64encode(b"\xc3").decode()

@@ -10,8 +10,9 @@ import sys
 # module (named `<function>_arguments`) declares its flags.
 COMMANDS: dict[str, tuple[str, str, str]] = {
     "demo": ("tokenplane.demo", "main", "replay a real agent session through a tokenizer session (exact, fast)"),
-    "verify": ("tokenplane.tokenize.evidence.campaign", "main", "long differential campaign against the reference engine"),
-    "serve": ("tokenplane.serve.app", "main", "combined server: tokenize service + routed decoding (OpenAI API)"),
+    "verify": ("tokenplane.tokenize.evidence.campaign", "main",
+               "long differential campaign against the reference engine"),
+    "serve": ("tokenplane.serve.cli", "main", "combined server: tokenize service + routed decoding (OpenAI API)"),
 }
 
 

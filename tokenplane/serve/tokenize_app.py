@@ -13,12 +13,14 @@ from typing import Any, Sequence
 from fastapi import FastAPI
 
 from ..tokenize import Tokenizer, load
+from .app import guarded_app
+from .config import Limits
 from .tokenize_service import add_tokenize_routes
 
 
 def create_app(models: Sequence[str | Tokenizer] = ("cl100k_base",), **options: Any) -> FastAPI:
-    """Options go to TokenizeService: ttl_s, max_sessions, verify_rate, verify_queue, max_body_bytes,
-    default_model."""
+    """Options go to TokenizeService: ttl_s, max_sessions, session_bytes, max_session_chars, verify_rate,
+    verify_queue, max_body_bytes, default_model."""
     tokenizers = {}
     for m in models:
         tok = m if isinstance(m, Tokenizer) else load(m)
@@ -30,7 +32,8 @@ def create_app(models: Sequence[str | Tokenizer] = ("cl100k_base",), **options: 
         yield
         holder["service"].close()   # stop the shadow-verifier threads with the server
 
-    app = FastAPI(title="tokenplane tokenize service", lifespan=lifespan)
+    limits = Limits(max_body_bytes=int(options.get("max_body_bytes", Limits.max_body_bytes)))
+    app = guarded_app("tokenplane tokenize service", metrics=None, limits=limits, lifespan=lifespan)
     holder["service"] = add_tokenize_routes(app, tokenizers, **options)
     return app
 

@@ -13,38 +13,43 @@ A patch is {revision, n_tokens, keep, ids}: the first `keep` tokens of the previ
 are the tokens from `keep` on, so a client holding revision r-1 rebuilds revision r exactly. Edit offsets are
 characters of the session text as sent (before normalization; GET reports its length as text_chars).
 
-Errors: 400 invalid text (bad UTF-8, lone surrogates, bad base64, bad offsets), 404 unknown model or session
-(including sessions evicted by TTL), 409 stale `expect_revision`, 413 oversize body or text, 422 malformed JSON.
+Errors (OpenAI-shaped, errors.py): 400 invalid text (bad UTF-8, lone surrogates, bad base64, bad offsets) or
+malformed JSON, 404 unknown model or session (including sessions evicted by TTL, the count cap or the byte budget),
+409 stale `expect_revision` (the current revision is in error.revision), 413 oversize body, text or session.
+
+Sessions are bounded three ways: an idle TTL, a count cap and a total byte budget (token arrays + text), evicted
+least recently used first; an evicted conversation is simply re-encoded by its next request.
 """
 
 from __future__ import annotations
 
 import base64
 import binascii
+import ctypes
+import ctypes.util
 import secrets
 import threading
 import time
+from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Any, Literal, Mapping
+from typing import Any, Callable, Literal, Mapping, TypeVar
 
 import numpy as np
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse
-from pydantic import BaseModel
+from pydantic import BaseModel, ConfigDict, ValidationError
 
 from ..tokenize.tokenizer import InvalidTextError, TextTooLargeError, Tokenizer, validate_text
 from ..tokenize.session import SessionError, StaleRevisionError
 from ..tokenize.verify import ShadowVerifier
+from .errors import Conflict, InvalidRequest, NotFound, PayloadTooLarge
+from .protocol import parse_body
 
-
-class ServiceError(Exception):
-    def __init__(self, status: int, message: str, **extra: Any):
-        super().__init__(message)
-        self.status, self.message, self.extra = status, message, extra
+B = TypeVar("B", bound=BaseModel)
 
 
 # -- request bodies ----------------------------------------------------------------------------------------------
 class TextBody(BaseModel):
+    model_config = ConfigDict(extra="forbid")
     text: str | None = None
     text_b64: str | None = None
 
@@ -55,6 +60,7 @@ class TokenizeBody(TextBody):
 
 
 class CreateSessionBody(BaseModel):
+    model_config = ConfigDict(extra="forbid")
     model: str | None = None
     allowed_special: list[str] | Literal["all"] = []
 
@@ -81,24 +87,48 @@ class SessionEntry:
     session: Any
     created: float
     last_used: float
+    nbytes: int = 0
     lock: threading.Lock = field(default_factory=threading.Lock)
 
 
-class SessionStore:
-    """Sessions by id with idle-TTL eviction (checked on access and swept at most once a second) and a cap."""
+def _release_freed_memory() -> None:
+    """Hand freed heap pages back to the OS after a large eviction (glibc keeps them in its arenas otherwise, and
+    RSS would stay at its peak after every session is gone)."""
+    name = ctypes.util.find_library("c")
+    if name:
+        try:
+            ctypes.CDLL(name).malloc_trim(0)
+        except (OSError, AttributeError):
+            pass
 
-    def __init__(self, ttl_s: float, max_sessions: int, clock=time.monotonic):
+
+class SessionStore:
+    """Sessions by id, least recently used first, bounded by an idle TTL (checked on access, swept at most once a
+    second), a count cap and a byte budget. Creating past the count cap or growing past the budget evicts the least
+    recently used sessions (never the one being written)."""
+
+    def __init__(self, ttl_s: float, max_sessions: int, max_bytes: int = 1 << 30,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.ttl_s = ttl_s
         self.max_sessions = max_sessions
+        self.max_bytes = max_bytes
         self.clock = clock
-        self._entries: dict[str, SessionEntry] = {}
+        self._entries: OrderedDict[str, SessionEntry] = OrderedDict()
         self._lock = threading.Lock()
+        self.on_evict: list[Callable[[str], None]] = []   # called with the id of every session that goes away
         self._last_sweep = 0.0
+        self.bytes = 0
         self.evicted = 0
         self.created = 0
 
     def __len__(self) -> int:
         return len(self._entries)
+
+    def _drop(self, key: str) -> None:
+        entry = self._entries.pop(key)
+        self.bytes -= entry.nbytes
+        for callback in self.on_evict:
+            callback(key)
 
     def sweep(self, force: bool = False) -> int:
         now = self.clock()
@@ -108,18 +138,32 @@ class SessionStore:
             self._last_sweep = now
             dead = [k for k, e in self._entries.items() if now - e.last_used > self.ttl_s]
             for k in dead:
-                del self._entries[k]
+                self._drop(k)
             self.evicted += len(dead)
-            return len(dead)
+        if dead:
+            _release_freed_memory()
+        return len(dead)
+
+    def _evict_until(self, fits: Callable[[], bool], keep: str | None) -> int:
+        n = 0
+        for key in list(self._entries):
+            if fits():
+                break
+            if key != keep:
+                self._drop(key)
+                n += 1
+        self.evicted += n
+        return n
 
     def create(self, model: str, session: Any) -> SessionEntry:
         self.sweep()
         now = self.clock()
-        entry = SessionEntry(id=secrets.token_urlsafe(12), model=model, session=session, created=now, last_used=now)
+        entry = SessionEntry(id=secrets.token_urlsafe(12), model=model, session=session, created=now, last_used=now,
+                             nbytes=int(session.nbytes))
         with self._lock:
-            if len(self._entries) >= self.max_sessions:
-                raise ServiceError(429, f"session limit reached ({self.max_sessions}); delete idle sessions")
+            self._evict_until(lambda: len(self._entries) < self.max_sessions, None)
             self._entries[entry.id] = entry
+            self.bytes += entry.nbytes
             self.created += 1
         return entry
 
@@ -129,33 +173,53 @@ class SessionStore:
         with self._lock:
             entry = self._entries.get(session_id)
             if entry is not None and now - entry.last_used > self.ttl_s:
-                del self._entries[session_id]
+                self._drop(session_id)
                 self.evicted += 1
                 entry = None
             if entry is None:
-                raise ServiceError(404, f"unknown session {session_id!r} (never created, deleted, or expired)")
+                raise NotFound(f"unknown session {session_id!r} (never created, deleted, or evicted)",
+                               code="session_not_found")
             entry.last_used = now
+            self._entries.move_to_end(session_id)
             return entry
+
+    def resize(self, entry: SessionEntry) -> None:
+        """Account for a session's new size; evict others (least recently used first) to stay in the budget."""
+        size = int(entry.session.nbytes)
+        freed = 0
+        with self._lock:
+            if self._entries.get(entry.id) is not entry:
+                return   # deleted or evicted while it was being written
+            self.bytes += size - entry.nbytes
+            entry.nbytes = size
+            freed = self._evict_until(lambda: self.bytes <= self.max_bytes, entry.id)
+        if freed:
+            _release_freed_memory()
 
     def delete(self, session_id: str) -> None:
         with self._lock:
-            if self._entries.pop(session_id, None) is None:
-                raise ServiceError(404, f"unknown session {session_id!r}")
+            if session_id not in self._entries:
+                raise NotFound(f"unknown session {session_id!r}", code="session_not_found")
+            self._drop(session_id)
+
+    def snapshot(self) -> dict[str, int]:
+        with self._lock:
+            return {"sessions": len(self._entries), "bytes": self.bytes, "max_bytes": self.max_bytes,
+                    "created": self.created, "evicted": self.evicted}
 
 
 # -- the service -------------------------------------------------------------------------------------------------
 class TokenizeService:
     def __init__(self, tokenizers: Mapping[str, Tokenizer], *, ttl_s: float = 3600.0, max_sessions: int = 10_000,
-                 verify_rate: float = 0.0, verify_queue: int = 256, max_body_bytes: int | None = None,
-                 default_model: str | None = None):
+                 session_bytes: int = 1 << 30, max_session_chars: int = 16 << 20, verify_rate: float = 0.0,
+                 verify_queue: int = 256, max_body_bytes: int = 64 << 20, default_model: str | None = None):
         if not tokenizers:
             raise ValueError("the tokenize service needs at least one tokenizer")
         self.tokenizers = dict(tokenizers)
         self.default_model = default_model or next(iter(self.tokenizers))
-        self.store = SessionStore(ttl_s, max_sessions)
-        max_chars = max(t.max_chars for t in self.tokenizers.values())
-        # JSON escapes can take 12 bytes per character (\ud83d\ude00 for one astral char); base64 4/3 of UTF-8.
-        self.max_body_bytes = max_body_bytes if max_body_bytes is not None else 12 * max_chars + 4096
+        self.store = SessionStore(ttl_s, max_sessions, session_bytes)
+        self.max_session_chars = max_session_chars
+        self.max_body_bytes = max_body_bytes
         self.verifiers: dict[str, ShadowVerifier] = {}
         if verify_rate > 0:
             for name, tok in self.tokenizers.items():
@@ -169,22 +233,23 @@ class TokenizeService:
         name = model or self.default_model
         tok = self.tokenizers.get(name)
         if tok is None:
-            raise ServiceError(404, f"unknown model {name!r}; available: {sorted(self.tokenizers)}")
+            raise NotFound(f"unknown model {name!r}; available: {sorted(self.tokenizers)}", param="model",
+                           code="model_not_found")
         return name, tok
 
     @staticmethod
     def text_of(body: TextBody, tok: Tokenizer) -> str:
         if (body.text is None) == (body.text_b64 is None):
-            raise ServiceError(400, "give exactly one of `text` or `text_b64`")
+            raise InvalidRequest("give exactly one of `text` or `text_b64`", param="text")
         if body.text_b64 is not None:
             if len(body.text_b64) > 4 * ((4 * tok.max_chars + 2) // 3):   # base64 of the largest UTF-8
-                raise ServiceError(413, "text_b64 is larger than the tokenizer's size limit")
+                raise PayloadTooLarge("text_b64 is larger than the tokenizer's size limit", param="text_b64")
             try:
                 raw = base64.b64decode(body.text_b64, validate=True)
             except (binascii.Error, ValueError):
-                raise ServiceError(400, "text_b64 is not valid base64") from None
+                raise InvalidRequest("text_b64 is not valid base64", param="text_b64") from None
             return validate_text(raw, tok.max_chars)
-        return validate_text(body.text, tok.max_chars)
+        return validate_text(body.text or "", tok.max_chars)
 
     def verify(self, model: str, text: str, ids, allowed=(), context=None) -> None:
         v = self.verifiers.get(model)
@@ -198,7 +263,7 @@ class TokenizeService:
         try:
             ids = tok.encode(text, allowed_special=body.allowed_special)
         except ValueError as exc:   # unknown special-token names
-            raise ServiceError(400, str(exc)) from None
+            raise InvalidRequest(str(exc), param="allowed_special") from None
         allowed = tok.specials.keys() if body.allowed_special == "all" else body.allowed_special
         self.verify(name, text, ids, tuple(allowed))
         return {"model": name, "n_tokens": int(len(ids)), "ids": ids.tolist()}
@@ -208,7 +273,7 @@ class TokenizeService:
         try:
             session = tok.session(allowed_special=body.allowed_special)
         except ValueError as exc:   # unknown special-token names
-            raise ServiceError(400, str(exc)) from None
+            raise InvalidRequest(str(exc), param="allowed_special") from None
         entry = self.store.create(name, session)
         return {"id": entry.id, "model": name, "revision": session.revision, "ttl_s": self.store.ttl_s}
 
@@ -218,17 +283,23 @@ class TokenizeService:
         text = self.text_of(body, tok)
         with entry.lock:   # a session is single-writer; concurrent requests on one session queue here
             sess = entry.session
+            removed = body.end - body.start if isinstance(body, EditBody) else 0
+            grown = len(sess.text) + len(text) - removed
+            if op != "sync" and grown > self.max_session_chars or op == "sync" and len(text) > self.max_session_chars:
+                raise PayloadTooLarge(f"the session would hold {max(grown, len(text)):,} characters; the limit is "
+                                      f"{self.max_session_chars:,}", code="session_too_large")
             try:
                 if op == "append":
                     splice = sess.append(text, expect_revision=body.expect_revision)
-                elif op == "edit":
+                elif isinstance(body, EditBody):
                     splice = sess.edit(body.start, body.end, text, expect_revision=body.expect_revision)
                 else:
                     splice = sess.sync(text, expect_revision=body.expect_revision)
             except StaleRevisionError as exc:
-                raise ServiceError(409, str(exc), revision=sess.revision) from None
+                raise Conflict(str(exc), param="expect_revision", code="stale_revision",
+                               revision=sess.revision) from None
             except SessionError as exc:
-                raise ServiceError(400, str(exc)) from None
+                raise InvalidRequest(str(exc)) from None
             ids = sess.ids
             out = {"id": entry.id, "revision": sess.revision, "n_tokens": int(len(ids)), "n_chars": len(sess.text),
                    "keep": int(splice.keep), "path": splice.path}
@@ -236,6 +307,7 @@ class TokenizeService:
                 out["ids"] = splice.ids.tolist()
             self.verify(entry.model, sess.text, ids, tuple(sess.allowed_special),
                         context={"session": entry.id, "revision": sess.revision})
+        self.store.resize(entry)
         return out
 
     def get_session(self, session_id: str, ids: bool) -> dict:
@@ -252,8 +324,7 @@ class TokenizeService:
 
     def stats(self) -> dict:
         self.store.sweep()
-        return {"sessions": len(self.store), "created": self.store.created, "evicted": self.store.evicted,
-                "models": sorted(self.tokenizers),
+        return {**self.store.snapshot(), "models": sorted(self.tokenizers),
                 "verifier": {name: v.stats() for name, v in self.verifiers.items()}}
 
 
@@ -271,50 +342,70 @@ def _jsonable(value: Any) -> Any:
     return value
 
 
+def _body(raw: bytes, model: type[B]) -> B:
+    try:
+        return model.model_validate(parse_body(raw))
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        loc = ".".join(str(p) for p in err["loc"])
+        raise InvalidRequest(f"invalid `{loc}`: {err['msg']}", param=str(err["loc"][0]) if err["loc"] else None
+                             ) from None
+
+
+def _schema(model: type[BaseModel]) -> dict[str, Any]:
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": model.model_json_schema()}}}}
+
+
+_ERRORS: dict[int | str, dict[str, Any]] = {status: {"description": why, "content": {"application/json": {}}}
+                                            for status, why in ((400, "invalid request"), (404, "unknown model or "
+                                                                "session"), (409, "stale revision"),
+                                                                (413, "too large"))}
+
+
 def add_tokenize_routes(app: FastAPI, tokenizers: Mapping[str, Tokenizer], **options: Any) -> TokenizeService:
     """Mount the tokenize and session routes on `app`; options go to TokenizeService (ttl_s, max_sessions,
-    verify_rate, verify_queue, max_body_bytes, default_model). Returns the service (its store and verifiers)."""
+    session_bytes, max_session_chars, verify_rate, verify_queue, max_body_bytes, default_model). Bodies are parsed
+    by hand (depth-limited JSON, OpenAI-shaped errors) in FastAPI's worker threads, never on the event loop."""
     service = TokenizeService(tokenizers, **options)
 
-    @app.middleware("http")
-    async def limit_body(request: Request, call_next):
-        length = request.headers.get("content-length")
-        if length is not None and length.isdigit() and int(length) > service.max_body_bytes:
-            return JSONResponse({"error": f"request body over {service.max_body_bytes:,} bytes"}, status_code=413)
-        return await call_next(request)
+    def call(fn: Callable[..., dict], raw: bytes, model: type[B], path: dict[str, Any]) -> dict:
+        try:
+            return fn(_body(raw, model), **path)
+        except InvalidTextError as exc:
+            raise InvalidRequest(str(exc), param="text", code="invalid_text") from None
+        except TextTooLargeError as exc:
+            raise PayloadTooLarge(str(exc), param="text", code="text_too_large") from None
 
-    @app.exception_handler(ServiceError)
-    async def service_error(request: Request, exc: ServiceError):
-        return JSONResponse({"error": exc.message, **exc.extra}, status_code=exc.status)
+    def run(fn: Callable[..., dict], model: type[B]) -> Callable[..., Any]:
+        async def handler(request: Request, **path: Any) -> dict:
+            from starlette.concurrency import run_in_threadpool
+            raw = await request.body()
+            return await run_in_threadpool(call, fn, raw, model, path)
+        return handler
 
-    @app.exception_handler(InvalidTextError)
-    async def invalid_text(request: Request, exc: InvalidTextError):
-        return JSONResponse({"error": str(exc)}, status_code=400)
+    @app.post("/v1/tokenize", openapi_extra=_schema(TokenizeBody), responses=_ERRORS)
+    async def tokenize(request: Request) -> dict:
+        return await run(service.tokenize, TokenizeBody)(request)
 
-    @app.exception_handler(TextTooLargeError)
-    async def too_large(request: Request, exc: TextTooLargeError):
-        return JSONResponse({"error": str(exc)}, status_code=413)
+    @app.post("/v1/sessions", openapi_extra=_schema(CreateSessionBody), responses=_ERRORS)
+    async def create_session(request: Request) -> dict:
+        return await run(service.create_session, CreateSessionBody)(request)
 
-    app.post("/v1/tokenize")(service.tokenize)
-    app.post("/v1/sessions")(service.create_session)
+    def mutation(op: str, model: type[AppendBody]) -> Callable[..., Any]:
+        async def handler(session_id: str, request: Request) -> dict:
+            return await run(lambda body, sid: service.mutate(sid, body, op), model)(request, sid=session_id)
+        handler.__name__ = f"session_{op}"
+        return handler
 
-    @app.post("/v1/sessions/{session_id}/append")
-    def append(session_id: str, body: AppendBody) -> dict:
-        return service.mutate(session_id, body, "append")
+    for op, model in (("append", AppendBody), ("edit", EditBody), ("sync", SyncBody)):
+        app.post(f"/v1/sessions/{{session_id}}/{op}", openapi_extra=_schema(model),
+                 responses=_ERRORS)(mutation(op, model))
 
-    @app.post("/v1/sessions/{session_id}/edit")
-    def edit(session_id: str, body: EditBody) -> dict:
-        return service.mutate(session_id, body, "edit")
-
-    @app.post("/v1/sessions/{session_id}/sync")
-    def sync(session_id: str, body: SyncBody) -> dict:
-        return service.mutate(session_id, body, "sync")
-
-    @app.get("/v1/sessions/{session_id}")
+    @app.get("/v1/sessions/{session_id}", responses=_ERRORS)
     def get_session(session_id: str, ids: bool = False) -> dict:
         return service.get_session(session_id, ids)
 
-    @app.delete("/v1/sessions/{session_id}")
+    @app.delete("/v1/sessions/{session_id}", responses=_ERRORS)
     def delete_session(session_id: str) -> dict:
         service.store.delete(session_id)
         return {"id": session_id, "deleted": True}

@@ -1,0 +1,133 @@
+"""Agent conversations in the request path: a resent prompt is tokenized by repairing the live session that holds
+its longest known prefix, so a growing context costs O(new text) in tokenization, and the IDs stay exactly those of
+a full encode.
+
+Lookup. A prompt arrives as pieces (chat: one rendered piece per message; completions: 4K-character blocks). A chain
+of hashes over the pieces, h_k = hash((h_{k-1}, hash(piece_k))), keys an index of live sessions: the largest k whose
+h_k is known names the session to use. Hashing reads each character once at memory speed, with no tokenization;
+the key is only a lookup hint: the session's `sync` compares the stored text with the new one itself (a buffer
+compare) and repairs around any difference, so a hash collision, an edited history or a forked conversation costs
+time, never correctness. An optional client key (OpenAI's `prompt_cache_key`, or `user`) enters h_0, so two
+conversations sharing a system prompt stop sharing a session once the client says they differ.
+
+Bounds. Sessions live in the tokenize service's SessionStore (idle TTL, count cap, byte budget, LRU); an evicted
+conversation drops its keys and is re-encoded by its next request.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import numpy as np
+
+from .tokenize_service import SessionEntry, SessionStore
+
+BLOCK_CHARS = 4096   # completions prompts are hashed in blocks of this many characters
+
+
+@dataclass
+class TokenizationReport:
+    """What the response's `tokenization` field says about how the prompt's IDs were obtained."""
+    path: str                 # "session" (repaired a live session) | "new_session" | "bypass" (full encode)
+    reused_tokens: int        # tokens kept from the session's previous IDs
+    new_tokens: int           # tokens produced by this request's repair or encode
+    time_ms: float            # tokenization time in the server (lookup + repair or encode)
+    session: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"path": self.path, "reused_tokens": self.reused_tokens, "new_tokens": self.new_tokens,
+                "time_ms": round(self.time_ms, 4), "session": self.session}
+
+
+def chain(pieces: Sequence[str], salt: str | None) -> list[int]:
+    """h_1..h_n over the pieces (h_0 from the salt)."""
+    h = hash(("tokenplane.conversation", salt))
+    out = []
+    for p in pieces:
+        h = hash((h, hash(p)))
+        out.append(h)
+    return out
+
+
+def blocks(text: str, size: int = BLOCK_CHARS) -> list[str]:
+    """Full blocks only: a prefix shared by two prompts produces the same block keys in both."""
+    return [text[i:i + size] for i in range(0, len(text) - size + 1, size)]
+
+
+class ConversationCache:
+    """Sessions keyed by prompt-prefix hashes, for one tokenizer and one allowed-special set."""
+
+    def __init__(self, tokenizer: Any, store: SessionStore, *, allowed_special: Sequence[str] = (),
+                 min_chars: int = 0) -> None:
+        self.tokenizer = tokenizer
+        self.store = store
+        self.allowed = tuple(allowed_special)
+        self.min_chars = min_chars            # shorter prompts are encoded directly (a session would not pay)
+        self._index: dict[int, str] = {}      # prefix hash -> session id
+        self._keys: dict[str, list[int]] = {}  # session id -> its hashes in the index
+        self._lock = threading.Lock()
+        store.on_evict.append(self._forget)
+        self.hits = 0
+        self.misses = 0
+
+    def _forget(self, session_id: str) -> None:
+        with self._lock:
+            for key in self._keys.pop(session_id, ()):
+                if self._index.get(key) == session_id:
+                    del self._index[key]
+
+    def _lookup(self, keys: list[int]) -> SessionEntry | None:
+        for key in reversed(keys):
+            with self._lock:
+                sid = self._index.get(key)
+            if sid is None:
+                continue
+            try:
+                return self.store.get(sid)
+            except Exception:   # noqa: BLE001 - evicted between the index read and the store read
+                self._forget(sid)
+        return None
+
+    def _remember(self, entry: SessionEntry, keys: list[int]) -> None:
+        with self._lock:
+            known = self._keys.setdefault(entry.id, [])
+            for key in keys:
+                old = self._index.get(key)
+                if old != entry.id:
+                    self._index[key] = entry.id
+                    known.append(key)
+
+    def encode(self, text: str, pieces: Sequence[str], salt: str | None = None) -> tuple[np.ndarray, TokenizationReport]:
+        """IDs of `text` (== tokenizer.encode(text, allowed_special=self.allowed)). `pieces` are consecutive
+        prefixes' increments of `text` (their concatenation is a prefix of it)."""
+        t0 = time.perf_counter()
+        if len(text) < self.min_chars:
+            ids = self.tokenizer.encode(text, allowed_special=self.allowed)
+            return ids, TokenizationReport("bypass", 0, int(len(ids)), (time.perf_counter() - t0) * 1e3)
+        keys = chain(pieces, salt)
+        entry = self._lookup(keys)
+        path = "session"
+        if entry is None:
+            entry = self.store.create(self.tokenizer.name, self.tokenizer.session(allowed_special=self.allowed))
+            path = "new_session"
+            self.misses += 1
+        else:
+            self.hits += 1
+        with entry.lock:   # one writer per session; a concurrent turn of the same conversation waits here
+            splice = entry.session.sync(text)
+            ids = np.array(entry.session.ids, copy=True)
+        self.store.resize(entry)
+        self._remember(entry, keys)
+        report = TokenizationReport(path, int(splice.keep), int(len(splice.ids)), (time.perf_counter() - t0) * 1e3,
+                                    entry.id)
+        return ids, report
+
+    def stats(self) -> dict[str, int]:
+        with self._lock:
+            return {"hits": self.hits, "misses": self.misses, "index_keys": len(self._index)}
+
+
+__all__ = ["ConversationCache", "TokenizationReport", "blocks", "chain"]

@@ -1,0 +1,361 @@
+"""OpenAI-compatible completions and chat completions over a Backend (JSON or SSE streaming).
+
+Per request: bytes are read under the body limit, parsed and validated (protocol.py), the prompt tokenized in a
+worker thread (never on the event loop), checked against the context and the KV capacity, and decoded. Errors before
+the first token get a real HTTP status; a failure after the stream started is sent as an error event, then
+`data: [DONE]`. A client that disconnects aborts its request, streaming or not.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import secrets
+import time
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import aclosing
+from dataclasses import dataclass
+from typing import Any, AsyncGenerator, AsyncIterator, Callable, Sequence, TypeVar
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from .backends import Backend
+from .chat import ChatTemplate
+from .config import Limits
+from .conversations import ConversationCache, TokenizationReport, blocks
+from .errors import APIError, InvalidRequest, NotFound, PayloadTooLarge
+from .metrics import Metrics
+from .protocol import ChatCompletionRequest, CompletionRequest, parse_body, validate
+from .text_stream import TextStream
+
+log = logging.getLogger("tokenplane.serve")
+T = TypeVar("T")
+_INLINE_BYTES = 64 << 10   # bodies up to this parse on the loop (tens of microseconds); larger ones in a thread
+_DISCONNECT_POLL_S = 0.25
+
+
+class ClientDisconnected(Exception):
+    pass
+
+
+@dataclass
+class Job:
+    prompt_ids: list[int]
+    params: Any            # tokenplane.engine.sampler.SamplingParams
+    stop: list[str]
+    tokenization: TokenizationReport | None = None
+
+
+@dataclass
+class Event:
+    delta: str
+    finish_reason: str | None
+    stats: dict[str, Any] | None
+    completion_tokens: int
+
+
+class OpenAIServer:
+    def __init__(self, backend: Backend, tokenizer: Any, *, model_name: str, limits: Limits,
+                 metrics: Metrics | None = None, default_max_tokens: int = 16) -> None:
+        self.backend, self.tokenizer, self.model_name = backend, tokenizer, model_name
+        self.limits, self.metrics = limits, metrics
+        self.default_max_tokens = default_max_tokens
+        self.chat = ChatTemplate(tokenizer)
+        self.created = int(time.time())
+        self._cpu = ThreadPoolExecutor(max_workers=2, thread_name_prefix="tokenplane-text")
+        self.chat_sessions: ConversationCache | None = None
+        self.prompt_sessions: ConversationCache | None = None
+
+    def use_sessions(self, store: Any) -> None:
+        """Tokenize prompts through conversation sessions kept in `store` (the tokenize service's SessionStore)."""
+        from .chat import CHATML_SPECIALS
+        self.chat_sessions = ConversationCache(self.tokenizer, store, allowed_special=CHATML_SPECIALS)
+        self.prompt_sessions = ConversationCache(self.tokenizer, store)
+
+    def close(self) -> None:
+        self._cpu.shutdown(wait=False, cancel_futures=True)
+
+    async def offload(self, fn: Callable[..., T], *args: Any) -> T:
+        return await asyncio.get_running_loop().run_in_executor(self._cpu, fn, *args)
+
+    # -- parsing ------------------------------------------------------------------------------------------------
+    async def read(self, request: Request, model: type[Any]) -> Any:
+        raw = await request.body()
+        body = parse_body(raw) if len(raw) <= _INLINE_BYTES else await self.offload(parse_body, raw)
+        req = validate(model, body)
+        if req.model is not None and req.model != self.model_name:
+            raise NotFound(f"model {req.model!r} does not exist; available: [{self.model_name!r}]", param="model",
+                           code="model_not_found")
+        return req
+
+    def _check_chars(self, n: int) -> None:
+        if n > self.limits.max_prompt_chars:
+            raise PayloadTooLarge(f"the prompt has {n:,} characters; the limit is {self.limits.max_prompt_chars:,}",
+                                  param="prompt", code="prompt_too_large")
+
+    def completion_ids(self, req: CompletionRequest) -> tuple[list[int], TokenizationReport | None]:
+        if not isinstance(req.prompt, str):
+            return list(req.prompt), None
+        if self.prompt_sessions is None:
+            return self.tokenizer.encode(req.prompt).tolist(), None
+        ids, report = self.prompt_sessions.encode(req.prompt, blocks(req.prompt), req.conversation_key)
+        return ids.tolist(), report
+
+    def chat_ids(self, req: ChatCompletionRequest) -> tuple[list[int], TokenizationReport | None]:
+        messages = [(m.role, m.text()) for m in req.messages]
+        if self.chat_sessions is None or self.chat.quotes_specials(messages):
+            t0 = time.perf_counter()
+            ids = self.chat.encode(messages)
+            return ids, TokenizationReport("bypass", 0, len(ids), (time.perf_counter() - t0) * 1e3)
+        segments = self.chat.segments(messages)
+        pieces = ["".join(t for t, _ in segments[3 * i:3 * i + 3]) for i in range(len(messages))]
+        text = "".join(pieces) + "".join(t for t, _ in segments[3 * len(messages):])
+        ids, report = self.chat_sessions.encode(text, pieces, req.conversation_key)
+        return ids.tolist(), report
+
+    def jobs(self, req: Any, prompt_ids: list[int], extra_stop_ids: Sequence[int] = (),
+             tokenization: TokenizationReport | None = None) -> list[Job]:
+        from tokenplane.engine.sampler import SamplingParams
+        if not prompt_ids:
+            raise InvalidRequest("the prompt is empty", param="prompt")
+        vocab = self.backend.vocab_size
+        if vocab is not None and max(prompt_ids) >= vocab:
+            raise InvalidRequest(f"prompt token id {max(prompt_ids)} is outside the model vocabulary ({vocab})",
+                                 param="prompt")
+        asked = getattr(req, "max_completion_tokens", None) or req.max_tokens
+        n_prompt = len(prompt_ids)
+        limit = self.backend.max_model_len
+        if limit is not None:
+            if n_prompt >= limit:
+                raise InvalidRequest(f"this model's maximum context length is {limit} tokens; the prompt has "
+                                     f"{n_prompt} tokens", param="prompt", code="context_length_exceeded")
+            if asked is not None and n_prompt + asked > limit:
+                raise InvalidRequest(f"this model's maximum context length is {limit} tokens; you requested "
+                                     f"{n_prompt + asked} tokens ({n_prompt} in the prompt, {asked} in the "
+                                     f"completion)", param="max_tokens", code="context_length_exceeded")
+        max_tokens = asked if asked is not None else self.default_max_tokens
+        if limit is not None:
+            max_tokens = min(max_tokens, limit - n_prompt)
+        out = []
+        for i in range(req.n):
+            seed = None if req.seed is None else (req.seed + i) & ((1 << 64) - 1)
+            params = SamplingParams(temperature=req.temperature, top_p=req.top_p, max_tokens=max_tokens, seed=seed,
+                                    stop_token_ids=tuple(extra_stop_ids), ignore_eos=req.ignore_eos)
+            out.append(Job(prompt_ids, params, req.stops, tokenization))
+        return out
+
+    # -- generation ---------------------------------------------------------------------------------------------
+    async def events(self, job: Job, request_id: str) -> AsyncGenerator[Event, None]:
+        text = TextStream(self.tokenizer, job.stop)
+        n = 0
+        t0 = time.perf_counter()
+        backend_done = False   # the backend finished the request itself; otherwise it must be told to stop
+        try:
+            async with aclosing(self.backend.generate(job.prompt_ids, job.params, request_id)) as chunks:
+                async for chunk in chunks:
+                    if n == 0 and chunk.token_ids and self.metrics is not None:
+                        self.metrics.ttft.observe(time.perf_counter() - t0)
+                    n += len(chunk.token_ids)
+                    delta = text.push(chunk.token_ids)
+                    backend_done = chunk.finish_reason is not None
+                    if text.stopped:   # a stop string: the text ends before it, whatever the backend says
+                        yield Event(delta, "stop", chunk.stats, n)
+                        return
+                    if chunk.finish_reason is not None:
+                        yield Event(delta + text.flush(), chunk.finish_reason, chunk.stats, n)
+                        return
+                    if delta:
+                        yield Event(delta, None, None, n)
+            backend_done = True
+            yield Event(text.flush(), "stop", None, n)
+        finally:
+            if not backend_done:   # client went away, stop string, or an error: free the request's resources
+                self.backend.abort(request_id)
+            if self.metrics is not None:
+                self.metrics.generation_tokens.inc(n)
+
+    def _record(self, final: Event) -> None:
+        if self.metrics is not None:
+            self.metrics.record_routing(final.stats)
+
+    async def _collect(self, job: Job, rid: str) -> Event:
+        parts: list[str] = []
+        final = Event("", "stop", None, 0)
+        async for ev in self.events(job, rid):
+            parts.append(ev.delta)
+            if ev.finish_reason is not None:
+                final = ev
+        self._record(final)
+        return Event("".join(parts), final.finish_reason, final.stats, final.completion_tokens)
+
+    async def _collect_all(self, request: Request, jobs: list[Job], rid: str) -> list[Event]:
+        """All choices, aborted when the client disconnects (a non-streaming client that left must not keep
+        decoding and holding KV)."""
+        tasks = [asyncio.ensure_future(self._collect(job, f"{rid}-{i}")) for i, job in enumerate(jobs)]
+        gathered = asyncio.gather(*tasks)
+        try:
+            while True:
+                done, _ = await asyncio.wait({gathered}, timeout=_DISCONNECT_POLL_S)
+                if done:
+                    return gathered.result()
+                if await request.is_disconnected():
+                    raise ClientDisconnected
+        except BaseException:
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)   # their finally blocks abort in the backend
+            if gathered.done() and not gathered.cancelled():
+                gathered.exception()   # retrieved: the error that ended the wait is the one raised
+            raise
+
+    def usage(self, jobs: list[Job], events: Sequence[Event]) -> dict[str, int]:
+        p = len(jobs[0].prompt_ids)
+        c = sum(e.completion_tokens for e in events)
+        return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
+
+    async def _primed(self, jobs: list[Job], rid: str) -> list[tuple[AsyncGenerator[Event, None], Event | None]]:
+        """Start every choice's stream and wait for its first event, so that errors at admission (queue full,
+        model down, request too large) are answered with their HTTP status rather than inside a 200 stream."""
+        streams: list[tuple[AsyncGenerator[Event, None], Event | None]] = []
+        try:
+            for i, job in enumerate(jobs):
+                gen = self.events(job, f"{rid}-{i}" if len(jobs) > 1 else rid)
+                try:
+                    first: Event | None = await gen.__anext__()
+                except StopAsyncIteration:
+                    first = None
+                streams.append((gen, first))
+        except BaseException:
+            for gen, _ in streams:
+                await gen.aclose()
+            raise
+        return streams
+
+    async def _merged(self, streams: list[tuple[AsyncGenerator[Event, None], Event | None]]
+                      ) -> AsyncIterator[tuple[int, Event]]:
+        if len(streams) == 1:
+            gen, first = streams[0]
+            if first is not None:
+                yield 0, first
+            async for ev in gen:
+                yield 0, ev
+            return
+        queue: asyncio.Queue[tuple[int, Event | BaseException | None]] = asyncio.Queue()
+
+        async def pump(i: int, gen: AsyncGenerator[Event, None], first: Event | None) -> None:
+            try:
+                if first is not None:
+                    await queue.put((i, first))
+                async for ev in gen:
+                    await queue.put((i, ev))
+                await queue.put((i, None))
+            except Exception as exc:   # noqa: BLE001 - forwarded to the consumer
+                await queue.put((i, exc))
+        tasks = [asyncio.ensure_future(pump(i, g, f)) for i, (g, f) in enumerate(streams)]
+        try:
+            open_ = len(tasks)
+            while open_:
+                i, item = await queue.get()
+                if item is None:
+                    open_ -= 1
+                elif isinstance(item, BaseException):
+                    raise item
+                else:
+                    yield i, item
+        finally:
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            for gen, _ in streams:
+                await gen.aclose()
+
+    async def _sse(self, streams: list[tuple[AsyncGenerator[Event, None], Event | None]], jobs: list[Job],
+                   head: dict[str, Any], choice: Callable[[int, Event], dict[str, Any]], include_usage: bool,
+                   preamble: Sequence[dict[str, Any]] = ()) -> AsyncIterator[str]:
+        finals: dict[int, Event] = {}
+        try:
+            for p in preamble:
+                yield f"data: {json.dumps({**head, 'choices': [p], **({'usage': None} if include_usage else {})})}\n\n"
+            async for i, ev in self._merged(streams):
+                if not ev.delta and ev.finish_reason is None:
+                    continue
+                out: dict[str, Any] = {**head, "choices": [choice(i, ev)]}
+                if include_usage:
+                    out["usage"] = None
+                if ev.finish_reason is not None:
+                    finals[i] = ev
+                    out["routing"] = ev.stats
+                    self._record(ev)
+                yield f"data: {json.dumps(out)}\n\n"
+            if include_usage:
+                usage = self.usage(jobs, list(finals.values()))
+                last: dict[str, Any] = {**head, "choices": [], "usage": usage}
+                if jobs[0].tokenization is not None:
+                    last["tokenization"] = jobs[0].tokenization.to_dict()
+                yield f"data: {json.dumps(last)}\n\n"
+        except Exception as exc:   # noqa: BLE001 - told to the client in the stream, then the stream ends cleanly
+            err = exc if isinstance(exc, APIError) else APIError(f"internal error: {type(exc).__name__}", status=500)
+            if not isinstance(exc, APIError):
+                log.exception("stream failed")
+            if self.metrics is not None:
+                self.metrics.errors.labels(err.code or str(err.status)).inc()
+            yield f"data: {json.dumps(err.body())}\n\n"
+        yield "data: [DONE]\n\n"
+
+    # -- routes -------------------------------------------------------------------------------------------------
+    async def completions(self, request: Request) -> Any:
+        req = await self.read(request, CompletionRequest)
+        if isinstance(req.prompt, str):
+            self._check_chars(len(req.prompt))
+        prompt_ids, report = await self.offload(self.completion_ids, req)
+        jobs = self.jobs(req, prompt_ids, tokenization=report)
+        return await self._respond(request, req, jobs, "cmpl", "text_completion", self._completion_choice)
+
+    async def chat_completions(self, request: Request) -> Any:
+        req = await self.read(request, ChatCompletionRequest)
+        self._check_chars(sum(len(m.text()) for m in req.messages))
+        prompt_ids, report = await self.offload(self.chat_ids, req)
+        jobs = self.jobs(req, prompt_ids, self.chat.stop_token_ids, tokenization=report)
+        return await self._respond(request, req, jobs, "chatcmpl", "chat.completion", self._chat_choice)
+
+    @staticmethod
+    def _completion_choice(i: int, ev: Event, stream: bool = True) -> dict[str, Any]:
+        return {"index": i, "text": ev.delta, "logprobs": None, "finish_reason": ev.finish_reason}
+
+    @staticmethod
+    def _chat_choice(i: int, ev: Event, stream: bool = True) -> dict[str, Any]:
+        if not stream:
+            return {"index": i, "message": {"role": "assistant", "content": ev.delta}, "logprobs": None,
+                    "finish_reason": ev.finish_reason}
+        return {"index": i, "delta": {"content": ev.delta} if ev.delta else {}, "logprobs": None,
+                "finish_reason": ev.finish_reason}
+
+    async def _respond(self, request: Request, req: Any, jobs: list[Job], prefix: str, obj: str,
+                       choice: Callable[..., dict[str, Any]]) -> Any:
+        rid = f"{prefix}-{secrets.token_hex(12)}"
+        base = {"id": rid, "created": int(time.time()), "model": self.model_name}
+        if self.metrics is not None:
+            self.metrics.prompt_tokens.inc(len(jobs[0].prompt_ids))
+        if not req.stream:
+            try:
+                events = await self._collect_all(request, jobs, rid)
+            except ClientDisconnected:
+                return JSONResponse({"error": {"message": "client disconnected", "type": "client_closed_request",
+                                               "param": None, "code": None}}, status_code=499)
+            stats = events[0].stats if len(events) == 1 else [e.stats for e in events]
+            out = {**base, "object": obj, "choices": [choice(i, e, False) for i, e in enumerate(events)],
+                   "usage": self.usage(jobs, events), "routing": stats}
+            if jobs[0].tokenization is not None:
+                out["tokenization"] = jobs[0].tokenization.to_dict()
+            return out
+        streams = await self._primed(jobs, rid)
+        head = {**base, "object": obj + ".chunk" if obj == "chat.completion" else obj}
+        preamble = [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                     "finish_reason": None} for i in range(len(jobs))] if obj == "chat.completion" else []
+        return StreamingResponse(self._sse(streams, jobs, head, choice, req.include_usage, preamble),
+                                 media_type="text/event-stream")
+
+
+__all__ = ["OpenAIServer"]

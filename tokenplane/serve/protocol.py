@@ -1,0 +1,308 @@
+"""OpenAI-compatible request and response models (pydantic), with every field range-checked before any work.
+
+Requests are parsed from bytes by `parse_body` (depth-limited JSON, so a 100,000-deep document is a 400, not a
+RecursionError) and validated by these models; any failure becomes an `InvalidRequest` naming the field. Parameters
+this server does not implement are refused by name instead of being silently ignored.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from .errors import InvalidRequest
+
+INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1
+MAX_TOKENS_LIMIT = (1 << 31) - 1
+MAX_STOP_STRINGS = 4          # as OpenAI
+MAX_STOP_CHARS = 1024         # per stop string; keeps stop matching per token small (text_stream.py)
+MAX_N = 16
+MAX_JSON_DEPTH = 64
+
+
+def _depth_ok(raw: bytes, limit: int) -> bool:
+    """Nesting depth of a JSON document from its brackets (strings skipped), without building anything."""
+    depth, in_str, esc = 0, False, False
+    # Fast path: bodies with few brackets are the norm; only scan when there could be deep nesting.
+    if raw.count(b"[") + raw.count(b"{") <= limit:
+        return True
+    for b in raw:
+        if in_str:
+            if esc:
+                esc = False
+            elif b == 0x5C:
+                esc = True
+            elif b == 0x22:
+                in_str = False
+        elif b == 0x22:
+            in_str = True
+        elif b in (0x5B, 0x7B):
+            depth += 1
+            if depth > limit:
+                return False
+        elif b in (0x5D, 0x7D):
+            depth -= 1
+    return True
+
+
+def parse_body(raw: bytes) -> dict[str, Any]:
+    """Bytes -> a JSON object, or InvalidRequest. Rejects invalid UTF-8, lone surrogates, NaN/Infinity and
+    nesting deeper than MAX_JSON_DEPTH."""
+    if not _depth_ok(raw, MAX_JSON_DEPTH):
+        raise InvalidRequest(f"request body nests deeper than {MAX_JSON_DEPTH} levels")
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise InvalidRequest(f"request body is not valid UTF-8: {exc}") from None
+
+    def no_constants(name: str) -> Any:
+        raise InvalidRequest(f"request body contains {name}, which is not JSON")
+    try:
+        body = json.loads(text, parse_constant=no_constants)
+    except (json.JSONDecodeError, RecursionError) as exc:
+        raise InvalidRequest(f"request body is not valid JSON: {exc}") from None
+    if not isinstance(body, dict):
+        raise InvalidRequest("request body must be a JSON object")
+    return body
+
+
+def _check_text(value: str, where: str) -> str:
+    # JSON's \ud800 escapes decode to lone surrogates, which have no UTF-8 form and no token.
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ValueError(f"{where} contains a lone surrogate at character {exc.start}") from None
+    return value
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+
+
+class _Common(_Strict):
+    model: str | None = None
+    max_tokens: int | None = Field(None, ge=1, le=MAX_TOKENS_LIMIT)
+    temperature: float = Field(1.0, ge=0.0, le=2.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    n: int = Field(1, ge=1, le=MAX_N)
+    seed: int | None = Field(None, ge=INT64_MIN, le=INT64_MAX)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = None
+    ignore_eos: bool = False
+    user: str | None = None
+    prompt_cache_key: str | None = None    # conversations with different keys never share a tokenization session
+    # Refused by name when set to anything but their default (see `unsupported`).
+    logit_bias: dict[str, float] | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logprobs: Any = None
+    top_logprobs: int | None = None
+    tools: Any = None
+    tool_choice: Any = None
+    functions: Any = None
+    function_call: Any = None
+    response_format: Any = None
+
+    @field_validator("stop")
+    @classmethod
+    def _stop(cls, v: str | list[str] | None) -> list[str]:
+        stops = [] if v is None else [v] if isinstance(v, str) else list(v)
+        if len(stops) > MAX_STOP_STRINGS:
+            raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings, got {len(stops)}")
+        for s in stops:
+            if len(s) > MAX_STOP_CHARS:
+                raise ValueError(f"a stop string is limited to {MAX_STOP_CHARS} characters, got {len(s)}")
+            _check_text(s, "stop")
+        return [s for s in stops if s]
+
+    def unsupported(self) -> list[str]:
+        bad = []
+        if self.logit_bias:
+            bad.append("logit_bias")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if getattr(self, name) not in (None, 0, 0.0):
+                bad.append(name)
+        if self.logprobs not in (None, False, 0) or self.top_logprobs not in (None, 0):
+            bad.append("logprobs" if self.logprobs not in (None, False, 0) else "top_logprobs")
+        for name in ("tools", "tool_choice", "functions", "function_call"):
+            if getattr(self, name) not in (None, [], "none"):
+                bad.append(name)
+        rf = self.response_format
+        if rf is not None and not (isinstance(rf, dict) and rf.get("type") == "text"):
+            bad.append("response_format")
+        return bad
+
+    @property
+    def stops(self) -> list[str]:
+        return list(self.stop or [])
+
+    @property
+    def conversation_key(self) -> str | None:
+        return self.prompt_cache_key or self.user
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream and self.stream_options is not None and self.stream_options.include_usage)
+
+
+class CompletionRequest(_Common):
+    prompt: str | list[int]
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = None
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _batch_of_one(cls, v: Any) -> Any:
+        if isinstance(v, list) and v and isinstance(v[0], (str, list)):
+            if len(v) != 1:
+                raise ValueError("batched prompts are not supported; send one prompt per request (or use n)")
+            return v[0]
+        return v
+
+    @field_validator("prompt")
+    @classmethod
+    def _prompt(cls, v: str | list[int]) -> str | list[int]:
+        if isinstance(v, str):
+            return _check_text(v, "prompt")
+        if any(t < 0 for t in v):
+            raise ValueError("token ids must be non-negative")
+        return v
+
+    def unsupported(self) -> list[str]:
+        bad = super().unsupported()
+        if self.echo:
+            bad.append("echo")
+        if self.suffix:
+            bad.append("suffix")
+        if self.best_of not in (None, 1, self.n):
+            bad.append("best_of")
+        return bad
+
+
+class TextPart(_Strict):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Strict):
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+    def text(self) -> str:
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(p.text for p in self.content)
+
+
+class ChatCompletionRequest(_Common):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1, le=MAX_TOKENS_LIMIT)
+
+    @field_validator("messages")
+    @classmethod
+    def _messages(cls, v: list[ChatMessage]) -> list[ChatMessage]:
+        for i, m in enumerate(v):
+            _check_text(m.text(), f"messages[{i}].content")
+        return v
+
+
+def validate(model: type[_Common], body: dict[str, Any]) -> Any:
+    """A validated request, or InvalidRequest naming the first bad field (and each unsupported parameter)."""
+    try:
+        req = model.model_validate(body)
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        loc = ".".join(str(p) for p in err["loc"])
+        param = str(err["loc"][0]) if err["loc"] else None
+        msg = err["msg"].removeprefix("Value error, ")
+        raise InvalidRequest(f"invalid `{loc}`: {msg}", param=param) from None
+    bad = req.unsupported()
+    if bad:
+        raise InvalidRequest(f"unsupported parameter(s) {bad}: this server does not implement them",
+                             param=bad[0], code="unsupported_parameter")
+    return req
+
+
+# -- responses (for the OpenAPI schema; handlers build plain dicts of these shapes) --------------------------------
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorDetail
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: None = None
+    finish_reason: str | None
+
+
+class CompletionResponse(BaseModel):
+    id: str
+    object: Literal["text_completion"]
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+    routing: dict[str, Any] | None = None
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"]
+    content: str
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: AssistantMessage
+    logprobs: None = None
+    finish_reason: str | None
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"]
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+    routing: dict[str, Any] | None = None
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"]
+    created: int
+    owned_by: str
+    max_model_len: int | None = None
+
+
+class ModelList(BaseModel):
+    object: Literal["list"]
+    data: list[ModelCard]
+
+
+__all__ = ["ChatCompletionRequest", "ChatCompletionResponse", "ChatMessage", "CompletionRequest",
+           "CompletionResponse", "ErrorResponse", "ModelCard", "ModelList", "parse_body", "validate"]

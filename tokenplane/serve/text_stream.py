@@ -1,0 +1,114 @@
+"""Token IDs -> text deltas: incremental UTF-8 (never a split character) and stop strings.
+
+Stop matching is linear in the new text: each stop string has a KMP automaton whose state is the length of the
+longest prefix of the stop that ends the text so far, advanced one character at a time over the new text only. A
+stop is found when a state reaches its length, and the text held back (it could still become a stop) is exactly the
+largest state, so a stream never waits on more than it must and no step rescans old text. Work per token is
+O(new characters x number of stops), bounded by the request limits (protocol.py caps count and length of stops).
+"""
+
+from __future__ import annotations
+
+import codecs
+from typing import Protocol, Sequence
+
+
+class _Detokenizer(Protocol):
+    def decode_bytes(self, ids: Sequence[int]) -> bytes: ...
+
+
+def _failure(pattern: str) -> list[int]:
+    """KMP failure function: fail[i] = length of the longest proper border of pattern[:i + 1]."""
+    fail = [0] * len(pattern)
+    k = 0
+    for i in range(1, len(pattern)):
+        c = pattern[i]
+        while k and pattern[k] != c:
+            k = fail[k - 1]
+        if pattern[k] == c:
+            k += 1
+        fail[i] = k
+    return fail
+
+
+class StopMatcher:
+    """Finds the first occurrence of any stop string in a text that arrives in pieces."""
+
+    def __init__(self, stops: Sequence[str]) -> None:
+        self.stops = [s for s in stops if s]
+        self._fail = [_failure(s) for s in self.stops]
+        self._state = [0] * len(self.stops)
+
+    @property
+    def held(self) -> int:
+        """Characters at the end of the text so far that could still begin a stop string."""
+        return max(self._state, default=0)
+
+    def feed(self, text: str) -> int | None:
+        """Advance over `text`; return the index in `text` just past the end of the earliest stop, or None.
+        The earliest END is what ends the stream first; among stops ending there the longest is reported, so the
+        cut (end - len(stop)) is the leftmost start of a stop ending at that point."""
+        if not self.stops:
+            return None
+        state, stops, fails = self._state, self.stops, self._fail
+        for i, c in enumerate(text):
+            hit = False
+            for j, s in enumerate(stops):
+                k = state[j]
+                while k and s[k] != c:
+                    k = fails[j][k - 1]
+                if s[k] == c:
+                    k += 1
+                if k == len(s):
+                    hit = True
+                state[j] = k
+            if hit:
+                return i + 1
+        return None
+
+    def match_length(self) -> int:
+        """After `feed` found a stop: the length of the longest stop ending there."""
+        return max(len(s) for j, s in enumerate(self.stops) if self._state[j] == len(s))
+
+
+class TextStream:
+    """Token ids -> text deltas. A stop string ends the text before it (it is not returned); text that may still
+    start a stop string is held back until it cannot."""
+
+    def __init__(self, tokenizer: _Detokenizer, stop: Sequence[str] = ()) -> None:
+        self.tokenizer = tokenizer
+        self.decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self.matcher = StopMatcher(stop)
+        self.pending = ""   # decoded text not yet returned (at most the matcher's held characters)
+        self.stopped = False
+
+    def _bytes(self, token: int) -> bytes:
+        try:
+            return self.tokenizer.decode_bytes([token])
+        except (ValueError, KeyError, IndexError):   # random-weight models can sample ids the tokenizer lacks
+            return "\ufffd".encode()
+
+    def push(self, tokens: Sequence[int]) -> str:
+        if self.stopped:
+            return ""
+        new = "".join(self.decoder.decode(self._bytes(t)) for t in tokens)
+        return self._emit(new, final=False)
+
+    def flush(self) -> str:
+        if self.stopped:
+            return ""
+        return self._emit(self.decoder.decode(b"", final=True), final=True)
+
+    def _emit(self, new: str, final: bool) -> str:
+        text = self.pending + new
+        end = self.matcher.feed(new)
+        if end is not None:
+            cut = len(text) - len(new) + end - self.matcher.match_length()
+            self.stopped, self.pending = True, ""
+            return text[:max(cut, 0)]
+        hold = 0 if final else min(self.matcher.held, len(text))
+        self.pending = text[len(text) - hold:] if hold else ""
+        return text[:len(text) - hold]
+
+
+__all__ = ["StopMatcher", "TextStream"]
