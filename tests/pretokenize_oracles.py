@@ -7,8 +7,30 @@ from __future__ import annotations
 import numpy as np
 
 from tokenplane.tokenize.cpu.pretokenize import (  # noqa: F401 - shared tables and constants of the rules
-    APOS, CR, LF, SLASH, SPACE, _ASCII_PUNCT, _B, _KIND_DS, _KIND_GPT4, _KIND_O200K, _L, _LL, _LT, _LU, _M, _N, _P,
-    _S, _SY, _merge_windows, _o200k_rescan, _o200k_scan, _sorted_union)
+    _ASCII_PUNCT,
+    _B,
+    _KIND_DS,
+    _KIND_GPT4,
+    _KIND_O200K,
+    _L,
+    _LL,
+    _LT,
+    _LU,
+    _M,
+    _N,
+    _P,
+    _S,
+    _SY,
+    APOS,
+    CR,
+    LF,
+    SLASH,
+    SPACE,
+    _merge_windows,
+    _o200k_rescan,
+    _o200k_scan,
+    _sorted_union,
+)
 
 
 def _runs(key: np.ndarray, extra_breaks: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:

@@ -5,8 +5,15 @@ errors -> reference -> spec/ -> cpu/ -> gpu/ -> router -> textstore -> session -
 -> evidence/.
 """
 
-from .errors import (ArtifactError, InvalidTextError, PathUnavailableError, SessionError, StaleRevisionError,
-                     TextTooLargeError, validate_text)
+from .errors import (
+    ArtifactError,
+    InvalidTextError,
+    PathUnavailableError,
+    SessionError,
+    StaleRevisionError,
+    TextTooLargeError,
+    validate_text,
+)
 from .registry import build, load, register
 from .tokenizer import Tokenizer
 

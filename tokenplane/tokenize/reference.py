@@ -21,11 +21,17 @@ import numpy as np
 
 class FamilyLike(Protocol):
     """What a reference engine reads of a family (spec.families.Family satisfies it)."""
-    name: str
-    engine: str
-    patterns: tuple[str, ...]
-    onig_patterns: tuple[str, ...]
-    specials: dict[str, int]
+
+    @property
+    def name(self) -> str: ...
+    @property
+    def engine(self) -> str: ...
+    @property
+    def patterns(self) -> tuple[str, ...]: ...
+    @property
+    def onig_patterns(self) -> tuple[str, ...]: ...
+    @property
+    def specials(self) -> dict[str, int]: ...
 
 
 def parse_tiktoken(data: bytes) -> dict[bytes, int]:

@@ -28,8 +28,16 @@ from .cpu import boundary
 from .errors import SessionError, StaleRevisionError, TextTooLargeError, validate_text  # noqa: F401
 from .reference import utf8_char_ends
 from .splice import MAX_CANDIDATES, Point, SpliceSearch
-from .textstore import (Append, Replace, SetText, SplicedText, TextChange, TextStore, common_prefix_len,
-                        common_suffix_len)
+from .textstore import (
+    Append,
+    Replace,
+    SetText,
+    SplicedText,
+    TextChange,
+    TextStore,
+    common_prefix_len,
+    common_suffix_len,
+)
 
 if TYPE_CHECKING:   # type names only: tokenizer.py imports this module, never the other way round
     from .tokenizer import Tokenizer

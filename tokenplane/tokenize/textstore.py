@@ -162,7 +162,7 @@ class TextStore:
         self.chunks = [c for c in (*left, s, *right) if c]
         self._reindex()
 
-    def apply(self, change: TextChange) -> "TextStore":
+    def apply(self, change: TextChange) -> TextStore:
         """The store after `change`: this store edited in place, or a new one for `SetText`."""
         if isinstance(change, Append):
             self.append(change.text)

@@ -165,7 +165,7 @@ class ShadowVerifier:
             pass
         self._worker.join(timeout)
 
-    def __enter__(self) -> "ShadowVerifier":
+    def __enter__(self) -> ShadowVerifier:
         return self
 
     def __exit__(self, *exc) -> None:

@@ -19,7 +19,7 @@ may miss boundaries (a miss costs a wider window), never accept a wrong one.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import cache
 from typing import Callable
 
 import numpy as np
@@ -137,7 +137,7 @@ def _signatures(engine: str) -> tuple[np.ndarray, np.ndarray]:
     return ids, first
 
 
-@lru_cache(maxsize=None)
+@cache
 def pair_table(rule: BoundaryRule) -> tuple[np.ndarray, np.ndarray]:
     """(signature id per code point, uint8[n_sig, n_sig] stable flag): the predicate itself evaluated once on every
     pair of representatives, so the table says exactly what the predicate says (tests compare the two)."""
@@ -199,6 +199,6 @@ def rule_for(family: Family) -> BoundaryRule | None:
     return rule
 
 
-@lru_cache(maxsize=None)
+@cache
 def _table_ok(engine: str) -> bool:
     return table_hash(class_table(engine)) == TABLE_SHA256

@@ -23,11 +23,10 @@ import os
 import threading
 
 import numpy as np
-
-from ..spec.artifacts import artifact_bytes, cache_dir
-from ..reference import ReferenceEngine, _bytes_to_unicode
-
 from numba import njit
+
+from ..reference import ReferenceEngine, _bytes_to_unicode
+from ..spec.artifacts import artifact_bytes, cache_dir
 
 EMPTY = np.uint64(0xFFFFFFFFFFFFFFFF)
 _MUL = np.uint64(0x9E3779B97F4A7C15)

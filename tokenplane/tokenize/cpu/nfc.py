@@ -26,14 +26,14 @@ the reference normalizer on adversarial and real text.
 from __future__ import annotations
 
 import hashlib
-from functools import lru_cache
+from functools import cache
 from typing import Callable
 
 import numpy as np
 
 from ..spec.artifacts import cached_array
 from .pretokenize import _gather
-from .strbuf import codepoints   # GIL-free: chunk threads of the parallel encoder normalize their own chunks
+from .strbuf import codepoints  # GIL-free: chunk threads of the parallel encoder normalize their own chunks
 
 N_CODEPOINTS = 0x110000
 SMALL_TEXT = 512        # below this the reference normalizer is cheaper than the scan
@@ -91,7 +91,7 @@ def table_hash(table: np.ndarray) -> str:
     return hashlib.sha256(np.packbits(table).tobytes()).hexdigest()
 
 
-@lru_cache(maxsize=None)
+@cache
 def inert_table() -> np.ndarray:
     """The inert table of this `tokenizers` version's NFC, probed once and cached on disk."""
     import tokenizers

@@ -18,11 +18,10 @@ so the threads only meet on the GIL for ~50 us of Python glue per chunk.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING
 
 import numpy as np
 

@@ -17,7 +17,7 @@ synchronizing positions, where a piece starts whatever the left context is.
 
 from __future__ import annotations
 
-from functools import lru_cache
+from functools import cache
 
 import numpy as np
 from numba import njit
@@ -47,7 +47,7 @@ def _family(family: Family | str) -> Family:
     return fam
 
 
-@lru_cache(maxsize=None)
+@cache
 def _table(engine: str) -> np.ndarray:
     return charclass.class_table(engine)
 
@@ -184,7 +184,7 @@ def _sorted_union(*arrays: np.ndarray) -> np.ndarray:
     return x[np.append(True, x[1:] != x[:-1])] if x.size else x
 
 
-@lru_cache(maxsize=None)
+@cache
 def _cp_kind_gpt4(engine: str) -> np.ndarray:
     """Run kind per code point (0 L, 1 N, 2 whitespace, 3 other): one gather per text instead of two."""
     return _KIND_GPT4[_table(engine)]
@@ -279,7 +279,7 @@ def _starts_gpt4_loop(cps: np.ndarray, engine: str, digits: int, whole_at_end: b
     return starts
 
 
-@lru_cache(maxsize=None)
+@cache
 def _cp_kind_o200k(engine: str) -> np.ndarray:
     """Per code point: run kind (bits 0-1: 0 word, 1 N, 2 whitespace, 3 other) | 4 upper (Lu/Lt) | 8 lower (Ll) |
     16 mark."""
@@ -419,7 +419,7 @@ _KIND_DS = _ds_kind_table()
 _GPT4 = {"cl100k_base": (3, True), "llama3": (3, False), "qwen3": (1, False)}   # digit group, `\s++$`
 
 
-@lru_cache(maxsize=None)
+@cache
 def _cp_feat_deepseek(engine: str) -> np.ndarray:
     """Per code point: kind (bits 0-2: 0 LM, 1 PS, 2 whitespace, 3 other, 4 N) | 8 CJK range | 16 ASCII letter |
     32 ASCII punctuation."""

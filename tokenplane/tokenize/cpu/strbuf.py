@@ -14,11 +14,10 @@ the same pass, so a direct caller gets the same clear error instead of CESU-8 by
 from __future__ import annotations
 
 import numpy as np
-
-from ..errors import InvalidTextError
-
 from numba import njit
 from numba.cpython.unicode import _get_code_point
+
+from ..errors import InvalidTextError
 
 
 def _codepoints_impl(s, a, b, out):

@@ -23,9 +23,9 @@ from typing import Callable
 
 import numpy as np
 
-from . import adversarial, campaign_fullencode
 from ..session import Session
 from ..tokenizer import Tokenizer
+from . import adversarial, campaign_fullencode
 
 FAMILIES = ("cl100k_base", "o200k_base", "llama3", "qwen3", "deepseek_v4")
 COUNTERS = ("checks", "session_checks", "fullencode_checks", "divergences", "fallbacks", "widenings", "ops",

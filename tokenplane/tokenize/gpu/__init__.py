@@ -6,9 +6,8 @@ at module import time, so `tokenplane` imports on CPU-only machines without numb
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import os
+from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:   # type names only: these modules sit above this one
     from ..tokenizer import Tokenizer

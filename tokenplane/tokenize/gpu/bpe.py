@@ -17,7 +17,7 @@ every token its output slot, so the output is compacted without the host learnin
 
 from __future__ import annotations
 
-from functools import lru_cache
+from functools import cache
 from typing import Callable
 
 from .layout import N_BYTES, N_DOCS, N_LARGE, N_MEDIUM, N_PIECES, N_SMALL, N_TOKENS
@@ -27,7 +27,7 @@ FULL_MASK = 0xFFFFFFFF
 NO_KEY = 0x7FFFFFFFFFFFFFFF
 
 
-@lru_cache(maxsize=None)
+@cache
 def make_bpe(small_max: int, block_tpb: int) -> dict[str, Callable]:
     # kernels must see `cuda` as a module global: the simulator swaps it in the function's globals
     global cuda, int32, int64

@@ -13,17 +13,32 @@ On the CUDA simulator (NUMBA_ENABLE_CUDASIM=1) graph capture is skipped; launche
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable
-
 import os
 import threading
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Callable
 
 import numpy as np
 
 from ..errors import InvalidTextError, PathUnavailableError
-from .layout import (F_CL100K, F_DEEPSEEK, F_LLAMA3, F_O200K, F_QWEN3, FALLBACK, INVALID, META_LEN, N_BYTES,
-                     N_CHARS, N_DOCS, N_LARGE, N_MEDIUM, N_PIECES, N_SMALL, N_TOKENS)
+from .layout import (
+    F_CL100K,
+    F_DEEPSEEK,
+    F_LLAMA3,
+    F_O200K,
+    F_QWEN3,
+    FALLBACK,
+    INVALID,
+    META_LEN,
+    N_BYTES,
+    N_CHARS,
+    N_DOCS,
+    N_LARGE,
+    N_MEDIUM,
+    N_PIECES,
+    N_SMALL,
+    N_TOKENS,
+)
 from .scan import OP_ADD, OP_MAX, launch_scan, make_scan
 
 if TYPE_CHECKING:   # type names only: these modules sit above this one
@@ -59,7 +74,7 @@ class Geometry:
     scan_items: int     # elements each scan thread folds serially (tile = tpb * scan_items)
 
     @staticmethod
-    def for_mode(sim: bool) -> "Geometry":
+    def for_mode(sim: bool) -> Geometry:
         # the simulator runs each CUDA thread as a Python thread and polls them at every syncthreads: one tiny
         # block (and one warp where warps are needed) keeps it fast; the GPU geometry is the one that is timed
         return Geometry(4, 1, 32, 8, 512) if sim else Geometry(256, 132 * 16, 128, 256, 8)

@@ -25,7 +25,7 @@ contractions (`x's's`) set the FALLBACK flag of their document; the encoder answ
 
 from __future__ import annotations
 
-from functools import lru_cache
+from functools import cache
 from typing import Callable
 
 from .layout import BIG, F_O200K, F_QWEN3, FALLBACK, INVALID, N_BYTES, N_CHARS, N_DOCS, N_PIECES, N_SMALL
@@ -59,7 +59,7 @@ def aggregate_kernel(absorbed_at: Callable, run_aux: Callable) -> Callable:
     return k_aggregate
 
 
-@lru_cache(maxsize=None)
+@cache
 def make_pretokenize() -> dict[str, Callable]:
     # kernels must see `cuda` as a module global: the simulator swaps it in the function's globals
     global cuda, int32

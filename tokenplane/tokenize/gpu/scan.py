@@ -9,14 +9,14 @@ same launches serve any input in a bucket and can be captured once into a CUDA g
 
 from __future__ import annotations
 
-from functools import lru_cache
+from functools import cache
 from typing import Any, Callable
 
 OP_ADD = 0
 OP_MAX = 1
 
 
-@lru_cache(maxsize=None)
+@cache
 def make_scan(tpb: int, items: int) -> tuple[Callable, Callable, Callable]:
     # kernels must see `cuda` as a module global: the simulator swaps it in the function's globals
     global cuda, int32

@@ -19,15 +19,14 @@ DeepSeek's 3 tokens that the merges never produce from their own bytes, goes thr
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from ..spec.artifacts import cache_dir
-from ..spec.families import Family
 from ..spec.charclass import BIT, class_table
+from ..spec.families import Family
 
 if TYPE_CHECKING:   # type names only: these modules sit above this one
     from ..tokenizer import Tokenizer
