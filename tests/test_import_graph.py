@@ -124,6 +124,26 @@ def test_no_import_cycles_in_tokenplane():
     assert not found, "import cycles:\n" + "\n".join(" <-> ".join(c) for c in found)
 
 
+# tokenize/, bottom layer first: a module may import its own layer and the ones before it, never a later one.
+TOKENIZE_LAYERS = [["errors"], ["reference"], ["spec"], ["cpu"], ["gpu"], ["router"], ["textstore", "splice"],
+                   ["session"], ["tokenizer"], ["registry"], ["verify"], ["evidence"]]
+
+
+def _layer(module: str) -> int | None:
+    parts = module.split(".")
+    if parts[:2] != ["tokenplane", "tokenize"] or len(parts) < 3:
+        return None     # outside tokenize/, or the package facade (tokenize/__init__.py)
+    return next(i for i, names in enumerate(TOKENIZE_LAYERS) if parts[2] in names)
+
+
+def test_tokenize_dependencies_point_down():
+    graph = build_graph()
+    upward = [f"{mod} -> {dep}" for mod, deps in sorted(graph.items()) for dep in sorted(deps)
+              if _layer(mod) is not None and (_layer(dep) is None and dep.startswith("tokenplane.tokenize")
+                                               or (_layer(dep) or 0) > _layer(mod))]
+    assert not upward, "tokenize/ imports that point up:\n" + "\n".join(upward)
+
+
 def test_checker_sees_relative_and_lazy_imports(tmp_path):
     pkg = tmp_path / "tokenplane"
     (pkg / "sub").mkdir(parents=True)

@@ -1,8 +1,9 @@
 """Exact tokenization: families, pinned artifacts, reference engines, sessions with certified repair.
 
-Layers, each importing only the ones above it in this list (tests/test_import_graph.py checks it):
-errors -> reference -> spec/ -> cpu/ -> gpu/ -> router -> textstore -> session -> tokenizer -> registry -> verify
--> evidence/.
+Layers, bottom first; a module imports only modules of its own layer or below (tests/test_import_graph.py checks it,
+and that there is no import cycle anywhere in tokenplane):
+errors | reference | spec/ | cpu/ | gpu/ | router | textstore, splice | session | tokenizer | registry | verify |
+evidence/.
 """
 
 from .errors import (
