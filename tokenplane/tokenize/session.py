@@ -113,9 +113,8 @@ class _Plan:
     mid_ends: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
     right_from: int = 0                         # old record index where the shifted right part starts
     delta: int = 0
-    path: str = "window"
+    path: Literal["window", "full", "noop"] = "window"
     attempts: int = 0
-    raw_is_norm: bool = True
 
 
 class Session:
@@ -308,9 +307,10 @@ class Session:
             keep_from, added = keep_lits, [(a, b, a, b, sid) for a, b, sid in found]
         else:
             last = next((e for e in reversed(self._lits) if e[4] >= 0), None)
-            d0 = norm.nfc_split_before(N0, last[3] if last else 0, _NFC_REACH)
-            if d0 is None:
+            split = norm.nfc_split_before(N0, last[3] if last else 0, _NFC_REACH)
+            if split is None:
                 return self._plan_rebuild(self._raw.joined() + text, Append(text))
+            d0 = split
             # struct_raw == L0 here: the old literal entries all stand; walk the new ones
             keep_from, added, pieces, cur, pos, raw_pos = len(self._lits), [], [], norm.slice(d0, N0), d0, L0
             for a, b, sid in (x for x in found if x[0] >= L0):
@@ -330,8 +330,7 @@ class Session:
         raw_is_norm = self._norm is None and (not self._nfc or mid == norm.slice(d0, N0) + text)
         plan = _Plan(raw_change=Append(text),
                      norm_change=None if raw_is_norm else Replace(d0, N0, mid),
-                     lits=ReplaceLiteralsFrom(keep_from, added) if self._literals else None,
-                     raw_is_norm=raw_is_norm)
+                     lits=ReplaceLiteralsFrom(keep_from, added) if self._literals else None)
         added_sp = [(e[2], e[3], e[4]) for e in added if e[4] >= 0]
 
         def specials(lo: int, hi: int) -> list[tuple[int, int, int]]:
@@ -360,11 +359,12 @@ class Session:
             d0, e_old, mid = start, end, replacement
             raw_is_norm = True
         else:
-            d0 = norm.nfc_split_before(start, 0, _NFC_REACH)
-            e_old = norm.nfc_split_after(end, _NFC_REACH)
-            if d0 is None or e_old is None:
+            lo = norm.nfc_split_before(start, 0, _NFC_REACH)
+            hi = norm.nfc_split_after(end, _NFC_REACH)
+            if lo is None or hi is None:
                 new_raw = self._raw.slice(0, start) + replacement + self._raw.slice(end, raw_len)
                 return self._plan_rebuild(new_raw, SetText(new_raw))
+            d0, e_old = lo, hi
             raw_mid = norm.slice(d0, start) + replacement + norm.slice(end, e_old)
             mid = self.tokenizer.normalize(raw_mid)
             raw_is_norm = mid == raw_mid
@@ -373,8 +373,7 @@ class Session:
         cs = common_suffix_len(old_mid[cp:], mid[cp:])
         new = SplicedText(norm, d0, mid, e_old)
         plan = _Plan(raw_change=Replace(start, end, replacement),
-                     norm_change=None if raw_is_norm else Replace(d0, e_old, mid), lits=None,
-                     raw_is_norm=raw_is_norm)
+                     norm_change=None if raw_is_norm else Replace(d0, e_old, mid), lits=None)
         self._repair(plan, new, d0 + cp, d0 + len(mid) - cs, lambda lo, hi: [])
         return plan
 
@@ -423,7 +422,7 @@ class Session:
         e_old = e_new - delta
         raw_is_norm = new_norm == new_raw
         plan = _Plan(raw_change=raw_change, norm_change=None if raw_is_norm else SetText(new_norm),
-                     lits=SetLiterals(entries) if self._literals else None, raw_is_norm=raw_is_norm)
+                     lits=SetLiterals(entries) if self._literals else None)
         new = SplicedText(TextStore([old_norm]), d, new_norm[d:e_new], e_old)
         self._repair(plan, new, d, e_new, lambda lo, hi: [x for x in new_sp if x[1] > lo and x[0] < hi])
         return plan
@@ -435,7 +434,8 @@ class Session:
         n = self._n
         plan.delta = new.delta
         new_len = new.length
-        if n and self.rule is not None:
+        rule = self.rule
+        if n and rule is not None:
             self.stats.repairs += 1
             for attempt in range(self.max_widenings + 1):
                 w = self.window << attempt
@@ -449,10 +449,10 @@ class Session:
                 if fresh is None:
                     continue
                 f_ids, f_ends = fresh
-                left = self._find_left(new, s, d, f_ids, f_ends, sp)
+                left = self._find_left(rule, new, s, d, f_ids, f_ends, sp)
                 if left is None:
                     continue
-                right = self._find_right(new, e_new, r, new_len, f_ids, f_ends, sp)
+                right = self._find_right(rule, new, e_new, r, new_len, f_ids, f_ends, sp)
                 if right is None:
                     continue
                 self._fill_window(plan, s, left, right, f_ids, f_ends)
@@ -534,19 +534,19 @@ class Session:
         ends = np.concatenate(end_parts).astype(np.int64, copy=False)
         return ids, ends + s
 
-    def _find_left(self, new: SplicedText, s: int, d: int, f_ids: np.ndarray, f_ends: np.ndarray,
-                   specials: list[tuple[int, int, int]]) -> Point | None:
+    def _find_left(self, rule: boundary.BoundaryRule, new: SplicedText, s: int, d: int, f_ids: np.ndarray,
+                   f_ends: np.ndarray, specials: list[tuple[int, int, int]]) -> Point | None:
         """Rightmost certified splice point p in [s, d]: (p, cached index, fresh index)."""
         hard = {s} if s == 0 or self._is_special_edge(s) else set()
         for a, b, _ in specials:
             if s <= b <= d:
                 hard.update(x for x in (a, b) if x >= s)
-        stable = self.rule.stable_positions(new.slice(s, d), s) if d - s >= 2 else np.zeros(0, np.int64)
+        stable = rule.stable_positions(new.slice(s, d), s) if d - s >= 2 else np.zeros(0, np.int64)
         return self._search.point(hard, stable[-4 * MAX_CANDIDATES:], *self._records(), f_ids, f_ends, rightmost=True,
                                   shift=0, fresh_origin=s)
 
-    def _find_right(self, new: SplicedText, e_new: int, r: int, new_len: int, f_ids: np.ndarray,
-                    f_ends: np.ndarray, specials: list[tuple[int, int, int]]) -> Point | None:
+    def _find_right(self, rule: boundary.BoundaryRule, new: SplicedText, e_new: int, r: int, new_len: int,
+                    f_ids: np.ndarray, f_ends: np.ndarray, specials: list[tuple[int, int, int]]) -> Point | None:
         """Leftmost certified splice point q in [e_new, r]: (q, cached index of q - delta, fresh index)."""
         if r >= new_len and e_new >= new_len:
             return new_len, self._n - 1, len(f_ids) - 1
@@ -554,7 +554,7 @@ class Session:
         for a, b, _ in specials:
             if a >= e_new and b <= r:
                 hard.update((a, b))
-        stable = self.rule.stable_positions(new.slice(e_new, r), e_new) if r - e_new >= 2 else np.zeros(0, np.int64)
+        stable = rule.stable_positions(new.slice(e_new, r), e_new) if r - e_new >= 2 else np.zeros(0, np.int64)
         # fresh_origin -1: the fresh window starts left of e_new, so a fresh index must be a real record (>= 0)
         return self._search.point(hard, stable[:4 * MAX_CANDIDATES], *self._records(), f_ids, f_ends,
                                   rightmost=False, shift=new.delta, fresh_origin=-1)
@@ -610,10 +610,11 @@ class Session:
         ends[keep:keep + n_mid] = plan.mid_ends
         self._ids, self._ends, self._n = ids, ends, new_n
         # text: the normalized store splits off the raw one (sharing its chunks) the first time they differ
-        if not plan.raw_is_norm and self._norm is None:
-            self._norm = self._raw.copy()
+        norm = None
+        if plan.norm_change is not None:
+            norm = self._norm if self._norm is not None else self._raw.copy()
         self._raw = self._raw.apply(plan.raw_change)
-        self._norm = None if plan.raw_is_norm else self._norm.apply(plan.norm_change)
+        self._norm = norm.apply(plan.norm_change) if norm is not None and plan.norm_change is not None else None
         if plan.lits is not None:
             self._lits = plan.lits.apply(self._lits)
         self.revision += 1

@@ -15,7 +15,7 @@ import random
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Collection, Sequence
+from typing import Any, Callable, Collection, Sequence
 
 import numpy as np
 
@@ -132,9 +132,9 @@ class ShadowVerifier:
                 self._counts["dropped"] += 1
             return False
 
-    def stats(self) -> dict:
+    def stats(self) -> dict[str, Any]:
         with self._lock:
-            out = dict(self._counts)
+            out: dict[str, Any] = dict(self._counts)
             out["check_seconds"] = round(self._check_seconds, 6)
         out.update(rate=self.rate, queue_depth=self._queue.qsize(), state=self.state.name.lower(),
                    tokenizer=self.tokenizer.name)
