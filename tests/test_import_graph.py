@@ -144,6 +144,13 @@ def test_tokenize_dependencies_point_down():
     assert not upward, "tokenize/ imports that point up:\n" + "\n".join(upward)
 
 
+def test_reference_and_errors_import_nothing_of_ours():
+    """The shadow verifier's fresh engine shares no code with the fast paths it checks."""
+    graph = build_graph()
+    assert graph["tokenplane.tokenize.reference"] == set()
+    assert graph["tokenplane.tokenize.errors"] == set()
+
+
 def test_checker_sees_relative_and_lazy_imports(tmp_path):
     pkg = tmp_path / "tokenplane"
     (pkg / "sub").mkdir(parents=True)
