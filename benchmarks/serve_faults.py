@@ -356,6 +356,15 @@ async def one_request(client: httpx.AsyncClient, path: str, body: dict[str, Any]
     return rec
 
 
+def backoff(rec: dict[str, Any]) -> float:
+    """Pause after a failed request: the server's Retry-After (capped at 0.5 s, so recovery is still seen within
+    half a second), else ERROR_BACKOFF_S."""
+    try:
+        return min(0.5, float(rec["retry_after"])) if rec.get("retry_after") else ERROR_BACKOFF_S
+    except ValueError:
+        return ERROR_BACKOFF_S
+
+
 def is_5xx(rec: dict[str, Any]) -> bool:
     if rec["status"] is not None and rec["status"] >= 500:
         return True
@@ -379,7 +388,7 @@ async def closed_loop(url: str, clients: int, stop_at: float, t_base: float, rng
                 rec["phase"], rec["client"] = phase, c
                 records.append(rec)
                 if rec["kind"] != "ok":
-                    await asyncio.sleep(ERROR_BACKOFF_S)
+                    await asyncio.sleep(backoff(rec))
         tasks = [asyncio.create_task(worker(c)) for c in range(clients)]
         done, pending = await asyncio.wait(tasks, timeout=max(1.0, hard_stop - now()))
         for t in pending:
@@ -428,6 +437,21 @@ async def get_json(client: httpx.AsyncClient, path: str, timeout: float = 3.0) -
 
 # -- phase 1: load --------------------------------------------------------------------------------------------------
 async def phase_load(url: str, args: argparse.Namespace, t_base: float) -> dict[str, Any]:
+    # warm-up, not measured: one request per route and mode (the first requests of a process pay one-time costs)
+    warm = []
+    async with httpx.AsyncClient(base_url=url, timeout=args.request_timeout) as client:
+        rng = random.Random(3)
+        for j in range(4):
+            path, body = make_body(rng, stream=bool(j % 2), max_tokens=8)
+            path = ("/v1/completions", "/v1/chat/completions")[j // 2]
+            if path == "/v1/completions":
+                body.pop("messages", None)
+                body["prompt"] = PROMPTS[j]
+            else:
+                body.pop("prompt", None)
+                body["messages"] = [{"role": "user", "content": PROMPTS[j]}]
+            rec = await one_request(client, path, body, t_base, args.request_timeout)
+            warm.append({k: rec[k] for k in ("path", "stream", "status", "kind", "latency", "detail")})
     records: list[dict[str, Any]] = []
     t0 = now()
     await closed_loop(url, args.clients, t0 + args.seconds, t_base, 1, args.request_timeout,
@@ -437,6 +461,7 @@ async def phase_load(url: str, args: argparse.Namespace, t_base: float) -> dict[
     s["clients"], s["seconds"] = args.clients, args.seconds
     s["unexpected_errors"] = sum(v for k, v in s["errors_by_kind"].items())
     s["fivexx"] = sum(1 for r in records if is_5xx(r))
+    s["warmup"] = warm
     return {"summary": s, "records": records}
 
 
@@ -449,6 +474,8 @@ async def model_pids(client: httpx.AsyncClient, server_pid: int) -> tuple[list[i
 
 
 async def phase_kill(url: str, args: argparse.Namespace, t_base: float, server: Server) -> dict[str, Any]:
+    if args.backend == "inprocess":
+        return {"skipped": "the inprocess backend runs the models inside the front end: no model process to kill"}
     out: dict[str, Any] = {"kills": []}
     async with httpx.AsyncClient(base_url=url, timeout=5.0) as hc:
         pids, source = await model_pids(hc, server.pid)
@@ -489,7 +516,7 @@ async def kill_one(url: str, hc: httpx.AsyncClient, args: argparse.Namespace, t_
                     rec["phase"], rec["client"] = f"kill{i}", c
                     records.append(rec)
                     if rec["kind"] != "ok":
-                        await asyncio.sleep(ERROR_BACKOFF_S)
+                        await asyncio.sleep(backoff(rec))
             tasks = [asyncio.create_task(worker(c)) for c in range(args.kill_clients)]
             _, pending = await asyncio.wait(tasks, timeout=max(1.0, hard - now()))
             for t in pending:
@@ -825,6 +852,7 @@ def parse_schemathesis(output: str, report: Path) -> dict[str, Any]:
         failures.append({"operation": m.group(1), "failures": titles[:10], "reproduce": curls[:5],
                          "text": body.strip()[:3000]})
     out["failures"] = failures
+    out["output_clean"] = clean[-20000:]
     m = re.search(r"=+\s*(.*?(?:passed|failed|errors?|warnings?).*?)\s*=+\s*$", clean, re.M)
     tail = [ln for ln in clean.strip().splitlines() if ln.strip()][-3:]
     out["result_line"] = m.group(1) if m else " / ".join(tail)
@@ -862,6 +890,8 @@ def targets(result: dict[str, Any], args: argparse.Namespace) -> list[list[Any]]
         add("load: 0 unexpected errors", s["unexpected_errors"] == 0,
             f"{s['unexpected_errors']} of {s['requests']} ({json.dumps(s['errors_by_kind'])})")
         add("load: 0 5xx", s["fivexx"] == 0, f"{s['fivexx']}")
+    if "kill" in ph and "skipped" in ph["kill"]:
+        add("kill: each model process", None, ph["kill"]["skipped"])
     if "kill" in ph and "kills" in ph["kill"]:
         for k in ph["kill"]["kills"]:
             m = f"model{k['model']} (pid {k.get('pid')})"
@@ -921,7 +951,9 @@ def markdown(result: dict[str, Any], args: argparse.Namespace) -> str:
             L.append(f"\n**Phase {name} failed:** `{p['error']}`\n")
     if "load" in ph and "summary" in ph["load"]:
         s = ph["load"]["summary"]
-        L.append(f"\n## 1. Load: {s['clients']} clients for {s['seconds']} s\n")
+        L.append(f"\n## 1. Load: {s['clients']} clients for {s['seconds']} s\n\nAfter {len(s.get('warmup', []))} "
+                 f"unmeasured warm-up requests (latencies "
+                 f"{', '.join(fmt(w['latency']) + ' s ' + str(w['kind']) for w in s.get('warmup', []))}).\n\n")
         L.append(table(["requests", "ok", "req/s", "latency P50 s", "P99 s", "TTFT P50 s", "TTFT P99 s"],
                        [[s["requests"], s["ok"], s.get("requests_per_s"), s["latency_p50_s"], s["latency_p99_s"],
                          s["ttft_p50_s"], s["ttft_p99_s"]]]))
@@ -984,6 +1016,14 @@ def markdown(result: dict[str, Any], args: argparse.Namespace) -> str:
         if s.get("checks"):
             L.append("\n" + table(["check", "passed", "total"], [[k, v["passed"], v["total"]]
                                                                  for k, v in s["checks"].items()]))
+        rep = s.get("json_report") or {}
+        if rep.get("failures"):
+            L.append("\nFailures by check:\n\n" + table(["check", "title", "count", "operations"], [
+                [f.get("code"), f.get("title"), f.get("count"), ", ".join(f.get("operations", []))]
+                for f in rep["failures"]]))
+        warn = re.search(r"=+ WARNINGS =+\n(.*?)\n=+ SUMMARY", s.get("output_clean", ""), re.S)
+        if warn:
+            L.append("\nWarnings:\n\n```\n" + warn.group(1).strip()[:2000] + "\n```\n")
         for f in s.get("failures", []):
             L.append(f"\n- **{f['operation']}**: " + "; ".join(f["failures"][:5]) +
                      "".join(f"\n  - `{c[:300]}`" for c in f["reproduce"][:2]))

@@ -19,7 +19,7 @@ import torch
 from tokenplane.engine.sampler import SamplingParams
 from tokenplane.route.algorithms import make_algorithm
 from tokenplane.route.reference import SequentialRouter, build_runner, calibrate
-from tokenplane.route.runtime import RequestFailed, Runtime, RuntimeConfig
+from tokenplane.route.runtime import ModelUnavailable, RequestRejected, Runtime, RuntimeConfig
 
 
 MODELS = ["test-small", "test-large"]
@@ -188,17 +188,29 @@ def test_abort_frees_every_block(runtime):
     assert reasons.count("abort") == 100
     st, busy = _settled(runtime)
     assert not busy, busy
-    assert all(s["reserved_blocks"] == 0 for s in st)
     assert st[0]["counters"]["aborted"] > 0
 
 
 def test_bad_requests_fail_cleanly(runtime):
     with pytest.raises(ValueError):
         asyncio.run(runtime.complete([], PARAMS))
-    with pytest.raises(RequestFailed, match="KV blocks"):
+    with pytest.raises(RequestRejected, match="KV pool of 2048 tokens"):   # 128 blocks x 16; refused up front
         asyncio.run(runtime.complete([1] * 100, SamplingParams(max_tokens=4000)))
+    assert not runtime._live
     out = asyncio.run(runtime.complete(PROMPTS[0], SamplingParams(max_tokens=3)))   # still serving
     assert len(out.token_ids) == 3
+
+
+def test_preemption_and_chunked_prefill_keep_reference_outputs(runners):
+    """A small pool (12 blocks = 192 tokens for 8 requests of up to 49 tokens) and a 16-token step budget: requests
+    are preempted and recomputed, prompts are prefilled in chunks, and every output still equals the reference."""
+    cfg = RuntimeConfig(models=MODELS, algorithm="r2r", algorithm_kwargs=ALGORITHMS["r2r"], dtype="float64",
+                        num_blocks=12, max_num_batched_tokens=16, mode="immediate_async")
+    with Runtime(cfg) as rt:
+        check_equal(rt, runners, "r2r", ALGORITHMS["r2r"], 8)
+        st = rt.stats()
+        assert sum(s["num_preemptions"] for s in st) > 0, st
+        assert rt.max_request_tokens == 192
 
 
 def test_killed_subserver_fails_requests_then_serves_again(runtime, runners):
@@ -212,7 +224,8 @@ def test_killed_subserver_fails_requests_then_serves_again(runtime, runners):
         try:
             async for c in runtime.generate(PROMPTS[i], SamplingParams(max_tokens=4000 // 16), request_id=f"k{i}"):
                 pass
-        except RequestFailed as exc:
+        except ModelUnavailable as exc:
+            assert exc.model == 1
             return time.monotonic(), str(exc)
         return time.monotonic(), "finished"
 

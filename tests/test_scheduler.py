@@ -58,10 +58,11 @@ class Scripted(Algorithm):
         return self.keep if result.model == 0 else True
 
 
-def make(away=(), keep=True, pending_return=True, num_blocks=64, standard_serving=False):
+def make(away=(), keep=True, pending_return=True, num_blocks=64, standard_serving=False, max_num_batched_tokens=2048):
     alg = Scripted(away, keep)
     s = [Scheduler(m, 2, BlockManager(num_blocks, 16), alg, pending_return=pending_return,
-                   standard_serving=standard_serving) for m in range(2)]
+                   standard_serving=standard_serving, max_num_batched_tokens=max_num_batched_tokens)
+         for m in range(2)]
     return s, [FakeRunner(0, s[0].bm), FakeRunner(1, s[1].bm)]
 
 
@@ -190,14 +191,84 @@ def test_abort_frees_blocks_and_ignores_late_handoffs():
     assert s1.receive_handoff(h.msg) == [] and not s1.requests and s1.bm.num_used_blocks == 0
 
 
-def test_admission_reserves_worst_case_blocks():
+def test_admission_takes_what_the_prompt_needs_and_refuses_what_never_fits():
     (s0, s1), (r0, r1) = make(num_blocks=4)
-    add(s0, "a", [1] * 20, max_tokens=20)    # 40 tokens -> 3 blocks reserved
-    add(s0, "b", [2] * 20, max_tokens=20)    # would need 3 more: must wait
+    add(s0, "a", [1] * 20, max_tokens=20)    # 40 tokens at most; 2 blocks now
+    add(s0, "b", [2] * 20, max_tokens=20)    # no worst-case reservation: admitted beside it
     step(s0, r0)
-    assert s0.requests["a"].state == RequestState.RUNNING and s0.requests["b"].state == RequestState.WAITING
-    out = add(s0, "c", [1], max_tokens=200)
-    assert out and "KV blocks" in out[0].msg.message
+    assert all(s0.requests[r].state == RequestState.RUNNING for r in "ab") and s0.bm.num_used_blocks == 4
+    out = add(s0, "c", [1], max_tokens=200)   # 201 tokens > 4 x 16: can never fit, refused with the numbers
+    assert out and "201 tokens" in out[0].msg.message and "64" in out[0].msg.message and "c" not in s0.requests
+
+
+def _run_all(prompts, max_tokens, **kw):
+    scheds, runners = make(**kw)
+    outs = []
+    for rid, p in prompts.items():
+        outs += add(scheds[0], rid, p, max_tokens=max_tokens)
+    front = pump(scheds, runners, outs, max_steps=2000)
+    assert not any(s.requests for s in scheds), [s.requests for s in scheds]
+    assert all(s.bm.num_used_blocks == 0 for s in scheds)
+    return {rid: tokens_of(front, rid) for rid in prompts}, scheds, runners
+
+
+PROMPTS = {f"r{i}": [(5 * i + j) % 60 + 1 for j in range(10 + 7 * i)] for i in range(6)}
+AWAY = {(f"r{i}", p) for i in range(6) for p in (3, 9, 17, 30)}
+
+
+def test_growth_and_preemption_keep_outputs():
+    """Pool far below total demand (6 requests x up to 85 tokens on 8 blocks = 128 tokens): requests are preempted
+    (RUNNING ones and PENDING_RETURN ones parked on model 0 while model 1 has them), recomputed, and every output
+    equals the run on a pool large enough for all."""
+    want, _, _ = _run_all(PROMPTS, 40, away=AWAY, num_blocks=256)
+    got, scheds, _ = _run_all(PROMPTS, 40, away=AWAY, num_blocks=8)
+    assert got == want and all(len(v) == 40 for v in got.values())
+    assert scheds[0].counters["preemptions"] > 0
+
+
+def test_pending_return_victim_readmits_on_return():
+    """"a" needs a second block while "b" is away on model 1 (PENDING_RETURN, the most recently admitted): b's
+    blocks are freed, and its return goes through WAITING (prefix match, recompute) with the same outputs."""
+    prompts = {"a": list(range(1, 17)), "b": list(range(20, 35))}
+    want, _, _ = _run_all(prompts, 16, away={("b", 0)}, num_blocks=64)
+    got, scheds, _ = _run_all(prompts, 16, away={("b", 0)}, num_blocks=2)
+    assert got == want
+    assert scheds[0].counters["preemptions"] >= 1 and scheds[0].counters["readmissions"] == 1
+
+
+def test_admission_takes_kv_of_parked_requests_not_running_ones():
+    """s0's pool is full of "a", parked (PENDING_RETURN) while model 1 has it: "b" is admitted by preempting it (a
+    pool full of requests parked on each other's models would otherwise deadlock); all outputs stay the same."""
+    prompts = {"a": list(range(1, 21)), "b": [7, 8, 9]}
+    want, _, _ = _run_all(prompts, 8, away={("a", 0)}, num_blocks=64)
+    (s0, s1), (r0, r1) = make(away={("a", 0)}, num_blocks=2)
+    outs = add(s0, "a", prompts["a"], max_tokens=8) + step(s0, r0)
+    assert s0.requests["a"].state == RequestState.PENDING_RETURN and s0.bm.num_free_blocks == 0
+    outs += add(s0, "b", prompts["b"], max_tokens=8) + step(s0, r0)
+    assert s0.requests["b"].state == RequestState.RUNNING and s0.requests["a"].seq is None
+    front = pump([s0, s1], [r0, r1], outs)
+    assert {rid: tokens_of(front, rid) for rid in prompts} == want and not s0.requests and not s1.requests
+
+
+def test_chunked_prefill_respects_the_token_budget_and_keeps_outputs():
+    want, _, _ = _run_all(PROMPTS, 12, away=AWAY)
+    got, scheds, runners = _run_all(PROMPTS, 12, away=AWAY, max_num_batched_tokens=8)
+    assert got == want
+    for r in runners:
+        assert r.batches and all(sum(n for _, n in b) <= 8 for b in r.batches), r.batches
+    # the 45-token prompt took several steps, and decodes ran in the same steps as its chunks
+    chunks = [b for b in runners[0].batches if any(rid == "r5" and n > 1 for rid, n in b)]
+    assert len(chunks) >= 5 and any(any(n == 1 for _, n in b) for b in chunks)
+
+
+def test_chunk_does_not_sample_until_the_last_chunk():
+    (s0, s1), (r0, r1) = make(max_num_batched_tokens=16)
+    add(s0, "a", list(range(1, 41)), max_tokens=4)    # 40 tokens: chunks of 16, 16, 8
+    outs = step(s0, r0) + step(s0, r0)
+    assert outs == [] and s0.requests["a"].view.output_ids == [] and s0.requests["a"].seq.num_tokens == 40
+    assert r0.batches == [[("a", 16)], [("a", 16)]] and s0.requests["a"].seq.num_computed_tokens == 32
+    outs = step(s0, r0)
+    assert r0.batches[-1] == [("a", 8)] and len(s0.requests["a"].view.output_ids) == 1
 
 
 def test_zero_token_return_recomputes_last_position():

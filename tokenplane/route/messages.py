@@ -17,6 +17,7 @@ from typing import Any, ClassVar
 import msgpack
 
 from .api import Handoff
+from .stats import RouteStats
 
 _REGISTRY: dict[str, type] = {}
 
@@ -76,6 +77,7 @@ class AddRequest(_Wire):
     num_handoffs: int = 0
     handoff: Handoff | None = None                        # standard serving: the switch that led here
     inc: int = 0                                          # incarnation: a request id may be reused after it ends
+    stats: dict[str, Any] | None = None                   # standard serving: routing stats so far (stats_to_wire)
     nested: ClassVar[dict[str, type]] = {"handoff": Handoff}
 
 
@@ -221,12 +223,17 @@ class Error(_Wire):
 
 @_message
 class Heartbeat(_Wire):
+    """Sent by the sub-server's heartbeat thread every heartbeat_s whatever the step does (liveness), with the
+    scheduler's load as of the last loop turn. `step_started` (None when not stepping) lets the supervisor kill a model whose single step exceeds step_timeout_s (a hung step)."""
     model: int
     pid: int
     time: float
     num_waiting: int = 0
     num_running: int = 0
     num_pending: int = 0
+    step_started: float | None = None   # time.monotonic() (system-wide on Linux, so the supervisor compares it)
+    kv_blocks_used: int = 0
+    kv_blocks_total: int = 0
 
 
 @_message
@@ -255,6 +262,8 @@ class Yield(_Wire):
     finish_reason: str | None = None
     handoff: Handoff | None = None
     inc: int = 0
+    stats: dict[str, Any] | None = None          # routing stats so far (stats_to_wire), re-submitted with the call
+    final_stats: dict[str, Any] | None = None    # with finish_reason: the request's final stats (as Finished.stats)
     nested: ClassVar[dict[str, type]] = {"handoff": Handoff}
 
 
@@ -265,9 +274,41 @@ class StatsReply(_Wire):
     num_blocks: int
     num_free_blocks: int
     num_used_blocks: int
-    reserved_blocks: int
+    num_preemptions: int
     requests: dict[str, int]        # state name -> count
     counters: dict[str, Any]
+
+
+# -- wire forms of non-message values (sampling parameters, routing stats) ------------------------------------
+
+def params_to_wire(p) -> dict[str, Any]:
+    return {"temperature": float(p.temperature), "top_p": float(p.top_p), "max_tokens": int(p.max_tokens),
+            "seed": None if p.seed is None else int(p.seed), "stop_token_ids": [int(t) for t in p.stop_token_ids],
+            "ignore_eos": bool(getattr(p, "ignore_eos", False)),
+            "logprobs": None if getattr(p, "logprobs", None) is None else int(p.logprobs)}
+
+
+def params_from_wire(d: dict[str, Any]):
+    from tokenplane.engine.sampler import SamplingParams
+    return SamplingParams(temperature=float(d.get("temperature", 0.0)), top_p=float(d.get("top_p", 1.0)),
+                          max_tokens=int(d.get("max_tokens", 16)), seed=d.get("seed"),
+                          stop_token_ids=tuple(d.get("stop_token_ids", ())),
+                          ignore_eos=bool(d.get("ignore_eos", False)), logprobs=d.get("logprobs"))
+
+
+def stats_to_wire(s: RouteStats) -> dict[str, Any]:
+    """Everything but token_models (the runtime carries those as `models`)."""
+    return {"switches": [list(x) for x in s.switches], "prefill": [list(x) for x in s.prefill],
+            "dropped": s.dropped, "ensembled": s.ensembled, "score_visits": s.score_visits}
+
+
+def stats_from_wire(num_models: int, d: dict[str, Any] | None, models: list[int]) -> RouteStats:
+    d = d or {}
+    return RouteStats(num_models, token_models=list(models),
+                      switches=[(int(a), int(b)) for a, b in d.get("switches", [])],
+                      prefill=[(int(a), int(b)) for a, b in d.get("prefill", [])],
+                      dropped=int(d.get("dropped", 0)), ensembled=int(d.get("ensembled", 0)),
+                      score_visits=int(d.get("score_visits", 0)))
 
 
 def encode(msg) -> bytes:
@@ -311,4 +352,5 @@ MESSAGE_TYPES = dict(_REGISTRY)
 
 __all__ = ["Abort", "AddRequest", "Configure", "Error", "Finished", "HandoffMsg", "Heartbeat", "MESSAGE_TYPES", "PeerRestarted",
            "PeerStatus", "Peers", "Ready", "Release", "Shutdown", "StatsQuery", "StatsReply", "StepDone",
-           "StepGrant", "TokenChunk", "Yield", "decode", "decode_all", "encode", "encode_many"]
+           "StepGrant", "TokenChunk", "Yield", "decode", "decode_all", "encode", "encode_many", "params_from_wire", "params_to_wire", "stats_from_wire",
+           "stats_to_wire"]

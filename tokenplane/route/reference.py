@@ -11,23 +11,25 @@ unseen suffix, appends it (num_tokens - num_computed_tokens = the catch-up prefi
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 from typing import Any, Iterator, Sequence as Seq
 
 import torch
 
-from .api import (Algorithm, Handoff, RequestView, StepResult, after_send, apply_handoff, commit,
-                  counter_uniform)
+from .api import Algorithm, Handoff, RequestView, StepResult, after_send, apply_handoff, commit
+from .params import capped_max_tokens, eos_token_ids, request_params, stop_token_ids
 from .stats import RouteStats
 
 
 @dataclass
 class TokenEvent:
-    """A committed output token (what a streaming client sees)."""
+    """A committed output token (what a streaming client sees); its logprob and top alternatives when asked for,
+    under the distribution of the model that committed it."""
     token: int
     model: int
     position: int
+    logprob: float | None = None
+    top_logprobs: list[tuple[int, float]] | None = None
 
 
 @dataclass
@@ -60,20 +62,9 @@ def as_runner(obj: Any, **build_kwargs: Any) -> Any:
     return build_runner(obj, **build_kwargs)
 
 
-def request_params(params: Any, request_id: str) -> Any:
-    """Pin a sampling seed per request when none is given, so random sampling is reproducible in every runtime."""
-    if params.temperature > 0 and params.seed is None:
-        seed = int(counter_uniform(0, request_id, 0, 0, stream=1) * (1 << 53))
-        return dataclasses.replace(params, seed=seed)
-    return params
-
-
 def stop_ids(params: Any, runner: Any) -> tuple[int, ...]:
-    ids = tuple(params.stop_token_ids)
-    eos = getattr(getattr(runner, "cfg", None), "eos_token_id", None)
-    if eos is not None and not getattr(params, "ignore_eos", False):
-        ids += tuple(eos) if isinstance(eos, (list, tuple)) else (int(eos),)
-    return ids
+    """The stop rule (params.stop_token_ids) applied to a runner's model config."""
+    return stop_token_ids(params, eos_token_ids(getattr(runner, "cfg", None)))
 
 
 def max_model_len(runner: Any) -> int | None:
@@ -143,11 +134,7 @@ class SequentialRouter:
         if not prompt:
             raise ValueError("prompt must contain at least one token")
         params = request_params(params, request_id)
-        max_tokens = params.max_tokens
-        if self.max_model_len is not None:
-            if len(prompt) >= self.max_model_len:
-                raise ValueError(f"prompt has {len(prompt)} tokens; the context is {self.max_model_len}")
-            max_tokens = min(max_tokens, self.max_model_len - len(prompt))
+        max_tokens = capped_max_tokens(len(prompt), params.max_tokens, self.max_model_len)
         view0 = RequestView.new(request_id, prompt, n, max_tokens=max_tokens,
                                 stop_token_ids=stop_ids(params, self.runners[0]))
         view0.state = alg.init_state(view0)
@@ -176,7 +163,7 @@ class SequentialRouter:
                     if h.keep_last:
                         seq.token_ids.append(result.token)
                         stats.on_commit(m)
-                        yield TokenEvent(result.token, m, p)
+                        yield self._event(result, result.token, params)
                         finish = self._finish(view, result.token, p)
                     if finish is None:
                         self._deliver(h, views, seqs, stats)
@@ -185,7 +172,7 @@ class SequentialRouter:
                 commit(view, m, token)
                 seq.token_ids.append(token)
                 stats.on_commit(m)
-                yield TokenEvent(token, m, p)
+                yield self._event(result, token, params)
                 finish = self._finish(view, token, p)
             final = views[m]
             yield RouteOutput(request_id, prompt, list(final.output_ids), list(stats.token_models), finish, stats)
@@ -193,6 +180,17 @@ class SequentialRouter:
             for k, s in seqs.items():
                 if s.block_table:
                     self.runners[k].block_manager.free(s)
+
+    @staticmethod
+    def _event(result: StepResult, token: int, params: Any) -> TokenEvent:
+        """The committed token, with its logprob under the committing model's logits when asked for (an ensemble
+        position reports the primary model's)."""
+        k = getattr(params, "logprobs", None)
+        if k is None:
+            return TokenEvent(token, result.model, result.position)
+        from tokenplane.engine.sampler import token_logprobs
+        lp, top = token_logprobs(result.logits, token, k)
+        return TokenEvent(token, result.model, result.position, lp, top)
 
     @staticmethod
     def _finish(view: RequestView, token: int, position: int) -> str | None:

@@ -16,8 +16,20 @@ With `pending_return=False` (baseline) the request frees its blocks when it leav
 (prefix match, allocate, prefill) on return. With `standard_serving=True` (baseline) every step is a single-token
 call: admitted, one step, freed, and the request goes back to the front end (an external scheduler) as a Yield.
 
-KV admission reserves the worst case (prompt + max_tokens) per request, as R2R's PrefillAdderSLM does, so a
-request parked in PENDING_RETURN can never be stranded by a full pool and no preemption is needed.
+KV memory (vLLM v1 style): admission allocates what the prompt (its first chunk) needs and blocks grow as tokens come.
+When a RUNNING request cannot grow, the most recently admitted request holding blocks that is not already in this
+step is preempted by recompute (an admission that does not fit may preempt PENDING_RETURN requests only, so pools
+full of requests parked on each other's models cannot deadlock): its blocks are freed (full blocks stay in the prefix cache), it keeps its tokens,
+and its next admission computes them again (mostly prefix-cache hits). A RUNNING victim goes back to the front of
+WAITING. A PENDING_RETURN victim stays PENDING_RETURN without KV; when its peer hands it back it goes through WAITING
+(prefix match, allocate, recompute), the path pending_return=False takes; its view (prompt + output) is bookkeeping,
+not KV, so nothing is lost. If no other victim exists the request preempts itself. A request that can never fit
+(prompt + max_tokens over the pool) is refused at admission; the front end refuses it before registering.
+
+Chunked prefill: a step computes at most `max_num_batched_tokens` tokens. Decodes (1 uncomputed token) are scheduled
+first, then longer catch-ups / prefills in admission order, then admissions; a request whose uncomputed tokens do not
+fit the rest of the budget computes a chunk (its Sequence is cut at the chunk end for the run and restored in
+update_from_output) and samples only when its last chunk completes.
 """
 
 from __future__ import annotations
@@ -28,7 +40,8 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from .api import Algorithm, Handoff, RequestView, StepResult, after_send, apply_handoff, commit
-from .messages import (AddRequest, Error, Finished, HandoffMsg, Release, TokenChunk, Yield)
+from .messages import (AddRequest, Error, Finished, HandoffMsg, Release, TokenChunk, Yield, params_from_wire,
+                       params_to_wire, stats_from_wire, stats_to_wire)
 from .states import RequestState
 from .stats import RouteStats
 
@@ -58,7 +71,8 @@ class RouteRequest:
     stats: RouteStats
     state: RequestState = RequestState.WAITING
     seq: Any = None                     # tokenplane.engine.sequence.Sequence while this model holds KV
-    need_blocks: int = 0                # worst-case blocks reserved at admission
+    admitted_at: int = 0                # admission order (preemption victim: the most recent)
+    tail: list[int] | None = None       # chunked prefill: tokens held back from rec.seq during this step
     streamed: int = 0                   # home model: output tokens already sent to the front end
     score_for: int | None = None        # answering an ensemble score visit from that model
     ensemble: EnsembleWait | None = None
@@ -71,41 +85,13 @@ class RouteRequest:
         return self.view.request_id
 
 
-def params_to_wire(p) -> dict[str, Any]:
-    return {"temperature": float(p.temperature), "top_p": float(p.top_p), "max_tokens": int(p.max_tokens),
-            "seed": None if p.seed is None else int(p.seed), "stop_token_ids": [int(t) for t in p.stop_token_ids],
-            "ignore_eos": bool(getattr(p, "ignore_eos", False))}
-
-
-def params_from_wire(d: dict[str, Any]):
-    from tokenplane.engine.sampler import SamplingParams
-    return SamplingParams(temperature=float(d.get("temperature", 0.0)), top_p=float(d.get("top_p", 1.0)),
-                          max_tokens=int(d.get("max_tokens", 16)), seed=d.get("seed"),
-                          stop_token_ids=tuple(d.get("stop_token_ids", ())),
-                          ignore_eos=bool(d.get("ignore_eos", False)))
-
-
-def stats_to_wire(s: RouteStats) -> dict[str, Any]:
-    """Everything but token_models (the runtime carries those as `models`)."""
-    return {"switches": [list(x) for x in s.switches], "prefill": [list(x) for x in s.prefill],
-            "dropped": s.dropped, "ensembled": s.ensembled, "score_visits": s.score_visits}
-
-
-def stats_from_wire(num_models: int, d: dict[str, Any] | None, models: list[int]) -> RouteStats:
-    d = d or {}
-    return RouteStats(num_models, token_models=list(models),
-                      switches=[(int(a), int(b)) for a, b in d.get("switches", [])],
-                      prefill=[(int(a), int(b)) for a, b in d.get("prefill", [])],
-                      dropped=int(d.get("dropped", 0)), ensembled=int(d.get("ensembled", 0)),
-                      score_visits=int(d.get("score_visits", 0)))
-
-
 class Scheduler:
     """Request states and batching for model `model` of `num_models` (model `home` admits and streams)."""
 
     def __init__(self, model: int, num_models: int, block_manager, algorithm: Algorithm, *,
                  pending_return: bool = True, standard_serving: bool = False, home: int = 0,
-                 max_num_seqs: int = 256, sample_fn: Callable | None = None, sequence_cls=None):
+                 max_num_seqs: int = 256, max_num_batched_tokens: int = 2048, sample_fn: Callable | None = None,
+                 sequence_cls=None):
         if not 0 <= model < num_models:
             raise ValueError(f"model index {model} out of range for {num_models} models")
         self.model, self.num_models, self.home = model, num_models, home
@@ -114,6 +100,10 @@ class Scheduler:
         self.pending_return = bool(pending_return)
         self.standard_serving = bool(standard_serving)
         self.max_num_seqs = int(max_num_seqs)
+        self.max_num_batched_tokens = int(max_num_batched_tokens)
+        if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
+            raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
+        self._admissions = 0
         if sample_fn is None:
             from tokenplane.engine.sampler import sample as sample_fn
         if sequence_cls is None:
@@ -126,7 +116,7 @@ class Scheduler:
         self.tombstones: OrderedDict[tuple[str, int], None] = OrderedDict()
         self.counters = {"steps": 0, "batched_seqs": 0, "computed_tokens": 0, "admissions": 0, "resumes": 0,
                          "readmissions": 0, "handoffs_sent": 0, "handoffs_received": 0, "finished": 0,
-                         "aborted": 0, "errors": 0}
+                         "aborted": 0, "errors": 0, "preemptions": 0}
 
     # -- queries -------------------------------------------------------------------------------------------------
     @property
@@ -145,11 +135,6 @@ class Scheduler:
         for r in self.requests.values():
             out[r.state.name] += 1
         return out
-
-    def reserved_blocks(self) -> int:
-        """Blocks promised to admitted requests but not yet taken from the pool."""
-        return sum(max(0, r.need_blocks - len(r.seq.block_table)) for r in self.requests.values()
-                   if r.seq is not None)
 
     # -- admission -----------------------------------------------------------------------------------------------
     def add_request(self, msg: AddRequest) -> list[Outbound]:
@@ -173,10 +158,10 @@ class Scheduler:
                                stop_token_ids=params.stop_token_ids, model=self.model)
         view.output_ids = [int(t) for t in msg.output]
         models = [int(m) for m in msg.models]
-        rec = RouteRequest(view, params, models, stats_from_wire(self.num_models, msg.state.get("__stats__"), models))
+        rec = RouteRequest(view, params, models, stats_from_wire(self.num_models, msg.stats, models))
         rec.num_handoffs = msg.num_handoffs
         rec.inc = msg.inc
-        state = {k: v for k, v in msg.state.items() if not k.startswith("__")}
+        state = dict(msg.state)
         view.state = state if (msg.output or msg.handoff is not None or state) else self.alg.init_state(view)
         if msg.handoff is not None:   # standard serving: the switch happened through the front end
             h = msg.handoff
@@ -193,11 +178,12 @@ class Scheduler:
         return self._admit(rec)
 
     def _admit(self, rec: RouteRequest) -> list[Outbound]:
-        need = self.bm.blocks_needed(len(rec.view.prompt_ids) + rec.params.max_tokens)
-        if need > self.bm.num_blocks:
-            return [self._error_out(rec.request_id, f"request needs {need} KV blocks on model {self.model}, the "
-                                    f"pool has {self.bm.num_blocks}")]
-        rec.need_blocks = need
+        """Queue a request; it takes KV only when scheduled. One that could never fit alone is refused."""
+        total = len(rec.view.prompt_ids) + rec.view.max_tokens
+        if self.bm.blocks_needed(total) > self.bm.num_blocks:
+            return [self._error_out(rec.request_id, f"request needs up to {total} tokens of KV on model "
+                                    f"{self.model}, the pool holds {self.bm.num_blocks * self.bm.block_size} "
+                                    f"({self.bm.num_blocks} blocks of {self.bm.block_size})")]
         rec.state = RequestState.WAITING
         self.requests[rec.request_id] = rec
         self.waiting.append(rec.request_id)
@@ -313,47 +299,119 @@ class Scheduler:
 
     # -- the step ------------------------------------------------------------------------------------------------
     def schedule(self) -> list[RouteRequest]:
-        """Admit what fits, then give every RUNNING request the slots its uncomputed tokens need."""
-        free = self.bm.num_free_blocks - self.reserved_blocks()
-        while self.waiting and len(self.running) < self.max_num_seqs:
+        """This step's batch within max_num_batched_tokens: RUNNING requests grow (decodes first, preempting the
+        most recently admitted when the pool is out), then WAITING ones are admitted while blocks and budget last."""
+        budget = self.max_num_batched_tokens
+        batch: list[RouteRequest] = []
+        in_batch: set[str] = set()
+        self.running = [rid for rid in self.running
+                        if rid in self.requests and self.requests[rid].state == RequestState.RUNNING]
+        # decodes first (1 uncomputed token), then catch-ups and prefill chunks, each group in admission order
+        order = sorted(self.running, key=lambda rid: self._uncomputed(self.requests[rid]) > 1)
+        for rid in order:
+            rec = self.requests.get(rid)
+            if budget <= 0 or len(batch) >= self.max_num_seqs:
+                break
+            if rec is None or rec.state != RequestState.RUNNING:
+                continue   # preempted while an earlier request grew
+            n = self._grow(rec, budget, in_batch)
+            if n:
+                batch.append(rec)
+                in_batch.add(rid)
+                budget -= n
+        while self.waiting and len(self.running) < self.max_num_seqs and budget > 0:
             rec = self.requests.get(self.waiting[0])
             if rec is None or rec.state != RequestState.WAITING:
                 self.waiting.popleft()
                 continue
             seq = self.Sequence(rec.request_id, rec.view.prompt_ids + rec.view.output_ids)
-            if rec.need_blocks > free or not self.bm.can_allocate(seq):
-                break
+            end = min(seq.num_tokens, self._cached_tokens(seq) + budget)
+            tail = seq.token_ids[end:]
+            del seq.token_ids[end:]
+            if not self.bm.can_allocate(seq):
+                # Admissions never preempt RUNNING requests, but may take the KV of parked PENDING_RETURN ones:
+                # otherwise two models whose pools are full of requests parked on each other would deadlock.
+                parked = [r for r in self.requests.values()
+                          if r.state == RequestState.PENDING_RETURN and r.seq is not None]
+                if not parked:
+                    break
+                self._preempt(max(parked, key=lambda r: r.admitted_at))
+                continue
             self.waiting.popleft()
             self.bm.allocate(seq)
-            free -= rec.need_blocks
-            rec.seq = seq
+            budget -= seq.num_tokens - seq.num_computed_tokens
+            self._admissions += 1
+            rec.seq, rec.tail, rec.admitted_at = seq, tail or None, self._admissions
             rec.state = RequestState.RUNNING
             self.running.append(rec.request_id)
             self.counters["admissions"] += 1
-        batch = []
-        for rid in self.running:
-            rec = self.requests[rid]
-            seq = rec.seq
-            if seq.num_computed_tokens >= seq.num_tokens:
-                # Nothing new since the last run (e.g. the peer returned zero tokens): recompute the last position
-                # to get its logits again. Same values are rewritten into the same slot.
-                seq.num_computed_tokens = seq.num_tokens - 1
-            self.bm.append_slots(seq)   # cannot fail: admission reserved the worst case
             batch.append(rec)
         return batch
+
+    @staticmethod
+    def _uncomputed(rec: RouteRequest) -> int:
+        return rec.seq.num_tokens - rec.seq.num_computed_tokens
+
+    def _cached_tokens(self, seq) -> int:
+        """Prefix-cache hits `allocate` would give `seq` (the chunk's budget starts after them)."""
+        hits = getattr(self.bm, "_cache_hits", None)
+        return len(hits(seq)) * self.bm.block_size if hits is not None else 0
+
+    def _grow(self, rec: RouteRequest, budget: int, in_batch: set[str]) -> int:
+        """Blocks for a RUNNING request's next chunk (<= budget tokens); preempts others (or itself) when the pool
+        is out. Returns the tokens scheduled, 0 when it was preempted."""
+        seq = rec.seq
+        if seq.num_computed_tokens >= seq.num_tokens:
+            # Nothing new since the last run (e.g. the peer returned zero tokens): recompute the last position
+            # to get its logits again. Same values are rewritten into the same slot.
+            seq.num_computed_tokens = seq.num_tokens - 1
+        n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+        end = seq.num_computed_tokens + n
+        while self.bm.blocks_needed(end) - len(seq.block_table) > self.bm.num_free_blocks:
+            victims = [r for r in self.requests.values()
+                       if r.seq is not None and r is not rec and r.request_id not in in_batch]
+            if not victims:
+                self._preempt(rec)
+                return 0
+            self._preempt(max(victims, key=lambda r: r.admitted_at))
+        if end < seq.num_tokens:
+            rec.tail = seq.token_ids[end:]
+            del seq.token_ids[end:]
+        self.bm.append_slots(seq)
+        return n
+
+    def _preempt(self, rec: RouteRequest) -> None:
+        """Free a request's blocks (recompute later). RUNNING -> front of WAITING; PENDING_RETURN stays, without KV,
+        and re-admits through WAITING when it returns (see the module docstring)."""
+        self._free_seq(rec)
+        self.counters["preemptions"] += 1
+        if rec.state == RequestState.RUNNING:
+            rec.state = RequestState.WAITING
+            if rec.request_id in self.running:
+                self.running.remove(rec.request_id)
+            self.waiting.appendleft(rec.request_id)
 
     def update_from_output(self, batch: list[RouteRequest], out) -> list[Outbound]:
         """Sample one token per request and act on the routing decision."""
         self.counters["steps"] += 1
         self.counters["batched_seqs"] += len(batch)
-        if not batch:
+        rows = []   # batch rows whose sequence is complete: only these sample
+        for i, rec in enumerate(batch):
+            if rec.tail is not None:   # a prefill chunk: restore the held-back tokens, sample nothing
+                rec.seq.token_ids.extend(rec.tail)
+                rec.tail = None
+            else:
+                rows.append(i)
+        if not rows:
             return []
-        positions = [len(r.view.output_ids) for r in batch]
-        tokens = self.sample_fn(out.logits, [r.params for r in batch], positions)
+        logits = out.logits if len(rows) == len(batch) else out.logits[rows]
+        positions = [len(batch[i].view.output_ids) for i in rows]
+        tokens = self.sample_fn(logits, [batch[i].params for i in rows], positions)
         hidden = getattr(out, "hidden", None)
         sends: list[Outbound] = []
-        for i, rec in enumerate(batch):
-            result = StepResult(rec.request_id, self.model, positions[i], int(tokens[i]), out.logits[i],
+        for j, i in enumerate(rows):
+            rec = batch[i]
+            result = StepResult(rec.request_id, self.model, positions[j], int(tokens[j]), out.logits[i],
                                 None if hidden is None else hidden[i])
             try:
                 sends += self._route_one(rec, result)
@@ -482,12 +540,10 @@ class Scheduler:
     def _yield(self, rec: RouteRequest, next_model: int, h: Handoff | None,
                finish_reason: str | None = None) -> list[Outbound]:
         view = rec.view
-        state = dict(view.state)
-        state["__stats__"] = stats_to_wire(rec.stats)
         msg = Yield(rec.request_id, self.model, list(view.prompt_ids), list(view.output_ids), list(rec.models),
-                    state, params_to_wire(rec.params), rec.num_handoffs, next_model, finish_reason, h, rec.inc)
-        if finish_reason is not None:
-            msg.state["__final_stats__"] = self._final_stats(rec)
+                    dict(view.state), params_to_wire(rec.params), rec.num_handoffs, next_model, finish_reason, h,
+                    rec.inc, stats=stats_to_wire(rec.stats),
+                    final_stats=None if finish_reason is None else self._final_stats(rec))
         self._drop(rec, RequestState.FINISHED, tombstone=False)
         return [Outbound(FRONTEND, msg)]
 
@@ -516,12 +572,6 @@ class Scheduler:
 
     def release(self, msg: Release) -> None:
         self.abort(msg.request_id, msg.reason, msg.inc)
-
-    def abort_all(self, reason: str = "abort") -> list[str]:
-        rids = list(self.requests)
-        for rid in rids:
-            self.abort(rid, reason)
-        return rids
 
     def _drop(self, rec: RouteRequest, state: RequestState, tombstone: bool = True) -> None:
         rec.state = state

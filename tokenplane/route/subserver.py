@@ -11,6 +11,12 @@ Each turn of the loop drains both sockets without blocking, runs at most one ste
 a timeout) only when it did not step. A step never waits for a peer: a request that left is PENDING_RETURN and the
 others keep decoding.
 
+Liveness is a separate heartbeat thread with its own zmq context and socket: a Heartbeat every heartbeat_s whatever
+the step does, carrying the current step's start (the supervisor kills a step older than step_timeout_s) and the
+load the loop last published (KV blocks, waiting / running / pending). The thread reads two attributes the loop
+assigns (`step_started`, `load`) and touches nothing else. Steps stay short because the scheduler chunks prefills
+to max_num_batched_tokens tokens per step.
+
 Outgoing messages collect in an outbox and leave as one frame per destination (a ZeroMQ send wakes the library's I/O
 thread, ~0.1 ms here, so one per request per step was a visible share of a 6 ms step). They are sent while the next
 launched step runs when the runner can launch (the latency-model runner, like an accelerator), right after the step
@@ -31,9 +37,12 @@ Execution modes are flags of this loop, not separate loops:
 
 from __future__ import annotations
 
+import dataclasses
 import os
+import threading
 import time
 import traceback
+from dataclasses import dataclass, field
 from typing import Any
 
 import zmq
@@ -41,46 +50,81 @@ import zmq
 from .handoff import Inbox, bind_pull, connect_push, drain, send, send_many
 from .messages import (Abort, AddRequest, Configure, Error, HandoffMsg, Heartbeat, PeerRestarted, PeerStatus, Peers, Ready,
                        Release, Shutdown, StatsQuery, StatsReply, StepDone, StepGrant)
+from .params import eos_token_ids
 from .scheduler import FRONTEND, Scheduler
+from .states import RequestState
 
 SYNC_MODES = ("stepwise_sync", "model_sync")
 MODES = ("stepwise_sync", "model_sync", "immediate_async", "delayed_async")
 
 
-def build_runner(spec: dict[str, Any]):
-    """(runner, nn.Module or None) for this model, per spec["runner"]."""
+@dataclass
+class SubServerSpec:
+    """Everything a sub-server process is started with (the spawn argument; never on the wire). Built by the
+    runtime's supervisor from RuntimeConfig; defaults are RuntimeConfig's."""
+    model: int
+    num_models: int
+    source: Any                         # preset name | HF config dict | checkpoint dir | latency-model dict
+    frontend: str                       # the front end's inbox address
+    generation: int                     # restarts of this model so far + 1 (names its sockets)
+    transport: str = "ipc"
+    ipc_dir: str | None = None
+    seed: int = 0
+    device: str = "cpu"
+    dtype: str = "float32"
+    num_blocks: int = 512
+    block_size: int = 16
+    runner: str = "torch"
+    algorithm: str = "r2r"
+    algorithm_kwargs: dict[str, Any] = field(default_factory=dict)
+    mode: str = "delayed_async"
+    pending_return: bool = True
+    standard_serving: bool = False
+    thresholds: list[int] = field(default_factory=list)
+    concurrency: int = 8
+    max_delay_s: float = 0.2
+    grant_timeout_s: float = 30.0
+    heartbeat_s: float = 0.5
+    threads: int = 1
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    enforce_eager: bool = False
+
+
+def build_runner(spec: SubServerSpec):
+    """(runner, nn.Module or None) for this model, per spec.runner."""
     import torch
-    dtype = getattr(torch, spec["dtype"])
-    if spec["runner"] == "latency-model":
+    dtype = getattr(torch, spec.dtype)
+    if spec.runner == "latency-model":
         from tokenplane.engine.latency_runner import LatencyFit, LatencyModelRunner, preset
-        kw = dict(spec["source"]) if isinstance(spec["source"], dict) else {}
+        kw = dict(spec.source) if isinstance(spec.source, dict) else {}
         lat = kw.pop("latency", None)
         if isinstance(lat, str):   # "preset:index", e.g. "seed-r2r:1"
             name, _, idx = lat.partition(":")
-            lat = preset(name)[int(idx or spec["model"])]
+            lat = preset(name)[int(idx or spec.model)]
         elif isinstance(lat, dict):
             lat = LatencyFit.from_dict(lat)
         else:
             raise ValueError("latency-model runner: each model source must be a dict with a 'latency' entry "
                              "(LatencyFit dict or 'preset:index')")
-        kw.setdefault("seed", spec["model"])
-        runner = LatencyModelRunner(lat, num_blocks=spec["num_blocks"], block_size=spec["block_size"], dtype=dtype,
+        kw.setdefault("seed", spec.model)
+        runner = LatencyModelRunner(lat, num_blocks=spec.num_blocks, block_size=spec.block_size, dtype=dtype,
                                     **kw)
         return runner, None
-    if spec["runner"] != "torch":
-        raise ValueError(f"runner must be 'torch' or 'latency-model', got {spec['runner']!r}")
+    if spec.runner != "torch":
+        raise ValueError(f"runner must be 'torch' or 'latency-model', got {spec.runner!r}")
     from tokenplane.engine.loader import load_model
     from tokenplane.engine.model_runner import ModelRunner
-    cfg, model = load_model(spec["source"], device=spec["device"], dtype=dtype, seed=spec["seed"])
-    runner = ModelRunner(model, cfg, num_blocks=spec["num_blocks"], block_size=spec["block_size"],
-                         device=spec["device"], dtype=dtype, enforce_eager=spec.get("enforce_eager", False),
-                         max_num_seqs=spec.get("max_num_seqs", 256))
+    cfg, model = load_model(spec.source, device=spec.device, dtype=dtype, seed=spec.seed)
+    runner = ModelRunner(model, cfg, num_blocks=spec.num_blocks, block_size=spec.block_size,
+                         device=spec.device, dtype=dtype, enforce_eager=spec.enforce_eager,
+                         max_num_seqs=spec.max_num_seqs)
     return runner, model
 
 
-def build_algorithm(spec: dict[str, Any]):
+def build_algorithm(spec: SubServerSpec):
     from tokenplane.route.algorithms import make_algorithm
-    return make_algorithm(spec["algorithm"], **spec["algorithm_kwargs"])
+    return make_algorithm(spec.algorithm, **spec.algorithm_kwargs)
 
 
 def nothing_else_can_run(model: int, num_ready: int, sent: list[int], received: list[int],
@@ -111,14 +155,14 @@ def nothing_else_can_run(model: int, num_ready: int, sent: list[int], received: 
 
 
 class SubServer:
-    def __init__(self, spec: dict[str, Any]):
+    def __init__(self, spec: SubServerSpec):
         self.spec = spec
-        self.model = int(spec["model"])
-        self.num_models = int(spec["num_models"])
-        self.mode = spec["mode"]
+        self.model = int(spec.model)
+        self.num_models = int(spec.num_models)
+        self.mode = spec.mode
         self.ppid = os.getppid()
         self.ctx = zmq.Context()
-        self.front = connect_push(self.ctx, spec["frontend"])
+        self.front = connect_push(self.ctx, spec.frontend)
         self.peers: dict[int, zmq.Socket] = {}
         self.sent = [0] * self.num_models       # HandoffMsgs sent to each model (sync barrier counts)
         self.received = [0] * self.num_models   # HandoffMsgs received from each model
@@ -136,34 +180,62 @@ class SubServer:
         self.trace: list | None = [] if os.environ.get("TOKENPLANE_TRACE_DIR") else None
 
         import torch
-        torch.set_num_threads(int(spec.get("threads", 1)))
+        torch.set_num_threads(int(spec.threads))
         self.runner, module = build_runner(spec)
         self.algorithm = build_algorithm(spec)
         if self.algorithm.num_models != self.num_models:
-            raise ValueError(f"algorithm {spec['algorithm']} drives {self.algorithm.num_models} models, the runtime "
+            raise ValueError(f"algorithm {spec.algorithm} drives {self.algorithm.num_models} models, the runtime "
                              f"has {self.num_models}")
         self.module = module
         self.algorithm.attach(self.model, module)
         self.scheduler = Scheduler(self.model, self.num_models, self.runner.block_manager, self.algorithm,
-                                   pending_return=spec["pending_return"], standard_serving=spec["standard_serving"],
-                                   max_num_seqs=spec.get("max_num_seqs", 256))
+                                   pending_return=spec.pending_return, standard_serving=spec.standard_serving,
+                                   max_num_seqs=spec.max_num_seqs,
+                                   max_num_batched_tokens=spec.max_num_batched_tokens)
         self.policy = None
         self._set_policy()
-        tag = f"{self.model}.{spec['generation']}"
-        self.client_sock, client_addr = bind_pull(self.ctx, spec["transport"], spec["ipc_dir"], f"c{tag}")
-        self.peer_sock, peer_addr = bind_pull(self.ctx, spec["transport"], spec["ipc_dir"], f"p{tag}")
+        tag = f"{self.model}.{spec.generation}"
+        self.client_sock, client_addr = bind_pull(self.ctx, spec.transport, spec.ipc_dir, f"c{tag}")
+        self.peer_sock, peer_addr = bind_pull(self.ctx, spec.transport, spec.ipc_dir, f"p{tag}")
         self.inbox = Inbox({"client": self.client_sock, "peer": self.peer_sock})
         cfg = getattr(self.runner, "cfg", None)
-        eos = getattr(cfg, "eos_token_id", None)
-        eos = [] if eos is None else [int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos])]
         max_len = getattr(cfg, "max_position_embeddings", None)
+        # Liveness is the heartbeat thread's job, so it does not depend on how long a step takes; it reads only
+        # these two plain attributes (assignments are atomic), written by the loop.
+        self.step_started: float | None = None   # time.monotonic() when the current step began
+        self.load = (0, 0, 0, 0, self.runner.block_manager.num_blocks)   # waiting, running, pending, used, total
+        self._hb_stop = threading.Event()
+        self._hb = threading.Thread(target=self._heartbeat_loop, name=f"heartbeat-{self.model}", daemon=True)
+        self._hb.start()
         send(self.front, Ready(self.model, os.getpid(), client_addr, peer_addr, self.runner.block_manager.num_blocks,
-                               self.runner.block_manager.block_size, eos, None if max_len is None else int(max_len)))
+                               self.runner.block_manager.block_size, eos_token_ids(cfg),
+                               None if max_len is None else int(max_len)))
+
+    def _heartbeat_loop(self) -> None:
+        """Heartbeat thread: its own context and socket (zmq sockets are not thread-safe), a Heartbeat every
+        heartbeat_s whatever the loop is doing, with the loop's latest load and the current step's start."""
+        ctx = zmq.Context()
+        sock = connect_push(ctx, self.spec.frontend)
+        pid = os.getpid()
+        try:
+            while True:
+                w, r, p, used, total = self.load
+                send(sock, Heartbeat(self.model, pid, time.time(), w, r, p, self.step_started, used, total))
+                if self._hb_stop.wait(self.spec.heartbeat_s):
+                    break
+        finally:
+            sock.close(0)
+            ctx.term()
+
+    def _update_load(self) -> None:
+        s, bm = self.scheduler, self.runner.block_manager
+        pending = sum(r.state == RequestState.PENDING_RETURN for r in s.requests.values())
+        self.load = (len(s.waiting), len(s.running), pending, bm.num_used_blocks, bm.num_blocks)
 
     # -- the event loop ------------------------------------------------------------------------------------------
     def serve(self) -> None:
-        hb_every = float(self.spec.get("heartbeat_s", 0.5))
-        next_hb = 0.0
+        load_every = min(0.1, self.spec.heartbeat_s / 2)
+        next_load = 0.0
         while not self.stopping:
             if os.getppid() != self.ppid:   # the front end died: nobody can use our results
                 break
@@ -173,20 +245,20 @@ class SubServer:
                 break
             ran = self._decode_service()
             now = time.monotonic()
-            if now >= next_hb:
-                s = self.scheduler
-                send(self.front, Heartbeat(self.model, os.getpid(), time.time(), len(s.waiting), len(s.running),
-                                           s.count_states()["PENDING_RETURN"]))
-                next_hb = now + hb_every
+            if not ran or now >= next_load:   # idle: cheap and current; busy: a few times per heartbeat
+                self._update_load()
+                next_load = now + load_every
             if not ran:
                 self._flush()   # nothing will run: send what the handlers produced before blocking
                 t = time.perf_counter()
-                self.inbox.wait(self._idle_timeout(next_hb - now))
+                self.inbox.wait(self._idle_timeout())
                 self.idle_time += time.perf_counter() - t
+        self._hb_stop.set()
+        self._hb.join(2)
         self._flush()
         if self.trace is not None:
             import json
-            path = os.path.join(os.environ["TOKENPLANE_TRACE_DIR"], f"model{self.model}.{self.spec['generation']}.json")
+            path = os.path.join(os.environ["TOKENPLANE_TRACE_DIR"], f"model{self.model}.{self.spec.generation}.json")
             with open(path, "w") as f:
                 json.dump(self.trace, f)
         self.inbox.close()
@@ -195,17 +267,17 @@ class SubServer:
             s.close(0)
         self.ctx.term()
 
-    def _idle_timeout(self, until_hb: float) -> float:
-        t = max(0.0, until_hb)
+    def _idle_timeout(self) -> float:
+        t = 0.5
         if self.ready_since is not None:
-            t = min(t, max(0.0, self.ready_since + float(self.spec["max_delay_s"]) - time.monotonic()))
+            t = min(t, max(0.0, self.ready_since + float(self.spec.max_delay_s) - time.monotonic()))
         return min(t, 0.5)
 
     def _set_policy(self) -> None:
         self.policy = None
         if self.mode == "delayed_async":
             from tokenplane.route.batching import BatchPolicy
-            self.policy = BatchPolicy(list(self.spec["thresholds"]), int(self.spec["concurrency"]))
+            self.policy = BatchPolicy(list(self.spec.thresholds), int(self.spec.concurrency))
         self.published = None
         self.ready_since = None
 
@@ -215,10 +287,12 @@ class SubServer:
             raise RuntimeError(f"configure needs an idle model; {len(s.requests)} requests are live")
         if msg.mode not in MODES:
             raise ValueError(f"unknown mode {msg.mode!r}")
-        self.spec.update(mode=msg.mode, pending_return=msg.pending_return, standard_serving=msg.standard_serving,
-                         thresholds=list(msg.thresholds), concurrency=msg.concurrency, max_delay_s=msg.max_delay_s)
+        self.spec = dataclasses.replace(self.spec, mode=msg.mode, pending_return=msg.pending_return,
+                                        standard_serving=msg.standard_serving, thresholds=list(msg.thresholds),
+                                        concurrency=msg.concurrency, max_delay_s=msg.max_delay_s)
         if msg.algorithm is not None:
-            self.spec.update(algorithm=msg.algorithm, algorithm_kwargs=dict(msg.algorithm_kwargs or {}))
+            self.spec = dataclasses.replace(self.spec, algorithm=msg.algorithm,
+                                            algorithm_kwargs=dict(msg.algorithm_kwargs or {}))
             self.algorithm = build_algorithm(self.spec)
             self.algorithm.attach(self.model, self.module)
             s.alg = self.algorithm
@@ -262,11 +336,11 @@ class SubServer:
             counters.update(step_time_s=self.step_time, step_wall_s=self.step_wall, idle_s=self.idle_time,
                             wall_s=time.perf_counter(), prefix_hit_tokens=getattr(bm, "num_hit_tokens", 0),
                             flags={"mode": self.mode, "pending_return": s.pending_return,
-                                   "standard_serving": s.standard_serving, "algorithm": self.spec["algorithm"]})
+                                   "standard_serving": s.standard_serving, "algorithm": self.spec.algorithm})
             if self.policy is not None:
                 counters["policy"] = self.policy.to_dict()
             self._to(FRONTEND, StatsReply(self.model, msg.token, bm.num_blocks, bm.num_free_blocks,
-                                          bm.num_used_blocks, s.reserved_blocks(), s.count_states(), counters))
+                                          bm.num_used_blocks, s.counters["preemptions"], s.count_states(), counters))
         elif isinstance(msg, Configure):
             self._configure(msg)
         elif isinstance(msg, Shutdown):
@@ -300,10 +374,10 @@ class SubServer:
             if g is None:
                 return False
             if any(self.received[k] < g.expected[k] for k in range(self.num_models)):
-                if time.monotonic() - self.grant_time < float(self.spec["grant_timeout_s"]):
+                if time.monotonic() - self.grant_time < float(self.spec.grant_timeout_s):
                     return False   # a counted handoff is still in flight: drain it before stepping
                 send(self.front, Error(None, f"model {self.model}: step grant {g.round} waited "
-                                       f"{self.spec['grant_timeout_s']} s for handoffs {g.expected}, got "
+                                       f"{self.spec.grant_timeout_s} s for handoffs {g.expected}, got "
                                        f"{self.received}; stepping anyway", self.model))
             ran = self._step() if s.has_work() else False
             self.grant = None
@@ -324,7 +398,7 @@ class SubServer:
             # The count-based check runs only below threshold (it is the only case that reads it).
             launch = self.policy.should_launch(self.model, n, False, num_live) or (
                 self._nothing_else_can_run(n) and self.policy.should_launch(self.model, n, True, num_live))
-            if not launch and now - self.ready_since >= float(self.spec["max_delay_s"]):
+            if not launch and now - self.ready_since >= float(self.spec.max_delay_s):
                 launch = True   # backstop against a lost status message; counted as forced
                 s.counters["backstop_launches"] = s.counters.get("backstop_launches", 0) + 1
                 self.policy.launches[self.model] += 1
@@ -356,6 +430,13 @@ class SubServer:
                 send(sock, PeerStatus(self.model, active, ready, list(self.sent), list(self.received)))
 
     def _step(self) -> bool:
+        self.step_started = time.monotonic()
+        try:
+            return self._run_step()
+        finally:
+            self.step_started = None
+
+    def _run_step(self) -> bool:
         t_step = time.perf_counter()
         s = self.scheduler
         batch = s.schedule()
@@ -433,16 +514,16 @@ class SubServer:
         self._to(FRONTEND, Error(rid, f"model {self.model}: {type(exc).__name__}: {exc}\n{tb}", self.model))
 
 
-def main(spec: dict[str, Any]) -> None:
+def main(spec: SubServerSpec) -> None:
     """Process entry point (multiprocessing spawn target)."""
     try:
         server = SubServer(spec)
     except Exception as exc:
         ctx = zmq.Context()
-        sock = connect_push(ctx, spec["frontend"])
+        sock = connect_push(ctx, spec.frontend)
         sock.setsockopt(zmq.LINGER, 2000)
-        send(sock, Error(None, f"model {spec['model']} failed to start: {type(exc).__name__}: {exc}\n"
-                         f"{traceback.format_exc(limit=6)}", int(spec["model"]), fatal=True))
+        send(sock, Error(None, f"model {spec.model} failed to start: {type(exc).__name__}: {exc}\n"
+                         f"{traceback.format_exc(limit=6)}", int(spec.model), fatal=True))
         sock.close()
         ctx.term()
         raise SystemExit(1)
@@ -455,7 +536,7 @@ def main(spec: dict[str, Any]) -> None:
     try:
         prof.runcall(server.serve)
     finally:
-        prof.dump_stats(os.path.join(prof_dir, f"model{server.model}.{spec['generation']}.prof"))
+        prof.dump_stats(os.path.join(prof_dir, f"model{server.model}.{spec.generation}.prof"))
 
 
 __all__ = ["MODES", "SYNC_MODES", "SubServer", "build_algorithm", "build_runner", "main", "nothing_else_can_run"]

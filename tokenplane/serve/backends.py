@@ -31,11 +31,15 @@ DEFAULT_CALIBRATION_PROMPTS = [
 ]
 
 
+TokenLogprob = tuple[float, list[tuple[int, float]]]   # (logprob of the token, top (id, logprob) alternatives)
+
+
 @dataclass
 class Chunk:
     token_ids: list[int]
     finish_reason: str | None = None
     stats: dict[str, Any] | None = None
+    logprobs: list[TokenLogprob] | None = None   # parallel to token_ids when the request asked for logprobs
 
 
 @dataclass
@@ -135,6 +139,8 @@ class InProcessBackend:
                             break
                         if isinstance(event, RouteOutput):
                             put(Chunk([], event.finish_reason, event.stats.to_dict()))
+                        elif event.logprob is not None:
+                            put(Chunk([event.token], logprobs=[(event.logprob, event.top_logprobs or [])]))
                         else:
                             put(Chunk([event.token]))
                 except BaseException as exc:   # surfaced to the awaiting handler
@@ -195,7 +201,7 @@ class RuntimeBackend:
         health = getattr(self.runtime, "health", None)
         if health is None:
             return BackendHealth([ModelStatus(f"model{i}", "ready") for i in range(self.runtime.num_models)])
-        now = time.monotonic()
+        now = time.time()   # ModelHealth.down_since is wall-clock time
         models = []
         for h in health():
             state = getattr(h.state, "name", str(h.state)).lower()
@@ -210,7 +216,9 @@ class RuntimeBackend:
         from tokenplane.route import errors as route_errors
         try:
             async for c in self.runtime.generate(list(prompt_ids), params, request_id=request_id):
-                yield Chunk(list(c.tokens), c.finish_reason, c.stats)
+                lps = getattr(c, "logprobs", None)
+                yield Chunk(list(c.tokens), c.finish_reason, c.stats,
+                            [(float(lp), [(int(i), float(v)) for i, v in top]) for lp, top in lps] if lps else None)
         except route_errors.RequestRejected as exc:
             raise InvalidRequest(str(exc), param=exc.param) from None
         except route_errors.Overloaded as exc:

@@ -37,6 +37,8 @@ def main_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--verify-rate", type=float, default=0.0, help="shadow-verify this fraction of tokenize "
                         "requests against a fresh reference encoder")
     parser.add_argument("--no-calibration-cache", action="store_true", help="recalibrate even when cached")
+    parser.add_argument("--no-sessions", action="store_true", help="tokenize every prompt from scratch instead of "
+                        "repairing the conversation's session (a baseline)")
     parser.add_argument("--log-level", default="info")
 
 
@@ -58,7 +60,8 @@ def main(args: argparse.Namespace) -> int:
     limits = Limits(max_body_bytes=int(args.max_body_mb * (1 << 20)), max_prompt_chars=args.max_prompt_chars,
                     max_queued=args.max_queued, session_ttl_s=args.session_ttl, max_sessions=args.max_sessions,
                     session_bytes=int(args.session_mb * (1 << 20)), max_session_chars=args.max_session_chars,
-                    verify_rate=args.verify_rate, api_key=args.api_key or os.environ.get("TOKENPLANE_API_KEY"))
+                    verify_rate=args.verify_rate, api_key=args.api_key or os.environ.get("TOKENPLANE_API_KEY"),
+                    conversation_sessions=not args.no_sessions)
     kind = args.backend or "process"
     _progress(f"loading tokenizer {cfg.tokenizer}")
     tokenizer = tokenplane.load(cfg.tokenizer)

@@ -2,7 +2,7 @@
 its longest known prefix, so a growing context costs O(new text) in tokenization, and the IDs stay exactly those of
 a full encode.
 
-Lookup. A prompt arrives as pieces (chat: one rendered piece per message; completions: 4K-character blocks). A chain
+Lookup. A prompt (a completions prompt, or a chat rendered by its template) is cut into 1K-character blocks. A chain
 of hashes over the pieces, h_k = hash((h_{k-1}, hash(piece_k))), keys an index of live sessions: the largest k whose
 h_k is known names the session to use. Hashing reads each character once at memory speed, with no tokenization;
 the key is only a lookup hint: the session's `sync` compares the stored text with the new one itself (a buffer
@@ -25,13 +25,14 @@ import numpy as np
 
 from .tokenize_service import SessionEntry, SessionStore
 
-BLOCK_CHARS = 4096   # completions prompts are hashed in blocks of this many characters
+BLOCK_CHARS = 1024   # prompts are hashed in blocks of this many characters; shorter ones are encoded directly
 
 
 @dataclass
 class TokenizationReport:
     """What the response's `tokenization` field says about how the prompt's IDs were obtained."""
-    path: str                 # "session" (repaired a live session) | "new_session" | "bypass" (full encode)
+    path: str                 # "session" (repaired a live session) | "new_session" | "bypass" (too short, or quotes
+                              # control tokens: encoded directly) | "full_encode" (sessions turned off)
     reused_tokens: int        # tokens kept from the session's previous IDs
     new_tokens: int           # tokens produced by this request's repair or encode
     time_ms: float            # tokenization time in the server (lookup + repair or encode)
@@ -60,11 +61,12 @@ def blocks(text: str, size: int = BLOCK_CHARS) -> list[str]:
 class ConversationCache:
     """Sessions keyed by prompt-prefix hashes, for one tokenizer and one allowed-special set."""
 
-    def __init__(self, tokenizer: Any, store: SessionStore, *, allowed_special: Sequence[str] = (),
-                 min_chars: int = 0) -> None:
+    def __init__(self, tokenizer: Any, store: SessionStore, *, allowed_special: str | Sequence[str] = (),
+                 min_chars: int = BLOCK_CHARS) -> None:
         self.tokenizer = tokenizer
         self.store = store
-        self.allowed = tuple(allowed_special)
+        self.allowed: str | tuple[str, ...] = allowed_special if isinstance(allowed_special, str) \
+            else tuple(allowed_special)
         self.min_chars = min_chars            # shorter prompts are encoded directly (a session would not pay)
         self._index: dict[int, str] = {}      # prefix hash -> session id
         self._keys: dict[str, list[int]] = {}  # session id -> its hashes in the index
@@ -100,7 +102,8 @@ class ConversationCache:
                     self._index[key] = entry.id
                     known.append(key)
 
-    def encode(self, text: str, pieces: Sequence[str], salt: str | None = None) -> tuple[np.ndarray, TokenizationReport]:
+    def encode(self, text: str, pieces: Sequence[str],
+               salt: str | None = None) -> tuple[np.ndarray, TokenizationReport]:
         """IDs of `text` (== tokenizer.encode(text, allowed_special=self.allowed)). `pieces` are consecutive
         prefixes' increments of `text` (their concatenation is a prefix of it)."""
         t0 = time.perf_counter()

@@ -21,8 +21,8 @@ from typing import Any, AsyncGenerator, AsyncIterator, Callable, Sequence, TypeV
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from .backends import Backend
-from .chat import ChatTemplate
+from .backends import Backend, TokenLogprob
+from .chat import ChatTemplate, template_for
 from .config import Limits
 from .conversations import ConversationCache, TokenizationReport, blocks
 from .errors import APIError, InvalidRequest, NotFound, PayloadTooLarge
@@ -54,15 +54,17 @@ class Event:
     finish_reason: str | None
     stats: dict[str, Any] | None
     completion_tokens: int
+    logprobs: list[tuple[int, TokenLogprob]] | None = None   # (token, its logprob entry) since the last event
 
 
 class OpenAIServer:
     def __init__(self, backend: Backend, tokenizer: Any, *, model_name: str, limits: Limits,
-                 metrics: Metrics | None = None, default_max_tokens: int = 16) -> None:
+                 metrics: Metrics | None = None, default_max_tokens: int = 16,
+                 chat_template: ChatTemplate | None = None) -> None:
         self.backend, self.tokenizer, self.model_name = backend, tokenizer, model_name
         self.limits, self.metrics = limits, metrics
         self.default_max_tokens = default_max_tokens
-        self.chat = ChatTemplate(tokenizer)
+        self.chat = chat_template or template_for(tokenizer)
         self.created = int(time.time())
         self._cpu = ThreadPoolExecutor(max_workers=2, thread_name_prefix="tokenplane-text")
         self.chat_sessions: ConversationCache | None = None
@@ -70,8 +72,7 @@ class OpenAIServer:
 
     def use_sessions(self, store: Any) -> None:
         """Tokenize prompts through conversation sessions kept in `store` (the tokenize service's SessionStore)."""
-        from .chat import CHATML_SPECIALS
-        self.chat_sessions = ConversationCache(self.tokenizer, store, allowed_special=CHATML_SPECIALS)
+        self.chat_sessions = ConversationCache(self.tokenizer, store, allowed_special="all")
         self.prompt_sessions = ConversationCache(self.tokenizer, store)
 
     def close(self) -> None:
@@ -99,7 +100,9 @@ class OpenAIServer:
         if not isinstance(req.prompt, str):
             return list(req.prompt), None
         if self.prompt_sessions is None:
-            return self.tokenizer.encode(req.prompt).tolist(), None
+            t0 = time.perf_counter()
+            direct = self.tokenizer.encode(req.prompt)
+            return direct.tolist(), TokenizationReport("full_encode", 0, len(direct), (time.perf_counter() - t0) * 1e3)
         ids, report = self.prompt_sessions.encode(req.prompt, blocks(req.prompt), req.conversation_key)
         return ids.tolist(), report
 
@@ -107,12 +110,11 @@ class OpenAIServer:
         messages = [(m.role, m.text()) for m in req.messages]
         if self.chat_sessions is None or self.chat.quotes_specials(messages):
             t0 = time.perf_counter()
-            ids = self.chat.encode(messages)
-            return ids, TokenizationReport("bypass", 0, len(ids), (time.perf_counter() - t0) * 1e3)
-        segments = self.chat.segments(messages)
-        pieces = ["".join(t for t, _ in segments[3 * i:3 * i + 3]) for i in range(len(messages))]
-        text = "".join(pieces) + "".join(t for t, _ in segments[3 * len(messages):])
-        ids, report = self.chat_sessions.encode(text, pieces, req.conversation_key)
+            direct = self.chat.encode(messages)
+            path = "bypass" if self.chat_sessions is not None else "full_encode"
+            return direct, TokenizationReport(path, 0, len(direct), (time.perf_counter() - t0) * 1e3)
+        text = self.chat.render(messages)
+        ids, report = self.chat_sessions.encode(text, blocks(text), req.conversation_key)
         return ids.tolist(), report
 
     def jobs(self, req: Any, prompt_ids: list[int], extra_stop_ids: Sequence[int] = (),
@@ -140,9 +142,10 @@ class OpenAIServer:
             max_tokens = min(max_tokens, limit - n_prompt)
         out = []
         for i in range(req.n):
-            seed = None if req.seed is None else (req.seed + i) & ((1 << 64) - 1)
+            seed = None if req.seed is None else (req.seed + i) % (1 << 63)   # the runtime's seed range
             params = SamplingParams(temperature=req.temperature, top_p=req.top_p, max_tokens=max_tokens, seed=seed,
-                                    stop_token_ids=tuple(extra_stop_ids), ignore_eos=req.ignore_eos)
+                                    stop_token_ids=tuple(extra_stop_ids), ignore_eos=req.ignore_eos,
+                                    logprobs=req.num_logprobs)
             out.append(Job(prompt_ids, params, req.stops, tokenization))
         return out
 
@@ -150,6 +153,7 @@ class OpenAIServer:
     async def events(self, job: Job, request_id: str) -> AsyncGenerator[Event, None]:
         text = TextStream(self.tokenizer, job.stop)
         n = 0
+        lps: list[tuple[int, TokenLogprob]] | None = [] if job.params.logprobs is not None else None
         t0 = time.perf_counter()
         backend_done = False   # the backend finished the request itself; otherwise it must be told to stop
         try:
@@ -158,18 +162,21 @@ class OpenAIServer:
                     if n == 0 and chunk.token_ids and self.metrics is not None:
                         self.metrics.ttft.observe(time.perf_counter() - t0)
                     n += len(chunk.token_ids)
+                    if lps is not None and chunk.logprobs:
+                        lps.extend(zip(chunk.token_ids, chunk.logprobs))
                     delta = text.push(chunk.token_ids)
                     backend_done = chunk.finish_reason is not None
                     if text.stopped:   # a stop string: the text ends before it, whatever the backend says
-                        yield Event(delta, "stop", chunk.stats, n)
+                        yield Event(delta, "stop", chunk.stats, n, lps)
                         return
                     if chunk.finish_reason is not None:
-                        yield Event(delta + text.flush(), chunk.finish_reason, chunk.stats, n)
+                        yield Event(delta + text.flush(), chunk.finish_reason, chunk.stats, n, lps)
                         return
                     if delta:
-                        yield Event(delta, None, None, n)
+                        yield Event(delta, None, None, n, lps)
+                        lps = [] if lps is not None else None
             backend_done = True
-            yield Event(text.flush(), "stop", None, n)
+            yield Event(text.flush(), "stop", None, n, lps)
         finally:
             if not backend_done:   # client went away, stop string, or an error: free the request's resources
                 self.backend.abort(request_id)
@@ -182,13 +189,16 @@ class OpenAIServer:
 
     async def _collect(self, job: Job, rid: str) -> Event:
         parts: list[str] = []
+        lps: list[tuple[int, TokenLogprob]] | None = None
         final = Event("", "stop", None, 0)
         async for ev in self.events(job, rid):
             parts.append(ev.delta)
+            if ev.logprobs is not None:
+                lps = (lps or []) + ev.logprobs
             if ev.finish_reason is not None:
                 final = ev
         self._record(final)
-        return Event("".join(parts), final.finish_reason, final.stats, final.completion_tokens)
+        return Event("".join(parts), final.finish_reason, final.stats, final.completion_tokens, lps)
 
     async def _collect_all(self, request: Request, jobs: list[Job], rid: str) -> list[Event]:
         """All choices, aborted when the client disconnects (a non-streaming client that left must not keep
@@ -279,7 +289,7 @@ class OpenAIServer:
             for p in preamble:
                 yield f"data: {json.dumps({**head, 'choices': [p], **({'usage': None} if include_usage else {})})}\n\n"
             async for i, ev in self._merged(streams):
-                if not ev.delta and ev.finish_reason is None:
+                if not ev.delta and ev.finish_reason is None and not ev.logprobs:
                     continue
                 out: dict[str, Any] = {**head, "choices": [choice(i, ev)]}
                 if include_usage:
@@ -320,16 +330,45 @@ class OpenAIServer:
         jobs = self.jobs(req, prompt_ids, self.chat.stop_token_ids, tokenization=report)
         return await self._respond(request, req, jobs, "chatcmpl", "chat.completion", self._chat_choice)
 
-    @staticmethod
-    def _completion_choice(i: int, ev: Event, stream: bool = True) -> dict[str, Any]:
-        return {"index": i, "text": ev.delta, "logprobs": None, "finish_reason": ev.finish_reason}
+    def _token_bytes(self, token: int) -> bytes:
+        try:
+            return self.tokenizer.decode_bytes([token])
+        except (ValueError, KeyError, IndexError):
+            return b""
 
-    @staticmethod
-    def _chat_choice(i: int, ev: Event, stream: bool = True) -> dict[str, Any]:
+    def _completion_logprobs(self, ev: Event) -> dict[str, Any] | None:
+        if ev.logprobs is None:
+            return None
+        out: dict[str, Any] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        offset = 0
+        for token, (lp, top) in ev.logprobs:
+            text = self._token_bytes(token).decode("utf-8", "replace")
+            out["tokens"].append(text)
+            out["token_logprobs"].append(lp)
+            out["top_logprobs"].append({self._token_bytes(t).decode("utf-8", "replace"): v for t, v in top})
+            out["text_offset"].append(offset)
+            offset += len(text)
+        return out
+
+    def _chat_logprobs(self, ev: Event) -> dict[str, Any] | None:
+        if ev.logprobs is None:
+            return None
+
+        def entry(token: int, lp: float) -> dict[str, Any]:
+            raw = self._token_bytes(token)
+            return {"token": raw.decode("utf-8", "replace"), "logprob": lp, "bytes": list(raw)}
+        return {"content": [{**entry(token, lp), "top_logprobs": [entry(t, v) for t, v in top]}
+                            for token, (lp, top) in ev.logprobs]}
+
+    def _completion_choice(self, i: int, ev: Event, stream: bool = True) -> dict[str, Any]:
+        return {"index": i, "text": ev.delta, "logprobs": self._completion_logprobs(ev),
+                "finish_reason": ev.finish_reason}
+
+    def _chat_choice(self, i: int, ev: Event, stream: bool = True) -> dict[str, Any]:
         if not stream:
-            return {"index": i, "message": {"role": "assistant", "content": ev.delta}, "logprobs": None,
-                    "finish_reason": ev.finish_reason}
-        return {"index": i, "delta": {"content": ev.delta} if ev.delta else {}, "logprobs": None,
+            return {"index": i, "message": {"role": "assistant", "content": ev.delta},
+                    "logprobs": self._chat_logprobs(ev), "finish_reason": ev.finish_reason}
+        return {"index": i, "delta": {"content": ev.delta} if ev.delta else {}, "logprobs": self._chat_logprobs(ev),
                 "finish_reason": ev.finish_reason}
 
     async def _respond(self, request: Request, req: Any, jobs: list[Job], prefix: str, obj: str,

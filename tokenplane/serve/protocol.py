@@ -19,6 +19,7 @@ MAX_TOKENS_LIMIT = (1 << 31) - 1
 MAX_STOP_STRINGS = 4          # as OpenAI
 MAX_STOP_CHARS = 1024         # per stop string; keeps stop matching per token small (text_stream.py)
 MAX_N = 16
+MAX_LOGPROBS = 20
 MAX_JSON_DEPTH = 64
 
 
@@ -102,8 +103,6 @@ class _Common(_Strict):
     logit_bias: dict[str, float] | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
-    logprobs: Any = None
-    top_logprobs: int | None = None
     tools: Any = None
     tool_choice: Any = None
     functions: Any = None
@@ -129,8 +128,6 @@ class _Common(_Strict):
         for name in ("presence_penalty", "frequency_penalty"):
             if getattr(self, name) not in (None, 0, 0.0):
                 bad.append(name)
-        if self.logprobs not in (None, False, 0) or self.top_logprobs not in (None, 0):
-            bad.append("logprobs" if self.logprobs not in (None, False, 0) else "top_logprobs")
         for name in ("tools", "tool_choice", "functions", "function_call"):
             if getattr(self, name) not in (None, [], "none"):
                 bad.append(name)
@@ -144,6 +141,11 @@ class _Common(_Strict):
         return list(self.stop or [])
 
     @property
+    def num_logprobs(self) -> int | None:
+        """Top alternatives to report per output token (0: the token's own logprob only); None: no logprobs."""
+        return None
+
+    @property
     def conversation_key(self) -> str | None:
         return self.prompt_cache_key or self.user
 
@@ -154,6 +156,7 @@ class _Common(_Strict):
 
 class CompletionRequest(_Common):
     prompt: str | list[int]
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)   # top alternatives per token (0: the token's own)
     echo: bool = False
     suffix: str | None = None
     best_of: int | None = None
@@ -175,6 +178,10 @@ class CompletionRequest(_Common):
         if any(t < 0 for t in v):
             raise ValueError("token ids must be non-negative")
         return v
+
+    @property
+    def num_logprobs(self) -> int | None:
+        return self.logprobs
 
     def unsupported(self) -> list[str]:
         bad = super().unsupported()
@@ -208,6 +215,14 @@ class ChatMessage(_Strict):
 class ChatCompletionRequest(_Common):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1, le=MAX_TOKENS_LIMIT)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+
+    @property
+    def num_logprobs(self) -> int | None:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs: true")
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     @field_validator("messages")
     @classmethod
@@ -227,6 +242,10 @@ def validate(model: type[_Common], body: dict[str, Any]) -> Any:
         param = str(err["loc"][0]) if err["loc"] else None
         msg = err["msg"].removeprefix("Value error, ")
         raise InvalidRequest(f"invalid `{loc}`: {msg}", param=param) from None
+    try:
+        _ = req.num_logprobs
+    except ValueError as exc:
+        raise InvalidRequest(str(exc), param="top_logprobs") from None
     bad = req.unsupported()
     if bad:
         raise InvalidRequest(f"unsupported parameter(s) {bad}: this server does not implement them",
@@ -255,7 +274,7 @@ class Usage(BaseModel):
 class CompletionChoice(BaseModel):
     index: int
     text: str
-    logprobs: None = None
+    logprobs: dict[str, Any] | None = None
     finish_reason: str | None
 
 
@@ -277,7 +296,7 @@ class AssistantMessage(BaseModel):
 class ChatChoice(BaseModel):
     index: int
     message: AssistantMessage
-    logprobs: None = None
+    logprobs: dict[str, Any] | None = None
     finish_reason: str | None
 
 

@@ -1,0 +1,94 @@
+"""Agent conversations through the real HTTP server with the official `openai` client: every turn's prompt IDs equal a
+full encode of the rendered prompt, and the conversation's session is reused from the second turn on.
+
+The backend here only records the prompt IDs it is handed and answers one token: what is under test is the path from
+the request body to the IDs the engine would decode from."""
+
+from __future__ import annotations
+
+import gzip
+import json
+from pathlib import Path
+from typing import Any
+
+import openai
+import pytest
+
+import tokenplane
+from servers import ThreadServer
+from tokenplane.serve.app import create_app
+from tokenplane.serve.backends import BackendHealth, Chunk, ModelStatus
+from tokenplane.serve.chat import template_for
+from tokenplane.serve.config import Limits
+
+ROOT = Path(__file__).resolve().parent
+TRACE_DIRS = [ROOT / "fixtures" / "traces", ROOT.parent.parent / "shared" / "data" / "traces" / "mini-swe-agent"]
+MODEL = "recorder"
+
+
+class RecordingBackend:
+    max_model_len = 1 << 20
+    vocab_size = 151_936
+
+    def __init__(self) -> None:
+        self.prompts: list[list[int]] = []
+
+    async def start(self) -> None:
+        return None
+
+    async def generate(self, prompt_ids: Any, params: Any, request_id: str) -> Any:
+        self.prompts.append(list(prompt_ids))
+        yield Chunk([151645], "stop", {})
+
+    def abort(self, request_id: str) -> None:
+        return None
+
+    def health(self) -> BackendHealth:
+        return BackendHealth([ModelStatus("recorder", "ready")])
+
+    def close(self) -> None:
+        return None
+
+
+def trajectories(limit: int) -> list[list[dict[str, str]]]:
+    for d in TRACE_DIRS:
+        files = sorted(d.glob("*.traj.json*")) if d.is_dir() else []
+        if files:
+            out = []
+            for f in files[:limit]:
+                raw = f.read_bytes()
+                data = json.loads(gzip.decompress(raw) if f.suffix == ".gz" else raw)
+                out.append([{"role": m["role"], "content": m["content"]} for m in data["messages"]
+                            if isinstance(m.get("content"), str)])
+            return out
+    pytest.skip(f"no agent trajectories in {[str(d) for d in TRACE_DIRS]}")
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return tokenplane.load("qwen3")
+
+
+def test_real_trajectories_reuse_sessions_with_exact_ids(tok):
+    backend = RecordingBackend()
+    app = create_app(backend, tok, model_name=MODEL, limits=Limits(max_prompt_chars=1 << 22))
+    template = template_for(tok)
+    convs = trajectories(20)
+    with ThreadServer(app) as srv:
+        client = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0)
+        turns = reused = 0
+        for n, messages in enumerate(convs):
+            calls = [i for i, m in enumerate(messages) if m["role"] == "assistant"][:6]
+            for k, i in enumerate(calls):
+                prompt = messages[:i]
+                out = client.chat.completions.create(model=MODEL, messages=prompt, max_tokens=1,
+                                                     extra_body={"prompt_cache_key": f"traj-{n}"})
+                want = template.encode([(m["role"], m["content"]) for m in prompt])
+                assert backend.prompts[-1] == want, f"trajectory {n} call {k}: prompt IDs differ from a full encode"
+                report = out.model_extra["tokenization"]
+                assert report["reused_tokens"] + report["new_tokens"] == len(want)
+                if k:
+                    assert report["path"] == "session", (n, k, report)
+                    reused += report["reused_tokens"]
+                turns += 1
+    assert len(convs) >= 20 and turns >= 60 and reused > 0
