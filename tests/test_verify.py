@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 import tokenplane
-from tokenplane.tokenize.evidence.adversarial import FAULTS, inject_fault, random_text, session_case, materialize
+from tokenplane.tokenize.evidence.adversarial import FAULTS, inject_fault, materialize, random_text, session_case
 from tokenplane.tokenize.reference import make_reference
 from tokenplane.tokenize.spec.artifacts import artifact_bytes
 from tokenplane.tokenize.verify import ShadowVerifier, VerifierState, first_difference
