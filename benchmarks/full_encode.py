@@ -64,7 +64,7 @@ def cut_docs(pool: str, size: int, count: int) -> tuple[list[str], bool]:
 def engine_factories(family: str, threads: int | None):
     """name -> factory() -> encode(texts) -> list of id sequences. `threads` None = all cores."""
     import tokenplane
-    from tokenplane.tokenize.artifacts import artifact_bytes, artifact_file
+    from tokenplane.tokenize.spec.artifacts import artifact_bytes, artifact_file
 
     tok = tokenplane.load(family)
     is_tiktoken = tok.family.engine == "tiktoken"
@@ -74,7 +74,7 @@ def engine_factories(family: str, threads: int | None):
 
     def ours(mode: str):
         def factory():
-            from tokenplane.tokenize.parallel import CpuEncoder
+            from tokenplane.tokenize.cpu.parallel import CpuEncoder
             from tokenplane.tokenize.tokenizer import Tokenizer
 
             fresh = Tokenizer(family, tok.family, artifact_bytes(family))   # new instance: nothing cached
@@ -95,7 +95,7 @@ def engine_factories(family: str, threads: int | None):
     if is_tiktoken:
         def tiktoken_factory():
             import tiktoken
-            from tokenplane.tokenize.artifacts import parse_tiktoken
+            from tokenplane.tokenize.reference import parse_tiktoken
 
             enc = tiktoken.Encoding(name=f"bench-{family}-{time.perf_counter_ns()}", pat_str=tok.family.patterns[0],
                                     mergeable_ranks=parse_tiktoken(artifact_bytes(family)),
@@ -157,7 +157,7 @@ def load_toktier(family: str):
     from toktier.artifacts.manifest import ArtifactManifest
     from toktier.config import Config
 
-    from tokenplane.tokenize.artifacts import artifact_bytes
+    from tokenplane.tokenize.spec.artifacts import artifact_bytes
 
     theirs = TOKTIER_FAMILIES[family]
     shipped = json.loads((Path(toktier.__file__).parent / "artifacts/tables/artifact_manifest.v1.json").read_text())
@@ -174,7 +174,7 @@ def load_toktier(family: str):
 
 def _cpu_path_available(tok) -> bool:
     try:
-        from tokenplane.tokenize import pretokenize
+        from tokenplane.tokenize.cpu import pretokenize
 
         return bool(pretokenize.supported(tok.family))
     except ImportError:

@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 
 import tokenplane
-from tokenplane.tokenize.parallel import CpuEncoder
+from tokenplane.tokenize.cpu.parallel import CpuEncoder
 
 try:
     from quiet import wait_for_idle

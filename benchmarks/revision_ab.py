@@ -27,7 +27,7 @@ ROOT = Path(__file__).resolve().parents[1]
 _CHILD = r"""
 import json, sys, time
 import tokenplane
-from tokenplane.tokenize.parallel import CpuEncoder
+from tokenplane.tokenize.cpu.parallel import CpuEncoder
 root, family, kind, corpus, reps = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4], int(sys.argv[5])
 assert tokenplane.__file__.startswith(root), tokenplane.__file__
 if kind.startswith("mixed"):

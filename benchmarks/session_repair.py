@@ -68,7 +68,7 @@ class Engines:
     """Full-text encoders for one family, built once; `prewarm(text)` encodes once to fill caches."""
 
     def __init__(self, family: str, tok, wanted: set[str]):
-        from tokenplane.tokenize.artifacts import artifact_file
+        from tokenplane.tokenize.spec.artifacts import artifact_file
 
         self.family, self.tok = family, tok
         is_tt = tok.family.engine == "tiktoken"
@@ -179,10 +179,10 @@ def add_stats(total: dict, more: dict) -> None:
 
 
 def run_traces(args, tok, engines: Engines) -> dict | None:
-    from tokenplane.tokenize.traces import DEFAULT_TRACES_DIR, load_trajectories, render_prompts
+    from tokenplane.tokenize.evidence.traces import DEFAULT_TRACES_DIR, load_trajectories, render_prompts
 
-    directory = Path(args.traces or DEFAULT_TRACES_DIR)
-    if not directory.exists():
+    directory = Path(args.traces) if args.traces else DEFAULT_TRACES_DIR
+    if directory is None or not directory.exists():
         return None
     trajectories = load_trajectories(directory)[:args.trace_count]
     ours, peers, totals = [], {n: [] for n in list(engines.full) + (["toktier"] if engines.toktier else [])}, {}
@@ -364,7 +364,8 @@ def main() -> int:
     p.add_argument("--engines", default="fastokens,gigatoken,toktier")
     p.add_argument("--session-path", default="cpu", choices=["cpu", "reference"],
                    help="engine the session encodes its repair windows with (cpu = tokenplane's exact fast path)")
-    p.add_argument("--traces", default=None, help="mini-swe-agent directory (default: the shared data dir)")
+    p.add_argument("--traces", default=None, help="mini-swe-agent directory (default: "
+                   "$TOKENPLANE_DATA/traces/mini-swe-agent)")
     p.add_argument("--trace-count", type=int, default=250)
     p.add_argument("--trace-peer-count", type=int, default=20, help="trajectories also re-encoded by peers")
     p.add_argument("--trace-ref-every", type=int, default=8, help="time the reference on every k-th call")
@@ -388,9 +389,6 @@ def main() -> int:
     for family in args.family.split(","):
         tok = tokenplane.load(family)
         if args.session_path == "cpu":
-            from tokenplane.tokenize.router import enable_fast_paths
-
-            enable_fast_paths(tok)
             tok.encode("build the tables 123", path="cpu")   # one-time table build, not part of any timing
         engines = Engines(family, tok, set(args.engines.split(",")) - {""})
         rng = random.Random(args.seed)

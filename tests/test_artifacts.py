@@ -3,8 +3,8 @@ import hashlib
 import pytest
 
 import tokenplane
-from tokenplane.tokenize import artifacts, charclass
-from tokenplane.tokenize.artifacts import ArtifactError
+from tokenplane.tokenize.spec import artifacts, charclass
+from tokenplane.tokenize.spec.artifacts import ArtifactError
 
 NAMES = ["cl100k_base", "o200k_base", "llama3", "qwen3", "deepseek_v4"]
 

@@ -16,9 +16,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import tokenplane
-from tokenplane.tokenize import boundary
-from tokenplane.tokenize.charclass import BIT, class_table
-from tokenplane.tokenize.families import Family
+from tokenplane.tokenize.cpu import boundary
+from tokenplane.tokenize.spec.charclass import BIT, class_table
+from tokenplane.tokenize.spec.families import Family
 
 NAMES = ["cl100k_base", "o200k_base", "llama3", "qwen3", "deepseek_v4"]
 
@@ -182,7 +182,7 @@ def test_pair_table_says_what_the_predicate_says(name):
 @pytest.mark.parametrize("name", NAMES)
 def test_first_stable_is_the_first_stable_position(name):
     """The GIL-free scan returns the first of stable_positions over the range, with and without the NFC filter."""
-    from tokenplane.tokenize import nfc
+    from tokenplane.tokenize.cpu import nfc
 
     rule = boundary.RULES[name]
     inert = nfc.inert_table()

@@ -8,9 +8,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 
 import tokenplane
-from tokenplane.tokenize import bpe as bpe_mod
-from tokenplane.tokenize.parallel import CpuEncoder
+from tokenplane.tokenize.cpu import bpe as bpe_mod
+from tokenplane.tokenize.cpu.parallel import CpuEncoder
 
+from pretokenize_oracles import utf8_offsets
 from test_pretokenize import ALPHABET, FRAGMENTS, _corpus_docs, _text_strategy
 
 FAMILIES = ["cl100k_base", "o200k_base", "llama3", "qwen3", "deepseek_v4"]
@@ -128,9 +129,9 @@ def test_piece_cache_hits_are_exact():
     cache = bpe_mod.PieceCache(64)      # tiny: forces collisions and replacement
     text = " the the The THE theme then the 12 12 12 don't don't"
     buf = np.frombuffer(text.encode(), dtype=np.uint8)
-    from tokenplane.tokenize import pretokenize
+    from tokenplane.tokenize.cpu import pretokenize
     cps = pretokenize.codepoints(text)
-    off = bpe_mod.utf8_offsets(cps)
+    off = utf8_offsets(cps)
     bounds = np.append(off[np.flatnonzero(pretokenize.piece_starts("o200k_base", cps))], off[-1])
     first = enc.bpe.encode_bytes(buf, bounds, cache)
     second = enc.bpe.encode_bytes(buf, bounds, cache)
@@ -145,7 +146,7 @@ def test_piece_byte_bounds_equals_numpy_form():
         cps = rng.choice(pool, n).astype(np.uint32)
         starts = rng.random(n) < 0.3
         starts[0] = True
-        off = bpe_mod.utf8_offsets(cps)
+        off = utf8_offsets(cps)
         want = np.append(off[np.flatnonzero(starts)], off[-1])
         assert bpe_mod.piece_byte_bounds(cps, starts).tolist() == want.tolist()
         assert off[-1] == len("".join(map(chr, cps)).encode("utf-8"))
@@ -188,7 +189,7 @@ def test_heap_merge_equals_rounds_on_long_pieces(name):
 def test_long_piece_cache_hits_are_exact(name):
     """The long tier (pieces over CACHE_BYTES up to LONG_BYTES) returns what merging returns, under collisions and
     replacement in a tiny cache, and a piece with more IDs than a slot holds is merged every time, never truncated."""
-    from tokenplane.tokenize import pretokenize
+    from tokenplane.tokenize.cpu import pretokenize
 
     enc = encoder(name)
     cache = bpe_mod.PieceCache(16, long_ways=4)
@@ -201,7 +202,7 @@ def test_long_piece_cache_hits_are_exact(name):
     norm = enc.tok.reference.normalize(text)
     cps = pretokenize.codepoints(norm)
     buf = np.frombuffer(norm.encode(), dtype=np.uint8)
-    off = bpe_mod.utf8_offsets(cps)
+    off = utf8_offsets(cps)
     bounds = np.append(off[np.flatnonzero(pretokenize.piece_starts(name, cps))], off[-1])
     assert (np.diff(bounds) > bpe_mod.CACHE_BYTES).any() and (np.diff(bounds) > bpe_mod.LONG_BYTES).any()
     ref = enc.tok.reference.encode_ordinary(text).tolist()

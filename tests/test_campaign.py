@@ -3,15 +3,14 @@
 import argparse
 import json
 import random
-from pathlib import Path
 
 import numpy as np
 import pytest
 
-from tokenplane.tokenize import adversarial, campaign
+from tokenplane.tokenize.evidence import adversarial, campaign
 from tokenplane.tokenize.tokenizer import Tokenizer
 
-DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "traces" / "mini-swe-agent"
+from realtext import traces_dir
 
 
 def run(tmp_path, *argv) -> tuple[int, dict]:
@@ -82,10 +81,9 @@ def test_generators_are_deterministic_and_valid():
         text.encode("utf-8")   # never a lone surrogate
 
 
-@pytest.mark.skipif(not DATA.exists(), reason="../shared/data trajectories not present")
 def test_trace_source_replays_real_calls(tmp_path):
     rc, summary = run(tmp_path, "--family", "cl100k_base", "--seconds", "8", "--sources", "traces",
-                      "--traces", str(DATA), "--max-context", "60000")
+                      "--traces", str(traces_dir()), "--max-context", "60000")
     fam = summary["families"]["cl100k_base"]
     assert rc == 0 and fam["trace_calls"] > 0 and fam["divergences"] == 0
 

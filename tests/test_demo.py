@@ -5,11 +5,12 @@ import json
 from pathlib import Path
 
 import numpy as np
-import pytest
 
 from tokenplane import demo
 from tokenplane.tokenize.tokenizer import Tokenizer
-from tokenplane.tokenize.traces import load_trajectory
+from tokenplane.tokenize.evidence.traces import load_trajectory
+
+from realtext import traces_dir
 
 DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "traces" / "mini-swe-agent"
 
@@ -42,9 +43,8 @@ def test_demo_offline_from_bundled_copy(tmp_path, capsys):
     assert summary["repairs"] == 26
 
 
-@pytest.mark.skipif(not DATA.exists(), reason="../shared/data trajectories not present")
 def test_demo_on_another_trace(capsys):
-    trace = sorted(DATA.glob("*.traj.json"))[0]
+    trace = sorted(traces_dir().glob("*.traj.json*"))[0]
     assert run_demo("--family", "o200k_base", "--trace", str(trace), "--quiet") == 0
     assert "exact matches" in capsys.readouterr().out
 

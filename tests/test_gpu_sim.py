@@ -26,7 +26,8 @@ except ImportError:
     pytest.skip("numba-cuda not installed (pip install numba-cuda)", allow_module_level=True)
 
 import tokenplane  # noqa: E402
-from tokenplane.tokenize import adversarial, gpu  # noqa: E402
+from tokenplane.tokenize import gpu  # noqa: E402
+from tokenplane.tokenize.evidence import adversarial  # noqa: E402
 
 FAMILIES = ["cl100k_base", "llama3", "o200k_base", "qwen3", "deepseek_v4"]
 DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "traces" / "mini-swe-agent"
@@ -168,7 +169,7 @@ def test_empty_documents_and_unsupported_family():
     assert enc.encode("").tolist() == []
     from dataclasses import replace
 
-    from tokenplane.tokenize.families import FAMILIES
+    from tokenplane.tokenize.spec.families import FAMILIES
 
     # a splitter with no derived device rules: the router keeps such a family on the CPU
     fake = SimpleNamespace(name="custom", family=replace(FAMILIES["llama3"], name="custom", patterns=(r"\S+|\s+",)))

@@ -2,16 +2,15 @@
 
 from __future__ import annotations
 
-import json
-import os
 import random
 
 import pytest
 
 import tokenplane
-from tokenplane.tokenize import nfc
+from tokenplane.tokenize.cpu import nfc
 
-CORPUS = os.environ.get("TOKENPLANE_CORPUS", "/tmp/corpus")
+from realtext import corpus_texts
+
 
 # Characters where NFC acts: marks of many combining classes (incl. 240 and 232, the probe marks), Hangul L/V/T
 # jamo and syllables, compatibility ideographs (singletons), composition exclusions, kana voicing marks, Indic
@@ -68,21 +67,15 @@ def test_regions_cover_every_change(qwen3):
 
 
 def nfc_codepoints(text):
-    from tokenplane.tokenize.pretokenize import codepoints
+    from tokenplane.tokenize.cpu.pretokenize import codepoints
     return codepoints(text)
 
 
 def test_real_text_equals_reference(qwen3):
     hf = qwen3._normalizer.normalize_str
-    path = os.path.join(CORPUS, "nonen.jsonl")
-    texts = []
-    if os.path.exists(path):
-        with open(path, encoding="utf-8") as f:
-            texts = [json.loads(line)["text"] for _, line in zip(range(200), f)]
+    texts = corpus_texts("nonen")[:200]
     # decomposed forms of real text: every accented letter becomes a region
     texts += [hf(t).replace("\u00e9", "e\u0301").replace("\u00fc", "u\u0308") for t in texts[:50]]
-    if not texts:
-        pytest.skip(f"corpus not built at {CORPUS}")
     for t in texts:
         assert nfc.normalize(t, hf) == hf(t)
     big = "".join(texts)

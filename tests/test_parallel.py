@@ -7,9 +7,9 @@ import pytest
 
 import tokenplane
 from tokenplane.tokenize import router as router_mod
-from tokenplane.tokenize.families import Family
-from tokenplane.tokenize.parallel import CpuEncoder
-from tokenplane.tokenize.tokenizer import Tokenizer
+from tokenplane.tokenize.spec.families import Family
+from tokenplane.tokenize.cpu.parallel import CpuEncoder
+from tokenplane.tokenize.registry import build
 
 from test_pretokenize import ALPHABET, FRAGMENTS, _corpus_docs
 
@@ -60,13 +60,13 @@ def test_corpus_parallel_equals_serial(name):
 @pytest.mark.parametrize("name", FAMILIES)
 def test_registered_paths_equal_reference(name):
     tok = tokenplane.load(name)
-    assert router_mod.enable_fast_paths(tok)
+    assert {"cpu", "auto"} <= tok.fast_paths
     text = "Hello <|endoftext|> world 12345\n\n  don't ſ'S 你好 " * 30
     for path in ("cpu", "auto"):
         assert tok.encode(text, path=path).tolist() == tok.encode(text, path="reference").tolist()
         assert tok.encode(text, path=path, allowed_special="all").tolist() == \
             tok.encode(text, path="reference", allowed_special="all").tolist()
-    router = tok._paths["auto"]
+    router = tok.path("auto")
     before = router.stats["cpu"]
     assert tok.encode("short text", path="auto").tolist() == tok.encode("short text", path="reference").tolist()
     assert router.stats["cpu"] == before + 1      # "cpu" was built above, so "auto" now takes it
@@ -131,13 +131,13 @@ def test_router_without_gpu_uses_cpu():
 
 
 def test_unsupported_family_takes_reference():
-    from tokenplane.tokenize.artifacts import artifact_bytes
+    from tokenplane.tokenize.spec.artifacts import artifact_bytes
 
     base = tokenplane.load("qwen3")
     generic = Family(name="hf-generic", engine="hf", patterns=base.family.patterns,
                      onig_patterns=base.family.onig_patterns, normalizer="nfc")
-    tok = Tokenizer("qwen3-as-generic", generic, artifact_bytes("qwen3"))
-    assert router_mod.enable_fast_paths(tok) is False
+    tok = build("qwen3-as-generic", generic, artifact_bytes("qwen3"))
+    assert tok.fast_paths == frozenset()
     text = "Hello 12345 世界"
     assert tok.encode(text, path="cpu").tolist() == base.encode(text, path="reference").tolist()
     assert tok.encode(text, path="auto").tolist() == base.encode(text, path="reference").tolist()
@@ -145,8 +145,8 @@ def test_unsupported_family_takes_reference():
 
 def test_campaign_counts_and_catches_planted_faults(monkeypatch):
     """run_campaign reports zero on clean text and catches a wrong split and a wrong ID (it can fail)."""
-    from tokenplane.tokenize import campaign_fullencode as cf
-    from tokenplane.tokenize import pretokenize
+    from tokenplane.tokenize.evidence import campaign_fullencode as cf
+    from tokenplane.tokenize.cpu import pretokenize
 
     clean = cf.run_campaign("cl100k_base", ["hello world 12345", "x  \n\n y"])
     assert clean["divergences"] == 0 and clean["pieces_checked"] > 5 and clean["ids_checked"] > 5
@@ -217,7 +217,7 @@ def test_empty_sequence_normalizer_is_identity():
     leaves every text unchanged (checked here on adversarial text)."""
     from tokenizers import Tokenizer as HFTokenizer
 
-    from tokenplane.tokenize.artifacts import artifact_bytes
+    from tokenplane.tokenize.spec.artifacts import artifact_bytes
 
     tok = tokenplane.load("deepseek_v4")
     hf = HFTokenizer.from_str(artifact_bytes("deepseek_v4").decode())

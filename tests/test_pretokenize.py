@@ -5,7 +5,6 @@ ID-level test, so this file compares piece spans directly.
 """
 
 import json
-import os
 import random
 import unicodedata
 from functools import lru_cache
@@ -16,10 +15,12 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import tokenplane
-from tokenplane.tokenize import charclass, pretokenize
+import pretokenize_oracles as oracles
+from realtext import corpus_lines
+from tokenplane.tokenize.cpu import pretokenize
+from tokenplane.tokenize.spec import charclass
 
 FAMILIES = ["cl100k_base", "o200k_base", "llama3", "qwen3", "deepseek_v4"]
-CORPUS = os.environ.get("TOKENPLANE_CORPUS", "/tmp/corpus")
 
 
 @lru_cache(maxsize=None)
@@ -106,13 +107,10 @@ def test_unicode_skew_code_points(name):
 
 
 def _corpus_docs(limit_chars: int):
-    path = os.path.join(CORPUS, "mixed.jsonl")
-    if not os.path.exists(path):
-        pytest.skip(f"no corpus at {CORPUS} (build it: python ../shared/tools/build_corpus.py {CORPUS})")
+    """Every len//12-th document of mixed and nonen, cut to limit_chars (the shipped fixtures hold exactly those)."""
     docs = []
-    for fname in ("mixed.jsonl", "nonen.jsonl"):
-        with open(os.path.join(CORPUS, fname), encoding="utf-8") as fh:
-            lines = fh.readlines()
+    for fname in ("mixed", "nonen"):
+        lines = corpus_lines(fname)
         for line in lines[:: max(1, len(lines) // 12)]:
             docs.append(json.loads(line)["text"][:limit_chars])
     return docs
@@ -132,11 +130,12 @@ def test_corpus_full(name):
 
 
 def test_unsupported_family_raises():
-    from tokenplane.tokenize.families import Family
+    from tokenplane.tokenize.errors import UnsupportedFamily
+    from tokenplane.tokenize.spec.families import Family
 
     generic = Family(name="hf-generic", engine="hf", patterns=("x",), onig_patterns=("x",))
     assert not pretokenize.supported(generic)
-    with pytest.raises(pretokenize.UnsupportedFamily):
+    with pytest.raises(UnsupportedFamily):
         pretokenize.piece_starts(generic, np.array([65], dtype=np.uint32))
 
 
@@ -150,19 +149,16 @@ def test_run_level_equals_dense_form(name):
         cps = pretokenize.codepoints(text)
         cls = table[cps]
         if name == "o200k_base":
-            run, dense = pretokenize._starts_o200k(cps, cls), pretokenize._starts_o200k_dense(cps, cls)
-            if pretokenize._o200k_loop is not None:
-                assert pretokenize._starts_o200k_loop(cps, "tiktoken").tolist() == run.tolist(), text
+            run, dense = oracles._starts_o200k(cps, cls), oracles._starts_o200k_dense(cps, cls)
+            assert pretokenize._starts_o200k_loop(cps, "tiktoken").tolist() == run.tolist(), text
         elif name == "deepseek_v4":
-            run, dense = pretokenize._starts_deepseek(cps, cls), pretokenize._starts_deepseek_dense(cps, cls)
-            if pretokenize._deepseek_loop is not None:
-                assert pretokenize._starts_deepseek_loop(cps, "hf").tolist() == run.tolist(), text
+            run, dense = oracles._starts_deepseek(cps, cls), oracles._starts_deepseek_dense(cps, cls)
+            assert pretokenize._starts_deepseek_loop(cps, "hf").tolist() == run.tolist(), text
         else:
             digits = 1 if name == "qwen3" else 3
             whole = name == "cl100k_base"
-            run = pretokenize._starts_gpt4(cps, cls, digits, whole)
-            dense = pretokenize._starts_gpt4_dense(cps, cls, digits, whole)
-            if pretokenize._gpt4_loop is not None:
-                loop = pretokenize._starts_gpt4_loop(cps, "tiktoken", digits, whole)
-                assert loop.tolist() == run.tolist(), text
+            run = oracles._starts_gpt4(cps, cls, digits, whole)
+            dense = oracles._starts_gpt4_dense(cps, cls, digits, whole)
+            loop = pretokenize._starts_gpt4_loop(cps, "tiktoken", digits, whole)
+            assert loop.tolist() == run.tolist(), text
         assert run.tolist() == dense.tolist(), text

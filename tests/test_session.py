@@ -13,8 +13,8 @@ from hypothesis import strategies as st
 
 import tokenplane
 from tokenplane import InvalidTextError, TextTooLargeError
-from tokenplane.tokenize.artifacts import artifact_bytes
-from tokenplane.tokenize.families import Family
+from tokenplane.tokenize.spec.artifacts import artifact_bytes
+from tokenplane.tokenize.spec.families import Family
 from tokenplane.tokenize.session import Session, SessionError, StaleRevisionError
 from tokenplane.tokenize.tokenizer import Tokenizer
 
@@ -288,7 +288,7 @@ def test_session_options_validated(toks):
        other=st.text(alphabet="ab\u00e9c", max_size=30), a=st.integers(0, 40), b=st.integers(0, 40),
        rep=st.text(alphabet="abx", max_size=5))
 def test_chunk_store_matches_a_plain_string(parts, other, a, b, rep):
-    from tokenplane.tokenize.session import _Chunks
+    from tokenplane.tokenize.textstore import TextStore as _Chunks
 
     store = _Chunks()
     for p in parts:
@@ -382,7 +382,7 @@ def test_windows_can_use_a_registered_exact_path(toks):
         calls.append(len(text))
         return tok.reference.encode_ordinary(text)
 
-    tok.register_path("spy-test", spy)
+    tok = Tokenizer(tok.name, tok.family, artifact_bytes(tok.name), encoders=lambda t: {"spy-test": spy})
     sess = tok.session(text=PROSE, encode_path="spy-test")
     sess.append(" appended words 123")
     _check(sess, tok)

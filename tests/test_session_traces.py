@@ -7,9 +7,21 @@ import numpy as np
 import pytest
 
 import tokenplane
-from tokenplane.tokenize.traces import DEFAULT_TRACES_DIR, load_trajectories, render_prompts, trajectory_files
+from tokenplane.tokenize.evidence import traces
 
-pytestmark = pytest.mark.skipif(not trajectory_files(), reason=f"trace data absent ({DEFAULT_TRACES_DIR})")
+from realtext import traces_dir
+
+TRACES = traces_dir()
+
+
+def load_trajectories(limit=None):
+    found = traces.load_trajectories(TRACES, limit=limit)
+    if not found:
+        pytest.fail(f"no trajectories in {TRACES} (shipped in tests/fixtures/traces, or TOKENPLANE_DATA)")
+    return found
+
+
+render_prompts = traces.render_prompts
 
 
 def _replay(tok, messages, allowed=()):

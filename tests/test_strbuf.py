@@ -5,8 +5,8 @@ import random
 import numpy as np
 import pytest
 
-from tokenplane.tokenize import strbuf
-from tokenplane.tokenize.bpe import piece_byte_bounds
+from tokenplane.tokenize.cpu import strbuf
+from tokenplane.tokenize.cpu.bpe import piece_byte_bounds
 
 # one string per PEP 393 kind: ASCII, Latin-1, UCS-2, UCS-4 (and mixtures the slices below cut into)
 KINDS = ["plain ascii text\n\t", "caf\u00e9 \u00ff\u00a0x", "\u65e5\u672c\u8a9e \u0301e\u0301 \uffff",
@@ -60,7 +60,7 @@ def test_out_of_range_is_an_error():
 
 
 def test_lone_surrogate_is_a_clear_error():
-    from tokenplane.tokenize.tokenizer import InvalidTextError
+    from tokenplane.tokenize.errors import InvalidTextError
 
     for text in ("ab\ud800c", "\udfff", "\u65e5\ud83d"):
         with pytest.raises(InvalidTextError, match="surrogate"):

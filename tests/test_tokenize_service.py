@@ -11,7 +11,7 @@ import uvicorn
 
 import tokenplane
 from tokenplane.serve.tokenize_app import create_app
-from tokenplane.tokenize.artifacts import artifact_bytes
+from tokenplane.tokenize.spec.artifacts import artifact_bytes
 from tokenplane.tokenize.tokenizer import Tokenizer
 
 

@@ -43,7 +43,7 @@ def test_bad_input_gets_clear_error(bad):
 def test_oversize_and_nul():
     tok = tokenplane.load("cl100k_base")
     small = tokenplane.tokenize.tokenizer.Tokenizer("tiny-limit", tok.family,
-                                                    tokenplane.tokenize.artifacts.artifact_bytes("cl100k_base"),
+                                                    tokenplane.tokenize.spec.artifacts.artifact_bytes("cl100k_base"),
                                                     max_chars=10)
     with pytest.raises(TextTooLargeError):
         small.encode("x" * 11)

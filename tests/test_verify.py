@@ -7,9 +7,9 @@ import numpy as np
 import pytest
 
 import tokenplane
-from tokenplane.tokenize.adversarial import FAULTS, inject_fault, random_text, session_case, materialize
+from tokenplane.tokenize.evidence.adversarial import FAULTS, inject_fault, materialize, random_text, session_case
 from tokenplane.tokenize.reference import make_reference
-from tokenplane.tokenize.artifacts import artifact_bytes
+from tokenplane.tokenize.spec.artifacts import artifact_bytes
 from tokenplane.tokenize.verify import ShadowVerifier, VerifierState, first_difference
 
 
@@ -163,3 +163,20 @@ def test_partial_sampling_catches_every_sampled_fault(tok):
         s = v.stats()
     assert sampled_faulty >= 1 and sampled_clean >= 10
     assert s["mismatches"] == sampled_faulty and s["checked"] == sampled_faulty + sampled_clean and s["dropped"] == 0
+
+
+def test_fresh_reference_normalizes_without_the_fast_nfc(monkeypatch):
+    """qwen3's fresh reference runs HF's own NFC: the fast path's regions-only NFC is never on its path."""
+    from tokenplane.tokenize.cpu import nfc
+
+    tok = tokenplane.load("qwen3")
+    text = "Cafe\u0301 \u1100\u1161\u11a8 " * 400       # long enough that the fast NFC would take the region path
+    expected = tok.normalize(text)
+
+    def forbidden(*_args, **_kwargs):
+        raise AssertionError("the reference called the fast NFC")
+
+    monkeypatch.setattr(nfc, "normalize", forbidden)
+    fresh = make_reference(tok.family, artifact_bytes("qwen3"))
+    assert fresh.normalize(text) == expected
+    assert fresh.encode_ordinary(text).tolist() == tok.encode(text, path="reference").tolist()

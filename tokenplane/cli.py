@@ -10,7 +10,8 @@ import sys
 # module (named `<function>_arguments`) declares its flags.
 COMMANDS: dict[str, tuple[str, str, str]] = {
     "demo": ("tokenplane.demo", "main", "replay a real agent session through a tokenizer session (exact, fast)"),
-    "verify": ("tokenplane.tokenize.campaign", "main", "long differential campaign against the reference engine"),
+    "verify": ("tokenplane.tokenize.evidence.campaign", "main",
+               "long differential campaign against the reference engine"),
     "serve": ("tokenplane.serve.cli", "main", "combined server: tokenize service + routed decoding (OpenAI API)"),
 }
 

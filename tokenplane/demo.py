@@ -46,13 +46,13 @@ def load_bundled() -> dict:
 
 def find_trajectory(trace: str | None, traces_dir: str | None) -> tuple[list[dict], str]:
     """Messages of the session to replay and a description of where they came from."""
-    from .tokenize.traces import DEFAULT_TRACES_DIR, load_trajectory
+    from .tokenize.evidence.traces import DEFAULT_TRACES_DIR, load_trajectory
 
     if trace:
         return load_trajectory(trace), trace
-    directory = Path(traces_dir) if traces_dir else Path(DEFAULT_TRACES_DIR)
-    candidate = directory / f"{DEFAULT_INSTANCE}.traj.json"
-    if candidate.exists():
+    directory = Path(traces_dir) if traces_dir else DEFAULT_TRACES_DIR
+    candidate = directory / f"{DEFAULT_INSTANCE}.traj.json" if directory is not None else None
+    if candidate is not None and candidate.exists():
         return load_trajectory(candidate), str(candidate)
     return load_bundled()["messages"], "bundled tokenplane/data/demo_session.json.gz (MIT, mini-swe-agent)"
 
@@ -65,11 +65,7 @@ def fast_path(tok, wanted: str) -> str:
     """The window-encode path to give sessions: "cpu" when the family has the fast CPU path, else "reference"."""
     if wanted != "cpu":
         return wanted
-    try:
-        from .tokenize.router import enable_fast_paths
-    except ImportError:
-        return "reference"
-    if not enable_fast_paths(tok):
+    if "cpu" not in tok.fast_paths:
         return "reference"
     tok.encode("build the tables once 123", path="cpu")   # one-time table build, outside every timing
     return "cpu"
@@ -147,7 +143,7 @@ def render_table(s: dict, family: str, source: str) -> str:
 
 def main(args: argparse.Namespace) -> int:
     from .tokenize import load
-    from .tokenize.traces import render_prompts
+    from .tokenize.evidence.traces import render_prompts
 
     messages, source = find_trajectory(args.trace, args.traces_dir)
     prompts = render_prompts(messages)

@@ -51,8 +51,8 @@ def prepare(dest: Path) -> None:
     import subprocess
 
     import tokenplane
-    from tokenplane.tokenize import charclass
-    from tokenplane.tokenize.artifacts import cache_dir
+    from tokenplane.tokenize.spec import charclass
+    from tokenplane.tokenize.spec.artifacts import cache_dir
 
     dest.mkdir(parents=True, exist_ok=True)
     cache = dest / "cache"

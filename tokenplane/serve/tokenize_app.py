@@ -12,7 +12,7 @@ from typing import Any, Sequence
 
 from fastapi import FastAPI
 
-from ..tokenize.tokenizer import Tokenizer, load
+from ..tokenize import Tokenizer, load
 from .app import guarded_app
 from .config import Limits
 from .tokenize_service import add_tokenize_routes

@@ -3,17 +3,45 @@
 Every fast path in tokenplane is defined as "returns what `ReferenceEngine.encode_ordinary` returns" and is
 differential-tested against it. The engine also reports per-token ends (in characters of the normalized text), which
 the session store uses as record positions, and the reference piece boundaries of the pre-tokenizer.
+
+This module imports nothing of tokenplane: the shadow verifier's fresh engine must share no code with the fast paths
+it checks, so normalization here is the reference normalizer itself (HF's NFC for qwen3), never the fast NFC of
+`cpu/nfc.py`. A family is read by duck typing (`FamilyLike`).
 """
 
 from __future__ import annotations
 
+import base64
 import json
 from functools import cached_property
+from typing import Iterable, Protocol
 
 import numpy as np
 
-from .artifacts import parse_tiktoken
-from .families import Family
+
+class FamilyLike(Protocol):
+    """What a reference engine reads of a family (spec.families.Family satisfies it)."""
+
+    @property
+    def name(self) -> str: ...
+    @property
+    def engine(self) -> str: ...
+    @property
+    def patterns(self) -> tuple[str, ...]: ...
+    @property
+    def onig_patterns(self) -> tuple[str, ...]: ...
+    @property
+    def specials(self) -> dict[str, int]: ...
+
+
+def parse_tiktoken(data: bytes) -> dict[bytes, int]:
+    """tiktoken's file format ("base64 rank" lines) -> {token bytes: rank}."""
+    ranks: dict[bytes, int] = {}
+    for line in data.splitlines():
+        if line:
+            token, rank = line.split()
+            ranks[base64.b64decode(token)] = int(rank)
+    return ranks
 
 
 def _bytes_to_unicode() -> dict[int, str]:
@@ -42,12 +70,15 @@ def utf8_char_ends(text: str, byte_ends: np.ndarray) -> np.ndarray:
 class ReferenceEngine:
     """Uniform face over tiktoken / HF tokenizers for one family."""
 
-    family: Family
+    family: FamilyLike
     token_bytes: list[bytes]        # id -> bytes (specials: their UTF-8)
     specials: dict[str, int]
 
     def encode_ordinary(self, text: str) -> np.ndarray:
         raise NotImplementedError
+
+    n_ordinary: int
+    plain_nfc: bool = False         # the normalizer is exactly NFC (qwen3): the fast NFC may stand in for it
 
     def normalize(self, text: str) -> str:
         return text
@@ -64,7 +95,7 @@ class ReferenceEngine:
         return pieces
 
     @cached_property
-    def _onig_splitters(self):
+    def _onig_splitters(self) -> list:
         from tokenizers import Regex, pre_tokenizers
 
         return [pre_tokenizers.Split(Regex(p), behavior="isolated") for p in self.family.onig_patterns]
@@ -72,6 +103,13 @@ class ReferenceEngine:
     @cached_property
     def token_lengths(self) -> np.ndarray:
         return np.fromiter((len(b) for b in self.token_bytes), dtype=np.int64, count=len(self.token_bytes))
+
+    @cached_property
+    def continuation_start(self) -> np.ndarray:
+        """bool[id]: the token's first byte is a UTF-8 continuation byte, i.e. the previous token ended inside a
+        character (such a character end is not a clean split point)."""
+        return np.fromiter(((len(b) > 0 and (b[0] & 0xC0) == 0x80) for b in self.token_bytes), dtype=bool,
+                           count=len(self.token_bytes))
 
     @cached_property
     def max_token_chars(self) -> int:
@@ -93,12 +131,12 @@ class ReferenceEngine:
         """Encode text that is already normalized (normalization is idempotent, so this equals encode_ordinary)."""
         return self.encode_ordinary(norm)
 
-    def decode_bytes(self, ids) -> bytes:
+    def decode_bytes(self, ids: Iterable[int]) -> bytes:
         return b"".join(self.token_bytes[i] for i in ids)
 
 
 class TiktokenReference(ReferenceEngine):
-    def __init__(self, family: Family, tiktoken_bytes: bytes):
+    def __init__(self, family: FamilyLike, tiktoken_bytes: bytes):
         import tiktoken
 
         self.family = family
@@ -124,7 +162,7 @@ class HFReference(ReferenceEngine):
     """HF tokenizers with added tokens stripped, so special-token strings in user text encode as ordinary text
     (the `allowed_special` decision is ours, made by the literal pass before the splitter)."""
 
-    def __init__(self, family: Family, json_bytes: bytes):
+    def __init__(self, family: FamilyLike, json_bytes: bytes):
         from tokenizers import Tokenizer as HFTokenizer
 
         self.family = family
@@ -135,9 +173,7 @@ class HFReference(ReferenceEngine):
         config["added_tokens"] = []
         self.ordinary = HFTokenizer.from_str(json.dumps(config))
         self._normalizer = self.ordinary.normalizer
-        # Exactly NFC (qwen3): large texts go through nfc.normalize, which calls this same normalizer on the
-        # regions that can change only.
-        self._plain_nfc = config.get("normalizer") == {"type": "NFC"}
+        self.plain_nfc = config.get("normalizer") == {"type": "NFC"}
         # An empty Sequence (deepseek_v4) changes nothing, yet normalize_str still builds an alignment map: ~50 ms
         # on 4M characters, serial in front of every encode. Treated as absent.
         if config.get("normalizer") == {"type": "Sequence", "normalizers": []}:
@@ -159,16 +195,13 @@ class HFReference(ReferenceEngine):
     def normalize(self, text: str) -> str:
         if self._normalizer is None or text.isascii():
             return text   # NFC is the identity on ASCII
-        if self._plain_nfc:
-            from . import nfc
-            return nfc.normalize(text, self._normalizer.normalize_str)
         return self._normalizer.normalize_str(text)
 
     def encode_ordinary(self, text: str) -> np.ndarray:
         return np.asarray(self.ordinary.encode(text, add_special_tokens=False).ids, dtype=np.uint32)
 
 
-def make_reference(family: Family, data: bytes) -> ReferenceEngine:
+def make_reference(family: FamilyLike, data: bytes) -> ReferenceEngine:
     """`data` is the verified file content: tiktoken rank lines or a tokenizer.json."""
     if family.engine == "tiktoken":
         return TiktokenReference(family, data)

@@ -1,39 +1,50 @@
-"""Encode-path registration and the `path="auto"` router.
+"""The exact encode paths of a tokenizer and the `path="auto"` router.
 
-`enable_fast_paths(tok)` registers on a Tokenizer:
+`fast_paths(tok)` builds, for a Tokenizer under construction (registry.load passes it in as the encoder factory):
   "cpu"  -> the data-parallel CPU path (parallel.CpuEncoder), built lazily on first use;
   "auto" -> Router: until the CPU path is built (in the background on first use) the reference engine answers;
             then small segments to the CPU path, segments above `gpu_min_chars` to the GPU encoder when one is
             present (tokenplane.tokenize.gpu, imported lazily; ImportError or "unavailable" means no GPU), spilled to
             the CPU path when the GPU already has `gpu_max_inflight` requests (backpressure);
   "gpu"  -> the GPU encoder alone, only when a device is available.
-Unsupported families ("hf-generic", any splitter or class table the pre-tokenizer was not derived for) get the
-reference engine under both names: same IDs, no speed-up. The output contract never changes with the route.
+Unsupported families ("hf-generic", any splitter or class table the pre-tokenizer was not derived for) get no fast
+path: the Tokenizer answers "cpu" and "auto" from the reference engine (same IDs, no speed-up). The output contract
+never changes with the route.
 """
 
 from __future__ import annotations
 
 import os
 import threading
-from typing import Callable
+from typing import TYPE_CHECKING, Callable, Protocol
 
 import numpy as np
 
-from . import pretokenize
+from .cpu import pretokenize
+from .errors import PathUnavailableError
 
-GPU_MIN_CHARS = 2048        # the seed's 2 KB threshold (characters of the segment; tunable per router)
+if TYPE_CHECKING:   # type names only: the tokenizer module sits above this one and is never imported from here
+    from .tokenizer import Tokenizer
+
+GPU_MIN_CHARS = 2048        # characters of a segment above which the GPU encoder takes it (tunable per router)
 GPU_MAX_INFLIGHT = 4
+Encoder = Callable[[str], np.ndarray]
+
+
+class DeviceEncoder(Protocol):
+    def encode(self, text: str) -> np.ndarray: ...
 
 
 class _Lazy:
     """Build an encoder on first call (the BPE tables of a family take a few seconds the first time)."""
 
-    def __init__(self, build: Callable[[], Callable[[str], np.ndarray]]):
+    def __init__(self, build: Callable[[], Encoder]):
         self._build = build
-        self._fn: Callable[[str], np.ndarray] | None = None
+        self._fn: Encoder | None = None
+        self._warming = False
         self._lock = threading.Lock()
 
-    def get(self) -> Callable[[str], np.ndarray]:
+    def get(self) -> Encoder:
         if self._fn is None:
             with self._lock:
                 if self._fn is None:
@@ -50,13 +61,13 @@ class _Lazy:
     def warm_async(self) -> None:
         """Build in a background thread (once), so a router can answer from the reference meanwhile."""
         with self._lock:
-            if self._fn is not None or getattr(self, "_warming", False):
+            if self._fn is not None or self._warming:
                 return
             self._warming = True
         threading.Thread(target=self.get, name="tokenplane-warm", daemon=True).start()
 
 
-def _gpu_encoder(tok):
+def _gpu_encoder(tok: Tokenizer) -> DeviceEncoder | None:
     """A GPU encoder for tok, or None (no numba-cuda, no device, unsupported family, disabled, or a failed start)."""
     if os.environ.get("TOKENPLANE_GPU", "1") == "0":
         return None
@@ -75,19 +86,20 @@ def _gpu_encoder(tok):
 class Router:
     """Per-segment routing between the CPU path and the GPU encoder; every route returns the reference IDs."""
 
-    def __init__(self, tok, cpu: Callable[[str], np.ndarray], *, gpu_min_chars: int = GPU_MIN_CHARS,
-                 gpu_max_inflight: int = GPU_MAX_INFLIGHT, gpu_factory=_gpu_encoder):
+    def __init__(self, tok: Tokenizer, cpu: Encoder, *, gpu_min_chars: int = GPU_MIN_CHARS,
+                 gpu_max_inflight: int = GPU_MAX_INFLIGHT,
+                 gpu_factory: Callable[[Tokenizer], DeviceEncoder | None] = _gpu_encoder):
         self.tok = tok
         self.cpu = cpu
         self.gpu_min_chars = gpu_min_chars
         self._gpu_factory = gpu_factory
-        self._gpu = None
+        self._gpu: DeviceEncoder | None = None
         self._gpu_checked = False
         self._gpu_lock = threading.Lock()
         self._slots = threading.BoundedSemaphore(gpu_max_inflight)
         self.stats = {"cpu": 0, "gpu": 0, "spill": 0}
 
-    def gpu(self):
+    def gpu(self) -> DeviceEncoder | None:
         if not self._gpu_checked:
             with self._gpu_lock:
                 if not self._gpu_checked:
@@ -123,17 +135,15 @@ _WARM_TEXT = ("Hello, World! don't I'LL 12345 x\n\n  \t(y) e\u0301 \u65e5\u672c\
               "\U0001F44D\U0001F3FD " + "a" * 40 + " " + "\u4e2d" * 30 + "\r\n")
 
 
-def enable_fast_paths(tok, **router_options) -> bool:
-    """Register "cpu", "auto" (and "gpu" when a device is present) on `tok`. Returns True when the family has the
-    fast CPU path, False when both names fall back to the reference engine."""
+def fast_paths(tok: Tokenizer, *, gpu_min_chars: int = GPU_MIN_CHARS,
+               gpu_max_inflight: int = GPU_MAX_INFLIGHT) -> dict[str, Encoder]:
+    """The exact paths of `tok` by name: "cpu", "auto" (and "gpu" when a device is present); empty when the family
+    has no fast CPU path. Everything is built lazily (first use), nothing here touches a device."""
     if tok.family.name == "hf-generic" or not pretokenize.supported(tok.family):
-        ref = tok.reference.encode_ordinary
-        tok.register_path("cpu", ref)
-        tok.register_path("auto", ref)
-        return False
+        return {}
 
-    def build_cpu():
-        from .parallel import CpuEncoder
+    def build_cpu() -> Encoder:
+        from .cpu.parallel import CpuEncoder
 
         enc = CpuEncoder(tok)
         # First calls load every numba kernel from its on-disk cache (~0.5 s of llvmlite work); do it here, in the
@@ -143,21 +153,18 @@ def enable_fast_paths(tok, **router_options) -> bool:
         return enc
 
     cpu = _Lazy(build_cpu)
-    router = Router(tok, cpu, **router_options)
-    tok.register_path("cpu", cpu)
-    tok.register_path("auto", router)
+    router = Router(tok, cpu, gpu_min_chars=gpu_min_chars, gpu_max_inflight=gpu_max_inflight)
+    paths: dict[str, Encoder] = {"cpu": cpu, "auto": router}
 
-    def build_gpu():
+    def build_gpu() -> Encoder:
         enc = router.gpu()
         if enc is None:
-            from .tokenizer import PathUnavailableError
-
             raise PathUnavailableError(f"no GPU encoder for {tok.name} here")
         return enc.encode
 
-    if _gpu_present_cheap() and "gpu" not in getattr(tok, "_paths", {}):   # the GPU helper may register its own
-        tok.register_path("gpu", _Lazy(build_gpu))
-    return True
+    if _gpu_present_cheap():
+        paths["gpu"] = _Lazy(build_gpu)
+    return paths
 
 
 def _gpu_present_cheap() -> bool:

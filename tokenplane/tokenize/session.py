@@ -7,40 +7,46 @@ proves synchronizing, inside a run of agreeing (position, ID) records of >= 2 to
 longest vocabulary token. Otherwise the window doubles (up to `max_widenings` times) and finally the whole text is
 encoded. A miss costs time, never correctness.
 
-State (all in normalized-text coordinates): ids uint32 and ends uint32 (character end of each token) in arrays grown
-geometrically and edited in place, so an append does O(delta + window) work, not O(context). Text is kept as a list of
-chunks (joined lazily); families with a normalizer (qwen3: NFC) keep the raw text the user sent and, only when it
-differs, the normalized text beside it. A session is single-writer: callers serialize mutations.
+State (all in normalized-text coordinates): ids uint32 and ends uint32 (character end of each token) in arrays that
+grow by an eighth (at most 12.5% slack: ~9 bytes/token) and are edited in place, so an append does O(delta + window)
+work, not O(context). Text is kept in a chunked store (textstore.py); families with a normalizer (qwen3: NFC) keep
+the raw text the user sent and, only when it differs, the normalized text beside it. The splice-point search is
+splice.py. A mutation is planned first (`_Plan`: text, literal and record changes as values) and applied by
+`_commit`. A session is single-writer: callers serialize mutations.
 """
 
 from __future__ import annotations
 
 import bisect
-import sys
 import time
-import weakref
 from dataclasses import dataclass, field
-from typing import Callable, Collection, Literal
+from typing import TYPE_CHECKING, Callable, Collection, Literal
 
 import numpy as np
 
-from . import boundary
-from .reference import ReferenceEngine, utf8_char_ends
-from .tokenizer import SpecialMatcher, TextTooLargeError, Tokenizer, validate_text
+from .cpu import boundary
+from .errors import SessionError, StaleRevisionError, TextTooLargeError, validate_text  # noqa: F401
+from .reference import utf8_char_ends
+from .splice import MAX_CANDIDATES, Point, SpliceSearch
+from .textstore import (
+    Append,
+    Replace,
+    SetText,
+    SplicedText,
+    TextChange,
+    TextStore,
+    common_prefix_len,
+    common_suffix_len,
+)
+
+if TYPE_CHECKING:   # type names only: tokenizer.py imports this module, never the other way round
+    from .tokenizer import Tokenizer
 
 DEFAULT_WINDOW = 512
 MAX_WIDENINGS = 5
-_CHUNK_MERGE = 1 << 16      # appends smaller than this merge into the last text chunk (bounded copy)
 _NFC_REACH = 1 << 16        # how far an NFC split point (an ASCII character) is searched for before a full renormalize
-_MAX_CANDIDATES = 24        # stable positions tried per window side before widening
-
-
-class SessionError(ValueError):
-    """Misuse of a session: an edit range out of bounds, a bad option."""
-
-
-class StaleRevisionError(SessionError):
-    """`expect_revision=` did not match the session's current revision (another writer changed it)."""
+_MIN_CAPACITY = 64          # records allocated for an empty session
+_GROWTH = 8                 # arrays grow to n + n / _GROWTH records: at most 12.5% slack, ~9 bytes/token
 
 
 @dataclass(frozen=True)
@@ -66,233 +72,49 @@ class SessionStats:
     total_repair_s: float = 0.0
     last_path: str = ""
 
-    def to_dict(self) -> dict:
+    def to_dict(self) -> dict[str, int | float | str]:
         """Plain JSON-able values (counters may be numpy scalars after array arithmetic)."""
         return {k: (v.item() if isinstance(v, np.generic) else v) for k, v in self.__dict__.items()}
 
 
-# -- per-tokenizer lookup tables ----------------------------------------------------------------------------------
-_TABLES: "weakref.WeakKeyDictionary[ReferenceEngine, np.ndarray]" = weakref.WeakKeyDictionary()
-
-
-def _continuation_start(ref: ReferenceEngine) -> np.ndarray:
-    """cont[id]: the token's first byte is a UTF-8 continuation byte, i.e. the previous token ended mid-character
-    (such a character end is not a clean split point)."""
-    table = _TABLES.get(ref)
-    if table is None:
-        table = np.fromiter(((len(b) > 0 and (b[0] & 0xC0) == 0x80) for b in ref.token_bytes), dtype=bool,
-                            count=len(ref.token_bytes))
-        _TABLES[ref] = table
-    return table
-
-
-# -- text store ---------------------------------------------------------------------------------------------------
-def _lcp(a: str, b: str, b_off: int) -> int:
-    """Length of the common prefix of a and b[b_off:], at memcmp speed (block compare, then bisect one block)."""
-    n = min(len(a), len(b) - b_off)
-    step, pos = 4096, 0
-    while pos < n and b.startswith(a[pos:min(pos + step, n)], b_off + pos):
-        pos += step
-    if pos >= n:
-        return n
-    lo, hi = pos, min(pos + step, n)      # a[:lo] matches, a[:hi] does not
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        if b.startswith(a[pos:mid], b_off + pos):
-            lo = mid
-        else:
-            hi = mid
-    return lo
-
-
-def _lcs(a: str, b: str, b_end: int | None = None) -> int:
-    """Length of the common suffix of a and b[:b_end], block-compared from the end (no reversed copies)."""
-    b_end = len(b) if b_end is None else b_end
-    n = min(len(a), b_end)
-    step, k = 4096, 0
-    while k < n:
-        m = min(step, n - k)
-        if not b.endswith(a[len(a) - k - m:len(a) - k], 0, b_end - k):
-            break
-        k += m
-    if k >= n:
-        return n
-    lo, hi = 0, min(step, n - k)          # a suffix of length lo of the block matches, hi does not
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        if b.endswith(a[len(a) - k - mid:len(a) - k], 0, b_end - k):
-            lo = mid
-        else:
-            hi = mid
-    return k + lo
-
-
-class _Chunks:
-    """Text as a list of chunks with start offsets; appends are O(len(chunk)), `joined` compacts lazily."""
-
-    __slots__ = ("chunks", "starts", "length")
-
-    def __init__(self, chunks: list[str] | None = None):
-        self.chunks = [c for c in (chunks or []) if c]
-        self._reindex()
-
-    def _reindex(self) -> None:
-        self.starts, n = [], 0
-        for c in self.chunks:
-            self.starts.append(n)
-            n += len(c)
-        self.length = n
-
-    def __len__(self) -> int:
-        return self.length
-
-    def copy(self) -> "_Chunks":
-        return _Chunks(list(self.chunks))
-
-    def append(self, s: str) -> None:
-        if not s:
-            return
-        if len(s) > 4 * _CHUNK_MERGE:
-            # a str stores every character at the width of its widest one: one emoji would make a whole 4M-char
-            # context 4 bytes/char, so large texts are kept as 64K-char chunks (each at its own width)
-            for i in range(0, len(s), _CHUNK_MERGE):
-                self.starts.append(self.length)
-                self.chunks.append(s[i:i + _CHUNK_MERGE])
-                self.length += len(self.chunks[-1])
-            return
-        if self.chunks and len(self.chunks[-1]) + len(s) <= _CHUNK_MERGE:
-            self.chunks[-1] += s
-        else:
-            self.starts.append(self.length)
-            self.chunks.append(s)
-        self.length += len(s)
-
-    def _locate(self, pos: int) -> int:
-        return bisect.bisect_right(self.starts, pos) - 1
-
-    def slice(self, a: int, b: int) -> str:
-        a, b = max(a, 0), min(b, self.length)
-        if a >= b:
-            return ""
-        i, j = self._locate(a), self._locate(b - 1)
-        if i == j:
-            o = self.starts[i]
-            return self.chunks[i][a - o:b - o]
-        return "".join([self.chunks[i][a - self.starts[i]:], *self.chunks[i + 1:j],
-                        self.chunks[j][:b - self.starts[j]]])
-
-    def char(self, pos: int) -> str:
-        i = self._locate(pos)
-        return self.chunks[i][pos - self.starts[i]]
-
-    def replace(self, a: int, b: int, s: str) -> None:
-        """Replace [a, b) by s; O(chunks + the two chunks cut)."""
-        if b == self.length:          # tail replace (every NFC append): cut the last chunks, then merge-append
-            i = self._locate(a) if a < self.length else len(self.chunks)
-            if i < len(self.chunks):
-                head = self.chunks[i][:a - self.starts[i]]
-                del self.chunks[i:], self.starts[i:]
-                self.length = a - len(head)
-                if head:
-                    self.starts.append(self.length)
-                    self.chunks.append(head)
-                    self.length = a
-            self.append(s)
-            return
-        left, right = [], []
-        for c, o in zip(self.chunks, self.starts):
-            end = o + len(c)
-            if end <= a:
-                left.append(c)
-            elif o >= b:
-                right.append(c)
-            else:
-                if o < a:
-                    left.append(c[:a - o])
-                if end > b:
-                    right.append(c[b - o:])
-        self.chunks = [c for c in (*left, s, *right) if c]
-        self._reindex()
-
-    def joined(self) -> str:
-        if len(self.chunks) > 1:
-            self.chunks = ["".join(self.chunks)]
-            self.starts = [0]
-        return self.chunks[0] if self.chunks else ""
-
-    def is_prefix_of(self, text: str) -> bool:
-        return self.length <= len(text) and all(text.startswith(c, o) for c, o in zip(self.chunks, self.starts))
-
-    def common_prefix(self, text: str) -> int:
-        for c, o in zip(self.chunks, self.starts):
-            if not text.startswith(c, o):
-                return o + _lcp(c, text, o) if o <= len(text) else len(text)
-        return min(self.length, len(text))
-
-    def common_suffix(self, text: str, limit: int) -> int:
-        """Common suffix length of the stored text and `text`, at most `limit`."""
-        shift, k = len(text) - self.length, 0
-        for c, o in zip(reversed(self.chunks), reversed(self.starts)):
-            lo = max(o, self.length - limit)
-            seg = c if lo == o else c[lo - o:]
-            end = o + len(c) + shift
-            if text.endswith(seg, 0, end):
-                k += len(seg)
-                if lo > o:
-                    break
-                continue
-            k += _lcs(seg, text, end)
-            break
-        return min(k, limit)
-
-    def nbytes(self, seen: set[int]) -> int:
-        total = 0
-        for c in self.chunks:
-            if id(c) not in seen:
-                seen.add(id(c))
-                total += sys.getsizeof(c)
-        return total
-
-
 # -- repair plan --------------------------------------------------------------------------------------------------
+# A literal entry: (raw_start, raw_end, norm_start, norm_end, id), id = -1 for a literal that is not allowed.
+LiteralEntry = tuple[int, int, int, int, int]
+
+
+@dataclass(frozen=True)
+class ReplaceLiteralsFrom:
+    """Literal entries from index `keep` on are replaced by `added` (an append rescans only the tail)."""
+    keep: int
+    added: list[LiteralEntry]
+
+    def apply(self, entries: list[LiteralEntry]) -> list[LiteralEntry]:
+        del entries[self.keep:]
+        entries.extend(self.added)
+        return entries
+
+
+@dataclass(frozen=True)
+class SetLiterals:
+    entries: list[LiteralEntry]
+
+    def apply(self, entries: list[LiteralEntry]) -> list[LiteralEntry]:
+        return self.entries
+
+
 @dataclass
 class _Plan:
     """Everything a mutation changes, computed before anything is mutated."""
-    raw_op: tuple                               # ("append", s) | ("set", full_raw)
-    norm_op: tuple | None                       # None: normalized == raw; ("replace", a, b, s) | ("set", chunks)
-    lits: tuple | None                          # ("tail", keep, added) | ("set", entries) | None (unchanged)
+    raw_change: TextChange
+    norm_change: TextChange | None              # None: the normalized text equals the raw text
+    lits: ReplaceLiteralsFrom | SetLiterals | None    # None: literal entries unchanged
     keep: int = 0
     mid_ids: np.ndarray = field(default_factory=lambda: np.zeros(0, np.uint32))
     mid_ends: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
     right_from: int = 0                         # old record index where the shifted right part starts
     delta: int = 0
-    path: str = "window"
+    path: Literal["window", "full", "noop"] = "window"
     attempts: int = 0
-    raw_is_norm: bool = True
-
-
-class _NewText:
-    """The new normalized text as old[:d0] + mid + old[e_old:], read by slices without materializing it."""
-
-    def __init__(self, old: _Chunks, d0: int, mid: str, e_old: int):
-        self.old, self.d0, self.mid, self.e_old = old, d0, mid, e_old
-        self.m_end = d0 + len(mid)
-        self.delta = self.m_end - e_old
-        self.length = len(old) + self.delta
-
-    def slice(self, a: int, b: int) -> str:
-        a, b = max(a, 0), min(b, self.length)
-        if a >= b:
-            return ""
-        parts = []
-        if a < self.d0:
-            parts.append(self.old.slice(a, min(b, self.d0)))
-        m0, m1 = max(a, self.d0), min(b, self.m_end)
-        if m0 < m1:
-            parts.append(self.mid[m0 - self.d0:m1 - self.d0])
-        if b > self.m_end:
-            parts.append(self.old.slice(max(a, self.m_end) - self.delta, b - self.delta))
-        return parts[0] if len(parts) == 1 else "".join(parts)
 
 
 class Session:
@@ -311,35 +133,35 @@ class Session:
         # default "auto" answers from the reference until the CPU path is built, then from the CPU path (for qwen3,
         # HF's encode of a 2K-char window costs ~12 ms; the CPU path ~0.3 ms).
         self.encode_path = encode_path
-        self.allowed_special = frozenset(tokenizer._resolve_allowed(allowed_special))
+        self.allowed_special = tokenizer.resolve_allowed(allowed_special)
         self._nfc = tokenizer.family.normalizer is not None
         # certify=False disables the fast path (baseline flag on the same code path: every call encodes fully).
         self.rule = boundary.rule_for(tokenizer.family) if certify else None
         if self._nfc and any(not s.isascii() for s in self.allowed_special):
             self.rule = None     # split points for NFC assume ASCII literals (docs/boundaries.md)
-        # the tokenizer's own literal matcher (same regex, same order) when it has one; compiling 1K+ literals per
-        # session would cost milliseconds
-        matcher = getattr(tokenizer, "_special_matcher", None) or SpecialMatcher(tokenizer.specials)
-        self._matcher = matcher if self.allowed_special else None
+        self._literals = bool(self.allowed_special)    # track special-token literals (only when some are allowed)
         self._maxlit = max((len(s) for s in tokenizer.specials), default=1)
-        self._cont = _continuation_start(self.reference)
+        self._cont = self.reference.continuation_start
         self._is_special = np.zeros(len(self._cont), dtype=bool)
         for s in self.allowed_special:
             self._is_special[tokenizer.specials[s]] = True
-        self._max_token_chars = tokenizer.max_token_chars
-        self._raw = _Chunks()
-        self._norm: _Chunks | None = None          # None while the normalized text equals the raw text
-        # Literal (special-token string) matches of the allowed-special scan, raw coordinates, sorted:
-        # (raw_start, raw_end, norm_start, norm_end, id) with id = -1 for literals that are not allowed.
-        self._lits: list[tuple[int, int, int, int, int]] = []
-        self._ids = np.zeros(1024, dtype=np.uint32)
-        self._ends = np.zeros(1024, dtype=np.uint32)
-        self._n = 0
+        self._search = SpliceSearch(self._cont, tokenizer.max_token_chars)
         self._encode_s = 0.0
-        self.revision = 0
-        self.stats = SessionStats()
+        self._clear()
         if text:
             self.append(text)
+
+    def _clear(self) -> None:
+        """The state of an empty session at revision 0."""
+        self._raw = TextStore()
+        self._norm: TextStore | None = None          # None while the normalized text equals the raw text
+        # Literal (special-token string) matches of the allowed-special scan, raw coordinates, sorted.
+        self._lits: list[LiteralEntry] = []
+        self._ids = np.zeros(_MIN_CAPACITY, dtype=np.uint32)
+        self._ends = np.zeros(_MIN_CAPACITY, dtype=np.uint32)
+        self._n = 0
+        self.revision = 0
+        self.stats = SessionStats()
 
     # -- read side ------------------------------------------------------------------------------------------------
     def __len__(self) -> int:
@@ -369,7 +191,7 @@ class Session:
         return self._normtext.joined()
 
     @property
-    def _normtext(self) -> _Chunks:
+    def _normtext(self) -> TextStore:
         return self._raw if self._norm is None else self._norm
 
     @property
@@ -438,13 +260,14 @@ class Session:
         """Drop the state and start over from `text` (a session-state miss)."""
         self._check_revision(expect_revision)
         text = validate_text(text, self.tokenizer.max_chars)
-        fresh = Session(self.tokenizer, allowed_special=self.allowed_special, window=self.window,
-                        max_widenings=self.max_widenings, certify=self.rule is not None,
-                        encode_path=self.encode_path)
-        fresh.append(text)
-        stats, rev = self.stats, self.revision
-        self.__dict__.update(fresh.__dict__)
-        self.stats, self.revision = stats, rev + 1
+        saved = (self._raw, self._norm, self._lits, self._ids, self._ends, self._n, self.revision, self.stats)
+        try:
+            self._clear()
+            self.append(text)
+        except BaseException:
+            (self._raw, self._norm, self._lits, self._ids, self._ends, self._n, self.revision, self.stats) = saved
+            raise
+        self.stats, self.revision = saved[7], saved[6] + 1     # counters and revision continue across a reset
         return Splice(0, self._ids[:self._n].copy(), self.revision, "full")
 
     def _check_revision(self, expect: int | None) -> None:
@@ -454,12 +277,9 @@ class Session:
     # -- literals (allowed special tokens) ------------------------------------------------------------------------
     def _scan(self, text: str, offset: int) -> list[tuple[int, int, int]]:
         """Literal matches of the special scan (same regex and order as Tokenizer.encode): (start, end, id|-1)."""
-        out = []
-        for m in self._matcher.regex.finditer(text):
-            lit = m.group()
-            out.append((offset + m.start(), offset + m.end(),
-                        self.tokenizer.specials[lit] if lit in self.allowed_special else -1))
-        return out
+        specials, allowed = self.tokenizer.specials, self.allowed_special
+        return [(offset + a, offset + b, specials[lit] if lit in allowed else -1)
+                for a, b, lit in self.tokenizer.special_matches(text)]
 
     # -- planning -------------------------------------------------------------------------------------------------
     def _plan_append(self, text: str) -> _Plan:
@@ -469,7 +289,7 @@ class Session:
         struct_raw = L0                         # first raw position whose segmentation may differ
         found: list[tuple[int, int, int]] = []
         keep_lits = len(self._lits)
-        if self._matcher is not None:
+        if self._literals:
             lo = max(0, L0 - self._maxlit + 1)
             keep_lits = bisect.bisect_left(self._lits, (lo,))
             restart = max(lo, self._lits[keep_lits - 1][1] if keep_lits else 0)
@@ -480,42 +300,42 @@ class Session:
                 diff = [x[0] for x in old_tail if x not in new_head] + [x[0] for x in new_head if x not in old_tail]
                 struct_raw = min(diff)
         if self._nfc and struct_raw < L0:
-            return self._plan_rebuild(self._raw.joined() + text, ("append", text))
+            return self._plan_rebuild(self._raw.joined() + text, Append(text))
         # The normalized middle `mid` replaces norm[d0:N0]; allowed literals get normalized coordinates.
         if not self._nfc:
             d0, mid, struct = N0, text, struct_raw
             keep_from, added = keep_lits, [(a, b, a, b, sid) for a, b, sid in found]
         else:
             last = next((e for e in reversed(self._lits) if e[4] >= 0), None)
-            d0 = self._nfc_split_before(norm, N0, last[3] if last else 0)
-            if d0 is None:
-                return self._plan_rebuild(self._raw.joined() + text, ("append", text))
+            split = norm.nfc_split_before(N0, last[3] if last else 0, _NFC_REACH)
+            if split is None:
+                return self._plan_rebuild(self._raw.joined() + text, Append(text))
+            d0 = split
             # struct_raw == L0 here: the old literal entries all stand; walk the new ones
             keep_from, added, pieces, cur, pos, raw_pos = len(self._lits), [], [], norm.slice(d0, N0), d0, L0
             for a, b, sid in (x for x in found if x[0] >= L0):
                 if sid < 0:
                     added.append((a, b, -1, -1, -1))
                     continue
-                seg = self.reference.normalize(cur + text[raw_pos - L0:a - L0])
+                seg = self.tokenizer.normalize(cur + text[raw_pos - L0:a - L0])
                 lit = text[a - L0:b - L0]
                 pieces += [seg, lit]
                 added.append((a, b, pos + len(seg), pos + len(seg) + len(lit), sid))
                 pos += len(seg) + len(lit)
                 cur, raw_pos = "", b
-            pieces.append(self.reference.normalize(cur + text[raw_pos - L0:]))
+            pieces.append(self.tokenizer.normalize(cur + text[raw_pos - L0:]))
             mid, struct = "".join(pieces), N0
-        new = _NewText(norm, d0, mid, N0)
-        d = min(d0 + _lcp(norm.slice(d0, N0), mid, 0), struct)
+        new = SplicedText(norm, d0, mid, N0)
+        d = min(d0 + common_prefix_len(norm.slice(d0, N0), mid, 0), struct)
         raw_is_norm = self._norm is None and (not self._nfc or mid == norm.slice(d0, N0) + text)
-        plan = _Plan(raw_op=("append", text),
-                     norm_op=None if raw_is_norm else ("replace", d0, N0, mid),
-                     lits=("tail", keep_from, added) if self._matcher is not None else None,
-                     raw_is_norm=raw_is_norm)
+        plan = _Plan(raw_change=Append(text),
+                     norm_change=None if raw_is_norm else Replace(d0, N0, mid),
+                     lits=ReplaceLiteralsFrom(keep_from, added) if self._literals else None)
         added_sp = [(e[2], e[3], e[4]) for e in added if e[4] >= 0]
 
         def specials(lo: int, hi: int) -> list[tuple[int, int, int]]:
             """Allowed literals inside [lo, hi) in normalized coordinates: O(literals in range), not O(session)."""
-            if self._matcher is None:
+            if not self._literals:
                 return []
             out = []
             for e in reversed(self._lits[:keep_from]) if keep_from else ():
@@ -531,56 +351,56 @@ class Session:
 
     def _plan_edit(self, start: int, end: int, replacement: str) -> _Plan:
         raw_len = len(self._raw)
-        if self._matcher is not None or (self._nfc and self._norm is not None):
+        if self._literals or (self._nfc and self._norm is not None):
             new_raw = self._raw.slice(0, start) + replacement + self._raw.slice(end, raw_len)
-            return self._plan_rebuild(new_raw, ("set", new_raw))
+            return self._plan_rebuild(new_raw, SetText(new_raw))
         norm = self._raw
         if not self._nfc:
             d0, e_old, mid = start, end, replacement
             raw_is_norm = True
         else:
-            d0 = self._nfc_split_before(norm, start, 0)
-            e_old = self._nfc_split_after(norm, end)
-            if d0 is None or e_old is None:
+            lo = norm.nfc_split_before(start, 0, _NFC_REACH)
+            hi = norm.nfc_split_after(end, _NFC_REACH)
+            if lo is None or hi is None:
                 new_raw = self._raw.slice(0, start) + replacement + self._raw.slice(end, raw_len)
-                return self._plan_rebuild(new_raw, ("set", new_raw))
+                return self._plan_rebuild(new_raw, SetText(new_raw))
+            d0, e_old = lo, hi
             raw_mid = norm.slice(d0, start) + replacement + norm.slice(end, e_old)
-            mid = self.reference.normalize(raw_mid)
+            mid = self.tokenizer.normalize(raw_mid)
             raw_is_norm = mid == raw_mid
         old_mid = norm.slice(d0, e_old)
-        cp = _lcp(old_mid, mid, 0)
-        cs = _lcs(old_mid[cp:], mid[cp:])
-        new = _NewText(norm, d0, mid, e_old)
-        plan = _Plan(raw_op=("replace", start, end, replacement),
-                     norm_op=None if raw_is_norm else ("replace", d0, e_old, mid), lits=None,
-                     raw_is_norm=raw_is_norm)
+        cp = common_prefix_len(old_mid, mid, 0)
+        cs = common_suffix_len(old_mid[cp:], mid[cp:])
+        new = SplicedText(norm, d0, mid, e_old)
+        plan = _Plan(raw_change=Replace(start, end, replacement),
+                     norm_change=None if raw_is_norm else Replace(d0, e_old, mid), lits=None)
         self._repair(plan, new, d0 + cp, d0 + len(mid) - cs, lambda lo, hi: [])
         return plan
 
-    def _plan_rebuild(self, new_raw: str, raw_op: tuple) -> _Plan:
+    def _plan_rebuild(self, new_raw: str, raw_change: TextChange) -> _Plan:
         """Full renormalization / literal rescan of the new raw text, then the same certified repair on the diff.
         O(N) in the text (documented: edits with allowed specials, edits of NFC text whose raw form is not NFC)."""
         self.stats.renormalizations += 1
-        lits = self._scan(new_raw, 0) if self._matcher is not None else []
+        lits = self._scan(new_raw, 0) if self._literals else []
         pieces, entries, pos, raw_pos = [], [], 0, 0
         for a, b, sid in lits:
             if sid < 0:
                 entries.append((a, b, -1, -1, -1))
                 continue
-            seg = self.reference.normalize(new_raw[raw_pos:a]) if self._nfc else new_raw[raw_pos:a]
+            seg = self.tokenizer.normalize(new_raw[raw_pos:a]) if self._nfc else new_raw[raw_pos:a]
             lit = new_raw[a:b]
             pieces += [seg, lit]
             entries.append((a, b, pos + len(seg), pos + len(seg) + len(lit), sid))
             pos += len(seg) + len(lit)
             raw_pos = b
-        pieces.append(self.reference.normalize(new_raw[raw_pos:]) if self._nfc else new_raw[raw_pos:])
+        pieces.append(self.tokenizer.normalize(new_raw[raw_pos:]) if self._nfc else new_raw[raw_pos:])
         new_norm = "".join(pieces)
         old_norm = self._normtext.joined()
         old_sp = [(e[2], e[3], e[4]) for e in self._lits if e[4] >= 0]
         new_sp = [(e[2], e[3], e[4]) for e in entries if e[4] >= 0]
         delta = len(new_norm) - len(old_norm)
-        d = _lcp(old_norm, new_norm, 0)
-        cs = _lcs(old_norm[d:], new_norm[d:])
+        d = common_prefix_len(old_norm, new_norm, 0)
+        cs = common_suffix_len(old_norm[d:], new_norm[d:])
         e_new = len(new_norm) - cs
         # segmentation must agree on the kept prefix and the kept (shifted) suffix
         k = 0
@@ -601,52 +421,21 @@ class Session:
         d = min(d, e_new)
         e_old = e_new - delta
         raw_is_norm = new_norm == new_raw
-        plan = _Plan(raw_op=raw_op, norm_op=None if raw_is_norm else ("set", new_norm),
-                     lits=("set", entries) if self._matcher is not None else None, raw_is_norm=raw_is_norm)
-        new = _NewText(_Chunks([old_norm]), d, new_norm[d:e_new], e_old)
+        plan = _Plan(raw_change=raw_change, norm_change=None if raw_is_norm else SetText(new_norm),
+                     lits=SetLiterals(entries) if self._literals else None)
+        new = SplicedText(TextStore([old_norm]), d, new_norm[d:e_new], e_old)
         self._repair(plan, new, d, e_new, lambda lo, hi: [x for x in new_sp if x[1] > lo and x[0] < hi])
         return plan
 
-    def _nfc_split_before(self, norm: _Chunks, pos: int, floor: int) -> int | None:
-        """Largest q <= pos (q >= floor) where NFC(text) == NFC(text[:q]) + NFC(text[q:]) holds for any later
-        text: an ASCII character at q (a starter that never composes with what precedes it), or the floor (text
-        start / end of a special literal, where normalization restarts). None: none within reach."""
-        lo = max(floor, pos - _NFC_REACH)
-        step = 256
-        hi = pos
-        while hi > lo:
-            a = max(lo, hi - step)
-            chunk = norm.slice(a, hi)
-            for k in range(len(chunk) - 1, -1, -1):
-                if chunk[k] < "\x80":
-                    return a + k
-            hi = a
-            step *= 2
-        return floor if lo == floor else None
-
-    def _nfc_split_after(self, norm: _Chunks, pos: int) -> int | None:
-        """Smallest q >= pos with an ASCII character at q (or the text end)."""
-        end = len(norm)
-        hi_limit = min(end, pos + _NFC_REACH)
-        a, step = pos, 256
-        while a < hi_limit:
-            b = min(hi_limit, a + step)
-            chunk = norm.slice(a, b)
-            for k, ch in enumerate(chunk):
-                if ch < "\x80":
-                    return a + k
-            a = b
-            step *= 2
-        return end if hi_limit == end else None
-
     # -- the certified repair -------------------------------------------------------------------------------------
-    def _repair(self, plan: _Plan, new: _NewText, d: int, e_new: int, specials: Callable[[int, int], list]) -> None:
+    def _repair(self, plan: _Plan, new: SplicedText, d: int, e_new: int, specials: Callable[[int, int], list]) -> None:
         """Fill plan's record splice for new text that equals the old text on [0, d) and on [e_new, end) (shifted by
         new.delta), with the same literal segmentation there."""
         n = self._n
         plan.delta = new.delta
         new_len = new.length
-        if n and self.rule is not None:
+        rule = self.rule
+        if n and rule is not None:
             self.stats.repairs += 1
             for attempt in range(self.max_widenings + 1):
                 w = self.window << attempt
@@ -660,10 +449,10 @@ class Session:
                 if fresh is None:
                     continue
                 f_ids, f_ends = fresh
-                left = self._find_left(new, s, d, f_ids, f_ends, sp)
+                left = self._find_left(rule, new, s, d, f_ids, f_ends, sp)
                 if left is None:
                     continue
-                right = self._find_right(new, e_new, r, new_len, f_ids, f_ends, sp)
+                right = self._find_right(rule, new, e_new, r, new_len, f_ids, f_ends, sp)
                 if right is None:
                     continue
                 self._fill_window(plan, s, left, right, f_ids, f_ends)
@@ -708,7 +497,7 @@ class Session:
                 return a
         return target
 
-    def _encode_window(self, new: _NewText, s: int, r: int, specials, check: bool = True):
+    def _encode_window(self, new: SplicedText, s: int, r: int, specials, check: bool = True):
         """Reference records of new[s:r] (literals split out); ends relative to s. None if an NFC self-check fails."""
         text = new.slice(s, r)
         id_parts, end_parts, pos = [], [], s
@@ -718,13 +507,13 @@ class Session:
             if a >= b:
                 return True
             t = text[a - s:b - s]
-            if self._nfc and check and not t.isascii() and self.reference.normalize(t) != t:
+            if self._nfc and check and not t.isascii() and self.tokenizer.normalize(t) != t:
                 return False
             t0 = time.perf_counter()
             if self.encode_path == "reference":
                 ids = self.reference.encode_ordinary_normalized(t)
             else:
-                ids = np.asarray(self.tokenizer._encode_ordinary(t, self.encode_path), dtype=np.uint32)
+                ids = self.tokenizer.encode_ordinary(t, path=self.encode_path)
             self._encode_s += time.perf_counter() - t0
             byte_ends = np.cumsum(self.reference.token_lengths[ids])
             id_parts.append(ids)
@@ -745,100 +534,37 @@ class Session:
         ends = np.concatenate(end_parts).astype(np.int64, copy=False)
         return ids, ends + s
 
-    def _clean_index(self, ends: np.ndarray, ids: np.ndarray, pos: np.ndarray, origin: int):
-        """For each position: index of the last record ending there if it is a clean boundary, -1 for origin,
-        -2 when not a clean boundary of these records."""
-        if not len(ends):
-            return np.where(pos == origin, -1, -2)
-        # query in the array's dtype: a mixed-dtype searchsorted converts the whole (session-sized) array
-        idx = np.searchsorted(ends, pos.astype(ends.dtype), side="right") - 1
-        ok = idx >= 0
-        safe = np.where(ok, idx, 0)
-        hit = ok & (ends[safe] == pos)
-        nxt = np.minimum(safe + 1, len(ids) - 1)
-        clean = hit & ((safe + 1 >= len(ids)) | ~self._cont[ids[nxt]])
-        out = np.where(clean, idx, -2)
-        return np.where(pos == origin, -1, out)
-
-    def _run_ok(self, c_ids, ci, f_ids, fj, c_ends, c_origin) -> bool:
-        """The agreeing run through the splice point: >= 2 tokens, > max_token_chars characters, and it includes
-        the token left of the point (so the point lies inside the run)."""
-        m = min(ci + 1, fj + 1)
-        if m <= 0:
-            return False
-        a = c_ids[ci - m + 1:ci + 1][::-1]
-        b = f_ids[fj - m + 1:fj + 1][::-1]
-        neq = np.flatnonzero(a != b)
-        back = int(neq[0]) if len(neq) else m
-        if back == 0:
-            return False
-        m2 = min(len(c_ids) - ci - 1, len(f_ids) - fj - 1)
-        neq = np.flatnonzero(c_ids[ci + 1:ci + 1 + m2] != f_ids[fj + 1:fj + 1 + m2])
-        fwd = int(neq[0]) if len(neq) else m2
-        first = ci - back + 1
-        start = int(c_ends[first - 1]) if first > 0 else c_origin
-        stop = int(c_ends[ci + fwd])
-        return back + fwd >= 2 and stop - start > self._max_token_chars
-
-    def _find_left(self, new, s, d, f_ids, f_ends, specials):
+    def _find_left(self, rule: boundary.BoundaryRule, new: SplicedText, s: int, d: int, f_ids: np.ndarray,
+                   f_ends: np.ndarray, specials: list[tuple[int, int, int]]) -> Point | None:
         """Rightmost certified splice point p in [s, d]: (p, cached index, fresh index)."""
-        n = self._n
-        c_ids, c_ends = self._ids[:n], self._ends[:n]
         hard = {s} if s == 0 or self._is_special_edge(s) else set()
         for a, b, _ in specials:
-            if b <= d and b >= s:
+            if s <= b <= d:
                 hard.update(x for x in (a, b) if x >= s)
-        stable = self.rule.stable_positions(new.slice(s, d), s) if d - s >= 2 else np.zeros(0, np.int64)
-        # only the rightmost stable positions are ever tried: index just those (plus every hard boundary)
-        cand = np.union1d(np.fromiter(hard, dtype=np.int64, count=len(hard)), stable[-4 * _MAX_CANDIDATES:])[::-1]
-        if not len(cand):
-            return None
-        ci = self._clean_index(c_ends, c_ids, cand, 0)
-        fj = self._clean_index(f_ends, f_ids, cand, s)
-        good = np.flatnonzero((ci >= -1) & (fj >= -1))
-        tried = 0
-        for k in good:
-            p = int(cand[k])
-            if p in hard:
-                return p, int(ci[k]), int(fj[k])
-            if tried >= _MAX_CANDIDATES:
-                break
-            tried += 1
-            if self._run_ok(c_ids, int(ci[k]), f_ids, int(fj[k]), c_ends, 0):
-                return p, int(ci[k]), int(fj[k])
-        return None
+        stable = rule.stable_positions(new.slice(s, d), s) if d - s >= 2 else np.zeros(0, np.int64)
+        return self._search.point(hard, stable[-4 * MAX_CANDIDATES:], *self._records(), f_ids, f_ends, rightmost=True,
+                                  shift=0, fresh_origin=s)
 
-    def _find_right(self, new, e_new, r, new_len, f_ids, f_ends, specials):
+    def _find_right(self, rule: boundary.BoundaryRule, new: SplicedText, e_new: int, r: int, new_len: int,
+                    f_ids: np.ndarray, f_ends: np.ndarray, specials: list[tuple[int, int, int]]) -> Point | None:
         """Leftmost certified splice point q in [e_new, r]: (q, cached index of q - delta, fresh index)."""
-        n, delta = self._n, new.delta
         if r >= new_len and e_new >= new_len:
-            return new_len, n - 1, len(f_ids) - 1
-        c_ids, c_ends = self._ids[:n], self._ends[:n]
+            return new_len, self._n - 1, len(f_ids) - 1
         hard = {new_len} if r >= new_len else set()
         for a, b, _ in specials:
             if a >= e_new and b <= r:
                 hard.update((a, b))
-        stable = self.rule.stable_positions(new.slice(e_new, r), e_new) if r - e_new >= 2 else np.zeros(0, np.int64)
-        cand = np.union1d(np.fromiter(hard, dtype=np.int64, count=len(hard)), stable[:4 * _MAX_CANDIDATES])
-        if not len(cand):
-            return None
-        ci = self._clean_index(c_ends, c_ids, cand - delta, 0)
-        fj = self._clean_index(f_ends, f_ids, cand, -1)
-        good = np.flatnonzero((ci >= -1) & (fj >= 0))
-        tried = 0
-        for k in good:
-            q = int(cand[k])
-            if q in hard:
-                return q, int(ci[k]), int(fj[k])
-            if tried >= _MAX_CANDIDATES:
-                break
-            tried += 1
-            if self._run_ok(c_ids, int(ci[k]), f_ids, int(fj[k]), c_ends, 0):
-                return q, int(ci[k]), int(fj[k])
-        return None
+        stable = rule.stable_positions(new.slice(e_new, r), e_new) if r - e_new >= 2 else np.zeros(0, np.int64)
+        # fresh_origin -1: the fresh window starts left of e_new, so a fresh index must be a real record (>= 0)
+        return self._search.point(hard, stable[:4 * MAX_CANDIDATES], *self._records(), f_ids, f_ends,
+                                  rightmost=False, shift=new.delta, fresh_origin=-1)
+
+    def _records(self) -> tuple[np.ndarray, np.ndarray]:
+        """The cached (ids, ends) records as views."""
+        return self._ids[:self._n], self._ends[:self._n]
 
     def _is_special_edge(self, pos: int) -> bool:
-        if not self._matcher:
+        if not self._literals:
             return False
         i = int(np.searchsorted(self._ends[:self._n], np.uint32(pos), side="right")) - 1
         if i >= 0 and self._ends[i] == pos and self._is_special[self._ids[i]]:
@@ -865,7 +591,7 @@ class Session:
         new_n = keep + n_mid + n_right
         ids, ends = self._ids, self._ends
         if new_n > len(ids):
-            cap = max(new_n, len(ids) + len(ids) // 8 + 4096)   # <= 12.5% slack: ~9 bytes/token at most
+            cap = new_n + new_n // _GROWTH + 16
             ids2, ends2 = np.empty(cap, np.uint32), np.empty(cap, np.uint32)
             ids2[:keep], ends2[:keep] = ids[:keep], ends[:keep]
             ids2[keep + n_mid:new_n] = ids[right_from:n]
@@ -884,27 +610,13 @@ class Session:
         ends[keep:keep + n_mid] = plan.mid_ends
         self._ids, self._ends, self._n = ids, ends, new_n
         # text: the normalized store splits off the raw one (sharing its chunks) the first time they differ
-        if not plan.raw_is_norm and self._norm is None:
-            self._norm = self._raw.copy()
-        op = plan.raw_op
-        if op[0] == "append":
-            self._raw.append(op[1])
-        elif op[0] == "replace":
-            self._raw.replace(op[1], op[2], op[3])
-        else:
-            self._raw = _Chunks([op[1]])
-        if plan.raw_is_norm:
-            self._norm = None
-        elif plan.norm_op[0] == "replace":
-            self._norm.replace(plan.norm_op[1], plan.norm_op[2], plan.norm_op[3])
-        else:
-            self._norm = _Chunks([plan.norm_op[1]])
+        norm = None
+        if plan.norm_change is not None:
+            norm = self._norm if self._norm is not None else self._raw.copy()
+        self._raw = self._raw.apply(plan.raw_change)
+        self._norm = norm.apply(plan.norm_change) if norm is not None and plan.norm_change is not None else None
         if plan.lits is not None:
-            if plan.lits[0] == "tail":
-                del self._lits[plan.lits[1]:]
-                self._lits.extend(plan.lits[2])
-            else:
-                self._lits = plan.lits[1]
+            self._lits = plan.lits.apply(self._lits)
         self.revision += 1
         dt = time.perf_counter() - t0
         self.stats.last_repair_s = dt

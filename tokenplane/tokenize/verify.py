@@ -15,12 +15,12 @@ import random
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Collection
+from typing import Any, Callable, Collection, Sequence
 
 import numpy as np
 
 from .reference import ReferenceEngine, make_reference
-from .tokenizer import Tokenizer
+from .tokenizer import SpecialMatcher, Tokenizer
 
 REPRO_MAX_CHARS = 65536   # mismatch reports carry the full text up to this size, else a window around the divergence
 
@@ -61,7 +61,7 @@ class Mismatch:
 
 def default_reference_factory(tokenizer: Tokenizer) -> Callable[[], ReferenceEngine]:
     """A factory for a brand-new reference engine from the tokenizer's pinned file (never the serving instance)."""
-    from .artifacts import ARTIFACTS, artifact_bytes
+    from .spec.artifacts import ARTIFACTS, artifact_bytes
 
     # Identify the file by content, so renamed or size-limited Tokenizers over a pinned file work too.
     name = next((a.name for a in ARTIFACTS.values() if a.sha256 == tokenizer.content_hash), None)
@@ -96,6 +96,8 @@ class ShadowVerifier:
         self.on_mismatch = on_mismatch
         self.max_reports = max_reports
         self._factory = reference_factory or default_reference_factory(tokenizer)
+        self._matcher: SpecialMatcher | None = None
+        self._matcher_ref: ReferenceEngine | None = None
         self._rng = random.Random(seed)
         self._queue: queue.Queue = queue.Queue(maxsize=max_queue)
         self._lock = threading.Lock()
@@ -109,7 +111,8 @@ class ShadowVerifier:
         self._worker.start()
 
     # -- serving side ---------------------------------------------------------------------------------------------
-    def submit(self, text: str, ids, *, allowed_special: Collection[str] = (), context: dict | None = None) -> bool:
+    def submit(self, text: str, ids: Sequence[int] | np.ndarray, *, allowed_special: Collection[str] = (),
+               context: dict | None = None) -> bool:
         """Offer one served (text, ids) pair. Returns True if it was sampled and queued. Never blocks."""
         with self._lock:
             self._counts["submitted"] += 1
@@ -129,9 +132,9 @@ class ShadowVerifier:
                 self._counts["dropped"] += 1
             return False
 
-    def stats(self) -> dict:
+    def stats(self) -> dict[str, Any]:
         with self._lock:
-            out = dict(self._counts)
+            out: dict[str, Any] = dict(self._counts)
             out["check_seconds"] = round(self._check_seconds, 6)
         out.update(rate=self.rate, queue_depth=self._queue.qsize(), state=self.state.name.lower(),
                    tokenizer=self.tokenizer.name)
@@ -162,7 +165,7 @@ class ShadowVerifier:
             pass
         self._worker.join(timeout)
 
-    def __enter__(self) -> "ShadowVerifier":
+    def __enter__(self) -> ShadowVerifier:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -213,9 +216,15 @@ class ShadowVerifier:
             if item is None:
                 return
 
+    def _matcher_for(self, reference: ReferenceEngine) -> SpecialMatcher:
+        """A literal matcher of the fresh engine's own specials, built once by the worker (no serving state)."""
+        if self._matcher is None or self._matcher_ref is not reference:
+            self._matcher, self._matcher_ref = SpecialMatcher(reference.specials), reference
+        return self._matcher
+
     def expected_ids(self, reference: ReferenceEngine, text: str, allowed: Collection[str]) -> np.ndarray:
         parts = []
-        for segment, special_id in self.tokenizer._special_matcher.split(text, allowed):
+        for segment, special_id in self._matcher_for(reference).split(text, allowed):
             if special_id is not None:
                 parts.append(np.array([special_id], dtype=np.int64))
             elif segment:

@@ -7,6 +7,10 @@ at module import time, so `tokenplane` imports on CPU-only machines without numb
 from __future__ import annotations
 
 import os
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:   # type names only: these modules sit above this one
+    from ..tokenizer import Tokenizer
 
 
 def simulator_enabled() -> bool:
@@ -30,7 +34,7 @@ def available() -> bool:
         return False
 
 
-def supports(tokenizer) -> bool:
+def supports(tokenizer: Tokenizer) -> bool:
     """True when the tokenizer's family has device pre-tokenizer rules (cl100k_base, o200k_base, llama3, qwen3,
     deepseek_v4)."""
     from .encoder import UnsupportedFamilyError, family_code
@@ -42,7 +46,7 @@ def supports(tokenizer) -> bool:
     return True
 
 
-def __getattr__(name):
+def __getattr__(name: str) -> type:
     if name in ("GpuEncoder", "UnsupportedFamilyError"):
         from . import encoder
 

@@ -17,7 +17,8 @@ every token its output slot, so the output is compacted without the host learnin
 
 from __future__ import annotations
 
-from functools import lru_cache
+from functools import cache
+from typing import Callable
 
 from .layout import N_BYTES, N_DOCS, N_LARGE, N_MEDIUM, N_PIECES, N_SMALL, N_TOKENS
 from .tables import FNV_OFFSET, FNV_PRIME, MASK32, PAIR_SHIFT
@@ -26,8 +27,8 @@ FULL_MASK = 0xFFFFFFFF
 NO_KEY = 0x7FFFFFFFFFFFFFFF
 
 
-@lru_cache(maxsize=None)
-def make_bpe(small_max: int, block_tpb: int):
+@cache
+def make_bpe(small_max: int, block_tpb: int) -> dict[str, Callable]:
     # kernels must see `cuda` as a module global: the simulator swaps it in the function's globals
     global cuda, int32, int64
     from numba import cuda, int32, int64

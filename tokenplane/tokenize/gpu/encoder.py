@@ -16,13 +16,33 @@ from __future__ import annotations
 import os
 import threading
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Callable
 
 import numpy as np
 
-from ..tokenizer import InvalidTextError, PathUnavailableError
-from .layout import (F_CL100K, F_DEEPSEEK, F_LLAMA3, F_O200K, F_QWEN3, FALLBACK, INVALID, META_LEN, N_BYTES,
-                     N_CHARS, N_DOCS, N_LARGE, N_MEDIUM, N_PIECES, N_SMALL, N_TOKENS)
+from ..errors import InvalidTextError, PathUnavailableError
+from .layout import (
+    F_CL100K,
+    F_DEEPSEEK,
+    F_LLAMA3,
+    F_O200K,
+    F_QWEN3,
+    FALLBACK,
+    INVALID,
+    META_LEN,
+    N_BYTES,
+    N_CHARS,
+    N_DOCS,
+    N_LARGE,
+    N_MEDIUM,
+    N_PIECES,
+    N_SMALL,
+    N_TOKENS,
+)
 from .scan import OP_ADD, OP_MAX, launch_scan, make_scan
+
+if TYPE_CHECKING:   # type names only: these modules sit above this one
+    from ..tokenizer import Tokenizer
 
 
 class UnsupportedFamilyError(PathUnavailableError):
@@ -33,8 +53,8 @@ def simulator_enabled() -> bool:
     return os.environ.get("NUMBA_ENABLE_CUDASIM", "") == "1"
 
 
-def family_code(tokenizer) -> int:
-    from ..families import FAMILIES
+def family_code(tokenizer: Tokenizer) -> int:
+    from ..spec.families import FAMILIES
 
     fam = tokenizer.family
     for name, code in (("cl100k_base", F_CL100K), ("llama3", F_LLAMA3), ("o200k_base", F_O200K),
@@ -54,7 +74,7 @@ class Geometry:
     scan_items: int     # elements each scan thread folds serially (tile = tpb * scan_items)
 
     @staticmethod
-    def for_mode(sim: bool) -> "Geometry":
+    def for_mode(sim: bool) -> Geometry:
         # the simulator runs each CUDA thread as a Python thread and polls them at every syncthreads: one tiny
         # block (and one warp where warps are needed) keeps it fast; the GPU geometry is the one that is timed
         return Geometry(4, 1, 32, 8, 512) if sim else Geometry(256, 132 * 16, 128, 256, 8)
@@ -85,9 +105,9 @@ class GpuEncoder:
     chained contractions) are flagged on the device and answered by `fallback` (the reference engine by default).
     """
 
-    def __init__(self, tokenizer, *, small_max: int = 32, medium_max: int = 128, use_graphs: bool = True,
-                 sync_counts: bool = False, buckets: tuple[int, ...] | None = None, fallback=None,
-                 max_docs: int = 4096):
+    def __init__(self, tokenizer: Tokenizer, *, small_max: int = 32, medium_max: int = 128, use_graphs: bool = True,
+                 sync_counts: bool = False, buckets: tuple[int, ...] | None = None,
+                 fallback: Callable[[str], np.ndarray] | None = None, max_docs: int = 4096):
         self.family = family_code(tokenizer)
         if not 1 <= small_max <= medium_max:
             raise ValueError("need 1 <= small_max <= medium_max")
@@ -328,7 +348,7 @@ class GpuEncoder:
 
     def _device_text(self, text: str) -> str:
         # NFC (qwen3) stays on the host, as in the paper: the device pipeline starts from normalized text
-        return self.tokenizer.reference.normalize(text) if self.tokenizer.family.normalizer else text
+        return self.tokenizer.normalize(text) if self.tokenizer.family.normalizer else text
 
     def encode(self, text: str | bytes) -> np.ndarray:
         if isinstance(text, str):

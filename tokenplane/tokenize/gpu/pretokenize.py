@@ -25,13 +25,14 @@ contractions (`x's's`) set the FALLBACK flag of their document; the encoder answ
 
 from __future__ import annotations
 
-from functools import lru_cache
+from functools import cache
+from typing import Callable
 
 from .layout import BIG, F_O200K, F_QWEN3, FALLBACK, INVALID, N_BYTES, N_CHARS, N_DOCS, N_PIECES, N_SMALL
 from .tables import B_C, B_M, B_PL, B_PU, K_L, K_N, K_O, K_W
 
 
-def aggregate_kernel(absorbed_at, run_aux):
+def aggregate_kernel(absorbed_at: Callable, run_aux: Callable) -> Callable:
     """The run-aggregate kernel for one family's absorption rule (`absorbed_at(cp, code, lastnons, fam, x)`: x is a
     CR/LF that the preceding punctuation piece takes) and per-run extra (`run_aux(code, raux, r, x)`): per run, the
     first non-absorbed position (reff), the last CR/LF and the end. Only a few characters per run issue atomics
@@ -58,8 +59,8 @@ def aggregate_kernel(absorbed_at, run_aux):
     return k_aggregate
 
 
-@lru_cache(maxsize=None)
-def make_pretokenize():
+@cache
+def make_pretokenize() -> dict[str, Callable]:
     # kernels must see `cuda` as a module global: the simulator swaps it in the function's globals
     global cuda, int32
     from numba import cuda, int32

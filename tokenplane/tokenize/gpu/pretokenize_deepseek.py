@@ -14,7 +14,8 @@ kernels keep o200k's last non-uppercase letter.
 
 from __future__ import annotations
 
-from functools import lru_cache
+from functools import cache
+from typing import Callable
 
 from .layout import BIG, N_CHARS
 
@@ -22,8 +23,8 @@ KIND_LM, KIND_PS, KIND_W, KIND_OTHER, KIND_N = 0, 1, 2, 3, 4
 F_CJK, F_ASCII_LETTER, F_ASCII_PUNCT = 8, 16, 32
 
 
-@lru_cache(maxsize=None)
-def make_pretokenize_deepseek():
+@cache
+def make_pretokenize_deepseek() -> dict[str, Callable]:
     global cuda
     from numba import cuda
 

@@ -23,7 +23,8 @@ SIGNATURES = {
 }
 
 
-def compile_all(cc=(9, 0), small_max: int = 32, tpb: int = 256, items: int = 8, block_tpb: int = 256):
+def compile_all(cc: tuple[int, int] = (9, 0), small_max: int = 32, tpb: int = 256, items: int = 8,
+                block_tpb: int = 256) -> dict[str, tuple[bool, str]]:
     from numba import cuda, types
 
     from .bpe import make_bpe

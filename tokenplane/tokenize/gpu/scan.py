@@ -9,14 +9,15 @@ same launches serve any input in a bucket and can be captured once into a CUDA g
 
 from __future__ import annotations
 
-from functools import lru_cache
+from functools import cache
+from typing import Any, Callable
 
 OP_ADD = 0
 OP_MAX = 1
 
 
-@lru_cache(maxsize=None)
-def make_scan(tpb: int, items: int):
+@cache
+def make_scan(tpb: int, items: int) -> tuple[Callable, Callable, Callable]:
     # kernels must see `cuda` as a module global: the simulator swaps it in the function's globals
     global cuda, int32
     from numba import cuda, int32
@@ -120,7 +121,8 @@ def make_scan(tpb: int, items: int):
     return scan_tiles, scan_sums, scan_apply
 
 
-def launch_scan(kernels, grid: int, tpb: int, stream, src, dst, sums, meta, n_idx: int, op: int,
+def launch_scan(kernels: tuple[Callable, Callable, Callable], grid: int, tpb: int, stream: Any, src: Any, dst: Any,
+                sums: Any, meta: Any, n_idx: int, op: int,
                 exclusive: bool, total_idx: int = -1) -> None:
     """dst = scan(src[:meta[n_idx]]); src and dst may alias. With total_idx >= 0, meta[total_idx] = the total."""
     scan_tiles, scan_sums, scan_apply = kernels

@@ -20,11 +20,16 @@ DeepSeek's 3 tokens that the merges never produce from their own bytes, goes thr
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 
-from ..artifacts import cache_dir
-from ..charclass import BIT, class_table
+from ..spec.artifacts import cache_dir
+from ..spec.charclass import BIT, class_table
+from ..spec.families import Family
+
+if TYPE_CHECKING:   # type names only: these modules sit above this one
+    from ..tokenizer import Tokenizer
 
 TABLE_VERSION = 2       # 2: an HF whole-piece lookup holds only self-encoding tokens
 EMPTY = -1
@@ -156,10 +161,10 @@ def _build(token_bytes: list[bytes], n_ordinary: int, merges: tuple | None = Non
                       vocab_slots, pair_keys, pair_vals, int(lens.max()), len(vals))
 
 
-def class_codes(family) -> np.ndarray:
+def class_codes(family: Family) -> np.ndarray:
     """The per-code-point code the family's classify kernel reads."""
     if family.name == "deepseek_v4":
-        from ..pretokenize import _cp_feat_deepseek
+        from ..cpu.pretokenize import _cp_feat_deepseek
 
         return _cp_feat_deepseek(family.engine)
     return compact_classes(family.engine)
@@ -168,7 +173,7 @@ def class_codes(family) -> np.ndarray:
 def _hf_merges(tokenizer) -> tuple[tuple[np.ndarray, np.ndarray, np.ndarray], np.ndarray]:
     """(left, right, merged id) of an HF byte-level BPE whose merges the device kernels can run exactly, and the
     tokens the whole-piece lookup may answer."""
-    from ..bpe import BPE
+    from ..cpu.bpe import BPE
 
     bpe = BPE(tokenizer.reference, tokenizer.content_hash)
     keys, ranks, news = bpe.pkeys, bpe.pranks, bpe.pnews
@@ -182,7 +187,7 @@ def _hf_merges(tokenizer) -> tuple[tuple[np.ndarray, np.ndarray, np.ndarray], np
     return (left, right, new), bpe.whole_ids
 
 
-def host_tables(tokenizer) -> HostTables:
+def host_tables(tokenizer: Tokenizer) -> HostTables:
     """Tables for a tiktoken-engine tokenizer (or an HF byte-level BPE that passes `_hf_merges`), cached on disk by
     content hash."""
     ref = tokenizer.reference

@@ -19,12 +19,15 @@ may miss boundaries (a miss costs a wider window), never accept a wrong one.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import cache
 from typing import Callable
 
 import numpy as np
+from numba import njit
+from numba.cpython.unicode import _get_code_point
 
-from .charclass import BIT, class_table, table_hash
+from ..spec.charclass import BIT, class_table, table_hash
+from ..spec.families import Family
 
 LOOKBACK = 1    # a: characters left of p the predicate reads (x = T[p-1])
 LOOKAHEAD = 1   # b: characters from p on the predicate and every left match attempt read (y = T[p])
@@ -93,17 +96,9 @@ class BoundaryRule:
         """The first stable position p with start <= p < stop (1 <= start, stop <= len(text)), or None; the same
         answer as the first of `stable_positions` over that range. `inert` (an NFC inert table): text[p-1], text[p]
         and text[p+1] (when there is one) must be inert too. A numba scan of the str's own buffer through the
-        rule's pair table (~1 us); the numpy form was ~30 calls (30-100 us) under the GIL."""
+        rule's pair table (~1 us), instead of ~30 numpy calls under the GIL."""
         if not (1 <= start and stop <= len(text)):
             raise IndexError(f"search range [{start}, {stop}) outside 1..{len(text)}")
-        if _scan_first_stable is None:     # pragma: no cover - numba absent
-            found = self.stable_positions(text[start - 1:stop], offset=start - 1)
-            if inert is not None and found.size:
-                cps = np.frombuffer(text[start - 1:min(len(text), stop + 1)].encode("utf-32-le"), dtype="<u4")
-                ok = np.append(inert[cps], True)
-                rel = found - (start - 1)
-                found = found[ok[rel - 1] & ok[rel] & ok[rel + 1]]
-            return int(found[0]) if found.size else None
         sig, pair = pair_table(self)
         use_inert = inert is not None
         p = _scan_first_stable(text, start, stop, sig, pair, inert if use_inert else _NO_INERT, use_inert)
@@ -142,7 +137,7 @@ def _signatures(engine: str) -> tuple[np.ndarray, np.ndarray]:
     return ids, first
 
 
-@lru_cache(maxsize=None)
+@cache
 def pair_table(rule: BoundaryRule) -> tuple[np.ndarray, np.ndarray]:
     """(signature id per code point, uint8[n_sig, n_sig] stable flag): the predicate itself evaluated once on every
     pair of representatives, so the table says exactly what the predicate says (tests compare the two)."""
@@ -174,14 +169,9 @@ def _scan_first_stable_impl(text, start, stop, sig, pair, inert, use_inert):
     return -1
 
 
-try:
-    from numba import njit
-    from numba.cpython.unicode import _get_code_point
-    # holds the GIL: a scan is ~1 us, and releasing the GIL would hand it to a waiting chunk thread, which keeps it
-    # for its own glue before this thread gets it back (measured: 25-70 us per cut under contention)
-    _scan_first_stable = njit(cache=True)(_scan_first_stable_impl)
-except ImportError:  # pragma: no cover - numba absent: stable_positions does the search
-    _scan_first_stable = None
+# holds the GIL: a scan is ~1 us, and releasing the GIL would hand it to a waiting chunk thread, which keeps it
+# for its own glue before this thread gets it back (measured: 25-70 us per cut under contention)
+_scan_first_stable = njit(cache=True)(_scan_first_stable_impl)
 
 
 RULES: dict[str, BoundaryRule] = {
@@ -198,7 +188,7 @@ RULES: dict[str, BoundaryRule] = {
 }
 
 
-def rule_for(family) -> BoundaryRule | None:
+def rule_for(family: Family) -> BoundaryRule | None:
     """The derived rule for a frozen family, or None (always full encode) when the splitter configuration or the
     probed class table is not the one the derivation in docs/boundaries.md was made for."""
     rule = RULES.get(family.name)
@@ -209,6 +199,6 @@ def rule_for(family) -> BoundaryRule | None:
     return rule
 
 
-@lru_cache(maxsize=None)
+@cache
 def _table_ok(engine: str) -> bool:
     return table_hash(class_table(engine)) == TABLE_SHA256

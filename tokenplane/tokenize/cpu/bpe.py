@@ -12,8 +12,8 @@ ranks strictly above the minimum, which is exactly when iterated single leftmost
 `byte_pair_merge`, HF's merge heap) would take it next; so the result is the same on any vocabulary (cl100k has
 tokens ranked below one of their own parts, so a global monotonicity assumption would not hold).
 
-The kernel is numba-compiled with nogil=True, so chunks encode in parallel threads (parallel.py). Measured against a
-pure numpy batched-rounds version of the same schedule, see docs/pretokenizer.md ("BPE kernel").
+The kernel is numba-compiled with nogil=True, so chunks encode in parallel threads (parallel.py); docs/pretokenizer.md
+("BPE kernel") compares it with a numpy batched-rounds form of the same schedule.
 """
 
 from __future__ import annotations
@@ -23,20 +23,10 @@ import os
 import threading
 
 import numpy as np
+from numba import njit
 
-from .artifacts import artifact_bytes, cache_dir
-from .reference import ReferenceEngine, _bytes_to_unicode
-
-try:   # numba is the fast path; without it the same kernel runs as plain Python (exact, slow)
-    from numba import njit
-    HAVE_NUMBA = True
-except ImportError:  # pragma: no cover - exercised only where numba is absent
-    HAVE_NUMBA = False
-
-    def njit(*args, **kwargs):
-        if args and callable(args[0]):
-            return args[0]
-        return lambda fn: fn
+from ..reference import ReferenceEngine, _bytes_to_unicode
+from ..spec.artifacts import artifact_bytes, cache_dir
 
 EMPTY = np.uint64(0xFFFFFFFFFFFFFFFF)
 _MUL = np.uint64(0x9E3779B97F4A7C15)
@@ -385,8 +375,8 @@ def _cache_put(keys, length, ids, count, slot, buf, a, m, out, o0, o):
 
 
 @njit(cache=True, nogil=True)
-def encode_pieces(buf, bounds, byte_ids, ptab, batch, whole, wkeys, wids, tok_flat, tok_off,
-                  short, long_keys, long_len, long_ids, long_n):
+def _encode_pieces(buf, bounds, byte_ids, ptab, batch, whole, wkeys, wids, tok_flat, tok_off,
+                   short, long_keys, long_len, long_ids, long_n):
     """IDs of every piece buf[bounds[j]:bounds[j+1]], concatenated (int32). Caches pieces per caller in two
     direct-mapped tiers: short pieces (most of them) and long ones up to long_keys.shape[1] bytes (CJK runs and
     long identifiers, which cost the most to merge and recur in agent context)."""
@@ -521,7 +511,7 @@ class BPE:
         self.n_pairs = int(left.shape[0])
         self.batch = True        # False: one merge per round (the plain schedule; kept to measure against)
         self.pkeys, self.pranks, self.pnews = _build_pairs(left, right, rank, new, _pow2(len(left)))
-        # the kernels' form (_pair_rank); the three arrays stay for the GPU tables and the numpy reference
+        # the kernels' form (_pair_rank); the GPU tables read the three arrays
         self.ptab = np.stack([self.pkeys, (self.pranks.astype(np.uint32).astype(np.uint64) << np.uint64(32))
                               | self.pnews.astype(np.uint32).astype(np.uint64)], axis=1)
         if fam.engine == "tiktoken":
@@ -567,21 +557,13 @@ class BPE:
     def encode_bytes(self, buf: np.ndarray, bounds: np.ndarray, cache: PieceCache | None = None) -> np.ndarray:
         """IDs (int32) of the pieces buf[bounds[j]:bounds[j+1]] (buf: uint8 UTF-8, bounds: int64 byte offsets)."""
         c = cache if cache is not None else self._cache()
-        return encode_pieces(buf, bounds, self.byte_ids, self.ptab, self.batch,
-                             self.whole, self.wkeys, self.wids, self.tok_flat, self.tok_off, c.short,
-                             c.long_keys, c.long_length, c.long_ids, c.long_n)
+        return _encode_pieces(buf, bounds, self.byte_ids, self.ptab, self.batch,
+                              self.whole, self.wkeys, self.wids, self.tok_flat, self.tok_off, c.short,
+                              c.long_keys, c.long_length, c.long_ids, c.long_n)
 
     def encode_piece(self, piece: bytes) -> list[int]:
         buf = np.frombuffer(piece, dtype=np.uint8)
         return self.encode_bytes(buf, np.array([0, len(piece)], dtype=np.int64)).tolist()
-
-
-def utf8_offsets(cps: np.ndarray) -> np.ndarray:
-    """Byte offset of every code point in the UTF-8 encoding (length len(cps)+1)."""
-    width = 1 + (cps >= 0x80).astype(np.int64) + (cps >= 0x800) + (cps >= 0x10000)
-    off = np.zeros(cps.shape[0] + 1, dtype=np.int64)
-    np.cumsum(width, out=off[1:])
-    return off
 
 
 @njit(cache=True, nogil=True)
@@ -601,59 +583,8 @@ def _piece_byte_bounds(cps, starts, out):
 
 def piece_byte_bounds(cps: np.ndarray, starts: np.ndarray) -> np.ndarray:
     """UTF-8 byte offsets of the piece starts plus the end (int64[pieces+1]); equals
-    `np.append(utf8_offsets(cps)[starts], utf8_offsets(cps)[-1])` in one pass without the per-character array, so
-    chunk threads spend it outside the GIL (the numpy form cost 7-45 ms per 1-4M chars, mostly memory traffic)."""
+    `np.append(offsets[starts], offsets[-1])` with `offsets` the UTF-8 offset of every code point, in one pass
+    without that per-character array, so chunk threads spend it outside the GIL."""
     out = np.empty(int(np.count_nonzero(starts)) + 1, dtype=np.int64)
     n = _piece_byte_bounds(np.ascontiguousarray(cps, dtype=np.uint32), starts.view(np.bool_), out)
     return out[:n]
-
-
-
-def encode_numpy(model: BPE, buf: np.ndarray, bounds: np.ndarray) -> np.ndarray:
-    """The same BPE as numpy batched rounds across all pieces (one leftmost minimum merge per piece per round).
-
-    Not used on any path: it is the baseline the numba kernel was measured against (docs/pretokenizer.md) and a
-    second implementation the tests compare with."""
-    order = np.argsort(model.pkeys)
-    keys = model.pkeys[order]
-    ranks = model.pranks[order].astype(np.int64)
-    news = model.pnews[order].astype(np.int64)
-    live = keys != EMPTY
-    keys, ranks, news = keys[live], ranks[live], news[live]
-    n_pieces = bounds.shape[0] - 1
-    lengths = np.diff(bounds)
-    whole = np.full(n_pieces, -1, dtype=np.int64)
-    if model.whole:
-        vocab = getattr(model, "_whole_dict", None)
-        if vocab is None:
-            ids = model.wids[model.wids >= 0].tolist()
-            vocab = model._whole_dict = {
-                bytes(model.tok_flat[model.tok_off[t]:model.tok_off[t + 1]]): t for t in ids}
-        raw = buf.tobytes()
-        multi = np.flatnonzero(lengths >= 2)
-        hits = [vocab.get(raw[bounds[j]:bounds[j + 1]], -1) for j in multi.tolist()]
-        whole[multi] = hits
-    pid = np.repeat(np.arange(n_pieces), lengths)
-    sym = model.byte_ids[buf].astype(np.int64)
-    keep = whole[pid] < 0
-    pid, sym = pid[keep], sym[keep]
-    INF = np.int64(1) << 40
-    while sym.size > 1:
-        key = (sym[:-1].astype(np.uint64) << np.uint64(32)) | sym[1:].astype(np.uint64)
-        pos = np.minimum(np.searchsorted(keys, key), keys.size - 1)
-        ok = (keys[pos] == key) & (pid[:-1] == pid[1:])
-        if not ok.any():
-            break
-        rank = np.where(ok, ranks[pos], INF)
-        best = np.full(n_pieces, INF, dtype=np.int64)
-        np.minimum.at(best, pid[:-1][ok], rank[ok])
-        cand = np.flatnonzero(ok & (rank == best[pid[:-1]]))
-        first = cand[np.append(True, pid[cand][1:] != pid[cand][:-1])]
-        sym[first] = news[pos[first]]
-        drop = np.zeros(sym.size, dtype=bool)
-        drop[first + 1] = True
-        sym, pid = sym[~drop], pid[~drop]
-    # interleave whole-piece IDs back in piece order
-    out_pid = np.concatenate([pid, np.flatnonzero(whole >= 0)])
-    out_sym = np.concatenate([sym, whole[whole >= 0]])
-    return out_sym[np.argsort(out_pid, kind="stable")].astype(np.int32)

@@ -5,8 +5,8 @@ Sources, interleaved per family until the check or time budget is spent:
                combining marks, edits near the tail and in the middle, syncs that rewrite a suffix
   traces       real mini-swe-agent trajectories: every LLM call's prompt through Session.sync
   corpus       real text from build_corpus.py (--corpus DIR) as session bases and appends, and as full-encode inputs
-  fullencode   the CPU path (`encode(path="cpu")`) vs the reference on adversarial and corpus text (through
-               tokenplane.tokenize.campaign_fullencode.run_campaign when that module exists)
+  fullencode   the CPU path (`encode(path="cpu")`) vs the reference on adversarial and corpus text
+               (campaign_fullencode.run_campaign)
 Every session operation is one check: the session's IDs must equal a fresh full reference encode of the same text.
 A divergence is shrunk to a minimal reproduction, printed, and written to the JSON summary; the exit status is 1.
 """
@@ -19,11 +19,13 @@ import random
 import sys
 import time
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 
-from . import adversarial
-from .tokenizer import PathUnavailableError, Tokenizer
+from ..session import Session
+from ..tokenizer import Tokenizer
+from . import adversarial, campaign_fullencode
 
 FAMILIES = ("cl100k_base", "o200k_base", "llama3", "qwen3", "deepseek_v4")
 COUNTERS = ("checks", "session_checks", "fullencode_checks", "divergences", "fallbacks", "widenings", "ops",
@@ -36,8 +38,8 @@ def main_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seconds", type=float, default=60.0, help="time budget across all families")
     parser.add_argument("--corpus", default=None, help="corpus directory from build_corpus.py (mixed.jsonl, "
                                                        "nonen.jsonl)")
-    parser.add_argument("--traces", default=None, help="mini-swe-agent trajectory directory (default: shared data "
-                                                       "dir if present)")
+    parser.add_argument("--traces", default=None, help="mini-swe-agent trajectory directory (default: "
+                                                       "$TOKENPLANE_DATA/traces/mini-swe-agent when set)")
     parser.add_argument("--no-traces", action="store_true")
     parser.add_argument("--sources", default="adversarial,traces,corpus,fullencode")
     parser.add_argument("--seed", type=int, default=None, help="default: time-based (printed)")
@@ -65,7 +67,7 @@ def load_corpus(directory: str | None, max_docs: int = 4000) -> list[str]:
 
 
 # -- session checks ----------------------------------------------------------------------------------------------
-def stats_dict(session) -> dict:
+def stats_dict(session: Session) -> dict:
     stats = session.stats
     stats = stats() if callable(stats) else stats
     if hasattr(stats, "__dataclass_fields__"):
@@ -73,7 +75,7 @@ def stats_dict(session) -> dict:
     return dict(stats)
 
 
-def apply_op(session, op) -> None:
+def apply_op(session: Session, op: tuple) -> None:
     kind = op[0]
     if kind == "append":
         session.append(op[1])
@@ -142,7 +144,8 @@ def shrink_failure(tok: Tokenizer, base: str, ops: list, allowed: tuple | str = 
 
 
 # -- sources -----------------------------------------------------------------------------------------------------
-def adversarial_round(tok, rng, corpus, counters, paths=("reference",)) -> dict | None:
+def adversarial_round(tok: Tokenizer, rng: random.Random, corpus: list[str], counters: dict,
+                      paths: tuple[str, ...] = ("reference",)) -> dict | None:
     base, ops = adversarial.session_case(rng, corpus)
     # One case in five treats special-token strings as specials (the literal pass must repair too); windows are
     # encoded by each available engine in turn (the reference, and the CPU fast path where the family has one).
@@ -159,7 +162,8 @@ def adversarial_round(tok, rng, corpus, counters, paths=("reference",)) -> dict 
             "allowed_special": bool(allowed)}
 
 
-def trace_round(tok, trace_file: Path, counters, max_context: int, path: str = "reference") -> dict | None:
+def trace_round(tok: Tokenizer, trace_file: Path, counters: dict, max_context: int,
+                path: str = "reference") -> dict | None:
     from .traces import load_trajectory, render_prompts
 
     prompts = [p for p in render_prompts(load_trajectory(trace_file)) if len(p) <= max_context]
@@ -186,73 +190,28 @@ def trace_round(tok, trace_file: Path, counters, max_context: int, path: str = "
     return None
 
 
-def fullencode_round(tok, rng, corpus, counters, seconds: float) -> dict | None:
-    try:
-        from . import campaign_fullencode
-    except ModuleNotFoundError:
-        campaign_fullencode = None
-    if campaign_fullencode is not None and hasattr(campaign_fullencode, "run_campaign"):
-        res = campaign_fullencode.run_campaign(tok, seconds=seconds, seed=rng.randrange(1 << 30), corpus=corpus)
-        res = res if isinstance(res, dict) else vars(res)
-        n = int(res.get("checks", 0))
-        counters["checks"] += n
-        counters["fullencode_checks"] += n
-        counters["chars_checked"] += int(res.get("chars", 0) or 0)
-        div = int(res.get("divergences", res.get("mismatches", 0)) or 0)
-        if div:
-            counters["divergences"] += div
-            return {"source": "fullencode", "family": tok.name, "detail": res.get("reproduction", res)}
-        return None
-    deadline = time.monotonic() + seconds
-    stream = adversarial.text_stream(rng, corpus)
-    while time.monotonic() < deadline:
-        if corpus and rng.random() < 0.03:
-            # a long text (adversarial fragments spliced into real documents) takes the chunk-parallel route
-            parts, n = [], 0
-            while n < 300_000:
-                parts.append(rng.choice(corpus) + adversarial.random_text(rng, 20))
-                n += len(parts[-1])
-            text = "".join(parts)[:rng.randint(300_000, 600_000)]
-        else:
-            text = next(stream)
-        try:
-            ids = tok.encode(text, path="cpu")
-        except PathUnavailableError:
-            return None
-        ref = tok.encode(text, path="reference")
-        counters["checks"] += 1
-        counters["fullencode_checks"] += 1
-        counters["chars_checked"] += len(text)
-        if not np.array_equal(np.asarray(ids, dtype=np.int64), ref.astype(np.int64)):
-            counters["divergences"] += 1
-
-            def fails(b, _o):
-                return not np.array_equal(np.asarray(tok.encode(b, path="cpu"), dtype=np.int64),
-                                          tok.encode(b, path="reference").astype(np.int64))
-            small, _ = adversarial.shrink(text, [], fails)
-            return {"source": "fullencode", "family": tok.name,
-                    "reproduction": (f"import tokenplane\ntok = tokenplane.load({tok.name!r})\ntext = {small!r}\n"
-                                     "print(tok.encode(text, path='cpu').tolist() == "
-                                     "tok.encode(text, path='reference').tolist())  # expected True")}
+def fullencode_round(tok: Tokenizer, rng: random.Random, corpus: list[str], counters: dict,
+                     seconds: float) -> dict | None:
+    res = campaign_fullencode.run_campaign(tok, seconds=seconds, seed=rng.randrange(1 << 30), corpus=corpus)
+    n = int(res.get("checks", 0))
+    counters["checks"] += n
+    counters["fullencode_checks"] += n
+    counters["chars_checked"] += int(res.get("chars", 0) or 0)
+    div = int(res.get("divergences", 0) or 0)
+    if div:
+        counters["divergences"] += div
+        return {"source": "fullencode", "family": tok.name, "detail": res.get("reproduction", res)}
     return None
 
 
-def _cpu_available(tok) -> bool:
-    """Whether the CPU fast path runs for this tokenizer (registering it if the loader has not)."""
-    try:
-        tok.encode("probe", path="cpu")
-    except PathUnavailableError:
-        try:
-            from .router import enable_fast_paths
-        except ImportError:
-            return False
-        if not enable_fast_paths(tok):
-            return False   # the family falls back to the reference under the name "cpu": nothing to check
-    return True
+def _cpu_available(tok: Tokenizer) -> bool:
+    """Whether the tokenizer has a CPU fast path to check (without one, "cpu" is the reference: nothing to check)."""
+    return "cpu" in tok.fast_paths
 
 
 def campaign_family(tok: Tokenizer, seconds: float, max_checks: float, rng: random.Random, corpus: list[str],
-                    trajectories: list, sources: set[str], max_context: int, log=print) -> tuple[dict, list]:
+                    trajectories: list, sources: set[str], max_context: int,
+                    log: Callable[[str], None] = print) -> tuple[dict, list]:
     counters = {k: 0 for k in COUNTERS}
     failures: list = []
     deadline = time.monotonic() + seconds
@@ -298,7 +257,7 @@ def campaign_family(tok: Tokenizer, seconds: float, max_checks: float, rng: rand
 
 
 def main(args: argparse.Namespace) -> int:
-    from .tokenizer import load
+    from ..registry import load
 
     names = list(FAMILIES) if args.family == "all" else [args.family]
     seed = args.seed if args.seed is not None else int(time.time()) % 1_000_000
@@ -308,8 +267,8 @@ def main(args: argparse.Namespace) -> int:
     if "traces" in sources and not args.no_traces:
         from .traces import DEFAULT_TRACES_DIR, trajectory_files
 
-        directory = Path(args.traces or DEFAULT_TRACES_DIR)
-        if directory.exists():
+        directory = Path(args.traces) if args.traces else DEFAULT_TRACES_DIR
+        if directory is not None and directory.exists():
             trajectories = trajectory_files(directory)   # loaded one at a time, as the rotation reaches them
         elif args.traces:
             raise SystemExit(f"no trajectory directory {directory}")

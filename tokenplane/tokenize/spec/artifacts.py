@@ -14,10 +14,11 @@ import os
 import struct
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
+import numpy as np
 
-class ArtifactError(RuntimeError):
-    """A tokenizer file is missing or does not match its pinned sha256."""
+from ..errors import ArtifactError
 
 
 @dataclass(frozen=True)
@@ -57,11 +58,10 @@ def cache_dir() -> Path:
     return path
 
 
-def cached_array(name: str, shape: tuple, dtype, compute) -> "np.ndarray":
+def cached_array(name: str, shape: tuple[int, ...], dtype: np.dtype | type,
+                 compute: Callable[[], np.ndarray]) -> np.ndarray:
     """A read-only array kept in the cache directory as `name` (.npy); `compute()` rebuilds it when the file is
     missing, unreadable or of another shape/dtype (probed tables: a few seconds to build, reused by every process)."""
-    import numpy as np
-
     path = cache_dir() / name
     table = None
     if path.exists():
@@ -154,15 +154,6 @@ def artifact_file(name: str) -> Path:
         tmp.write_bytes(artifact_bytes(name))
         os.replace(tmp, path)
     return path
-
-
-def parse_tiktoken(data: bytes) -> dict[bytes, int]:
-    ranks: dict[bytes, int] = {}
-    for line in data.splitlines():
-        if line:
-            token, rank = line.split()
-            ranks[base64.b64decode(token)] = int(rank)
-    return ranks
 
 
 def hub_file(repo_id: str, filename: str, revision: str, expected_sha256: str) -> bytes:

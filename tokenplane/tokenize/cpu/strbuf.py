@@ -7,21 +7,17 @@ chain runs GIL-free. Here numba reads the string's own PEP 393 buffer (a str arg
 pointer, kind, length) and writes the arrays inside nogil kernels, so a chunk thread never slices or encodes a str.
 
 The UTF-8 writer is fused with the piece-bound pass (both walk the code points once and need each one's width).
-The public encode rejects lone surrogates first (tokenizer.validate_text); the code point reader checks again, in
+The public encode rejects lone surrogates first (errors.validate_text); the code point reader checks again, in
 the same pass, so a direct caller gets the same clear error instead of CESU-8 bytes.
 """
 
 from __future__ import annotations
 
 import numpy as np
+from numba import njit
+from numba.cpython.unicode import _get_code_point
 
-from .tokenizer import InvalidTextError
-
-try:
-    from numba import njit
-    from numba.cpython.unicode import _get_code_point
-except ImportError:  # pragma: no cover - numba absent or its internals moved: the GIL-holding forms below
-    njit = None
+from ..errors import InvalidTextError
 
 
 def _codepoints_impl(s, a, b, out):
@@ -74,10 +70,9 @@ def _sampled_sizes_impl(s, step, out):
         out[j] = total
 
 
-if njit is not None:
-    _codepoints = njit(cache=True, nogil=True)(_codepoints_impl)
-    _sampled_sizes = njit(cache=True, nogil=True)(_sampled_sizes_impl)
-    _utf8_and_bounds = njit(cache=True, nogil=True)(_utf8_and_bounds_impl)
+_codepoints = njit(cache=True, nogil=True)(_codepoints_impl)
+_sampled_sizes = njit(cache=True, nogil=True)(_sampled_sizes_impl)
+_utf8_and_bounds = njit(cache=True, nogil=True)(_utf8_and_bounds_impl)
 
 
 def codepoints(s: str, a: int = 0, b: int | None = None, extra: str = "") -> np.ndarray:
@@ -88,9 +83,7 @@ def codepoints(s: str, a: int = 0, b: int | None = None, extra: str = "") -> np.
         raise IndexError(f"code point range [{a}, {b}) outside a string of length {len(s)}")
     n = b - a
     out = np.empty(n + len(extra), dtype=np.uint32)
-    if njit is None:
-        out[:n] = np.frombuffer(s[a:b].encode("utf-32-le"), dtype="<u4")   # raises on a lone surrogate
-    elif n:
+    if n:
         bad = _codepoints(s, a, b, out)
         if bad >= 0:    # str.encode would have refused it; the UTF-8 writer must never see one
             raise InvalidTextError(f"input contains a lone surrogate U+{ord(s[bad]):04X} at character {bad}")
@@ -104,9 +97,6 @@ def sampled_utf8_sizes(s: str, step: int) -> np.ndarray:
     `step`); equals `np.cumsum` of the UTF-8 widths of `s[::step]`."""
     count = -(-len(s) // step)
     out = np.empty(count, dtype=np.int64)
-    if njit is None:
-        from .bpe import utf8_offsets
-        return utf8_offsets(np.frombuffer(s[::step].encode("utf-32-le"), dtype="<u4"))[1:]
     if count:
         _sampled_sizes(s, step, out)
     return out
@@ -115,10 +105,6 @@ def sampled_utf8_sizes(s: str, step: int) -> np.ndarray:
 def utf8_and_bounds(cps: np.ndarray, n: int, starts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """(UTF-8 bytes of cps[:n] as uint8, int64 byte offsets of the piece starts in starts[:n] plus the end)."""
     cps = np.ascontiguousarray(cps, dtype=np.uint32)
-    if njit is None:
-        from .bpe import piece_byte_bounds
-        buf = np.frombuffer(cps[:n].tobytes().decode("utf-32-le").encode("utf-8"), dtype=np.uint8)
-        return buf, piece_byte_bounds(cps[:n], starts[:n])
     buf = np.empty(4 * n, dtype=np.uint8)
     bounds = np.empty(n + 1, dtype=np.int64)     # untouched tail pages are never faulted in; no GIL-held count
     k, size = _utf8_and_bounds(cps, n, starts.view(np.bool_), buf, bounds)

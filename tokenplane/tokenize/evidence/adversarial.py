@@ -213,7 +213,7 @@ def text_stream(rng: random.Random, corpus: Sequence[str] = (), max_chars: int =
 FAULTS = ("substitute", "delete", "duplicate", "swap", "tail_resplit")
 
 
-def inject_fault(kind: str, ids, token_bytes: Sequence[bytes], rng: random.Random,
+def inject_fault(kind: str, ids: Sequence[int], token_bytes: Sequence[bytes], rng: random.Random,
                  byte_index: dict[bytes, int] | None = None) -> list[int] | None:
     """A corrupted copy of `ids`, or None if this kind cannot apply (e.g. no resplittable pair, nothing to swap).
     `tail_resplit` re-splits two adjacent tokens near the end into two *different* valid tokens covering the same

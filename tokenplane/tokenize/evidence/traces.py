@@ -6,21 +6,19 @@ so consecutive prompts of one trajectory are (almost always) extensions of each 
 
 from __future__ import annotations
 
+import gzip
 import json
 import os
 from pathlib import Path
 
-_REPO_ROOT = Path(__file__).resolve().parents[2]
 
-
-def _default_traces_dir() -> Path:
+def _default_traces_dir() -> Path | None:
+    """$TOKENPLANE_DATA/traces/mini-swe-agent when TOKENPLANE_DATA is set; otherwise callers pass a folder."""
     env = os.environ.get("TOKENPLANE_DATA")
-    base = Path(env) if env else _REPO_ROOT.parent / "shared" / "data"
-    return base / "traces" / "mini-swe-agent"
+    return Path(env) / "traces" / "mini-swe-agent" if env else None
 
 
-# ../shared/data/traces/mini-swe-agent relative to the repository root, or $TOKENPLANE_DATA/traces/mini-swe-agent.
-DEFAULT_TRACES_DIR = _default_traces_dir()
+DEFAULT_TRACES_DIR: Path | None = _default_traces_dir()
 
 TEMPLATES = {
     "chatml": "<|im_start|>{role}\n{content}<|im_end|>\n",
@@ -37,15 +35,19 @@ def _content_text(content) -> str:
 
 
 def load_trajectory(path: str | Path) -> list[dict]:
-    """Messages [{role, content}] of one *.traj.json file."""
-    data = json.loads(Path(path).read_text(encoding="utf-8"))
+    """Messages [{role, content}] of one *.traj.json (or *.traj.json.gz) file."""
+    raw = Path(path).read_bytes()
+    data = json.loads(gzip.decompress(raw) if str(path).endswith(".gz") else raw)
     messages = data["messages"] if isinstance(data, dict) else data
     return [{"role": str(m.get("role", "user")), "content": _content_text(m.get("content"))} for m in messages]
 
 
 def trajectory_files(directory: str | Path | None = None) -> list[Path]:
+    """*.traj.json and *.traj.json.gz files of `directory` (default: DEFAULT_TRACES_DIR) by name; [] if absent."""
     d = Path(directory) if directory is not None else DEFAULT_TRACES_DIR
-    return sorted(d.glob("*.traj.json")) if d.is_dir() else []
+    if d is None or not d.is_dir():
+        return []
+    return sorted([*d.glob("*.traj.json"), *d.glob("*.traj.json.gz")], key=lambda p: p.name)
 
 
 def load_trajectories(directory: str | Path | None = None, limit: int | None = None) -> list[list[dict]]:

@@ -67,7 +67,7 @@ class Family:
     ignore_merges: bool = False       # whole piece in vocab -> one ID (tiktoken always does this)
     specials: dict[str, int] = field(default_factory=dict)  # filled from tokenizer.json for HF families
 
-    @cached_property     # checked on every fast-path encode: computing it cost ~13 us, a quarter of a 1K encode
+    @cached_property     # checked on every fast-path encode: computing it costs ~13 us, a quarter of a 1K encode
     def splitter_hash(self) -> str:
         blob = json.dumps([self.name, self.patterns, self.normalizer, self.ignore_merges], sort_keys=True)
         return hashlib.sha256(blob.encode()).hexdigest()

@@ -14,7 +14,7 @@ the hashes the boundary derivations in docs/ were checked against.
 from __future__ import annotations
 
 import hashlib
-from functools import lru_cache
+from functools import cache
 
 import numpy as np
 
@@ -86,7 +86,7 @@ def _engine_version(engine: str) -> str:
     return f"tokenizers-{tokenizers.__version__}"
 
 
-@lru_cache(maxsize=None)
+@cache
 def class_table(engine: str) -> np.ndarray:
     """The (read-only) class bitmask table of a reference engine, probed once per engine version and cached."""
     return cached_array(f"charclass-{_engine_version(engine)}-{len(CLASSES)}.npy", (N_CODEPOINTS,), np.uint16,

@@ -26,11 +26,14 @@ the reference normalizer on adversarial and real text.
 from __future__ import annotations
 
 import hashlib
-from functools import lru_cache
+from functools import cache
+from typing import Callable
 
 import numpy as np
 
-from .artifacts import cached_array
+from ..spec.artifacts import cached_array
+from .pretokenize import _gather
+from .strbuf import codepoints  # GIL-free: chunk threads of the parallel encoder normalize their own chunks
 
 N_CODEPOINTS = 0x110000
 SMALL_TEXT = 512        # below this the reference normalizer is cheaper than the scan
@@ -62,7 +65,7 @@ def _per_char(normalize, items: list[str]) -> list[str]:
     return out
 
 
-def probe(nfc, nfd) -> np.ndarray:
+def probe(nfc: Callable[[str], str], nfd: Callable[[str], str]) -> np.ndarray:
     """bool[0x110000]: True where the code point is inert under `nfc` (functions str -> str of one engine)."""
     chars = _universe()
     inert = np.zeros(N_CODEPOINTS, dtype=bool)
@@ -88,7 +91,7 @@ def table_hash(table: np.ndarray) -> str:
     return hashlib.sha256(np.packbits(table).tobytes()).hexdigest()
 
 
-@lru_cache(maxsize=None)
+@cache
 def inert_table() -> np.ndarray:
     """The inert table of this `tokenizers` version's NFC, probed once and cached on disk."""
     import tokenizers
@@ -101,8 +104,6 @@ def inert_table() -> np.ndarray:
 def regions(cps: np.ndarray, inert: np.ndarray) -> np.ndarray:
     """int64[k, 2] character spans that may change under NFC; every span starts at 0 or at an inert code point
     and ends at the text end or before an inert one, so the text between spans is already NFC."""
-    from .pretokenize import _gather
-
     bad = np.flatnonzero(~_gather(inert, cps))
     if bad.size == 0:
         return np.zeros((0, 2), dtype=np.int64)
@@ -114,14 +115,13 @@ def regions(cps: np.ndarray, inert: np.ndarray) -> np.ndarray:
     return np.stack([np.maximum(first - 1, 0), last + 1], axis=1)
 
 
-def normalize(text: str, reference_nfc) -> str:
+def normalize(text: str, reference_nfc: Callable[[str], str]) -> str:
     """NFC(text) computed as `reference_nfc` would on the whole text, calling it only on the regions that can
     change (see the module docstring)."""
     if text.isascii():
         return text
     if len(text) < SMALL_TEXT:
         return reference_nfc(text)
-    from .strbuf import codepoints   # GIL-free: chunk threads of the parallel encoder normalize their own chunks
 
     spans = regions(codepoints(text), inert_table())
     if spans.shape[0] == 0:

@@ -21,11 +21,15 @@ from __future__ import annotations
 import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING
 
 import numpy as np
 
-from . import boundary, pretokenize, strbuf
+from . import boundary, nfc, pretokenize, strbuf
 from .bpe import BPE
+
+if TYPE_CHECKING:   # type names only: these modules sit above this one
+    from ..tokenizer import Tokenizer
 
 PARALLEL_MIN_CHARS = 256 * 1024     # below this the thread hand-off costs more than it saves
 TARGET_SAMPLES = 4096               # characters sampled for the byte profile that places the cut targets
@@ -43,7 +47,7 @@ def default_workers() -> int:
 class CpuEncoder:
     """Exact CPU encoder of one tokenizer's ordinary text (IDs equal `tok.reference.encode_ordinary`)."""
 
-    def __init__(self, tok, *, workers: int | None = None, parallel_min_chars: int = PARALLEL_MIN_CHARS,
+    def __init__(self, tok: Tokenizer, *, workers: int | None = None, parallel_min_chars: int = PARALLEL_MIN_CHARS,
                  min_chunk_chars: int = MIN_CHUNK_CHARS):
         if not pretokenize.supported(tok.family):
             raise pretokenize.UnsupportedFamily(tok.family.name)
@@ -61,8 +65,7 @@ class CpuEncoder:
         self.stats = {"serial": 0, "parallel": 0, "chunks": 0, "cut_rejected": 0}
         # Plain NFC (qwen3): chunks are cut in raw text and normalized by their own threads (encode_parallel).
         self._nfc_inert = None
-        if getattr(tok.reference, "_plain_nfc", False):     # set only when the normalizer is exactly NFC
-            from . import nfc
+        if tok.reference.plain_nfc:
             self._nfc_inert = nfc.inert_table()
 
     # -- serial ---------------------------------------------------------------------------------------------------
@@ -88,7 +91,7 @@ class CpuEncoder:
         if use_parallel and self.rule is not None:
             return self.encode_parallel(text)
         self.stats["serial"] += 1
-        return self._encode_norm(self.tok.reference.normalize(text))
+        return self._encode_norm(self.tok.normalize(text))
 
     __call__ = encode
 
@@ -147,7 +150,7 @@ class CpuEncoder:
         coordinates at positions NFC cannot touch (see `_cut_at_or_after`), so each chunk thread normalizes its own
         chunk and no serial whole-text NFC pass stands in front of the threads."""
         if self._nfc_inert is None or text.isascii():
-            return self._encode_parallel(self.tok.reference.normalize(text), n_chunks, normalize=False)
+            return self._encode_parallel(self.tok.normalize(text), n_chunks, normalize=False)
         return self._encode_parallel(text, n_chunks, normalize=True)
 
     def encode_parallel_normalized(self, norm: str, *, n_chunks: int | None = None) -> np.ndarray:
@@ -159,11 +162,11 @@ class CpuEncoder:
         waiting (measured: handing both halves of 1M characters to the pool and waiting gave 1.36-1.46x where the
         caller taking one gave 1.60-1.68x). Whoever pulls a chunk first finds its right cut (_LazyCuts), so the cut
         search overlaps the other threads' GIL-free encoding instead of running in front of them."""
-        ref = self.tok.reference
+        norm_of = self.tok.normalize
         fractions = self._chunk_fractions(len(s), n_chunks)
         if not fractions:
             self.stats["serial"] += 1
-            return self._encode_norm(ref.normalize(s) if normalize else s)
+            return self._encode_norm(norm_of(s) if normalize else s)
         cuts = _LazyCuts(self, s, self._targets(s, fractions), self._nfc_inert if normalize else None)
         results: list[np.ndarray] = []
         lock = threading.Lock()
@@ -178,7 +181,7 @@ class CpuEncoder:
                     results.append(None)
                 try:
                     if normalize:
-                        chunk = ref.normalize(s[a:b])
+                        chunk = norm_of(s[a:b])
                         results[i] = self._encode_range(chunk, 0, len(chunk), s[b:b + 1])
                     else:
                         results[i] = self._encode_range(s, a, b, s[b:b + 1])
@@ -197,7 +200,7 @@ class CpuEncoder:
         except _CutRejected:
             self.stats["cut_rejected"] += 1
             self.stats["serial"] += 1
-            return self._encode_norm(ref.normalize(s) if normalize else s)
+            return self._encode_norm(norm_of(s) if normalize else s)
         if len(results) == 1:
             self.stats["serial"] += 1
             return results[0]

@@ -10,19 +10,22 @@ It returns counts; any divergence carries a minimal reproduction (the text, shru
 
 from __future__ import annotations
 
+import argparse
 import random
 import time
-from typing import Iterable
+from typing import Iterable, Sequence
 
 import numpy as np
 
-from . import adversarial, pretokenize
-from .parallel import CpuEncoder
+from ..cpu import pretokenize
+from ..cpu.parallel import CpuEncoder
+from ..tokenizer import Tokenizer
+from . import adversarial
 
 _ENCODERS: dict[str, CpuEncoder] = {}
 
 
-def _encoder(tok) -> CpuEncoder:
+def _encoder(tok: Tokenizer) -> CpuEncoder:
     key = f"{tok.name}:{tok.content_hash}"
     enc = _ENCODERS.get(key)
     if enc is None:
@@ -48,7 +51,7 @@ def _shrink(text: str, fails) -> str:
     return text
 
 
-def check_text(tok, enc: CpuEncoder, text: str, counts: dict) -> dict | None:
+def check_text(tok: Tokenizer, enc: CpuEncoder, text: str, counts: dict) -> dict | None:
     """One text at both levels; updates counts; returns a divergence record or None."""
     norm = tok.reference.normalize(text)
     counts["texts"] += 1
@@ -83,15 +86,15 @@ def check_text(tok, enc: CpuEncoder, text: str, counts: dict) -> dict | None:
     return None
 
 
-def run_campaign(family, texts: Iterable[str] | None = None, *, seconds: float | None = None, seed: int = 0,
-                 corpus=(), max_failures: int = 5) -> dict:
+def run_campaign(family: Tokenizer | str, texts: Iterable[str] | None = None, *, seconds: float | None = None,
+                 seed: int = 0, corpus: Sequence[str] = (), max_failures: int = 5) -> dict:
     """Counts of a differential run for one tokenizer (`family`: a Tokenizer or a registered name).
 
     With `texts`, every text is checked. Without, adversarial and corpus-derived texts are generated from `seed`
     for `seconds` (default 10 s)."""
-    import tokenplane
+    from ..registry import load
 
-    tok = tokenplane.load(family) if isinstance(family, str) else family
+    tok = load(family) if isinstance(family, str) else family
     counts = {"family": tok.name, "texts": 0, "chars": 0, "pieces_checked": 0, "ids_checked": 0,
               "parallel_checked": 0, "piece_divergences": 0, "id_divergences": 0, "parallel_divergences": 0}
     failures: list[dict] = []
@@ -117,13 +120,13 @@ def run_campaign(family, texts: Iterable[str] | None = None, *, seconds: float |
     return counts
 
 
-def main_arguments(parser) -> None:
+def main_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--corpus", default=None, help="corpus directory from build_corpus.py")
     parser.add_argument("--families", default="cl100k_base,o200k_base,llama3,qwen3,deepseek_v4")
     parser.add_argument("--max-chars", type=int, default=10 ** 7, help="characters per document")
 
 
-def main(args) -> int:
+def main(args: argparse.Namespace) -> int:
     import json
     import os
 

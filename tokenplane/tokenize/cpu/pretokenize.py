@@ -1,0 +1,534 @@
+"""Pre-tokenization as a per-character predicate: no backtracking regex on the common path.
+
+Each code point is classified with the class table probed out of the reference engine (`charclass`), the text is cut
+into maximal same-class runs, and "a piece starts here" is decided per character from its offset inside its run, at
+most two characters of lookback across the run boundary, and per-run aggregates computed with prefix scans (run start,
+run end, first non-CR/LF position, last CR/LF position, last non-B letter kind, next non-upper letter). Each family's
+rule runs as one numba-compiled loop over the code points, without the GIL; the per-character and run-vectorized numpy
+forms of the same rules are test oracles (tests/pretokenize_oracles.py). The derivation, one regex alternative at a
+time, is in docs/pretokenizer.md; it is claimed only for the frozen splitter configurations (`Family.splitter_hash`)
+and the pinned class tables (`charclass.PINNED`), which `supported()` checks.
+
+o200k has two rare local shapes the run rule does not cover (a combining mark right after punctuation, which
+the punctuation alternative can swallow, and `/` right after CR/LF, which `[\\r\\n/]*` can chain into). Around those the
+pieces are recomputed by a scalar matcher (`_o200k_scan`, the regex emulated alternative by alternative) between two
+synchronizing positions, where a piece starts whatever the left context is.
+"""
+
+from __future__ import annotations
+
+from functools import cache
+
+import numpy as np
+from numba import njit
+
+from ..errors import UnsupportedFamily
+from ..spec import charclass
+from ..spec.families import FAMILIES, Family
+
+_B = charclass.BIT
+_L, _N, _S, _M, _P, _SY = _B["L"], _B["N"], _B["s"], _B["M"], _B["P"], _B["S"]
+_LU, _LT, _LL = _B["Lu"], _B["Lt"], _B["Ll"]
+CR, LF, SPACE, APOS, SLASH = 13, 10, 32, 39, 47
+
+# Splitter configurations this module was derived for (Family.splitter_hash of the frozen families).
+_DERIVED = {name: fam.splitter_hash for name, fam in FAMILIES.items()}
+
+
+def supported(family: Family) -> bool:
+    """True when the family's splitter hash and the engine's class table are the ones the rules were derived on."""
+    return _DERIVED.get(family.name) == family.splitter_hash and charclass.table_is_pinned(family.engine)
+
+
+def _family(family: Family | str) -> Family:
+    fam = FAMILIES.get(family) if isinstance(family, str) else family
+    if fam is None or _DERIVED.get(fam.name) != fam.splitter_hash:
+        raise UnsupportedFamily(f"no per-character pre-tokenizer for family {getattr(family, 'name', family)!r}")
+    return fam
+
+
+@cache
+def _table(engine: str) -> np.ndarray:
+    return charclass.class_table(engine)
+
+
+def codepoints(text: str) -> np.ndarray:
+    return np.frombuffer(text.encode("utf-32-le"), dtype=np.uint32)
+
+
+# -- o200k's rare shapes: a scalar matcher between synchronizing positions -----------------------------------------
+
+
+def _merge_windows(lo: np.ndarray, hi: np.ndarray):
+    a, b = int(lo[0]), int(hi[0])
+    for x, y in zip(lo[1:].tolist(), hi[1:].tolist()):
+        if x < b:
+            b = max(b, y)
+        else:
+            yield a, b
+            a, b = x, y
+    yield a, b
+
+
+def _o200k_scan(cps: np.ndarray, cls: np.ndarray, a: int, b: int) -> list[int]:
+    """Piece starts in [a, b) by emulating the o200k regex alternative by alternative from `a` (a known start)."""
+    n = cps.shape[0]
+    cp = cps.tolist() if n < 4096 else None
+    get = (lambda i: cp[i]) if cp is not None else (lambda i: int(cps[i]))
+    c = lambda i: int(cls[i])
+
+    def is_u(i):
+        return c(i) & (_LU | _LT | _B["Lm"] | _B["Lo"] | _M) != 0
+
+    def is_lw(i):
+        return c(i) & (_LL | _B["Lm"] | _B["Lo"] | _M) != 0
+
+    def fold(x):
+        return x + 32 if 65 <= x <= 90 else (115 if x == 0x17F else x)
+
+    def contraction(e):
+        if e + 1 < n and get(e) == APOS:
+            f1 = fold(get(e + 1))
+            if f1 in (115, 116, 109, 100):          # s t m d
+                return e + 2
+            if e + 2 < n:
+                f2 = fold(get(e + 2))
+                if (f1, f2) in ((114, 101), (118, 101), (108, 108)):   # re ve ll
+                    return e + 3
+        return e
+
+    def word(alt, x):
+        if x >= n:
+            return -1
+        y = x
+        while y < n and is_u(y):
+            y += 1
+        if alt == 1:
+            if y < n and is_lw(y):
+                z = y
+                while z < n and is_lw(z):
+                    z += 1
+                return z
+            for j in range(y - 1, x - 1, -1):
+                if is_lw(j):
+                    return j + 1
+            return -1
+        if y == x:
+            return -1
+        while y < n and is_lw(y):
+            y += 1
+        return y
+
+    def match(p):
+        k = c(p)
+        ch = get(p)
+        prefix_ok = ch not in (CR, LF) and not (k & (_L | _N))
+        for alt in (1, 2):
+            for pre in ((1, 0) if prefix_ok else (0,)):
+                e = word(alt, p + pre)
+                if e > p + pre:
+                    return contraction(e)
+        if k & _N:
+            e = p
+            while e < n and e - p < 3 and c(e) & _N:
+                e += 1
+            return e
+        for sp in ((1, 0) if ch == SPACE else (0,)):
+            x = e = p + sp
+            while e < n and not (c(e) & (_S | _L | _N)):
+                e += 1
+            if e > x:
+                while e < n and get(e) in (CR, LF, SLASH):
+                    e += 1
+                return e
+        y = p
+        while y < n and c(y) & _S:
+            y += 1
+        last_nl = -1
+        for j in range(y - 1, p - 1, -1):
+            if get(j) in (CR, LF):
+                last_nl = j
+                break
+        if last_nl >= 0:
+            return last_nl + 1
+        if y == n:
+            return y
+        if y - 1 > p:
+            return y - 1
+        return y
+
+    out = []
+    p = a
+    while p < b:
+        out.append(p)
+        p = match(p)
+    if p != b:
+        raise RuntimeError(f"o200k scalar scan overran a synchronizing position ({p} != {b})")
+    return out
+
+
+# -- the compiled loops: one pass per text, the predicate evaluated once per same-kind run ---------------------------
+def _kind_table(word_bits: int) -> np.ndarray:
+    """class bitmask -> run kind (0 letter-ish, 1 digit, 2 whitespace, 3 other), one gather per text."""
+    masks = np.arange(1 << len(charclass.CLASSES), dtype=np.int64)
+    return np.where(masks & word_bits, 0, np.where(masks & _N, 1, np.where(masks & _S, 2, 3))).astype(np.int8)
+
+
+_KIND_GPT4 = _kind_table(_L)
+_KIND_O200K = _kind_table(_L | _M)
+
+
+def _sorted_union(*arrays: np.ndarray) -> np.ndarray:
+    # np.union1d/np.unique hash-sort here, which is slower than sort + adjacent-difference on these sizes
+    x = np.sort(np.concatenate(arrays))
+    return x[np.append(True, x[1:] != x[:-1])] if x.size else x
+
+
+@cache
+def _cp_kind_gpt4(engine: str) -> np.ndarray:
+    """Run kind per code point (0 L, 1 N, 2 whitespace, 3 other): one gather per text instead of two."""
+    return _KIND_GPT4[_table(engine)]
+
+
+def _whitespace_run_loop(c, starts, a, b, absorbed, at_end, keep_whole):
+    """Loop form of `_whitespace_run_starts` for one whitespace run [a, b), shared by the three numba loops: CR/LF
+    absorbed by the previous punctuation piece are skipped, a piece starts after the last CR/LF (unless the whole run
+    is one piece: cl100k's `\\s++$` at the end of text), and before the last character when a non-space follows
+    (`\\s+(?!\\S)`)."""
+    s0 = a
+    if absorbed:
+        while s0 < b and (c[s0] == 10 or c[s0] == 13):
+            s0 += 1
+    last_nl = -1
+    for j in range(b - 1, a - 1, -1):
+        if c[j] == 10 or c[j] == 13:
+            last_nl = j
+            break
+    if s0 < b:
+        starts[s0] = True
+    if last_nl >= a and last_nl + 1 < b and last_nl + 1 > s0 and not keep_whole:
+        starts[last_nl + 1] = True
+    if not at_end and b - 1 > s0 and c[b - 1] != 10 and c[b - 1] != 13:
+        starts[b - 1] = True
+
+
+def _gather(table, cps):
+    """table[cps] as a compiled loop: numpy's fancy index holds the GIL and costs ~3x this on 4M characters, and
+    it runs once per chunk thread."""
+    out = np.empty(cps.shape[0], dtype=table.dtype)
+    for i in range(cps.shape[0]):
+        out[i] = table[cps[i]]
+    return out
+
+
+_whitespace_run_loop = njit(cache=True, nogil=True, inline="always")(_whitespace_run_loop)
+_gather = njit(cache=True, nogil=True)(_gather)
+
+
+def _gpt4_loop_impl(c, kind, digits, whole_at_end, starts):
+    """The run-level cl100k-lineage rules as one loop over runs (same rules as `_starts_gpt4`, numba-compiled)."""
+    n = c.shape[0]
+    a = 0
+    prev_kind = -1
+    prev_len = 0
+    while a < n:
+        k = kind[a]
+        b = a + 1
+        while b < n and kind[b] == k:
+            b += 1
+        pc = c[a - 1] if a > 0 else -1
+        p2 = c[a - 2] if a > 1 else -1
+        if k == 3:
+            if pc != 32:
+                starts[a] = True
+        elif k == 0:
+            ws_prefix = prev_kind == 2 and pc != 10 and pc != 13
+            o_prefix = prev_kind == 3 and prev_len == 1 and p2 != 32
+            if not ws_prefix and not o_prefix:
+                starts[a] = True
+            if o_prefix and pc == 39:
+                f0 = c[a]
+                f0 = f0 + 32 if 65 <= f0 <= 90 else (115 if f0 == 0x17F else f0)
+                f1 = -1
+                if a + 1 < b:
+                    f1 = c[a + 1]
+                    f1 = f1 + 32 if 65 <= f1 <= 90 else (115 if f1 == 0x17F else f1)
+                cut = 0
+                if f0 == 115 or f0 == 100 or f0 == 109 or f0 == 116:
+                    cut = a + 1
+                elif (f0 == 108 and f1 == 108) or (f0 == 118 and f1 == 101) or (f0 == 114 and f1 == 101):
+                    cut = a + 2
+                if cut > 0 and cut < b:
+                    starts[cut] = True
+        elif k == 1:
+            for j in range(a, b, digits):
+                starts[j] = True
+        else:
+            _whitespace_run_loop(c, starts, a, b, prev_kind == 3, b == n, whole_at_end and b == n)
+        prev_kind = k
+        prev_len = b - a
+        a = b
+
+
+_gpt4_loop = njit(cache=True, nogil=True)(_gpt4_loop_impl)
+
+
+def _starts_gpt4_loop(cps: np.ndarray, engine: str, digits: int, whole_at_end: bool) -> np.ndarray:
+    starts = np.zeros(cps.shape[0], dtype=np.bool_)
+    _gpt4_loop(cps.view(np.int32), _gather(_cp_kind_gpt4(engine), cps), digits, whole_at_end, starts)
+    return starts
+
+
+@cache
+def _cp_kind_o200k(engine: str) -> np.ndarray:
+    """Per code point: run kind (bits 0-1: 0 word, 1 N, 2 whitespace, 3 other) | 4 upper (Lu/Lt) | 8 lower (Ll) |
+    16 mark."""
+    t = _table(engine).astype(np.int64)
+    kind = _KIND_O200K[t].astype(np.int64)
+    kind |= np.where(t & (_LU | _LT), 4, 0) | np.where(t & _LL, 8, 0) | np.where(t & _M, 16, 0)
+    return kind.astype(np.uint8)
+
+
+def _o200k_loop_impl(c, feat, starts, rare):
+    """The run-level o200k rules as one loop over runs (same rules as `_starts_o200k`); returns how many rare
+    positions (mark after punctuation, '/' after CR/LF) it wrote to `rare` for the scalar rescan."""
+    n = c.shape[0]
+    nrare = 0
+    a = 0
+    prev_kind = -1
+    prev_len = 0
+    pprev_kind = -1          # kind of the run before the previous one
+    prev_tail_full = False   # previous word run was entirely a contraction tail
+    while a < n:
+        k = feat[a] & 3
+        b = a + 1
+        while b < n and (feat[b] & 3) == k:
+            b += 1
+        pc = c[a - 1] if a > 0 else -1
+        p2 = c[a - 2] if a > 1 else -1
+        tail_full = False
+        if k == 3:
+            if pc != 32:
+                starts[a] = True
+            if c[a] == 47 and (pc == 10 or pc == 13):
+                rare[nrare] = a
+                nrare += 1
+        elif k == 0:
+            if prev_kind == 3 and (feat[a] & 16) != 0:
+                rare[nrare] = a
+                nrare += 1
+            ws_prefix = prev_kind == 2 and pc != 10 and pc != 13
+            o_prefix = prev_kind == 3 and prev_len == 1 and p2 != 32
+            x = a
+            if pc == 39 and prev_len == 1 and prev_kind == 3 and pprev_kind == 0 and not prev_tail_full:
+                f0 = c[a]
+                f0 = f0 + 32 if 65 <= f0 <= 90 else (115 if f0 == 0x17F else f0)
+                f1 = -1
+                if a + 1 < b:
+                    f1 = c[a + 1]
+                    f1 = f1 + 32 if 65 <= f1 <= 90 else (115 if f1 == 0x17F else f1)
+                kk = 0
+                if f0 == 115 or f0 == 116 or f0 == 109 or f0 == 100:
+                    kk = 1
+                elif (f0 == 114 and f1 == 101) or (f0 == 118 and f1 == 101) or (f0 == 108 and f1 == 108):
+                    kk = 2
+                if kk > 0:
+                    starts[a - 1] = False        # the apostrophe and the letters continue the left piece
+                    x = a + kk
+                    if x < b:
+                        starts[x] = True
+                    else:
+                        tail_full = True
+            if x == a and not ws_prefix and not o_prefix:
+                starts[a] = True
+            if x < b:
+                # case rule: [PB]*[WB]+ | P+ from the sub-run start x
+                t = b
+                while t > x and (feat[t - 1] & 4) != 0:
+                    t -= 1
+                last_nb = 0                  # 0 none, 4 upper, 8 lower: kind of the nearest non-B letter
+                for j in range(x, b):
+                    f = feat[j]
+                    if j > x and (f & 4) != 0:
+                        pf = feat[j - 1]
+                        prev_b = (pf & 12) == 0
+                        if last_nb == 8 or (prev_b and j >= t):
+                            starts[j] = True
+                    if (f & 12) != 0:
+                        last_nb = f & 12
+        elif k == 1:
+            for j in range(a, b, 3):
+                starts[j] = True
+        else:
+            _whitespace_run_loop(c, starts, a, b, prev_kind == 3, b == n, False)
+        if k == 0:
+            prev_tail_full = tail_full
+        pprev_kind = prev_kind
+        prev_kind = k
+        prev_len = b - a
+        a = b
+    return nrare
+
+
+_o200k_loop = njit(cache=True, nogil=True)(_o200k_loop_impl)
+
+
+def _starts_o200k_loop(cps: np.ndarray, engine: str) -> np.ndarray:
+    n = cps.shape[0]
+    starts = np.zeros(n, dtype=np.bool_)
+    rare = np.empty(n, dtype=np.int64)
+    c = cps.view(np.int32)
+    nr = _o200k_loop(c, _gather(_cp_kind_o200k(engine), cps), starts, rare)
+    if nr:
+        cls = _table(engine)[cps]
+        _o200k_rescan(cps, cls, c, np.sort(rare[:nr]), starts)
+    return starts
+
+
+def _o200k_rescan(cps, cls, c, rare, starts) -> None:
+    """Recompute starts with the scalar matcher between the synchronizing positions around each rare position:
+    after CR/LF before a non-whitespace non-'/' character, at digit-run edges, and the text ends."""
+    n = c.shape[0]
+    is_n = (cls & _N) != 0
+    is_ws = (cls & _S) != 0
+    after_crlf = np.flatnonzero((c[:-1] == CR) | (c[:-1] == LF)) + 1
+    after_crlf = after_crlf[~is_ws[after_crlf] & (c[after_crlf] != SLASH)]
+    digit_edge = np.flatnonzero(is_n[1:] != is_n[:-1]) + 1
+    sync_pos = _sorted_union(np.array([0, n]), after_crlf, digit_edge)
+    lo = sync_pos[np.searchsorted(sync_pos, rare, side="right") - 1]
+    hi = sync_pos[np.searchsorted(sync_pos, rare, side="right")]
+    for a, b in _merge_windows(lo, hi):
+        starts[a:b] = False
+        starts[_o200k_scan(cps, cls, a, b)] = True
+
+
+# -- deepseek (three chained Split stages) ----------------------------------------------------------------------------
+_ASCII_PUNCT = np.zeros(128, dtype=bool)
+_ASCII_PUNCT[[ord(ch) for ch in "!\"#$%&'()*+,-./:;<=>?@[\\]^_`{|}~"]] = True
+
+
+def _ds_kind_table() -> np.ndarray:
+    masks = np.arange(1 << len(charclass.CLASSES), dtype=np.int64)
+    return np.where(masks & _N, 4, np.where(masks & (_L | _M), 0, np.where(masks & (_P | _SY), 1,
+                    np.where(masks & _S, 2, 3)))).astype(np.int8)
+
+
+_KIND_DS = _ds_kind_table()
+
+
+_GPT4 = {"cl100k_base": (3, True), "llama3": (3, False), "qwen3": (1, False)}   # digit group, `\s++$`
+
+
+@cache
+def _cp_feat_deepseek(engine: str) -> np.ndarray:
+    """Per code point: kind (bits 0-2: 0 LM, 1 PS, 2 whitespace, 3 other, 4 N) | 8 CJK range | 16 ASCII letter |
+    32 ASCII punctuation."""
+    f = _KIND_DS[_table(engine)].astype(np.int64)
+    cp = np.arange(f.shape[0])
+    f |= np.where(((cp >= 0x4E00) & (cp <= 0x9FA5)) | ((cp >= 0x3040) & (cp <= 0x309F))
+                  | ((cp >= 0x30A0) & (cp <= 0x30FF)), 8, 0)
+    f |= np.where(((cp >= 65) & (cp <= 90)) | ((cp >= 97) & (cp <= 122)), 16, 0)
+    f[:128] |= np.where(_ASCII_PUNCT, 32, 0)
+    return f.astype(np.uint8)
+
+
+def _ds_seg_head(feat, i):
+    """A stage-1/2 piece starts at i: digit-run edge or CJK-range edge between non-digits (digit groups aside)."""
+    if i == 0:
+        return True
+    k, pk = feat[i] & 7, feat[i - 1] & 7
+    if k == 4 or pk == 4:
+        return k != pk
+    return (feat[i] & 8) != (feat[i - 1] & 8)
+
+
+def _deepseek_loop_impl(c, feat, starts):
+    """The run-level DeepSeek rules (`_starts_deepseek`) as one loop over runs that never cross a segment."""
+    n = c.shape[0]
+    a = 0
+    prev_kind = -1
+    prev_len = 0
+    seg_start = 0
+    while a < n:
+        k = feat[a] & 7
+        b = a + 1
+        while b < n and (feat[b] & 7) == k and not _ds_seg_head(feat, b):
+            b += 1
+        head = _ds_seg_head(feat, a)
+        if head:
+            seg_start = a
+            starts[a] = True
+        same = not head
+        pk = prev_kind if same else -1
+        pc = c[a - 1] if same else -1
+        p2 = c[a - 2] if same and a - 2 >= seg_start else -1
+        single = same and prev_len == 1
+        next_same = b < n and not _ds_seg_head(feat, b)
+        if k == 4:
+            for j in range(a, b, 3):
+                starts[j] = True
+        elif k == 1:
+            if pc != 32:
+                starts[a] = True
+        elif k == 0:
+            glued = (pk == 2 and pc != 10 and pc != 13) or pk == 3
+            punct_glue = pk == 1 and single and p2 != 32 and (feat[a - 1] & 32) != 0 and (feat[a] & 16) != 0
+            if not glued and not punct_glue:
+                starts[a] = True
+            if punct_glue:
+                j = a
+                while j < b and (feat[j] & 16) != 0:
+                    j += 1
+                if j < b:
+                    starts[j] = True
+        elif k == 3:
+            starts[a] = True
+            if next_same and (feat[b] & 7) == 0:
+                starts[b - 1] = True
+        else:
+            _whitespace_run_loop(c, starts, a, b, pk == 1, not next_same, False)
+        prev_kind = k
+        prev_len = b - a
+        a = b
+
+
+_ds_seg_head = njit(cache=True, nogil=True)(_ds_seg_head)
+_deepseek_loop = njit(cache=True, nogil=True)(_deepseek_loop_impl)
+
+
+def _starts_deepseek_loop(cps: np.ndarray, engine: str) -> np.ndarray:
+    starts = np.zeros(cps.shape[0], dtype=np.bool_)
+    _deepseek_loop(cps.view(np.int32), _gather(_cp_feat_deepseek(engine), cps), starts)
+    return starts
+
+
+# -- public API -----------------------------------------------------------------------------------------------------
+def piece_starts(family: Family | str, cps: np.ndarray) -> np.ndarray:
+    """bool[len(cps)]: True where a piece of the family's pre-tokenizer starts (cps: code points of normalized
+    text)."""
+    fam = _family(family)
+    cps = np.ascontiguousarray(cps, dtype=np.uint32)
+    if cps.shape[0] == 0:
+        return np.zeros(0, dtype=bool)
+    if fam.name in _GPT4:
+        digits, whole = _GPT4[fam.name]
+        return _starts_gpt4_loop(cps, fam.engine, digits, whole)
+    if fam.name == "o200k_base":
+        return _starts_o200k_loop(cps, fam.engine)
+    if fam.name == "deepseek_v4":
+        return _starts_deepseek_loop(cps, fam.engine)
+    raise UnsupportedFamily(fam.name)
+
+
+def spans_from_starts(starts: np.ndarray) -> np.ndarray:
+    """int64[k, 2] (start, end) character spans from a piece-start mask."""
+    s = np.flatnonzero(starts)
+    return np.stack([s, np.append(s[1:], starts.shape[0])], axis=1)
+
+
+def pieces(family: Family | str, text: str) -> list[tuple[int, int]]:
+    """Piece spans (character offsets), the format of `ReferenceEngine.pretokenize` (text: already normalized)."""
+    if not text:
+        return []
+    spans = spans_from_starts(piece_starts(family, codepoints(text)))
+    return list(map(tuple, spans.tolist()))

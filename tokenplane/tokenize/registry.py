@@ -1,0 +1,97 @@
+"""Loading tokenizers: pinned artifacts or local files, one shared instance per (name, options).
+
+`load` builds the fast encode paths (router.fast_paths) and passes them to the Tokenizer; it never hands back an
+instance built with other options: `load("qwen3", max_chars=10)` is a distinct instance from `load("qwen3")`, and a
+`family=` or `sha256=` that contradicts a registered name is an error.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import threading
+from pathlib import Path
+
+from . import router
+from .errors import ArtifactError
+from .spec.artifacts import ARTIFACTS, artifact_bytes, read_verified
+from .spec.families import FAMILIES, Family
+from .tokenizer import DEFAULT_MAX_CHARS, Tokenizer
+
+_INSTANCES: dict[tuple[str, tuple], Tokenizer] = {}
+_CONTENT: dict[str, tuple[str, Family]] = {}     # name -> (sha256, family): a name never changes content
+_LOCK = threading.Lock()
+
+
+def register(name: str, tokenizer: Tokenizer) -> Tokenizer:
+    """Share `tokenizer` under `name` (for its options); returns the instance already registered for the same name
+    and options. Entries are immutable: re-registering a name with different content is an error."""
+    with _LOCK:
+        known = _CONTENT.get(name)
+        if known is not None and known != (tokenizer.content_hash, tokenizer.family):
+            raise ArtifactError(f"{name!r} is already registered with different content")
+        _CONTENT[name] = (tokenizer.content_hash, tokenizer.family)
+        return _INSTANCES.setdefault((name, tokenizer.options), tokenizer)
+
+
+def _family_for_json(config: dict) -> Family:
+    """Pick the frozen family whose splitter chain equals this tokenizer.json's (else: no fast path family)."""
+    pre = config.get("pre_tokenizer") or {}
+    splits = pre.get("pretokenizers", [pre])
+    patterns = tuple(s["pattern"].get("Regex", "") for s in splits if s.get("type") == "Split")
+    norm = (config.get("normalizer") or {}).get("type")
+    for fam in FAMILIES.values():
+        if fam.engine == "hf" and fam.patterns == patterns and (fam.normalizer == "nfc") == (norm == "NFC"):
+            return fam
+    return Family(name="hf-generic", engine="hf", patterns=patterns, onig_patterns=patterns,
+                  normalizer="nfc" if norm == "NFC" else None)
+
+
+def build(name: str, family: Family, data: bytes, *, max_chars: int = DEFAULT_MAX_CHARS,
+          gpu_min_chars: int = router.GPU_MIN_CHARS, gpu_max_inflight: int = router.GPU_MAX_INFLIGHT) -> Tokenizer:
+    """A new, unregistered Tokenizer with its fast paths (for callers that need a private instance)."""
+    if not isinstance(max_chars, int) or max_chars < 1:
+        raise ValueError(f"max_chars must be a positive int, got {max_chars!r}")
+    options = (("max_chars", max_chars), ("gpu_min_chars", gpu_min_chars), ("gpu_max_inflight", gpu_max_inflight))
+    paths = functools.partial(router.fast_paths, gpu_min_chars=gpu_min_chars, gpu_max_inflight=gpu_max_inflight)
+    return Tokenizer(name, family, data, max_chars=max_chars, encoders=paths, options=options)
+
+
+def load(name_or_path: str | Path, *, family: str | None = None, sha256: str | None = None,
+         max_chars: int = DEFAULT_MAX_CHARS, gpu_min_chars: int = router.GPU_MIN_CHARS,
+         gpu_max_inflight: int = router.GPU_MAX_INFLIGHT) -> Tokenizer:
+    """Load a registered tokenizer (`cl100k_base`, `o200k_base`, `llama3`, `qwen3`, `deepseek_v4`) or a local
+    `tokenizer.json` / `.tiktoken` file. Pinned files are sha256-verified (fail closed); for local files, pass
+    `sha256=` to pin them, and `family=` to give a `.tiktoken` file its splitter. Each distinct set of options is
+    its own shared instance."""
+    key = str(name_or_path)
+    opts = {"max_chars": max_chars, "gpu_min_chars": gpu_min_chars, "gpu_max_inflight": gpu_max_inflight}
+    if key in ARTIFACTS:
+        if family is not None and family != key:
+            raise ValueError(f"{key!r} is family {key!r}; family={family!r} contradicts it")
+        if sha256 is not None and sha256 != ARTIFACTS[key].sha256:
+            raise ArtifactError(f"{key!r} is pinned to sha256 {ARTIFACTS[key].sha256}, not {sha256}")
+        options = tuple(opts.items())
+        with _LOCK:
+            if (key, options) in _INSTANCES:
+                return _INSTANCES[(key, options)]
+        return register(key, build(key, FAMILIES[key], artifact_bytes(key), **opts))
+    path = Path(key)
+    if not path.exists():
+        raise ArtifactError(f"{key!r} is neither a known tokenizer ({sorted(ARTIFACTS)}) nor an existing file")
+    data = read_verified(path, sha256) if sha256 else path.read_bytes()
+    if path.suffix == ".json":
+        if family is not None:
+            raise ValueError("family= applies to .tiktoken files; a tokenizer.json names its own splitter")
+        fam = _family_for_json(json.loads(data))
+    else:
+        if family is None or family not in FAMILIES or FAMILIES[family].engine != "tiktoken":
+            raise ValueError("a .tiktoken file needs family= one of cl100k_base, o200k_base, llama3")
+        fam = FAMILIES[family]
+    name = f"{path.name}@{hashlib.sha256(data).hexdigest()[:12]}"
+    with _LOCK:
+        hit = _INSTANCES.get((name, tuple(opts.items())))
+    if hit is not None and hit.family == fam:
+        return hit
+    return register(name, build(name, fam, data, **opts))

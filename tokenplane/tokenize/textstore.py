@@ -1,0 +1,268 @@
+"""Text of a session: a chunked string store, the changes a session applies to it, and a view of an edited text.
+
+A str stores every character at the width of its widest one, and an append to one big str copies it; the store keeps
+a list of chunks with start offsets instead, so an append is O(len(appended)) and a large context is kept as 64K-char
+chunks, each at its own width. Changes are values (`Append`, `Replace`, `SetText`) computed before anything is mutated
+and applied at commit.
+"""
+
+from __future__ import annotations
+
+import bisect
+import sys
+from dataclasses import dataclass
+
+CHUNK_MERGE = 1 << 16      # appends smaller than this merge into the last text chunk (bounded copy)
+
+
+@dataclass(frozen=True)
+class Append:
+    text: str
+
+
+@dataclass(frozen=True)
+class Replace:
+    start: int
+    end: int
+    text: str
+
+
+@dataclass(frozen=True)
+class SetText:
+    text: str
+
+
+TextChange = Append | Replace | SetText
+
+
+def common_prefix_len(a: str, b: str, b_off: int) -> int:
+    """Length of the common prefix of a and b[b_off:], at memcmp speed (block compare, then bisect one block)."""
+    n = min(len(a), len(b) - b_off)
+    step, pos = 4096, 0
+    while pos < n and b.startswith(a[pos:min(pos + step, n)], b_off + pos):
+        pos += step
+    if pos >= n:
+        return n
+    lo, hi = pos, min(pos + step, n)      # a[:lo] matches, a[:hi] does not
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if b.startswith(a[pos:mid], b_off + pos):
+            lo = mid
+        else:
+            hi = mid
+    return lo
+
+
+def common_suffix_len(a: str, b: str, b_end: int | None = None) -> int:
+    """Length of the common suffix of a and b[:b_end], block-compared from the end (no reversed copies)."""
+    b_end = len(b) if b_end is None else b_end
+    n = min(len(a), b_end)
+    step, k = 4096, 0
+    while k < n:
+        m = min(step, n - k)
+        if not b.endswith(a[len(a) - k - m:len(a) - k], 0, b_end - k):
+            break
+        k += m
+    if k >= n:
+        return n
+    lo, hi = 0, min(step, n - k)          # a suffix of length lo of the block matches, hi does not
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if b.endswith(a[len(a) - k - mid:len(a) - k], 0, b_end - k):
+            lo = mid
+        else:
+            hi = mid
+    return k + lo
+
+
+class TextStore:
+    """Text as a list of chunks with start offsets; appends are O(len(chunk)), `joined` compacts lazily."""
+
+    __slots__ = ("chunks", "starts", "length")
+
+    def __init__(self, chunks: list[str] | None = None):
+        self.chunks = [c for c in (chunks or []) if c]
+        self._reindex()
+
+    def _reindex(self) -> None:
+        self.starts, n = [], 0
+        for c in self.chunks:
+            self.starts.append(n)
+            n += len(c)
+        self.length = n
+
+    def __len__(self) -> int:
+        return self.length
+
+    def copy(self) -> TextStore:
+        return TextStore(list(self.chunks))
+
+    def append(self, s: str) -> None:
+        if not s:
+            return
+        if len(s) > 4 * CHUNK_MERGE:
+            # a str stores every character at the width of its widest one: one emoji would make a whole 4M-char
+            # context 4 bytes/char, so large texts are kept as 64K-char chunks (each at its own width)
+            for i in range(0, len(s), CHUNK_MERGE):
+                self.starts.append(self.length)
+                self.chunks.append(s[i:i + CHUNK_MERGE])
+                self.length += len(self.chunks[-1])
+            return
+        if self.chunks and len(self.chunks[-1]) + len(s) <= CHUNK_MERGE:
+            self.chunks[-1] += s
+        else:
+            self.starts.append(self.length)
+            self.chunks.append(s)
+        self.length += len(s)
+
+    def _locate(self, pos: int) -> int:
+        return bisect.bisect_right(self.starts, pos) - 1
+
+    def slice(self, a: int, b: int) -> str:
+        a, b = max(a, 0), min(b, self.length)
+        if a >= b:
+            return ""
+        i, j = self._locate(a), self._locate(b - 1)
+        if i == j:
+            o = self.starts[i]
+            return self.chunks[i][a - o:b - o]
+        return "".join([self.chunks[i][a - self.starts[i]:], *self.chunks[i + 1:j],
+                        self.chunks[j][:b - self.starts[j]]])
+
+    def char(self, pos: int) -> str:
+        i = self._locate(pos)
+        return self.chunks[i][pos - self.starts[i]]
+
+    def replace(self, a: int, b: int, s: str) -> None:
+        """Replace [a, b) by s; O(chunks + the two chunks cut)."""
+        if b == self.length:          # tail replace (every NFC append): cut the last chunks, then merge-append
+            i = self._locate(a) if a < self.length else len(self.chunks)
+            if i < len(self.chunks):
+                head = self.chunks[i][:a - self.starts[i]]
+                del self.chunks[i:], self.starts[i:]
+                self.length = a - len(head)
+                if head:
+                    self.starts.append(self.length)
+                    self.chunks.append(head)
+                    self.length = a
+            self.append(s)
+            return
+        left, right = [], []
+        for c, o in zip(self.chunks, self.starts):
+            end = o + len(c)
+            if end <= a:
+                left.append(c)
+            elif o >= b:
+                right.append(c)
+            else:
+                if o < a:
+                    left.append(c[:a - o])
+                if end > b:
+                    right.append(c[b - o:])
+        self.chunks = [c for c in (*left, s, *right) if c]
+        self._reindex()
+
+    def apply(self, change: TextChange) -> TextStore:
+        """The store after `change`: this store edited in place, or a new one for `SetText`."""
+        if isinstance(change, Append):
+            self.append(change.text)
+        elif isinstance(change, Replace):
+            self.replace(change.start, change.end, change.text)
+        else:
+            return TextStore([change.text])
+        return self
+
+    def joined(self) -> str:
+        if len(self.chunks) > 1:
+            self.chunks = ["".join(self.chunks)]
+            self.starts = [0]
+        return self.chunks[0] if self.chunks else ""
+
+    def is_prefix_of(self, text: str) -> bool:
+        return self.length <= len(text) and all(text.startswith(c, o) for c, o in zip(self.chunks, self.starts))
+
+    def common_prefix(self, text: str) -> int:
+        for c, o in zip(self.chunks, self.starts):
+            if not text.startswith(c, o):
+                return o + common_prefix_len(c, text, o) if o <= len(text) else len(text)
+        return min(self.length, len(text))
+
+    def common_suffix(self, text: str, limit: int) -> int:
+        """Common suffix length of the stored text and `text`, at most `limit`."""
+        shift, k = len(text) - self.length, 0
+        for c, o in zip(reversed(self.chunks), reversed(self.starts)):
+            lo = max(o, self.length - limit)
+            seg = c if lo == o else c[lo - o:]
+            end = o + len(c) + shift
+            if text.endswith(seg, 0, end):
+                k += len(seg)
+                if lo > o:
+                    break
+                continue
+            k += common_suffix_len(seg, text, end)
+            break
+        return min(k, limit)
+
+    def nfc_split_before(self, pos: int, floor: int, reach: int) -> int | None:
+        """Largest q <= pos (q >= floor) where NFC(text) == NFC(text[:q]) + NFC(text[q:]) holds for any later
+        text: an ASCII character at q (a starter that never composes with what precedes it), or the floor (text
+        start / end of a special literal, where normalization restarts). None: none within `reach` characters."""
+        lo = max(floor, pos - reach)
+        step = 256
+        hi = pos
+        while hi > lo:
+            a = max(lo, hi - step)
+            chunk = self.slice(a, hi)
+            for k in range(len(chunk) - 1, -1, -1):
+                if chunk[k] < "\x80":
+                    return a + k
+            hi = a
+            step *= 2
+        return floor if lo == floor else None
+
+    def nfc_split_after(self, pos: int, reach: int) -> int | None:
+        """Smallest q >= pos with an ASCII character at q (or the text end); None: none within `reach`."""
+        end = self.length
+        hi_limit = min(end, pos + reach)
+        a, step = pos, 256
+        while a < hi_limit:
+            b = min(hi_limit, a + step)
+            chunk = self.slice(a, b)
+            for k, ch in enumerate(chunk):
+                if ch < "\x80":
+                    return a + k
+            a = b
+            step *= 2
+        return end if hi_limit == end else None
+
+    def nbytes(self, seen: set[int]) -> int:
+        total = 0
+        for c in self.chunks:
+            if id(c) not in seen:
+                seen.add(id(c))
+                total += sys.getsizeof(c)
+        return total
+
+
+class SplicedText:
+    """The new normalized text as old[:d0] + mid + old[e_old:], read by slices without materializing it."""
+
+    def __init__(self, old: TextStore, d0: int, mid: str, e_old: int):
+        self.old, self.d0, self.mid, self.e_old = old, d0, mid, e_old
+        self.m_end = d0 + len(mid)
+        self.delta = self.m_end - e_old
+        self.length = len(old) + self.delta
+
+    def slice(self, a: int, b: int) -> str:
+        a, b = max(a, 0), min(b, self.length)
+        if a >= b:
+            return ""
+        parts = []
+        if a < self.d0:
+            parts.append(self.old.slice(a, min(b, self.d0)))
+        m0, m1 = max(a, self.d0), min(b, self.m_end)
+        if m0 < m1:
+            parts.append(self.mid[m0 - self.d0:m1 - self.d0])
+        if b > self.m_end:
+            parts.append(self.old.slice(max(a, self.m_end) - self.delta, b - self.delta))
+        return parts[0] if len(parts) == 1 else "".join(parts)
