@@ -2,7 +2,7 @@
 
 Contract. `read_gguf` checks everything that can be checked without dequantizing: the architecture, every tensor's
 type (F32, F16, Q8_0, Q4_0, Q4_1), that every tensor name maps to an HF name, and that the names and shapes are
-exactly those of the HF checkpoint the config describes (`loader.hf_tensor_shapes`). Anything else fails closed with
+exactly those of the HF checkpoint the config describes (`hf_layout.hf_tensor_shapes`). Anything else fails closed with
 a ModelArtifactError naming what is unsupported. `GGUFModel.tensors()` then yields (HF name, float32 array) with the
 quantized blocks expanded by `gguf.quants.dequantize` and, for Llama, the Q/K row permutation that llama.cpp's
 converter applies for its rope layout undone (per head: n_head for q_proj, n_head_kv for k_proj). Qwen3 GGUFs are
@@ -154,7 +154,7 @@ def read_gguf(path: str | Path) -> GGUFModel:
         raise ModelArtifactError("reading GGUF files needs the `gguf` package (`pip install gguf`, in the engine "
                                  "extra)") from None
 
-    from tokenplane.engine.loader import hf_tensor_shapes
+    from tokenplane.engine.hf_layout import hf_tensor_shapes
 
     path = Path(path)
     try:

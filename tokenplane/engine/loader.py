@@ -20,6 +20,7 @@ from torch import nn
 
 from tokenplane.engine.artifacts import MODELS
 from tokenplane.engine.config import PRESETS, ModelConfig
+from tokenplane.engine.hf_layout import hf_tensor_shapes
 from tokenplane.engine.models import model_class
 
 DTYPE_NAMES = {torch.float32: "float32", torch.float64: "float64", torch.float16: "float16",
@@ -48,32 +49,6 @@ def resolve_config(source: str | dict[str, Any] | ModelConfig | Path) -> tuple[M
         return cfg, (path if any(path.glob("*.safetensors")) else None)
     raise ValueError(f"model source {source!r} is neither a preset ({', '.join(PRESETS)}), a registered model "
                      f"({', '.join(MODELS)}), an HF config dict, a .gguf file, nor a directory with config.json")
-
-
-def hf_tensor_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """HF checkpoint tensor names and shapes for this config (what save_pretrained_like writes)."""
-    h, hd = cfg.hidden_size, cfg.head_dim
-    q, kv, ffn = cfg.num_attention_heads * hd, cfg.num_key_value_heads * hd, cfg.intermediate_size
-    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (cfg.vocab_size, h), "model.norm.weight": (h,)}
-    for i in range(cfg.num_hidden_layers):
-        p = f"model.layers.{i}."
-        shapes.update({p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,),
-                       p + "self_attn.q_proj.weight": (q, h), p + "self_attn.k_proj.weight": (kv, h),
-                       p + "self_attn.v_proj.weight": (kv, h), p + "self_attn.o_proj.weight": (h, q),
-                       p + "mlp.gate_proj.weight": (ffn, h), p + "mlp.up_proj.weight": (ffn, h),
-                       p + "mlp.down_proj.weight": (h, ffn)})
-        if cfg.architecture == "qwen3":
-            shapes[p + "self_attn.q_norm.weight"] = (hd,)
-            shapes[p + "self_attn.k_norm.weight"] = (hd,)
-        if cfg.attention_bias:
-            shapes.update({p + "self_attn.q_proj.bias": (q,), p + "self_attn.k_proj.bias": (kv,),
-                           p + "self_attn.v_proj.bias": (kv,), p + "self_attn.o_proj.bias": (h,)})
-        if cfg.mlp_bias:
-            shapes.update({p + "mlp.gate_proj.bias": (ffn,), p + "mlp.up_proj.bias": (ffn,),
-                           p + "mlp.down_proj.bias": (h,)})
-    if not cfg.tie_word_embeddings:
-        shapes["lm_head.weight"] = (cfg.vocab_size, h)
-    return shapes
 
 
 def random_tensors(cfg: ModelConfig, seed: int, device: torch.device) -> Iterator[tuple[str, torch.Tensor]]:
