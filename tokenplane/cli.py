@@ -9,7 +9,10 @@ import sys
 # name -> (module, function, help). The function takes the argparse namespace; `add_arguments(parser)` in the same
 # module (named `<function>_arguments`) declares its flags.
 COMMANDS: dict[str, tuple[str, str, str]] = {
-    "demo": ("tokenplane.demo", "main", "replay a real agent session through a tokenizer session (exact, fast)"),
+    "demo": ("tokenplane.serve.demo", "main", "the one server end to end: a real agent conversation through the "
+             "OpenAI endpoint with the real model (exact IDs, session reuse, TTFT), plus routed decoding"),
+    "demo-tokenize": ("tokenplane.demo", "main", "replay a real agent session through a tokenizer session alone "
+                      "(exactness and repair latency against full encodes)"),
     "verify": ("tokenplane.tokenize.evidence.campaign", "main",
                "long differential campaign against the reference engine"),
     "serve": ("tokenplane.serve.cli", "main", "combined server: tokenize service + routed decoding (OpenAI API)"),
