@@ -709,7 +709,7 @@ def corpus_chunks(size: int, limit_bytes: int) -> list[str]:
 async def phase_sessions(url: str, args: argparse.Namespace, server: Server) -> dict[str, Any]:
     budget = int(args.session_mb * (1 << 20))
     target = 2 * budget
-    chunks = corpus_chunks(args.session_chunk, min(target, 64 << 20))
+    chunks = corpus_chunks(args.session_chunk, min(target, 8 << 20))   # a pool of distinct pieces, reused
     res: dict[str, Any] = {"budget_bytes": budget, "target_sent_bytes": target}
     rss = {"before": rss_mb(server.pid), "peak": rss_mb(server.pid)}
     stats_max: dict[str, Any] = {"bytes": 0}
@@ -819,7 +819,8 @@ def phase_schemathesis(url: str, args: argparse.Namespace, log_path: Path, workd
         rc, timed_out = None, True
     log_path.write_text(f"$ {' '.join(cmd)}\n\n{output}")
     res: dict[str, Any] = {"command": " ".join(cmd), "exit_code": rc, "timed_out": timed_out,
-                           "wall_s": round(now() - t0, 1), "log": str(log_path.relative_to(ROOT))}
+                           "wall_s": round(now() - t0, 1),
+                           "log": str(log_path.relative_to(ROOT)) if log_path.is_relative_to(ROOT) else str(log_path)}
     res.update(parse_schemathesis(output, report))
     return res
 
@@ -938,12 +939,12 @@ def targets(result: dict[str, Any], args: argparse.Namespace) -> list[list[Any]]
 
 def markdown(result: dict[str, Any], args: argparse.Namespace) -> str:
     m = result["meta"]
-    L = [f"# tokenplane serve: load / faults / soak ({'quick' if args.quick else 'full'} run)\n",
+    L = [f"# tokenplane serve: load / faults / soak ({'quick' if args.quick else 'full'} run)\n\n",
          f"Command: `{m['command']}`  \nStarted {m['started']} UTC, wall {m['wall_s']} s; load average "
          f"{m['loadavg_start']} at start, {m['loadavg_end']} at end; {m['cpus']} CPUs; Python {m['python']}; git "
          f"{m['git']}.  \nServer: `{m['server_command']}` from {m['server_root']} (backend {args.backend}, healthy after "
          f"{m.get('startup_s')} s). Models: {m['models']}.\n"]
-    L.append("## Targets\n")
+    L.append("\n## Targets\n\n")
     L.append(table(["target", "status", "measured"], targets(result, args)))
     ph = result["phases"]
     for name, p in ph.items():
@@ -964,7 +965,7 @@ def markdown(result: dict[str, Any], args: argparse.Namespace) -> str:
                      [[k, v, f"`{(s['error_examples'].get(k) or '')[:150]}`"] for k, v in s["errors_by_kind"].items()]))
     if "kill" in ph and "kills" in ph["kill"]:
         L.append(f"\n## 2. SIGKILL of each model process under {args.kill_clients} clients\n\nPids from "
-                 f"{ph['kill'].get('pid_source')}. Window = kill .. recovery + {args.window_grace:g} s.\n")
+                 f"{ph['kill'].get('pid_source')}. Window = kill .. recovery + {args.window_grace:g} s.\n\n")
         rows = []
         for k in ph["kill"]["kills"]:
             if "requests" not in k:
@@ -1119,14 +1120,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--session-timeout", type=float, default=None, help="soak bound (default 600, quick 60)")
     p.add_argument("--rss-slack-mb", type=float, default=64.0, help="RSS allowance beyond the session budget")
     p.add_argument("--st-examples", type=int, default=None, help="schemathesis --max-examples (default 25, quick 5)")
-    p.add_argument("--st-max-time", type=int, default=None, help="schemathesis --max-time (default 300, quick 40)")
+    p.add_argument("--st-max-time", type=int, default=None, help="schemathesis --max-time (default 120, quick 40)")
     p.add_argument("--st-request-timeout", type=float, default=10.0)
-    p.add_argument("--out", default="serve_faults", help="output stem in benchmarks/results/")
+    p.add_argument("--out", default="serve_faults", help="output file stem")
+    p.add_argument("--results-dir", default=str(RESULTS), help="where the outputs go (default benchmarks/results; "
+                   "point development runs elsewhere, e.g. /tmp)")
     args = p.parse_args(argv)
     q = args.quick
     defaults = {"session_mb": (64.0, 4.0), "clients": (64, 16), "seconds": (60.0, 5.0), "kill_warmup": (3.0, 1.0),
                 "kill_post": (5.0, 1.5), "disconnects": (100, 20), "session_timeout": (600.0, 45.0),
-                "st_examples": (25, 5), "st_max_time": (300, 40)}
+                "st_examples": (25, 5), "st_max_time": (120, 40)}
     for name, (full, quick) in defaults.items():
         if getattr(args, name) is None:
             setattr(args, name, quick if q else full)
@@ -1154,7 +1157,8 @@ def git_rev() -> str:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    RESULTS.mkdir(parents=True, exist_ok=True)
+    results = Path(args.results_dir).resolve()
+    results.mkdir(parents=True, exist_ok=True)
     started = time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime())
     t_wall = now()
     workdir = Path(tempfile.mkdtemp(prefix="serve_faults_"))
@@ -1192,7 +1196,7 @@ def main(argv: list[str] | None = None) -> int:
                 elif name == "sessions":
                     out = asyncio.run(phase_sessions(server.url, args, server))
                 else:
-                    out = phase_schemathesis(server.url, args, RESULTS / f"{args.out}_schemathesis.log", workdir)
+                    out = phase_schemathesis(server.url, args, results / f"{args.out}_schemathesis.log", workdir)
             except Exception as exc:   # a phase that breaks is reported; the others still run
                 import traceback
                 out = {"error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()}
@@ -1226,16 +1230,16 @@ def main(argv: list[str] | None = None) -> int:
     result["meta"]["loadavg_end"] = loadavg()
     result["meta"]["wall_s"] = round(now() - t_wall, 1)
     result["targets"] = [{"target": r[0], "status": r[1], "measured": r[2]} for r in targets(result, args)]
-    (RESULTS / f"{args.out}.json").write_text(json.dumps(result, indent=1, default=str))
-    (RESULTS / f"{args.out}.md").write_text(markdown(result, args))
+    (results / f"{args.out}.json").write_text(json.dumps(result, indent=1, default=str))
+    (results / f"{args.out}.md").write_text(markdown(result, args))
     try:
-        plot(result, RESULTS / f"{args.out}.png")
+        plot(result, results / f"{args.out}.png")
     except Exception as exc:   # the tables matter more than the figure
         print(f"[serve_faults] plot failed: {exc}", flush=True)
     for r in result["targets"]:
         print(f"[serve_faults] {r['status']:8s} {r['target']}: {r['measured']}", flush=True)
     shutil.rmtree(workdir, ignore_errors=True)
-    print(f"[serve_faults] wrote {RESULTS / args.out}.{{json,md,png}} in {result['meta']['wall_s']} s", flush=True)
+    print(f"[serve_faults] wrote {results / args.out}.{{json,md,png}} in {result['meta']['wall_s']} s", flush=True)
     return 1 if "error" in result else 0
 
 
