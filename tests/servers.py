@@ -35,3 +35,14 @@ class ThreadServer:
     def __exit__(self, *exc: Any) -> None:
         self.server.should_exit = True
         self.thread.join(10)
+
+
+def post_and_hang_up(url: str, path: str, body: bytes, after_s: float) -> None:
+    """A client that sends a request and then goes away (its socket closed), as a killed agent does."""
+    import socket as _socket
+    from urllib.parse import urlparse
+    u = urlparse(url)
+    with _socket.create_connection((u.hostname, u.port)) as s:
+        s.sendall(b"POST " + path.encode() + b" HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                  b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+        time.sleep(after_s)

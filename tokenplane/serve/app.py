@@ -103,14 +103,24 @@ def health_body(h: BackendHealth) -> dict[str, Any]:
                         "kv_blocks_total": m.kv_blocks_total} for m in h.models]}
 
 
-def create_app(backend: Backend, tokenizer: Any, *, model_name: str = "tokenplane-router",
+def create_app(backend: Backend | None, tokenizer: Any, *, model_name: str = "tokenplane-router",
                default_max_tokens: int = 16, close_backend: bool = True, limits: Limits | None = None,
-               tokenize_routes: bool = True, chat_template: Any = None) -> FastAPI:
-    """The app over a backend. The backend's `start()` runs at server startup and `close()` at shutdown."""
+               tokenize_routes: bool = True, chat_template: Any = None, upstream: Any = None) -> FastAPI:
+    """The app over a backend, or (`upstream`: an UpstreamPool) the tokenization tier in front of upstream engines.
+    The backend's `start()` runs at server startup and `close()` (or `aclose()`) at shutdown."""
     limits = limits or Limits()
     metrics = Metrics()
-    server = OpenAIServer(backend, tokenizer, model_name=model_name, limits=limits, metrics=metrics,
-                          default_max_tokens=default_max_tokens, chat_template=chat_template)
+    server: OpenAIServer
+    if upstream is not None:
+        from .proxy_routes import ProxyServer
+        server = ProxyServer(upstream, tokenizer, model_name=model_name, limits=limits, metrics=metrics,
+                             default_max_tokens=default_max_tokens, chat_template=chat_template)
+    elif backend is not None:
+        server = OpenAIServer(backend, tokenizer, model_name=model_name, limits=limits, metrics=metrics,
+                              default_max_tokens=default_max_tokens, chat_template=chat_template)
+    else:
+        raise ValueError("create_app needs a backend or an upstream pool")
+    backend = server.backend
     holder: dict[str, Any] = {}
 
     @asynccontextmanager
@@ -123,7 +133,11 @@ def create_app(backend: Backend, tokenizer: Any, *, model_name: str = "tokenplan
             if "tokenize" in holder:
                 holder["tokenize"].close()
             if close_backend:
-                backend.close()
+                aclose = getattr(backend, "aclose", None)
+                if aclose is not None:
+                    await aclose()
+                else:
+                    backend.close()
 
     app = guarded_app("tokenplane", metrics=metrics, limits=limits, lifespan=lifespan)
     app.state.server = server

@@ -68,8 +68,11 @@ class BackendHealth:
 
 
 class Backend(Protocol):
-    max_model_len: int | None     # the most tokens one request may hold (prompt + completion)
-    vocab_size: int | None
+    @property
+    def max_model_len(self) -> int | None: ...   # the most tokens one request may hold (prompt + completion)
+
+    @property
+    def vocab_size(self) -> int | None: ...
 
     async def start(self) -> None: ...
     def generate(self, prompt_ids: Sequence[int], params: Any, request_id: str) -> AsyncGenerator[Chunk, None]: ...

@@ -16,6 +16,8 @@ import os
 import sys
 import time
 
+from .config import Limits, ServeConfig
+
 
 def main_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", default=None, help="JSON file: models, devices, algorithm, parameters, ...")
@@ -39,6 +41,15 @@ def main_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-calibration-cache", action="store_true", help="recalibrate even when cached")
     parser.add_argument("--no-sessions", action="store_true", help="tokenize every prompt from scratch instead of "
                         "repairing the conversation's session (a baseline)")
+    parser.add_argument("--upstream", action="append", default=None, metavar="URL",
+                        help="tokenization tier mode: forward exact token IDs to this OpenAI-compatible engine "
+                             "(vLLM, SGLang, another tokenplane); repeat for replicas (consistent hashing per "
+                             "conversation)")
+    parser.add_argument("--upstream-model", default=None, help="the upstream's model name (default: its /v1/models)")
+    parser.add_argument("--tokenizer", default=None, help="tier mode: tokenizer family name or tokenizer.json path "
+                        "(default: the config's)")
+    parser.add_argument("--chat-template", default=None, metavar="TOKENIZER_CONFIG_JSON",
+                        help="tier mode: the model's tokenizer_config.json (its chat_template and special tokens)")
     parser.add_argument("--log-level", default="info")
 
 
@@ -52,7 +63,6 @@ def main(args: argparse.Namespace) -> int:
 
     from .app import create_app
     from .backends import build_backend, resolve_tokenizer
-    from .config import Limits, ServeConfig
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     cfg = ServeConfig.load(args.config)
     limits = Limits(max_body_bytes=int(args.max_body_mb * (1 << 20)), max_prompt_chars=args.max_prompt_chars,
@@ -61,6 +71,8 @@ def main(args: argparse.Namespace) -> int:
                     verify_rate=args.verify_rate, api_key=args.api_key or os.environ.get("TOKENPLANE_API_KEY"),
                     conversation_sessions=not args.no_sessions)
     kind = args.backend or "process"
+    if args.upstream:
+        return _serve_tier(args, cfg, limits)
     _progress(f"loading tokenizer ({cfg.tokenizer})")
     tokenizer, chat = resolve_tokenizer(cfg)
     _progress(f"loading models {cfg.models} with {cfg.algorithm} ({kind} backend)")
@@ -73,6 +85,30 @@ def main(args: argparse.Namespace) -> int:
     app = create_app(backend, tokenizer, model_name=cfg.served_model_name, default_max_tokens=cfg.default_max_tokens,
                      limits=limits, chat_template=chat)
     _progress(f"serving {cfg.served_model_name!r} on http://{args.host}:{args.port}")
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level.lower(), timeout_graceful_shutdown=5)
+    return 0
+
+
+def _serve_tier(args: argparse.Namespace, cfg: ServeConfig, limits: Limits) -> int:
+    """`--upstream`: the tokenization tier in front of existing engines (no local model)."""
+    import dataclasses
+
+    import uvicorn
+
+    from .app import create_app
+    from .backends import resolve_tokenizer
+    from .chat import ChatTemplate
+    from .upstream import UpstreamPool
+    if args.tokenizer:
+        cfg = dataclasses.replace(cfg, tokenizer=args.tokenizer)
+    _progress(f"loading tokenizer ({cfg.tokenizer})")
+    tokenizer, chat = resolve_tokenizer(cfg)
+    if args.chat_template:
+        chat = ChatTemplate.from_tokenizer_config(tokenizer, args.chat_template)
+    pool = UpstreamPool(args.upstream, model=args.upstream_model)
+    app = create_app(None, tokenizer, model_name=cfg.served_model_name, limits=limits, chat_template=chat,
+                     upstream=pool)
+    _progress(f"tokenization tier for {args.upstream} on http://{args.host}:{args.port}")
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level.lower(), timeout_graceful_shutdown=5)
     return 0
 

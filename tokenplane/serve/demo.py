@@ -118,8 +118,9 @@ def _agent_replay(url: str, app: Any, model: str, turns: int, max_tokens: int) -
              f"{rep.get('reused_tokens', 0):>7} {rep.get('new_tokens', 0):>5} {rep.get('time_ms', 0.0):>7.2f} "
              f"{out['ttft']:>7.2f}  {first}")
     q = [{"role": "user", "content": "What is the capital of France?"}]
-    answer = client.chat.completions.create(model=model, messages=q, max_tokens=max_tokens, temperature=0)
-    _say(f"\nQ: What is the capital of France?\nA: {answer.choices[0].message.content.strip()}")
+    answer = client.chat.completions.create(model=model, messages=q, max_tokens=max_tokens,  # type: ignore[arg-type]
+                                            temperature=0)
+    _say(f"\nQ: What is the capital of France?\nA: {(answer.choices[0].message.content or '').strip()}")
     return ok
 
 
@@ -140,7 +141,8 @@ def _routed_example(model: str, threads: int, max_tokens: int) -> bool:
         server, thread, (url, _) = _serve(cfg, max(1, threads // 2) if name == "routed" else threads)
         try:
             client = openai.OpenAI(base_url=url + "/v1", api_key="demo", max_retries=0, timeout=600)
-            out = client.chat.completions.create(model="m", messages=question, max_tokens=max_tokens, temperature=0)
+            out = client.chat.completions.create(model="m", messages=question,  # type: ignore[arg-type]
+                                                 max_tokens=max_tokens, temperature=0)
             answers[name] = (out.choices[0].message.content, (out.model_extra or {}).get("routing") or {})
         finally:
             _stop(server, thread)

@@ -86,6 +86,8 @@ class OpenAIServer:
         raw = await request.body()
         body = parse_body(raw) if len(raw) <= _INLINE_BYTES else await self.offload(parse_body, raw)
         req = validate(model, body)
+        if req.prompt_cache_key is None and (header := request.headers.get("x-conversation-id")):
+            req.prompt_cache_key = header   # what a consistent-hash load balancer in front keys on, too
         if req.model is not None and req.model != self.model_name:
             raise NotFound(f"model {req.model!r} does not exist; available: [{self.model_name!r}]", param="model",
                            code="model_not_found")
@@ -144,7 +146,8 @@ class OpenAIServer:
         for i in range(req.n):
             seed = None if req.seed is None else (req.seed + i) % (1 << 63)   # the runtime's seed range
             params = SamplingParams(temperature=req.temperature, top_p=req.top_p, max_tokens=max_tokens, seed=seed,
-                                    stop_token_ids=tuple(extra_stop_ids), ignore_eos=req.ignore_eos,
+                                    stop_token_ids=(*extra_stop_ids, *(req.stop_token_ids or ())),
+                                    ignore_eos=req.ignore_eos,
                                     logprobs=req.num_logprobs)
             out.append(Job(prompt_ids, params, req.stops, tokenization))
         return out

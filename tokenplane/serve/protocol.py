@@ -8,7 +8,7 @@ this server does not implement are refused by name instead of being silently ign
 from __future__ import annotations
 
 import json
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
@@ -97,6 +97,7 @@ class _Common(_Strict):
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
     ignore_eos: bool = False
+    stop_token_ids: list[Annotated[int, Field(ge=0, le=INT64_MAX)]] | None = None   # vLLM's: ids that end it
     user: str | None = None
     prompt_cache_key: str | None = None    # conversations with different keys never share a tokenization session
     # Refused by name when set to anything but their default (see `unsupported`).

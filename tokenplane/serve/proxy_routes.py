@@ -1,0 +1,225 @@
+"""OpenAI-compatible routes of the tokenization tier: prompts are tokenized here (model's chat template,
+conversation sessions) and forwarded as token IDs to an upstream engine's /v1/completions (upstream.py).
+
+A chat request is forwarded as a completion of the rendered prompt's IDs, with the template's end-of-turn tokens
+as vLLM's `stop_token_ids`, and its answer converted back to chat format (JSON or SSE chunks). Completions pass
+through as the upstream wrote them. Every response gains the `tokenization` field; a client that disconnects closes
+the upstream request (vLLM aborts it), and a failed turn leaves the conversation's session valid (it holds the
+prompt the client will resend).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import secrets
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from .backends import BackendHealth, ModelStatus
+from .conversations import TokenizationReport
+from .errors import APIError, InvalidRequest
+from .openai_routes import ClientDisconnected, OpenAIServer
+from .protocol import ChatCompletionRequest, CompletionRequest
+from .upstream import FORWARDED, UpstreamPool, error_from, sse_data
+
+_DISCONNECT_POLL_S = 0.25
+
+
+class UpstreamBackend:
+    """The Backend face of an upstream pool (health, limits); generation goes through ProxyServer's routes."""
+
+    vocab_size: int | None = None
+
+    def __init__(self, pool: UpstreamPool) -> None:
+        self.pool = pool
+
+    @property
+    def max_model_len(self) -> int | None:
+        return self.pool.max_model_len
+
+    async def start(self) -> None:
+        await self.pool.start()
+
+    def generate(self, prompt_ids: Any, params: Any, request_id: str) -> Any:
+        raise NotImplementedError("the tokenization tier forwards requests; it does not decode")
+
+    def abort(self, request_id: str) -> None:
+        return None
+
+    def health(self) -> BackendHealth:
+        return BackendHealth([ModelStatus(h["name"], h["state"], restarts=h["failures"], last_error=h["last_error"])
+                              for h in self.pool.health()])
+
+    def close(self) -> None:
+        return None
+
+    async def aclose(self) -> None:
+        await self.pool.close()
+
+
+def conversation_key(req: Any, text: str) -> str:
+    """What pins a conversation to an upstream: the client's key, else its first 1K characters (stable across
+    tokenplane replicas, unlike a session id)."""
+    if req.conversation_key:
+        return "key:" + req.conversation_key
+    return "text:" + hashlib.blake2b(text[:1024].encode(), digest_size=16).hexdigest()
+
+
+class ProxyServer(OpenAIServer):
+    def __init__(self, pool: UpstreamPool, tokenizer: Any, **kwargs: Any) -> None:
+        super().__init__(UpstreamBackend(pool), tokenizer, **kwargs)
+        self.pool = pool
+
+    def _body(self, req: Any, prompt_ids: list[int], stop_ids: tuple[int, ...] = ()) -> dict[str, Any]:
+        body: dict[str, Any] = {k: getattr(req, k) for k in FORWARDED if hasattr(req, k)}
+        body = {k: v.model_dump() if hasattr(v, "model_dump") else v for k, v in body.items() if v is not None}
+        if isinstance(req, ChatCompletionRequest):
+            if req.max_completion_tokens is not None:
+                body["max_tokens"] = req.max_completion_tokens
+            body.pop("logprobs", None)
+            if req.num_logprobs is not None:
+                body["logprobs"] = req.num_logprobs
+        if not body.get("stop"):
+            body.pop("stop", None)
+        if stop_ids:
+            body["stop_token_ids"] = list(stop_ids)
+        body.update(model=self.pool.model, prompt=prompt_ids)
+        return body
+
+    async def completions(self, request: Request) -> Any:
+        req = await self.read(request, CompletionRequest)
+        if isinstance(req.prompt, str):
+            self._check_chars(len(req.prompt))
+        prompt_ids, report = await self.offload(self.completion_ids, req)
+        text = req.prompt if isinstance(req.prompt, str) else ""
+        return await self._forward(request, req, prompt_ids, report, conversation_key(req, text), chat=False)
+
+    async def chat_completions(self, request: Request) -> Any:
+        req = await self.read(request, ChatCompletionRequest)
+        self._check_chars(sum(len(m.text()) for m in req.messages))
+        prompt_ids, report = await self.offload(self.chat_ids, req)
+        first = req.messages[0].text()[:1024] if req.messages else ""
+        return await self._forward(request, req, prompt_ids, report, conversation_key(req, first), chat=True)
+
+    async def _forward(self, request: Request, req: Any, prompt_ids: list[int], report: TokenizationReport | None,
+                       key: str, chat: bool) -> Any:
+        if not prompt_ids:
+            raise InvalidRequest("the prompt is empty", param="prompt")
+        limit = self.backend.max_model_len
+        if limit is not None and len(prompt_ids) >= limit:
+            raise InvalidRequest(f"this model's maximum context length is {limit} tokens; the prompt has "
+                                 f"{len(prompt_ids)} tokens", param="prompt", code="context_length_exceeded")
+        body = self._body(req, prompt_ids, self.chat.stop_token_ids if chat else ())
+        extra = {"tokenization": report.to_dict()} if report is not None else {}
+        if self.metrics is not None:
+            self.metrics.prompt_tokens.inc(len(prompt_ids))
+        if not req.stream:
+            try:
+                data = await self._until_disconnect(request, self._exchange(key, body))
+            except ClientDisconnected:
+                return JSONResponse({"error": {"message": "client disconnected", "type": "client_closed_request",
+                                               "param": None, "code": None}}, status_code=499)
+            return {**(self._to_chat(data) if chat else data), **extra}
+        url, resp = await self.pool.send(key, body)
+        if resp.status_code != 200:
+            raise await error_from(resp, url)
+        return StreamingResponse(self._relay(resp, chat, extra), media_type="text/event-stream")
+
+    async def _exchange(self, key: str, body: dict[str, Any]) -> dict[str, Any]:
+        url, resp = await self.pool.send(key, body)
+        try:
+            if resp.status_code != 200:
+                raise await error_from(resp, url)
+            return json.loads(await resp.aread())
+        finally:
+            await resp.aclose()
+
+    @staticmethod
+    async def _until_disconnect(request: Request, work: Any) -> Any:
+        """Await `work`, cancelling it (which closes the upstream connection, and vLLM aborts the request) if the
+        client goes away first: a non-streaming upstream sends nothing until it is done, so waiting on it blind
+        would hold a decoding slot for a client that left."""
+        task = asyncio.ensure_future(work)
+        try:
+            while True:
+                done, _ = await asyncio.wait({task}, timeout=_DISCONNECT_POLL_S)
+                if done:
+                    return task.result()
+                if await request.is_disconnected():
+                    raise ClientDisconnected
+        finally:
+            if not task.done():
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+
+    @staticmethod
+    def _chat_logprobs(lp: Any) -> dict[str, Any] | None:
+        """Completions-style logprobs (tokens, token_logprobs, top_logprobs) in chat's format."""
+        if not isinstance(lp, dict) or "tokens" not in lp:
+            return None
+
+        def entry(token: str, value: float) -> dict[str, Any]:
+            return {"token": token, "logprob": value, "bytes": list(token.encode("utf-8", "surrogatepass"))}
+        tops = lp.get("top_logprobs") or [None] * len(lp["tokens"])
+        return {"content": [{**entry(t, v), "top_logprobs": [entry(k, x) for k, x in (top or {}).items()]}
+                            for t, v, top in zip(lp["tokens"], lp["token_logprobs"], tops)]}
+
+    @classmethod
+    def _to_chat(cls, data: dict[str, Any]) -> dict[str, Any]:
+        choices = [{"index": c.get("index", 0), "message": {"role": "assistant", "content": c.get("text", "")},
+                    "logprobs": cls._chat_logprobs(c.get("logprobs")), "finish_reason": c.get("finish_reason")}
+                   for c in data.get("choices", [])]
+        out = {"id": "chatcmpl-" + str(data.get("id", secrets.token_hex(12))).removeprefix("cmpl-"),
+               "object": "chat.completion", "created": data.get("created", int(time.time())),
+               "model": data.get("model"), "choices": choices}
+        if "usage" in data:
+            out["usage"] = data["usage"]
+        return out
+
+    async def _relay(self, resp: Any, chat: bool, extra: dict[str, Any]) -> AsyncIterator[str]:
+        started: set[int] = set()
+        try:
+            async for payload in sse_data(resp):
+                if payload == "[DONE]":
+                    break
+                data = json.loads(payload)
+                if "error" in data:
+                    yield f"data: {payload}\n\n"
+                    continue
+                if data.get("usage") and not data.get("choices"):
+                    data.update(extra)   # the final usage chunk carries the tokenization report too
+                if chat:
+                    data = self._chunk_to_chat(data, started)
+                yield f"data: {json.dumps(data)}\n\n"
+        except Exception as exc:   # noqa: BLE001 - told to the client in the stream, which still ends cleanly
+            err = exc if isinstance(exc, APIError) else APIError(f"upstream stream failed: {type(exc).__name__}",
+                                                                 status=502, code="upstream_error")
+            yield f"data: {json.dumps(err.body())}\n\n"
+        finally:
+            await resp.aclose()
+        yield "data: [DONE]\n\n"
+
+    @classmethod
+    def _chunk_to_chat(cls, data: dict[str, Any], started: set[int]) -> dict[str, Any]:
+        choices = []
+        for c in data.get("choices", []):
+            i = c.get("index", 0)
+            delta: dict[str, Any] = {"content": c.get("text", "")} if c.get("text") else {}
+            if i not in started:
+                started.add(i)
+                delta = {"role": "assistant", **delta}
+            choices.append({"index": i, "delta": delta, "logprobs": cls._chat_logprobs(c.get("logprobs")),
+                            "finish_reason": c.get("finish_reason")})
+        out = {k: v for k, v in data.items() if k != "choices"}
+        out.update(object="chat.completion.chunk", choices=choices,
+                   id="chatcmpl-" + str(data.get("id", "")).removeprefix("cmpl-"))
+        return out
+
+
+__all__ = ["ProxyServer", "UpstreamBackend", "conversation_key"]

@@ -1,0 +1,170 @@
+"""The tokenization tier in front of existing OpenAI-compatible engines (vLLM, SGLang, or this project's server).
+
+The client sends text; the tier renders the chat with the model's template, repairs the conversation's session and
+forwards exact token IDs (`prompt` as a list of ints on /v1/completions, which vLLM and SGLang accept), so the
+engine never re-tokenizes a growing context. The answer comes back as the upstream sent it (text, finish_reason,
+usage); a chat request is answered in chat format.
+
+Several upstreams (e.g. vLLM data-parallel replicas) sit on a consistent-hash ring keyed by the conversation, so a
+conversation keeps hitting the replica whose prefix cache holds it; an upstream that fails is taken out for a
+cool-down and its conversations move to the next one on the ring (their token sessions live here and stay valid).
+The ring hashes with blake2b, not Python's per-process `hash`, so several tokenplane replicas behind a
+consistent-hash load balancer map a conversation to the same upstream.
+"""
+
+from __future__ import annotations
+
+import bisect
+import hashlib
+import json
+import logging
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+
+from .errors import APIError, ServiceUnavailable, retry_headers
+
+log = logging.getLogger("tokenplane.serve")
+
+# Request fields forwarded as they are (OpenAI's plus vLLM's stop_token_ids / ignore_eos); everything else stays here.
+FORWARDED = ("max_tokens", "temperature", "top_p", "n", "seed", "stream", "stream_options", "stop", "logprobs",
+             "ignore_eos", "stop_token_ids", "user")
+
+
+def _point(key: str) -> int:
+    return int.from_bytes(hashlib.blake2b(key.encode(), digest_size=8).digest(), "big")
+
+
+@dataclass
+class UpstreamState:
+    url: str
+    down_until: float = 0.0
+    failures: int = 0
+    requests: int = 0
+    last_error: str | None = None
+
+    def up(self, now: float) -> bool:
+        return now >= self.down_until
+
+
+@dataclass
+class Ring:
+    """Consistent hashing over upstream URLs with virtual nodes."""
+    urls: list[str]
+    vnodes: int = 64
+    points: list[tuple[int, str]] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.points = sorted((_point(f"{url}#{i}"), url) for url in self.urls for i in range(self.vnodes))
+
+    def order(self, key: str) -> list[str]:
+        """Distinct upstreams clockwise from the key's point: the first is its home, the rest its fail-over."""
+        keys = [p for p, _ in self.points]
+        i = bisect.bisect(keys, _point(key))
+        seen: list[str] = []
+        for k in range(len(self.points)):
+            url = self.points[(i + k) % len(self.points)][1]
+            if url not in seen:
+                seen.append(url)
+                if len(seen) == len(self.urls):
+                    break
+        return seen
+
+
+class UpstreamPool:
+    def __init__(self, urls: list[str], *, model: str | None = None, timeout_s: float = 600.0,
+                 connect_timeout_s: float = 5.0, cooldown_s: float = 10.0) -> None:
+        if not urls:
+            raise ValueError("at least one upstream URL is needed")
+        self.urls = [u.rstrip("/") for u in urls]
+        self.ring = Ring(self.urls)
+        self.state = {u: UpstreamState(u) for u in self.urls}
+        self.model = model
+        self.cooldown_s = cooldown_s
+        self.client = httpx.AsyncClient(timeout=httpx.Timeout(timeout_s, connect=connect_timeout_s),
+                                         limits=httpx.Limits(max_connections=1024, max_keepalive_connections=256))
+        self.max_model_len: int | None = None
+
+    async def start(self) -> None:
+        """Learn the upstream model name and context length (first upstream that answers)."""
+        for url in self.urls:
+            try:
+                r = await self.client.get(url + "/v1/models", timeout=10)
+                card = r.json()["data"][0]
+            except (httpx.HTTPError, ValueError, KeyError, IndexError) as exc:
+                log.warning("upstream %s: /v1/models failed at start-up (%s)", url, exc)
+                continue
+            self.model = self.model or card["id"]
+            self.max_model_len = card.get("max_model_len")
+            return
+        if self.model is None:
+            raise RuntimeError(f"no upstream answered /v1/models: {self.urls}")
+
+    async def close(self) -> None:
+        await self.client.aclose()
+
+    def candidates(self, key: str) -> list[str]:
+        now = time.monotonic()
+        order = self.ring.order(key)
+        return [u for u in order if self.state[u].up(now)]
+
+    def failed(self, url: str, why: str) -> None:
+        st = self.state[url]
+        st.failures += 1
+        st.last_error = why
+        st.down_until = time.monotonic() + self.cooldown_s
+        log.error("upstream %s taken out for %.0f s: %s", url, self.cooldown_s, why)
+
+    def health(self) -> list[dict[str, Any]]:
+        now = time.monotonic()
+        return [{"name": s.url, "state": "ready" if s.up(now) else "failed", "requests": s.requests,
+                 "failures": s.failures, "last_error": s.last_error} for s in self.state.values()]
+
+    async def send(self, key: str, body: dict[str, Any]) -> tuple[str, httpx.Response]:
+        """POST /v1/completions to the conversation's upstream, failing over along the ring when one cannot be
+        reached. The response is opened as a stream (the caller reads or relays it and must close it)."""
+        tried: list[str] = []
+        for url in self.candidates(key):
+            tried.append(url)
+            req = self.client.build_request("POST", url + "/v1/completions", json=body)
+            try:
+                resp = await self.client.send(req, stream=True)
+            except (httpx.ConnectError, httpx.ConnectTimeout, httpx.RemoteProtocolError) as exc:
+                self.failed(url, f"{type(exc).__name__}: {exc}")
+                continue
+            except httpx.TimeoutException as exc:
+                raise APIError(f"upstream {url} timed out: {exc}", status=504, code="upstream_timeout") from None
+            self.state[url].requests += 1
+            if resp.status_code >= 500 and resp.status_code != 503:
+                self.failed(url, f"HTTP {resp.status_code}")
+            return url, resp
+        raise ServiceUnavailable(f"no upstream is reachable (tried {tried or 'none: all cooling down'})",
+                                 headers=retry_headers(self.cooldown_s), code="upstream_unavailable")
+
+
+async def error_from(resp: httpx.Response, url: str) -> APIError:
+    """An upstream's error answer as ours: its OpenAI-shaped body passed on, or wrapped."""
+    raw = await resp.aread()
+    await resp.aclose()
+    try:
+        err = json.loads(raw)["error"]
+        message = err.get("message") if isinstance(err, dict) else str(err)
+        code = err.get("code") if isinstance(err, dict) else None
+        param = err.get("param") if isinstance(err, dict) else None
+    except (ValueError, KeyError, TypeError):
+        message, code, param = raw[:500].decode("utf-8", "replace"), None, None
+    return APIError(f"upstream {url}: {message}", status=resp.status_code, param=param,
+                    code=code if isinstance(code, str) else None)
+
+
+async def sse_data(resp: httpx.Response) -> AsyncIterator[str]:
+    """The `data:` payloads of an upstream SSE stream, [DONE] included."""
+    async for line in resp.aiter_lines():
+        if line.startswith("data:"):
+            yield line[5:].strip()
+
+
+__all__ = ["FORWARDED", "Ring", "UpstreamPool", "error_from", "sse_data"]
