@@ -69,7 +69,7 @@ class _Lazy:
 
 def _gpu_encoder(tok: Tokenizer) -> DeviceEncoder | None:
     """A GPU encoder for tok, or None (no numba-cuda, no device, unsupported family, disabled, or a failed start)."""
-    if os.environ.get("TOKENPLANE_GPU", "1") == "0":
+    if not _gpu_present_cheap():   # no device node: skip importing numba.cuda (slow, and it fixes its mode)
         return None
     try:
         from . import gpu
