@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import ast
 import sys
-import warnings
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1] / "tokenplane"
@@ -120,20 +119,9 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
     return out
 
 
-# Cycles that exist outside tokenize/ and are owned by other work, listed so the suite stays green while they are
-# fixed; any other cycle fails, a listed one that is gone fails too (delete it here), and each is reported as a warning.
-KNOWN_CYCLES: set[tuple[str, ...]] = set()
-
-
 def test_no_import_cycles_in_tokenplane():
-    found = {tuple(c) for c in cycles(build_graph())}
-    new = sorted(found - KNOWN_CYCLES)
-    assert not new, "import cycles:\n" + "\n".join(" <-> ".join(c) for c in new)
-    assert not [c for c in found if any(m.startswith("tokenplane.tokenize") for m in c)]
-    gone = sorted(KNOWN_CYCLES - found)
-    assert not gone, f"fixed, remove from KNOWN_CYCLES: {gone}"
-    for c in sorted(found):
-        warnings.warn(f"known import cycle outside tokenize/: {' <-> '.join(c)}", stacklevel=1)
+    found = cycles(build_graph())
+    assert not found, "import cycles:\n" + "\n".join(" <-> ".join(c) for c in found)
 
 
 # tokenize/, bottom layer first: a module may import its own layer and the ones before it, never a later one.
