@@ -74,7 +74,7 @@ def guarded_app(title: str, *, metrics: Metrics | None, limits: Limits,
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         err = NotFound(f"no route {request.method} {request.url.path}") if exc.status_code == 404 else \
-            APIError(str(exc.detail), status=exc.status_code)
+            APIError(str(exc.detail), status=exc.status_code, headers=dict(exc.headers or {}))   # 405 keeps Allow
         return error_response(err)
 
     @app.exception_handler(Exception)
@@ -91,8 +91,27 @@ _OPENAI_ERRORS: dict[int | str, dict[str, Any]] = {
         (503, "a model is down or restarting"))}
 
 
-def _request_schema(model: type[Any]) -> dict[str, Any]:
-    return {"requestBody": {"required": True, "content": {"application/json": {"schema": model.model_json_schema()}}}}
+REF = "#/components/schemas/{model}"
+
+
+def request_schema(model: type[Any], defs: dict[str, Any]) -> dict[str, Any]:
+    """An `openapi_extra` request body for a model parsed by hand; its nested models go into `defs`, which
+    `install_schemas` adds to the document's components (OpenAPI has no $defs)."""
+    schema = model.model_json_schema(ref_template=REF)
+    defs.update(schema.pop("$defs", {}))
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": schema}}}}
+
+
+def install_schemas(app: FastAPI, defs: dict[str, Any]) -> None:
+    build = app.openapi
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            doc = build()
+            doc.setdefault("components", {}).setdefault("schemas", {}).update(defs)
+            app.openapi_schema = doc
+        return app.openapi_schema
+    app.openapi = openapi   # type: ignore[method-assign]
 
 
 def health_body(h: BackendHealth) -> dict[str, Any]:
@@ -143,10 +162,11 @@ def create_app(backend: Backend | None, tokenizer: Any, *, model_name: str = "to
     app.state.server = server
     app.state.metrics = metrics
 
-    app.post("/v1/completions", response_model=None, openapi_extra=_request_schema(CompletionRequest),
+    defs: dict[str, Any] = {}
+    app.post("/v1/completions", response_model=None, openapi_extra=request_schema(CompletionRequest, defs),
              responses={200: {"model": CompletionResponse, "content": {"text/event-stream": {}}}, **_OPENAI_ERRORS}
              )(server.completions)
-    app.post("/v1/chat/completions", response_model=None, openapi_extra=_request_schema(ChatCompletionRequest),
+    app.post("/v1/chat/completions", response_model=None, openapi_extra=request_schema(ChatCompletionRequest, defs),
              responses={200: {"model": ChatCompletionResponse, "content": {"text/event-stream": {}}},
                         **_OPENAI_ERRORS})(server.chat_completions)
 
@@ -189,6 +209,7 @@ def create_app(backend: Backend | None, tokenizer: Any, *, model_name: str = "to
         def sessions() -> dict[str, Any]:
             return {**service.store.snapshot(), "verifier": {n: v.stats() for n, v in service.verifiers.items()}}
     metrics.watch(backend.health, sessions)
+    install_schemas(app, defs)
     return app
 
 

@@ -32,7 +32,7 @@ import threading
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Any, Callable, Literal, Mapping, TypeVar
+from typing import Any, Callable, Literal, Mapping, Sequence, TypeVar
 
 import numpy as np
 from fastapi import FastAPI, Request
@@ -161,7 +161,8 @@ class SessionStore:
         entry = SessionEntry(id=secrets.token_urlsafe(12), model=model, session=session, created=now, last_used=now,
                              nbytes=int(session.nbytes))
         with self._lock:
-            self._evict_until(lambda: len(self._entries) < self.max_sessions, None)
+            self._evict_until(lambda: len(self._entries) < self.max_sessions
+                              and self.bytes + entry.nbytes <= self.max_bytes, None)
             self._entries[entry.id] = entry
             self.bytes += entry.nbytes
             self.created += 1
@@ -352,8 +353,24 @@ def _body(raw: bytes, model: type[B]) -> B:
                              ) from None
 
 
-def _schema(model: type[BaseModel]) -> dict[str, Any]:
-    return {"requestBody": {"required": True, "content": {"application/json": {"schema": model.model_json_schema()}}}}
+_NO_SURROGATES = "^[^\ud800-\udfff]*$"   # a lone surrogate has no UTF-8 form: refused as invalid text
+_BASE64 = "^(?:[A-Za-z0-9+/]{4})*(?:[A-Za-z0-9+/]{2}==|[A-Za-z0-9+/]{3}=)?$"
+
+
+def _schema(model: type[BaseModel], specials: Sequence[str]) -> dict[str, Any]:
+    """The request body's JSON schema as the handler enforces it: exactly one of text / text_b64, text without lone
+    surrogates, allowed_special drawn from the served tokenizers' special tokens."""
+    schema = model.model_json_schema()
+    props = schema.get("properties", {})
+    if "text" in props:
+        props["text"] = {"anyOf": [{"type": "string", "pattern": _NO_SURROGATES}, {"type": "null"}]}
+        props["text_b64"] = {"anyOf": [{"type": "string", "pattern": _BASE64}, {"type": "null"}]}
+        schema["oneOf"] = [{"required": ["text"], "properties": {"text": {"type": "string"}}},
+                           {"required": ["text_b64"], "properties": {"text_b64": {"type": "string"}}}]
+    if "allowed_special" in props:
+        props["allowed_special"] = {"anyOf": [{"type": "array", "items": {"enum": sorted(specials)}},
+                                              {"const": "all"}], "default": []}
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": schema}}}}
 
 
 _ERRORS: dict[int | str, dict[str, Any]] = {status: {"description": why, "content": {"application/json": {}}}
@@ -367,6 +384,7 @@ def add_tokenize_routes(app: FastAPI, tokenizers: Mapping[str, Tokenizer], **opt
     session_bytes, max_session_chars, verify_rate, verify_queue, max_body_bytes, default_model). Bodies are parsed
     by hand (depth-limited JSON, OpenAI-shaped errors) in FastAPI's worker threads, never on the event loop."""
     service = TokenizeService(tokenizers, **options)
+    specials = sorted({s for tok in tokenizers.values() for s in tok.specials})
 
     def call(fn: Callable[..., dict], raw: bytes, model: type[B], path: dict[str, Any]) -> dict:
         try:
@@ -383,11 +401,11 @@ def add_tokenize_routes(app: FastAPI, tokenizers: Mapping[str, Tokenizer], **opt
             return await run_in_threadpool(call, fn, raw, model, path)
         return handler
 
-    @app.post("/v1/tokenize", openapi_extra=_schema(TokenizeBody), responses=_ERRORS)
+    @app.post("/v1/tokenize", openapi_extra=_schema(TokenizeBody, specials), responses=_ERRORS)
     async def tokenize(request: Request) -> dict:
         return await run(service.tokenize, TokenizeBody)(request)
 
-    @app.post("/v1/sessions", openapi_extra=_schema(CreateSessionBody), responses=_ERRORS)
+    @app.post("/v1/sessions", openapi_extra=_schema(CreateSessionBody, specials), responses=_ERRORS)
     async def create_session(request: Request) -> dict:
         return await run(service.create_session, CreateSessionBody)(request)
 
@@ -398,7 +416,7 @@ def add_tokenize_routes(app: FastAPI, tokenizers: Mapping[str, Tokenizer], **opt
         return handler
 
     for op, model in (("append", AppendBody), ("edit", EditBody), ("sync", SyncBody)):
-        app.post(f"/v1/sessions/{{session_id}}/{op}", openapi_extra=_schema(model),
+        app.post(f"/v1/sessions/{{session_id}}/{op}", openapi_extra=_schema(model, specials),
                  responses=_ERRORS)(mutation(op, model))
 
     @app.get("/v1/sessions/{session_id}", responses=_ERRORS)

@@ -142,9 +142,7 @@ class Session:
         self._literals = bool(self.allowed_special)    # track special-token literals (only when some are allowed)
         self._maxlit = max((len(s) for s in tokenizer.specials), default=1)
         self._cont = self.reference.continuation_start
-        self._is_special = np.zeros(len(self._cont), dtype=bool)
-        for s in self.allowed_special:
-            self._is_special[tokenizer.specials[s]] = True
+        self._is_special = tokenizer.special_mask(self.allowed_special)
         self._search = SpliceSearch(self._cont, tokenizer.max_token_chars)
         self._encode_s = 0.0
         self._clear()

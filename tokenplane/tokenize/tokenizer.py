@@ -76,6 +76,7 @@ class Tokenizer:
         self.reference: ReferenceEngine = make_reference(family, data)
         self.specials: dict[str, int] = dict(self.reference.specials)
         self._matcher = SpecialMatcher(self.specials)
+        self._special_masks: dict[frozenset[str], np.ndarray] = {}
         self._paths: dict[str, Encoder] = dict(encoders(self)) if encoders is not None else {}
 
     def __repr__(self) -> str:
@@ -107,6 +108,18 @@ class Tokenizer:
         if unknown:
             raise ValueError(f"not special tokens of {self.name}: {sorted(unknown)[:5]}")
         return frozenset(allowed_special)
+
+    def special_mask(self, allowed: frozenset[str]) -> np.ndarray:
+        """A read-only bool array over the vocabulary, True at the allowed special tokens' ids. One per allowed set,
+        shared by every session (a vocabulary-sized array per session would cost ~150 KB each)."""
+        mask = self._special_masks.get(allowed)
+        if mask is None:
+            mask = np.zeros(len(self.reference.continuation_start), dtype=bool)
+            for literal in allowed:
+                mask[self.specials[literal]] = True
+            mask.flags.writeable = False
+            self._special_masks[allowed] = mask
+        return mask
 
     def special_matches(self, text: str) -> Iterable[tuple[int, int, str]]:
         """Every special-token literal in text (start, end, literal), allowed or not, as `encode` finds them."""
