@@ -716,12 +716,25 @@ async def phase_sessions(url: str, args: argparse.Namespace, server: Server) -> 
     ids: list[str] = []
     sent = [0]
     errors: dict[str, int] = {}
+    timeline: list[dict[str, Any]] = []
     t0 = now()
     deadline = t0 + args.session_timeout
     async with httpx.AsyncClient(base_url=url, timeout=30.0,
                                  limits=httpx.Limits(max_connections=args.session_clients + 4)) as client:
         code, st = await get_json(client, "/v1/tokenize/stats")
         res["stats_before"] = st
+        # warm-up, not counted: the first sessions pay one-time costs (the session encoder's tables and buffers)
+        for j in range(args.session_clients):
+            try:
+                r = await client.post("/v1/sessions", json={})
+                sid = r.json()["id"]
+                await client.post(f"/v1/sessions/{sid}/append", json={"text": chunks[-1 - j], "return_ids": False})
+                await client.delete(f"/v1/sessions/{sid}")
+            except (httpx.HTTPError, ValueError, KeyError) as exc:
+                res["warmup_error"] = f"{type(exc).__name__}: {exc}"
+        await asyncio.sleep(0.5)
+        rss["after_warmup"] = rss_mb(server.pid)
+        rss["peak"] = rss["after_warmup"]
 
         def err(kind: str) -> None:
             errors[kind] = errors.get(kind, 0) + 1
@@ -759,6 +772,10 @@ async def phase_sessions(url: str, args: argparse.Namespace, server: Server) -> 
                     code, st = await get_json(mc, "/v1/tokenize/stats")
                     if isinstance(st, dict) and st.get("bytes", 0) >= stats_max["bytes"]:
                         stats_max.update(st)
+                    if isinstance(st, dict):
+                        timeline.append({"t": round(now() - t0, 2), "sent": sent[0], "rss_mb": r,
+                                         "store_bytes": st.get("bytes"), "sessions": st.get("sessions"),
+                                         "evicted": st.get("evicted")})
                     await asyncio.sleep(0.25)
 
         await asyncio.gather(monitor(), *(worker(c) for c in range(args.session_clients)))
@@ -793,8 +810,14 @@ async def phase_sessions(url: str, args: argparse.Namespace, server: Server) -> 
         code, st = await get_json(client, "/v1/tokenize/stats")
         res["stats_after_delete"] = st
     rss["after_delete"] = rss_mb(server.pid)
+    half = [p for p in timeline if p["sent"] >= target / 2 and p["rss_mb"] is not None]
+    if half and rss["at_end_of_soak"] is not None:
+        # leak indicator: the store is full (evicting) long before half the text is sent, so RSS should be flat
+        rss["second_half_start"] = half[0]["rss_mb"]
+        rss["second_half_drift"] = round(rss["at_end_of_soak"] - half[0]["rss_mb"], 1)
     res["rss_mb"] = rss
     res["errors"] = errors
+    res["timeline"] = timeline[:: max(1, len(timeline) // 200)]
     res["bytes_within_budget"] = stats_max.get("bytes", 0) <= budget
     res["sent_whole_target"] = sent[0] >= target
     return res
@@ -925,11 +948,17 @@ def targets(result: dict[str, Any], args: argparse.Namespace) -> list[list[Any]]
             f"max seen {s['stats_max_seen'].get('bytes')} B, budget {s['budget_bytes']} B, sent {s['sent_bytes']} B")
         r = s["rss_mb"]
         allowance = s["budget_bytes"] / (1 << 20) + args.rss_slack_mb
-        if r["before"] is not None and r["peak"] is not None:
-            grow = r["peak"] - r["before"]
-            add(f"sessions: front-end RSS growth <= budget + {args.rss_slack_mb:g} MiB", grow <= allowance,
-                f"{r['before']} -> peak {r['peak']} -> after delete {r['after_delete']} MiB (+{grow:.1f}, "
-                f"allowance {allowance:.0f})")
+        base = r.get("after_warmup") or r["before"]
+        if base is not None and r["peak"] is not None:
+            grow = r["peak"] - base
+            add(f"sessions: front-end RSS peak - warmed-up RSS <= budget + {args.rss_slack_mb:g} MiB",
+                grow <= allowance, f"{r['before']} (cold) -> {base} (after {args.session_clients} warm-up sessions) "
+                f"-> peak {r['peak']} -> after delete {r['after_delete']} MiB (+{grow:.1f} over warm, allowance "
+                f"{allowance:.0f})")
+        if r.get("second_half_drift") is not None:
+            add(f"sessions: RSS flat over the second half of the soak (drift <= {args.rss_drift_mb:g} MiB)",
+                r["second_half_drift"] <= args.rss_drift_mb,
+                f"{r['second_half_start']} -> {r['at_end_of_soak']} MiB ({r['second_half_drift']:+.1f})")
     if "schemathesis" in ph and "exit_code" in ph["schemathesis"]:
         s = ph["schemathesis"]
         add("schemathesis: no failures", s["exit_code"] == 0 and not s.get("failures"),
@@ -1000,11 +1029,11 @@ def markdown(result: dict[str, Any], args: argparse.Namespace) -> str:
         s = ph["sessions"]
         r = s["rss_mb"]
         L.append("\n## 4. Session soak\n\n" + table(
-            ["budget B", "sent B", "sessions", "max bytes seen", "evicted (end)", "front-end RSS MiB before / peak / "
-             "end of soak / after delete", "deletes 200/404/other", "errors", "wall s"],
+            ["budget B", "sent B", "sessions", "max bytes seen", "evicted (end)", "front-end RSS MiB cold / warmed up / "
+             "peak / end of soak / after delete", "deletes 200/404/other", "errors", "wall s"],
             [[s["budget_bytes"], s["sent_bytes"], s["sessions_created"], s["stats_max_seen"].get("bytes"),
               (s.get("stats_at_end") or {}).get("evicted") if isinstance(s.get("stats_at_end"), dict) else None,
-              f"{r['before']} / {r['peak']} / {r.get('at_end_of_soak')} / {r['after_delete']}",
+              f"{r['before']} / {r.get('after_warmup')} / {r['peak']} / {r.get('at_end_of_soak')} / {r['after_delete']}",
               f"{s['deleted']['200']}/{s['deleted']['404']}/{s['deleted']['other']}", json.dumps(s["errors"]),
               s["soak_s"]]]))
     if "schemathesis" in ph and "exit_code" in ph["schemathesis"]:
@@ -1049,7 +1078,8 @@ def plot(result: dict[str, Any], path: Path) -> None:
     import matplotlib.pyplot as plt
     ph = result["phases"]
     kills = [k for k in ph.get("kill", {}).get("kills", []) if "records" in k]
-    n = 1 + len(kills)
+    soak = ph.get("sessions", {}).get("timeline") or []
+    n = 1 + len(kills) + (1 if soak else 0)
     fig, axes = plt.subplots(1, n, figsize=(5.5 * n, 4.2), squeeze=False)
     ax = axes[0][0]
     recs = ph.get("load", {}).get("records", [])
@@ -1082,6 +1112,19 @@ def plot(result: dict[str, Any], path: Path) -> None:
         ax.set_xlabel("seconds from SIGKILL")
         ax.set_ylabel("client")
         ax.set_title(f"kill model{k['model']} (pid {k['pid']})")
+        ax.legend(loc="upper left", fontsize=7)
+    if soak:
+        ax = axes[0][n - 1]
+        budget = ph["sessions"]["budget_bytes"] / (1 << 20)
+        xs = [p["sent"] / (1 << 20) for p in soak]
+        ax.plot(xs, [(p["store_bytes"] or 0) / (1 << 20) for p in soak], label="session store bytes (stats)")
+        r0 = ph["sessions"]["rss_mb"].get("after_warmup") or ph["sessions"]["rss_mb"]["before"] or 0
+        ax.plot(xs, [(p["rss_mb"] or r0) - r0 for p in soak], label="front-end RSS - warmed-up RSS")
+        ax.axhline(budget, color="red", ls="--", lw=1, label=f"budget {budget:g} MiB")
+        ax.set_xlabel("session text sent (MiB)")
+        ax.set_ylabel("MiB")
+        ax.set_title("session soak")
+        ax.grid(alpha=0.3)
         ax.legend(loc="upper left", fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
@@ -1119,6 +1162,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--session-clients", type=int, default=4)
     p.add_argument("--session-timeout", type=float, default=None, help="soak bound (default 600, quick 60)")
     p.add_argument("--rss-slack-mb", type=float, default=64.0, help="RSS allowance beyond the session budget")
+    p.add_argument("--rss-drift-mb", type=float, default=16.0, help="RSS growth allowed over the soak's second half")
     p.add_argument("--st-examples", type=int, default=None, help="schemathesis --max-examples (default 25, quick 5)")
     p.add_argument("--st-max-time", type=int, default=None, help="schemathesis --max-time (default 120, quick 40)")
     p.add_argument("--st-request-timeout", type=float, default=10.0)
