@@ -353,7 +353,7 @@ def _body(raw: bytes, model: type[B]) -> B:
                              ) from None
 
 
-_NO_SURROGATES = "^[^\ud800-\udfff]*$"   # a lone surrogate has no UTF-8 form: refused as invalid text
+_NO_SURROGATES = "^[^\\ud800-\\udfff]*$"   # a lone surrogate has no UTF-8 form: refused as invalid text
 _BASE64 = "^(?:[A-Za-z0-9+/]{4})*(?:[A-Za-z0-9+/]{2}==|[A-Za-z0-9+/]{3}=)?$"
 
 
