@@ -266,6 +266,28 @@ def test_logprobs_ensemble_report_the_primary(runtime, runners):
     check_logprobs(runtime, runners, "ensemble", ALGORITHMS["ensemble"])
 
 
+@pytest.mark.parametrize("flags", [{"pending_return": True}, {"standard_serving": True}],
+                         ids=["pending_return", "standard_serving"])
+def test_cached_prompt_tokens(runtime, runners, flags):
+    """stats["cached_prompt_tokens"]: the prompt tokens model 0 took from its prefix cache at the request's first
+    admission. Rule (the block manager's): whole cached blocks only, never the block holding the last prompt token,
+    so an identical repeat reports floor((prompt_len - 1) / block_size) * block_size: 32 for 37 tokens, 16 for 32.
+    The count travels with the routing stats (handoffs, standard serving's Yield) and equals the reference's."""
+    runtime.configure(algorithm="r2r", algorithm_kwargs=ALGORITHMS["r2r"], mode="immediate_async", thresholds=None,
+                      **{"pending_return": True, "standard_serving": False, **flags})
+    tag = 2 if flags.get("standard_serving") else 1
+    prompt = [511, 500 + tag] + [(13 * j) % 500 + 1 for j in range(35)]   # a prefix no other test sends
+    router = SequentialRouter(make_algorithm("r2r", **ALGORITHMS["r2r"]), runners)
+    cases = [(prompt, 0), (prompt, 32), (prompt[:32], 16)]
+    for k, (p, want) in enumerate(cases):
+        rid = f"cache-{tag}-{k}"
+        ref = router.generate(p, PARAMS, rid)
+        out = asyncio.run(runtime.complete(p, PARAMS, rid))
+        assert out.token_ids == ref.token_ids
+        assert out.stats["cached_prompt_tokens"] == ref.stats.to_dict()["cached_prompt_tokens"] == want, k
+        assert 1 in out.token_models, "the count must survive handoffs"
+
+
 def test_killed_subserver_fails_requests_then_serves_again(runtime, runners):
     """Last in the module: kills model 1 mid-flight; in-flight requests fail fast with a clear error, the runtime
     restarts the sub-server by itself and serves (correctly) again."""

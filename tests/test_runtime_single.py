@@ -74,6 +74,15 @@ def test_single_model_logprobs_equal_reference(backend):
             assert abs(lp - e.logprob) < 1e-9 and [t for t, _ in top] == [t for t, _ in e.top_logprobs]
 
 
+def test_cached_prompt_tokens_under_chunked_prefill(backend):
+    """A repeat of a 37-token prompt reports floor(36 / 16) * 16 = 32 cached prompt tokens (whole blocks, never the
+    block holding the last token), also when the admission is cut into 16-token chunks."""
+    prompt = [509, 7] + [(17 * j) % 400 + 1 for j in range(35)]
+    got = [asyncio.run(backend.runtime.complete(prompt, PARAMS, f"cache-{k}")).stats["cached_prompt_tokens"]
+           for k in range(2)]
+    assert got == [0, 32]
+
+
 def test_backend_streams_chunks(backend):
     async def go():
         return [c async for c in backend.generate(PROMPTS[1], PARAMS, "stream-1")]

@@ -310,7 +310,8 @@ def params_from_wire(d: dict[str, Any]):
 def stats_to_wire(s: RouteStats) -> dict[str, Any]:
     """Everything but token_models (the runtime carries those as `models`)."""
     return {"switches": [list(x) for x in s.switches], "prefill": [list(x) for x in s.prefill],
-            "dropped": s.dropped, "ensembled": s.ensembled, "score_visits": s.score_visits}
+            "dropped": s.dropped, "ensembled": s.ensembled, "score_visits": s.score_visits,
+            "cached_prompt": s.cached_prompt}
 
 
 def stats_from_wire(num_models: int, d: dict[str, Any] | None, models: list[int]) -> RouteStats:
@@ -319,7 +320,7 @@ def stats_from_wire(num_models: int, d: dict[str, Any] | None, models: list[int]
                       switches=[(int(a), int(b)) for a, b in d.get("switches", [])],
                       prefill=[(int(a), int(b)) for a, b in d.get("prefill", [])],
                       dropped=int(d.get("dropped", 0)), ensembled=int(d.get("ensembled", 0)),
-                      score_visits=int(d.get("score_visits", 0)))
+                      score_visits=int(d.get("score_visits", 0)), cached_prompt=d.get("cached_prompt"))
 
 
 def encode(msg) -> bytes:

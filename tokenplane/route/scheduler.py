@@ -359,6 +359,9 @@ class Scheduler:
                 continue
             self.waiting.popleft()
             self.bm.allocate(seq)
+            if rec.stats.cached_prompt is None and self.is_home:
+                # the request's first admission (a chunk's cut never reaches into the cached blocks it counts)
+                rec.stats.cached_prompt = min(seq.num_cached_tokens, len(rec.view.prompt_ids))
             budget -= seq.num_tokens - seq.num_computed_tokens
             self._admissions += 1
             rec.seq, rec.tail, rec.admitted_at = seq, tail or None, self._admissions
@@ -374,8 +377,7 @@ class Scheduler:
 
     def _cached_tokens(self, seq) -> int:
         """Prefix-cache hits `allocate` would give `seq` (the chunk's budget starts after them)."""
-        hits = getattr(self.bm, "_cache_hits", None)
-        return len(hits(seq)) * self.bm.block_size if hits is not None else 0
+        return int(self.bm.num_cached_prefix_tokens(seq))
 
     def _grow(self, rec: RouteRequest, budget: int, in_batch: set[str]) -> int:
         """Blocks for a RUNNING request's next chunk (<= budget tokens); preempts others (or itself) when the pool
