@@ -19,6 +19,24 @@ def logprob_entry(logits: Any, token: int, k: int) -> list[Any]:
     return [lp, [[i, v] for i, v in top]]
 
 
+def record(rec: Any, model: int, logits: Any, token: int) -> None:
+    """Per-position records of a token `model` commits (rec: scheduler.RouteRequest); its logprob, from the logits
+    that produced it, only when the request asked."""
+    rec.models.append(model)
+    if rec.logprobs is not None:
+        rec.logprobs.append(logprob_entry(logits, token, rec.params.logprobs))
+
+
+def set_received(rec: Any, h: Any, models: list[int], logprobs: list[Any] | None, start: int | None = None) -> None:
+    """The records of the positions a handoff `h` delivered, [start, committed length) (default start: its anchor),
+    from the sender's lists; rec: scheduler.RouteRequest after receive() / apply_handoff."""
+    start = max(h.anchor, 0) if start is None else start
+    n = len(rec.view.output_ids)
+    splice(rec.models, start, [int(m) for m in models], n, h.source)
+    if rec.logprobs is not None:
+        splice(rec.logprobs, start, list(logprobs or []), n, None)
+
+
 def splice(dst: list[Any], start: int, src: list[Any], n: int, fill: Any) -> None:
     """dst[start:] = src, then cut or pad with `fill` to n entries. `receive()` may accept fewer or more tokens than
     a handoff carried; a token the sender never produced is attributed to `fill` (the sender as producing model; no
@@ -34,4 +52,4 @@ def window(values: list[Any] | None, start: int, end: int | None = None) -> list
     return None if values is None else values[start:end]
 
 
-__all__ = ["logprob_entry", "splice", "window"]
+__all__ = ["logprob_entry", "record", "set_received", "splice", "window"]

@@ -54,7 +54,7 @@ from .messages import (
     stats_from_wire,
     stats_to_wire,
 )
-from .positions import logprob_entry, splice, window
+from .positions import record, set_received, window
 from .states import RequestState
 from .stats import RouteStats
 
@@ -181,7 +181,7 @@ class Scheduler:
             tokens = self.alg.receive(view, h)
             apply_handoff(view, h, tokens)
             # msg.models / msg.logprobs are the sender's full per-position lists; receive() may change the tail
-            self._set_models(rec, h, rec.models, rec.logprobs, start=0)
+            set_received(rec, h, rec.models, rec.logprobs, start=0)
         # A fresh admission: nobody else holds state for it, this model is given the whole sequence.
         view.seen = [0] * self.num_models
         view.seen[self.model] = len(prompt) + len(view.output_ids)
@@ -215,7 +215,7 @@ class Scheduler:
             if rec is None or not self.is_home:
                 return []
             apply_handoff(rec.view, h, list(h.tokens))
-            self._set_models(rec, h, msg.models, msg.logprobs)
+            set_received(rec, h, msg.models, msg.logprobs)
             rec.stats = stats_from_wire(self.num_models, msg.handoff.metadata.get("stats"), rec.models)
             rec.view.state.update(h.metadata.get("state", {}))
             return self._finish(rec, str(h.metadata.get("finish_reason", "stop")))
@@ -247,7 +247,7 @@ class Scheduler:
             tokens = self.alg.receive(view, h)
             apply_handoff(view, h, tokens)
             self._merge_seen(view, msg.seen, h.source)
-            self._set_models(rec, h, msg.models, msg.logprobs)
+            set_received(rec, h, msg.models, msg.logprobs)
             rec.stats.token_models = list(rec.models)
         except (ValueError, KeyError, TypeError) as exc:
             if rec is not None and rid in self.requests:
@@ -285,22 +285,6 @@ class Scheduler:
             elif k != self.model:
                 view.seen[k] = max(view.seen[k], int(v))
 
-    @staticmethod
-    def _set_models(rec: RouteRequest, h: Handoff, models: list[int], logprobs: list | None,
-                    start: int | None = None) -> None:
-        """The per-position records of the handed-over positions [start, ...) (default: from the anchor)."""
-        start = max(h.anchor, 0) if start is None else start
-        n = len(rec.view.output_ids)
-        splice(rec.models, start, [int(m) for m in models], n, h.source)
-        if rec.logprobs is not None:
-            splice(rec.logprobs, start, list(logprobs or []), n, None)
-
-    def _record(self, rec: RouteRequest, result: StepResult, token: int) -> None:
-        """Per-position records of a token this model commits (its logprob only when the request asked)."""
-        rec.models.append(self.model)
-        if rec.logprobs is not None:
-            rec.logprobs.append(logprob_entry(result.logits, token, rec.params.logprobs))
-
     def _on_score(self, rec: RouteRequest, h: Handoff) -> list[Outbound]:
         wait = rec.ensemble
         if wait is None:
@@ -312,7 +296,7 @@ class Scheduler:
         token = int(self.alg.combine(rec.view, wait.result, wait.scores))
         rec.ensemble = None
         commit(rec.view, self.model, token)
-        self._record(rec, wait.result, token)   # an ensemble position reports the primary's logprob
+        record(rec, self.model, wait.result.logits, token)   # an ensemble position reports the primary's logprob
         rec.stats.token_models = list(rec.models)
         rec.stats.on_ensemble()
         return self._resume(rec)
@@ -473,7 +457,7 @@ class Scheduler:
         if target == self.model:
             commit(view, self.model, result.token)
             rec.seq.append_token(result.token)
-            self._record(rec, result, result.token)
+            record(rec, self.model, result.logits, result.token)
             rec.stats.on_commit(self.model)
             reason = self._finish_reason(rec)
             if reason is not None:
@@ -487,7 +471,7 @@ class Scheduler:
         after_send(view, result, h)
         if h.keep_last:
             rec.seq.append_token(result.token)
-            self._record(rec, result, result.token)
+            record(rec, self.model, result.logits, result.token)
             rec.stats.on_commit(self.model)
         rec.num_handoffs += 1
         reason = self._finish_reason(rec)
