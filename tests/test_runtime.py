@@ -21,7 +21,6 @@ from tokenplane.route.algorithms import make_algorithm
 from tokenplane.route.reference import SequentialRouter, build_runner, calibrate
 from tokenplane.route.runtime import ModelUnavailable, RequestRejected, Runtime, RuntimeConfig
 
-
 MODELS = ["test-small", "test-large"]
 PARAMS = SamplingParams(max_tokens=24)
 PROMPTS = [[(7 * i + 3 * j) % 500 + 1 for j in range(4 + 3 * i)] for i in range(8)]
@@ -213,6 +212,82 @@ def test_preemption_and_chunked_prefill_keep_reference_outputs(runners):
         assert rt.max_request_tokens == 192
 
 
+# Logprobs: half the requests ask for the top 3, one for the token's own only (0), the rest for none, in one batch.
+LP_PARAMS = [SamplingParams(max_tokens=24, logprobs=3 if i % 2 else (0 if i == 2 else None)) for i in range(8)]
+# The runtime's logits come from batched forwards, the reference's from one request at a time: different GEMM shapes.
+# In fp64 they differ by rounding only (~1e-13); 1e-9 absolute leaves margin and still catches a wrong distribution.
+LP_TOL = 1e-9
+
+
+def reference_logprobs(runners, name, kwargs):
+    """Per prompt: (tokens, [(logprob, top) or None per token]) from the reference's TokenEvents."""
+    router = SequentialRouter(make_algorithm(name, **kwargs), runners)
+    out = []
+    for p, sp, rid in zip(PROMPTS, LP_PARAMS, RIDS):
+        events = list(router.stream(p, sp, rid))
+        final, tokens = events[-1], events[:-1]
+        assert [e.token for e in tokens] == final.token_ids
+        out.append((final.token_ids, [None if e.logprob is None else (e.logprob, e.top_logprobs) for e in tokens]))
+    return out
+
+
+def check_logprobs(rt, runners, name, kwargs):
+    ref = reference_logprobs(runners, name, kwargs)
+    outs = rt.run_batch(PROMPTS, LP_PARAMS, request_ids=RIDS, concurrency=8)
+    for (tokens, lps), o, sp in zip(ref, outs, LP_PARAMS):
+        assert o.token_ids == tokens, (name, o.request_id)
+        if sp.logprobs is None:
+            assert o.logprobs is None and all(x is None for x in lps)
+            continue
+        assert len(o.logprobs) == len(tokens), (name, o.request_id)
+        for pos, ((lp, top), (rlp, rtop)) in enumerate(zip(o.logprobs, lps)):
+            assert abs(lp - rlp) <= LP_TOL, (name, o.request_id, pos, lp, rlp)
+            assert [int(i) for i, _ in top] == [i for i, _ in rtop] and len(top) == sp.logprobs
+            assert all(abs(v - rv) <= LP_TOL for (_, v), (_, rv) in zip(top, rtop))
+    asked = [o for o, sp in zip(outs, LP_PARAMS) if sp.logprobs is not None]
+    assert sum(1 in o.token_models or o.stats["score_visits"] > 0 for o in asked) >= 2, "must exercise handoffs"
+
+
+@pytest.mark.parametrize("flags", [{"pending_return": True}, {"pending_return": False}, {"standard_serving": True}],
+                         ids=["pending_return", "baseline", "standard_serving"])
+@pytest.mark.parametrize("name", ["r2r", "r_stitch", "co_llm"])
+def test_logprobs_equal_reference(runtime, runners, name, flags):
+    """A committed token's logprob travels with it (peer tokens through HandoffMsg, standard serving through Yield)
+    and equals the reference's TokenEvent: the committing model's raw distribution."""
+    full = {"pending_return": True, "standard_serving": False, **flags}
+    runtime.configure(algorithm=name, algorithm_kwargs=ALGORITHMS[name], mode="immediate_async", thresholds=None,
+                      **full)
+    check_logprobs(runtime, runners, name, ALGORITHMS[name])
+
+
+def test_logprobs_ensemble_report_the_primary(runtime, runners):
+    runtime.configure(algorithm="ensemble", algorithm_kwargs=ALGORITHMS["ensemble"], mode="immediate_async",
+                      thresholds=None, pending_return=True, standard_serving=False)
+    check_logprobs(runtime, runners, "ensemble", ALGORITHMS["ensemble"])
+
+
+@pytest.mark.parametrize("flags", [{"pending_return": True}, {"standard_serving": True}],
+                         ids=["pending_return", "standard_serving"])
+def test_cached_prompt_tokens(runtime, runners, flags):
+    """stats["cached_prompt_tokens"]: the prompt tokens model 0 took from its prefix cache at the request's first
+    admission. Rule (the block manager's): whole cached blocks only, never the block holding the last prompt token,
+    so an identical repeat reports floor((prompt_len - 1) / block_size) * block_size: 32 for 37 tokens, 16 for 32.
+    The count travels with the routing stats (handoffs, standard serving's Yield) and equals the reference's."""
+    runtime.configure(algorithm="r2r", algorithm_kwargs=ALGORITHMS["r2r"], mode="immediate_async", thresholds=None,
+                      **{"pending_return": True, "standard_serving": False, **flags})
+    tag = 2 if flags.get("standard_serving") else 1
+    prompt = [511, 500 + tag] + [(13 * j) % 500 + 1 for j in range(35)]   # a prefix no other test sends
+    router = SequentialRouter(make_algorithm("r2r", **ALGORITHMS["r2r"]), runners)
+    cases = [(prompt, 0), (prompt, 32), (prompt[:32], 16)]
+    for k, (p, want) in enumerate(cases):
+        rid = f"cache-{tag}-{k}"
+        ref = router.generate(p, PARAMS, rid)
+        out = asyncio.run(runtime.complete(p, PARAMS, rid))
+        assert out.token_ids == ref.token_ids
+        assert out.stats["cached_prompt_tokens"] == ref.stats.to_dict()["cached_prompt_tokens"] == want, k
+        assert 1 in out.token_models, "the count must survive handoffs"
+
+
 def test_killed_subserver_fails_requests_then_serves_again(runtime, runners):
     """Last in the module: kills model 1 mid-flight; in-flight requests fail fast with a clear error, the runtime
     restarts the sub-server by itself and serves (correctly) again."""
@@ -222,7 +297,7 @@ def test_killed_subserver_fails_requests_then_serves_again(runtime, runners):
 
     async def doomed(i):
         try:
-            async for c in runtime.generate(PROMPTS[i], SamplingParams(max_tokens=4000 // 16), request_id=f"k{i}"):
+            async for _ in runtime.generate(PROMPTS[i], SamplingParams(max_tokens=4000 // 16), request_id=f"k{i}"):
                 pass
         except ModelUnavailable as exc:
             assert exc.model == 1

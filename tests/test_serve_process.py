@@ -12,9 +12,9 @@ import time
 import httpx
 import openai
 import pytest
+from servers import ThreadServer
 
 import tokenplane
-from servers import ThreadServer
 from tokenplane.engine.config import PRESETS
 from tokenplane.serve.app import create_app
 from tokenplane.serve.backends import build_backend
@@ -55,6 +55,20 @@ def test_health_reports_each_model(server):
     h = httpx.get(url + "/health").json()
     assert h["status"] == "ok" and [m["state"] for m in h["models"]] == ["ready", "ready"]
     assert all(isinstance(m["pid"], int) and m["kv_blocks_total"] == 64 for m in h["models"])
+
+
+def test_completion_logprobs_through_the_runtime(server):
+    """Logprobs computed in the model processes (tokens of both models: r_stitch hands off) reach the client. Greedy:
+    each token is its model's argmax, so its logprob is the best of its top alternatives."""
+    url, _ = server
+    body = {"prompt": "Once upon a time", "max_tokens": 12, "temperature": 0, "ignore_eos": True, "logprobs": 2}
+    r = httpx.post(url + "/v1/completions", json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    lp = r.json()["choices"][0]["logprobs"]
+    assert len(lp["tokens"]) == len(lp["token_logprobs"]) == len(lp["top_logprobs"]) == 12
+    for token_lp, top in zip(lp["token_logprobs"], lp["top_logprobs"]):
+        assert token_lp <= 0 and 1 <= len(top) <= 2   # two ids may decode to the same text key
+        assert abs(token_lp - max(top.values())) < 1e-6
 
 
 def test_kv_pool_is_the_advertised_limit(server):

@@ -68,6 +68,11 @@ class BlockManager:
             parent = h
         return hits
 
+    def num_cached_prefix_tokens(self, seq: Sequence) -> int:
+        """Tokens of `seq`'s longest cached prefix, the ones `allocate` would reuse: whole blocks only, and never the
+        block holding the last token, so at most floor((num_tokens - 1) / block_size) * block_size."""
+        return len(self._cache_hits(seq)) * self.block_size
+
     def can_allocate(self, seq: Sequence) -> bool:
         hits = self._cache_hits(seq)
         in_use = sum(1 for b in hits if self.blocks[b].ref_count > 0)

@@ -46,8 +46,12 @@ class RuntimeConfig:
     auto_restart: bool = True
 
     def validate(self) -> None:
-        if len(self.models) < 2:
-            raise ValueError("the routing runtime needs at least 2 models")
+        single = self.algorithm.replace("-", "_").lower() == "single"
+        if single and len(self.models) != 1:
+            raise ValueError(f"algorithm 'single' serves exactly 1 model, got {len(self.models)}")
+        if not single and len(self.models) < 2:
+            raise ValueError(f"the routing runtime needs at least 2 models for {self.algorithm!r} "
+                             "(one model: algorithm 'single')")
         if self.mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
         if self.runner not in ("torch", "latency-model"):
@@ -72,6 +76,7 @@ def resolve_thresholds(cfg: RuntimeConfig) -> list[int]:
         return [1] * num_models
     if cfg.thresholds == "auto":
         from tokenplane.engine.latency_runner import LatencyFit
+
         from .throughput_model import choose_thresholds
         fits = cfg.latency_fits
         if fits is None and cfg.runner == "latency-model":

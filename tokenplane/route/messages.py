@@ -12,16 +12,17 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import Any, ClassVar, dataclass_transform
 
 import msgpack
 
 from .api import Handoff
 from .stats import RouteStats
 
-_REGISTRY: dict[str, type] = {}
+_REGISTRY: dict[str, Any] = {}   # name -> message class (a _Wire dataclass)
 
 
+@dataclass_transform()
 def _message(cls):
     """Register a dataclass as a wire message under its class name."""
     cls = dataclass(cls)
@@ -42,7 +43,7 @@ def _field_names(cls: type) -> tuple[str, ...]:
 
 class _Wire:
     """Default wire mapping: fields by name; subclasses override for nested types (Handoff)."""
-    nested: ClassVar[dict[str, type]] = {}
+    nested: ClassVar[dict[str, Any]] = {}
 
     def to_wire(self) -> dict[str, Any]:
         d = {name: getattr(self, name) for name in _field_names(type(self))}
@@ -78,7 +79,8 @@ class AddRequest(_Wire):
     handoff: Handoff | None = None                        # standard serving: the switch that led here
     inc: int = 0                                          # incarnation: a request id may be reused after it ends
     stats: dict[str, Any] | None = None                   # standard serving: routing stats so far (stats_to_wire)
-    nested: ClassVar[dict[str, type]] = {"handoff": Handoff}
+    logprobs: list | None = None                          # parallel to `models` when params ask (see TokenChunk)
+    nested: ClassVar[dict[str, Any]] = {"handoff": Handoff}
 
 
 @_message
@@ -147,7 +149,8 @@ class HandoffMsg(_Wire):
     num_handoffs: int = 0
     final: bool = False        # finish delivery to the home model: tokens are committed, receive() is not called
     inc: int = 0               # incarnation of the request id (see AddRequest.inc)
-    nested: ClassVar[dict[str, type]] = {"handoff": Handoff}
+    logprobs: list | None = None   # parallel to `models` when the request asked for logprobs (see TokenChunk)
+    nested: ClassVar[dict[str, Any]] = {"handoff": Handoff}
 
 
 @_message
@@ -189,7 +192,11 @@ class Ready(_Wire):
 @_message
 class TokenChunk(_Wire):
     """Committed tokens of one request, in order. `start` is the output position of tokens[0]. The front end hands
-    these to `Runtime.generate` callers; the last one carries finish_reason and stats."""
+    these to `Runtime.generate` callers; the last one carries finish_reason and stats.
+
+    `logprobs` (only when the request's SamplingParams.logprobs is set): parallel to `tokens`, one
+    `[logprob, [[id, logprob], ...top k]]` per token under the raw distribution of the model that committed it (an
+    ensemble position: the primary's), as `sampler.token_logprobs` gives and the reference's TokenEvent reports."""
     request_id: str
     tokens: list[int]
     models: list[int]
@@ -197,6 +204,7 @@ class TokenChunk(_Wire):
     finish_reason: str | None = None
     stats: dict[str, Any] | None = None
     inc: int = 0
+    logprobs: list | None = None
 
 
 @_message
@@ -209,6 +217,7 @@ class Finished(_Wire):
     finish_reason: str
     stats: dict[str, Any] = field(default_factory=dict)
     inc: int = 0
+    logprobs: list | None = None       # parallel to `tokens` (see TokenChunk)
 
 
 @_message
@@ -224,7 +233,8 @@ class Error(_Wire):
 @_message
 class Heartbeat(_Wire):
     """Sent by the sub-server's heartbeat thread every heartbeat_s whatever the step does (liveness), with the
-    scheduler's load as of the last loop turn. `step_started` (None when not stepping) lets the supervisor kill a model whose single step exceeds step_timeout_s (a hung step)."""
+    scheduler's load as of the last loop turn. `step_started` (None when not stepping) lets the supervisor kill a
+    model whose single step exceeds step_timeout_s (a hung step)."""
     model: int
     pid: int
     time: float
@@ -264,7 +274,8 @@ class Yield(_Wire):
     inc: int = 0
     stats: dict[str, Any] | None = None          # routing stats so far (stats_to_wire), re-submitted with the call
     final_stats: dict[str, Any] | None = None    # with finish_reason: the request's final stats (as Finished.stats)
-    nested: ClassVar[dict[str, type]] = {"handoff": Handoff}
+    logprobs: list | None = None                 # parallel to `models` when params ask (see TokenChunk)
+    nested: ClassVar[dict[str, Any]] = {"handoff": Handoff}
 
 
 @_message
@@ -299,7 +310,8 @@ def params_from_wire(d: dict[str, Any]):
 def stats_to_wire(s: RouteStats) -> dict[str, Any]:
     """Everything but token_models (the runtime carries those as `models`)."""
     return {"switches": [list(x) for x in s.switches], "prefill": [list(x) for x in s.prefill],
-            "dropped": s.dropped, "ensembled": s.ensembled, "score_visits": s.score_visits}
+            "dropped": s.dropped, "ensembled": s.ensembled, "score_visits": s.score_visits,
+            "cached_prompt": s.cached_prompt}
 
 
 def stats_from_wire(num_models: int, d: dict[str, Any] | None, models: list[int]) -> RouteStats:
@@ -308,7 +320,7 @@ def stats_from_wire(num_models: int, d: dict[str, Any] | None, models: list[int]
                       switches=[(int(a), int(b)) for a, b in d.get("switches", [])],
                       prefill=[(int(a), int(b)) for a, b in d.get("prefill", [])],
                       dropped=int(d.get("dropped", 0)), ensembled=int(d.get("ensembled", 0)),
-                      score_visits=int(d.get("score_visits", 0)))
+                      score_visits=int(d.get("score_visits", 0)), cached_prompt=d.get("cached_prompt"))
 
 
 def encode(msg) -> bytes:
@@ -350,7 +362,7 @@ def decode_all(data: bytes) -> list:
 
 MESSAGE_TYPES = dict(_REGISTRY)
 
-__all__ = ["Abort", "AddRequest", "Configure", "Error", "Finished", "HandoffMsg", "Heartbeat", "MESSAGE_TYPES", "PeerRestarted",
-           "PeerStatus", "Peers", "Ready", "Release", "Shutdown", "StatsQuery", "StatsReply", "StepDone",
-           "StepGrant", "TokenChunk", "Yield", "decode", "decode_all", "encode", "encode_many", "params_from_wire", "params_to_wire", "stats_from_wire",
-           "stats_to_wire"]
+__all__ = ["Abort", "AddRequest", "Configure", "Error", "Finished", "HandoffMsg", "Heartbeat", "MESSAGE_TYPES",
+           "PeerRestarted", "PeerStatus", "Peers", "Ready", "Release", "Shutdown", "StatsQuery", "StatsReply",
+           "StepDone", "StepGrant", "TokenChunk", "Yield", "decode", "decode_all", "encode", "encode_many",
+           "params_from_wire", "params_to_wire", "stats_from_wire", "stats_to_wire"]

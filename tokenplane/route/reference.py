@@ -12,7 +12,8 @@ unseen suffix, appends it (num_tokens - num_computed_tokens = the catch-up prefi
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Iterator, Sequence as Seq
+from typing import Any, Iterator
+from typing import Sequence as Seq
 
 import torch
 
@@ -149,6 +150,8 @@ class SequentialRouter:
                 view, seq = views[m], seqs[m]
                 p = view.num_output
                 result = self._step(m, seq, request_id, p, params)
+                if stats.cached_prompt is None:   # the first step: model 0 just allocated the prompt
+                    stats.cached_prompt = seqs[0].num_cached_tokens
                 peers = alg.ensemble_peers(result, view)
                 if peers:
                     token = self._ensemble(result, peers, views, seqs, stats, params)

@@ -44,8 +44,25 @@ from .config import RuntimeConfig, resolve_thresholds
 from .coordinator import Coordinator
 from .errors import ModelUnavailable, Overloaded, RequestFailed, RequestRejected, RouteError
 from .handoff import bind_pull, drain, new_address_dir, send, send_many
-from .messages import (Abort, AddRequest, Configure, Error, Finished, Heartbeat, PeerRestarted, Peers, Ready, Shutdown,
-                       StatsQuery, StatsReply, StepDone, StepGrant, TokenChunk, Yield, params_to_wire)
+from .messages import (
+    Abort,
+    AddRequest,
+    Configure,
+    Error,
+    Finished,
+    Heartbeat,
+    PeerRestarted,
+    Peers,
+    Ready,
+    Shutdown,
+    StatsQuery,
+    StatsReply,
+    StepDone,
+    StepGrant,
+    TokenChunk,
+    Yield,
+    params_to_wire,
+)
 from .params import capped_max_tokens, request_params, stop_token_ids, validate_params, validate_prompt
 from .subserver import SYNC_MODES, SubServerSpec
 from .supervisor import ModelHealth, ModelState, Supervisor
@@ -60,6 +77,7 @@ class RuntimeOutput:
     token_models: list[int]
     finish_reason: str
     stats: dict[str, Any]
+    logprobs: list | None = None      # per token [logprob, [[id, logprob], ...]] when params.logprobs is set
 
 
 @dataclass
@@ -111,7 +129,8 @@ class Runtime:
                 self._sup.spawn(m)
             self._io.start()
             if not self._all_ready.wait(config.startup_timeout_s):
-                raise RuntimeError(self._sup.startup_error or f"sub-servers not ready after {config.startup_timeout_s} s")
+                raise RuntimeError(self._sup.startup_error
+                                   or f"sub-servers not ready after {config.startup_timeout_s} s")
             if self._sup.startup_error:
                 raise RuntimeError(self._sup.startup_error)
         except BaseException:
@@ -142,7 +161,7 @@ class Runtime:
     def _models(self):
         return self._sup.models
 
-    def __enter__(self) -> "Runtime":
+    def __enter__(self) -> Runtime:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -190,8 +209,10 @@ class Runtime:
         lens = [st.info.max_model_len for st in self._sup.models if st.info is not None and st.info.max_model_len]
         max_tokens = capped_max_tokens(len(prompt), params.max_tokens, min(lens) if lens else None)
         for m, st in enumerate(self._sup.models):
-            cap = st.info.num_blocks * st.info.block_size if st.info is not None else None
-            if cap is not None and len(prompt) + max_tokens > cap:
+            if st.info is None:
+                continue
+            cap = st.info.num_blocks * st.info.block_size
+            if len(prompt) + max_tokens > cap:
                 raise RequestRejected(
                     f"prompt ({len(prompt)} tokens) + max_tokens ({max_tokens}) = {len(prompt) + max_tokens} tokens "
                     f"exceeds model {m}'s KV pool of {cap} tokens ({st.info.num_blocks} blocks of "
@@ -243,14 +264,14 @@ class Runtime:
             while True:
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    raise asyncio.TimeoutError
+                    raise TimeoutError
                 item = await asyncio.wait_for(live.queue.get(), timeout=left)
                 if isinstance(item, BaseException):
                     raise item
                 yield item
                 if item.finish_reason is not None:
                     return
-        except asyncio.TimeoutError:
+        except TimeoutError:
             raise RequestFailed(f"request {rid} timed out after {self.config.request_timeout_s} s") from None
         finally:
             if not live.done:   # consumer stopped early, timed out, or was cancelled
@@ -258,12 +279,16 @@ class Runtime:
 
     async def complete(self, prompt_ids: Sequence[int], params=None, request_id: str | None = None) -> RuntimeOutput:
         """Run one request to completion."""
-        tokens, models, final = [], [], None
+        tokens, models, lps, final = [], [], [], None
         async for chunk in self.generate(prompt_ids, params, request_id):
             tokens += chunk.tokens
             models += chunk.models
+            lps += chunk.logprobs or []
             final = chunk
-        return RuntimeOutput(final.request_id, tokens, models, final.finish_reason, final.stats or {})
+        if final is None or final.finish_reason is None:
+            raise RequestFailed(f"request {request_id}: the stream ended without a final chunk")
+        return RuntimeOutput(final.request_id, tokens, models, final.finish_reason, final.stats or {},
+                             lps if getattr(params, "logprobs", None) is not None else None)
 
     def run_batch(self, prompts: Sequence[Sequence[int]], params=None, *, request_ids: Sequence[str] | None = None,
                   concurrency: int | None = None, return_exceptions: bool = False) -> list[Any]:
@@ -304,7 +329,7 @@ class Runtime:
     def stats(self, timeout: float = 10.0) -> list[dict[str, Any]]:
         """Per-model block accounting and counters (a StatsQuery round trip to every sub-server)."""
         token = next(self._stats_token)
-        ev, replies = threading.Event(), {}
+        ev, replies = threading.Event(), dict[int, StatsReply]()
         with self._lock:
             self._stats_waits[token] = (ev, replies)
             for m in range(self.num_models):
@@ -506,7 +531,7 @@ class Runtime:
                 del self._live[msg.request_id]
                 live.done = True
                 self._deliver(live, TokenChunk(msg.request_id, msg.tokens, msg.models, msg.start, msg.finish_reason,
-                                               self._final_stats(live, msg.stats)))
+                                               self._final_stats(live, msg.stats), logprobs=msg.logprobs))
         elif isinstance(msg, Yield):
             self._on_yield(msg)
         elif isinstance(msg, Error):
@@ -541,7 +566,8 @@ class Runtime:
             if live.first_token is None:
                 live.first_token = time.monotonic()
             self._deliver(live, TokenChunk(y.request_id, y.output[live.streamed:], y.models[live.streamed:n],
-                                           live.streamed))
+                                           live.streamed, logprobs=None if y.logprobs is None
+                                           else y.logprobs[live.streamed:n]))
             live.streamed = n
         if y.finish_reason is not None:
             self._live.pop(y.request_id, None)
@@ -551,7 +577,7 @@ class Runtime:
             return
         self._pending_adds.setdefault(y.next_model, []).append(
             (live, AddRequest(y.request_id, y.prompt, y.params, y.output, y.models, y.state, y.num_handoffs,
-                              y.handoff, inc=live.inc, stats=y.stats)))
+                              y.handoff, inc=live.inc, stats=y.stats, logprobs=y.logprobs)))
 
     def _on_error(self, e: Error) -> None:
         if e.request_id is None:
@@ -578,7 +604,7 @@ class Runtime:
                 if k != r.model and other.ready:
                     send(other.client, PeerRestarted(r.model, r.peer_address))
         if all_ready:
-            addrs = [s.peer_address for s in self._sup.models]
+            addrs = [s.peer_address or "" for s in self._sup.models]   # all ready: every address is set
             targets = [r.model] if restarted else range(self.num_models)
             for k in targets:
                 send(self._sup.models[k].client, Peers(addrs))

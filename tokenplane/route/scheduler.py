@@ -19,12 +19,13 @@ call: admitted, one step, freed, and the request goes back to the front end (an 
 KV memory (vLLM v1 style): admission allocates what the prompt (its first chunk) needs and blocks grow as tokens come.
 When a RUNNING request cannot grow, the most recently admitted request holding blocks that is not already in this
 step is preempted by recompute (an admission that does not fit may preempt PENDING_RETURN requests only, so pools
-full of requests parked on each other's models cannot deadlock): its blocks are freed (full blocks stay in the prefix cache), it keeps its tokens,
-and its next admission computes them again (mostly prefix-cache hits). A RUNNING victim goes back to the front of
-WAITING. A PENDING_RETURN victim stays PENDING_RETURN without KV; when its peer hands it back it goes through WAITING
-(prefix match, allocate, recompute), the path pending_return=False takes; its view (prompt + output) is bookkeeping,
-not KV, so nothing is lost. If no other victim exists the request preempts itself. A request that can never fit
-(prompt + max_tokens over the pool) is refused at admission; the front end refuses it before registering.
+full of requests parked on each other's models cannot deadlock): its blocks are freed (full blocks stay in the
+prefix cache), it keeps its tokens, and its next admission computes them again (mostly prefix-cache hits). A RUNNING
+victim goes back to the front of WAITING. A PENDING_RETURN victim stays PENDING_RETURN without KV; when its peer hands
+it back it goes through WAITING (prefix match, allocate, recompute), the path pending_return=False takes; its view
+(prompt + output) is bookkeeping, not KV, so nothing is lost. If no other victim exists the request preempts itself.
+A request that can never fit (prompt + max_tokens over the pool) is refused at admission; the front end refuses it
+before registering.
 
 Chunked prefill: a step computes at most `max_num_batched_tokens` tokens. Decodes (1 uncomputed token) are scheduled
 first, then longer catch-ups / prefills in admission order, then admissions; a request whose uncomputed tokens do not
@@ -40,8 +41,20 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from .api import Algorithm, Handoff, RequestView, StepResult, after_send, apply_handoff, commit
-from .messages import (AddRequest, Error, Finished, HandoffMsg, Release, TokenChunk, Yield, params_from_wire,
-                       params_to_wire, stats_from_wire, stats_to_wire)
+from .messages import (
+    AddRequest,
+    Error,
+    Finished,
+    HandoffMsg,
+    Release,
+    TokenChunk,
+    Yield,
+    params_from_wire,
+    params_to_wire,
+    stats_from_wire,
+    stats_to_wire,
+)
+from .positions import record, set_received, window
 from .states import RequestState
 from .stats import RouteStats
 
@@ -78,6 +91,7 @@ class RouteRequest:
     ensemble: EnsembleWait | None = None
     num_handoffs: int = 0
     inc: int = 0                        # incarnation (request ids may be reused once a request ended)
+    logprobs: list | None = None        # per output position [lp, top] (positions.py) when params ask, else None
     arrival: float = field(default_factory=time.monotonic)
 
     @property
@@ -104,12 +118,10 @@ class Scheduler:
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
         self._admissions = 0
-        if sample_fn is None:
-            from tokenplane.engine.sampler import sample as sample_fn
-        if sequence_cls is None:
-            from tokenplane.engine.sequence import Sequence as sequence_cls
-        self.sample_fn = sample_fn
-        self.Sequence = sequence_cls
+        from tokenplane.engine.sampler import sample
+        from tokenplane.engine.sequence import Sequence
+        self.sample_fn: Callable = sample_fn or sample
+        self.Sequence = sequence_cls or Sequence
         self.requests: dict[str, RouteRequest] = {}
         self.waiting: deque[str] = deque()
         self.running: list[str] = []
@@ -161,16 +173,15 @@ class Scheduler:
         rec = RouteRequest(view, params, models, stats_from_wire(self.num_models, msg.stats, models))
         rec.num_handoffs = msg.num_handoffs
         rec.inc = msg.inc
+        rec.logprobs = None if params.logprobs is None else list(msg.logprobs or [])
         state = dict(msg.state)
         view.state = state if (msg.output or msg.handoff is not None or state) else self.alg.init_state(view)
         if msg.handoff is not None:   # standard serving: the switch happened through the front end
             h = msg.handoff
             tokens = self.alg.receive(view, h)
             apply_handoff(view, h, tokens)
-            # msg.models is the sender's full per-position list; receive() may have changed the tail
-            n = len(view.output_ids)
-            del rec.models[n:]
-            rec.models.extend([h.source] * (n - len(rec.models)))
+            # msg.models / msg.logprobs are the sender's full per-position lists; receive() may change the tail
+            set_received(rec, h, rec.models, rec.logprobs, start=0)
         # A fresh admission: nobody else holds state for it, this model is given the whole sequence.
         view.seen = [0] * self.num_models
         view.seen[self.model] = len(prompt) + len(view.output_ids)
@@ -204,7 +215,7 @@ class Scheduler:
             if rec is None or not self.is_home:
                 return []
             apply_handoff(rec.view, h, list(h.tokens))
-            self._set_models(rec, h, msg.models)
+            set_received(rec, h, msg.models, msg.logprobs)
             rec.stats = stats_from_wire(self.num_models, msg.handoff.metadata.get("stats"), rec.models)
             rec.view.state.update(h.metadata.get("state", {}))
             return self._finish(rec, str(h.metadata.get("finish_reason", "stop")))
@@ -219,6 +230,7 @@ class Scheduler:
                 view = RequestView.from_handoff(h, self.num_models)
                 rec = RouteRequest(view, params, [], RouteStats(self.num_models))
                 rec.inc = msg.inc
+                rec.logprobs = None if params.logprobs is None else []
                 fresh = True
             else:
                 fresh = False
@@ -235,7 +247,7 @@ class Scheduler:
             tokens = self.alg.receive(view, h)
             apply_handoff(view, h, tokens)
             self._merge_seen(view, msg.seen, h.source)
-            self._set_models(rec, h, msg.models)
+            set_received(rec, h, msg.models, msg.logprobs)
             rec.stats.token_models = list(rec.models)
         except (ValueError, KeyError, TypeError) as exc:
             if rec is not None and rid in self.requests:
@@ -273,18 +285,10 @@ class Scheduler:
             elif k != self.model:
                 view.seen[k] = max(view.seen[k], int(v))
 
-    @staticmethod
-    def _set_models(rec: RouteRequest, h: Handoff, models: list[int]) -> None:
-        start = max(h.anchor, 0)
-        del rec.models[start:]
-        rec.models.extend(int(m) for m in models)
-        # receive() may accept fewer/more tokens than were sent: attribute the difference to the sender
-        n = len(rec.view.output_ids)
-        del rec.models[n:]
-        rec.models.extend([h.source] * (n - len(rec.models)))
-
     def _on_score(self, rec: RouteRequest, h: Handoff) -> list[Outbound]:
         wait = rec.ensemble
+        if wait is None:
+            raise ValueError(f"request {rec.request_id}: a score reply but no ensemble position is waiting")
         wait.scores[h.source] = dict(h.metadata["scores"])
         wait.awaiting.discard(h.source)
         if wait.awaiting:
@@ -292,7 +296,7 @@ class Scheduler:
         token = int(self.alg.combine(rec.view, wait.result, wait.scores))
         rec.ensemble = None
         commit(rec.view, self.model, token)
-        rec.models.append(self.model)
+        record(rec, self.model, wait.result.logits, token)   # an ensemble position reports the primary's logprob
         rec.stats.token_models = list(rec.models)
         rec.stats.on_ensemble()
         return self._resume(rec)
@@ -339,6 +343,9 @@ class Scheduler:
                 continue
             self.waiting.popleft()
             self.bm.allocate(seq)
+            if rec.stats.cached_prompt is None and self.is_home:
+                # the request's first admission (a chunk's cut never reaches into the cached blocks it counts)
+                rec.stats.cached_prompt = min(seq.num_cached_tokens, len(rec.view.prompt_ids))
             budget -= seq.num_tokens - seq.num_computed_tokens
             self._admissions += 1
             rec.seq, rec.tail, rec.admitted_at = seq, tail or None, self._admissions
@@ -354,8 +361,7 @@ class Scheduler:
 
     def _cached_tokens(self, seq) -> int:
         """Prefix-cache hits `allocate` would give `seq` (the chunk's budget starts after them)."""
-        hits = getattr(self.bm, "_cache_hits", None)
-        return len(hits(seq)) * self.bm.block_size if hits is not None else 0
+        return int(self.bm.num_cached_prefix_tokens(seq))
 
     def _grow(self, rec: RouteRequest, budget: int, in_batch: set[str]) -> int:
         """Blocks for a RUNNING request's next chunk (<= budget tokens); preempts others (or itself) when the pool
@@ -451,7 +457,7 @@ class Scheduler:
         if target == self.model:
             commit(view, self.model, result.token)
             rec.seq.append_token(result.token)
-            rec.models.append(self.model)
+            record(rec, self.model, result.logits, result.token)
             rec.stats.on_commit(self.model)
             reason = self._finish_reason(rec)
             if reason is not None:
@@ -465,7 +471,7 @@ class Scheduler:
         after_send(view, result, h)
         if h.keep_last:
             rec.seq.append_token(result.token)
-            rec.models.append(self.model)
+            record(rec, self.model, result.logits, result.token)
             rec.stats.on_commit(self.model)
         rec.num_handoffs += 1
         reason = self._finish_reason(rec)
@@ -493,7 +499,7 @@ class Scheduler:
         h.metadata["stats"] = stats_to_wire(rec.stats)
         start = max(h.anchor, 0)
         msg = HandoffMsg(h, list(rec.view.seen), rec.models[start:h.position], params_to_wire(rec.params),
-                         rec.num_handoffs, inc=rec.inc)
+                         rec.num_handoffs, inc=rec.inc, logprobs=window(rec.logprobs, start, h.position))
         return [Outbound(h.target, msg)]
 
     # -- endings -------------------------------------------------------------------------------------------------
@@ -514,7 +520,8 @@ class Scheduler:
             return self._yield(rec, self.model, None, finish_reason=reason)
         if self.is_home:
             out = [Outbound(FRONTEND, Finished(rid, rec.view.output_ids[rec.streamed:], rec.models[rec.streamed:],
-                                               rec.streamed, reason, self._final_stats(rec), inc=rec.inc))]
+                                               rec.streamed, reason, self._final_stats(rec), inc=rec.inc,
+                                               logprobs=window(rec.logprobs, rec.streamed)))]
             out += [Outbound(k, Release(rid, inc=rec.inc)) for k in range(self.num_models) if k != self.model]
             self._drop(rec, RequestState.FINISHED)
             return out
@@ -527,7 +534,7 @@ class Scheduler:
                     position=len(view.output_ids),
                     metadata={"state": dict(view.state), "finish_reason": reason, "stats": stats_to_wire(rec.stats)})
         msg = HandoffMsg(h, list(view.seen), rec.models[max(h.anchor, 0):], params_to_wire(rec.params),
-                         rec.num_handoffs, final=True, inc=rec.inc)
+                         rec.num_handoffs, final=True, inc=rec.inc, logprobs=window(rec.logprobs, max(h.anchor, 0)))
         self._drop(rec, RequestState.FINISHED)
         return [Outbound(self.home, msg)]
 
@@ -543,7 +550,8 @@ class Scheduler:
         msg = Yield(rec.request_id, self.model, list(view.prompt_ids), list(view.output_ids), list(rec.models),
                     dict(view.state), params_to_wire(rec.params), rec.num_handoffs, next_model, finish_reason, h,
                     rec.inc, stats=stats_to_wire(rec.stats),
-                    final_stats=None if finish_reason is None else self._final_stats(rec))
+                    final_stats=None if finish_reason is None else self._final_stats(rec),
+                    logprobs=window(rec.logprobs, 0))
         self._drop(rec, RequestState.FINISHED, tombstone=False)
         return [Outbound(FRONTEND, msg)]
 
@@ -556,7 +564,7 @@ class Scheduler:
         if n == rec.streamed:
             return []
         chunk = TokenChunk(rec.request_id, rec.view.output_ids[rec.streamed:], rec.models[rec.streamed:n],
-                           rec.streamed, inc=rec.inc)
+                           rec.streamed, inc=rec.inc, logprobs=window(rec.logprobs, rec.streamed, n))
         rec.streamed = n
         return [Outbound(FRONTEND, chunk)]
 

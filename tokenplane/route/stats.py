@@ -4,7 +4,9 @@ routing_rate = switches away from the primary / committed tokens (R2R's "routing
 committed tokens produced by model m / committed tokens; runs = maximal stretches of consecutive committed tokens from
 one model; prefill = tokens a model had to compute to catch up on each visit (the suffix it was sent, prompt
 included on a first visit, plus its own last kept token if that token's KV was never computed); handoff_tokens = the
-suffix lengths sent; dropped = sampled tokens discarded for regeneration; ensembled = positions whose token came from the ME mix.
+suffix lengths sent; dropped = sampled tokens discarded for regeneration; ensembled = positions whose token came from
+the ME mix; cached_prompt = prompt tokens the home model (0) took from its KV prefix cache at the request's first
+admission (None until then; reported as `cached_prompt_tokens`).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ class RouteStats:
     dropped: int = 0
     ensembled: int = 0
     score_visits: int = 0
+    cached_prompt: int | None = None
 
     # -- events ---------------------------------------------------------------------------------------------
     def on_commit(self, model: int) -> None:
@@ -53,15 +56,15 @@ class RouteStats:
         return {"num_models": self.num_models, "token_models": list(self.token_models),
                 "switches": [list(x) for x in self.switches], "prefill": [list(x) for x in self.prefill],
                 "sent": [list(x) for x in self.sent], "dropped": self.dropped, "ensembled": self.ensembled,
-                "score_visits": self.score_visits}
+                "score_visits": self.score_visits, "cached_prompt": self.cached_prompt}
 
     @classmethod
-    def from_wire(cls, d: dict[str, Any]) -> "RouteStats":
+    def from_wire(cls, d: dict[str, Any]) -> RouteStats:
         pairs = lambda key: [(int(a), int(b)) for a, b in d.get(key, [])]   # noqa: E731
         return cls(int(d["num_models"]), token_models=[int(m) for m in d.get("token_models", [])],
                    switches=pairs("switches"), prefill=pairs("prefill"), sent=pairs("sent"),
                    dropped=int(d.get("dropped", 0)), ensembled=int(d.get("ensembled", 0)),
-                   score_visits=int(d.get("score_visits", 0)))
+                   score_visits=int(d.get("score_visits", 0)), cached_prompt=d.get("cached_prompt"))
 
     # -- summaries ------------------------------------------------------------------------------------------
     @property
@@ -103,4 +106,5 @@ class RouteStats:
             "dropped_tokens": self.dropped,
             "ensembled_positions": self.ensembled,
             "score_visits": self.score_visits,
+            "cached_prompt_tokens": self.cached_prompt or 0,
         }

@@ -1,4 +1,5 @@
-"""The five routing algorithms, each in signal / calibrated / synthetic mode. `make_algorithm(name, **kwargs)`."""
+"""The five routing algorithms, each in signal / calibrated / synthetic mode, and `single` (one model, no routing).
+`make_algorithm(name, **kwargs)`."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ ALGORITHMS: dict[str, tuple[str, str]] = {
     "co_llm": ("tokenplane.route.algorithms.co_llm", "CoLLM"),
     "r_stitch": ("tokenplane.route.algorithms.r_stitch", "RStitch"),
     "ensemble": ("tokenplane.route.algorithms.ensemble", "Ensemble"),
+    "single": ("tokenplane.route.algorithms.single", "Single"),
 }
 
 
