@@ -310,7 +310,7 @@ def test_config_validation():
         ServeConfig.from_dict({"modelz": []})
     with pytest.raises(ValueError, match="devices"):
         ServeConfig.from_dict({"models": ["a", "b"], "devices": ["cpu"]})
-    assert ServeConfig.from_dict({}).models == ["tiny-small", "tiny-large"]
+    assert ServeConfig.from_dict({}).models == ["smollm2-135m-instruct"] and ServeConfig().algorithm == "single"
 
 
 @pytest.mark.campaign

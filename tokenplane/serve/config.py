@@ -1,7 +1,7 @@
 """`tokenplane serve` configuration: the models and routing (a JSON file) plus the serving limits (flags).
 
-Config file (JSON; every key optional):
-    {"models": ["tiny-small", "tiny-large"],       preset names, HF config dicts, or checkpoint directories
+Config file (JSON; every key optional; the default serves SmolLM2-135M-Instruct alone, without routing):
+    {"models": ["tiny-small", "tiny-large"],       registry model names, presets, HF config dicts, checkpoint dirs
      "devices": ["cpu", "cpu"], "dtype": "float32",
      "algorithm": "r_stitch", "parameters": {"mode": "calibrated", "rates": {"switch": 0.1, "return": 0.5}},
      "calibration": {"prompts": ["..."], "max_tokens": 16},
@@ -21,13 +21,13 @@ from typing import Any
 
 @dataclass
 class ServeConfig:
-    models: list[Any] = field(default_factory=lambda: ["tiny-small", "tiny-large"])
+    models: list[Any] = field(default_factory=lambda: ["smollm2-135m-instruct"])
     devices: list[str] | None = None
     dtype: str = "float32"
-    algorithm: str = "r_stitch"
-    parameters: dict[str, Any] = field(default_factory=lambda: {"mode": "calibrated"})
+    algorithm: str = "single"        # one model: no routing; two or more: r2r, citer, co_llm, r_stitch, ensemble
+    parameters: dict[str, Any] = field(default_factory=dict)
     calibration: dict[str, Any] = field(default_factory=dict)
-    served_model_name: str = "tokenplane-router"
+    served_model_name: str = "smollm2-135m-instruct"
     tokenizer: str = "auto"          # "auto": the first model's own tokenizer files (qwen3 for random presets)
     num_blocks: int = 1024
     block_size: int = 16

@@ -223,10 +223,14 @@ class OpenAIServer:
                 gathered.exception()   # retrieved: the error that ended the wait is the one raised
             raise
 
-    def usage(self, jobs: list[Job], events: Sequence[Event]) -> dict[str, int]:
+    def usage(self, jobs: list[Job], events: Sequence[Event]) -> dict[str, Any]:
         p = len(jobs[0].prompt_ids)
         c = sum(e.completion_tokens for e in events)
-        return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
+        out: dict[str, Any] = {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
+        cached = [e.stats["cached_prompt_tokens"] for e in events if e.stats and "cached_prompt_tokens" in e.stats]
+        if cached:   # prompt tokens served from the KV prefix cache, as OpenAI reports them
+            out["prompt_tokens_details"] = {"cached_tokens": int(cached[0])}
+        return out
 
     async def _primed(self, jobs: list[Job], rid: str) -> list[tuple[AsyncGenerator[Event, None], Event | None]]:
         """Start every choice's stream and wait for its first event, so that errors at admission (queue full,
