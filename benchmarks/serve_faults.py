@@ -164,7 +164,7 @@ class Server:
             return {**PRESETS[name], "vocab_size": 151936, "eos_token_id": 151645}
         cfg = {"models": [wide("test-small"), wide("test-large")], "algorithm": "r_stitch",
                "parameters": {"mode": "synthetic", "rates": {"switch": 0.1, "return": 0.5}},
-               "num_blocks": args.num_blocks}
+               "num_blocks": args.num_blocks, "served_model_name": MODEL, "tokenizer": "qwen3"}
         if args.config:
             cfg = json.loads(Path(args.config).read_text())
         self.config = cfg
@@ -178,6 +178,7 @@ class Server:
                     str(args.session_mb), "--backend", args.backend, "--log-level", "warning"]
         self.root = Path(args.server_root).resolve() if args.server_root else ROOT
         self.proc: subprocess.Popen | None = None
+        self._log_offset = 0
         self.startup_s: float | None = None
 
     def start(self, timeout_s: float) -> None:
@@ -199,6 +200,11 @@ class Server:
                 last = r.status_code
                 if r.status_code == 200:
                     self.startup_s = round(now() - t0, 2)
+                    global MODEL   # requests name the served model (a --config may name it differently)
+                    try:
+                        MODEL = httpx.get(self.url + "/v1/models", timeout=5.0).json()["data"][0]["id"]
+                    except (httpx.HTTPError, ValueError, KeyError, IndexError):
+                        pass
                     return
             except httpx.HTTPError as exc:
                 last = type(exc).__name__
@@ -215,6 +221,45 @@ class Server:
             return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
         except OSError:
             return ""
+
+    def scan_log(self) -> dict[str, Any]:
+        """What the server logged since the last scan: tracebacks by exception type, ERROR lines, uvicorn
+        warnings (the first lines of each kind as examples)."""
+        try:
+            with open(self.log_path, "rb") as f:
+                f.seek(self._log_offset)
+                new = f.read().decode(errors="replace")
+                self._log_offset = f.tell()
+        except OSError:
+            return {}
+        lines = new.splitlines()
+        exceptions: dict[str, int] = {}
+        where: dict[str, str] = {}
+        errors, warnings = [], []
+        i = 0
+        while i < len(lines):
+            line = lines[i]
+            if line.startswith("Traceback (most recent call last):"):
+                j = i + 1
+                last_frame = ""
+                while j < len(lines) and (lines[j].startswith(" ") or not lines[j].strip()):
+                    if lines[j].strip().startswith("File ") and "site-packages" not in lines[j]:
+                        last_frame = lines[j].strip()
+                    j += 1
+                exc = lines[j].strip() if j < len(lines) else "?"
+                name = exc.split(":")[0]
+                exceptions[name] = exceptions.get(name, 0) + 1
+                where.setdefault(name, f"{exc[:200]} (last own frame: {last_frame[:160]})")
+                i = j + 1
+                continue
+            if " ERROR " in line or line.startswith("ERROR"):
+                errors.append(line[:300])
+            elif line.startswith("WARNING"):
+                warnings.append(line[:200])
+            i += 1
+        return {"tracebacks": sum(exceptions.values()), "exceptions": exceptions, "exception_examples": where,
+                "error_lines": len(errors), "error_examples": errors[:5], "warning_lines": len(warnings),
+                "warning_examples": sorted(set(warnings))[:5]}
 
     def stop(self, timeout_s: float = 15.0) -> dict[str, Any]:
         if self.proc is None:
@@ -959,6 +1004,12 @@ def targets(result: dict[str, Any], args: argparse.Namespace) -> list[list[Any]]
             add(f"sessions: RSS flat over the second half of the soak (drift <= {args.rss_drift_mb:g} MiB)",
                 r["second_half_drift"] <= args.rss_drift_mb,
                 f"{r['second_half_start']} -> {r['at_end_of_soak']} MiB ({r['second_half_drift']:+.1f})")
+    for name, p in ph.items():
+        lg = p.get("server_log") or {}
+        if lg:
+            add(f"{name}: no unhandled exception in the server log", lg["tracebacks"] == 0,
+                f"{lg['tracebacks']} tracebacks {json.dumps(lg['exceptions'])}; {lg['error_lines']} ERROR lines"
+                + (f"; e.g. {next(iter(lg['exception_examples'].values()))}" if lg["exception_examples"] else ""))
     if "schemathesis" in ph and "exit_code" in ph["schemathesis"]:
         s = ph["schemathesis"]
         add("schemathesis: no failures", s["exit_code"] == 0 and not s.get("failures"),
@@ -1225,6 +1276,7 @@ def main(argv: list[str] | None = None) -> int:
             async with httpx.AsyncClient(base_url=server.url, timeout=5.0) as c:
                 return (await model_pids(c, server.pid))[0]
         result["rss"]["start"] = rss_table(server.pid, asyncio.run(pids_now()))
+        result["startup_log"] = server.scan_log()
         for name in PHASES:
             if name not in args.phase_list:
                 continue
@@ -1245,6 +1297,7 @@ def main(argv: list[str] | None = None) -> int:
                 import traceback
                 out = {"error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()}
             out["wall_s"] = round(now() - t0, 1)
+            out["server_log"] = server.scan_log()
             if server.proc is not None and server.proc.poll() is not None:
                 out["server_exited"] = server.proc.returncode
             result["phases"][name] = out
