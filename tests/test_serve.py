@@ -131,7 +131,8 @@ def test_completion_equals_reference(server, router, tokenizer):
     assert choice["text"] == expected
     assert choice["finish_reason"] == out.finish_reason
     assert body["usage"] == {"prompt_tokens": len(ids), "completion_tokens": len(out.token_ids),
-                             "total_tokens": len(ids) + len(out.token_ids)}
+                             "total_tokens": len(ids) + len(out.token_ids),
+                             "prompt_tokens_details": {"cached_tokens": out.stats.cached_prompt}}
     routing = body["routing"]
     assert routing["num_tokens"] == len(out.token_ids) == sum(routing["tokens_per_model"])
     assert routing == out.stats.to_dict()

@@ -191,7 +191,7 @@ def test_big_prompt_does_not_block_health(server):
         time.sleep(0.02)
     t.join()
     assert is_openai_error(result["r"], 400)["code"] == "context_length_exceeded"
-    assert worst < 1.0, f"/health took {worst:.2f} s while a prompt was tokenized"
+    assert worst < 2.0, f"/health took {worst:.2f} s while a prompt was tokenized"   # was 8.3 s on the loop
     too_big = post(url, "/v1/chat/completions", {"messages": [{"role": "user", "content": "x" * (4 << 20)}]})
     assert is_openai_error(too_big, 413)["code"] == "prompt_too_large"
 

@@ -21,7 +21,7 @@ from typing import Any
 def main_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="smollm2-135m-instruct", help="model source (registry name or folder)")
     parser.add_argument("--turns", type=int, default=4, help="agent calls to replay")
-    parser.add_argument("--max-tokens", type=int, default=24)
+    parser.add_argument("--max-tokens", type=int, default=16)
     parser.add_argument("--threads", type=int, default=2, help="torch threads of the model process")
     parser.add_argument("--no-routing", action="store_true", help="skip the routed example")
 

@@ -14,6 +14,8 @@ from typing import Protocol, Sequence
 
 
 class _Detokenizer(Protocol):
+    specials: dict[str, int]
+
     def decode_bytes(self, ids: Sequence[int]) -> bytes: ...
 
 
@@ -73,10 +75,12 @@ class StopMatcher:
 
 class TextStream:
     """Token ids -> text deltas. A stop string ends the text before it (it is not returned); text that may still
-    start a stop string is held back until it cannot."""
+    start a stop string is held back until it cannot. Special tokens (end-of-turn, EOS, template markers) are not
+    text: they are skipped, as vLLM's skip_special_tokens does by default."""
 
-    def __init__(self, tokenizer: _Detokenizer, stop: Sequence[str] = ()) -> None:
+    def __init__(self, tokenizer: _Detokenizer, stop: Sequence[str] = (), *, skip_special: bool = True) -> None:
         self.tokenizer = tokenizer
+        self.skip = frozenset(getattr(tokenizer, "specials", {}).values()) if skip_special else frozenset()
         self.decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
         self.matcher = StopMatcher(stop)
         self.pending = ""   # decoded text not yet returned (at most the matcher's held characters)
@@ -91,7 +95,7 @@ class TextStream:
     def push(self, tokens: Sequence[int]) -> str:
         if self.stopped:
             return ""
-        new = "".join(self.decoder.decode(self._bytes(t)) for t in tokens)
+        new = "".join(self.decoder.decode(self._bytes(t)) for t in tokens if t not in self.skip)
         return self._emit(new, final=False)
 
     def flush(self) -> str:
