@@ -877,7 +877,7 @@ def phase_schemathesis(url: str, args: argparse.Namespace, log_path: Path, workd
     cmd = [exe, "run", f"{url}/openapi.json", "--max-examples", str(args.st_examples), "--seed", "0",
            "--workers", "1", "--request-timeout", str(args.st_request_timeout), "--max-time", str(args.st_max_time),
            "--generation-database", "none", "--no-color", "--report", "json", "--report-json-path", str(report),
-           "--phases", "examples,coverage,fuzzing", "--suppress-health-check", "all"]
+           "--phases", "examples,coverage,fuzzing", "--suppress-health-check", "all", "--output-sanitize", "false"]
     t0 = now()
     try:
         p = subprocess.run(cmd, capture_output=True, text=True, timeout=args.st_max_time + 60, cwd=str(workdir))
