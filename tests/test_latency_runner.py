@@ -133,7 +133,8 @@ def test_bad_arguments():
 
 def test_piecewise_fit_recovers_knots_and_interpolates():
     base = {1: 0.030, 2: 0.060, 4: 0.062, 8: 0.066}
-    samples = [{"batch": b, "context": c, "latency_s": v + 2e-6 * b * c} for b, v in base.items() for c in (0, 128, 512)]
+    samples = [{"batch": b, "context": c, "latency_s": v + 2e-6 * b * c}
+               for b, v in base.items() for c in (0, 128, 512)]
     f = LatencyFit.fit_piecewise(samples, name="pw")
     assert f.c == pytest.approx(2e-6, rel=1e-6)
     assert dict(f.knots) == pytest.approx(base, rel=1e-6)

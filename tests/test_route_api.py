@@ -15,8 +15,16 @@ import torch
 from tokenplane.engine.block_manager import BlockManager
 from tokenplane.engine.sampler import SamplingParams
 from tokenplane.route.algorithms import make_algorithm
-from tokenplane.route.api import (Algorithm, Handoff, RequestView, StepResult, after_send, apply_handoff, commit,
-                                  counter_uniform)
+from tokenplane.route.api import (
+    Algorithm,
+    Handoff,
+    RequestView,
+    StepResult,
+    after_send,
+    apply_handoff,
+    commit,
+    counter_uniform,
+)
 from tokenplane.route.reference import SequentialRouter, run_sequential
 
 
@@ -184,7 +192,7 @@ def test_catch_up_computes_exactly_the_suffix(name, kwargs):
     alg = make_algorithm(name, mode="synthetic", seed=7, **kwargs)
     runners = [FakeRunner(seed=i) for i in range(alg.num_models)]
     outs = run_sequential(alg, runners, PROMPTS, SamplingParams(max_tokens=40))
-    for i, o in enumerate(outs):
+    for o in outs:
         assert len(o.token_ids) == 40 and o.finish_reason == "length"
         assert o.stats.num_tokens == 40 and o.token_models == o.stats.token_models
     for m, runner in enumerate(runners):

@@ -7,8 +7,7 @@ import zmq
 
 from tokenplane.route.api import Handoff
 from tokenplane.route.handoff import bind_pull, connect_push, drain, new_address_dir, send, send_many
-from tokenplane.route.messages import (Abort, HandoffMsg, PeerStatus, TokenChunk, decode, decode_all, encode,
-                                       encode_many)
+from tokenplane.route.messages import Abort, HandoffMsg, PeerStatus, TokenChunk, decode, decode_all, encode, encode_many
 
 
 def _msgs():

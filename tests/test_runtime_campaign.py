@@ -3,7 +3,6 @@ and a wider equivalence sweep (all algorithms x all mode flags, longer outputs).
 
 from __future__ import annotations
 
-
 import pytest
 import torch
 
@@ -11,7 +10,6 @@ from tokenplane.engine.sampler import SamplingParams
 from tokenplane.route.algorithms import make_algorithm
 from tokenplane.route.reference import SequentialRouter, build_runner
 from tokenplane.route.runtime import Runtime, RuntimeConfig
-
 
 
 @pytest.fixture(autouse=True, scope="module")

@@ -175,7 +175,8 @@ def test_sigkilled_model_fails_fast_reports_health_and_recovers(rt, caplog):
     assert isinstance(ei.value, RequestFailed) and not rt._live
     _wait_ready(rt)
     restart_s = rt._models[1].start_s
-    print(f"\nrestart of a latency-model sub-server: {restart_s:.2f} s (kill -> READY {time.monotonic() - t_kill:.2f} s)")
+    print(f"\nrestart of a latency-model sub-server: {restart_s:.2f} s "
+          f"(kill -> READY {time.monotonic() - t_kill:.2f} s)")
     h = rt.health()[1]
     assert h.pid != victim and h.restarts >= 1 and h.down_since is None
     outs = rt.run_batch([[1, 2, 3], [4, 5, 6, 7]], SamplingParams(max_tokens=6), request_ids=["after0", "after1"])

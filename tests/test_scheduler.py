@@ -7,11 +7,11 @@ from __future__ import annotations
 import torch
 
 from tokenplane.engine.block_manager import BlockManager
+from tokenplane.engine.sampler import SamplingParams
 from tokenplane.route.api import Algorithm
 from tokenplane.route.messages import AddRequest, Finished, HandoffMsg, Release, TokenChunk, Yield
 from tokenplane.route.scheduler import FRONTEND, Scheduler, params_to_wire
 from tokenplane.route.states import RequestState
-from tokenplane.engine.sampler import SamplingParams
 
 V = 64
 

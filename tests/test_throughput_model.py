@@ -1,7 +1,13 @@
 import pytest
 
-from tokenplane.route.throughput_model import (RoutingModel, _multinomial_outcomes, choose_thresholds, simulate,
-                                               solve_chain, sweep_thresholds)
+from tokenplane.route.throughput_model import (
+    RoutingModel,
+    _multinomial_outcomes,
+    choose_thresholds,
+    simulate,
+    solve_chain,
+    sweep_thresholds,
+)
 
 SMALL = lambda b: 6.0e-3 + 0.1e-3 * (b - 1)   # seed-r2r-like GPU step latencies (seconds)
 LARGE = lambda b: 27.9e-3 + 0.4e-3 * (b - 1)

@@ -32,7 +32,8 @@ import hashlib
 import math
 import struct
 from dataclasses import dataclass, field
-from typing import Any, Sequence as Seq
+from typing import Any
+from typing import Sequence as Seq
 
 import torch
 
@@ -104,7 +105,7 @@ class Handoff:
                 "meta": self.metadata}
 
     @classmethod
-    def from_wire(cls, d: dict[str, Any]) -> "Handoff":
+    def from_wire(cls, d: dict[str, Any]) -> Handoff:
         if not isinstance(d, dict) or d.get("v") != WIRE_VERSION:
             raise ValueError(f"not a version-{WIRE_VERSION} handoff: {d!r:.200}")
         return cls(request_id=str(d["rid"]), tokens=[int(t) for t in d["tokens"]], anchor=int(d["anchor"]),
@@ -126,11 +127,11 @@ class RequestView:
 
     @classmethod
     def new(cls, request_id: str, prompt_ids: Seq[int], num_models: int, *, max_tokens: int = 16,
-            stop_token_ids: Seq[int] = (), model: int = 0) -> "RequestView":
+            stop_token_ids: Seq[int] = (), model: int = 0) -> RequestView:
         return cls(request_id, list(prompt_ids), [], model, [0] * num_models, {}, max_tokens, tuple(stop_token_ids))
 
     @classmethod
-    def from_handoff(cls, handoff: "Handoff", num_models: int) -> "RequestView":
+    def from_handoff(cls, handoff: Handoff, num_models: int) -> RequestView:
         """The receiving model's view on a first visit (the handoff carries the prompt and the request limits)."""
         info = handoff.metadata.get("request")
         if info is None or handoff.anchor != -int(info["prompt_len"]):

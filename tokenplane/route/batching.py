@@ -65,7 +65,7 @@ class BatchPolicy:
         self.forced_launches = [0] * len(self.thresholds)
 
     @classmethod
-    def immediate(cls, num_models: int, concurrency: int) -> "BatchPolicy":
+    def immediate(cls, num_models: int, concurrency: int) -> BatchPolicy:
         """Thresholds all 1: launch whenever anything is ready (no delayed batching)."""
         return cls([1] * num_models, concurrency)
 

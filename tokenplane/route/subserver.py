@@ -48,8 +48,24 @@ from typing import Any
 import zmq
 
 from .handoff import Inbox, bind_pull, connect_push, drain, send, send_many
-from .messages import (Abort, AddRequest, Configure, Error, HandoffMsg, Heartbeat, PeerRestarted, PeerStatus, Peers, Ready,
-                       Release, Shutdown, StatsQuery, StatsReply, StepDone, StepGrant)
+from .messages import (
+    Abort,
+    AddRequest,
+    Configure,
+    Error,
+    HandoffMsg,
+    Heartbeat,
+    PeerRestarted,
+    Peers,
+    PeerStatus,
+    Ready,
+    Release,
+    Shutdown,
+    StatsQuery,
+    StatsReply,
+    StepDone,
+    StepGrant,
+)
 from .params import eos_token_ids
 from .scheduler import FRONTEND, Scheduler
 from .states import RequestState
@@ -91,7 +107,7 @@ class SubServerSpec:
     enforce_eager: bool = False
 
 
-def build_runner(spec: SubServerSpec):
+def build_runner(spec: SubServerSpec) -> tuple[Any, Any]:
     """(runner, nn.Module or None) for this model, per spec.runner."""
     import torch
     dtype = getattr(torch, spec.dtype)
@@ -108,7 +124,7 @@ def build_runner(spec: SubServerSpec):
             raise ValueError("latency-model runner: each model source must be a dict with a 'latency' entry "
                              "(LatencyFit dict or 'preset:index')")
         kw.setdefault("seed", spec.model)
-        runner = LatencyModelRunner(lat, num_blocks=spec.num_blocks, block_size=spec.block_size, dtype=dtype,
+        runner: Any = LatencyModelRunner(lat, num_blocks=spec.num_blocks, block_size=spec.block_size, dtype=dtype,
                                     **kw)
         return runner, None
     if spec.runner != "torch":
@@ -192,7 +208,7 @@ class SubServer:
                                    pending_return=spec.pending_return, standard_serving=spec.standard_serving,
                                    max_num_seqs=spec.max_num_seqs,
                                    max_num_batched_tokens=spec.max_num_batched_tokens)
-        self.policy = None
+        self.policy: Any = None   # BatchPolicy in delayed_async mode
         self._set_policy()
         tag = f"{self.model}.{spec.generation}"
         self.client_sock, client_addr = bind_pull(self.ctx, spec.transport, spec.ipc_dir, f"c{tag}")
@@ -332,7 +348,7 @@ class SubServer:
             self.peer_status[msg.model] = None   # other peers' counts for it are now inconsistent: backstop only
         elif isinstance(msg, StatsQuery):
             bm = self.runner.block_manager
-            counters = dict(s.counters)
+            counters: dict[str, Any] = dict(s.counters)
             counters.update(step_time_s=self.step_time, step_wall_s=self.step_wall, idle_s=self.idle_time,
                             wall_s=time.perf_counter(), prefix_hit_tokens=getattr(bm, "num_hit_tokens", 0),
                             flags={"mode": self.mode, "pending_return": s.pending_return,
@@ -526,12 +542,12 @@ def main(spec: SubServerSpec) -> None:
                          f"{traceback.format_exc(limit=6)}", int(spec.model), fatal=True))
         sock.close()
         ctx.term()
-        raise SystemExit(1)
+        raise SystemExit(1) from None
     prof_dir = os.environ.get("TOKENPLANE_PROFILE_DIR")
     if not prof_dir:
         server.serve()
         return
-    import cProfile   # diagnostics only: where a sub-server's CPU goes (benchmarks/routing/overhead.py --profile)
+    import cProfile  # diagnostics only: where a sub-server's CPU goes (benchmarks/routing/overhead.py --profile)
     prof = cProfile.Profile()
     try:
         prof.runcall(server.serve)

@@ -30,7 +30,7 @@ log = logging.getLogger("tokenplane.route")
 MAX_RESTART_ATTEMPTS = 3
 
 
-class ModelState(str, enum.Enum):
+class ModelState(enum.StrEnum):
     STARTING = "starting"
     READY = "ready"
     RESTARTING = "restarting"

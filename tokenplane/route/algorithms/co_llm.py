@@ -61,6 +61,7 @@ class CoLLM(OneTokenCorrection):
         if self.weight is None:
             self._build(int(result.hidden.shape[-1]))
         h = result.hidden
+        assert self.weight is not None   # _build sets it
         logit = torch.dot(self.weight.to(device=h.device, dtype=h.dtype), h) + self.bias
         return float(torch.sigmoid(logit))
 

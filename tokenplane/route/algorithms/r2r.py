@@ -4,9 +4,9 @@ the token. Commit pattern: small token dropped, large model generates exactly 1 
 Router (official `HiddenStatesTokenLMHeadLogitsClassifier`): inputs are the small model's final-norm hidden state,
 the embedding of its sampled token (a frozen copy of its input embedding) and its top-100 logit values (sorted,
 no softmax). logits_projection Linear(100->H); concat [hidden, token_emb, logits_proj] (3H) -> Linear(3H->D) ->
-input_projection Linear(D->D) -> `num_blocks` pre-LN residual MLP blocks (D -> 4D -> D, GELU) -> LayerNorm -> Linear(D->1)
--> sigmoid = divergence probability; route to the large model when it is >= threshold (0.5 = the official server's
-default). Official sizes D=1024, 6 blocks; smaller dims are allowed for random-weight runs.
+input_projection Linear(D->D) -> `num_blocks` pre-LN residual MLP blocks (D -> 4D -> D, GELU) -> LayerNorm ->
+Linear(D->1) -> sigmoid = divergence probability; route to the large model when it is >= threshold (0.5 = the
+official server's default). Official sizes D=1024, 6 blocks; smaller dims are allowed for random-weight runs.
 
 Weights: `router_weights` = a safetensors file with this module's parameter names (`token_embedding.weight`
 optional: otherwise the small model's `embed_tokens.weight` is taken through `attach`). Without a file the router is
@@ -112,6 +112,7 @@ class R2R(OneTokenCorrection):
             raise ValueError("r2r needs the small model's hidden state in StepResult.hidden")
         if self.router is None:
             self._build(int(result.hidden.shape[-1]))
+        assert self.router is not None and self.embedding is not None   # _build sets both
         dtype, device = result.hidden.dtype, result.hidden.device
         if (dtype, device) not in self._cast:   # the router runs where the hidden state lives, in its precision
             router = copy.deepcopy(self.router)   # not a fresh module: init would consume the global RNG
