@@ -95,6 +95,7 @@ def engine_factories(family: str, threads: int | None):
     if is_tiktoken:
         def tiktoken_factory():
             import tiktoken
+
             from tokenplane.tokenize.reference import parse_tiktoken
 
             enc = tiktoken.Encoding(name=f"bench-{family}-{time.perf_counter_ns()}", pat_str=tok.family.patterns[0],

@@ -5,12 +5,11 @@ import json
 from pathlib import Path
 
 import numpy as np
+from realtext import traces_dir
 
 from tokenplane import demo
-from tokenplane.tokenize.tokenizer import Tokenizer
 from tokenplane.tokenize.evidence.traces import load_trajectory
-
-from realtext import traces_dir
+from tokenplane.tokenize.tokenizer import Tokenizer
 
 DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "traces" / "mini-swe-agent"
 

@@ -13,9 +13,9 @@ from typing import Any
 
 import openai
 import pytest
+from servers import ThreadServer
 
 import tokenplane
-from servers import ThreadServer
 from tokenplane.serve.app import create_app
 from tokenplane.serve.backends import BackendHealth, Chunk, ModelStatus
 from tokenplane.serve.chat import template_for

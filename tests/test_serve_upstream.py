@@ -14,9 +14,9 @@ from typing import Any
 import httpx
 import openai
 import pytest
+from servers import ThreadServer, post_and_hang_up
 
 import tokenplane
-from servers import ThreadServer, post_and_hang_up
 from tokenplane.serve.app import create_app
 from tokenplane.serve.backends import BackendHealth, Chunk, ModelStatus
 from tokenplane.serve.chat import template_for

@@ -97,6 +97,7 @@ def main(argv: list[str] | None = None) -> dict:
 def from_engine(path: Path, out: Path) -> dict:
     """Piecewise fits from engine_decode.json's CPU-time medians; d (per catch-up token) from its catch-up table."""
     import dataclasses
+
     from tokenplane.engine.latency_runner import fit_from_engine_decode
     data = json.loads(path.read_text())
     fits = fit_from_engine_decode(path, piecewise=True)

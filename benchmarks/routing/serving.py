@@ -28,8 +28,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import (RESULTS, chain_latency_fns, closed_loop, latency_setting, loadavg, md_table,  # noqa: E402
-                    prompt_for, summarize)
+from common import RESULTS, chain_latency_fns, closed_loop, latency_setting, loadavg, md_table, prompt_for, summarize  # noqa: E402
 
 from tokenplane.engine.latency_runner import LatencyFit, LatencyModelRunner  # noqa: E402
 from tokenplane.route.throughput_model import RoutingModel, choose_thresholds  # noqa: E402
@@ -302,7 +301,6 @@ def part_breakdown(args, fits) -> dict:
                 if real is None:
                     runners.append(LatencyModelRunner(fits[m], num_blocks=4096, seed=m))
                 else:
-                    import torch
                     from tokenplane.engine.loader import load_model
                     from tokenplane.engine.model_runner import ModelRunner
                     cfg, model = load_model(real[m], seed=0)

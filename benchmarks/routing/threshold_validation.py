@@ -26,8 +26,17 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import (RESULTS, chain_latency_fns, closed_loop, latency_setting, loadavg, md_table,  # noqa: E402
-                    runtime_overhead_s, summarize, write_outputs)
+from common import (  # noqa: E402
+    RESULTS,
+    chain_latency_fns,
+    closed_loop,
+    latency_setting,
+    loadavg,
+    md_table,
+    runtime_overhead_s,
+    summarize,
+    write_outputs,
+)
 
 from tokenplane.route.batching import feasible_thresholds  # noqa: E402
 from tokenplane.route.throughput_model import RoutingModel, simulate, solve_chain  # noqa: E402
