@@ -387,3 +387,25 @@ def test_logprobs(server, tokenizer):
     err = is_openai_error(post(url, "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
                                                              "top_logprobs": 2}), 400)
     assert err["param"] == "top_logprobs"
+
+
+def test_client_leaving_mid_body_is_quiet_and_405_lists_every_method(server, caplog):
+    import logging
+    import socket
+    from urllib.parse import urlparse
+    url, _ = server
+    u = urlparse(url)
+    with caplog.at_level(logging.ERROR, logger="tokenplane.serve"):
+        for path in ("/v1/completions", "/v1/tokenize"):
+            with socket.create_connection((u.hostname, u.port)) as s:
+                s.sendall(f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                          "Content-Length: 1000\r\n\r\n{\"prompt\": \"x".encode())
+            time.sleep(0.3)
+        assert httpx.get(url + "/health").status_code == 200
+    assert not [r for r in caplog.records if r.name == "tokenplane.serve"], [r.getMessage() for r in caplog.records]
+    r = httpx.request("OPTIONS", url + "/v1/sessions/abc")
+    assert r.status_code == 405 and set(r.headers["allow"].split(", ")) >= {"GET", "DELETE"}
+    ok = post(url, "/v1/completions", {"prompt": "x", "max_tokens": 1.0, "n": 1.0})   # JSON Schema integers
+    assert ok.status_code == 200, ok.text
+    assert is_openai_error(post(url, "/v1/completions", {"prompt": "x", "max_tokens": 1.5}), 400)["param"] == \
+        "max_tokens"

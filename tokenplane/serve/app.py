@@ -17,6 +17,8 @@ from typing import Any, AsyncIterator, Callable
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
+from fastapi.routing import APIRoute
+from starlette.requests import ClientDisconnect
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .backends import Backend, BackendHealth
@@ -73,12 +75,20 @@ def guarded_app(title: str, *, metrics: Metrics | None, limits: Limits,
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        headers = dict(exc.headers or {})
+        if exc.status_code == 405:   # Allow lists every route's methods on this path, not only the first route's
+            methods = {m for r in app.router.routes if isinstance(r, APIRoute) and r.path_regex.match(request.url.path)
+                       for m in (r.methods or ())}
+            headers["Allow"] = ", ".join(sorted(methods))
         err = NotFound(f"no route {request.method} {request.url.path}") if exc.status_code == 404 else \
-            APIError(str(exc.detail), status=exc.status_code, headers=dict(exc.headers or {}))   # 405 keeps Allow
+            APIError(str(exc.detail), status=exc.status_code, headers=headers)
         return error_response(err)
 
     @app.exception_handler(Exception)
     async def internal_error(request: Request, exc: Exception) -> JSONResponse:
+        if isinstance(exc, ClientDisconnect):   # the client left mid-body: not a server error, nobody to tell
+            return JSONResponse({"error": {"message": "client disconnected", "type": "client_closed_request",
+                                           "param": None, "code": None}}, status_code=499)
         log.exception("unhandled error on %s", request.url.path)
         return error_response(InternalError(f"internal error: {type(exc).__name__}"))
     return app

@@ -11,6 +11,7 @@ import hmac
 import logging
 import time
 
+from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from .errors import APIError, InternalError, PayloadTooLarge, Unauthorized
@@ -82,6 +83,8 @@ class GuardMiddleware:
                 raise PayloadTooLarge(f"request body of {length:,} bytes is over the limit of "
                                       f"{self.max_body_bytes:,} bytes", code="body_too_large")
             await self.app(scope, self._limited(receive), tracked_send)
+        except ClientDisconnect:
+            status["code"] = 499   # the client left while sending its body: nobody to answer, nothing to log
         except Exception as exc:   # noqa: BLE001 - the last line of defence; each kind is answered below
             if status["started"]:
                 if not isinstance(exc, APIError):

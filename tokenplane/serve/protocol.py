@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from .errors import InvalidRequest
 
@@ -78,8 +78,22 @@ def _check_text(value: str, where: str) -> str:
     return value
 
 
+_INT_FIELDS = ("max_tokens", "max_completion_tokens", "n", "seed", "best_of", "top_logprobs", "logprobs")
+
+
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _integral_floats(cls, data: Any) -> Any:
+        """JSON Schema counts 1.0 as an integer: integer fields accept integral floats (never strings or bools)."""
+        if isinstance(data, dict):
+            fix = {k: int(v) for k in _INT_FIELDS if isinstance(v := data.get(k), float) and v.is_integer()
+                   and abs(v) < 2.0 ** 63}
+            if fix:
+                data = {**data, **fix}
+        return data
 
 
 class StreamOptions(_Strict):

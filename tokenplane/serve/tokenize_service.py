@@ -405,7 +405,12 @@ def add_tokenize_routes(app: FastAPI, tokenizers: Mapping[str, Tokenizer], **opt
     async def tokenize(request: Request) -> dict:
         return await run(service.tokenize, TokenizeBody)(request)
 
-    @app.post("/v1/sessions", openapi_extra=_schema(CreateSessionBody, specials), responses=_ERRORS)
+    # OpenAPI links: the id a new session returns feeds the session routes (schemathesis follows them).
+    links = {name: {"operationId": name, "parameters": {"session_id": "$response.body#/id"}}
+             for name in ("session_append", "session_edit", "session_sync", "get_session", "delete_session")}
+
+    @app.post("/v1/sessions", openapi_extra=_schema(CreateSessionBody, specials),
+              responses={200: {"description": "the new session", "links": links}, **_ERRORS})
     async def create_session(request: Request) -> dict:
         return await run(service.create_session, CreateSessionBody)(request)
 
@@ -417,13 +422,13 @@ def add_tokenize_routes(app: FastAPI, tokenizers: Mapping[str, Tokenizer], **opt
 
     for op, model in (("append", AppendBody), ("edit", EditBody), ("sync", SyncBody)):
         app.post(f"/v1/sessions/{{session_id}}/{op}", openapi_extra=_schema(model, specials),
-                 responses=_ERRORS)(mutation(op, model))
+                 responses=_ERRORS, operation_id=f"session_{op}")(mutation(op, model))
 
-    @app.get("/v1/sessions/{session_id}", responses=_ERRORS)
+    @app.get("/v1/sessions/{session_id}", responses=_ERRORS, operation_id="get_session")
     def get_session(session_id: str, ids: bool = False) -> dict:
         return service.get_session(session_id, ids)
 
-    @app.delete("/v1/sessions/{session_id}", responses=_ERRORS)
+    @app.delete("/v1/sessions/{session_id}", responses=_ERRORS, operation_id="delete_session")
     def delete_session(session_id: str) -> dict:
         service.store.delete(session_id)
         return {"id": session_id, "deleted": True}
