@@ -38,8 +38,8 @@ import numpy as np
 from fastapi import FastAPI, Request
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from ..tokenize.tokenizer import InvalidTextError, TextTooLargeError, Tokenizer, validate_text
-from ..tokenize.session import SessionError, StaleRevisionError
+from ..tokenize.errors import InvalidTextError, SessionError, StaleRevisionError, TextTooLargeError, validate_text
+from ..tokenize.tokenizer import Tokenizer
 from ..tokenize.verify import ShadowVerifier
 from .errors import Conflict, InvalidRequest, NotFound, PayloadTooLarge
 from .protocol import parse_body
