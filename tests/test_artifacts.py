@@ -6,7 +6,7 @@ import tokenplane
 from tokenplane.tokenize.spec import artifacts, charclass
 from tokenplane.tokenize.spec.artifacts import ArtifactError
 
-NAMES = ["cl100k_base", "o200k_base", "llama3", "qwen3", "deepseek_v4"]
+NAMES = ["cl100k_base", "o200k_base", "llama3", "qwen3", "deepseek_v4", "smollm2"]
 
 
 @pytest.mark.parametrize("name", NAMES)

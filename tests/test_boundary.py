@@ -20,7 +20,7 @@ from tokenplane.tokenize.cpu import boundary
 from tokenplane.tokenize.spec.charclass import BIT, class_table
 from tokenplane.tokenize.spec.families import Family
 
-NAMES = ["cl100k_base", "o200k_base", "llama3", "qwen3", "deepseek_v4"]
+NAMES = ["cl100k_base", "o200k_base", "llama3", "qwen3", "deepseek_v4", "smollm2"]
 
 # Characters aimed at the rules: letters of every case class, contractions (incl. U+017F and U+212A), marks,
 # digits of several kinds, every whitespace flavour, punctuation incl. / and ', CJK and kana edges, ZWJ, controls.

@@ -14,7 +14,7 @@ from tokenplane.tokenize.cpu.parallel import CpuEncoder
 from pretokenize_oracles import utf8_offsets
 from test_pretokenize import ALPHABET, FRAGMENTS, _corpus_docs, _text_strategy
 
-FAMILIES = ["cl100k_base", "o200k_base", "llama3", "qwen3", "deepseek_v4"]
+FAMILIES = ["cl100k_base", "o200k_base", "llama3", "qwen3", "deepseek_v4", "smollm2"]
 _ENC: dict[str, CpuEncoder] = {}
 
 

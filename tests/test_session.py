@@ -18,7 +18,7 @@ from tokenplane.tokenize.spec.families import Family
 from tokenplane.tokenize.session import Session, SessionError, StaleRevisionError
 from tokenplane.tokenize.tokenizer import Tokenizer
 
-NAMES = ["cl100k_base", "o200k_base", "llama3", "qwen3", "deepseek_v4"]
+NAMES = ["cl100k_base", "o200k_base", "llama3", "qwen3", "deepseek_v4", "smollm2"]
 
 ATOMS = ["123", "4567", "0", "00000", "12", " ", "   ", "\t", "\n", "\r\n", "\r", "\n\n", " \n", "'s", "'ll", "'S",
          "ſ", "'ſ", "don't", "Hello", "hello", "WORLD", "aB", "Ab", "ABc", "e", "\u0301", "\u0308", "é", "中文",

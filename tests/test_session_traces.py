@@ -63,7 +63,7 @@ def test_replay_with_specials_allowed():
 
 
 @pytest.mark.campaign
-@pytest.mark.parametrize("name", ["cl100k_base", "o200k_base", "llama3", "qwen3", "deepseek_v4"])
+@pytest.mark.parametrize("name", ["cl100k_base", "o200k_base", "llama3", "qwen3", "deepseek_v4", "smollm2"])
 def test_replay_campaign(name):
     tok = tokenplane.load(name)
     limit = int(os.environ.get("TOKENPLANE_TRACE_LIMIT", "0")) or None
