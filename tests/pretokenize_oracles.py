@@ -558,9 +558,14 @@ def _starts_smollm2_scan(cps: np.ndarray, cls: np.ndarray, numeric: np.ndarray) 
     n = cps.shape[0]
     starts = np.zeros(n, dtype=bool)
     cp = cps.tolist()
-    is_l = lambda i: bool(cls[i] & _L)
-    is_n = lambda i: bool(cls[i] & _N)
-    is_s = lambda i: bool(cls[i] & _S)
+    def is_l(i: int) -> bool:
+        return bool(cls[i] & _L)
+
+    def is_n(i: int) -> bool:
+        return bool(cls[i] & _N)
+
+    def is_s(i: int) -> bool:
+        return bool(cls[i] & _S)
 
     def match(p: int, end: int) -> int:
         for word in ("s", "t", "re", "ve", "m", "ll", "d"):

@@ -229,3 +229,13 @@ def test_campaign_generated_text(name):
     rng = random.Random(5)
     texts = [adversarial.random_text(rng, max_fragments=8)[:80] for _ in range(150)]
     check_family(name, texts, small_max=32, medium_max=64)
+
+
+def test_smollm2_has_no_device_rules_and_routes_to_the_cpu():
+    """smollm2's device pre-tokenizer is not written: the GPU path refuses it clearly, "auto" stays on the CPU."""
+    tok = tokenplane.load("smollm2")
+    assert not gpu.supports(tok)
+    with pytest.raises(gpu.UnsupportedFamilyError, match="smollm2"):
+        gpu.GpuEncoder(tok)
+    text = "x  1 it's 2024 " * 300
+    assert tok.encode(text).tolist() == tok.encode(text, path="reference").tolist()

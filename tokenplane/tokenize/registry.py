@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
+import logging
 import threading
 from pathlib import Path
 
@@ -22,6 +23,8 @@ from .tokenizer import DEFAULT_MAX_CHARS, Tokenizer
 _INSTANCES: dict[tuple[str, tuple], Tokenizer] = {}
 _CONTENT: dict[str, tuple[str, Family]] = {}     # name -> (sha256, family): a name never changes content
 _LOCK = threading.Lock()
+_GENERIC_LOGGED: set[str] = set()                # content hashes already reported as "no fast path" (log once)
+log = logging.getLogger(__name__)
 
 
 def register(name: str, tokenizer: Tokenizer) -> Tokenizer:
@@ -61,10 +64,13 @@ def build(name: str, family: Family, data: bytes, *, max_chars: int = DEFAULT_MA
 def load(name_or_path: str | Path, *, family: str | None = None, sha256: str | None = None,
          max_chars: int = DEFAULT_MAX_CHARS, gpu_min_chars: int = router.GPU_MIN_CHARS,
          gpu_max_inflight: int = router.GPU_MAX_INFLIGHT) -> Tokenizer:
-    """Load a registered tokenizer (`cl100k_base`, `o200k_base`, `llama3`, `qwen3`, `deepseek_v4`) or a local
-    `tokenizer.json` / `.tiktoken` file. Pinned files are sha256-verified (fail closed); for local files, pass
-    `sha256=` to pin them, and `family=` to give a `.tiktoken` file its splitter. Each distinct set of options is
-    its own shared instance."""
+    """Load a registered tokenizer (`cl100k_base`, `o200k_base`, `llama3`, `qwen3`, `deepseek_v4`, `smollm2`) or a
+    local `tokenizer.json` / `.tiktoken` file. Pinned files are sha256-verified (fail closed); for local files, pass
+    `sha256=` to pin them, and `family=` to give a `.tiktoken` file its splitter. A local file whose content is a
+    registered tokenizer's (same sha256) is that tokenizer (e.g. the tokenizer.json of a converted SmolLM2 folder is
+    `load("smollm2")`). A tokenizer.json of a configuration no family was derived for encodes through the reference
+    engine (same IDs, no fast path, sessions re-encode fully), which is logged once per file content. Each distinct
+    set of options is its own shared instance."""
     key = str(name_or_path)
     opts = {"max_chars": max_chars, "gpu_min_chars": gpu_min_chars, "gpu_max_inflight": gpu_max_inflight}
     if key in ARTIFACTS:
@@ -81,17 +87,33 @@ def load(name_or_path: str | Path, *, family: str | None = None, sha256: str | N
     if not path.exists():
         raise ArtifactError(f"{key!r} is neither a known tokenizer ({sorted(ARTIFACTS)}) nor an existing file")
     data = read_verified(path, sha256) if sha256 else path.read_bytes()
+    digest = hashlib.sha256(data).hexdigest()
+    registered = next((art.name for art in ARTIFACTS.values() if art.sha256 == digest), None)
+    if registered is not None and (family is None or family == registered):
+        return load(registered, max_chars=max_chars, gpu_min_chars=gpu_min_chars, gpu_max_inflight=gpu_max_inflight)
     if path.suffix == ".json":
         if family is not None:
             raise ValueError("family= applies to .tiktoken files; a tokenizer.json names its own splitter")
         fam = _family_for_json(json.loads(data))
+        if fam.name == "hf-generic":
+            _log_generic(path, digest)
     else:
         if family is None or family not in FAMILIES or FAMILIES[family].engine != "tiktoken":
             raise ValueError("a .tiktoken file needs family= one of cl100k_base, o200k_base, llama3")
         fam = FAMILIES[family]
-    name = f"{path.name}@{hashlib.sha256(data).hexdigest()[:12]}"
+    name = f"{path.name}@{digest[:12]}"
     with _LOCK:
         hit = _INSTANCES.get((name, tuple(opts.items())))
     if hit is not None and hit.family == fam:
         return hit
     return register(name, build(name, fam, data, **opts))
+
+
+def _log_generic(path: Path, digest: str) -> None:
+    with _LOCK:
+        if digest in _GENERIC_LOGGED:
+            return
+        _GENERIC_LOGGED.add(digest)
+    log.warning("%s (sha256 %s…): pre-tokenizer configuration of no registered family (%s); encoding through the "
+                "reference engine: exact IDs, no fast CPU/GPU path, sessions re-encode fully", path, digest[:12],
+                ", ".join(FAMILIES))

@@ -62,7 +62,9 @@ def family_code(tokenizer: Tokenizer) -> int:
         ref = FAMILIES[name]
         if (fam.engine, fam.patterns, fam.normalizer) == (ref.engine, ref.patterns, ref.normalizer):
             return code
-    raise UnsupportedFamilyError(f"{tokenizer.name}: family {fam.name!r} has no GPU pre-tokenizer rules")
+    # smollm2 (Digits + GPT-2) has CPU rules only: its router keeps every segment on the CPU path
+    raise UnsupportedFamilyError(f"{tokenizer.name}: family {fam.name!r} has no GPU pre-tokenizer rules; the CPU path "
+                                 f"serves it")
 
 
 @dataclass
