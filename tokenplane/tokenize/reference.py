@@ -223,6 +223,11 @@ class HFReference(ReferenceEngine):
             return [(0, len(text))] if text else []
         return [span for _, span in pre.pre_tokenize_str(text)]
 
+    def model_config(self) -> dict:
+        """The BPE model section (vocab, merges, options) of the loaded file itself, serialized by HF, so a file
+        loaded by path is never paired with another file's merges."""
+        return json.loads(self.ordinary.to_str())["model"]
+
     def normalize(self, text: str) -> str:
         if self._normalizer is None or text.isascii():
             return text   # NFC is the identity on ASCII

@@ -38,16 +38,41 @@ def register(name: str, tokenizer: Tokenizer) -> Tokenizer:
         return _INSTANCES.setdefault((name, tokenizer.options), tokenizer)
 
 
-def _family_for_json(config: dict) -> Family:
-    """Pick the frozen family whose splitter chain equals this tokenizer.json's (else: no fast path family)."""
+def _split_chain(config: dict) -> tuple[str, ...] | None:
+    """The Split regexes of a pre-tokenizer that is exactly `Split(Regex, Isolated)*` then a byte mapping without a
+    regex (`ByteLevel(use_regex=false)`) and no other step, under a normalizer that is absent, empty or NFC, with a
+    byte-level BPE; None for anything else (another step, a Split of another behaviour, a prefix space...)."""
     pre = config.get("pre_tokenizer") or {}
-    splits = pre.get("pretokenizers", [pre])
-    patterns = tuple(s["pattern"].get("Regex", "") for s in splits if s.get("type") == "Split")
+    steps = pre.get("pretokenizers", []) if pre.get("type") == "Sequence" else [pre]
+    norm = config.get("normalizer")
+    if norm not in (None, {"type": "NFC"}, {"type": "Sequence", "normalizers": []}):
+        return None
+    model = config.get("model") or {}
+    if model.get("type") != "BPE" or model.get("byte_fallback") or model.get("dropout"):
+        return None
+    if not steps or steps[-1] != {**steps[-1], "type": "ByteLevel", "add_prefix_space": False, "use_regex": False}:
+        return None
+    patterns = []
+    for step in steps[:-1]:
+        if step.get("type") != "Split" or step.get("behavior") != "Isolated" or step.get("invert") \
+                or "Regex" not in (step.get("pattern") or {}):
+            return None
+        patterns.append(step["pattern"]["Regex"])
+    return tuple(patterns)
+
+
+def _family_for_json(config: dict) -> Family:
+    """Pick the frozen family whose whole pre-tokenizer chain and normalizer equal this tokenizer.json's (else: the
+    reference-only "hf-generic"). A family whose chain is not all Splits (smollm2) is recognized by its file's hash
+    only (`load`)."""
     norm = (config.get("normalizer") or {}).get("type")
-    for fam in FAMILIES.values():
-        if fam.engine == "hf" and fam.patterns == patterns and (fam.normalizer == "nfc") == (norm == "NFC"):
-            return fam
-    return Family(name="hf-generic", engine="hf", patterns=patterns, onig_patterns=patterns,
+    patterns = _split_chain(config)
+    if patterns is not None:
+        for fam in FAMILIES.values():
+            if fam.engine == "hf" and fam.onig_patterns and fam.patterns == patterns \
+                    and (fam.normalizer == "nfc") == (norm == "NFC"):
+                return fam
+    return Family(name="hf-generic", engine="hf", patterns=patterns or (), onig_patterns=patterns or (),
                   normalizer="nfc" if norm == "NFC" else None)
 
 

@@ -18,15 +18,14 @@ The kernel is numba-compiled with nogil=True, so chunks encode in parallel threa
 
 from __future__ import annotations
 
-import json
 import os
 import threading
 
 import numpy as np
 from numba import njit
 
-from ..reference import ReferenceEngine, _bytes_to_unicode
-from ..spec.artifacts import artifact_bytes, cache_dir
+from ..reference import HFReference, ReferenceEngine, _bytes_to_unicode
+from ..spec.artifacts import cache_dir
 
 EMPTY = np.uint64(0xFFFFFFFFFFFFFFFF)
 _MUL = np.uint64(0x9E3779B97F4A7C15)
@@ -511,6 +510,9 @@ class BPE:
         self.tok_off = np.zeros(len(tokens) + 1, dtype=np.int64)
         np.cumsum(lengths, out=self.tok_off[1:])
         self.tok_flat = np.frombuffer(b"".join(tokens), dtype=np.uint8)
+        # HF: the model section of the tokenizer's own file (a file loaded by path may share a family's splitter, not
+        # its merges)
+        model = reference.model_config() if isinstance(reference, HFReference) else None
         cached = cache_dir() / f"bpe-pairs-{content_hash[:24]}.npz"
         if cached.exists():
             z = np.load(cached)
@@ -519,7 +521,9 @@ class BPE:
             if fam.engine == "tiktoken":
                 left, right, rank, new = _tiktoken_pairs(tokens, n_ord)
             else:
-                left, right, rank, new = _hf_pairs(json.loads(artifact_bytes(fam.name)))
+                if model is None:
+                    raise ValueError(f"{fam.name}: an HF family needs an HF reference engine")
+                left, right, rank, new = _hf_pairs({"model": model})
             tmp = cached.with_name(cached.name + f".tmp{os.getpid()}.npz")
             np.savez(tmp, left=left, right=right, rank=rank, new=new)
             os.replace(tmp, cached)
@@ -533,7 +537,9 @@ class BPE:
             byte_ids = {tok[0]: i for i, tok in enumerate(tokens[:n_ord]) if len(tok) == 1}
             self.whole = True
         else:
-            config = json.loads(artifact_bytes(fam.name))
+            if model is None:
+                raise ValueError(f"{fam.name}: an HF family needs an HF reference engine")
+            config = {"model": model}
             vocab = config["model"]["vocab"]
             b2u = _bytes_to_unicode()
             byte_ids = {b: vocab[c] for b, c in b2u.items() if c in vocab}
