@@ -218,9 +218,14 @@ def rule_for(family: Family) -> BoundaryRule | None:
         return None
     if not _table_ok(rule.engine):
         return None
-    if family.name == "smollm2" and numeric_hash(numeric_table()) != NUMERIC_SHA256:
+    if family.name == "smollm2" and not _numeric_ok():
         return None
     return rule
+
+
+@cache
+def _numeric_ok() -> bool:
+    return numeric_hash(numeric_table()) == NUMERIC_SHA256
 
 
 @cache

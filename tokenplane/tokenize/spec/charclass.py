@@ -132,6 +132,7 @@ def numeric_hash(table: np.ndarray) -> str:
     return hashlib.sha256(np.packbits(table.astype(np.bool_)).tobytes()).hexdigest()
 
 
+@cache
 def numeric_is_pinned() -> bool:
     """True when the probed Digits table equals the one the smollm2 derivation was checked against."""
     pin = PINNED_NUMERIC.get(_engine_version("hf"))
