@@ -88,12 +88,13 @@ def test_unknown_configuration_is_exact_through_the_reference_and_logged_once(tm
 
 
 def test_a_chain_with_an_extra_step_is_not_mistaken_for_a_family(tmp_path):
-    """Only the whole pre-tokenizer chain names a family: Digits in front of qwen3's Split is hf-generic (reference)."""
+    """Only the whole pre-tokenizer chain names a family: Digits in front of DeepSeek's Splits is hf-generic
+    (reference), not deepseek_v4."""
     import json
 
     from tokenizers import Tokenizer as HFTokenizer
 
-    config = json.loads(artifact_bytes("qwen3"))
+    config = json.loads(artifact_bytes("deepseek_v4"))
     config["pre_tokenizer"]["pretokenizers"].insert(0, {"type": "Digits", "individual_digits": False})
     path = tmp_path / "tokenizer.json"
     path.write_text(json.dumps(config))
@@ -104,20 +105,20 @@ def test_a_chain_with_an_extra_step_is_not_mistaken_for_a_family(tmp_path):
 
 
 def test_a_family_config_with_other_merges_uses_its_own_merges(tmp_path):
-    """A file with qwen3's splitter but other merges gets qwen3's fast path with ITS merges (never the pinned file's)."""
+    """A file with DeepSeek's splitter but other merges gets its fast path with ITS merges (never the pinned file's)."""
     import json
 
     from tokenizers import Tokenizer as HFTokenizer
 
-    config = json.loads(artifact_bytes("qwen3"))
+    config = json.loads(artifact_bytes("deepseek_v4"))
     merges = config["model"]["merges"]
     config["model"]["merges"] = merges[:50] + merges[60:]        # ten merges fewer: some words split differently
     path = tmp_path / "tokenizer.json"
     path.write_text(json.dumps(config))
     tok = tokenplane.load(path)
-    assert tok.family.name == "qwen3" and "cpu" in tok.fast_paths
+    assert tok.family.name == "deepseek_v4" and "cpu" in tok.fast_paths
     hf = HFTokenizer.from_file(str(path))
     gone = ["".join(m) if isinstance(m, list) else m.replace(" ", "") for m in merges[50:60]]
     text = " ".join(w.replace("Ġ", " ").strip() or "x" for w in gone) + " the theory of 2024 don't stop"
     assert tok.encode(text, path="cpu").tolist() == hf.encode(text, add_special_tokens=False).ids
-    assert tok.encode(text, path="cpu").tolist() != tokenplane.load("qwen3").encode(text).tolist()
+    assert tok.encode(text, path="cpu").tolist() != tokenplane.load("deepseek_v4").encode(text).tolist()
