@@ -121,4 +121,5 @@ def test_a_family_config_with_other_merges_uses_its_own_merges(tmp_path):
     gone = ["".join(m) if isinstance(m, list) else m.replace(" ", "") for m in merges[50:60]]
     text = " ".join(w.replace("Ġ", " ").strip() or "x" for w in gone) + " the theory of 2024 don't stop"
     assert tok.encode(text, path="cpu").tolist() == hf.encode(text, add_special_tokens=False).ids
-    assert tok.encode(text, path="cpu").tolist() != tokenplane.load("deepseek_v4").encode(text).tolist()
+    pinned = tokenplane.load("deepseek_v4").encode(text, path="reference")
+    assert tok.encode(text, path="cpu").tolist() != pinned.tolist()
