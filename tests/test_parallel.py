@@ -13,7 +13,7 @@ from tokenplane.tokenize.registry import build
 
 from test_pretokenize import ALPHABET, FRAGMENTS, _corpus_docs
 
-FAMILIES = ["cl100k_base", "o200k_base", "llama3", "qwen3", "deepseek_v4"]
+FAMILIES = ["cl100k_base", "o200k_base", "llama3", "qwen3", "deepseek_v4", "smollm2"]
 _ENC: dict[str, CpuEncoder] = {}
 
 

@@ -20,7 +20,7 @@ from realtext import corpus_lines
 from tokenplane.tokenize.cpu import pretokenize
 from tokenplane.tokenize.spec import charclass
 
-FAMILIES = ["cl100k_base", "o200k_base", "llama3", "qwen3", "deepseek_v4"]
+FAMILIES = ["cl100k_base", "o200k_base", "llama3", "qwen3", "deepseek_v4", "smollm2"]
 
 
 @lru_cache(maxsize=None)
@@ -154,6 +154,9 @@ def test_run_level_equals_dense_form(name):
         elif name == "deepseek_v4":
             run, dense = oracles._starts_deepseek(cps, cls), oracles._starts_deepseek_dense(cps, cls)
             assert pretokenize._starts_deepseek_loop(cps, "hf").tolist() == run.tolist(), text
+        elif name == "smollm2":
+            run = pretokenize._starts_smollm2_loop(cps, "hf")
+            dense = oracles._starts_smollm2_scan(cps, cls, charclass.numeric_table())
         else:
             digits = 1 if name == "qwen3" else 3
             whole = name == "cl100k_base"
@@ -162,3 +165,26 @@ def test_run_level_equals_dense_form(name):
             loop = pretokenize._starts_gpt4_loop(cps, "tiktoken", digits, whole)
             assert loop.tolist() == run.tolist(), text
         assert run.tolist() == dense.tolist(), text
+
+
+SMOLLM2_CASES = ["x  1", "x 1", "x1", "1x", "a 1 b", "12 34", "x   \t1", "1  ", "  1", "1 x", "x\n1", "x \n 1",
+                 "it's", "IT'S", "'s", " 's", "  's", "\t's", "x''s", "1's", "'re'll've'd'm't", "'rex", "'Re",
+                 "don't 2", "٣٤ x", "x½y", "²x", "\U00011de0x", "a\U00016ff5 b", " \U00011de1 ", "x  ", "x\n\n\ny",
+                 "x \u00a0 y", "a\u3000\u3000b", "e\u0301 x", " \u0301", "((x))  ", "a  !b", "\r\n\r\n x",
+                 "ab12cd 34 ef", "v1.2.3", "$ 100", "x\x04y", "!\x04!", "\U00040000a"]
+
+
+@pytest.mark.parametrize("text", SMOLLM2_CASES)
+def test_smollm2_digits_and_gpt2_cases(text):
+    """Digits next to letters and spaces ('x  1': the space run ends a Digits piece, so it is one piece), the
+    Digits-only numerics (U+11DE0, U+16FF5: Rust is_numeric, not \\p{N}), lowercase-only contractions, whitespace runs,
+    and bytes SmolLM2's vocabulary lacks (U+0004, lead byte F1)."""
+    _check("smollm2", text)
+    tok = tokenplane.load("smollm2")
+    assert tok.encode(text, path="cpu").tolist() == tok.encode(text, path="reference").tolist()
+
+
+def test_smollm2_x_two_spaces_1():
+    tok = tokenplane.load("smollm2")
+    assert tok.reference.pretokenize("x  1") == [(0, 1), (1, 3), (3, 4)]
+    assert pretokenize.pieces("smollm2", "x  1") == [(0, 1), (1, 3), (3, 4)]

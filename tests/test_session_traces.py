@@ -42,7 +42,7 @@ def test_render_prompts_are_extensions():
     assert prompts[0].startswith("<|im_start|>system\n")
 
 
-@pytest.mark.parametrize("name", ["o200k_base", "qwen3"])
+@pytest.mark.parametrize("name", ["o200k_base", "qwen3", "smollm2"])
 def test_replay_exact_and_first_window(name):
     tok = tokenplane.load(name)
     repairs = accepted = 0
@@ -54,16 +54,17 @@ def test_replay_exact_and_first_window(name):
     assert repairs > 10 and accepted == repairs
 
 
-def test_replay_with_specials_allowed():
+@pytest.mark.parametrize("name", ["qwen3", "smollm2"])      # both are ChatML: <|im_start|>, <|im_end|>
+def test_replay_with_specials_allowed(name):
     """The chat-template markers become special IDs (hard boundaries) when allowed."""
-    tok = tokenplane.load("qwen3")
+    tok = tokenplane.load(name)
     messages = load_trajectories(limit=3)[2]
     stats, _ = _replay(tok, messages[:16], allowed="all")
     assert stats.full_fallbacks == 0
 
 
 @pytest.mark.campaign
-@pytest.mark.parametrize("name", ["cl100k_base", "o200k_base", "llama3", "qwen3", "deepseek_v4"])
+@pytest.mark.parametrize("name", ["cl100k_base", "o200k_base", "llama3", "qwen3", "deepseek_v4", "smollm2"])
 def test_replay_campaign(name):
     tok = tokenplane.load(name)
     limit = int(os.environ.get("TOKENPLANE_TRACE_LIMIT", "0")) or None

@@ -4,7 +4,7 @@ import pytest
 import tokenplane
 from tokenplane import InvalidTextError, TextTooLargeError
 
-NAMES = ["cl100k_base", "o200k_base", "llama3", "qwen3", "deepseek_v4"]
+NAMES = ["cl100k_base", "o200k_base", "llama3", "qwen3", "deepseek_v4", "smollm2"]
 TEXT = "Hello world! 12345 <|endoftext|> 你好 <think>x</think> don't ſ'S\r\n\n  x"
 
 

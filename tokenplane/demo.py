@@ -27,7 +27,7 @@ DEFAULT_INSTANCE = "django__django-13512"
 
 def main_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--family", default="qwen3",
-                        help="tokenizer: cl100k_base, o200k_base, llama3, qwen3, deepseek_v4 (default qwen3)")
+                        help="tokenizer: cl100k_base, o200k_base, llama3, qwen3, deepseek_v4, smollm2 (default qwen3)")
     parser.add_argument("--trace", default=None,
                         help="a mini-swe-agent .traj.json file (default: django__django-13512 from the shared data "
                              "dir, else the bundled copy)")

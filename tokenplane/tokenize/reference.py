@@ -1,4 +1,5 @@
-"""Reference engines behind one interface: tiktoken for cl100k/o200k/llama3, HF `tokenizers` for qwen3/deepseek_v4.
+"""Reference engines behind one interface: tiktoken for cl100k/o200k/llama3, HF `tokenizers` for qwen3, deepseek_v4,
+smollm2.
 
 Every fast path in tokenplane is defined as "returns what `ReferenceEngine.encode_ordinary` returns" and is
 differential-tested against it. The engine also reports per-token ends (in characters of the normalized text), which
@@ -120,12 +121,28 @@ class ReferenceEngine:
             best = max(best, n)
         return best
 
+    # bool[256]: bytes that have no token. HF's BPE without an unknown token or byte fallback drops such a byte from
+    # the piece and merges its neighbours across it (SmolLM2 lacks 21 single bytes, 6 of them ASCII controls).
+    missing_bytes: np.ndarray | None = None
+
+    def char_ends(self, text: str, ids: np.ndarray) -> np.ndarray:
+        """Each token's end in characters of `text` (its IDs `ids`): the character after the token's last byte. When
+        the vocabulary drops bytes, the token bytes are the text's bytes without the dropped ones."""
+        byte_ends = np.cumsum(self.token_lengths[ids])
+        missing = self.missing_bytes
+        if missing is not None and not (text.isascii() and not missing[:128].any()):
+            raw = np.frombuffer(text.encode("utf-8"), dtype=np.uint8)
+            drop = missing[raw]
+            if drop.any():
+                kept = np.flatnonzero(~drop)
+                byte_ends = kept[byte_ends.astype(np.int64) - 1] + 1 if byte_ends.size else byte_ends
+        return utf8_char_ends(text, byte_ends)
+
     def encode_with_ends(self, text: str) -> tuple[np.ndarray, np.ndarray]:
         """IDs of normalize(text) plus each token's end offset in characters of normalize(text)."""
         norm = self.normalize(text)
         ids = self.encode_ordinary_normalized(norm)
-        byte_ends = np.cumsum(self.token_lengths[ids])
-        return ids, utf8_char_ends(norm, byte_ends)
+        return ids, self.char_ends(norm, ids)
 
     def encode_ordinary_normalized(self, norm: str) -> np.ndarray:
         """Encode text that is already normalized (normalization is idempotent, so this equals encode_ordinary)."""
@@ -191,6 +208,25 @@ class HFReference(ReferenceEngine):
             table[rank] = text.encode()
         self.token_bytes = table
         self.n_ordinary = len(vocab)
+        missing = np.array([c not in vocab for c in _bytes_to_unicode().values()], dtype=bool)
+        if missing.any() and not (config["model"].get("byte_fallback") or config["model"].get("unk_token")):
+            self.missing_bytes = np.zeros(256, dtype=bool)
+            self.missing_bytes[[b for b, c in _bytes_to_unicode().items() if c not in vocab]] = True
+
+    def pretokenize(self, text: str) -> list[tuple[int, int]]:
+        """A family whose chain is not all Splits (smollm2: HF's Digits, then ByteLevel's own regex) has no
+        `onig_patterns`; its pieces come from the tokenizer.json's own pre-tokenizer (character offsets)."""
+        if self.family.onig_patterns:
+            return super().pretokenize(text)
+        pre = self.ordinary.pre_tokenizer
+        if pre is None:
+            return [(0, len(text))] if text else []
+        return [span for _, span in pre.pre_tokenize_str(text)]
+
+    def model_config(self) -> dict:
+        """The BPE model section (vocab, merges, options) of the loaded file itself, serialized by HF, so a file
+        loaded by path is never paired with another file's merges."""
+        return json.loads(self.ordinary.to_str())["model"]
 
     def normalize(self, text: str) -> str:
         if self._normalizer is None or text.isascii():

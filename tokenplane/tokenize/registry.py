@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
+import logging
 import threading
 from pathlib import Path
 
@@ -22,6 +23,8 @@ from .tokenizer import DEFAULT_MAX_CHARS, Tokenizer
 _INSTANCES: dict[tuple[str, tuple], Tokenizer] = {}
 _CONTENT: dict[str, tuple[str, Family]] = {}     # name -> (sha256, family): a name never changes content
 _LOCK = threading.Lock()
+_GENERIC_LOGGED: set[str] = set()                # content hashes already reported as "no fast path" (log once)
+log = logging.getLogger(__name__)
 
 
 def register(name: str, tokenizer: Tokenizer) -> Tokenizer:
@@ -35,16 +38,41 @@ def register(name: str, tokenizer: Tokenizer) -> Tokenizer:
         return _INSTANCES.setdefault((name, tokenizer.options), tokenizer)
 
 
-def _family_for_json(config: dict) -> Family:
-    """Pick the frozen family whose splitter chain equals this tokenizer.json's (else: no fast path family)."""
+def _split_chain(config: dict) -> tuple[str, ...] | None:
+    """The Split regexes of a pre-tokenizer that is exactly `Split(Regex, Isolated)*` then a byte mapping without a
+    regex (`ByteLevel(use_regex=false)`) and no other step, under a normalizer that is absent, empty or NFC, with a
+    byte-level BPE; None for anything else (another step, a Split of another behaviour, a prefix space...)."""
     pre = config.get("pre_tokenizer") or {}
-    splits = pre.get("pretokenizers", [pre])
-    patterns = tuple(s["pattern"].get("Regex", "") for s in splits if s.get("type") == "Split")
+    steps = pre.get("pretokenizers", []) if pre.get("type") == "Sequence" else [pre]
+    norm = config.get("normalizer")
+    if norm not in (None, {"type": "NFC"}, {"type": "Sequence", "normalizers": []}):
+        return None
+    model = config.get("model") or {}
+    if model.get("type") != "BPE" or model.get("byte_fallback") or model.get("dropout"):
+        return None
+    if not steps or steps[-1] != {**steps[-1], "type": "ByteLevel", "add_prefix_space": False, "use_regex": False}:
+        return None
+    patterns = []
+    for step in steps[:-1]:
+        if step.get("type") != "Split" or step.get("behavior") != "Isolated" or step.get("invert") \
+                or "Regex" not in (step.get("pattern") or {}):
+            return None
+        patterns.append(step["pattern"]["Regex"])
+    return tuple(patterns)
+
+
+def _family_for_json(config: dict) -> Family:
+    """Pick the frozen family whose whole pre-tokenizer chain and normalizer equal this tokenizer.json's (else: the
+    reference-only "hf-generic"). A family whose chain is not all Splits (smollm2) is recognized by its file's hash
+    only (`load`)."""
     norm = (config.get("normalizer") or {}).get("type")
-    for fam in FAMILIES.values():
-        if fam.engine == "hf" and fam.patterns == patterns and (fam.normalizer == "nfc") == (norm == "NFC"):
-            return fam
-    return Family(name="hf-generic", engine="hf", patterns=patterns, onig_patterns=patterns,
+    patterns = _split_chain(config)
+    if patterns is not None:
+        for fam in FAMILIES.values():
+            if fam.engine == "hf" and fam.onig_patterns and fam.patterns == patterns \
+                    and (fam.normalizer == "nfc") == (norm == "NFC"):
+                return fam
+    return Family(name="hf-generic", engine="hf", patterns=patterns or (), onig_patterns=patterns or (),
                   normalizer="nfc" if norm == "NFC" else None)
 
 
@@ -61,10 +89,13 @@ def build(name: str, family: Family, data: bytes, *, max_chars: int = DEFAULT_MA
 def load(name_or_path: str | Path, *, family: str | None = None, sha256: str | None = None,
          max_chars: int = DEFAULT_MAX_CHARS, gpu_min_chars: int = router.GPU_MIN_CHARS,
          gpu_max_inflight: int = router.GPU_MAX_INFLIGHT) -> Tokenizer:
-    """Load a registered tokenizer (`cl100k_base`, `o200k_base`, `llama3`, `qwen3`, `deepseek_v4`) or a local
-    `tokenizer.json` / `.tiktoken` file. Pinned files are sha256-verified (fail closed); for local files, pass
-    `sha256=` to pin them, and `family=` to give a `.tiktoken` file its splitter. Each distinct set of options is
-    its own shared instance."""
+    """Load a registered tokenizer (`cl100k_base`, `o200k_base`, `llama3`, `qwen3`, `deepseek_v4`, `smollm2`) or a
+    local `tokenizer.json` / `.tiktoken` file. Pinned files are sha256-verified (fail closed); for local files, pass
+    `sha256=` to pin them, and `family=` to give a `.tiktoken` file its splitter. A local file whose content is a
+    registered tokenizer's (same sha256) is that tokenizer (e.g. the tokenizer.json of a converted SmolLM2 folder is
+    `load("smollm2")`). A tokenizer.json of a configuration no family was derived for encodes through the reference
+    engine (same IDs, no fast path, sessions re-encode fully), which is logged once per file content. Each distinct
+    set of options is its own shared instance."""
     key = str(name_or_path)
     opts = {"max_chars": max_chars, "gpu_min_chars": gpu_min_chars, "gpu_max_inflight": gpu_max_inflight}
     if key in ARTIFACTS:
@@ -81,17 +112,33 @@ def load(name_or_path: str | Path, *, family: str | None = None, sha256: str | N
     if not path.exists():
         raise ArtifactError(f"{key!r} is neither a known tokenizer ({sorted(ARTIFACTS)}) nor an existing file")
     data = read_verified(path, sha256) if sha256 else path.read_bytes()
+    digest = hashlib.sha256(data).hexdigest()
+    registered = next((art.name for art in ARTIFACTS.values() if art.sha256 == digest), None)
+    if registered is not None and (family is None or family == registered):
+        return load(registered, max_chars=max_chars, gpu_min_chars=gpu_min_chars, gpu_max_inflight=gpu_max_inflight)
     if path.suffix == ".json":
         if family is not None:
             raise ValueError("family= applies to .tiktoken files; a tokenizer.json names its own splitter")
         fam = _family_for_json(json.loads(data))
+        if fam.name == "hf-generic":
+            _log_generic(path, digest)
     else:
         if family is None or family not in FAMILIES or FAMILIES[family].engine != "tiktoken":
             raise ValueError("a .tiktoken file needs family= one of cl100k_base, o200k_base, llama3")
         fam = FAMILIES[family]
-    name = f"{path.name}@{hashlib.sha256(data).hexdigest()[:12]}"
+    name = f"{path.name}@{digest[:12]}"
     with _LOCK:
         hit = _INSTANCES.get((name, tuple(opts.items())))
     if hit is not None and hit.family == fam:
         return hit
     return register(name, build(name, fam, data, **opts))
+
+
+def _log_generic(path: Path, digest: str) -> None:
+    with _LOCK:
+        if digest in _GENERIC_LOGGED:
+            return
+        _GENERIC_LOGGED.add(digest)
+    log.warning("%s (sha256 %s…): pre-tokenizer configuration of no registered family (%s); encoding through the "
+                "reference engine: exact IDs, no fast CPU/GPU path, sessions re-encode fully", path, digest[:12],
+                ", ".join(FAMILIES))

@@ -26,7 +26,6 @@ import numpy as np
 
 from .cpu import boundary
 from .errors import SessionError, StaleRevisionError, TextTooLargeError, validate_text  # noqa: F401
-from .reference import utf8_char_ends
 from .splice import MAX_CANDIDATES, Point, SpliceSearch
 from .textstore import (
     Append,
@@ -513,9 +512,8 @@ class Session:
             else:
                 ids = self.tokenizer.encode_ordinary(t, path=self.encode_path)
             self._encode_s += time.perf_counter() - t0
-            byte_ends = np.cumsum(self.reference.token_lengths[ids])
             id_parts.append(ids)
-            end_parts.append(utf8_char_ends(t, byte_ends) + (a - s))
+            end_parts.append(self.reference.char_ends(t, ids) + (a - s))
             return True
 
         for a, b, sid in inside:

@@ -26,7 +26,7 @@ import numpy as np
 from numba import njit
 from numba.cpython.unicode import _get_code_point
 
-from ..spec.charclass import BIT, class_table, table_hash
+from ..spec.charclass import BIT, class_table, numeric_hash, numeric_table, table_hash
 from ..spec.families import Family
 
 LOOKBACK = 1    # a: characters left of p the predicate reads (x = T[p-1])
@@ -36,7 +36,9 @@ LOOKAHEAD = 1   # b: characters from p on the predicate and every left match att
 TABLE_SHA256 = "7b30e600dcd6942538555137b4ce7b90ef70889e3cc72b5dc6f8d5e334a229de"
 
 _L, _N, _M, _S, _P, _SYM = BIT["L"], BIT["N"], BIT["M"], BIT["s"], BIT["P"], BIT["S"]
-_CR, _LF, _APOS, _SLASH = 0x0D, 0x0A, 0x27, 0x2F
+_CR, _LF, _APOS, _SLASH, _SPACE = 0x0D, 0x0A, 0x27, 0x2F, 0x20
+# The probed HF Digits table (charclass.numeric_table) the smollm2 derivation was checked against.
+NUMERIC_SHA256 = "febbf9708ac79170530336d86cb39e21b93086b2a1a9a1b6a55f98345167797c"
 
 Predicate = Callable[[np.ndarray, np.ndarray, np.ndarray, np.ndarray], np.ndarray]
 
@@ -83,6 +85,21 @@ def _deepseek(cx, x, cy, y):
     return digit_edge | cjk_edge | letter_end | newline_end | punct_space
 
 
+def _smollm2(cx, x, cy, y):
+    """smollm2: HF Digits (every Rust-numeric character alone) -> the GPT-2 pattern on each piece (a single space is
+    the only prefix, contractions are lowercase and lead their letters, `\\s+(?!\\S)` leaves a run's last character)."""
+    num = numeric_table()
+    nx, ny = num[x], num[y]
+    wx, wy = (cx & _S) != 0, (cy & _S) != 0
+    lx, ly = (cx & _L) != 0, (cy & _L) != 0
+    digit_edge = nx | ny                                                     # G1 (stage 1)
+    letter_end = lx & ~ly                                                    # G2
+    space_end = wx & (x != _SPACE) & ~wy                                     # G3
+    other = ~lx & ~wx & ~nx
+    other_end = other & (wy | (ly & (x != _APOS)))                           # G4
+    return digit_edge | letter_end | space_end | other_end
+
+
 @dataclass(frozen=True)
 class BoundaryRule:
     family: str
@@ -118,12 +135,15 @@ class BoundaryRule:
 
 def _signatures(engine: str) -> tuple[np.ndarray, np.ndarray]:
     """Per code point, the id of everything a predicate reads about a character (its class bits among L, N, M, \\s,
-    P, S; whether it is CR, LF, an apostrophe or a slash; CJK-range membership), and one representative code point
-    per id. Equal ids mean the predicates cannot tell two characters apart."""
+    P, S; whether it is CR, LF, an apostrophe, a slash or a space; CJK-range membership; for HF, Digits-numeric
+    beyond \\p{N}), and one representative code point per id. Equal ids mean the predicates cannot tell two
+    characters apart."""
     cls = class_table(engine)
     cp = np.arange(cls.shape[0], dtype=np.int32)
-    key = (cls.astype(np.int32) & (_L | _N | _M | _S | _P | _SYM)) * 16 + _cjk(cp) * 8
-    for code, ch in enumerate((_CR, _LF, _APOS, _SLASH), start=1):
+    key = (cls.astype(np.int32) & (_L | _N | _M | _S | _P | _SYM)) * 32 + _cjk(cp) * 8
+    if engine == "hf":      # HF's Digits splits on Rust's is_numeric, a superset of \\p{N} (smollm2)
+        key += (numeric_table() & ((cls & _N) == 0)) * 16
+    for code, ch in enumerate((_CR, _LF, _APOS, _SLASH, _SPACE), start=1):
         key[ch] += code
     # ids by a dense key table (np.unique would sort 1.1M keys: ~50 ms on the first parallel encode)
     present = np.zeros(int(key.max()) + 1, dtype=bool)
@@ -185,6 +205,8 @@ RULES: dict[str, BoundaryRule] = {
                           "hf", _cl100k_like(digits_single=True)),
     "deepseek_v4": BoundaryRule("deepseek_v4", "59a6898ff02e65f945412edccde80a37e370b03a027088f580d434dab5a41b8b",
                                 "hf", _deepseek),
+    "smollm2": BoundaryRule("smollm2", "a9301d28c2c1ceed6ebba71008926e184b3d5c77a28bd82e5a2aca59b7a61f27",
+                            "hf", _smollm2),
 }
 
 
@@ -196,7 +218,14 @@ def rule_for(family: Family) -> BoundaryRule | None:
         return None
     if not _table_ok(rule.engine):
         return None
+    if family.name == "smollm2" and not _numeric_ok():
+        return None
     return rule
+
+
+@cache
+def _numeric_ok() -> bool:
+    return numeric_hash(numeric_table()) == NUMERIC_SHA256
 
 
 @cache

@@ -18,15 +18,14 @@ The kernel is numba-compiled with nogil=True, so chunks encode in parallel threa
 
 from __future__ import annotations
 
-import json
 import os
 import threading
 
 import numpy as np
 from numba import njit
 
-from ..reference import ReferenceEngine, _bytes_to_unicode
-from ..spec.artifacts import artifact_bytes, cache_dir
+from ..reference import HFReference, ReferenceEngine, _bytes_to_unicode
+from ..spec.artifacts import cache_dir
 
 EMPTY = np.uint64(0xFFFFFFFFFFFFFFFF)
 _MUL = np.uint64(0x9E3779B97F4A7C15)
@@ -483,6 +482,21 @@ def _hf_pairs(config: dict):
     return as32(left), as32(right), as32(rank), as32(new)
 
 
+class DroppedBytes(ValueError):
+    """The text holds a byte with no token, which the reference drops (HF BPE without an unknown token or byte
+    fallback) while merging across it; the kernels do not implement that, so the caller encodes with the reference."""
+
+
+def _any_of(buf, lut):
+    for i in range(buf.shape[0]):
+        if lut[buf[i]]:
+            return True
+    return False
+
+
+_any_of = njit(cache=True, nogil=True)(_any_of)
+
+
 class BPE:
     """The byte-pair encoder of one tokenizer (immutable after construction; encode() is thread-safe)."""
 
@@ -496,6 +510,9 @@ class BPE:
         self.tok_off = np.zeros(len(tokens) + 1, dtype=np.int64)
         np.cumsum(lengths, out=self.tok_off[1:])
         self.tok_flat = np.frombuffer(b"".join(tokens), dtype=np.uint8)
+        # HF: the model section of the tokenizer's own file (a file loaded by path may share a family's splitter, not
+        # its merges)
+        model = reference.model_config() if isinstance(reference, HFReference) else None
         cached = cache_dir() / f"bpe-pairs-{content_hash[:24]}.npz"
         if cached.exists():
             z = np.load(cached)
@@ -504,7 +521,9 @@ class BPE:
             if fam.engine == "tiktoken":
                 left, right, rank, new = _tiktoken_pairs(tokens, n_ord)
             else:
-                left, right, rank, new = _hf_pairs(json.loads(artifact_bytes(fam.name)))
+                if model is None:
+                    raise ValueError(f"{fam.name}: an HF family needs an HF reference engine")
+                left, right, rank, new = _hf_pairs({"model": model})
             tmp = cached.with_name(cached.name + f".tmp{os.getpid()}.npz")
             np.savez(tmp, left=left, right=right, rank=rank, new=new)
             os.replace(tmp, cached)
@@ -518,7 +537,9 @@ class BPE:
             byte_ids = {tok[0]: i for i, tok in enumerate(tokens[:n_ord]) if len(tok) == 1}
             self.whole = True
         else:
-            config = json.loads(artifact_bytes(fam.name))
+            if model is None:
+                raise ValueError(f"{fam.name}: an HF family needs an HF reference engine")
+            config = {"model": model}
             vocab = config["model"]["vocab"]
             b2u = _bytes_to_unicode()
             byte_ids = {b: vocab[c] for b, c in b2u.items() if c in vocab}
@@ -526,9 +547,10 @@ class BPE:
             if config["model"].get("byte_fallback") or config["model"].get("continuing_subword_prefix") \
                     or config["model"].get("end_of_word_suffix") or config["model"].get("dropout"):
                 raise ValueError(f"{fam.name}: BPE options outside what this kernel implements")
-        if len(byte_ids) != 256:
+        self.missing = reference.missing_bytes     # bytes the reference drops: such texts raise DroppedBytes
+        if len(byte_ids) != 256 and (self.missing is None or int(self.missing.sum()) != 256 - len(byte_ids)):
             raise ValueError(f"{fam.name}: {256 - len(byte_ids)} single bytes have no token")
-        self.byte_ids = np.array([byte_ids[b] for b in range(256)], dtype=np.int32)
+        self.byte_ids = np.array([byte_ids.get(b, -1) for b in range(256)], dtype=np.int32)
         multi = np.flatnonzero(lengths[:n_ord] >= 2).astype(np.int64)
         if fam.engine != "tiktoken" and not ignore_merges:
             # Merges decide, but a piece's BPE depends on its bytes alone: a piece equal to a token whose own bytes
@@ -555,7 +577,10 @@ class BPE:
             cache.clear()
 
     def encode_bytes(self, buf: np.ndarray, bounds: np.ndarray, cache: PieceCache | None = None) -> np.ndarray:
-        """IDs (int32) of the pieces buf[bounds[j]:bounds[j+1]] (buf: uint8 UTF-8, bounds: int64 byte offsets)."""
+        """IDs (int32) of the pieces buf[bounds[j]:bounds[j+1]] (buf: uint8 UTF-8, bounds: int64 byte offsets).
+        DroppedBytes when buf holds a byte without a token (never for a vocabulary that has all 256)."""
+        if self.missing is not None and _any_of(buf, self.missing):
+            raise DroppedBytes("the text holds a byte without a token")
         c = cache if cache is not None else self._cache()
         return _encode_pieces(buf, bounds, self.byte_ids, self.ptab, self.batch,
                               self.whole, self.wkeys, self.wids, self.tok_flat, self.tok_off, c.short,

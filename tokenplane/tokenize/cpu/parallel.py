@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from . import boundary, nfc, pretokenize, strbuf
-from .bpe import BPE
+from .bpe import BPE, DroppedBytes
 
 if TYPE_CHECKING:   # type names only: these modules sit above this one
     from ..tokenizer import Tokenizer
@@ -91,7 +91,16 @@ class CpuEncoder:
         if use_parallel and self.rule is not None:
             return self.encode_parallel(text)
         self.stats["serial"] += 1
-        return self._encode_norm(self.tok.normalize(text))
+        try:
+            return self._encode_norm(self.tok.normalize(text))
+        except DroppedBytes:
+            return self._reference(text)
+
+    def _reference(self, text: str) -> np.ndarray:
+        """A text with a byte the vocabulary lacks (smollm2: six ASCII controls, U+40000-U+BFFFF): the reference
+        drops it and merges across it; the kernels do not, so the reference encodes the whole text."""
+        self.stats["reference"] = self.stats.get("reference", 0) + 1
+        return self.tok.reference.encode_ordinary(text)
 
     __call__ = encode
 
@@ -166,7 +175,10 @@ class CpuEncoder:
         fractions = self._chunk_fractions(len(s), n_chunks)
         if not fractions:
             self.stats["serial"] += 1
-            return self._encode_norm(norm_of(s) if normalize else s)
+            try:
+                return self._encode_norm(norm_of(s) if normalize else s)
+            except DroppedBytes:
+                return self._reference(s)
         cuts = _LazyCuts(self, s, self._targets(s, fractions), self._nfc_inert if normalize else None)
         results: list[np.ndarray] = []
         lock = threading.Lock()
@@ -200,7 +212,12 @@ class CpuEncoder:
         except _CutRejected:
             self.stats["cut_rejected"] += 1
             self.stats["serial"] += 1
-            return self._encode_norm(norm_of(s) if normalize else s)
+            try:
+                return self._encode_norm(norm_of(s) if normalize else s)
+            except DroppedBytes:
+                return self._reference(s)
+        except DroppedBytes:
+            return self._reference(s)
         if len(results) == 1:
             self.stats["serial"] += 1
             return results[0]

@@ -37,7 +37,9 @@ _DERIVED = {name: fam.splitter_hash for name, fam in FAMILIES.items()}
 
 def supported(family: Family) -> bool:
     """True when the family's splitter hash and the engine's class table are the ones the rules were derived on."""
-    return _DERIVED.get(family.name) == family.splitter_hash and charclass.table_is_pinned(family.engine)
+    if _DERIVED.get(family.name) != family.splitter_hash or not charclass.table_is_pinned(family.engine):
+        return False
+    return family.name != "smollm2" or charclass.numeric_is_pinned()
 
 
 def _family(family: Family | str) -> Family:
@@ -502,6 +504,73 @@ def _starts_deepseek_loop(cps: np.ndarray, engine: str) -> np.ndarray:
     return starts
 
 
+# -- smollm2 (HF Digits, then the GPT-2 pattern on each piece) -------------------------------------------------------
+@cache
+def _cp_kind_smollm2(engine: str) -> np.ndarray:
+    """Run kind per code point: 0 letter (\\p{L}), 1 Digits-numeric (Rust's is_numeric, probed: a superset of \\p{N}),
+    2 whitespace, 3 other (marks included: GPT-2's letter run is \\p{L} alone)."""
+    kind = _KIND_GPT4[_table(engine)].copy()
+    kind[charclass.numeric_table()] = 1
+    return kind
+
+
+def _smollm2_loop_impl(c, kind, starts):
+    """The run-level smollm2 rules as one loop over runs (docs/pretokenizer.md, smollm2): every numeric character is
+    its own piece and ends a segment; inside a segment a single space (U+0020) glues to the letter or other run right
+    after it, a whitespace run before a letter/other run leaves its last character to the next piece (`\\s+(?!\\S)`),
+    a whitespace run that ends the segment is one piece, and a lone `'` that starts a match takes the contraction
+    letters (s t m d / re ve ll, lowercase) of the letter run after it."""
+    n = c.shape[0]
+    a = 0
+    glue = False          # the previous run ends in a space that starts the piece holding this run's first char
+    apos_start = False    # the previous run is a lone "'" that starts a match attempt (a contraction may follow)
+    while a < n:
+        k = kind[a]
+        b = a + 1
+        while b < n and kind[b] == k:
+            b += 1
+        next_glue = False
+        next_apos = False
+        if k == 1:
+            for j in range(a, b):
+                starts[j] = True
+        elif k == 2:
+            starts[a] = True
+            if b < n and kind[b] != 1:
+                if b - a >= 2:
+                    starts[b - 1] = True
+                next_glue = c[b - 1] == 32
+        elif k == 0:
+            x = a
+            if apos_start:
+                f0 = c[a]
+                f1 = c[a + 1] if a + 1 < b else -1
+                if f0 == 115 or f0 == 116 or f0 == 109 or f0 == 100:          # 's 't 'm 'd
+                    x = a + 1
+                elif (f0 == 114 and f1 == 101) or (f0 == 118 and f1 == 101) or (f0 == 108 and f1 == 108):
+                    x = a + 2                                                  # 're 've 'll
+                if x < b and x > a:
+                    starts[x] = True
+            if x == a and not glue:
+                starts[a] = True
+        else:
+            if not glue:
+                starts[a] = True
+            next_apos = b - a == 1 and c[a] == 39 and not glue
+        glue = next_glue
+        apos_start = next_apos
+        a = b
+
+
+_smollm2_loop = njit(cache=True, nogil=True)(_smollm2_loop_impl)
+
+
+def _starts_smollm2_loop(cps: np.ndarray, engine: str) -> np.ndarray:
+    starts = np.zeros(cps.shape[0], dtype=np.bool_)
+    _smollm2_loop(cps.view(np.int32), _gather(_cp_kind_smollm2(engine), cps), starts)
+    return starts
+
+
 # -- public API -----------------------------------------------------------------------------------------------------
 def piece_starts(family: Family | str, cps: np.ndarray) -> np.ndarray:
     """bool[len(cps)]: True where a piece of the family's pre-tokenizer starts (cps: code points of normalized
@@ -517,6 +586,8 @@ def piece_starts(family: Family | str, cps: np.ndarray) -> np.ndarray:
         return _starts_o200k_loop(cps, fam.engine)
     if fam.name == "deepseek_v4":
         return _starts_deepseek_loop(cps, fam.engine)
+    if fam.name == "smollm2":
+        return _starts_smollm2_loop(cps, fam.engine)
     raise UnsupportedFamily(fam.name)
 
 

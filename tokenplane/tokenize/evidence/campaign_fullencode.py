@@ -122,7 +122,7 @@ def run_campaign(family: Tokenizer | str, texts: Iterable[str] | None = None, *,
 
 def main_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--corpus", default=None, help="corpus directory from build_corpus.py")
-    parser.add_argument("--families", default="cl100k_base,o200k_base,llama3,qwen3,deepseek_v4")
+    parser.add_argument("--families", default="cl100k_base,o200k_base,llama3,qwen3,deepseek_v4,smollm2")
     parser.add_argument("--max-chars", type=int, default=10 ** 7, help="characters per document")
 
 

@@ -36,7 +36,7 @@ def available() -> bool:
 
 def supports(tokenizer: Tokenizer) -> bool:
     """True when the tokenizer's family has device pre-tokenizer rules (cl100k_base, o200k_base, llama3, qwen3,
-    deepseek_v4)."""
+    deepseek_v4, smollm2)."""
     from .encoder import UnsupportedFamilyError, family_code
 
     try:

@@ -27,6 +27,7 @@ from .layout import (
     F_LLAMA3,
     F_O200K,
     F_QWEN3,
+    F_SMOLLM2,
     FALLBACK,
     INVALID,
     META_LEN,
@@ -58,11 +59,12 @@ def family_code(tokenizer: Tokenizer) -> int:
 
     fam = tokenizer.family
     for name, code in (("cl100k_base", F_CL100K), ("llama3", F_LLAMA3), ("o200k_base", F_O200K),
-                       ("qwen3", F_QWEN3), ("deepseek_v4", F_DEEPSEEK)):
+                       ("qwen3", F_QWEN3), ("deepseek_v4", F_DEEPSEEK), ("smollm2", F_SMOLLM2)):
         ref = FAMILIES[name]
         if (fam.engine, fam.patterns, fam.normalizer) == (ref.engine, ref.patterns, ref.normalizer):
             return code
-    raise UnsupportedFamilyError(f"{tokenizer.name}: family {fam.name!r} has no GPU pre-tokenizer rules")
+    raise UnsupportedFamilyError(f"{tokenizer.name}: family {fam.name!r} has no GPU pre-tokenizer rules; the CPU path "
+                                 f"serves it")
 
 
 @dataclass
@@ -144,6 +146,9 @@ class GpuEncoder:
         if self.family == F_DEEPSEEK:   # same launch sequence and buffers, DeepSeek's classify/aggregate/predicate
             from .pretokenize_deepseek import make_pretokenize_deepseek
             self.k.update(make_pretokenize_deepseek())
+        elif self.family == F_SMOLLM2:  # local rules (pretokenize_smollm2.py); dropped-byte documents fall back
+            from .pretokenize_smollm2 import make_pretokenize_smollm2
+            self.k.update(make_pretokenize_smollm2())
         self.k.update(make_bpe(small_max, self.geo.block_tpb))
         self.scan_k = make_scan(self.geo.tpb, self.geo.scan_items)
         t = host_tables(tokenizer)

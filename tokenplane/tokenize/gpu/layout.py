@@ -12,3 +12,4 @@ BIG = 0x7FFFFFFF
 # family codes: which piece-start predicate the kernels evaluate
 F_CL100K, F_LLAMA3, F_O200K, F_QWEN3 = 0, 1, 2, 3   # qwen3: llama3's rules, one digit per piece
 F_DEEPSEEK = 4                                      # its own kernels (pretokenize_deepseek.py)
+F_SMOLLM2 = 5                                       # its own kernels (pretokenize_smollm2.py)

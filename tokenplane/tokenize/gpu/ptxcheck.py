@@ -30,12 +30,14 @@ def compile_all(cc: tuple[int, int] = (9, 0), small_max: int = 32, tpb: int = 25
     from .bpe import make_bpe
     from .pretokenize import make_pretokenize
     from .pretokenize_deepseek import make_pretokenize_deepseek
+    from .pretokenize_smollm2 import make_pretokenize_smollm2
     from .scan import make_scan
 
     kinds = {"u8": types.Array(types.uint8, 1, "C"), "i4": types.Array(types.int32, 1, "C"),
              "i8": types.Array(types.int64, 1, "C"), "n": types.int64}
     kernels = dict(make_pretokenize())
     kernels.update({f"{name}_deepseek": k for name, k in make_pretokenize_deepseek().items()})
+    kernels.update({f"{name}_smollm2": k for name, k in make_pretokenize_smollm2().items()})
     kernels.update(make_bpe(small_max, block_tpb))
     kernels.update(zip(("scan_tiles", "scan_sums", "scan_apply"), make_scan(tpb, items)))
     # device functions are compiled for "the current device"; without a GPU, name the target explicitly
@@ -56,7 +58,7 @@ def compile_all(cc: tuple[int, int] = (9, 0), small_max: int = 32, tpb: int = 25
 
 def _compile_each(cuda, kernels, kinds, cc, results):
     for name, disp in kernels.items():
-        sig = tuple(kinds[k] for k in SIGNATURES[name.removesuffix("_deepseek")].split())
+        sig = tuple(kinds[k] for k in SIGNATURES[name.removesuffix("_deepseek").removesuffix("_smollm2")].split())
         try:
             ptx, _ = cuda.compile_ptx(disp.py_func, sig, cc=cc)
             results[name] = (True, len(ptx))

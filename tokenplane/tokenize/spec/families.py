@@ -47,6 +47,11 @@ DEEPSEEK_PATTERNS = (
     "[!\"#$%&'()*+,\\-./:;<=>?@\\[\\\\\\]^_`{|}~][A-Za-z]+|[^\r\n\\p{L}\\p{P}\\p{S}]?[\\p{L}\\p{M}]+| ?[\\p{P}\\p{S}]+"
     "[\r\n]*|\\s*[\r\n]+|\\s+(?!\\S)|\\s+",
 )
+# SmolLM2 (HF): Sequence[Digits(individual_digits=True), ByteLevel(add_prefix_space=False, use_regex=True)]. The first
+# stage is HF's Digits pre-tokenizer, not a regex (it splits on Rust's `char::is_numeric`, probed in
+# charclass.numeric_table); the second is the GPT-2 pattern ByteLevel applies to each piece of the first.
+DIGITS_INDIVIDUAL = "Digits(individual_digits=True)"
+GPT2_PATTERN = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
 
 
 def _llama3_specials() -> dict[str, int]:
@@ -62,7 +67,8 @@ class Family:
     name: str
     engine: str                       # "tiktoken" or "hf"
     patterns: tuple[str, ...]         # splitter chain in the reference engine's dialect
-    onig_patterns: tuple[str, ...]    # the same chain for HF's Split (piece-level reference)
+    onig_patterns: tuple[str, ...]    # the same chain for HF's Split (piece-level reference); empty: the chain is
+                                      # not all Splits, the reference uses the tokenizer.json's own pre-tokenizer
     normalizer: str | None = None     # "nfc" or None
     ignore_merges: bool = False       # whole piece in vocab -> one ID (tiktoken always does this)
     specials: dict[str, int] = field(default_factory=dict)  # filled from tokenizer.json for HF families
@@ -83,4 +89,5 @@ FAMILIES: dict[str, Family] = {
                      specials=_llama3_specials()),
     "qwen3": Family("qwen3", "hf", (QWEN3_PATTERN,), (QWEN3_PATTERN,), normalizer="nfc"),
     "deepseek_v4": Family("deepseek_v4", "hf", DEEPSEEK_PATTERNS, DEEPSEEK_PATTERNS),
+    "smollm2": Family("smollm2", "hf", (DIGITS_INDIVIDUAL, GPT2_PATTERN), ()),
 }
