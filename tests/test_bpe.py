@@ -6,13 +6,12 @@ import random
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
+from pretokenize_oracles import utf8_offsets
+from test_pretokenize import ALPHABET, FRAGMENTS, _corpus_docs, _text_strategy
 
 import tokenplane
 from tokenplane.tokenize.cpu import bpe as bpe_mod
 from tokenplane.tokenize.cpu.parallel import CpuEncoder
-
-from pretokenize_oracles import utf8_offsets
-from test_pretokenize import ALPHABET, FRAGMENTS, _corpus_docs, _text_strategy
 
 FAMILIES = ["cl100k_base", "o200k_base", "llama3", "qwen3", "deepseek_v4", "smollm2"]
 _ENC: dict[str, CpuEncoder] = {}

@@ -6,11 +6,10 @@ import random
 
 import numpy as np
 import pytest
+from realtext import traces_dir
 
 from tokenplane.tokenize.evidence import adversarial, campaign
 from tokenplane.tokenize.tokenizer import Tokenizer
-
-from realtext import traces_dir
 
 
 def run(tmp_path, *argv) -> tuple[int, dict]:

@@ -77,7 +77,7 @@ def simulator():
 _ENCODERS: dict = {}
 
 
-def encoder(name: str, **options) -> "gpu.GpuEncoder":
+def encoder(name: str, **options) -> gpu.GpuEncoder:
     key = (name, tuple(sorted(options.items())))
     if key not in _ENCODERS:
         _ENCODERS[key] = gpu.GpuEncoder(tokenplane.load(name), **options)
@@ -98,7 +98,7 @@ def real_slices(n: int, size: int) -> list[str]:
     return out
 
 
-def check_family(name: str, texts: list[str], **options) -> "gpu.GpuEncoder":
+def check_family(name: str, texts: list[str], **options) -> gpu.GpuEncoder:
     """IDs of every text and pieces of every text the device did not flag must equal the reference."""
     tok = tokenplane.load(name)
     enc = encoder(name, **options)

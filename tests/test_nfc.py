@@ -5,12 +5,10 @@ from __future__ import annotations
 import random
 
 import pytest
+from realtext import corpus_texts
 
 import tokenplane
 from tokenplane.tokenize.cpu import nfc
-
-from realtext import corpus_texts
-
 
 # Characters where NFC acts: marks of many combining classes (incl. 240 and 232, the probe marks), Hangul L/V/T
 # jamo and syllables, compatibility ideographs (singletons), composition exclusions, kana voicing marks, Indic

@@ -4,14 +4,13 @@ import random
 
 import numpy as np
 import pytest
+from test_pretokenize import ALPHABET, FRAGMENTS, _corpus_docs
 
 import tokenplane
 from tokenplane.tokenize import router as router_mod
-from tokenplane.tokenize.spec.families import Family
 from tokenplane.tokenize.cpu.parallel import CpuEncoder
 from tokenplane.tokenize.registry import build
-
-from test_pretokenize import ALPHABET, FRAGMENTS, _corpus_docs
+from tokenplane.tokenize.spec.families import Family
 
 FAMILIES = ["cl100k_base", "o200k_base", "llama3", "qwen3", "deepseek_v4", "smollm2"]
 _ENC: dict[str, CpuEncoder] = {}
@@ -145,8 +144,8 @@ def test_unsupported_family_takes_reference():
 
 def test_campaign_counts_and_catches_planted_faults(monkeypatch):
     """run_campaign reports zero on clean text and catches a wrong split and a wrong ID (it can fail)."""
-    from tokenplane.tokenize.evidence import campaign_fullencode as cf
     from tokenplane.tokenize.cpu import pretokenize
+    from tokenplane.tokenize.evidence import campaign_fullencode as cf
 
     clean = cf.run_campaign("cl100k_base", ["hello world 12345", "x  \n\n y"])
     assert clean["divergences"] == 0 and clean["pieces_checked"] > 5 and clean["ids_checked"] > 5

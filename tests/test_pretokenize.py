@@ -7,23 +7,23 @@ ID-level test, so this file compares piece spans directly.
 import json
 import random
 import unicodedata
-from functools import lru_cache
+from functools import cache
 
 import numpy as np
+import pretokenize_oracles as oracles
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from realtext import corpus_lines
 
 import tokenplane
-import pretokenize_oracles as oracles
-from realtext import corpus_lines
 from tokenplane.tokenize.cpu import pretokenize
 from tokenplane.tokenize.spec import charclass
 
 FAMILIES = ["cl100k_base", "o200k_base", "llama3", "qwen3", "deepseek_v4", "smollm2"]
 
 
-@lru_cache(maxsize=None)
+@cache
 def unicode_skew() -> tuple[str, ...]:
     """Code points where Python's unicodedata disagrees with the probed class table (L, N, M, whitespace)."""
     table = charclass.class_table("tiktoken")

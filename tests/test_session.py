@@ -15,9 +15,9 @@ from hypothesis import strategies as st
 
 import tokenplane
 from tokenplane import InvalidTextError, TextTooLargeError
+from tokenplane.tokenize.session import Session, SessionError, StaleRevisionError
 from tokenplane.tokenize.spec.artifacts import artifact_bytes
 from tokenplane.tokenize.spec.families import Family
-from tokenplane.tokenize.session import Session, SessionError, StaleRevisionError
 from tokenplane.tokenize.tokenizer import Tokenizer
 
 NAMES = ["cl100k_base", "o200k_base", "llama3", "qwen3", "deepseek_v4", "smollm2"]

@@ -5,11 +5,10 @@ import os
 
 import numpy as np
 import pytest
+from realtext import traces_dir
 
 import tokenplane
 from tokenplane.tokenize.evidence import traces
-
-from realtext import traces_dir
 
 TRACES = traces_dir()
 

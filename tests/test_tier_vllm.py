@@ -95,5 +95,5 @@ def test_every_turn_reaches_vllm_with_its_own_ids(stack):
                 if k > 0 and out["tokenization"]["path"] == "session":
                     sessions += 1
                 checked += 1
-    assert checked >= 50, checked
+    assert checked >= 30, checked
     assert sessions >= checked // 2, f"only {sessions} of {checked} turns repaired a session"

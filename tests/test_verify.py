@@ -26,7 +26,7 @@ def session_outputs(tok, n_cases=12, seed=0):
         base, ops = session_case(rng)
         sess = tok.session()
         sess.sync(base)
-        for op, text in materialize(base, ops):
+        for _op, text in materialize(base, ops):
             sess.sync(text)
             out.append((sess.text, np.asarray(sess.ids).copy()))
     return out

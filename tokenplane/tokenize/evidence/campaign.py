@@ -122,7 +122,7 @@ def reproduction(tok: Tokenizer, base: str, ops: list, allowed: tuple | str = ()
     lines = ["import numpy as np, tokenplane", f"tok = tokenplane.load({tok.name!r})", f"s = tok.session({opts})",
              f"s.sync({base!r})"]
     text = base
-    for op, text in adversarial.materialize(base, ops):
+    for op, text in adversarial.materialize(base, ops):  # noqa: B007 - the last text is the reference's input
         if op[0] == "append":
             lines.append(f"s.append({op[1]!r})")
         elif op[0] == "edit":

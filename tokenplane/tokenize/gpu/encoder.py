@@ -213,7 +213,8 @@ class GpuEncoder:
 
         def scan(src, dst, n_idx, op, exclusive, total_idx=-1, n=cap):
             nonlocal launches
-            launch_scan(self.scan_k, g.grid(n, g.tpb * g.scan_items), g.tpb, s, src, dst, d["sums"], meta, n_idx, op, exclusive, total_idx)
+            launch_scan(self.scan_k, g.grid(n, g.tpb * g.scan_items), g.tpb, s, src, dst, d["sums"], meta, n_idx, op,
+                        exclusive, total_idx)
             launches += 3
 
         base = self.sync_counts and counted
@@ -238,8 +239,9 @@ class GpuEncoder:
         scan(d["startflag"], d["pidx"], N_CHARS, OP_ADD, True, N_PIECES, n=nchars)
         npieces = self._readback(b, N_PIECES) if base else cap
         k["k_pieces"][grid(nchars), g.tpb, s](d["startflag"], d["pidx"], d["cbyte"], meta, d["pstart"])
-        k["k_dispatch"][g.grid(npieces, g.warp_tpb), g.warp_tpb, s](d["pstart"], meta, self.small_max, self.medium_max, d["small"],
-                                                 d["medium"], d["large"])
+        k["k_dispatch"][g.grid(npieces, g.warp_tpb), g.warp_tpb, s](d["pstart"], meta, self.small_max,
+                                                                     self.medium_max, d["small"], d["medium"],
+                                                                     d["large"])
         nsmall = nmed = nlarge = cap
         if base:
             nsmall = self._readback(b, N_SMALL)

