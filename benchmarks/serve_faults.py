@@ -39,7 +39,6 @@ import re
 import shutil
 import signal
 import socket
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -694,7 +693,7 @@ async def phase_disconnects(url: str, args: argparse.Namespace, t_base: float) -
                     try:
                         r = await asyncio.wait_for(own.post(path, json=body), timeout=args.cancel_after)
                         return f"answered_before_cancel_{r.status_code}"
-                    except asyncio.TimeoutError:
+                    except TimeoutError:
                         return "cancelled"
                     except httpx.HTTPError as exc:
                         return f"transport:{type(exc).__name__}"
@@ -1066,7 +1065,7 @@ def markdown(result: dict[str, Any], args: argparse.Namespace) -> str:
                     L.append(f"- {kind}: `{(ex or '')[:200]}`\n")
     if "disconnects" in ph and "drain" in ph["disconnects"]:
         d = ph["disconnects"]
-        L.append(f"\n## 3. Disconnects\n\n" + table(
+        L.append("\n## 3. Disconnects\n\n" + table(
             ["kind", "requests", "outcomes", "wall s"],
             [["stream: read 1 chunk, close", d["stream"]["requests"], json.dumps(d["stream"]["outcomes"]),
               d["stream"]["wall_s"]],
