@@ -99,13 +99,14 @@ class OpenAIServer:
                                   param="prompt", code="prompt_too_large")
 
     def completion_ids(self, req: CompletionRequest) -> tuple[list[int], TokenizationReport | None]:
-        if not isinstance(req.prompt, str):
-            return list(req.prompt), None
+        prompt = req.prompt_value
+        if not isinstance(prompt, str):
+            return list(prompt), None
         if self.prompt_sessions is None:
             t0 = time.perf_counter()
-            direct = self.tokenizer.encode(req.prompt)
+            direct = self.tokenizer.encode(prompt)
             return direct.tolist(), TokenizationReport("full_encode", 0, len(direct), (time.perf_counter() - t0) * 1e3)
-        ids, report = self.prompt_sessions.encode(req.prompt, blocks(req.prompt), req.conversation_key)
+        ids, report = self.prompt_sessions.encode(prompt, blocks(prompt), req.conversation_key)
         return ids.tolist(), report
 
     def chat_ids(self, req: ChatCompletionRequest) -> tuple[list[int], TokenizationReport | None]:
@@ -324,8 +325,8 @@ class OpenAIServer:
     # -- routes -------------------------------------------------------------------------------------------------
     async def completions(self, request: Request) -> Any:
         req = await self.read(request, CompletionRequest)
-        if isinstance(req.prompt, str):
-            self._check_chars(len(req.prompt))
+        if isinstance(req.prompt_value, str):
+            self._check_chars(len(req.prompt_value))
         prompt_ids, report = await self.offload(self.completion_ids, req)
         jobs = self.jobs(req, prompt_ids, tokenization=report)
         return await self._respond(request, req, jobs, "cmpl", "text_completion", self._completion_choice)

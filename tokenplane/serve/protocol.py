@@ -169,8 +169,14 @@ class _Common(_Strict):
         return bool(self.stream and self.stream_options is not None and self.stream_options.include_usage)
 
 
+NonEmptyText = Annotated[str, Field(min_length=1)]
+TokenIds = Annotated[list[Annotated[int, Field(ge=0, le=INT64_MAX)]], Field(min_length=1)]
+
+
 class CompletionRequest(_Common):
-    prompt: str | list[int]
+    # A batch of one (OpenAI's list form) is accepted and unwrapped; larger batches are refused by name.
+    prompt: NonEmptyText | TokenIds | Annotated[list[NonEmptyText], Field(min_length=1, max_length=1)] \
+        | Annotated[list[TokenIds], Field(min_length=1, max_length=1)]
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)   # top alternatives per token (0: the token's own)
     echo: bool = False
     suffix: str | None = None
@@ -187,12 +193,17 @@ class CompletionRequest(_Common):
 
     @field_validator("prompt")
     @classmethod
-    def _prompt(cls, v: str | list[int]) -> str | list[int]:
+    def _prompt(cls, v: Any) -> str | list[int]:
         if isinstance(v, str):
             return _check_text(v, "prompt")
-        if any(t < 0 for t in v):
-            raise ValueError("token ids must be non-negative")
         return v
+
+    @property
+    def prompt_value(self) -> str | list[int]:
+        """The prompt after validation: a string or token ids (a batch of one was unwrapped)."""
+        p = self.prompt
+        assert isinstance(p, str) or all(isinstance(t, int) for t in p)
+        return p  # type: ignore[return-value]
 
     @property
     def num_logprobs(self) -> int | None:
@@ -228,6 +239,10 @@ class ChatMessage(_Strict):
 
 
 class ChatCompletionRequest(_Common):
+    # top_logprobs needs logprobs: true (as OpenAI requires), stated in the schema for generated clients too.
+    model_config = ConfigDict(json_schema_extra={
+        "if": {"properties": {"top_logprobs": {"type": "integer"}}, "required": ["top_logprobs"]},
+        "then": {"properties": {"logprobs": {"const": True}}, "required": ["logprobs"]}})
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1, le=MAX_TOKENS_LIMIT)
     logprobs: bool = False
@@ -300,7 +315,7 @@ class CompletionResponse(BaseModel):
     model: str
     choices: list[CompletionChoice]
     usage: Usage | None = None
-    routing: dict[str, Any] | None = None
+    routing: dict[str, Any] | list[dict[str, Any] | None] | None = None   # a list with n > 1
 
 
 class AssistantMessage(BaseModel):
@@ -322,7 +337,7 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: Usage
-    routing: dict[str, Any] | None = None
+    routing: dict[str, Any] | list[dict[str, Any] | None] | None = None   # a list with n > 1
 
 
 class ModelCard(BaseModel):

@@ -94,10 +94,10 @@ class ProxyServer(OpenAIServer):
 
     async def completions(self, request: Request) -> Any:
         req = await self.read(request, CompletionRequest)
-        if isinstance(req.prompt, str):
-            self._check_chars(len(req.prompt))
+        if isinstance(req.prompt_value, str):
+            self._check_chars(len(req.prompt_value))
         prompt_ids, report = await self.offload(self.completion_ids, req)
-        text = req.prompt if isinstance(req.prompt, str) else ""
+        text = req.prompt_value if isinstance(req.prompt_value, str) else ""
         return await self._forward(request, req, prompt_ids, report, conversation_key(req, text), chat=False)
 
     async def chat_completions(self, request: Request) -> Any:
