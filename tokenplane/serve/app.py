@@ -155,6 +155,7 @@ def create_app(backend: Backend | None, tokenizer: Any, *, model_name: str = "to
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         await backend.start()
+        await server.warm_up()
         try:
             yield
         finally:
