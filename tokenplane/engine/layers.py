@@ -9,12 +9,60 @@ import torch.nn.functional as F
 from torch import nn
 
 
+CPU_PACK_DTYPES = (torch.float32, torch.bfloat16)
+
+
+def cpu_pack(weight: torch.Tensor, batch_hint: int = 16) -> torch.Tensor:
+    """oneDNN's prepacked copy of a [out, in] weight for `cpu_packed_linear` (what vLLM's CPU backend and inductor's
+    freezing use). Measured here, 1 thread, fp32 (thread CPU time): 1.2-2.7x faster than F.linear from 4 rows on
+    (151936 x 256: 31 -> 8 ms at 4 rows, 41 -> 16 ms at 16; 3072 x 512: 1.17 -> 0.63 ms at 16), about equal at 1 and
+    at 256 rows. The hint is the row count it is tuned for; any row count works."""
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), batch_hint)
+
+
+def cpu_packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+
 class Linear(nn.Linear):
     """nn.Linear without its random init: every weight comes from the loader, and skipping the init keeps building a
-    151k-vocabulary model (or an 8B one on a GPU) to allocation cost."""
+    151k-vocabulary model (or an 8B one on a GPU) to allocation cost.
+
+    On CPU the ModelRunner packs the weight for oneDNN (`pack_cpu`); the packed copy is a snapshot, so code that
+    changes the weight afterwards must call `pack_cpu` again (or `unpack_cpu`)."""
+
+    cpu_packed: torch.Tensor | None = None   # plain attribute, not a buffer: state_dict() stays the weights only
 
     def reset_parameters(self) -> None:
         pass
+
+    def pack_cpu(self) -> None:
+        w = self.weight
+        self.cpu_packed = cpu_pack(w) if w.device.type == "cpu" and w.dtype in CPU_PACK_DTYPES else None
+
+    def unpack_cpu(self) -> None:
+        self.cpu_packed = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        p = self.cpu_packed
+        if p is not None and x.dtype == self.weight.dtype and x.device.type == "cpu":
+            return cpu_packed_linear(x, p, self.bias)
+        return F.linear(x, self.weight, self.bias)
+
+
+class VocabProjection:
+    """hidden [B, H] -> logits [B, V] on CPU, the step's largest GEMM for small models. One row (batch-1 decode):
+    x @ W^T over a transposed contiguous copy streams the matrix 2.5x faster than F.linear or W @ x^T (151936 x 256
+    fp32: 7 vs 18 ms); more rows: oneDNN's packed copy (see `cpu_pack`). Holds two copies of the matrix."""
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        self.weight_t = weight.detach().t().contiguous()
+        self.packed = cpu_pack(weight)
+
+    def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
+        if hidden.shape[0] == 1:
+            return torch.mm(hidden, self.weight_t)
+        return cpu_packed_linear(hidden, self.packed, None)
 
 
 class RMSNorm(nn.Module):
