@@ -29,7 +29,7 @@ class StepOutput:
 class LLMEngine:
     def __init__(self, source: Any, *, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
                  seed: int = 0, num_blocks: int = 512, block_size: int = 16, max_num_seqs: int = 64,
-                 max_num_batched_tokens: int = 8192, max_model_len: int | None = None, enforce_eager: bool = False,
+                 max_num_batched_tokens: int = 2048, max_model_len: int | None = None, enforce_eager: bool = False,
                  decode_kernel: str = "auto") -> None:
         self.cfg, model = load_model(source, device=device, dtype=dtype, seed=seed)
         self.runner = ModelRunner(model, self.cfg, num_blocks=num_blocks, block_size=block_size, device=device,
@@ -65,10 +65,15 @@ class LLMEngine:
         return self.scheduler.has_unfinished()
 
     def step(self) -> list[StepOutput]:
-        seqs = self.scheduler.schedule()
+        """One schedule -> run -> postprocess step. Returns a token for each sequence that sampled this step (a
+        prefill chunk that is not a prompt's last samples nothing)."""
+        batch, counts = self.scheduler.schedule()
+        if not batch:
+            raise RuntimeError("nothing schedulable: the KV cache is too small for any waiting request")
+        out = self.runner.run(batch, counts)
+        seqs = [batch[i] for i in out.rows] if out.rows is not None else batch
         if not seqs:
-            raise RuntimeError("nothing schedulable: the KV cache or the token budget is too small for any request")
-        out = self.runner.run(seqs)
+            return []
         tokens = sample(out.logits, [s.params for s in seqs], [s.num_output_tokens for s in seqs])
         finished = {s.seq_id for s in self.scheduler.postprocess(seqs, tokens)}
         reasons = {SequenceStatus.FINISHED_STOPPED: "stop", SequenceStatus.FINISHED_LENGTH: "length"}
