@@ -12,7 +12,8 @@ from torch import nn
 
 from tokenplane.engine.attention import AttentionMetadata, PagedAttention
 from tokenplane.engine.config import ModelConfig
-from tokenplane.engine.layers import CPU_PACK_DTYPES, Linear, RMSNorm, RotaryEmbedding, SwiGLU, VocabProjection, apply_rope
+from tokenplane.engine.layers import (CPU_PACK_DTYPES, Linear, RMSNorm, RotaryEmbedding, SwiGLU, VocabProjection,
+                                     apply_rope, rms_norm)
 
 
 class DecoderAttention(nn.Module):
@@ -31,14 +32,16 @@ class DecoderAttention(nn.Module):
         self.attn = PagedAttention(self.num_heads, self.num_kv_heads, self.head_dim)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(-1, self.num_heads, self.head_dim)
-        k = k.view(-1, self.num_kv_heads, self.head_dim)
-        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        qkv = self.qkv_proj(x)
+        h, kvh, d, qk_size = self.num_heads, self.num_kv_heads, self.head_dim, self.q_size + self.kv_size
+        # q and k side by side as [T, heads + kv_heads, d]: one norm and one rope for both (same values per head).
+        qk = qkv[:, :qk_size].view(-1, h + kvh, d)
+        v = qkv[:, qk_size:].view(-1, kvh, d)
         if self.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        return self.o_proj(self.attn(q, k, v, meta))
+            w = torch.cat((self.q_norm.weight.expand(h, d), self.k_norm.weight.expand(kvh, d)))
+            qk = rms_norm(qk, w, self.q_norm.eps)
+        qk = apply_rope(qk, cos, sin)
+        return self.o_proj(self.attn(qk[:, :h], qk[:, h:], v, meta))
 
 
 class DecoderLayer(nn.Module):
