@@ -26,7 +26,7 @@ class SeqAttention:
     context_len: int                       # tokens attended to, including this run's own tokens
     kv_slice_start: int | None = None      # first slot when the blocks are consecutive
     kv_blocks: torch.Tensor | None = None  # block ids otherwise
-    mask: torch.Tensor | None = None       # [group * q_len, context_len] bool, only when q_len > 1
+    mask: torch.Tensor | None = None       # [q_len, context_len] bool, only when 1 < q_len < context_len
 
 
 @dataclass
@@ -42,11 +42,10 @@ class AttentionMetadata:
         return self.block_tables is not None
 
 
-def causal_mask(q_len: int, context_len: int, group: int, device: torch.device) -> torch.Tensor:
-    """Query i (absolute position context_len - q_len + i) sees keys 0..that position; rows repeat per group."""
+def causal_mask(q_len: int, context_len: int, device: torch.device) -> torch.Tensor:
+    """Query i (absolute position context_len - q_len + i) sees keys 0..that position."""
     rows = torch.arange(context_len - q_len, context_len, device=device)[:, None]
-    mask = torch.arange(context_len, device=device)[None, :] <= rows
-    return mask.repeat(group, 1)
+    return torch.arange(context_len, device=device)[None, :] <= rows
 
 
 class PagedAttention(nn.Module):
@@ -80,12 +79,19 @@ class PagedAttention(nn.Module):
                 kc = k_cache.unflatten(1, (-1, self.block_size)).index_select(1, s.kv_blocks).flatten(1, 2)
                 vc = v_cache.unflatten(1, (-1, self.block_size)).index_select(1, s.kv_blocks).flatten(1, 2)
                 kc, vc = kc[:, :s.context_len], vc[:, :s.context_len]
+            # 4-D inputs throughout: PyTorch's CPU flash kernel takes only 4-D ones; 3-D ones fall to the 'math'
+            # kernel (1.4-1.8x slower here).
             qi = q[s.q_start:s.q_start + s.q_len]  # [L, heads, d]; head h reads kv head h // group
-            # [L, kvh, g, d] -> [1, kvh, g * L, d]: each KV head serves g * L query rows. 4-D, because PyTorch's CPU
-            # flash kernel takes only 4-D inputs; 3-D ones fall to the 'math' kernel (1.4-1.8x slower here).
-            qi = qi.view(s.q_len, kvh, g, d).permute(1, 2, 0, 3).reshape(1, kvh, g * s.q_len, d)
-            o = F.scaled_dot_product_attention(qi, kc[None], vc[None], attn_mask=s.mask, scale=self.scale)
-            out[s.q_start:s.q_start + s.q_len] = o.view(kvh, g, s.q_len, d).permute(2, 0, 1, 3).reshape(s.q_len, -1)
+            if s.q_len == 1:
+                # decode: [1, kvh, g, d], the g query heads of a KV head as its g query rows (no K/V copy per head)
+                o = F.scaled_dot_product_attention(qi.view(1, kvh, g, d), kc[None], vc[None], scale=self.scale)
+                out[s.q_start] = o.reshape(-1)
+                continue
+            # several tokens: enable_gqa, and no mask at all when they are the whole context (flash then skips the
+            # blocks above the diagonal: 2048-token prefill 2.4x faster than a [g * L, L] mask, measured here)
+            o = F.scaled_dot_product_attention(qi.transpose(0, 1)[None], kc[None], vc[None], attn_mask=s.mask,
+                                               is_causal=s.mask is None, scale=self.scale, enable_gqa=True)
+            out[s.q_start:s.q_start + s.q_len] = o[0].transpose(0, 1).reshape(s.q_len, -1)
         return out
 
     def _padded_decode(self, q: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:

@@ -149,8 +149,8 @@ class ModelRunner:
                 s.kv_slice_start = blocks[0] * bs  # consecutive blocks: a view, no gather
             else:
                 s.kv_blocks = torch.tensor(blocks, device=dev)
-            if q_len > 1:
-                s.mask = causal_mask(q_len, end, self.group, dev)
+            if 1 < q_len < end:   # a chunk after cached tokens; q_len == end runs causal without a mask
+                s.mask = causal_mask(q_len, end, dev)
             meta.seqs.append(s)
             q_start += q_len
         return meta
