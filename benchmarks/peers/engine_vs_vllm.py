@@ -56,14 +56,13 @@ def worker_main(args: argparse.Namespace) -> None:
     else:
         import torch
 
-        torch.set_num_threads(args.threads)
         from tokenplane.engine import LLMEngine, SamplingParams
 
         bs = 16
         blocks = -(-args.kv_tokens // bs) + args.max_num_seqs + 8
         eng = LLMEngine(args.model_dir, dtype=torch.float32, num_blocks=blocks, block_size=bs,
                         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                        max_model_len=args.max_model_len, enforce_eager=True)
+                        max_model_len=args.max_model_len, enforce_eager=True, num_threads=args.threads)
 
         def generate(prompts, max_tokens):
             return eng.generate(prompts, SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True))
