@@ -111,3 +111,20 @@ def test_cpu_packed_weights_match_the_plain_path(dtype):
     tol = 1e-4 if dtype == torch.float32 else 0.1
     for x, y in zip(*outs):
         assert (x - y).abs().max().item() < tol
+
+
+@pytest.mark.parametrize("vocab", [151936, 49152, 1000, 300, 100])
+def test_greedy_equals_argmax_with_ties(vocab):
+    from tokenplane.engine.sampler import greedy
+
+    g = torch.Generator().manual_seed(vocab)
+    x = torch.randn(9, vocab, generator=g)
+    x[1, vocab // 2] = x[1, 3] = x[1].max() + 1          # tie: first index wins
+    x[2, -1] = x[2].max() + 1                           # maximum in the tail past the last full block
+    x[3, vocab - 5] = x[3, 7] = x[3].max() + 1            # tie between the body and the tail
+    x[4] = 0.0                                          # all equal
+    x[5, vocab // 3] = float("nan")
+    x[6, -2] = float("nan")
+    x[7, :] = float("-inf")
+    for dt in (torch.float32, torch.float64, torch.bfloat16):
+        assert greedy(x.to(dt)).tolist() == torch.argmax(x.to(dt), dim=-1).tolist()
