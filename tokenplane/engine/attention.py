@@ -57,6 +57,7 @@ class PagedAttention(nn.Module):
         # Set by the ModelRunner; plain attributes, not buffers, so state_dict() stays the weights only.
         self.k_cache: torch.Tensor | None = None
         self.v_cache: torch.Tensor | None = None
+        self.kv_cache: torch.Tensor | None = None   # [2, kv_heads, slots, d] when K and V are views of one tensor
         self.block_size = 0
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
@@ -71,10 +72,13 @@ class PagedAttention(nn.Module):
             return self._padded_decode(q, meta)
         out = torch.empty(q.shape[0], self.num_heads * self.head_dim, dtype=q.dtype, device=q.device)
         kvh, g, d = self.num_kv_heads, self.group, self.head_dim
+        kv = None if self.kv_cache is None else self.kv_cache.unflatten(2, (-1, self.block_size))
         for s in meta.seqs:
             if s.kv_slice_start is not None:
                 kc = k_cache[:, s.kv_slice_start:s.kv_slice_start + s.context_len]
                 vc = v_cache[:, s.kv_slice_start:s.kv_slice_start + s.context_len]
+            elif kv is not None:   # K and V side by side in one tensor: one gather for both
+                kc, vc = kv.index_select(2, s.kv_blocks).flatten(2, 3)[:, :, :s.context_len].unbind(0)
             else:
                 kc = k_cache.unflatten(1, (-1, self.block_size)).index_select(1, s.kv_blocks).flatten(1, 2)
                 vc = v_cache.unflatten(1, (-1, self.block_size)).index_select(1, s.kv_blocks).flatten(1, 2)

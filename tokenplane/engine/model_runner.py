@@ -57,6 +57,7 @@ class ModelRunner:
                                     cfg.head_dim, dtype=self.dtype, device=self.device)
         for i, attn in enumerate(model.attention_layers()):
             attn.k_cache, attn.v_cache, attn.block_size = self.kv_cache[0, i], self.kv_cache[1, i], block_size
+            attn.kv_cache = self.kv_cache[:, i]
         # CPU fp32/bf16: oneDNN-packed weight copies (layers.cpu_pack); no-op elsewhere.
         self.cpu_packed = bool(getattr(model, "pack_cpu", lambda: False)())
         is_cuda = self.device.type == "cuda"
