@@ -12,8 +12,8 @@ from torch import nn
 
 from tokenplane.engine.attention import AttentionMetadata, PagedAttention
 from tokenplane.engine.config import ModelConfig
-from tokenplane.engine.layers import (CPU_PACK_DTYPES, Linear, RMSNorm, RotaryEmbedding, SwiGLU, VocabProjection,
-                                     apply_rope, rms_norm)
+from tokenplane.engine.layers import (Linear, RMSNorm, RotaryEmbedding, SwiGLU, VocabProjection,
+                                     apply_rope, cpu_packing_available, rms_norm)
 
 
 class DecoderAttention(nn.Module):
@@ -102,7 +102,7 @@ class Qwen3ForCausalLM(nn.Module):
         """oneDNN-packed copies of every linear and of the vocabulary projection, for CPU fp32/bf16 (a snapshot of
         the weights: call again after changing them). Returns False (and packs nothing) elsewhere."""
         weight = self.vocab_weight()
-        if weight.device.type != "cpu" or weight.dtype not in CPU_PACK_DTYPES:
+        if not cpu_packing_available(weight):
             self.unpack_cpu()
             return False
         for m in self.modules():
