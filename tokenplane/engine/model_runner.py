@@ -142,6 +142,7 @@ class ModelRunner:
             meta.context_lens = torch.tensor([end for _, end in spans], device=dev)
             return meta
         q_start = 0
+        gather: list[int] = []
         for seq, (start, end) in zip(seqs, spans):
             blocks = seq.block_table[:-(-end // bs)]
             q_len = end - start
@@ -149,11 +150,14 @@ class ModelRunner:
             if blocks[-1] - blocks[0] == len(blocks) - 1 and blocks == list(range(blocks[0], blocks[-1] + 1)):
                 s.kv_slice_start = blocks[0] * bs  # consecutive blocks: a view, no gather
             else:
-                s.kv_blocks = torch.tensor(blocks, device=dev)
+                s.gather_start = len(gather) * bs
+                gather.extend(blocks)
             if 1 < q_len < end:   # a chunk after cached tokens; q_len == end runs causal without a mask
                 s.mask = causal_mask(q_len, end, dev)
             meta.seqs.append(s)
             q_start += q_len
+        if gather:
+            meta.gather_blocks = torch.tensor(gather, device=dev)
         return meta
 
     # -- CUDA graphs (decode only) ------------------------------------------------------------------------------------
