@@ -56,7 +56,8 @@ class Linear(nn.Linear):
         # One row (batch-1 decode) through a widening layer (qkv, gate_up): x @ W^T over a transposed copy streams the
         # weight ~1.5-1.8x faster than oneDNN or MKL's F.linear (3072 x 512 fp32, cold cache: 0.33 vs 0.48-0.61 ms).
         # Narrowing layers (down, o) measured no gain, so they keep one copy.
-        self.cpu_weight_t = w.detach().t().contiguous() if w.shape[0] > w.shape[1] else None
+        widening = w.shape[0] > w.shape[1] and w.dtype == torch.float32
+        self.cpu_weight_t = w.detach().t().contiguous() if widening else None
 
     def unpack_cpu(self) -> None:
         self.cpu_packed = self.cpu_weight_t = None
@@ -64,7 +65,8 @@ class Linear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         p = self.cpu_packed
         if p is not None and x.dtype == self.weight.dtype and x.device.type == "cpu":
-            if x.shape[0] == 1 and x.dim() == 2:   # one row: oneDNN's packed path measured 3-6% slower than these
+            if x.shape[0] == 1 and x.dim() == 2 and x.dtype == torch.float32:
+                # one fp32 row: oneDNN's packed path measured 3-6% slower than these (bf16 has no fast MKL GEMV)
                 wt = self.cpu_weight_t
                 if wt is None:
                     return F.linear(x, self.weight, self.bias)
@@ -80,11 +82,12 @@ class VocabProjection:
     fp32: 7 vs 18 ms); more rows: oneDNN's packed copy (see `cpu_pack`). Holds two copies of the matrix."""
 
     def __init__(self, weight: torch.Tensor) -> None:
-        self.weight_t = weight.detach().t().contiguous()
+        # fp32 only: bf16 has no fast MKL GEMV, oneDNN's packed bf16 path serves one row too
+        self.weight_t = weight.detach().t().contiguous() if weight.dtype == torch.float32 else None
         self.packed = cpu_pack(weight)
 
     def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
-        if hidden.shape[0] == 1:
+        if hidden.shape[0] == 1 and self.weight_t is not None:
             return torch.mm(hidden, self.weight_t)
         return cpu_packed_linear(hidden, self.packed, None)
 
