@@ -70,10 +70,10 @@ def worker_main(args: argparse.Namespace) -> None:
     print(MARK + json.dumps({"ready": True}), flush=True)
     for line in sys.stdin:
         req = json.loads(line)
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         outs = generate(req["prompts"], req["max_tokens"])
-        dt = time.perf_counter() - t0
-        print(MARK + json.dumps({"seconds": dt, "outputs": outs}), flush=True)
+        dt, dc = time.perf_counter() - t0, time.process_time() - c0
+        print(MARK + json.dumps({"seconds": dt, "cpu_seconds": dc, "outputs": outs}), flush=True)
 
 
 class Worker:
@@ -137,31 +137,39 @@ def loadavg() -> float:
 
 
 def run_cell(workers: dict[str, Worker], vocab: int, P: int, N: int, gen: int, repeats: int, seed: int) -> dict:
-    rec: dict = {"prefill_s": {k: [] for k in workers}, "full_s": {k: [] for k in workers}, "greedy_equal": [],
-                 "load_before": loadavg()}
+    rec: dict = {"prefill_s": {k: [] for k in workers}, "full_s": {k: [] for k in workers},
+                 "prefill_cpu_s": {k: [] for k in workers}, "full_cpu_s": {k: [] for k in workers},
+                 "greedy_equal": [], "load_before": loadavg()}
     for r in range(repeats):
         prompts = prompts_for(N, P, vocab, seed * 1000 + r)
         order = list(workers) if r % 2 == 0 else list(reversed(workers))   # alternate who goes first
         outs = {}
         for name in order:
-            rec["prefill_s"][name].append(workers[name].run(prompts, 1)["seconds"])
+            res = workers[name].run(prompts, 1)
+            rec["prefill_s"][name].append(res["seconds"])
+            rec["prefill_cpu_s"][name].append(res["cpu_seconds"])
         order.reverse()
         for name in order:
             res = workers[name].run(prompts_for(N, P, vocab, seed * 1000 + r + 500), gen)
             rec["full_s"][name].append(res["seconds"])
+            rec["full_cpu_s"][name].append(res["cpu_seconds"])
             outs[name] = res["outputs"]
         if len(outs) == 2:
             a, b = outs.values()
             rec["greedy_equal"].append(sum(x == y for x, y in zip(a, b)) / N)
     rec["load_after"] = loadavg()
     for name in workers:
-        t1 = statistics.median(rec["prefill_s"][name])
-        t64 = statistics.median(rec["full_s"][name])
-        rec.setdefault("prefill_tok_s", {})[name] = N * P / t1
-        rec.setdefault("decode_tok_s", {})[name] = N * (gen - 1) / max(t64 - t1, 1e-9)
-        rec.setdefault("total_tok_s", {})[name] = N * gen / t64
+        for clock, pre in (("s", ""), ("cpu_s", "cpu_")):
+            # decode time from paired differences (full run minus prefill run of the same repeat), then the median
+            t1 = statistics.median(rec[f"prefill_{clock}"][name])
+            td = statistics.median(f - p for f, p in zip(rec[f"full_{clock}"][name], rec[f"prefill_{clock}"][name]))
+            t64 = statistics.median(rec[f"full_{clock}"][name])
+            rec.setdefault(f"{pre}prefill_tok_s", {})[name] = N * P / t1
+            rec.setdefault(f"{pre}decode_tok_s", {})[name] = N * (gen - 1) / max(td, 1e-9)
+            rec.setdefault(f"{pre}total_tok_s", {})[name] = N * gen / t64
     if len(workers) == 2:
-        for k in ("prefill_tok_s", "decode_tok_s", "total_tok_s"):
+        for k in ("prefill_tok_s", "decode_tok_s", "total_tok_s", "cpu_prefill_tok_s", "cpu_decode_tok_s",
+                  "cpu_total_tok_s"):
             rec.setdefault("ratio", {})[k] = rec[k]["tokenplane"] / rec[k]["vllm"]
     return rec
 
@@ -174,14 +182,17 @@ def write_results(res: dict, prefix: Path) -> None:
              f"{res['repeats']} paired repeats; budget {res['max_num_batched_tokens']} tokens/step on both.", "",
              "prefill tok/s = N*P / t(max_tokens=1); decode tok/s = N*(gen-1) / (t(gen) - t(1)). Ratio = tokenplane / "
              "vLLM. Target: >= 1.0 everywhere, >= 1.5 at N = 1.", "",
-             "| model | P | N | prefill tp | prefill vLLM | ratio | decode tp | decode vLLM | ratio | greedy equal | "
-             "load |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+             "Wall-clock figures; 'cpu ratio' is the same ratio from each worker's process CPU time, steadier on a "
+             "shared machine (it leaves out time spent waiting for the core).", "",
+             "| model | P | N | prefill tp | prefill vLLM | ratio | cpu ratio | decode tp | decode vLLM | ratio | "
+             "cpu ratio | greedy equal | load |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
     for c in res["cells"]:
         r = c.get("ratio", {})
         lines.append(f"| {c['model']} | {c['P']} | {c['N']} | {c['prefill_tok_s'].get('tokenplane', 0):.0f} | "
                      f"{c['prefill_tok_s'].get('vllm', 0):.0f} | {r.get('prefill_tok_s', float('nan')):.2f} | "
+                     f"{r.get('cpu_prefill_tok_s', float('nan')):.2f} | "
                      f"{c['decode_tok_s'].get('tokenplane', 0):.1f} | {c['decode_tok_s'].get('vllm', 0):.1f} | "
-                     f"{r.get('decode_tok_s', float('nan')):.2f} | "
+                     f"{r.get('decode_tok_s', float('nan')):.2f} | {r.get('cpu_decode_tok_s', float('nan')):.2f} | "
                      f"{statistics.mean(c['greedy_equal']) if c['greedy_equal'] else float('nan'):.2f} | "
                      f"{c['load_before']:.1f}->{c['load_after']:.1f} |")
     prefix.with_suffix(".md").write_text("\n".join(lines) + "\n")
