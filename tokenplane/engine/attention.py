@@ -8,15 +8,14 @@ Two kernels, chosen per batch by the runner:
 - varlen: one SDPA call per sequence over its uncomputed tokens (prefill, decode, a peer's k tokens: same code), with
   4-D inputs so CPU runs PyTorch's flash kernel. A decode folds the query heads of a KV head into its query rows (GQA
   never copies K/V per query head); several tokens use enable_gqa, causal without a mask when they are the whole
-  context. The blocks of every non-consecutive sequence are gathered in one call per layer; consecutive ones are
-  slices.
+  context. Consecutive blocks are a slice; others are gathered per sequence.
 - padded: decode-only, every sequence gathered into [B, kv_heads, max_blocks * block_size, head_dim] with a length
   mask. Fixed shapes, so it can be captured in a CUDA graph (the CUDA default).
 
 Why not one padded call for the whole batch on CPU: measured here (1 thread, fp32, kv_heads 4, group 2, 16-token
 blocks), gathering every sequence's K/V into a padded batch costs more than the calls it saves: decode of 16 x 300
-tokens 2.2 ms vs 2.0 ms per layer, 64 x 300: 30 ms vs 9 ms, 16 x 2100: 57 ms vs 15 ms. The per-sequence flash calls
-read K/V in place; the padded gather copies all of it every layer.
+tokens 2.2 ms vs 2.0 ms per layer, 64 x 300: 30 ms vs 9 ms, 16 x 2100: 57 ms vs 15 ms. One index_select of all
+sequences' blocks per layer was worse still (44 ms a layer at 64 x 320 tokens, tiny-large).
 """
 from __future__ import annotations
 
@@ -33,7 +32,7 @@ class SeqAttention:
     q_len: int
     context_len: int                       # tokens attended to, including this run's own tokens
     kv_slice_start: int | None = None      # first slot when the blocks are consecutive
-    gather_start: int = 0                  # otherwise: first token of its blocks in the step's gathered K/V
+    kv_blocks: torch.Tensor | None = None  # block ids otherwise
     mask: torch.Tensor | None = None       # [q_len, context_len] bool, only when 1 < q_len < context_len
 
 
@@ -41,7 +40,6 @@ class SeqAttention:
 class AttentionMetadata:
     slot_mapping: torch.Tensor                      # [T] slot for each new token's K/V
     seqs: list[SeqAttention] = field(default_factory=list)
-    gather_blocks: torch.Tensor | None = None       # block ids of every non-consecutive sequence, one after another
     # padded decode only
     block_tables: torch.Tensor | None = None        # [B, max_blocks]
     context_lens: torch.Tensor | None = None        # [B]
@@ -66,7 +64,6 @@ class PagedAttention(nn.Module):
         # Set by the ModelRunner; plain attributes, not buffers, so state_dict() stays the weights only.
         self.k_cache: torch.Tensor | None = None
         self.v_cache: torch.Tensor | None = None
-        self.kv_cache: torch.Tensor | None = None   # [2, kv_heads, slots, d] when K and V are views of one tensor
         self.block_size = 0
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
@@ -81,23 +78,14 @@ class PagedAttention(nn.Module):
             return self._padded_decode(q, meta)
         out = torch.empty(q.shape[0], self.num_heads * self.head_dim, dtype=q.dtype, device=q.device)
         kvh, g, d = self.num_kv_heads, self.group, self.head_dim
-        gk = gv = None
-        if meta.gather_blocks is not None:
-            # One gather per layer for every sequence whose blocks are not consecutive (K and V in one call when
-            # they are views of one tensor); each sequence then reads a slice of it.
-            if self.kv_cache is not None:
-                gk, gv = self.kv_cache.unflatten(2, (-1, self.block_size)).index_select(
-                    2, meta.gather_blocks).flatten(2, 3).unbind(0)
-            else:
-                gk = k_cache.unflatten(1, (-1, self.block_size)).index_select(1, meta.gather_blocks).flatten(1, 2)
-                gv = v_cache.unflatten(1, (-1, self.block_size)).index_select(1, meta.gather_blocks).flatten(1, 2)
         for s in meta.seqs:
             if s.kv_slice_start is not None:
                 kc = k_cache[:, s.kv_slice_start:s.kv_slice_start + s.context_len]
                 vc = v_cache[:, s.kv_slice_start:s.kv_slice_start + s.context_len]
             else:
-                kc = gk[:, s.gather_start:s.gather_start + s.context_len]
-                vc = gv[:, s.gather_start:s.gather_start + s.context_len]
+                kc = k_cache.unflatten(1, (-1, self.block_size)).index_select(1, s.kv_blocks).flatten(1, 2)
+                vc = v_cache.unflatten(1, (-1, self.block_size)).index_select(1, s.kv_blocks).flatten(1, 2)
+                kc, vc = kc[:, :s.context_len], vc[:, :s.context_len]
             # 4-D inputs throughout: PyTorch's CPU flash kernel takes only 4-D ones; 3-D ones fall to the 'math'
             # kernel (1.4-1.8x slower here).
             qi = q[s.q_start:s.q_start + s.q_len]  # [L, heads, d]; head h reads kv head h // group

@@ -57,7 +57,6 @@ class ModelRunner:
                                     cfg.head_dim, dtype=self.dtype, device=self.device)
         for i, attn in enumerate(model.attention_layers()):
             attn.k_cache, attn.v_cache, attn.block_size = self.kv_cache[0, i], self.kv_cache[1, i], block_size
-            attn.kv_cache = self.kv_cache[:, i]
         # CPU fp32/bf16: oneDNN-packed weight copies (layers.cpu_pack); no-op elsewhere.
         self.cpu_packed = bool(getattr(model, "pack_cpu", lambda: False)())
         is_cuda = self.device.type == "cuda"
@@ -142,7 +141,6 @@ class ModelRunner:
             meta.context_lens = torch.tensor([end for _, end in spans], device=dev)
             return meta
         q_start = 0
-        gather: list[int] = []
         for seq, (start, end) in zip(seqs, spans):
             blocks = seq.block_table[:-(-end // bs)]
             q_len = end - start
@@ -150,14 +148,11 @@ class ModelRunner:
             if blocks[-1] - blocks[0] == len(blocks) - 1 and blocks == list(range(blocks[0], blocks[-1] + 1)):
                 s.kv_slice_start = blocks[0] * bs  # consecutive blocks: a view, no gather
             else:
-                s.gather_start = len(gather) * bs
-                gather.extend(blocks)
+                s.kv_blocks = torch.tensor(blocks, device=dev)
             if 1 < q_len < end:   # a chunk after cached tokens; q_len == end runs causal without a mask
                 s.mask = causal_mask(q_len, end, dev)
             meta.seqs.append(s)
             q_start += q_len
-        if gather:
-            meta.gather_blocks = torch.tensor(gather, device=dev)
         return meta
 
     # -- CUDA graphs (decode only) ------------------------------------------------------------------------------------
