@@ -29,8 +29,15 @@ class StepOutput:
 class LLMEngine:
     def __init__(self, source: Any, *, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
                  seed: int = 0, num_blocks: int = 512, block_size: int = 16, max_num_seqs: int = 64,
-                 max_num_batched_tokens: int = 8192, max_model_len: int | None = None, enforce_eager: bool = False,
-                 decode_kernel: str = "auto") -> None:
+                 max_num_batched_tokens: int = 2048, max_model_len: int | None = None, enforce_eager: bool = False,
+                 decode_kernel: str = "auto", num_threads: int | None = None) -> None:
+        """num_threads: torch's intra-op threads for this process (torch.set_num_threads), set before the model loads;
+        None leaves the process setting alone. Pin the process to cores from outside (taskset, or the serving
+        runtime's per-sub-server cores): one engine per process, so its thread count is the process's."""
+        if num_threads is not None:
+            if num_threads < 1:
+                raise ValueError("num_threads must be >= 1")
+            torch.set_num_threads(num_threads)
         self.cfg, model = load_model(source, device=device, dtype=dtype, seed=seed)
         self.runner = ModelRunner(model, self.cfg, num_blocks=num_blocks, block_size=block_size, device=device,
                                   dtype=dtype, enforce_eager=enforce_eager, max_num_seqs=max_num_seqs,
@@ -65,10 +72,15 @@ class LLMEngine:
         return self.scheduler.has_unfinished()
 
     def step(self) -> list[StepOutput]:
-        seqs = self.scheduler.schedule()
+        """One schedule -> run -> postprocess step. Returns a token for each sequence that sampled this step (a
+        prefill chunk that is not a prompt's last samples nothing)."""
+        batch, counts = self.scheduler.schedule()
+        if not batch:
+            raise RuntimeError("nothing schedulable: the KV cache is too small for any waiting request")
+        out = self.runner.run(batch, counts)
+        seqs = [batch[i] for i in out.rows] if out.rows is not None else batch
         if not seqs:
-            raise RuntimeError("nothing schedulable: the KV cache or the token budget is too small for any request")
-        out = self.runner.run(seqs)
+            return []
         tokens = sample(out.logits, [s.params for s in seqs], [s.num_output_tokens for s in seqs])
         finished = {s.seq_id for s in self.scheduler.postprocess(seqs, tokens)}
         reasons = {SequenceStatus.FINISHED_STOPPED: "stop", SequenceStatus.FINISHED_LENGTH: "length"}

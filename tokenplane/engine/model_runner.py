@@ -3,9 +3,13 @@
 `run(seqs)` computes every sequence's uncomputed tokens [num_computed_tokens, num_tokens) in one forward pass over a
 flat token batch and returns logits and final hidden states at each sequence's last position. Callers give each
 sequence blocks first (`block_manager.allocate` / `append_slots`, or `prepare`).
+
+`run(seqs, num_new_tokens)` computes only the first n uncomputed tokens of each sequence (chunked prefill) and projects
+onto the vocabulary only the rows whose sequence is then complete, the ones a scheduler samples (`RunnerOutput.rows`).
 """
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -21,6 +25,7 @@ from tokenplane.engine.sequence import Sequence
 class RunnerOutput:
     logits: torch.Tensor  # [B, V] float32 (float64 for float64 models, so equivalence tests keep full precision)
     hidden: torch.Tensor  # [B, H] final-norm hidden state at the same positions, same dtype as logits
+    rows: list[int] | None = None  # with num_new_tokens: the batch rows these B rows belong to (complete sequences)
 
 
 def _graph_batch_sizes(max_num_seqs: int) -> list[int]:
@@ -52,6 +57,8 @@ class ModelRunner:
                                     cfg.head_dim, dtype=self.dtype, device=self.device)
         for i, attn in enumerate(model.attention_layers()):
             attn.k_cache, attn.v_cache, attn.block_size = self.kv_cache[0, i], self.kv_cache[1, i], block_size
+        # CPU fp32/bf16: oneDNN-packed weight copies (layers.cpu_pack); no-op elsewhere.
+        self.cpu_packed = bool(getattr(model, "pack_cpu", lambda: False)())
         is_cuda = self.device.type == "cuda"
         self.decode_kernel = ("padded" if is_cuda else "varlen") if decode_kernel == "auto" else decode_kernel
         self.use_cuda_graphs = is_cuda and not enforce_eager
@@ -72,20 +79,26 @@ class ModelRunner:
 
     # -- run --------------------------------------------------------------------------------------------------------
     @torch.inference_mode()
-    def run(self, seqs: list[Sequence]) -> RunnerOutput:
+    def run(self, seqs: list[Sequence], num_new_tokens: list[int] | None = None) -> RunnerOutput:
         if not seqs:
             raise ValueError("run() needs at least one sequence")
+        if num_new_tokens is not None and len(num_new_tokens) != len(seqs):
+            raise ValueError("num_new_tokens needs one count per sequence")
         bs = self.block_size
         ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
         spans: list[tuple[int, int]] = []
-        for seq in seqs:
+        for i, seq in enumerate(seqs):
             if seq.num_tokens == 0:
                 raise ValueError(f"{seq.seq_id}: empty sequence")
             # Everything computed already (e.g. asked for logits again): recompute the last token.
             start = min(seq.num_computed_tokens, seq.num_tokens - 1)
             end = seq.num_tokens
+            if num_new_tokens is not None:
+                if num_new_tokens[i] < 1:
+                    raise ValueError(f"{seq.seq_id}: num_new_tokens must be >= 1")
+                end = min(end, start + num_new_tokens[i])
             if len(seq.block_table) * bs < end:
                 raise ValueError(f"{seq.seq_id}: block table covers {len(seq.block_table) * bs} < {end} tokens; "
                                  "call block_manager.allocate/append_slots (or runner.prepare) first")
@@ -95,21 +108,26 @@ class ModelRunner:
             slots.extend(bt[p // bs] * bs + p % bs for p in range(start, end))
             spans.append((start, end))
         decode_only = len(ids) == len(seqs)
+        rows = None if num_new_tokens is None else [i for i, (seq, (_, e)) in enumerate(zip(seqs, spans))
+                                                     if e == seq.num_tokens]
         if decode_only and self.use_cuda_graphs and len(seqs) <= self.max_num_seqs:
-            hidden = self._run_graph(ids, positions, slots, seqs)
+            hidden = self._run_graph(ids, positions, slots, seqs, [e for _, e in spans])
+            if rows is not None and len(rows) < len(seqs):
+                hidden = hidden[rows]
         else:
             meta = self._metadata(seqs, spans, slots, padded=decode_only and self.decode_kernel == "padded")
             dev = self.device
             hidden = self.model(torch.tensor(ids, device=dev), torch.tensor(positions, device=dev), meta)
-            if not decode_only:
-                last = torch.tensor([0] + [e - s for s, e in spans], device=dev).cumsum(0)[1:] - 1
-                hidden = hidden[last]
-        logits = self.model.compute_logits(hidden)
+            if not decode_only or (rows is not None and len(rows) < len(seqs)):
+                last = list(itertools.accumulate(e - s for s, e in spans))
+                keep = [last[i] - 1 for i in (rows if rows is not None else range(len(seqs)))]
+                hidden = hidden[torch.tensor(keep, dtype=torch.long, device=dev)]
+        logits = self.model.compute_logits(hidden) if hidden.shape[0] else hidden.new_empty(0, self.cfg.vocab_size)
         out_dtype = torch.float64 if self.dtype == torch.float64 else torch.float32
-        for seq in seqs:
-            seq.num_computed_tokens = seq.num_tokens
+        for seq, (_, end) in zip(seqs, spans):
+            seq.num_computed_tokens = end
             self.block_manager.cache_blocks(seq)
-        return RunnerOutput(logits=logits.to(out_dtype), hidden=hidden.to(out_dtype))
+        return RunnerOutput(logits=logits.to(out_dtype), hidden=hidden.to(out_dtype), rows=rows)
 
     def _metadata(self, seqs: list[Sequence], spans: list[tuple[int, int]], slots: list[int],
                   padded: bool) -> AttentionMetadata:
@@ -131,17 +149,18 @@ class ModelRunner:
                 s.kv_slice_start = blocks[0] * bs  # consecutive blocks: a view, no gather
             else:
                 s.kv_blocks = torch.tensor(blocks, device=dev)
-            if q_len > 1:
-                s.mask = causal_mask(q_len, end, self.group, dev)
+            if 1 < q_len < end:   # a chunk after cached tokens; q_len == end runs causal without a mask
+                s.mask = causal_mask(q_len, end, dev)
             meta.seqs.append(s)
             q_start += q_len
         return meta
 
     # -- CUDA graphs (decode only) ------------------------------------------------------------------------------------
-    def _run_graph(self, ids: list[int], positions: list[int], slots: list[int], seqs: list[Sequence]) -> torch.Tensor:
+    def _run_graph(self, ids: list[int], positions: list[int], slots: list[int], seqs: list[Sequence],
+                   ends: list[int]) -> torch.Tensor:
         B, bs = len(seqs), self.block_size
         batch = next(b for b in self.graph_batch_sizes if b >= B)
-        need = max(-(-seq.num_tokens // bs) for seq in seqs)
+        need = max(-(-end // bs) for end in ends)
         nblk = 1
         while nblk < need:
             nblk *= 2
@@ -152,7 +171,7 @@ class ModelRunner:
         st["input_ids"][:B] = torch.tensor(ids, device=dev)
         st["positions"][:B] = torch.tensor(positions, device=dev)
         st["slots"][:B] = torch.tensor(slots, device=dev)
-        st["context_lens"][:B] = torch.tensor([seq.num_tokens for seq in seqs], device=dev)
+        st["context_lens"][:B] = torch.tensor(ends, device=dev)
         rows = [seq.block_table[:nblk] + [self.scratch_block] * (nblk - len(seq.block_table[:nblk])) for seq in seqs]
         st["block_tables"][:B, :nblk] = torch.tensor(rows, device=dev)
         graph, out = self._graphs.get((batch, nblk)) or self._capture(batch, nblk)

@@ -93,10 +93,29 @@ def sample_one(logits: torch.Tensor, params: SamplingParams, step: int) -> int:
     return int(order[idx]) if order is not None else idx
 
 
+def greedy(logits: torch.Tensor) -> torch.Tensor:
+    """torch.argmax(logits, -1) (first index of the maximum; NaN counts as the maximum), computed as block maxima
+    first: CPU argmax over a vocabulary row is a scalar loop (16 x 151936 fp32: 2.1 ms here) while amax is
+    vectorized (0.19 ms)."""
+    B, V = logits.shape
+    c = 128
+    n = V // c
+    if n < 2 or logits.device.type != "cpu":
+        return torch.argmax(logits, dim=-1)
+    body = logits[:, :n * c].view(B, n, c)
+    block = body.amax(-1).argmax(-1)                                   # first block holding the row maximum
+    idx = block * c + body[torch.arange(B), block].argmax(-1)          # first maximum inside it
+    if V > n * c:
+        tail_max, tail_arg = logits[:, n * c:].max(-1)
+        best = logits.gather(1, idx[:, None])[:, 0]
+        idx = torch.where((tail_max > best) | (tail_max.isnan() & ~best.isnan()), n * c + tail_arg, idx)
+    return idx
+
+
 def sample(logits: torch.Tensor, params: list[SamplingParams], steps: list[int]) -> list[int]:
     """One token per row. logits [B, V]; steps[i] = index of the output token being drawn for row i."""
     if logits.dim() != 2 or logits.shape[0] != len(params) or len(params) != len(steps):
         raise ValueError("logits must be [B, V] with one SamplingParams and one step per row")
     if all(p.temperature == 0.0 for p in params):
-        return torch.argmax(logits, dim=-1).tolist()
+        return greedy(logits).tolist()
     return [sample_one(logits[i], p, s) for i, (p, s) in enumerate(zip(params, steps))]

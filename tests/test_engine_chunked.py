@@ -1,0 +1,130 @@
+"""Chunked prefill, admission on need and the CPU fast paths of the engine (tests/test_engine.py holds the parity
+tests against transformers, which run with the oneDNN-packed weights too).
+
+Float64 where outputs must be equal: a chunk boundary changes GEMM shapes, which in float32 can move a logit by an ULP
+(see STYLE.md); float64 makes greedy equality across chunkings exact in practice."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tokenplane.engine import LLMEngine, ModelRunner, SamplingParams, Sequence, load_model
+from tokenplane.engine.block_manager import BlockManager
+from tokenplane.engine.scheduler import Scheduler
+
+
+def prompt(n: int, seed: int, vocab: int = 512) -> list[int]:
+    return torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+PROMPTS = [prompt(n, 100 + n) for n in (45, 7, 30, 12, 61)]
+
+
+def run_engine(engine: LLMEngine, prompts, params):
+    ids = [engine.add_request(p, sp) for p, sp in zip(prompts, params)]
+    outs: dict[str, list[int]] = {rid: [] for rid in ids}
+    steps = []
+    while engine.has_unfinished():
+        before = {s.seq_id: s.num_computed_tokens for s in engine.scheduler.running}
+        step = engine.step()
+        steps.append((before, step))
+        for o in step:
+            outs[o.seq_id].append(o.token)
+    return [outs[r] for r in ids], steps
+
+
+def test_chunked_prefill_equals_unchunked_and_respects_the_budget(monkeypatch):
+    params = [SamplingParams(max_tokens=10), SamplingParams(max_tokens=8, temperature=0.9, top_p=0.9, seed=3)] * 2 \
+        + [SamplingParams(max_tokens=6)]
+    whole = LLMEngine("test-small", dtype=torch.float64, num_blocks=128, block_size=4)
+    want, _ = run_engine(whole, PROMPTS, params)
+    chunked = LLMEngine("test-small", dtype=torch.float64, num_blocks=128, block_size=4, max_num_batched_tokens=16)
+    sizes = []
+    real_run = chunked.runner.run
+
+    def spy(seqs, num_new_tokens=None):
+        sizes.append(list(num_new_tokens))
+        return real_run(seqs, num_new_tokens)
+
+    monkeypatch.setattr(chunked.runner, "run", spy)
+    got, steps = run_engine(chunked, PROMPTS, params)
+    assert got == want and [len(o) for o in got] == [10, 8, 10, 8, 6]
+    assert all(sum(s) <= 16 for s in sizes), sizes
+    # the 61-token prompt took at least 4 steps, and decodes of others ran in the same steps as its chunks
+    assert any(len(s) > 1 and 1 in s and max(s) > 1 for s in sizes)
+    assert chunked.runner.block_manager.num_free_blocks == chunked.runner.block_manager.num_blocks
+
+
+def test_long_prompt_over_the_budget_is_admitted_in_chunks_without_sampling_early():
+    eng = LLMEngine("test-small", dtype=torch.float64, num_blocks=64, block_size=4, max_num_batched_tokens=16)
+    rid = eng.add_request(prompt(40, 1), SamplingParams(max_tokens=3))   # refused before chunked prefill existed
+    assert eng.step() == [] and eng.step() == []                       # 16 + 16 tokens, nothing sampled
+    seq = eng.scheduler.running[0]
+    assert seq.num_computed_tokens == 32 and seq.num_output_tokens == 0
+    out = eng.step()                                                     # last 8 tokens, then the first token
+    assert [o.seq_id for o in out] == [rid] and seq.num_output_tokens == 1
+
+
+def test_request_that_can_never_fit_is_refused_at_admission():
+    sched = Scheduler(BlockManager(4, 4), max_num_seqs=4, max_num_batched_tokens=64, max_model_len=100)
+    with pytest.raises(ValueError, match="can never fit"):
+        sched.add(Sequence("a", [1] * 10, SamplingParams(max_tokens=10)))   # 20 tokens > 4 blocks x 4
+    sched.add(Sequence("b", [1] * 10, SamplingParams(max_tokens=6)))        # 16 tokens: fits alone
+    batch, counts = sched.schedule()
+    assert [s.seq_id for s in batch] == ["b"] and counts == [10] and sched.bm.num_used_blocks == 3   # prompt only
+
+
+def test_runner_projects_only_complete_sequences():
+    cfg, model = load_model("test-small", dtype=torch.float64, seed=5)
+    runner = ModelRunner(model, cfg, num_blocks=32, block_size=4)
+    a, b = Sequence("a", prompt(9, 1)), Sequence("b", prompt(5, 2))
+    for s in (a, b):
+        assert runner.prepare(s)
+    out = runner.run([a, b], [4, 5])       # a: a chunk of 4 (no logits); b: complete
+    assert out.rows == [1] and out.logits.shape[0] == 1 and a.num_computed_tokens == 4 and b.num_computed_tokens == 5
+    out2 = runner.run([a], [5])
+    ref_runner = ModelRunner(model, cfg, num_blocks=32, block_size=4)
+    a2 = Sequence("a2", a.token_ids)
+    assert ref_runner.prepare(a2)
+    ref = ref_runner.run([a2])
+    assert out2.rows == [0] and (out2.logits - ref.logits).abs().max().item() < 1e-10
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cpu_packed_weights_match_the_plain_path(dtype):
+    """oneDNN-packed linears and the vocabulary projection (1 row and several) equal F.linear within rounding."""
+    cfg, model = load_model("test-small", dtype=dtype, seed=3)
+    seqs = [Sequence(f"s{i}", prompt(7 + i, i)) for i in range(3)]
+    outs = []
+    for packed in (True, False):
+        runner = ModelRunner(model, cfg, num_blocks=32, block_size=4)
+        if not packed:
+            model.unpack_cpu()
+        assert runner.cpu_packed
+        batch = [Sequence(s.seq_id, s.token_ids) for s in seqs]
+        for s in batch:
+            assert runner.prepare(s)
+        first = runner.run(batch).logits
+        batch[0].append_token(3)
+        assert runner.prepare(batch[0])
+        outs.append((first, runner.run([batch[0]]).logits))
+    tol = 1e-4 if dtype == torch.float32 else 0.1
+    for x, y in zip(*outs):
+        assert (x - y).abs().max().item() < tol
+
+
+@pytest.mark.parametrize("vocab", [151936, 49152, 1000, 300, 100])
+def test_greedy_equals_argmax_with_ties(vocab):
+    from tokenplane.engine.sampler import greedy
+
+    g = torch.Generator().manual_seed(vocab)
+    x = torch.randn(9, vocab, generator=g)
+    x[1, vocab // 2] = x[1, 3] = x[1].max() + 1          # tie: first index wins
+    x[2, -1] = x[2].max() + 1                           # maximum in the tail past the last full block
+    x[3, vocab - 5] = x[3, 7] = x[3].max() + 1            # tie between the body and the tail
+    x[4] = 0.0                                          # all equal
+    x[5, vocab // 3] = float("nan")
+    x[6, -2] = float("nan")
+    x[7, :] = float("-inf")
+    for dt in (torch.float32, torch.float64, torch.bfloat16):
+        assert greedy(x.to(dt)).tolist() == torch.argmax(x.to(dt), dim=-1).tolist()
