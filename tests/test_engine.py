@@ -15,7 +15,7 @@ import contextlib
 import pytest
 import torch
 
-from tokenplane.engine import (LLMEngine, ModelRunner, SamplingParams, Sequence, load_model, save_pretrained_like)
+from tokenplane.engine import LLMEngine, ModelRunner, SamplingParams, Sequence, load_model, save_pretrained_like
 
 transformers = pytest.importorskip("transformers")
 
@@ -271,7 +271,7 @@ def test_cuda_graph_decode_matches_eager():
         for s in seqs:
             r.prepare(s)
         o = r.run(seqs)
-        for step in range(6):
+        for _ in range(6):
             for i, s in enumerate(seqs):
                 s.append_token(int(o.logits[i].argmax()))
                 r.prepare(s)

@@ -29,7 +29,7 @@ class ModelConfig:
     eos_token_id: int | list[int] | None = None
 
     @classmethod
-    def from_hf(cls, hf: dict[str, Any]) -> "ModelConfig":
+    def from_hf(cls, hf: dict[str, Any]) -> ModelConfig:
         """Read an HF config.json dict (transformers 4.x `rope_theta`/`rope_scaling` or 5.x `rope_parameters`)."""
         arch = hf.get("architecture")
         if arch is None:

@@ -3,8 +3,8 @@
 Scheduling questions (delayed batching thresholds, async vs sync modes, pending return) depend on step latency as a
 function of batch and context, not on the numbers a model computes. `LatencyModelRunner` keeps ModelRunner's
 `run(seqs) -> RunnerOutput` contract (it consumes every uncomputed token, sets num_computed_tokens = num_tokens,
-owns a BlockManager and checks block tables exactly like ModelRunner) but spends `LatencyFit(batch, context, new tokens)` seconds of wall
-time instead of computing, so experiments at the paper's GPU scale (a 6 ms small step, a 28 ms large one) run on
+owns a BlockManager and checks block tables exactly like ModelRunner) but spends
+`LatencyFit(batch, context, new tokens)` seconds of wall time instead of computing, so experiments at the paper's GPU scale (a 6 ms small step, a 28 ms large one) run on
 this 2-core CPU with real processes, queues and sockets: a sleeping process leaves the cores to the runtime.
 
 Outputs are synthetic but deterministic: logits and hidden state at a sequence's last position are rows of seeded
@@ -89,7 +89,7 @@ class LatencyFit:
         extra = max(0.0, new_tokens_per_seq - 1.0)
         return lambda batch: self(batch, context, extra * batch)
 
-    def scaled(self, factor: float) -> "LatencyFit":
+    def scaled(self, factor: float) -> LatencyFit:
         return LatencyFit(self.a * factor, self.b * factor, self.c * factor, self.d * factor, self.name,
                           tuple((k, v * factor) for k, v in self.knots), self.mixed)
 
@@ -98,13 +98,13 @@ class LatencyFit:
                 "knots": [list(k) for k in self.knots], "mixed": self.mixed}
 
     @classmethod
-    def from_dict(cls, d: dict) -> "LatencyFit":
+    def from_dict(cls, d: dict) -> LatencyFit:
         return cls(float(d.get("a", 0.0)), float(d.get("b", 0.0)), float(d.get("c", 0.0)), float(d.get("d", 0.0)),
                    str(d.get("name", "")), tuple((int(k), float(v)) for k, v in d.get("knots", ())),
                    float(d.get("mixed", 1.0)))
 
     @classmethod
-    def fit_piecewise(cls, samples: Iterable[dict], name: str = "") -> "LatencyFit":
+    def fit_piecewise(cls, samples: Iterable[dict], name: str = "") -> LatencyFit:
         """Non-negative least squares for one base latency per measured batch size plus a shared context slope c
         (latency = base(batch) + c * batch * context), relative residuals."""
         samples = list(samples)
@@ -121,7 +121,7 @@ class LatencyFit:
         return cls(0.0, 0.0, float(coef[-1]), 0.0, name, tuple((k, float(v)) for k, v in zip(batches, coef[:-1])))
 
     @classmethod
-    def fit(cls, samples: Iterable[dict], name: str = "", terms: str = "abc") -> "LatencyFit":
+    def fit(cls, samples: Iterable[dict], name: str = "", terms: str = "abc") -> LatencyFit:
         """Non-negative least squares over samples {batch, context (mean per seq), latency_s, extra_tokens?}.
 
         terms: which coefficients to fit (subset of "abcd"); the others are 0. Relative residuals are minimized
@@ -316,7 +316,7 @@ class LatencyModelRunner:
     def run(self, seqs: Sequence):
         return self.wait(self.launch(seqs))
 
-    def launch(self, seqs: Sequence) -> "_Launched":
+    def launch(self, seqs: Sequence) -> _Launched:
         """Start a step: bookkeeping now, outputs ready at start + latency. Like a kernel launch on an accelerator,
         it returns at once; the caller may do CPU work (send the previous step's messages) before `wait`, which is
         what a GPU engine's CPU thread does while the device computes. `run` = launch + wait."""
@@ -344,7 +344,7 @@ class LatencyModelRunner:
             self.stats.compute_over_s += prepared - deadline
         return _Launched(out, deadline, target, new_tokens, len(seqs))
 
-    def wait(self, step: "_Launched"):
+    def wait(self, step: _Launched):
         """The launched step's outputs, at its deadline (never earlier)."""
         self._wait(step.deadline)
         end = time.perf_counter()

@@ -8,7 +8,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-
 CPU_PACK_DTYPES = (torch.float32, torch.bfloat16)
 # Inputs with more rows than this (prefill) take F.linear, transformers' own GEMM: on SmolLM2-135M fp32 the packed
 # path moved the max logit difference vs transformers from 5e-5 to 9.7e-5 (the limit is 1e-4), MKL for prefill

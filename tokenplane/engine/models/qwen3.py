@@ -12,8 +12,16 @@ from torch import nn
 
 from tokenplane.engine.attention import AttentionMetadata, PagedAttention
 from tokenplane.engine.config import ModelConfig
-from tokenplane.engine.layers import (Linear, RMSNorm, RotaryEmbedding, SwiGLU, VocabProjection,
-                                     apply_rope, cpu_packing_available, rms_norm)
+from tokenplane.engine.layers import (
+    Linear,
+    RMSNorm,
+    RotaryEmbedding,
+    SwiGLU,
+    VocabProjection,
+    apply_rope,
+    cpu_packing_available,
+    rms_norm,
+)
 
 
 class DecoderAttention(nn.Module):
