@@ -5,7 +5,8 @@ function of batch and context, not on the numbers a model computes. `LatencyMode
 `run(seqs) -> RunnerOutput` contract (it consumes every uncomputed token, sets num_computed_tokens = num_tokens,
 owns a BlockManager and checks block tables exactly like ModelRunner) but spends
 `LatencyFit(batch, context, new tokens)` seconds of wall time instead of computing, so experiments at the paper's GPU
-scale (a 6 ms small step, a 28 ms large one) run on this 2-core CPU with real processes, queues and sockets: a sleeping process leaves the cores to the runtime.
+scale (a 6 ms small step, a 28 ms large one) run on this 2-core CPU with real processes, queues and sockets: a
+sleeping process leaves the cores to the runtime.
 
 Outputs are synthetic but deterministic: logits and hidden state at a sequence's last position are rows of seeded
 tables, picked by a hash of (position, last few tokens), never of the request id, batch slot or wall clock, so the
