@@ -75,12 +75,13 @@ def test_every_turn_reaches_vllm_with_its_own_ids(stack):
     assert len(convs) >= min(TRAJECTORIES, 10)
     checked = sessions = 0
     with httpx.Client(timeout=600) as client:
+        name = client.get(tier_url + "/v1/models").json()["data"][0]["id"]   # the tier's served name
         for n, messages in enumerate(convs):
             calls = [messages[:k] for k, m in enumerate(messages) if m["role"] == "assistant"][:TURNS]
             for k, call in enumerate(calls):
                 before = len(seen)
                 r = client.post(tier_url + "/v1/chat/completions",
-                                json={"model": "tiny-qwen3", "messages": call, "max_tokens": 1, "temperature": 0,
+                                json={"model": name, "messages": call, "max_tokens": 1, "temperature": 0,
                                       "prompt_cache_key": f"traj-{n}"})
                 assert r.status_code == 200, r.text
                 assert len(seen) == before + 1, "one forwarded request per turn"

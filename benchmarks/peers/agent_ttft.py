@@ -32,7 +32,6 @@ import argparse
 import json
 import os
 import random
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -91,7 +90,7 @@ class Paths:
 
     def tier_chat(self, messages: list[dict[str, str]], key: str, timeout: float | None = None) -> dict[str, Any]:
         return stream(self.client, self.tier + "/v1/chat/completions",
-                      {"model": MODEL, "messages": messages, "prompt_cache_key": key}, timeout or self.timeout)
+                      {"model": self.tier_model, "messages": messages, "prompt_cache_key": key}, timeout or self.timeout)
 
     def vllm_ids(self, ids: list[int]) -> dict[str, Any]:
         return stream(self.client, self.vllm + "/v1/completions", {"model": MODEL, "prompt": ids}, self.timeout)
@@ -303,6 +302,8 @@ def write(res: dict[str, Any], prefix: Path) -> None:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
         rows = res["rows"]
+        if not rows:
+            return
         fig, ax = plt.subplots(1, 2, figsize=(12, 4.5))
         x = [r["context_chars"] for r in rows]
         ax[0].scatter(x, [r["ttft_vllm_s"] * 1e3 for r in rows], s=10, c="tab:red", label="(a) vLLM alone")
@@ -359,6 +360,9 @@ def main() -> int:
         res["meta"]["vllm_start_s"] = time.monotonic() - v.started
         with vllm_server.TierServer(v.url, model / "tokenizer_config.json") as t:
             p = Paths(v.url, t.url, timeout=600.0)
+            # the tier answers to its own served name (its /v1/models), not the upstream's
+            p.tier_model = httpx.get(t.url + "/v1/models").json()["data"][0]["id"]
+            res["meta"]["tier_model_name"] = p.tier_model
             import tokenplane
             from tokenplane.serve.chat import ChatTemplate
             template = ChatTemplate.from_tokenizer_config(tokenplane.load("qwen3"), model / "tokenizer_config.json")
@@ -381,8 +385,8 @@ def main() -> int:
                     if time.monotonic() > deadline:
                         cell["builds"].append({"conversation": name, "not_measured": "run deadline reached"})
                         continue
-                    cell["builds"].append(run_conversation(p, name, calls, args.build_timeout, res["rows"],
-                                                           run_tag, deadline))
+                    bt = min(args.build_timeout, max(30.0, (deadline - time.monotonic()) / 2))
+                    cell["builds"].append(run_conversation(p, name, calls, bt, res["rows"], run_tag, deadline))
                     write(res, prefix)
                 write(res, prefix)
     res["meta"]["finished"] = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
