@@ -126,6 +126,9 @@ def test_exact_ids_sticky_upstreams_two_replicas(tok):
             assert chunks[0].choices[0].delta.role == "assistant" and chunks[-1].usage.completion_tokens == 3
             assert chunks[-1].model_extra["tokenization"]["path"] in ("session", "new_session")
             done = clients[0].completions.create(model="tier", prompt="plain text prompt", max_tokens=2)
+            unnamed = create_app(None, tok, model_name="", upstream=UpstreamPool(urls))   # follows the upstream's
+            with ThreadServer(unnamed) as t3:
+                assert httpx.get(t3.url + "/v1/models").json()["data"][0]["id"] == ENGINE
             assert done.choices[0].text == "Hello," and done.usage.prompt_tokens == len(tok.encode("plain text "
                                                                                                     "prompt"))
 

@@ -182,7 +182,7 @@ def create_app(backend: Backend | None, tokenizer: Any, *, model_name: str = "to
                         **_OPENAI_ERRORS})(server.chat_completions)
 
     def card() -> dict[str, Any]:
-        return {"id": model_name, "object": "model", "created": server.created, "owned_by": "tokenplane",
+        return {"id": server.model_name, "object": "model", "created": server.created, "owned_by": "tokenplane",
                 "max_model_len": backend.max_model_len}
 
     @app.get("/v1/models", response_model=ModelList, responses={401: _OPENAI_ERRORS[401]})
@@ -192,8 +192,8 @@ def create_app(backend: Backend | None, tokenizer: Any, *, model_name: str = "to
     @app.get("/v1/models/{model_id}", response_model=ModelCard,
              responses={401: _OPENAI_ERRORS[401], 404: _OPENAI_ERRORS[404]})
     async def model(model_id: str) -> dict[str, Any]:
-        if model_id != model_name:
-            raise NotFound(f"model {model_id!r} does not exist; available: [{model_name!r}]", param="model",
+        if model_id != server.model_name:
+            raise NotFound(f"model {model_id!r} does not exist; available: [{server.model_name!r}]", param="model",
                            code="model_not_found")
         return card()
 

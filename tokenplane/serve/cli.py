@@ -106,8 +106,9 @@ def _serve_tier(args: argparse.Namespace, cfg: ServeConfig, limits: Limits) -> i
     if args.chat_template:
         chat = ChatTemplate.from_tokenizer_config(tokenizer, args.chat_template)
     pool = UpstreamPool(args.upstream, model=args.upstream_model)
-    app = create_app(None, tokenizer, model_name=cfg.served_model_name, limits=limits, chat_template=chat,
-                     upstream=pool)
+    # Without a config the tier serves under the upstream's model name; a config's served_model_name renames it.
+    app = create_app(None, tokenizer, model_name=cfg.served_model_name if args.config else "", limits=limits,
+                     chat_template=chat, upstream=pool)
     _progress(f"tokenization tier for {args.upstream} on http://{args.host}:{args.port}")
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level.lower(), timeout_graceful_shutdown=5)
     return 0

@@ -73,8 +73,15 @@ def conversation_key(req: Any, text: str) -> str:
 
 class ProxyServer(OpenAIServer):
     def __init__(self, pool: UpstreamPool, tokenizer: Any, **kwargs: Any) -> None:
+        # No served name given: serve under the upstream's own model name (learned at start-up).
+        self._follow_upstream_name = not kwargs.get("model_name")
         super().__init__(UpstreamBackend(pool), tokenizer, **kwargs)
         self.pool = pool
+
+    async def warm_up(self) -> None:
+        if self._follow_upstream_name and self.pool.model:
+            self.model_name = self.pool.model
+        await super().warm_up()
 
     def _body(self, req: Any, prompt_ids: list[int], stop_ids: tuple[int, ...] = ()) -> dict[str, Any]:
         body: dict[str, Any] = {k: getattr(req, k) for k in FORWARDED if hasattr(req, k)}
