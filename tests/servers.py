@@ -16,20 +16,29 @@ def free_port() -> int:
 
 class ThreadServer:
     def __init__(self, app: Any, **config: Any) -> None:
+        self.app, self.config = app, config
+        self._make()
+
+    def _make(self) -> None:
         import uvicorn
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning",
-                                                    **config))
+        self.server = uvicorn.Server(uvicorn.Config(self.app, host="127.0.0.1", port=self.port, log_level="warning",
+                                                    **self.config))
         self.thread = threading.Thread(target=self.server.run, daemon=True)
 
     def __enter__(self) -> ThreadServer:
-        self.thread.start()
-        deadline = time.monotonic() + 30
-        while not self.server.started:
-            if time.monotonic() > deadline or not self.thread.is_alive():
+        # The free port is probed before uvicorn binds it; another process may take it in between: try again.
+        for attempt in range(3):
+            self.thread.start()
+            deadline = time.monotonic() + 30
+            while not self.server.started and self.thread.is_alive() and time.monotonic() < deadline:
+                time.sleep(0.02)
+            if self.server.started:
+                return self
+            if self.thread.is_alive() or attempt == 2:
                 raise RuntimeError("uvicorn did not start")
-            time.sleep(0.02)
+            self._make()
         return self
 
     def __exit__(self, *exc: Any) -> None:
