@@ -409,3 +409,10 @@ def test_client_leaving_mid_body_is_quiet_and_405_lists_every_method(server, cap
     assert ok.status_code == 200, ok.text
     assert is_openai_error(post(url, "/v1/completions", {"prompt": "x", "max_tokens": 1.5}), 400)["param"] == \
         "max_tokens"
+
+
+def test_prompt_forms(server):
+    url, _ = server
+    assert is_openai_error(post(url, "/v1/completions", {"prompt": [["AAA"]]}), 400)["param"] == "prompt"
+    r = post(url, "/v1/completions", {"prompt": [[5.0, 6.0]], "max_tokens": 1, "temperature": 0})
+    assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == 2

@@ -188,7 +188,9 @@ class CompletionRequest(_Common):
         if isinstance(v, list) and v and isinstance(v[0], (str, list)):
             if len(v) != 1:
                 raise ValueError("batched prompts are not supported; send one prompt per request (or use n)")
-            return v[0]
+            v = v[0]
+        if isinstance(v, list):   # JSON Schema's integers include 3.0: token ids given as integral floats
+            v = [int(t) if isinstance(t, float) and t.is_integer() and abs(t) < 2.0 ** 63 else t for t in v]
         return v
 
     @field_validator("prompt")
@@ -196,6 +198,8 @@ class CompletionRequest(_Common):
     def _prompt(cls, v: Any) -> str | list[int]:
         if isinstance(v, str):
             return _check_text(v, "prompt")
+        if not all(isinstance(t, int) for t in v):
+            raise ValueError("prompt must be a string or a list of token ids")
         return v
 
     @property
