@@ -120,7 +120,7 @@ class VLLMServer:
                 pass
         self._log.close()
 
-    def __enter__(self) -> "VLLMServer":
+    def __enter__(self) -> VLLMServer:
         try:
             self.wait()
         except BaseException:
@@ -154,7 +154,7 @@ class TierServer:
     stop = VLLMServer.stop
     __exit__ = VLLMServer.__exit__
 
-    def __enter__(self) -> "TierServer":
+    def __enter__(self) -> TierServer:
         try:
             self.wait(300)
         except BaseException:
