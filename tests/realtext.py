@@ -25,6 +25,12 @@ def traces_dir() -> Path:
     return Path(env) / "traces" / "mini-swe-agent" if env else FIXTURES / "traces"
 
 
+def conversations(limit: int) -> list[list[dict]]:
+    """Messages of the first `limit` agent trajectories (fixtures, or TOKENPLANE_DATA's)."""
+    from tokenplane.tokenize.evidence.traces import load_trajectories
+    return load_trajectories(traces_dir(), limit)
+
+
 def corpus_lines(name: str) -> list[str]:
     """Lines of `name`.jsonl (or .jsonl.gz) in the corpus folder; a missing file is an error, not a skip."""
     base = corpus_dir()

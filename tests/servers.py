@@ -55,3 +55,26 @@ def post_and_hang_up(url: str, path: str, body: bytes, after_s: float) -> None:
         s.sendall(b"POST " + path.encode() + b" HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                   b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
         time.sleep(after_s)
+
+
+def wide(preset: str) -> dict:
+    """A test preset with the qwen3 vocabulary and EOS, so the served tokenizer fits it."""
+    from tokenplane.engine.config import PRESETS
+    cfg = dict(PRESETS[preset])
+    cfg.update(vocab_size=151936, eos_token_id=151645)
+    return cfg
+
+
+def spy_backend_class() -> type:
+    """InProcessBackend that records the ids it was asked to abort."""
+    from tokenplane.serve.backends import InProcessBackend
+
+    class SpyBackend(InProcessBackend):
+        def __init__(self, router: Any, **kw: Any) -> None:
+            super().__init__(router, **kw)
+            self.aborted: list[str] = []
+
+        def abort(self, request_id: str) -> None:
+            self.aborted.append(request_id)
+            super().abort(request_id)
+    return SpyBackend

@@ -3,18 +3,15 @@ the no-injection rule."""
 
 from __future__ import annotations
 
-import gzip
 import json
 from pathlib import Path
 
 import pytest
+from realtext import conversations, traces_dir
 
 import tokenplane
 from tokenplane.serve.chat import ChatTemplate, template_for
 from tokenplane.serve.errors import InvalidRequest
-
-ROOT = Path(__file__).resolve().parent
-TRACE_DIRS = [ROOT / "fixtures" / "traces", ROOT.parent.parent / "shared" / "data" / "traces" / "mini-swe-agent"]
 
 
 def qwen3_dir() -> Path:
@@ -58,16 +55,10 @@ def test_equals_hf_apply_chat_template(tok, hf, conv):
 
 
 def trajectories(limit: int) -> list[list[tuple[str, str]]]:
-    for d in TRACE_DIRS:
-        files = sorted(d.glob("*.traj.json*")) if d.is_dir() else []
-        if files:
-            out = []
-            for f in files[:limit]:
-                raw = f.read_bytes()
-                data = json.loads(gzip.decompress(raw) if f.suffix == ".gz" else raw)
-                out.append([(m["role"], m["content"]) for m in data["messages"] if isinstance(m.get("content"), str)])
-            return out
-    pytest.skip(f"no agent trajectories in {[str(d) for d in TRACE_DIRS]}")
+    convs = conversations(limit)
+    if not convs:
+        pytest.skip(f"no agent trajectories in {traces_dir()}")
+    return [[(m["role"], m["content"]) for m in conv] for conv in convs]
 
 
 def test_real_agent_prompts_equal_hf(tok, hf):

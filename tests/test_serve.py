@@ -14,9 +14,9 @@ import time
 
 import httpx
 import pytest
+from servers import spy_backend_class, wide
 
 import tokenplane
-from tokenplane.engine.config import PRESETS
 from tokenplane.engine.sampler import SamplingParams
 from tokenplane.serve.app import create_app
 from tokenplane.serve.backends import InProcessBackend, build_backend, build_router
@@ -27,20 +27,8 @@ from tokenplane.serve.text_stream import TextStream
 MODEL = "tokenplane-router"
 
 
-def wide(preset: str) -> dict:
-    cfg = dict(PRESETS[preset])
-    cfg.update(vocab_size=151936, eos_token_id=151645)
-    return cfg
 
-
-class SpyBackend(InProcessBackend):
-    def __init__(self, router):
-        super().__init__(router)
-        self.aborted: list[str] = []
-
-    def abort(self, request_id: str) -> None:
-        self.aborted.append(request_id)
-        super().abort(request_id)
+SpyBackend = spy_backend_class()
 
 
 @pytest.fixture(autouse=True, scope="module")

@@ -12,21 +12,15 @@ import time
 import httpx
 import openai
 import pytest
-from servers import ThreadServer
+from servers import ThreadServer, wide
 
 import tokenplane
-from tokenplane.engine.config import PRESETS
 from tokenplane.serve.app import create_app
 from tokenplane.serve.backends import build_backend
 from tokenplane.serve.config import Limits, ServeConfig
 
 MODEL = "tokenplane-router"
 
-
-def wide(preset: str) -> dict:
-    cfg = dict(PRESETS[preset])
-    cfg.update(vocab_size=151936, eos_token_id=151645)
-    return cfg
 
 
 @pytest.fixture(scope="module")

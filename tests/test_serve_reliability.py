@@ -12,21 +12,15 @@ import time
 import httpx
 import openai
 import pytest
-from servers import ThreadServer
+from servers import ThreadServer, spy_backend_class, wide
 
 import tokenplane
-from tokenplane.engine.config import PRESETS
 from tokenplane.serve.app import create_app
 from tokenplane.serve.backends import Chunk, InProcessBackend, build_router
 from tokenplane.serve.config import Limits, ServeConfig
 
 MODEL = "tokenplane-router"
 
-
-def wide(preset: str) -> dict:
-    cfg = dict(PRESETS[preset])
-    cfg.update(vocab_size=151936, eos_token_id=151645)
-    return cfg
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -50,14 +44,7 @@ def router(tokenizer):
     return build_router(cfg, tokenizer, use_cache=False)
 
 
-class SpyBackend(InProcessBackend):
-    def __init__(self, router, **kw):
-        super().__init__(router, **kw)
-        self.aborted: list[str] = []
-
-    def abort(self, request_id: str) -> None:
-        self.aborted.append(request_id)
-        super().abort(request_id)
+SpyBackend = spy_backend_class()
 
 
 LIMITS = Limits(max_body_bytes=8 << 20, max_prompt_chars=3 << 20, session_bytes=400_000, max_queued=1)

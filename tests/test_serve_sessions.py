@@ -6,13 +6,11 @@ the request body to the IDs the engine would decode from."""
 
 from __future__ import annotations
 
-import gzip
-import json
-from pathlib import Path
 from typing import Any
 
 import openai
 import pytest
+from realtext import conversations, traces_dir
 from servers import ThreadServer
 
 import tokenplane
@@ -21,8 +19,6 @@ from tokenplane.serve.backends import BackendHealth, Chunk, ModelStatus
 from tokenplane.serve.chat import template_for
 from tokenplane.serve.config import Limits
 
-ROOT = Path(__file__).resolve().parent
-TRACE_DIRS = [ROOT / "fixtures" / "traces", ROOT.parent.parent / "shared" / "data" / "traces" / "mini-swe-agent"]
 MODEL = "recorder"
 
 
@@ -51,17 +47,10 @@ class RecordingBackend:
 
 
 def trajectories(limit: int) -> list[list[dict[str, str]]]:
-    for d in TRACE_DIRS:
-        files = sorted(d.glob("*.traj.json*")) if d.is_dir() else []
-        if files:
-            out = []
-            for f in files[:limit]:
-                raw = f.read_bytes()
-                data = json.loads(gzip.decompress(raw) if f.suffix == ".gz" else raw)
-                out.append([{"role": m["role"], "content": m["content"]} for m in data["messages"]
-                            if isinstance(m.get("content"), str)])
-            return out
-    pytest.skip(f"no agent trajectories in {[str(d) for d in TRACE_DIRS]}")
+    convs = conversations(limit)
+    if not convs:
+        pytest.skip(f"no agent trajectories in {traces_dir()}")
+    return convs
 
 
 @pytest.fixture(scope="module")

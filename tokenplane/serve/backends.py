@@ -101,7 +101,6 @@ class InProcessBackend:
         sizes = [getattr(getattr(r, "cfg", None), "vocab_size", None) for r in router.runners]
         known = [s for s in sizes if s]
         self.vocab_size: int | None = min(known) if known else None
-        self._started = time.monotonic()
 
     async def start(self) -> None:
         return None
