@@ -54,10 +54,13 @@ MODEL = vllm_server.MODEL_NAME
 def stream(client: httpx.Client, url: str, body: dict[str, Any], timeout: float) -> dict[str, Any]:
     """POST a streaming request; -> ttft_s, e2e_s, usage, tokenization (tier), or status + error."""
     body = {**body, "stream": True, "stream_options": {"include_usage": True}, "max_tokens": 1, "temperature": 0}
+    # Serialized before the clock starts: the client's own JSON encoding (~25 ms for 300K IDs with the stdlib) is
+    # not a cost of either path.
+    raw = json.dumps(body).encode()
     t0 = time.perf_counter()
     ttft = None
     last: dict[str, Any] = {}
-    with client.stream("POST", url, json=body, timeout=timeout) as r:
+    with client.stream("POST", url, content=raw, headers={"content-type": "application/json"}, timeout=timeout) as r:
         if r.status_code != 200:
             r.read()
             return {"status": r.status_code, "error": r.text[:500]}

@@ -18,6 +18,7 @@ from contextlib import aclosing
 from dataclasses import dataclass
 from typing import Any, AsyncGenerator, AsyncIterator, Callable, Sequence, TypeVar
 
+import numpy as np
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
@@ -32,6 +33,7 @@ from .text_stream import TextStream
 
 log = logging.getLogger("tokenplane.serve")
 T = TypeVar("T")
+PromptIds = np.ndarray | list[int]   # an array when tokenized here, the client's list when it sent IDs
 _INLINE_BYTES = 64 << 10   # bodies up to this parse on the loop (tens of microseconds); larger ones in a thread
 _DISCONNECT_POLL_S = 0.25
 
@@ -114,18 +116,18 @@ class OpenAIServer:
             raise PayloadTooLarge(f"the prompt has {n:,} characters; the limit is {self.limits.max_prompt_chars:,}",
                                   param="prompt", code="prompt_too_large")
 
-    def completion_ids(self, req: CompletionRequest) -> tuple[list[int], TokenizationReport | None]:
+    def completion_ids(self, req: CompletionRequest) -> tuple[PromptIds, TokenizationReport | None]:
+        """Prompt IDs (a numpy array when tokenized here) and how they were obtained."""
         prompt = req.prompt_value
         if not isinstance(prompt, str):
             return list(prompt), None
         if self.prompt_sessions is None:
             t0 = time.perf_counter()
             direct = self.tokenizer.encode(prompt)
-            return direct.tolist(), TokenizationReport("full_encode", 0, len(direct), (time.perf_counter() - t0) * 1e3)
-        ids, report = self.prompt_sessions.encode(prompt, blocks(prompt), req.conversation_key)
-        return ids.tolist(), report
+            return direct, TokenizationReport("full_encode", 0, len(direct), (time.perf_counter() - t0) * 1e3)
+        return self.prompt_sessions.encode(prompt, blocks(prompt), req.conversation_key)
 
-    def chat_ids(self, req: ChatCompletionRequest) -> tuple[list[int], TokenizationReport | None]:
+    def chat_ids(self, req: ChatCompletionRequest) -> tuple[PromptIds, TokenizationReport | None]:
         messages = [(m.role, m.text()) for m in req.messages]
         t0 = time.perf_counter()   # both paths time the template render too, so their figures compare
         if self.chat_sessions is None or self.chat.quotes_specials(messages):
@@ -135,7 +137,13 @@ class OpenAIServer:
         text = self.chat.render(messages)
         ids, report = self.chat_sessions.encode(text, blocks(text), req.conversation_key)
         report.time_ms = (time.perf_counter() - t0) * 1e3
-        return ids.tolist(), report
+        return ids, report
+
+    @staticmethod
+    def listed(found: tuple[PromptIds, TokenizationReport | None]) -> tuple[list[int], TokenizationReport | None]:
+        """The engine's prompt is a list (it crosses to the sub-servers as msgpack); converted in the worker thread."""
+        ids, report = found
+        return ids if isinstance(ids, list) else np.asarray(ids).tolist(), report
 
     def jobs(self, req: Any, prompt_ids: list[int], extra_stop_ids: Sequence[int] = (),
              tokenization: TokenizationReport | None = None) -> list[Job]:
@@ -344,14 +352,14 @@ class OpenAIServer:
         req = await self.read(request, CompletionRequest)
         if isinstance(req.prompt_value, str):
             self._check_chars(len(req.prompt_value))
-        prompt_ids, report = await self.offload(self.completion_ids, req)
+        prompt_ids, report = await self.offload(lambda: self.listed(self.completion_ids(req)))
         jobs = self.jobs(req, prompt_ids, tokenization=report)
         return await self._respond(request, req, jobs, "cmpl", "text_completion", self._completion_choice)
 
     async def chat_completions(self, request: Request) -> Any:
         req = await self.read(request, ChatCompletionRequest)
         self._check_chars(sum(len(m.text()) for m in req.messages))
-        prompt_ids, report = await self.offload(self.chat_ids, req)
+        prompt_ids, report = await self.offload(lambda: self.listed(self.chat_ids(req)))
         jobs = self.jobs(req, prompt_ids, self.chat.stop_token_ids, tokenization=report)
         return await self._respond(request, req, jobs, "chatcmpl", "chat.completion", self._chat_choice)
 

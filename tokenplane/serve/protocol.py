@@ -23,36 +23,28 @@ MAX_LOGPROBS = 20
 MAX_JSON_DEPTH = 64
 
 
-def _depth_ok(raw: bytes, limit: int) -> bool:
-    """Nesting depth of a JSON document from its brackets (strings skipped), without building anything."""
-    depth, in_str, esc = 0, False, False
-    # Fast path: bodies with few brackets are the norm; only scan when there could be deep nesting.
-    if raw.count(b"[") + raw.count(b"{") <= limit:
-        return True
-    for b in raw:
-        if in_str:
-            if esc:
-                esc = False
-            elif b == 0x5C:
-                esc = True
-            elif b == 0x22:
-                in_str = False
-        elif b == 0x22:
-            in_str = True
-        elif b in (0x5B, 0x7B):
-            depth += 1
-            if depth > limit:
-                return False
-        elif b in (0x5D, 0x7D):
-            depth -= 1
+def _depth_ok(body: Any, limit: int, raw: bytes) -> bool:
+    """Nesting depth of a parsed JSON document <= limit. The walk visits containers only (the parser already bounded
+    recursion: a deeper document raised RecursionError there). A long list (token IDs) would cost a Python step per
+    item, so on meeting one the walk first counts brackets in the bytes (C speed): few enough settles it."""
+    stack = [(body, 1)]
+    counted = False
+    while stack:
+        node, depth = stack.pop()
+        if depth > limit:
+            return False
+        if not counted and len(node) > 4 * limit:
+            if raw.count(b"[") + raw.count(b"{") <= limit:
+                return True
+            counted = True
+        children = node.values() if isinstance(node, dict) else node
+        stack.extend((c, depth + 1) for c in children if isinstance(c, (dict, list)))
     return True
 
 
 def parse_body(raw: bytes) -> dict[str, Any]:
     """Bytes -> a JSON object, or InvalidRequest. Rejects invalid UTF-8, lone surrogates, NaN/Infinity and
     nesting deeper than MAX_JSON_DEPTH."""
-    if not _depth_ok(raw, MAX_JSON_DEPTH):
-        raise InvalidRequest(f"request body nests deeper than {MAX_JSON_DEPTH} levels")
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as exc:
@@ -60,12 +52,17 @@ def parse_body(raw: bytes) -> dict[str, Any]:
 
     def no_constants(name: str) -> Any:
         raise InvalidRequest(f"request body contains {name}, which is not JSON")
+    too_deep = InvalidRequest(f"request body nests deeper than {MAX_JSON_DEPTH} levels")
     try:
         body = json.loads(text, parse_constant=no_constants)
-    except (json.JSONDecodeError, RecursionError) as exc:
+    except RecursionError:
+        raise too_deep from None
+    except json.JSONDecodeError as exc:
         raise InvalidRequest(f"request body is not valid JSON: {exc}") from None
     if not isinstance(body, dict):
         raise InvalidRequest("request body must be a JSON object")
+    if not _depth_ok(body, MAX_JSON_DEPTH, raw):
+        raise too_deep
     return body
 
 

@@ -18,17 +18,19 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
+import orjson
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from .backends import BackendHealth, ModelStatus
 from .conversations import TokenizationReport
 from .errors import APIError, InvalidRequest
-from .openai_routes import ClientDisconnected, OpenAIServer
+from .openai_routes import ClientDisconnected, OpenAIServer, PromptIds
 from .protocol import ChatCompletionRequest, CompletionRequest
 from .upstream import FORWARDED, UpstreamPool, error_from, sse_data
 
 _DISCONNECT_POLL_S = 0.25
+_INLINE_IDS = 1 << 14   # longer prompts are serialized in a worker thread, off the event loop
 
 
 class UpstreamBackend:
@@ -83,7 +85,9 @@ class ProxyServer(OpenAIServer):
             self.model_name = self.pool.model
         await super().warm_up()
 
-    def _body(self, req: Any, prompt_ids: list[int], stop_ids: tuple[int, ...] = ()) -> dict[str, Any]:
+    def _body(self, req: Any, prompt_ids: PromptIds, stop_ids: tuple[int, ...] = ()) -> bytes:
+        """The upstream request, serialized: orjson writes a numpy ID array at memory speed (the stdlib encoder
+        took ~25 ms, on the event loop, for a 1M-character prompt's 300K IDs)."""
         body: dict[str, Any] = {k: getattr(req, k) for k in FORWARDED if hasattr(req, k)}
         body = {k: v.model_dump() if hasattr(v, "model_dump") else v for k, v in body.items() if v is not None}
         if isinstance(req, ChatCompletionRequest):
@@ -97,7 +101,7 @@ class ProxyServer(OpenAIServer):
         if stop_ids:
             body["stop_token_ids"] = list(stop_ids)
         body.update(model=self.pool.model, prompt=prompt_ids)
-        return body
+        return orjson.dumps(body, option=orjson.OPT_SERIALIZE_NUMPY)
 
     async def completions(self, request: Request) -> Any:
         req = await self.read(request, CompletionRequest)
@@ -114,15 +118,17 @@ class ProxyServer(OpenAIServer):
         first = req.messages[0].text()[:1024] if req.messages else ""
         return await self._forward(request, req, prompt_ids, report, conversation_key(req, first), chat=True)
 
-    async def _forward(self, request: Request, req: Any, prompt_ids: list[int], report: TokenizationReport | None,
-                       key: str, chat: bool) -> Any:
-        if not prompt_ids:
+    async def _forward(self, request: Request, req: Any, prompt_ids: PromptIds,
+                       report: TokenizationReport | None, key: str, chat: bool) -> Any:
+        if len(prompt_ids) == 0:
             raise InvalidRequest("the prompt is empty", param="prompt")
         limit = self.backend.max_model_len
         if limit is not None and len(prompt_ids) >= limit:
             raise InvalidRequest(f"this model's maximum context length is {limit} tokens; the prompt has "
                                  f"{len(prompt_ids)} tokens", param="prompt", code="context_length_exceeded")
-        body = self._body(req, prompt_ids, self.chat.stop_token_ids if chat else ())
+        stops = self.chat.stop_token_ids if chat else ()
+        body = self._body(req, prompt_ids, stops) if len(prompt_ids) <= _INLINE_IDS \
+            else await self.offload(self._body, req, prompt_ids, stops)
         extra = {"tokenization": report.to_dict()} if report is not None else {}
         if self.metrics is not None:
             self.metrics.prompt_tokens.inc(len(prompt_ids))
@@ -138,7 +144,7 @@ class ProxyServer(OpenAIServer):
             raise await error_from(resp, url)
         return StreamingResponse(self._relay(resp, chat, extra), media_type="text/event-stream")
 
-    async def _exchange(self, key: str, body: dict[str, Any]) -> dict[str, Any]:
+    async def _exchange(self, key: str, body: bytes) -> dict[str, Any]:
         url, resp = await self.pool.send(key, body)
         try:
             if resp.status_code != 200:

@@ -1,0 +1,276 @@
+"""The tokenization tier's own added latency per turn, isolated from any engine.
+
+An upstream stub (this script with --stub: an OpenAI-shaped /v1/completions that parses the JSON body, as vLLM's
+front end does, and streams one chunk at once) stands in for the engine, so what remains is the tier. Per turn:
+  tier:   the chat (text) to `tokenplane serve --upstream stub`, which renders, repairs the conversation's session and
+          forwards token IDs to the stub;
+  direct: the very bytes the tier forwarded (the stub keeps the last body it received), sent straight to the stub.
+tier added = TTFT(tier) - TTFT(direct), paired per turn: the tier's receive + parse + render + tokenize + serialize +
+extra hop + relay. Both request bodies are serialized before the clock starts (the client's JSON encoder is neither
+side's cost).
+
+Workloads: real mini-swe-agent trajectories (tests/fixtures/traces; each call's prompt = every message before it) and
+synthetic conversations of real text grown to 100K / 1M / 4M characters in a first (unmeasured) turn, then appended
+with sizes from real Claude Code request shapes (../shared/data/traces/claude-code-shapes.jsonl when present).
+
+    python benchmarks/tier_overhead.py [--sizes 100000 1000000 4000000] [--turns 8] [--trajectories 4]
+
+Writes benchmarks/results/tier_overhead.{json,md,png}. Target (the tier issue): added latency P50 < 2 ms at every size.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "benchmarks" / "results"
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from serve_agent import append_sizes, load_trajectories, real_text  # noqa: E402
+
+STUB_MODEL = "stub"
+
+
+# -- the upstream stub --------------------------------------------------------------------------------------------
+def run_stub(port: int) -> None:
+    import uvicorn
+    from starlette.applications import Starlette
+    from starlette.requests import Request
+    from starlette.responses import JSONResponse, Response, StreamingResponse
+    from starlette.routing import Route
+
+    last: dict[str, bytes] = {"body": b""}
+
+    async def models(request: Request) -> JSONResponse:
+        return JSONResponse({"object": "list", "data": [{"id": STUB_MODEL, "object": "model",
+                                                         "max_model_len": 1 << 24}]})
+
+    async def completions(request: Request) -> StreamingResponse:
+        raw = await request.body()
+        last["body"] = raw
+        n = len(json.loads(raw)["prompt"])
+
+        def chunk(choices: list[Any], **extra: Any) -> str:
+            return "data: " + json.dumps({"id": "cmpl-stub", "object": "text_completion", "created": 0,
+                                          "model": STUB_MODEL, "choices": choices, **extra}) + "\n\n"
+
+        async def gen() -> Any:
+            yield chunk([{"index": 0, "text": "ok", "finish_reason": "length"}])
+            yield chunk([], usage={"prompt_tokens": n, "completion_tokens": 1, "total_tokens": n + 1})
+            yield "data: [DONE]\n\n"
+        return StreamingResponse(gen(), media_type="text/event-stream")
+
+    async def last_body(request: Request) -> Response:
+        return Response(last["body"], media_type="application/json")
+
+    app = Starlette(routes=[Route("/v1/models", models), Route("/v1/completions", completions, methods=["POST"]),
+                            Route("/last", last_body)])
+    uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning")
+
+
+# -- processes ----------------------------------------------------------------------------------------------------
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def spawn(cmd: list[str], log: Path) -> subprocess.Popen[bytes]:
+    return subprocess.Popen(cmd, stdout=open(log, "w"), stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def wait_ready(url: str, proc: subprocess.Popen[bytes], timeout: float = 300) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{url}: process exited with {proc.returncode}")
+        try:
+            if httpx.get(url, timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.3)
+    raise RuntimeError(f"{url} not ready")
+
+
+def stop(proc: subprocess.Popen[bytes]) -> None:
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+
+
+# -- one request --------------------------------------------------------------------------------------------------
+def ttft(client: httpx.Client, url: str, raw: bytes) -> tuple[float, dict[str, Any]]:
+    """Client-side time to the first chunk that carries a choice; and the tokenization report, if any."""
+    t0 = time.perf_counter()
+    first = None
+    report: dict[str, Any] = {}
+    with client.stream("POST", url, content=raw, headers={"content-type": "application/json"}, timeout=600) as r:
+        if r.status_code != 200:
+            r.read()
+            raise RuntimeError(f"{url}: HTTP {r.status_code}: {r.text[:300]}")
+        for line in r.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if chunk.get("choices") and first is None:
+                first = time.perf_counter() - t0
+            report = chunk.get("tokenization") or report
+    return (first if first is not None else time.perf_counter() - t0) * 1e3, report
+
+
+def chat_body(messages: list[dict[str, str]], key: str) -> bytes:
+    return json.dumps({"model": STUB_MODEL, "messages": messages, "max_tokens": 1, "temperature": 0, "stream": True,
+                       "stream_options": {"include_usage": True}, "prompt_cache_key": key}).encode()
+
+
+def measure_turn(client: httpx.Client, tier: str, stub: str, messages: list[dict[str, str]],
+                 key: str) -> dict[str, Any]:
+    """The turn through the tier (a real new turn: its session holds the previous one), then the bytes the tier
+    forwarded straight to the stub. The order is fixed: the direct request needs the tier's output, and sending the
+    turn through the tier twice would time a resend instead of a turn."""
+    body = chat_body(messages, key)
+    t_tier, rep = ttft(client, tier + "/v1/chat/completions", body)
+    forwarded = client.get(stub + "/last").content
+    t_direct, _ = ttft(client, stub + "/v1/completions", forwarded)
+    return {"chars": sum(len(m["content"]) for m in messages), "tokens": len(json.loads(forwarded)["prompt"]),
+            "tier_ms": t_tier, "direct_ms": t_direct, "added_ms": t_tier - t_direct,
+            "tok_ms": rep.get("time_ms"), "path": rep.get("path")}
+
+
+# -- workloads ----------------------------------------------------------------------------------------------------
+def synthetic(size: int, turns: int, rng: random.Random, text: str) -> list[list[dict[str, str]]]:
+    while len(text) < size + 200_000:
+        text += text
+    pos = rng.randrange(0, 1000)
+    messages = [{"role": "system", "content": "You are a coding agent."},
+                {"role": "user", "content": text[pos:pos + size]}]
+    pos += size
+    calls = [list(messages)]
+    for n in append_sizes(rng, turns):
+        messages += [{"role": "assistant", "content": "Running the next command."},
+                     {"role": "user", "content": text[pos:pos + n]}]
+        pos += n
+        calls.append(list(messages))
+    return calls
+
+
+def pct(values: list[float], q: float) -> float:
+    v = sorted(values)
+    return v[min(len(v) - 1, int(q * len(v)))] if v else float("nan")
+
+
+def write(res: dict[str, Any], prefix: Path) -> None:
+    prefix.parent.mkdir(parents=True, exist_ok=True)
+    prefix.with_suffix(".json").write_text(json.dumps(res, indent=1))
+    lines = ["# The tokenization tier's own added latency (an upstream stub instead of an engine)", "",
+             f"`{res['command']}` at {res['started']}, load average {res['load_before']} -> {res['load_after']} on "
+             f"{os.cpu_count()} CPUs (shared). tier added = TTFT(chat through the tier) - TTFT(the bytes the tier "
+             "forwarded, sent straight to the stub), paired per turn; tier tokenize = the response's "
+             "`tokenization.time_ms` (render + session lookup + repair).", "",
+             "| workload | turns | context chars P50 | tokens P50 | tier TTFT P50 ms | direct TTFT P50 ms | "
+             "tier added P50 / P90 ms | tier tokenize P50 / P90 ms | target added < 2 ms |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---|"]
+    for c in res["cells"]:
+        lines.append(f"| {c['workload']} | {c['turns']} | {c['chars_p50']:,} | {c['tokens_p50']:,} | "
+                     f"{c['tier_ms_p50']:.2f} | {c['direct_ms_p50']:.2f} | {c['added_ms_p50']:.2f} / "
+                     f"{c['added_ms_p90']:.2f} | {c['tok_ms_p50']:.2f} / {c['tok_ms_p90']:.2f} | "
+                     f"{'met' if c['added_ms_p50'] < 2 else 'NOT met'} |")
+    prefix.with_suffix(".md").write_text("\n".join(lines) + "\n")
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    fig, ax = plt.subplots(figsize=(7, 4))
+    names = [c["workload"] for c in res["cells"]]
+    ax.bar([i - 0.2 for i in range(len(names))], [c["added_ms_p50"] for c in res["cells"]], 0.4, label="tier added")
+    ax.bar([i + 0.2 for i in range(len(names))], [c["tok_ms_p50"] for c in res["cells"]], 0.4, label="of it: tokenize")
+    ax.axhline(2.0, color="red", ls="--", lw=1, label="target 2 ms")
+    ax.set_xticks(range(len(names)), names)
+    ax.set_ylabel("ms per turn (P50)")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(prefix.with_suffix(".png"), dpi=120)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--stub", type=int, default=None, help=argparse.SUPPRESS)
+    p.add_argument("--sizes", type=int, nargs="*", default=[100_000, 1_000_000, 4_000_000])
+    p.add_argument("--turns", type=int, default=8)
+    p.add_argument("--trajectories", type=int, default=4)
+    p.add_argument("--tokenizer", default="qwen3")
+    p.add_argument("--out", default=str(RESULTS / "tier_overhead"))
+    args = p.parse_args()
+    if args.stub is not None:
+        run_stub(args.stub)
+        return 0
+    logs = Path(args.out).parent / "tier_overhead_logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    sp, tp = free_port(), free_port()
+    stub_url, tier_url = f"http://127.0.0.1:{sp}", f"http://127.0.0.1:{tp}"
+    stub = spawn([sys.executable, __file__, "--stub", str(sp)], logs / "stub.log")
+    tier = spawn([sys.executable, "-m", "tokenplane.cli", "serve", "--upstream", stub_url, "--tokenizer",
+                  args.tokenizer, "--port", str(tp), "--log-level", "warning", "--max-prompt-chars",
+                  str(max(args.sizes + [0]) * 2 + 100_000)], logs / "tier.log")
+    res: dict[str, Any] = {"command": "python benchmarks/tier_overhead.py " + " ".join(sys.argv[1:]),
+                           "started": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
+                           "load_before": round(os.getloadavg()[0], 2), "tokenizer": args.tokenizer,
+                           "cells": [], "rows": []}
+    try:
+        wait_ready(stub_url + "/v1/models", stub)
+        wait_ready(tier_url + "/health", tier)
+        client = httpx.Client()
+        rng = random.Random(0)
+        workloads: list[tuple[str, list[list[list[dict[str, str]]]]]] = []
+        trajectories = load_trajectories(ROOT / "tests" / "fixtures" / "traces", args.trajectories)
+        workloads.append(("real trajectories", [[conv[:n] for n in range(2, len(conv) + 1)
+                                                 if conv[n - 1]["role"] == "user"] for conv in trajectories]))
+        corpus = real_text()
+        for size in args.sizes:
+            workloads.append((f"{size // 1000}K" if size < 1_000_000 else f"{size // 1_000_000}M",
+                              [synthetic(size, args.turns, rng, corpus)]))
+        for name, conversations in workloads:
+            rows = []
+            for ci, calls in enumerate(conversations):
+                key = f"{name}-{ci}"
+                ttft(client, tier_url + "/v1/chat/completions", chat_body(calls[0], key))   # builds the session
+                for messages in calls[1:]:
+                    row = measure_turn(client, tier_url, stub_url, messages, key)
+                    rows.append({"workload": name, **row})
+                    print(f"{name}: {row['chars']:,} chars, tier {row['tier_ms']:.2f} direct {row['direct_ms']:.2f} "
+                          f"added {row['added_ms']:.2f} tok {row['tok_ms']} ({row['path']})", flush=True)
+            res["rows"] += rows
+            res["cells"].append({"workload": name, "turns": len(rows),
+                                 "chars_p50": int(pct([r["chars"] for r in rows], 0.5)),
+                                 "tokens_p50": int(pct([r["tokens"] for r in rows], 0.5)),
+                                 **{f"{m}_p{q}": pct([r[m] for r in rows], q / 100)
+                                    for m in ("tier_ms", "direct_ms", "added_ms", "tok_ms") for q in (50, 90)}})
+            res["load_after"] = round(os.getloadavg()[0], 2)
+            write(res, Path(args.out))
+    finally:
+        stop(tier)
+        stop(stub)
+    print(Path(args.out).with_suffix(".md").read_text())
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
