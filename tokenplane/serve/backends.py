@@ -308,11 +308,11 @@ def resolve_tokenizer(cfg: ServeConfig) -> tuple[Any, Any]:
     from pathlib import Path
 
     import tokenplane
-    from tokenplane.engine.loader import resolve_config
 
     from .chat import ChatTemplate, template_for
     name = cfg.tokenizer
     if name == "auto":
+        from tokenplane.engine.loader import resolve_config  # torch: only when the models' own files are asked for
         directory = resolve_config(cfg.models[0])[1]
         if directory is not None and (Path(directory) / "tokenizer.json").is_file():
             tok = tokenplane.load(str(Path(directory) / "tokenizer.json"))

@@ -58,7 +58,7 @@ def _progress(message: str) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    _progress("starting (importing the engine)")
+    _progress("starting")
     import uvicorn
 
     from .app import create_app
