@@ -164,7 +164,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             history = [{"role": "system", "content": corpus[pos:pos + 2000]}]
             pos += 2000
             calls = []
-            for size in append_sizes(rng, args.turns * 4):
+            for size in append_sizes(rng, args.synthetic_appends or args.turns * 4):
                 history = history + [{"role": "user", "content": corpus[pos:pos + size]}]
                 pos += size
                 calls.append(list(history))
@@ -203,7 +203,7 @@ def pct(values: list[float], q: float) -> float:
 
 
 def summarize(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    edges = [0, 4_000, 8_000, 16_000, 24_000, 32_000, 1 << 40]
+    edges = [0, 4_000, 8_000, 16_000, 32_000, 64_000, 128_000, 256_000, 512_000, 1 << 40]
     out = []
     for lo, hi in zip(edges, edges[1:]):
         cell = {"chars": f"{lo:,}-{hi:,}" if hi < 1 << 40 else f">= {lo:,}"}
@@ -222,13 +222,26 @@ def summarize(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
+def linear_fit(rows: list[dict[str, Any]]) -> tuple[float, float, float]:
+    """Least squares tok_ms = a + b * chars -> (a ms, b ms per 100K chars, R^2)."""
+    import numpy as np
+    x = np.array([r["context_chars"] for r in rows], dtype=float)
+    y = np.array([r["tok_ms"] for r in rows], dtype=float)
+    if len(x) < 3 or np.ptp(x) == 0:
+        return float("nan"), float("nan"), float("nan")
+    b, a = np.polyfit(x, y, 1)
+    r2 = 1 - float(np.sum((y - (a + b * x)) ** 2)) / float(np.sum((y - y.mean()) ** 2))
+    return float(a), float(b * 1e5), r2
+
+
 def write(result: dict[str, Any], args: argparse.Namespace) -> None:
     RESULTS.mkdir(parents=True, exist_ok=True)
+    out = RESULTS / args.out
     summary = summarize(result["rows"])
     meta = {"command": " ".join(sys.argv), "loadavg": os.getloadavg(), "cpus": os.cpu_count(),
             "time": time.strftime("%Y-%m-%d %H:%M:%S"), "max_model_len": result["max_model_len"],
             "config": result["config"]}
-    (RESULTS / "serve_agent.json").write_text(json.dumps({"meta": meta, "summary": summary, "rows": result["rows"]},
+    out.with_suffix(".json").write_text(json.dumps({"meta": meta, "summary": summary, "rows": result["rows"]},
                                                          indent=1))
     lines = ["# Agent conversations through the server: conversation sessions on vs off", "",
              f"`{meta['command']}` at {meta['time']}, load average {meta['loadavg'][0]:.1f}/{meta['loadavg'][1]:.1f}"
@@ -249,10 +262,18 @@ def write(result: dict[str, Any], args: argparse.Namespace) -> None:
     if on:
         p50 = pct([r["tok_ms"] for r in on], 0.5)
         worst_share = max(c["sessions"]["tok_share_of_ttft_p50"] for c in summary if "sessions" in c)
+        worst_bin = max((c["sessions"]["tok_ms_p50"], c["chars"]) for c in summary if "sessions" in c)
         lines += ["", f"Target (sessions on): tokenization P50 < 1 ms: measured {p50:.3f} ms over {len(on)} turns "
-                      f"({'met' if p50 < 1 else 'NOT met'}); < 2% of TTFT in every size bin: worst bin "
+                      f"({'met' if p50 < 1 else 'NOT met'}), worst size bin {worst_bin[0]:.3f} ms at {worst_bin[1]} "
+                      f"chars ({'met' if worst_bin[0] < 1 else 'NOT met'}); < 2% of TTFT in every size bin: worst bin "
                       f"{100 * worst_share:.2f}% ({'met' if worst_share < 0.02 else 'NOT met'})."]
-    (RESULTS / "serve_agent.md").write_text("\n".join(lines) + "\n")
+    off = [r for r in result["rows"] if r["server"] == "no_sessions" and r["turn"] > 0]
+    for name, sel in (("sessions on", on), ("sessions off", off)):
+        a, b, r2 = linear_fit(sel)
+        lines.append(f"- Linear fit, {name}: tokenization ms = {a:.3f} + {b:.3f} per 100K context characters "
+                     f"(R^2 {r2:.2f}, {len(sel)} turns, contexts up to {max(r['context_chars'] for r in sel):,} chars)."
+                     if sel else f"- {name}: no turns.")
+    out.with_suffix(".md").write_text("\n".join(lines) + "\n")
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -267,7 +288,7 @@ def write(result: dict[str, Any], args: argparse.Namespace) -> None:
         for a in ax:
             a.legend()
         fig.tight_layout()
-        fig.savefig(RESULTS / "serve_agent.png", dpi=110)
+        fig.savefig(out.with_suffix(".png"), dpi=110)
     except ImportError:
         pass
 
@@ -280,13 +301,16 @@ def main() -> int:
     p.add_argument("--synthetic", type=int, default=2, help="synthetic sessions grown to the context limit")
     p.add_argument("--turns", type=int, default=12, help="turns per trajectory")
     p.add_argument("--max-tokens", type=int, default=4)
+    p.add_argument("--synthetic-appends", type=int, default=0,
+                   help="appends per synthetic session (default 4 x --turns); it ends at the context limit anyway")
+    p.add_argument("--out", default="serve_agent", help="result file stem under benchmarks/results")
     p.add_argument("--quick", action="store_true", help="2 trajectories x 4 turns, 1 synthetic session")
     args = p.parse_args()
     if args.quick:
         args.trajectories, args.turns, args.synthetic = 2, 4, 1
     result = run(args)
     write(result, args)
-    print((RESULTS / "serve_agent.md").read_text())
+    print((RESULTS / args.out).with_suffix(".md").read_text())
     return 0
 
 
