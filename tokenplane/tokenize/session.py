@@ -26,7 +26,7 @@ import numpy as np
 
 from .cpu import boundary
 from .errors import SessionError, StaleRevisionError, TextTooLargeError, validate_text  # noqa: F401
-from .splice import MAX_CANDIDATES, Point, SpliceSearch
+from .splice import Point, SpliceSearch
 from .textstore import (
     Append,
     Replace,
@@ -142,7 +142,8 @@ class Session:
         self._maxlit = max((len(s) for s in tokenizer.specials), default=1)
         self._cont = self.reference.continuation_start
         self._is_special = tokenizer.special_mask(self.allowed_special)
-        self._search = SpliceSearch(self._cont, tokenizer.max_token_chars)
+        sig, pair = boundary.pair_table(self.rule) if self.rule is not None else (None, None)
+        self._search = SpliceSearch(self._cont, tokenizer.max_token_chars, sig, pair)
         self._encode_s = 0.0
         self._clear()
         if text:
@@ -442,14 +443,15 @@ class Session:
                     r = self._window_end(e_new + w, specials(e_new + w - 1, e_new + w + 1))
                 plan.attempts = attempt + 1
                 sp = specials(s, r)
-                fresh = self._encode_window(new, s, r, sp)
+                text = new.slice(s, r)
+                fresh = self._encode_window(text, s, r, sp)
                 if fresh is None:
                     continue
                 f_ids, f_ends = fresh
-                left = self._find_left(rule, new, s, d, f_ids, f_ends, sp)
+                left = self._find_left(text, s, d, f_ids, f_ends, sp)
                 if left is None:
                     continue
-                right = self._find_right(rule, new, e_new, r, new_len, f_ids, f_ends, sp)
+                right = self._find_right(text, s, e_new, r, new_len, f_ids, f_ends, sp, new.delta)
                 if right is None:
                     continue
                 self._fill_window(plan, s, left, right, f_ids, f_ends)
@@ -461,7 +463,9 @@ class Session:
         elif n:
             self.stats.repairs += 1
         self.stats.full_encodes += 1
-        f_ids, f_ends = self._encode_window(new, 0, new_len, specials(0, new_len), check=False)
+        full = self._encode_window(new.slice(0, new_len), 0, new_len, specials(0, new_len), check=False)
+        assert full is not None     # check=False never refuses
+        f_ids, f_ends = full
         m = min(n, len(f_ids))
         neq = np.flatnonzero(self._ids[:m] != f_ids[:m])
         keep = int(neq[0]) if len(neq) else m
@@ -472,20 +476,23 @@ class Session:
         """A clean cached token boundary <= target (a character boundary no token straddles); ASCII for NFC."""
         if target <= 0:
             return 0
-        ends, ids, n = self._ends, self._ids, self._n
-        i = int(np.searchsorted(ends[:n], np.uint32(target), side="right")) - 1
+        ends, ids = self._ends[:self._n], self._ids[:self._n]
         norm = self._normtext
-        fallback = None
-        for _ in range(256):
+        i = self._search.clean_before(ends, ids, target)
+        if i < 0:
+            return 0
+        pos = int(ends[i])
+        if not self._nfc or norm.char(pos) < "\x80":
+            return pos
+        fallback = pos
+        for _ in range(255):         # NFC: the window must start at an ASCII character (a split point)
+            i = self._search.clean_before(ends, ids, target, i - 1)
             if i < 0:
                 return 0
             pos = int(ends[i])
-            if i + 1 >= n or not self._cont[ids[i + 1]]:
-                if not self._nfc or norm.char(pos) < "\x80":
-                    return pos
-                fallback = pos if fallback is None else fallback
-            i -= 1
-        return fallback if fallback is not None else 0
+            if norm.char(pos) < "\x80":
+                return pos
+        return fallback
 
     @staticmethod
     def _window_end(target: int, specials) -> int:
@@ -494,9 +501,9 @@ class Session:
                 return a
         return target
 
-    def _encode_window(self, new: SplicedText, s: int, r: int, specials, check: bool = True):
-        """Reference records of new[s:r] (literals split out); ends relative to s. None if an NFC self-check fails."""
-        text = new.slice(s, r)
+    def _encode_window(self, text: str, s: int, r: int, specials, check: bool = True):
+        """Reference records of text = new[s:r] (literals split out), ends absolute. None if an NFC self-check
+        fails."""
         id_parts, end_parts, pos = [], [], s
         inside = [(a, b, sid) for a, b, sid in specials if s <= a and b <= r]
 
@@ -530,30 +537,28 @@ class Session:
         ends = np.concatenate(end_parts).astype(np.int64, copy=False)
         return ids, ends + s
 
-    def _find_left(self, rule: boundary.BoundaryRule, new: SplicedText, s: int, d: int, f_ids: np.ndarray,
-                   f_ends: np.ndarray, specials: list[tuple[int, int, int]]) -> Point | None:
-        """Rightmost certified splice point p in [s, d]: (p, cached index, fresh index)."""
-        hard = {s} if s == 0 or self._is_special_edge(s) else set()
+    def _find_left(self, text: str, s: int, d: int, f_ids: np.ndarray, f_ends: np.ndarray,
+                   specials: list[tuple[int, int, int]]) -> Point | None:
+        """Rightmost certified splice point p in [s, d]: (p, cached index, fresh index); text = new[s:r]."""
+        hard = [s] if s == 0 or self._is_special_edge(s) else []
         for a, b, _ in specials:
             if s <= b <= d:
-                hard.update(x for x in (a, b) if x >= s)
-        stable = rule.stable_positions(new.slice(s, d), s) if d - s >= 2 else np.zeros(0, np.int64)
-        return self._search.point(hard, stable[-4 * MAX_CANDIDATES:], *self._records(), f_ids, f_ends, rightmost=True,
-                                  shift=0, fresh_origin=s)
+                hard += [x for x in (a, b) if x >= s]
+        return self._search.point(text, s, s, d, hard, *self._records(), f_ids, f_ends, rightmost=True, shift=0,
+                                  fresh_origin=s)
 
-    def _find_right(self, rule: boundary.BoundaryRule, new: SplicedText, e_new: int, r: int, new_len: int,
-                    f_ids: np.ndarray, f_ends: np.ndarray, specials: list[tuple[int, int, int]]) -> Point | None:
+    def _find_right(self, text: str, s: int, e_new: int, r: int, new_len: int, f_ids: np.ndarray,
+                    f_ends: np.ndarray, specials: list[tuple[int, int, int]], delta: int) -> Point | None:
         """Leftmost certified splice point q in [e_new, r]: (q, cached index of q - delta, fresh index)."""
         if r >= new_len and e_new >= new_len:
             return new_len, self._n - 1, len(f_ids) - 1
-        hard = {new_len} if r >= new_len else set()
+        hard = [new_len] if r >= new_len else []
         for a, b, _ in specials:
             if a >= e_new and b <= r:
-                hard.update((a, b))
-        stable = rule.stable_positions(new.slice(e_new, r), e_new) if r - e_new >= 2 else np.zeros(0, np.int64)
+                hard += [a, b]
         # fresh_origin -1: the fresh window starts left of e_new, so a fresh index must be a real record (>= 0)
-        return self._search.point(hard, stable[:4 * MAX_CANDIDATES], *self._records(), f_ids, f_ends,
-                                  rightmost=False, shift=new.delta, fresh_origin=-1)
+        return self._search.point(text, s, e_new, r, hard, *self._records(), f_ids, f_ends, rightmost=False,
+                                  shift=delta, fresh_origin=-1)
 
     def _records(self) -> tuple[np.ndarray, np.ndarray]:
         """The cached (ids, ends) records as views."""
