@@ -246,7 +246,15 @@ class Session:
         """Bring the session to `full_text` (clients that resend the whole context): an append when the stored text
         is a prefix, else an edit of the changed middle (common prefix and suffix kept)."""
         self._check_revision(expect_revision)
-        full_text = validate_text(full_text, self.tokenizer.max_chars)
+        if isinstance(full_text, str):
+            # Validate only what is new: the kept prefix (and suffix) equal the stored, already validated text, and
+            # the comparison runs on the str's own buffer (memcmp for chunks of the same kind). append/edit below
+            # validate the new tail or middle (lone surrogates refused with the same error, session unchanged).
+            if len(full_text) > self.tokenizer.max_chars:
+                raise TextTooLargeError(f"input has {len(full_text):,} characters; "
+                                        f"the limit is {self.tokenizer.max_chars:,}")
+        else:
+            full_text = validate_text(full_text, self.tokenizer.max_chars)    # bytes: decoding validates them
         length = len(self._raw)
         if self._raw.is_prefix_of(full_text):
             return self.append(full_text[length:])
