@@ -409,6 +409,10 @@ def main() -> int:
         tok = tokenplane.load(family)
         if args.session_path == "cpu":
             tok.encode("build the tables 123", path="cpu")   # one-time table build, not part of any timing
+        warm = tok.session(encode_path=args.session_path)     # load (or compile) the splice kernels once
+        warm.sync("warm up the kernels, 123. " * 40)
+        warm.sync("warm up the kernels, 123. " * 41)
+        warm.edit(10, 20, "x")
         engines = Engines(family, tok, set(args.engines.split(",")) - {""})
         rng = random.Random(args.seed)
         res: dict = {"synthetic": [], "session_path": args.session_path, "peers_missing": engines.missing}
