@@ -2,6 +2,8 @@
 step compared with a full reference encode (the session contract), and state size per token."""
 
 
+import random
+
 import numpy as np
 import pytest
 
@@ -63,3 +65,38 @@ def test_sync_across_string_kinds(toks, name):
     sess.sync(changed)
     _check(sess, tok)
     assert sess.text == changed
+
+
+NON_NFC = ["e\u0301", "A\u030a", "\u212b", "\u1100\u1161\u11a8", "o\u0308\u0304", "\u0301", "\u0327", "x\u0323\u0307",
+           "\u00e9", "\u0915\u093c", " ", "ab", "\n", "1", "\U0001F642", "\u4e2d"]
+
+
+def test_qwen3_edits_stay_local_around_non_nfc_text(toks):
+    """Raw text that is not NFC in many places; edits next to, inside and across the non-NFC stretches, appends that
+    split a combining sequence (base, then its marks), and the map of raw/normalized offsets after every step."""
+    tok = toks["qwen3"]
+    rng = random.Random(7)
+    sess = tok.session(text=PROSE[:1500] + "cafe\u0301 " + PROSE[:1500] + "A\u030a\u212b " + PROSE[:800], window=16)
+    _check(sess, tok)
+    before, mapped = sess.stats.renormalizations, 0
+    for _ in range(120):
+        text = sess.text
+        kind = rng.random()
+        atoms = "".join(rng.choice(NON_NFC) for _ in range(rng.randint(0, 4)))
+        if kind < 0.15:
+            sess.append("e")                           # a base character ...
+            sess.append("\u0301" + atoms)              # ... whose mark arrives in the next append
+        elif kind < 0.3:
+            sess.sync(text + atoms + " tail")
+        else:
+            a = rng.randrange(len(text) + 1)
+            b = min(len(text), a + rng.randint(0, 6))
+            if rng.random() < 0.5:
+                sess.edit(a, b, atoms)
+            else:
+                sess.sync(text[:a] + atoms + text[b:])
+        _check(sess, tok)
+        assert sess.normalized_text == tok.normalize(sess.text)
+        mapped = max(mapped, len(sess._nmap))
+    # every edit stayed local (no whole-text renormalization) while the raw text was not NFC in many places
+    assert sess.stats.renormalizations == before and mapped >= 5

@@ -26,6 +26,7 @@ import numpy as np
 
 from .cpu import boundary
 from .errors import SessionError, StaleRevisionError, TextTooLargeError, validate_text  # noqa: F401
+from .nfcmap import NfcMap, build_map
 from .splice import Point, SpliceSearch
 from .textstore import (
     Append,
@@ -114,6 +115,7 @@ class _Plan:
     delta: int = 0
     path: Literal["window", "full", "noop"] = "window"
     attempts: int = 0
+    nmap: NfcMap | None = None                  # the NFC map after the change (None: unchanged)
 
 
 class Session:
@@ -139,6 +141,9 @@ class Session:
         if self._nfc and any(not s.isascii() for s in self.allowed_special):
             self.rule = None     # split points for NFC assume ASCII literals (docs/boundaries.md)
         self._literals = bool(self.allowed_special)    # track special-token literals (only when some are allowed)
+        # Raw <-> normalized offsets (nfcmap.py) keep NFC edits local; sessions with allowed literals normalize
+        # between literals and renormalize on edits instead (documented O(N) case).
+        self._mapped = self._nfc and not self._literals and tokenizer.reference.plain_nfc
         self._maxlit = max((len(s) for s in tokenizer.specials), default=1)
         self._cont = self.reference.continuation_start
         self._is_special = tokenizer.special_mask(self.allowed_special)
@@ -153,6 +158,7 @@ class Session:
         """The state of an empty session at revision 0."""
         self._raw = TextStore()
         self._norm: TextStore | None = None          # None while the normalized text equals the raw text
+        self._nmap: NfcMap | None = NfcMap() if self._mapped else None
         # Literal (special-token string) matches of the allowed-special scan, raw coordinates, sorted.
         self._lits: list[LiteralEntry] = []
         self._ids = np.zeros(_MIN_CAPACITY, dtype=np.uint32)
@@ -266,12 +272,14 @@ class Session:
         """Drop the state and start over from `text` (a session-state miss)."""
         self._check_revision(expect_revision)
         text = validate_text(text, self.tokenizer.max_chars)
-        saved = (self._raw, self._norm, self._lits, self._ids, self._ends, self._n, self.revision, self.stats)
+        saved = (self._raw, self._norm, self._lits, self._ids, self._ends, self._n, self.revision, self.stats,
+                 self._nmap)
         try:
             self._clear()
             self.append(text)
         except BaseException:
-            (self._raw, self._norm, self._lits, self._ids, self._ends, self._n, self.revision, self.stats) = saved
+            (self._raw, self._norm, self._lits, self._ids, self._ends, self._n, self.revision, self.stats,
+             self._nmap) = saved
             raise
         self.stats, self.revision = saved[7], saved[6] + 1     # counters and revision continue across a reset
         return Splice(0, self._ids[:self._n].copy(), self.revision, "full")
@@ -308,9 +316,21 @@ class Session:
         if self._nfc and struct_raw < L0:
             return self._plan_rebuild(self._raw.joined() + text, Append(text))
         # The normalized middle `mid` replaces norm[d0:N0]; allowed literals get normalized coordinates.
+        new_map = None
         if not self._nfc:
             d0, mid, struct = N0, text, struct_raw
             keep_from, added = keep_lits, [(a, b, a, b, sid) for a, b, sid in found]
+        elif self._nmap is not None:
+            # split in raw coordinates (outside any non-NFC region), mapped to normalized ones
+            q = self._raw.nfc_split_before(L0, 0, _NFC_REACH)
+            if q is None:
+                return self._plan_rebuild(self._raw.joined() + text, Append(text))
+            q = self._nmap.widen(q, L0)[0]
+            d0 = self._nmap.to_norm(q)
+            raw_mid = self._raw.slice(q, L0) + text
+            mid, inner = build_map(raw_mid, self.tokenizer.normalize)
+            struct, keep_from, added = N0, 0, []
+            new_map = self._nmap.replace(q, L0, d0, N0, len(raw_mid), len(mid), inner)
         else:
             last = next((e for e in reversed(self._lits) if e[4] >= 0), None)
             split = norm.nfc_split_before(N0, last[3] if last else 0, _NFC_REACH)
@@ -333,10 +353,13 @@ class Session:
             mid, struct = "".join(pieces), N0
         new = SplicedText(norm, d0, mid, N0)
         d = min(d0 + common_prefix_len(norm.slice(d0, N0), mid, 0), struct)
-        raw_is_norm = self._norm is None and (not self._nfc or mid == norm.slice(d0, N0) + text)
+        if new_map is not None:
+            raw_is_norm = not len(new_map)
+        else:
+            raw_is_norm = self._norm is None and (not self._nfc or mid == norm.slice(d0, N0) + text)
         plan = _Plan(raw_change=Append(text),
                      norm_change=None if raw_is_norm else Replace(d0, N0, mid),
-                     lits=ReplaceLiteralsFrom(keep_from, added) if self._literals else None)
+                     lits=ReplaceLiteralsFrom(keep_from, added) if self._literals else None, nmap=new_map)
         added_sp = [(e[2], e[3], e[4]) for e in added if e[4] >= 0]
 
         def specials(lo: int, hi: int) -> list[tuple[int, int, int]]:
@@ -357,29 +380,37 @@ class Session:
 
     def _plan_edit(self, start: int, end: int, replacement: str) -> _Plan:
         raw_len = len(self._raw)
-        if self._literals or (self._nfc and self._norm is not None):
+        if self._literals or (self._nfc and self._nmap is None and self._norm is not None):
             new_raw = self._raw.slice(0, start) + replacement + self._raw.slice(end, raw_len)
             return self._plan_rebuild(new_raw, SetText(new_raw))
-        norm = self._raw
+        raw, norm = self._raw, self._normtext
+        new_map = None
         if not self._nfc:
             d0, e_old, mid = start, end, replacement
             raw_is_norm = True
         else:
-            lo = norm.nfc_split_before(start, 0, _NFC_REACH)
-            hi = norm.nfc_split_after(end, _NFC_REACH)
+            lo = raw.nfc_split_before(start, 0, _NFC_REACH)
+            hi = raw.nfc_split_after(end, _NFC_REACH)
             if lo is None or hi is None:
-                new_raw = self._raw.slice(0, start) + replacement + self._raw.slice(end, raw_len)
+                new_raw = raw.slice(0, start) + replacement + raw.slice(end, raw_len)
                 return self._plan_rebuild(new_raw, SetText(new_raw))
-            d0, e_old = lo, hi
-            raw_mid = norm.slice(d0, start) + replacement + norm.slice(end, e_old)
-            mid = self.tokenizer.normalize(raw_mid)
-            raw_is_norm = mid == raw_mid
+            nmap = self._nmap if self._nmap is not None else NfcMap()
+            lo, hi = nmap.widen(lo, hi)
+            d0, e_old = nmap.to_norm(lo), nmap.to_norm(hi)
+            raw_mid = raw.slice(lo, start) + replacement + raw.slice(end, hi)
+            if self._nmap is not None:
+                mid, inner = build_map(raw_mid, self.tokenizer.normalize)
+                new_map = nmap.replace(lo, hi, d0, e_old, len(raw_mid), len(mid), inner)
+                raw_is_norm = not len(new_map)
+            else:
+                mid = self.tokenizer.normalize(raw_mid)
+                raw_is_norm = mid == raw_mid
         old_mid = norm.slice(d0, e_old)
         cp = common_prefix_len(old_mid, mid, 0)
         cs = common_suffix_len(old_mid[cp:], mid[cp:])
         new = SplicedText(norm, d0, mid, e_old)
         plan = _Plan(raw_change=Replace(start, end, replacement),
-                     norm_change=None if raw_is_norm else Replace(d0, e_old, mid), lits=None)
+                     norm_change=None if raw_is_norm else Replace(d0, e_old, mid), lits=None, nmap=new_map)
         self._repair(plan, new, d0 + cp, d0 + len(mid) - cs, lambda lo, hi: [])
         return plan
 
@@ -399,8 +430,12 @@ class Session:
             entries.append((a, b, pos + len(seg), pos + len(seg) + len(lit), sid))
             pos += len(seg) + len(lit)
             raw_pos = b
-        pieces.append(self.tokenizer.normalize(new_raw[raw_pos:]) if self._nfc else new_raw[raw_pos:])
-        new_norm = "".join(pieces)
+        new_map = None
+        if self._mapped:       # no literals: one span, normalized region by region with its map
+            new_norm, new_map = build_map(new_raw, self.tokenizer.normalize)
+        else:
+            pieces.append(self.tokenizer.normalize(new_raw[raw_pos:]) if self._nfc else new_raw[raw_pos:])
+            new_norm = "".join(pieces)
         old_norm = self._normtext.joined()
         old_sp = [(e[2], e[3], e[4]) for e in self._lits if e[4] >= 0]
         new_sp = [(e[2], e[3], e[4]) for e in entries if e[4] >= 0]
@@ -428,7 +463,7 @@ class Session:
         e_old = e_new - delta
         raw_is_norm = new_norm == new_raw
         plan = _Plan(raw_change=raw_change, norm_change=None if raw_is_norm else SetText(new_norm),
-                     lits=SetLiterals(entries) if self._literals else None)
+                     lits=SetLiterals(entries) if self._literals else None, nmap=new_map)
         new = SplicedText(TextStore([old_norm]), d, new_norm[d:e_new], e_old)
         self._repair(plan, new, d, e_new, lambda lo, hi: [x for x in new_sp if x[1] > lo and x[0] < hi])
         return plan
@@ -626,6 +661,8 @@ class Session:
         self._norm = norm.apply(plan.norm_change) if norm is not None and plan.norm_change is not None else None
         if plan.lits is not None:
             self._lits = plan.lits.apply(self._lits)
+        if plan.nmap is not None:
+            self._nmap = plan.nmap
         self.revision += 1
         dt = time.perf_counter() - t0
         self.stats.last_repair_s = dt
