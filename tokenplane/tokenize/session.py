@@ -27,6 +27,7 @@ import numpy as np
 from .cpu import boundary
 from .errors import SessionError, StaleRevisionError, TextTooLargeError, validate_text  # noqa: F401
 from .nfcmap import NfcMap, build_map
+from .records import move_right_part
 from .splice import Point, SpliceSearch
 from .textstore import (
     Append,
@@ -641,15 +642,9 @@ class Session:
             ids2[keep + n_mid:new_n] = ids[right_from:n]
             ends2[keep + n_mid:new_n] = ends[right_from:n]
             ids, ends = ids2, ends2
-        elif n_right and keep + n_mid != right_from:
-            ids[keep + n_mid:new_n] = ids[right_from:n].copy()
-            ends[keep + n_mid:new_n] = ends[right_from:n].copy()
-        if n_right and plan.delta:
-            tail = ends[keep + n_mid:new_n]
-            if plan.delta > 0:
-                tail += np.uint32(plan.delta)
-            else:
-                tail -= np.uint32(-plan.delta)
+            move_right_part(ids, ends, keep + n_mid, keep + n_mid, n_right, plan.delta)
+        else:
+            move_right_part(ids, ends, right_from, keep + n_mid, n_right, plan.delta)
         ids[keep:keep + n_mid] = plan.mid_ids
         ends[keep:keep + n_mid] = plan.mid_ends
         self._ids, self._ends, self._n = ids, ends, new_n
