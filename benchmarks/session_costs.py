@@ -117,7 +117,8 @@ def memory(tok, context: str, appends: list[str], session_path: str) -> dict:
     freed heap trimmed first), beside the session's own `nbytes`. The tokenizer is warmed on the same text first,
     so its shared caches are not counted as session state."""
     tok.encode(context[:200_000], path=session_path)
-    _fill(tok, context[:2000], [], session_path)     # first-session allocations (masks, kernels) are shared
+    # first-session allocations (masks, kernels loaded on the first repair) are shared, not session state
+    _fill(tok, context[:2000], [context[2000:2400], context[2400:2500]], session_path)
     gc.collect()
     tracemalloc.start()
     before = tracemalloc.get_traced_memory()[0]

@@ -1,7 +1,7 @@
 """Session repair latency and state size: tokenplane Session.append / sync / edit vs full re-encode peers, same inputs.
 
 Synthetic long sessions are cut from real text (../shared/tools/build_corpus.py corpus): a context of 100K, 1M or 4M
-characters (it starts with a decomposed "cafe\u0301", so for NFC families the raw text differs from the normalized
+characters (for NFC families it starts with a decomposed "cafe\u0301": the raw text differs from the normalized
 one, the case that used to renormalize everything), then appends of either the flat 1.4K-character shape or sizes
 drawn from real Claude Code sessions (../shared/data/traces/claude-code-shapes.jsonl). Per step, engines run
 interleaved in rotating order on the same text:
@@ -110,7 +110,8 @@ class Engines:
 def run_synthetic(args, tok, engines: Engines, pool: str, size_name: str, shape: str, rng: random.Random) -> dict:
     size = SIZES[size_name]
     offset = rng.randrange(0, max(1, len(pool) - size - 2_000_000))
-    context = NFC_SEED + pool[offset:offset + size - len(NFC_SEED)]
+    seed = NFC_SEED if tok.family.normalizer is not None else ""
+    context = seed + pool[offset:offset + size - len(seed)]
     if len(context) < size:
         context = (pool * (size // len(pool) + 1))[:size]
     if shape == "flat1400":
@@ -416,7 +417,8 @@ def main() -> int:
         engines = Engines(family, tok, set(args.engines.split(",")) - {""})
         rng = random.Random(args.seed)
         res: dict = {"synthetic": [], "session_path": args.session_path, "peers_missing": engines.missing}
-        res["small_memory"] = memory(tok, NFC_SEED + pool[:6000], [], args.session_path)
+        seed = NFC_SEED if tok.family.normalizer is not None else ""
+        res["small_memory"] = memory(tok, seed + pool[:6000], [], args.session_path)
         for size_name in args.sizes.split(","):
             for shape in args.shapes.split(","):
                 res["synthetic"].append(run_synthetic(args, tok, engines, pool, size_name, shape, rng))

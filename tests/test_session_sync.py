@@ -96,7 +96,13 @@ def test_qwen3_edits_stay_local_around_non_nfc_text(toks):
             else:
                 sess.sync(text[:a] + atoms + text[b:])
         _check(sess, tok)
-        assert sess.normalized_text == tok.normalize(sess.text)
+        norm = tok.normalize(sess.text)
+        assert sess.normalized_text == norm
+        view = sess._normtext        # the normalized text read through the map: every slice and character
+        for _ in range(5):
+            a = rng.randrange(len(norm) + 1)
+            b = rng.randrange(a, min(len(norm), a + 300) + 1)
+            assert view.slice(a, b) == norm[a:b] and (a == len(norm) or view.char(a) == norm[a])
         mapped = max(mapped, len(sess._nmap))
     # every edit stayed local (no whole-text renormalization) while the raw text was not NFC in many places
     assert sess.stats.renormalizations == before and mapped >= 5

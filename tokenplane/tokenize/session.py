@@ -26,7 +26,7 @@ import numpy as np
 
 from .cpu import boundary
 from .errors import SessionError, StaleRevisionError, TextTooLargeError, validate_text  # noqa: F401
-from .nfcmap import NfcMap, build_map
+from .nfcmap import MappedText, NfcMap, build_map
 from .records import move_right_part
 from .splice import Point, SpliceSearch
 from .textstore import (
@@ -35,6 +35,7 @@ from .textstore import (
     SetText,
     SplicedText,
     TextChange,
+    TextReader,
     TextStore,
     common_prefix_len,
     common_suffix_len,
@@ -196,7 +197,9 @@ class Session:
         return self._normtext.joined()
 
     @property
-    def _normtext(self) -> TextStore:
+    def _normtext(self) -> TextReader:
+        if self._nmap is not None and len(self._nmap):
+            return MappedText(self._raw, self._nmap)
         return self._raw if self._norm is None else self._norm
 
     @property
@@ -204,6 +207,7 @@ class Session:
         """Resident bytes of the state: id/end arrays (allocated capacity), text chunks, literal index."""
         seen: set[int] = set()
         text = self._raw.nbytes(seen) + (self._norm.nbytes(seen) if self._norm is not None else 0)
+        text += self._nmap.nbytes() if self._nmap is not None else 0
         return self._ids.nbytes + self._ends.nbytes + text + 72 * len(self._lits)
 
     @property
@@ -334,7 +338,8 @@ class Session:
             new_map = self._nmap.replace(q, L0, d0, N0, len(raw_mid), len(mid), inner)
         else:
             last = next((e for e in reversed(self._lits) if e[4] >= 0), None)
-            split = norm.nfc_split_before(N0, last[3] if last else 0, _NFC_REACH)
+            store = self._raw if self._norm is None else self._norm     # unmapped: the normalized store
+            split = store.nfc_split_before(N0, last[3] if last else 0, _NFC_REACH)
             if split is None:
                 return self._plan_rebuild(self._raw.joined() + text, Append(text))
             d0 = split
@@ -650,7 +655,7 @@ class Session:
         self._ids, self._ends, self._n = ids, ends, new_n
         # text: the normalized store splits off the raw one (sharing its chunks) the first time they differ
         norm = None
-        if plan.norm_change is not None:
+        if plan.norm_change is not None and not self._mapped:   # mapped: the map holds the normalized regions
             norm = self._norm if self._norm is not None else self._raw.copy()
         self._raw = self._raw.apply(plan.raw_change)
         self._norm = norm.apply(plan.norm_change) if norm is not None and plan.norm_change is not None else None
