@@ -72,8 +72,8 @@ def edits(tok, context: str, pool: str, steps: int, rng: random.Random, session_
     session = tok.session(encode_path=session_path)
     session.sync(context)
     times = []
+    n = len(context)         # 20 characters replace 20: the length stays (reading session.text would join it)
     for _ in range(steps):
-        n = len(session.text)
         a = rng.randrange(n // 5, 4 * n // 5)
         src = rng.randrange(0, len(pool) - 20)
         t0 = time.perf_counter()

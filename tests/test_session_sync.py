@@ -9,6 +9,7 @@ import pytest
 
 import tokenplane
 from tokenplane import InvalidTextError
+from tokenplane.tokenize.records import move_right_part
 
 PROSE = ("Sessions keep state; appended text is repaired near the seam. Numbers like 2024 and 3.14, code such as "
          "f(x) = x**2 + 1, and prose alternate here.\n") * 40
@@ -106,3 +107,18 @@ def test_qwen3_edits_stay_local_around_non_nfc_text(toks):
         mapped = max(mapped, len(sess._nmap))
     # every edit stayed local (no whole-text renormalization) while the raw text was not NFC in many places
     assert sess.stats.renormalizations == before and mapped >= 5
+
+
+def test_record_moves_overlap_either_way():
+    rng = np.random.default_rng(0)
+    for _ in range(300):
+        n = int(rng.integers(1, 200))
+        ids = rng.integers(0, 1 << 32, size=n + 20, dtype=np.uint64).astype(np.uint32)
+        ends = np.sort(rng.integers(100, 1 << 20, size=n + 20)).astype(np.uint32)
+        src, dst, count, delta = int(rng.integers(0, 10)), int(rng.integers(0, 10)), int(rng.integers(0, n)), \
+            int(rng.integers(-50, 50))
+        want_ids, want_ends = ids.copy(), ends.copy()
+        want_ids[dst:dst + count] = ids[src:src + count].copy()
+        want_ends[dst:dst + count] = (ends[src:src + count].astype(np.int64) + delta).astype(np.uint32)
+        move_right_part(ids, ends, src, dst, count, delta)
+        assert np.array_equal(ids, want_ids) and np.array_equal(ends, want_ends)
