@@ -26,13 +26,16 @@ import numpy as np
 
 from .cpu import boundary
 from .errors import SessionError, StaleRevisionError, TextTooLargeError, validate_text  # noqa: F401
-from .splice import MAX_CANDIDATES, Point, SpliceSearch
+from .nfcmap import MappedText, NfcMap, build_map
+from .records import move_right_part
+from .splice import Point, SpliceSearch
 from .textstore import (
     Append,
     Replace,
     SetText,
     SplicedText,
     TextChange,
+    TextReader,
     TextStore,
     common_prefix_len,
     common_suffix_len,
@@ -114,6 +117,7 @@ class _Plan:
     delta: int = 0
     path: Literal["window", "full", "noop"] = "window"
     attempts: int = 0
+    nmap: NfcMap | None = None                  # the NFC map after the change (None: unchanged)
 
 
 class Session:
@@ -139,10 +143,14 @@ class Session:
         if self._nfc and any(not s.isascii() for s in self.allowed_special):
             self.rule = None     # split points for NFC assume ASCII literals (docs/boundaries.md)
         self._literals = bool(self.allowed_special)    # track special-token literals (only when some are allowed)
+        # Raw <-> normalized offsets (nfcmap.py) keep NFC edits local; sessions with allowed literals normalize
+        # between literals and renormalize on edits instead (documented O(N) case).
+        self._mapped = self._nfc and not self._literals and tokenizer.reference.plain_nfc
         self._maxlit = max((len(s) for s in tokenizer.specials), default=1)
         self._cont = self.reference.continuation_start
         self._is_special = tokenizer.special_mask(self.allowed_special)
-        self._search = SpliceSearch(self._cont, tokenizer.max_token_chars)
+        sig, pair = boundary.pair_table(self.rule) if self.rule is not None else (None, None)
+        self._search = SpliceSearch(self._cont, tokenizer.max_token_chars, sig, pair)
         self._encode_s = 0.0
         self._clear()
         if text:
@@ -152,6 +160,7 @@ class Session:
         """The state of an empty session at revision 0."""
         self._raw = TextStore()
         self._norm: TextStore | None = None          # None while the normalized text equals the raw text
+        self._nmap: NfcMap | None = NfcMap() if self._mapped else None
         # Literal (special-token string) matches of the allowed-special scan, raw coordinates, sorted.
         self._lits: list[LiteralEntry] = []
         self._ids = np.zeros(_MIN_CAPACITY, dtype=np.uint32)
@@ -188,7 +197,9 @@ class Session:
         return self._normtext.joined()
 
     @property
-    def _normtext(self) -> TextStore:
+    def _normtext(self) -> TextReader:
+        if self._nmap is not None and len(self._nmap):
+            return MappedText(self._raw, self._nmap)
         return self._raw if self._norm is None else self._norm
 
     @property
@@ -196,6 +207,7 @@ class Session:
         """Resident bytes of the state: id/end arrays (allocated capacity), text chunks, literal index."""
         seen: set[int] = set()
         text = self._raw.nbytes(seen) + (self._norm.nbytes(seen) if self._norm is not None else 0)
+        text += self._nmap.nbytes() if self._nmap is not None else 0
         return self._ids.nbytes + self._ends.nbytes + text + 72 * len(self._lits)
 
     @property
@@ -245,7 +257,15 @@ class Session:
         """Bring the session to `full_text` (clients that resend the whole context): an append when the stored text
         is a prefix, else an edit of the changed middle (common prefix and suffix kept)."""
         self._check_revision(expect_revision)
-        full_text = validate_text(full_text, self.tokenizer.max_chars)
+        if isinstance(full_text, str):
+            # Validate only what is new: the kept prefix (and suffix) equal the stored, already validated text, and
+            # the comparison runs on the str's own buffer (memcmp for chunks of the same kind). append/edit below
+            # validate the new tail or middle (lone surrogates refused with the same error, session unchanged).
+            if len(full_text) > self.tokenizer.max_chars:
+                raise TextTooLargeError(f"input has {len(full_text):,} characters; "
+                                        f"the limit is {self.tokenizer.max_chars:,}")
+        else:
+            full_text = validate_text(full_text, self.tokenizer.max_chars)    # bytes: decoding validates them
         length = len(self._raw)
         if self._raw.is_prefix_of(full_text):
             return self.append(full_text[length:])
@@ -257,12 +277,14 @@ class Session:
         """Drop the state and start over from `text` (a session-state miss)."""
         self._check_revision(expect_revision)
         text = validate_text(text, self.tokenizer.max_chars)
-        saved = (self._raw, self._norm, self._lits, self._ids, self._ends, self._n, self.revision, self.stats)
+        saved = (self._raw, self._norm, self._lits, self._ids, self._ends, self._n, self.revision, self.stats,
+                 self._nmap)
         try:
             self._clear()
             self.append(text)
         except BaseException:
-            (self._raw, self._norm, self._lits, self._ids, self._ends, self._n, self.revision, self.stats) = saved
+            (self._raw, self._norm, self._lits, self._ids, self._ends, self._n, self.revision, self.stats,
+             self._nmap) = saved
             raise
         self.stats, self.revision = saved[7], saved[6] + 1     # counters and revision continue across a reset
         return Splice(0, self._ids[:self._n].copy(), self.revision, "full")
@@ -299,12 +321,25 @@ class Session:
         if self._nfc and struct_raw < L0:
             return self._plan_rebuild(self._raw.joined() + text, Append(text))
         # The normalized middle `mid` replaces norm[d0:N0]; allowed literals get normalized coordinates.
+        new_map = None
         if not self._nfc:
             d0, mid, struct = N0, text, struct_raw
             keep_from, added = keep_lits, [(a, b, a, b, sid) for a, b, sid in found]
+        elif self._nmap is not None:
+            # split in raw coordinates (outside any non-NFC region), mapped to normalized ones
+            q = self._raw.nfc_split_before(L0, 0, _NFC_REACH)
+            if q is None:
+                return self._plan_rebuild(self._raw.joined() + text, Append(text))
+            q = self._nmap.widen(q, L0)[0]
+            d0 = self._nmap.to_norm(q)
+            raw_mid = self._raw.slice(q, L0) + text
+            mid, inner = build_map(raw_mid, self.tokenizer.normalize)
+            struct, keep_from, added = N0, 0, []
+            new_map = self._nmap.replace(q, L0, d0, N0, len(raw_mid), len(mid), inner)
         else:
             last = next((e for e in reversed(self._lits) if e[4] >= 0), None)
-            split = norm.nfc_split_before(N0, last[3] if last else 0, _NFC_REACH)
+            store = self._raw if self._norm is None else self._norm     # unmapped: the normalized store
+            split = store.nfc_split_before(N0, last[3] if last else 0, _NFC_REACH)
             if split is None:
                 return self._plan_rebuild(self._raw.joined() + text, Append(text))
             d0 = split
@@ -324,10 +359,13 @@ class Session:
             mid, struct = "".join(pieces), N0
         new = SplicedText(norm, d0, mid, N0)
         d = min(d0 + common_prefix_len(norm.slice(d0, N0), mid, 0), struct)
-        raw_is_norm = self._norm is None and (not self._nfc or mid == norm.slice(d0, N0) + text)
+        if new_map is not None:
+            raw_is_norm = not len(new_map)
+        else:
+            raw_is_norm = self._norm is None and (not self._nfc or mid == norm.slice(d0, N0) + text)
         plan = _Plan(raw_change=Append(text),
                      norm_change=None if raw_is_norm else Replace(d0, N0, mid),
-                     lits=ReplaceLiteralsFrom(keep_from, added) if self._literals else None)
+                     lits=ReplaceLiteralsFrom(keep_from, added) if self._literals else None, nmap=new_map)
         added_sp = [(e[2], e[3], e[4]) for e in added if e[4] >= 0]
 
         def specials(lo: int, hi: int) -> list[tuple[int, int, int]]:
@@ -348,29 +386,37 @@ class Session:
 
     def _plan_edit(self, start: int, end: int, replacement: str) -> _Plan:
         raw_len = len(self._raw)
-        if self._literals or (self._nfc and self._norm is not None):
+        if self._literals or (self._nfc and self._nmap is None and self._norm is not None):
             new_raw = self._raw.slice(0, start) + replacement + self._raw.slice(end, raw_len)
             return self._plan_rebuild(new_raw, SetText(new_raw))
-        norm = self._raw
+        raw, norm = self._raw, self._normtext
+        new_map = None
         if not self._nfc:
             d0, e_old, mid = start, end, replacement
             raw_is_norm = True
         else:
-            lo = norm.nfc_split_before(start, 0, _NFC_REACH)
-            hi = norm.nfc_split_after(end, _NFC_REACH)
+            lo = raw.nfc_split_before(start, 0, _NFC_REACH)
+            hi = raw.nfc_split_after(end, _NFC_REACH)
             if lo is None or hi is None:
-                new_raw = self._raw.slice(0, start) + replacement + self._raw.slice(end, raw_len)
+                new_raw = raw.slice(0, start) + replacement + raw.slice(end, raw_len)
                 return self._plan_rebuild(new_raw, SetText(new_raw))
-            d0, e_old = lo, hi
-            raw_mid = norm.slice(d0, start) + replacement + norm.slice(end, e_old)
-            mid = self.tokenizer.normalize(raw_mid)
-            raw_is_norm = mid == raw_mid
+            nmap = self._nmap if self._nmap is not None else NfcMap()
+            lo, hi = nmap.widen(lo, hi)
+            d0, e_old = nmap.to_norm(lo), nmap.to_norm(hi)
+            raw_mid = raw.slice(lo, start) + replacement + raw.slice(end, hi)
+            if self._nmap is not None:
+                mid, inner = build_map(raw_mid, self.tokenizer.normalize)
+                new_map = nmap.replace(lo, hi, d0, e_old, len(raw_mid), len(mid), inner)
+                raw_is_norm = not len(new_map)
+            else:
+                mid = self.tokenizer.normalize(raw_mid)
+                raw_is_norm = mid == raw_mid
         old_mid = norm.slice(d0, e_old)
         cp = common_prefix_len(old_mid, mid, 0)
         cs = common_suffix_len(old_mid[cp:], mid[cp:])
         new = SplicedText(norm, d0, mid, e_old)
         plan = _Plan(raw_change=Replace(start, end, replacement),
-                     norm_change=None if raw_is_norm else Replace(d0, e_old, mid), lits=None)
+                     norm_change=None if raw_is_norm else Replace(d0, e_old, mid), lits=None, nmap=new_map)
         self._repair(plan, new, d0 + cp, d0 + len(mid) - cs, lambda lo, hi: [])
         return plan
 
@@ -390,8 +436,12 @@ class Session:
             entries.append((a, b, pos + len(seg), pos + len(seg) + len(lit), sid))
             pos += len(seg) + len(lit)
             raw_pos = b
-        pieces.append(self.tokenizer.normalize(new_raw[raw_pos:]) if self._nfc else new_raw[raw_pos:])
-        new_norm = "".join(pieces)
+        new_map = None
+        if self._mapped:       # no literals: one span, normalized region by region with its map
+            new_norm, new_map = build_map(new_raw, self.tokenizer.normalize)
+        else:
+            pieces.append(self.tokenizer.normalize(new_raw[raw_pos:]) if self._nfc else new_raw[raw_pos:])
+            new_norm = "".join(pieces)
         old_norm = self._normtext.joined()
         old_sp = [(e[2], e[3], e[4]) for e in self._lits if e[4] >= 0]
         new_sp = [(e[2], e[3], e[4]) for e in entries if e[4] >= 0]
@@ -419,7 +469,7 @@ class Session:
         e_old = e_new - delta
         raw_is_norm = new_norm == new_raw
         plan = _Plan(raw_change=raw_change, norm_change=None if raw_is_norm else SetText(new_norm),
-                     lits=SetLiterals(entries) if self._literals else None)
+                     lits=SetLiterals(entries) if self._literals else None, nmap=new_map)
         new = SplicedText(TextStore([old_norm]), d, new_norm[d:e_new], e_old)
         self._repair(plan, new, d, e_new, lambda lo, hi: [x for x in new_sp if x[1] > lo and x[0] < hi])
         return plan
@@ -442,14 +492,15 @@ class Session:
                     r = self._window_end(e_new + w, specials(e_new + w - 1, e_new + w + 1))
                 plan.attempts = attempt + 1
                 sp = specials(s, r)
-                fresh = self._encode_window(new, s, r, sp)
+                text = new.slice(s, r)
+                fresh = self._encode_window(text, s, r, sp)
                 if fresh is None:
                     continue
                 f_ids, f_ends = fresh
-                left = self._find_left(rule, new, s, d, f_ids, f_ends, sp)
+                left = self._find_left(text, s, d, f_ids, f_ends, sp)
                 if left is None:
                     continue
-                right = self._find_right(rule, new, e_new, r, new_len, f_ids, f_ends, sp)
+                right = self._find_right(text, s, e_new, r, new_len, f_ids, f_ends, sp, new.delta)
                 if right is None:
                     continue
                 self._fill_window(plan, s, left, right, f_ids, f_ends)
@@ -461,7 +512,9 @@ class Session:
         elif n:
             self.stats.repairs += 1
         self.stats.full_encodes += 1
-        f_ids, f_ends = self._encode_window(new, 0, new_len, specials(0, new_len), check=False)
+        full = self._encode_window(new.slice(0, new_len), 0, new_len, specials(0, new_len), check=False)
+        assert full is not None     # check=False never refuses
+        f_ids, f_ends = full
         m = min(n, len(f_ids))
         neq = np.flatnonzero(self._ids[:m] != f_ids[:m])
         keep = int(neq[0]) if len(neq) else m
@@ -472,20 +525,23 @@ class Session:
         """A clean cached token boundary <= target (a character boundary no token straddles); ASCII for NFC."""
         if target <= 0:
             return 0
-        ends, ids, n = self._ends, self._ids, self._n
-        i = int(np.searchsorted(ends[:n], np.uint32(target), side="right")) - 1
+        ends, ids = self._ends[:self._n], self._ids[:self._n]
         norm = self._normtext
-        fallback = None
-        for _ in range(256):
+        i = self._search.clean_before(ends, ids, target)
+        if i < 0:
+            return 0
+        pos = int(ends[i])
+        if not self._nfc or norm.char(pos) < "\x80":
+            return pos
+        fallback = pos
+        for _ in range(255):         # NFC: the window must start at an ASCII character (a split point)
+            i = self._search.clean_before(ends, ids, target, i - 1)
             if i < 0:
                 return 0
             pos = int(ends[i])
-            if i + 1 >= n or not self._cont[ids[i + 1]]:
-                if not self._nfc or norm.char(pos) < "\x80":
-                    return pos
-                fallback = pos if fallback is None else fallback
-            i -= 1
-        return fallback if fallback is not None else 0
+            if norm.char(pos) < "\x80":
+                return pos
+        return fallback
 
     @staticmethod
     def _window_end(target: int, specials) -> int:
@@ -494,9 +550,9 @@ class Session:
                 return a
         return target
 
-    def _encode_window(self, new: SplicedText, s: int, r: int, specials, check: bool = True):
-        """Reference records of new[s:r] (literals split out); ends relative to s. None if an NFC self-check fails."""
-        text = new.slice(s, r)
+    def _encode_window(self, text: str, s: int, r: int, specials, check: bool = True):
+        """Reference records of text = new[s:r] (literals split out), ends absolute. None if an NFC self-check
+        fails."""
         id_parts, end_parts, pos = [], [], s
         inside = [(a, b, sid) for a, b, sid in specials if s <= a and b <= r]
 
@@ -530,30 +586,28 @@ class Session:
         ends = np.concatenate(end_parts).astype(np.int64, copy=False)
         return ids, ends + s
 
-    def _find_left(self, rule: boundary.BoundaryRule, new: SplicedText, s: int, d: int, f_ids: np.ndarray,
-                   f_ends: np.ndarray, specials: list[tuple[int, int, int]]) -> Point | None:
-        """Rightmost certified splice point p in [s, d]: (p, cached index, fresh index)."""
-        hard = {s} if s == 0 or self._is_special_edge(s) else set()
+    def _find_left(self, text: str, s: int, d: int, f_ids: np.ndarray, f_ends: np.ndarray,
+                   specials: list[tuple[int, int, int]]) -> Point | None:
+        """Rightmost certified splice point p in [s, d]: (p, cached index, fresh index); text = new[s:r]."""
+        hard = [s] if s == 0 or self._is_special_edge(s) else []
         for a, b, _ in specials:
             if s <= b <= d:
-                hard.update(x for x in (a, b) if x >= s)
-        stable = rule.stable_positions(new.slice(s, d), s) if d - s >= 2 else np.zeros(0, np.int64)
-        return self._search.point(hard, stable[-4 * MAX_CANDIDATES:], *self._records(), f_ids, f_ends, rightmost=True,
-                                  shift=0, fresh_origin=s)
+                hard += [x for x in (a, b) if x >= s]
+        return self._search.point(text, s, s, d, hard, *self._records(), f_ids, f_ends, rightmost=True, shift=0,
+                                  fresh_origin=s)
 
-    def _find_right(self, rule: boundary.BoundaryRule, new: SplicedText, e_new: int, r: int, new_len: int,
-                    f_ids: np.ndarray, f_ends: np.ndarray, specials: list[tuple[int, int, int]]) -> Point | None:
+    def _find_right(self, text: str, s: int, e_new: int, r: int, new_len: int, f_ids: np.ndarray,
+                    f_ends: np.ndarray, specials: list[tuple[int, int, int]], delta: int) -> Point | None:
         """Leftmost certified splice point q in [e_new, r]: (q, cached index of q - delta, fresh index)."""
         if r >= new_len and e_new >= new_len:
             return new_len, self._n - 1, len(f_ids) - 1
-        hard = {new_len} if r >= new_len else set()
+        hard = [new_len] if r >= new_len else []
         for a, b, _ in specials:
             if a >= e_new and b <= r:
-                hard.update((a, b))
-        stable = rule.stable_positions(new.slice(e_new, r), e_new) if r - e_new >= 2 else np.zeros(0, np.int64)
+                hard += [a, b]
         # fresh_origin -1: the fresh window starts left of e_new, so a fresh index must be a real record (>= 0)
-        return self._search.point(hard, stable[:4 * MAX_CANDIDATES], *self._records(), f_ids, f_ends,
-                                  rightmost=False, shift=new.delta, fresh_origin=-1)
+        return self._search.point(text, s, e_new, r, hard, *self._records(), f_ids, f_ends, rightmost=False,
+                                  shift=delta, fresh_origin=-1)
 
     def _records(self) -> tuple[np.ndarray, np.ndarray]:
         """The cached (ids, ends) records as views."""
@@ -593,26 +647,22 @@ class Session:
             ids2[keep + n_mid:new_n] = ids[right_from:n]
             ends2[keep + n_mid:new_n] = ends[right_from:n]
             ids, ends = ids2, ends2
-        elif n_right and keep + n_mid != right_from:
-            ids[keep + n_mid:new_n] = ids[right_from:n].copy()
-            ends[keep + n_mid:new_n] = ends[right_from:n].copy()
-        if n_right and plan.delta:
-            tail = ends[keep + n_mid:new_n]
-            if plan.delta > 0:
-                tail += np.uint32(plan.delta)
-            else:
-                tail -= np.uint32(-plan.delta)
+            move_right_part(ids, ends, keep + n_mid, keep + n_mid, n_right, plan.delta)
+        else:
+            move_right_part(ids, ends, right_from, keep + n_mid, n_right, plan.delta)
         ids[keep:keep + n_mid] = plan.mid_ids
         ends[keep:keep + n_mid] = plan.mid_ends
         self._ids, self._ends, self._n = ids, ends, new_n
         # text: the normalized store splits off the raw one (sharing its chunks) the first time they differ
         norm = None
-        if plan.norm_change is not None:
+        if plan.norm_change is not None and not self._mapped:   # mapped: the map holds the normalized regions
             norm = self._norm if self._norm is not None else self._raw.copy()
         self._raw = self._raw.apply(plan.raw_change)
         self._norm = norm.apply(plan.norm_change) if norm is not None and plan.norm_change is not None else None
         if plan.lits is not None:
             self._lits = plan.lits.apply(self._lits)
+        if plan.nmap is not None:
+            self._nmap = plan.nmap
         self.revision += 1
         dt = time.perf_counter() - t0
         self.stats.last_repair_s = dt

@@ -4,80 +4,154 @@ A point p qualifies when it is a clean boundary (a character end no token stradd
 the fresh ones, and either a hard boundary (window edge, special literal edge) or a stable position of the family's
 rule that lies inside a run of agreeing records of >= 2 tokens covering more characters than the longest token.
 The same search serves both sides of an edit: rightmost candidate on the left side, leftmost on the right side.
+
+The search is one numba kernel over the window text's own buffer and the record arrays (binary searches, early-exit
+compares): a repair's fixed cost is a few microseconds instead of ~30 numpy calls on session-sized views.
 """
 
 from __future__ import annotations
 
 import numpy as np
+from numba import njit
+from numba.cpython.unicode import _get_code_point
 
 MAX_CANDIDATES = 24        # stable positions tried per window side before widening
+MAX_STABLE = 4 * MAX_CANDIDATES    # stable positions scanned per side (nearest the edit first)
 Point = tuple[int, int, int]   # (text position, cached record index, fresh record index)
+
+
+def _clean_impl(ends, ids, n, pos, origin, cont):
+    """Index of the last record ending at pos if pos is a clean boundary of these records, -1 for origin, -2 when
+    not a clean boundary (searchsorted(side="right") - 1, then the next record must not start inside a character)."""
+    if pos == origin:
+        return -1
+    lo, hi = 0, n
+    while lo < hi:
+        mid = (lo + hi) >> 1
+        if ends[mid] <= pos:
+            lo = mid + 1
+        else:
+            hi = mid
+    idx = lo - 1
+    if idx < 0 or ends[idx] != pos:
+        return -2
+    if idx + 1 < n and cont[ids[idx + 1]]:
+        return -2
+    return idx
+
+
+_clean = njit(cache=True)(_clean_impl)
+
+
+@njit(cache=True)
+def _run_ok(c_ids, c_n, ci, f_ids, f_n, fj, c_ends, max_chars):
+    """The agreeing run through the splice point: >= 2 tokens, > max_chars characters, and it includes the token
+    left of the point (so the point lies inside the run)."""
+    back = 0
+    while back <= ci and back <= fj and c_ids[ci - back] == f_ids[fj - back]:
+        back += 1
+    if back == 0:
+        return False
+    fwd = 0
+    while ci + 1 + fwd < c_n and fj + 1 + fwd < f_n and c_ids[ci + 1 + fwd] == f_ids[fj + 1 + fwd]:
+        fwd += 1
+    first = ci - back + 1
+    start = c_ends[first - 1] if first > 0 else 0
+    stop = c_ends[ci + fwd]
+    return back + fwd >= 2 and np.int64(stop) - np.int64(start) > max_chars
+
+
+@njit(cache=True)
+def _search(text, t0, lo, hi, hard, sig, pair, use_stable, c_ids, c_ends, c_n, f_ids, f_ends, f_n, cont, max_chars,
+            rightmost, shift, fresh_origin, max_stable, max_cand):
+    """Candidates: the sorted `hard` positions and the stable positions p in [lo+1, hi-1] (pair[sig[text[p-1]],
+    sig[text[p]]], text holding absolute positions [t0, t0 + len(text))), at most max_stable of them, nearest the
+    edit first. Returns (p, cached index, fresh index) of the first qualifying one, or p = -1."""
+    nh = hard.shape[0]
+    step = -1 if rightmost else 1
+    p = hi if rightmost else lo
+    end = lo - 1 if rightmost else hi + 1
+    h = nh - 1 if rightmost else 0
+    seen = 0
+    tried = 0
+    while p != end:
+        while 0 <= h < nh and (hard[h] > p if rightmost else hard[h] < p):
+            h += step
+        is_hard = 0 <= h < nh and hard[h] == p
+        is_stable = False
+        if not is_hard:
+            if not use_stable or seen >= max_stable:
+                if not (0 <= h < nh):
+                    break
+                p = hard[h]          # only hard positions remain: jump
+                continue
+            if lo < p < hi:
+                x = _get_code_point(text, p - 1 - t0)
+                y = _get_code_point(text, p - t0)
+                is_stable = pair[sig[x], sig[y]] != 0
+                if is_stable:
+                    seen += 1
+        if is_hard or is_stable:
+            ci = _clean(c_ends, c_ids, c_n, p - shift, 0, cont)
+            if ci >= -1:
+                fj = _clean(f_ends, f_ids, f_n, p, fresh_origin, cont)
+                if fj >= -1:
+                    if is_hard:
+                        return p, ci, fj
+                    if tried >= max_cand:
+                        return -1, 0, 0
+                    tried += 1
+                    if _run_ok(c_ids, c_n, ci, f_ids, f_n, fj, c_ends, max_chars):
+                        return p, ci, fj
+        p += step
+    return -1, 0, 0
+
+
+@njit(cache=True)
+def _clean_before(ends, ids, n, cont, target, start):
+    """See SpliceSearch.clean_before."""
+    lo, hi = 0, n
+    while lo < hi:
+        mid = (lo + hi) >> 1
+        if ends[mid] <= target:
+            lo = mid + 1
+        else:
+            hi = mid
+    i = min(lo - 1, start) if start >= 0 else lo - 1
+    while i >= 0:
+        if i + 1 >= n or not cont[ids[i + 1]]:
+            return i
+        i -= 1
+    return -1
 
 
 class SpliceSearch:
     """The boundary search over token records of one tokenizer: `cont` marks tokens that start inside a character,
-    `max_token_chars` is the longest vocabulary token in characters."""
+    `max_token_chars` is the longest vocabulary token in characters; `sig`/`pair`: the rule's pair table
+    (boundary.pair_table), None for a family without a rule."""
 
-    def __init__(self, cont: np.ndarray, max_token_chars: int):
+    def __init__(self, cont: np.ndarray, max_token_chars: int, sig: np.ndarray | None = None,
+                 pair: np.ndarray | None = None):
         self.cont = cont
         self.max_token_chars = max_token_chars
+        self.sig = sig if sig is not None else np.zeros(1, np.uint8)
+        self.pair = pair if pair is not None else np.zeros((1, 1), np.uint8)
+        self.use_stable = sig is not None
 
-    def clean_index(self, ends: np.ndarray, ids: np.ndarray, pos: np.ndarray, origin: int) -> np.ndarray:
-        """For each position: index of the last record ending there if it is a clean boundary, -1 for origin,
-        -2 when not a clean boundary of these records."""
-        if not len(ends):
-            return np.where(pos == origin, -1, -2)
-        # query in the array's dtype: a mixed-dtype searchsorted converts the whole (session-sized) array
-        idx = np.searchsorted(ends, pos.astype(ends.dtype), side="right") - 1
-        ok = idx >= 0
-        safe = np.where(ok, idx, 0)
-        hit = ok & (ends[safe] == pos)
-        nxt = np.minimum(safe + 1, len(ids) - 1)
-        clean = hit & ((safe + 1 >= len(ids)) | ~self.cont[ids[nxt]])
-        out = np.where(clean, idx, -2)
-        return np.where(pos == origin, -1, out)
+    def point(self, text: str, t0: int, lo: int, hi: int, hard: list[int], c_ids: np.ndarray, c_ends: np.ndarray,
+              f_ids: np.ndarray, f_ends: np.ndarray, *, rightmost: bool, shift: int, fresh_origin: int
+              ) -> Point | None:
+        """The boundary search of both window sides: the candidate in [lo, hi] nearest the edit (hard boundaries:
+        window and literal edges; stable positions of the rule, read from `text`, which holds absolute positions
+        [t0, t0 + len(text)) covering [lo, hi)) that is a clean boundary of the cached records (at position
+        - shift) and of the fresh ones, and, unless hard, lies inside an agreeing run."""
+        h = np.array(sorted({x for x in hard if lo <= x <= hi}), dtype=np.int64)
+        p, ci, fj = _search(text, t0, lo, hi, h, self.sig, self.pair, self.use_stable, c_ids, c_ends, len(c_ids),
+                            f_ids, f_ends, len(f_ids), self.cont, self.max_token_chars, rightmost, shift,
+                            fresh_origin, MAX_STABLE, MAX_CANDIDATES)
+        return None if p < 0 else (int(p), int(ci), int(fj))
 
-    def run_ok(self, c_ids: np.ndarray, ci: int, f_ids: np.ndarray, fj: int, c_ends: np.ndarray,
-               c_origin: int) -> bool:
-        """The agreeing run through the splice point: >= 2 tokens, > max_token_chars characters, and it includes
-        the token left of the point (so the point lies inside the run)."""
-        m = min(ci + 1, fj + 1)
-        if m <= 0:
-            return False
-        a = c_ids[ci - m + 1:ci + 1][::-1]
-        b = f_ids[fj - m + 1:fj + 1][::-1]
-        neq = np.flatnonzero(a != b)
-        back = int(neq[0]) if len(neq) else m
-        if back == 0:
-            return False
-        m2 = min(len(c_ids) - ci - 1, len(f_ids) - fj - 1)
-        neq = np.flatnonzero(c_ids[ci + 1:ci + 1 + m2] != f_ids[fj + 1:fj + 1 + m2])
-        fwd = int(neq[0]) if len(neq) else m2
-        first = ci - back + 1
-        start = int(c_ends[first - 1]) if first > 0 else c_origin
-        stop = int(c_ends[ci + fwd])
-        return back + fwd >= 2 and stop - start > self.max_token_chars
-
-    def point(self, hard: set[int], stable: np.ndarray, c_ids: np.ndarray, c_ends: np.ndarray, f_ids: np.ndarray,
-              f_ends: np.ndarray, *, rightmost: bool, shift: int, fresh_origin: int) -> Point | None:
-        """The boundary search of both window sides: the candidate nearest the edit (hard boundaries: window and
-        literal edges; stable positions of the rule) that is a clean boundary of the cached records (at position
-        - shift) and of the fresh ones, and, unless hard, lies inside an agreeing run (`run_ok`)."""
-        cand = np.union1d(np.fromiter(hard, dtype=np.int64, count=len(hard)), stable)
-        if rightmost:
-            cand = cand[::-1]
-        if not len(cand):
-            return None
-        ci = self.clean_index(c_ends, c_ids, cand - shift, 0)
-        fj = self.clean_index(f_ends, f_ids, cand, fresh_origin)
-        tried = 0
-        for k in np.flatnonzero((ci >= -1) & (fj >= -1)):
-            p = int(cand[k])
-            if p in hard:
-                return p, int(ci[k]), int(fj[k])
-            if tried >= MAX_CANDIDATES:
-                break
-            tried += 1
-            if self.run_ok(c_ids, int(ci[k]), f_ids, int(fj[k]), c_ends, 0):
-                return p, int(ci[k]), int(fj[k])
-        return None
+    def clean_before(self, ends: np.ndarray, ids: np.ndarray, target: int, start: int = -1) -> int:
+        """Index of the last record (at most `start` when >= 0) ending at or before `target` at a clean boundary
+        (the next record does not start inside a character); -1 when none."""
+        return int(_clean_before(ends, ids, len(ends), self.cont, target, start))

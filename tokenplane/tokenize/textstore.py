@@ -11,6 +11,7 @@ from __future__ import annotations
 import bisect
 import sys
 from dataclasses import dataclass
+from typing import Protocol
 
 CHUNK_MERGE = 1 << 16      # appends smaller than this merge into the last text chunk (bounded copy)
 
@@ -244,10 +245,22 @@ class TextStore:
         return total
 
 
+class TextReader(Protocol):
+    """What a repair reads of a text: a TextStore, or a normalized text read through its NFC map."""
+
+    def __len__(self) -> int: ...
+
+    def slice(self, a: int, b: int) -> str: ...
+
+    def char(self, pos: int) -> str: ...
+
+    def joined(self) -> str: ...
+
+
 class SplicedText:
     """The new normalized text as old[:d0] + mid + old[e_old:], read by slices without materializing it."""
 
-    def __init__(self, old: TextStore, d0: int, mid: str, e_old: int):
+    def __init__(self, old: TextReader, d0: int, mid: str, e_old: int):
         self.old, self.d0, self.mid, self.e_old = old, d0, mid, e_old
         self.m_end = d0 + len(mid)
         self.delta = self.m_end - e_old

@@ -1,0 +1,141 @@
+"""Measurements of benchmarks/session_repair.py beyond append latency: real-trace `Session.sync` per family with its
+per-call fixed cost, mid-context edits, and session state bytes per token (tracemalloc and RSS).
+
+Per-call fixed cost = wall time of `sync` + `np.asarray(session.ids)` minus the time spent inside the window encoder
+(`SessionStats.last_encode_s`): Python, numpy, the splice search, bookkeeping and returning the IDs.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import gc
+import random
+import time
+import tracemalloc
+from pathlib import Path
+
+import numpy as np
+
+
+def pct(values, q):
+    return float(np.percentile(np.asarray(values, dtype=float), q)) if len(values) else None
+
+
+def ms(values) -> dict:
+    return {"p50": pct(values, 50) * 1e3, "p90": pct(values, 90) * 1e3, "p99": pct(values, 99) * 1e3,
+            "n": len(values)} if values else {"n": 0}
+
+
+def trace_sync(tok, directory: Path, count: int, session_path: str, ref_trajectories: int) -> dict:
+    """Replay `count` mini-swe-agent trajectories through Session.sync (every call's whole prompt); the reference
+    full re-encode of the same prompt is timed, interleaved, on the first `ref_trajectories`. Every trajectory's
+    final IDs are checked against the reference."""
+    from tokenplane.tokenize.evidence.traces import load_trajectories, render_prompts
+
+    trajectories = load_trajectories(directory, limit=count)
+    total, fixed, ref, ctx = [], [], [], []
+    exact = checked = 0
+    stats: dict = {}
+    for i, traj in enumerate(trajectories):
+        prompts = render_prompts(traj)
+        session = tok.session(encode_path=session_path)
+        for k, prompt in enumerate(prompts):
+            t0 = time.perf_counter()
+            session.sync(prompt)
+            np.asarray(session.ids)
+            dt = time.perf_counter() - t0
+            if k == 0:
+                continue            # a session's first call is a full encode
+            total.append(dt)
+            fixed.append(dt - session.stats.last_encode_s)
+            ctx.append(len(prompt))
+            if i < ref_trajectories:
+                t0 = time.perf_counter()
+                tok.encode(prompt, path="reference")
+                ref.append(time.perf_counter() - t0)
+        if prompts:
+            checked += 1
+            exact += bool(np.array_equal(np.asarray(session.ids, dtype=np.int64),
+                                         tok.encode(prompts[-1], path="reference").astype(np.int64)))
+        for key, v in session.stats.to_dict().items():
+            if isinstance(v, (int, float)) and not isinstance(v, bool) and not key.startswith("last_"):
+                stats[key] = stats.get(key, 0) + v
+    return {"trajectories": len(trajectories), "continuations": len(total), "context_chars_p50": pct(ctx, 50),
+            "context_chars_max": max(ctx) if ctx else None, "exact": f"{exact}/{checked}", "session_stats": stats,
+            "sync_ms": ms(total), "fixed_ms": ms(fixed), "reference_ms": ms(ref),
+            "reference_on_first_trajectories": ref_trajectories}
+
+
+def edits(tok, context: str, pool: str, steps: int, rng: random.Random, session_path: str) -> dict:
+    """Mid-context edits (20 characters replaced by 20 others, at 20%-80% of the text) on a session holding
+    `context`; the final IDs are checked against the reference."""
+    session = tok.session(encode_path=session_path)
+    session.sync(context)
+    times = []
+    n = len(context)         # 20 characters replace 20: the length stays (reading session.text would join it)
+    for _ in range(steps):
+        a = rng.randrange(n // 5, 4 * n // 5)
+        src = rng.randrange(0, len(pool) - 20)
+        t0 = time.perf_counter()
+        session.edit(a, a + 20, pool[src:src + 20])
+        np.asarray(session.ids)
+        times.append(time.perf_counter() - t0)
+    ok = bool(np.array_equal(np.asarray(session.ids, dtype=np.int64),
+                             tok.encode(session.text, path="reference").astype(np.int64)))
+    return {"ms": ms(times), "exact": ok, "renormalizations": session.stats.renormalizations,
+            "raw_differs_from_normalized": session._norm is not None}
+
+
+def _rss() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * 4096
+
+
+def _trim() -> None:
+    """Hand freed heap back to the OS (glibc), so an RSS delta is not hidden by reused free memory."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except OSError:     # pragma: no cover - not glibc
+        pass
+
+
+def _fill(tok, context: str, appends: list[str], session_path: str):
+    """A session holding fresh copies of the texts (allocated here, so whatever the session keeps is counted and
+    whatever it drops is freed)."""
+    session = tok.session(encode_path=session_path)
+    text = (context + "x")[:-1]
+    session.sync(text)
+    del text
+    for a in appends:
+        session.append((a + "x")[:-1])
+    return session
+
+
+def memory(tok, context: str, appends: list[str], session_path: str) -> dict:
+    """Bytes per token of a session holding `context` plus `appends`: tracemalloc (every Python/numpy allocation
+    the session made and still holds, text included) and the process RSS delta (a separate session, no tracing,
+    freed heap trimmed first), beside the session's own `nbytes`. The tokenizer is warmed on the same text first,
+    so its shared caches are not counted as session state."""
+    tok.encode(context[:200_000], path=session_path)
+    # first-session allocations (masks, kernels loaded on the first repair) are shared, not session state
+    _fill(tok, context[:2000], [context[2000:2400], context[2400:2500]], session_path)
+    gc.collect()
+    tracemalloc.start()
+    before = tracemalloc.get_traced_memory()[0]
+    session = _fill(tok, context, appends, session_path)
+    gc.collect()
+    traced = tracemalloc.get_traced_memory()[0] - before
+    tracemalloc.stop()
+    n = len(session)
+    nbytes = session.nbytes
+    del session
+    gc.collect()
+    _trim()
+    rss0 = _rss()
+    session = _fill(tok, context, appends, session_path)
+    gc.collect()
+    _trim()
+    rss = _rss() - rss0
+    del session
+    return {"chars": len(context) + sum(map(len, appends)), "tokens": n, "tracemalloc_b_per_token": traced / n,
+            "rss_b_per_token": rss / n, "nbytes_b_per_token": nbytes / n}

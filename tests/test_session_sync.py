@@ -1,0 +1,124 @@
+"""Session.sync validates only what is new, and qwen3 edits renormalize locally: adversarial cases for both, every
+step compared with a full reference encode (the session contract), and state size per token."""
+
+
+import random
+
+import numpy as np
+import pytest
+
+import tokenplane
+from tokenplane import InvalidTextError
+from tokenplane.tokenize.records import move_right_part
+
+PROSE = ("Sessions keep state; appended text is repaired near the seam. Numbers like 2024 and 3.14, code such as "
+         "f(x) = x**2 + 1, and prose alternate here.\n") * 40
+
+
+@pytest.fixture(scope="module")
+def toks():
+    return {name: tokenplane.load(name) for name in ("cl100k_base", "qwen3", "o200k_base")}
+
+
+def _check(sess, tok):
+    assert np.array_equal(sess.ids, tok.encode(sess.text)), repr(sess.text[-60:])
+
+
+@pytest.mark.parametrize("name", ["cl100k_base", "qwen3"])
+def test_sync_refuses_surrogates_wherever_they_are_new(toks, name):
+    tok = toks[name]
+    sess = tok.session(text=PROSE[:3000] + "caf\u00e9 \U0001F642 ")
+    base = sess.text
+    state = (sess.text, sess.ids.copy(), sess.revision)
+    bad = [base + "\ud800",                                # appended tail, alone
+           base + "tail \udfff more",                      # inside the tail
+           base[:1500] + "\ud83d" + base[1500:],           # inserted in the middle (an edit)
+           "\udc00" + base,                                # at the start: no common prefix
+           base[:-1] + "\ud800",                           # replaces the last character
+           base[:100] + "\ud83d\ude42" + base[2000:]]      # a surrogate *pair* in a str is two lone surrogates
+    for text in bad:
+        with pytest.raises(InvalidTextError):
+            sess.sync(text)
+        assert (sess.text, sess.revision) == (state[0], state[2])
+        assert np.array_equal(sess.ids, state[1])
+    empty = tok.session()
+    with pytest.raises(InvalidTextError):
+        empty.sync("ok \ud800")
+    assert empty.text == "" and len(empty) == 0
+    sess.sync(base + " ok \U0001F642")
+    _check(sess, tok)
+
+
+@pytest.mark.parametrize("name", ["cl100k_base", "qwen3", "o200k_base"])
+def test_sync_across_string_kinds(toks, name):
+    """Stored chunks and the resent str may have different widths (1, 2, 4 bytes per character): the prefix check
+    must still be exact."""
+    tok = toks[name]
+    sess = tok.session()
+    text = ""
+    for piece in ["ascii only " * 50, "latin caf\u00e9 ", "cjk \u4e2d\u6587 " * 30, "emoji \U0001F44D\U0001F3FD ",
+                  "back to ascii " * 40, "e\u0301 \u212b combining "]:
+        text += piece
+        sess.sync(text)
+        _check(sess, tok)
+    # a resend that differs only in the width of one early character is an edit, not an append
+    changed = text.replace("caf\u00e9", "cafe", 1)
+    sess.sync(changed)
+    _check(sess, tok)
+    assert sess.text == changed
+
+
+NON_NFC = ["e\u0301", "A\u030a", "\u212b", "\u1100\u1161\u11a8", "o\u0308\u0304", "\u0301", "\u0327", "x\u0323\u0307",
+           "\u00e9", "\u0915\u093c", " ", "ab", "\n", "1", "\U0001F642", "\u4e2d"]
+
+
+def test_qwen3_edits_stay_local_around_non_nfc_text(toks):
+    """Raw text that is not NFC in many places; edits next to, inside and across the non-NFC stretches, appends that
+    split a combining sequence (base, then its marks), and the map of raw/normalized offsets after every step."""
+    tok = toks["qwen3"]
+    rng = random.Random(7)
+    sess = tok.session(text=PROSE[:1500] + "cafe\u0301 " + PROSE[:1500] + "A\u030a\u212b " + PROSE[:800], window=16)
+    _check(sess, tok)
+    before, mapped = sess.stats.renormalizations, 0
+    for _ in range(120):
+        text = sess.text
+        kind = rng.random()
+        atoms = "".join(rng.choice(NON_NFC) for _ in range(rng.randint(0, 4)))
+        if kind < 0.15:
+            sess.append("e")                           # a base character ...
+            sess.append("\u0301" + atoms)              # ... whose mark arrives in the next append
+        elif kind < 0.3:
+            sess.sync(text + atoms + " tail")
+        else:
+            a = rng.randrange(len(text) + 1)
+            b = min(len(text), a + rng.randint(0, 6))
+            if rng.random() < 0.5:
+                sess.edit(a, b, atoms)
+            else:
+                sess.sync(text[:a] + atoms + text[b:])
+        _check(sess, tok)
+        norm = tok.normalize(sess.text)
+        assert sess.normalized_text == norm
+        view = sess._normtext        # the normalized text read through the map: every slice and character
+        for _ in range(5):
+            a = rng.randrange(len(norm) + 1)
+            b = rng.randrange(a, min(len(norm), a + 300) + 1)
+            assert view.slice(a, b) == norm[a:b] and (a == len(norm) or view.char(a) == norm[a])
+        mapped = max(mapped, len(sess._nmap))
+    # every edit stayed local (no whole-text renormalization) while the raw text was not NFC in many places
+    assert sess.stats.renormalizations == before and mapped >= 5
+
+
+def test_record_moves_overlap_either_way():
+    rng = np.random.default_rng(0)
+    for _ in range(300):
+        n = int(rng.integers(1, 200))
+        ids = rng.integers(0, 1 << 32, size=n + 20, dtype=np.uint64).astype(np.uint32)
+        ends = np.sort(rng.integers(100, 1 << 20, size=n + 20)).astype(np.uint32)
+        src, dst, count, delta = int(rng.integers(0, 10)), int(rng.integers(0, 10)), int(rng.integers(0, n)), \
+            int(rng.integers(-50, 50))
+        want_ids, want_ends = ids.copy(), ends.copy()
+        want_ids[dst:dst + count] = ids[src:src + count].copy()
+        want_ends[dst:dst + count] = (ends[src:src + count].astype(np.int64) + delta).astype(np.uint32)
+        move_right_part(ids, ends, src, dst, count, delta)
+        assert np.array_equal(ids, want_ids) and np.array_equal(ends, want_ends)
