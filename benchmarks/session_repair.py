@@ -414,6 +414,7 @@ def main() -> int:
         warm.sync("warm up the kernels, 123. " * 40)
         warm.sync("warm up the kernels, 123. " * 41)
         warm.edit(10, 20, "x")
+        warm.sync(warm.text + "\u4e2d")                      # a cross-kind prefix compare (its kernel)
         engines = Engines(family, tok, set(args.engines.split(",")) - {""})
         rng = random.Random(args.seed)
         res: dict = {"synthetic": [], "session_path": args.session_path, "peers_missing": engines.missing}
