@@ -122,3 +122,18 @@ def test_record_moves_overlap_either_way():
         want_ends[dst:dst + count] = (ends[src:src + count].astype(np.int64) + delta).astype(np.uint32)
         move_right_part(ids, ends, src, dst, count, delta)
         assert np.array_equal(ids, want_ids) and np.array_equal(ends, want_ends)
+
+
+def test_prefix_compare_across_kinds_equals_startswith():
+    from tokenplane.tokenize.textstore import starts_with_at
+    rng = random.Random(3)
+    alphabet = ["a", "b", "\u00e9", "\u4e2d", "\U0001F642", "\x00", "\uffff", "\U0010ffff"]
+    for _ in range(300):
+        chunk = "".join(rng.choice(alphabet[:rng.randint(1, 8)]) for _ in range(rng.choice([0, 7, 4096, 32768, 40000])))
+        head = "".join(rng.choice(alphabet) for _ in range(rng.randint(0, 3)))
+        text = head + chunk + "".join(rng.choice(alphabet) for _ in range(rng.randint(0, 3)))
+        if rng.random() < 0.5 and len(text) > len(head):
+            k = rng.randrange(len(head), len(text))
+            text = text[:k] + rng.choice(alphabet) + text[k + 1:]
+        off = len(head) if rng.random() < 0.8 else rng.randint(0, len(text))
+        assert starts_with_at(text, chunk, off) == text.startswith(chunk, off)

@@ -9,10 +9,12 @@ encoded. A miss costs time, never correctness.
 
 State (all in normalized-text coordinates): ids uint32 and ends uint32 (character end of each token) in arrays that
 grow by an eighth (at most 12.5% slack: ~9 bytes/token) and are edited in place, so an append does O(delta + window)
-work, not O(context). Text is kept in a chunked store (textstore.py); families with a normalizer (qwen3: NFC) keep
-the raw text the user sent and, only when it differs, the normalized text beside it. The splice-point search is
-splice.py. A mutation is planned first (`_Plan`: text, literal and record changes as values) and applied by
-`_commit`. A session is single-writer: callers serialize mutations.
+work, not O(context). Text is kept in a chunked store (textstore.py); families with plain NFC (qwen3) keep the raw
+text the user sent plus a map of the regions where its NFC differs (nfcmap.py: the normalized text is read through
+it, and edits stay local); with allowed specials, the normalized text is kept beside the raw one instead. The
+splice-point search is splice.py (numba kernels over the window text and the record arrays). A mutation is
+planned first (`_Plan`: text, literal and record changes as values) and applied by `_commit`. A session is
+single-writer: callers serialize mutations.
 """
 
 from __future__ import annotations
