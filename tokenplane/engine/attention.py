@@ -4,7 +4,9 @@ Cache layout per layer: [num_kv_heads, num_slots, head_dim] with slot = block_id
 sequence's keys gathered by block are already [kv_heads, context, head_dim] for SDPA (no transpose copy), and a
 sequence whose blocks are consecutive (the common case: blocks come off the free list in order) is a plain slice.
 
-Two kernels, chosen per batch by the runner:
+Three kernels, chosen per batch by the runner:
+- cpu (the CPU fp32/fp64 default): every one-token row of the batch in one compiled call per layer that reads K/V in
+  place through the block tables (cpu_decode_attention.py); rows with several tokens take the varlen path below.
 - varlen: one SDPA call per sequence over its uncomputed tokens (prefill, decode, a peer's k tokens: same code), with
   4-D inputs so CPU runs PyTorch's flash kernel. A decode folds the query heads of a KV head into its query rows (GQA
   never copies K/V per query head); several tokens use enable_gqa, causal without a mask when they are the whole
@@ -21,9 +23,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from tokenplane.engine.cpu_decode_attention import paged_decode
 
 
 @dataclass
@@ -43,6 +48,10 @@ class AttentionMetadata:
     # padded decode only
     block_tables: torch.Tensor | None = None        # [B, max_blocks]
     context_lens: torch.Tensor | None = None        # [B]
+    # cpu kernel only: the one-token rows, in the compiled kernel's arrays (int64 numpy, built once per step)
+    decode_rows: np.ndarray | None = None           # [D] row of q / out
+    decode_block_tables: np.ndarray | None = None   # [D, max_blocks]
+    decode_context_lens: np.ndarray | None = None   # [D]
 
     @property
     def padded(self) -> bool:
@@ -78,6 +87,9 @@ class PagedAttention(nn.Module):
             return self._padded_decode(q, meta)
         out = torch.empty(q.shape[0], self.num_heads * self.head_dim, dtype=q.dtype, device=q.device)
         kvh, g, d = self.num_kv_heads, self.group, self.head_dim
+        if meta.decode_rows is not None:
+            paged_decode(q, k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens, meta.decode_rows,
+                         out, self.block_size, g, self.scale)
         for s in meta.seqs:
             if s.kv_slice_start is not None:
                 kc = k_cache[:, s.kv_slice_start:s.kv_slice_start + s.context_len]
