@@ -28,9 +28,10 @@ def reference(q, kc, vc, table, n, bs, group, scale):
     return F.scaled_dot_product_attention(qh, k[None], v[None], scale=scale).reshape(-1), max_score
 
 
+@pytest.mark.parametrize("prefetch", [True, False])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize("kvh,group,d,bs", [(2, 2, 16, 4), (3, 3, 64, 16), (1, 4, 8, 16), (4, 1, 32, 3)])
-def test_kernel_matches_sdpa(dtype, kvh, group, d, bs):
+def test_kernel_matches_sdpa(dtype, kvh, group, d, bs, prefetch):
     g = torch.Generator().manual_seed(kvh * 100 + group * 10 + bs)
     num_blocks = 64
     kc = torch.randn(kvh, num_blocks * bs, d, generator=g, dtype=dtype)
@@ -51,7 +52,7 @@ def test_kernel_matches_sdpa(dtype, kvh, group, d, bs):
     rows = np.array([7, 0, 3, 1, 8, 5], dtype=np.int64)
     out = torch.full((T, kvh * group * d), float("nan"), dtype=dtype)
     scale = d ** -0.5
-    paged_decode(q, kc, vc, table, np.array(lens, dtype=np.int64), rows, out, bs, group, scale)
+    paged_decode(q, kc, vc, table, np.array(lens, dtype=np.int64), rows, out, bs, group, scale, prefetch)
     eps = torch.finfo(dtype).eps
     for i, n in enumerate(lens):
         ref, max_score = reference(q[rows[i]], kc, vc, table[i], n, bs, group, scale)

@@ -17,17 +17,51 @@ import math
 
 import numpy as np
 import torch
-from numba import njit
+from llvmlite import ir
+from numba import njit, types
+from numba.core import cgutils
+from numba.extending import intrinsic
 
 DTYPES = (torch.float32, torch.float64)
+CACHE_LINE = 64
+
+
+@intrinsic
+def _prefetch(typingctx, flat, index):  # noqa: ANN001
+    """llvm.prefetch (read, high locality) of flat[index], a 1-D array: numba has no prefetch of its own."""
+    def codegen(context, builder, signature, args):  # noqa: ANN001
+        aryty = signature.args[0]
+        ary = context.make_array(aryty)(context, builder, args[0])
+        ptr = cgutils.get_item_pointer(context, builder, aryty, ary, [args[1]], wraparound=False)
+        i8p, i32 = ir.IntType(8).as_pointer(), ir.IntType(32)
+        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.VoidType(), [i8p, i32, i32, i32]),
+                                            "llvm.prefetch.p0i8")
+        builder.call(fn, [builder.bitcast(ptr, i8p), ir.Constant(i32, 0), ir.Constant(i32, 3), ir.Constant(i32, 1)])
+        return context.get_dummy_value()
+    return types.void(flat, index), codegen
+
+
+@njit(inline="always")
+def _prefetch_block(flat, start, n, step):  # noqa: ANN001
+    for i in range(0, n, step):
+        _prefetch(flat, start + i)
 
 
 @njit(cache=True, nogil=True, fastmath={"reassoc", "contract", "nsz", "arcp"})
-def _paged_decode(q, k_cache, v_cache, block_tables, context_lens, rows, out, block_size, group, scale):  # noqa: ANN001
+def _paged_decode(q, k_cache, v_cache, block_tables, context_lens, rows, out, block_size, group, scale,  # noqa: ANN001
+                  prefetch):
     """q [T, heads(+more), d] (only the first kvh * group heads are read); k/v_cache [kvh, slots, d];
     block_tables [B, max_blocks]; context_lens, rows [B] (the q/out row of batch entry b); out [T, heads * d]."""
     kvh = k_cache.shape[0]
+    slots = k_cache.shape[1]
     d = k_cache.shape[2]
+    # Software prefetch of the next block while this one is computed: a block of one head is block_size * d
+    # contiguous values (4 KiB in float32), and the blocks of a sequence lie anywhere in the cache, so the hardware
+    # prefetcher restarts at each one.
+    k_flat = k_cache.reshape(-1)
+    v_flat = v_cache.reshape(-1)
+    blk = block_size * d
+    step = max(1, CACHE_LINE // k_cache.itemsize)
     max_ctx = 0
     for b in range(context_lens.shape[0]):
         max_ctx = max(max_ctx, context_lens[b])
@@ -48,6 +82,11 @@ def _paged_decode(q, k_cache, v_cache, block_tables, context_lens, rows, out, bl
             for bi in range(nblk):
                 base = block_tables[b, bi] * block_size
                 n = min(block_size, ctx - t)
+                if prefetch:
+                    if bi + 1 < nblk:
+                        _prefetch_block(k_flat, (h * slots + block_tables[b, bi + 1] * block_size) * d, blk, step)
+                    else:
+                        _prefetch_block(v_flat, (h * slots + block_tables[b, 0] * block_size) * d, blk, step)
                 for o in range(n):
                     slot = base + o
                     for gi in range(group):
@@ -73,6 +112,13 @@ def _paged_decode(q, k_cache, v_cache, block_tables, context_lens, rows, out, bl
             for bi in range(nblk):
                 base = block_tables[b, bi] * block_size
                 n = min(block_size, ctx - t)
+                if prefetch:
+                    if bi + 1 < nblk:
+                        _prefetch_block(v_flat, (h * slots + block_tables[b, bi + 1] * block_size) * d, blk, step)
+                    elif h + 1 < kvh:
+                        _prefetch_block(k_flat, ((h + 1) * slots + block_tables[b, 0] * block_size) * d, blk, step)
+                    elif b + 1 < context_lens.shape[0]:
+                        _prefetch_block(k_flat, block_tables[b + 1, 0] * block_size * d, blk, step)
                 for o in range(n):
                     slot = base + o
                     for gi in range(group):
@@ -93,8 +139,8 @@ def available(dtype: torch.dtype, device: torch.device) -> bool:
 
 def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: np.ndarray,
                  context_lens: np.ndarray, rows: np.ndarray, out: torch.Tensor, block_size: int, group: int,
-                 scale: float) -> None:
+                 scale: float, prefetch: bool = True) -> None:
     """Writes out[rows[b]] = attention of q[rows[b]] over its context_lens[b] cached tokens, for every b. CPU tensors
     of one dtype in DTYPES; q [T, >= kvh * group, d], k/v_cache [kvh, slots, d] contiguous, out [T, heads * d]."""
     _paged_decode(q.numpy(), k_cache.numpy(), v_cache.numpy(), block_tables, context_lens, rows, out.numpy(),
-                  block_size, group, scale)
+                  block_size, group, scale, prefetch)
