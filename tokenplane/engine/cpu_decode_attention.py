@@ -55,12 +55,12 @@ def _paged_decode(q, k_cache, v_cache, block_tables, context_lens, rows, out, bl
     kvh = k_cache.shape[0]
     slots = k_cache.shape[1]
     d = k_cache.shape[2]
-    # Software prefetch of the next block while this one is computed: a block of one head is block_size * d
-    # contiguous values (4 KiB in float32), and the blocks of a sequence lie anywhere in the cache, so the hardware
-    # prefetcher restarts at each one.
+    # Software prefetch of the next block while this one is computed, one row (d values) per row computed, so the
+    # requests are spread over the block instead of bursting: a block of one head is block_size * d contiguous
+    # values (4 KiB in float32), and the blocks of a sequence lie anywhere in the cache, so the hardware prefetcher
+    # restarts at each one.
     k_flat = k_cache.reshape(-1)
     v_flat = v_cache.reshape(-1)
-    blk = block_size * d
     step = max(1, CACHE_LINE // k_cache.itemsize)
     max_ctx = 0
     for b in range(context_lens.shape[0]):
@@ -82,13 +82,14 @@ def _paged_decode(q, k_cache, v_cache, block_tables, context_lens, rows, out, bl
             for bi in range(nblk):
                 base = block_tables[b, bi] * block_size
                 n = min(block_size, ctx - t)
-                if prefetch:
-                    if bi + 1 < nblk:
-                        _prefetch_block(k_flat, (h * slots + block_tables[b, bi + 1] * block_size) * d, blk, step)
-                    else:
-                        _prefetch_block(v_flat, (h * slots + block_tables[b, 0] * block_size) * d, blk, step)
+                if bi + 1 < nblk:
+                    nxt, nxt_flat = (h * slots + block_tables[b, bi + 1] * block_size) * d, k_flat
+                else:
+                    nxt, nxt_flat = (h * slots + block_tables[b, 0] * block_size) * d, v_flat
                 for o in range(n):
                     slot = base + o
+                    if prefetch:
+                        _prefetch_block(nxt_flat, nxt + o * d, d, step)
                     for gi in range(group):
                         s = zero
                         for j in range(d):
@@ -112,15 +113,17 @@ def _paged_decode(q, k_cache, v_cache, block_tables, context_lens, rows, out, bl
             for bi in range(nblk):
                 base = block_tables[b, bi] * block_size
                 n = min(block_size, ctx - t)
-                if prefetch:
-                    if bi + 1 < nblk:
-                        _prefetch_block(v_flat, (h * slots + block_tables[b, bi + 1] * block_size) * d, blk, step)
-                    elif h + 1 < kvh:
-                        _prefetch_block(k_flat, ((h + 1) * slots + block_tables[b, 0] * block_size) * d, blk, step)
-                    elif b + 1 < context_lens.shape[0]:
-                        _prefetch_block(k_flat, block_tables[b + 1, 0] * block_size * d, blk, step)
+                if bi + 1 < nblk:
+                    nxt, nxt_flat = (h * slots + block_tables[b, bi + 1] * block_size) * d, v_flat
+                elif h + 1 < kvh:
+                    nxt, nxt_flat = ((h + 1) * slots + block_tables[b, 0] * block_size) * d, k_flat
+                else:
+                    nb = min(b + 1, context_lens.shape[0] - 1)
+                    nxt, nxt_flat = block_tables[nb, 0] * block_size * d, k_flat
                 for o in range(n):
                     slot = base + o
+                    if prefetch:
+                        _prefetch_block(nxt_flat, nxt + o * d, d, step)
                     for gi in range(group):
                         p = scores[gi, t + o]
                         for j in range(d):
