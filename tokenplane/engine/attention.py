@@ -18,6 +18,13 @@ Why not one padded call for the whole batch on CPU: measured here (1 thread, fp3
 blocks), gathering every sequence's K/V into a padded batch costs more than the calls it saves: decode of 16 x 300
 tokens 2.2 ms vs 2.0 ms per layer, 64 x 300: 30 ms vs 9 ms, 16 x 2100: 57 ms vs 15 ms. One index_select of all
 sequences' blocks per layer was worse still (44 ms a layer at 64 x 320 tokens, tiny-large).
+
+Why the cpu kernel for decode: decode grows block tables one block at a time, interleaved across sequences, so varlen
+gathers every sequence's whole K/V each layer. Reading in place instead, one call per layer (1 thread, fp32, blocks
+scattered at random, per layer, kv_heads 3 / group 3): 16 x 300 tokens 0.54 ms vs 1.38 ms gathered (0.91 ms had the
+blocks been consecutive), 64 x 300: 4.4 vs 7.2 ms, 4 x 2100: 1.06 vs 1.96 ms. Not everywhere: at 64 x 2100 the
+kernel (44 ms) beats the gather (49 ms) but not a consecutive slice through SDPA's flash kernel (26 ms), whose
+contiguous reads stream faster than 4 KiB blocks scattered over the cache.
 """
 from __future__ import annotations
 

@@ -10,6 +10,9 @@ Numerics: scores are q.k * scale accumulated in the cache dtype (float32 or floa
 the value sum divided by the exponent sum, the same math as SDPA's kernels with a different summation order (float32
 results differ from SDPA's in the last bits, as SDPA's flash and math kernels differ from each other). GQA: the
 `group` query heads of a KV head are scored against each key as it is loaded.
+
+Threads: the kernel runs on the calling thread only (measured and tuned for 1 intra-op thread, the per-sub-server
+setting); with more torch threads the GEMMs around it run in parallel and it does not (not measured here).
 """
 from __future__ import annotations
 
