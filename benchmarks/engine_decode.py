@@ -81,9 +81,10 @@ def time_steps(runner: ModelRunner, seqs: list[Sequence], warmup: int, repeats: 
     return times, cpu
 
 
-def measure(model, cfg, batch: int, context: int, args, kernel: str = "varlen", consecutive: bool = False) -> dict:
+def measure(model, cfg, batch: int, context: int, args, kernel: str = "auto", consecutive: bool = False) -> dict:
     extra = args.warmup + args.repeats
     runner = make_runner(model, cfg, batch, context, extra, kernel)
+    kernel = runner.decode_kernel   # what "auto" chose
     seqs = add_seqs(runner, batch, context, extra, consecutive)
     times, cpu = time_steps(runner, seqs, args.warmup, args.repeats)
     return {"batch": batch, "context": context, "kernel": kernel, "consecutive_blocks": consecutive,
@@ -97,7 +98,7 @@ def measure_catch_up(model, cfg, context: int, k: int, args) -> dict:
     rolled back after each timed run. Keyed "seqs", not "batch", so decode-only fits skip these rows."""
     bs = 16
     context -= context % bs  # block aligned: the rollback keeps num_computed_tokens = context exactly
-    runner = make_runner(model, cfg, 1, context, k, "varlen")
+    runner = make_runner(model, cfg, 1, context, k, args.kernels[0])
     (seq,) = add_seqs(runner, 1, context, 0, False)
     times, cpu = [], []
     for step in range(args.warmup + args.repeats):
@@ -125,8 +126,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=15)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())
+    ap.add_argument("--kernels", nargs="+", default=["auto"], choices=["auto", "cpu", "varlen", "padded"],
+                    help="decode attention kernel(s) of the main table, measured back to back at each point "
+                         "(auto: cpu for CPU float32)")
     ap.add_argument("--no-kernel-compare", action="store_true",
-                    help="skip the varlen-gather / varlen-slice / padded comparison on the first model")
+                    help="skip the cpu / varlen-gather / varlen-slice / padded comparison on the first model")
     ap.add_argument("--catch-up", nargs="*", type=int, default=[1, 4, 16, 64, 256],
                     help="new tokens per run for the one-sequence catch-up/prefill sweep at the largest context")
     ap.add_argument("--out", type=Path, default=RESULTS)
@@ -140,14 +144,16 @@ def main(argv: list[str] | None = None) -> int:
         cfg, model = load_model(name, dtype=torch.float32, seed=0)
         for context in args.contexts:
             for batch in args.batches:
-                r = {"model": name, **measure(model, cfg, batch, context, args)}
-                rows.append(r)
-                print(f"{name:11s} ctx {context:4d} batch {batch:3d}: median {r['median_ms']:8.2f} ms "
-                      f"p90 {r['p90_ms']:8.2f} ms  cpu median {r['cpu_median_ms']:8.2f} ms", flush=True)
+                for kernel in args.kernels:
+                    r = {"model": name, **measure(model, cfg, batch, context, args, kernel)}
+                    rows.append(r)
+                    print(f"{name:11s} ctx {context:4d} batch {batch:3d} {r['kernel']:6s}: median "
+                          f"{r['median_ms']:8.2f} ms p90 {r['p90_ms']:8.2f} ms  cpu median {r['cpu_median_ms']:8.2f} ms",
+                          flush=True)
         if name == args.models[0] and not args.no_kernel_compare:
             context = max(args.contexts)
             for batch in sorted({args.batches[0], args.batches[-1], args.batches[len(args.batches) // 2]}):
-                for kernel, consecutive in (("varlen", False), ("varlen", True), ("padded", False)):
+                for kernel, consecutive in (("cpu", False), ("varlen", False), ("varlen", True), ("padded", False)):
                     r = {"model": name, **measure(model, cfg, batch, context, args, kernel, consecutive)}
                     compare.append(r)
                     print(f"  kernel {kernel:6s} consecutive={consecutive!s:5s} ctx {context} batch {batch:3d}: "
@@ -158,7 +164,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"  catch-up {k:4d} new tokens at ctx {r['context']}: median {r['median_ms']:8.2f} ms "
                   f"cpu {r['cpu_median_ms']:8.2f} ms", flush=True)
         del model
-    meta = {"threads": args.threads, "cpu_count": os.cpu_count(), "machine": platform.machine(),
+    meta = {"threads": args.threads, "kernels": args.kernels, "cpu_count": os.cpu_count(), "machine": platform.machine(),
             "processor": platform.processor(), "torch": torch.__version__, "dtype": "float32",
             "loadavg_before": load_before, "loadavg_after": os.getloadavg(), "wall_s": round(time.time() - t_start, 1),
             "warmup": args.warmup, "block_size": 16,
@@ -184,13 +190,29 @@ def write_markdown(path: Path, meta: dict, rows: list[dict], compare: list[dict]
              "(sampling excluded).", "",
              "CPU ms = process CPU time per step (all threads); with 1 thread it approximates an idle machine's "
              "wall time, which a loaded shared machine's wall time does not.", "",
-             "| model | context | batch | median ms | P90 ms | min ms | CPU median ms | CPU P90 ms |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|"]
+             "Kernel: decode attention (`cpu` = one compiled call per layer for all rows, K/V read in place by block "
+             "table; `varlen` = one SDPA per sequence over its gathered blocks).", "",
+             "| model | context | batch | kernel | median ms | P90 ms | min ms | CPU median ms | CPU P90 ms |",
+             "|---|---:|---:|---|---:|---:|---:|---:|---:|"]
     for r in rows:
-        lines.append(f"| {r['model']} | {r['context']} | {r['batch']} | {r['median_ms']:.2f} | {r['p90_ms']:.2f} | "
+        lines.append(f"| {r['model']} | {r['context']} | {r['batch']} | {r['kernel']} | {r['median_ms']:.2f} | "
+                     f"{r['p90_ms']:.2f} | "
                      f"{r['min_ms']:.2f} | {r['cpu_median_ms']:.2f} | {r['cpu_p90_ms']:.2f} |")
+    kernels = list(dict.fromkeys(r["kernel"] for r in rows))
+    if len(kernels) > 1:
+        base = kernels[-1]
+        lines += ["", f"Speed-up over `{base}` (its median step time / the other kernel's, same point, measured back to "
+                  "back):", "", "| model | context | batch | kernel | speed-up (wall) | speed-up (CPU time) |",
+                  "|---|---:|---:|---|---:|---:|"]
+        ref = {(r["model"], r["context"], r["batch"]): r for r in rows if r["kernel"] == base}
+        for r in rows:
+            b = ref.get((r["model"], r["context"], r["batch"]))
+            if r["kernel"] != base and b:
+                lines.append(f"| {r['model']} | {r['context']} | {r['batch']} | {r['kernel']} | "
+                             f"{b['median_ms'] / r['median_ms']:.2f} | {b['cpu_median_ms'] / r['cpu_median_ms']:.2f} |")
     if compare:
-        lines += ["", "Attention layout comparison (same model, largest context): `varlen` = one SDPA per sequence, "
+        lines += ["", "Attention layout comparison (same model, largest context): `cpu` = one compiled call per layer "
+                  "for all rows, K/V read in place by block table; `varlen` = one SDPA per sequence, "
                   "gathering its blocks (or slicing them when consecutive); `padded` = one masked SDPA over the "
                   "padded batch (the CUDA-graph kernel).", "",
                   "| model | context | batch | kernel | consecutive blocks | median ms | P90 ms | CPU median ms |",
@@ -235,14 +257,15 @@ def write_png(path: Path, rows: list[dict], meta: dict, catch_up: list[dict] = (
         ax.grid(alpha=0.3)
         ax.legend()
     for ax, ctx in zip(axes[0], contexts):
-        for model in dict.fromkeys(r["model"] for r in rows):
-            pts = [r for r in rows if r["model"] == model and r["context"] == ctx]
+        for model, kernel in dict.fromkeys((r["model"], r["kernel"]) for r in rows):
+            pts = [r for r in rows if r["model"] == model and r["kernel"] == kernel and r["context"] == ctx]
             xs = [r["batch"] for r in pts]
             med = [r["median_ms"] for r in pts]
             p90 = [r["p90_ms"] - r["median_ms"] for r in pts]
-            line = ax.errorbar(xs, med, yerr=[[0] * len(pts), p90], marker="o", capsize=3, label=f"{model} wall")
+            line = ax.errorbar(xs, med, yerr=[[0] * len(pts), p90], marker="o", capsize=3,
+                               label=f"{model} {kernel} wall")
             ax.plot(xs, [r["cpu_median_ms"] for r in pts], ls="--", marker=".", color=line[0].get_color(),
-                    label=f"{model} CPU time")
+                    label=f"{model} {kernel} CPU time")
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
         ax.set_xlabel("batch size")

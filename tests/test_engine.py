@@ -81,7 +81,7 @@ def prompt(n: int, seed: int, vocab: int = 512) -> list[int]:
 
 @pytest.mark.parametrize("preset", PRESETS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-@pytest.mark.parametrize("kernel", ["varlen", "padded"])
+@pytest.mark.parametrize("kernel", ["cpu", "varlen", "padded"])
 def test_prefill_and_decode_match_transformers(hf_pair, preset, dtype, kernel):
     cfg, model, hf = hf_pair(preset, dtype)
     assert type(hf).__name__ == {"qwen3": "Qwen3ForCausalLM", "llama": "LlamaForCausalLM"}[cfg.architecture]
@@ -281,7 +281,7 @@ def test_cuda_graph_decode_matches_eager():
     assert (results[0] - results[1]).abs().max().item() < 1e-4
 
 
-@pytest.mark.parametrize("kernel", ["varlen", "padded"])
+@pytest.mark.parametrize("kernel", ["cpu", "varlen", "padded"])
 def test_random_schedule_matches_fresh_prefill(kernel):
     """Random interleaving of prefills, decodes, peer catch-ups, prefix-cache hits, rollbacks (truncate) and frees on
     one small paged cache (block_size 4, so block tables fragment); after every run each sequence's logits must equal

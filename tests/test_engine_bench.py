@@ -41,6 +41,6 @@ def test_cpu_decode_benchmark_smoke(tmp_path):
     assert mod.main(["--models", "test-small", "--batches", "1", "2", "--contexts", "40", "--repeats", "2",
                      "--warmup", "1", "--threads", "1", "--catch-up", "1", "5", "--out", str(tmp_path)]) == 0
     data = json.loads((tmp_path / "engine_decode.json").read_text())
-    assert len(data["results"]) == 2 and len(data["kernel_compare"]) == 6
+    assert len(data["results"]) == 2 and len(data["kernel_compare"]) == 8
     assert [r["new_tokens"] for r in data["catch_up"]] == [1, 5] and data["catch_up"][0]["context"] == 32
-    assert (tmp_path / "engine_decode.md").read_text().count("| test-small |") == 10
+    assert (tmp_path / "engine_decode.md").read_text().count("| test-small |") == 12

@@ -1,7 +1,12 @@
-"""Where a ModelRunner step's time goes: torch.profiler over decode steps (B sequences, `--context` cached tokens)
-and one mixed step (prefill chunk + decodes). 1 thread by default.
+"""Where a ModelRunner step's time goes: torch.profiler over decode steps (B sequences, `--context` cached tokens).
+1 thread by default.
+
+The prompt's blocks are allocated at once (consecutive, as admission does) and decode blocks as they are needed,
+interleaved across sequences (as in serving). `--random-kv` skips the prefill and fills the KV cache with random
+values instead (step time does not depend on the values; a 64 x 256 SmolLM2 prefill would take a minute here).
 
     PYTHONPATH=. python benchmarks/peers/profile_step.py --model tiny-small --batch 1 16
+    PYTHONPATH=. python benchmarks/peers/profile_step.py --model smollm2-135m-instruct --batch 64 --random-kv
 """
 from __future__ import annotations
 
@@ -22,6 +27,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--kernel", default="auto")
     ap.add_argument("--rows", type=int, default=14)
+    ap.add_argument("--random-kv", action="store_true", help="fill the KV cache randomly instead of prefilling")
+    ap.add_argument("--no-profile", action="store_true", help="time only (no profiler overhead)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     cfg, model = load_model(args.model)
@@ -32,7 +39,13 @@ def main() -> None:
         for s in seqs:
             runner.prepare(s)
         t0 = time.perf_counter()
-        runner.run(seqs)
+        if args.random_kv:
+            runner.kv_cache.normal_(0, 1, generator=torch.Generator().manual_seed(0))
+            for s in seqs:
+                s.num_computed_tokens = s.num_tokens - 1
+            runner.run(seqs)
+        else:
+            runner.run(seqs)
         t_prefill = time.perf_counter() - t0
 
         def decode():
@@ -40,7 +53,18 @@ def main() -> None:
                 s.append_token(7)
                 runner.prepare(s)
             runner.run(seqs)
-        decode()
+        for _ in range(3):
+            decode()
+        if args.no_profile:
+            ts = []
+            for _ in range(args.steps):
+                t0 = time.perf_counter()
+                decode()
+                ts.append(time.perf_counter() - t0)
+            ts.sort()
+            print(f"== {args.model} B={B} ctx={args.context}: decode step median {ts[len(ts) // 2]*1e3:.1f} ms "
+                  f"min {ts[0]*1e3:.1f} ms ({B/ts[len(ts) // 2]:.1f} tok/s)", flush=True)
+            continue
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
             t0 = time.perf_counter()
             for _ in range(args.steps):

@@ -4,7 +4,9 @@ Cache layout per layer: [num_kv_heads, num_slots, head_dim] with slot = block_id
 sequence's keys gathered by block are already [kv_heads, context, head_dim] for SDPA (no transpose copy), and a
 sequence whose blocks are consecutive (the common case: blocks come off the free list in order) is a plain slice.
 
-Two kernels, chosen per batch by the runner:
+Three kernels, chosen per batch by the runner:
+- cpu (the CPU fp32/fp64 default): every one-token row of the batch in one compiled call per layer that reads K/V in
+  place through the block tables (cpu_decode_attention.py); rows with several tokens take the varlen path below.
 - varlen: one SDPA call per sequence over its uncomputed tokens (prefill, decode, a peer's k tokens: same code), with
   4-D inputs so CPU runs PyTorch's flash kernel. A decode folds the query heads of a KV head into its query rows (GQA
   never copies K/V per query head); several tokens use enable_gqa, causal without a mask when they are the whole
@@ -16,14 +18,24 @@ Why not one padded call for the whole batch on CPU: measured here (1 thread, fp3
 blocks), gathering every sequence's K/V into a padded batch costs more than the calls it saves: decode of 16 x 300
 tokens 2.2 ms vs 2.0 ms per layer, 64 x 300: 30 ms vs 9 ms, 16 x 2100: 57 ms vs 15 ms. One index_select of all
 sequences' blocks per layer was worse still (44 ms a layer at 64 x 320 tokens, tiny-large).
+
+Why the cpu kernel for decode: decode grows block tables one block at a time, interleaved across sequences, so varlen
+gathers every sequence's whole K/V each layer. Reading in place instead, one call per layer (1 thread, fp32, blocks
+scattered at random, per layer, kv_heads 3 / group 3): 16 x 300 tokens 0.54 ms vs 1.38 ms gathered (0.91 ms had the
+blocks been consecutive), 64 x 300: 4.4 vs 7.2 ms, 4 x 2100: 1.06 vs 1.96 ms. Not everywhere: at 64 x 2100 the
+kernel (44 ms) beats the gather (49 ms) but not a consecutive slice through SDPA's flash kernel (26 ms), whose
+contiguous reads stream faster than 4 KiB blocks scattered over the cache.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from tokenplane.engine.cpu_decode_attention import paged_decode
 
 
 @dataclass
@@ -43,6 +55,10 @@ class AttentionMetadata:
     # padded decode only
     block_tables: torch.Tensor | None = None        # [B, max_blocks]
     context_lens: torch.Tensor | None = None        # [B]
+    # cpu kernel only: the one-token rows, in the compiled kernel's arrays (int64 numpy, built once per step)
+    decode_rows: np.ndarray | None = None           # [D] row of q / out
+    decode_block_tables: np.ndarray | None = None   # [D, max_blocks]
+    decode_context_lens: np.ndarray | None = None   # [D]
 
     @property
     def padded(self) -> bool:
@@ -78,6 +94,9 @@ class PagedAttention(nn.Module):
             return self._padded_decode(q, meta)
         out = torch.empty(q.shape[0], self.num_heads * self.head_dim, dtype=q.dtype, device=q.device)
         kvh, g, d = self.num_kv_heads, self.group, self.head_dim
+        if meta.decode_rows is not None:
+            paged_decode(q, k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens, meta.decode_rows,
+                         out, self.block_size, g, self.scale)
         for s in meta.seqs:
             if s.kv_slice_start is not None:
                 kc = k_cache[:, s.kv_slice_start:s.kv_slice_start + s.context_len]

@@ -12,9 +12,11 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from torch import nn
 
+from tokenplane.engine import cpu_decode_attention
 from tokenplane.engine.attention import AttentionMetadata, SeqAttention, causal_mask
 from tokenplane.engine.block_manager import BlockManager
 from tokenplane.engine.config import ModelConfig
@@ -37,16 +39,19 @@ class ModelRunner:
     def __init__(self, model: nn.Module, cfg: ModelConfig, *, num_blocks: int, block_size: int = 16,
                  device: str | torch.device | None = None, dtype: torch.dtype | None = None,
                  enforce_eager: bool = False, max_num_seqs: int = 256, decode_kernel: str = "auto") -> None:
-        """decode_kernel: "varlen" (per-sequence SDPA), "padded" (one masked SDPA over the padded batch) or "auto"
-        (varlen on CPU, padded on CUDA where it is what the graphs capture). A model serves one runner at a time:
-        the runner binds its KV cache into the model's attention layers."""
+        """decode_kernel: "cpu" (one compiled call per layer for all one-token rows, reading the paged KV in place;
+        CPU float32/float64 only), "varlen" (per-sequence SDPA), "padded" (one masked SDPA over the padded batch) or
+        "auto" (cpu where it applies, else varlen on CPU; padded on CUDA where it is what the graphs capture). A model
+        serves one runner at a time: the runner binds its KV cache into the model's attention layers."""
         param = next(model.parameters())
         self.device = torch.device(device) if device is not None else param.device
         self.dtype = dtype if dtype is not None else param.dtype
         if param.device != self.device or param.dtype != self.dtype:
             model = model.to(device=self.device, dtype=self.dtype)
-        if decode_kernel not in ("auto", "varlen", "padded"):
-            raise ValueError(f"decode_kernel must be auto, varlen or padded, not {decode_kernel!r}")
+        if decode_kernel not in ("auto", "cpu", "varlen", "padded"):
+            raise ValueError(f"decode_kernel must be auto, cpu, varlen or padded, not {decode_kernel!r}")
+        if decode_kernel == "cpu" and not cpu_decode_attention.available(self.dtype, self.device):
+            raise ValueError(f"decode_kernel 'cpu' needs a CPU float32/float64 model, not {self.device} {self.dtype}")
         self.model, self.cfg = model, cfg
         self.block_size = block_size
         self.block_manager = BlockManager(num_blocks, block_size)
@@ -60,7 +65,10 @@ class ModelRunner:
         # CPU fp32/bf16: oneDNN-packed weight copies (layers.cpu_pack); no-op elsewhere.
         self.cpu_packed = bool(getattr(model, "pack_cpu", lambda: False)())
         is_cuda = self.device.type == "cuda"
-        self.decode_kernel = ("padded" if is_cuda else "varlen") if decode_kernel == "auto" else decode_kernel
+        if decode_kernel == "auto":
+            decode_kernel = ("padded" if is_cuda else
+                             "cpu" if cpu_decode_attention.available(self.dtype, self.device) else "varlen")
+        self.decode_kernel = decode_kernel
         self.use_cuda_graphs = is_cuda and not enforce_eager
         self.max_num_seqs = max_num_seqs
         self.max_blocks_per_seq = min(num_blocks, -(-cfg.max_position_embeddings // block_size))
@@ -141,9 +149,19 @@ class ModelRunner:
             meta.context_lens = torch.tensor([end for _, end in spans], device=dev)
             return meta
         q_start = 0
+        cpu_kernel = self.decode_kernel == "cpu"
+        decode_rows: list[int] = []
+        decode_tables: list[list[int]] = []
+        decode_lens: list[int] = []
         for seq, (start, end) in zip(seqs, spans):
-            blocks = seq.block_table[:-(-end // bs)]
             q_len = end - start
+            if q_len == 1 and cpu_kernel:
+                decode_rows.append(q_start)
+                decode_tables.append(seq.block_table)
+                decode_lens.append(end)
+                q_start += 1
+                continue
+            blocks = seq.block_table[:-(-end // bs)]
             s = SeqAttention(q_start=q_start, q_len=q_len, context_len=end)
             if blocks[-1] - blocks[0] == len(blocks) - 1 and blocks == list(range(blocks[0], blocks[-1] + 1)):
                 s.kv_slice_start = blocks[0] * bs  # consecutive blocks: a view, no gather
@@ -153,6 +171,16 @@ class ModelRunner:
                 s.mask = causal_mask(q_len, end, dev)
             meta.seqs.append(s)
             q_start += q_len
+        if decode_rows:
+            # one [D, max_blocks] table; entries past a row's context are never read
+            width = max(-(-n // bs) for n in decode_lens)
+            table = np.zeros((len(decode_rows), width), dtype=np.int64)
+            for i, (bt, n) in enumerate(zip(decode_tables, decode_lens)):
+                nb = -(-n // bs)
+                table[i, :nb] = bt[:nb]
+            meta.decode_rows = np.array(decode_rows, dtype=np.int64)
+            meta.decode_block_tables = table
+            meta.decode_context_lens = np.array(decode_lens, dtype=np.int64)
         return meta
 
     # -- CUDA graphs (decode only) ------------------------------------------------------------------------------------

@@ -1,0 +1,152 @@
+"""Decode attention over the paged KV cache on CPU: one compiled call per layer for every one-token row of a batch.
+
+Why a kernel of our own: with PyTorch ops, a decode row costs one SDPA call per sequence per layer plus, whenever its
+blocks are not consecutive (decode grows a block table one block at a time, interleaved with the other sequences),
+an index_select copy of its whole K and V. At 64 sequences x 300 tokens that copy is most of the layer's attention
+time, and the per-call overhead is the rest (see attention.py). Here each row's K/V is read in place through its block
+table, once, as vLLM's CPU paged-attention kernel does, and the loop over sequences is compiled (numba), not Python.
+
+Numerics: scores are q.k * scale accumulated in the cache dtype (float32 or float64), a max-subtracted softmax, then
+the value sum divided by the exponent sum, the same math as SDPA's kernels with a different summation order (float32
+results differ from SDPA's in the last bits, as SDPA's flash and math kernels differ from each other). GQA: the
+`group` query heads of a KV head are scored against each key as it is loaded.
+
+Threads: the kernel runs on the calling thread only (measured and tuned for 1 intra-op thread, the per-sub-server
+setting); with more torch threads the GEMMs around it run in parallel and it does not (not measured here).
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+from llvmlite import ir
+from numba import njit, types
+from numba.core import cgutils
+from numba.extending import intrinsic
+
+DTYPES = (torch.float32, torch.float64)
+CACHE_LINE = 64
+
+
+@intrinsic
+def _prefetch(typingctx, flat, index):  # noqa: ANN001
+    """llvm.prefetch (read, high locality) of flat[index], a 1-D array: numba has no prefetch of its own."""
+    def codegen(context, builder, signature, args):  # noqa: ANN001
+        aryty = signature.args[0]
+        ary = context.make_array(aryty)(context, builder, args[0])
+        ptr = cgutils.get_item_pointer(context, builder, aryty, ary, [args[1]], wraparound=False)
+        i8p, i32 = ir.IntType(8).as_pointer(), ir.IntType(32)
+        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.VoidType(), [i8p, i32, i32, i32]),
+                                            "llvm.prefetch.p0i8")
+        builder.call(fn, [builder.bitcast(ptr, i8p), ir.Constant(i32, 0), ir.Constant(i32, 3), ir.Constant(i32, 1)])
+        return context.get_dummy_value()
+    return types.void(flat, index), codegen
+
+
+@njit(inline="always")
+def _prefetch_block(flat, start, n, step):  # noqa: ANN001
+    for i in range(0, n, step):
+        _prefetch(flat, start + i)
+
+
+@njit(cache=True, nogil=True, fastmath={"reassoc", "contract", "nsz", "arcp"})
+def _paged_decode(q, k_cache, v_cache, block_tables, context_lens, rows, out, block_size, group, scale,  # noqa: ANN001
+                  prefetch):
+    """q [T, heads(+more), d] (only the first kvh * group heads are read); k/v_cache [kvh, slots, d];
+    block_tables [B, max_blocks]; context_lens, rows [B] (the q/out row of batch entry b); out [T, heads * d]."""
+    kvh = k_cache.shape[0]
+    slots = k_cache.shape[1]
+    d = k_cache.shape[2]
+    # Software prefetch of the next block while this one is computed, one row (d values) per row computed, so the
+    # requests are spread over the block instead of bursting: a block of one head is block_size * d contiguous
+    # values (4 KiB in float32), and the blocks of a sequence lie anywhere in the cache, so the hardware prefetcher
+    # restarts at each one.
+    k_flat = k_cache.reshape(-1)
+    v_flat = v_cache.reshape(-1)
+    step = max(1, CACHE_LINE // k_cache.itemsize)
+    max_ctx = 0
+    for b in range(context_lens.shape[0]):
+        max_ctx = max(max_ctx, context_lens[b])
+    scores = np.empty((group, max_ctx), dtype=k_cache.dtype)
+    qbuf = np.empty((group, d), dtype=k_cache.dtype)
+    acc = np.empty((group, d), dtype=k_cache.dtype)
+    zero = np.zeros(1, dtype=k_cache.dtype)[0]   # accumulate dot products in the cache dtype (vectorizes)
+    for b in range(context_lens.shape[0]):
+        ctx = context_lens[b]
+        row = rows[b]
+        nblk = (ctx + block_size - 1) // block_size
+        for h in range(kvh):
+            for gi in range(group):
+                for j in range(d):
+                    qbuf[gi, j] = q[row, h * group + gi, j]
+            # scores = q . k for every cached key, read through the block table
+            t = 0
+            for bi in range(nblk):
+                base = block_tables[b, bi] * block_size
+                n = min(block_size, ctx - t)
+                if bi + 1 < nblk:
+                    nxt, nxt_flat = (h * slots + block_tables[b, bi + 1] * block_size) * d, k_flat
+                else:
+                    nxt, nxt_flat = (h * slots + block_tables[b, 0] * block_size) * d, v_flat
+                for o in range(n):
+                    slot = base + o
+                    if prefetch:
+                        _prefetch_block(nxt_flat, nxt + o * d, d, step)
+                    for gi in range(group):
+                        s = zero
+                        for j in range(d):
+                            s += qbuf[gi, j] * k_cache[h, slot, j]
+                        scores[gi, t + o] = s * scale
+                t += n
+            # softmax numerators and denominators per query head
+            for gi in range(group):
+                m = scores[gi, 0]
+                for i in range(1, ctx):
+                    m = max(m, scores[gi, i])
+                total = 0.0
+                for i in range(ctx):
+                    e = math.exp(scores[gi, i] - m)
+                    scores[gi, i] = e
+                    total += e
+                qbuf[gi, 0] = total   # qbuf is free now: keep each head's denominator in its first column
+                for j in range(d):
+                    acc[gi, j] = zero
+            t = 0
+            for bi in range(nblk):
+                base = block_tables[b, bi] * block_size
+                n = min(block_size, ctx - t)
+                if bi + 1 < nblk:
+                    nxt, nxt_flat = (h * slots + block_tables[b, bi + 1] * block_size) * d, v_flat
+                elif h + 1 < kvh:
+                    nxt, nxt_flat = ((h + 1) * slots + block_tables[b, 0] * block_size) * d, k_flat
+                else:
+                    nb = min(b + 1, context_lens.shape[0] - 1)
+                    nxt, nxt_flat = block_tables[nb, 0] * block_size * d, k_flat
+                for o in range(n):
+                    slot = base + o
+                    if prefetch:
+                        _prefetch_block(nxt_flat, nxt + o * d, d, step)
+                    for gi in range(group):
+                        p = scores[gi, t + o]
+                        for j in range(d):
+                            acc[gi, j] += p * v_cache[h, slot, j]
+                t += n
+            for gi in range(group):
+                inv = 1.0 / qbuf[gi, 0]
+                col = (h * group + gi) * d
+                for j in range(d):
+                    out[row, col + j] = acc[gi, j] * inv
+
+
+def available(dtype: torch.dtype, device: torch.device) -> bool:
+    return device.type == "cpu" and dtype in DTYPES
+
+
+def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: np.ndarray,
+                 context_lens: np.ndarray, rows: np.ndarray, out: torch.Tensor, block_size: int, group: int,
+                 scale: float, prefetch: bool = True) -> None:
+    """Writes out[rows[b]] = attention of q[rows[b]] over its context_lens[b] cached tokens, for every b. CPU tensors
+    of one dtype in DTYPES; q [T, >= kvh * group, d], k/v_cache [kvh, slots, d] contiguous, out [T, heads * d]."""
+    _paged_decode(q.numpy(), k_cache.numpy(), v_cache.numpy(), block_tables, context_lens, rows, out.numpy(),
+                  block_size, group, scale, prefetch)
