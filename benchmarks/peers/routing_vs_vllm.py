@@ -507,7 +507,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--algos", nargs="+", default=ALGOS, choices=ALGOS)
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 8, 16])
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--gen", type=int, default=48, help="output tokens per request")
+    ap.add_argument("--gen", type=int, default=64, help="output tokens per request")
     ap.add_argument("--requests-per-client", type=int, default=1)
     ap.add_argument("--min-requests", type=int, default=3)
     ap.add_argument("--prompt-max", type=int, default=256)
