@@ -141,6 +141,7 @@ class VllmEngine:
         self.proc, self.name = proc, name
         self.calls: dict[str, asyncio.Queue] = {}
         self.n_calls = 0
+        self.stats_waiters: list[asyncio.Future] = []
         self.reader = asyncio.get_running_loop().create_task(self._read())
 
     @classmethod
@@ -171,6 +172,9 @@ class VllmEngine:
                 for q in self.calls.values():
                     q.put_nowait(None)
                 return
+            if line.startswith("@@STATS "):
+                self.stats_waiters.pop(0).set_result(json.loads(line[8:]))
+                continue
             if not line.startswith("@@OUT "):
                 continue
             for cid, toks, finished in json.loads(line[6:]):
@@ -191,6 +195,13 @@ class VllmEngine:
         self.n_calls += 1
         self._send({"op": "add", "id": cid, "prompt": prompt, "max_tokens": max_tokens, "logprobs": logprobs})
         return q
+
+    async def stats(self) -> dict[str, float]:
+        """The worker's totals: engine steps, seconds inside them, tokens sampled."""
+        fut = asyncio.get_running_loop().create_future()
+        self.stats_waiters.append(fut)
+        self._send({"op": "stats"})
+        return await fut
 
     def abort(self, cid: str) -> None:
         if self.calls.pop(cid, None) is not None:
@@ -280,6 +291,7 @@ async def run_vllm(engines: list[VllmEngine], alg: str, prompts: list[list[int]]
     rates = {"switch": 0.0, "return": 1.0} if alg == CONTROL else RATES[alg][0]
     sem = asyncio.Semaphore(C)
     calls0 = [e.n_calls for e in engines]
+    before = await asyncio.gather(*(e.stats() for e in engines))
 
     async def one(p: list[int], rid: str) -> tuple[list[int], list[int]]:
         async with sem:
@@ -292,8 +304,15 @@ async def run_vllm(engines: list[VllmEngine], alg: str, prompts: list[list[int]]
     t0 = time.perf_counter()
     outs = await asyncio.gather(*(one(p, r) for p, r in zip(prompts, rids)))
     dt = time.perf_counter() - t0
+    after = await asyncio.gather(*(e.stats() for e in engines))
+    diag = []
+    for b, a in zip(before, after):
+        steps = max(1, a["steps"] - b["steps"])
+        diag.append({"steps": a["steps"] - b["steps"], "mean_batch": (a["sampled"] - b["sampled"]) / steps,
+                     "busy_share": (a["step_s"] - b["step_s"]) / dt, "ms_per_step": 1e3 * (a["step_s"] - b["step_s"])
+                     / steps})
     return {"seconds": dt, "tokens": sum(len(o[0]) for o in outs), "outputs": [o[0] for o in outs],
-            "models": [o[1] for o in outs], "calls": [e.n_calls - c for e, c in zip(engines, calls0)]}
+            "models": [o[1] for o in outs], "calls": [e.n_calls - c for e, c in zip(engines, calls0)], "diag": diag}
 
 
 # -- the tokenplane side ------------------------------------------------------------------------------------------
@@ -315,11 +334,21 @@ async def run_tokenplane(rt: Any, prompts: list[list[int]], rids: list[str], C: 
         async with sem:
             return await rt.complete(p, params, rid)
 
+    before = rt.stats()
     t0 = time.perf_counter()
     outs = await asyncio.gather(*(one(p, r) for p, r in zip(prompts, rids)))
     dt = time.perf_counter() - t0
+    after = rt.stats()
+    diag = []
+    for b, a in zip(before, after):   # per model: steps, sequences per step, time busy (not blocked on its sockets)
+        d = {k: a["counters"].get(k, 0) - b["counters"].get(k, 0) for k in ("steps", "batched_seqs", "step_wall_s",
+                                                                           "idle_s", "wall_s")}
+        steps = max(1, d["steps"])
+        diag.append({"steps": d["steps"], "mean_batch": d["batched_seqs"] / steps,
+                     "busy_share": 1.0 - d["idle_s"] / d["wall_s"] if d["wall_s"] else float("nan"),
+                     "ms_per_step": 1e3 * d["step_wall_s"] / steps})
     return {"seconds": dt, "tokens": sum(len(o.token_ids) for o in outs), "outputs": [o.token_ids for o in outs],
-            "models": [o.token_models for o in outs]}
+            "models": [o.token_models for o in outs], "diag": diag}
 
 
 # -- one run of both sides per cell -------------------------------------------------------------------------------
@@ -336,6 +365,7 @@ class Cell:
     greedy: list[dict[str, Any]] = field(default_factory=list)  # per repeat: output comparison
     load_before: list[float] = field(default_factory=list)
     load_after: list[float] = field(default_factory=list)
+    diag: dict[str, list[list[dict[str, float]]]] = field(default_factory=lambda: {"vllm": [], "tokenplane": []})
     summary: dict[str, Any] = field(default_factory=dict)
 
 
@@ -367,6 +397,9 @@ def summarize(cell: Cell) -> dict[str, Any]:
         s[side] = {"tok_s_median": statistics.median(tps), "seconds_median": statistics.median(cell.seconds[side]),
                    "seconds_p90": nearest_rank(cell.seconds[side], 0.9),
                    "tok_s_at_p90_seconds": statistics.median(cell.tokens[side]) / nearest_rank(cell.seconds[side], 0.9)}
+        s[side]["per_model"] = [{k: statistics.median(rep[m][k] for rep in cell.diag[side])
+                                 for k in ("steps", "mean_batch", "busy_share", "ms_per_step")} for m in range(2)] \
+            if cell.diag[side] else []
     s["ratio_of_medians"] = s["tokenplane"]["tok_s_median"] / s["vllm"]["tok_s_median"]
     s["ratio_median"] = statistics.median(cell.ratios)
     s["ratio_p10"] = nearest_rank(cell.ratios, 0.1)    # the low end: what "never below 1x" must survive
@@ -434,6 +467,7 @@ async def measure(args: argparse.Namespace, dirs: list[str], out: Path, meta: di
                         else:
                             res[side] = await run_tokenplane(rt, prompts, rids, C, args.gen)
                         cell.seconds[side].append(res[side]["seconds"])
+                        cell.diag[side].append(res[side]["diag"])
                         cell.tokens[side].append(res[side]["tokens"])
                     cell.load_after.append(os.getloadavg()[0])
                     cell.vllm_calls.append(res["vllm"]["calls"])
@@ -511,6 +545,18 @@ def write_results(cells: list[Cell], meta: dict[str, Any], out: Path) -> None:
         lines += [f"- {a} C={C}: {d['request']} at position {d['position']} (model {d['model']})" for a, C, d in div[:40]]
         if len(div) > 40:
             lines.append(f"- ... {len(div) - 40} more in the JSON")
+    if any(c.summary["tokenplane"].get("per_model") for c in cells):
+        lines += ["", "## Where the time goes (medians over repeats, per model: steps / sequences per step / share of "
+                  "the run busy stepping / ms per step)", "",
+                  "vLLM busy = inside LLMEngine.step(); runtime busy = not blocked on its sockets (steps plus message "
+                  "handling). Model 0 = small, 1 = large.", "",
+                  "| algorithm | C | runtime m0 | runtime m1 | vLLM m0 | vLLM m1 |", "|---|---:|---|---|---|---|"]
+        for c in cells:
+            cols = [" / ".join([f"{d['steps']:.0f}", f"{d['mean_batch']:.1f}", f"{d['busy_share']:.0%}",
+                                f"{d['ms_per_step']:.1f}"]) for side in ("tokenplane", "vllm")
+                    for d in c.summary[side].get("per_model", [])]
+            if len(cols) == 4:
+                lines.append(f"| {c.algorithm} | {c.concurrency} | " + " | ".join(cols) + " |")
     if m.get("notes"):
         lines += ["", "## Notes", ""] + [f"- {n}" for n in m["notes"]]
     out.with_suffix(".md").write_text("\n".join(lines) + "\n")
@@ -577,7 +623,15 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--models-dir", default="/tmp/tokenplane-peer-models")
     ap.add_argument("--note", action="append", default=[], help="a line for the Markdown's notes")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--render", type=Path, default=None,
+                    help="re-write the Markdown and PNG of a results JSON (adding --note lines), measuring nothing")
     args = ap.parse_args(argv)
+    if args.render is not None:
+        data = json.loads(args.render.read_text())
+        data["meta"]["notes"] = list(data["meta"].get("notes") or []) + args.note
+        cells = [Cell(**c) for c in data["cells"]]
+        write_results(cells, data["meta"], args.render.with_suffix(""))
+        return
     if args.quick:
         args.algos = args.algos if args.algos != ALGOS else ["r2r", "r_stitch"]
         args.concurrency, args.repeats, args.gen = [1, 4], 1, 16

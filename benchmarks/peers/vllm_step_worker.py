@@ -8,7 +8,10 @@ the generous side of "stock server" (an OpenAI server adds its own front-end pro
 
     stdin:  {"op": "add", "id": str, "prompt": [ids], "max_tokens": k, "logprobs": int | null}
             {"op": "abort", "ids": [str]}
-    stdout: @@READY {...} once, then @@OUT [[id, [new tokens], finished], ...] per step that produced any.
+            {"op": "stats"}
+    stdout: @@READY {...} once, then @@OUT [[id, [new tokens], finished], ...] per step that produced any, and
+            @@STATS {"steps", "step_s", "sampled"} (totals since start: engine steps, seconds inside them, tokens out)
+            in answer to a stats command.
 """
 from __future__ import annotations
 
@@ -18,9 +21,11 @@ import os
 import queue
 import sys
 import threading
+import time
 
 MARK_READY = "@@READY "
 MARK_OUT = "@@OUT "
+MARK_STATS = "@@STATS "
 
 
 def main() -> None:
@@ -53,6 +58,7 @@ def main() -> None:
 
     threading.Thread(target=reader, daemon=True).start()
     out = sys.stdout
+    counters = {"steps": 0, "step_s": 0.0, "sampled": 0}
     out.write(MARK_READY + json.dumps({"pid": os.getpid()}) + "\n")
     out.flush()
 
@@ -63,6 +69,9 @@ def main() -> None:
             engine.add_request(cmd["id"], TokensPrompt(prompt_token_ids=cmd["prompt"]), sp)
         elif cmd["op"] == "abort":
             engine.abort_request(list(cmd["ids"]))
+        elif cmd["op"] == "stats":
+            out.write(MARK_STATS + json.dumps(counters) + "\n")
+            out.flush()
 
     while True:
         # Block only when the engine is idle; otherwise take what arrived during the last step and step again.
@@ -82,9 +91,14 @@ def main() -> None:
         if not engine.has_unfinished_requests():
             continue
         deltas = []
-        for o in engine.step():
+        t0 = time.perf_counter()
+        outputs = engine.step()
+        counters["step_s"] += time.perf_counter() - t0
+        counters["steps"] += 1
+        for o in outputs:
             c = o.outputs[0]
             deltas.append([o.request_id, list(c.token_ids), bool(o.finished)])
+            counters["sampled"] += len(c.token_ids)
         if deltas:
             out.write(MARK_OUT + json.dumps(deltas) + "\n")
             out.flush()
