@@ -128,6 +128,7 @@ class Configure(_Wire):
     max_delay_s: float
     algorithm: str | None = None
     algorithm_kwargs: dict[str, Any] | None = None
+    standard_unit: str = "token"   # standard serving: one call per token or per segment (see standard.py)
 
 
 @_message

@@ -96,6 +96,7 @@ class SubServerSpec:
     mode: str = "delayed_async"
     pending_return: bool = True
     standard_serving: bool = False
+    standard_unit: str = "token"
     thresholds: list[int] = field(default_factory=list)
     concurrency: int = 8
     max_delay_s: float = 0.2
@@ -206,7 +207,7 @@ class SubServer:
         self.algorithm.attach(self.model, module)
         self.scheduler = Scheduler(self.model, self.num_models, self.runner.block_manager, self.algorithm,
                                    pending_return=spec.pending_return, standard_serving=spec.standard_serving,
-                                   max_num_seqs=spec.max_num_seqs,
+                                   standard_unit=spec.standard_unit, max_num_seqs=spec.max_num_seqs,
                                    max_num_batched_tokens=spec.max_num_batched_tokens)
         self.policy: Any = None   # BatchPolicy in delayed_async mode
         self._set_policy()
@@ -304,7 +305,8 @@ class SubServer:
         if msg.mode not in MODES:
             raise ValueError(f"unknown mode {msg.mode!r}")
         self.spec = dataclasses.replace(self.spec, mode=msg.mode, pending_return=msg.pending_return,
-                                        standard_serving=msg.standard_serving, thresholds=list(msg.thresholds),
+                                        standard_serving=msg.standard_serving, standard_unit=msg.standard_unit,
+                                        thresholds=list(msg.thresholds),
                                         concurrency=msg.concurrency, max_delay_s=msg.max_delay_s)
         if msg.algorithm is not None:
             self.spec = dataclasses.replace(self.spec, algorithm=msg.algorithm,
@@ -314,6 +316,7 @@ class SubServer:
             s.alg = self.algorithm
         self.mode = msg.mode
         s.pending_return, s.standard_serving = bool(msg.pending_return), bool(msg.standard_serving)
+        s.standard_unit = msg.standard_unit
         self.grant = None
         self.sent = [0] * self.num_models
         self.received = [0] * self.num_models
@@ -352,7 +355,8 @@ class SubServer:
             counters.update(step_time_s=self.step_time, step_wall_s=self.step_wall, idle_s=self.idle_time,
                             wall_s=time.perf_counter(), prefix_hit_tokens=getattr(bm, "num_hit_tokens", 0),
                             flags={"mode": self.mode, "pending_return": s.pending_return,
-                                   "standard_serving": s.standard_serving, "algorithm": self.spec.algorithm})
+                                   "standard_serving": s.standard_serving, "standard_unit": s.standard_unit,
+                                   "algorithm": self.spec.algorithm})
             if self.policy is not None:
                 counters["policy"] = self.policy.to_dict()
             self._to(FRONTEND, StatsReply(self.model, msg.token, bm.num_blocks, bm.num_free_blocks,
