@@ -118,3 +118,36 @@ def test_exactly_one_waiting_model_is_leader_on_a_consistent_cut():
         a = nothing_else_can_run(0, r0, [0, 5], [0, 5], [None, s1]) if r0 else False
         b = nothing_else_can_run(1, r1, [5, 0], [5, 0], [s0, None])
         assert a + b == 1, (r0, r1, a, b)
+
+
+def test_idle_report_rides_behind_the_handoffs_it_counts():
+    """An idle model's PeerStatus goes in the same frame as this turn's handoffs (queued behind them) and its counts
+    already include them, so a peer reading both in one drain finds a consistent cut with no extra round trip; an
+    "active" report goes out at once. Exercised on SubServer._publish with the sockets replaced."""
+    from tokenplane.route.batching import BatchPolicy
+    from tokenplane.route.messages import HandoffMsg, PeerStatus
+    from tokenplane.route.subserver import SubServer
+
+    frames: list[list] = []
+    direct: list = []
+    srv = object.__new__(SubServer)
+    srv.model, srv.policy, srv.published = 0, BatchPolicy([1, 3], 8), None
+    srv.sent, srv.received = [0, 2], [0, 1]
+    srv.peers = {1: object()}
+    handoff = object.__new__(HandoffMsg)
+    srv.outbox = {1: [handoff, handoff]}
+    srv._flush = lambda: (frames.append(srv.outbox.get(1, [])), setattr(srv, "outbox", {}))
+    import tokenplane.route.subserver as sub
+    orig, sub.send = sub.send, lambda sock, msg: direct.append(msg) or True
+    try:
+        srv._publish(False, 1)
+        assert len(frames) == 1 and frames[0][:2] == [handoff, handoff] and isinstance(frames[0][2], PeerStatus)
+        st = frames[0][2]
+        assert not st.active and st.ready == 1 and st.sent == [0, 4] and st.received == [0, 1] and st.at > 0
+        srv.sent = [0, 4]
+        srv._publish(False, 1)   # unchanged state: nothing new to say
+        assert frames[-1] == [] and not direct
+        srv._publish(True, 2)
+        assert len(direct) == 1 and direct[0].active
+    finally:
+        sub.send = orig

@@ -168,12 +168,15 @@ class PeerStatus(_Wire):
     reports `ready` (requests queued below its threshold) and its cumulative HandoffMsg counts `sent[k]` / `received[k]`
     to / from each model; a receiver compares them with its own counts, so a report that predates a handoff still
     in flight is recognised as stale instead of read as "idle". Sent when any of these changes while idle, and on
-    every idle/active transition."""
+    every idle/active transition. An idle report rides in the same frame as the handoffs it counts (one send, one
+    drain at the peer). `at`: the sender's time.monotonic() (system-wide), so a receiver can measure how late the
+    news of an idle peer reached it."""
     model: int
     active: bool
     ready: int = 0
     sent: list[int] = field(default_factory=list)
     received: list[int] = field(default_factory=list)
+    at: float = 0.0
 
 
 # -- sub-server -> front end ---------------------------------------------------------------------------------------

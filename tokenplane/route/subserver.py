@@ -416,8 +416,12 @@ class SubServer:
         if self.policy is not None:
             num_live = len(s.requests) if s.is_home and not s.standard_serving else None
             # The count-based check runs only below threshold (it is the only case that reads it).
-            launch = self.policy.should_launch(self.model, n, False, num_live) or (
-                self._nothing_else_can_run(n) and self.policy.should_launch(self.model, n, True, num_live))
+            launch = self.policy.should_launch(self.model, n, False, num_live)
+            if not launch and self._nothing_else_can_run(n):
+                launch = self.policy.should_launch(self.model, n, True, num_live)
+                # diagnostics: from the last peer's going idle (its report's time) to this forced launch
+                last = max((st.at for st in self.peer_status if st is not None), default=now)
+                s.counters["forced_status_lag_s"] = s.counters.get("forced_status_lag_s", 0.0) + max(0.0, now - last)
             if not launch and now - self.ready_since >= float(self.spec.max_delay_s):
                 launch = True   # backstop against a lost status message; counted as forced
                 s.counters["backstop_launches"] = s.counters.get("backstop_launches", 0) + 1
@@ -438,16 +442,25 @@ class SubServer:
         state (ready count, handoff counts) changes, so peers can tell a current "idle" from a stale one."""
         if self.policy is None:
             return
+        sent = list(self.sent)
+        if not active:   # an idle report's counts cover every handoff already dispatched: those in the outbox too
+            for dest, msgs in self.outbox.items():
+                if dest != FRONTEND:
+                    sent[dest] += sum(isinstance(m, HandoffMsg) for m in msgs)
+        state = (True,) if active else (False, ready, tuple(sent), tuple(self.received))
+        if state != self.published:
+            self.published = state
+            ts = self.policy.thresholds
+            for k, sock in self.peers.items():
+                if ts[k] <= 1:
+                    continue   # a peer with threshold 1 launches whenever it has work and never reads our status
+                msg = PeerStatus(self.model, active, ready, sent, list(self.received), time.monotonic())
+                if active:
+                    send(sock, msg)   # now, ahead of the step's handoffs: peers stop forcing launches at once
+                else:
+                    self._to(k, msg)   # behind this turn's handoffs to k, in the same frame
         if not active:
-            self._flush()   # an idle report's counts must cover every handoff already dispatched
-        state = (True,) if active else (False, ready, tuple(self.sent), tuple(self.received))
-        if state == self.published:
-            return
-        self.published = state
-        ts = self.policy.thresholds
-        for k, sock in self.peers.items():
-            if ts[k] > 1:   # a peer with threshold 1 launches whenever it has work and never reads our status
-                send(sock, PeerStatus(self.model, active, ready, list(self.sent), list(self.received)))
+            self._flush()
 
     def _step(self) -> bool:
         self.step_started = time.monotonic()
