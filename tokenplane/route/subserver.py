@@ -193,6 +193,7 @@ class SubServer:
         self.step_time = 0.0     # inside runner.run (the modeled / real forward)
         self.step_wall = 0.0     # a whole step: schedule + run + sample/route + sends
         self.idle_time = 0.0     # blocked in inbox.wait with nothing to run
+        self.forced_lag = 0.0    # delayed batching: forced launches' lag behind the last peer's idle report, summed
         # Diagnostics only (TOKENPLANE_TRACE_DIR): timestamped steps and message events, dumped as JSON at exit.
         self.trace: list | None = [] if os.environ.get("TOKENPLANE_TRACE_DIR") else None
 
@@ -353,6 +354,7 @@ class SubServer:
             bm = self.runner.block_manager
             counters: dict[str, Any] = dict(s.counters)
             counters.update(step_time_s=self.step_time, step_wall_s=self.step_wall, idle_s=self.idle_time,
+                            forced_status_lag_s=self.forced_lag,
                             wall_s=time.perf_counter(), prefix_hit_tokens=getattr(bm, "num_hit_tokens", 0),
                             flags={"mode": self.mode, "pending_return": s.pending_return,
                                    "standard_serving": s.standard_serving, "standard_unit": s.standard_unit,
@@ -421,7 +423,7 @@ class SubServer:
                 launch = self.policy.should_launch(self.model, n, True, num_live)
                 # diagnostics: from the last peer's going idle (its report's time) to this forced launch
                 last = max((st.at for st in self.peer_status if st is not None), default=now)
-                s.counters["forced_status_lag_s"] = s.counters.get("forced_status_lag_s", 0.0) + max(0.0, now - last)
+                self.forced_lag += max(0.0, now - last)
             if not launch and now - self.ready_since >= float(self.spec.max_delay_s):
                 launch = True   # backstop against a lost status message; counted as forced
                 s.counters["backstop_launches"] = s.counters.get("backstop_launches", 0) + 1
