@@ -98,6 +98,8 @@ def runtime_run(fits: list[LatencyFit], p: float, ts: tuple[int, int], C: int, a
                                       for s in stats]
             res["backstop_launches"] = [int(s["counters"].get("backstop_launches", 0)) for s in stats]
             res["steps"] = [int(s["counters"].get("steps", 0)) for s in stats]
+            # forced launches' total lag behind the idle report that allowed them (the status hop)
+            res["forced_status_lag_s"] = [float(s["counters"].get("forced_status_lag_s", 0.0)) for s in stats]
         except Exception as exc:   # diagnostics only
             res["stats_error"] = f"{type(exc).__name__}: {exc}"
     res["loadavg_before"] = load
