@@ -183,6 +183,11 @@ class SubServer:
         self.peers: dict[int, zmq.Socket] = {}
         self.sent = [0] * self.num_models       # HandoffMsgs sent to each model (sync barrier counts)
         self.received = [0] * self.num_models   # HandoffMsgs received from each model
+        # Of those, final deliveries (a request finished on a peer, committed tokens to the home model): they can
+        # never create work anywhere, so delayed batching's consistency check leaves them out and nobody waits for
+        # a peer to acknowledge one (see _work_counts).
+        self.final_sent = [0] * self.num_models
+        self.final_received = [0] * self.num_models
         self.grant: StepGrant | None = None
         self.grant_time = 0.0
         self.peer_status: list[PeerStatus | None] = [None] * self.num_models   # latest report per peer
@@ -321,6 +326,8 @@ class SubServer:
         self.grant = None
         self.sent = [0] * self.num_models
         self.received = [0] * self.num_models
+        self.final_sent = [0] * self.num_models
+        self.final_received = [0] * self.num_models
         self.peer_status = [None] * self.num_models
         self._set_policy()
 
@@ -349,6 +356,7 @@ class SubServer:
         elif isinstance(msg, PeerRestarted):
             self._connect_peer(msg.model, msg.address)
             self.sent[msg.model] = self.received[msg.model] = 0
+            self.final_sent[msg.model] = self.final_received[msg.model] = 0
             self.peer_status[msg.model] = None   # other peers' counts for it are now inconsistent: backstop only
         elif isinstance(msg, StatsQuery):
             bm = self.runner.block_manager
@@ -381,6 +389,7 @@ class SubServer:
                     if self.trace is not None:
                         self.trace.append(("recv", time.perf_counter(), msg.handoff.request_id, msg.final))
                     self.received[msg.handoff.source] += 1
+                    self.final_received[msg.handoff.source] += bool(msg.final)
                     self._dispatch(self.scheduler.receive_handoff(msg))
                 elif isinstance(msg, Release):
                     self.scheduler.release(msg)
@@ -437,26 +446,35 @@ class SubServer:
         return self._step()
 
     def _nothing_else_can_run(self, n: int) -> bool:
-        return nothing_else_can_run(self.model, n, self.sent, self.received, self.peer_status)
+        sent, received = self._work_counts()
+        return nothing_else_can_run(self.model, n, sent, received, self.peer_status)
+
+    def _work_counts(self, pending: bool = False) -> tuple[list[int], list[int]]:
+        """HandoffMsgs sent to / received from each model that can create work (final deliveries left out);
+        pending: count the outbox's handoffs as sent (an idle report travels behind them in the same frame)."""
+        sent = [a - b for a, b in zip(self.sent, self.final_sent)]
+        received = [a - b for a, b in zip(self.received, self.final_received)]
+        if pending:
+            for dest, msgs in self.outbox.items():
+                if dest != FRONTEND:
+                    sent[dest] += sum(isinstance(m, HandoffMsg) and not m.final for m in msgs)
+        return sent, received
 
     def _publish(self, active: bool, ready: int) -> None:
         """Delayed batching only: tell peers this model's state when it starts executing, and whenever its idle
         state (ready count, handoff counts) changes, so peers can tell a current "idle" from a stale one."""
         if self.policy is None:
             return
-        sent = list(self.sent)
-        if not active:   # an idle report's counts cover every handoff already dispatched: those in the outbox too
-            for dest, msgs in self.outbox.items():
-                if dest != FRONTEND:
-                    sent[dest] += sum(isinstance(m, HandoffMsg) for m in msgs)
-        state = (True,) if active else (False, ready, tuple(sent), tuple(self.received))
+        # an idle report's counts cover every handoff already dispatched: those in the outbox too
+        sent, received = self._work_counts(pending=not active)
+        state = (True,) if active else (False, ready, tuple(sent), tuple(received))
         if state != self.published:
             self.published = state
             ts = self.policy.thresholds
             for k, sock in self.peers.items():
                 if ts[k] <= 1:
                     continue   # a peer with threshold 1 launches whenever it has work and never reads our status
-                msg = PeerStatus(self.model, active, ready, sent, list(self.received), time.monotonic())
+                msg = PeerStatus(self.model, active, ready, sent, received, time.monotonic())
                 if active:
                     send(sock, msg)   # now, ahead of the step's handoffs: peers stop forcing launches at once
                 else:
@@ -543,6 +561,7 @@ class SubServer:
                                              inc=getattr(m, "inc", None)) for m in msgs])
                 continue
             self.sent[dest] += sum(isinstance(m, HandoffMsg) for m in msgs)
+            self.final_sent[dest] += sum(isinstance(m, HandoffMsg) and m.final for m in msgs)
 
     def _report(self, rid: str | None, exc: Exception) -> None:
         tb = traceback.format_exc(limit=4)
