@@ -89,6 +89,7 @@ def render(result: dict) -> str:
           "scale; `ours` = delayed_async + pending return + the chain's thresholds, `standard` = per-token stock "
           "composition, `standard_segment` = per-segment stock composition (stream one model, abort at the switch; "
           "R-Stitch only, whose router reads logprobs).\n\n",
+          *([f"Note: {result['note']}\n\n"] if result.get("note") else []),
           "## ours / baseline throughput by mixed\n\n"]
     rows = [[alg, system] + [f"{v[m]:.2f}x" if m in v else "" for m in mixes]
             for (alg, system), v in sorted(_ratios(result).items())]
@@ -131,5 +132,18 @@ def plot(result: dict, path: Path) -> None:
     plt.close(fig)
 
 
+def rerender(path: Path, note: str | None = None) -> None:
+    """Markdown and PNG again from the stored JSON (optionally adding a note on the run's conditions)."""
+    import json
+    result = json.loads(path.read_text())
+    if note:
+        result["note"] = note
+    write_outputs(path.stem, result, render(result))
+    plot(result, path.with_suffix(".png"))
+
+
 if __name__ == "__main__":
-    main()
+    if len(sys.argv) >= 3 and sys.argv[1] == "--rerender":
+        rerender(Path(sys.argv[2]), " ".join(sys.argv[3:]) or None)
+    else:
+        main()
