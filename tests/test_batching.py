@@ -169,3 +169,20 @@ def test_a_final_delivery_in_flight_does_not_hold_a_forced_launch():
     assert srv._nothing_else_can_run(1)
     srv.final_sent = [0, 0]   # were the third one a hand-back with work, model 0 might still launch: wait
     assert not srv._nothing_else_can_run(1)
+
+
+def test_own_unflushed_hand_back_blocks_forcing():
+    """Model 1's step just handed two requests back to model 0; the messages still sit in its outbox (they leave
+    with the next flush). Model 0's idle report cannot know them, so it is stale: model 1 must wait, or it forces a
+    launch right after every hand-back, before the batch its threshold waits for can form (measured: at C = 8,
+    thresholds (1, 7) ran exactly like (1, 1))."""
+    from tokenplane.route.messages import HandoffMsg
+    from tokenplane.route.subserver import SubServer
+    srv = object.__new__(SubServer)
+    srv.model = 1
+    srv.sent, srv.received, srv.final_sent, srv.final_received = [3, 0], [3, 0], [0, 0], [0, 0]
+    srv.peer_status = [_status(0, sent=(0, 3), received=(0, 3)), None]
+    srv.outbox = {}
+    assert srv._nothing_else_can_run(1)          # everything delivered and acknowledged
+    srv.outbox = {0: [object.__new__(HandoffMsg), object.__new__(HandoffMsg)]}
+    assert not srv._nothing_else_can_run(1)      # dispatched, not yet flushed: model 0 is about to get work

@@ -446,7 +446,10 @@ class SubServer:
         return self._step()
 
     def _nothing_else_can_run(self, n: int) -> bool:
-        sent, received = self._work_counts()
+        # Our own handoffs still in the outbox count as sent: a step that just handed requests back to a peer has
+        # made that peer busy, even though its last report (idle) cannot know it yet. Leaving them out forced a
+        # launch right after every hand-back, before the batch it was waiting for could form.
+        sent, received = self._work_counts(pending=True)
         return nothing_else_can_run(self.model, n, sent, received, self.peer_status)
 
     def _work_counts(self, pending: bool = False) -> tuple[list[int], list[int]]:
