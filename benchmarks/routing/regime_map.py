@@ -156,12 +156,21 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--prompt-len", type=int, default=32)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--cells", nargs="*", default=[],
+                    help="extra cells to validate, each rho,beta,mixed,p,C (e.g. the seed's shape 4.65,0.05,1.0,0.35,4)")
+    ap.add_argument("--reuse-map", action="store_true", help="take the map from the existing JSON (same grid)")
+    ap.add_argument("--note", default="", help="a sentence on the conditions of this run, stored with it")
     ap.add_argument("--out", default="regime_map")
     args = ap.parse_args(argv)
     cmd = "python benchmarks/routing/regime_map.py " + " ".join(argv if argv is not None else sys.argv[1:])
     t0, load0 = time.time(), loadavg()
-    cells = build_map(args)
-    result: dict = {"command": cmd, "loadavg_before": load0, "small_step_s": SMALL_S, "gain_bar": GAIN,
+    old = RESULTS / f"{args.out}.json"
+    if args.reuse_map and old.exists():
+        import json
+        cells = json.loads(old.read_text())["cells"]
+    else:
+        cells = build_map(args)
+    result: dict = {"note": args.note, "command": cmd, "loadavg_before": load0, "small_step_s": SMALL_S, "gain_bar": GAIN,
                     "latency_form": "L_m(b) = s_m * (1 - beta + beta * b), s_small = 6 ms, s_large = rho * s_small; "
                                     "steps with catch-up tokens x mixed (chain_latency_fns mixture); c = d = 0",
                     "cells": cells}
@@ -172,6 +181,9 @@ def main(argv: list[str] | None = None) -> dict:
         if len(picked) < args.validate and all((c["rho"], c["beta"], c["C"]) != (q["rho"], q["beta"], q["C"])
                                                for q in picked):
             picked.append(c)
+    for spec in args.cells:
+        rho, beta, mixed, p, C = (float(x) for x in spec.split(","))
+        picked.append(cell(rho, beta, mixed, p, int(C)))
     result["validation"] = validate(picked, args) if picked else []
     result["loadavg_after"], result["wall_s"] = loadavg(), time.time() - t0
     write_outputs(args.out, result, render(result))
@@ -185,7 +197,8 @@ def render(result: dict) -> str:
           f"Command: `{result['command']}`; load average before {result['loadavg_before']}, after "
           f"{result.get('loadavg_after')}. Latency: {result['latency_form']}. R2R routing (switch p per small step, "
           "switching token dropped, one large-model token). gain = chain's best thresholds / thresholds (1, 1) - 1 "
-          f"(T_small in {{1, 2}} up to C = 8, else 1; T_large <= min(C, 8)). Bar: {GAIN:.0%}.\n\n"]
+          f"(T_small in {{1, 2}} up to C = 8, else 1; T_large <= min(C, 8)). Bar: {GAIN:.0%}.\n\n",
+          *([f"Note: {result['note']}\n\n"] if result.get("note") else [])]
     n_pay = sum(c["gain"] >= GAIN for c in cells)
     md.append(f"{n_pay} of {len(cells)} cells reach the bar.\n\n## Largest predicted gain per latency shape "
               "(over p and C)\n\n")
