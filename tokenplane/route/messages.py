@@ -169,9 +169,9 @@ class PeerStatus(_Wire):
     to / from each model; a receiver compares them with its own counts, so a report that predates a handoff still
     in flight is recognised as stale instead of read as "idle". Sent when any of these changes while idle, and on
     every idle/active transition. Final deliveries (HandoffMsg.final) are left out of the counts: they never create
-    work, so no model waits for one to be acknowledged. An idle report rides in the same frame as the handoffs it counts (one send, one
-    drain at the peer). `at`: the sender's time.monotonic() (system-wide), so a receiver can measure how late the
-    news of an idle peer reached it."""
+    work, so no model waits for one to be acknowledged. An idle report rides in the same frame as the handoffs it
+    counts (one send, one drain at the peer). `at`: the sender's time.monotonic() (system-wide), so a receiver can
+    measure how late the news of an idle peer reached it."""
     model: int
     active: bool
     ready: int = 0
