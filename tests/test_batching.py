@@ -118,3 +118,71 @@ def test_exactly_one_waiting_model_is_leader_on_a_consistent_cut():
         a = nothing_else_can_run(0, r0, [0, 5], [0, 5], [None, s1]) if r0 else False
         b = nothing_else_can_run(1, r1, [5, 0], [5, 0], [s0, None])
         assert a + b == 1, (r0, r1, a, b)
+
+
+def test_idle_report_rides_behind_the_handoffs_it_counts():
+    """An idle model's PeerStatus goes in the same frame as this turn's handoffs (queued behind them) and its counts
+    already include them, so a peer reading both in one drain finds a consistent cut with no extra round trip; an
+    "active" report goes out at once. Exercised on SubServer._publish with the sockets replaced."""
+    from tokenplane.route.batching import BatchPolicy
+    from tokenplane.route.messages import HandoffMsg, PeerStatus
+    from tokenplane.route.subserver import SubServer
+
+    frames: list[list] = []
+    direct: list = []
+    srv = object.__new__(SubServer)
+    srv.model, srv.policy, srv.published = 0, BatchPolicy([1, 3], 8), None
+    srv.sent, srv.received = [0, 3], [0, 2]
+    srv.final_sent, srv.final_received = [0, 1], [0, 1]   # final deliveries never create work: not counted
+    srv.peers = {1: object()}
+    handoff = object.__new__(HandoffMsg)
+    final = object.__new__(HandoffMsg)
+    final.final = True
+    srv.outbox = {1: [handoff, final, handoff]}
+    srv._flush = lambda: (frames.append(srv.outbox.get(1, [])), setattr(srv, "outbox", {}))
+    import tokenplane.route.subserver as sub
+    orig, sub.send = sub.send, lambda sock, msg: direct.append(msg) or True
+    try:
+        srv._publish(False, 1)
+        assert len(frames) == 1 and frames[0][:3] == [handoff, final, handoff]
+        st = frames[0][3]
+        assert isinstance(st, PeerStatus)
+        assert not st.active and st.ready == 1 and st.sent == [0, 4] and st.received == [0, 1] and st.at > 0
+        srv.sent, srv.final_sent = [0, 6], [0, 2]
+        srv._publish(False, 1)   # unchanged state: nothing new to say
+        assert frames[-1] == [] and not direct
+        srv._publish(True, 2)
+        assert len(direct) == 1 and direct[0].active
+    finally:
+        sub.send = orig
+
+
+def test_a_final_delivery_in_flight_does_not_hold_a_forced_launch():
+    """Model 1 delivered a finished request to the home model (a final HandoffMsg): model 0's idle report cannot
+    count it yet, but it can never create work, so model 1 need not wait for that acknowledgement round trip."""
+    from tokenplane.route.subserver import SubServer
+    srv = object.__new__(SubServer)
+    srv.model, srv.outbox = 1, {}
+    srv.sent, srv.received, srv.final_sent, srv.final_received = [3, 0], [4, 0], [1, 0], [0, 0]
+    # model 0: idle, sent 4 to model 1, acknowledged 2 from it (the 2 that carried work)
+    srv.peer_status = [_status(0, sent=(0, 4), received=(0, 2)), None]
+    assert srv._nothing_else_can_run(1)
+    srv.final_sent = [0, 0]   # were the third one a hand-back with work, model 0 might still launch: wait
+    assert not srv._nothing_else_can_run(1)
+
+
+def test_own_unflushed_hand_back_blocks_forcing():
+    """Model 1's step just handed two requests back to model 0; the messages still sit in its outbox (they leave
+    with the next flush). Model 0's idle report cannot know them, so it is stale: model 1 must wait, or it forces a
+    launch right after every hand-back, before the batch its threshold waits for can form (measured: at C = 8,
+    thresholds (1, 7) ran exactly like (1, 1))."""
+    from tokenplane.route.messages import HandoffMsg
+    from tokenplane.route.subserver import SubServer
+    srv = object.__new__(SubServer)
+    srv.model = 1
+    srv.sent, srv.received, srv.final_sent, srv.final_received = [3, 0], [3, 0], [0, 0], [0, 0]
+    srv.peer_status = [_status(0, sent=(0, 3), received=(0, 3)), None]
+    srv.outbox = {}
+    assert srv._nothing_else_can_run(1)          # everything delivered and acknowledged
+    srv.outbox = {0: [object.__new__(HandoffMsg), object.__new__(HandoffMsg)]}
+    assert not srv._nothing_else_can_run(1)      # dispatched, not yet flushed: model 0 is about to get work

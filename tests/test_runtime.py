@@ -96,20 +96,28 @@ FLAGS = [
     {"mode": "delayed_async", "thresholds": [1, 3], "concurrency": 8},
     {"mode": "immediate_async", "pending_return": False},
     {"mode": "immediate_async", "standard_serving": True},
+    {"mode": "immediate_async", "standard_serving": True, "standard_unit": "segment"},
 ]
 
 
 @pytest.mark.parametrize("flags", FLAGS, ids=lambda f: "-".join(f"{k}={v}" for k, v in f.items()))
 @pytest.mark.parametrize("name", ["r2r", "r_stitch"])
 def test_equivalence_per_execution_mode(runtime, runners, name, flags):
-    full = {"thresholds": None, "pending_return": True, "standard_serving": False, **flags}
+    full = {"thresholds": None, "pending_return": True, "standard_serving": False, "standard_unit": "token", **flags}
     runtime.configure(algorithm=name, algorithm_kwargs=ALGORITHMS[name], **full)
     before = runtime.stats()[0]["counters"]
-    check_equal(runtime, runners, name, ALGORITHMS[name], 8)
+    outs = check_equal(runtime, runners, name, ALGORITHMS[name], 8)
     after = runtime.stats()[0]["counters"]
     delta = {k: after[k] - before[k] for k in ("readmissions", "resumes", "admissions")}
     if flags.get("pending_return") is False:
         assert delta["readmissions"] > 0 and delta["resumes"] == 0, delta
+    elif flags.get("standard_unit") == "segment":
+        # one call per model-0 segment: as many as the request came back to model 0 (+1 for its first), far
+        # fewer than one per token
+        segments = sum(1 + sum(1 for a, b in zip(o.token_models, o.token_models[1:]) if a != 0 and b == 0)
+                       for o in outs)
+        assert delta["resumes"] == 0 and segments <= delta["admissions"] < 8 * PARAMS.max_tokens // 2, \
+            (delta, segments)
     elif flags.get("standard_serving"):
         assert delta["resumes"] == 0 and delta["admissions"] >= 8 * PARAMS.max_tokens // 2, delta
     else:
@@ -248,13 +256,15 @@ def check_logprobs(rt, runners, name, kwargs):
     assert sum(1 in o.token_models or o.stats["score_visits"] > 0 for o in asked) >= 2, "must exercise handoffs"
 
 
-@pytest.mark.parametrize("flags", [{"pending_return": True}, {"pending_return": False}, {"standard_serving": True}],
-                         ids=["pending_return", "baseline", "standard_serving"])
+@pytest.mark.parametrize("flags", [{"pending_return": True}, {"pending_return": False}, {"standard_serving": True},
+                                   {"standard_serving": True, "standard_unit": "segment"}],
+                         ids=["pending_return", "baseline", "standard_serving", "standard_segment"])
 @pytest.mark.parametrize("name", ["r2r", "r_stitch", "co_llm"])
 def test_logprobs_equal_reference(runtime, runners, name, flags):
-    """A committed token's logprob travels with it (peer tokens through HandoffMsg, standard serving through Yield)
-    and equals the reference's TokenEvent: the committing model's raw distribution."""
-    full = {"pending_return": True, "standard_serving": False, **flags}
+    """A committed token's logprob travels with it (peer tokens through HandoffMsg, standard serving through Yield,
+    a standard-serving segment through its stream) and equals the reference's TokenEvent: the committing model's raw
+    distribution."""
+    full = {"pending_return": True, "standard_serving": False, "standard_unit": "token", **flags}
     runtime.configure(algorithm=name, algorithm_kwargs=ALGORITHMS[name], mode="immediate_async", thresholds=None,
                       **full)
     check_logprobs(runtime, runners, name, ALGORITHMS[name])
@@ -274,7 +284,7 @@ def test_cached_prompt_tokens(runtime, runners, flags):
     so an identical repeat reports floor((prompt_len - 1) / block_size) * block_size: 32 for 37 tokens, 16 for 32.
     The count travels with the routing stats (handoffs, standard serving's Yield) and equals the reference's."""
     runtime.configure(algorithm="r2r", algorithm_kwargs=ALGORITHMS["r2r"], mode="immediate_async", thresholds=None,
-                      **{"pending_return": True, "standard_serving": False, **flags})
+                      **{"pending_return": True, "standard_serving": False, "standard_unit": "token", **flags})
     tag = 2 if flags.get("standard_serving") else 1
     prompt = [511, 500 + tag] + [(13 * j) % 500 + 1 for j in range(35)]   # a prefix no other test sends
     router = SequentialRouter(make_algorithm("r2r", **ALGORITHMS["r2r"]), runners)

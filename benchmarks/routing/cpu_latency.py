@@ -6,6 +6,15 @@ steps (one new token per sequence) are timed; the MINIMUM is kept: the machine i
 contention only ever adds time, so the minimum is the best estimate of an uncontended step (the median is recorded).
 
     python benchmarks/routing/cpu_latency.py [--models tiny-small tiny-large] [--quick]
+    python benchmarks/routing/cpu_latency.py --mixed [--models tiny-small tiny-large smollm2-135m-instruct]
+
+--mixed measures the mixed-batch penalty the latency model's `mixed` factor stands for: a batch of b sequences where
+one sequence computes k > 1 tokens (a catch-up or re-admission) against a decode-only batch of the same b, on the
+same sequences, the three kinds (decode, k = 2, k = 10) interleaved in rotating order so drift and contention hit
+each alike, 1 thread, timed in thread CPU time (the box is shared; CPU time of a single-threaded step is what an idle
+machine's wall time would be). Per b: d = (L(k=10) - L(k=2)) / 8 per extra token, mixed = (L(k=2) - d) / L(decode):
+the fixed penalty of leaving the decode-only path, separated from the per-token cost. The fits in cpu_latency.json
+get the median over b of `mixed` (and SmolLM2 a decode fit of its own from the same steps).
 """
 from __future__ import annotations
 
@@ -60,6 +69,130 @@ def measure(model_name: str, batches: list[int], contexts: list[int], steps: int
     return out
 
 
+MIXED_KS = (2, 10)
+
+
+def measure_mixed(model_name: str, batches: list[int], context: int, reps: int) -> list[dict]:
+    """Per batch size: thread-CPU-time medians of decode-only steps and of steps where sequence 0 computes k
+    tokens (k in MIXED_KS), interleaved; see the module docstring."""
+    from tokenplane.engine.loader import load_model
+    from tokenplane.engine.model_runner import ModelRunner
+    from tokenplane.engine.sequence import Sequence
+
+    cfg, model = load_model(model_name, seed=0)
+    grow = reps * (1 + sum(MIXED_KS)) + 16
+    runner = ModelRunner(model, cfg, num_blocks=max(batches) * ((context + grow) // 16 + 2) + 8, block_size=16)
+    kinds = ["decode"] + [f"k{k}" for k in MIXED_KS]
+    out = []
+    for b in batches:
+        seqs = [Sequence(f"mx-{model_name}-{b}-{i}", [(31 * i + 7 * j) % 1000 + 1 for j in range(context)])
+                for i in range(b)]
+        for s in seqs:
+            assert runner.prepare(s)
+        runner.run(seqs)   # prefill, not timed
+        runner.run([s for s in seqs if (s.append_token(3) or True) and runner.prepare(s)])   # warm the decode path
+        times: dict[str, list[float]] = {k: [] for k in kinds}
+        for r in range(reps):
+            for j in range(len(kinds)):
+                kind = kinds[(r + j) % len(kinds)]   # rotating order
+                k0 = 1 if kind == "decode" else int(kind[1:])
+                for i, s in enumerate(seqs):
+                    for t in range(k0 if i == 0 else 1):
+                        s.append_token(5 + (r + t) % 50)
+                    runner.prepare(s)
+                t0 = time.thread_time()
+                runner.run(seqs)
+                times[kind].append(time.thread_time() - t0)
+        for s in seqs:
+            runner.free(s)
+        med = {k: statistics.median(v) for k, v in times.items()}
+        k_lo, k_hi = MIXED_KS
+        d = max(0.0, (med[f"k{k_hi}"] - med[f"k{k_lo}"]) / (k_hi - k_lo))
+        mixed = (med[f"k{k_lo}"] - d * (k_lo - 1)) / med["decode"]
+        rec = {"model": model_name, "batch": b, "context": context, "reps": reps,
+               "decode_s": med["decode"], **{f"k{k}_s": med[f"k{k}"] for k in MIXED_KS},
+               "decode_min_s": min(times["decode"]), "d_s_per_token": d, "mixed": mixed,
+               "raw_ratio_k2": med[f"k{k_lo}"] / med["decode"]}
+        out.append(rec)
+        print(f"{model_name:>22} b={b:2d} ctx {context}: decode {med['decode'] * 1e3:7.2f} ms, k={k_lo} "
+              f"{med[f'k{k_lo}'] * 1e3:7.2f}, k={k_hi} {med[f'k{k_hi}'] * 1e3:7.2f} -> d {d * 1e3:.3f} ms/token, "
+              f"mixed {mixed:.3f}", flush=True)
+    return out
+
+
+def main_mixed(args) -> dict:
+    import os
+
+    from tokenplane.engine.latency_runner import LatencyFit
+    torch.set_num_threads(1)
+    load_before = [round(x, 2) for x in os.getloadavg()]
+    t = time.time()
+    points = []
+    for m in args.models:
+        points += measure_mixed(m, args.batches, args.mixed_context, args.mixed_reps)
+    res = json.loads(args.out.read_text()) if args.out.exists() else {"device": "cpu", "fits": {}}
+    summary = {}
+    for m in args.models:
+        pts = [p for p in points if p["model"] == m]
+        mixed = statistics.median(p["mixed"] for p in pts)
+        d = statistics.median(p["d_s_per_token"] for p in pts)
+        summary[m] = {"mixed": mixed, "mixed_by_batch": {p["batch"]: p["mixed"] for p in pts}, "d_s_per_token": d}
+        if m in res["fits"]:
+            res["fits"][m]["mixed"] = mixed
+        else:   # a model without an engine_decode fit: knots from these decode-only steps, c and d as measured
+            fit = LatencyFit(0.0, 0.0, 0.0, d, f"cpu-{m}", tuple((p["batch"], p["decode_s"]) for p in pts), mixed)
+            res["fits"][m] = fit.to_dict() | {"max_rel_error": 0.0, "source": "mixed measurement's decode steps "
+                                              f"at context {args.mixed_context} (c not measured: 0)"}
+        res["fits"][m]["mixed_source"] = "cpu_latency.py --mixed (median over batch sizes)"
+    import platform
+    res["mixed"] = {"points": points, "summary": summary, "threads": 1, "timer": "thread CPU time",
+                    "command": "python benchmarks/routing/cpu_latency.py " + " ".join(sys.argv[1:]),
+                    "loadavg_before": load_before, "loadavg_after": [round(x, 2) for x in os.getloadavg()],
+                    "wall_s": round(time.time() - t, 1), "torch": torch.__version__, "machine": platform.machine()}
+    args.out.write_text(json.dumps(res, indent=1))
+    (args.out.parent / "cpu_mixed.md").write_text(render_mixed(res["mixed"]))
+    plot_mixed(res["mixed"], args.out.parent / "cpu_mixed.png")
+    return res
+
+
+def plot_mixed(mx: dict, path: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(6.0, 3.8))
+    for m in mx["summary"]:
+        pts = [p for p in mx["points"] if p["model"] == m]
+        ax.plot([p["batch"] for p in pts], [p["mixed"] for p in pts], "o-",
+                label=f"{m} (median {mx['summary'][m]['mixed']:.2f})")
+    ax.axhline(1.0, color="gray", lw=1)
+    ax.axhline(1.71, color="C3", ls=":", lw=1, label="seed preset 1.71 (GPU ablation figure)")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("batch size")
+    ax.set_ylabel("mixed = (L(k=2) - d) / L(decode)")
+    ax.set_title("mixed-batch penalty, this machine's engine (CPU, 1 thread)", fontsize=9)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def render_mixed(mx: dict) -> str:
+    lines = ["# Mixed-batch penalty on this machine's engine (CPU)\n\n",
+             f"Command: `{mx['command']}`; load average before {mx['loadavg_before']}, after {mx['loadavg_after']}; "
+             f"{mx['threads']} thread, {mx['timer']}, medians of {mx['points'][0]['reps']} steps per kind, "
+             f"kinds interleaved. mixed = (L(k=2) - d) / L(decode), d = (L(k=10) - L(k=2)) / 8.\n\n",
+             "| model | batch | context | decode ms | k=2 ms | k=10 ms | d ms/token | mixed | raw k=2 / decode |\n",
+             "|---|---|---|---|---|---|---|---|---|\n"]
+    for p in mx["points"]:
+        lines.append(f"| {p['model']} | {p['batch']} | {p['context']} | {p['decode_s'] * 1e3:.2f} | "
+                     f"{p['k2_s'] * 1e3:.2f} | {p['k10_s'] * 1e3:.2f} | {p['d_s_per_token'] * 1e3:.3f} | "
+                     f"{p['mixed']:.3f} | {p['raw_ratio_k2']:.3f} |\n")
+    lines.append("\nStored in cpu_latency.json fits (`mixed`, median over batch sizes):\n\n| model | mixed |\n|---|---|\n")
+    for m, s in mx["summary"].items():
+        lines.append(f"| {m} | {s['mixed']:.3f} |\n")
+    return "".join(lines)
+
+
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--models", nargs="+", default=["tiny-small", "tiny-large"])
@@ -71,7 +204,13 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--from-engine", type=Path, default=None,
                     help="fit from the engine helper's engine_decode.json (single-thread CPU-time medians) instead "
                          "of measuring; on a loaded shared machine wall-clock steps are 3-10x inflated")
+    ap.add_argument("--mixed", action="store_true", help="measure the mixed-batch penalty (see module docstring) "
+                    "and store it in the fits of --out")
+    ap.add_argument("--mixed-context", type=int, default=128)
+    ap.add_argument("--mixed-reps", type=int, default=9)
     args = ap.parse_args(argv)
+    if args.mixed:
+        return main_mixed(args)
     if args.from_engine is not None:
         return from_engine(args.from_engine, args.out)
     torch.set_num_threads(args.threads)

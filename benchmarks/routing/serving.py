@@ -48,9 +48,13 @@ def routing_model(alg: str) -> RoutingModel:
     return RoutingModel.star([p], [1.0])   # one large-model token (or score visit) then back
 
 
+SEGMENT_ALGOS = {"r_stitch"}   # routing signals a stock server's streamed logprobs carry (R-Stitch's entropy)
 SYSTEMS = {   # name -> runtime flags
     "ours": dict(mode="delayed_async", pending_return=True, standard_serving=False),
     "standard": dict(mode="immediate_async", pending_return=False, standard_serving=True),
+    # stock servers composed per segment (stream one model, abort at the switch): only where logprobs suffice
+    "standard_segment": dict(mode="immediate_async", pending_return=False, standard_serving=True,
+                             standard_unit="segment"),
     "stepwise_sync": dict(mode="stepwise_sync", pending_return=True, standard_serving=False),
     "model_sync": dict(mode="model_sync", pending_return=True, standard_serving=False),
 }
@@ -174,7 +178,9 @@ def part_algos(args, fits, prompt_len: int | None = None) -> dict:
     kw = dict(max_tokens=args.max_tokens, duration=args.duration, prompt_len=prompt_len)
     for alg in args.algos:
         for system in args.systems:
-            if alg == "ensemble" and system == "standard":
+            if system == "standard_segment" and alg not in SEGMENT_ALGOS:
+                continue   # the router reads hidden states: a stock composition must call per token
+            if alg == "ensemble" and system.startswith("standard"):
                 out[f"{alg}/{system}"] = {"skipped": "ensemble score visits need retained state; the standard "
                                                      "serving baseline cannot run them (runtime raises)"}
                 continue
@@ -242,8 +248,10 @@ def part_greedy(args) -> dict:
         ref = run_sequential(a, models, prompts, params, dtype=getattr(torch, args.real_dtype), num_blocks=256)
         ref_wall = time.time() - t
         entry = {"reference_wall_s": ref_wall}
-        for system in ("ours", "standard"):
-            if alg == "ensemble" and system == "standard":
+        for system in ("ours", "standard", "standard_segment"):
+            if system == "standard_segment" and alg not in SEGMENT_ALGOS:
+                continue   # the router reads hidden states: a stock composition must call per token
+            if alg == "ensemble" and system.startswith("standard"):
                 entry[system] = {"skipped": "standard serving cannot run ensemble score visits"}
                 continue
             ts = [1, 2] if system == "ours" else None   # CPU steps grow ~linearly past batch 2; see threshold_validation
@@ -428,8 +436,10 @@ def report(res: dict) -> str:
             e = g.get(alg)
             if not e:
                 continue
-            for system in ("ours", "standard"):
-                r = e.get(system, {})
+            for system in ("ours", "standard", "standard_segment"):
+                if system not in e:
+                    continue
+                r = e[system]
                 if "skipped" in r:
                     rows.append([alg, system, "n/a", "n/a", r["skipped"]])
                 else:

@@ -187,7 +187,9 @@ def _runtime_diag(raw: dict) -> str:
         pol = c.get("policy") or {}
         steps = c.get("steps") or 0
         forced = (pol.get("forced_launches") or [0] * 2)[m.get("model", 0)] if pol else 0
-        parts.append(f"m{m.get('model')}: batch {c.get('batched_seqs', 0) / steps:.2f}, forced {forced}/{steps}"
+        lag = c.get("forced_status_lag_s")
+        lag_s = f" (idle news {1e3 * lag / forced:.2f} ms late per forced)" if lag is not None and forced else ""
+        parts.append(f"m{m.get('model')}: batch {c.get('batched_seqs', 0) / steps:.2f}, forced {forced}/{steps}{lag_s}"
                      if steps else f"m{m.get('model')}: idle")
     return "; ".join(parts)
 

@@ -7,6 +7,7 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any
 
+from .standard import validate_unit
 from .subserver import MODES
 
 log = logging.getLogger("tokenplane.route.runtime")
@@ -24,6 +25,7 @@ class RuntimeConfig:
     mode: str = "delayed_async"                        # stepwise_sync | model_sync | immediate_async | delayed_async
     pending_return: bool = True
     standard_serving: bool = False
+    standard_unit: str = "token"                       # standard serving: one call per "token" | per "segment"
     thresholds: list[int] | str | None = None          # delayed_async: T_m list, "auto" (no fits: all 1), None = all 1
     concurrency: int = 8                               # what thresholds are validated / chosen for
     routing_probs: Any = None                          # thresholds="auto": routing model (see throughput_model)
@@ -54,6 +56,7 @@ class RuntimeConfig:
                              "(one model: algorithm 'single')")
         if self.mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
+        validate_unit(self.standard_unit)
         if self.runner not in ("torch", "latency-model"):
             raise ValueError(f"runner must be 'torch' or 'latency-model', got {self.runner!r}")
         if self.transport not in ("ipc", "tcp"):

@@ -128,6 +128,7 @@ class Configure(_Wire):
     max_delay_s: float
     algorithm: str | None = None
     algorithm_kwargs: dict[str, Any] | None = None
+    standard_unit: str = "token"   # standard serving: one call per token or per segment (see standard.py)
 
 
 @_message
@@ -167,12 +168,16 @@ class PeerStatus(_Wire):
     reports `ready` (requests queued below its threshold) and its cumulative HandoffMsg counts `sent[k]` / `received[k]`
     to / from each model; a receiver compares them with its own counts, so a report that predates a handoff still
     in flight is recognised as stale instead of read as "idle". Sent when any of these changes while idle, and on
-    every idle/active transition."""
+    every idle/active transition. Final deliveries (HandoffMsg.final) are left out of the counts: they never create
+    work, so no model waits for one to be acknowledged. An idle report rides in the same frame as the handoffs it
+    counts (one send, one drain at the peer). `at`: the sender's time.monotonic() (system-wide), so a receiver can
+    measure how late the news of an idle peer reached it."""
     model: int
     active: bool
     ready: int = 0
     sent: list[int] = field(default_factory=list)
     received: list[int] = field(default_factory=list)
+    at: float = 0.0
 
 
 # -- sub-server -> front end ---------------------------------------------------------------------------------------

@@ -64,6 +64,7 @@ from .messages import (
     params_to_wire,
 )
 from .params import capped_max_tokens, request_params, stop_token_ids, validate_params, validate_prompt
+from .standard import front_end_yield
 from .subserver import SYNC_MODES, SubServerSpec
 from .supervisor import ModelHealth, ModelState, Supervisor
 
@@ -147,9 +148,9 @@ class Runtime:
             seed=0 if cfg.seeds is None else int(cfg.seeds[m]), device=cfg.device, dtype=self._dtype,
             num_blocks=int(nb), block_size=cfg.block_size, runner=cfg.runner, algorithm=cfg.algorithm,
             algorithm_kwargs=dict(cfg.algorithm_kwargs), mode=cfg.mode, pending_return=cfg.pending_return,
-            standard_serving=cfg.standard_serving, thresholds=list(self.thresholds), concurrency=cfg.concurrency,
-            max_delay_s=cfg.max_delay_s, grant_timeout_s=cfg.grant_timeout_s, heartbeat_s=cfg.heartbeat_s,
-            threads=cfg.threads_per_model, max_num_seqs=cfg.max_num_seqs,
+            standard_serving=cfg.standard_serving, standard_unit=cfg.standard_unit, thresholds=list(self.thresholds),
+            concurrency=cfg.concurrency, max_delay_s=cfg.max_delay_s, grant_timeout_s=cfg.grant_timeout_s,
+            heartbeat_s=cfg.heartbeat_s, threads=cfg.threads_per_model, max_num_seqs=cfg.max_num_seqs,
             max_num_batched_tokens=cfg.max_num_batched_tokens, enforce_eager=cfg.enforce_eager)
 
     # -- public API ------------------------------------------------------------------------------------------------
@@ -341,13 +342,13 @@ class Runtime:
             raise RequestFailed(f"stats: only models {sorted(replies)} answered within {timeout} s")
         return [dataclasses.asdict(replies[m]) for m in range(self.num_models)]
 
-    _FLAGS = ("mode", "pending_return", "standard_serving", "thresholds", "concurrency", "max_delay_s",
-              "algorithm", "algorithm_kwargs")
+    _FLAGS = ("mode", "pending_return", "standard_serving", "standard_unit", "thresholds", "concurrency",
+              "max_delay_s", "algorithm", "algorithm_kwargs")
 
     def configure(self, **changes: Any) -> None:
-        """Change execution-mode flags (mode, pending_return, standard_serving, thresholds, concurrency,
-        max_delay_s) and/or the algorithm (algorithm, algorithm_kwargs) while no request is live. The sub-servers
-        keep their models and KV pools; only the flags change."""
+        """Change execution-mode flags (mode, pending_return, standard_serving, standard_unit, thresholds,
+        concurrency, max_delay_s) and/or the algorithm (algorithm, algorithm_kwargs) while no request is live. The
+        sub-servers keep their models and KV pools; only the flags change."""
         bad = sorted(set(changes) - set(self._FLAGS))
         if bad:
             raise ValueError(f"configure: unknown or non-switchable fields {bad}; switchable: {self._FLAGS}")
@@ -373,13 +374,14 @@ class Runtime:
             alg_changed = "algorithm" in changes or "algorithm_kwargs" in changes
             msg = Configure(new.mode, new.pending_return, new.standard_serving, list(self.thresholds),
                             new.concurrency, new.max_delay_s, new.algorithm if alg_changed else None,
-                            dict(new.algorithm_kwargs) if alg_changed else None)
+                            dict(new.algorithm_kwargs) if alg_changed else None, new.standard_unit)
             for m in range(self.num_models):
                 self._send_client(m, msg)
         # Same pipe as Configure: once every model answered, every model has handled it.
         for st in self.stats():
             applied = st["counters"].get("flags", {})
-            want = {"mode": new.mode, "pending_return": new.pending_return, "standard_serving": new.standard_serving}
+            want = {"mode": new.mode, "pending_return": new.pending_return, "standard_serving": new.standard_serving,
+                    "standard_unit": new.standard_unit}
             if any(applied.get(k) != v for k, v in want.items()):
                 raise RuntimeError(f"configure: model {st['model']} did not apply {want} (has {applied}); "
                                    f"errors: {self.errors[-1:]}")
@@ -557,27 +559,15 @@ class Runtime:
         return out
 
     def _on_yield(self, y: Yield) -> None:
-        """Standard serving: the front end is the external scheduler; one single-token call just ended."""
+        """Standard serving: the front end is the external scheduler; one call (a token or a segment) ended."""
         live = self._live.get(y.request_id)
         if live is None or live.done or live.inc != y.inc:
             return
-        n = len(y.output)
-        if n > live.streamed:
-            if live.first_token is None:
-                live.first_token = time.monotonic()
-            self._deliver(live, TokenChunk(y.request_id, y.output[live.streamed:], y.models[live.streamed:n],
-                                           live.streamed, logprobs=None if y.logprobs is None
-                                           else y.logprobs[live.streamed:n]))
-            live.streamed = n
-        if y.finish_reason is not None:
+        add = front_end_yield(live, y, self._deliver, self._final_stats, time.monotonic())
+        if add is None:
             self._live.pop(y.request_id, None)
-            live.done = True
-            self._deliver(live, TokenChunk(y.request_id, [], [], n, y.finish_reason,
-                                           self._final_stats(live, y.final_stats)))
-            return
-        self._pending_adds.setdefault(y.next_model, []).append(
-            (live, AddRequest(y.request_id, y.prompt, y.params, y.output, y.models, y.state, y.num_handoffs,
-                              y.handoff, inc=live.inc, stats=y.stats, logprobs=y.logprobs)))
+        else:
+            self._pending_adds.setdefault(y.next_model, []).append((live, add))
 
     def _on_error(self, e: Error) -> None:
         if e.request_id is None:

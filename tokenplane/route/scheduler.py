@@ -13,8 +13,9 @@ keeps its Sequence, KV blocks and counters; on return the peer's tokens are appe
 next run computes exactly the unseen suffix (num_tokens - num_computed_tokens: 1 token for a plain decode, k for a
 catch-up, one code path) and the request is RUNNING again: no re-admission, no prefix matching, no allocation.
 With `pending_return=False` (baseline) the request frees its blocks when it leaves and goes back through WAITING
-(prefix match, allocate, prefill) on return. With `standard_serving=True` (baseline) every step is a single-token
-call: admitted, one step, freed, and the request goes back to the front end (an external scheduler) as a Yield.
+(prefix match, allocate, prefill) on return. With `standard_serving=True` (baseline) each visit is a call of its own
+(standard.py): admitted, run, freed, and the request goes back to the front end (an external scheduler) as a Yield,
+after one token (`standard_unit="token"`) or when the router switches models (`"segment"`, streaming meanwhile).
 
 KV memory (vLLM v1 style): admission allocates what the prompt (its first chunk) needs and blocks grow as tokens come.
 When a RUNNING request cannot grow, the most recently admitted request holding blocks that is not already in this
@@ -41,6 +42,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from .api import Algorithm, Handoff, RequestView, StepResult, after_send, apply_handoff, commit
+from .ensemble_wait import EnsembleWait, complete_position
 from .messages import (
     AddRequest,
     Error,
@@ -48,13 +50,13 @@ from .messages import (
     HandoffMsg,
     Release,
     TokenChunk,
-    Yield,
     params_from_wire,
     params_to_wire,
     stats_from_wire,
     stats_to_wire,
 )
 from .positions import record, set_received, window
+from .standard import build_yield, validate_unit
 from .states import RequestState
 from .stats import RouteStats
 
@@ -66,14 +68,6 @@ _TOMBSTONES = 65_536
 class Outbound:
     dest: int          # model index, or FRONTEND
     msg: Any
-
-
-@dataclass
-class EnsembleWait:
-    """The primary's side of an ensemble position: its own result, waiting for the peers' score replies."""
-    result: StepResult
-    awaiting: set[int]
-    scores: dict[int, dict[str, Any]] = field(default_factory=dict)
 
 
 @dataclass
@@ -103,7 +97,8 @@ class Scheduler:
     """Request states and batching for model `model` of `num_models` (model `home` admits and streams)."""
 
     def __init__(self, model: int, num_models: int, block_manager, algorithm: Algorithm, *,
-                 pending_return: bool = True, standard_serving: bool = False, home: int = 0,
+                 pending_return: bool = True, standard_serving: bool = False, standard_unit: str = "token",
+                 home: int = 0,
                  max_num_seqs: int = 256, max_num_batched_tokens: int = 2048, sample_fn: Callable | None = None,
                  sequence_cls=None):
         if not 0 <= model < num_models:
@@ -113,6 +108,7 @@ class Scheduler:
         self.alg = algorithm
         self.pending_return = bool(pending_return)
         self.standard_serving = bool(standard_serving)
+        self.standard_unit = validate_unit(standard_unit)
         self.max_num_seqs = int(max_num_seqs)
         self.max_num_batched_tokens = int(max_num_batched_tokens)
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
@@ -186,6 +182,7 @@ class Scheduler:
         view.seen = [0] * self.num_models
         view.seen[self.model] = len(prompt) + len(view.output_ids)
         view.model = self.model
+        rec.streamed = min(len(msg.output), len(view.output_ids))   # the front end streamed the earlier calls
         return self._admit(rec)
 
     def _admit(self, rec: RouteRequest) -> list[Outbound]:
@@ -289,16 +286,9 @@ class Scheduler:
         wait = rec.ensemble
         if wait is None:
             raise ValueError(f"request {rec.request_id}: a score reply but no ensemble position is waiting")
-        wait.scores[h.source] = dict(h.metadata["scores"])
-        wait.awaiting.discard(h.source)
-        if wait.awaiting:
+        if not wait.add(h.source, h.metadata["scores"]):
             return []
-        token = int(self.alg.combine(rec.view, wait.result, wait.scores))
-        rec.ensemble = None
-        commit(rec.view, self.model, token)
-        record(rec, self.model, wait.result.logits, token)   # an ensemble position reports the primary's logprob
-        rec.stats.token_models = list(rec.models)
-        rec.stats.on_ensemble()
+        complete_position(self.alg, rec, self.model, wait)
         return self._resume(rec)
 
     # -- the step ------------------------------------------------------------------------------------------------
@@ -462,7 +452,7 @@ class Scheduler:
             reason = self._finish_reason(rec)
             if reason is not None:
                 return self._finish(rec, reason)
-            if self.standard_serving:
+            if self.standard_serving and self.standard_unit == "token":
                 return self._yield(rec, self.model, None)
             return self._stream(rec)
         h = self.alg.send(view, result, target)
@@ -546,17 +536,16 @@ class Scheduler:
 
     def _yield(self, rec: RouteRequest, next_model: int, h: Handoff | None,
                finish_reason: str | None = None) -> list[Outbound]:
-        view = rec.view
-        msg = Yield(rec.request_id, self.model, list(view.prompt_ids), list(view.output_ids), list(rec.models),
-                    dict(view.state), params_to_wire(rec.params), rec.num_handoffs, next_model, finish_reason, h,
-                    rec.inc, stats=stats_to_wire(rec.stats),
-                    final_stats=None if finish_reason is None else self._final_stats(rec),
-                    logprobs=window(rec.logprobs, 0))
+        final = None if finish_reason is None else self._final_stats(rec)
+        msg = build_yield(rec, self.model, next_model, h, finish_reason, final)
         self._drop(rec, RequestState.FINISHED, tombstone=False)
         return [Outbound(FRONTEND, msg)]
 
     def _stream(self, rec: RouteRequest) -> list[Outbound]:
-        if not self.is_home or self.standard_serving:
+        # Routed serving streams from the home model; a standard-serving segment call streams from whichever model
+        # serves it (a stock server's stream), a per-token call only through its Yield.
+        segment = self.standard_serving and self.standard_unit == "segment"
+        if not segment and (not self.is_home or self.standard_serving):
             return []
         n = len(rec.view.output_ids)
         if n < rec.streamed:

@@ -96,6 +96,7 @@ class SubServerSpec:
     mode: str = "delayed_async"
     pending_return: bool = True
     standard_serving: bool = False
+    standard_unit: str = "token"
     thresholds: list[int] = field(default_factory=list)
     concurrency: int = 8
     max_delay_s: float = 0.2
@@ -182,6 +183,11 @@ class SubServer:
         self.peers: dict[int, zmq.Socket] = {}
         self.sent = [0] * self.num_models       # HandoffMsgs sent to each model (sync barrier counts)
         self.received = [0] * self.num_models   # HandoffMsgs received from each model
+        # Of those, final deliveries (a request finished on a peer, committed tokens to the home model): they can
+        # never create work anywhere, so delayed batching's consistency check leaves them out and nobody waits for
+        # a peer to acknowledge one (see _work_counts).
+        self.final_sent = [0] * self.num_models
+        self.final_received = [0] * self.num_models
         self.grant: StepGrant | None = None
         self.grant_time = 0.0
         self.peer_status: list[PeerStatus | None] = [None] * self.num_models   # latest report per peer
@@ -192,6 +198,7 @@ class SubServer:
         self.step_time = 0.0     # inside runner.run (the modeled / real forward)
         self.step_wall = 0.0     # a whole step: schedule + run + sample/route + sends
         self.idle_time = 0.0     # blocked in inbox.wait with nothing to run
+        self.forced_lag = 0.0    # delayed batching: forced launches' lag behind the last peer's idle report, summed
         # Diagnostics only (TOKENPLANE_TRACE_DIR): timestamped steps and message events, dumped as JSON at exit.
         self.trace: list | None = [] if os.environ.get("TOKENPLANE_TRACE_DIR") else None
 
@@ -206,7 +213,7 @@ class SubServer:
         self.algorithm.attach(self.model, module)
         self.scheduler = Scheduler(self.model, self.num_models, self.runner.block_manager, self.algorithm,
                                    pending_return=spec.pending_return, standard_serving=spec.standard_serving,
-                                   max_num_seqs=spec.max_num_seqs,
+                                   standard_unit=spec.standard_unit, max_num_seqs=spec.max_num_seqs,
                                    max_num_batched_tokens=spec.max_num_batched_tokens)
         self.policy: Any = None   # BatchPolicy in delayed_async mode
         self._set_policy()
@@ -304,7 +311,8 @@ class SubServer:
         if msg.mode not in MODES:
             raise ValueError(f"unknown mode {msg.mode!r}")
         self.spec = dataclasses.replace(self.spec, mode=msg.mode, pending_return=msg.pending_return,
-                                        standard_serving=msg.standard_serving, thresholds=list(msg.thresholds),
+                                        standard_serving=msg.standard_serving, standard_unit=msg.standard_unit,
+                                        thresholds=list(msg.thresholds),
                                         concurrency=msg.concurrency, max_delay_s=msg.max_delay_s)
         if msg.algorithm is not None:
             self.spec = dataclasses.replace(self.spec, algorithm=msg.algorithm,
@@ -314,9 +322,12 @@ class SubServer:
             s.alg = self.algorithm
         self.mode = msg.mode
         s.pending_return, s.standard_serving = bool(msg.pending_return), bool(msg.standard_serving)
+        s.standard_unit = msg.standard_unit
         self.grant = None
         self.sent = [0] * self.num_models
         self.received = [0] * self.num_models
+        self.final_sent = [0] * self.num_models
+        self.final_received = [0] * self.num_models
         self.peer_status = [None] * self.num_models
         self._set_policy()
 
@@ -345,14 +356,17 @@ class SubServer:
         elif isinstance(msg, PeerRestarted):
             self._connect_peer(msg.model, msg.address)
             self.sent[msg.model] = self.received[msg.model] = 0
+            self.final_sent[msg.model] = self.final_received[msg.model] = 0
             self.peer_status[msg.model] = None   # other peers' counts for it are now inconsistent: backstop only
         elif isinstance(msg, StatsQuery):
             bm = self.runner.block_manager
             counters: dict[str, Any] = dict(s.counters)
             counters.update(step_time_s=self.step_time, step_wall_s=self.step_wall, idle_s=self.idle_time,
+                            forced_status_lag_s=self.forced_lag,
                             wall_s=time.perf_counter(), prefix_hit_tokens=getattr(bm, "num_hit_tokens", 0),
                             flags={"mode": self.mode, "pending_return": s.pending_return,
-                                   "standard_serving": s.standard_serving, "algorithm": self.spec.algorithm})
+                                   "standard_serving": s.standard_serving, "standard_unit": s.standard_unit,
+                                   "algorithm": self.spec.algorithm})
             if self.policy is not None:
                 counters["policy"] = self.policy.to_dict()
             self._to(FRONTEND, StatsReply(self.model, msg.token, bm.num_blocks, bm.num_free_blocks,
@@ -375,6 +389,7 @@ class SubServer:
                     if self.trace is not None:
                         self.trace.append(("recv", time.perf_counter(), msg.handoff.request_id, msg.final))
                     self.received[msg.handoff.source] += 1
+                    self.final_received[msg.handoff.source] += bool(msg.final)
                     self._dispatch(self.scheduler.receive_handoff(msg))
                 elif isinstance(msg, Release):
                     self.scheduler.release(msg)
@@ -412,8 +427,12 @@ class SubServer:
         if self.policy is not None:
             num_live = len(s.requests) if s.is_home and not s.standard_serving else None
             # The count-based check runs only below threshold (it is the only case that reads it).
-            launch = self.policy.should_launch(self.model, n, False, num_live) or (
-                self._nothing_else_can_run(n) and self.policy.should_launch(self.model, n, True, num_live))
+            launch = self.policy.should_launch(self.model, n, False, num_live)
+            if not launch and self._nothing_else_can_run(n):
+                launch = self.policy.should_launch(self.model, n, True, num_live)
+                # diagnostics: from the last peer's going idle (its report's time) to this forced launch
+                last = max((st.at for st in self.peer_status if st is not None), default=now)
+                self.forced_lag += max(0.0, now - last)
             if not launch and now - self.ready_since >= float(self.spec.max_delay_s):
                 launch = True   # backstop against a lost status message; counted as forced
                 s.counters["backstop_launches"] = s.counters.get("backstop_launches", 0) + 1
@@ -427,23 +446,44 @@ class SubServer:
         return self._step()
 
     def _nothing_else_can_run(self, n: int) -> bool:
-        return nothing_else_can_run(self.model, n, self.sent, self.received, self.peer_status)
+        # Our own handoffs still in the outbox count as sent: a step that just handed requests back to a peer has
+        # made that peer busy, even though its last report (idle) cannot know it yet. Leaving them out forced a
+        # launch right after every hand-back, before the batch it was waiting for could form.
+        sent, received = self._work_counts(pending=True)
+        return nothing_else_can_run(self.model, n, sent, received, self.peer_status)
+
+    def _work_counts(self, pending: bool = False) -> tuple[list[int], list[int]]:
+        """HandoffMsgs sent to / received from each model that can create work (final deliveries left out);
+        pending: count the outbox's handoffs as sent (an idle report travels behind them in the same frame)."""
+        sent = [a - b for a, b in zip(self.sent, self.final_sent)]
+        received = [a - b for a, b in zip(self.received, self.final_received)]
+        if pending:
+            for dest, msgs in self.outbox.items():
+                if dest != FRONTEND:
+                    sent[dest] += sum(isinstance(m, HandoffMsg) and not m.final for m in msgs)
+        return sent, received
 
     def _publish(self, active: bool, ready: int) -> None:
         """Delayed batching only: tell peers this model's state when it starts executing, and whenever its idle
         state (ready count, handoff counts) changes, so peers can tell a current "idle" from a stale one."""
         if self.policy is None:
             return
+        # an idle report's counts cover every handoff already dispatched: those in the outbox too
+        sent, received = self._work_counts(pending=not active)
+        state = (True,) if active else (False, ready, tuple(sent), tuple(received))
+        if state != self.published:
+            self.published = state
+            ts = self.policy.thresholds
+            for k, sock in self.peers.items():
+                if ts[k] <= 1:
+                    continue   # a peer with threshold 1 launches whenever it has work and never reads our status
+                msg = PeerStatus(self.model, active, ready, sent, received, time.monotonic())
+                if active:
+                    send(sock, msg)   # now, ahead of the step's handoffs: peers stop forcing launches at once
+                else:
+                    self._to(k, msg)   # behind this turn's handoffs to k, in the same frame
         if not active:
-            self._flush()   # an idle report's counts must cover every handoff already dispatched
-        state = (True,) if active else (False, ready, tuple(self.sent), tuple(self.received))
-        if state == self.published:
-            return
-        self.published = state
-        ts = self.policy.thresholds
-        for k, sock in self.peers.items():
-            if ts[k] > 1:   # a peer with threshold 1 launches whenever it has work and never reads our status
-                send(sock, PeerStatus(self.model, active, ready, list(self.sent), list(self.received)))
+            self._flush()
 
     def _step(self) -> bool:
         self.step_started = time.monotonic()
@@ -524,6 +564,7 @@ class SubServer:
                                              inc=getattr(m, "inc", None)) for m in msgs])
                 continue
             self.sent[dest] += sum(isinstance(m, HandoffMsg) for m in msgs)
+            self.final_sent[dest] += sum(isinstance(m, HandoffMsg) and m.final for m in msgs)
 
     def _report(self, rid: str | None, exc: Exception) -> None:
         tb = traceback.format_exc(limit=4)
