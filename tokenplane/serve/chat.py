@@ -26,13 +26,11 @@ import jinja2
 import jinja2.ext
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+from .chat_native import CHATML_TEMPLATE, native_renderer
 from .errors import InvalidRequest
 
 CHATML_SPECIALS = ("<|im_start|>", "<|im_end|>")
 CHAT_STOP_TOKENS = ("<|im_end|>", "<|endoftext|>")
-CHATML_TEMPLATE = ("{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + "
-                   "'<|im_end|>' + '\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}"
-                   "{% endif %}")
 _SPECIAL_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token", "cls_token", "mask_token")
 
 
@@ -102,6 +100,7 @@ class ChatTemplate:
                 raise ValueError(f"tokenizer {tokenizer.name} has no chat template and lacks ChatML tokens {missing}")
         self.source = template or CHATML_TEMPLATE
         self.template = compile_template(self.source)
+        self._native = native_renderer(self.source)   # the same text without the sandbox, for known sources
         self.variables = {k: v for k, v in (special_tokens or {}).items() if isinstance(v, str)}
         stops = [*CHAT_STOP_TOKENS, *stop_tokens]
         if "eos_token" in self.variables:
@@ -131,6 +130,9 @@ class ChatTemplate:
 
     # -- rendering --------------------------------------------------------------------------------------------------
     def render(self, messages: Sequence[tuple[str, str]], add_generation_prompt: bool = True) -> str:
+        if self._native is not None:
+            return self._native([("system" if role == "developer" else role, content) for role, content in messages],
+                                add_generation_prompt)
         conversation = [{"role": "system" if role == "developer" else role, "content": content}
                         for role, content in messages]
         try:
