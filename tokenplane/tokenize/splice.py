@@ -20,19 +20,25 @@ MAX_STABLE = 4 * MAX_CANDIDATES    # stable positions scanned per side (nearest 
 Point = tuple[int, int, int]   # (text position, cached record index, fresh record index)
 
 
+@njit(cache=True)
+def _count_le(ends, n, x):
+    """How many of the sorted ends[:n] are <= x (numpy's searchsorted(side="right"), callable from kernels)."""
+    lo, hi = 0, n
+    while lo < hi:
+        mid = (lo + hi) >> 1
+        if ends[mid] <= x:
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo
+
+
 def _clean_impl(ends, ids, n, pos, origin, cont):
     """Index of the last record ending at pos if pos is a clean boundary of these records, -1 for origin, -2 when
     not a clean boundary (searchsorted(side="right") - 1, then the next record must not start inside a character)."""
     if pos == origin:
         return -1
-    lo, hi = 0, n
-    while lo < hi:
-        mid = (lo + hi) >> 1
-        if ends[mid] <= pos:
-            lo = mid + 1
-        else:
-            hi = mid
-    idx = lo - 1
+    idx = _count_le(ends, n, pos) - 1
     if idx < 0 or ends[idx] != pos:
         return -2
     if idx + 1 < n and cont[ids[idx + 1]]:
@@ -110,14 +116,8 @@ def _search(text, t0, lo, hi, hard, sig, pair, use_stable, c_ids, c_ends, c_n, f
 @njit(cache=True)
 def _clean_before(ends, ids, n, cont, target, start):
     """See SpliceSearch.clean_before."""
-    lo, hi = 0, n
-    while lo < hi:
-        mid = (lo + hi) >> 1
-        if ends[mid] <= target:
-            lo = mid + 1
-        else:
-            hi = mid
-    i = min(lo - 1, start) if start >= 0 else lo - 1
+    last = _count_le(ends, n, target) - 1
+    i = min(last, start) if start >= 0 else last
     while i >= 0:
         if i + 1 >= n or not cont[ids[i + 1]]:
             return i
