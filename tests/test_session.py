@@ -418,3 +418,28 @@ def test_smollm2_random_steps_equal_full_encode_and_repair_in_windows(toks):
             windows += sp.path == "window"
             _check(sess, tok)
     assert windows >= 200      # of 240 steps: certified repairs, not full encodes
+
+
+@pytest.mark.parametrize("name", ["o200k_base", "qwen3", "smollm2"])
+def test_window_starts_after_the_last_literal(toks, name):
+    """A chat prompt ends in control tokens: an appended turn re-encodes from the last literal's end, not from a
+    512-char window (the literal's end is a certified splice point), and the IDs stay exact."""
+    base = toks[name]
+    start, end = sorted(base.specials, key=lambda s: ("start" not in s, "end" not in s, s))[:2]
+    calls = []
+
+    def spy(text):
+        calls.append(text)
+        return base.reference.encode_ordinary(text)
+
+    tok = Tokenizer(base.name, base.family, artifact_bytes(base.name), encoders=lambda t: {"spy-test": spy})
+    prompt = f"{start}system\n{PROSE}{end}\n{start}user\nhello there{end}\n{start}assistant\n"
+    sess = tok.session(text=prompt, allowed_special="all", encode_path="spy-test")
+    for turn in range(3):
+        calls.clear()
+        answer = f"answer {turn}: it's 42{end}\n{start}user\nok {turn}{end}\n{start}assistant\n"
+        sp = sess.sync(sess.text + answer)
+        _check(sess, tok, "all")
+        assert sp.path == "window"
+        # "assistant\n" (after the last old literal), the answer, "\n", "user\nok k", "\n", "assistant\n"
+        assert sum(map(len, calls)) < len("assistant\n") + len(answer), calls

@@ -489,6 +489,8 @@ class Session:
             for attempt in range(self.max_widenings + 1):
                 w = self.window << attempt
                 s = self._window_start(d - w, d)
+                if self._literals:
+                    s = self._after_literal(s, d, specials)
                 r = new_len
                 if e_new + w < new_len:
                     r = self._window_end(e_new + w, specials(e_new + w - 1, e_new + w + 1))
@@ -544,6 +546,17 @@ class Session:
             if norm.char(pos) < "\x80":
                 return pos
         return fallback
+
+    def _after_literal(self, s: int, d: int, specials) -> int:
+        """The window may start right after the last allowed literal in [s, d]: a literal is always split out of the
+        encode, so its end is a certified splice point and the text before it needs no re-encoding (a chat prompt
+        ends in its template's control tokens, so an appended turn re-encodes little more than itself)."""
+        edge = max((b for _, b, _ in specials(s, d + 1) if b <= d), default=s)
+        if edge <= s:
+            return s
+        if self._nfc and (edge >= len(self._normtext) or self._normtext.char(edge) >= "\x80"):
+            return s     # NFC windows start at an ASCII character (a normalization split point)
+        return edge
 
     @staticmethod
     def _window_end(target: int, specials) -> int:
