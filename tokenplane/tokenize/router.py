@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import os
 import threading
-from typing import TYPE_CHECKING, Callable, Protocol
+from typing import TYPE_CHECKING, Any, Callable, Protocol
 
 import numpy as np
 
@@ -127,6 +127,19 @@ class Router:
                 self.stats["spill"] += 1
         self.stats["cpu"] += 1
         return self.cpu(text)
+
+
+def segment_encoder(encoder: Encoder | None, longest: int) -> Any | None:
+    """The built CPU encoder (parallel.CpuEncoder) behind a registered "cpu" or "auto" path, when that path would
+    send every segment of a batch (the longest has `longest` characters) to it; else None (not built yet: the
+    router answers from the reference; a GPU would take a long segment; any other path)."""
+    if isinstance(encoder, Router):
+        if longest > encoder.gpu_min_chars and encoder.gpu() is not None:
+            return None
+        encoder = encoder.cpu
+    if isinstance(encoder, _Lazy):
+        return encoder.get() if encoder.ready else None
+    return None
 
 
 # Touches every pre-tokenizer branch family by family: letters, case, contractions, digits, punctuation runs,

@@ -27,9 +27,11 @@ from typing import TYPE_CHECKING, Callable, Collection, Literal
 import numpy as np
 
 from .cpu import boundary
+from .cpu.segments import encode_segments
 from .errors import SessionError, StaleRevisionError, TextTooLargeError, validate_text  # noqa: F401
 from .nfcmap import MappedText, NfcMap, build_map
 from .records import move_right_part
+from .router import segment_encoder
 from .splice import Point, SpliceSearch
 from .textstore import (
     Append,
@@ -49,6 +51,7 @@ if TYPE_CHECKING:   # type names only: tokenizer.py imports this module, never t
 DEFAULT_WINDOW = 512
 MAX_WIDENINGS = 5
 _NFC_REACH = 1 << 16        # how far an NFC split point (an ASCII character) is searched for before a full renormalize
+_BATCH_MAX_CHARS = 256 * 1024   # longer windows take the encoder's own (chunk-parallel) path
 _MIN_CAPACITY = 64          # records allocated for an empty session
 _GROWTH = 8                 # arrays grow to n + n / _GROWTH records: at most 12.5% slack, ~9 bytes/token
 
@@ -568,38 +571,59 @@ class Session:
     def _encode_window(self, text: str, s: int, r: int, specials, check: bool = True):
         """Reference records of text = new[s:r] (literals split out), ends absolute. None if an NFC self-check
         fails."""
-        id_parts, end_parts, pos = [], [], s
-        inside = [(a, b, sid) for a, b, sid in specials if s <= a and b <= r]
+        inside = [(a - s, b - s, sid) for a, b, sid in specials if s <= a and b <= r]
+        spans, pos = [], 0
+        for a, b, _ in inside:
+            spans.append((pos, a))
+            pos = b
+        spans.append((pos, r - s))
+        spans = [(a, b) for a, b in spans if a < b]
+        if self._nfc and check:
+            for a, b in spans:
+                t = text[a:b]
+                if not t.isascii() and self.tokenizer.normalize(t) != t:
+                    return None
+        t0 = time.perf_counter()
+        ids, ends, counts = self._ordinary_records(text, spans)
+        self._encode_s += time.perf_counter() - t0
+        if inside:      # interleave the literals' records with the ordinary spans' ones
+            id_parts, end_parts, k, j = [], [], 0, 0
+            for a, b, sid in inside:
+                while k < len(spans) and spans[k][1] <= a:
+                    id_parts.append(ids[j:j + counts[k]])
+                    end_parts.append(ends[j:j + counts[k]])
+                    j += counts[k]
+                    k += 1
+                id_parts.append(np.array([sid], dtype=np.uint32))
+                end_parts.append(np.array([b], dtype=np.int64))
+            id_parts.append(ids[j:])
+            end_parts.append(ends[j:])
+            ids, ends = np.concatenate(id_parts), np.concatenate(end_parts)
+        return ids, ends + s
 
-        def ordinary(a: int, b: int) -> bool:
-            if a >= b:
-                return True
-            t = text[a - s:b - s]
-            if self._nfc and check and not t.isascii() and self.tokenizer.normalize(t) != t:
-                return False
-            t0 = time.perf_counter()
+    def _ordinary_records(self, text: str, spans: list[tuple[int, int]]) -> tuple[np.ndarray, np.ndarray, list]:
+        """(ids uint32, ends int64 in characters of text, token count per span) of each span encoded on its own:
+        one batched call on the CPU path (cpu/segments.py), else one encode per span."""
+        if not spans:
+            return np.zeros(0, np.uint32), np.zeros(0, np.int64), []
+        if self.encode_path != "reference" and spans[-1][1] - spans[0][0] < _BATCH_MAX_CHARS:
+            cpu = segment_encoder(self.tokenizer.path(self.encode_path), max(b - a for a, b in spans))
+            if cpu is not None:
+                out = encode_segments(cpu.bpe, self.tokenizer.family.name, self.reference.token_lengths, text,
+                                      spans)
+                if out is not None:
+                    return out[0], out[1], out[2].tolist()
+        id_parts, end_parts, counts = [], [], []
+        for a, b in spans:
+            t = text[a:b]
             if self.encode_path == "reference":
                 ids = self.reference.encode_ordinary_normalized(t)
             else:
                 ids = self.tokenizer.encode_ordinary(t, path=self.encode_path)
-            self._encode_s += time.perf_counter() - t0
-            id_parts.append(ids)
-            end_parts.append(self.reference.char_ends(t, ids) + (a - s))
-            return True
-
-        for a, b, sid in inside:
-            if not ordinary(pos, a):
-                return None
-            id_parts.append(np.array([sid], dtype=np.uint32))
-            end_parts.append(np.array([b - s], dtype=np.int64))
-            pos = b
-        if not ordinary(pos, r):
-            return None
-        if not id_parts:
-            return np.zeros(0, np.uint32), np.zeros(0, np.int64)
-        ids = np.concatenate(id_parts).astype(np.uint32, copy=False)
-        ends = np.concatenate(end_parts).astype(np.int64, copy=False)
-        return ids, ends + s
+            id_parts.append(np.asarray(ids, dtype=np.uint32))
+            end_parts.append(self.reference.char_ends(t, ids) + a)
+            counts.append(len(ids))
+        return np.concatenate(id_parts), np.concatenate(end_parts).astype(np.int64, copy=False), counts
 
     def _find_left(self, text: str, s: int, d: int, f_ids: np.ndarray, f_ends: np.ndarray,
                    specials: list[tuple[int, int, int]]) -> Point | None:

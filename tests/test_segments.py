@@ -1,0 +1,86 @@
+"""cpu/segments.py: many ordinary segments of one text in one BPE call equal each segment encoded on its own by the
+reference (IDs and character ends), for every family, on real and adversarial text."""
+
+import random
+
+import numpy as np
+import pytest
+from realtext import corpus_texts
+
+import tokenplane
+from tokenplane.tokenize.cpu.segments import encode_segments
+from tokenplane.tokenize.router import segment_encoder
+
+NAMES = ["cl100k_base", "o200k_base", "llama3", "qwen3", "deepseek_v4", "smollm2"]
+ATOMS = ["a", "Z", "'s", " ", "  ", "\n", "\r\n", "\t", "1", "234", "é", "e\u0301", "中文", "あ", "🙂", "\u200d",
+         "x\U00040000", "\x04", ".", "...", "(", "it's", " don't", "\u3000", "\xa0", "½", "٣", "<|", "|>"]
+
+
+@pytest.fixture(scope="module", params=NAMES)
+def tok(request):
+    t = tokenplane.load(request.param)
+    t.encode("warm the cpu path", path="cpu")
+    return t
+
+
+def _expected(tok, text, spans):
+    ids, ends, counts = [], [], []
+    for a, b in spans:
+        piece_ids, piece_ends = tok.reference.encode_with_ends(text[a:b])
+        ids.append(piece_ids.astype(np.uint32))
+        ends.append(piece_ends + a)
+        counts.append(len(piece_ids))
+    return np.concatenate(ids), np.concatenate(ends), counts
+
+
+def _random_spans(rng, n):
+    cuts = sorted(rng.sample(range(n + 1), min(n + 1, 2 * rng.randint(1, 6))))
+    spans = [(cuts[i], cuts[i + 1]) for i in range(0, len(cuts) - 1, 2)]
+    return [(a, b) for a, b in spans if a < b] or [(0, n)]
+
+
+def _check(tok, text, spans):
+    cpu = segment_encoder(tok.path("cpu"), 0)
+    assert cpu is not None
+    out = encode_segments(cpu.bpe, tok.family.name, tok.reference.token_lengths, text, spans)
+    if out is None:     # a byte the vocabulary lacks (smollm2): the caller takes the reference path
+        assert tok.reference.missing_bytes is not None
+        assert any(tok.reference.missing_bytes[np.frombuffer(text[a:b].encode(), np.uint8)].any() for a, b in spans)
+        return
+    ids, ends, counts = out
+    e_ids, e_ends, e_counts = _expected(tok, text, spans)
+    assert ids.dtype == np.uint32 and ends.dtype == np.int64
+    assert np.array_equal(ids, e_ids), (text, spans)
+    assert np.array_equal(ends, e_ends), (text, spans)
+    assert counts.tolist() == e_counts
+
+
+def test_adversarial_segments(tok):
+    rng = random.Random(5)
+    for _ in range(300):
+        text = tok.normalize("".join(rng.choice(ATOMS) for _ in range(rng.randint(1, 30))))
+        _check(tok, text, _random_spans(rng, len(text)))
+
+
+def test_real_text_segments(tok):
+    rng = random.Random(6)
+    texts = [tok.normalize(t) for t in corpus_texts("mixed")[:40] + corpus_texts("nonen")[:40] if t]
+    for text in texts:
+        _check(tok, text, _random_spans(rng, len(text)))
+        _check(tok, text, [(0, len(text))])
+
+
+def test_session_windows_take_the_batched_path():
+    tok = tokenplane.load("smollm2")
+    tok.encode("warm", path="cpu")
+    sess = tok.session(text="<|im_start|>user\nhi<|im_end|>\n" * 40, allowed_special="all")
+    calls = []
+    import tokenplane.tokenize.session as session_module
+    real = session_module.encode_segments
+    try:
+        session_module.encode_segments = lambda *a: calls.append(a[-1]) or real(*a)
+        sess.append("<|im_start|>assistant\nhello<|im_end|>\n<|im_start|>user\nok<|im_end|>\n")
+    finally:
+        session_module.encode_segments = real
+    assert len(calls) == 1 and len(calls[0]) >= 4
+    assert np.array_equal(sess.ids, tok.encode(sess.text, allowed_special="all"))
