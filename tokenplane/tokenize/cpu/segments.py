@@ -16,9 +16,44 @@ from __future__ import annotations
 from typing import Sequence
 
 import numpy as np
+from numba import njit
 
 from . import pretokenize, strbuf
 from .bpe import BPE, DroppedBytes
+
+
+@njit(cache=True, nogil=True)
+def _gather(window, lo, spans, cps):
+    # the spans' code points, back to back
+    pos = 0
+    for k in range(spans.shape[0]):
+        for i in range(spans[k, 0], spans[k, 1]):
+            cps[pos] = window[i - lo]
+            pos += 1
+
+
+@njit(cache=True, nogil=True)
+def _token_ends(ids, token_lengths, cps, spans, ends, counts):
+    # Each token's end in characters of the text: walk the tokens' byte ends and the characters' UTF-8 widths
+    # together (a token ending inside a character covers it), moving to the next span at each span's end.
+    k = 0
+    span_end = spans[0, 1] - spans[0, 0]     # in characters of the gathered spans
+    shift = spans[0, 0]
+    c = 0                                    # characters consumed
+    c_byte = 0                               # byte offset where character c starts
+    byte_end = 0
+    for j in range(ids.shape[0]):
+        byte_end += token_lengths[ids[j]]
+        while c_byte < byte_end:
+            x = cps[c]
+            c_byte += 1 + (x >= 0x80) + (x >= 0x800) + (x >= 0x10000)
+            c += 1
+        while c > span_end:
+            k += 1
+            shift = spans[k, 0] - span_end
+            span_end += spans[k, 1] - spans[k, 0]
+        ends[j] = c + shift
+        counts[k] += 1
 
 
 def encode_segments(bpe: BPE, family: str, token_lengths: np.ndarray, text: str,
@@ -29,34 +64,29 @@ def encode_segments(bpe: BPE, family: str, token_lengths: np.ndarray, text: str,
     text through the reference)."""
     lo, hi = spans[0][0], spans[-1][1]
     window = strbuf.codepoints(text, lo, hi)
-    lengths = np.array([b - a for a, b in spans], dtype=np.int64)
-    total = int(lengths.sum())
-    cps = np.empty(total, dtype=np.uint32)
+    bounds_arr = np.array(spans, dtype=np.int64)
+    total = int((bounds_arr[:, 1] - bounds_arr[:, 0]).sum())
+    if len(spans) == 1:
+        cps = window
+    else:
+        cps = np.empty(total, dtype=np.uint32)
+        _gather(window, lo, bounds_arr, cps)
     starts = np.empty(total, dtype=np.bool_)
     pos = 0
     for a, b in spans:
-        part = window[a - lo:b - lo]
-        cps[pos:pos + b - a] = part
-        starts[pos:pos + b - a] = pretokenize.piece_starts(family, part)
+        starts[pos:pos + b - a] = pretokenize.piece_starts(family, cps[pos:pos + b - a])
         starts[pos] = True          # a segment is a text of its own: its first character starts a piece
         pos += b - a
-    buf, bounds = strbuf.utf8_and_bounds(cps, total, starts)
+    buf, piece_bounds = strbuf.utf8_and_bounds(cps, total, starts)
     try:
-        ids = bpe.encode_bytes(buf, bounds).view(np.uint32)
+        ids = bpe.encode_bytes(buf, piece_bounds).view(np.uint32)
     except DroppedBytes:
         return None
-    byte_ends = np.cumsum(token_lengths[ids], dtype=np.int64)
-    if buf.shape[0] == total:                       # ASCII: one byte per character
-        char_ends = byte_ends
-    else:
-        width = 1 + (cps >= 0x80).astype(np.int64) + (cps >= 0x800) + (cps >= 0x10000)
-        char_starts = np.cumsum(width) - width
-        # characters that start before a token's byte end: a token ending inside a character covers it
-        char_ends = np.searchsorted(char_starts, byte_ends, side="left")
-    span_ends = np.cumsum(lengths)
-    which = np.searchsorted(span_ends, char_ends, side="left")
-    shift = np.array([a for a, _ in spans], dtype=np.int64) - (span_ends - lengths)
-    return ids, char_ends + shift[which], np.bincount(which, minlength=len(spans))
+    ends = np.empty(ids.shape[0], dtype=np.int64)
+    counts = np.zeros(len(spans), dtype=np.int64)
+    if ids.shape[0]:
+        _token_ends(ids, token_lengths, cps, bounds_arr, ends, counts)
+    return ids, ends, counts
 
 
 __all__ = ["encode_segments"]
