@@ -61,7 +61,7 @@ def _same_ids(ids, ref_path: str) -> bool:
 
 def child(args: argparse.Namespace) -> None:
     interp = _interp_s()
-    text = Path(args.text).read_text(encoding="utf-8")
+    text = Path(args.text).read_bytes().decode("utf-8")   # bytes: no newline translation (the text holds \r)
     out: dict = {"system": args.child, "family": args.family, "interp_s": interp}
     if args.child == "numba-floor":
         import importlib.util
@@ -98,8 +98,12 @@ def child(args: argparse.Namespace) -> None:
         t0 = time.perf_counter()
         import gigatoken
         t1 = time.perf_counter()
-        gt = gigatoken.Tokenizer.from_tiktoken(args.file) if args.file.endswith(".tiktoken") \
-            else gigatoken.Tokenizer(args.file)
+        if args.family == "llama3":     # a .tiktoken file names no splitter; gigatoken's cl100k-style one
+            gt = gigatoken.Tokenizer.from_tiktoken(args.file, pretokenizer="gpt4")
+        elif args.file.endswith(".tiktoken"):
+            gt = gigatoken.Tokenizer.from_tiktoken(args.file)
+        else:
+            gt = gigatoken.Tokenizer(args.file)
         t2 = time.perf_counter()
         ids = gt.encode(text)
         t3 = time.perf_counter()
@@ -259,7 +263,7 @@ def main() -> int:
     work = Path(tempfile.mkdtemp(prefix="cold_start_"))
     text, source = real_text(args.chars)
     text_path = work / "text.txt"
-    text_path.write_text(text, encoding="utf-8")
+    text_path.write_bytes(text.encode("utf-8"))
     # Warm the on-disk caches the target allows (tables, vocab records, numba kernels): the README's set-up step.
     warm = subprocess.run([sys.executable, "-m", "tokenplane.cli", "warmup", "--families", ",".join(families)],
                           capture_output=True, text=True, env=env)
@@ -278,7 +282,8 @@ def main() -> int:
     (floor_dir / "floor_kernel.py").write_text(
         "from numba import njit\n\n\n@njit(cache=True, nogil=True)\ndef first(a):\n    s = 0\n"
         "    for x in a:\n        s += x\n    return s\n")
-    meta = {"command": " ".join([Path(sys.executable).name, *sys.argv]), "cpus": os.cpu_count(),
+    env_note = [f"{k}={os.environ[k]}" for k in ("TOKENPLANE_SHARED", "TOKENPLANE_CACHE") if k in os.environ]
+    meta = {"command": " ".join([*env_note, Path(sys.executable).name, *sys.argv]), "cpus": os.cpu_count(),
             "machine": platform.machine(), "loadavg": " ".join(f"{x:.2f}" for x in os.getloadavg()),
             "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "repeats": args.repeats,
             "families": families, "text_chars": len(text), "text_bytes": len(text.encode("utf-8")),
