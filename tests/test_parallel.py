@@ -103,22 +103,20 @@ def test_router_routes_by_size_and_spills_under_backpressure():
     assert fake.calls == 1 and r.stats["spill"] == 1 and r.stats["gpu"] == 1
 
 
-def test_auto_answers_from_reference_while_cpu_path_builds():
+def test_auto_builds_the_cpu_path_on_first_call_and_never_answers_from_the_reference():
     tok = tokenplane.load("llama3")
-    gate = __import__("threading").Event()
+    built = []
 
     def build():
-        gate.wait(10)
+        built.append(1)
         return tok.reference.encode_ordinary
 
     lazy = router_mod._Lazy(build)
     r = router_mod.Router(tok, lazy, gpu_factory=lambda t: None)
     assert r("hello there").tolist() == tok.reference.encode_ordinary("hello there").tolist()
-    assert r.stats.get("reference") == 1 and not lazy.ready
-    gate.set()
-    lazy.get()
-    assert r("hello there").tolist() == tok.reference.encode_ordinary("hello there").tolist()
-    assert r.stats["cpu"] == 1
+    assert lazy.ready and built == [1] and "reference" not in r.stats and r.stats["cpu"] == 1
+    assert r("hello again").tolist() == tok.reference.encode_ordinary("hello again").tolist()
+    assert built == [1] and r.stats["cpu"] == 2
 
 
 def test_router_without_gpu_uses_cpu():

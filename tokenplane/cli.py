@@ -15,6 +15,8 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
                       "(exactness and repair latency against full encodes)"),
     "verify": ("tokenplane.tokenize.evidence.campaign", "main",
                "long differential campaign against the reference engine"),
+    "warmup": ("tokenplane.tokenize.warmup", "main", "build the on-disk caches (tables, numba kernels) a fresh "
+               "process's first encode reads, so it only loads them"),
     "serve": ("tokenplane.serve.cli", "main", "combined server: tokenize service + routed decoding (OpenAI API)"),
 }
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import base64
 import json
+from dataclasses import dataclass
 from functools import cached_property
 from typing import Iterable, Protocol
 
@@ -66,6 +67,40 @@ def utf8_char_ends(text: str, byte_ends: np.ndarray) -> np.ndarray:
     raw = np.frombuffer(text.encode("utf-8"), dtype=np.uint8)
     leads = np.concatenate(([0], np.cumsum((raw & 0xC0) != 0x80)))
     return leads[byte_ends.astype(np.int64)]
+
+
+@dataclass(frozen=True)
+class VocabMeta:
+    """What a Tokenizer needs of its file before (or without) building the reference engine."""
+
+    specials: dict[str, int]
+    n_vocab: int            # len(token_bytes) of the reference engine
+    normalizer: str         # "none" (identity), "nfc" (exactly HF's NFC, `plain_nfc`) or "other"
+
+
+def hf_specials(config: dict) -> dict[str, int]:
+    return {a["content"]: a["id"] for a in config.get("added_tokens", [])}
+
+
+def hf_normalizer(config: dict) -> str:
+    norm = config.get("normalizer")
+    if norm is None or norm == {"type": "Sequence", "normalizers": []}:
+        return "none"
+    return "nfc" if norm == {"type": "NFC"} else "other"
+
+
+def vocab_meta(family: FamilyLike, data: bytes) -> VocabMeta:
+    """The VocabMeta of a verified file, derived by the same rules as the reference engines' own fields (a test
+    checks them equal for every family)."""
+    if family.engine == "tiktoken":
+        ranks = parse_tiktoken(data)
+        specials = dict(family.specials)
+        return VocabMeta(specials, max(max(ranks.values()), max(specials.values(), default=0)) + 1, "none")
+    config = json.loads(data)
+    specials = hf_specials(config)
+    vocab = config["model"]["vocab"]
+    return VocabMeta(specials, max(max(vocab.values()), max(specials.values(), default=0)) + 1,
+                     hf_normalizer(config))
 
 
 class ReferenceEngine:
@@ -184,16 +219,15 @@ class HFReference(ReferenceEngine):
 
         self.family = family
         config = json.loads(json_bytes)
-        self.full = HFTokenizer.from_str(json.dumps(config))   # with added tokens: the chat-template path
-        added = config.get("added_tokens", [])
-        self.specials = {a["content"]: a["id"] for a in added}
+        self._json_bytes = json_bytes
+        self.specials = hf_specials(config)
         config["added_tokens"] = []
         self.ordinary = HFTokenizer.from_str(json.dumps(config))
         self._normalizer = self.ordinary.normalizer
-        self.plain_nfc = config.get("normalizer") == {"type": "NFC"}
+        self.plain_nfc = hf_normalizer(config) == "nfc"
         # An empty Sequence (deepseek_v4) changes nothing, yet normalize_str still builds an alignment map: ~50 ms
         # on 4M characters, serial in front of every encode. Treated as absent.
-        if config.get("normalizer") == {"type": "Sequence", "normalizers": []}:
+        if hf_normalizer(config) == "none":
             self._normalizer = None
         vocab = config["model"]["vocab"]
         decode_byte = {c: b for b, c in _bytes_to_unicode().items()}
@@ -212,6 +246,14 @@ class HFReference(ReferenceEngine):
         if missing.any() and not (config["model"].get("byte_fallback") or config["model"].get("unk_token")):
             self.missing_bytes = np.zeros(256, dtype=bool)
             self.missing_bytes[[b for b, c in _bytes_to_unicode().items() if c not in vocab]] = True
+
+    @cached_property
+    def full(self):
+        """The file with its added tokens (the chat-template path), built on first use: most processes never need
+        it, and it is a second parse of the whole file (~0.4 s for qwen3)."""
+        from tokenizers import Tokenizer as HFTokenizer
+
+        return HFTokenizer.from_str(self._json_bytes.decode("utf-8"))
 
     def pretokenize(self, text: str) -> list[tuple[int, int]]:
         """A family whose chain is not all Splits (smollm2: HF's Digits, then ByteLevel's own regex) has no

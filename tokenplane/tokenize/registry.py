@@ -77,13 +77,16 @@ def _family_for_json(config: dict) -> Family:
 
 
 def build(name: str, family: Family, data: bytes, *, max_chars: int = DEFAULT_MAX_CHARS,
-          gpu_min_chars: int = router.GPU_MIN_CHARS, gpu_max_inflight: int = router.GPU_MAX_INFLIGHT) -> Tokenizer:
-    """A new, unregistered Tokenizer with its fast paths (for callers that need a private instance)."""
+          gpu_min_chars: int = router.GPU_MIN_CHARS, gpu_max_inflight: int = router.GPU_MAX_INFLIGHT,
+          content_hash: str | None = None) -> Tokenizer:
+    """A new, unregistered Tokenizer with its fast paths (for callers that need a private instance).
+    `content_hash`: the sha256 of `data` when the caller has just verified it."""
     if not isinstance(max_chars, int) or max_chars < 1:
         raise ValueError(f"max_chars must be a positive int, got {max_chars!r}")
     options = (("max_chars", max_chars), ("gpu_min_chars", gpu_min_chars), ("gpu_max_inflight", gpu_max_inflight))
     paths = functools.partial(router.fast_paths, gpu_min_chars=gpu_min_chars, gpu_max_inflight=gpu_max_inflight)
-    return Tokenizer(name, family, data, max_chars=max_chars, encoders=paths, options=options)
+    return Tokenizer(name, family, data, max_chars=max_chars, encoders=paths, options=options,
+                     content_hash=content_hash)
 
 
 def load(name_or_path: str | Path, *, family: str | None = None, sha256: str | None = None,
@@ -107,7 +110,8 @@ def load(name_or_path: str | Path, *, family: str | None = None, sha256: str | N
         with _LOCK:
             if (key, options) in _INSTANCES:
                 return _INSTANCES[(key, options)]
-        return register(key, build(key, FAMILIES[key], artifact_bytes(key), **opts))
+        return register(key, build(key, FAMILIES[key], artifact_bytes(key), content_hash=ARTIFACTS[key].sha256,
+                                   **opts))
     path = Path(key)
     if not path.exists():
         raise ArtifactError(f"{key!r} is neither a known tokenizer ({sorted(ARTIFACTS)}) nor an existing file")
@@ -131,7 +135,7 @@ def load(name_or_path: str | Path, *, family: str | None = None, sha256: str | N
         hit = _INSTANCES.get((name, tuple(opts.items())))
     if hit is not None and hit.family == fam:
         return hit
-    return register(name, build(name, fam, data, **opts))
+    return register(name, build(name, fam, data, content_hash=digest, **opts))
 
 
 def _log_generic(path: Path, digest: str) -> None:

@@ -2,8 +2,9 @@
 
 `fast_paths(tok)` builds, for a Tokenizer under construction (registry.load passes it in as the encoder factory):
   "cpu"  -> the data-parallel CPU path (parallel.CpuEncoder), built lazily on first use;
-  "auto" -> Router: until the CPU path is built (in the background on first use) the reference engine answers;
-            then small segments to the CPU path, segments above `gpu_min_chars` to the GPU encoder when one is
+  "auto" -> Router: the CPU path (built on first use, in the calling thread: tables memory-mapped from the cache,
+            numba kernels loaded from their on-disk cache; the reference engine never answers for it), with
+            small segments to the CPU path, segments above `gpu_min_chars` to the GPU encoder when one is
             present (tokenplane.tokenize.gpu, imported lazily; ImportError or "unavailable" means no GPU), spilled to
             the CPU path when the GPU already has `gpu_max_inflight` requests (backpressure);
   "gpu"  -> the GPU encoder alone, only when a device is available.
@@ -36,12 +37,12 @@ class DeviceEncoder(Protocol):
 
 
 class _Lazy:
-    """Build an encoder on first call (the BPE tables of a family take a few seconds the first time)."""
+    """Build an encoder on first call, once (thread-safe): tables from the cache, kernels loaded (or built, the
+    first time on a machine)."""
 
     def __init__(self, build: Callable[[], Encoder]):
         self._build = build
         self._fn: Encoder | None = None
-        self._warming = False
         self._lock = threading.Lock()
 
     def get(self) -> Encoder:
@@ -57,14 +58,6 @@ class _Lazy:
     @property
     def ready(self) -> bool:
         return self._fn is not None
-
-    def warm_async(self) -> None:
-        """Build in a background thread (once), so a router can answer from the reference meanwhile."""
-        with self._lock:
-            if self._fn is not None or self._warming:
-                return
-            self._warming = True
-        threading.Thread(target=self.get, name="tokenplane-warm", daemon=True).start()
 
 
 def _gpu_encoder(tok: Tokenizer) -> DeviceEncoder | None:
@@ -108,12 +101,9 @@ class Router:
         return self._gpu
 
     def __call__(self, text: str) -> np.ndarray:
-        cpu = self.cpu
-        if isinstance(cpu, _Lazy) and not cpu.ready:
-            # First use: the BPE tables take seconds to build; answer from the reference (same IDs) meanwhile.
-            cpu.warm_async()
-            self.stats["reference"] = self.stats.get("reference", 0) + 1
-            return self.tok.reference.encode_ordinary(text)
+        # A first call builds the CPU path here (_Lazy), never answering from the reference meanwhile: with the
+        # tables and kernels cached on disk the build is the kernels' load, which the reference's own cold start
+        # (qwen3: ~1.5 s to build the HF engine) would exceed.
         if len(text) > self.gpu_min_chars:
             gpu = self.gpu()
             if gpu is not None:
@@ -156,11 +146,13 @@ def fast_paths(tok: Tokenizer, *, gpu_min_chars: int = GPU_MIN_CHARS,
         return {}
 
     def build_cpu() -> Encoder:
+        from .cpu.numbastart import skip_blas_probe
         from .cpu.parallel import CpuEncoder
 
+        skip_blas_probe()   # before the first kernel load: saves numba's ~0.3-0.5 s scipy import
         enc = CpuEncoder(tok)
         # First calls load every numba kernel from its on-disk cache (~0.5 s of llvmlite work); do it here, in the
-        # build (a background thread under warm_async), not inside the first request that takes this path.
+        # build, so the parallel path's kernels are loaded too whichever path the first request takes.
         enc.encode(_WARM_TEXT, parallel=False)
         enc.encode_parallel(_WARM_TEXT * 8, n_chunks=2)   # explicit chunks: a text this short is otherwise serial
         return enc

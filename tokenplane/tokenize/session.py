@@ -138,8 +138,8 @@ class Session:
         self.window, self.max_widenings = window, max_widenings
         # Which encoder fills windows: the reference engine, or a registered exact path of the tokenizer ("auto",
         # "cpu", "gpu"; same contract: reference IDs). Ends are derived from token byte lengths either way. The
-        # default "auto" answers from the reference until the CPU path is built, then from the CPU path (for qwen3,
-        # HF's encode of a 2K-char window costs ~12 ms; the CPU path ~0.3 ms).
+        # default "auto" is the CPU path, built on its first use (for qwen3, HF's encode of a 2K-char window costs
+        # ~12 ms; the CPU path ~0.3 ms).
         self.encode_path = encode_path
         self.allowed_special = tokenizer.resolve_allowed(allowed_special)
         self._nfc = tokenizer.family.normalizer is not None

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import hashlib
 import re
-from functools import cached_property
+import threading
+from functools import cache, cached_property
 from typing import Callable, Collection, Iterable, Literal, Mapping
 
 import numpy as np
@@ -19,12 +20,23 @@ from .errors import InvalidTextError, PathUnavailableError, TextTooLargeError, v
 from .reference import ReferenceEngine, make_reference
 from .session import Session
 from .spec.families import Family
+from .spec.vocabmeta import cached_meta
 
 DEFAULT_MAX_CHARS = 64 * 1024 * 1024
 EncodePath = Literal["auto", "reference", "cpu", "gpu"]
 Encoder = Callable[[str], np.ndarray]
 EncoderFactory = Callable[["Tokenizer"], Mapping[str, Encoder]]
 AllowedSpecial = Collection[str] | Literal["all"]
+
+
+@cache
+def _hf_nfc() -> Callable[[str], str]:
+    """HF tokenizers' NFC (`normalizers.NFC`), the normalizer a plain-NFC tokenizer.json holds; like the reference
+    engine's `normalize`, ASCII is returned as is (NFC is the identity on it)."""
+    from tokenizers import normalizers
+
+    fn = normalizers.NFC().normalize_str
+    return lambda text: text if text.isascii() else fn(text)
 
 
 class SpecialMatcher:
@@ -67,24 +79,45 @@ class Tokenizer:
     """
 
     def __init__(self, name: str, family: Family, data: bytes, *, max_chars: int = DEFAULT_MAX_CHARS,
-                 encoders: EncoderFactory | None = None, options: tuple = ()):
+                 encoders: EncoderFactory | None = None, options: tuple = (), content_hash: str | None = None):
+        """`content_hash`: the sha256 of `data` when the caller has just verified it (saves hashing it again)."""
         self.name = name
         self.family = family
-        self.content_hash = hashlib.sha256(data).hexdigest()
+        self.content_hash = content_hash or hashlib.sha256(data).hexdigest()
         self.max_chars = max_chars
         self.options = options          # what the registry built this instance with (its cache key)
-        self.reference: ReferenceEngine = make_reference(family, data)
-        self.specials: dict[str, int] = dict(self.reference.specials)
+        # The reference engine is built on first use (`reference`): a fresh process that only encodes through the
+        # fast path never pays for it (qwen3: ~1.5 s of JSON parsing and HF construction). What construction needs
+        # of the file comes from a small record cached by content hash (spec/vocabmeta.py).
+        self._data = data
+        self._reference: ReferenceEngine | None = None
+        self._reference_lock = threading.Lock()
+        meta = cached_meta(family, data, self.content_hash)
+        self._n_vocab = meta.n_vocab
+        self._normalizer = meta.normalizer
+        self.plain_nfc = meta.normalizer == "nfc"   # exactly HF's NFC (qwen3): the fast NFC may stand in for it
+        self.specials: dict[str, int] = dict(meta.specials)
         self._matcher = SpecialMatcher(self.specials)
         self._special_masks: dict[frozenset[str], np.ndarray] = {}
         self._paths: dict[str, Encoder] = dict(encoders(self)) if encoders is not None else {}
+
+    @property
+    def reference(self) -> ReferenceEngine:
+        """The reference engine (tiktoken / HF tokenizers) of this file, built on first use, once."""
+        ref = self._reference
+        if ref is None:
+            with self._reference_lock:
+                if self._reference is None:
+                    self._reference = make_reference(self.family, self._data)
+                ref = self._reference
+        return ref
 
     def __repr__(self) -> str:
         return f"Tokenizer({self.name!r}, family={self.family.name!r}, sha256={self.content_hash[:12]}…)"
 
     @property
     def n_vocab(self) -> int:
-        return len(self.reference.token_bytes)
+        return self._n_vocab
 
     @cached_property
     def max_token_chars(self) -> int:
@@ -114,7 +147,7 @@ class Tokenizer:
         shared by every session (a vocabulary-sized array per session would cost ~150 KB each)."""
         mask = self._special_masks.get(allowed)
         if mask is None:
-            mask = np.zeros(len(self.reference.continuation_start), dtype=bool)
+            mask = np.zeros(self._n_vocab, dtype=bool)
             for literal in allowed:
                 mask[self.specials[literal]] = True
             mask.flags.writeable = False
@@ -158,9 +191,14 @@ class Tokenizer:
 
     def normalize(self, text: str) -> str:
         """The reference normalization of text. Plain NFC (qwen3) runs the reference normalizer only on the regions
-        that can change (cpu/nfc.py); the shadow verifier's reference never takes this path."""
-        if self.reference.plain_nfc:
-            return nfc.normalize(text, self.reference.normalize)
+        that can change (cpu/nfc.py), with HF's NFC normalizer itself (what a tokenizer.json normalizer of exactly
+        {"type": "NFC"} deserializes to), so the reference engine need not be built; the shadow verifier's
+        reference never takes this path. No normalizer (tiktoken, deepseek_v4's empty Sequence): the identity,
+        as in the reference."""
+        if self._normalizer == "none":
+            return text
+        if self.plain_nfc:
+            return nfc.normalize(text, _hf_nfc())
         return self.reference.normalize(text)
 
     def decode_bytes(self, ids: Iterable[int]) -> bytes:

@@ -18,14 +18,14 @@ The kernel is numba-compiled with nogil=True, so chunks encode in parallel threa
 
 from __future__ import annotations
 
-import os
 import threading
+from typing import TYPE_CHECKING
 
 import numpy as np
 from numba import njit
 
-from ..reference import HFReference, ReferenceEngine, _bytes_to_unicode
-from ..spec.artifacts import cache_dir
+if TYPE_CHECKING:   # type name only: bpetables builds its tables with this module's kernels
+    from .bpetables import BpeTables
 
 EMPTY = np.uint64(0xFFFFFFFFFFFFFFFF)
 _MUL = np.uint64(0x9E3779B97F4A7C15)
@@ -448,40 +448,6 @@ class PieceCache:
         self.long_length[:] = 0
 
 
-# -- tables from the pinned files ---------------------------------------------------------------------------------
-def _pow2(n: int) -> int:
-    return 1 << max(4, int(2 * n - 1).bit_length())
-
-
-def _tiktoken_pairs(token_bytes: list[bytes], n_ordinary: int):
-    ids = {tok: i for i, tok in enumerate(token_bytes[:n_ordinary]) if tok}
-    left, right, rank = [], [], []
-    for tok, t in ids.items():
-        for k in range(1, len(tok)):
-            x = ids.get(tok[:k])
-            if x is not None:
-                y = ids.get(tok[k:])
-                if y is not None:
-                    left.append(x)
-                    right.append(y)
-                    rank.append(t)
-    rank = np.asarray(rank, dtype=np.int32)
-    return np.asarray(left, dtype=np.int32), np.asarray(right, dtype=np.int32), rank, rank.copy()
-
-
-def _hf_pairs(config: dict):
-    vocab = config["model"]["vocab"]
-    left, right, rank, new = [], [], [], []
-    for r, merge in enumerate(config["model"]["merges"]):
-        x, y = merge.split(" ", 1) if isinstance(merge, str) else merge
-        left.append(vocab[x])
-        right.append(vocab[y])
-        rank.append(r)
-        new.append(vocab[x + y])
-    as32 = lambda v: np.asarray(v, dtype=np.int32)
-    return as32(left), as32(right), as32(rank), as32(new)
-
-
 class DroppedBytes(ValueError):
     """The text holds a byte with no token, which the reference drops (HF BPE without an unknown token or byte
     fallback) while merging across it; the kernels do not implement that, so the caller encodes with the reference."""
@@ -500,66 +466,22 @@ _any_of = njit(cache=True, nogil=True)(_any_of)
 class BPE:
     """The byte-pair encoder of one tokenizer (immutable after construction; encode() is thread-safe)."""
 
-    def __init__(self, reference: ReferenceEngine, content_hash: str):
-        fam = reference.family
-        self.family = fam
-        tokens = reference.token_bytes
-        n_ord = reference.n_ordinary
-        self.n_vocab = len(tokens)
-        lengths = np.fromiter((len(t) for t in tokens), dtype=np.int64, count=len(tokens))
-        self.tok_off = np.zeros(len(tokens) + 1, dtype=np.int64)
-        np.cumsum(lengths, out=self.tok_off[1:])
-        self.tok_flat = np.frombuffer(b"".join(tokens), dtype=np.uint8)
-        # HF: the model section of the tokenizer's own file (a file loaded by path may share a family's splitter, not
-        # its merges)
-        model = reference.model_config() if isinstance(reference, HFReference) else None
-        cached = cache_dir() / f"bpe-pairs-{content_hash[:24]}.npz"
-        if cached.exists():
-            z = np.load(cached)
-            left, right, rank, new = z["left"], z["right"], z["rank"], z["new"]
-        else:
-            if fam.engine == "tiktoken":
-                left, right, rank, new = _tiktoken_pairs(tokens, n_ord)
-            else:
-                if model is None:
-                    raise ValueError(f"{fam.name}: an HF family needs an HF reference engine")
-                left, right, rank, new = _hf_pairs({"model": model})
-            tmp = cached.with_name(cached.name + f".tmp{os.getpid()}.npz")
-            np.savez(tmp, left=left, right=right, rank=rank, new=new)
-            os.replace(tmp, cached)
-        self.n_pairs = int(left.shape[0])
+    def __init__(self, tables: BpeTables):
+        """`tables`: the compact arrays of one tokenizer (bpetables.load: memory-mapped from the on-disk cache,
+        built from the reference engine only when absent)."""
+        self.family_name = tables.family_name
+        self.n_vocab = tables.n_vocab
+        self.tok_flat, self.tok_off = tables.tok_flat, tables.tok_off
+        self.n_pairs = tables.n_pairs
         self.batch = True        # False: one merge per round (the plain schedule; kept to measure against)
-        self.pkeys, self.pranks, self.pnews = _build_pairs(left, right, rank, new, _pow2(len(left)))
-        # the kernels' form (_pair_rank); the GPU tables read the three arrays
-        self.ptab = np.stack([self.pkeys, (self.pranks.astype(np.uint32).astype(np.uint64) << np.uint64(32))
-                              | self.pnews.astype(np.uint32).astype(np.uint64)], axis=1)
-        if fam.engine == "tiktoken":
-            byte_ids = {tok[0]: i for i, tok in enumerate(tokens[:n_ord]) if len(tok) == 1}
-            self.whole = True
-        else:
-            if model is None:
-                raise ValueError(f"{fam.name}: an HF family needs an HF reference engine")
-            config = {"model": model}
-            vocab = config["model"]["vocab"]
-            b2u = _bytes_to_unicode()
-            byte_ids = {b: vocab[c] for b, c in b2u.items() if c in vocab}
-            ignore_merges = bool(config["model"].get("ignore_merges") or False)
-            if config["model"].get("byte_fallback") or config["model"].get("continuing_subword_prefix") \
-                    or config["model"].get("end_of_word_suffix") or config["model"].get("dropout"):
-                raise ValueError(f"{fam.name}: BPE options outside what this kernel implements")
-        self.missing = reference.missing_bytes     # bytes the reference drops: such texts raise DroppedBytes
-        if len(byte_ids) != 256 and (self.missing is None or int(self.missing.sum()) != 256 - len(byte_ids)):
-            raise ValueError(f"{fam.name}: {256 - len(byte_ids)} single bytes have no token")
-        self.byte_ids = np.array([byte_ids.get(b, -1) for b in range(256)], dtype=np.int32)
-        multi = np.flatnonzero(lengths[:n_ord] >= 2).astype(np.int64)
-        if fam.engine != "tiktoken" and not ignore_merges:
-            # Merges decide, but a piece's BPE depends on its bytes alone: a piece equal to a token whose own bytes
-            # merge back to exactly that token encodes to it, so one lookup replaces the merge rounds (most words).
-            multi = multi[_self_encoding(self.tok_flat, self.tok_off, multi, self.byte_ids, self.ptab, self.batch)]
+        self.pkeys, self.pranks, self.pnews = tables.pkeys, tables.pranks, tables.pnews   # the GPU tables read these
+        self.ptab = tables.ptab                 # the kernels' form of the same table (_pair_rank)
+        self.byte_ids = tables.byte_ids
+        self.missing = tables.missing           # bytes the reference drops: such texts raise DroppedBytes
         self.whole = True     # whole-piece lookup first: every token (tiktoken, ignore_merges) or self-encoding ones
-        self.whole_ids = multi    # the device tables' whole-piece lookup holds the same set
-        self.n_whole = int(multi.shape[0])
-        self.wkeys, self.wids = _build_whole(self.tok_flat, self.tok_off, multi, _pow2(len(multi)))
+        self.whole_ids = tables.whole_ids       # the device tables' whole-piece lookup holds the same set
+        self.n_whole = int(tables.whole_ids.shape[0])
+        self.wkeys, self.wids = tables.wkeys, tables.wids
         self._local = threading.local()
         self._caches: list[PieceCache] = []     # every thread's cache, so clear_caches can reach them
 

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from . import boundary, nfc, pretokenize, strbuf
+from . import boundary, bpetables, nfc, pretokenize, strbuf
 from .bpe import BPE, DroppedBytes
 
 if TYPE_CHECKING:   # type names only: these modules sit above this one
@@ -53,7 +53,8 @@ class CpuEncoder:
             raise pretokenize.UnsupportedFamily(tok.family.name)
         self.tok = tok
         self.family = tok.family
-        self.bpe = BPE(tok.reference, tok.content_hash)
+        # memory-mapped tables from the cache; the reference engine is built only when they must be built
+        self.bpe = BPE(bpetables.load(tok.family.name, tok.content_hash, lambda: tok.reference))
         self.rule = boundary.rule_for(tok.family)
         if self.rule is not None:
             boundary.pair_table(self.rule)     # the cut search's table: built here, not in the first request
@@ -65,7 +66,7 @@ class CpuEncoder:
         self.stats = {"serial": 0, "parallel": 0, "chunks": 0, "cut_rejected": 0}
         # Plain NFC (qwen3): chunks are cut in raw text and normalized by their own threads (encode_parallel).
         self._nfc_inert = None
-        if tok.reference.plain_nfc:
+        if tok.plain_nfc:
             self._nfc_inert = nfc.inert_table()
 
     # -- serial ---------------------------------------------------------------------------------------------------

@@ -205,9 +205,9 @@ def _drop_codepoints(missing_bytes: np.ndarray | None) -> np.ndarray:
 def _hf_merges(tokenizer) -> tuple[tuple[np.ndarray, np.ndarray, np.ndarray], np.ndarray]:
     """(left, right, merged id) of an HF byte-level BPE whose merges the device kernels can run exactly, and the
     tokens the whole-piece lookup may answer."""
-    from ..cpu.bpe import BPE
+    from ..cpu import bpetables
 
-    bpe = BPE(tokenizer.reference, tokenizer.content_hash)
+    bpe = bpetables.load(tokenizer.family.name, tokenizer.content_hash, lambda: tokenizer.reference)
     keys, ranks, news = bpe.pkeys, bpe.pranks, bpe.pnews
     live = ranks >= 0
     left = (keys[live] >> np.uint64(32)).astype(np.int64)

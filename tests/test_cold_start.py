@@ -1,0 +1,132 @@
+"""The cold path: cached vocabulary records and BPE tables equal what the reference engine gives, a fresh process
+encodes through the fast path without building the reference engine, and caches are built when absent."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import tokenplane
+from tokenplane.tokenize.cpu import bpetables
+from tokenplane.tokenize.cpu.bpe import BPE
+from tokenplane.tokenize.reference import make_reference, vocab_meta
+from tokenplane.tokenize.spec.artifacts import ARTIFACTS, artifact_bytes
+from tokenplane.tokenize.spec.families import FAMILIES
+from tokenplane.tokenize.spec.vocabmeta import cached_meta
+
+ROOT = Path(__file__).resolve().parents[1]
+NAMES = list(ARTIFACTS)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_vocab_record_equals_the_reference_engine(name, tmp_path, monkeypatch):
+    tok = tokenplane.load(name)
+    ref = tok.reference
+    assert tok.specials == ref.specials and tok.n_vocab == len(ref.token_bytes)
+    assert tok.plain_nfc == ref.plain_nfc
+    monkeypatch.setenv("TOKENPLANE_CACHE", str(tmp_path))
+    data = artifact_bytes(name)
+    fresh = vocab_meta(FAMILIES[name], data)
+    assert cached_meta(FAMILIES[name], data, tok.content_hash) == fresh      # derived, then written
+    assert cached_meta(FAMILIES[name], data, tok.content_hash) == fresh      # read back
+    assert fresh.specials == ref.specials and fresh.n_vocab == len(ref.token_bytes)
+
+
+@pytest.mark.parametrize("name", ["cl100k_base", "qwen3", "smollm2"])
+def test_cached_tables_equal_freshly_built_ones_and_rebuild_when_damaged(name, tmp_path, monkeypatch):
+    tok = tokenplane.load(name)
+    monkeypatch.setenv("TOKENPLANE_CACHE", str(tmp_path))
+    calls = []
+
+    def reference():
+        calls.append(1)
+        return make_reference(tok.family, artifact_bytes(name))
+
+    built = bpetables.load(tok.family.name, tok.content_hash, reference)
+    read = bpetables.load(tok.family.name, tok.content_hash, reference)
+    assert calls == [1]     # the second load is the cache, without the reference engine
+    for field in bpetables._ARRAYS:
+        a, b = getattr(built, field), getattr(read, field)
+        assert (a is None and b is None) or (a.dtype == b.dtype and np.array_equal(a, b)), field
+    assert read.ptab.flags.writeable and read.ptab.flags.c_contiguous   # same kernel signatures as built tables
+    # the same encode from either set of tables
+    text = "Hello, World! don't 12345 \u65e5\u672c\u8a9e \U0001F44D " * 20
+    raw = np.frombuffer(text.encode(), dtype=np.uint8)
+    bounds = np.array([0, raw.size // 2, raw.size], dtype=np.int64)
+    assert BPE(built).encode_bytes(raw, bounds).tolist() == BPE(read).encode_bytes(raw, bounds).tolist()
+    # damage: a truncated array file is detected and the folder rebuilt
+    folder = bpetables.folder(tok.family.name, tok.content_hash)
+    (folder / "ptab.npy").write_bytes((folder / "ptab.npy").read_bytes()[:100])
+    again = bpetables.load(tok.family.name, tok.content_hash, reference)
+    assert calls == [1, 1] and np.array_equal(again.ptab, built.ptab)
+    assert bpetables._read(folder, tok.family.name, tok.content_hash) is not None
+
+
+def test_nfc_without_the_reference_engine_equals_the_reference(tmp_path):
+    tok = tokenplane.load("qwen3")
+    rng = random.Random(5)
+    tricky = "e\u0301\u00e9\u1100\u1161\u11a8\u0345\u0315\u4e00a \n\u212b\u0041\u030a\uac00\u0308"
+    for n in (3, 40, 600, 3000):
+        for _ in range(30):
+            text = "".join(rng.choice(tricky) for _ in range(n))
+            assert tok.normalize(text) == tok.reference.normalize(text)
+
+
+FRESH = """
+import json, sys
+import tokenplane
+text = sys.stdin.read()
+out = {}
+for name in sys.argv[1:]:
+    tok = tokenplane.load(name)
+    ids = tok.encode(text)
+    out[name] = {"built": tok._reference is not None, "stats": tok.path("auto").stats}
+    out[name]["exact"] = ids.tolist() == tok.reference.encode_ordinary(text).tolist()
+print(json.dumps(out))
+"""
+
+
+def test_fresh_process_encodes_on_the_fast_path_without_building_the_reference():
+    text = "def f(x):\n    return x + 1  # caf\u00e9 \u65e5\u672c\u8a9e\n" * 3000 + "e\u0301 \U0001F44D" * 50
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    names = ["cl100k_base", "qwen3", "deepseek_v4"]
+    proc = subprocess.run([sys.executable, "-c", FRESH, *names], input=text, capture_output=True, text=True,
+                          env=env, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    for name in names:
+        assert got[name]["exact"], name
+        assert not got[name]["built"], f"{name}: the first encode built the reference engine"
+        assert got[name]["stats"].get("reference", 0) == 0 and got[name]["stats"]["cpu"] == 1, got[name]
+
+
+SKIP = """
+import sys
+from tokenplane.tokenize.cpu.numbastart import skip_blas_probe
+skip_blas_probe()
+import numba.np.arraymath as am
+assert sys.modules.get("scipy.linalg.cython_blas", "absent") is not None   # unmasked again
+import numpy as np
+from numba import njit
+@njit
+def dot(a, b):
+    return np.dot(a, b)
+a = np.arange(6.0).reshape(2, 3)
+assert np.allclose(dot(a, a.T), a @ a.T)   # np.dot still finds BLAS when it compiles
+print("ok", am._HAVE_BLAS)
+"""
+
+
+def test_blas_probe_skip_leaves_scipy_and_np_dot_working():
+    pytest.importorskip("scipy")
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    proc = subprocess.run([sys.executable, "-c", SKIP], capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.split() == ["ok", "False"]

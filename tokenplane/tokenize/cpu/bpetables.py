@@ -1,0 +1,192 @@
+"""The BPE kernel's compact tables of one tokenizer, built once from the reference engine and memory-mapped after.
+
+Building them needs the reference engine (the vocabulary as bytes, the merges of an HF file as HF serializes them),
+the pair-table and whole-piece builders and, for HF files, a self-encoding pass over every token: ~1-2 s and, for
+qwen3, two parses of an 11 MB tokenizer.json. A fresh process needs none of that: the finished arrays are kept in the
+cache directory as plain .npy files in a folder keyed by the sha256 of the tokenizer file (the content, never its
+name or path), the family and TABLE_VERSION, and are opened with `np.load(mmap_mode="c")`: copy-on-write pages, so
+the kernels see ordinary writable C arrays (the same numba signatures as freshly built tables) and the OS shares and
+pages them.
+
+A missing, partial or unreadable folder is rebuilt on demand (nothing here assumes a cache is present); a folder is
+written under a temporary name and renamed into place, so a reader sees all of it or none of it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+
+from ..reference import HFReference, ReferenceEngine, _bytes_to_unicode
+from ..spec.artifacts import cache_dir
+from .bpe import _build_pairs, _build_whole, _self_encoding
+
+TABLE_VERSION = 1       # bump when what a table holds or how it is built changes: old folders are then ignored
+_ARRAYS = ("tok_flat", "tok_off", "byte_ids", "pkeys", "pranks", "pnews", "ptab", "whole_ids", "wkeys", "wids",
+           "missing")
+
+
+@dataclass(frozen=True)
+class BpeTables:
+    family_name: str
+    content_hash: str
+    n_vocab: int
+    n_pairs: int
+    tok_flat: np.ndarray        # uint8: every token's bytes, concatenated
+    tok_off: np.ndarray         # int64[n_vocab + 1]
+    byte_ids: np.ndarray        # int32[256]: the token of each single byte, -1 where the vocabulary has none
+    pkeys: np.ndarray           # uint64 pair keys (left << 32 | right), open addressing
+    pranks: np.ndarray          # int32
+    pnews: np.ndarray           # int32
+    ptab: np.ndarray            # uint64[cap, 2]: (key, rank << 32 | merged id), the kernels' one-line record
+    whole_ids: np.ndarray       # int64: tokens a whole piece may map to directly
+    wkeys: np.ndarray           # uint64: FNV hash table over whole_ids
+    wids: np.ndarray            # int32
+    missing: np.ndarray | None  # bool[256]: bytes the reference drops (None: the vocabulary has all 256)
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(4, int(2 * n - 1).bit_length())
+
+
+def _tiktoken_pairs(token_bytes: list[bytes], n_ordinary: int):
+    ids = {tok: i for i, tok in enumerate(token_bytes[:n_ordinary]) if tok}
+    left, right, rank = [], [], []
+    for tok, t in ids.items():
+        for k in range(1, len(tok)):
+            x = ids.get(tok[:k])
+            if x is not None:
+                y = ids.get(tok[k:])
+                if y is not None:
+                    left.append(x)
+                    right.append(y)
+                    rank.append(t)
+    rank = np.asarray(rank, dtype=np.int32)
+    return np.asarray(left, dtype=np.int32), np.asarray(right, dtype=np.int32), rank, rank.copy()
+
+
+def _hf_pairs(model: dict):
+    vocab = model["vocab"]
+    left, right, rank, new = [], [], [], []
+    for r, merge in enumerate(model["merges"]):
+        x, y = merge.split(" ", 1) if isinstance(merge, str) else merge
+        left.append(vocab[x])
+        right.append(vocab[y])
+        rank.append(r)
+        new.append(vocab[x + y])
+    as32 = lambda v: np.asarray(v, dtype=np.int32)  # noqa: E731
+    return as32(left), as32(right), as32(rank), as32(new)
+
+
+def build(reference: ReferenceEngine, content_hash: str) -> BpeTables:
+    """The tables of the tokenizer whose reference engine this is (no cache involved)."""
+    fam = reference.family
+    tokens = reference.token_bytes
+    n_ord = reference.n_ordinary
+    lengths = np.fromiter((len(t) for t in tokens), dtype=np.int64, count=len(tokens))
+    tok_off = np.zeros(len(tokens) + 1, dtype=np.int64)
+    np.cumsum(lengths, out=tok_off[1:])
+    tok_flat = np.frombuffer(b"".join(tokens), dtype=np.uint8).copy()
+    # HF: the model section of the tokenizer's own file (a file loaded by path may share a family's splitter, not
+    # its merges)
+    model = reference.model_config() if isinstance(reference, HFReference) else None
+    if fam.engine == "tiktoken":
+        left, right, rank, new = _tiktoken_pairs(tokens, n_ord)
+        byte_map = {tok[0]: i for i, tok in enumerate(tokens[:n_ord]) if len(tok) == 1}
+        ignore_merges = True
+    else:
+        if model is None:
+            raise ValueError(f"{fam.name}: an HF family needs an HF reference engine")
+        if model.get("byte_fallback") or model.get("continuing_subword_prefix") or model.get("end_of_word_suffix") \
+                or model.get("dropout"):
+            raise ValueError(f"{fam.name}: BPE options outside what this kernel implements")
+        left, right, rank, new = _hf_pairs(model)
+        vocab = model["vocab"]
+        byte_map = {b: vocab[c] for b, c in _bytes_to_unicode().items() if c in vocab}
+        ignore_merges = bool(model.get("ignore_merges") or False)
+    missing = reference.missing_bytes
+    if len(byte_map) != 256 and (missing is None or int(missing.sum()) != 256 - len(byte_map)):
+        raise ValueError(f"{fam.name}: {256 - len(byte_map)} single bytes have no token")
+    byte_ids = np.array([byte_map.get(b, -1) for b in range(256)], dtype=np.int32)
+    pkeys, pranks, pnews = _build_pairs(left, right, rank, new, _pow2(len(left)))
+    ptab = np.stack([pkeys, (pranks.astype(np.uint32).astype(np.uint64) << np.uint64(32))
+                     | pnews.astype(np.uint32).astype(np.uint64)], axis=1)
+    multi = np.flatnonzero(lengths[:n_ord] >= 2).astype(np.int64)
+    if not ignore_merges:
+        # Merges decide, but a piece's BPE depends on its bytes alone: a piece equal to a token whose own bytes
+        # merge back to exactly that token encodes to it, so one lookup replaces the merge rounds (most words).
+        multi = multi[_self_encoding(tok_flat, tok_off, multi, byte_ids, ptab, True)]
+    wkeys, wids = _build_whole(tok_flat, tok_off, multi, _pow2(len(multi)))
+    return BpeTables(fam.name, content_hash, len(tokens), int(left.shape[0]), tok_flat, tok_off, byte_ids,
+                     pkeys, pranks, pnews, ptab, multi, wkeys, wids,
+                     None if missing is None else np.asarray(missing, dtype=bool))
+
+
+def folder(family_name: str, content_hash: str) -> Path:
+    # the family is part of the key: a tiktoken file's table holds its family's special tokens
+    return cache_dir() / f"bpe-tables-v{TABLE_VERSION}-{family_name}-{content_hash[:32]}"
+
+
+def _read(path: Path, family_name: str, content_hash: str) -> BpeTables | None:
+    """The tables in `path`, memory-mapped; None when the folder is absent, partial, or describes other content."""
+    try:
+        meta = json.loads((path / "meta.json").read_text())
+        if meta.get("version") != TABLE_VERSION or meta.get("content_hash") != content_hash \
+                or meta.get("family") != family_name:
+            return None
+        arrays = {}
+        for name in _ARRAYS:
+            if name == "missing" and not meta["has_missing"]:
+                arrays[name] = None
+                continue
+            arr = np.load(path / f"{name}.npy", mmap_mode="c", allow_pickle=False)
+            if list(arr.shape) != meta["shapes"][name] or str(arr.dtype) != meta["dtypes"][name]:
+                return None
+            arrays[name] = np.asarray(arr)     # a plain ndarray view of the mapping (no memmap subclass)
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return BpeTables(family_name, content_hash, int(meta["n_vocab"]), int(meta["n_pairs"]), **arrays)
+
+
+def _write(path: Path, tables: BpeTables) -> None:
+    tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    shapes, dtypes = {}, {}
+    for name in _ARRAYS:
+        arr = getattr(tables, name)
+        if arr is None:
+            continue
+        np.save(tmp / f"{name}.npy", np.ascontiguousarray(arr), allow_pickle=False)
+        shapes[name], dtypes[name] = list(arr.shape), str(arr.dtype)
+    meta = {"version": TABLE_VERSION, "content_hash": tables.content_hash, "family": tables.family_name,
+            "n_vocab": tables.n_vocab, "n_pairs": tables.n_pairs, "has_missing": tables.missing is not None,
+            "shapes": shapes, "dtypes": dtypes}
+    (tmp / "meta.json").write_text(json.dumps(meta))   # written last: a folder without it is never read
+    if path.exists() and _read(path, tables.family_name, tables.content_hash) is None:
+        shutil.rmtree(path, ignore_errors=True)     # a stale or partial folder of another version: replace it
+    try:
+        os.replace(tmp, path)
+    except OSError:     # another process put a complete folder there first: keep it
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def load(family_name: str, content_hash: str, reference: Callable[[], ReferenceEngine]) -> BpeTables:
+    """The tables of the tokenizer file whose sha256 is `content_hash`: memory-mapped from the cache, or built from
+    `reference()` (called only then) and cached."""
+    path = folder(family_name, content_hash)
+    tables = _read(path, family_name, content_hash)
+    if tables is not None:
+        return tables
+    built = build(reference(), content_hash)
+    try:
+        _write(path, built)
+    except OSError:     # an unwritable cache costs the next process a rebuild, never this one its tables
+        pass
+    return built
