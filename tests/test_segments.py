@@ -84,3 +84,16 @@ def test_session_windows_take_the_batched_path():
         session_module.encode_segments = real
     assert len(calls) == 1 and len(calls[0]) >= 4
     assert np.array_equal(sess.ids, tok.encode(sess.text, allowed_special="all"))
+
+
+def test_span_starts_equal_piece_starts_of_each_span(tok):
+    from tokenplane.tokenize.cpu import pretokenize
+    from tokenplane.tokenize.cpu.segments import span_starts
+    from tokenplane.tokenize.cpu.strbuf import codepoints
+    rng = random.Random(8)
+    for _ in range(200):
+        text = tok.normalize("".join(rng.choice(ATOMS) for _ in range(rng.randint(2, 40))))
+        cuts = sorted({0, len(text), *rng.sample(range(1, len(text)), min(len(text) - 1, rng.randint(0, 5)))})
+        cps = codepoints(text)
+        expect = np.concatenate([pretokenize.piece_starts(tok.family, cps[a:b]) for a, b in zip(cuts, cuts[1:])])
+        assert span_starts(tok.family.name, cps, np.array(cuts, dtype=np.int64)).tolist() == expect.tolist(), text

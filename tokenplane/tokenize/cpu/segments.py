@@ -18,7 +18,8 @@ from typing import Sequence
 import numpy as np
 from numba import njit
 
-from . import pretokenize, strbuf
+from . import pretokenize as pt
+from . import strbuf
 from .bpe import BPE, DroppedBytes
 
 
@@ -56,6 +57,49 @@ def _token_ends(ids, token_lengths, cps, spans, ends, counts):
         counts[k] += 1
 
 
+# The family pre-tokenizer loops, run on every span of the gathered code points in one compiled call (the loops
+# are the ones `pretokenize.piece_starts` runs on a whole text; each span is passed as its own text).
+@njit(cache=True, nogil=True)
+def _spans_gpt4(c, kind, digits, whole_at_end, starts, bounds):
+    for k in range(bounds.shape[0] - 1):
+        a, b = bounds[k], bounds[k + 1]
+        pt._gpt4_loop(c[a:b], kind[a:b], digits, whole_at_end, starts[a:b])
+
+
+@njit(cache=True, nogil=True)
+def _spans_deepseek(c, feat, starts, bounds):
+    for k in range(bounds.shape[0] - 1):
+        a, b = bounds[k], bounds[k + 1]
+        pt._deepseek_loop(c[a:b], feat[a:b], starts[a:b])
+
+
+@njit(cache=True, nogil=True)
+def _spans_smollm2(c, kind, starts, bounds):
+    for k in range(bounds.shape[0] - 1):
+        a, b = bounds[k], bounds[k + 1]
+        pt._smollm2_loop(c[a:b], kind[a:b], starts[a:b])
+
+
+def span_starts(family: str, cps: np.ndarray, bounds: np.ndarray) -> np.ndarray:
+    """bool[len(cps)]: the piece starts of every cps[bounds[k]:bounds[k+1]] pre-tokenized as a text of its own
+    (bounds: int64, 0 = bounds[0] < ... < bounds[-1] = len(cps)); equals concatenating `piece_starts` of each."""
+    fam = pt._family(family)
+    c = cps.view(np.int32)
+    starts = np.zeros(cps.shape[0], dtype=np.bool_)
+    if fam.name in pt._GPT4:
+        digits, whole = pt._GPT4[fam.name]
+        _spans_gpt4(c, pt._gather(pt._cp_kind_gpt4(fam.engine), cps), digits, whole, starts, bounds)
+    elif fam.name == "deepseek_v4":
+        _spans_deepseek(c, pt._gather(pt._cp_feat_deepseek(fam.engine), cps), starts, bounds)
+    elif fam.name == "smollm2":
+        _spans_smollm2(c, pt._gather(pt._cp_kind_smollm2(fam.engine), cps), starts, bounds)
+    else:       # o200k_base: its loop hands rare cases to a numpy rescan; span by span
+        for a, b in zip(bounds[:-1].tolist(), bounds[1:].tolist()):
+            starts[a:b] = pt.piece_starts(fam, cps[a:b])
+    starts[bounds[:-1]] = True      # a segment is a text of its own: its first character starts a piece
+    return starts
+
+
 def encode_segments(bpe: BPE, family: str, token_lengths: np.ndarray, text: str,
                     spans: Sequence[tuple[int, int]]) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
     """For non-empty, sorted, disjoint character spans of `text` (normalized, validated): the IDs of every
@@ -71,12 +115,9 @@ def encode_segments(bpe: BPE, family: str, token_lengths: np.ndarray, text: str,
     else:
         cps = np.empty(total, dtype=np.uint32)
         _gather(window, lo, bounds_arr, cps)
-    starts = np.empty(total, dtype=np.bool_)
-    pos = 0
-    for a, b in spans:
-        starts[pos:pos + b - a] = pretokenize.piece_starts(family, cps[pos:pos + b - a])
-        starts[pos] = True          # a segment is a text of its own: its first character starts a piece
-        pos += b - a
+    offsets = np.zeros(len(spans) + 1, dtype=np.int64)
+    np.cumsum(bounds_arr[:, 1] - bounds_arr[:, 0], out=offsets[1:])
+    starts = span_starts(family, cps, offsets)
     buf, piece_bounds = strbuf.utf8_and_bounds(cps, total, starts)
     try:
         ids = bpe.encode_bytes(buf, piece_bounds).view(np.uint32)
@@ -89,4 +130,4 @@ def encode_segments(bpe: BPE, family: str, token_lengths: np.ndarray, text: str,
     return ids, ends, counts
 
 
-__all__ = ["encode_segments"]
+__all__ = ["encode_segments", "span_starts"]
