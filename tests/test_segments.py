@@ -42,7 +42,7 @@ def _random_spans(rng, n):
 def _check(tok, text, spans):
     cpu = segment_encoder(tok.path("cpu"), 0)
     assert cpu is not None
-    out = encode_segments(cpu.bpe, tok.family.name, tok.reference.token_lengths, text, spans)
+    out = encode_segments(cpu.bpe, tok.family.name, text, spans)
     if out is None:     # a byte the vocabulary lacks (smollm2): the caller takes the reference path
         assert tok.reference.missing_bytes is not None
         assert any(tok.reference.missing_bytes[np.frombuffer(text[a:b].encode(), np.uint8)].any() for a, b in spans)
@@ -97,3 +97,35 @@ def test_span_starts_equal_piece_starts_of_each_span(tok):
         cps = codepoints(text)
         expect = np.concatenate([pretokenize.piece_starts(tok.family, cps[a:b]) for a, b in zip(cuts, cuts[1:])])
         assert span_starts(tok.family.name, cps, np.array(cuts, dtype=np.int64)).tolist() == expect.tolist(), text
+
+
+def _reference_with_specials(tok, text):
+    if tok.family.engine == "tiktoken":
+        return tok.reference.encoding.encode(text, allowed_special="all")
+    return tok.reference.full.encode(text, add_special_tokens=False).ids
+
+
+def test_encode_with_allowed_specials_equals_the_reference(tok):
+    """Tokenizer.encode of texts cut by allowed literals (chat-shaped, adversarial, real) takes the one-call path
+    where it applies and equals the reference engine's own encode with specials."""
+    import tokenplane.tokenize.tokenizer as tokenizer_module
+    rng = random.Random(9)
+    specials = sorted(tok.specials)[:6]
+    real = [t for t in corpus_texts("mixed")[:30] if t]
+    calls = []
+    real_encode = tokenizer_module.encode_segments
+    tokenizer_module.encode_segments = lambda *a: calls.append(1) or real_encode(*a)
+    try:
+        for k in range(150):
+            parts = []
+            for _ in range(rng.randint(2, 8)):
+                parts.append(rng.choice(specials))
+                if k % 3 == 0:
+                    parts.append(rng.choice(real)[:rng.randint(0, 400)])
+                else:
+                    parts.append("".join(rng.choice(ATOMS) for _ in range(rng.randint(0, 12))))
+            text = "".join(parts)
+            assert tok.encode(text, allowed_special="all").tolist() == _reference_with_specials(tok, text), text
+    finally:
+        tokenizer_module.encode_segments = real_encode
+    assert (len(calls) > 100) == (tok.family.normalizer is None)

@@ -78,10 +78,17 @@ class OpenAIServer:
         def work() -> None:
             text = "Warm-up: tokenizer 123, sessions!\n" * 64
             self.tokenizer.encode(text)
-            for cache in (self.chat_sessions, self.prompt_sessions):
+            # a rendered chat too: windows cut by the template's control tokens take their own kernels
+            chat = [("user", text), ("assistant", "ok"), ("user", "more text")]
+            try:
+                chat_texts = (self.chat.render(chat[:1]), self.chat.render(chat))
+            except InvalidRequest:      # a template that refuses this conversation: plain text warms the rest
+                chat_texts = (text, text + "more text")
+            for cache, (first, second) in ((self.chat_sessions, chat_texts),
+                                           (self.prompt_sessions, (text, text + "more text"))):
                 if cache is not None:
-                    _, report = cache.encode(text, blocks(text), "tokenplane-warm-up")
-                    cache.encode(text + "more text", blocks(text + "more text"), "tokenplane-warm-up")
+                    _, report = cache.encode(first, blocks(first), "tokenplane-warm-up")
+                    cache.encode(second, blocks(second), "tokenplane-warm-up")
                     if report.session is not None:
                         cache.store.delete(report.session)
         t0 = time.perf_counter()

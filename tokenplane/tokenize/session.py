@@ -27,7 +27,8 @@ from typing import TYPE_CHECKING, Callable, Collection, Literal
 import numpy as np
 
 from .cpu import boundary
-from .cpu.segments import encode_segments
+from .cpu.segments import MAX_CHARS as SEGMENTS_MAX_CHARS
+from .cpu.segments import encode_segments, with_literals
 from .errors import SessionError, StaleRevisionError, TextTooLargeError, validate_text  # noqa: F401
 from .nfcmap import MappedText, NfcMap, build_map
 from .records import move_right_part
@@ -51,7 +52,6 @@ if TYPE_CHECKING:   # type names only: tokenizer.py imports this module, never t
 DEFAULT_WINDOW = 512
 MAX_WIDENINGS = 5
 _NFC_REACH = 1 << 16        # how far an NFC split point (an ASCII character) is searched for before a full renormalize
-_BATCH_MAX_CHARS = 256 * 1024   # longer windows take the encoder's own (chunk-parallel) path
 _MIN_CAPACITY = 64          # records allocated for an empty session
 _GROWTH = 8                 # arrays grow to n + n / _GROWTH records: at most 12.5% slack, ~9 bytes/token
 
@@ -586,19 +586,7 @@ class Session:
         t0 = time.perf_counter()
         ids, ends, counts = self._ordinary_records(text, spans)
         self._encode_s += time.perf_counter() - t0
-        if inside:      # interleave the literals' records with the ordinary spans' ones
-            id_parts, end_parts, k, j = [], [], 0, 0
-            for a, b, sid in inside:
-                while k < len(spans) and spans[k][1] <= a:
-                    id_parts.append(ids[j:j + counts[k]])
-                    end_parts.append(ends[j:j + counts[k]])
-                    j += counts[k]
-                    k += 1
-                id_parts.append(np.array([sid], dtype=np.uint32))
-                end_parts.append(np.array([b], dtype=np.int64))
-            id_parts.append(ids[j:])
-            end_parts.append(ends[j:])
-            ids, ends = np.concatenate(id_parts), np.concatenate(end_parts)
+        ids, ends = with_literals(ids, ends, counts, spans, inside)
         return ids, ends + s
 
     def _ordinary_records(self, text: str, spans: list[tuple[int, int]]) -> tuple[np.ndarray, np.ndarray, list]:
@@ -606,11 +594,10 @@ class Session:
         one batched call on the CPU path (cpu/segments.py), else one encode per span."""
         if not spans:
             return np.zeros(0, np.uint32), np.zeros(0, np.int64), []
-        if self.encode_path != "reference" and spans[-1][1] - spans[0][0] < _BATCH_MAX_CHARS:
+        if self.encode_path != "reference" and spans[-1][1] - spans[0][0] < SEGMENTS_MAX_CHARS:
             cpu = segment_encoder(self.tokenizer.path(self.encode_path), max(b - a for a, b in spans))
             if cpu is not None:
-                out = encode_segments(cpu.bpe, self.tokenizer.family.name, self.reference.token_lengths, text,
-                                      spans)
+                out = encode_segments(cpu.bpe, self.tokenizer.family.name, text, spans)
                 if out is not None:
                     return out[0], out[1], out[2].tolist()
         id_parts, end_parts, counts = [], [], []

@@ -16,8 +16,11 @@ from typing import Callable, Collection, Iterable, Literal, Mapping
 import numpy as np
 
 from .cpu import nfc
+from .cpu.segments import MAX_CHARS as SEGMENTS_MAX_CHARS
+from .cpu.segments import encode_segments, with_literals
 from .errors import InvalidTextError, PathUnavailableError, TextTooLargeError, validate_text  # noqa: F401
 from .reference import ReferenceEngine, make_reference
+from .router import segment_encoder
 from .session import Session
 from .spec.families import Family
 from .spec.vocabmeta import cached_meta
@@ -164,8 +167,13 @@ class Tokenizer:
         text unless listed in `allowed_special` (like tiktoken)."""
         text = validate_text(text, self.max_chars)
         allowed = self.resolve_allowed(allowed_special)
+        segments = self._matcher.split(text, allowed)
+        if len(segments) > 2:
+            batched = self._encode_between_literals(text, segments, path)
+            if batched is not None:
+                return batched
         parts = []
-        for segment, special_id in self._matcher.split(text, allowed):
+        for segment, special_id in segments:
             if special_id is not None:
                 parts.append(np.array([special_id], dtype=np.uint32))
             elif segment:
@@ -173,6 +181,30 @@ class Tokenizer:
         if not parts:
             return np.zeros(0, dtype=np.uint32)
         return parts[0] if len(parts) == 1 else np.concatenate(parts)
+
+    def _encode_between_literals(self, text: str, segments: list[tuple[str, int | None]],
+                                 path: str) -> np.ndarray | None:
+        """A text cut by allowed literals (a rendered chat) with every ordinary segment's pieces in one BPE call
+        (cpu/segments.py) instead of one encode per segment; None where that path does not apply (a normalizing
+        family, whose segments are normalized one by one; no built CPU path; a GPU-sized segment; a long text)."""
+        if self.family.normalizer is not None or len(text) >= SEGMENTS_MAX_CHARS:
+            return None
+        cpu = segment_encoder(self._paths.get(path), max((len(seg) for seg, sid in segments if sid is None), default=0))
+        if cpu is None:
+            return None
+        spans, literals, pos = [], [], 0
+        for seg, sid in segments:
+            if sid is not None:
+                literals.append((pos, pos + len(seg), sid))
+            elif seg:
+                spans.append((pos, pos + len(seg)))
+            pos += len(seg)
+        if not spans:
+            return np.array([sid for _, _, sid in literals], dtype=np.uint32)
+        out = encode_segments(cpu.bpe, self.family.name, text, spans)
+        if out is None:
+            return None
+        return with_literals(out[0], out[1], out[2], spans, literals)[0]
 
     def encode_ordinary(self, text: str, *, path: EncodePath | str = "auto") -> np.ndarray:
         """IDs of text with every special-token string treated as ordinary text (text already validated)."""

@@ -13,6 +13,7 @@ segment's own pieces.
 
 from __future__ import annotations
 
+import bisect
 from typing import Sequence
 
 import numpy as np
@@ -21,6 +22,8 @@ from numba import njit
 from . import pretokenize as pt
 from . import strbuf
 from .bpe import BPE, DroppedBytes
+
+MAX_CHARS = 256 * 1024   # longer texts take the encoder's own (chunk-parallel) path
 
 
 @njit(cache=True, nogil=True)
@@ -34,7 +37,7 @@ def _gather(window, lo, spans, cps):
 
 
 @njit(cache=True, nogil=True)
-def _token_ends(ids, token_lengths, cps, spans, ends, counts):
+def _token_ends(ids, tok_off, cps, spans, ends, counts):
     # Each token's end in characters of the text: walk the tokens' byte ends and the characters' UTF-8 widths
     # together (a token ending inside a character covers it), moving to the next span at each span's end.
     k = 0
@@ -44,7 +47,7 @@ def _token_ends(ids, token_lengths, cps, spans, ends, counts):
     c_byte = 0                               # byte offset where character c starts
     byte_end = 0
     for j in range(ids.shape[0]):
-        byte_end += token_lengths[ids[j]]
+        byte_end += tok_off[ids[j] + 1] - tok_off[ids[j]]
         while c_byte < byte_end:
             x = cps[c]
             c_byte += 1 + (x >= 0x80) + (x >= 0x800) + (x >= 0x10000)
@@ -100,7 +103,7 @@ def span_starts(family: str, cps: np.ndarray, bounds: np.ndarray) -> np.ndarray:
     return starts
 
 
-def encode_segments(bpe: BPE, family: str, token_lengths: np.ndarray, text: str,
+def encode_segments(bpe: BPE, family: str, text: str,
                     spans: Sequence[tuple[int, int]]) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
     """For non-empty, sorted, disjoint character spans of `text` (normalized, validated): the IDs of every
     text[a:b] encoded on its own, concatenated (uint32), each token's end in characters of `text` (int64), and how
@@ -126,8 +129,21 @@ def encode_segments(bpe: BPE, family: str, token_lengths: np.ndarray, text: str,
     ends = np.empty(ids.shape[0], dtype=np.int64)
     counts = np.zeros(len(spans), dtype=np.int64)
     if ids.shape[0]:
-        _token_ends(ids, token_lengths, cps, bounds_arr, ends, counts)
+        _token_ends(ids, bpe.tok_off, cps, bounds_arr, ends, counts)
     return ids, ends, counts
 
 
-__all__ = ["encode_segments", "span_starts"]
+def with_literals(ids: np.ndarray, ends: np.ndarray, counts: Sequence[int] | np.ndarray, spans: Sequence[tuple[int, int]],
+                  literals: Sequence[tuple[int, int, int]]) -> tuple[np.ndarray, np.ndarray]:
+    """The records of a text cut by literals: the ordinary spans' records (ids, ends, token count per span) with
+    each literal (start, end, id) inserted as one token ending at its end, in text order."""
+    if not literals:
+        return ids, ends
+    span_ends = [b for _, b in spans]
+    before = np.concatenate(([0], np.cumsum(counts, dtype=np.int64)))
+    at = before[[bisect.bisect_right(span_ends, a) for a, _, _ in literals]]
+    return (np.insert(ids, at, np.array([sid for _, _, sid in literals], dtype=np.uint32)),
+            np.insert(ends, at, np.array([b for _, b, _ in literals], dtype=np.int64)))
+
+
+__all__ = ["encode_segments", "span_starts", "with_literals"]
