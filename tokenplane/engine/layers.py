@@ -106,7 +106,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     skipped where they are no-ops (fp32/fp64): same values, fewer dispatched ops per layer."""
     dtype = x.dtype
     if dtype == torch.float32 or dtype == torch.float64:
-        return weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
+        # in place on the fresh product: the same values as weight * (...) (IEEE products commute), one buffer fewer
+        return (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)).mul_(weight)
     h = x.to(torch.float32)
     h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
     return weight * h.to(dtype)
@@ -154,7 +155,8 @@ class RotaryEmbedding(nn.Module):
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
     """transformers' x * cos + rotate_half(x) * sin, bit for bit: rotate_half(x) * sin = [-x2 * s, x1 * s] =
     roll(x, half) * [-s, s], with the sign folded into the sin once per step instead of a negation per layer."""
-    return x * cos + x.roll(x.shape[-1] // 2, -1) * signed_sin
+    # in place on fresh temporaries: the same two rounded products and one sum per element, two buffers fewer
+    return (x * cos).add_(x.roll(x.shape[-1] // 2, -1).mul_(signed_sin))
 
 
 class SwiGLU(nn.Module):
@@ -168,4 +170,4 @@ class SwiGLU(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.ffn, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(F.silu(gate).mul_(up))   # in place on silu's fresh output: same values, one buffer fewer
