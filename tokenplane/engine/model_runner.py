@@ -20,6 +20,7 @@ from tokenplane.engine import cpu_decode_attention
 from tokenplane.engine.attention import AttentionMetadata, SeqAttention, causal_mask
 from tokenplane.engine.block_manager import BlockManager
 from tokenplane.engine.config import ModelConfig
+from tokenplane.engine.cpu_malloc import retain_freed_memory
 from tokenplane.engine.sequence import Sequence
 
 
@@ -53,6 +54,8 @@ class ModelRunner:
         if decode_kernel == "cpu" and not cpu_decode_attention.available(self.dtype, self.device):
             raise ValueError(f"decode_kernel 'cpu' needs a CPU float32/float64 model, not {self.device} {self.dtype}")
         self.model, self.cfg = model, cfg
+        if self.device.type == "cpu":
+            retain_freed_memory()   # process-wide: large activations stop page-faulting in every step (cpu_malloc.py)
         self.block_size = block_size
         self.block_manager = BlockManager(num_blocks, block_size)
         self.group = cfg.num_attention_heads // cfg.num_key_value_heads

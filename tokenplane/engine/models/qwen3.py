@@ -62,8 +62,9 @@ class DecoderLayer(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         # Unfused residual adds in transformers' order, so float64 runs can match it to ~1e-12.
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        # (the sublayer's output is fresh, so the sum goes in place there: a + x == x + a bit for bit)
+        x = self.self_attn(self.input_layernorm(x), cos, sin, meta).add_(x)
+        return self.mlp(self.post_attention_layernorm(x)).add_(x)
 
 
 class DecoderModel(nn.Module):
