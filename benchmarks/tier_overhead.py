@@ -14,6 +14,10 @@ synthetic conversations of real text grown to 100K / 1M / 4M characters in a fir
 with sizes from real Claude Code request shapes (../shared/data/traces/claude-code-shapes.jsonl when present).
 
     python benchmarks/tier_overhead.py [--sizes 100000 1000000 4000000] [--turns 8] [--trajectories 4]
+        [--out PREFIX] [--baseline-tree DIR]
+
+--baseline-tree runs a second tier from another checkout (cells prefixed "baseline"), every turn measured on both,
+alternating which goes first: a change and its baseline side by side under the same load.
 
 Writes benchmarks/results/tier_overhead.{json,md,png}. Target (the tier issue): added latency P50 < 2 ms at every size.
 """
@@ -218,6 +222,9 @@ def main() -> int:
     p.add_argument("--trajectories", type=int, default=4)
     p.add_argument("--tokenizer", default="qwen3")
     p.add_argument("--out", default=str(RESULTS / "tier_overhead"))
+    p.add_argument("--baseline-tree", default=None, metavar="DIR",
+                   help="also run a second tier from this source tree (e.g. a checkout of main), turns alternating "
+                        "between the two, so that a change is measured side by side under the same load")
     args = p.parse_args()
     if args.stub is not None:
         run_stub(args.stub)
@@ -227,16 +234,26 @@ def main() -> int:
     sp, tp = free_port(), free_port()
     stub_url, tier_url = f"http://127.0.0.1:{sp}", f"http://127.0.0.1:{tp}"
     stub = spawn([sys.executable, __file__, "--stub", str(sp)], logs / "stub.log")
-    tier = spawn([sys.executable, "-m", "tokenplane.cli", "serve", "--upstream", stub_url, "--tokenizer",
-                  args.tokenizer, "--port", str(tp), "--log-level", "warning", "--max-prompt-chars",
-                  str(max(args.sizes + [0]) * 2 + 100_000)], logs / "tier.log")
+    def tier_cmd(port: int) -> list[str]:
+        return [sys.executable, "-m", "tokenplane.cli", "serve", "--upstream", stub_url, "--tokenizer", args.tokenizer,
+                "--port", str(port), "--log-level", "warning", "--max-prompt-chars",
+                str(max(args.sizes + [0]) * 2 + 100_000)]
+    tier = spawn(tier_cmd(tp), logs / "tier.log")
+    tiers = [("", tier_url, tier)]
+    if args.baseline_tree:
+        bp = free_port()
+        env = {**os.environ, "PYTHONPATH": str(Path(args.baseline_tree).resolve())}
+        tiers.append(("baseline ", f"http://127.0.0.1:{bp}", subprocess.Popen(
+            tier_cmd(bp), stdout=open(logs / "tier_baseline.log", "w"), stderr=subprocess.STDOUT,
+            start_new_session=True, env=env, cwd=args.baseline_tree)))
     res: dict[str, Any] = {"command": "python benchmarks/tier_overhead.py " + " ".join(sys.argv[1:]),
                            "started": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
                            "load_before": round(os.getloadavg()[0], 2), "tokenizer": args.tokenizer,
-                           "cells": [], "rows": []}
+                           "baseline_tree": args.baseline_tree, "cells": [], "rows": []}
     try:
         wait_ready(stub_url + "/v1/models", stub)
-        wait_ready(tier_url + "/health", tier)
+        for _, url, proc in tiers:
+            wait_ready(url + "/health", proc)
         client = httpx.Client()
         rng = random.Random(0)
         workloads: list[tuple[str, list[list[list[dict[str, str]]]]]] = []
@@ -248,25 +265,32 @@ def main() -> int:
             workloads.append((f"{size // 1000}K" if size < 1_000_000 else f"{size // 1_000_000}M",
                               [synthetic(size, args.turns, rng, corpus)]))
         for name, conversations in workloads:
-            rows = []
+            rows: dict[str, list[dict[str, Any]]] = {label: [] for label, _, _ in tiers}
             for ci, calls in enumerate(conversations):
                 key = f"{name}-{ci}"
-                ttft(client, tier_url + "/v1/chat/completions", chat_body(calls[0], key))   # builds the session
-                for messages in calls[1:]:
-                    row = measure_turn(client, tier_url, stub_url, messages, key)
-                    rows.append({"workload": name, **row})
-                    print(f"{name}: {row['chars']:,} chars, tier {row['tier_ms']:.2f} direct {row['direct_ms']:.2f} "
-                          f"added {row['added_ms']:.2f} tok {row['tok_ms']} ({row['path']})", flush=True)
-            res["rows"] += rows
-            res["cells"].append({"workload": name, "turns": len(rows),
-                                 "chars_p50": int(pct([r["chars"] for r in rows], 0.5)),
-                                 "tokens_p50": int(pct([r["tokens"] for r in rows], 0.5)),
-                                 **{f"{m}_p{q}": pct([r[m] for r in rows], q / 100)
-                                    for m in ("tier_ms", "direct_ms", "added_ms", "tok_ms") for q in (50, 90)}})
+                for _, url, _ in tiers:
+                    ttft(client, url + "/v1/chat/completions", chat_body(calls[0], key))   # builds the session
+                for ti, messages in enumerate(calls[1:]):
+                    order = tiers if ti % 2 == 0 else tiers[::-1]   # alternate which tier goes first
+                    for label, url, _ in order:
+                        row = measure_turn(client, url, stub_url, messages, key)
+                        rows[label].append({"workload": label + name, **row})
+                        print(f"{label}{name}: {row['chars']:,} chars, tier {row['tier_ms']:.2f} direct "
+                              f"{row['direct_ms']:.2f} added {row['added_ms']:.2f} tok {row['tok_ms']} "
+                              f"({row['path']})", flush=True)
+            for label, _, _ in tiers:
+                got = rows[label]
+                res["rows"] += got
+                res["cells"].append({"workload": label + name, "turns": len(got),
+                                     "chars_p50": int(pct([r["chars"] for r in got], 0.5)),
+                                     "tokens_p50": int(pct([r["tokens"] for r in got], 0.5)),
+                                     **{f"{m}_p{q}": pct([r[m] for r in got], q / 100)
+                                        for m in ("tier_ms", "direct_ms", "added_ms", "tok_ms") for q in (50, 90)}})
             res["load_after"] = round(os.getloadavg()[0], 2)
             write(res, Path(args.out))
     finally:
-        stop(tier)
+        for _, _, proc in tiers:
+            stop(proc)
         stop(stub)
     print(Path(args.out).with_suffix(".md").read_text())
     return 0

@@ -3,6 +3,7 @@ source each one stands for, on real agent conversations and adversarial ones: eq
 
 from __future__ import annotations
 
+import jinja2
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -11,7 +12,14 @@ from realtext import conversations
 from tokenplane.serve.chat import compile_template
 from tokenplane.serve.chat_native import CHATML_TEMPLATE, NATIVE, SMOLLM2_TEMPLATE, native_renderer
 
-SOURCES = {"smollm2": SMOLLM2_TEMPLATE, "chatml": CHATML_TEMPLATE}
+
+def _qwen3_source() -> str:
+    from tokenplane.serve.chat import template_for
+    from tokenplane.tokenize.registry import load
+    return template_for(load("qwen3")).source
+
+
+SOURCES = {"smollm2": SMOLLM2_TEMPLATE, "chatml": CHATML_TEMPLATE, "qwen3": _qwen3_source()}
 
 
 def jinja(source: str, messages: list[tuple[str, str]], gen: bool) -> str:
@@ -41,6 +49,7 @@ def test_real_conversations(name: str) -> None:
 
 roles = st.sampled_from(["system", "user", "assistant", "tool"])
 contents = st.lists(st.sampled_from(["a", "\n", " ", "<|im_start|>", "<|im_end|>", "{{ x }}", "{% if %}", "é",
+                                     "<think>", "</think>", "<tool_response>", "</tool_response>", "\n\n",
                                      "\U0001F600", "'", '"', "\\", ""]), max_size=12).map("".join)
 
 
@@ -49,4 +58,19 @@ contents = st.lists(st.sampled_from(["a", "\n", " ", "<|im_start|>", "<|im_end|>
 def test_adversarial_conversations(msgs: list[tuple[str, str]], gen: bool, name: str) -> None:
     native = native_renderer(SOURCES[name])
     assert native is not None
-    assert native(msgs, gen) == jinja(SOURCES[name], msgs, gen)
+    try:
+        expected = jinja(SOURCES[name], msgs, gen)
+    except jinja2.exceptions.UndefinedError:   # Qwen3's reads messages[0]: both refuse an empty conversation
+        with pytest.raises(ValueError):
+            native(msgs, gen)
+        return
+    assert native(msgs, gen) == expected
+
+
+@settings(max_examples=500, deadline=None)
+@given(st.lists(st.tuples(roles, contents), min_size=1, max_size=8), st.booleans())
+def test_adversarial_qwen3(msgs: list[tuple[str, str]], gen: bool) -> None:
+    """Qwen3's renderer has the most logic (last real user query, <think> splitting, tool-response grouping)."""
+    native = native_renderer(SOURCES["qwen3"])
+    assert native is not None
+    assert native(msgs, gen) == jinja(SOURCES["qwen3"], msgs, gen)

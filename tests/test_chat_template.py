@@ -143,3 +143,21 @@ def test_smollm2_template_equals_hf_on_real_agent_prompts(smollm2):
     want = want["input_ids"] if hasattr(want, "keys") else want
     assert chat.encode(no_system) == list(want) and "SmolLM" in chat.render(no_system)
     assert checked >= 50
+
+
+def test_control_scan_equals_regex_search():
+    """quotes_specials finds control tokens by their common lead (str.find) then a regex match: the same answer as
+    the regex search, on texts full of near misses."""
+    import random
+
+    from tokenplane.serve.chat import template_for
+    from tokenplane.tokenize.registry import load
+
+    chat = template_for(load("qwen3"))
+    assert chat._lead == "<|"
+    rng = random.Random(3)
+    parts = ["<|", "<|im_end", "|>", "<|im_end|>", "<", "|", "a", " ", "<|endoftext|>", "<<|", "ü", "<|im_start"]
+    for n in (0, 1, 5, 50, 200):
+        for _ in range(200):
+            text = "".join(rng.choice(parts) for _ in range(n))
+            assert chat._quotes(text) == (chat._controls.search(text) is not None), text

@@ -72,3 +72,23 @@ def test_bodies_with_code_in_strings(depth: int) -> None:
     assert accepted(raw) == (depth + 1 <= MAX_JSON_DEPTH)
     if depth < 1000:
         assert oracle(raw, MAX_JSON_DEPTH) == (depth + 1 <= MAX_JSON_DEPTH)
+
+
+def test_orjson_fast_path_and_its_fallback():
+    """parse_request: orjson's parse where it accepts the body (strings then known surrogate-free), the stdlib's
+    where it refuses it, so a lone surrogate still reaches validation and gets its named error."""
+    import pytest
+
+    from tokenplane.serve.errors import InvalidRequest
+    from tokenplane.serve.protocol import CompletionRequest, parse_request, validate
+
+    body, checked = parse_request(b'{"prompt": "a\\ud83d\\ude00b", "max_tokens": 2.0}')
+    assert checked and body == {"prompt": "a\U0001F600b", "max_tokens": 2.0}
+    body, checked = parse_request(b'{"prompt": "a\\ud800b"}')
+    assert not checked and body["prompt"] == "a\ud800b"
+    with pytest.raises(InvalidRequest) as err:
+        validate(CompletionRequest, body, checked)
+    assert err.value.param == "prompt"
+    for bad in (b'{"prompt": NaN}', b'[1]', b'{"a": ' * 100 + b'1' + b'}' * 100, b'\xff'):
+        with pytest.raises(InvalidRequest):
+            parse_request(bad)

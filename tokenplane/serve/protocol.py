@@ -10,7 +10,8 @@ from __future__ import annotations
 import json
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+import orjson
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 from .errors import InvalidRequest
 
@@ -43,8 +44,25 @@ def _depth_ok(body: Any, limit: int, raw: bytes) -> bool:
 
 
 def parse_body(raw: bytes) -> dict[str, Any]:
-    """Bytes -> a JSON object, or InvalidRequest. Rejects invalid UTF-8, lone surrogates, NaN/Infinity and
-    nesting deeper than MAX_JSON_DEPTH."""
+    """Bytes -> a JSON object, or InvalidRequest (see parse_request)."""
+    return parse_request(raw)[0]
+
+
+def parse_request(raw: bytes) -> tuple[dict[str, Any], bool]:
+    """Bytes -> (a JSON object, whether its strings are known to be free of lone surrogates), or InvalidRequest.
+    Rejects invalid UTF-8, lone surrogates, NaN/Infinity and nesting deeper than MAX_JSON_DEPTH.
+
+    orjson parses first (2-3x the stdlib's speed on a long conversation: ~7 ms instead of ~20 ms for 5.7 MB); it
+    refuses everything the stdlib path refuses (invalid UTF-8, NaN, lone surrogates, deep nesting), and any document
+    it refuses goes through the stdlib path, so that errors read as they always did. (orjson reads an integer past
+    2**64 as a float where the stdlib keeps an int: every integer field refuses both, naming the same field.)"""
+    try:
+        body = orjson.loads(raw)
+    except orjson.JSONDecodeError:
+        pass
+    else:
+        if isinstance(body, dict) and _depth_ok(body, MAX_JSON_DEPTH, raw):
+            return body, True
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as exc:
@@ -63,11 +81,14 @@ def parse_body(raw: bytes) -> dict[str, Any]:
         raise InvalidRequest("request body must be a JSON object")
     if not _depth_ok(body, MAX_JSON_DEPTH, raw):
         raise too_deep
-    return body
+    return body, False
 
 
-def _check_text(value: str, where: str) -> str:
-    # JSON's \ud800 escapes decode to lone surrogates, which have no UTF-8 form and no token.
+def _check_text(value: str, where: str, info: ValidationInfo | None = None) -> str:
+    # JSON's \ud800 escapes decode to lone surrogates, which have no UTF-8 form and no token. A body orjson parsed has
+    # none (it refuses them): the O(text) check is skipped (the validation context says so).
+    if info is not None and info.context and info.context.get("text_checked"):
+        return value
     try:
         value.encode("utf-8")
     except UnicodeEncodeError as exc:
@@ -192,9 +213,9 @@ class CompletionRequest(_Common):
 
     @field_validator("prompt")
     @classmethod
-    def _prompt(cls, v: Any) -> str | list[int]:
+    def _prompt(cls, v: Any, info: ValidationInfo) -> str | list[int]:
         if isinstance(v, str):
-            return _check_text(v, "prompt")
+            return _check_text(v, "prompt", info)
         if not all(isinstance(t, int) for t in v):
             raise ValueError("prompt must be a string or a list of token ids")
         return v
@@ -257,16 +278,17 @@ class ChatCompletionRequest(_Common):
 
     @field_validator("messages")
     @classmethod
-    def _messages(cls, v: list[ChatMessage]) -> list[ChatMessage]:
+    def _messages(cls, v: list[ChatMessage], info: ValidationInfo) -> list[ChatMessage]:
         for i, m in enumerate(v):
-            _check_text(m.text(), f"messages[{i}].content")
+            _check_text(m.text(), f"messages[{i}].content", info)
         return v
 
 
-def validate(model: type[_Common], body: dict[str, Any]) -> Any:
-    """A validated request, or InvalidRequest naming the first bad field (and each unsupported parameter)."""
+def validate(model: type[_Common], body: dict[str, Any], text_checked: bool = False) -> Any:
+    """A validated request, or InvalidRequest naming the first bad field (and each unsupported parameter).
+    text_checked: the body's strings are known to hold no lone surrogates (parse_request says so)."""
     try:
-        req = model.model_validate(body)
+        req = model.model_validate(body, context={"text_checked": True} if text_checked else None)
     except ValidationError as exc:
         err = exc.errors()[0]
         loc = ".".join(str(p) for p in err["loc"])
@@ -355,4 +377,4 @@ class ModelList(BaseModel):
 
 
 __all__ = ["ChatCompletionRequest", "ChatCompletionResponse", "ChatMessage", "CompletionRequest",
-           "CompletionResponse", "ErrorResponse", "ModelCard", "ModelList", "parse_body", "validate"]
+           "CompletionResponse", "ErrorResponse", "ModelCard", "ModelList", "parse_body", "parse_request", "validate"]

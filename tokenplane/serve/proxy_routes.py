@@ -18,19 +18,18 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
-import orjson
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from .backends import BackendHealth, ModelStatus
 from .conversations import TokenizationReport
 from .errors import APIError, InvalidRequest
-from .openai_routes import ClientDisconnected, OpenAIServer, PromptIds
+from .ids_json import RequestBodies
+from .openai_routes import ClientDisconnected, OpenAIServer
 from .protocol import ChatCompletionRequest, CompletionRequest
 from .upstream import FORWARDED, UpstreamPool, error_from, sse_data
 
 _DISCONNECT_POLL_S = 0.25
-_INLINE_IDS = 1 << 14   # longer prompts are serialized in a worker thread, off the event loop
 
 
 class UpstreamBackend:
@@ -79,15 +78,19 @@ class ProxyServer(OpenAIServer):
         self._follow_upstream_name = not kwargs.get("model_name")
         super().__init__(UpstreamBackend(pool), tokenizer, **kwargs)
         self.pool = pool
+        self.bodies = RequestBodies()
 
     async def warm_up(self) -> None:
         if self._follow_upstream_name and self.pool.model:
             self.model_name = self.pool.model
         await super().warm_up()
 
-    def _body(self, req: Any, prompt_ids: PromptIds, stop_ids: tuple[int, ...] = ()) -> bytes:
-        """The upstream request, serialized: orjson writes a numpy ID array at memory speed (the stdlib encoder
-        took ~25 ms, on the event loop, for a 1M-character prompt's 300K IDs)."""
+    def use_sessions(self, store: Any) -> None:
+        super().use_sessions(store)
+        store.on_evict.append(self.bodies.forget)
+
+    def _fields(self, req: Any, stop_ids: tuple[int, ...]) -> dict[str, Any]:
+        """The upstream request's fields other than the prompt."""
         body: dict[str, Any] = {k: getattr(req, k) for k in FORWARDED if hasattr(req, k)}
         body = {k: v.model_dump() if hasattr(v, "model_dump") else v for k, v in body.items() if v is not None}
         if isinstance(req, ChatCompletionRequest):
@@ -100,38 +103,43 @@ class ProxyServer(OpenAIServer):
             body.pop("stop", None)
         if stop_ids:
             body["stop_token_ids"] = list(stop_ids)
-        body.update(model=self.pool.model, prompt=prompt_ids)
-        return orjson.dumps(body, option=orjson.OPT_SERIALIZE_NUMPY)
+        body["model"] = self.pool.model
+        return body
+
+    def _prepared(self, req: Any, chat: bool) -> tuple[int, TokenizationReport | None, bytes]:
+        """Worker-thread part of a request: its prompt IDs, checked against the context, and the upstream body
+        (ids_json.py: the IDs' JSON reuses the session's previous body where the splice allows)."""
+        prompt_ids, report = self.chat_ids(req) if chat else self.completion_ids(req)
+        n = len(prompt_ids)
+        if n == 0:
+            raise InvalidRequest("the prompt is empty", param="prompt")
+        limit = self.backend.max_model_len
+        if limit is not None and n >= limit:
+            raise InvalidRequest(f"this model's maximum context length is {limit} tokens; the prompt has "
+                                 f"{n} tokens", param="prompt", code="context_length_exceeded")
+        fields = self._fields(req, self.chat.stop_token_ids if chat else ())
+        return n, report, self.bodies.build(fields, prompt_ids, report.origin if report is not None else None)
 
     async def completions(self, request: Request) -> Any:
         req = await self.read(request, CompletionRequest)
         if isinstance(req.prompt_value, str):
             self._check_chars(len(req.prompt_value))
-        prompt_ids, report = await self.offload(self.completion_ids, req)
+        n, report, body = await self.offload(self._prepared, req, False)
         text = req.prompt_value if isinstance(req.prompt_value, str) else ""
-        return await self._forward(request, req, prompt_ids, report, conversation_key(req, text), chat=False)
+        return await self._forward(request, req, n, body, report, conversation_key(req, text), chat=False)
 
     async def chat_completions(self, request: Request) -> Any:
         req = await self.read(request, ChatCompletionRequest)
         self._check_chars(sum(len(m.text()) for m in req.messages))
-        prompt_ids, report = await self.offload(self.chat_ids, req)
+        n, report, body = await self.offload(self._prepared, req, True)
         first = req.messages[0].text()[:1024] if req.messages else ""
-        return await self._forward(request, req, prompt_ids, report, conversation_key(req, first), chat=True)
+        return await self._forward(request, req, n, body, report, conversation_key(req, first), chat=True)
 
-    async def _forward(self, request: Request, req: Any, prompt_ids: PromptIds,
+    async def _forward(self, request: Request, req: Any, n_prompt: int, body: bytes,
                        report: TokenizationReport | None, key: str, chat: bool) -> Any:
-        if len(prompt_ids) == 0:
-            raise InvalidRequest("the prompt is empty", param="prompt")
-        limit = self.backend.max_model_len
-        if limit is not None and len(prompt_ids) >= limit:
-            raise InvalidRequest(f"this model's maximum context length is {limit} tokens; the prompt has "
-                                 f"{len(prompt_ids)} tokens", param="prompt", code="context_length_exceeded")
-        stops = self.chat.stop_token_ids if chat else ()
-        body = self._body(req, prompt_ids, stops) if len(prompt_ids) <= _INLINE_IDS \
-            else await self.offload(self._body, req, prompt_ids, stops)
         extra = {"tokenization": report.to_dict()} if report is not None else {}
         if self.metrics is not None:
-            self.metrics.prompt_tokens.inc(len(prompt_ids))
+            self.metrics.prompt_tokens.inc(n_prompt)
         if not req.stream:
             try:
                 data = await self._until_disconnect(request, self._exchange(key, body))
