@@ -133,8 +133,30 @@ def encode_segments(bpe: BPE, family: str, text: str,
     return ids, ends, counts
 
 
-def with_literals(ids: np.ndarray, ends: np.ndarray, counts: Sequence[int] | np.ndarray, spans: Sequence[tuple[int, int]],
-                  literals: Sequence[tuple[int, int, int]]) -> tuple[np.ndarray, np.ndarray]:
+@njit(cache=True, nogil=True)
+def _interleave(ids, ends, at, lit_ids, lit_ends, out_ids, out_ends):
+    # literal j goes before ordinary record at[j] (at is non-decreasing; equal entries keep the literals' order)
+    i = 0
+    o = 0
+    for j in range(at.shape[0]):
+        while i < at[j]:
+            out_ids[o] = ids[i]
+            out_ends[o] = ends[i]
+            i += 1
+            o += 1
+        out_ids[o] = lit_ids[j]
+        out_ends[o] = lit_ends[j]
+        o += 1
+    while i < ids.shape[0]:
+        out_ids[o] = ids[i]
+        out_ends[o] = ends[i]
+        i += 1
+        o += 1
+
+
+def with_literals(ids: np.ndarray, ends: np.ndarray, counts: Sequence[int] | np.ndarray,
+                  spans: Sequence[tuple[int, int]], literals: Sequence[tuple[int, int, int]]
+                  ) -> tuple[np.ndarray, np.ndarray]:
     """The records of a text cut by literals: the ordinary spans' records (ids, ends, token count per span) with
     each literal (start, end, id) inserted as one token ending at its end, in text order."""
     if not literals:
@@ -142,8 +164,11 @@ def with_literals(ids: np.ndarray, ends: np.ndarray, counts: Sequence[int] | np.
     span_ends = [b for _, b in spans]
     before = np.concatenate(([0], np.cumsum(counts, dtype=np.int64)))
     at = before[[bisect.bisect_right(span_ends, a) for a, _, _ in literals]]
-    return (np.insert(ids, at, np.array([sid for _, _, sid in literals], dtype=np.uint32)),
-            np.insert(ends, at, np.array([b for _, b, _ in literals], dtype=np.int64)))
+    out_ids = np.empty(ids.shape[0] + len(literals), dtype=np.uint32)
+    out_ends = np.empty(out_ids.shape[0], dtype=np.int64)
+    _interleave(ids, ends, at, np.array([sid for _, _, sid in literals], dtype=np.uint32),
+                np.array([b for _, b, _ in literals], dtype=np.int64), out_ids, out_ends)
+    return out_ids, out_ends
 
 
 __all__ = ["encode_segments", "span_starts", "with_literals"]
