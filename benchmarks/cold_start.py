@@ -59,6 +59,21 @@ def _same_ids(ids, ref_path: str) -> bool:
     return len(ref) == len(ids) and all(int(a) == b for a, b in zip(ids, ref))
 
 
+def _timed(out: dict, imported, encode):
+    """Import (`imported()` returns the loader), load, and two encodes, each timed into `out`."""
+    t0 = time.perf_counter()
+    load = imported()
+    t1 = time.perf_counter()
+    obj = load()
+    t2 = time.perf_counter()
+    ids = encode(obj)
+    t3 = time.perf_counter()
+    ids2 = encode(obj)
+    t4 = time.perf_counter()
+    out.update(import_s=t1 - t0, load_s=t2 - t1, encode1_s=t3 - t2, encode2_s=t4 - t3)
+    return obj, ids, ids2
+
+
 def child(args: argparse.Namespace) -> None:
     interp = _interp_s()
     text = Path(args.text).read_bytes().decode("utf-8")   # bytes: no newline translation (the text holds \r)
@@ -80,37 +95,25 @@ def child(args: argparse.Namespace) -> None:
         t2 = time.perf_counter()
         out.update(import_s=t1 - t0, load_s=0.0, encode1_s=t2 - t1, encode2_s=0.0, exact=True)
     elif args.child == "tokenplane":
-        t0 = time.perf_counter()
-        import tokenplane
-        t1 = time.perf_counter()
-        tok = tokenplane.load(args.family)
-        t2 = time.perf_counter()
-        ids = tok.encode(text)
-        t3 = time.perf_counter()
-        ids2 = tok.encode(text)
-        t4 = time.perf_counter()
+        def load_tokenplane():
+            import tokenplane
+            return lambda: tokenplane.load(args.family)
+
+        tok, ids, ids2 = _timed(out, load_tokenplane, lambda t: t.encode(text))
         auto = tok.path("auto")
-        out.update(import_s=t1 - t0, load_s=t2 - t1, encode1_s=t3 - t2, encode2_s=t4 - t3,
-                   router_stats=dict(getattr(auto, "stats", {})),
-                   reference_built=tok._reference is not None,
+        out.update(router_stats=dict(getattr(auto, "stats", {})), reference_built=tok._reference is not None,
                    exact=_same_ids(ids.tolist(), args.ref) and _same_ids(ids2.tolist(), args.ref))
     else:   # gigatoken, from the same pinned file
-        t0 = time.perf_counter()
-        import gigatoken
-        t1 = time.perf_counter()
-        if args.family == "llama3":     # a .tiktoken file names no splitter; gigatoken's cl100k-style one
-            gt = gigatoken.Tokenizer.from_tiktoken(args.file, pretokenizer="gpt4")
-        elif args.file.endswith(".tiktoken"):
-            gt = gigatoken.Tokenizer.from_tiktoken(args.file)
-        else:
-            gt = gigatoken.Tokenizer(args.file)
-        t2 = time.perf_counter()
-        ids = gt.encode(text)
-        t3 = time.perf_counter()
-        ids2 = gt.encode(text)
-        t4 = time.perf_counter()
-        out.update(import_s=t1 - t0, load_s=t2 - t1, encode1_s=t3 - t2, encode2_s=t4 - t3,
-                   exact=_same_ids(list(ids), args.ref) and _same_ids(list(ids2), args.ref))
+        def load_gigatoken():
+            import gigatoken
+            if args.family == "llama3":     # a .tiktoken file names no splitter; gigatoken's cl100k-style one
+                return lambda: gigatoken.Tokenizer.from_tiktoken(args.file, pretokenizer="gpt4")
+            if args.file.endswith(".tiktoken"):
+                return lambda: gigatoken.Tokenizer.from_tiktoken(args.file)
+            return lambda: gigatoken.Tokenizer(args.file)
+
+        _, ids, ids2 = _timed(out, load_gigatoken, lambda gt: gt.encode(text))
+        out.update(exact=_same_ids(list(ids), args.ref) and _same_ids(list(ids2), args.ref))
     print("RESULT " + json.dumps(out))
 
 
