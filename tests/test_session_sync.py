@@ -159,3 +159,32 @@ def test_prefix_compare_across_kinds_equals_startswith():
             text = text[:k] + rng.choice(alphabet) + text[k + 1:]
         off = len(head) if rng.random() < 0.8 else rng.randint(0, len(text))
         assert starts_with_at(text, chunk, off) == text.startswith(chunk, off)
+
+
+def test_text_store_keeps_wide_characters_to_their_own_runs():
+    """A few wide characters in mostly-ASCII text widen only their own ~4K-character runs (a str stores every
+    character at its widest one's width), appends of any size keep the same text, and the chunk count stays within
+    its budget even when every append switches width."""
+    from tokenplane.tokenize.textstore import TextStore
+    rng = random.Random(5)
+    base = list("plain ascii text, " * 40000)
+    for _ in range(6):
+        base[rng.randrange(len(base))] = "\U0001F642"
+    text = "".join(base)
+    store = TextStore()
+    store.append(text)
+    want = text
+    for k in range(400):
+        piece = ("x" * rng.randrange(1, 9000)) if k % 2 else ("\u4e2d" * rng.randrange(1, 50))
+        store.append(piece)
+        want += piece
+    assert store.joined() == want and len(store) == len(want)
+    for _ in range(50):
+        a = rng.randrange(len(want))
+        b = rng.randrange(a, min(len(want), a + 20000) + 1)
+        assert store.slice(a, b) == want[a:b]
+    assert len(store.chunks) <= 64 + len(want) // 16384 + 1
+    wide = TextStore()
+    wide.append(text)
+    # 6 emoji: 6 runs of <= 8K characters at 4 bytes instead of the whole 720K-character text
+    assert wide.nbytes(set()) < 1.2 * len(text)

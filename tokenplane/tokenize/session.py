@@ -162,8 +162,12 @@ class Session:
 
     @property
     def text(self) -> str:
-        """The raw text the user sent (joined lazily, then cached as one chunk)."""
+        """The raw text the user sent (joined from its chunks: O(characters); `n_chars` is its length in O(1))."""
         return self._raw.joined()
+
+    @property
+    def n_chars(self) -> int:
+        return len(self._raw)
 
     @property
     def normalized_text(self) -> str:
