@@ -25,8 +25,8 @@ from numba import njit
 
 SHIFT = 6                   # 64 tokens per checkpoint
 MIN_CAPACITY = 64           # records allocated for an empty session
-GROWTH = 16                 # capacity grows to n + n / GROWTH (at most 6.25% slack) ...
-MAX_SLACK = 1 << 16         # ... and at most 64K records (256 KiB) beyond n: large sessions keep < 6% slack
+GROWTH = 32                 # capacity grows to n + n / GROWTH + 16 (at most ~3% slack; a reallocation copies the
+MAX_SLACK = 1 << 16         # IDs, amortized 32 x 4 bytes per appended token) and at most 64K records beyond n
 
 
 @njit(cache=True)
@@ -204,7 +204,7 @@ class Records:
         buf = self.buf
         dst = keep + n_mid
         if new_n > len(buf):
-            cap = new_n + min(new_n // GROWTH, MAX_SLACK) + MIN_CAPACITY
+            cap = new_n + min(new_n // GROWTH, MAX_SLACK) + 16
             grown = np.empty(cap, np.uint32)
             grown[:keep] = buf[:keep]
             grown[dst:new_n] = buf[right_from:right_from + n_right]

@@ -18,24 +18,35 @@ from numba import njit
 from numba.cpython.unicode import _get_code_point
 
 CHUNK_MERGE = 1 << 16      # appends smaller than this merge into the last text chunk (bounded copy)
-WIDTH_RUN = 4096           # granularity at which text is cut between ASCII and wider runs (fewer, larger chunks:
-                           # a prefix check costs ~2 us per chunk of a narrower kind than the resent text)
+WIDTH_RUN = 4096           # ASCII gaps shorter than this stay inside a wide run (fewer, larger chunks: a prefix
+                           # check costs ~2 us per chunk of a narrower kind than the resent text)
+WIDTH_FINE = 256           # granularity of a wide run's edges
 
 
 def width_runs(s: str) -> list[str]:
-    """s cut where it switches between ASCII and wider text, at WIDTH_RUN-character granularity. A str stores every
-    character at the width of its widest one: cut this way, one emoji widens its own run (~4K characters), not a
-    64K-character chunk or a whole context."""
-    if len(s) <= WIDTH_RUN or s.isascii():
+    """s cut into ASCII runs and wide runs (each wide run spans non-ASCII characters to WIDTH_FINE granularity, and
+    ASCII gaps shorter than WIDTH_RUN stay inside it). A str stores every character at the width of its widest one:
+    cut this way, one emoji widens ~256 characters, not a 64K-character chunk or a whole context."""
+    if len(s) <= WIDTH_FINE or s.isascii():
         return [s]
-    out, start = [], 0
-    prev = s[:WIDTH_RUN].isascii()
-    for i in range(WIDTH_RUN, len(s), WIDTH_RUN):
-        cur = s[i:i + WIDTH_RUN].isascii()
-        if cur != prev:
-            out.append(s[start:i])
-            start, prev = i, cur
-    out.append(s[start:])
+    spans: list[list[int]] = []
+    for i in range(0, len(s), WIDTH_RUN):
+        if s[i:i + WIDTH_RUN].isascii():
+            continue
+        fine = [j for j in range(i, min(i + WIDTH_RUN, len(s)), WIDTH_FINE) if not s[j:j + WIDTH_FINE].isascii()]
+        a, b = fine[0], min(fine[-1] + WIDTH_FINE, len(s))
+        if spans and a - spans[-1][1] < WIDTH_RUN:
+            spans[-1][1] = b
+        else:
+            spans.append([a, b])
+    out, pos = [], 0
+    for a, b in spans:
+        if a > pos:
+            out.append(s[pos:a])
+        out.append(s[a:b])
+        pos = b
+    if pos < len(s):
+        out.append(s[pos:])
     return out
 
 
@@ -63,9 +74,11 @@ def _match_at(chunk, text, off):
 
 def starts_with_at(text: str, chunk: str, off: int) -> bool:
     """text.startswith(chunk, off) on the strs' own buffers: memcmp for equal kinds, a blocked compare otherwise."""
-    # isascii is a flag read: ASCII text is kind 1, as any match is; below ~32K characters the kernel's call
-    # (typing two str arguments, ~4 us) costs more than CPython's per-character compare saves
-    if len(chunk) < 32768 or text.isascii():
+    # isascii is a flag read: ASCII text is kind 1, as any match is. The kernel's call (typing two str arguments)
+    # costs ~3 us, CPython's compare across kinds ~0.3 ns/char: the kernel pays from ~12K characters on. An ASCII
+    # chunk in wider text is almost surely of another kind; a wider chunk may match the text's kind (then a
+    # memcmp), so the kernel is tried on those only from 32K on.
+    if text.isascii() or len(chunk) < (12288 if chunk.isascii() else 32768):
         return text.startswith(chunk, off)
     r = _match_at(chunk, text, off)
     return text.startswith(chunk, off) if r == 1 else r == 2
