@@ -75,7 +75,7 @@ def test_session_windows_take_the_batched_path():
     tok.encode("warm", path="cpu")
     sess = tok.session(text="<|im_start|>user\nhi<|im_end|>\n" * 40, allowed_special="all")
     calls = []
-    import tokenplane.tokenize.session as session_module
+    import tokenplane.tokenize.repair as session_module
     real = session_module.encode_segments
     try:
         session_module.encode_segments = lambda *a: calls.append(a[-1]) or real(*a)

@@ -9,7 +9,7 @@ import pytest
 
 import tokenplane
 from tokenplane import InvalidTextError
-from tokenplane.tokenize.records import move_right_part
+from tokenplane.tokenize.records import Records
 
 PROSE = ("Sessions keep state; appended text is repaired near the seam. Numbers like 2024 and 3.14, code such as "
          "f(x) = x**2 + 1, and prose alternate here.\n") * 40
@@ -109,19 +109,41 @@ def test_qwen3_edits_stay_local_around_non_nfc_text(toks):
     assert sess.stats.renormalizations == before and mapped >= 5
 
 
-def test_record_moves_overlap_either_way():
+def test_records_derive_every_end_through_any_splice():
+    """Records keep IDs only (ends derived from per-ID character counts, checkpoints every 64 records, exceptions
+    where an end moves further): after random splices of every shape (appends, edits that grow, shrink or keep the
+    count, growth past capacity, extras like those of dropped bytes), every end and every position search equals
+    an explicit ends array kept beside it."""
     rng = np.random.default_rng(0)
-    for _ in range(300):
-        n = int(rng.integers(1, 200))
-        ids = rng.integers(0, 1 << 32, size=n + 20, dtype=np.uint64).astype(np.uint32)
-        ends = np.sort(rng.integers(100, 1 << 20, size=n + 20)).astype(np.uint32)
-        src, dst, count, delta = int(rng.integers(0, 10)), int(rng.integers(0, 10)), int(rng.integers(0, n)), \
-            int(rng.integers(-50, 50))
-        want_ids, want_ends = ids.copy(), ends.copy()
-        want_ids[dst:dst + count] = ids[src:src + count].copy()
-        want_ends[dst:dst + count] = (ends[src:src + count].astype(np.int64) + delta).astype(np.uint32)
-        move_right_part(ids, ends, src, dst, count, delta)
-        assert np.array_equal(ids, want_ids) and np.array_equal(ends, want_ends)
+    tc = rng.integers(0, 5, size=50).astype(np.uint16)
+    for trial in range(40):
+        rec, ids, ends = Records(tc), np.zeros(0, np.int64), np.zeros(0, np.int64)
+        for _ in range(30):
+            n = len(ids)
+            keep = int(rng.integers(0, n + 1))
+            right_from = int(rng.integers(keep, n + 1))
+            m = int(rng.integers(0, 300 if rng.random() < 0.3 else 20))
+            if rng.random() < 0.25:
+                keep = right_from = n          # an append, of whole blocks: the next block's first checkpoint
+                m = 64 * int(rng.integers(1, 3)) if rng.random() < 0.5 else m
+            if rng.random() < 0.2 and n:
+                m = right_from - keep          # same count: checkpoints move by the length change
+            mid = rng.integers(0, 50, size=m)
+            extra = np.where(rng.random(m) < (0.3 if trial % 2 else 0.0), rng.integers(1, 4, size=m), 0)
+            base = int(ends[keep - 1]) if keep else 0
+            mid_ends = base + np.cumsum(tc[mid].astype(np.int64) + extra)
+            old_rest = ends[right_from:] - (int(ends[right_from - 1]) if right_from else 0)
+            # the right part keeps its own extents (as in a certified splice) and shifts by the length change
+            start_right = int(mid_ends[-1]) if m else base
+            delta = start_right - (int(ends[right_from - 1]) if right_from else 0)
+            rec.splice(keep, mid.astype(np.uint32), mid_ends, right_from, delta)
+            ids = np.concatenate([ids[:keep], mid, ids[right_from:]])
+            ends = np.concatenate([ends[:keep], mid_ends, start_right + old_rest])
+            assert np.array_equal(rec.ids, ids) and np.array_equal(rec.ends(), ends)
+            assert all(rec.end(i) == ends[i] for i in range(len(ids)))
+            for x in rng.integers(-1, int(ends[-1]) + 2 if len(ends) else 2, size=20):
+                c = int(np.searchsorted(ends, x, side="right"))
+                assert rec.locate(int(x)) == (c, int(ends[c - 1]) if c else 0)
 
 
 def test_prefix_compare_across_kinds_equals_startswith():
@@ -137,3 +159,32 @@ def test_prefix_compare_across_kinds_equals_startswith():
             text = text[:k] + rng.choice(alphabet) + text[k + 1:]
         off = len(head) if rng.random() < 0.8 else rng.randint(0, len(text))
         assert starts_with_at(text, chunk, off) == text.startswith(chunk, off)
+
+
+def test_text_store_keeps_wide_characters_to_their_own_runs():
+    """A few wide characters in mostly-ASCII text widen only their own ~4K-character runs (a str stores every
+    character at its widest one's width), appends of any size keep the same text, and the chunk count stays within
+    its budget even when every append switches width."""
+    from tokenplane.tokenize.textstore import TextStore
+    rng = random.Random(5)
+    base = list("plain ascii text, " * 40000)
+    for _ in range(6):
+        base[rng.randrange(len(base))] = "\U0001F642"
+    text = "".join(base)
+    store = TextStore()
+    store.append(text)
+    want = text
+    for k in range(400):
+        piece = ("x" * rng.randrange(1, 9000)) if k % 2 else ("\u4e2d" * rng.randrange(1, 50))
+        store.append(piece)
+        want += piece
+    assert store.joined() == want and len(store) == len(want)
+    for _ in range(50):
+        a = rng.randrange(len(want))
+        b = rng.randrange(a, min(len(want), a + 20000) + 1)
+        assert store.slice(a, b) == want[a:b]
+    assert len(store.chunks) <= 64 + len(want) // 16384 + 1
+    wide = TextStore()
+    wide.append(text)
+    # 6 emoji: 6 runs of <= 8K characters at 4 bytes instead of the whole 720K-character text
+    assert wide.nbytes(set()) < 1.2 * len(text)

@@ -285,7 +285,7 @@ class TokenizeService:
         with entry.lock:   # a session is single-writer; concurrent requests on one session queue here
             sess = entry.session
             removed = body.end - body.start if isinstance(body, EditBody) else 0
-            grown = len(sess.text) + len(text) - removed
+            grown = sess.n_chars + len(text) - removed
             if op != "sync" and grown > self.max_session_chars or op == "sync" and len(text) > self.max_session_chars:
                 raise PayloadTooLarge(f"the session would hold {max(grown, len(text)):,} characters; the limit is "
                                       f"{self.max_session_chars:,}", code="session_too_large")
@@ -302,12 +302,13 @@ class TokenizeService:
             except SessionError as exc:
                 raise InvalidRequest(str(exc)) from None
             ids = sess.ids
-            out = {"id": entry.id, "revision": sess.revision, "n_tokens": int(len(ids)), "n_chars": len(sess.text),
+            out = {"id": entry.id, "revision": sess.revision, "n_tokens": int(len(ids)), "n_chars": sess.n_chars,
                    "keep": int(splice.keep), "path": splice.path}
             if body.return_ids:
                 out["ids"] = splice.ids.tolist()
-            self.verify(entry.model, sess.text, ids, tuple(sess.allowed_special),
-                        context={"session": entry.id, "revision": sess.revision})
+            if self.verifiers.get(entry.model) is not None:     # sess.text joins the chunks: only when verifying
+                self.verify(entry.model, sess.text, ids, tuple(sess.allowed_special),
+                            context={"session": entry.id, "revision": sess.revision})
         self.store.resize(entry)
         return out
 
@@ -316,7 +317,7 @@ class TokenizeService:
         with entry.lock:
             sess = entry.session
             out = {"id": entry.id, "model": entry.model, "revision": sess.revision, "n_tokens": int(len(sess.ids)),
-                   "text_chars": len(sess.text), "nbytes": int(sess.nbytes),
+                   "text_chars": sess.n_chars, "nbytes": int(sess.nbytes),
                    "idle_s": round(self.store.clock() - entry.last_used, 3), "stats": _jsonable(sess.stats),
                    "allowed_special": sorted(sess.allowed_special)}
             if ids:

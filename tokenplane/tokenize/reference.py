@@ -141,6 +141,18 @@ class ReferenceEngine:
         return np.fromiter((len(b) for b in self.token_bytes), dtype=np.int64, count=len(self.token_bytes))
 
     @cached_property
+    def token_chars(self) -> np.ndarray:
+        """uint16[id]: characters the token's bytes start (UTF-8 lead bytes), i.e. how far it moves a character end
+        (char_ends of consecutive tokens differ by exactly this, but across bytes the vocabulary drops)."""
+        flat = np.frombuffer(b"".join(self.token_bytes), dtype=np.uint8)
+        leads = np.concatenate(([0], np.cumsum((flat & 0xC0) != 0x80)))
+        bounds = np.concatenate(([0], np.cumsum(self.token_lengths)))
+        lengths = leads[bounds[1:]] - leads[bounds[:-1]]
+        if lengths.size and lengths.max() > 0xFFFF:
+            raise ValueError("a token starts more than 65535 characters")
+        return lengths.astype(np.uint16)
+
+    @cached_property
     def continuation_start(self) -> np.ndarray:
         """bool[id]: the token's first byte is a UTF-8 continuation byte, i.e. the previous token ended inside a
         character (such a character end is not a clean split point)."""

@@ -6,7 +6,8 @@ rule that lies inside a run of agreeing records of >= 2 tokens covering more cha
 The same search serves both sides of an edit: rightmost candidate on the left side, leftmost on the right side.
 
 The search is one numba kernel over the window text's own buffer and the record arrays (binary searches, early-exit
-compares): a repair's fixed cost is a few microseconds instead of ~30 numpy calls on session-sized views.
+compares; the cached records' ends are derived by records.py's kernels): a repair's fixed cost is a few microseconds
+instead of ~30 numpy calls on session-sized views.
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 from numba.cpython.unicode import _get_code_point
+
+from .records import Records, end_at, locate
 
 MAX_CANDIDATES = 24        # stable positions tried per window side before widening
 MAX_STABLE = 4 * MAX_CANDIDATES    # stable positions scanned per side (nearest the edit first)
@@ -33,9 +36,11 @@ def _count_le(ends, n, x):
     return lo
 
 
-def _clean_impl(ends, ids, n, pos, origin, cont):
-    """Index of the last record ending at pos if pos is a clean boundary of these records, -1 for origin, -2 when
-    not a clean boundary (searchsorted(side="right") - 1, then the next record must not start inside a character)."""
+@njit(cache=True)
+def _clean_fresh(ends, ids, n, pos, origin, cont):
+    """Index of the last fresh record ending at pos if pos is a clean boundary of these records, -1 for origin, -2
+    when not a clean boundary (searchsorted(side="right") - 1, then the next record must not start inside a
+    character)."""
     if pos == origin:
         return -1
     idx = _count_le(ends, n, pos) - 1
@@ -46,11 +51,22 @@ def _clean_impl(ends, ids, n, pos, origin, cont):
     return idx
 
 
-_clean = njit(cache=True)(_clean_impl)
+@njit(cache=True)
+def _clean_cached(c_ids, ck, tc, ex_i, ex_v, c_n, pos, cont):
+    """_clean_fresh over the cached records (ends derived: records.py), origin 0."""
+    if pos == 0:
+        return -1
+    count, end = locate(c_ids, ck, tc, ex_i, ex_v, c_n, pos)
+    idx = count - 1
+    if idx < 0 or end != pos:
+        return -2
+    if idx + 1 < c_n and cont[c_ids[idx + 1]]:
+        return -2
+    return idx
 
 
 @njit(cache=True)
-def _run_ok(c_ids, c_n, ci, f_ids, f_n, fj, c_ends, max_chars):
+def _run_ok(c_ids, ck, tc, ex_i, ex_v, c_n, ci, f_ids, f_n, fj, max_chars):
     """The agreeing run through the splice point: >= 2 tokens, > max_chars characters, and it includes the token
     left of the point (so the point lies inside the run)."""
     back = 0
@@ -61,15 +77,17 @@ def _run_ok(c_ids, c_n, ci, f_ids, f_n, fj, c_ends, max_chars):
     fwd = 0
     while ci + 1 + fwd < c_n and fj + 1 + fwd < f_n and c_ids[ci + 1 + fwd] == f_ids[fj + 1 + fwd]:
         fwd += 1
+    if back + fwd < 2:
+        return False
     first = ci - back + 1
-    start = c_ends[first - 1] if first > 0 else 0
-    stop = c_ends[ci + fwd]
-    return back + fwd >= 2 and np.int64(stop) - np.int64(start) > max_chars
+    start = end_at(c_ids, ck, tc, ex_i, ex_v, first - 1) if first > 0 else np.int64(0)
+    stop = end_at(c_ids, ck, tc, ex_i, ex_v, ci + fwd)
+    return stop - start > max_chars
 
 
 @njit(cache=True)
-def _search(text, t0, lo, hi, hard, sig, pair, use_stable, c_ids, c_ends, c_n, f_ids, f_ends, f_n, cont, max_chars,
-            rightmost, shift, fresh_origin, max_stable, max_cand):
+def _search(text, t0, lo, hi, hard, sig, pair, use_stable, c_ids, ck, tc, ex_i, ex_v, c_n, f_ids, f_ends, f_n, cont,
+            max_chars, rightmost, shift, fresh_origin, max_stable, max_cand):
     """Candidates: the sorted `hard` positions and the stable positions p in [lo+1, hi-1] (pair[sig[text[p-1]],
     sig[text[p]]], text holding absolute positions [t0, t0 + len(text))), at most max_stable of them, nearest the
     edit first. Returns (p, cached index, fresh index) of the first qualifying one, or p = -1."""
@@ -98,31 +116,31 @@ def _search(text, t0, lo, hi, hard, sig, pair, use_stable, c_ids, c_ends, c_n, f
                 if is_stable:
                     seen += 1
         if is_hard or is_stable:
-            ci = _clean(c_ends, c_ids, c_n, p - shift, 0, cont)
+            ci = _clean_cached(c_ids, ck, tc, ex_i, ex_v, c_n, p - shift, cont)
             if ci >= -1:
-                fj = _clean(f_ends, f_ids, f_n, p, fresh_origin, cont)
+                fj = _clean_fresh(f_ends, f_ids, f_n, p, fresh_origin, cont)
                 if fj >= -1:
                     if is_hard:
                         return p, ci, fj
                     if tried >= max_cand:
                         return -1, 0, 0
                     tried += 1
-                    if _run_ok(c_ids, c_n, ci, f_ids, f_n, fj, c_ends, max_chars):
+                    if _run_ok(c_ids, ck, tc, ex_i, ex_v, c_n, ci, f_ids, f_n, fj, max_chars):
                         return p, ci, fj
         p += step
     return -1, 0, 0
 
 
 @njit(cache=True)
-def _clean_before(ends, ids, n, cont, target, start):
-    """See SpliceSearch.clean_before."""
-    last = _count_le(ends, n, target) - 1
+def _clean_before(ids, ck, tc, ex_i, ex_v, n, cont, target, start):
+    """See SpliceSearch.clean_before: (index, its end) or (-1, 0)."""
+    last = locate(ids, ck, tc, ex_i, ex_v, n, target)[0] - 1
     i = min(last, start) if start >= 0 else last
     while i >= 0:
         if i + 1 >= n or not cont[ids[i + 1]]:
-            return i
+            return i, end_at(ids, ck, tc, ex_i, ex_v, i)
         i -= 1
-    return -1
+    return -1, np.int64(0)
 
 
 class SpliceSearch:
@@ -138,7 +156,7 @@ class SpliceSearch:
         self.pair = pair if pair is not None else np.zeros((1, 1), np.uint8)
         self.use_stable = sig is not None
 
-    def point(self, text: str, t0: int, lo: int, hi: int, hard: list[int], c_ids: np.ndarray, c_ends: np.ndarray,
+    def point(self, text: str, t0: int, lo: int, hi: int, hard: list[int], cached: Records,
               f_ids: np.ndarray, f_ends: np.ndarray, *, rightmost: bool, shift: int, fresh_origin: int
               ) -> Point | None:
         """The boundary search of both window sides: the candidate in [lo, hi] nearest the edit (hard boundaries:
@@ -146,12 +164,13 @@ class SpliceSearch:
         [t0, t0 + len(text)) covering [lo, hi)) that is a clean boundary of the cached records (at position
         - shift) and of the fresh ones, and, unless hard, lies inside an agreeing run."""
         h = np.array(sorted({x for x in hard if lo <= x <= hi}), dtype=np.int64)
-        p, ci, fj = _search(text, t0, lo, hi, h, self.sig, self.pair, self.use_stable, c_ids, c_ends, len(c_ids),
+        p, ci, fj = _search(text, t0, lo, hi, h, self.sig, self.pair, self.use_stable, *cached.kernel_args(),
                             f_ids, f_ends, len(f_ids), self.cont, self.max_token_chars, rightmost, shift,
                             fresh_origin, MAX_STABLE, MAX_CANDIDATES)
         return None if p < 0 else (int(p), int(ci), int(fj))
 
-    def clean_before(self, ends: np.ndarray, ids: np.ndarray, target: int, start: int = -1) -> int:
-        """Index of the last record (at most `start` when >= 0) ending at or before `target` at a clean boundary
-        (the next record does not start inside a character); -1 when none."""
-        return int(_clean_before(ends, ids, len(ends), self.cont, target, start))
+    def clean_before(self, cached: Records, target: int, start: int = -1) -> tuple[int, int]:
+        """(index, end) of the last record (at most `start` when >= 0) ending at or before `target` at a clean
+        boundary (the next record does not start inside a character); (-1, 0) when none."""
+        i, e = _clean_before(*cached.kernel_args()[:5], cached.n, self.cont, target, start)
+        return int(i), int(e)

@@ -1,9 +1,10 @@
 """Text of a session: a chunked string store, the changes a session applies to it, and a view of an edited text.
 
 A str stores every character at the width of its widest one, and an append to one big str copies it; the store keeps
-a list of chunks with start offsets instead, so an append is O(len(appended)) and a large context is kept as 64K-char
-chunks, each at its own width. Changes are values (`Append`, `Replace`, `SetText`) computed before anything is mutated
-and applied at commit.
+a list of chunks with start offsets instead, so an append is O(len(appended)) and a large context is kept as chunks
+of at most 64K characters, cut between ASCII and wider runs (`width_runs`), each at its own width: the text costs
+about its UTF-8 size for mostly-ASCII text with a few wide characters. Changes are values (`Append`, `Replace`,
+`SetText`) computed before anything is mutated and applied at commit.
 """
 
 from __future__ import annotations
@@ -17,6 +18,36 @@ from numba import njit
 from numba.cpython.unicode import _get_code_point
 
 CHUNK_MERGE = 1 << 16      # appends smaller than this merge into the last text chunk (bounded copy)
+WIDTH_RUN = 4096           # ASCII gaps shorter than this stay inside a wide run (fewer, larger chunks: a prefix
+                           # check costs ~2 us per chunk of a narrower kind than the resent text)
+WIDTH_FINE = 256           # granularity of a wide run's edges
+
+
+def width_runs(s: str) -> list[str]:
+    """s cut into ASCII runs and wide runs (each wide run spans non-ASCII characters to WIDTH_FINE granularity, and
+    ASCII gaps shorter than WIDTH_RUN stay inside it). A str stores every character at the width of its widest one:
+    cut this way, one emoji widens ~256 characters, not a 64K-character chunk or a whole context."""
+    if len(s) <= WIDTH_FINE or s.isascii():
+        return [s]
+    spans: list[list[int]] = []
+    for i in range(0, len(s), WIDTH_RUN):
+        if s[i:i + WIDTH_RUN].isascii():
+            continue
+        fine = [j for j in range(i, min(i + WIDTH_RUN, len(s)), WIDTH_FINE) if not s[j:j + WIDTH_FINE].isascii()]
+        a, b = fine[0], min(fine[-1] + WIDTH_FINE, len(s))
+        if spans and a - spans[-1][1] < WIDTH_RUN:
+            spans[-1][1] = b
+        else:
+            spans.append([a, b])
+    out, pos = [], 0
+    for a, b in spans:
+        if a > pos:
+            out.append(s[pos:a])
+        out.append(s[a:b])
+        pos = b
+    if pos < len(s):
+        out.append(s[pos:])
+    return out
 
 
 @njit(cache=True)
@@ -43,9 +74,11 @@ def _match_at(chunk, text, off):
 
 def starts_with_at(text: str, chunk: str, off: int) -> bool:
     """text.startswith(chunk, off) on the strs' own buffers: memcmp for equal kinds, a blocked compare otherwise."""
-    # isascii is a flag read: ASCII text is kind 1, as any match is; below ~32K characters the kernel's call
-    # (typing two str arguments, ~4 us) costs more than CPython's per-character compare saves
-    if len(chunk) < 32768 or text.isascii():
+    # isascii is a flag read: ASCII text is kind 1, as any match is. The kernel's call (typing two str arguments)
+    # costs ~3 us, CPython's compare across kinds ~0.3 ns/char: the kernel pays from ~12K characters on. An ASCII
+    # chunk in wider text is almost surely of another kind; a wider chunk may match the text's kind (then a
+    # memcmp), so the kernel is tried on those only from 32K on.
+    if text.isascii() or len(chunk) < (12288 if chunk.isascii() else 32768):
         return text.startswith(chunk, off)
     r = _match_at(chunk, text, off)
     return text.startswith(chunk, off) if r == 1 else r == 2
@@ -137,18 +170,25 @@ class TextStore:
         if not s:
             return
         if len(s) > 4 * CHUNK_MERGE:
-            # a str stores every character at the width of its widest one: one emoji would make a whole 4M-char
-            # context 4 bytes/char, so large texts are kept as 64K-char chunks (each at its own width)
+            # large texts are kept as chunks of at most 64K characters (a bounded copy per later merge)
             for i in range(0, len(s), CHUNK_MERGE):
-                self.starts.append(self.length)
-                self.chunks.append(s[i:i + CHUNK_MERGE])
-                self.length += len(self.chunks[-1])
+                for run in width_runs(s[i:i + CHUNK_MERGE]):
+                    self._add(run)
             return
-        if self.chunks and len(self.chunks[-1]) + len(s) <= CHUNK_MERGE:
-            self.chunks[-1] += s
+        for run in width_runs(s):
+            self._add(run)
+
+    def _add(self, s: str) -> None:
+        """Merge into the last chunk when both are ASCII or both not (a merge never widens ASCII text), unless the
+        store already holds more chunks than its budget (one per 16K characters, plus 64): the Python-level
+        per-chunk work of a prefix check stays bounded while text of mixed widths keeps each run at its own."""
+        chunks = self.chunks
+        if chunks and len(chunks[-1]) + len(s) <= CHUNK_MERGE and (
+                chunks[-1].isascii() == s.isascii() or len(chunks) > 64 + self.length // 16384):
+            chunks[-1] += s
         else:
             self.starts.append(self.length)
-            self.chunks.append(s)
+            chunks.append(s)
         self.length += len(s)
 
     def _locate(self, pos: int) -> int:
@@ -209,8 +249,13 @@ class TextStore:
         return self
 
     def joined(self) -> str:
+        """The whole text. Kept as the store's one chunk when that costs no width (all chunks ASCII); otherwise
+        joined per call: one wide character would make a kept copy of the whole text 2-4 bytes/character."""
         if len(self.chunks) > 1:
-            self.chunks = ["".join(self.chunks)]
+            text = "".join(self.chunks)
+            if not text.isascii():
+                return text
+            self.chunks = [text]
             self.starts = [0]
         return self.chunks[0] if self.chunks else ""
 

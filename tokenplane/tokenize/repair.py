@@ -1,0 +1,255 @@
+"""The certified window repair of a session's records (the record side of a mutation; session.py plans the text side).
+
+Given the new normalized text, equal to the old one on [0, d) and on [e_new, end) (shifted by the length change), a
+window of fresh tokens around the change is encoded and spliced onto the cached records only at points splice.py
+certifies (a clean boundary of both inside an agreeing run, or a hard boundary). Otherwise the window doubles, up to
+`max_widenings` times, and finally the whole text is encoded. The result is a `RecordSplice`, a value the session
+commits to its records (records.py).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Callable, Literal
+
+import numpy as np
+
+from .cpu import boundary
+from .cpu.segments import MAX_CHARS as SEGMENTS_MAX_CHARS
+from .cpu.segments import encode_segments, with_literals
+from .records import Records
+from .router import segment_encoder
+from .splice import Point, SpliceSearch
+from .textstore import SplicedText, TextReader
+
+if TYPE_CHECKING:   # type names only: tokenizer.py imports session.py, which imports this module
+    from .tokenizer import Tokenizer
+
+Specials = Callable[[int, int], list[tuple[int, int, int]]]    # allowed literals inside [lo, hi): (a, b, id)
+
+
+@dataclass
+class SessionStats:
+    repairs: int = 0                # mutations of a non-empty session
+    windows_tried: int = 0
+    widenings: int = 0
+    first_window_accepts: int = 0   # repairs certified on the first (w=512) window
+    full_fallbacks: int = 0         # repairs that exhausted the widenings and encoded everything
+    full_encodes: int = 0           # all full encodes (fallbacks, bootstrap, unsupported family)
+    renormalizations: int = 0       # full NFC recomputations (documented O(N) cases)
+    last_repair_s: float = 0.0
+    last_encode_s: float = 0.0      # part of last_repair_s spent inside the reference engine (the rest: bookkeeping)
+    total_repair_s: float = 0.0
+    last_path: str = ""
+
+    def to_dict(self) -> dict[str, int | float | str]:
+        """Plain JSON-able values (counters may be numpy scalars after array arithmetic)."""
+        return {k: (v.item() if isinstance(v, np.generic) else v) for k, v in self.__dict__.items()}
+
+
+@dataclass
+class RecordSplice:
+    """The records after a mutation: old[:keep] + mid + old[right_from:], the last part's ends moved by delta."""
+    keep: int = 0
+    mid_ids: np.ndarray = field(default_factory=lambda: np.zeros(0, np.uint32))
+    mid_ends: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+    right_from: int = 0                         # old record index where the shifted right part starts
+    delta: int = 0
+    path: Literal["window", "full", "noop"] = "window"
+    attempts: int = 0
+
+
+class WindowRepair:
+    """The repair of one session's records (its tokenizer, allowed literals and window policy)."""
+
+    def __init__(self, tokenizer: Tokenizer, allowed_special: frozenset[str], rule: boundary.BoundaryRule | None, *,
+                 window: int, max_widenings: int, encode_path: str):
+        self.tokenizer = tokenizer
+        self.reference = tokenizer.reference
+        self.rule = rule
+        self.window, self.max_widenings = window, max_widenings
+        self.encode_path = encode_path
+        self.nfc = tokenizer.family.normalizer is not None
+        self.literals = bool(allowed_special)
+        self.is_special = tokenizer.special_mask(allowed_special)
+        sig, pair = boundary.pair_table(rule) if rule is not None else (None, None)
+        self.search = SpliceSearch(self.reference.continuation_start, tokenizer.max_token_chars, sig, pair)
+        self.encode_s = 0.0         # time inside the window encoder during the current mutation
+
+    def repair(self, rec: Records, old_norm: TextReader, new: SplicedText, d: int, e_new: int, specials: Specials,
+               stats: SessionStats) -> RecordSplice:
+        """The record splice for new text that equals the old text on [0, d) and on [e_new, end) (shifted by
+        new.delta), with the same literal segmentation there."""
+        n = rec.n
+        out = RecordSplice(delta=new.delta)
+        new_len = new.length
+        if n and self.rule is not None:
+            stats.repairs += 1
+            for attempt in range(self.max_widenings + 1):
+                w = self.window << attempt
+                s = self._window_start(rec, old_norm, d - w)
+                if self.literals:
+                    s = self._after_literal(old_norm, s, d, specials)
+                r = new_len
+                if e_new + w < new_len:
+                    r = self._window_end(e_new + w, specials(e_new + w - 1, e_new + w + 1))
+                out.attempts = attempt + 1
+                sp = specials(s, r)
+                text = new.slice(s, r)
+                fresh = self.encode_window(text, s, r, sp)
+                if fresh is None:
+                    continue
+                f_ids, f_ends = fresh
+                left = self._find_left(rec, text, s, d, f_ids, f_ends, sp)
+                if left is None:
+                    continue
+                right = self._find_right(rec, text, s, e_new, r, new_len, f_ids, f_ends, sp, new.delta)
+                if right is None:
+                    continue
+                self._fill_window(out, rec, left, right, f_ids, f_ends)
+                out.path = "window"
+                if attempt == 0:
+                    stats.first_window_accepts += 1
+                return out
+            stats.full_fallbacks += 1
+        elif n:
+            stats.repairs += 1
+        stats.full_encodes += 1
+        full = self.encode_window(new.slice(0, new_len), 0, new_len, specials(0, new_len), check=False)
+        assert full is not None     # check=False never refuses
+        f_ids, f_ends = full
+        m = min(n, len(f_ids))
+        neq = np.flatnonzero(rec.ids[:m] != f_ids[:m])
+        keep = int(neq[0]) if len(neq) else m
+        out.keep, out.mid_ids, out.mid_ends = keep, f_ids[keep:], f_ends[keep:]
+        out.right_from, out.path = n, "full"
+        return out
+
+    def _window_start(self, rec: Records, norm: TextReader, target: int) -> int:
+        """A clean cached token boundary <= target (a character boundary no token straddles); ASCII for NFC."""
+        if target <= 0:
+            return 0
+        i, pos = self.search.clean_before(rec, target)
+        if i < 0:
+            return 0
+        if not self.nfc or norm.char(pos) < "\x80":
+            return pos
+        fallback = pos
+        for _ in range(255):         # NFC: the window must start at an ASCII character (a split point)
+            i, pos = self.search.clean_before(rec, target, i - 1)
+            if i < 0:
+                return 0
+            if norm.char(pos) < "\x80":
+                return pos
+        return fallback
+
+    def _after_literal(self, norm: TextReader, s: int, d: int, specials: Specials) -> int:
+        """The window may start right after the last allowed literal in [s, d]: a literal is always split out of the
+        encode, so its end is a certified splice point and the text before it needs no re-encoding (a chat prompt
+        ends in its template's control tokens, so an appended turn re-encodes little more than itself)."""
+        edge = max((b for _, b, _ in specials(s, d + 1) if b <= d), default=s)
+        if edge <= s:
+            return s
+        if self.nfc and (edge >= len(norm) or norm.char(edge) >= "\x80"):
+            return s     # NFC windows start at an ASCII character (a normalization split point)
+        return edge
+
+    @staticmethod
+    def _window_end(target: int, specials: list[tuple[int, int, int]]) -> int:
+        for a, b, _ in specials:          # never cut a literal
+            if a < target < b:
+                return a
+        return target
+
+    def encode_window(self, text: str, s: int, r: int, specials: list[tuple[int, int, int]], check: bool = True
+                      ) -> tuple[np.ndarray, np.ndarray] | None:
+        """Reference records of text = new[s:r] (literals split out), ends absolute. None if an NFC self-check
+        fails."""
+        inside = [(a - s, b - s, sid) for a, b, sid in specials if s <= a and b <= r]
+        spans, pos = [], 0
+        for a, b, _ in inside:
+            spans.append((pos, a))
+            pos = b
+        spans.append((pos, r - s))
+        spans = [(a, b) for a, b in spans if a < b]
+        if self.nfc and check:
+            for a, b in spans:
+                t = text[a:b]
+                if not t.isascii() and self.tokenizer.normalize(t) != t:
+                    return None
+        t0 = time.perf_counter()
+        ids, ends, counts = self._ordinary_records(text, spans)
+        self.encode_s += time.perf_counter() - t0
+        ids, ends = with_literals(ids, ends, counts, spans, inside)
+        return ids, ends + s
+
+    def _ordinary_records(self, text: str, spans: list[tuple[int, int]]
+                          ) -> tuple[np.ndarray, np.ndarray, list[int] | np.ndarray]:
+        """(ids uint32, ends int64 in characters of text, token count per span) of each span encoded on its own:
+        one batched call on the CPU path (cpu/segments.py), else one encode per span."""
+        if not spans:
+            return np.zeros(0, np.uint32), np.zeros(0, np.int64), []
+        if self.encode_path != "reference" and spans[-1][1] - spans[0][0] < SEGMENTS_MAX_CHARS:
+            cpu = segment_encoder(self.tokenizer.path(self.encode_path), max(b - a for a, b in spans))
+            if cpu is not None:
+                out = encode_segments(cpu.bpe, self.tokenizer.family.name, text, spans)
+                if out is not None:
+                    return out
+        id_parts, end_parts, counts = [], [], []
+        for a, b in spans:
+            t = text[a:b]
+            if self.encode_path == "reference":
+                ids = self.reference.encode_ordinary_normalized(t)
+            else:
+                ids = self.tokenizer.encode_ordinary(t, path=self.encode_path)
+            id_parts.append(np.asarray(ids, dtype=np.uint32))
+            end_parts.append(self.reference.char_ends(t, ids) + a)
+            counts.append(len(ids))
+        return np.concatenate(id_parts), np.concatenate(end_parts).astype(np.int64, copy=False), counts
+
+    def _find_left(self, rec: Records, text: str, s: int, d: int, f_ids: np.ndarray, f_ends: np.ndarray,
+                   specials: list[tuple[int, int, int]]) -> Point | None:
+        """Rightmost certified splice point p in [s, d]: (p, cached index, fresh index); text = new[s:r]."""
+        hard = [s] if s == 0 or self._is_special_edge(rec, s) else []
+        for a, b, _ in specials:
+            if s <= b <= d:
+                hard += [x for x in (a, b) if x >= s]
+        return self.search.point(text, s, s, d, hard, rec, f_ids, f_ends, rightmost=True, shift=0, fresh_origin=s)
+
+    def _find_right(self, rec: Records, text: str, s: int, e_new: int, r: int, new_len: int, f_ids: np.ndarray,
+                    f_ends: np.ndarray, specials: list[tuple[int, int, int]], delta: int) -> Point | None:
+        """Leftmost certified splice point q in [e_new, r]: (q, cached index of q - delta, fresh index)."""
+        if r >= new_len and e_new >= new_len:
+            return new_len, rec.n - 1, len(f_ids) - 1
+        hard = [new_len] if r >= new_len else []
+        for a, b, _ in specials:
+            if a >= e_new and b <= r:
+                hard += [a, b]
+        # fresh_origin -1: the fresh window starts left of e_new, so a fresh index must be a real record (>= 0)
+        return self.search.point(text, s, e_new, r, hard, rec, f_ids, f_ends, rightmost=False, shift=delta,
+                                 fresh_origin=-1)
+
+    def _is_special_edge(self, rec: Records, pos: int) -> bool:
+        if not self.literals:
+            return False
+        count, end = rec.locate(pos)
+        i, ids = count - 1, rec.ids
+        if i >= 0 and end == pos and self.is_special[ids[i]]:
+            return True
+        return i + 1 < rec.n and bool(self.is_special[ids[i + 1]]) and (i < 0 or end == pos)
+
+    @staticmethod
+    def _fill_window(out: RecordSplice, rec: Records, left: Point, right: Point, f_ids: np.ndarray,
+                     f_ends: np.ndarray) -> None:
+        p, ci_p, fj_p = left
+        q, ci_q, fj_q = right
+        mid_ids = f_ids[fj_p + 1:fj_q + 1]
+        mid_ends = f_ends[fj_p + 1:fj_q + 1]
+        # keep cached tokens that equal the fresh ones after p (same start, same IDs -> same records)
+        cap = min(len(mid_ids), max(0, ci_q - ci_p))
+        neq = np.flatnonzero(rec.ids[ci_p + 1:ci_p + 1 + cap] != mid_ids[:cap])
+        k = int(neq[0]) if len(neq) else cap
+        out.keep = ci_p + 1 + k
+        out.mid_ids, out.mid_ends = mid_ids[k:], mid_ends[k:]
+        out.right_from = ci_q + 1
