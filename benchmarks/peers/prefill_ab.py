@@ -3,10 +3,11 @@
 only (`DecoderModel.prune_rows`). Four variants (both off = the previous engine, each alone, both on), run in a
 rotating order within each repeat, so the shared machine's load drifts over all of them alike.
 
-A run: N fresh random prompts of P tokens (no prefix-cache hits), prefilled through ModelRunner.run in steps of at
+A run: N fresh random prompts of P tokens, distinct for every run (no prefix-cache hits), prefilled through ModelRunner.run in steps of at
 most --budget tokens (whole prompts per step, as the scheduler's chunked prefill does for P <= budget; a longer prompt
 takes ceil(P / budget) chunks), timed around the steps. Reported: medians and P90 of prefill tok/s per variant, the
-ratio to the baseline's median, and max |logit diff| of each variant's last-position logits vs the baseline's.
+ratio to the baseline's median, and max |logit diff| of each variant's last-position logits vs the baseline's (one
+untimed run per variant on the same prompts, each on a fresh runner so no prefix-cache hit shortens it).
 
     PYTHONPATH=. flock /tmp/bench.lock python benchmarks/peers/prefill_ab.py --cells 256x1 256x8 2048x1
 """
@@ -75,10 +76,11 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
     cfg, model = load_model(args.model, dtype=torch.float32, seed=0)
     cells = [tuple(int(v) for v in c.split("x")) for c in args.cells]
-    max_tokens = max(P * N for P, N in cells)
-    runner = ModelRunner(model, cfg, num_blocks=max_tokens // 16 + 64, block_size=16)
-    run_once(runner, model, "both", 64, 2, args.budget, 0, cfg.vocab_size)   # warm-up: numba compile, oneDNN
-    run_once(runner, model, "baseline", 64, 2, args.budget, 0, cfg.vocab_size)
+    # A ModelRunner binds the model's attention layers to its own KV cache, so each phase builds its runner last.
+    warm = ModelRunner(model, cfg, num_blocks=64, block_size=16)
+    run_once(warm, model, "both", 64, 2, args.budget, 0, cfg.vocab_size)   # warm-up: numba compile, oneDNN
+    run_once(warm, model, "baseline", 64, 2, args.budget, 0, cfg.vocab_size)
+    del warm
     names = list(VARIANTS)
     res: dict = {"command": "python " + " ".join(["benchmarks/peers/prefill_ab.py", *(argv or sys.argv[1:])]),
                  "host": f"{platform.machine()}, {os.cpu_count()} CPUs", "model": args.model,
@@ -88,15 +90,20 @@ def main(argv: list[str] | None = None) -> int:
         secs: dict[str, list[float]] = {v: [] for v in names}
         diff: dict[str, float] = {v: 0.0 for v in names}
         load0 = os.getloadavg()[0]
+        logits = {}
+        for v in names:   # same prompts for every variant: a fresh runner each, so no prefix-cache hit
+            fresh = ModelRunner(model, cfg, num_blocks=P * N // 16 + 64, block_size=16)
+            logits[v] = run_once(fresh, model, v, P, N, args.budget, 7, cfg.vocab_size)[1]
+            del fresh
+        for v in names:
+            diff[v] = (logits[v] - logits["baseline"]).abs().max().item()
+        runner = ModelRunner(model, cfg, num_blocks=P * N // 16 + 64, block_size=16)
         for r in range(args.repeats):
             order = names[r % len(names):] + names[:r % len(names)]
-            logits = {}
-            for v in order:
-                dt, lg = run_once(runner, model, v, P, N, args.budget, 1000 + r, cfg.vocab_size)
-                secs[v].append(dt)
-                logits[v] = lg
-            for v in names:
-                diff[v] = max(diff[v], (logits[v] - logits["baseline"]).abs().max().item())
+            for v in order:   # distinct prompts for every run
+                seed = 1000 * (r + 1) + names.index(v)
+                secs[v].append(run_once(runner, model, v, P, N, args.budget, seed, cfg.vocab_size)[0])
+        del runner
         tok = {v: [P * N / s for s in secs[v]] for v in names}
         med = {v: statistics.median(tok[v]) for v in names}
         cell = {"P": P, "N": N, "tok_s": tok, "median_tok_s": med, "p90_seconds": {v: p90(secs[v]) for v in names},
