@@ -128,11 +128,13 @@ class ModelRunner:
         else:
             meta = self._metadata(seqs, spans, slots, padded=decode_only and self.decode_kernel == "padded")
             dev = self.device
-            hidden = self.model(torch.tensor(ids, device=dev), torch.tensor(positions, device=dev), meta)
+            keep_t = None
             if not decode_only or (rows is not None and len(rows) < len(seqs)):
                 last = list(itertools.accumulate(e - s for s, e in spans))
                 keep = [last[i] - 1 for i in (rows if rows is not None else range(len(seqs)))]
-                hidden = hidden[torch.tensor(keep, dtype=torch.long, device=dev)]
+                keep_t = torch.tensor(keep, dtype=torch.long, device=dev)
+            # the model computes only the kept rows after the last layer's attention
+            hidden = self.model(torch.tensor(ids, device=dev), torch.tensor(positions, device=dev), meta, keep_t)
         logits = self.model.compute_logits(hidden) if hidden.shape[0] else hidden.new_empty(0, self.cfg.vocab_size)
         out_dtype = torch.float64 if self.dtype == torch.float64 else torch.float32
         for seq, (_, end) in zip(seqs, spans):

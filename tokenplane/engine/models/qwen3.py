@@ -12,6 +12,7 @@ from torch import nn
 
 from tokenplane.engine.attention import AttentionMetadata, PagedAttention
 from tokenplane.engine.config import ModelConfig
+from tokenplane.engine.cpu_fused_norm import add_rms_norm_, fused_norm_applies
 from tokenplane.engine.layers import (
     Linear,
     RMSNorm,
@@ -39,7 +40,10 @@ class DecoderAttention(nn.Module):
             self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
         self.attn = PagedAttention(self.num_heads, self.num_kv_heads, self.head_dim)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata,
+                rows: torch.Tensor | None = None) -> torch.Tensor:
+        """rows: project only these rows of the attention output (the last layer, when only some positions sample;
+        every row's K/V is still written)."""
         qkv = self.qkv_proj(x)
         h, kvh, d, qk_size = self.num_heads, self.num_kv_heads, self.head_dim, self.q_size + self.kv_size
         # q and k side by side as [T, heads + kv_heads, d]: one norm and one rope for both (same values per head).
@@ -49,7 +53,8 @@ class DecoderAttention(nn.Module):
             w = torch.cat((self.q_norm.weight.expand(h, d), self.k_norm.weight.expand(kvh, d)))
             qk = rms_norm(qk, w, self.q_norm.eps)
         qk = apply_rope(qk, cos, sin)
-        return self.o_proj(self.attn(qk[:, :h], qk[:, h:], v, meta))
+        o = self.attn(qk[:, :h], qk[:, h:], v, meta)
+        return self.o_proj(o if rows is None else o[rows])
 
 
 class DecoderLayer(nn.Module):
@@ -60,10 +65,12 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata,
+                rows: torch.Tensor | None = None) -> torch.Tensor:
         # Unfused residual adds in transformers' order, so float64 runs can match it to ~1e-12.
         # (the sublayer's output is fresh, so the sum goes in place there: a + x == x + a bit for bit)
-        x = self.self_attn(self.input_layernorm(x), cos, sin, meta).add_(x)
+        a = self.self_attn(self.input_layernorm(x), cos, sin, meta, rows)
+        x = a.add_(x if rows is None else x[rows])
         return self.mlp(self.post_attention_layernorm(x)).add_(x)
 
 
@@ -76,12 +83,42 @@ class DecoderModel(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    # CPU fp32/fp64: residual adds fused into the next RMSNorm (cpu_fused_norm.py); a plain attribute so a benchmark
+    # can compare both paths on one model.
+    fused_norm = True
+    prune_rows = True   # False: compute every row through the last layer, then select (the pre-pruning path)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                rows: torch.Tensor | None = None) -> torch.Tensor:
+        """rows: return only these rows' hidden states. Every layer still computes all rows up to the last layer's
+        attention (their K/V); from there on (o_proj, MLP, final norm: ~84% of a layer's GEMM FLOPs) only these rows,
+        so a prefill of n tokens that samples once skips 1/num_layers of the work (the rows computed are the same
+        math on a smaller GEMM)."""
+        if rows is not None and not self.prune_rows:
+            return self.forward(input_ids, positions, meta)[rows]
         x = self.embed_tokens(input_ids)
         cos, sin = self.rotary(positions, x.dtype)
-        for layer in self.layers:
-            x = layer(x, cos, sin, meta)
-        return self.norm(x)
+        n = len(self.layers)
+        if not (self.fused_norm and fused_norm_applies(x, self.norm.weight)):
+            for i, layer in enumerate(self.layers):
+                x = layer(x, cos, sin, meta, rows if i + 1 == n else None)
+            return self.norm(x)
+        # vLLM's layout: each sublayer's fresh output takes the residual add inside the norm that follows it (the
+        # next layer's input norm, or the final norm), so x is the residual stream and h the normed input.
+        first = self.layers[0].input_layernorm
+        h = add_rms_norm_(x, None, first.weight, first.eps)
+        for i, layer in enumerate(self.layers):
+            last = i + 1 == n
+            a = layer.self_attn(h, cos, sin, meta, rows if last else None)
+            if last and rows is not None:
+                x = x[rows]
+            post = layer.post_attention_layernorm
+            h = add_rms_norm_(a, x, post.weight, post.eps)
+            m = layer.mlp(h)
+            nxt = self.norm if last else self.layers[i + 1].input_layernorm
+            h = add_rms_norm_(m, a, nxt.weight, nxt.eps)
+            x = m
+        return h
 
 
 class Qwen3ForCausalLM(nn.Module):
@@ -103,9 +140,10 @@ class Qwen3ForCausalLM(nn.Module):
             return [c.num_attention_heads * c.head_dim] + [c.num_key_value_heads * c.head_dim] * 2
         return [c.intermediate_size] * 2
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        """Flat token batch [T] -> final-norm hidden states [T, hidden]."""
-        return self.model(input_ids, positions, meta)
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                rows: torch.Tensor | None = None) -> torch.Tensor:
+        """Flat token batch [T] -> final-norm hidden states [T, hidden] (or [len(rows), hidden])."""
+        return self.model(input_ids, positions, meta, rows)
 
     def pack_cpu(self) -> bool:
         """oneDNN-packed copies of every linear and of the vocabulary projection, for CPU fp32/bf16 (a snapshot of
