@@ -11,9 +11,10 @@ redundant. What is kept beside the IDs (uint32, 4 bytes/token, grown by a fracti
   vocabulary without a token for some byte (smollm2) drops that byte's character from the token stream, so the next
   token's end also covers it. Empty for every other family and for most text; O(such tokens) when present.
 
-An edit that changes the token count moves the IDs right of it with one memmove and recomputes the checkpoints
-after it (a table-lookup scan over the moved IDs); an edit that keeps the count shifts their checkpoints by the
-length change. The kernels here are shared with splice.py (the splice-point search reads records through them).
+An edit moves the IDs right of it with one memmove; their checkpoints are the old ones shifted by the length
+change when the token count is kept, else read from the old records at the moved offsets (a few table lookups per
+block: `_moved_checkpoints`). The kernels here are shared with splice.py (the splice-point search reads records
+through them).
 """
 
 from __future__ import annotations
@@ -109,6 +110,43 @@ def _fill_checkpoints(ids, ck, tc, ex_i, ex_v, j0, j1):
         ck[j] = s
 
 
+@njit(cache=True)
+def _moved_checkpoints(ids, ck, tc, ex_i, ex_v, n_old, shift, delta, j_first, out):
+    """Checkpoints of the moved right part, from the old records before the move: new block j's checkpoint is the
+    end of old record j*64 - 1 - shift, plus the length change. That record sits at the same offset in every old
+    block, so each costs min(offset + 1, 63 - offset) table lookups from the nearer old checkpoint (1-2 for the
+    typical edit that changes the count by a few tokens), not a scan of the moved records."""
+    old_last = (n_old - 1) >> SHIFT
+    for k in range(out.shape[0]):
+        x = ((j_first + k) << SHIFT) - 1 - shift
+        b = x >> SHIFT
+        r = x - (b << SHIFT)
+        if ex_i.shape[0] == 0 and r >= 32 and b + 1 <= old_last:
+            s = np.int64(ck[b + 1])
+            for t in range(x + 1, (b + 1) << SHIFT):
+                s -= tc[ids[t]]
+        else:
+            s = end_at(ids, ck, tc, ex_i, ex_v, x)
+        out[k] = s + delta
+
+
+@njit(cache=True)
+def _mid_extras(mid_ids, mid_ends, prev_end, tc, out_i, out_v, base):
+    """Records of the new middle whose end moves by more than their own characters: (base + index, extra) into
+    out_i/out_v; returns how many."""
+    m = 0
+    prev = prev_end
+    for k in range(mid_ids.shape[0]):
+        e = np.int64(mid_ends[k])
+        x = e - prev - tc[mid_ids[k]]
+        if x != 0:
+            out_i[m] = base + k
+            out_v[m] = x
+            m += 1
+        prev = e
+    return m
+
+
 _EMPTY_I = np.zeros(0, np.int64)
 
 
@@ -154,48 +192,48 @@ class Records:
     def splice(self, keep: int, mid_ids: np.ndarray, mid_ends: np.ndarray, right_from: int, delta: int) -> None:
         """Records become old[:keep] + mid + old[right_from:], the last part's ends moved by `delta`; `mid_ends`:
         the absolute ends of the mid records (from the fresh encode)."""
-        n, tc = self.n, self.tc
+        n, tc, buf, ck, ex_i, ex_v = self.n, self.tc, self.buf, self.ck, self.ex_i, self.ex_v
         n_mid, n_right = len(mid_ids), n - right_from
         new_n = keep + n_mid + n_right
         shift = new_n - n
-        # ends the new exceptions are measured against, read before anything moves
-        prev_end = self.end(keep - 1) if keep else 0
-        ex_i, ex_v = self.ex_i, self.ex_v
-        parts_i, parts_v = [ex_i[:np.searchsorted(ex_i, keep)]], [ex_v[:np.searchsorted(ex_i, keep)]]
-        if n_mid:
-            d = np.diff(mid_ends.astype(np.int64), prepend=np.int64(prev_end)) - tc[mid_ids]
-            nz = np.flatnonzero(d)
-            parts_i.append(nz + keep)
-            parts_v.append(d[nz])
+        # everything read from the old records happens before anything moves
+        prev_end = int(end_at(buf, ck, tc, ex_i, ex_v, keep - 1)) if keep else 0
+        new_i, new_v = np.empty(n_mid + 1, np.int64), np.empty(n_mid + 1, np.int64)
+        m = _mid_extras(mid_ids, mid_ends, prev_end, tc, new_i, new_v, keep) if n_mid else 0
         if n_right:
             # the first right record's predecessor changed: its extra is measured again
-            first_end = self.end(right_from) + delta
-            before = int(mid_ends[-1]) if n_mid else prev_end
-            x = first_end - before - int(tc[self.buf[right_from]])
+            first_end = int(end_at(buf, ck, tc, ex_i, ex_v, right_from)) + delta
+            x = first_end - (int(mid_ends[-1]) if n_mid else prev_end) - int(tc[buf[right_from]])
             if x:
-                parts_i.append(np.array([keep + n_mid], np.int64))
-                parts_v.append(np.array([x], np.int64))
-            r = np.searchsorted(ex_i, right_from, side="right")
-            parts_i.append(ex_i[r:] + shift)
-            parts_v.append(ex_v[r:])
-        if ex_i.size or any(p.size for p in parts_i):
-            self.ex_i = np.concatenate(parts_i).astype(np.int64, copy=False)
-            self.ex_v = np.concatenate(parts_v).astype(np.int64, copy=False)
+                new_i[m], new_v[m] = keep + n_mid, x
+                m += 1
+        if ex_i.size or m:
+            lo = int(np.searchsorted(ex_i, keep))
+            hi = int(np.searchsorted(ex_i, right_from, side="right")) if n_right else ex_i.size
+            self.ex_i = np.concatenate([ex_i[:lo], new_i[:m], ex_i[hi:] + shift])
+            self.ex_v = np.concatenate([ex_v[:lo], new_v[:m], ex_v[hi:]])
+        last_block = (new_n - 1) >> SHIFT if new_n else 0
+        j_first = ((keep + n_mid) >> SHIFT) + 1     # first new checkpoint that ends inside the right part
+        moved = None
+        if n_right and shift and j_first <= last_block:
+            moved = np.empty(last_block - j_first + 1, np.int64)
+            _moved_checkpoints(buf, ck, tc, ex_i, ex_v, n, shift, delta, j_first, moved)
         self._move(keep, n_mid, right_from, n_right, new_n)
         self.buf[keep:keep + n_mid] = mid_ids
         self.n = new_n
         if new_n == 0:
             return
-        last_block = (new_n - 1) >> SHIFT
         # checkpoints at or before `keep` cover kept records only; those past the old last block were never set
         j0 = min(keep >> SHIFT, ((n - 1) >> SHIFT) if n else 0) + 1
-        if shift == 0 and n_right:
+        j1 = last_block
+        if n_right and shift == 0:
             # same count: checkpoints inside the right part are the old ones moved by the length change
-            j1 = min(last_block, (keep + n_mid) >> SHIFT)
+            j1 = min(last_block, j_first - 1)
             if j1 < last_block:
                 self.ck[j1 + 1:last_block + 1] += delta
-        else:
-            j1 = last_block
+        elif moved is not None:
+            j1 = j_first - 1
+            self.ck[j_first:last_block + 1] = moved
         if j0 <= j1:
             _fill_checkpoints(self.buf, self.ck, tc, self.ex_i, self.ex_v, j0, j1)
 
