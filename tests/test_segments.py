@@ -75,7 +75,7 @@ def test_session_windows_take_the_batched_path():
     tok.encode("warm", path="cpu")
     sess = tok.session(text="<|im_start|>user\nhi<|im_end|>\n" * 40, allowed_special="all")
     calls = []
-    import tokenplane.tokenize.repair as session_module
+    import tokenplane.tokenize.router as session_module
     real = session_module.encode_segments
     try:
         session_module.encode_segments = lambda *a: calls.append(a[-1]) or real(*a)
@@ -108,7 +108,7 @@ def _reference_with_specials(tok, text):
 def test_encode_with_allowed_specials_equals_the_reference(tok):
     """Tokenizer.encode of texts cut by allowed literals (chat-shaped, adversarial, real) takes the one-call path
     where it applies and equals the reference engine's own encode with specials."""
-    import tokenplane.tokenize.tokenizer as tokenizer_module
+    import tokenplane.tokenize.router as tokenizer_module
     rng = random.Random(9)
     specials = sorted(tok.specials)[:6]
     real = [t for t in corpus_texts("mixed")[:30] if t]

@@ -16,10 +16,9 @@ from typing import TYPE_CHECKING, Callable, Literal
 import numpy as np
 
 from .cpu import boundary
-from .cpu.segments import MAX_CHARS as SEGMENTS_MAX_CHARS
-from .cpu.segments import encode_segments, with_literals
+from .cpu.segments import with_literals
 from .records import Records
-from .router import segment_encoder
+from .router import encode_segments_on
 from .splice import Point, SpliceSearch
 from .textstore import SplicedText, TextReader
 
@@ -190,12 +189,10 @@ class WindowRepair:
         one batched call on the CPU path (cpu/segments.py), else one encode per span."""
         if not spans:
             return np.zeros(0, np.uint32), np.zeros(0, np.int64), []
-        if self.encode_path != "reference" and spans[-1][1] - spans[0][0] < SEGMENTS_MAX_CHARS:
-            cpu = segment_encoder(self.tokenizer.path(self.encode_path), max(b - a for a, b in spans))
-            if cpu is not None:
-                out = encode_segments(cpu.bpe, self.tokenizer.family.name, text, spans)
-                if out is not None:
-                    return out
+        if self.encode_path != "reference":
+            out = encode_segments_on(self.tokenizer.path(self.encode_path), self.tokenizer.family.name, text, spans)
+            if out is not None:
+                return out
         id_parts, end_parts, counts = [], [], []
         for a, b in spans:
             t = text[a:b]

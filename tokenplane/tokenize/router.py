@@ -17,11 +17,13 @@ from __future__ import annotations
 
 import os
 import threading
-from typing import TYPE_CHECKING, Any, Callable, Protocol
+from typing import TYPE_CHECKING, Any, Callable, Protocol, Sequence
 
 import numpy as np
 
 from .cpu import pretokenize
+from .cpu.segments import MAX_CHARS as SEGMENTS_MAX_CHARS
+from .cpu.segments import encode_segments
 from .errors import PathUnavailableError
 
 if TYPE_CHECKING:   # type names only: the tokenizer module sits above this one and is never imported from here
@@ -120,16 +122,27 @@ class Router:
 
 
 def segment_encoder(encoder: Encoder | None, longest: int) -> Any | None:
-    """The built CPU encoder (parallel.CpuEncoder) behind a registered "cpu" or "auto" path, when that path would
-    send every segment of a batch (the longest has `longest` characters) to it; else None (not built yet: the
-    router answers from the reference; a GPU would take a long segment; any other path)."""
+    """The CPU encoder (parallel.CpuEncoder, built on first use as the router builds it) behind a registered "cpu" or
+    "auto" path, when that path would send every segment of a batch (the longest has `longest` characters) to it;
+    else None (a GPU would take a long segment; any other path)."""
     if isinstance(encoder, Router):
         if longest > encoder.gpu_min_chars and encoder.gpu() is not None:
             return None
         encoder = encoder.cpu
     if isinstance(encoder, _Lazy):
-        return encoder.get() if encoder.ready else None
+        return encoder.get()
     return None
+
+
+def encode_segments_on(encoder: Encoder | None, family: str, text: str, spans: Sequence[tuple[int, int]]
+                       ) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+    """`cpu/segments.encode_segments` through the CPU encoder behind a registered path (ids, ends, token count per
+    span); None where that path does not apply: no CPU encoder behind it, a GPU-sized segment, spans reaching over
+    `segments.MAX_CHARS` (the encoder's own chunk-parallel path is for those), a byte the vocabulary lacks."""
+    if not spans or spans[-1][1] - spans[0][0] >= SEGMENTS_MAX_CHARS:
+        return None
+    cpu = segment_encoder(encoder, max(b - a for a, b in spans))
+    return None if cpu is None else encode_segments(cpu.bpe, family, text, spans)
 
 
 # Touches every pre-tokenizer branch family by family: letters, case, contractions, digits, punctuation runs,

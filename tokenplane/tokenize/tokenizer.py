@@ -16,11 +16,10 @@ from typing import Callable, Collection, Iterable, Literal, Mapping
 import numpy as np
 
 from .cpu import nfc
-from .cpu.segments import MAX_CHARS as SEGMENTS_MAX_CHARS
-from .cpu.segments import encode_segments, with_literals
+from .cpu.segments import with_literals
 from .errors import InvalidTextError, PathUnavailableError, TextTooLargeError, validate_text  # noqa: F401
 from .reference import ReferenceEngine, make_reference
-from .router import segment_encoder
+from .router import encode_segments_on
 from .session import Session
 from .spec.families import Family
 from .spec.vocabmeta import cached_meta
@@ -186,11 +185,8 @@ class Tokenizer:
                                  path: str) -> np.ndarray | None:
         """A text cut by allowed literals (a rendered chat) with every ordinary segment's pieces in one BPE call
         (cpu/segments.py) instead of one encode per segment; None where that path does not apply (a normalizing
-        family, whose segments are normalized one by one; no built CPU path; a GPU-sized segment; a long text)."""
-        if self.family.normalizer is not None or len(text) >= SEGMENTS_MAX_CHARS:
-            return None
-        cpu = segment_encoder(self._paths.get(path), max((len(seg) for seg, sid in segments if sid is None), default=0))
-        if cpu is None:
+        family, whose segments are normalized one by one; see router.encode_segments_on for the rest)."""
+        if self.family.normalizer is not None:
             return None
         spans, literals, pos = [], [], 0
         for seg, sid in segments:
@@ -201,7 +197,7 @@ class Tokenizer:
             pos += len(seg)
         if not spans:
             return np.array([sid for _, _, sid in literals], dtype=np.uint32)
-        out = encode_segments(cpu.bpe, self.family.name, text, spans)
+        out = encode_segments_on(self._paths.get(path), self.family.name, text, spans)
         if out is None:
             return None
         return with_literals(out[0], out[1], out[2], spans, literals)[0]
