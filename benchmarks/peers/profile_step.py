@@ -29,9 +29,10 @@ def main() -> None:
     ap.add_argument("--rows", type=int, default=14)
     ap.add_argument("--random-kv", action="store_true", help="fill the KV cache randomly instead of prefilling")
     ap.add_argument("--no-profile", action="store_true", help="time only (no profiler overhead)")
+    ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    cfg, model = load_model(args.model)
+    cfg, model = load_model(args.model, dtype=getattr(torch, args.dtype))
     for B in args.batch:
         per = -(-(args.context + args.steps + 40) // 16)
         runner = ModelRunner(model, cfg, num_blocks=B * per + 8, block_size=16, decode_kernel=args.kernel)

@@ -6,10 +6,12 @@ an index_select copy of its whole K and V. At 64 sequences x 300 tokens that cop
 time, and the per-call overhead is the rest (see attention.py). Here each row's K/V is read in place through its block
 table, once, as vLLM's CPU paged-attention kernel does, and the loop over sequences is compiled (numba), not Python.
 
-Numerics: scores are q.k * scale accumulated in the cache dtype (float32 or float64), a max-subtracted softmax, then
-the value sum divided by the exponent sum, the same math as SDPA's kernels with a different summation order (float32
-results differ from SDPA's in the last bits, as SDPA's flash and math kernels differ from each other). GQA: the
-`group` query heads of a KV head are scored against each key as it is loaded.
+Numerics: scores are q.k * scale accumulated in the cache dtype (float32 or float64; bfloat16 caches accumulate in
+float32, as SDPA's CPU flash kernel does for bfloat16), a max-subtracted softmax, then the value sum divided by the
+exponent sum, the same math as SDPA's kernels with a different summation order (float32 results differ from SDPA's in
+the last bits, as SDPA's flash and math kernels differ from each other). GQA: the `group` query heads of a KV head
+are scored against each key as it is loaded. bfloat16 reaches numba as its raw 16 bits (uint16): a load widens them
+to float32 exactly (the bits are float32's top half), a store rounds to nearest even, as torch's own cast does.
 
 Threads: the kernel runs on the calling thread only (measured and tuned for 1 intra-op thread, the per-sub-server
 setting); with more torch threads the GEMMs around it run in parallel and it does not (not measured here).
@@ -23,9 +25,9 @@ import torch
 from llvmlite import ir
 from numba import njit, types
 from numba.core import cgutils
-from numba.extending import intrinsic
+from numba.extending import intrinsic, overload
 
-DTYPES = (torch.float32, torch.float64)
+DTYPES = (torch.float32, torch.float64, torch.bfloat16)
 CACHE_LINE = 64
 
 
@@ -44,6 +46,51 @@ def _prefetch(typingctx, flat, index):  # noqa: ANN001
     return types.void(flat, index), codegen
 
 
+@intrinsic
+def _f32_from_bits(typingctx, bits):  # noqa: ANN001
+    """Reinterpret a uint32 as the float32 with those bits."""
+    def codegen(context, builder, signature, args):  # noqa: ANN001
+        return builder.bitcast(args[0], ir.FloatType())
+    return types.float32(types.uint32), codegen
+
+
+@intrinsic
+def _bits_from_f32(typingctx, value):  # noqa: ANN001
+    """Reinterpret a float32 as the uint32 with its bits."""
+    def codegen(context, builder, signature, args):  # noqa: ANN001
+        return builder.bitcast(args[0], ir.IntType(32))
+    return types.uint32(types.float32), codegen
+
+
+def _load(x):  # noqa: ANN001, ANN202
+    """A cache or query element as the value to compute with (bfloat16 bits -> float32; floats as they are)."""
+
+
+@overload(_load, inline="always")
+def _load_impl(x):  # noqa: ANN001, ANN202
+    if x == types.uint16:
+        return lambda x: _f32_from_bits(types.uint32(x) << types.uint32(16))
+    return lambda x: x
+
+
+def _store(value, like):  # noqa: ANN001, ANN202
+    """`value` as an element of an output array whose elements look like `like`."""
+
+
+@overload(_store, inline="always")
+def _store_impl(value, like):  # noqa: ANN001, ANN202
+    if like == types.uint16:
+        def to_bf16(value, like):  # noqa: ANN001, ANN202
+            f = types.float32(value)
+            if f != f:
+                return types.uint16(0x7FC0)   # a quiet NaN, as torch's cast gives
+            u = _bits_from_f32(f)
+            return types.uint16((u + types.uint32(0x7FFF) + ((u >> types.uint32(16)) & types.uint32(1)))
+                                >> types.uint32(16))
+        return to_bf16
+    return lambda value, like: value
+
+
 @njit(inline="always")
 def _prefetch_block(flat, start, n, step):  # noqa: ANN001
     for i in range(0, n, step):
@@ -52,9 +99,10 @@ def _prefetch_block(flat, start, n, step):  # noqa: ANN001
 
 @njit(cache=True, nogil=True, fastmath={"reassoc", "contract", "nsz", "arcp"})
 def _paged_decode(q, k_cache, v_cache, block_tables, context_lens, rows, out, block_size, group, scale,  # noqa: ANN001
-                  prefetch):
+                  prefetch, acc_like):
     """q [T, heads(+more), d] (only the first kvh * group heads are read); k/v_cache [kvh, slots, d];
-    block_tables [B, max_blocks]; context_lens, rows [B] (the q/out row of batch entry b); out [T, heads * d]."""
+    block_tables [B, max_blocks]; context_lens, rows [B] (the q/out row of batch entry b); out [T, heads * d];
+    acc_like: an empty array of the accumulation dtype."""
     kvh = k_cache.shape[0]
     slots = k_cache.shape[1]
     d = k_cache.shape[2]
@@ -68,10 +116,10 @@ def _paged_decode(q, k_cache, v_cache, block_tables, context_lens, rows, out, bl
     max_ctx = 0
     for b in range(context_lens.shape[0]):
         max_ctx = max(max_ctx, context_lens[b])
-    scores = np.empty((group, max_ctx), dtype=k_cache.dtype)
-    qbuf = np.empty((group, d), dtype=k_cache.dtype)
-    acc = np.empty((group, d), dtype=k_cache.dtype)
-    zero = np.zeros(1, dtype=k_cache.dtype)[0]   # accumulate dot products in the cache dtype (vectorizes)
+    scores = np.empty((group, max_ctx), dtype=acc_like.dtype)
+    qbuf = np.empty((group, d), dtype=acc_like.dtype)
+    acc = np.empty((group, d), dtype=acc_like.dtype)
+    zero = np.zeros(1, dtype=acc_like.dtype)[0]   # accumulate dot products in this dtype, not float64 (vectorizes)
     for b in range(context_lens.shape[0]):
         ctx = context_lens[b]
         row = rows[b]
@@ -79,7 +127,7 @@ def _paged_decode(q, k_cache, v_cache, block_tables, context_lens, rows, out, bl
         for h in range(kvh):
             for gi in range(group):
                 for j in range(d):
-                    qbuf[gi, j] = q[row, h * group + gi, j]
+                    qbuf[gi, j] = _load(q[row, h * group + gi, j])
             # scores = q . k for every cached key, read through the block table
             t = 0
             for bi in range(nblk):
@@ -96,7 +144,7 @@ def _paged_decode(q, k_cache, v_cache, block_tables, context_lens, rows, out, bl
                     for gi in range(group):
                         s = zero
                         for j in range(d):
-                            s += qbuf[gi, j] * k_cache[h, slot, j]
+                            s += qbuf[gi, j] * _load(k_cache[h, slot, j])
                         scores[gi, t + o] = s * scale
                 t += n
             # softmax numerators and denominators per query head
@@ -130,13 +178,13 @@ def _paged_decode(q, k_cache, v_cache, block_tables, context_lens, rows, out, bl
                     for gi in range(group):
                         p = scores[gi, t + o]
                         for j in range(d):
-                            acc[gi, j] += p * v_cache[h, slot, j]
+                            acc[gi, j] += p * _load(v_cache[h, slot, j])
                 t += n
             for gi in range(group):
                 inv = 1.0 / qbuf[gi, 0]
                 col = (h * group + gi) * d
                 for j in range(d):
-                    out[row, col + j] = acc[gi, j] * inv
+                    out[row, col + j] = _store(acc[gi, j] * inv, out[row, col + j])
 
 
 def available(dtype: torch.dtype, device: torch.device) -> bool:
@@ -148,5 +196,15 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
                  scale: float, prefetch: bool = True) -> None:
     """Writes out[rows[b]] = attention of q[rows[b]] over its context_lens[b] cached tokens, for every b. CPU tensors
     of one dtype in DTYPES; q [T, >= kvh * group, d], k/v_cache [kvh, slots, d] contiguous, out [T, heads * d]."""
-    _paged_decode(q.numpy(), k_cache.numpy(), v_cache.numpy(), block_tables, context_lens, rows, out.numpy(),
-                  block_size, group, scale, prefetch)
+    if q.dtype == torch.bfloat16:
+        arrays = [t.view(torch.int16).numpy().view(np.uint16) for t in (q, k_cache, v_cache, out)]
+        acc_like = _EMPTY[torch.float32]
+    else:
+        arrays = [t.numpy() for t in (q, k_cache, v_cache, out)]
+        acc_like = _EMPTY[q.dtype]
+    qa, ka, va, oa = arrays
+    _paged_decode(qa, ka, va, block_tables, context_lens, rows, oa, block_size, group, scale, prefetch, acc_like)
+
+
+_EMPTY = {torch.float32: np.empty(0, np.float32), torch.float64: np.empty(0, np.float64)}
+
