@@ -22,10 +22,11 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from .backends import BackendHealth, ModelStatus
+from .body_delta import BodyDeltas, Parsed
 from .conversations import TokenizationReport
 from .errors import APIError, InvalidRequest
 from .ids_json import RequestBodies
-from .openai_routes import ClientDisconnected, OpenAIServer
+from .openai_routes import _INLINE_BYTES, ClientDisconnected, OpenAIServer
 from .protocol import ChatCompletionRequest, CompletionRequest
 from .upstream import FORWARDED, UpstreamPool, error_from, sse_data
 
@@ -79,6 +80,7 @@ class ProxyServer(OpenAIServer):
         super().__init__(UpstreamBackend(pool), tokenizer, **kwargs)
         self.pool = pool
         self.bodies = RequestBodies()
+        self.deltas = BodyDeltas()   # resent chat bodies parsed in O(new part) (body_delta.py)
 
     async def warm_up(self) -> None:
         if self._follow_upstream_name and self.pool.model:
@@ -88,6 +90,7 @@ class ProxyServer(OpenAIServer):
     def use_sessions(self, store: Any) -> None:
         super().use_sessions(store)
         store.on_evict.append(self.bodies.forget)
+        store.on_evict.append(self.deltas.forget)
 
     def _fields(self, req: Any, stop_ids: tuple[int, ...]) -> dict[str, Any]:
         """The upstream request's fields other than the prompt."""
@@ -106,10 +109,27 @@ class ProxyServer(OpenAIServer):
         body["model"] = self.pool.model
         return body
 
-    def _prepared(self, req: Any, chat: bool) -> tuple[int, TokenizationReport | None, bytes]:
+    def _chat_ids(self, req: ChatCompletionRequest, parsed: Parsed) -> tuple[Any, TokenizationReport | None]:
+        """chat_ids with what the conversation's previous body says: which leading messages are known to quote no
+        control token, and (same conversation key) the session to repair; then this body kept for the next turn."""
+        base = parsed.base
+        clean = min(base.clean, parsed.reused) if base is not None else 0
+        session = base.session if base is not None and base.conversation_key == req.conversation_key else None
+        prompt_ids, report = self.chat_ids(req, clean, session)
+        if parsed.state is not None and report is not None:
+            if report.path in ("session", "new_session"):   # quotes_specials ran on every message: none quotes
+                clean = len(req.messages)
+            self.deltas.keep(parsed.state, report.session, req.conversation_key, clean)
+        return prompt_ids, report
+
+    def _prepared(self, req: Any, chat: bool, parsed: Parsed | None = None) -> tuple[int, TokenizationReport | None,
+                                                                                     bytes]:
         """Worker-thread part of a request: its prompt IDs, checked against the context, and the upstream body
         (ids_json.py: the IDs' JSON reuses the session's previous body where the splice allows)."""
-        prompt_ids, report = self.chat_ids(req) if chat else self.completion_ids(req)
+        if chat:
+            prompt_ids, report = self._chat_ids(req, parsed) if parsed is not None else self.chat_ids(req)
+        else:
+            prompt_ids, report = self.completion_ids(req)
         n = len(prompt_ids)
         if n == 0:
             raise InvalidRequest("the prompt is empty", param="prompt")
@@ -129,9 +149,11 @@ class ProxyServer(OpenAIServer):
         return await self._forward(request, req, n, body, report, conversation_key(req, text), chat=False)
 
     async def chat_completions(self, request: Request) -> Any:
-        req = await self.read(request, ChatCompletionRequest)
+        raw = await request.body()
+        parsed = self.deltas.parse(raw) if len(raw) <= _INLINE_BYTES else await self.offload(self.deltas.parse, raw)
+        req = self.checked(request, ChatCompletionRequest, parsed.body, parsed.checked)
         self._check_chars(sum(len(m.text()) for m in req.messages))
-        n, report, body = await self.offload(self._prepared, req, True)
+        n, report, body = await self.offload(self._prepared, req, True, parsed)
         first = req.messages[0].text()[:1024] if req.messages else ""
         return await self._forward(request, req, n, body, report, conversation_key(req, first), chat=True)
 
