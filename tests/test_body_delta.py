@@ -44,6 +44,8 @@ def check(deltas: BodyDeltas, raw: bytes) -> None:
         p = deltas.parse(r)
         if p.state is not None:
             deltas.keep(p.state, None, None, 0)
+        elif p.raw is not None:
+            deltas.remember(p.raw, p.body.get("messages"), None, None, 0)
         return p.body, p.checked
     assert outcome(through, raw) == outcome(parse_request, raw)
 
@@ -91,7 +93,10 @@ def test_appends_take_the_fast_path() -> None:
         p = deltas.parse(raw)
         assert p.body == parse_request(raw)[0]
         assert p.reused == (0 if i == 0 else len(msgs) - 2)
-        deltas.keep(p.state, "sess", None, 0)
+        if i == 0:
+            assert p.state is None and deltas.remember(p.raw, p.body["messages"], "sess", None, 0)
+        else:
+            deltas.keep(p.state, "sess", None, 0)
         msgs = msgs + [{"role": "assistant", "content": f"answer {i}"}, {"role": "user", "content": f"q {i}"}]
     assert deltas.hits == 5 and deltas.stats()["bodies"] == 1   # one state per conversation
 
@@ -134,7 +139,8 @@ def test_duplicate_messages_key_in_kept_body_is_not_kept() -> None:
     raw = b'{"messages": [{"role": "user", "content": "' + b"x" * 300 + b'"}], "messages": [{"role": "user"}]}'
     assert _messages_array(raw) is None
     deltas = BodyDeltas()
-    assert deltas.parse(raw).state is None
+    p = deltas.parse(raw)
+    assert p.state is None and not deltas.remember(p.raw, p.body["messages"], None, None, 0)
 
 
 def test_value_end_over_escapes() -> None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import random
+import time
 
 import httpx
 import pytest
@@ -54,6 +55,7 @@ def test_resent_bodies_forward_exact_ids(tok):
             assert r.status_code == 200, r.text
             want = template.encode([(m["role"], m["content"]) for m in msgs])
             assert engine.prompts[-1] == want, f"turn {turn} (op {op})"
+            time.sleep(0.15)   # a body parsed in full is kept off the turn's path, 50 ms after it (an agent's pace)
             if turn % 5 == 4:   # a broken body and an unsupported parameter: the same errors as a full parse
                 bad = raw[:-1] + b', "tools": [{"type": "function"}]}'
                 r = httpx.post(t.url + "/v1/chat/completions", content=bad, timeout=60)
@@ -68,7 +70,6 @@ def test_direct_chat_route_keeps_errors_metrics_and_cancellation(tok):
     and body limit still apply, metrics keep the route's label, other methods still get 405, and a client that
     leaves (streaming or not) cancels the upstream request."""
     import socket
-    import time
     from urllib.parse import urlparse
 
     from servers import ThreadServer

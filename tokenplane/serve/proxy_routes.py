@@ -13,9 +13,11 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
+import logging
 import secrets
 import time
 from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from fastapi import Request
@@ -31,6 +33,8 @@ from .protocol import ChatCompletionRequest, CompletionRequest
 from .upstream import FORWARDED, UpstreamPool, error_from, sse_data
 
 _DISCONNECT_POLL_S = 0.25
+_STATE_DELAY_S = 0.05   # a body's state is built this long after its turn was tokenized (past the first chunk)
+log = logging.getLogger("tokenplane.serve")
 
 
 class UpstreamBackend:
@@ -81,6 +85,7 @@ class ProxyServer(OpenAIServer):
         self.pool = pool
         self.bodies = RequestBodies()
         self.deltas = BodyDeltas()   # resent chat bodies parsed in O(new part) (body_delta.py)
+        self._states = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenplane-bodies")
 
     async def warm_up(self) -> None:
         if self._follow_upstream_name and self.pool.model:
@@ -116,11 +121,27 @@ class ProxyServer(OpenAIServer):
         clean = min(base.clean, parsed.reused) if base is not None else 0
         session = base.session if base is not None and base.conversation_key == req.conversation_key else None
         prompt_ids, report = self.chat_ids(req, clean, session)
+        if report is not None and report.path in ("session", "new_session"):   # every message scanned: none quotes
+            clean = len(req.messages)
         if parsed.state is not None and report is not None:
-            if report.path in ("session", "new_session"):   # quotes_specials ran on every message: none quotes
-                clean = len(req.messages)
             self.deltas.keep(parsed.state, report.session, req.conversation_key, clean)
+        elif parsed.raw is not None and report is not None:
+            self._states.submit(self._remember, parsed.raw, parsed.body.get("messages"), report.session,
+                                req.conversation_key, clean)
         return prompt_ids, report
+
+    def _remember(self, raw: bytes, messages: Any, session: str | None, key: str | None, clean: int) -> None:
+        """A body parsed in full, kept for the next turn after this turn's answer has started (its state costs a
+        few parses: body_delta.remember)."""
+        time.sleep(_STATE_DELAY_S)
+        try:
+            self.deltas.remember(raw, messages, session, key, clean)
+        except Exception:   # noqa: BLE001 - the next turn parses in full instead
+            log.exception("keeping a chat body's state failed")
+
+    def close(self) -> None:
+        self._states.shutdown(wait=False, cancel_futures=True)
+        super().close()
 
     def _prepared(self, req: Any, chat: bool, parsed: Parsed | None = None) -> tuple[int, TokenizationReport | None,
                                                                                      bytes]:
