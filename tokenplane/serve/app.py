@@ -23,6 +23,7 @@ from starlette.requests import ClientDisconnect
 
 from .backends import Backend, BackendHealth
 from .config import Limits
+from .direct_routes import DirectRoutes
 from .errors import APIError, InternalError, InvalidRequest, NotFound, PayloadTooLarge
 from .metrics import CONTENT_TYPE, Metrics
 from .middleware import GuardMiddleware
@@ -44,9 +45,13 @@ class _GuardedFastAPI(FastAPI):
     """FastAPI whose whole middleware stack (its ServerErrorMiddleware included) runs inside GuardMiddleware."""
 
     guard_options: dict[str, Any] = {}
+    direct_routes: dict[tuple[str, str], Any] = {}   # hot routes called past FastAPI's layers (direct_routes.py)
 
     def build_middleware_stack(self) -> Any:
-        return GuardMiddleware(super().build_middleware_stack(), **self.guard_options)
+        stack = super().build_middleware_stack()
+        if self.direct_routes:
+            stack = DirectRoutes(stack, self.direct_routes, error_response)
+        return GuardMiddleware(stack, **self.guard_options)
 
 
 def error_response(err: APIError) -> JSONResponse:
@@ -180,6 +185,10 @@ def create_app(backend: Backend | None, tokenizer: Any, *, model_name: str = "to
     app.post("/v1/chat/completions", response_model=None, openapi_extra=request_schema(ChatCompletionRequest, defs),
              responses={200: {"model": ChatCompletionResponse, "content": {"text/event-stream": {}}},
                         **_OPENAI_ERRORS})(server.chat_completions)
+
+    if upstream is not None:   # the tier's per-turn route: its own overhead is what the tier adds to each turn
+        route = next(r for r in app.router.routes if isinstance(r, APIRoute) and r.path == "/v1/chat/completions")
+        app.direct_routes = {("POST", "/v1/chat/completions"): (server.chat_completions, route)}  # type: ignore[attr-defined]
 
     def card() -> dict[str, Any]:
         return {"id": server.model_name, "object": "model", "created": server.created, "owned_by": "tokenplane",

@@ -150,10 +150,11 @@ class ChatTemplate:
         except jinja2.exceptions.TemplateError as exc:
             raise InvalidRequest(f"the chat template rejected this conversation: {exc}", param="messages") from None
 
-    def quotes_specials(self, messages: Sequence[tuple[str, str]]) -> bool:
-        """True when some user message quotes a control token, which must then stay ordinary text."""
+    def quotes_specials(self, messages: Sequence[tuple[str, str]], start: int = 0) -> bool:
+        """True when some user message quotes a control token, which must then stay ordinary text. `start`: the
+        messages before it are known to quote none (the same messages were checked on an earlier turn)."""
         return self._controls is not None and any(role == "user" and self._quotes(content)
-                                                  for role, content in messages)
+                                                  for role, content in messages[start:])
 
     def _quotes(self, content: str) -> bool:
         assert self._controls is not None

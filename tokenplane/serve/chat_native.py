@@ -15,10 +15,11 @@ Renderer = Callable[[Sequence[tuple[str, str]], bool], str]
 def _chatml(default_system: str | None) -> Renderer:
     """ChatML turns; with `default_system`, a system turn first when the conversation does not start with one."""
     def render(messages: Sequence[tuple[str, str]], add_generation_prompt: bool) -> str:
-        out = []
+        out: list[str] = []
         if default_system is not None and messages and messages[0][0] != "system":
             out.append(f"<|im_start|>system\n{default_system}<|im_end|>\n")
-        out += [f"<|im_start|>{role}\n{content}<|im_end|>\n" for role, content in messages]
+        for role, content in messages:   # content as its own piece: one copy of a long text (in the join), not two
+            out += ("<|im_start|>", role, "\n", content, "<|im_end|>\n")
         if add_generation_prompt:
             out.append("<|im_start|>assistant\n")
         return "".join(out)
@@ -38,12 +39,12 @@ CHATML_TEMPLATE = ("{% for message in messages %}{{ '<|im_start|>' + message['ro
 def _qwen3(messages: Sequence[tuple[str, str]], add_generation_prompt: bool) -> str:
     """Qwen3's template (as shipped in its tokenizer_config.json) for messages of role and content only, no tools:
     reasoning kept (as <think>) only on assistant turns after the last real user query."""
-    out = []
+    out: list[str] = []
     n = len(messages)
     if not n:
         raise ValueError("Qwen3's template reads messages[0]: a conversation needs a message")
     if messages[0][0] == "system":
-        out.append(f"<|im_start|>system\n{messages[0][1]}<|im_end|>\n")
+        out += ("<|im_start|>system\n", messages[0][1], "<|im_end|>\n")
     last_query = n - 1
     for index in range(n - 1, -1, -1):
         role, content = messages[index]
@@ -52,7 +53,7 @@ def _qwen3(messages: Sequence[tuple[str, str]], add_generation_prompt: bool) -> 
             break
     for i, (role, content) in enumerate(messages):
         if role == "user" or (role == "system" and i > 0):
-            out.append(f"<|im_start|>{role}\n{content}<|im_end|>\n")
+            out += ("<|im_start|>", role, "\n", content, "<|im_end|>\n")   # content as its own piece (one copy)
         elif role == "assistant":
             reasoning = ""
             if "</think>" in content:
@@ -62,11 +63,11 @@ def _qwen3(messages: Sequence[tuple[str, str]], add_generation_prompt: bool) -> 
                 out.append(f"<|im_start|>assistant\n<think>\n{reasoning.strip(chr(10))}\n</think>\n\n"
                            f"{content.lstrip(chr(10))}<|im_end|>\n")
             else:
-                out.append(f"<|im_start|>assistant\n{content}<|im_end|>\n")
+                out += ("<|im_start|>assistant\n", content, "<|im_end|>\n")
         elif role == "tool":
             if i == 0 or messages[i - 1][0] != "tool":
                 out.append("<|im_start|>user")
-            out.append(f"\n<tool_response>\n{content}\n</tool_response>")
+            out += ("\n<tool_response>\n", content, "\n</tool_response>")
             if i == n - 1 or messages[i + 1][0] != "tool":
                 out.append("<|im_end|>\n")
     if add_generation_prompt:

@@ -132,6 +132,29 @@ class ConversationCache:
                                     entry.id, origin)
         return ids, report
 
+    def encode_on(self, session_id: str, text: str) -> tuple[np.ndarray, TokenizationReport] | None:
+        """IDs of `text` by repairing a session known from this conversation's previous body (body_delta.py),
+        without the prefix-hash lookup; None when that session is gone. The IDs are exact whichever session is
+        repaired (sync compares the texts); the blocks' keys stay those of the turn that last looked it up."""
+        t0 = time.perf_counter()
+        if len(text) < self.min_chars:
+            return None
+        try:
+            entry = self.store.get(session_id)
+        except Exception:   # noqa: BLE001 - evicted or deleted since: the caller takes the lookup path
+            return None
+        if entry.model != self.tokenizer.name:
+            return None
+        self.hits += 1
+        with entry.lock:
+            base = entry.session.revision
+            splice = entry.session.sync(text)
+            ids = np.array(entry.session.ids, copy=True)
+            origin = IdsOrigin(entry.id, base, entry.session.revision, int(splice.keep))
+        self.store.resize(entry)
+        return ids, TokenizationReport("session", int(splice.keep), int(len(splice.ids)),
+                                       (time.perf_counter() - t0) * 1e3, entry.id, origin)
+
     def stats(self) -> dict[str, int]:
         with self._lock:
             return {"hits": self.hits, "misses": self.misses, "index_keys": len(self._index)}

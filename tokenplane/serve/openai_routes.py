@@ -110,6 +110,10 @@ class OpenAIServer:
     async def read(self, request: Request, model: type[Any]) -> Any:
         raw = await request.body()
         body, checked = parse_request(raw) if len(raw) <= _INLINE_BYTES else await self.offload(parse_request, raw)
+        return self.checked(request, model, body, checked)
+
+    def checked(self, request: Request, model: type[Any], body: dict[str, Any], checked: bool) -> Any:
+        """A parsed body validated as `model`, with the conversation header and the model name applied."""
         req = validate(model, body, checked)
         if req.prompt_cache_key is None and (header := request.headers.get("x-conversation-id")):
             req.prompt_cache_key = header   # what a consistent-hash load balancer in front keys on, too
@@ -134,15 +138,20 @@ class OpenAIServer:
             return direct, TokenizationReport("full_encode", 0, len(direct), (time.perf_counter() - t0) * 1e3)
         return self.prompt_sessions.encode(prompt, blocks(prompt), req.conversation_key)
 
-    def chat_ids(self, req: ChatCompletionRequest) -> tuple[PromptIds, TokenizationReport | None]:
+    def chat_ids(self, req: ChatCompletionRequest, clean: int = 0,
+                 session: str | None = None) -> tuple[PromptIds, TokenizationReport | None]:
+        """clean: leading messages known to quote no control token; session: the session this conversation's
+        previous turn repaired (the prefix-hash lookup is skipped while it lives)."""
         messages = [(m.role, m.text()) for m in req.messages]
         t0 = time.perf_counter()   # both paths time the template render too, so their figures compare
-        if self.chat_sessions is None or self.chat.quotes_specials(messages):
+        if self.chat_sessions is None or self.chat.quotes_specials(messages, clean):
             direct = self.chat.encode(messages)
             path = "bypass" if self.chat_sessions is not None else "full_encode"
             return direct, TokenizationReport(path, 0, len(direct), (time.perf_counter() - t0) * 1e3)
         text = self.chat.render(messages)
-        ids, report = self.chat_sessions.encode(text, blocks(text), req.conversation_key)
+        found = self.chat_sessions.encode_on(session, text) if session is not None else None
+        ids, report = found if found is not None else \
+            self.chat_sessions.encode(text, blocks(text), req.conversation_key)
         report.time_ms = (time.perf_counter() - t0) * 1e3
         return ids, report
 

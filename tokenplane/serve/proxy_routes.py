@@ -13,15 +13,18 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
+import logging
 import secrets
 import time
 from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from .backends import BackendHealth, ModelStatus
+from .body_delta import BodyDeltas, Parsed
 from .conversations import TokenizationReport
 from .errors import APIError, InvalidRequest
 from .ids_json import RequestBodies
@@ -30,6 +33,8 @@ from .protocol import ChatCompletionRequest, CompletionRequest
 from .upstream import FORWARDED, UpstreamPool, error_from, sse_data
 
 _DISCONNECT_POLL_S = 0.25
+_STATE_DELAY_S = 0.05   # a body's state is built this long after its turn was tokenized (past the first chunk)
+log = logging.getLogger("tokenplane.serve")
 
 
 class UpstreamBackend:
@@ -79,6 +84,8 @@ class ProxyServer(OpenAIServer):
         super().__init__(UpstreamBackend(pool), tokenizer, **kwargs)
         self.pool = pool
         self.bodies = RequestBodies()
+        self.deltas = BodyDeltas()   # resent chat bodies parsed in O(new part) (body_delta.py)
+        self._states = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenplane-bodies")
 
     async def warm_up(self) -> None:
         if self._follow_upstream_name and self.pool.model:
@@ -88,6 +95,7 @@ class ProxyServer(OpenAIServer):
     def use_sessions(self, store: Any) -> None:
         super().use_sessions(store)
         store.on_evict.append(self.bodies.forget)
+        store.on_evict.append(self.deltas.forget)
 
     def _fields(self, req: Any, stop_ids: tuple[int, ...]) -> dict[str, Any]:
         """The upstream request's fields other than the prompt."""
@@ -106,10 +114,43 @@ class ProxyServer(OpenAIServer):
         body["model"] = self.pool.model
         return body
 
-    def _prepared(self, req: Any, chat: bool) -> tuple[int, TokenizationReport | None, bytes]:
+    def _chat_ids(self, req: ChatCompletionRequest, parsed: Parsed) -> tuple[Any, TokenizationReport | None]:
+        """chat_ids with what the conversation's previous body says: which leading messages are known to quote no
+        control token, and (same conversation key) the session to repair; then this body kept for the next turn."""
+        base = parsed.base
+        clean = min(base.clean, parsed.reused) if base is not None else 0
+        session = base.session if base is not None and base.conversation_key == req.conversation_key else None
+        prompt_ids, report = self.chat_ids(req, clean, session)
+        if report is not None and report.path in ("session", "new_session"):   # every message scanned: none quotes
+            clean = len(req.messages)
+        if parsed.state is not None and report is not None:
+            self.deltas.keep(parsed.state, report.session, req.conversation_key, clean)
+        elif parsed.raw is not None and report is not None:
+            self._states.submit(self._remember, parsed.raw, parsed.body.get("messages"), report.session,
+                                req.conversation_key, clean)
+        return prompt_ids, report
+
+    def _remember(self, raw: bytes, messages: Any, session: str | None, key: str | None, clean: int) -> None:
+        """A body parsed in full, kept for the next turn after this turn's answer has started (its state costs a
+        few parses: body_delta.remember)."""
+        time.sleep(_STATE_DELAY_S)
+        try:
+            self.deltas.remember(raw, messages, session, key, clean)
+        except Exception:   # noqa: BLE001 - the next turn parses in full instead
+            log.exception("keeping a chat body's state failed")
+
+    def close(self) -> None:
+        self._states.shutdown(wait=False, cancel_futures=True)
+        super().close()
+
+    def _prepared(self, req: Any, chat: bool, parsed: Parsed | None = None) -> tuple[int, TokenizationReport | None,
+                                                                                     bytes]:
         """Worker-thread part of a request: its prompt IDs, checked against the context, and the upstream body
         (ids_json.py: the IDs' JSON reuses the session's previous body where the splice allows)."""
-        prompt_ids, report = self.chat_ids(req) if chat else self.completion_ids(req)
+        if chat:
+            prompt_ids, report = self._chat_ids(req, parsed) if parsed is not None else self.chat_ids(req)
+        else:
+            prompt_ids, report = self.completion_ids(req)
         n = len(prompt_ids)
         if n == 0:
             raise InvalidRequest("the prompt is empty", param="prompt")
@@ -128,10 +169,17 @@ class ProxyServer(OpenAIServer):
         text = req.prompt_value if isinstance(req.prompt_value, str) else ""
         return await self._forward(request, req, n, body, report, conversation_key(req, text), chat=False)
 
-    async def chat_completions(self, request: Request) -> Any:
-        req = await self.read(request, ChatCompletionRequest)
+    def _chat_work(self, request: Request, raw: bytes) -> tuple[Any, int, TokenizationReport | None, bytes]:
+        """A chat body to its validated request and upstream body, in one worker-thread hop (each hop is a thread
+        hand-off and a loop wake-up: tens of microseconds of a turn's overhead)."""
+        parsed = self.deltas.parse(raw)
+        req = self.checked(request, ChatCompletionRequest, parsed.body, parsed.checked)
         self._check_chars(sum(len(m.text()) for m in req.messages))
-        n, report, body = await self.offload(self._prepared, req, True)
+        return (req, *self._prepared(req, True, parsed))
+
+    async def chat_completions(self, request: Request) -> Any:
+        raw = await request.body()
+        req, n, report, body = await self.offload(self._chat_work, request, raw)
         first = req.messages[0].text()[:1024] if req.messages else ""
         return await self._forward(request, req, n, body, report, conversation_key(req, first), chat=True)
 
