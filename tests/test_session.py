@@ -110,7 +110,7 @@ PROSE = ("The quick brown fox jumps over the lazy dog 1234567 times; it's 42°C 
 
 @pytest.mark.parametrize("name", NAMES)
 def test_certified_path_is_taken_and_exact(toks, name):
-    """On ordinary text the first 512-char window certifies (not vacuously falling back to full encodes)."""
+    """On ordinary text the first (default) window certifies (not vacuously falling back to full encodes)."""
     tok = toks[name]
     sess = tok.session(text=PROSE)
     for k in range(20):
@@ -424,7 +424,7 @@ def test_smollm2_random_steps_equal_full_encode_and_repair_in_windows(toks):
 @pytest.mark.parametrize("name", ["o200k_base", "qwen3", "smollm2"])
 def test_window_starts_after_the_last_literal(toks, name):
     """A chat prompt ends in control tokens: an appended turn re-encodes from the last literal's end, not from a
-    512-char window (the literal's end is a certified splice point), and the IDs stay exact."""
+    default window (the literal's end is a certified splice point), and the IDs stay exact."""
     base = toks[name]
     start, end = sorted(base.specials, key=lambda s: ("start" not in s, "end" not in s, s))[:2]
     calls = []

@@ -56,6 +56,8 @@ class NfcMap:
         i = bisect.bisect_right(self.rb, lo)          # regions ending at or before lo stay
         j = bisect.bisect_left(self.ra, hi)           # regions starting at or after hi shift
         dr, dn = raw_len - (hi - lo), norm_len - (n_hi - n_lo)
+        if not inner.ra and i == j and (j == len(self.ra) or dr == dn == 0):
+            return self     # no region added, removed or moved (an ASCII append): the same value, no list copies
         ra, rb, na, nb = self.ra[:i], self.rb[:i], self.na[:i], self.nb[:i]
         texts = self.texts[:i] + inner.texts + self.texts[j:]
         ra += [x + lo for x in inner.ra]

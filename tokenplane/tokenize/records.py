@@ -147,6 +147,42 @@ def _mid_extras(mid_ids, mid_ends, prev_end, tc, out_i, out_v, base):
     return m
 
 
+@njit(cache=True)
+def _append_tail(buf, ck, tc, keep, n, mid_ids, mid_ends):
+    """The common splice of an append, in one call: no record right of the window (right_from == n), no end
+    exceptions before or inside it, capacity already reserved. Writes mid_ids at keep and the checkpoints of the
+    blocks after keep's; returns False, before writing anything, when some mid record's end moves by more than its
+    own characters (an exception: the general path records it)."""
+    prev = np.int64(0)
+    if keep:
+        t = ((keep - 1) >> SHIFT) << SHIFT
+        prev = np.int64(ck[(keep - 1) >> SHIFT])
+        for k in range(t, keep):
+            prev += tc[buf[k]]
+    for k in range(mid_ids.shape[0]):
+        e = np.int64(mid_ends[k])
+        if e - prev != tc[mid_ids[k]]:
+            return False
+        prev = e
+    for k in range(mid_ids.shape[0]):
+        buf[keep + k] = mid_ids[k]
+    new_n = keep + mid_ids.shape[0]
+    if new_n == 0:
+        return True
+    j0 = min(keep >> SHIFT, ((n - 1) >> SHIFT) if n else 0) + 1
+    j1 = (new_n - 1) >> SHIFT
+    if j0 <= j1:
+        t = (j0 - 1) << SHIFT
+        s = np.int64(ck[j0 - 1])
+        for j in range(j0, j1 + 1):
+            stop = j << SHIFT
+            while t < stop:
+                s += tc[buf[t]]
+                t += 1
+            ck[j] = s
+    return True
+
+
 _EMPTY_I = np.zeros(0, np.int64)
 
 
@@ -192,8 +228,16 @@ class Records:
     def splice(self, keep: int, mid_ids: np.ndarray, mid_ends: np.ndarray, right_from: int, delta: int) -> None:
         """Records become old[:keep] + mid + old[right_from:], the last part's ends moved by `delta`; `mid_ends`:
         the absolute ends of the mid records (from the fresh encode)."""
-        n, tc, buf, ck, ex_i, ex_v = self.n, self.tc, self.buf, self.ck, self.ex_i, self.ex_v
+        n, tc = self.n, self.tc
         n_mid, n_right = len(mid_ids), n - right_from
+        if not n_right and not self.ex_i.size:
+            # an append (nothing right of the window, no exceptions): one kernel, when no new exception arises
+            if keep + n_mid > len(self.buf):
+                self._move(keep, n_mid, right_from, 0, keep + n_mid)
+            if _append_tail(self.buf, self.ck, tc, keep, n, mid_ids, mid_ends):
+                self.n = keep + n_mid
+                return
+        buf, ck, ex_i, ex_v = self.buf, self.ck, self.ex_i, self.ex_v
         new_n = keep + n_mid + n_right
         shift = new_n - n
         # everything read from the old records happens before anything moves

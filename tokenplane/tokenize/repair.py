@@ -33,7 +33,7 @@ class SessionStats:
     repairs: int = 0                # mutations of a non-empty session
     windows_tried: int = 0
     widenings: int = 0
-    first_window_accepts: int = 0   # repairs certified on the first (w=512) window
+    first_window_accepts: int = 0   # repairs certified on the first window
     full_fallbacks: int = 0         # repairs that exhausted the widenings and encoded everything
     full_encodes: int = 0           # all full encodes (fallbacks, bootstrap, unsupported family)
     renormalizations: int = 0       # full NFC recomputations (documented O(N) cases)

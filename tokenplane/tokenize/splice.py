@@ -21,6 +21,7 @@ from .records import Records, end_at, locate
 MAX_CANDIDATES = 24        # stable positions tried per window side before widening
 MAX_STABLE = 4 * MAX_CANDIDATES    # stable positions scanned per side (nearest the edit first)
 Point = tuple[int, int, int]   # (text position, cached record index, fresh record index)
+_NO_HARD = np.zeros(0, np.int64)
 
 
 @njit(cache=True)
@@ -163,7 +164,7 @@ class SpliceSearch:
         window and literal edges; stable positions of the rule, read from `text`, which holds absolute positions
         [t0, t0 + len(text)) covering [lo, hi)) that is a clean boundary of the cached records (at position
         - shift) and of the fresh ones, and, unless hard, lies inside an agreeing run."""
-        h = np.array(sorted({x for x in hard if lo <= x <= hi}), dtype=np.int64)
+        h = _NO_HARD if not hard else np.array(sorted({x for x in hard if lo <= x <= hi}), dtype=np.int64)
         p, ci, fj = _search(text, t0, lo, hi, h, self.sig, self.pair, self.use_stable, *cached.kernel_args(),
                             f_ids, f_ends, len(f_ids), self.cont, self.max_token_chars, rightmost, shift,
                             fresh_origin, MAX_STABLE, MAX_CANDIDATES)

@@ -112,14 +112,16 @@ def encode_segments(bpe: BPE, family: str, text: str,
     lo, hi = spans[0][0], spans[-1][1]
     window = strbuf.codepoints(text, lo, hi)
     bounds_arr = np.array(spans, dtype=np.int64)
-    total = int((bounds_arr[:, 1] - bounds_arr[:, 0]).sum())
-    if len(spans) == 1:
-        cps = window
+    if len(spans) == 1:     # a session's window without literals: no gather, no per-span arithmetic
+        cps, total = window, hi - lo
+        offsets = np.array((0, total), dtype=np.int64)
     else:
+        widths = bounds_arr[:, 1] - bounds_arr[:, 0]
+        total = int(widths.sum())
         cps = np.empty(total, dtype=np.uint32)
         _gather(window, lo, bounds_arr, cps)
-    offsets = np.zeros(len(spans) + 1, dtype=np.int64)
-    np.cumsum(bounds_arr[:, 1] - bounds_arr[:, 0], out=offsets[1:])
+        offsets = np.zeros(len(spans) + 1, dtype=np.int64)
+        np.cumsum(widths, out=offsets[1:])
     starts = span_starts(family, cps, offsets)
     buf, piece_bounds = strbuf.utf8_and_bounds(cps, total, starts)
     try:
