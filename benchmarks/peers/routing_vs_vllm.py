@@ -53,11 +53,12 @@ REPO = Path(__file__).resolve().parents[2]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from tokenplane.route.api import counter_uniform  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import routing_vs_vllm_report as report  # noqa: E402
-from routing_vs_vllm_report import Cell, compare, summarize, verdict, write_results  # noqa: E402
+from routing_decisions import Decisions, calibrate, reference_models, reference_router  # noqa: E402
+from routing_vs_vllm_report import BASELINES, Cell, compare, summarize, verdict, write_results  # noqa: E402
+from vllm_http_engine import HttpEngine, pin_process  # noqa: E402
 
 RESULTS = REPO / "benchmarks" / "routing" / "results"
 DATA = Path(os.environ.get("TOKENPLANE_SHARED", "/work/shared")) / "data" / "routing" / "gsm8k_test.jsonl"
@@ -73,15 +74,15 @@ RATES: dict[str, tuple[dict[str, float], str]] = {
                  "no published rate or tau; the runtime's default chain (mean large run 2 tokens)"),
 }
 SEED = 0
+WARM = (4, 32)   # warm-up per algorithm: requests (all in flight), tokens each
 # Control row per concurrency: the small model alone, no routing. vLLM: one streamed call per request (its best case);
 # runtime: r2r with switch rate 0 (the same processes and code path, never handing off). The two rows' ratio is the
 # engines' and front ends' speed at this load; the algorithm rows' ratio over it is what the composition costs.
 CONTROL = report.CONTROL
-
-
-def fires(rid: str, position: int, model: int, rate: float) -> bool:
-    """A synthetic gate, exactly as ThresholdAlgorithm.decide in synthetic mode (stream 0)."""
-    return counter_uniform(SEED, rid, position, model, stream=0) < rate
+FRONT_ENDS = {"engine": "vllm_step_worker.py: the stock V1 LLMEngine stepped behind a pipe (no HTTP, no tokenizer)",
+              "http": "vllm_http_engine.py: one stock OpenAI server (vllm.entrypoints.openai.api_server) per model; "
+                      "token-ID prompts on /v1/completions with return_token_ids; one-token calls non-streaming, "
+                      "R-Stitch/control streamed (SSE) with top-k logprobs, aborted by closing the connection"}
 
 
 # -- prompts and models -------------------------------------------------------------------------------------------
@@ -232,7 +233,7 @@ async def _next(q: asyncio.Queue, who: str) -> tuple[list[int], bool]:
     return item
 
 
-async def one_token_request(engines: list[VllmEngine], rid: str, prompt: list[int], gen: int, rate: float
+async def one_token_request(engines: list[Any], rid: str, prompt: list[int], gen: int, dec: Decisions
                             ) -> tuple[list[int], list[int]]:
     """R2R / CITER / Co-LLM from stock servers: one call per small-model token; a fired gate drops it and the large
     model produces the position in its own one-token call."""
@@ -244,7 +245,7 @@ async def one_token_request(engines: list[VllmEngine], rid: str, prompt: list[in
         toks, _ = await _next(engines[0].submit(f"{rid}/{k}", prompt + out, 1), engines[0].name)
         k += 1
         m = 0
-        if fires(rid, pos, 0, rate):
+        if dec.fires(rid, pos, 0, "switch"):
             toks, _ = await _next(engines[1].submit(f"{rid}/{k}", prompt + out, 1), engines[1].name)
             k += 1
             m = 1
@@ -253,13 +254,13 @@ async def one_token_request(engines: list[VllmEngine], rid: str, prompt: list[in
     return out, models
 
 
-async def stitch_request(engines: list[VllmEngine], rid: str, prompt: list[int], gen: int, rates: dict[str, float],
+async def stitch_request(engines: list[Any], rid: str, prompt: list[int], gen: int, dec: Decisions | None,
                          logprobs: int | None) -> tuple[list[int], list[int]]:
     """R-Stitch from stock servers: stream from the current model, abort at the switch point, go on on the other."""
     out: list[int] = []
     models: list[int] = []
     cur, k = 0, 0
-    if rates.get("switch", 0.0) == 0.0 and rates.get("return", 1.0) == 1.0:   # the control: never switches
+    if dec is None:   # the control: never switches
         q = engines[0].submit(f"{rid}/0", prompt, gen, logprobs)
         while len(out) < gen:
             toks, finished = await _next(q, engines[0].name)
@@ -276,12 +277,12 @@ async def stitch_request(engines: list[VllmEngine], rid: str, prompt: list[int],
             toks, finished = await _next(q, engines[cur].name)
             for t in toks:
                 pos = len(out)
-                if cur == 0 and fires(rid, pos, 0, rates["switch"]):
+                if cur == 0 and dec.fires(rid, pos, 0, "switch"):
                     switched = True          # the small model's uncertain token is dropped
                 else:
                     out.append(t)
                     models.append(cur)
-                    switched = cur == 1 and fires(rid, pos, 1, rates["return"])   # the returning token is kept
+                    switched = cur == 1 and dec.fires(rid, pos, 1, "return")   # the returning token is kept
                 if switched or len(out) >= gen:
                     break
             if switched:
@@ -293,9 +294,9 @@ async def stitch_request(engines: list[VllmEngine], rid: str, prompt: list[int],
     return out, models
 
 
-async def run_vllm(engines: list[VllmEngine], alg: str, prompts: list[list[int]], rids: list[str], C: int, gen: int,
-                   logprobs: int | None) -> dict[str, Any]:
-    rates = {"switch": 0.0, "return": 1.0} if alg == CONTROL else RATES[alg][0]
+async def run_vllm(engines: list[Any], alg: str, prompts: list[list[int]], rids: list[str], C: int, gen: int,
+                   logprobs: int | None, dec: Decisions | None) -> dict[str, Any]:
+    """One closed-loop run of the composition on one baseline kind (engine API or HTTP servers)."""
     sem = asyncio.Semaphore(C)
     calls0 = [e.n_calls for e in engines]
     before = await asyncio.gather(*(e.stats() for e in engines))
@@ -303,10 +304,11 @@ async def run_vllm(engines: list[VllmEngine], alg: str, prompts: list[list[int]]
     async def one(p: list[int], rid: str) -> tuple[list[int], list[int]]:
         async with sem:
             if alg == "r_stitch":
-                return await stitch_request(engines, rid, p, gen, rates, logprobs)
+                return await stitch_request(engines, rid, p, gen, dec, logprobs)
             if alg == CONTROL:
-                return await stitch_request(engines, rid, p, gen, rates, None)
-            return await one_token_request(engines, rid, p, gen, rates["switch"])
+                return await stitch_request(engines, rid, p, gen, None, None)
+            assert dec is not None
+            return await one_token_request(engines, rid, p, gen, dec)
 
     t0 = time.perf_counter()
     outs = await asyncio.gather(*(one(p, r) for p, r in zip(prompts, rids)))
@@ -314,6 +316,9 @@ async def run_vllm(engines: list[VllmEngine], alg: str, prompts: list[list[int]]
     after = await asyncio.gather(*(e.stats() for e in engines))
     diag = []
     for b, a in zip(before, after):
+        if a is None or b is None:   # the HTTP servers expose no per-step counters
+            diag = []
+            break
         steps = max(1, a["steps"] - b["steps"])
         diag.append({"steps": a["steps"] - b["steps"], "mean_batch": (a["sampled"] - b["sampled"]) / steps,
                      "busy_share": (a["step_s"] - b["step_s"]) / dt, "ms_per_step": 1e3 * (a["step_s"] - b["step_s"])
@@ -323,15 +328,6 @@ async def run_vllm(engines: list[VllmEngine], alg: str, prompts: list[list[int]]
 
 
 # -- the tokenplane side ------------------------------------------------------------------------------------------
-def pin_process(pid: int, core: int) -> None:
-    """Every thread of `pid` onto one core (sched_setaffinity(pid) alone moves only the main thread)."""
-    for tid in os.listdir(f"/proc/{pid}/task"):
-        try:
-            os.sched_setaffinity(int(tid), {core})
-        except ProcessLookupError:   # a thread that ended meanwhile
-            pass
-
-
 async def run_tokenplane(rt: Any, prompts: list[list[int]], rids: list[str], C: int, gen: int) -> dict[str, Any]:
     from tokenplane.engine.sampler import SamplingParams
     params = SamplingParams(max_tokens=gen, ignore_eos=True)
@@ -359,6 +355,22 @@ async def run_tokenplane(rt: Any, prompts: list[list[int]], rids: list[str], C: 
 
 
 # -- one run of both sides per cell -------------------------------------------------------------------------------
+async def start_baselines(args: argparse.Namespace, dirs: list[str], log: Path) -> dict[str, list[Any]]:
+    """side name -> its two engines (model m on core m), for each baseline kind asked for."""
+    out: dict[str, list[Any]] = {}
+    for kind in args.baselines:
+        if kind == "engine":
+            out[BASELINES[kind]] = list(await asyncio.gather(
+                *(VllmEngine.start(args.vllm_python, d, m, args, log) for m, d in enumerate(dirs))))
+        else:
+            os.environ["VLLM_PYTHON"] = args.vllm_python
+            tok = tokenizer_path(PAIRS[args.pair][1])
+            out[BASELINES[kind]] = list(await asyncio.gather(
+                *(HttpEngine.start(d, tok, m, args, log.with_name(f"{log.stem}_http{m}.log"))
+                  for m, d in enumerate(dirs))))
+    return out
+
+
 async def measure(args: argparse.Namespace, dirs: list[str], out: Path, meta: dict[str, Any]) -> list[Cell]:
     from tokenplane.route.runtime import Runtime, RuntimeConfig
 
@@ -366,13 +378,14 @@ async def measure(args: argparse.Namespace, dirs: list[str], out: Path, meta: di
     algos = args.algos + ([CONTROL] if args.controls else [])
     plan = [(alg, C) for alg in algos for C in args.concurrency]
     sizes = {C: max(args.min_requests, args.requests_per_client * C) for C in args.concurrency}
-    n_prompts = sum(sizes[C] * args.repeats for _, C in plan) + 2 * len(algos)
+    calib = args.calib_prompts if args.mode == "calibrated" else 0
+    n_prompts = sum(sizes[C] * args.repeats for _, C in plan) + (WARM[0] + calib) * len(algos)
     pool = load_prompts(n_prompts, args.prompt_max, PAIRS[args.pair][1])
     meta["prompt_tokens"] = {"min": min(map(len, pool)), "median": statistics.median(map(len, pool)),
                              "max": max(map(len, pool))}
     log = Path(tempfile.gettempdir()) / (out.name + "_workers.log")   # vLLM's stderr, kept out of the results
     t_start = time.perf_counter()
-    engines = await asyncio.gather(*(VllmEngine.start(args.vllm_python, d, m, args, log) for m, d in enumerate(dirs)))
+    baselines = await start_baselines(args, dirs, log)
     cfg = RuntimeConfig(models=list(dirs), algorithm=args.algos[0],
                         algorithm_kwargs={"mode": "synthetic", "rates": RATES[args.algos[0]][0], "seed": SEED},
                         runner="torch", dtype="float32", threads_per_model=1, num_blocks=args.tp_blocks,
@@ -381,6 +394,8 @@ async def measure(args: argparse.Namespace, dirs: list[str], out: Path, meta: di
                               for k, v in asdict(cfg).items()}
     rt = Runtime(cfg)
     meta["startup_s"] = time.perf_counter() - t_start
+    meta["calibration"] = {}
+    sides = list(baselines) + ["tokenplane"]
     try:
         for m, pid in enumerate(rt.pids):
             if pid is not None:
@@ -393,46 +408,73 @@ async def measure(args: argparse.Namespace, dirs: list[str], out: Path, meta: di
             return pool[used - n:used]
 
         for ai, alg in enumerate(algos):
-            kw = {"mode": "synthetic", "rates": {"switch": 0.0} if alg == CONTROL else RATES[alg][0], "seed": SEED}
+            router = None
+            dec: Decisions | None = None
+            if alg == CONTROL:
+                kw: dict[str, Any] = {"mode": "synthetic", "rates": {"switch": 0.0}, "seed": SEED}
+            elif args.mode == "synthetic":
+                kw = {"mode": "synthetic", "rates": RATES[alg][0], "seed": SEED}
+                dec = Decisions("synthetic", SEED, dict(RATES[alg][0]))
+            else:
+                kw, prov = calibrate(alg, dirs, RATES[alg][0], take(calib), args.calib_tokens, SEED)
+                meta["calibration"][alg] = prov
+                print(f"{alg}: calibrated thresholds {prov['thresholds']} ({prov['seconds']:.0f} s)", flush=True)
+                router = reference_router(alg, kw, dirs)
+                dec = Decisions("calibrated", SEED, dict(RATES[alg][0]))
             rt.configure(algorithm="r2r" if alg == CONTROL else alg, algorithm_kwargs=kw)
-            wp, wr = take(2), [f"warm-{alg}-0", f"warm-{alg}-1"]   # first calls of an algorithm: not measured
-            await run_vllm(engines, alg, wp, wr, 2, 8, args.stitch_logprobs)
-            await run_tokenplane(rt, wp, wr, 2, 8)
+            # First calls of an algorithm, not measured: enough positions that both models run (compiles, caches).
+            wp, wr = take(WARM[0]), [f"warm-{alg}-{i}" for i in range(WARM[0])]
+            if router is not None and dec is not None:
+                dec.models.update(reference_models(router, wp, wr, WARM[1]))
+            for engines in baselines.values():
+                await run_vllm(engines, alg, wp, wr, WARM[0], WARM[1], args.stitch_logprobs, dec)
+            await run_tokenplane(rt, wp, wr, WARM[0], WARM[1])
             for ci, C in enumerate(args.concurrency):
                 rt.configure(concurrency=C)
-                cell = Cell(alg, C, sizes[C], args.gen)
+                cell = Cell(alg, C, sizes[C], args.gen, baselines=list(baselines))
                 for r in range(args.repeats):
                     prompts = take(sizes[C])
                     rids = [f"{alg}-c{C}-r{r}-{i}" for i in range(sizes[C])]
-                    order = ["vllm", "tokenplane"] if (r + ci + ai) % 2 == 0 else ["tokenplane", "vllm"]
+                    if router is not None and dec is not None:   # decisions first, outside the timed runs
+                        dec.models.update(reference_models(router, prompts, rids, args.gen))
+                    k = (r + ci + ai) % len(sides)
+                    order = sides[k:] + sides[:k]
+                    if (r + ci + ai) // len(sides) % 2:
+                        order.reverse()
                     cell.load_before.append(os.getloadavg()[0])
                     res: dict[str, dict[str, Any]] = {}
                     for side in order:
-                        if side == "vllm":
-                            res[side] = await run_vllm(engines, alg, prompts, rids, C, args.gen, args.stitch_logprobs)
-                        else:
+                        if side == "tokenplane":
                             res[side] = await run_tokenplane(rt, prompts, rids, C, args.gen)
+                        else:
+                            res[side] = await run_vllm(baselines[side], alg, prompts, rids, C, args.gen,
+                                                       args.stitch_logprobs, dec)
                         cell.seconds[side].append(res[side]["seconds"])
                         cell.diag[side].append(res[side]["diag"])
                         cell.tokens[side].append(res[side]["tokens"])
                     cell.load_after.append(os.getloadavg()[0])
-                    cell.vllm_calls.append(res["vllm"]["calls"])
-                    cell.ratios.append((res["tokenplane"]["tokens"] / res["tokenplane"]["seconds"])
-                                       / (res["vllm"]["tokens"] / res["vllm"]["seconds"]))
-                    cell.greedy.append(compare(res["tokenplane"], res["vllm"], rids))
+                    tp = res["tokenplane"]["tokens"] / res["tokenplane"]["seconds"]
+                    for b in baselines:
+                        cell.vllm_calls[b].append(res[b]["calls"])
+                        cell.ratios[b].append(tp / (res[b]["tokens"] / res[b]["seconds"]))
+                        cell.greedy[b].append(compare(res["tokenplane"], res[b], rids))
                 cell.summary = summarize(cell)
                 cells.append(cell)
                 s = cell.summary
-                print(f"{alg:>9} C={C:2d} N={sizes[C]:2d}: tokenplane {s['tokenplane']['tok_s_median']:6.1f} tok/s, "
-                      f"vLLM {s['vllm']['tok_s_median']:6.1f} tok/s, ratio {s['ratio_of_medians']:.2f} "
-                      f"[{min(cell.ratios):.2f}-{max(cell.ratios):.2f}] ({verdict(s)}); greedy identical {s['identical']}/{s['compared']}, "
-                      f"models {s['models_identical']}/{s['compared']}; load {cell.load_before[0]:.1f}; "
-                      f"{time.perf_counter() - t_start:.0f} s", flush=True)
+                line = [f"{alg:>9} C={C:2d} N={sizes[C]:2d}: tokenplane {s['tokenplane']['tok_s_median']:6.1f} tok/s"]
+                for b in baselines:
+                    sb = s["vs"][b]
+                    line.append(f"{b} {s[b]['tok_s_median']:6.1f} tok/s ratio {sb['ratio_of_medians']:.2f} "
+                                f"[{min(cell.ratios[b]):.2f}-{max(cell.ratios[b]):.2f}] ({verdict(sb)}) greedy "
+                                f"{sb['identical']}/{sb['compared']} models {sb['models_identical']}/{sb['compared']}")
+                print("; ".join(line) + f"; load {cell.load_before[0]:.1f}; {time.perf_counter() - t_start:.0f} s",
+                      flush=True)
                 meta["elapsed_s"] = time.perf_counter() - t_start
                 write_results(cells, meta, out)
+            del router
     finally:
         rt.shutdown()
-        await asyncio.gather(*(e.close() for e in engines))
+        await asyncio.gather(*(e.close() for engines in baselines.values() for e in engines))
     return cells
 
 
@@ -440,6 +482,14 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="smoke run: 2 algorithms, C 1 and 4, 1 repeat, 16 tokens")
     ap.add_argument("--no-controls", dest="controls", action="store_false", help="skip the small-model-only rows")
+    ap.add_argument("--baselines", nargs="+", default=list(BASELINES), choices=list(BASELINES),
+                    help="stock-vLLM baseline kinds measured side by side: engine = LLMEngine behind a pipe "
+                         "(vllm_step_worker.py), http = one `vllm serve` OpenAI server per model (vllm_http_engine.py)")
+    ap.add_argument("--mode", choices=["synthetic", "calibrated"], default="synthetic",
+                    help="routing decisions: synthetic gates at each algorithm's rate, or the real signal with "
+                         "thresholds calibrated to that rate (routing_decisions.py)")
+    ap.add_argument("--calib-prompts", type=int, default=8, help="calibrated mode: warm-up prompts per algorithm")
+    ap.add_argument("--calib-tokens", type=int, default=32, help="calibrated mode: tokens per warm-up prompt")
     ap.add_argument("--algos", nargs="+", default=ALGOS, choices=ALGOS)
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 8, 16])
     ap.add_argument("--repeats", type=int, default=3)
@@ -464,7 +514,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.render is not None:
         data = json.loads(args.render.read_text())
         data["meta"]["notes"] = list(data["meta"].get("notes") or []) + args.note
-        cells = [Cell(**c) for c in data["cells"]]
+        cells = [Cell.from_json(c) for c in data["cells"]]
         write_results(cells, data["meta"], args.render.with_suffix(""))
         return
     if args.quick:
@@ -473,7 +523,8 @@ def main(argv: list[str] | None = None) -> None:
     args.models = PAIRS[args.pair][0]
     weights = "random weights" if args.pair == "tiny" else \
         "model 0 random weights, model 1 real weights (SmolLM2-135M-Instruct, from its Q4_1 GGUF)"
-    stem = "vs_vllm" + ("" if args.pair == "tiny" else f"_{args.pair}") + ("_quick" if args.quick else "")
+    stem = ("vs_vllm" + ("" if args.pair == "tiny" else f"_{args.pair}") + ("" if args.mode == "synthetic" else
+            f"_{args.mode}") + ("_quick" if args.quick else ""))
     out = Path(args.out) if args.out else RESULTS / stem
     if os.cpu_count() is None or os.cpu_count() < 2:    # type: ignore[operator]
         raise SystemExit("needs 2 cores (one per model)")
@@ -488,8 +539,8 @@ def main(argv: list[str] | None = None) -> None:
         "concurrency": args.concurrency, "rates": {a: RATES[a] for a in args.algos}, "seed": SEED,
         "stitch_logprobs": args.stitch_logprobs, "requests_per_client": args.requests_per_client,
         "min_requests": args.min_requests, "max_num_batched_tokens": args.max_num_batched_tokens,
-        "vllm": {"block_size": 32, "prefix_caching": True, "enforce_eager": True, "kv_gib": args.vllm_kv_gib,
-                 "front_end": "vllm_step_worker.py: LLMEngine stepped behind a pipe (no HTTP)"},
+        "vllm": {"block_size": 32, "prefix_caching": True, "enforce_eager": True, "kv_gib": args.vllm_kv_gib},
+        "baselines": {BASELINES[k]: FRONT_ENDS[k] for k in args.baselines}, "mode": args.mode,
         "notes": args.note, "elapsed_s": 0.0}
     dirs = model_dirs(args.models, Path(args.models_dir))
     asyncio.run(measure(args, dirs, out, meta))
