@@ -4,12 +4,14 @@ Both sides load the same HF directories (--pair tiny: random-weight tiny-small =
 --pair smol: a random-weight small llama with SmolLM2's vocabulary + SmolLM2-135M-Instruct's real weights; written
 with `save_pretrained_like`), fp32, greedy, ignore_eos, one core per engine (model m's process pinned to core m,
 1 thread), the same prompts (GSM8K questions from shared/data/routing, tokenized with the pair's tokenizer, fresh
-ones per run so no run hits another's prefix cache) and the same routing decisions: synthetic mode, where a
-gate fires iff counter_uniform(seed, request_id, output position, model) < rate, the function the runtime's
-algorithms use, so the driver of the vLLM side takes the decisions the runtime takes (checked: per-token models).
+ones per run so no run hits another's prefix cache) and the same routing decisions (routing_decisions.py): --mode
+synthetic, where a gate fires iff counter_uniform(seed, request_id, output position, model) < rate, the function the
+runtime's algorithms use; or --mode calibrated, the algorithms' real signals against thresholds calibrated at
+warm-up, the reference router's decisions replayed on the vLLM side (checked either way: per-token models).
 
-vLLM side, the way each algorithm must be composed from stock servers (benchmarks/peers/vllm_step_worker.py: the
-stock V1 `LLMEngine` stepped behind a pipe, prefix caching on, no HTTP: the generous end of "stock server"):
+vLLM side, the way each algorithm must be composed from stock servers, on each --baselines kind side by side:
+`engine` (vllm_step_worker.py: the stock V1 `LLMEngine` stepped behind a pipe, no HTTP: the generous end of "stock
+server") and `http` (vllm_http_engine.py: one stock OpenAI server per model, as users run it), prefix caching on:
   r2r, citer, co_llm  the routing signal is a hidden state, which stock servers do not return, so the router runs
                       after every token: each small-model token is one call (prompt + output so far, max_tokens=1);
                       when the gate fires that token is dropped and the large model is called the same way for the
@@ -21,9 +23,9 @@ Tokenplane side: `tokenplane.route.runtime.Runtime` with its defaults (delayed_a
 return, torch runner, 1 thread per sub-server), algorithm switched between cells by `configure`.
 
 Throughput = committed tokens / makespan of N = max(min_requests, requests_per_client * C) requests with at most C in
-flight (clients keep their slot full). Systems alternate inside each repeat (order flipped every repeat); medians and
-P90 (nearest rank) of tok/s and of the per-repeat ratio. Greedy outputs (and per-token models) of the two sides are
-compared request by request.
+flight (clients keep their slot full). Systems alternate inside each repeat (order rotated every repeat); medians and
+P90 (nearest rank) of tok/s and of the per-repeat ratio. Greedy outputs (and per-token models) of tokenplane and
+each baseline are compared request by request.
 
     benchmarks/peers/build_vllm_cpu.sh /work/peers/vllm-cpu        # once, never in CI
     flock /tmp/bench.lock env PYTHONPATH=. python benchmarks/peers/routing_vs_vllm.py --quick
