@@ -4,12 +4,14 @@ Both sides load the same HF directories (--pair tiny: random-weight tiny-small =
 --pair smol: a random-weight small llama with SmolLM2's vocabulary + SmolLM2-135M-Instruct's real weights; written
 with `save_pretrained_like`), fp32, greedy, ignore_eos, one core per engine (model m's process pinned to core m,
 1 thread), the same prompts (GSM8K questions from shared/data/routing, tokenized with the pair's tokenizer, fresh
-ones per run so no run hits another's prefix cache) and the same routing decisions: synthetic mode, where a
-gate fires iff counter_uniform(seed, request_id, output position, model) < rate, the function the runtime's
-algorithms use, so the driver of the vLLM side takes the decisions the runtime takes (checked: per-token models).
+ones per run so no run hits another's prefix cache) and the same routing decisions (routing_decisions.py): --mode
+synthetic, where a gate fires iff counter_uniform(seed, request_id, output position, model) < rate, the function the
+runtime's algorithms use; or --mode calibrated, the algorithms' real signals against thresholds calibrated at
+warm-up, the reference router's decisions replayed on the vLLM side (checked either way: per-token models).
 
-vLLM side, the way each algorithm must be composed from stock servers (benchmarks/peers/vllm_step_worker.py: the
-stock V1 `LLMEngine` stepped behind a pipe, prefix caching on, no HTTP: the generous end of "stock server"):
+vLLM side, the way each algorithm must be composed from stock servers, on each --baselines kind side by side:
+`engine` (vllm_step_worker.py: the stock V1 `LLMEngine` stepped behind a pipe, no HTTP: the generous end of "stock
+server") and `http` (vllm_http_engine.py: one stock OpenAI server per model, as users run it), prefix caching on:
   r2r, citer, co_llm  the routing signal is a hidden state, which stock servers do not return, so the router runs
                       after every token: each small-model token is one call (prompt + output so far, max_tokens=1);
                       when the gate fires that token is dropped and the large model is called the same way for the
@@ -21,9 +23,9 @@ Tokenplane side: `tokenplane.route.runtime.Runtime` with its defaults (delayed_a
 return, torch runner, 1 thread per sub-server), algorithm switched between cells by `configure`.
 
 Throughput = committed tokens / makespan of N = max(min_requests, requests_per_client * C) requests with at most C in
-flight (clients keep their slot full). Systems alternate inside each repeat (order flipped every repeat); medians and
-P90 (nearest rank) of tok/s and of the per-repeat ratio. Greedy outputs (and per-token models) of the two sides are
-compared request by request.
+flight (clients keep their slot full). Systems alternate inside each repeat (order rotated every repeat); medians and
+P90 (nearest rank) of tok/s and of the per-repeat ratio. Greedy outputs (and per-token models) of tokenplane and
+each baseline are compared request by request.
 
     benchmarks/peers/build_vllm_cpu.sh /work/peers/vllm-cpu        # once, never in CI
     flock /tmp/bench.lock env PYTHONPATH=. python benchmarks/peers/routing_vs_vllm.py --quick
@@ -53,11 +55,12 @@ REPO = Path(__file__).resolve().parents[2]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from tokenplane.route.api import counter_uniform  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import routing_vs_vllm_report as report  # noqa: E402
-from routing_vs_vllm_report import Cell, compare, summarize, verdict, write_results  # noqa: E402
+from routing_decisions import Decisions, decide_all  # noqa: E402
+from routing_vs_vllm_report import BASELINES, Cell, compare, summarize, verdict, write_results  # noqa: E402
+from vllm_http_engine import HttpEngine, pin_process  # noqa: E402
 
 RESULTS = REPO / "benchmarks" / "routing" / "results"
 DATA = Path(os.environ.get("TOKENPLANE_SHARED", "/work/shared")) / "data" / "routing" / "gsm8k_test.jsonl"
@@ -73,15 +76,15 @@ RATES: dict[str, tuple[dict[str, float], str]] = {
                  "no published rate or tau; the runtime's default chain (mean large run 2 tokens)"),
 }
 SEED = 0
+WARM = (4, 32)   # warm-up per algorithm: requests (all in flight), tokens each
 # Control row per concurrency: the small model alone, no routing. vLLM: one streamed call per request (its best case);
 # runtime: r2r with switch rate 0 (the same processes and code path, never handing off). The two rows' ratio is the
 # engines' and front ends' speed at this load; the algorithm rows' ratio over it is what the composition costs.
 CONTROL = report.CONTROL
-
-
-def fires(rid: str, position: int, model: int, rate: float) -> bool:
-    """A synthetic gate, exactly as ThresholdAlgorithm.decide in synthetic mode (stream 0)."""
-    return counter_uniform(SEED, rid, position, model, stream=0) < rate
+FRONT_ENDS = {"engine": "vllm_step_worker.py: the stock V1 LLMEngine stepped behind a pipe (no HTTP, no tokenizer)",
+              "http": "vllm_http_engine.py: one stock OpenAI server (vllm.entrypoints.openai.api_server) per model; "
+                      "token-ID prompts on /v1/completions with return_token_ids; one-token calls non-streaming, "
+                      "R-Stitch/control streamed (SSE) with top-k logprobs, aborted by closing the connection"}
 
 
 # -- prompts and models -------------------------------------------------------------------------------------------
@@ -159,7 +162,7 @@ class VllmEngine:
         env.pop("PYTHONPATH", None)
         proc = await asyncio.create_subprocess_exec(
             "taskset", "-c", str(core), python, str(WORKER), "--model-dir", model_dir,
-            "--max-model-len", str(args.max_model_len), "--max-num-seqs", "256",
+            "--max-model-len", str(args.max_model_len), "--max-num-seqs", str(args.vllm_max_num_seqs),
             "--max-num-batched-tokens", str(args.max_num_batched_tokens),
             stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, stderr=open(log, "a"), cwd="/tmp",
             limit=1 << 24)
@@ -197,6 +200,8 @@ class VllmEngine:
         self.proc.stdin.write((json.dumps(cmd) + "\n").encode())
 
     def submit(self, cid: str, prompt: list[int], max_tokens: int, logprobs: int | None = None) -> asyncio.Queue:
+        if self.reader.done():   # the worker exited (e.g. killed for memory): fail the run instead of waiting
+            raise RuntimeError(f"the vLLM worker of {self.name} has exited (rc {self.proc.returncode})")
         q: asyncio.Queue = asyncio.Queue()
         self.calls[cid] = q
         self.n_calls += 1
@@ -232,7 +237,7 @@ async def _next(q: asyncio.Queue, who: str) -> tuple[list[int], bool]:
     return item
 
 
-async def one_token_request(engines: list[VllmEngine], rid: str, prompt: list[int], gen: int, rate: float
+async def one_token_request(engines: list[Any], rid: str, prompt: list[int], gen: int, dec: Decisions
                             ) -> tuple[list[int], list[int]]:
     """R2R / CITER / Co-LLM from stock servers: one call per small-model token; a fired gate drops it and the large
     model produces the position in its own one-token call."""
@@ -244,7 +249,7 @@ async def one_token_request(engines: list[VllmEngine], rid: str, prompt: list[in
         toks, _ = await _next(engines[0].submit(f"{rid}/{k}", prompt + out, 1), engines[0].name)
         k += 1
         m = 0
-        if fires(rid, pos, 0, rate):
+        if dec.fires(rid, pos, 0, "switch"):
             toks, _ = await _next(engines[1].submit(f"{rid}/{k}", prompt + out, 1), engines[1].name)
             k += 1
             m = 1
@@ -253,13 +258,13 @@ async def one_token_request(engines: list[VllmEngine], rid: str, prompt: list[in
     return out, models
 
 
-async def stitch_request(engines: list[VllmEngine], rid: str, prompt: list[int], gen: int, rates: dict[str, float],
+async def stitch_request(engines: list[Any], rid: str, prompt: list[int], gen: int, dec: Decisions | None,
                          logprobs: int | None) -> tuple[list[int], list[int]]:
     """R-Stitch from stock servers: stream from the current model, abort at the switch point, go on on the other."""
     out: list[int] = []
     models: list[int] = []
     cur, k = 0, 0
-    if rates.get("switch", 0.0) == 0.0 and rates.get("return", 1.0) == 1.0:   # the control: never switches
+    if dec is None:   # the control: never switches
         q = engines[0].submit(f"{rid}/0", prompt, gen, logprobs)
         while len(out) < gen:
             toks, finished = await _next(q, engines[0].name)
@@ -276,12 +281,12 @@ async def stitch_request(engines: list[VllmEngine], rid: str, prompt: list[int],
             toks, finished = await _next(q, engines[cur].name)
             for t in toks:
                 pos = len(out)
-                if cur == 0 and fires(rid, pos, 0, rates["switch"]):
+                if cur == 0 and dec.fires(rid, pos, 0, "switch"):
                     switched = True          # the small model's uncertain token is dropped
                 else:
                     out.append(t)
                     models.append(cur)
-                    switched = cur == 1 and fires(rid, pos, 1, rates["return"])   # the returning token is kept
+                    switched = cur == 1 and dec.fires(rid, pos, 1, "return")   # the returning token is kept
                 if switched or len(out) >= gen:
                     break
             if switched:
@@ -293,9 +298,9 @@ async def stitch_request(engines: list[VllmEngine], rid: str, prompt: list[int],
     return out, models
 
 
-async def run_vllm(engines: list[VllmEngine], alg: str, prompts: list[list[int]], rids: list[str], C: int, gen: int,
-                   logprobs: int | None) -> dict[str, Any]:
-    rates = {"switch": 0.0, "return": 1.0} if alg == CONTROL else RATES[alg][0]
+async def run_vllm(engines: list[Any], alg: str, prompts: list[list[int]], rids: list[str], C: int, gen: int,
+                   logprobs: int | None, dec: Decisions | None) -> dict[str, Any]:
+    """One closed-loop run of the composition on one baseline kind (engine API or HTTP servers)."""
     sem = asyncio.Semaphore(C)
     calls0 = [e.n_calls for e in engines]
     before = await asyncio.gather(*(e.stats() for e in engines))
@@ -303,10 +308,11 @@ async def run_vllm(engines: list[VllmEngine], alg: str, prompts: list[list[int]]
     async def one(p: list[int], rid: str) -> tuple[list[int], list[int]]:
         async with sem:
             if alg == "r_stitch":
-                return await stitch_request(engines, rid, p, gen, rates, logprobs)
+                return await stitch_request(engines, rid, p, gen, dec, logprobs)
             if alg == CONTROL:
-                return await stitch_request(engines, rid, p, gen, rates, None)
-            return await one_token_request(engines, rid, p, gen, rates["switch"])
+                return await stitch_request(engines, rid, p, gen, None, None)
+            assert dec is not None
+            return await one_token_request(engines, rid, p, gen, dec)
 
     t0 = time.perf_counter()
     outs = await asyncio.gather(*(one(p, r) for p, r in zip(prompts, rids)))
@@ -314,6 +320,9 @@ async def run_vllm(engines: list[VllmEngine], alg: str, prompts: list[list[int]]
     after = await asyncio.gather(*(e.stats() for e in engines))
     diag = []
     for b, a in zip(before, after):
+        if a is None or b is None:   # the HTTP servers expose no per-step counters
+            diag = []
+            break
         steps = max(1, a["steps"] - b["steps"])
         diag.append({"steps": a["steps"] - b["steps"], "mean_batch": (a["sampled"] - b["sampled"]) / steps,
                      "busy_share": (a["step_s"] - b["step_s"]) / dt, "ms_per_step": 1e3 * (a["step_s"] - b["step_s"])
@@ -323,15 +332,6 @@ async def run_vllm(engines: list[VllmEngine], alg: str, prompts: list[list[int]]
 
 
 # -- the tokenplane side ------------------------------------------------------------------------------------------
-def pin_process(pid: int, core: int) -> None:
-    """Every thread of `pid` onto one core (sched_setaffinity(pid) alone moves only the main thread)."""
-    for tid in os.listdir(f"/proc/{pid}/task"):
-        try:
-            os.sched_setaffinity(int(tid), {core})
-        except ProcessLookupError:   # a thread that ended meanwhile
-            pass
-
-
 async def run_tokenplane(rt: Any, prompts: list[list[int]], rids: list[str], C: int, gen: int) -> dict[str, Any]:
     from tokenplane.engine.sampler import SamplingParams
     params = SamplingParams(max_tokens=gen, ignore_eos=True)
@@ -359,6 +359,22 @@ async def run_tokenplane(rt: Any, prompts: list[list[int]], rids: list[str], C: 
 
 
 # -- one run of both sides per cell -------------------------------------------------------------------------------
+async def start_baselines(args: argparse.Namespace, dirs: list[str], log: Path) -> dict[str, list[Any]]:
+    """side name -> its two engines (model m on core m), for each baseline kind asked for."""
+    out: dict[str, list[Any]] = {}
+    for kind in args.baselines:
+        if kind == "engine":
+            out[BASELINES[kind]] = list(await asyncio.gather(
+                *(VllmEngine.start(args.vllm_python, d, m, args, log) for m, d in enumerate(dirs))))
+        else:
+            os.environ["VLLM_PYTHON"] = args.vllm_python
+            tok = tokenizer_path(PAIRS[args.pair][1])
+            out[BASELINES[kind]] = list(await asyncio.gather(
+                *(HttpEngine.start(d, tok, m, args, log.with_name(f"{log.stem}_http{m}.log"))
+                  for m, d in enumerate(dirs))))
+    return out
+
+
 async def measure(args: argparse.Namespace, dirs: list[str], out: Path, meta: dict[str, Any]) -> list[Cell]:
     from tokenplane.route.runtime import Runtime, RuntimeConfig
 
@@ -366,13 +382,48 @@ async def measure(args: argparse.Namespace, dirs: list[str], out: Path, meta: di
     algos = args.algos + ([CONTROL] if args.controls else [])
     plan = [(alg, C) for alg in algos for C in args.concurrency]
     sizes = {C: max(args.min_requests, args.requests_per_client * C) for C in args.concurrency}
-    n_prompts = sum(sizes[C] * args.repeats for _, C in plan) + 2 * len(algos)
+    calib = args.calib_prompts if args.mode == "calibrated" else 0
+    meta["calibration"] = {}
+    n_prompts = sum(sizes[C] * args.repeats for _, C in plan) + WARM[0] * len(algos) + calib * len(args.algos)
     pool = load_prompts(n_prompts, args.prompt_max, PAIRS[args.pair][1])
     meta["prompt_tokens"] = {"min": min(map(len, pool)), "median": statistics.median(map(len, pool)),
                              "max": max(map(len, pool))}
+    # Every prompt's place, fixed up front (fresh prompts per run): calibration, warm-up, then each cell's repeats.
+    it = iter(pool)
+    plan_p: dict[str, dict[Any, list[list[int]]]] = {}
+    for alg in algos:
+        plan_p[alg] = {"calib": [next(it) for _ in range(calib if alg != CONTROL else 0)],
+                       "warm": [next(it) for _ in range(WARM[0])]}
+        for C in args.concurrency:
+            for r in range(args.repeats):
+                plan_p[alg][(C, r)] = [next(it) for _ in range(sizes[C])]
+    rid = {"warm": lambda alg, i: f"warm-{alg}-{i}"}
+    cell_rids = {(alg, C, r): [f"{alg}-c{C}-r{r}-{i}" for i in range(sizes[C])] for alg in algos
+                 for C in args.concurrency for r in range(args.repeats)}
     log = Path(tempfile.gettempdir()) / (out.name + "_workers.log")   # vLLM's stderr, kept out of the results
     t_start = time.perf_counter()
-    engines = await asyncio.gather(*(VllmEngine.start(args.vllm_python, d, m, args, log) for m, d in enumerate(dirs)))
+    decided: dict[str, tuple[dict[str, Any], dict[str, Any], dict[str, list[int]]]] = {}
+    if args.mode == "calibrated":
+        # In a child process before any engine starts: the reference router's runners and glibc's retained heap
+        # (the engine keeps freed memory) leave with it.
+        jobs = []
+        for alg in args.algos:
+            ps = list(plan_p[alg]["warm"]) + [p for C in args.concurrency for r in range(args.repeats)
+                                              for p in plan_p[alg][(C, r)]]
+            rs = [rid["warm"](alg, i) for i in range(WARM[0])] + [x for C in args.concurrency
+                                                                  for r in range(args.repeats)
+                                                                  for x in cell_rids[(alg, C, r)]]
+            gens = [WARM[1]] * WARM[0] + [args.gen] * (len(ps) - WARM[0])
+            jobs.append((alg, dict(RATES[alg][0]), plan_p[alg]["calib"], ps, rs, gens))
+        import concurrent.futures
+        import multiprocessing
+        with concurrent.futures.ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as ex:
+            decided = ex.submit(decide_all, jobs, dirs, args.calib_tokens, SEED).result()
+        for alg, (_, prov, _) in decided.items():
+            meta["calibration"][alg] = prov
+            print(f"{alg}: calibrated thresholds {prov['thresholds']} ({prov['seconds']:.0f} s; decisions of "
+                  f"{prov['decided_requests']} requests in {prov['decide_seconds']:.0f} s)", flush=True)
+    baselines = await start_baselines(args, dirs, log)
     cfg = RuntimeConfig(models=list(dirs), algorithm=args.algos[0],
                         algorithm_kwargs={"mode": "synthetic", "rates": RATES[args.algos[0]][0], "seed": SEED},
                         runner="torch", dtype="float32", threads_per_model=1, num_blocks=args.tp_blocks,
@@ -381,58 +432,70 @@ async def measure(args: argparse.Namespace, dirs: list[str], out: Path, meta: di
                               for k, v in asdict(cfg).items()}
     rt = Runtime(cfg)
     meta["startup_s"] = time.perf_counter() - t_start
+    sides = list(baselines) + ["tokenplane"]
     try:
         for m, pid in enumerate(rt.pids):
             if pid is not None:
                 pin_process(pid, m)
-        used = 0
-
-        def take(n: int) -> list[list[int]]:
-            nonlocal used
-            used += n
-            return pool[used - n:used]
 
         for ai, alg in enumerate(algos):
-            kw = {"mode": "synthetic", "rates": {"switch": 0.0} if alg == CONTROL else RATES[alg][0], "seed": SEED}
+            dec: Decisions | None = None
+            if alg == CONTROL:
+                kw: dict[str, Any] = {"mode": "synthetic", "rates": {"switch": 0.0}, "seed": SEED}
+            elif args.mode == "synthetic":
+                kw = {"mode": "synthetic", "rates": RATES[alg][0], "seed": SEED}
+                dec = Decisions("synthetic", SEED, dict(RATES[alg][0]))
+            else:
+                kw, _, models = decided[alg]
+                dec = Decisions("calibrated", SEED, dict(RATES[alg][0]), models)
             rt.configure(algorithm="r2r" if alg == CONTROL else alg, algorithm_kwargs=kw)
-            wp, wr = take(2), [f"warm-{alg}-0", f"warm-{alg}-1"]   # first calls of an algorithm: not measured
-            await run_vllm(engines, alg, wp, wr, 2, 8, args.stitch_logprobs)
-            await run_tokenplane(rt, wp, wr, 2, 8)
+            # First calls of an algorithm, not measured: enough positions that both models run (compiles, caches).
+            wp, wr = plan_p[alg]["warm"], [rid["warm"](alg, i) for i in range(WARM[0])]
+            for engines in baselines.values():
+                await run_vllm(engines, alg, wp, wr, WARM[0], WARM[1], args.stitch_logprobs, dec)
+            await run_tokenplane(rt, wp, wr, WARM[0], WARM[1])
             for ci, C in enumerate(args.concurrency):
                 rt.configure(concurrency=C)
-                cell = Cell(alg, C, sizes[C], args.gen)
+                cell = Cell(alg, C, sizes[C], args.gen, baselines=list(baselines))
                 for r in range(args.repeats):
-                    prompts = take(sizes[C])
-                    rids = [f"{alg}-c{C}-r{r}-{i}" for i in range(sizes[C])]
-                    order = ["vllm", "tokenplane"] if (r + ci + ai) % 2 == 0 else ["tokenplane", "vllm"]
+                    prompts, rids = plan_p[alg][(C, r)], cell_rids[(alg, C, r)]
+                    k = (r + ci + ai) % len(sides)
+                    order = sides[k:] + sides[:k]
+                    if (r + ci + ai) // len(sides) % 2:
+                        order.reverse()
                     cell.load_before.append(os.getloadavg()[0])
                     res: dict[str, dict[str, Any]] = {}
                     for side in order:
-                        if side == "vllm":
-                            res[side] = await run_vllm(engines, alg, prompts, rids, C, args.gen, args.stitch_logprobs)
-                        else:
+                        if side == "tokenplane":
                             res[side] = await run_tokenplane(rt, prompts, rids, C, args.gen)
+                        else:
+                            res[side] = await run_vllm(baselines[side], alg, prompts, rids, C, args.gen,
+                                                       args.stitch_logprobs, dec)
                         cell.seconds[side].append(res[side]["seconds"])
                         cell.diag[side].append(res[side]["diag"])
                         cell.tokens[side].append(res[side]["tokens"])
                     cell.load_after.append(os.getloadavg()[0])
-                    cell.vllm_calls.append(res["vllm"]["calls"])
-                    cell.ratios.append((res["tokenplane"]["tokens"] / res["tokenplane"]["seconds"])
-                                       / (res["vllm"]["tokens"] / res["vllm"]["seconds"]))
-                    cell.greedy.append(compare(res["tokenplane"], res["vllm"], rids))
+                    tp = res["tokenplane"]["tokens"] / res["tokenplane"]["seconds"]
+                    for b in baselines:
+                        cell.vllm_calls[b].append(res[b]["calls"])
+                        cell.ratios[b].append(tp / (res[b]["tokens"] / res[b]["seconds"]))
+                        cell.greedy[b].append(compare(res["tokenplane"], res[b], rids))
                 cell.summary = summarize(cell)
                 cells.append(cell)
                 s = cell.summary
-                print(f"{alg:>9} C={C:2d} N={sizes[C]:2d}: tokenplane {s['tokenplane']['tok_s_median']:6.1f} tok/s, "
-                      f"vLLM {s['vllm']['tok_s_median']:6.1f} tok/s, ratio {s['ratio_of_medians']:.2f} "
-                      f"[{min(cell.ratios):.2f}-{max(cell.ratios):.2f}] ({verdict(s)}); greedy identical {s['identical']}/{s['compared']}, "
-                      f"models {s['models_identical']}/{s['compared']}; load {cell.load_before[0]:.1f}; "
-                      f"{time.perf_counter() - t_start:.0f} s", flush=True)
+                line = [f"{alg:>9} C={C:2d} N={sizes[C]:2d}: tokenplane {s['tokenplane']['tok_s_median']:6.1f} tok/s"]
+                for b in baselines:
+                    sb = s["vs"][b]
+                    line.append(f"{b} {s[b]['tok_s_median']:6.1f} tok/s ratio {sb['ratio_of_medians']:.2f} "
+                                f"[{min(cell.ratios[b]):.2f}-{max(cell.ratios[b]):.2f}] ({verdict(sb)}) greedy "
+                                f"{sb['identical']}/{sb['compared']} models {sb['models_identical']}/{sb['compared']}")
+                print("; ".join(line) + f"; load {cell.load_before[0]:.1f}; {time.perf_counter() - t_start:.0f} s",
+                      flush=True)
                 meta["elapsed_s"] = time.perf_counter() - t_start
                 write_results(cells, meta, out)
     finally:
         rt.shutdown()
-        await asyncio.gather(*(e.close() for e in engines))
+        await asyncio.gather(*(e.close() for engines in baselines.values() for e in engines))
     return cells
 
 
@@ -440,6 +503,14 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="smoke run: 2 algorithms, C 1 and 4, 1 repeat, 16 tokens")
     ap.add_argument("--no-controls", dest="controls", action="store_false", help="skip the small-model-only rows")
+    ap.add_argument("--baselines", nargs="+", default=list(BASELINES), choices=list(BASELINES),
+                    help="stock-vLLM baseline kinds measured side by side: engine = LLMEngine behind a pipe "
+                         "(vllm_step_worker.py), http = one `vllm serve` OpenAI server per model (vllm_http_engine.py)")
+    ap.add_argument("--mode", choices=["synthetic", "calibrated"], default="synthetic",
+                    help="routing decisions: synthetic gates at each algorithm's rate, or the real signal with "
+                         "thresholds calibrated to that rate (routing_decisions.py)")
+    ap.add_argument("--calib-prompts", type=int, default=8, help="calibrated mode: warm-up prompts per algorithm")
+    ap.add_argument("--calib-tokens", type=int, default=32, help="calibrated mode: tokens per warm-up prompt")
     ap.add_argument("--algos", nargs="+", default=ALGOS, choices=ALGOS)
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 8, 16])
     ap.add_argument("--repeats", type=int, default=3)
@@ -455,16 +526,46 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--tp-blocks", type=int, default=1024, help="runtime KV pool per model, blocks of 16")
     ap.add_argument("--vllm-python", default="/work/peers/vllm-cpu/bin/python")
     ap.add_argument("--vllm-kv-gib", type=int, default=1)
+    ap.add_argument("--vllm-max-num-seqs", type=int, default=64,
+                    help="vLLM's max_num_seqs (both kinds; above any run's in-flight calls, kept low for memory)")
     ap.add_argument("--models-dir", default="/tmp/tokenplane-peer-models")
     ap.add_argument("--note", action="append", default=[], help="a line for the Markdown's notes")
     ap.add_argument("--out", default=None)
     ap.add_argument("--render", type=Path, default=None,
                     help="re-write the Markdown and PNG of a results JSON (adding --note lines), measuring nothing")
+    ap.add_argument("--combine", type=Path, nargs="+", default=None,
+                    help="write one result (--out) from several results JSONs of the same settings: a later file's "
+                         "cell replaces an earlier one's of the same (algorithm, C); each file's command is kept")
     args = ap.parse_args(argv)
+    if args.combine:
+        if args.out is None:
+            raise SystemExit("--combine needs --out")
+        parts = [json.loads(f.read_text()) for f in args.combine]
+        by: dict[tuple[str, int], Cell] = {}
+        for part in parts:
+            for c in part["cells"]:
+                cell = Cell.from_json(c)
+                by.pop((cell.algorithm, cell.concurrency), None)
+                by[(cell.algorithm, cell.concurrency)] = cell
+        meta = dict(parts[-1]["meta"])
+        meta["combined_from"] = [{"file": f.name, "command": p["meta"]["command"], "when": p["meta"]["when"],
+                                  "load_start": p["meta"]["load_start"], "elapsed_s": p["meta"]["elapsed_s"],
+                                  "cells": [f"{c['algorithm']}@{c['concurrency']}" for c in p["cells"]]}
+                                 for f, p in zip(args.combine, parts)]
+        meta["algos"] = list(dict.fromkeys(a for p in parts for a in p["meta"]["algos"]))
+        meta["rates"] = {a: RATES[a] for a in meta["algos"]}
+        meta["elapsed_s"] = sum(p["meta"]["elapsed_s"] for p in parts)
+        meta["notes"] = [f"Combined from {len(parts)} runs: " + "; ".join(
+            f"`{c['command']}` ({c['when']}, load at start {c['load_start']}, {c['elapsed_s']:.0f} s): "
+            f"{', '.join(c['cells'])}" for c in meta["combined_from"])] + list(meta.get("notes") or []) + args.note
+        order = {a: i for i, a in enumerate(meta["algos"] + [CONTROL])}
+        cells = sorted(by.values(), key=lambda c: (order.get(c.algorithm, 99), c.concurrency))
+        write_results(cells, meta, Path(args.out))
+        return
     if args.render is not None:
         data = json.loads(args.render.read_text())
         data["meta"]["notes"] = list(data["meta"].get("notes") or []) + args.note
-        cells = [Cell(**c) for c in data["cells"]]
+        cells = [Cell.from_json(c) for c in data["cells"]]
         write_results(cells, data["meta"], args.render.with_suffix(""))
         return
     if args.quick:
@@ -473,7 +574,8 @@ def main(argv: list[str] | None = None) -> None:
     args.models = PAIRS[args.pair][0]
     weights = "random weights" if args.pair == "tiny" else \
         "model 0 random weights, model 1 real weights (SmolLM2-135M-Instruct, from its Q4_1 GGUF)"
-    stem = "vs_vllm" + ("" if args.pair == "tiny" else f"_{args.pair}") + ("_quick" if args.quick else "")
+    stem = ("vs_vllm" + ("" if args.pair == "tiny" else f"_{args.pair}") + ("" if args.mode == "synthetic" else
+            f"_{args.mode}") + ("_quick" if args.quick else ""))
     out = Path(args.out) if args.out else RESULTS / stem
     if os.cpu_count() is None or os.cpu_count() < 2:    # type: ignore[operator]
         raise SystemExit("needs 2 cores (one per model)")
@@ -489,7 +591,8 @@ def main(argv: list[str] | None = None) -> None:
         "stitch_logprobs": args.stitch_logprobs, "requests_per_client": args.requests_per_client,
         "min_requests": args.min_requests, "max_num_batched_tokens": args.max_num_batched_tokens,
         "vllm": {"block_size": 32, "prefix_caching": True, "enforce_eager": True, "kv_gib": args.vllm_kv_gib,
-                 "front_end": "vllm_step_worker.py: LLMEngine stepped behind a pipe (no HTTP)"},
+                 "max_num_seqs": args.vllm_max_num_seqs},
+        "baselines": {BASELINES[k]: FRONT_ENDS[k] for k in args.baselines}, "mode": args.mode,
         "notes": args.note, "elapsed_s": 0.0}
     dirs = model_dirs(args.models, Path(args.models_dir))
     asyncio.run(measure(args, dirs, out, meta))

@@ -105,6 +105,8 @@ def main(argv: list[str] | None = None) -> dict:
         old = json.loads(path.read_text())
         result["settings"] = old.get("settings", {})
         result["commands"] = old.get("commands", [])
+        if old.get("notes"):
+            result["notes"] = old["notes"]
     result.setdefault("commands", []).append("python benchmarks/routing/threshold_validation.py " +
                                              " ".join(argv if argv is not None else sys.argv[1:]))
     for setting in args.settings:
@@ -162,6 +164,10 @@ def main(argv: list[str] | None = None) -> dict:
                     entry[backend].update(chosen_overhead_throughput=got, ratio_overhead=got / measured[best_ts])
                     print(f"   runtime: overhead-aware choice {tuple(entry['chosen_overhead'])} {got:.1f} -> "
                           f"{got / measured[best_ts]:.1%}", flush=True)
+            # --merge: a backend not run now keeps its earlier measurement of this concurrency
+            for backend, old_m in sres["by_concurrency"].get(str(C), {}).items():
+                if backend in ("des",) and backend not in args.backend:
+                    entry.setdefault(backend, old_m)
             sres["by_concurrency"][str(C)] = entry
             result["settings"][setting] = sres
             write_outputs(args.out, result, render(result))   # partial results stay readable

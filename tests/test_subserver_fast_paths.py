@@ -1,0 +1,23 @@
+"""The runtime's sub-servers build their model through route/subserver.build_runner: on CPU fp32 that runner must take
+the engine's fast paths (oneDNN-packed linears, the compiled decode-attention kernel, the fused add+RMSNorm, glibc
+keeping freed memory), the same ones the engine benchmarks measure, so routing benchmarks measure the current engine."""
+from __future__ import annotations
+
+import torch
+
+from tokenplane.engine import cpu_malloc
+from tokenplane.engine.cpu_fused_norm import fused_norm_applies
+from tokenplane.route.subserver import SubServerSpec, build_runner
+
+
+def test_subserver_runner_takes_the_cpu_fast_paths() -> None:
+    spec = SubServerSpec(model=0, num_models=2, source="tiny-small", frontend="", generation="", dtype="float32",
+                         num_blocks=16)
+    runner, model = build_runner(spec)
+    assert runner.cpu_packed is True
+    linears = [m for m in model.modules() if hasattr(m, "cpu_packed") and m.cpu_packed is not None]
+    assert len(linears) == 4 * len(model.model.layers)   # qkv, o, gate_up, down per layer
+    assert runner.decode_kernel == "cpu"
+    inner = model.model
+    assert inner.fused_norm and fused_norm_applies(torch.zeros(2, inner.norm.weight.shape[0]), inner.norm.weight)
+    assert cpu_malloc._applied is not None   # retain_freed_memory ran in this process (a no-op off glibc)
