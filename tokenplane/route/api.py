@@ -177,6 +177,11 @@ class Algorithm:
         return {"seed": self.seed, "num_models": self.num_models}
 
     # -- the interface -------------------------------------------------------------------------------------
+    def prepare_step(self, results: list[StepResult]) -> None:
+        """Called once per sub-server step with every row that sampled, before their `route` calls: an algorithm
+        whose signal is a network (R2R's router) can run it once for the whole batch instead of once per row. Its
+        decisions must stay those of the per-row signal (see R2R.divergence)."""
+
     def route(self, result: StepResult, req: RequestView) -> int:
         """Model that decodes next. `result.model` = stay; any other index = hand the request to that model."""
         return result.model

@@ -36,6 +36,7 @@ update_from_output) and samples only when its last chunk completes.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
@@ -62,6 +63,8 @@ from .stats import RouteStats
 
 FRONTEND = -1
 _TOMBSTONES = 65_536
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -405,10 +408,14 @@ class Scheduler:
         tokens = self.sample_fn(logits, [batch[i].params for i in rows], positions)
         hidden = getattr(out, "hidden", None)
         sends: list[Outbound] = []
-        for j, i in enumerate(rows):
+        results = [StepResult(batch[i].request_id, self.model, positions[j], int(tokens[j]), out.logits[i],
+                              None if hidden is None else hidden[i]) for j, i in enumerate(rows)]
+        try:
+            self.alg.prepare_step(results)
+        except Exception:  # noqa: BLE001 - the per-row calls below recompute, and fail their own request if broken
+            log.exception("prepare_step failed on model %d; routing row by row", self.model)
+        for i, result in zip(rows, results):
             rec = batch[i]
-            result = StepResult(rec.request_id, self.model, positions[j], int(tokens[j]), out.logits[i],
-                                None if hidden is None else hidden[i])
             try:
                 sends += self._route_one(rec, result)
             except Exception as exc:  # an algorithm bug must fail its request, not the sub-server
