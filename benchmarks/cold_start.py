@@ -100,7 +100,10 @@ def child(args: argparse.Namespace) -> None:
             return lambda: tokenplane.load(args.family)
 
         tok, ids, ids2 = _timed(out, load_tokenplane, lambda t: t.encode(text))
+        numba_imported = "numba" in sys.modules      # before anything below could import it
+        from tokenplane.tokenize.cpu import kernels
         auto = tok.path("auto")
+        out.update(kernels=kernels.get().kind, numba_imported=numba_imported)
         out.update(router_stats=dict(getattr(auto, "stats", {})), reference_built=tok._reference is not None,
                    exact=_same_ids(ids.tolist(), args.ref) and _same_ids(ids2.tolist(), args.ref))
     else:   # gigatoken, from the same pinned file
@@ -172,6 +175,8 @@ def summarize(samples: list[dict], n_bytes: int) -> list[dict]:
             row["reference_calls"] = sum(s.get("router_stats", {}).get("reference", 0) for s in ss)
             row["reference_built"] = sum(bool(s.get("reference_built")) for s in ss)
             row["met"] = row["cold_s"]["median"] <= TARGET_S
+            row["kernels"] = "/".join(sorted({s.get("kernels", "?") for s in ss}))
+            row["numba_imported"] = sum(bool(s.get("numba_imported")) for s in ss)
         rows.append(row)
     return rows
 
@@ -184,16 +189,18 @@ def markdown(rows: list[dict], meta: dict) -> str:
            f"({meta['text_bytes']:,} UTF-8 bytes) of {meta['text_source']}; "
            f"gigatoken: {meta['peer']}; started {meta['started']}", "",
            "ms, median / P90. cold = import + load + encode1 (the target: <= 300 ms for every family); "
-           "interp (interpreter start) is not in cold.", "",
+           "interp (interpreter start) is not in cold. kernels: `aot` (the ahead-of-time module, cpu/kernels.py) or "
+           "`jit` (numba); in parentheses, samples whose process had imported numba by the end of encode2.", "",
            "| family | system | interp | import | load | encode1 | cold | target | cold MB/s | encode2 | exact | "
-           "reference calls / built |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+           "reference calls / built | kernels (numba imported) |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in sorted(rows, key=lambda r: (r["family"], r["system"])):
         target = ("met" if r["met"] else "NOT met") if "met" in r else ""
         ref = f"{r['reference_calls']} / {r['reference_built']}" if "reference_calls" in r else ""
+        kern = f"{r['kernels']} ({r['numba_imported']}/{r['n']})" if "kernels" in r else ""
         mbps = f"{r['cold_mbps']:.2f}" if r["cold_mbps"] else ""
         out.append(f"| {r['family']} | {r['system']} | {ms(r['interp_s'])} | {ms(r['import_s'])} | {ms(r['load_s'])} "
                    f"| {ms(r['encode1_s'])} | {ms(r['cold_s'])} | {target} | {mbps} | {ms(r['encode2_s'])} "
-                   f"| {r['exact']} | {ref} |")
+                   f"| {r['exact']} | {ref} | {kern} |")
     out += ["", "Cold throughput vs gigatoken cold (same run, same text, alternating):", ""]
     by = {(r["system"], r["family"]): r for r in rows}
     for fam in meta["families"]:
@@ -285,7 +292,8 @@ def main() -> int:
     (floor_dir / "floor_kernel.py").write_text(
         "from numba import njit\n\n\n@njit(cache=True, nogil=True)\ndef first(a):\n    s = 0\n"
         "    for x in a:\n        s += x\n    return s\n")
-    env_note = [f"{k}={os.environ[k]}" for k in ("TOKENPLANE_SHARED", "TOKENPLANE_CACHE") if k in os.environ]
+    env_note = [f"{k}={os.environ[k]}" for k in ("TOKENPLANE_SHARED", "TOKENPLANE_CACHE", "TOKENPLANE_AOT",
+                                                "PYTHONDONTWRITEBYTECODE") if k in os.environ]
     meta = {"command": " ".join([*env_note, Path(sys.executable).name, *sys.argv]), "cpus": os.cpu_count(),
             "machine": platform.machine(), "loadavg": " ".join(f"{x:.2f}" for x in os.getloadavg()),
             "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "repeats": args.repeats,
