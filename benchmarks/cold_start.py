@@ -5,6 +5,8 @@ allows: `tokenplane warmup` builds them, and it runs once first). Phases, timed 
   import   `import tokenplane` (or `import gigatoken`)
   load     `tokenplane.load(name)` (gigatoken: constructing its tokenizer from the same pinned file)
   encode1  the first `encode` of the text (default path "auto"); `cold` = import + load + encode1, the target
+tokenplane runs twice per repeat: with its ahead-of-time kernel module (cpu/kernels.py; `tokenplane warmup` builds
+it) and as `tokenplane-jit` with TOKENPLANE_AOT=0 (the numba JIT kernels loaded from numba's cache: the fallback).
   encode2  a second encode of the same text (warm)
   interp   interpreter start until the child's first line (from /proc, 10 ms resolution; not part of `cold`)
 Systems alternate within each repeat (tokenplane, gigatoken, then the other order on the next repeat). A third
@@ -77,7 +79,10 @@ def _timed(out: dict, imported, encode):
 def child(args: argparse.Namespace) -> None:
     interp = _interp_s()
     text = Path(args.text).read_bytes().decode("utf-8")   # bytes: no newline translation (the text holds \r)
-    out: dict = {"system": args.child, "family": args.family, "interp_s": interp}
+    system = args.child
+    if system == "tokenplane" and os.environ.get("TOKENPLANE_AOT") == "0":
+        system = "tokenplane-jit"       # the numba JIT kernels (the fallback), side by side with the AOT module
+    out: dict = {"system": system, "family": args.family, "interp_s": interp}
     if args.child == "numba-floor":
         import importlib.util
 
@@ -171,7 +176,7 @@ def summarize(samples: list[dict], n_bytes: int) -> list[dict]:
         cold = [s["import_s"] + s["load_s"] + s["encode1_s"] for s in ss]
         row["cold_s"] = {"median": statistics.median(cold), "p90": pct(cold, 0.9)}
         row["cold_mbps"] = n_bytes / 1e6 / statistics.median(cold) if system != "numba-floor" else None
-        if system == "tokenplane":
+        if system.startswith("tokenplane"):
             row["reference_calls"] = sum(s.get("router_stats", {}).get("reference", 0) for s in ss)
             row["reference_built"] = sum(bool(s.get("reference_built")) for s in ss)
             row["met"] = row["cold_s"]["median"] <= TARGET_S
@@ -262,6 +267,8 @@ def main() -> int:
 
     families = args.families.split(",")
     env = dict(os.environ, PYTHONPATH=str(ROOT))
+    env.pop("TOKENPLANE_AOT", None)
+    env_jit = dict(env, TOKENPLANE_AOT="0")
     peer = args.peer_python
     if not peer and subprocess.run([sys.executable, "-c", "import gigatoken"], capture_output=True).returncode == 0:
         peer = sys.executable
@@ -302,8 +309,8 @@ def main() -> int:
     samples: list[dict] = []
     errors: list[str] = []
 
-    def take(python: str, extra: list[str], repeat: int) -> None:
-        got = run_child(python, extra, env)
+    def take(python: str, extra: list[str], repeat: int, child_env: dict | None = None) -> None:
+        got = run_child(python, extra, child_env or env)
         if "error" in got:
             errors.append(f"{extra[1]} {extra[3] if len(extra) > 3 else ''}: {got['error'][-300:]}")
         else:
@@ -311,8 +318,9 @@ def main() -> int:
             samples.append(got)
 
     for fam in families:     # one discarded run of each system: first-ever process effects (page cache, pyc)
-        run_child(sys.executable, ["--child", "tokenplane", "--family", fam, "--text", str(text_path),
-                                   "--ref", str(refs[fam])], env)
+        for child_env in (env, env_jit):
+            run_child(sys.executable, ["--child", "tokenplane", "--family", fam, "--text", str(text_path),
+                                       "--ref", str(refs[fam])], child_env)
         if peer:
             run_child(peer, ["--child", "gigatoken", "--family", fam, "--text", str(text_path), "--ref",
                              str(refs[fam]), "--file", files[fam]], env)
@@ -321,11 +329,11 @@ def main() -> int:
                                    "--floor-dir", str(floor_dir)], env)
     for r in range(args.repeats):
         for fam in families:
-            order = ["tokenplane", "gigatoken"] if r % 2 == 0 else ["gigatoken", "tokenplane"]
-            for system in order:
-                if system == "tokenplane":
+            order = ["tokenplane", "tokenplane-jit", "gigatoken"]
+            for system in (order if r % 2 == 0 else order[::-1]):
+                if system.startswith("tokenplane"):
                     take(sys.executable, ["--child", "tokenplane", "--family", fam, "--text", str(text_path),
-                                          "--ref", str(refs[fam])], r)
+                                          "--ref", str(refs[fam])], r, env_jit if system == "tokenplane-jit" else env)
                 elif peer:
                     take(peer, ["--child", "gigatoken", "--family", fam, "--text", str(text_path),
                                 "--ref", str(refs[fam]), "--file", files[fam]], r)
