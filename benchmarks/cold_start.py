@@ -5,6 +5,8 @@ allows: `tokenplane warmup` builds them, and it runs once first). Phases, timed 
   import   `import tokenplane` (or `import gigatoken`)
   load     `tokenplane.load(name)` (gigatoken: constructing its tokenizer from the same pinned file)
   encode1  the first `encode` of the text (default path "auto"); `cold` = import + load + encode1, the target
+tokenplane runs twice per repeat: with its ahead-of-time kernel module (cpu/kernels.py; `tokenplane warmup` builds
+it) and as `tokenplane-jit` with TOKENPLANE_AOT=0 (the numba JIT kernels loaded from numba's cache: the fallback).
   encode2  a second encode of the same text (warm)
   interp   interpreter start until the child's first line (from /proc, 10 ms resolution; not part of `cold`)
 Systems alternate within each repeat (tokenplane, gigatoken, then the other order on the next repeat). A third
@@ -77,7 +79,10 @@ def _timed(out: dict, imported, encode):
 def child(args: argparse.Namespace) -> None:
     interp = _interp_s()
     text = Path(args.text).read_bytes().decode("utf-8")   # bytes: no newline translation (the text holds \r)
-    out: dict = {"system": args.child, "family": args.family, "interp_s": interp}
+    system = args.child
+    if system == "tokenplane" and os.environ.get("TOKENPLANE_AOT") == "0":
+        system = "tokenplane-jit"       # the numba JIT kernels (the fallback), side by side with the AOT module
+    out: dict = {"system": system, "family": args.family, "interp_s": interp}
     if args.child == "numba-floor":
         import importlib.util
 
@@ -100,7 +105,10 @@ def child(args: argparse.Namespace) -> None:
             return lambda: tokenplane.load(args.family)
 
         tok, ids, ids2 = _timed(out, load_tokenplane, lambda t: t.encode(text))
+        numba_imported = "numba" in sys.modules      # before anything below could import it
+        from tokenplane.tokenize.cpu import kernels
         auto = tok.path("auto")
+        out.update(kernels=kernels.get().kind, numba_imported=numba_imported)
         out.update(router_stats=dict(getattr(auto, "stats", {})), reference_built=tok._reference is not None,
                    exact=_same_ids(ids.tolist(), args.ref) and _same_ids(ids2.tolist(), args.ref))
     else:   # gigatoken, from the same pinned file
@@ -168,10 +176,12 @@ def summarize(samples: list[dict], n_bytes: int) -> list[dict]:
         cold = [s["import_s"] + s["load_s"] + s["encode1_s"] for s in ss]
         row["cold_s"] = {"median": statistics.median(cold), "p90": pct(cold, 0.9)}
         row["cold_mbps"] = n_bytes / 1e6 / statistics.median(cold) if system != "numba-floor" else None
-        if system == "tokenplane":
+        if system.startswith("tokenplane"):
             row["reference_calls"] = sum(s.get("router_stats", {}).get("reference", 0) for s in ss)
             row["reference_built"] = sum(bool(s.get("reference_built")) for s in ss)
             row["met"] = row["cold_s"]["median"] <= TARGET_S
+            row["kernels"] = "/".join(sorted({s.get("kernels", "?") for s in ss}))
+            row["numba_imported"] = sum(bool(s.get("numba_imported")) for s in ss)
         rows.append(row)
     return rows
 
@@ -184,16 +194,18 @@ def markdown(rows: list[dict], meta: dict) -> str:
            f"({meta['text_bytes']:,} UTF-8 bytes) of {meta['text_source']}; "
            f"gigatoken: {meta['peer']}; started {meta['started']}", "",
            "ms, median / P90. cold = import + load + encode1 (the target: <= 300 ms for every family); "
-           "interp (interpreter start) is not in cold.", "",
+           "interp (interpreter start) is not in cold. kernels: `aot` (the ahead-of-time module, cpu/kernels.py) or "
+           "`jit` (numba); in parentheses, samples whose process had imported numba by the end of encode2.", "",
            "| family | system | interp | import | load | encode1 | cold | target | cold MB/s | encode2 | exact | "
-           "reference calls / built |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+           "reference calls / built | kernels (numba imported) |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in sorted(rows, key=lambda r: (r["family"], r["system"])):
         target = ("met" if r["met"] else "NOT met") if "met" in r else ""
         ref = f"{r['reference_calls']} / {r['reference_built']}" if "reference_calls" in r else ""
+        kern = f"{r['kernels']} ({r['numba_imported']}/{r['n']})" if "kernels" in r else ""
         mbps = f"{r['cold_mbps']:.2f}" if r["cold_mbps"] else ""
         out.append(f"| {r['family']} | {r['system']} | {ms(r['interp_s'])} | {ms(r['import_s'])} | {ms(r['load_s'])} "
                    f"| {ms(r['encode1_s'])} | {ms(r['cold_s'])} | {target} | {mbps} | {ms(r['encode2_s'])} "
-                   f"| {r['exact']} | {ref} |")
+                   f"| {r['exact']} | {ref} | {kern} |")
     out += ["", "Cold throughput vs gigatoken cold (same run, same text, alternating):", ""]
     by = {(r["system"], r["family"]): r for r in rows}
     for fam in meta["families"]:
@@ -255,6 +267,8 @@ def main() -> int:
 
     families = args.families.split(",")
     env = dict(os.environ, PYTHONPATH=str(ROOT))
+    env.pop("TOKENPLANE_AOT", None)
+    env_jit = dict(env, TOKENPLANE_AOT="0")
     peer = args.peer_python
     if not peer and subprocess.run([sys.executable, "-c", "import gigatoken"], capture_output=True).returncode == 0:
         peer = sys.executable
@@ -285,7 +299,8 @@ def main() -> int:
     (floor_dir / "floor_kernel.py").write_text(
         "from numba import njit\n\n\n@njit(cache=True, nogil=True)\ndef first(a):\n    s = 0\n"
         "    for x in a:\n        s += x\n    return s\n")
-    env_note = [f"{k}={os.environ[k]}" for k in ("TOKENPLANE_SHARED", "TOKENPLANE_CACHE") if k in os.environ]
+    env_note = [f"{k}={os.environ[k]}" for k in ("TOKENPLANE_SHARED", "TOKENPLANE_CACHE", "TOKENPLANE_AOT",
+                                                "PYTHONDONTWRITEBYTECODE") if k in os.environ]
     meta = {"command": " ".join([*env_note, Path(sys.executable).name, *sys.argv]), "cpus": os.cpu_count(),
             "machine": platform.machine(), "loadavg": " ".join(f"{x:.2f}" for x in os.getloadavg()),
             "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "repeats": args.repeats,
@@ -294,8 +309,8 @@ def main() -> int:
     samples: list[dict] = []
     errors: list[str] = []
 
-    def take(python: str, extra: list[str], repeat: int) -> None:
-        got = run_child(python, extra, env)
+    def take(python: str, extra: list[str], repeat: int, child_env: dict | None = None) -> None:
+        got = run_child(python, extra, child_env or env)
         if "error" in got:
             errors.append(f"{extra[1]} {extra[3] if len(extra) > 3 else ''}: {got['error'][-300:]}")
         else:
@@ -303,8 +318,9 @@ def main() -> int:
             samples.append(got)
 
     for fam in families:     # one discarded run of each system: first-ever process effects (page cache, pyc)
-        run_child(sys.executable, ["--child", "tokenplane", "--family", fam, "--text", str(text_path),
-                                   "--ref", str(refs[fam])], env)
+        for child_env in (env, env_jit):
+            run_child(sys.executable, ["--child", "tokenplane", "--family", fam, "--text", str(text_path),
+                                       "--ref", str(refs[fam])], child_env)
         if peer:
             run_child(peer, ["--child", "gigatoken", "--family", fam, "--text", str(text_path), "--ref",
                              str(refs[fam]), "--file", files[fam]], env)
@@ -313,11 +329,11 @@ def main() -> int:
                                    "--floor-dir", str(floor_dir)], env)
     for r in range(args.repeats):
         for fam in families:
-            order = ["tokenplane", "gigatoken"] if r % 2 == 0 else ["gigatoken", "tokenplane"]
-            for system in order:
-                if system == "tokenplane":
+            order = ["tokenplane", "tokenplane-jit", "gigatoken"]
+            for system in (order if r % 2 == 0 else order[::-1]):
+                if system.startswith("tokenplane"):
                     take(sys.executable, ["--child", "tokenplane", "--family", fam, "--text", str(text_path),
-                                          "--ref", str(refs[fam])], r)
+                                          "--ref", str(refs[fam])], r, env_jit if system == "tokenplane-jit" else env)
                 elif peer:
                     take(peer, ["--child", "gigatoken", "--family", fam, "--text", str(text_path),
                                 "--ref", str(refs[fam]), "--file", files[fam]], r)

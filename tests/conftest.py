@@ -5,3 +5,6 @@ import os
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("MKL_NUM_THREADS", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# no detached AOT kernel builds from test processes (a fresh tmp cache would start one per process); the AOT
+# module is built explicitly where a test needs it (tests/test_aot_kernels.py)
+os.environ.setdefault("TOKENPLANE_AOT_BUILD", "0")

@@ -159,13 +159,12 @@ def fast_paths(tok: Tokenizer, *, gpu_min_chars: int = GPU_MIN_CHARS,
         return {}
 
     def build_cpu() -> Encoder:
-        from .cpu.numbastart import skip_blas_probe
         from .cpu.parallel import CpuEncoder
 
-        skip_blas_probe()   # before the first kernel load: saves numba's ~0.3-0.5 s scipy import
         enc = CpuEncoder(tok)
-        # First calls load every numba kernel from its on-disk cache (~0.5 s of llvmlite work); do it here, in the
-        # build, so the parallel path's kernels are loaded too whichever path the first request takes.
+        # First calls load the kernels: the AOT module (cpu/kernels.py, ~1 ms), or else every numba kernel from its
+        # on-disk cache (~0.5 s of llvmlite work, after lazyjit's import of numba without the BLAS probe). Do it
+        # here, in the build, so the parallel path's kernels are loaded too whichever path the first request takes.
         enc.encode(_WARM_TEXT, parallel=False)
         enc.encode_parallel(_WARM_TEXT * 8, n_chunks=2)   # explicit chunks: a text this short is otherwise serial
         return enc

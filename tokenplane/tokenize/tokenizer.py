@@ -11,7 +11,7 @@ import hashlib
 import re
 import threading
 from functools import cache, cached_property
-from typing import Callable, Collection, Iterable, Literal, Mapping
+from typing import TYPE_CHECKING, Callable, Collection, Iterable, Literal, Mapping
 
 import numpy as np
 
@@ -20,9 +20,11 @@ from .cpu.segments import with_literals
 from .errors import InvalidTextError, PathUnavailableError, TextTooLargeError, validate_text  # noqa: F401
 from .reference import ReferenceEngine, make_reference
 from .router import encode_segments_on
-from .session import Session
 from .spec.families import Family
 from .spec.vocabmeta import cached_meta
+
+if TYPE_CHECKING:   # sessions (and the numba kernels they run) are imported on first use, not by `import tokenplane`
+    from .session import Session
 
 DEFAULT_MAX_CHARS = 64 * 1024 * 1024
 EncodePath = Literal["auto", "reference", "cpu", "gpu"]
@@ -46,8 +48,13 @@ class SpecialMatcher:
 
     def __init__(self, specials: dict[str, int]):
         self.specials = specials
-        literals = sorted(specials, key=len, reverse=True)  # first alternative wins at a position -> longest
-        self.regex = re.compile("|".join(map(re.escape, literals))) if literals else None
+
+    @cached_property
+    def regex(self) -> re.Pattern[str] | None:
+        """Compiled on first use: an encode with no allowed specials never needs it, and deepseek_v4's ~800
+        literals take ~30 ms to compile, a tenth of a cold start."""
+        literals = sorted(self.specials, key=len, reverse=True)  # first alternative wins at a position -> longest
+        return re.compile("|".join(map(re.escape, literals))) if literals else None
 
     def matches(self, text: str) -> Iterable[tuple[int, int, str]]:
         """Every literal match (start, end, literal), allowed or not, in text order."""
@@ -57,7 +64,7 @@ class SpecialMatcher:
 
     def split(self, text: str, allowed: Collection[str]) -> list[tuple[str, int | None]]:
         """Segments of (text, None) for ordinary text and (literal, id) for allowed specials."""
-        if self.regex is None or not allowed:
+        if not allowed or self.regex is None:
             return [(text, None)]
         out: list[tuple[str, int | None]] = []
         pos = 0
@@ -241,4 +248,6 @@ class Tokenizer:
     # -- sessions -------------------------------------------------------------------------------------------------
     def session(self, **options) -> Session:
         """A stateful session whose IDs always equal encode(session.text); options: see Session."""
+        from .session import Session
+
         return Session(self, **options)

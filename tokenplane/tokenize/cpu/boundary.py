@@ -23,11 +23,21 @@ from functools import cache
 from typing import Callable
 
 import numpy as np
-from numba import njit
-from numba.cpython.unicode import _get_code_point
 
-from ..spec.charclass import BIT, class_table, numeric_hash, numeric_table, table_hash
+from ..spec.charclass import (
+    BIT,
+    N_CODEPOINTS,
+    class_table,
+    derived_table,
+    numeric_hash,
+    numeric_table,
+    table_hash,
+)
 from ..spec.families import Family
+from . import kernels
+from .lazyjit import njit, numba_global  # numba itself only when a JIT kernel runs (lazyjit.py)
+
+_get_code_point = numba_global("numba.cpython.unicode", "_get_code_point")
 
 LOOKBACK = 1    # a: characters left of p the predicate reads (x = T[p-1])
 LOOKAHEAD = 1   # b: characters from p on the predicate and every left match attempt read (y = T[p])
@@ -118,7 +128,7 @@ class BoundaryRule:
             raise IndexError(f"search range [{start}, {stop}) outside 1..{len(text)}")
         sig, pair = pair_table(self)
         use_inert = inert is not None
-        p = _scan_first_stable(text, start, stop, sig, pair, inert if use_inert else _NO_INERT, use_inert)
+        p = kernels.get().scan_first_stable(text, start, stop, sig, pair, inert if use_inert else _NO_INERT, use_inert)
         return p if p >= 0 else None
 
     def stable_positions(self, text: str, offset: int = 0) -> np.ndarray:
@@ -160,7 +170,28 @@ def _signatures(engine: str) -> tuple[np.ndarray, np.ndarray]:
 @cache
 def pair_table(rule: BoundaryRule) -> tuple[np.ndarray, np.ndarray]:
     """(signature id per code point, uint8[n_sig, n_sig] stable flag): the predicate itself evaluated once on every
-    pair of representatives, so the table says exactly what the predicate says (tests compare the two)."""
+    pair of representatives, so the table says exactly what the predicate says (tests compare the two). For the
+    frozen rules both arrays are cached on disk (charclass.derived_table: keyed by the pinned tables and this
+    file's source), which saves ~25-30 ms of a fresh process's first parallel encode."""
+    if RULES.get(rule.family) is not rule:
+        return _pair_table(rule)
+    built: list[tuple[np.ndarray, np.ndarray]] = []
+
+    def build(i: int) -> np.ndarray:
+        if not built:
+            built.append(_pair_table(rule))
+        return built[0][i]
+
+    numeric = rule.engine == "hf"
+    sig = derived_table(f"boundary-sig-{rule.family}", rule.engine, (N_CODEPOINTS,), np.uint8, lambda: build(0),
+                        __file__, numeric=numeric)
+    n = int(sig.max()) + 1
+    pair = derived_table(f"boundary-pair-{rule.family}", rule.engine, (n, n), np.uint8, lambda: build(1), __file__,
+                         numeric=numeric)
+    return sig, pair
+
+
+def _pair_table(rule: BoundaryRule) -> tuple[np.ndarray, np.ndarray]:
     sig, rep = _signatures(rule.engine)
     n = rep.shape[0]
     cls = class_table(rule.engine)

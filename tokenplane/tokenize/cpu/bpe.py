@@ -22,7 +22,9 @@ import threading
 from typing import TYPE_CHECKING
 
 import numpy as np
-from numba import njit
+
+from . import kernels
+from .lazyjit import njit  # numba itself only when a JIT kernel runs (lazyjit.py)
 
 if TYPE_CHECKING:   # type name only: bpetables builds its tables with this module's kernels
     from .bpetables import BpeTables
@@ -501,10 +503,11 @@ class BPE:
     def encode_bytes(self, buf: np.ndarray, bounds: np.ndarray, cache: PieceCache | None = None) -> np.ndarray:
         """IDs (int32) of the pieces buf[bounds[j]:bounds[j+1]] (buf: uint8 UTF-8, bounds: int64 byte offsets).
         DroppedBytes when buf holds a byte without a token (never for a vocabulary that has all 256)."""
-        if self.missing is not None and _any_of(buf, self.missing):
+        k = kernels.get()
+        if self.missing is not None and k.any_of(buf, self.missing):
             raise DroppedBytes("the text holds a byte without a token")
         c = cache if cache is not None else self._cache()
-        return _encode_pieces(buf, bounds, self.byte_ids, self.ptab, self.batch,
+        return k.encode_pieces(buf, bounds, self.byte_ids, self.ptab, self.batch,
                               self.whole, self.wkeys, self.wids, self.tok_flat, self.tok_off, c.short,
                               c.long_keys, c.long_length, c.long_ids, c.long_n)
 

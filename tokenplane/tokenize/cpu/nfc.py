@@ -32,7 +32,7 @@ from typing import Callable
 import numpy as np
 
 from ..spec.artifacts import cached_array
-from .pretokenize import _gather
+from . import kernels
 from .strbuf import codepoints  # GIL-free: chunk threads of the parallel encoder normalize their own chunks
 
 N_CODEPOINTS = 0x110000
@@ -104,7 +104,7 @@ def inert_table() -> np.ndarray:
 def regions(cps: np.ndarray, inert: np.ndarray) -> np.ndarray:
     """int64[k, 2] character spans that may change under NFC; every span starts at 0 or at an inert code point
     and ends at the text end or before an inert one, so the text between spans is already NFC."""
-    bad = np.flatnonzero(~_gather(inert, cps))
+    bad = np.flatnonzero(~kernels.get().gather_b(inert, cps))
     if bad.size == 0:
         return np.zeros((0, 2), dtype=np.int64)
     new = np.empty(bad.size, dtype=bool)

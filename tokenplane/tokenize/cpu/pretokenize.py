@@ -20,16 +20,18 @@ from __future__ import annotations
 from functools import cache
 
 import numpy as np
-from numba import njit
 
 from ..errors import UnsupportedFamily
 from ..spec import charclass
 from ..spec.families import FAMILIES, Family
+from . import kernels
+from .lazyjit import njit  # numba itself only when a JIT kernel runs (lazyjit.py)
 
 _B = charclass.BIT
 _L, _N, _S, _M, _P, _SY = _B["L"], _B["N"], _B["s"], _B["M"], _B["P"], _B["S"]
 _LU, _LT, _LL = _B["Lu"], _B["Lt"], _B["Ll"]
 CR, LF, SPACE, APOS, SLASH = 13, 10, 32, 39, 47
+_CP_SHAPE = (charclass.N_CODEPOINTS,)    # per-code-point tables (cached on disk: charclass.derived_table)
 
 # Splitter configurations this module was derived for (Family.splitter_hash of the frozen families).
 _DERIVED = {name: fam.splitter_hash for name, fam in FAMILIES.items()}
@@ -189,7 +191,8 @@ def _sorted_union(*arrays: np.ndarray) -> np.ndarray:
 @cache
 def _cp_kind_gpt4(engine: str) -> np.ndarray:
     """Run kind per code point (0 L, 1 N, 2 whitespace, 3 other): one gather per text instead of two."""
-    return _KIND_GPT4[_table(engine)]
+    return charclass.derived_table("kind-gpt4", engine, _CP_SHAPE, np.int8, lambda: _KIND_GPT4[_table(engine)],
+                                   __file__)
 
 
 def _whitespace_run_loop(c, starts, a, b, absorbed, at_end, keep_whole):
@@ -277,7 +280,8 @@ _gpt4_loop = njit(cache=True, nogil=True)(_gpt4_loop_impl)
 
 def _starts_gpt4_loop(cps: np.ndarray, engine: str, digits: int, whole_at_end: bool) -> np.ndarray:
     starts = np.zeros(cps.shape[0], dtype=np.bool_)
-    _gpt4_loop(cps.view(np.int32), _gather(_cp_kind_gpt4(engine), cps), digits, whole_at_end, starts)
+    k = kernels.get()
+    k.gpt4_loop(cps.view(np.int32), k.gather_i8(_cp_kind_gpt4(engine), cps), digits, whole_at_end, starts)
     return starts
 
 
@@ -285,10 +289,12 @@ def _starts_gpt4_loop(cps: np.ndarray, engine: str, digits: int, whole_at_end: b
 def _cp_kind_o200k(engine: str) -> np.ndarray:
     """Per code point: run kind (bits 0-1: 0 word, 1 N, 2 whitespace, 3 other) | 4 upper (Lu/Lt) | 8 lower (Ll) |
     16 mark."""
-    t = _table(engine).astype(np.int64)
-    kind = _KIND_O200K[t].astype(np.int64)
-    kind |= np.where(t & (_LU | _LT), 4, 0) | np.where(t & _LL, 8, 0) | np.where(t & _M, 16, 0)
-    return kind.astype(np.uint8)
+    def build() -> np.ndarray:
+        t = _table(engine).astype(np.int64)
+        kind = _KIND_O200K[t].astype(np.int64)
+        kind |= np.where(t & (_LU | _LT), 4, 0) | np.where(t & _LL, 8, 0) | np.where(t & _M, 16, 0)
+        return kind.astype(np.uint8)
+    return charclass.derived_table("kind-o200k", engine, _CP_SHAPE, np.uint8, build, __file__)
 
 
 def _o200k_loop_impl(c, feat, starts, rare):
@@ -380,7 +386,8 @@ def _starts_o200k_loop(cps: np.ndarray, engine: str) -> np.ndarray:
     starts = np.zeros(n, dtype=np.bool_)
     rare = np.empty(n, dtype=np.int64)
     c = cps.view(np.int32)
-    nr = _o200k_loop(c, _gather(_cp_kind_o200k(engine), cps), starts, rare)
+    k = kernels.get()
+    nr = k.o200k_loop(c, k.gather_u8(_cp_kind_o200k(engine), cps), starts, rare)
     if nr:
         cls = _table(engine)[cps]
         _o200k_rescan(cps, cls, c, np.sort(rare[:nr]), starts)
@@ -425,13 +432,15 @@ _GPT4 = {"cl100k_base": (3, True), "llama3": (3, False), "qwen3": (1, False)}   
 def _cp_feat_deepseek(engine: str) -> np.ndarray:
     """Per code point: kind (bits 0-2: 0 LM, 1 PS, 2 whitespace, 3 other, 4 N) | 8 CJK range | 16 ASCII letter |
     32 ASCII punctuation."""
-    f = _KIND_DS[_table(engine)].astype(np.int64)
-    cp = np.arange(f.shape[0])
-    f |= np.where(((cp >= 0x4E00) & (cp <= 0x9FA5)) | ((cp >= 0x3040) & (cp <= 0x309F))
-                  | ((cp >= 0x30A0) & (cp <= 0x30FF)), 8, 0)
-    f |= np.where(((cp >= 65) & (cp <= 90)) | ((cp >= 97) & (cp <= 122)), 16, 0)
-    f[:128] |= np.where(_ASCII_PUNCT, 32, 0)
-    return f.astype(np.uint8)
+    def build() -> np.ndarray:
+        f = _KIND_DS[_table(engine)].astype(np.int64)
+        cp = np.arange(f.shape[0])
+        f |= np.where(((cp >= 0x4E00) & (cp <= 0x9FA5)) | ((cp >= 0x3040) & (cp <= 0x309F))
+                      | ((cp >= 0x30A0) & (cp <= 0x30FF)), 8, 0)
+        f |= np.where(((cp >= 65) & (cp <= 90)) | ((cp >= 97) & (cp <= 122)), 16, 0)
+        f[:128] |= np.where(_ASCII_PUNCT, 32, 0)
+        return f.astype(np.uint8)
+    return charclass.derived_table("feat-deepseek", engine, _CP_SHAPE, np.uint8, build, __file__)
 
 
 def _ds_seg_head(feat, i):
@@ -500,7 +509,8 @@ _deepseek_loop = njit(cache=True, nogil=True)(_deepseek_loop_impl)
 
 def _starts_deepseek_loop(cps: np.ndarray, engine: str) -> np.ndarray:
     starts = np.zeros(cps.shape[0], dtype=np.bool_)
-    _deepseek_loop(cps.view(np.int32), _gather(_cp_feat_deepseek(engine), cps), starts)
+    k = kernels.get()
+    k.deepseek_loop(cps.view(np.int32), k.gather_u8(_cp_feat_deepseek(engine), cps), starts)
     return starts
 
 
@@ -509,9 +519,11 @@ def _starts_deepseek_loop(cps: np.ndarray, engine: str) -> np.ndarray:
 def _cp_kind_smollm2(engine: str) -> np.ndarray:
     """Run kind per code point: 0 letter (\\p{L}), 1 Digits-numeric (Rust's is_numeric, probed: a superset of \\p{N}),
     2 whitespace, 3 other (marks included: GPT-2's letter run is \\p{L} alone)."""
-    kind = _KIND_GPT4[_table(engine)].copy()
-    kind[charclass.numeric_table()] = 1
-    return kind
+    def build() -> np.ndarray:
+        kind = _KIND_GPT4[_table(engine)].copy()
+        kind[charclass.numeric_table()] = 1
+        return kind
+    return charclass.derived_table("kind-smollm2", engine, _CP_SHAPE, np.int8, build, __file__, numeric=True)
 
 
 def _smollm2_loop_impl(c, kind, starts):
@@ -567,7 +579,8 @@ _smollm2_loop = njit(cache=True, nogil=True)(_smollm2_loop_impl)
 
 def _starts_smollm2_loop(cps: np.ndarray, engine: str) -> np.ndarray:
     starts = np.zeros(cps.shape[0], dtype=np.bool_)
-    _smollm2_loop(cps.view(np.int32), _gather(_cp_kind_smollm2(engine), cps), starts)
+    k = kernels.get()
+    k.smollm2_loop(cps.view(np.int32), k.gather_i8(_cp_kind_smollm2(engine), cps), starts)
     return starts
 
 

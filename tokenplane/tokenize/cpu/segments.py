@@ -17,11 +17,11 @@ import bisect
 from typing import Sequence
 
 import numpy as np
-from numba import njit
 
+from . import kernels, strbuf
 from . import pretokenize as pt
-from . import strbuf
 from .bpe import BPE, DroppedBytes
+from .lazyjit import njit  # numba itself only when a JIT kernel runs (lazyjit.py)
 
 MAX_CHARS = 256 * 1024   # longer texts take the encoder's own (chunk-parallel) path
 
@@ -89,13 +89,14 @@ def span_starts(family: str, cps: np.ndarray, bounds: np.ndarray) -> np.ndarray:
     fam = pt._family(family)
     c = cps.view(np.int32)
     starts = np.zeros(cps.shape[0], dtype=np.bool_)
+    k = kernels.get()
     if fam.name in pt._GPT4:
         digits, whole = pt._GPT4[fam.name]
-        _spans_gpt4(c, pt._gather(pt._cp_kind_gpt4(fam.engine), cps), digits, whole, starts, bounds)
+        k.spans_gpt4(c, k.gather_i8(pt._cp_kind_gpt4(fam.engine), cps), digits, whole, starts, bounds)
     elif fam.name == "deepseek_v4":
-        _spans_deepseek(c, pt._gather(pt._cp_feat_deepseek(fam.engine), cps), starts, bounds)
+        k.spans_deepseek(c, k.gather_u8(pt._cp_feat_deepseek(fam.engine), cps), starts, bounds)
     elif fam.name == "smollm2":
-        _spans_smollm2(c, pt._gather(pt._cp_kind_smollm2(fam.engine), cps), starts, bounds)
+        k.spans_smollm2(c, k.gather_i8(pt._cp_kind_smollm2(fam.engine), cps), starts, bounds)
     else:       # o200k_base: its loop hands rare cases to a numpy rescan; span by span
         for a, b in zip(bounds[:-1].tolist(), bounds[1:].tolist()):
             starts[a:b] = pt.piece_starts(fam, cps[a:b])
@@ -119,7 +120,7 @@ def encode_segments(bpe: BPE, family: str, text: str,
         widths = bounds_arr[:, 1] - bounds_arr[:, 0]
         total = int(widths.sum())
         cps = np.empty(total, dtype=np.uint32)
-        _gather(window, lo, bounds_arr, cps)
+        kernels.get().seg_gather(window, lo, bounds_arr, cps)
         offsets = np.zeros(len(spans) + 1, dtype=np.int64)
         np.cumsum(widths, out=offsets[1:])
     starts = span_starts(family, cps, offsets)
@@ -131,7 +132,7 @@ def encode_segments(bpe: BPE, family: str, text: str,
     ends = np.empty(ids.shape[0], dtype=np.int64)
     counts = np.zeros(len(spans), dtype=np.int64)
     if ids.shape[0]:
-        _token_ends(ids, bpe.tok_off, cps, bounds_arr, ends, counts)
+        kernels.get().token_ends(ids, bpe.tok_off, cps, bounds_arr, ends, counts)
     return ids, ends, counts
 
 
@@ -168,7 +169,7 @@ def with_literals(ids: np.ndarray, ends: np.ndarray, counts: Sequence[int] | np.
     at = before[[bisect.bisect_right(span_ends, a) for a, _, _ in literals]]
     out_ids = np.empty(ids.shape[0] + len(literals), dtype=np.uint32)
     out_ends = np.empty(out_ids.shape[0], dtype=np.int64)
-    _interleave(ids, ends, at, np.array([sid for _, _, sid in literals], dtype=np.uint32),
+    kernels.get().interleave(ids, ends, at, np.array([sid for _, _, sid in literals], dtype=np.uint32),
                 np.array([b for _, b, _ in literals], dtype=np.int64), out_ids, out_ends)
     return out_ids, out_ends
 

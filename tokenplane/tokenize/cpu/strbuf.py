@@ -14,10 +14,12 @@ the same pass, so a direct caller gets the same clear error instead of CESU-8 by
 from __future__ import annotations
 
 import numpy as np
-from numba import njit
-from numba.cpython.unicode import _get_code_point
 
 from ..errors import InvalidTextError
+from . import kernels
+from .lazyjit import njit, numba_global  # numba itself only when a JIT kernel runs (lazyjit.py)
+
+_get_code_point = numba_global("numba.cpython.unicode", "_get_code_point")
 
 
 def _codepoints_impl(s, a, b, out):
@@ -84,7 +86,7 @@ def codepoints(s: str, a: int = 0, b: int | None = None, extra: str = "") -> np.
     n = b - a
     out = np.empty(n + len(extra), dtype=np.uint32)
     if n:
-        bad = _codepoints(s, a, b, out)
+        bad = kernels.get().codepoints(s, a, b, out)
         if bad >= 0:    # str.encode would have refused it; the UTF-8 writer must never see one
             raise InvalidTextError(f"input contains a lone surrogate U+{ord(s[bad]):04X} at character {bad}")
     for i, ch in enumerate(extra):
@@ -98,7 +100,7 @@ def sampled_utf8_sizes(s: str, step: int) -> np.ndarray:
     count = -(-len(s) // step)
     out = np.empty(count, dtype=np.int64)
     if count:
-        _sampled_sizes(s, step, out)
+        kernels.get().sampled_sizes(s, step, out)
     return out
 
 
@@ -107,5 +109,5 @@ def utf8_and_bounds(cps: np.ndarray, n: int, starts: np.ndarray) -> tuple[np.nda
     cps = np.ascontiguousarray(cps, dtype=np.uint32)
     buf = np.empty(4 * n, dtype=np.uint8)
     bounds = np.empty(n + 1, dtype=np.int64)     # untouched tail pages are never faulted in; no GIL-held count
-    k, size = _utf8_and_bounds(cps, n, starts.view(np.bool_), buf, bounds)
+    k, size = kernels.get().utf8_and_bounds(cps, n, starts.view(np.bool_), buf, bounds)
     return buf[:size], bounds[:k]

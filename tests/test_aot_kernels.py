@@ -1,0 +1,268 @@
+"""The ahead-of-time kernel module (cpu/kernels.py, cpu/aotbuild.py): same IDs as the numba JIT kernels and the
+reference on adversarial and real text for every family, on every kernel of the default encode path (serial,
+chunk-parallel, NFC regions, segments between allowed specials); a damaged, stale or foreign module is refused and
+the JIT kernels answer; a fresh process encodes through it without importing numba.
+
+The module is built once per test session into a temporary folder (~15-25 s on one core)."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from test_pretokenize import ALPHABET, FRAGMENTS, _corpus_docs
+
+import tokenplane
+from tokenplane.tokenize.cpu import aotbuild, kernels, segments
+from tokenplane.tokenize.cpu.parallel import CpuEncoder
+
+ROOT = Path(__file__).resolve().parents[1]
+FAMILIES = ["cl100k_base", "o200k_base", "llama3", "qwen3", "deepseek_v4", "smollm2"]
+
+
+@pytest.fixture(scope="session")
+def aot_root(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("aot")
+    aotbuild.build(root)
+    return root
+
+
+@pytest.fixture(scope="session")
+def aot(aot_root) -> kernels.Kernels:
+    return kernels.aot_kernels(kernels.module_folder(aot_root))
+
+
+@pytest.fixture
+def use(monkeypatch):
+    """Make `k` the process's kernel set for one test (restored afterwards)."""
+    def set_kernels(k: kernels.Kernels) -> None:
+        monkeypatch.setattr(kernels, "_active", k)
+    return set_kernels
+
+
+def _texts(name: str, n: int) -> list[str]:
+    rng = random.Random(name + "aot")
+    out = ["".join(rng.choice(ALPHABET + FRAGMENTS) for _ in range(rng.randint(1, 300))) for _ in range(n)]
+    return out + [doc[:3000] for doc in _corpus_docs(3000)]
+
+
+def _both(enc: CpuEncoder, aot: kernels.Kernels, use, run) -> tuple:
+    out = []
+    for k in (aot, kernels.jit_kernels()):
+        use(k)
+        enc.bpe.clear_caches()       # a piece cached by one kernel set must not answer for the other
+        out.append(run())
+    return tuple(out)
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_aot_equals_jit_and_reference(name, aot, use):
+    tok = tokenplane.load(name)
+    enc = CpuEncoder(tok, workers=2)
+    before = dict(kernels.guard_fallbacks)
+    rng = random.Random(name)
+    for text in _texts(name, 120):
+        ref = tok.reference.encode_ordinary(text).tolist()
+        a, j = _both(enc, aot, use, lambda: enc.encode(text, parallel=False).tolist())
+        assert a == j == ref, repr(text[:200])
+        if len(text) > 40:      # the chunk-parallel path on small chunks: cut search, byte profile, NFC regions
+            chunks = rng.randint(2, 12)
+            a, j = _both(enc, aot, use, lambda: enc.encode_parallel(text, n_chunks=chunks).tolist())
+            assert a == j == ref, repr(text[:200])
+    real = "".join(_corpus_docs(100_000))[:400_000]     # > PARALLEL_MIN_CHARS: the default path of a long text
+    ref = tok.reference.encode_ordinary(real).tolist()
+    a, j = _both(enc, aot, use, lambda: enc.encode(real).tolist())
+    assert a == j == ref
+    assert enc.stats["cut_rejected"] == 0
+    assert kernels.guard_fallbacks == before, "an argument of the default path missed its AOT signature"
+
+
+@pytest.mark.parametrize("name", ["cl100k_base", "o200k_base", "qwen3", "deepseek_v4", "smollm2"])
+def test_segments_between_specials_equal_jit_and_reference(name, aot, use):
+    """Many segments in one BPE call (allowed specials, session repair windows): IDs, token ends and counts."""
+    tok = tokenplane.load(name)
+    enc = CpuEncoder(tok)
+    literals = sorted(tok.specials)[:3]
+    rng = random.Random(name + "seg")
+    before = dict(kernels.guard_fallbacks)
+    for text in _texts(name, 40)[:40]:
+        parts = [text[i:i + 37] for i in range(0, len(text), 37)] or [""]
+        chosen = [rng.choice(literals) for _ in parts]
+        full = "".join(p + lit for p, lit in zip(parts, chosen))
+        ref = [t for p, lit in zip(parts, chosen)
+               for t in tok.reference.encode_ordinary(p).tolist() + [tok.specials[lit]]]
+        a, j = _both(enc, aot, use, lambda: tok.encode(full, allowed_special="all", path="cpu").tolist())
+        assert a == j == ref, repr(full[:200])
+        norm = tok.normalize(text)
+        spans = [(i, min(len(norm), i + 23)) for i in range(0, len(norm), 31)] if norm else []
+        if spans:
+            a, j = _both(enc, aot, use, lambda: segments.encode_segments(enc.bpe, tok.family.name, norm, spans))
+            if a is None or j is None:
+                assert a is None and j is None
+                continue
+            assert all(np.array_equal(x, y) for x, y in zip(a, j))
+            want = [tok.reference.encode_ordinary(norm[s:e]).tolist() for s, e in spans]
+            assert a[0].tolist() == [t for w in want for t in w]
+            assert a[2].tolist() == [len(w) for w in want]
+    assert kernels.guard_fallbacks == before
+
+
+def test_guard_sends_mismatched_arguments_to_the_jit_kernel(aot):
+    """A compiled kernel trusts dtypes and layout; the guard must route anything else to numba (no crash)."""
+    table = (np.arange(256) % 100).astype(np.int8)
+    cps = np.array([1, 5, 200, 7, 99, 255], dtype=np.uint32)
+    want = table[cps].tolist()
+    assert aot.gather_i8(table, cps).tolist() == want
+    n = kernels.guard_fallbacks.get("gather_i8", 0)
+    assert aot.gather_i8(table, cps.astype(np.int64)).tolist() == want            # other dtype
+    assert aot.gather_i8(table, np.repeat(cps, 2)[::2]).tolist() == want          # not contiguous
+    assert aot.gather_i8(table.astype(np.uint8), cps).tolist() == want            # other table dtype
+    assert kernels.guard_fallbacks["gather_i8"] == n + 3
+    out = np.empty(3, dtype=np.uint32)
+    assert aot.codepoints("abc", 0, 3, out) == -1 and out.tolist() == [97, 98, 99]
+    assert aot.codepoints("a\ud800c", 0, 3, out) == 1              # the lone surrogate is reported, as by JIT
+
+
+def _copy(aot_root: Path, root: Path) -> Path:
+    dest = kernels.module_folder(root)
+    shutil.copytree(kernels.module_folder(aot_root), dest)
+    return dest
+
+
+def _edit_meta(folder: Path, **changes) -> None:
+    meta = json.loads((folder / "meta.json").read_text())
+    meta.update(changes)
+    (folder / "meta.json").write_text(json.dumps(meta))
+
+
+@pytest.mark.parametrize("damage", ["flipped byte", "truncated", "garbage with matching hash", "stale key",
+                                    "other numba", "export missing", "no record"])
+def test_damaged_or_stale_module_is_refused_and_jit_answers(damage, aot_root, tmp_path, monkeypatch):
+    folder = _copy(aot_root, tmp_path)
+    so = kernels.module_file(folder)
+    data = bytearray(so.read_bytes())
+    if damage == "flipped byte":
+        data[len(data) // 2] ^= 0xFF
+        so.write_bytes(bytes(data))
+    elif damage == "truncated":
+        so.write_bytes(bytes(data[: len(data) // 3]))
+    elif damage == "garbage with matching hash":
+        so.write_bytes(b"not an ELF file" * 100)
+        _edit_meta(folder, sha256=kernels.file_digest(so))
+    elif damage == "stale key":
+        _edit_meta(folder, key="0" * 24)
+    elif damage == "other numba":
+        meta = json.loads((folder / "meta.json").read_text())
+        _edit_meta(folder, fields=dict(meta["fields"], numba="0.0.0"))
+    elif damage == "export missing":
+        meta = json.loads((folder / "meta.json").read_text())
+        _edit_meta(folder, exports=meta["exports"][1:])
+    else:
+        (folder / "meta.json").unlink()
+    with pytest.raises(kernels.AotUnavailable):
+        kernels.load_module(folder)
+    monkeypatch.setenv("TOKENPLANE_AOT_DIR", str(tmp_path))
+    monkeypatch.setenv("TOKENPLANE_AOT_BUILD", "0")
+    monkeypatch.setattr(kernels, "_active", None)
+    k = kernels.get()
+    assert k.kind == "jit"
+    tok = tokenplane.load("cl100k_base")
+    text = "".join(_corpus_docs(2000))[:20_000]
+    assert tok.encode(text, path="cpu").tolist() == tok.reference.encode_ordinary(text).tolist()
+
+
+def test_build_replaces_a_damaged_module_and_keeps_a_valid_one(aot_root, tmp_path, monkeypatch):
+    folder = _copy(aot_root, tmp_path)
+    good = kernels.module_file(kernels.module_folder(aot_root))
+    compiled = []
+
+    def fake_compile(dest: Path) -> None:      # the compiler's output, without the 20 s of compiling
+        compiled.append(dest)
+        shutil.copy(good, kernels.module_file(dest))
+
+    monkeypatch.setattr(aotbuild, "_compile", fake_compile)
+    assert aotbuild.build(tmp_path) == folder and not compiled          # valid: kept
+    so = kernels.module_file(folder)
+    head = so.read_bytes()[:1000]
+    so.unlink()     # a new file, as any writer but an in-place one makes: this process has the old one mapped
+    so.write_bytes(head)
+    assert aotbuild.build(tmp_path) == folder and len(compiled) == 1   # damaged: rebuilt in place
+    kernels.load_module(folder)
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".build-")]
+
+
+def test_key_changes_with_the_kernel_sources(monkeypatch):
+    key = kernels.cache_key()
+    fields = dict(kernels.key_fields())
+    monkeypatch.setattr(kernels, "key_fields", lambda: dict(fields, sources="x"))
+    assert kernels.cache_key() != key
+
+
+_CHILD = """
+import json, sys
+import tokenplane
+from tokenplane.tokenize.cpu import kernels
+text = open(sys.argv[1], encoding="utf-8", newline="").read()
+ids = tokenplane.load(sys.argv[2]).encode(text)
+print(json.dumps({"numba": "numba" in sys.modules, "kind": kernels.get().kind, "ids": ids.tolist()}))
+"""
+
+
+@pytest.mark.parametrize("damaged", [False, True])
+def test_fresh_process_encodes_without_numba(damaged, aot_root, tmp_path):
+    root = tmp_path / "aot"
+    folder = _copy(aot_root, root)
+    if damaged:
+        so = kernels.module_file(folder)
+        so.write_bytes(so.read_bytes()[:5000])
+    text = "".join(_corpus_docs(100_000))[:300_000] + " e\u0301 \u65e5\u672c"
+    (tmp_path / "t.txt").write_bytes(text.encode("utf-8"))
+    env = dict(os.environ, TOKENPLANE_AOT_DIR=str(root), TOKENPLANE_AOT_BUILD="0", PYTHONPATH=str(ROOT))
+    env.pop("TOKENPLANE_AOT", None)
+    for name in ("qwen3", "o200k_base"):
+        proc = subprocess.run([sys.executable, "-c", _CHILD, str(tmp_path / "t.txt"), name], capture_output=True,
+                              text=True, env=env, timeout=300)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        got = json.loads(proc.stdout.strip().splitlines()[-1])
+        assert got["ids"] == tokenplane.load(name).reference.encode_ordinary(text).tolist()
+        assert got["kind"] == ("jit" if damaged else "aot")
+        assert got["numba"] == damaged
+
+
+def test_import_and_load_never_import_numba():
+    code = "import sys, tokenplane; tokenplane.load('llama3'); print('numba' in sys.modules)"
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          env=dict(os.environ, PYTHONPATH=str(ROOT), TOKENPLANE_AOT="0"), timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.strip() == "False"
+
+
+def test_engine_versions_read_without_import_equal_the_imported_ones():
+    import tiktoken
+    import tokenizers
+
+    from tokenplane.tokenize.spec import charclass
+
+    assert charclass._installed_version("tiktoken") == tiktoken.__version__
+    assert charclass._installed_version("tokenizers") == tokenizers.__version__
+
+
+def test_background_build_starts_once_and_not_after_a_failure(tmp_path, monkeypatch):
+    started = []
+    monkeypatch.setenv("TOKENPLANE_AOT_DIR", str(tmp_path))
+    monkeypatch.delenv("TOKENPLANE_AOT_BUILD", raising=False)
+    monkeypatch.setattr(kernels.subprocess, "Popen", lambda cmd, **kw: started.append(cmd))
+    monkeypatch.setattr(kernels, "_build_started", False)
+    marker = kernels.failure_marker()
+    marker.write_text("Traceback: the compiler failed")
+    assert not kernels.start_background_build() and not started
+    marker.unlink()
+    assert kernels.start_background_build() and started[0][1:3] == ["-m", "tokenplane.tokenize.cpu.aotbuild"]
+    assert not kernels.start_background_build() and len(started) == 1      # once per process

@@ -1,0 +1,318 @@
+"""The kernels of the default encode path: ahead-of-time compiled when that module is built, numba JIT otherwise.
+
+A fresh process spends ~0.45 s importing numba and loading its cached kernels before the first useful instruction
+(benchmarks/results/cold_start.md, `numba-floor`). aotbuild.py compiles the same kernel functions (the `_impl` /
+`py_func` of strbuf, pretokenize, bpe, boundary, segments) with explicit signatures into one extension module
+(numba.pycc), stored in the on-disk cache under a key of everything that decides its code: the kernel sources, the
+numba / numpy / Python versions and the machine (the module is compiled for the host CPU). Loading it is a dlopen
+(~1 ms) and needs numpy only; this module never imports numba.
+
+`get()` answers, once per process, the kernel set every caller uses: the AOT module when its folder for the current
+key holds a module whose bytes still hash to what the builder recorded, else the JIT kernels (lazyjit.py: numba
+is imported on their first call). When the AOT module is absent, a detached build is started (`tokenplane warmup`
+builds it ahead; TOKENPLANE_AOT_BUILD=0 stops the background build, TOKENPLANE_AOT=0 disables the AOT path,
+TOKENPLANE_AOT_DIR moves the modules out of the cache).
+
+A compiled kernel trusts its arguments' dtypes and layout (a mismatch is a crash or a wrong answer, not an error),
+so every AOT call goes through a guard that checks each array's dtype, rank and C-contiguity and each str argument's
+type, and hands anything else to the JIT kernel: same answer, never a crash.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.machinery
+import importlib.util
+import json
+import os
+import platform
+import re
+import subprocess
+import sys
+import threading
+from functools import cache
+from pathlib import Path
+from types import ModuleType
+from typing import Any, Callable
+
+import numpy as np
+
+from ..spec.artifacts import cache_dir
+
+MODULE_NAME = "tokenplane_kernels"      # the extension's PyInit_ name: fixed, the folder carries the key
+KEY_VERSION = 1                         # bump when what goes into the module changes outside the hashed sources
+_HERE = Path(__file__).resolve().parent
+# The modules whose source decides the compiled code: the kernels, this table of signatures, the lazy decorator.
+SOURCES = ("strbuf.py", "pretokenize.py", "bpe.py", "boundary.py", "segments.py", "lazyjit.py", "kernels.py",
+           "aotbuild.py")
+
+# -- the export table: name -> (module, attribute, return type, argument types) ------------------------------------
+# Argument types: "str" (a Python str, numba unicode_type), "int64", "boolean", or (dtype, ndim) for a C-contiguous
+# array. Every signature is the one the callers pass (tests/test_aot_kernels.py runs each through both paths).
+S, I, B = "str", "int64", "boolean"  # noqa: E741  (I: int64, as in a signature)
+
+
+def A(dtype: str, ndim: int = 1) -> tuple[str, int]:
+    return (dtype, ndim)
+
+
+EXPORTS: dict[str, tuple[str, str, str, tuple[Any, ...]]] = {
+    # strbuf: code points / UTF-8 straight from the str's buffer
+    "codepoints": ("strbuf", "_codepoints", "int64", (S, I, I, A("uint32"))),
+    "sampled_sizes": ("strbuf", "_sampled_sizes", "void", (S, I, A("int64"))),
+    "utf8_and_bounds": ("strbuf", "_utf8_and_bounds", "UniTuple(int64, 2)",
+                        (A("uint32"), I, A("boolean"), A("uint8"), A("int64"))),
+    # pretokenize: per-code-point feature gathers (one per table dtype) and the family loops
+    "gather_i8": ("pretokenize", "_gather", "int8[::1]", (A("int8"), A("uint32"))),
+    "gather_u8": ("pretokenize", "_gather", "uint8[::1]", (A("uint8"), A("uint32"))),
+    "gather_b": ("pretokenize", "_gather", "boolean[::1]", (A("boolean"), A("uint32"))),
+    "gpt4_loop": ("pretokenize", "_gpt4_loop", "void", (A("int32"), A("int8"), I, B, A("boolean"))),
+    "o200k_loop": ("pretokenize", "_o200k_loop", "int64", (A("int32"), A("uint8"), A("boolean"), A("int64"))),
+    "deepseek_loop": ("pretokenize", "_deepseek_loop", "void", (A("int32"), A("uint8"), A("boolean"))),
+    "smollm2_loop": ("pretokenize", "_smollm2_loop", "void", (A("int32"), A("int8"), A("boolean"))),
+    # bpe
+    "encode_pieces": ("bpe", "_encode_pieces", "int32[::1]",
+                      (A("uint8"), A("int64"), A("int32"), A("uint64", 2), B, B, A("uint64"), A("int32"),
+                       A("uint8"), A("int64"), A("uint32", 2), A("uint8", 2), A("int32"), A("int32", 2),
+                       A("int32"))),
+    "any_of": ("bpe", "_any_of", "boolean", (A("uint8"), A("boolean"))),
+    # boundary: the chunk-cut search (holds the GIL, as the JIT kernel does: see boundary.py)
+    "scan_first_stable": ("boundary", "_scan_first_stable", "int64",
+                          (S, I, I, A("uint8"), A("uint8", 2), A("boolean"), B)),
+    # segments: many ordinary segments in one BPE call (allowed specials, session repair)
+    "seg_gather": ("segments", "_gather", "void", (A("uint32"), I, A("int64", 2), A("uint32"))),
+    "token_ends": ("segments", "_token_ends", "void",
+                   (A("uint32"), A("int64"), A("uint32"), A("int64", 2), A("int64"), A("int64"))),
+    "spans_gpt4": ("segments", "_spans_gpt4", "void", (A("int32"), A("int8"), I, B, A("boolean"), A("int64"))),
+    "spans_deepseek": ("segments", "_spans_deepseek", "void", (A("int32"), A("uint8"), A("boolean"), A("int64"))),
+    "spans_smollm2": ("segments", "_spans_smollm2", "void", (A("int32"), A("int8"), A("boolean"), A("int64"))),
+    "interleave": ("segments", "_interleave", "void",
+                   (A("uint32"), A("int64"), A("int64"), A("uint32"), A("int64"), A("uint32"), A("int64"))),
+}
+HOLDS_GIL = frozenset({"scan_first_stable"})
+
+
+def numba_signature(name: str) -> str:
+    """The numba signature string of one export (aotbuild.py compiles with it)."""
+    _, _, ret, args = EXPORTS[name]
+
+    def one(t: Any) -> str:
+        if t == S:
+            return "unicode_type"
+        if isinstance(t, tuple):
+            return f"{t[0]}[{':, ' * (t[1] - 1)}::1]"
+        return str(t)
+
+    return f"{ret}({', '.join(one(t) for t in args)})"
+
+
+# -- the cache key ----------------------------------------------------------------------------------------------------
+def _numba_version() -> str:
+    """numba's version read from its _version.py without importing numba (find_spec executes nothing)."""
+    spec = importlib.util.find_spec("numba")
+    if spec is None or spec.origin is None:
+        return "absent"
+    try:
+        text = (Path(spec.origin).parent / "_version.py").read_text()
+    except OSError:
+        return "unknown"
+    m = re.search(r'"version":\s*"([^"]+)"', text)
+    return m.group(1) if m else "unknown"
+
+
+def _machine() -> str:
+    """The machine the module was compiled for: architecture plus the CPU's model and feature flags (the build
+    targets the host CPU, so another CPU model gets its own build)."""
+    parts = [platform.machine()]
+    try:
+        info = Path("/proc/cpuinfo").read_text()
+        for field in ("model name", "flags", "Features", "CPU part"):
+            m = re.search(rf"^{field}\s*:\s*(.*)$", info, re.M)
+            if m:
+                parts.append(m.group(1).strip())
+    except OSError:
+        parts.append(platform.processor())
+    return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]
+
+
+@cache
+def key_fields() -> dict[str, str]:
+    src = hashlib.sha256()
+    for name in SOURCES:
+        src.update(name.encode() + b"\0" + (_HERE / name).read_bytes())
+    return {"key_version": str(KEY_VERSION), "sources": src.hexdigest()[:20], "numba": _numba_version(),
+            "numpy": np.__version__, "python": sys.implementation.cache_tag + "-" + platform.python_version(),
+            "machine": _machine()}
+
+
+def cache_key() -> str:
+    return hashlib.sha256(json.dumps(key_fields(), sort_keys=True).encode()).hexdigest()[:24]
+
+
+def aot_root() -> Path:
+    """Where AOT modules live: TOKENPLANE_AOT_DIR, else `aot/` in the tokenplane cache."""
+    env = os.environ.get("TOKENPLANE_AOT_DIR")
+    return Path(env) if env else cache_dir() / "aot"
+
+
+def module_folder(root: Path | None = None) -> Path:
+    return (root or aot_root()) / cache_key()
+
+
+def failure_marker(root: Path | None = None) -> Path:
+    """Written by a failed background build (its traceback): no further background build for this key."""
+    return (root or aot_root()) / f"{cache_key()}.failed"
+
+
+def module_file(folder: Path) -> Path:
+    suffix = importlib.machinery.EXTENSION_SUFFIXES[0]
+    return folder / f"{MODULE_NAME}{suffix}"
+
+
+def file_digest(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+# -- loading ----------------------------------------------------------------------------------------------------------
+class AotUnavailable(RuntimeError):
+    """The AOT module for this key is absent, stale or damaged (the reason is the message)."""
+
+
+def load_module(folder: Path) -> ModuleType:
+    """The AOT module in `folder`, after checking its record: same key, same bytes as built, every export present."""
+    meta_path, so = folder / "meta.json", module_file(folder)
+    try:
+        meta = json.loads(meta_path.read_text())
+    except (OSError, ValueError) as exc:
+        raise AotUnavailable(f"no readable record in {folder}: {exc}") from None
+    if meta.get("key") != cache_key() or meta.get("fields") != key_fields():
+        raise AotUnavailable(f"record in {folder} is for another key")
+    if sorted(meta.get("exports", [])) != sorted(EXPORTS):
+        raise AotUnavailable("record lists other exports")
+    try:
+        if file_digest(so) != meta.get("sha256"):
+            raise AotUnavailable(f"{so.name} does not hash to its record (damaged or replaced)")
+    except OSError as exc:
+        raise AotUnavailable(f"cannot read {so}: {exc}") from None
+    spec = importlib.util.spec_from_file_location(MODULE_NAME, so)
+    if spec is None or spec.loader is None:
+        raise AotUnavailable(f"cannot load {so}")
+    try:
+        mod = importlib.util.module_from_spec(spec)     # the dlopen: a broken file fails here
+        spec.loader.exec_module(mod)
+    except ImportError as exc:
+        raise AotUnavailable(f"import of {so} failed: {exc}") from None
+    missing = [n for n in EXPORTS if not callable(getattr(mod, n, None))]
+    if missing:
+        raise AotUnavailable(f"{so.name} lacks {missing}")
+    return mod
+
+
+def _jit_kernel(name: str) -> Any:
+    module, attr = EXPORTS[name][0], EXPORTS[name][1]
+    return getattr(importlib.import_module(f"{__package__}.{module}"), attr)
+
+
+# calls the guard sent to the JIT kernel, per export (tests assert the default paths never need it)
+guard_fallbacks: dict[str, int] = {}
+
+
+def _guarded(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+    """fn with its arguments checked against the export's signature; a mismatch goes to the JIT kernel."""
+    checks: list[tuple[int, np.dtype | None, int]] = []
+    for i, t in enumerate(EXPORTS[name][3]):
+        if t == S:
+            checks.append((i, None, 0))
+        elif isinstance(t, tuple):
+            checks.append((i, np.dtype("bool" if t[0] == "boolean" else t[0]), t[1]))
+    ndarray = np.ndarray
+
+    def call(*args: Any) -> Any:
+        for i, dt, nd in checks:
+            a = args[i]
+            if (type(a) is not str) if dt is None else (
+                    type(a) is not ndarray or a.dtype != dt or a.ndim != nd or not a.flags.c_contiguous):
+                guard_fallbacks[name] = guard_fallbacks.get(name, 0) + 1
+                return _jit_kernel(name)(*args)
+        return fn(*args)
+
+    call.__name__ = name
+    return call
+
+
+class Kernels:
+    """The kernel set one process uses: `kind` is "aot" or "jit", each export an attribute."""
+
+    def __init__(self, kind: str, funcs: dict[str, Callable[..., Any]], note: str = ""):
+        self.kind = kind
+        self.note = note
+        for name, fn in funcs.items():
+            setattr(self, name, fn)
+
+    def __getattr__(self, name: str) -> Any:    # only for exports missing from funcs: never on the AOT path
+        raise AttributeError(name)
+
+
+def jit_kernels(note: str = "") -> Kernels:
+    return Kernels("jit", {name: _jit_kernel(name) for name in EXPORTS}, note)
+
+
+def aot_kernels(folder: Path) -> Kernels:
+    mod = load_module(folder)
+    return Kernels("aot", {name: _guarded(name, getattr(mod, name)) for name in EXPORTS}, str(folder))
+
+
+_lock = threading.Lock()
+_active: Kernels | None = None
+_build_started = False
+
+
+def get() -> Kernels:
+    """The process's kernel set (decided on the first call; see the module docstring)."""
+    global _active
+    k = _active
+    if k is not None:
+        return k
+    with _lock:
+        if _active is None:
+            _active = _choose()
+        return _active
+
+
+def _choose() -> Kernels:
+    if os.environ.get("TOKENPLANE_AOT", "1") == "0":
+        return jit_kernels("TOKENPLANE_AOT=0")
+    folder = module_folder()
+    try:
+        return aot_kernels(folder)
+    except AotUnavailable as exc:
+        start_background_build()
+        return jit_kernels(str(exc))
+
+
+def reset(kernels: Kernels | None = None) -> None:
+    """Forget the decision, or replace it with `kernels` (tests; warmup, which runs the JIT set to fill numba's
+    cache for the fallback)."""
+    global _active
+    with _lock:
+        _active = kernels
+
+
+def start_background_build() -> bool:
+    """Start `python -m tokenplane.tokenize.cpu.aotbuild` detached (once per process) so the next process finds the
+    module; the build takes its own lock and is a no-op when another build is running or done. Not after a failed
+    build for this key (`failure_marker`; `tokenplane warmup` retries and says why)."""
+    global _build_started
+    if _build_started or os.environ.get("TOKENPLANE_AOT_BUILD", "1") == "0" or failure_marker().exists():
+        return False
+    _build_started = True
+    root = str(Path(__file__).resolve().parents[3])
+    env = dict(os.environ)
+    env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    try:
+        subprocess.Popen([sys.executable, "-m", f"{__package__}.aotbuild", "--quiet"], env=env,
+                         stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                         start_new_session=True)
+    except OSError:
+        return False
+    return True
