@@ -172,14 +172,7 @@ def _append_tail(buf, ck, tc, keep, n, mid_ids, mid_ends):
     j0 = min(keep >> SHIFT, ((n - 1) >> SHIFT) if n else 0) + 1
     j1 = (new_n - 1) >> SHIFT
     if j0 <= j1:
-        t = (j0 - 1) << SHIFT
-        s = np.int64(ck[j0 - 1])
-        for j in range(j0, j1 + 1):
-            stop = j << SHIFT
-            while t < stop:
-                s += tc[buf[t]]
-                t += 1
-            ck[j] = s
+        _fill_checkpoints(buf, ck, tc, _EMPTY_I, _EMPTY_I, j0, j1)   # no exceptions: the precondition above
     return True
 
 
