@@ -137,7 +137,7 @@ class R2R(OneTokenCorrection):
         size: one row at a time it reads all of them per row (about 15 ms per row on one CPU core), a batch reads
         them once."""
         self._step, self._step_rows = {}, []
-        if self.mode != "signal" and self.mode != "calibrated":
+        if self.mode == "synthetic":   # decisions are counter draws: no router runs
             return
         rows = [r for r in results if r.model == 0 and r.hidden is not None]
         if len(rows) < 2 or len({(r.hidden.dtype, r.hidden.device) for r in rows}) != 1:  # type: ignore[union-attr]
