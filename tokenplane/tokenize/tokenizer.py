@@ -21,7 +21,7 @@ from .errors import InvalidTextError, PathUnavailableError, TextTooLargeError, v
 from .reference import ReferenceEngine, make_reference
 from .router import encode_segments_on
 from .spec.families import Family
-from .spec.vocabmeta import cached_meta
+from .spec.vocabmeta import VocabFacts, cached_facts, cached_meta
 
 if TYPE_CHECKING:   # sessions (and the numba kernels they run) are imported on first use, not by `import tokenplane`
     from .session import Session
@@ -129,8 +129,18 @@ class Tokenizer:
         return self._n_vocab
 
     @cached_property
+    def vocab_facts(self) -> VocabFacts:
+        """Per-token facts sessions need (spec/vocabmeta.py): from the cache, so a session does not build the
+        reference engine."""
+        def derive() -> VocabFacts:
+            ref = self.reference
+            return VocabFacts(ref.token_chars, ref.continuation_start, ref.max_token_chars)
+
+        return cached_facts(self.family, self.content_hash, derive)
+
+    @property
     def max_token_chars(self) -> int:
-        return self.reference.max_token_chars
+        return self.vocab_facts.max_token_chars
 
     @property
     def fast_paths(self) -> frozenset[str]:
