@@ -240,10 +240,10 @@ guard_fallbacks: dict[str, int] = {}
 def _guarded(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
     """fn with its arguments checked against the export's signature; a mismatch goes to the JIT kernel.
 
-    The check is generated as straight-line code per export (one `is` test per argument on the common path: a
-    session's sync makes ~10 kernel calls, and a generic loop over the signature cost ~2.5 us per call)."""
+    The check is generated as straight-line code per export (a session's sync makes ~10 kernel calls, and a
+    generic loop over the signature cost ~2.5 us per call)."""
     names = [f"a{i}" for i in range(len(EXPORTS[name][3]))]
-    env: dict[str, Any] = {"fn": fn, "ndarray": np.ndarray, "slow": _slow_check, "name": name}
+    env: dict[str, Any] = {"fn": fn, "ndarray": np.ndarray, "mismatch": _mismatch, "name": name}
     tests = []
     for i, t in enumerate(EXPORTS[name][3]):
         a = names[i]
@@ -252,37 +252,25 @@ def _guarded(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
         elif isinstance(t, tuple):
             dt = np.dtype("bool" if t[0] == "boolean" else t[0])
             env[f"d{i}"] = dt
-            # dtype identity is the fast test (builtin dtypes are singletons); an equal non-identical dtype, or any
-            # doubt about rank and layout, takes the full check
-            tests.append(f"type({a}) is ndarray and {a}.dtype is d{i} and {a}.ndim == {t[1]} "
+            # dtype identity first (builtin dtypes are singletons); an equal dtype object of a loaded table next
+            tests.append(f"type({a}) is ndarray and ({a}.dtype is d{i} or {a}.dtype == d{i}) and {a}.ndim == {t[1]} "
                          f"and {a}.flags.c_contiguous")
     args = ", ".join(names)
     body = " and ".join(tests) or "True"
     src = (f"def call({args}):\n"
            f"    if {body}:\n"
            f"        return fn({args})\n"
-           f"    return slow(name, fn, ({args}{',' if len(names) == 1 else ''}))\n")
+           f"    return mismatch(name, ({args}{',' if len(names) == 1 else ''}))\n")
     exec(compile(src, f"<kernel guard {name}>", "exec"), env)
     call = env["call"]
     call.__name__ = name
     return call
 
 
-def _slow_check(name: str, fn: Callable[..., Any], args: tuple[Any, ...]) -> Any:
-    """The full check (equal dtypes that are not the builtin singleton pass); a mismatch goes to the JIT kernel."""
-    for i, t in enumerate(EXPORTS[name][3]):
-        a = args[i]
-        if t == S:
-            ok = type(a) is str
-        elif isinstance(t, tuple):
-            dt = np.dtype("bool" if t[0] == "boolean" else t[0])
-            ok = type(a) is np.ndarray and a.dtype == dt and a.ndim == t[1] and a.flags.c_contiguous
-        else:
-            continue
-        if not ok:
-            guard_fallbacks[name] = guard_fallbacks.get(name, 0) + 1
-            return _jit_kernel(name)(*args)
-    return fn(*args)
+def _mismatch(name: str, args: tuple[Any, ...]) -> Any:
+    """A call whose arguments failed the generated check: counted, and answered by the JIT kernel."""
+    guard_fallbacks[name] = guard_fallbacks.get(name, 0) + 1
+    return _jit_kernel(name)(*args)
 
 
 class Kernels:
