@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import zipfile
 from dataclasses import dataclass
 from typing import Callable
 
@@ -68,7 +69,7 @@ def cached_facts(family: FamilyLike, content_hash: str, derive: Callable[[], Voc
                 tc.setflags(write=False)
                 cs.setflags(write=False)
                 return VocabFacts(tc, cs, int(z["max_token_chars"]))
-    except (OSError, ValueError, KeyError, TypeError):
+    except (OSError, ValueError, KeyError, TypeError, EOFError, zipfile.BadZipFile):   # absent or damaged: derive
         pass
     facts = derive()
     tmp = path.with_name(f"{path.name}.tmp{os.getpid()}.npz")
