@@ -81,8 +81,28 @@ def test_a_session_never_builds_the_reference_engine(name):
     steps = [text, text + "more text 42", text[:5000] + "an edit" + text[5007:] + "more text 42", text[:3000]]
     for t in steps:
         session.sync(t)
+    decoded = tok.decode(session.ids)           # a server decodes every answer: from the CPU path's tables too
     assert tok._reference is None
     assert session.ids.tolist() == tok.encode(steps[-1], path="reference").tolist()
+    assert decoded == tok.reference.decode_bytes(session.ids.tolist()).decode("utf-8", errors="replace")
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_decode_from_the_tables_equals_the_reference(name):
+    tok = tokenplane.load(name)
+    ref = tok.reference
+    n = tok.n_vocab
+    every = list(range(n))
+    assert tok.decode_bytes(every) == ref.decode_bytes(every)
+    rng = random.Random(name)
+    for size in (0, 1, 3, 16, 17, 500):
+        ids = [rng.randrange(n) for _ in range(size)]
+        want = ref.decode_bytes(ids)
+        for form in (ids, tuple(ids), np.array(ids, dtype=np.uint32), iter(ids)):
+            assert tok.decode_bytes(form) == want
+    for bad in ([n], [-1], [3, n + 7] * 20, np.array([-2], dtype=np.int64)):
+        with pytest.raises(ValueError, match="out of range"):
+            tok.decode_bytes(bad)
 
 
 @pytest.mark.parametrize("name", ["cl100k_base", "qwen3", "smollm2"])
