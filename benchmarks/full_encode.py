@@ -533,8 +533,8 @@ def main() -> int:
     ensure_corpus(Path(args.corpus))
     families = FAMILIES if args.families == "all" else tuple(args.families.split(","))
     configs = [(f, c) for f in families for c in args.cores.split(",")]
-    probe = "import importlib.metadata as m\nfor n in %r:\n  try: print(n, m.version(n))\n  except Exception: pass" % (
-        PEER_ENGINES,)
+    probe = (f"import importlib.metadata as m\nfor n in {PEER_ENGINES!r}:\n"
+             "  try: print(n, m.version(n))\n  except Exception: pass")
     peers = subprocess.run([args.peer_python, "-c", probe], capture_output=True, text=True).stdout.split("\n")
     meta = {"machine": platform.processor() or platform.machine(), "cpus": os.cpu_count(),
             "loadavg": " ".join(f"{x:.2f}" for x in os.getloadavg()),

@@ -278,8 +278,19 @@ def _gpt4_loop_impl(c, kind, digits, whole_at_end, starts):
 _gpt4_loop = njit(cache=True, nogil=True)(_gpt4_loop_impl)
 
 
-def _starts_gpt4_loop(cps: np.ndarray, engine: str, digits: int, whole_at_end: bool) -> np.ndarray:
-    starts = np.zeros(cps.shape[0], dtype=np.bool_)
+def _zeroed(scratch: np.ndarray | None, n: int) -> np.ndarray:
+    """A zeroed bool[n]: a view of `scratch` when it is long enough (reused across calls: a fresh multi-MB array
+    costs a page fault per 4 KB on first touch), else a new array."""
+    if scratch is None or scratch.shape[0] < n:
+        return np.zeros(n, dtype=np.bool_)
+    out = scratch[:n]
+    out[:] = False
+    return out
+
+
+def _starts_gpt4_loop(cps: np.ndarray, engine: str, digits: int, whole_at_end: bool,
+                      starts: np.ndarray | None = None) -> np.ndarray:
+    starts = _zeroed(starts, cps.shape[0])
     k = kernels.get()
     k.gpt4_loop(cps.view(np.int32), k.gather_i8(_cp_kind_gpt4(engine), cps), digits, whole_at_end, starts)
     return starts
@@ -381,9 +392,9 @@ def _o200k_loop_impl(c, feat, starts, rare):
 _o200k_loop = njit(cache=True, nogil=True)(_o200k_loop_impl)
 
 
-def _starts_o200k_loop(cps: np.ndarray, engine: str) -> np.ndarray:
+def _starts_o200k_loop(cps: np.ndarray, engine: str, starts: np.ndarray | None = None) -> np.ndarray:
     n = cps.shape[0]
-    starts = np.zeros(n, dtype=np.bool_)
+    starts = _zeroed(starts, n)
     rare = np.empty(n, dtype=np.int64)
     c = cps.view(np.int32)
     k = kernels.get()
@@ -507,8 +518,8 @@ _ds_seg_head = njit(cache=True, nogil=True)(_ds_seg_head)
 _deepseek_loop = njit(cache=True, nogil=True)(_deepseek_loop_impl)
 
 
-def _starts_deepseek_loop(cps: np.ndarray, engine: str) -> np.ndarray:
-    starts = np.zeros(cps.shape[0], dtype=np.bool_)
+def _starts_deepseek_loop(cps: np.ndarray, engine: str, starts: np.ndarray | None = None) -> np.ndarray:
+    starts = _zeroed(starts, cps.shape[0])
     k = kernels.get()
     k.deepseek_loop(cps.view(np.int32), k.gather_u8(_cp_feat_deepseek(engine), cps), starts)
     return starts
@@ -577,30 +588,30 @@ def _smollm2_loop_impl(c, kind, starts):
 _smollm2_loop = njit(cache=True, nogil=True)(_smollm2_loop_impl)
 
 
-def _starts_smollm2_loop(cps: np.ndarray, engine: str) -> np.ndarray:
-    starts = np.zeros(cps.shape[0], dtype=np.bool_)
+def _starts_smollm2_loop(cps: np.ndarray, engine: str, starts: np.ndarray | None = None) -> np.ndarray:
+    starts = _zeroed(starts, cps.shape[0])
     k = kernels.get()
     k.smollm2_loop(cps.view(np.int32), k.gather_i8(_cp_kind_smollm2(engine), cps), starts)
     return starts
 
 
 # -- public API -----------------------------------------------------------------------------------------------------
-def piece_starts(family: Family | str, cps: np.ndarray) -> np.ndarray:
+def piece_starts(family: Family | str, cps: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
     """bool[len(cps)]: True where a piece of the family's pre-tokenizer starts (cps: code points of normalized
-    text)."""
+    text). `out`: a bool scratch array to write into when it is long enough (the result is then a view of it)."""
     fam = _family(family)
     cps = np.ascontiguousarray(cps, dtype=np.uint32)
     if cps.shape[0] == 0:
         return np.zeros(0, dtype=bool)
     if fam.name in _GPT4:
         digits, whole = _GPT4[fam.name]
-        return _starts_gpt4_loop(cps, fam.engine, digits, whole)
+        return _starts_gpt4_loop(cps, fam.engine, digits, whole, out)
     if fam.name == "o200k_base":
-        return _starts_o200k_loop(cps, fam.engine)
+        return _starts_o200k_loop(cps, fam.engine, out)
     if fam.name == "deepseek_v4":
-        return _starts_deepseek_loop(cps, fam.engine)
+        return _starts_deepseek_loop(cps, fam.engine, out)
     if fam.name == "smollm2":
-        return _starts_smollm2_loop(cps, fam.engine)
+        return _starts_smollm2_loop(cps, fam.engine, out)
     raise UnsupportedFamily(fam.name)
 
 
