@@ -88,7 +88,7 @@ def cells(corpus: Path, sizes: list[str], warmup_chars: int):
     """(category, size name, timed docs, tiled, warm-up docs) for every cell, the same in both workers."""
     for cat, pool in category_pools(corpus).items():
         timed, warm = split_pool(pool, warmup_chars)
-        warm_docs = [warm[i:i + 100_000] for i in range(0, len(warm), 100_000)]
+        warm_docs = [warm]     # one document: a chunk-parallel encoder spreads it over its threads' caches
         for size_name, size in SIZES.items():
             if size_name in sizes:
                 docs, tiled = cut_docs(timed, size, DOCS_PER_SIZE[size_name])
