@@ -95,6 +95,21 @@ def test_dense_random_alphabet(name):
         _check(name, "".join(rng.choice(ALPHABET) for _ in range(rng.randint(1, 30))))
 
 
+def test_o200k_slash_after_newline_every_short_context():
+    """'/' after CR/LF is rescanned only when a punctuation (or mark) character precedes the CR/LF run (the one way
+    `[\\r\\n/]*` chains into it): every string of up to 4 characters over the characters that decide it, and longer
+    random ones, split exactly as the reference splits them."""
+    import itertools
+
+    chars = ["a", ".", "/", "\n", "\r", " ", "1", "\u0301", "\t"]
+    for n in range(1, 5):
+        for combo in itertools.product(chars, repeat=n):
+            _check("o200k_base", "".join(combo) + "/x")
+    rng = random.Random(17)
+    for _ in range(3000):
+        _check("o200k_base", "".join(rng.choice(chars + ["A", "é", "!"]) for _ in range(rng.randint(6, 24))))
+
+
 @pytest.mark.parametrize("name", FAMILIES)
 def test_unicode_skew_code_points(name):
     """Characters whose class Python's unicodedata gets wrong: the probed table must be what decides."""

@@ -330,8 +330,16 @@ def _o200k_loop_impl(c, feat, starts, rare):
             if pc != 32:
                 starts[a] = True
             if c[a] == 47 and (pc == 10 or pc == 13):
-                rare[nrare] = a
-                nrare += 1
+                # `[\r\n/]*` can chain CR/LF into '/' only as the tail of a punctuation match, whose
+                # `[^\s\p{L}\p{N}]+` part must end right before the CR/LF run (a mark counts: \p{M} is in that
+                # class). Any other left neighbour (letter, digit, other whitespace, the text's start) ends its piece
+                # before the run, and the run rule is exact there: no rescan ('\n/' starts every path line of `ls`).
+                j = a - 1
+                while j >= 0 and (c[j] == 10 or c[j] == 13):
+                    j -= 1
+                if j >= 0 and ((feat[j] & 3) == 3 or (feat[j] & 16) != 0):
+                    rare[nrare] = a
+                    nrare += 1
         elif k == 0:
             if prev_kind == 3 and (feat[a] & 16) != 0:
                 rare[nrare] = a
