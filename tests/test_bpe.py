@@ -219,6 +219,7 @@ def test_heap_merge_equals_rounds_on_long_pieces(name):
         out2 = np.empty(m, dtype=np.int32)
         n1 = bpe_mod._merge_piece(buf, 0, m, b.byte_ids, b.ptab, True, *scratch, out1, 0)
         n2 = bpe_mod._merge_piece_heap(buf, 0, m, b.byte_ids, b.ptab, *scratch,
+                                       np.empty(m, dtype=np.int32), np.empty(m, dtype=np.int32),
                                        np.empty(3 * m, dtype=np.int64), out2, 0)
         assert out1[:n1].tolist() == out2[:n2].tolist(), (name, text)
 

@@ -245,11 +245,13 @@ def _heap_pop(heap, n):
 
 
 @njit(cache=True, nogil=True)
-def _merge_piece_heap(buf, a, b, byte_ids, ptab, sym, nxt, prv, heap, out, o):
+def _merge_piece_heap(buf, a, b, byte_ids, ptab, sym, nxt, prv, prk, pnw, heap, out, o):
     """The same BPE as `_merge_piece` in O(m log m) for long pieces (CJK runs, long identifiers), where the
-    rounds' rescans are quadratic. A min-heap of (rank, position) yields the leftmost minimum-rank pair; an entry is
-    live iff the pair now at its position still has its rank (every current pair was pushed with its current rank,
-    so the smallest live entry is the leftmost minimum). Merges absorb the right symbol into the left one."""
+    rounds' rescans are quadratic. A min-heap of (rank, position) yields the leftmost minimum-rank pair; prk[p]/pnw[p]
+    hold the rank and product of the pair now starting at p (INF when none), and an entry is live iff its position
+    still holds a symbol and prk of it equals the entry's rank (every current pair was pushed with its current rank,
+    so the smallest live entry is the leftmost minimum; the check reads prk instead of probing the pair table
+    again). Merges absorb the right symbol into the left one."""
     INF = np.int64(0x7FFFFFFF)
     m = b - a
     for i in range(m):
@@ -257,9 +259,12 @@ def _merge_piece_heap(buf, a, b, byte_ids, ptab, sym, nxt, prv, heap, out, o):
         nxt[i] = i + 1
         prv[i] = i - 1
     nxt[m - 1] = -1
+    prk[m - 1] = INF
     n = 0
     for i in range(m - 1):
         r, t = _pair_rank(ptab, sym[i], sym[i + 1])
+        prk[i] = r
+        pnw[i] = t
         if r != INF:
             n = _heap_push(heap, n, (np.int64(r) << 32) | i)
     while n > 0:
@@ -267,12 +272,10 @@ def _merge_piece_heap(buf, a, b, byte_ids, ptab, sym, nxt, prv, heap, out, o):
         n = _heap_pop(heap, n)
         r = key >> 32
         p = key & 0xFFFFFFFF
+        if sym[p] < 0 or prk[p] != r:
+            continue
         q = nxt[p]
-        if sym[p] < 0 or q < 0:
-            continue
-        cr, t = _pair_rank(ptab, sym[p], sym[q])
-        if cr != r:
-            continue
+        t = pnw[p]
         sym[p] = t
         sym[q] = -1
         nq = nxt[q]
@@ -282,12 +285,18 @@ def _merge_piece_heap(buf, a, b, byte_ids, ptab, sym, nxt, prv, heap, out, o):
         lp = prv[p]
         if lp >= 0:
             r2, t2 = _pair_rank(ptab, sym[lp], t)
+            prk[lp] = r2
+            pnw[lp] = t2
             if r2 != INF:
                 n = _heap_push(heap, n, (np.int64(r2) << 32) | lp)
         if nq >= 0:
             r3, t3 = _pair_rank(ptab, t, sym[nq])
+            prk[p] = r3
+            pnw[p] = t3
             if r3 != INF:
                 n = _heap_push(heap, n, (np.int64(r3) << 32) | p)
+        else:
+            prk[p] = INF
     i = 0
     while i >= 0:
         out[o] = sym[i]
@@ -408,6 +417,8 @@ def _encode_pieces(buf, bounds, byte_ids, ptab, batch, whole, wkeys, wids, tok_f
     rk = np.empty(longest, dtype=np.int32)
     nw = np.empty(longest, dtype=np.int32)
     heap = np.empty(3 * longest, dtype=np.int64)
+    prk = np.empty(longest, dtype=np.int32)
+    pnw = np.empty(longest, dtype=np.int32)
     tmask = np.uint64(tiny.shape[0] - 1)
     cmask = short.shape[0] - 1
     lmask = long_len.shape[0] - 1
@@ -457,7 +468,7 @@ def _encode_pieces(buf, bounds, byte_ids, ptab, batch, whole, wkeys, wids, tok_f
             out[o] = t
             o += 1
         elif m > HEAP_MIN_BYTES and batch:
-            o = _merge_piece_heap(buf, a, b, byte_ids, ptab, sym, rk, nw, heap, out, o)
+            o = _merge_piece_heap(buf, a, b, byte_ids, ptab, sym, rk, nw, prk, pnw, heap, out, o)
         else:
             o = _merge_piece(buf, a, b, byte_ids, ptab, batch, sym, rk, nw, out, o)
         if tslot >= 0 and o - o0 <= 2:
