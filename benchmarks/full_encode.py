@@ -415,11 +415,16 @@ def markdown(results: list[dict], meta: dict) -> str:
             lines.append(f"| {eng} | " + " | ".join(vals) + " |")
     lines.append("\n## Targets (issue 17; reported, not asserted)\n")
     lines += [f"- {t}" for t in targets(results)]
-    errs = [r for r in results if "error" in r]
+    errs: dict[tuple, list[str]] = {}
+    for r in results:
+        if "error" in r:   # one line per (family, engine, message): a peer that cannot load fails every cell alike
+            msg = " ".join(r["error"].split())
+            errs.setdefault((r.get("family"), r.get("engine", ""), msg), []).append(
+                f"{r.get('cores')} {r.get('category', '')} {r.get('size', '')}".strip())
     if errs:
         lines.append("\n## Errors\n")
-        lines += [f"- {r.get('family')} {r.get('cores')} {r.get('engine', '')} {r.get('category', '')} "
-                  f"{r.get('size', '')}: {r['error']}" for r in errs]
+        lines += [f"- {fam} {eng} ({len(where)} cells: {', '.join(where)}): {msg}"
+                  for (fam, eng, msg), where in errs.items()]
     return "\n".join(lines) + "\n"
 
 
