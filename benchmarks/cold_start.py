@@ -111,8 +111,6 @@ def child(args: argparse.Namespace) -> None:
             session.sync(text)
             return session.ids
 
-        if args.child == "tokenplane-session":
-            out["system"] = system.replace("tokenplane", "tokenplane-session")
         tok, ids, ids2 = _timed(out, load_tokenplane,
                                 first_sync if args.child == "tokenplane-session" else (lambda t: t.encode(text)))
         numba_imported = "numba" in sys.modules      # before anything below could import it
