@@ -162,6 +162,19 @@ class Response:
         if rest:
             yield rest.rstrip(b"\r")
 
+    async def finish(self, timeout: float) -> None:
+        """Read what is left of the body (discarded) for at most `timeout` s, then close: a stream whose server
+        ends it right after its last event (an SSE stream's terminating chunk follows `[DONE]`) keeps its
+        connection; one that does not end in time is closed."""
+        try:
+            async with asyncio.timeout(timeout):
+                async for _ in self.chunks():
+                    pass
+        except (TimeoutError, HTTPClientError):
+            pass
+        finally:
+            await self.aclose()
+
     async def aclose(self) -> None:
         if self._closed:
             return

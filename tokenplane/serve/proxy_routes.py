@@ -18,6 +18,7 @@ import secrets
 import time
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 from typing import Any
 
 import orjson
@@ -35,6 +36,7 @@ from .protocol import ChatCompletionRequest, CompletionRequest
 from .upstream import FORWARDED, UpstreamPool, error_from, sse_data
 
 _DISCONNECT_POLL_S = 0.25
+_FINISH_S = 0.25        # how long the relay waits for an upstream stream to end after its [DONE]
 _STATE_DELAY_S = 0.05   # a body's state is built this long after its turn was tokenized (past the first chunk)
 # Chat bodies up to this size are parsed, tokenized and serialized on the event loop: the worker-thread hop (a hand-off
 # and a loop wake-up each way) cost 0.2-0.5 ms of a ~24K-character turn's overhead on 2 shared CPUs, more than half
@@ -73,6 +75,20 @@ class UpstreamBackend:
 
     async def aclose(self) -> None:
         await self.pool.close()
+
+
+@dataclass
+class Phases:
+    """When a turn passed each phase in the tier, in ms from its handler's start (after the server read the request
+    head): the body received, the upstream body ready (parse + validate + render + repair + serialize), the
+    upstream's answer head in, its first data chunk in, that chunk handed to the server. Reported with the
+    tokenization report of a stream's final usage chunk (`tokenization.phases_ms`), so where a turn's time goes is
+    observable from outside (benchmarks/tier_overhead.py reads it)."""
+    t0: float = field(default_factory=time.perf_counter)
+    marks: dict[str, float] = field(default_factory=dict)
+
+    def mark(self, name: str) -> None:
+        self.marks[name] = round((time.perf_counter() - self.t0) * 1e3, 4)
 
 
 def conversation_key(req: Any, text: str) -> str:
@@ -168,12 +184,15 @@ class ProxyServer(OpenAIServer):
         return n, report, self.bodies.build(fields, prompt_ids, report.origin if report is not None else None)
 
     async def completions(self, request: Request) -> Any:
+        phases = Phases()
         req = await self.read(request, CompletionRequest)
+        phases.mark("received")
         if isinstance(req.prompt_value, str):
             self._check_chars(len(req.prompt_value))
         n, report, body = await self.offload(self._prepared, req, False)
+        phases.mark("prepared")
         text = req.prompt_value if isinstance(req.prompt_value, str) else ""
-        return await self._forward(request, req, n, body, report, conversation_key(req, text), chat=False)
+        return await self._forward(request, req, n, body, report, conversation_key(req, text), False, phases)
 
     def _chat_work(self, request: Request, raw: bytes) -> tuple[Any, int, TokenizationReport | None, bytes]:
         """A chat body to its validated request and upstream body, in one worker-thread hop (each hop is a thread
@@ -184,17 +203,20 @@ class ProxyServer(OpenAIServer):
         return (req, *self._prepared(req, True, parsed))
 
     async def chat_completions(self, request: Request) -> Any:
+        phases = Phases()
         raw = await request.body()
+        phases.mark("received")
         if len(raw) <= _INLINE_CHAT_BYTES:
             req, n, report, body = self._chat_work(request, raw)
         else:
             req, n, report, body = await self.offload(self._chat_work, request, raw)
+        phases.mark("prepared")
         first = req.messages[0].text()[:1024] if req.messages else ""
-        return await self._forward(request, req, n, body, report, conversation_key(req, first), chat=True)
+        return await self._forward(request, req, n, body, report, conversation_key(req, first), True, phases)
 
     async def _forward(self, request: Request, req: Any, n_prompt: int, body: bytes,
-                       report: TokenizationReport | None, key: str, chat: bool) -> Any:
-        extra = {"tokenization": report.to_dict()} if report is not None else {}
+                       report: TokenizationReport | None, key: str, chat: bool, phases: Phases) -> Any:
+        extra = {"tokenization": {**report.to_dict(), "phases_ms": phases.marks}} if report is not None else {}
         if self.metrics is not None:
             self.metrics.prompt_tokens.inc(n_prompt)
         if not req.stream:
@@ -205,9 +227,10 @@ class ProxyServer(OpenAIServer):
                                                "param": None, "code": None}}, status_code=499)
             return {**(self._to_chat(data) if chat else data), **extra}
         url, resp = await self.pool.send(key, body)
+        phases.mark("upstream_head")
         if resp.status_code != 200:
             raise await error_from(resp, url)
-        return EventStream(self._relay(resp, chat, extra))
+        return EventStream(self._relay(resp, chat, extra, phases))
 
     async def _exchange(self, key: str, body: bytes) -> dict[str, Any]:
         url, resp = await self.pool.send(key, body)
@@ -260,11 +283,17 @@ class ProxyServer(OpenAIServer):
             out["usage"] = data["usage"]
         return out
 
-    async def _relay(self, resp: Any, chat: bool, extra: dict[str, Any]) -> AsyncIterator[bytes]:
+    async def _relay(self, resp: Any, chat: bool, extra: dict[str, Any], phases: Phases) -> AsyncIterator[bytes]:
         started: set[int] = set()
+        first = True
+        ended = False   # the upstream sent [DONE]: the rest of its stream is its terminator
+        stream = sse_data(resp)
         try:
-            async for payload in sse_data(resp):
+            async for payload in stream:
+                if first:
+                    phases.mark("upstream_first")
                 if payload == b"[DONE]":
+                    ended = True
                     break
                 data = _loads(payload)
                 if "error" in data:
@@ -275,13 +304,21 @@ class ProxyServer(OpenAIServer):
                 if chat:
                     data = self._chunk_to_chat(data, started)
                 yield b"data: " + _dumps(data) + b"\n\n"
+                if first:
+                    phases.mark("first_sent")   # the server has taken the chunk (resumed by the next ask)
+                    first = False
         except Exception as exc:   # noqa: BLE001 - told to the client in the stream, which still ends cleanly
             err = exc if isinstance(exc, APIError) else APIError(f"upstream stream failed: {type(exc).__name__}",
                                                                  status=502, code="upstream_error")
             yield b"data: " + _dumps(err.body()) + b"\n\n"
         finally:
-            await resp.aclose()
+            await stream.aclose()
+            if not ended:   # failed, cancelled (the client left) or ended without [DONE]: closed unless complete
+                await resp.aclose()
         yield b"data: [DONE]\n\n"
+        # Read the upstream's stream to its end so that its connection is kept for the next turn (a new connection
+        # per turn cost ~1 ms of connect and close on the loop); one that does not end promptly is closed.
+        await resp.finish(_FINISH_S)
 
     @classmethod
     def _chunk_to_chat(cls, data: dict[str, Any], started: set[int]) -> dict[str, Any]:
@@ -315,4 +352,4 @@ def _dumps(data: Any) -> bytes:
         return json.dumps(data).encode()
 
 
-__all__ = ["ProxyServer", "UpstreamBackend", "conversation_key"]
+__all__ = ["Phases", "ProxyServer", "UpstreamBackend", "conversation_key"]

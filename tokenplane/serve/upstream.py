@@ -20,7 +20,7 @@ import hashlib
 import json
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -168,7 +168,7 @@ async def error_from(resp: UpstreamResponse, url: str) -> APIError:
                     code=code if isinstance(code, str) else None)
 
 
-async def sse_data(resp: UpstreamResponse) -> AsyncIterator[bytes]:
+async def sse_data(resp: UpstreamResponse) -> AsyncGenerator[bytes, None]:
     """The `data:` payloads of an upstream SSE stream (UTF-8 bytes), [DONE] included."""
     async for line in resp.lines():
         if line.startswith(b"data:"):
