@@ -38,10 +38,13 @@ from .upstream import FORWARDED, UpstreamPool, error_from, sse_data
 _DISCONNECT_POLL_S = 0.25
 _FINISH_S = 0.25        # how long the relay waits for an upstream stream to end after its [DONE]
 _STATE_DELAY_S = 0.05   # a body's state is built this long after its turn was tokenized (past the first chunk)
-# Chat bodies up to this size are parsed, tokenized and serialized on the event loop: the worker-thread hop (a hand-off
-# and a loop wake-up each way) cost 0.2-0.5 ms of a ~24K-character turn's overhead on 2 shared CPUs, more than half
-# of the work itself; a body this small blocks the loop for ~1 ms at most. Larger ones go to the worker thread.
+# Chat work runs on the event loop when it is small: the worker-thread hop (a hand-off and a loop wake-up each way)
+# cost 0.2-0.5 ms of a turn's overhead on 2 shared CPUs, more than half of a ~24K-character turn's own work. Small
+# means: a body up to _INLINE_CHAT_BYTES, or a resent body up to _INLINE_DELTA_BYTES whose part past the kept messages
+# (body_delta.py) is up to _INLINE_CHAT_BYTES (its work is O(new part) but for a few O(context) memcmp/copies, ~1-2 ms
+# at most on the loop). Everything else (a first turn of a long context, a large append) goes to the worker thread.
 _INLINE_CHAT_BYTES = 64 << 10
+_INLINE_DELTA_BYTES = 2 << 20
 log = logging.getLogger("tokenplane.serve")
 
 
@@ -194,10 +197,13 @@ class ProxyServer(OpenAIServer):
         text = req.prompt_value if isinstance(req.prompt_value, str) else ""
         return await self._forward(request, req, n, body, report, conversation_key(req, text), False, phases)
 
-    def _chat_work(self, request: Request, raw: bytes) -> tuple[Any, int, TokenizationReport | None, bytes]:
-        """A chat body to its validated request and upstream body, in one worker-thread hop (each hop is a thread
-        hand-off and a loop wake-up: tens of microseconds of a turn's overhead)."""
-        parsed = self.deltas.parse(raw)
+    def _chat_work(self, request: Request, raw: bytes, parsed: Parsed | None = None,
+                   fast_tried: bool = False) -> tuple[Any, int, TokenizationReport | None, bytes]:
+        """A chat body to its validated request and upstream body, on the loop or in one worker-thread hop (each hop
+        is a thread hand-off and a loop wake-up). `parsed`: already parsed through a kept body; `fast_tried`: that
+        was tried and missed (the full parse follows)."""
+        if parsed is None:
+            parsed = self.deltas.full(raw) if fast_tried else self.deltas.parse(raw)
         req = self.checked(request, ChatCompletionRequest, parsed.body, parsed.checked)
         self._check_chars(sum(len(m.text()) for m in req.messages))
         return (req, *self._prepared(req, True, parsed))
@@ -209,7 +215,12 @@ class ProxyServer(OpenAIServer):
         if len(raw) <= _INLINE_CHAT_BYTES:
             req, n, report, body = self._chat_work(request, raw)
         else:
-            req, n, report, body = await self.offload(self._chat_work, request, raw)
+            parsed = self.deltas.fast(raw) if len(raw) <= _INLINE_DELTA_BYTES else None
+            if parsed is not None and parsed.new_bytes <= _INLINE_CHAT_BYTES:
+                req, n, report, body = self._chat_work(request, raw, parsed)
+            else:
+                req, n, report, body = await self.offload(self._chat_work, request, raw, parsed,
+                                                          parsed is None and len(raw) <= _INLINE_DELTA_BYTES)
         phases.mark("prepared")
         first = req.messages[0].text()[:1024] if req.messages else ""
         return await self._forward(request, req, n, body, report, conversation_key(req, first), True, phases)
