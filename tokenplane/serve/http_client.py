@@ -72,8 +72,11 @@ class _Conn:
         self.loop = asyncio.get_running_loop()
 
     def usable(self) -> bool:
+        # Not reused: closed or closing, another loop's, stray bytes read past the last response (out of step), or
+        # request bytes still unsent (a server that answered before reading the whole body).
         return (not self.writer.is_closing() and not self.reader.at_eof() and self.loop is asyncio.get_running_loop()
-                and not self.reader._buffer)   # type: ignore[attr-defined]  # stray bytes: out of step, not reused
+                and not self.reader._buffer   # type: ignore[attr-defined]
+                and self.writer.transport.get_write_buffer_size() == 0)
 
     def close(self) -> None:
         try:
