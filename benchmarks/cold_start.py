@@ -8,6 +8,8 @@ allows: `tokenplane warmup` builds them, and it runs once first). Phases, timed 
 tokenplane runs twice per repeat: with its ahead-of-time kernel module (cpu/kernels.py; `tokenplane warmup` builds
 it) and as `tokenplane-jit` with TOKENPLANE_AOT=0 (the numba JIT kernels loaded from numba's cache: the fallback).
   encode2  a second encode of the same text (warm)
+`tokenplane-session` is the server's path in the same shape: encode1 = a new `Session` and its first `sync` of the
+text (what a fresh server does with a conversation's first request), encode2 = another new session's sync (warm).
   interp   interpreter start until the child's first line (from /proc, 10 ms resolution; not part of `cold`)
 Systems alternate within each repeat (tokenplane, gigatoken, then the other order on the next repeat). A third
 child, `numba-floor`, imports numpy + numba and calls one trivial `cache=True` kernel (with tokenplane's BLAS-probe
@@ -99,12 +101,20 @@ def child(args: argparse.Namespace) -> None:
         floor_kernel.first(np.arange(3, dtype=np.int64))
         t2 = time.perf_counter()
         out.update(import_s=t1 - t0, load_s=0.0, encode1_s=t2 - t1, encode2_s=0.0, exact=True)
-    elif args.child == "tokenplane":
+    elif args.child in ("tokenplane", "tokenplane-session"):
         def load_tokenplane():
             import tokenplane
             return lambda: tokenplane.load(args.family)
 
-        tok, ids, ids2 = _timed(out, load_tokenplane, lambda t: t.encode(text))
+        def first_sync(t):
+            session = t.session()
+            session.sync(text)
+            return session.ids
+
+        if args.child == "tokenplane-session":
+            out["system"] = system.replace("tokenplane", "tokenplane-session")
+        tok, ids, ids2 = _timed(out, load_tokenplane,
+                                first_sync if args.child == "tokenplane-session" else (lambda t: t.encode(text)))
         numba_imported = "numba" in sys.modules      # before anything below could import it
         from tokenplane.tokenize.cpu import kernels
         auto = tok.path("auto")
@@ -318,8 +328,8 @@ def main() -> int:
             samples.append(got)
 
     for fam in families:     # one discarded run of each system: first-ever process effects (page cache, pyc)
-        for child_env in (env, env_jit):
-            run_child(sys.executable, ["--child", "tokenplane", "--family", fam, "--text", str(text_path),
+        for kind, child_env in (("tokenplane", env), ("tokenplane", env_jit), ("tokenplane-session", env)):
+            run_child(sys.executable, ["--child", kind, "--family", fam, "--text", str(text_path),
                                        "--ref", str(refs[fam])], child_env)
         if peer:
             run_child(peer, ["--child", "gigatoken", "--family", fam, "--text", str(text_path), "--ref",
@@ -329,10 +339,11 @@ def main() -> int:
                                    "--floor-dir", str(floor_dir)], env)
     for r in range(args.repeats):
         for fam in families:
-            order = ["tokenplane", "tokenplane-jit", "gigatoken"]
+            order = ["tokenplane", "tokenplane-jit", "tokenplane-session", "gigatoken"]
             for system in (order if r % 2 == 0 else order[::-1]):
                 if system.startswith("tokenplane"):
-                    take(sys.executable, ["--child", "tokenplane", "--family", fam, "--text", str(text_path),
+                    kind = "tokenplane-session" if system == "tokenplane-session" else "tokenplane"
+                    take(sys.executable, ["--child", kind, "--family", fam, "--text", str(text_path),
                                           "--ref", str(refs[fam])], r, env_jit if system == "tokenplane-jit" else env)
                 elif peer:
                     take(peer, ["--child", "gigatoken", "--family", fam, "--text", str(text_path),

@@ -26,44 +26,62 @@ def ms(values) -> dict:
             "n": len(values)} if values else {"n": 0}
 
 
-def trace_sync(tok, directory: Path, count: int, session_path: str, ref_trajectories: int) -> dict:
+def trace_sync(tok, directory: Path, count: int, session_path: str, ref_trajectories: int,
+               peers: dict | None = None) -> dict:
     """Replay `count` mini-swe-agent trajectories through Session.sync (every call's whole prompt); the reference
-    full re-encode of the same prompt is timed, interleaved, on the first `ref_trajectories`. Every trajectory's
-    final IDs are checked against the reference."""
+    full re-encode of the same prompt is timed, interleaved, on the first `ref_trajectories`. `peers` (name -> full
+    encode) are timed on every call, interleaved with the sync (the order rotates per call); a peer with a cache
+    has seen the previous call's prompt, as in a serving process. Every trajectory's final IDs are checked against
+    the reference, the session's and each peer's."""
     from tokenplane.tokenize.evidence.traces import load_trajectories, render_prompts
 
+    peers = peers or {}
     trajectories = load_trajectories(directory, limit=count)
     total, fixed, ref, ctx = [], [], [], []
+    peer_times: dict[str, list[float]] = {name: [] for name in peers}
+    peer_exact = {name: 0 for name in peers}
     exact = checked = 0
     stats: dict = {}
     for i, traj in enumerate(trajectories):
         prompts = render_prompts(traj)
         session = tok.session(encode_path=session_path)
         for k, prompt in enumerate(prompts):
-            t0 = time.perf_counter()
-            session.sync(prompt)
-            np.asarray(session.ids)
-            dt = time.perf_counter() - t0
-            if k == 0:
-                continue            # a session's first call is a full encode
-            total.append(dt)
-            fixed.append(dt - session.stats.last_encode_s)
-            ctx.append(len(prompt))
-            if i < ref_trajectories:
+            order = ["tokenplane", *peers]
+            rot = k % len(order)
+            for name in order[rot:] + order[:rot]:
+                if name != "tokenplane":
+                    t0 = time.perf_counter()
+                    peers[name](prompt)
+                    if k:
+                        peer_times[name].append(time.perf_counter() - t0)
+                    continue
+                t0 = time.perf_counter()
+                session.sync(prompt)
+                np.asarray(session.ids)
+                dt = time.perf_counter() - t0
+                if k:                   # a session's first call is a full encode
+                    total.append(dt)
+                    fixed.append(dt - session.stats.last_encode_s)
+                    ctx.append(len(prompt))
+            if k and i < ref_trajectories:
                 t0 = time.perf_counter()
                 tok.encode(prompt, path="reference")
                 ref.append(time.perf_counter() - t0)
         if prompts:
             checked += 1
-            exact += bool(np.array_equal(np.asarray(session.ids, dtype=np.int64),
-                                         tok.encode(prompts[-1], path="reference").astype(np.int64)))
+            want = tok.encode(prompts[-1], path="reference").astype(np.int64)
+            exact += bool(np.array_equal(np.asarray(session.ids, dtype=np.int64), want))
+            for name, fn in peers.items():
+                peer_exact[name] += bool(np.array_equal(np.asarray(fn(prompts[-1]), dtype=np.int64), want))
         for key, v in session.stats.to_dict().items():
             if isinstance(v, (int, float)) and not isinstance(v, bool) and not key.startswith("last_"):
                 stats[key] = stats.get(key, 0) + v
     return {"trajectories": len(trajectories), "continuations": len(total), "context_chars_p50": pct(ctx, 50),
             "context_chars_max": max(ctx) if ctx else None, "exact": f"{exact}/{checked}", "session_stats": stats,
             "sync_ms": ms(total), "fixed_ms": ms(fixed), "reference_ms": ms(ref),
-            "reference_on_first_trajectories": ref_trajectories}
+            "reference_on_first_trajectories": ref_trajectories,
+            "peers_ms": {name: ms(v) for name, v in peer_times.items()},
+            "peers_exact": {name: f"{v}/{checked}" for name, v in peer_exact.items()}}
 
 
 def edits(tok, context: str, pool: str, steps: int, rng: random.Random, session_path: str) -> dict:

@@ -1,7 +1,8 @@
 """The ahead-of-time kernel module (cpu/kernels.py, cpu/aotbuild.py): same IDs as the numba JIT kernels and the
 reference on adversarial and real text for every family, on every kernel of the default encode path (serial,
 chunk-parallel, NFC regions, segments between allowed specials); a damaged, stale or foreign module is refused and
-the JIT kernels answer; a fresh process encodes through it without importing numba.
+the JIT kernels answer; a fresh process encodes, and keeps a session, through it without importing numba (and without
+building the reference engine).
 
 The module is built once per test session into a temporary folder (~15-25 s on one core)."""
 
@@ -198,6 +199,41 @@ def test_build_replaces_a_damaged_module_and_keeps_a_valid_one(aot_root, tmp_pat
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".build-")]
 
 
+def _session_steps(name: str) -> list[str]:
+    """Whole-text resends of one growing, edited context: appends, mid-context edits, wide characters in ASCII text
+    (a cross-kind prefix compare), a non-NFC edit for the NFC family, a control byte smollm2's vocabulary lacks."""
+    rng = random.Random(name + "session")
+    docs = _corpus_docs(40_000)
+    text = "".join(docs)[:30_000]
+    steps = [text]
+    for k in range(12):
+        if k % 3 == 2:
+            a = rng.randrange(len(text) // 5, 4 * len(text) // 5)
+            text = text[:a] + rng.choice(["e\u0301 x", "\u65e5\u672c\u8a9e", "\x01 y", " 123 ", "\U0001F44D"]) + text[a + 7:]
+        else:
+            text += rng.choice(docs)[:rng.randint(50, 3000)] + rng.choice(["", " \u00e9t\u00e9", "\x01", "\u4e2d\u6587"])
+        steps.append(text)
+    steps.append(text[:len(text) // 2])        # a shrink: an edit that deletes the tail
+    return steps
+
+
+@pytest.mark.parametrize("name", ["cl100k_base", "qwen3", "smollm2"])
+def test_session_kernels_equal_jit_and_reference(name, aot, use):
+    """A session's own kernels (records, splice-point search, cross-kind prefix compare) on the AOT module answer as
+    the JIT kernels do, every step equal to the reference, with no argument missing its signature."""
+    tok = tokenplane.load(name)
+    steps = _session_steps(name)
+    before = dict(kernels.guard_fallbacks)
+    for k in (aot, kernels.jit_kernels()):
+        use(k)
+        session = tok.session(encode_path="cpu")
+        for text in steps:
+            session.sync(text)
+            assert session.ids.tolist() == tok.encode(text, path="reference").tolist()
+        assert session.stats.windows_tried > 0
+    assert kernels.guard_fallbacks == before, "a session argument missed its AOT signature"
+
+
 def test_key_changes_with_the_kernel_sources(monkeypatch):
     key = kernels.cache_key()
     fields = dict(kernels.key_fields())
@@ -210,8 +246,14 @@ import json, sys
 import tokenplane
 from tokenplane.tokenize.cpu import kernels
 text = open(sys.argv[1], encoding="utf-8", newline="").read()
-ids = tokenplane.load(sys.argv[2]).encode(text)
-print(json.dumps({"numba": "numba" in sys.modules, "kind": kernels.get().kind, "ids": ids.tolist()}))
+tok = tokenplane.load(sys.argv[2])
+ids = tok.encode(text)
+session = tok.session()
+session.sync(text[:len(text) // 2])
+session.sync(text[:len(text) // 4] + "x" + text[len(text) // 4 + 1:len(text) // 2] + text[len(text) // 2:])
+session.sync(text)
+print(json.dumps({"numba": "numba" in sys.modules, "kind": kernels.get().kind, "ids": ids.tolist(),
+                  "session": session.ids.tolist(), "reference_built": tok._reference is not None}))
 """
 
 
@@ -227,13 +269,16 @@ def test_fresh_process_encodes_without_numba(damaged, aot_root, tmp_path):
     env = dict(os.environ, TOKENPLANE_AOT_DIR=str(root), TOKENPLANE_AOT_BUILD="0", PYTHONPATH=str(ROOT))
     env.pop("TOKENPLANE_AOT", None)
     for name in ("qwen3", "o200k_base"):
+        _ = tokenplane.load(name).vocab_facts       # cached, as `tokenplane warmup` leaves it
         proc = subprocess.run([sys.executable, "-c", _CHILD, str(tmp_path / "t.txt"), name], capture_output=True,
                               text=True, env=env, timeout=300)
         assert proc.returncode == 0, proc.stderr[-2000:]
         got = json.loads(proc.stdout.strip().splitlines()[-1])
         assert got["ids"] == tokenplane.load(name).reference.encode_ordinary(text).tolist()
+        assert got["session"] == got["ids"]
         assert got["kind"] == ("jit" if damaged else "aot")
         assert got["numba"] == damaged
+        assert not got["reference_built"]     # the vocabulary facts a session needs come from the cache
 
 
 def test_import_and_load_never_import_numba():

@@ -1,5 +1,6 @@
-"""The cold path: cached vocabulary records and BPE tables equal what the reference engine gives, a fresh process
-encodes through the fast path without building the reference engine, and caches are built when absent."""
+"""The cold path: cached vocabulary records, per-token facts and BPE tables equal what the reference engine gives, a
+fresh process encodes (and keeps sessions) through the fast path without building the reference engine, and caches
+are built when absent or damaged."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ from tokenplane.tokenize.cpu.bpe import BPE
 from tokenplane.tokenize.reference import make_reference, vocab_meta
 from tokenplane.tokenize.spec.artifacts import ARTIFACTS, artifact_bytes
 from tokenplane.tokenize.spec.families import FAMILIES
-from tokenplane.tokenize.spec.vocabmeta import cached_meta
+from tokenplane.tokenize.spec.vocabmeta import VocabFacts, cached_facts, cached_meta
 
 ROOT = Path(__file__).resolve().parents[1]
 NAMES = list(ARTIFACTS)
@@ -37,6 +38,71 @@ def test_vocab_record_equals_the_reference_engine(name, tmp_path, monkeypatch):
     assert cached_meta(FAMILIES[name], data, tok.content_hash) == fresh      # derived, then written
     assert cached_meta(FAMILIES[name], data, tok.content_hash) == fresh      # read back
     assert fresh.specials == ref.specials and fresh.n_vocab == len(ref.token_bytes)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_vocab_facts_equal_the_reference_engine_and_rebuild_when_damaged(name, tmp_path, monkeypatch):
+    tok = tokenplane.load(name)
+    ref = tok.reference
+    monkeypatch.setenv("TOKENPLANE_CACHE", str(tmp_path))
+    calls = []
+
+    def derive() -> VocabFacts:
+        calls.append(1)
+        return VocabFacts(ref.token_chars, ref.continuation_start, ref.max_token_chars)
+
+    for _ in range(2):      # derived and written, then read back without deriving
+        facts = cached_facts(tok.family, tok.content_hash, derive)
+        assert facts.token_chars.dtype == np.uint16 and facts.continuation_start.dtype == np.bool_
+        assert np.array_equal(facts.token_chars, ref.token_chars)
+        assert np.array_equal(facts.continuation_start, ref.continuation_start)
+        assert facts.max_token_chars == ref.max_token_chars
+    assert calls == [1]
+    (path,) = tmp_path.glob("vocab-facts-*.npz")
+    path.write_bytes(path.read_bytes()[:200])                        # damaged: derived again
+    assert np.array_equal(cached_facts(tok.family, tok.content_hash, derive).token_chars, ref.token_chars)
+    assert calls == [1, 1]
+    other = "0" * len(tok.content_hash)                              # a file recorded for other content: refused
+    path.rename(path.with_name(path.name.replace(tok.content_hash[:32], other[:32])))
+    cached_facts(tok.family, other, derive)
+    assert calls == [1, 1, 1]
+
+
+@pytest.mark.parametrize("name", ["qwen3", "smollm2", "o200k_base"])
+def test_a_session_never_builds_the_reference_engine(name):
+    """Appends, mid-context edits and a shrink on a fresh Tokenizer instance: the session reads the cached facts and
+    the CPU path only (the reference is built afterwards, to check the IDs)."""
+    from tokenplane.tokenize.registry import build
+
+    _ = tokenplane.load(name).vocab_facts       # cached, as `tokenplane warmup` leaves it
+    tok = build(name, FAMILIES[name], artifact_bytes(name), content_hash=ARTIFACTS[name].sha256)   # a new instance
+    text = "Hello, World! don't 12345 \u65e5\u672c\u8a9e e\u0301 \U0001F44D \x01\n" * 400
+    session = tok.session()
+    steps = [text, text + "more text 42", text[:5000] + "an edit" + text[5007:] + "more text 42", text[:3000]]
+    for t in steps:
+        session.sync(t)
+    decoded = tok.decode(session.ids)           # a server decodes every answer: from the CPU path's tables too
+    assert tok._reference is None
+    assert session.ids.tolist() == tok.encode(steps[-1], path="reference").tolist()
+    assert decoded == tok.reference.decode_bytes(session.ids.tolist()).decode("utf-8", errors="replace")
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_decode_from_the_tables_equals_the_reference(name):
+    tok = tokenplane.load(name)
+    ref = tok.reference
+    n = tok.n_vocab
+    every = list(range(n))
+    assert tok.decode_bytes(every) == ref.decode_bytes(every)
+    rng = random.Random(name)
+    for size in (0, 1, 3, 16, 17, 500):
+        ids = [rng.randrange(n) for _ in range(size)]
+        want = ref.decode_bytes(ids)
+        for form in (ids, tuple(ids), np.array(ids, dtype=np.uint32), iter(ids)):
+            assert tok.decode_bytes(form) == want
+    for bad in ([n], [-1], [3, n + 7] * 20, np.array([-2], dtype=np.int64)):
+        with pytest.raises(ValueError, match="out of range"):
+            tok.decode_bytes(bad)
 
 
 @pytest.mark.parametrize("name", ["cl100k_base", "qwen3", "smollm2"])

@@ -58,6 +58,7 @@ if str(REPO) not in sys.path:
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import routing_vs_vllm_report as report  # noqa: E402
+from router_charge import CHARGED, RouterCharge  # noqa: E402
 from routing_decisions import Decisions, decide_all  # noqa: E402
 from routing_vs_vllm_report import BASELINES, Cell, compare, summarize, verdict, write_results  # noqa: E402
 from vllm_http_engine import HttpEngine, pin_process  # noqa: E402
@@ -237,10 +238,11 @@ async def _next(q: asyncio.Queue, who: str) -> tuple[list[int], bool]:
     return item
 
 
-async def one_token_request(engines: list[Any], rid: str, prompt: list[int], gen: int, dec: Decisions
-                            ) -> tuple[list[int], list[int]]:
+async def one_token_request(engines: list[Any], rid: str, prompt: list[int], gen: int, dec: Decisions,
+                            charge: RouterCharge | None = None) -> tuple[list[int], list[int]]:
     """R2R / CITER / Co-LLM from stock servers: one call per small-model token; a fired gate drops it and the large
-    model produces the position in its own one-token call."""
+    model produces the position in its own one-token call. `charge`: the router runs on each small-model token
+    before the decision (router_charge.py)."""
     out: list[int] = []
     models: list[int] = []
     k = 0
@@ -248,6 +250,8 @@ async def one_token_request(engines: list[Any], rid: str, prompt: list[int], gen
         pos = len(out)
         toks, _ = await _next(engines[0].submit(f"{rid}/{k}", prompt + out, 1), engines[0].name)
         k += 1
+        if charge is not None:
+            await charge.charge()
         m = 0
         if dec.fires(rid, pos, 0, "switch"):
             toks, _ = await _next(engines[1].submit(f"{rid}/{k}", prompt + out, 1), engines[1].name)
@@ -299,7 +303,8 @@ async def stitch_request(engines: list[Any], rid: str, prompt: list[int], gen: i
 
 
 async def run_vllm(engines: list[Any], alg: str, prompts: list[list[int]], rids: list[str], C: int, gen: int,
-                   logprobs: int | None, dec: Decisions | None) -> dict[str, Any]:
+                   logprobs: int | None, dec: Decisions | None, charge: RouterCharge | None = None
+                   ) -> dict[str, Any]:
     """One closed-loop run of the composition on one baseline kind (engine API or HTTP servers)."""
     sem = asyncio.Semaphore(C)
     calls0 = [e.n_calls for e in engines]
@@ -312,7 +317,7 @@ async def run_vllm(engines: list[Any], alg: str, prompts: list[list[int]], rids:
             if alg == CONTROL:
                 return await stitch_request(engines, rid, p, gen, None, None)
             assert dec is not None
-            return await one_token_request(engines, rid, p, gen, dec)
+            return await one_token_request(engines, rid, p, gen, dec, charge)
 
     t0 = time.perf_counter()
     outs = await asyncio.gather(*(one(p, r) for p, r in zip(prompts, rids)))
@@ -449,10 +454,15 @@ async def measure(args: argparse.Namespace, dirs: list[str], out: Path, meta: di
                 kw, _, models = decided[alg]
                 dec = Decisions("calibrated", SEED, dict(RATES[alg][0]), models)
             rt.configure(algorithm="r2r" if alg == CONTROL else alg, algorithm_kwargs=kw)
+            charge = None
+            if args.mode == "calibrated" and args.baseline_router == "charged" and alg in CHARGED:
+                small = json.loads((Path(dirs[0]) / "config.json").read_text())
+                charge = await RouterCharge.start(alg, kw, small["hidden_size"], small["vocab_size"], 0,
+                                                  log.with_name(f"{log.stem}_router.log"))
             # First calls of an algorithm, not measured: enough positions that both models run (compiles, caches).
             wp, wr = plan_p[alg]["warm"], [rid["warm"](alg, i) for i in range(WARM[0])]
             for engines in baselines.values():
-                await run_vllm(engines, alg, wp, wr, WARM[0], WARM[1], args.stitch_logprobs, dec)
+                await run_vllm(engines, alg, wp, wr, WARM[0], WARM[1], args.stitch_logprobs, dec, charge)
             await run_tokenplane(rt, wp, wr, WARM[0], WARM[1])
             for ci, C in enumerate(args.concurrency):
                 rt.configure(concurrency=C)
@@ -470,7 +480,7 @@ async def measure(args: argparse.Namespace, dirs: list[str], out: Path, meta: di
                             res[side] = await run_tokenplane(rt, prompts, rids, C, args.gen)
                         else:
                             res[side] = await run_vllm(baselines[side], alg, prompts, rids, C, args.gen,
-                                                       args.stitch_logprobs, dec)
+                                                       args.stitch_logprobs, dec, charge)
                         cell.seconds[side].append(res[side]["seconds"])
                         cell.diag[side].append(res[side]["diag"])
                         cell.tokens[side].append(res[side]["tokens"])
@@ -492,7 +502,11 @@ async def measure(args: argparse.Namespace, dirs: list[str], out: Path, meta: di
                 print("; ".join(line) + f"; load {cell.load_before[0]:.1f}; {time.perf_counter() - t_start:.0f} s",
                       flush=True)
                 meta["elapsed_s"] = time.perf_counter() - t_start
+                if charge is not None:
+                    meta.setdefault("router_charge", {})[alg] = {"rows": charge.rows, "batches": charge.batches}
                 write_results(cells, meta, out)
+            if charge is not None:
+                await charge.close()
     finally:
         rt.shutdown()
         await asyncio.gather(*(e.close() for engines in baselines.values() for e in engines))
@@ -511,6 +525,9 @@ def main(argv: list[str] | None = None) -> None:
                          "thresholds calibrated to that rate (routing_decisions.py)")
     ap.add_argument("--calib-prompts", type=int, default=8, help="calibrated mode: warm-up prompts per algorithm")
     ap.add_argument("--calib-tokens", type=int, default=32, help="calibrated mode: tokens per warm-up prompt")
+    ap.add_argument("--baseline-router", choices=["charged", "free"], default="charged",
+                    help="calibrated mode: the vLLM composition runs the algorithm's router on every small-model "
+                         "token (R2R, CITER, Co-LLM; router_charge.py), or replays the decisions for free")
     ap.add_argument("--algos", nargs="+", default=ALGOS, choices=ALGOS)
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 8, 16])
     ap.add_argument("--repeats", type=int, default=3)
@@ -540,27 +557,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.combine:
         if args.out is None:
             raise SystemExit("--combine needs --out")
-        parts = [json.loads(f.read_text()) for f in args.combine]
-        by: dict[tuple[str, int], Cell] = {}
-        for part in parts:
-            for c in part["cells"]:
-                cell = Cell.from_json(c)
-                by.pop((cell.algorithm, cell.concurrency), None)
-                by[(cell.algorithm, cell.concurrency)] = cell
-        meta = dict(parts[-1]["meta"])
-        meta["combined_from"] = [{"file": f.name, "command": p["meta"]["command"], "when": p["meta"]["when"],
-                                  "load_start": p["meta"]["load_start"], "elapsed_s": p["meta"]["elapsed_s"],
-                                  "cells": [f"{c['algorithm']}@{c['concurrency']}" for c in p["cells"]]}
-                                 for f, p in zip(args.combine, parts)]
-        meta["algos"] = list(dict.fromkeys(a for p in parts for a in p["meta"]["algos"]))
-        meta["rates"] = {a: RATES[a] for a in meta["algos"]}
-        meta["elapsed_s"] = sum(p["meta"]["elapsed_s"] for p in parts)
-        meta["notes"] = [f"Combined from {len(parts)} runs: " + "; ".join(
-            f"`{c['command']}` ({c['when']}, load at start {c['load_start']}, {c['elapsed_s']:.0f} s): "
-            f"{', '.join(c['cells'])}" for c in meta["combined_from"])] + list(meta.get("notes") or []) + args.note
-        order = {a: i for i, a in enumerate(meta["algos"] + [CONTROL])}
-        cells = sorted(by.values(), key=lambda c: (order.get(c.algorithm, 99), c.concurrency))
-        write_results(cells, meta, Path(args.out))
+        report.combine(args.combine, Path(args.out), {a: RATES[a] for a in ALGOS}, args.note)
         return
     if args.render is not None:
         data = json.loads(args.render.read_text())
@@ -593,6 +590,7 @@ def main(argv: list[str] | None = None) -> None:
         "vllm": {"block_size": 32, "prefix_caching": True, "enforce_eager": True, "kv_gib": args.vllm_kv_gib,
                  "max_num_seqs": args.vllm_max_num_seqs},
         "baselines": {BASELINES[k]: FRONT_ENDS[k] for k in args.baselines}, "mode": args.mode,
+        "baseline_router": args.baseline_router if args.mode == "calibrated" else "none (synthetic decisions)",
         "notes": args.note, "elapsed_s": 0.0}
     dirs = model_dirs(args.models, Path(args.models_dir))
     asyncio.run(measure(args, dirs, out, meta))

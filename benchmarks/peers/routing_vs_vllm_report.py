@@ -121,10 +121,14 @@ def write_results(cells: list[Cell], meta: dict[str, Any], out: Path) -> None:
                   "position, model) < rate):", ""]
         lines += [f"- {alg}: {m['rates'][alg][0]} ({m['rates'][alg][1]})" for alg in m["algos"]]
     else:
+        charged = str(m.get("baseline_router", "free")) == "charged"
+        how = ("and run the algorithm's own router on every small-model token beside the servers, on the small "
+               "model's core with one thread, rows that wait together batched (router_charge.py; "
+               f"rows / batches per algorithm: {m.get('router_charge', {})})" if charged else
+               "so they are charged nothing for the router")
         lines += ["", "Routing decisions (calibrated: each algorithm's real signal against thresholds set at warm-up "
                   "to the target rate; the runtime decides itself; the vLLM compositions replay the reference "
-                  "router's decisions, computed before the timed runs, so they are charged nothing for the router):",
-                  ""]
+                  f"router's decisions, computed before the timed runs, {how}):", ""]
         for alg in m["algos"]:
             c = m.get("calibration", {}).get(alg)
             if c:
@@ -244,3 +248,29 @@ def plot(cells: list[Cell], out: Path) -> None:
     fig.tight_layout()
     fig.savefig(out.with_suffix(".png"), dpi=110)
     plt.close(fig)
+
+
+def combine(files: list[Path], out: Path, rates: dict[str, Any], notes: list[str]) -> None:
+    """One result from several results JSONs of the same settings: a later file's cell replaces an earlier one's of
+    the same (algorithm, C); each file's command is kept."""
+    parts = [json.loads(f.read_text()) for f in files]
+    by: dict[tuple[str, int], Cell] = {}
+    for part in parts:
+        for c in part["cells"]:
+            cell = Cell.from_json(c)
+            by.pop((cell.algorithm, cell.concurrency), None)
+            by[(cell.algorithm, cell.concurrency)] = cell
+    meta = dict(parts[-1]["meta"])
+    meta["combined_from"] = [{"file": f.name, "command": p["meta"]["command"], "when": p["meta"]["when"],
+                              "load_start": p["meta"]["load_start"], "elapsed_s": p["meta"]["elapsed_s"],
+                              "cells": [f"{c['algorithm']}@{c['concurrency']}" for c in p["cells"]]}
+                             for f, p in zip(files, parts)]
+    meta["algos"] = list(dict.fromkeys(a for p in parts for a in p["meta"]["algos"]))
+    meta["rates"] = {a: rates[a] for a in meta["algos"]}
+    meta["elapsed_s"] = sum(p["meta"]["elapsed_s"] for p in parts)
+    meta["notes"] = [f"Combined from {len(parts)} runs: " + "; ".join(
+        f"`{c['command']}` ({c['when']}, load at start {c['load_start']}, {c['elapsed_s']:.0f} s): "
+        f"{', '.join(c['cells'])}" for c in meta["combined_from"])] + list(meta.get("notes") or []) + notes
+    order = {a: i for i, a in enumerate(meta["algos"] + [CONTROL])}
+    cells = sorted(by.values(), key=lambda c: (order.get(c.algorithm, 99), c.concurrency))
+    write_results(cells, meta, out)

@@ -22,7 +22,9 @@ from __future__ import annotations
 import ctypes
 
 import numpy as np
-from numba import njit
+
+from .cpu import kernels
+from .cpu.lazyjit import njit  # numba itself only when a JIT kernel runs (lazyjit.py); AOT: kernels.py
 
 SHIFT = 6                   # 64 tokens per checkpoint
 MIN_CAPACITY = 64           # records allocated for an empty session
@@ -201,11 +203,11 @@ class Records:
         return self.buf, self.ck, self.tc, self.ex_i, self.ex_v, self.n
 
     def end(self, i: int) -> int:
-        return int(end_at(self.buf, self.ck, self.tc, self.ex_i, self.ex_v, i))
+        return int(kernels.get().rec_end_at(self.buf, self.ck, self.tc, self.ex_i, self.ex_v, i))
 
     def locate(self, x: int) -> tuple[int, int]:
         """(records ending at or before x, end of the last of them or 0)."""
-        c, e = locate(self.buf, self.ck, self.tc, self.ex_i, self.ex_v, self.n, x)
+        c, e = kernels.get().rec_locate(self.buf, self.ck, self.tc, self.ex_i, self.ex_v, self.n, x)
         return int(c), int(e)
 
     def ends(self) -> np.ndarray:
@@ -221,25 +223,25 @@ class Records:
     def splice(self, keep: int, mid_ids: np.ndarray, mid_ends: np.ndarray, right_from: int, delta: int) -> None:
         """Records become old[:keep] + mid + old[right_from:], the last part's ends moved by `delta`; `mid_ends`:
         the absolute ends of the mid records (from the fresh encode)."""
-        n, tc = self.n, self.tc
+        n, tc, k = self.n, self.tc, kernels.get()
         n_mid, n_right = len(mid_ids), n - right_from
         if not n_right and not self.ex_i.size:
             # an append (nothing right of the window, no exceptions): one kernel, when no new exception arises
             if keep + n_mid > len(self.buf):
                 self._move(keep, n_mid, right_from, 0, keep + n_mid)
-            if _append_tail(self.buf, self.ck, tc, keep, n, mid_ids, mid_ends):
+            if k.rec_append_tail(self.buf, self.ck, tc, keep, n, mid_ids, mid_ends):
                 self.n = keep + n_mid
                 return
         buf, ck, ex_i, ex_v = self.buf, self.ck, self.ex_i, self.ex_v
         new_n = keep + n_mid + n_right
         shift = new_n - n
         # everything read from the old records happens before anything moves
-        prev_end = int(end_at(buf, ck, tc, ex_i, ex_v, keep - 1)) if keep else 0
+        prev_end = int(k.rec_end_at(buf, ck, tc, ex_i, ex_v, keep - 1)) if keep else 0
         new_i, new_v = np.empty(n_mid + 1, np.int64), np.empty(n_mid + 1, np.int64)
-        m = _mid_extras(mid_ids, mid_ends, prev_end, tc, new_i, new_v, keep) if n_mid else 0
+        m = k.rec_mid_extras(mid_ids, mid_ends, prev_end, tc, new_i, new_v, keep) if n_mid else 0
         if n_right:
             # the first right record's predecessor changed: its extra is measured again
-            first_end = int(end_at(buf, ck, tc, ex_i, ex_v, right_from)) + delta
+            first_end = int(k.rec_end_at(buf, ck, tc, ex_i, ex_v, right_from)) + delta
             x = first_end - (int(mid_ends[-1]) if n_mid else prev_end) - int(tc[buf[right_from]])
             if x:
                 new_i[m], new_v[m] = keep + n_mid, x
@@ -254,7 +256,7 @@ class Records:
         moved = None
         if n_right and shift and j_first <= last_block:
             moved = np.empty(last_block - j_first + 1, np.int64)
-            _moved_checkpoints(buf, ck, tc, ex_i, ex_v, n, shift, delta, j_first, moved)
+            k.rec_moved_checkpoints(buf, ck, tc, ex_i, ex_v, n, shift, delta, j_first, moved)
         self._move(keep, n_mid, right_from, n_right, new_n)
         self.buf[keep:keep + n_mid] = mid_ids
         self.n = new_n
@@ -272,7 +274,7 @@ class Records:
             j1 = j_first - 1
             self.ck[j_first:last_block + 1] = moved
         if j0 <= j1:
-            _fill_checkpoints(self.buf, self.ck, tc, self.ex_i, self.ex_v, j0, j1)
+            k.rec_fill_checkpoints(self.buf, self.ck, tc, self.ex_i, self.ex_v, j0, j1)
 
     def _move(self, keep: int, n_mid: int, right_from: int, n_right: int, new_n: int) -> None:
         """The right part to its new place: one memmove in place, or a copy into larger arrays."""

@@ -23,6 +23,7 @@ from .splice import Point, SpliceSearch
 from .textstore import SplicedText, TextReader
 
 if TYPE_CHECKING:   # type names only: tokenizer.py imports session.py, which imports this module
+    from .reference import ReferenceEngine
     from .tokenizer import Tokenizer
 
 Specials = Callable[[int, int], list[tuple[int, int, int]]]    # allowed literals inside [lo, hi): (a, b, id)
@@ -65,7 +66,6 @@ class WindowRepair:
     def __init__(self, tokenizer: Tokenizer, allowed_special: frozenset[str], rule: boundary.BoundaryRule | None, *,
                  window: int, max_widenings: int, encode_path: str):
         self.tokenizer = tokenizer
-        self.reference = tokenizer.reference
         self.rule = rule
         self.window, self.max_widenings = window, max_widenings
         self.encode_path = encode_path
@@ -73,8 +73,13 @@ class WindowRepair:
         self.literals = bool(allowed_special)
         self.is_special = tokenizer.special_mask(allowed_special)
         sig, pair = boundary.pair_table(rule) if rule is not None else (None, None)
-        self.search = SpliceSearch(self.reference.continuation_start, tokenizer.max_token_chars, sig, pair)
+        facts = tokenizer.vocab_facts
+        self.search = SpliceSearch(facts.continuation_start, facts.max_token_chars, sig, pair)
         self.encode_s = 0.0         # time inside the window encoder during the current mutation
+
+    @property
+    def reference(self) -> ReferenceEngine:
+        return self.tokenizer.reference      # built on first use: only the "reference" window path needs it
 
     def repair(self, rec: Records, old_norm: TextReader, new: SplicedText, d: int, e_new: int, specials: Specials,
                stats: SessionStats) -> RecordSplice:
@@ -200,10 +205,21 @@ class WindowRepair:
                 ids = self.reference.encode_ordinary_normalized(t)
             else:
                 ids = self.tokenizer.encode_ordinary(t, path=self.encode_path)
-            id_parts.append(np.asarray(ids, dtype=np.uint32))
-            end_parts.append(self.reference.char_ends(t, ids) + a)
+            ids = np.asarray(ids, dtype=np.uint32)
+            id_parts.append(ids)
+            end_parts.append(self._char_ends(t, ids) + a)
             counts.append(len(ids))
         return np.concatenate(id_parts), np.concatenate(end_parts).astype(np.int64, copy=False), counts
+
+    def _char_ends(self, t: str, ids: np.ndarray) -> np.ndarray:
+        """Each token's end in characters of t: the running sum of the characters each token starts (the
+        vocabulary's token_chars), exact unless the vocabulary dropped some character's lead byte (smollm2's missing
+        control bytes), which shows as a total short of len(t); then the reference's byte walk decides."""
+        if self.encode_path != "reference":
+            ends = np.cumsum(self.tokenizer.vocab_facts.token_chars[ids], dtype=np.int64)
+            if not ends.size or int(ends[-1]) == len(t):
+                return ends
+        return self.reference.char_ends(t, ids)
 
     def _find_left(self, rec: Records, text: str, s: int, d: int, f_ids: np.ndarray, f_ends: np.ndarray,
                    specials: list[tuple[int, int, int]]) -> Point | None:

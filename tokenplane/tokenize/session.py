@@ -43,6 +43,7 @@ from .textstore import (
 )
 
 if TYPE_CHECKING:   # type names only: tokenizer.py imports this module, never the other way round
+    from .reference import ReferenceEngine
     from .tokenizer import Tokenizer
 
 # Characters left (and right) of a change that the first window re-encodes. A splice needs an agreeing run longer than
@@ -109,7 +110,6 @@ class Session:
         if not isinstance(window, int) or window < 1 or not isinstance(max_widenings, int) or max_widenings < 0:
             raise SessionError("window must be a positive int and max_widenings a non-negative int")
         self.tokenizer = tokenizer
-        self.reference = tokenizer.reference
         self.allowed_special = tokenizer.resolve_allowed(allowed_special)
         self._nfc = tokenizer.family.normalizer is not None
         # certify=False disables the fast path (baseline flag on the same code path: every call encodes fully).
@@ -119,7 +119,7 @@ class Session:
         self._literals = bool(self.allowed_special)    # track special-token literals (only when some are allowed)
         # Raw <-> normalized offsets (nfcmap.py) keep NFC edits local; sessions with allowed literals normalize
         # between literals and renormalize on edits instead (documented O(N) case).
-        self._mapped = self._nfc and not self._literals and tokenizer.reference.plain_nfc
+        self._mapped = self._nfc and not self._literals and tokenizer.plain_nfc
         self._maxlit = max((len(s) for s in tokenizer.specials), default=1)
         # Which encoder fills windows: the reference engine, or a registered exact path of the tokenizer ("auto",
         # "cpu", "gpu"; same contract: reference IDs). Ends are derived from token byte lengths either way. The
@@ -138,9 +138,14 @@ class Session:
         self._nmap: NfcMap | None = NfcMap() if self._mapped else None
         # Literal (special-token string) matches of the allowed-special scan, raw coordinates, sorted.
         self._lits: list[LiteralEntry] = []
-        self._rec = Records(self.reference.token_chars)
+        self._rec = Records(self.tokenizer.vocab_facts.token_chars)
         self.revision = 0
         self.stats = SessionStats()
+
+    @property
+    def reference(self) -> ReferenceEngine:
+        """The tokenizer's reference engine (built on first use: a session itself never needs it)."""
+        return self.tokenizer.reference
 
     # -- read side ------------------------------------------------------------------------------------------------
     def __len__(self) -> int:

@@ -13,10 +13,12 @@ instead of ~30 numpy calls on session-sized views.
 from __future__ import annotations
 
 import numpy as np
-from numba import njit
-from numba.cpython.unicode import _get_code_point
 
+from .cpu import kernels
+from .cpu.lazyjit import njit, numba_global  # numba itself only when a JIT kernel runs; AOT: kernels.py
 from .records import Records, end_at, locate
+
+_get_code_point = numba_global("numba.cpython.unicode", "_get_code_point")
 
 MAX_CANDIDATES = 24        # stable positions tried per window side before widening
 MAX_STABLE = 4 * MAX_CANDIDATES    # stable positions scanned per side (nearest the edit first)
@@ -165,13 +167,13 @@ class SpliceSearch:
         [t0, t0 + len(text)) covering [lo, hi)) that is a clean boundary of the cached records (at position
         - shift) and of the fresh ones, and, unless hard, lies inside an agreeing run."""
         h = _NO_HARD if not hard else np.array(sorted({x for x in hard if lo <= x <= hi}), dtype=np.int64)
-        p, ci, fj = _search(text, t0, lo, hi, h, self.sig, self.pair, self.use_stable, *cached.kernel_args(),
-                            f_ids, f_ends, len(f_ids), self.cont, self.max_token_chars, rightmost, shift,
-                            fresh_origin, MAX_STABLE, MAX_CANDIDATES)
+        p, ci, fj = kernels.get().splice_search(
+            text, t0, lo, hi, h, self.sig, self.pair, self.use_stable, *cached.kernel_args(), f_ids, f_ends,
+            len(f_ids), self.cont, self.max_token_chars, rightmost, shift, fresh_origin, MAX_STABLE, MAX_CANDIDATES)
         return None if p < 0 else (int(p), int(ci), int(fj))
 
     def clean_before(self, cached: Records, target: int, start: int = -1) -> tuple[int, int]:
         """(index, end) of the last record (at most `start` when >= 0) ending at or before `target` at a clean
         boundary (the next record does not start inside a character); (-1, 0) when none."""
-        i, e = _clean_before(*cached.kernel_args()[:5], cached.n, self.cont, target, start)
+        i, e = kernels.get().splice_clean_before(*cached.kernel_args()[:5], cached.n, self.cont, target, start)
         return int(i), int(e)

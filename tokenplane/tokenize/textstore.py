@@ -14,8 +14,10 @@ import sys
 from dataclasses import dataclass
 from typing import Protocol
 
-from numba import njit
-from numba.cpython.unicode import _get_code_point
+from .cpu import kernels
+from .cpu.lazyjit import njit, numba_global  # numba itself only when a JIT kernel runs; AOT: kernels.py
+
+_get_code_point = numba_global("numba.cpython.unicode", "_get_code_point")
 
 CHUNK_MERGE = 1 << 16      # appends smaller than this merge into the last text chunk (bounded copy)
 WIDTH_RUN = 4096           # ASCII gaps shorter than this stay inside a wide run (fewer, larger chunks: a prefix
@@ -80,7 +82,7 @@ def starts_with_at(text: str, chunk: str, off: int) -> bool:
     # memcmp), so the kernel is tried on those only from 32K on.
     if text.isascii() or len(chunk) < (12288 if chunk.isascii() else 32768):
         return text.startswith(chunk, off)
-    r = _match_at(chunk, text, off)
+    r = kernels.get().text_match_at(chunk, text, off)
     return text.startswith(chunk, off) if r == 1 else r == 2
 
 

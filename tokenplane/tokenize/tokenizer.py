@@ -19,9 +19,9 @@ from .cpu import nfc
 from .cpu.segments import with_literals
 from .errors import InvalidTextError, PathUnavailableError, TextTooLargeError, validate_text  # noqa: F401
 from .reference import ReferenceEngine, make_reference
-from .router import encode_segments_on
+from .router import encode_segments_on, segment_encoder
 from .spec.families import Family
-from .spec.vocabmeta import cached_meta
+from .spec.vocabmeta import VocabFacts, cached_facts, cached_meta
 
 if TYPE_CHECKING:   # sessions (and the numba kernels they run) are imported on first use, not by `import tokenplane`
     from .session import Session
@@ -129,8 +129,18 @@ class Tokenizer:
         return self._n_vocab
 
     @cached_property
+    def vocab_facts(self) -> VocabFacts:
+        """Per-token facts sessions need (spec/vocabmeta.py): from the cache, so a session does not build the
+        reference engine."""
+        def derive() -> VocabFacts:
+            ref = self.reference
+            return VocabFacts(ref.token_chars, ref.continuation_start, ref.max_token_chars)
+
+        return cached_facts(self.family, self.content_hash, derive)
+
+    @property
     def max_token_chars(self) -> int:
-        return self.reference.max_token_chars
+        return self.vocab_facts.max_token_chars
 
     @property
     def fast_paths(self) -> frozenset[str]:
@@ -237,10 +247,41 @@ class Tokenizer:
         return self.reference.normalize(text)
 
     def decode_bytes(self, ids: Iterable[int]) -> bytes:
-        try:
-            return self.reference.decode_bytes(int(i) for i in ids)
-        except IndexError:
-            raise ValueError("token id out of range") from None
+        table = self._token_table
+        if table is None:
+            try:
+                return self.reference.decode_bytes(int(i) for i in ids)
+            except IndexError:
+                raise ValueError("token id out of range") from None
+        flat, off = table
+        n = off.shape[0] - 1
+        if isinstance(ids, (list, tuple)) and len(ids) <= 16:    # a streamed token or a few: no array setup
+            parts = []
+            for i in ids:
+                i = int(i)
+                if not 0 <= i < n:
+                    raise ValueError("token id out of range")
+                parts.append(flat[off[i]:off[i + 1]].tobytes())
+            return b"".join(parts)
+        arr = np.asarray(ids if isinstance(ids, (list, tuple, np.ndarray)) else list(ids))
+        if arr.size and (arr.ndim != 1 or arr.dtype.kind not in "iu"):
+            arr = np.asarray([int(i) for i in arr.ravel()], dtype=np.int64)
+        if not arr.size:
+            return b""
+        arr = arr.astype(np.int64, copy=False)
+        if int(arr.min()) < 0 or int(arr.max()) >= n:
+            raise ValueError("token id out of range")
+        starts, lens = off[arr], off[arr + 1] - off[arr]
+        pos = np.repeat(starts - (np.cumsum(lens) - lens), lens) + np.arange(int(lens.sum()))
+        return flat[pos].tobytes()
+
+    @cached_property
+    def _token_table(self) -> tuple[np.ndarray, np.ndarray] | None:
+        """(every token's bytes back to back, offsets): the CPU path's own tables, made from the reference's token
+        bytes and cached on disk, so decoding (a server's every response) needs no reference engine (qwen3: ~1.3 s
+        to build on a process's first request). None without a CPU path."""
+        enc = segment_encoder(self.path("cpu"), 0)
+        return None if enc is None else (enc.bpe.tok_flat, enc.bpe.tok_off)
 
     def decode(self, ids: Iterable[int], errors: str = "replace") -> str:
         return self.decode_bytes(ids).decode("utf-8", errors=errors)

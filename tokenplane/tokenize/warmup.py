@@ -1,12 +1,13 @@
 """`tokenplane warmup`: build every on-disk cache a fresh process's first encode reads, ahead of that process.
 
 First the ahead-of-time kernel module of the default encode path (cpu/aotbuild.py: a fresh process then encodes
-without importing numba). Then per registered tokenizer: the verified (converted) file, its vocabulary record
-(spec/vocabmeta.py), the BPE tables (cpu/bpetables.py), the per-code-point tables the pre-tokenizer and the cut
-search derive (charclass.derived_table), and every numba kernel of the CPU path, serial and chunk-parallel (compiled
-once per machine into numba's cache: the JIT fallback when the AOT module is absent or stale, and what sessions
-run). Nothing depends on it having run: each cache is built on demand when absent, at the cost of that first process
-(the AOT module by a detached build, cpu/kernels.py). The README's set-up runs it after `pip install`.
+without importing numba). Then per registered tokenizer: the verified (converted) file, its vocabulary record and
+the per-token facts sessions read (spec/vocabmeta.py), the BPE tables (cpu/bpetables.py), the per-code-point tables
+the pre-tokenizer and the cut search derive (charclass.derived_table), and every numba kernel of the CPU path and of
+sessions, serial and chunk-parallel (compiled once per machine into numba's cache: the JIT fallback when the AOT
+module is absent or stale). Nothing depends on it having run: each cache is built on demand when absent, at the
+cost of that first process (the AOT module by a detached build, cpu/kernels.py). The README's set-up runs it after
+`pip install`.
 """
 
 from __future__ import annotations
@@ -57,6 +58,7 @@ def warm(names: list[str]) -> list[tuple[str, float, str]]:
         except ArtifactError as exc:
             out.append((name, time.perf_counter() - t0, f"skipped: {exc}"))
             continue
+        _ = tok.vocab_facts     # what a session reads instead of building the reference engine (spec/vocabmeta.py)
         cpu = tok.path("cpu")
         get = getattr(cpu, "get", None)
         if get is not None:
@@ -66,6 +68,9 @@ def warm(names: list[str]) -> list[tuple[str, float, str]]:
             try:
                 enc.encode(_WARM_TEXT, parallel=False)
                 enc.encode_parallel(_WARM_TEXT * 8, n_chunks=2)
+                session = tok.session(encode_path="cpu")       # the session kernels (records, splice search)
+                for text in (_WARM_TEXT * 4, _WARM_TEXT * 5, "x" + _WARM_TEXT[1:] + _WARM_TEXT * 4):
+                    session.sync(text)
             finally:
                 kernels.reset(chosen)
         out.append((name, time.perf_counter() - t0, "ready" if cpu is not None else "no fast path (reference only)"))

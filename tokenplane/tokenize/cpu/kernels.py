@@ -2,10 +2,11 @@
 
 A fresh process spends ~0.45 s importing numba and loading its cached kernels before the first useful instruction
 (benchmarks/results/cold_start.md, `numba-floor`). aotbuild.py compiles the same kernel functions (the `_impl` /
-`py_func` of strbuf, pretokenize, bpe, boundary, segments) with explicit signatures into one extension module
-(numba.pycc), stored in the on-disk cache under a key of everything that decides its code: the kernel sources, the
-numba / numpy / Python versions and the machine (the module is compiled for the host CPU). Loading it is a dlopen
-(~1 ms) and needs numpy only; this module never imports numba.
+`py_func` of strbuf, pretokenize, bpe, boundary, segments, and the session kernels of records, splice and
+textstore) with explicit signatures into one extension module (numba.pycc), stored in the on-disk cache under a key
+of everything that decides its code: the kernel sources, the numba / numpy / Python versions and the machine (the
+module is compiled for the host CPU). Loading it is a dlopen (~1 ms) and needs numpy only; this module never imports
+numba.
 
 `get()` answers, once per process, the kernel set every caller uses: the AOT module when its folder for the current
 key holds a module whose bytes still hash to what the builder recorded, else the JIT kernels (lazyjit.py: numba
@@ -43,7 +44,8 @@ MODULE_NAME = "tokenplane_kernels"      # the extension's PyInit_ name: fixed, t
 KEY_VERSION = 1                         # bump when what goes into the module changes outside the hashed sources
 _HERE = Path(__file__).resolve().parent
 # The modules whose source decides the compiled code: the kernels, this table of signatures, the lazy decorator.
-SOURCES = ("strbuf.py", "pretokenize.py", "bpe.py", "boundary.py", "segments.py", "lazyjit.py", "kernels.py",
+SOURCES = ("strbuf.py", "pretokenize.py", "bpe.py", "boundary.py", "segments.py", "../records.py", "../splice.py",
+           "../textstore.py", "lazyjit.py", "kernels.py",
            "aotbuild.py")
 
 # -- the export table: name -> (module, attribute, return type, argument types) ------------------------------------
@@ -54,6 +56,9 @@ S, I, B = "str", "int64", "boolean"  # noqa: E741  (I: int64, as in a signature)
 
 def A(dtype: str, ndim: int = 1) -> tuple[str, int]:
     return (dtype, ndim)
+
+
+REC = (A("uint32"), A("int64"), A("uint16"), A("int64"), A("int64"))    # records.Records.kernel_args()[:5]
 
 
 EXPORTS: dict[str, tuple[str, str, str, tuple[Any, ...]]] = {
@@ -88,6 +93,21 @@ EXPORTS: dict[str, tuple[str, str, str, tuple[Any, ...]]] = {
     "spans_smollm2": ("segments", "_spans_smollm2", "void", (A("int32"), A("int8"), A("boolean"), A("int64"))),
     "interleave": ("segments", "_interleave", "void",
                    (A("uint32"), A("int64"), A("int64"), A("uint32"), A("int64"), A("uint32"), A("int64"))),
+    # session records (..records: IDs, checkpoints ck, token characters tc, end exceptions ex_i / ex_v)
+    "rec_end_at": ("..records", "end_at", "int64", (*REC, I)),
+    "rec_locate": ("..records", "locate", "UniTuple(int64, 2)", (*REC, I, I)),
+    "rec_fill_checkpoints": ("..records", "_fill_checkpoints", "void", (*REC, I, I)),
+    "rec_moved_checkpoints": ("..records", "_moved_checkpoints", "void", (*REC, I, I, I, I, A("int64"))),
+    "rec_mid_extras": ("..records", "_mid_extras", "int64",
+                       (A("uint32"), A("int64"), I, A("uint16"), A("int64"), A("int64"), I)),
+    "rec_append_tail": ("..records", "_append_tail", "boolean",
+                        (A("uint32"), A("int64"), A("uint16"), I, I, A("uint32"), A("int64"))),
+    # the certified splice-point search (..splice) and the text store's cross-kind prefix compare (..textstore)
+    "splice_search": ("..splice", "_search", "UniTuple(int64, 3)",
+                      (S, I, I, I, A("int64"), A("uint8"), A("uint8", 2), B, *REC, I, A("uint32"), A("int64"), I,
+                       A("boolean"), I, B, I, I, I, I)),
+    "splice_clean_before": ("..splice", "_clean_before", "UniTuple(int64, 2)", (*REC, I, A("boolean"), I, I)),
+    "text_match_at": ("..textstore", "_match_at", "int64", (S, S, I)),
 }
 HOLDS_GIL = frozenset({"scan_first_stable"})
 
@@ -210,7 +230,7 @@ def load_module(folder: Path) -> ModuleType:
 
 def _jit_kernel(name: str) -> Any:
     module, attr = EXPORTS[name][0], EXPORTS[name][1]
-    return getattr(importlib.import_module(f"{__package__}.{module}"), attr)
+    return getattr(importlib.import_module(module if module.startswith(".") else "." + module, __package__), attr)
 
 
 # calls the guard sent to the JIT kernel, per export (tests assert the default paths never need it)
@@ -218,26 +238,39 @@ guard_fallbacks: dict[str, int] = {}
 
 
 def _guarded(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
-    """fn with its arguments checked against the export's signature; a mismatch goes to the JIT kernel."""
-    checks: list[tuple[int, np.dtype | None, int]] = []
+    """fn with its arguments checked against the export's signature; a mismatch goes to the JIT kernel.
+
+    The check is generated as straight-line code per export (a session's sync makes ~10 kernel calls, and a
+    generic loop over the signature cost ~2.5 us per call)."""
+    names = [f"a{i}" for i in range(len(EXPORTS[name][3]))]
+    env: dict[str, Any] = {"fn": fn, "ndarray": np.ndarray, "mismatch": _mismatch, "name": name}
+    tests = []
     for i, t in enumerate(EXPORTS[name][3]):
+        a = names[i]
         if t == S:
-            checks.append((i, None, 0))
+            tests.append(f"type({a}) is str")
         elif isinstance(t, tuple):
-            checks.append((i, np.dtype("bool" if t[0] == "boolean" else t[0]), t[1]))
-    ndarray = np.ndarray
-
-    def call(*args: Any) -> Any:
-        for i, dt, nd in checks:
-            a = args[i]
-            if (type(a) is not str) if dt is None else (
-                    type(a) is not ndarray or a.dtype != dt or a.ndim != nd or not a.flags.c_contiguous):
-                guard_fallbacks[name] = guard_fallbacks.get(name, 0) + 1
-                return _jit_kernel(name)(*args)
-        return fn(*args)
-
+            dt = np.dtype("bool" if t[0] == "boolean" else t[0])
+            env[f"d{i}"] = dt
+            # dtype identity first (builtin dtypes are singletons); an equal dtype object of a loaded table next
+            tests.append(f"type({a}) is ndarray and ({a}.dtype is d{i} or {a}.dtype == d{i}) and {a}.ndim == {t[1]} "
+                         f"and {a}.flags.c_contiguous")
+    args = ", ".join(names)
+    body = " and ".join(tests) or "True"
+    src = (f"def call({args}):\n"
+           f"    if {body}:\n"
+           f"        return fn({args})\n"
+           f"    return mismatch(name, ({args}{',' if len(names) == 1 else ''}))\n")
+    exec(compile(src, f"<kernel guard {name}>", "exec"), env)
+    call = env["call"]
     call.__name__ = name
     return call
+
+
+def _mismatch(name: str, args: tuple[Any, ...]) -> Any:
+    """A call whose arguments failed the generated check: counted, and answered by the JIT kernel."""
+    guard_fallbacks[name] = guard_fallbacks.get(name, 0) + 1
+    return _jit_kernel(name)(*args)
 
 
 class Kernels:

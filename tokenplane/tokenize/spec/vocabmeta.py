@@ -1,20 +1,32 @@
-"""A tokenizer file's VocabMeta (specials, vocabulary size, normalizer kind), cached by the file's sha256.
+"""What a Tokenizer needs of its file without the reference engine, cached by the file's sha256.
 
-`Tokenizer` builds its reference engine only when something needs it (reference encodes, sessions, decoding); what
-it needs at construction is this small record. Deriving it parses the whole file (json.loads of 11 MB for qwen3,
-~0.1-0.2 s; the rank lines of a .tiktoken file), so it is kept as a few hundred bytes of JSON in the cache directory,
-keyed by family and content hash. A missing or unreadable entry is derived again (never assumed present).
+`Tokenizer` builds its reference engine only when something needs it (reference encodes, decoding, the verifier).
+- VocabMeta (specials, vocabulary size, normalizer kind): what construction needs. Deriving it parses the whole
+  file (json.loads of 11 MB for qwen3, ~0.1-0.2 s; the rank lines of a .tiktoken file), so it is kept as a few
+  hundred bytes of JSON.
+- VocabFacts (characters each token starts, whether it starts inside a character, the longest token in
+  characters): what a session needs to derive token ends and certify splice points. Derived from the reference's
+  token bytes (building the reference: ~1.3 s for qwen3 on the first session of a process), kept as one .npz
+  (~3 bytes per token).
+Both live in the cache directory, keyed by family and content hash; a missing, unreadable or mismatched entry is
+derived again (never assumed present).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import zipfile
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
 
 from ..reference import FamilyLike, VocabMeta, vocab_meta
 from .artifacts import cache_dir
 
 META_VERSION = 1
+FACTS_VERSION = 1
 
 
 def cached_meta(family: FamilyLike, data: bytes, content_hash: str) -> VocabMeta:
@@ -36,3 +48,36 @@ def cached_meta(family: FamilyLike, data: bytes, content_hash: str) -> VocabMeta
     except OSError:     # an unwritable cache only costs the next process the derivation
         pass
     return meta
+
+
+@dataclass(frozen=True)
+class VocabFacts:
+    token_chars: np.ndarray             # uint16[id]: characters the token's bytes start (reference.token_chars)
+    continuation_start: np.ndarray      # bool[id]: the token's first byte continues a character
+    max_token_chars: int                # most characters one ordinary token covers
+
+
+def cached_facts(family: FamilyLike, content_hash: str, derive: Callable[[], VocabFacts]) -> VocabFacts:
+    """The file's VocabFacts from the cache, else `derive()` (then stored for the next process)."""
+    path = cache_dir() / f"vocab-facts-v{FACTS_VERSION}-{family.name}-{content_hash[:32]}.npz"
+    try:
+        with np.load(path, allow_pickle=False) as z:
+            tc, cs = z["token_chars"], z["continuation_start"]
+            ok = (str(z["content_hash"]) == content_hash and tc.dtype == np.uint16 and cs.dtype == np.bool_
+                  and tc.ndim == 1 and tc.shape == cs.shape)
+            if ok:
+                tc.setflags(write=False)
+                cs.setflags(write=False)
+                return VocabFacts(tc, cs, int(z["max_token_chars"]))
+    except (OSError, ValueError, KeyError, TypeError, EOFError, zipfile.BadZipFile):   # absent or damaged: derive
+        pass
+    facts = derive()
+    tmp = path.with_name(f"{path.name}.tmp{os.getpid()}.npz")
+    try:
+        np.savez(tmp, token_chars=np.ascontiguousarray(facts.token_chars, np.uint16),
+                 continuation_start=np.ascontiguousarray(facts.continuation_start, np.bool_),
+                 max_token_chars=np.int64(facts.max_token_chars), content_hash=np.str_(content_hash))
+        os.replace(tmp, path)
+    except OSError:     # an unwritable cache only costs the next process the derivation
+        pass
+    return facts
