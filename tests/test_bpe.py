@@ -130,7 +130,7 @@ def test_single_merge_schedule_equals_batched():
 
 def test_piece_cache_hits_are_exact():
     enc = encoder("o200k_base")
-    cache = bpe_mod.PieceCache(64)      # tiny: forces collisions and replacement
+    cache = bpe_mod.PieceCache(64, tiny_ways=8)      # small: forces collisions and replacement
     text = " the the The THE theme then the 12 12 12 don't don't"
     buf = np.frombuffer(text.encode(), dtype=np.uint8)
     from tokenplane.tokenize.cpu import pretokenize
@@ -140,6 +140,40 @@ def test_piece_cache_hits_are_exact():
     first = enc.bpe.encode_bytes(buf, bounds, cache)
     second = enc.bpe.encode_bytes(buf, bounds, cache)
     assert first.tolist() == second.tolist() == enc.tok.reference.encode_ordinary(text).tolist()
+
+
+@pytest.mark.parametrize("name", ["cl100k_base", "o200k_base", "qwen3"])
+def test_tiny_tier_hits_are_exact(name):
+    """The tiny tier (pieces <= 8 bytes, <= 2 IDs, key = the bytes packed in one word + the length) returns what
+    merging returns: pieces that differ only by trailing NUL or low control bytes (equal packed words, other lengths),
+    pieces of 1, 2 and more IDs, under collisions and replacement in a 4-slot tier; two passes, each piece checked
+    against its own merge in a fresh cache."""
+    b = encoder(name).bpe
+    rng = random.Random(name)
+    alphabet = [b"\x00", b"\x01", b"\x05", b"\x07", b"\x08", b"a", b"e", b"t", b"h", b" ", b"\xc3\xa9", b"\xe4\xb8\x80",
+                b"the", b" the", b"ing", b"0", b"12", b"\xff", b"\n"]
+    pieces = [b"ab", b"ab\x00", b"ab\x00\x00", b"ab\x00\x00\x00\x00\x00\x00", b"\x00\x00", b"\x00" * 8]
+    while len(pieces) < 400:
+        p = b"".join(rng.choice(alphabet) for _ in range(rng.randint(1, 6)))[:8]
+        if len(p) >= 2:
+            pieces.append(p)
+    order = pieces + rng.sample(pieces, len(pieces))
+    buf = np.frombuffer(b"".join(order), dtype=np.uint8)
+    bounds = np.cumsum([0] + [len(p) for p in order]).astype(np.int64)
+    want: list[int] = []
+    for p in order:
+        one = np.frombuffer(p, dtype=np.uint8)
+        want += b.encode_bytes(one, np.array([0, len(p)], dtype=np.int64), bpe_mod.PieceCache(16, tiny_ways=4)).tolist()
+    counts = [len(b.encode_bytes(np.frombuffer(p, dtype=np.uint8), np.array([0, len(p)], dtype=np.int64),
+                                 bpe_mod.PieceCache(16)).tolist()) for p in pieces]
+    assert {1, 2} <= set(counts) and max(counts) > 2       # every record shape and the fall-through
+    cache = bpe_mod.PieceCache(16, tiny_ways=4)
+    assert b.encode_bytes(buf, bounds, cache).tolist() == want
+    assert (cache.tiny[:, 1] != 0).any()
+    assert b.encode_bytes(buf, bounds, cache).tolist() == want
+    big = bpe_mod.PieceCache()
+    assert b.encode_bytes(buf, bounds, big).tolist() == want
+    assert b.encode_bytes(buf, bounds, big).tolist() == want
 
 
 def test_piece_byte_bounds_equals_numpy_form():
@@ -185,6 +219,7 @@ def test_heap_merge_equals_rounds_on_long_pieces(name):
         out2 = np.empty(m, dtype=np.int32)
         n1 = bpe_mod._merge_piece(buf, 0, m, b.byte_ids, b.ptab, True, *scratch, out1, 0)
         n2 = bpe_mod._merge_piece_heap(buf, 0, m, b.byte_ids, b.ptab, *scratch,
+                                       np.empty(m, dtype=np.int32), np.empty(m, dtype=np.int32),
                                        np.empty(3 * m, dtype=np.int64), out2, 0)
         assert out1[:n1].tolist() == out2[:n2].tolist(), (name, text)
 
@@ -196,7 +231,7 @@ def test_long_piece_cache_hits_are_exact(name):
     from tokenplane.tokenize.cpu import pretokenize
 
     enc = encoder(name)
-    cache = bpe_mod.PieceCache(16, long_ways=4)
+    cache = bpe_mod.PieceCache(16, long_ways=4, tiny_ways=4)
     rng = random.Random(name)
     cjk = "日本語の文章を書きます中文句子测试鬱龘齉𠀀"
     words = ["".join(rng.choice(cjk) for _ in range(rng.randint(9, 90))) for _ in range(12)]

@@ -95,6 +95,54 @@ def test_dense_random_alphabet(name):
         _check(name, "".join(rng.choice(ALPHABET) for _ in range(rng.randint(1, 30))))
 
 
+def test_o200k_slash_after_newline_every_short_context():
+    """'/' after CR/LF is rescanned only when a punctuation (or mark) character precedes the CR/LF run (the one way
+    `[\\r\\n/]*` chains into it): every string of up to 4 characters over the characters that decide it, and longer
+    random ones, split exactly as the reference splits them."""
+    import itertools
+
+    chars = ["a", ".", "/", "\n", "\r", " ", "1", "\u0301", "\t"]
+    for n in range(1, 5):
+        for combo in itertools.product(chars, repeat=n):
+            _check("o200k_base", "".join(combo) + "/x")
+    rng = random.Random(17)
+    for _ in range(3000):
+        _check("o200k_base", "".join(rng.choice(chars + ["A", "é", "!"]) for _ in range(rng.randint(6, 24))))
+
+
+def test_o200k_local_rescan_equals_whole_text_rescan():
+    """The production rescan finds each rare position's synchronizing positions in growing windows around it; on
+    texts whose rare positions sit far from any synchronizing position (long lines without digits: the windows must
+    grow past 256 and 1024 characters), near the ends, and close together, it writes the same starts as the
+    whole-text form, and the pieces equal the reference."""
+    from tokenplane.tokenize.cpu import kernels
+
+    rng = random.Random(5)
+    shapes = [".\n/", "!\u0301", "a.\r\n/b", "}\n\n/", "(\u0301\u0301", "/\n/"]
+    table = pretokenize._table("tiktoken")
+    for trial in range(40):
+        parts = []
+        for _ in range(rng.randint(1, 6)):
+            parts.append("word " * rng.choice([0, 1, 60, 300, 700]))
+            parts.append(rng.choice(shapes))
+            if rng.random() < 0.3:
+                parts.append(str(rng.randint(0, 999)))
+        text = "".join(parts)
+        cps = pretokenize.codepoints(text)
+        c = cps.view(np.int32)
+        k = kernels.get()
+        starts = np.zeros(len(cps), dtype=np.bool_)
+        rare = np.empty(len(cps), dtype=np.int64)
+        nr = k.o200k_loop(c, k.gather_u8(pretokenize._cp_kind_o200k("tiktoken"), cps), starts, rare)
+        assert nr > 0
+        whole, local = starts.copy(), starts.copy()
+        pretokenize._o200k_rescan(cps, table[cps], c, np.sort(rare[:nr]), whole)
+        pretokenize._o200k_rescan_local(cps, table, c, np.sort(rare[:nr]), local)
+        assert np.array_equal(whole, local), repr(text[:120])
+        if trial % 8 == 0:
+            _check("o200k_base", text)
+
+
 @pytest.mark.parametrize("name", FAMILIES)
 def test_unicode_skew_code_points(name):
     """Characters whose class Python's unicodedata gets wrong: the probed table must be what decides."""

@@ -39,6 +39,12 @@ LONG_WAYS = 1 << 11
 LONG_BYTES = 256
 LONG_IDS = 128
 HEAP_MIN_BYTES = 48        # longer pieces merge through a heap (O(m log m)) instead of rescanning rounds
+# Tiny tier: pieces of up to 8 bytes (most pieces of prose and code) that encode to 1 or 2 IDs, one 16-byte record
+# per slot (the piece's bytes as one word + length, count and IDs packed in another): a hit is one word compare on
+# one cache line, and 64K slots are 1 MB per thread (fits beside the pair table far better than 64-byte records).
+TINY_WAYS = 1 << 16
+TINY_BYTES = 8
+ID_BITS = 24               # a tiny record packs two IDs of 24 bits: every vocabulary here is below 2**24 tokens
 
 
 # -- hash tables ----------------------------------------------------------------------------------------------------
@@ -239,11 +245,13 @@ def _heap_pop(heap, n):
 
 
 @njit(cache=True, nogil=True)
-def _merge_piece_heap(buf, a, b, byte_ids, ptab, sym, nxt, prv, heap, out, o):
+def _merge_piece_heap(buf, a, b, byte_ids, ptab, sym, nxt, prv, prk, pnw, heap, out, o):
     """The same BPE as `_merge_piece` in O(m log m) for long pieces (CJK runs, long identifiers), where the
-    rounds' rescans are quadratic. A min-heap of (rank, position) yields the leftmost minimum-rank pair; an entry is
-    live iff the pair now at its position still has its rank (every current pair was pushed with its current rank,
-    so the smallest live entry is the leftmost minimum). Merges absorb the right symbol into the left one."""
+    rounds' rescans are quadratic. A min-heap of (rank, position) yields the leftmost minimum-rank pair; prk[p]/pnw[p]
+    hold the rank and product of the pair now starting at p (INF when none), and an entry is live iff its position
+    still holds a symbol and prk of it equals the entry's rank (every current pair was pushed with its current rank,
+    so the smallest live entry is the leftmost minimum; the check reads prk instead of probing the pair table
+    again). Merges absorb the right symbol into the left one."""
     INF = np.int64(0x7FFFFFFF)
     m = b - a
     for i in range(m):
@@ -251,9 +259,12 @@ def _merge_piece_heap(buf, a, b, byte_ids, ptab, sym, nxt, prv, heap, out, o):
         nxt[i] = i + 1
         prv[i] = i - 1
     nxt[m - 1] = -1
+    prk[m - 1] = INF
     n = 0
     for i in range(m - 1):
         r, t = _pair_rank(ptab, sym[i], sym[i + 1])
+        prk[i] = r
+        pnw[i] = t
         if r != INF:
             n = _heap_push(heap, n, (np.int64(r) << 32) | i)
     while n > 0:
@@ -261,12 +272,10 @@ def _merge_piece_heap(buf, a, b, byte_ids, ptab, sym, nxt, prv, heap, out, o):
         n = _heap_pop(heap, n)
         r = key >> 32
         p = key & 0xFFFFFFFF
+        if sym[p] < 0 or prk[p] != r:
+            continue
         q = nxt[p]
-        if sym[p] < 0 or q < 0:
-            continue
-        cr, t = _pair_rank(ptab, sym[p], sym[q])
-        if cr != r:
-            continue
+        t = pnw[p]
         sym[p] = t
         sym[q] = -1
         nq = nxt[q]
@@ -276,12 +285,18 @@ def _merge_piece_heap(buf, a, b, byte_ids, ptab, sym, nxt, prv, heap, out, o):
         lp = prv[p]
         if lp >= 0:
             r2, t2 = _pair_rank(ptab, sym[lp], t)
+            prk[lp] = r2
+            pnw[lp] = t2
             if r2 != INF:
                 n = _heap_push(heap, n, (np.int64(r2) << 32) | lp)
         if nq >= 0:
             r3, t3 = _pair_rank(ptab, t, sym[nq])
+            prk[p] = r3
+            pnw[p] = t3
             if r3 != INF:
                 n = _heap_push(heap, n, (np.int64(r3) << 32) | p)
+        else:
+            prk[p] = INF
     i = 0
     while i >= 0:
         out[o] = sym[i]
@@ -375,12 +390,23 @@ def _cache_put(keys, length, ids, count, slot, buf, a, m, out, o0, o):
         ids[slot, i] = out[o0 + i]
 
 
+@njit(cache=True, nogil=True, inline="always")
+def _pack8(buf, a, m):
+    """buf[a:a+m] (m <= 8) as one little-endian word, zero above the piece's bytes."""
+    v = np.uint64(0)
+    for i in range(m):
+        v |= np.uint64(buf[a + i]) << np.uint64(8 * i)
+    return v
+
+
 @njit(cache=True, nogil=True)
 def _encode_pieces(buf, bounds, byte_ids, ptab, batch, whole, wkeys, wids, tok_flat, tok_off,
-                   short, long_keys, long_len, long_ids, long_n):
-    """IDs of every piece buf[bounds[j]:bounds[j+1]], concatenated (int32). Caches pieces per caller in two
-    direct-mapped tiers: short pieces (most of them) and long ones up to long_keys.shape[1] bytes (CJK runs and
-    long identifiers, which cost the most to merge and recur in agent context)."""
+                   tiny, short, long_keys, long_len, long_ids, long_n):
+    """IDs of every piece buf[bounds[j]:bounds[j+1]], concatenated (int32). Caches pieces per caller in three
+    direct-mapped tiers: tiny pieces (<= 8 bytes, <= 2 IDs: most of them), short ones (<= 24 bytes) and long ones up to
+    long_keys.shape[1] bytes (CJK runs and long identifiers, which cost the most to merge and recur in agent context).
+    A cached entry is the piece's exact bytes and its IDs, and the BPE of a piece depends on nothing but its bytes, so
+    a hit is exact by construction."""
     n_pieces = bounds.shape[0] - 1
     out = np.empty(buf.shape[0], dtype=np.int32)
     longest = 1
@@ -391,8 +417,12 @@ def _encode_pieces(buf, bounds, byte_ids, ptab, batch, whole, wkeys, wids, tok_f
     rk = np.empty(longest, dtype=np.int32)
     nw = np.empty(longest, dtype=np.int32)
     heap = np.empty(3 * longest, dtype=np.int64)
+    prk = np.empty(longest, dtype=np.int32)
+    pnw = np.empty(longest, dtype=np.int32)
+    tmask = np.uint64(tiny.shape[0] - 1)
     cmask = short.shape[0] - 1
     lmask = long_len.shape[0] - 1
+    idmask = np.uint64((1 << ID_BITS) - 1)
     o = 0
     for j in range(n_pieces):
         a = bounds[j]
@@ -402,6 +432,20 @@ def _encode_pieces(buf, bounds, byte_ids, ptab, batch, whole, wkeys, wids, tok_f
             out[o] = byte_ids[buf[a]]
             o += 1
             continue
+        tslot = -1
+        v = np.uint64(0)
+        if m <= TINY_BYTES:
+            v = _pack8(buf, a, m)
+            tslot = np.int64((((v + np.uint64(m)) * np.uint64(0x9E3779B97F4A7C15)) >> np.uint64(40)) & tmask)
+            rec = tiny[tslot, 1]
+            if tiny[tslot, 0] == v and (rec & np.uint64(15)) == np.uint64(m):
+                out[o] = np.int32((rec >> np.uint64(8)) & idmask)
+                if (rec & np.uint64(16)) != 0:
+                    out[o + 1] = np.int32(rec >> np.uint64(8 + ID_BITS))
+                    o += 2
+                else:
+                    o += 1
+                continue
         tier = 0 if m <= SHORT_BYTES else (1 if m <= long_keys.shape[1] else -1)
         slot = -1
         h = _fnv(buf, a, b)
@@ -424,10 +468,16 @@ def _encode_pieces(buf, bounds, byte_ids, ptab, batch, whole, wkeys, wids, tok_f
             out[o] = t
             o += 1
         elif m > HEAP_MIN_BYTES and batch:
-            o = _merge_piece_heap(buf, a, b, byte_ids, ptab, sym, rk, nw, heap, out, o)
+            o = _merge_piece_heap(buf, a, b, byte_ids, ptab, sym, rk, nw, prk, pnw, heap, out, o)
         else:
             o = _merge_piece(buf, a, b, byte_ids, ptab, batch, sym, rk, nw, out, o)
-        if tier == 0:
+        if tslot >= 0 and o - o0 <= 2:
+            rec = np.uint64(m) | (np.uint64(out[o0]) << np.uint64(8))
+            if o - o0 == 2:
+                rec |= np.uint64(16) | (np.uint64(out[o0 + 1]) << np.uint64(8 + ID_BITS))
+            tiny[tslot, 0] = v
+            tiny[tslot, 1] = rec
+        elif tier == 0:
             _short_put(short, slot, buf, a, m, out, o0, o)
         elif tier == 1:
             _cache_put(long_keys, long_len, long_ids, long_n, slot, buf, a, m, out, o0, o)
@@ -438,7 +488,8 @@ class PieceCache:
     """Per-thread cache of pieces -> IDs (the kernel writes it; one per thread, never shared): a short tier and a
     long tier (pieces of CACHE_BYTES+1 .. LONG_BYTES bytes)."""
 
-    def __init__(self, ways: int = CACHE_WAYS, long_ways: int = LONG_WAYS):
+    def __init__(self, ways: int = CACHE_WAYS, long_ways: int = LONG_WAYS, tiny_ways: int = TINY_WAYS):
+        self.tiny = np.zeros((tiny_ways, 2), dtype=np.uint64)   # word 1 == 0: empty (a record's length is >= 2)
         self.short = np.zeros((ways, 16), dtype=np.uint32)     # 64-byte records, see _short_get
         self.long_keys = np.zeros((long_ways, LONG_BYTES), dtype=np.uint8)
         self.long_length = np.zeros(long_ways, dtype=np.int32)
@@ -446,6 +497,7 @@ class PieceCache:
         self.long_n = np.zeros(long_ways, dtype=np.int32)
 
     def clear(self) -> None:
+        self.tiny[:, 1] = 0
         self.short[:, 0] = 0
         self.long_length[:] = 0
 
@@ -473,6 +525,8 @@ class BPE:
         built from the reference engine only when absent)."""
         self.family_name = tables.family_name
         self.n_vocab = tables.n_vocab
+        if self.n_vocab >= 1 << ID_BITS:    # the tiny cache tier packs IDs in 24 bits
+            raise ValueError(f"{self.family_name}: {self.n_vocab} tokens do not fit the piece cache's ID field")
         self.tok_flat, self.tok_off = tables.tok_flat, tables.tok_off
         self.n_pairs = tables.n_pairs
         self.batch = True        # False: one merge per round (the plain schedule; kept to measure against)
@@ -508,7 +562,7 @@ class BPE:
             raise DroppedBytes("the text holds a byte without a token")
         c = cache if cache is not None else self._cache()
         return k.encode_pieces(buf, bounds, self.byte_ids, self.ptab, self.batch,
-                              self.whole, self.wkeys, self.wids, self.tok_flat, self.tok_off, c.short,
+                              self.whole, self.wkeys, self.wids, self.tok_flat, self.tok_off, c.tiny, c.short,
                               c.long_keys, c.long_length, c.long_ids, c.long_n)
 
     def encode_piece(self, piece: bytes) -> list[int]:

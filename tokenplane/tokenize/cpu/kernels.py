@@ -78,7 +78,7 @@ EXPORTS: dict[str, tuple[str, str, str, tuple[Any, ...]]] = {
     # bpe
     "encode_pieces": ("bpe", "_encode_pieces", "int32[::1]",
                       (A("uint8"), A("int64"), A("int32"), A("uint64", 2), B, B, A("uint64"), A("int32"),
-                       A("uint8"), A("int64"), A("uint32", 2), A("uint8", 2), A("int32"), A("int32", 2),
+                       A("uint8"), A("int64"), A("uint64", 2), A("uint32", 2), A("uint8", 2), A("int32"), A("int32", 2),
                        A("int32"))),
     "any_of": ("bpe", "_any_of", "boolean", (A("uint8"), A("boolean"))),
     # boundary: the chunk-cut search (holds the GIL, as the JIT kernel does: see boundary.py)

@@ -278,8 +278,19 @@ def _gpt4_loop_impl(c, kind, digits, whole_at_end, starts):
 _gpt4_loop = njit(cache=True, nogil=True)(_gpt4_loop_impl)
 
 
-def _starts_gpt4_loop(cps: np.ndarray, engine: str, digits: int, whole_at_end: bool) -> np.ndarray:
-    starts = np.zeros(cps.shape[0], dtype=np.bool_)
+def _zeroed(scratch: np.ndarray | None, n: int) -> np.ndarray:
+    """A zeroed bool[n]: a view of `scratch` when it is long enough (reused across calls: a fresh multi-MB array
+    costs a page fault per 4 KB on first touch), else a new array."""
+    if scratch is None or scratch.shape[0] < n:
+        return np.zeros(n, dtype=np.bool_)
+    out = scratch[:n]
+    out[:] = False
+    return out
+
+
+def _starts_gpt4_loop(cps: np.ndarray, engine: str, digits: int, whole_at_end: bool,
+                      starts: np.ndarray | None = None) -> np.ndarray:
+    starts = _zeroed(starts, cps.shape[0])
     k = kernels.get()
     k.gpt4_loop(cps.view(np.int32), k.gather_i8(_cp_kind_gpt4(engine), cps), digits, whole_at_end, starts)
     return starts
@@ -319,8 +330,16 @@ def _o200k_loop_impl(c, feat, starts, rare):
             if pc != 32:
                 starts[a] = True
             if c[a] == 47 and (pc == 10 or pc == 13):
-                rare[nrare] = a
-                nrare += 1
+                # `[\r\n/]*` can chain CR/LF into '/' only as the tail of a punctuation match, whose
+                # `[^\s\p{L}\p{N}]+` part must end right before the CR/LF run (a mark counts: \p{M} is in that
+                # class). Any other left neighbour (letter, digit, other whitespace, the text's start) ends its piece
+                # before the run, and the run rule is exact there: no rescan ('\n/' starts every path line of `ls`).
+                j = a - 1
+                while j >= 0 and (c[j] == 10 or c[j] == 13):
+                    j -= 1
+                if j >= 0 and ((feat[j] & 3) == 3 or (feat[j] & 16) != 0):
+                    rare[nrare] = a
+                    nrare += 1
         elif k == 0:
             if prev_kind == 3 and (feat[a] & 16) != 0:
                 rare[nrare] = a
@@ -381,16 +400,15 @@ def _o200k_loop_impl(c, feat, starts, rare):
 _o200k_loop = njit(cache=True, nogil=True)(_o200k_loop_impl)
 
 
-def _starts_o200k_loop(cps: np.ndarray, engine: str) -> np.ndarray:
+def _starts_o200k_loop(cps: np.ndarray, engine: str, starts: np.ndarray | None = None) -> np.ndarray:
     n = cps.shape[0]
-    starts = np.zeros(n, dtype=np.bool_)
+    starts = _zeroed(starts, n)
     rare = np.empty(n, dtype=np.int64)
     c = cps.view(np.int32)
     k = kernels.get()
     nr = k.o200k_loop(c, k.gather_u8(_cp_kind_o200k(engine), cps), starts, rare)
     if nr:
-        cls = _table(engine)[cps]
-        _o200k_rescan(cps, cls, c, np.sort(rare[:nr]), starts)
+        _o200k_rescan_local(cps, _table(engine), c, np.sort(rare[:nr]), starts)
     return starts
 
 
@@ -409,6 +427,69 @@ def _o200k_rescan(cps, cls, c, rare, starts) -> None:
     for a, b in _merge_windows(lo, hi):
         starts[a:b] = False
         starts[_o200k_scan(cps, cls, a, b)] = True
+
+
+class _LazyClasses:
+    """cls[i] = table[cps[i]] on demand: the scalar matcher reads a few hundred characters around each rare
+    position, so the whole text's class array (a GIL-held gather) is never built."""
+
+    def __init__(self, table: np.ndarray, cps: np.ndarray):
+        self.table, self.cps = table, cps
+
+    def __getitem__(self, i: int) -> int:
+        return int(self.table[self.cps[i]])
+
+
+def _sync_mask(cps, c, table, p0: int, p1: int) -> np.ndarray:
+    """Which positions p0..p1-1 (p0 >= 1) are synchronizing positions of `_o200k_rescan` (after CR/LF before a
+    non-whitespace non-'/' character, or a digit-run edge)."""
+    cls = table[cps[p0 - 1:p1]]
+    prev, cur = cls[:-1], cls[1:]
+    prev_c, cur_c = c[p0 - 1:p1 - 1], c[p0:p1]
+    after_crlf = ((prev_c == CR) | (prev_c == LF)) & ((cur & _S) == 0) & (cur_c != SLASH)
+    return after_crlf | (((cur & _N) != 0) != ((prev & _N) != 0))
+
+
+def _sync_before(cps, c, table, r: int) -> int:
+    """The largest synchronizing position <= r (0 counts), searched in growing windows left of r."""
+    w = 256
+    while True:
+        p0 = max(1, r + 1 - w)
+        idx = np.flatnonzero(_sync_mask(cps, c, table, p0, r + 1)) if r >= 1 else np.zeros(0, dtype=np.int64)
+        if idx.size:
+            return p0 + int(idx[-1])
+        if p0 <= 1:
+            return 0
+        w *= 4
+
+
+def _sync_after(cps, c, table, r: int) -> int:
+    """The smallest synchronizing position > r (the text's end counts), searched in growing windows."""
+    n = c.shape[0]
+    w = 256
+    while True:
+        p1 = min(n, r + 1 + w)
+        if r + 1 >= n:
+            return n
+        idx = np.flatnonzero(_sync_mask(cps, c, table, r + 1, p1))
+        if idx.size:
+            return r + 1 + int(idx[0])
+        if p1 >= n:
+            return n
+        w *= 4
+
+
+def _o200k_rescan_local(cps, table, c, rare, starts) -> None:
+    """`_o200k_rescan` (same windows, same matcher) with each window's synchronizing positions found near its rare
+    position instead of over the whole text: the whole-text passes cost ~15 ms per 1M characters whenever a text
+    held one rare position."""
+    r_list = rare.tolist()
+    lo = np.array([_sync_before(cps, c, table, r) for r in r_list], dtype=np.int64)
+    hi = np.array([_sync_after(cps, c, table, r) for r in r_list], dtype=np.int64)
+    cls = _LazyClasses(table, cps)
+    for a, b in _merge_windows(lo, hi):
+        starts[a:b] = False
+        starts[_o200k_scan(cps, cls, a, b)] = True     # type: ignore[arg-type]  # indexable like the array
 
 
 # -- deepseek (three chained Split stages) ----------------------------------------------------------------------------
@@ -507,8 +588,8 @@ _ds_seg_head = njit(cache=True, nogil=True)(_ds_seg_head)
 _deepseek_loop = njit(cache=True, nogil=True)(_deepseek_loop_impl)
 
 
-def _starts_deepseek_loop(cps: np.ndarray, engine: str) -> np.ndarray:
-    starts = np.zeros(cps.shape[0], dtype=np.bool_)
+def _starts_deepseek_loop(cps: np.ndarray, engine: str, starts: np.ndarray | None = None) -> np.ndarray:
+    starts = _zeroed(starts, cps.shape[0])
     k = kernels.get()
     k.deepseek_loop(cps.view(np.int32), k.gather_u8(_cp_feat_deepseek(engine), cps), starts)
     return starts
@@ -577,30 +658,30 @@ def _smollm2_loop_impl(c, kind, starts):
 _smollm2_loop = njit(cache=True, nogil=True)(_smollm2_loop_impl)
 
 
-def _starts_smollm2_loop(cps: np.ndarray, engine: str) -> np.ndarray:
-    starts = np.zeros(cps.shape[0], dtype=np.bool_)
+def _starts_smollm2_loop(cps: np.ndarray, engine: str, starts: np.ndarray | None = None) -> np.ndarray:
+    starts = _zeroed(starts, cps.shape[0])
     k = kernels.get()
     k.smollm2_loop(cps.view(np.int32), k.gather_i8(_cp_kind_smollm2(engine), cps), starts)
     return starts
 
 
 # -- public API -----------------------------------------------------------------------------------------------------
-def piece_starts(family: Family | str, cps: np.ndarray) -> np.ndarray:
+def piece_starts(family: Family | str, cps: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
     """bool[len(cps)]: True where a piece of the family's pre-tokenizer starts (cps: code points of normalized
-    text)."""
+    text). `out`: a bool scratch array to write into when it is long enough (the result is then a view of it)."""
     fam = _family(family)
     cps = np.ascontiguousarray(cps, dtype=np.uint32)
     if cps.shape[0] == 0:
         return np.zeros(0, dtype=bool)
     if fam.name in _GPT4:
         digits, whole = _GPT4[fam.name]
-        return _starts_gpt4_loop(cps, fam.engine, digits, whole)
+        return _starts_gpt4_loop(cps, fam.engine, digits, whole, out)
     if fam.name == "o200k_base":
-        return _starts_o200k_loop(cps, fam.engine)
+        return _starts_o200k_loop(cps, fam.engine, out)
     if fam.name == "deepseek_v4":
-        return _starts_deepseek_loop(cps, fam.engine)
+        return _starts_deepseek_loop(cps, fam.engine, out)
     if fam.name == "smollm2":
-        return _starts_smollm2_loop(cps, fam.engine)
+        return _starts_smollm2_loop(cps, fam.engine, out)
     raise UnsupportedFamily(fam.name)
 
 
