@@ -1,13 +1,18 @@
 """The tokenization tier's own added latency per turn, isolated from any engine.
 
 An upstream stub (this script with --stub: an OpenAI-shaped /v1/completions that parses the JSON body, as vLLM's
-front end does, and streams one chunk at once) stands in for the engine, so what remains is the tier. Per turn:
+front end does, and streams one chunk at once) stands in for the engine, so what remains is the tier. The stub parses
+with orjson and runs on uvicorn's pure-Python stack (h11, asyncio loop) whatever is installed: its own time is in both
+arms of the difference below, and a stdlib parse of a 4M-character context's 8 MB body (~100-150 ms, varying by tens
+of ms with the machine's load) buried the tier's few ms in noise. Per turn:
   tier:   the chat (text) to `tokenplane serve --upstream stub`, which renders, repairs the conversation's session and
           forwards token IDs to the stub;
   direct: the very bytes the tier forwarded (the stub keeps the last body it received), sent straight to the stub.
 tier added = TTFT(tier) - TTFT(direct), paired per turn: the tier's receive + parse + render + tokenize + serialize +
 extra hop + relay. Both request bodies are serialized before the clock starts (the client's JSON encoder is neither
-side's cost).
+side's cost). Where a tier reports its phases (`tokenization.phases_ms` on the final usage chunk), their P50s are
+written too: receive (body in), prepare (parse + validate + render + repair + upstream body), upstream (the upstream
+hop to its first chunk: the stub's own time is in it), relay (that chunk out to the server).
 
 Workloads: real mini-swe-agent trajectories (tests/fixtures/traces; each call's prompt = every message before it) and
 synthetic conversations of real text grown to 100K / 1M / 4M characters in a first (unmeasured) turn, then appended
@@ -45,10 +50,12 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 from serve_agent import append_sizes, load_trajectories, real_text  # noqa: E402
 
 STUB_MODEL = "stub"
+PHASES = ("receive_ms", "prepare_ms", "upstream_ms", "relay_ms")
 
 
 # -- the upstream stub --------------------------------------------------------------------------------------------
 def run_stub(port: int) -> None:
+    import orjson
     import uvicorn
     from starlette.applications import Starlette
     from starlette.requests import Request
@@ -64,7 +71,7 @@ def run_stub(port: int) -> None:
     async def completions(request: Request) -> StreamingResponse:
         raw = await request.body()
         last["body"] = raw
-        n = len(json.loads(raw)["prompt"])
+        n = len(orjson.loads(raw)["prompt"])
 
         def chunk(choices: list[Any], **extra: Any) -> str:
             return "data: " + json.dumps({"id": "cmpl-stub", "object": "text_completion", "created": 0,
@@ -81,7 +88,7 @@ def run_stub(port: int) -> None:
 
     app = Starlette(routes=[Route("/v1/models", models), Route("/v1/completions", completions, methods=["POST"]),
                             Route("/last", last_body)])
-    uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning")
+    uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning", loop="asyncio", http="h11")
 
 
 # -- processes ----------------------------------------------------------------------------------------------------
@@ -152,9 +159,15 @@ def measure_turn(client: httpx.Client, tier: str, stub: str, messages: list[dict
     t_tier, rep = ttft(client, tier + "/v1/chat/completions", body)
     forwarded = client.get(stub + "/last").content
     t_direct, _ = ttft(client, stub + "/v1/completions", forwarded)
+    marks = rep.get("phases_ms") or {}
+    phases = {}
+    if all(k in marks for k in ("received", "prepared", "upstream_first", "first_sent")):
+        phases = {"receive_ms": marks["received"], "prepare_ms": marks["prepared"] - marks["received"],
+                  "upstream_ms": marks["upstream_first"] - marks["prepared"],
+                  "relay_ms": marks["first_sent"] - marks["upstream_first"]}
     return {"chars": sum(len(m["content"]) for m in messages), "tokens": len(json.loads(forwarded)["prompt"]),
             "tier_ms": t_tier, "direct_ms": t_direct, "added_ms": t_tier - t_direct,
-            "tok_ms": rep.get("time_ms"), "path": rep.get("path")}
+            "tok_ms": rep.get("time_ms"), "path": rep.get("path"), **phases}
 
 
 # -- workloads ----------------------------------------------------------------------------------------------------
@@ -195,6 +208,18 @@ def write(res: dict[str, Any], prefix: Path) -> None:
                      f"{c['tier_ms_p50']:.2f} | {c['direct_ms_p50']:.2f} | {c['added_ms_p50']:.2f} / "
                      f"{c['added_ms_p90']:.2f} | {c['tok_ms_p50']:.2f} / {c['tok_ms_p90']:.2f} | "
                      f"{'met' if c['added_ms_p50'] < 2 else 'NOT met'} |")
+    lines += ["", "Phases inside the tier, P50 ms (from the tier's own `tokenization.phases_ms`; a tier that does not "
+              "report them is left out). upstream = the hop to the upstream and back to its first chunk, the stub's "
+              "own time included (the direct arm pays that too); what the tier adds outside these phases is the "
+              "client-side hop (uvicorn's request head, the response's way back).", "",
+              "| workload | receive | prepare (of it tokenize) | upstream | relay | tier TTFT - phases |",
+              "|---|---:|---:|---:|---:|---:|"]
+    for c in res["cells"]:
+        if c.get("receive_ms_p50") is None:
+            continue
+        lines.append(f"| {c['workload']} | {c['receive_ms_p50']:.2f} | {c['prepare_ms_p50']:.2f} "
+                     f"({c['tok_ms_p50']:.2f}) | {c['upstream_ms_p50']:.2f} | {c['relay_ms_p50']:.2f} | "
+                     f"{c['outside_ms_p50']:.2f} |")
     prefix.with_suffix(".md").write_text("\n".join(lines) + "\n")
     try:
         import matplotlib
@@ -286,6 +311,12 @@ def main() -> int:
                                      "tokens_p50": int(pct([r["tokens"] for r in got], 0.5)),
                                      **{f"{m}_p{q}": pct([r[m] for r in got], q / 100)
                                         for m in ("tier_ms", "direct_ms", "added_ms", "tok_ms") for q in (50, 90)}})
+                phased = [r for r in got if "receive_ms" in r]
+                if phased:
+                    for r in phased:
+                        r["outside_ms"] = r["tier_ms"] - sum(r[m] for m in PHASES)
+                    res["cells"][-1].update({f"{m}_p{q}": pct([r[m] for r in phased], q / 100)
+                                             for m in (*PHASES, "outside_ms") for q in (50, 90)})
             res["load_after"] = round(os.getloadavg()[0], 2)
             write(res, Path(args.out))
     finally:

@@ -103,17 +103,23 @@ def test_exact_ids_sticky_upstreams_two_replicas(tok):
         with tier(tok, urls) as t1, tier(tok, urls) as t2:
             clients = [openai.OpenAI(base_url=t.url + "/v1", api_key="x", max_retries=0) for t in (t1, t2)]
             homes: dict[str, set[str]] = {}
-            for conv in range(6):
+            # Three conversations homed on each upstream (the ports are random: six arbitrary keys all landed on one
+            # upstream in ~1 run of 30, and the spread check below failed).
+            ring = Ring(urls)
+            keys = [f"c{i}" for i in range(200)]
+            on = {u: [k for k in keys if ring.order("key:" + k)[0] == u][:3] for u in urls}
+            convs = on[urls[0]] + on[urls[1]]
+            for ci, conv in enumerate(convs):
                 for turn in range(3):
                     msgs = conversation(turn)
-                    client = clients[(conv + turn) % 2]   # turns alternate between the two tier replicas
+                    client = clients[(ci + turn) % 2]   # turns alternate between the two tier replicas
                     out = client.chat.completions.create(model="tier", messages=msgs, max_tokens=3,
-                                                         extra_body={"prompt_cache_key": f"c{conv}"})
+                                                         extra_body={"prompt_cache_key": conv})
                     assert out.choices[0].message.content == "Hello, world" and out.object == "chat.completion"
                     want = template.encode([(m["role"], m["content"]) for m in msgs])
                     got = [e for e in engines if e.prompts and e.prompts[-1] == want]
                     assert len(got) == 1, "the engine received exactly the IDs of a full encode"
-                    homes.setdefault(f"c{conv}", set()).add(got[0].name)
+                    homes.setdefault(conv, set()).add(got[0].name)
                     got[0].prompts.append([])   # mark consumed
                     tokn = out.model_extra["tokenization"]
                     assert tokn["reused_tokens"] + tokn["new_tokens"] == len(want)

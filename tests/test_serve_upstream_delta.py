@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import random
+import threading
 import time
 
 import httpx
@@ -15,6 +16,7 @@ import pytest
 from test_serve_upstream import Engine, conversation, engine_server, tier
 
 import tokenplane
+from tokenplane.serve import proxy_routes
 from tokenplane.serve.chat import template_for
 
 
@@ -23,12 +25,26 @@ def tok():
     return tokenplane.load("qwen3")
 
 
-def test_resent_bodies_forward_exact_ids(tok):
+@pytest.mark.parametrize("limits", [None, (512, 1 << 20)], ids=["default", "small-inline-limits"])
+def test_resent_bodies_forward_exact_ids(tok, monkeypatch, limits):
+    """With small inline limits every branch of where a turn's work runs is taken (on the loop through a kept body,
+    in the worker thread with the kept-body parse done, in the thread after a missed kept-body try) and each must
+    forward the same exact IDs."""
     template = template_for(tok)
     engine = Engine("A")
     rng = random.Random(7)
+    if limits is not None:
+        monkeypatch.setattr(proxy_routes, "_INLINE_CHAT_BYTES", limits[0])
+        monkeypatch.setattr(proxy_routes, "_INLINE_DELTA_BYTES", limits[1])
     with engine_server(tok, engine) as ea, tier(tok, [ea.url]) as t:
         server = t.app.state.server
+        where: set[tuple[bool, bool, bool]] = set()
+        work = server._chat_work
+
+        def spy(request, raw, parsed=None, fast_tried=False):
+            where.add((parsed is not None, fast_tried, threading.current_thread().name.startswith("tokenplane-text")))
+            return work(request, raw, parsed, fast_tried)
+        server._chat_work = spy
         msgs = conversation(0)
         fields = {"model": "tier", "max_tokens": 2, "temperature": 0, "prompt_cache_key": "delta"}
         style = 0
@@ -63,6 +79,8 @@ def test_resent_bodies_forward_exact_ids(tok):
                 r = httpx.post(t.url + "/v1/chat/completions", content=raw[:-1] + b', "x": [}', timeout=60)
                 assert r.status_code == 400 and "not valid JSON" in r.json()["error"]["message"]
         assert server.deltas.hits >= 25, server.deltas.stats()
+        if limits is not None:   # (kept-body parse given, kept-body try missed, in the worker thread)
+            assert {(True, False, False), (True, False, True), (False, True, True)} <= where, where
 
 
 def test_direct_chat_route_keeps_errors_metrics_and_cancellation(tok):

@@ -63,6 +63,13 @@ class Parsed:
     base: BodyState | None = None       # the kept state it came from
     raw: bytes | None = None            # parsed in full: its state can be built (`remember`), off the turn's path
 
+    @property
+    def new_bytes(self) -> int:
+        """Bytes of the body past the messages taken from the kept body (all of it when parsed in full)."""
+        if self.state is None or self.base is None or self.reused == 0:
+            return len(self.state.raw) if self.state is not None else (len(self.raw) if self.raw is not None else 0)
+        return len(self.state.raw) - self.base.ends[self.reused - 1]
+
 
 # -- a scanner over valid JSON ------------------------------------------------------------------------------------
 def _skip_ws(raw: bytes, p: int) -> int:
@@ -199,10 +206,18 @@ class BodyDeltas:
 
     def parse(self, raw: bytes) -> Parsed:
         """The body parsed (== parse_request(raw)), through a kept state when one shares a message prefix."""
+        fast = self.fast(raw)
+        return fast if fast is not None else self.full(raw)
+
+    def fast(self, raw: bytes) -> Parsed | None:
+        """The body parsed through a kept state, or None (then `full`): O(new part) plus a memcmp."""
         fast = self._through_kept(raw) if len(raw) >= KEY_BYTES else None
         if fast is not None:
             self.hits += 1
-            return fast
+        return fast
+
+    def full(self, raw: bytes) -> Parsed:
+        """The body parsed in full (parse_request), for a body `fast` could not take."""
         self.misses += 1
         body, checked = parse_request(raw)
         return Parsed(body, checked, None, raw=raw if checked and len(raw) >= KEY_BYTES else None)

@@ -18,22 +18,33 @@ import secrets
 import time
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 from typing import Any
 
+import orjson
 from fastapi import Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse
 
 from .backends import BackendHealth, ModelStatus
 from .body_delta import BodyDeltas, Parsed
 from .conversations import TokenizationReport
 from .errors import APIError, InvalidRequest
+from .event_stream import EventStream
 from .ids_json import RequestBodies
 from .openai_routes import ClientDisconnected, OpenAIServer
 from .protocol import ChatCompletionRequest, CompletionRequest
 from .upstream import FORWARDED, UpstreamPool, error_from, sse_data
 
 _DISCONNECT_POLL_S = 0.25
+_FINISH_S = 0.25        # how long the relay waits for an upstream stream to end after its [DONE]
 _STATE_DELAY_S = 0.05   # a body's state is built this long after its turn was tokenized (past the first chunk)
+# Chat work runs on the event loop when it is small: the worker-thread hop (a hand-off and a loop wake-up each way)
+# cost 0.2-0.5 ms of a turn's overhead on 2 shared CPUs, more than half of a ~24K-character turn's own work. Small
+# means: a body up to _INLINE_CHAT_BYTES, or a resent body up to _INLINE_DELTA_BYTES whose part past the kept messages
+# (body_delta.py) is up to _INLINE_CHAT_BYTES (its work is O(new part) but for a few O(context) memcmp/copies, ~1-2 ms
+# at most on the loop). Everything else (a first turn of a long context, a large append) goes to the worker thread.
+_INLINE_CHAT_BYTES = 64 << 10
+_INLINE_DELTA_BYTES = 2 << 20
 log = logging.getLogger("tokenplane.serve")
 
 
@@ -67,6 +78,20 @@ class UpstreamBackend:
 
     async def aclose(self) -> None:
         await self.pool.close()
+
+
+@dataclass
+class Phases:
+    """When a turn passed each phase in the tier, in ms from its handler's start (after the server read the request
+    head): the body received, the upstream body ready (parse + validate + render + repair + serialize), the
+    upstream's answer head in, its first data chunk in, that chunk handed to the server. Reported with the
+    tokenization report of a stream's final usage chunk (`tokenization.phases_ms`), so where a turn's time goes is
+    observable from outside (benchmarks/tier_overhead.py reads it)."""
+    t0: float = field(default_factory=time.perf_counter)
+    marks: dict[str, float] = field(default_factory=dict)
+
+    def mark(self, name: str) -> None:
+        self.marks[name] = round((time.perf_counter() - self.t0) * 1e3, 4)
 
 
 def conversation_key(req: Any, text: str) -> str:
@@ -162,30 +187,47 @@ class ProxyServer(OpenAIServer):
         return n, report, self.bodies.build(fields, prompt_ids, report.origin if report is not None else None)
 
     async def completions(self, request: Request) -> Any:
+        phases = Phases()
         req = await self.read(request, CompletionRequest)
+        phases.mark("received")
         if isinstance(req.prompt_value, str):
             self._check_chars(len(req.prompt_value))
         n, report, body = await self.offload(self._prepared, req, False)
+        phases.mark("prepared")
         text = req.prompt_value if isinstance(req.prompt_value, str) else ""
-        return await self._forward(request, req, n, body, report, conversation_key(req, text), chat=False)
+        return await self._forward(request, req, n, body, report, conversation_key(req, text), False, phases)
 
-    def _chat_work(self, request: Request, raw: bytes) -> tuple[Any, int, TokenizationReport | None, bytes]:
-        """A chat body to its validated request and upstream body, in one worker-thread hop (each hop is a thread
-        hand-off and a loop wake-up: tens of microseconds of a turn's overhead)."""
-        parsed = self.deltas.parse(raw)
+    def _chat_work(self, request: Request, raw: bytes, parsed: Parsed | None = None,
+                   fast_tried: bool = False) -> tuple[Any, int, TokenizationReport | None, bytes]:
+        """A chat body to its validated request and upstream body, on the loop or in one worker-thread hop (each hop
+        is a thread hand-off and a loop wake-up). `parsed`: already parsed through a kept body; `fast_tried`: that
+        was tried and missed (the full parse follows)."""
+        if parsed is None:
+            parsed = self.deltas.full(raw) if fast_tried else self.deltas.parse(raw)
         req = self.checked(request, ChatCompletionRequest, parsed.body, parsed.checked)
         self._check_chars(sum(len(m.text()) for m in req.messages))
         return (req, *self._prepared(req, True, parsed))
 
     async def chat_completions(self, request: Request) -> Any:
+        phases = Phases()
         raw = await request.body()
-        req, n, report, body = await self.offload(self._chat_work, request, raw)
+        phases.mark("received")
+        if len(raw) <= _INLINE_CHAT_BYTES:
+            req, n, report, body = self._chat_work(request, raw)
+        else:
+            parsed = self.deltas.fast(raw) if len(raw) <= _INLINE_DELTA_BYTES else None
+            if parsed is not None and parsed.new_bytes <= _INLINE_CHAT_BYTES:
+                req, n, report, body = self._chat_work(request, raw, parsed)
+            else:
+                req, n, report, body = await self.offload(self._chat_work, request, raw, parsed,
+                                                          parsed is None and len(raw) <= _INLINE_DELTA_BYTES)
+        phases.mark("prepared")
         first = req.messages[0].text()[:1024] if req.messages else ""
-        return await self._forward(request, req, n, body, report, conversation_key(req, first), chat=True)
+        return await self._forward(request, req, n, body, report, conversation_key(req, first), True, phases)
 
     async def _forward(self, request: Request, req: Any, n_prompt: int, body: bytes,
-                       report: TokenizationReport | None, key: str, chat: bool) -> Any:
-        extra = {"tokenization": report.to_dict()} if report is not None else {}
+                       report: TokenizationReport | None, key: str, chat: bool, phases: Phases) -> Any:
+        extra = {"tokenization": {**report.to_dict(), "phases_ms": phases.marks}} if report is not None else {}
         if self.metrics is not None:
             self.metrics.prompt_tokens.inc(n_prompt)
         if not req.stream:
@@ -196,9 +238,10 @@ class ProxyServer(OpenAIServer):
                                                "param": None, "code": None}}, status_code=499)
             return {**(self._to_chat(data) if chat else data), **extra}
         url, resp = await self.pool.send(key, body)
+        phases.mark("upstream_head")
         if resp.status_code != 200:
             raise await error_from(resp, url)
-        return StreamingResponse(self._relay(resp, chat, extra), media_type="text/event-stream")
+        return EventStream(self._relay(resp, chat, extra, phases))
 
     async def _exchange(self, key: str, body: bytes) -> dict[str, Any]:
         url, resp = await self.pool.send(key, body)
@@ -251,28 +294,42 @@ class ProxyServer(OpenAIServer):
             out["usage"] = data["usage"]
         return out
 
-    async def _relay(self, resp: Any, chat: bool, extra: dict[str, Any]) -> AsyncIterator[str]:
+    async def _relay(self, resp: Any, chat: bool, extra: dict[str, Any], phases: Phases) -> AsyncIterator[bytes]:
         started: set[int] = set()
+        first = True
+        ended = False   # the upstream sent [DONE]: the rest of its stream is its terminator
+        stream = sse_data(resp)
         try:
-            async for payload in sse_data(resp):
-                if payload == "[DONE]":
+            async for payload in stream:
+                if first:
+                    phases.mark("upstream_first")
+                if payload == b"[DONE]":
+                    ended = True
                     break
-                data = json.loads(payload)
+                data = _loads(payload)
                 if "error" in data:
-                    yield f"data: {payload}\n\n"
+                    yield b"data: " + payload + b"\n\n"
                     continue
                 if data.get("usage") and not data.get("choices"):
                     data.update(extra)   # the final usage chunk carries the tokenization report too
                 if chat:
                     data = self._chunk_to_chat(data, started)
-                yield f"data: {json.dumps(data)}\n\n"
+                yield b"data: " + _dumps(data) + b"\n\n"
+                if first:
+                    phases.mark("first_sent")   # the server has taken the chunk (resumed by the next ask)
+                    first = False
         except Exception as exc:   # noqa: BLE001 - told to the client in the stream, which still ends cleanly
             err = exc if isinstance(exc, APIError) else APIError(f"upstream stream failed: {type(exc).__name__}",
                                                                  status=502, code="upstream_error")
-            yield f"data: {json.dumps(err.body())}\n\n"
+            yield b"data: " + _dumps(err.body()) + b"\n\n"
         finally:
-            await resp.aclose()
-        yield "data: [DONE]\n\n"
+            await stream.aclose()
+            if not ended:   # failed, cancelled (the client left) or ended without [DONE]: closed unless complete
+                await resp.aclose()
+        yield b"data: [DONE]\n\n"
+        # Read the upstream's stream to its end so that its connection is kept for the next turn (a new connection
+        # per turn cost ~1 ms of connect and close on the loop); one that does not end promptly is closed.
+        await resp.finish(_FINISH_S)
 
     @classmethod
     def _chunk_to_chat(cls, data: dict[str, Any], started: set[int]) -> dict[str, Any]:
@@ -291,4 +348,19 @@ class ProxyServer(OpenAIServer):
         return out
 
 
-__all__ = ["ProxyServer", "UpstreamBackend", "conversation_key"]
+def _loads(payload: bytes) -> Any:
+    """orjson, or the stdlib where orjson refuses what json accepts (lone surrogate escapes, NaN, huge ints)."""
+    try:
+        return orjson.loads(payload)
+    except orjson.JSONDecodeError:
+        return json.loads(payload)
+
+
+def _dumps(data: Any) -> bytes:
+    try:
+        return orjson.dumps(data)
+    except TypeError:   # a lone surrogate or an int past 64 bits: the stdlib writes them (as JSON escapes)
+        return json.dumps(data).encode()
+
+
+__all__ = ["Phases", "ProxyServer", "UpstreamBackend", "conversation_key"]

@@ -14,18 +14,20 @@ consistent-hash load balancer map a conversation to the same upstream.
 
 from __future__ import annotations
 
+import asyncio
 import bisect
 import hashlib
 import json
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
 from typing import Any
 
-import aiohttp
-
 from .errors import APIError, ServiceUnavailable, retry_headers
+from .http_client import ConnectFailed, HTTPClient, HTTPClientError, Response
+
+UpstreamResponse = Response   # an upstream's answer, opened as a stream (http_client.Response)
 
 log = logging.getLogger("tokenplane.serve")
 
@@ -74,35 +76,9 @@ class Ring:
         return seen
 
 
-class UpstreamResponse:
-    """An upstream's answer, opened as a stream: status, the whole body, or its lines as they arrive."""
-
-    def __init__(self, resp: aiohttp.ClientResponse) -> None:
-        self._resp = resp
-        self.status_code = resp.status
-
-    async def aread(self) -> bytes:
-        return await self._resp.read()
-
-    async def lines(self) -> AsyncIterator[bytes]:
-        """Lines without their endings. Split here rather than with aiohttp's readline, which refuses lines over
-        its buffer limit (a chunk with many logprobs can be that long)."""
-        rest = b""
-        async for data in self._resp.content.iter_any():
-            rest += data
-            *done, rest = rest.split(b"\n")
-            for line in done:
-                yield line.rstrip(b"\r")
-        if rest:
-            yield rest.rstrip(b"\r")
-
-    async def aclose(self) -> None:
-        self._resp.close()
-
-
 class UpstreamPool:
-    """Upstream connections (aiohttp: per request about 1 ms less client time than httpx, measured in the tier's
-    own overhead benchmark), the ring, and each upstream's state."""
+    """Upstream connections (http_client.py: kept connections, one buffer per request), the ring, and each
+    upstream's state."""
 
     def __init__(self, urls: list[str], *, model: str | None = None, timeout_s: float = 600.0,
                  connect_timeout_s: float = 5.0, cooldown_s: float = 10.0) -> None:
@@ -113,26 +89,17 @@ class UpstreamPool:
         self.state = {u: UpstreamState(u) for u in self.urls}
         self.model = model
         self.cooldown_s = cooldown_s
-        self.timeout = aiohttp.ClientTimeout(total=None, sock_connect=connect_timeout_s, sock_read=timeout_s)
-        self._session: aiohttp.ClientSession | None = None
+        self.client = HTTPClient(connect_timeout=connect_timeout_s, read_timeout=timeout_s)
         self.max_model_len: int | None = None
-
-    @property
-    def session(self) -> aiohttp.ClientSession:
-        # Made on first use, inside the server's event loop (an aiohttp session belongs to one loop).
-        if self._session is None:
-            self._session = aiohttp.ClientSession(
-                timeout=self.timeout, connector=aiohttp.TCPConnector(limit=1024, limit_per_host=0),
-                skip_auto_headers=("User-Agent",))
-        return self._session
 
     async def start(self) -> None:
         """Learn the upstream model name and context length (first upstream that answers)."""
         for url in self.urls:
             try:
-                async with self.session.get(url + "/v1/models", timeout=aiohttp.ClientTimeout(total=10)) as r:
-                    card = json.loads(await r.read())["data"][0]
-            except (TimeoutError, aiohttp.ClientError, ValueError, KeyError, IndexError) as exc:
+                async with asyncio.timeout(10):
+                    r = await self.client.request("GET", url + "/v1/models")
+                    card = json.loads(await r.aread())["data"][0]
+            except (TimeoutError, HTTPClientError, ValueError, KeyError, IndexError) as exc:
                 log.warning("upstream %s: /v1/models failed at start-up (%s)", url, exc)
                 continue
             self.model = self.model or card["id"]
@@ -142,8 +109,7 @@ class UpstreamPool:
             raise RuntimeError(f"no upstream answered /v1/models: {self.urls}")
 
     async def close(self) -> None:
-        if self._session is not None:
-            await self._session.close()
+        await self.client.aclose()
 
     def candidates(self, key: str) -> list[str]:
         now = time.monotonic()
@@ -169,18 +135,16 @@ class UpstreamPool:
         for url in self.candidates(key):
             tried.append(url)
             try:
-                raw = await self.session.post(url + "/v1/completions", data=body,
-                                              headers={"Content-Type": "application/json"})
-            except (aiohttp.ClientConnectorError, aiohttp.ServerDisconnectedError) as exc:
-                self.failed(url, f"{type(exc).__name__}: {exc}")
+                resp = await self.client.request("POST", url + "/v1/completions", body)
+            except ConnectFailed as exc:
+                self.failed(url, f"ConnectFailed: {exc}")
                 continue
             except TimeoutError as exc:
                 raise APIError(f"upstream {url} timed out: {exc or 'no answer'}", status=504,
                                code="upstream_timeout") from None
-            except aiohttp.ClientError as exc:
+            except HTTPClientError as exc:
                 self.failed(url, f"{type(exc).__name__}: {exc}")
                 continue
-            resp = UpstreamResponse(raw)
             self.state[url].requests += 1
             if resp.status_code >= 500 and resp.status_code != 503:
                 self.failed(url, f"HTTP {resp.status_code}")
@@ -204,11 +168,11 @@ async def error_from(resp: UpstreamResponse, url: str) -> APIError:
                     code=code if isinstance(code, str) else None)
 
 
-async def sse_data(resp: UpstreamResponse) -> AsyncIterator[str]:
-    """The `data:` payloads of an upstream SSE stream, [DONE] included."""
+async def sse_data(resp: UpstreamResponse) -> AsyncGenerator[bytes, None]:
+    """The `data:` payloads of an upstream SSE stream (UTF-8 bytes), [DONE] included."""
     async for line in resp.lines():
         if line.startswith(b"data:"):
-            yield line[5:].strip().decode("utf-8")
+            yield line[5:].strip()
 
 
 __all__ = ["FORWARDED", "Ring", "UpstreamPool", "UpstreamResponse", "error_from", "sse_data"]
