@@ -6,6 +6,17 @@ from __future__ import annotations
 
 import numpy as np
 
+from tokenplane.tokenize.cpu.o200k_rescan import (
+    APOS,
+    CR,
+    LF,
+    SLASH,
+    SPACE,
+    _merge_windows,
+    _o200k_rescan,
+    _o200k_scan,
+    _sorted_union,
+)
 from tokenplane.tokenize.cpu.pretokenize import (  # noqa: F401 - shared tables and constants of the rules
     _ASCII_PUNCT,
     _B,
@@ -21,15 +32,6 @@ from tokenplane.tokenize.cpu.pretokenize import (  # noqa: F401 - shared tables 
     _P,
     _S,
     _SY,
-    APOS,
-    CR,
-    LF,
-    SLASH,
-    SPACE,
-    _merge_windows,
-    _o200k_rescan,
-    _o200k_scan,
-    _sorted_union,
 )
 
 

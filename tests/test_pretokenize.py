@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 from realtext import corpus_lines
 
 import tokenplane
-from tokenplane.tokenize.cpu import pretokenize
+from tokenplane.tokenize.cpu import o200k_rescan, pretokenize
 from tokenplane.tokenize.spec import charclass
 
 FAMILIES = ["cl100k_base", "o200k_base", "llama3", "qwen3", "deepseek_v4", "smollm2"]
@@ -136,8 +136,8 @@ def test_o200k_local_rescan_equals_whole_text_rescan():
         nr = k.o200k_loop(c, k.gather_u8(pretokenize._cp_kind_o200k("tiktoken"), cps), starts, rare)
         assert nr > 0
         whole, local = starts.copy(), starts.copy()
-        pretokenize._o200k_rescan(cps, table[cps], c, np.sort(rare[:nr]), whole)
-        pretokenize._o200k_rescan_local(cps, table, c, np.sort(rare[:nr]), local)
+        o200k_rescan._o200k_rescan(cps, table[cps], c, np.sort(rare[:nr]), whole)
+        o200k_rescan._o200k_rescan_local(cps, table, c, np.sort(rare[:nr]), local)
         assert np.array_equal(whole, local), repr(text[:120])
         if trial % 8 == 0:
             _check("o200k_base", text)
