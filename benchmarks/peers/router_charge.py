@@ -28,6 +28,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+import line_worker
+
 ROOT = Path(__file__).resolve().parents[2]
 CHARGED = ("r2r", "citer", "co_llm")
 POOL = 64                                 # rows per router batch at most (the runtime's largest step here)      # hidden-state routers; R-Stitch's entropy comes with the streamed logprobs
@@ -48,17 +50,10 @@ class RouterCharge:
     async def start(cls, alg: str, kwargs: dict[str, Any], hidden: int, vocab: int, core: int,
                     log: Path) -> RouterCharge:
         env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONPATH=str(ROOT))
-        proc = await asyncio.create_subprocess_exec(
-            "taskset", "-c", str(core), sys.executable, __file__, "--worker", "--alg", alg,
-            "--kwargs", json.dumps(kwargs), "--hidden", str(hidden), "--vocab", str(vocab),
-            stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, stderr=open(log, "a"), env=env)
-        assert proc.stdout is not None
-        while True:
-            line = (await proc.stdout.readline()).decode()
-            if not line:
-                raise RuntimeError(f"router worker exited (rc {await proc.wait()}); see {log}")
-            if line.startswith("@@READY"):
-                return cls(proc)
+        proc, _ = await line_worker.start(
+            ["taskset", "-c", str(core), sys.executable, __file__, "--worker", "--alg", alg,
+             "--kwargs", json.dumps(kwargs), "--hidden", str(hidden), "--vocab", str(vocab)], env, log, "router worker")
+        return cls(proc)
 
     async def _read(self) -> None:
         assert self.proc.stdout is not None
@@ -87,14 +82,7 @@ class RouterCharge:
         await fut
 
     async def close(self) -> None:
-        assert self.proc.stdin is not None
-        self.proc.stdin.close()
-        try:
-            await asyncio.wait_for(self.proc.wait(), 30)
-        except TimeoutError:
-            self.proc.kill()
-            await self.proc.wait()
-        self.reader.cancel()
+        await line_worker.stop(self.proc, self.reader)
 
 
 def worker(args: argparse.Namespace) -> None:

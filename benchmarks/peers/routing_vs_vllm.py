@@ -57,6 +57,7 @@ if str(REPO) not in sys.path:
 
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import line_worker  # noqa: E402
 import routing_vs_vllm_report as report  # noqa: E402
 from router_charge import CHARGED, RouterCharge  # noqa: E402
 from routing_decisions import Decisions, decide_all  # noqa: E402
@@ -161,19 +162,12 @@ class VllmEngine:
                    VLLM_CPU_KVCACHE_SPACE=str(args.vllm_kv_gib), VLLM_CPU_NUM_OF_RESERVED_CPU="0",
                    VLLM_LOGGING_LEVEL="WARNING")
         env.pop("PYTHONPATH", None)
-        proc = await asyncio.create_subprocess_exec(
-            "taskset", "-c", str(core), python, str(WORKER), "--model-dir", model_dir,
-            "--max-model-len", str(args.max_model_len), "--max-num-seqs", str(args.vllm_max_num_seqs),
-            "--max-num-batched-tokens", str(args.max_num_batched_tokens),
-            stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, stderr=open(log, "a"), cwd="/tmp",
-            limit=1 << 24)
-        assert proc.stdout is not None
-        while True:
-            line = (await proc.stdout.readline()).decode()
-            if not line:
-                raise RuntimeError(f"vLLM worker for {model_dir} exited (rc {await proc.wait()}); see {log}")
-            if line.startswith("@@READY "):
-                return cls(proc, Path(model_dir).name)
+        proc, _ = await line_worker.start(
+            ["taskset", "-c", str(core), python, str(WORKER), "--model-dir", model_dir,
+             "--max-model-len", str(args.max_model_len), "--max-num-seqs", str(args.vllm_max_num_seqs),
+             "--max-num-batched-tokens", str(args.max_num_batched_tokens)],
+            env, log, f"vLLM worker for {model_dir}", cwd="/tmp", limit=1 << 24)
+        return cls(proc, Path(model_dir).name)
 
     async def _read(self) -> None:
         assert self.proc.stdout is not None
@@ -221,14 +215,7 @@ class VllmEngine:
             self._send({"op": "abort", "ids": [cid]})
 
     async def close(self) -> None:
-        assert self.proc.stdin is not None
-        self.proc.stdin.close()
-        try:
-            await asyncio.wait_for(self.proc.wait(), 30)
-        except TimeoutError:
-            self.proc.kill()
-            await self.proc.wait()
-        self.reader.cancel()
+        await line_worker.stop(self.proc, self.reader)
 
 
 async def _next(q: asyncio.Queue, who: str) -> tuple[list[int], bool]:
