@@ -18,6 +18,7 @@ import json
 import os
 import zipfile
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Callable
 
 import numpy as np
@@ -41,13 +42,18 @@ def cached_meta(family: FamilyLike, data: bytes, content_hash: str) -> VocabMeta
     meta = vocab_meta(family, data)
     record = {"content_hash": content_hash, "specials": meta.specials, "n_vocab": meta.n_vocab,
               "normalizer": meta.normalizer}
-    tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
+    _store(path, lambda tmp: tmp.write_text(json.dumps(record, ensure_ascii=False), encoding="utf-8"))
+    return meta
+
+
+def _store(path: Path, write: Callable[[Path], object]) -> None:
+    """`write` a temporary file beside `path`, then rename it into place (readers see a whole file or none)."""
+    tmp = path.with_name(f"{path.name}.tmp{os.getpid()}{path.suffix}")    # np.savez keeps a name ending in .npz
     try:
-        tmp.write_text(json.dumps(record, ensure_ascii=False), encoding="utf-8")
+        write(tmp)
         os.replace(tmp, path)
     except OSError:     # an unwritable cache only costs the next process the derivation
         pass
-    return meta
 
 
 @dataclass(frozen=True)
@@ -72,12 +78,8 @@ def cached_facts(family: FamilyLike, content_hash: str, derive: Callable[[], Voc
     except (OSError, ValueError, KeyError, TypeError, EOFError, zipfile.BadZipFile):   # absent or damaged: derive
         pass
     facts = derive()
-    tmp = path.with_name(f"{path.name}.tmp{os.getpid()}.npz")
-    try:
-        np.savez(tmp, token_chars=np.ascontiguousarray(facts.token_chars, np.uint16),
-                 continuation_start=np.ascontiguousarray(facts.continuation_start, np.bool_),
-                 max_token_chars=np.int64(facts.max_token_chars), content_hash=np.str_(content_hash))
-        os.replace(tmp, path)
-    except OSError:     # an unwritable cache only costs the next process the derivation
-        pass
+    _store(path, lambda tmp: np.savez(tmp, token_chars=np.ascontiguousarray(facts.token_chars, np.uint16),
+                                      continuation_start=np.ascontiguousarray(facts.continuation_start, np.bool_),
+                                      max_token_chars=np.int64(facts.max_token_chars),
+                                      content_hash=np.str_(content_hash)))
     return facts
