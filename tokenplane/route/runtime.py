@@ -65,7 +65,7 @@ from .messages import (
 )
 from .params import capped_max_tokens, request_params, stop_token_ids, validate_params, validate_prompt
 from .standard import front_end_yield
-from .subserver import SYNC_MODES, SubServerSpec
+from .subserver_spec import SYNC_MODES, SubServerSpec
 from .supervisor import ModelHealth, ModelState, Supervisor
 
 log = logging.getLogger(__name__)
