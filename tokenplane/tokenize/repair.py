@@ -75,6 +75,7 @@ class WindowRepair:
         sig, pair = boundary.pair_table(rule) if rule is not None else (None, None)
         facts = tokenizer.vocab_facts
         self.search = SpliceSearch(facts.continuation_start, facts.max_token_chars, sig, pair)
+        self.token_chars = facts.token_chars
         self.encode_s = 0.0         # time inside the window encoder during the current mutation
 
     @property
@@ -170,6 +171,14 @@ class WindowRepair:
                       ) -> tuple[np.ndarray, np.ndarray] | None:
         """Reference records of text = new[s:r] (literals split out), ends absolute. None if an NFC self-check
         fails."""
+        if not specials and r > s:
+            # the common window: no literal in it, one span (ends made absolute by the encoder itself)
+            if self.nfc and check and not text.isascii() and self.tokenizer.normalize(text) != text:
+                return None
+            t0 = time.perf_counter()
+            ids, ends, _ = self._ordinary_records(text, [(0, r - s)], s)
+            self.encode_s += time.perf_counter() - t0
+            return ids, ends
         inside = [(a - s, b - s, sid) for a, b, sid in specials if s <= a and b <= r]
         spans, pos = [], 0
         for a, b, _ in inside:
@@ -188,14 +197,15 @@ class WindowRepair:
         ids, ends = with_literals(ids, ends, counts, spans, inside)
         return ids, ends + s
 
-    def _ordinary_records(self, text: str, spans: list[tuple[int, int]]
+    def _ordinary_records(self, text: str, spans: list[tuple[int, int]], shift: int = 0
                           ) -> tuple[np.ndarray, np.ndarray, list[int] | np.ndarray]:
-        """(ids uint32, ends int64 in characters of text, token count per span) of each span encoded on its own:
-        one batched call on the CPU path (cpu/segments.py), else one encode per span."""
+        """(ids uint32, ends int64 in characters of text + shift, token count per span) of each span encoded on its
+        own: one batched call on the CPU path (cpu/segments.py: one fused kernel call), else one encode per span."""
         if not spans:
             return np.zeros(0, np.uint32), np.zeros(0, np.int64), []
         if self.encode_path != "reference":
-            out = encode_segments_on(self.tokenizer.path(self.encode_path), self.tokenizer.family.name, text, spans)
+            out = encode_segments_on(self.tokenizer.path(self.encode_path), self.tokenizer.family.name, text, spans,
+                                     tc=self.token_chars, shift=shift)
             if out is not None:
                 return out
         id_parts, end_parts, counts = [], [], []
@@ -207,7 +217,7 @@ class WindowRepair:
                 ids = self.tokenizer.encode_ordinary(t, path=self.encode_path)
             ids = np.asarray(ids, dtype=np.uint32)
             id_parts.append(ids)
-            end_parts.append(self._char_ends(t, ids) + a)
+            end_parts.append(self._char_ends(t, ids) + (a + shift))
             counts.append(len(ids))
         return np.concatenate(id_parts), np.concatenate(end_parts).astype(np.int64, copy=False), counts
 
