@@ -29,6 +29,18 @@ if TYPE_CHECKING:   # type names only: tokenizer.py imports session.py, which im
 Specials = Callable[[int, int], list[tuple[int, int, int]]]    # allowed literals inside [lo, hi): (a, b, id)
 
 
+def no_specials(lo: int, hi: int) -> list[tuple[int, int, int]]:
+    """The Specials of a session without allowed literals (one function, not a closure per mutation)."""
+    return []
+
+
+# shared empty records (read-only): a RecordSplice's defaults, without two allocations per mutation
+_NO_IDS = np.zeros(0, np.uint32)
+_NO_ENDS = np.zeros(0, np.int64)
+_NO_IDS.flags.writeable = False
+_NO_ENDS.flags.writeable = False
+
+
 @dataclass
 class SessionStats:
     repairs: int = 0                # mutations of a non-empty session
@@ -52,8 +64,8 @@ class SessionStats:
 class RecordSplice:
     """The records after a mutation: old[:keep] + mid + old[right_from:], the last part's ends moved by delta."""
     keep: int = 0
-    mid_ids: np.ndarray = field(default_factory=lambda: np.zeros(0, np.uint32))
-    mid_ends: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+    mid_ids: np.ndarray = field(default_factory=lambda: _NO_IDS)
+    mid_ends: np.ndarray = field(default_factory=lambda: _NO_ENDS)
     right_from: int = 0                         # old record index where the shifted right part starts
     delta: int = 0
     path: Literal["window", "full", "noop"] = "window"
@@ -234,7 +246,7 @@ class WindowRepair:
     def _find_left(self, rec: Records, text: str, s: int, d: int, f_ids: np.ndarray, f_ends: np.ndarray,
                    specials: list[tuple[int, int, int]]) -> Point | None:
         """Rightmost certified splice point p in [s, d]: (p, cached index, fresh index); text = new[s:r]."""
-        hard = [s] if s == 0 or self._is_special_edge(rec, s) else []
+        hard = [s] if s == 0 or (self.literals and self._is_special_edge(rec, s)) else []
         for a, b, _ in specials:
             if s <= b <= d:
                 hard += [x for x in (a, b) if x >= s]
@@ -271,8 +283,11 @@ class WindowRepair:
         mid_ends = f_ends[fj_p + 1:fj_q + 1]
         # keep cached tokens that equal the fresh ones after p (same start, same IDs -> same records)
         cap = min(len(mid_ids), max(0, ci_q - ci_p))
-        neq = np.flatnonzero(rec.ids[ci_p + 1:ci_p + 1 + cap] != mid_ids[:cap])
-        k = int(neq[0]) if len(neq) else cap
+        k = cap
+        if cap:
+            old, new = rec.buf[ci_p + 1:ci_p + 1 + cap], mid_ids[:cap]
+            if old.tobytes() != new.tobytes():      # a few tokens: two copies and a memcmp beat ufunc dispatch
+                k = int((old != new).argmax())      # the first differing token (one exists)
         out.keep = ci_p + 1 + k
         out.mid_ids, out.mid_ends = mid_ids[k:], mid_ends[k:]
         out.right_from = ci_q + 1
