@@ -8,6 +8,12 @@ contention only ever adds time, so the minimum is the best estimate of an uncont
     python benchmarks/routing/cpu_latency.py [--models tiny-small tiny-large] [--quick]
     python benchmarks/routing/cpu_latency.py --mixed [--models tiny-small tiny-large smollm2-135m-instruct]
 
+--core N pins the process to one core (what each runtime sub-server gets in the real-engine runs of
+threshold_validation.py --backend torch); with --threads 1 the fit is the latency of one pinned single-thread
+sub-server. Fits written to another --out than cpu_latency.json carry `d` (per catch-up token) and `mixed` from
+cpu_latency.json's --mixed measurement of the same model (measured on the same engine, thread CPU time), since
+decode-only steps cannot measure them.
+
 --mixed measures the mixed-batch penalty the latency model's `mixed` factor stands for: a batch of b sequences where
 one sequence computes k > 1 tokens (a catch-up or re-admission) against a decode-only batch of the same b, on the
 same sequences, the three kinds (decode, k = 2, k = 10) interleaved in rotating order so drift and contention hit
@@ -200,6 +206,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--contexts", type=int, nargs="+", default=[128, 512])
     ap.add_argument("--steps", type=int, default=7)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--core", type=int, default=None, help="pin this process to one core (sched_setaffinity)")
     ap.add_argument("--out", type=Path, default=OUT / "cpu_latency.json")
     ap.add_argument("--from-engine", type=Path, default=None,
                     help="fit from the engine helper's engine_decode.json (single-thread CPU-time medians) instead "
@@ -213,21 +220,42 @@ def main(argv: list[str] | None = None) -> dict:
         return main_mixed(args)
     if args.from_engine is not None:
         return from_engine(args.from_engine, args.out)
+    import dataclasses
+    import os
+    import platform
+    if args.core is not None:
+        os.sched_setaffinity(0, {args.core})
     torch.set_num_threads(args.threads)
+    load_before, t0 = [round(x, 2) for x in os.getloadavg()], time.time()
     points = []
     for m in args.models:
         points += measure(m, args.batches, args.contexts, args.steps)
+    # d and mixed: decode-only steps cannot measure them; take the --mixed measurement of the same engine
+    carried = {}
+    default_out = OUT / "cpu_latency.json"
+    if args.out.resolve() != default_out.resolve() and default_out.exists():
+        carried = json.loads(default_out.read_text()).get("mixed", {}).get("summary", {})
     fits = {}
     for m in args.models:
         pts = [p for p in points if p["model"] == m]
         fit = LatencyFit.fit_piecewise(pts, name=f"cpu-{m}")
+        extra = {}
+        if m in carried:
+            fit = dataclasses.replace(fit, d=float(carried[m]["d_s_per_token"]), mixed=float(carried[m]["mixed"]))
+            extra = {"d_mixed_source": f"{default_out.name} --mixed summary (thread CPU time, same engine)"}
         worst = max(abs(fit(p["batch"], p["context"]) / p["latency_s"] - 1) for p in pts)
-        fits[m] = fit.to_dict() | {"max_rel_error": worst}
+        fits[m] = fit.to_dict() | {"max_rel_error": worst} | extra
         knots = ", ".join(f"{k}:{v * 1e3:.1f}" for k, v in fit.knots)
-        print(f"fit {m}: base ms by batch {{{knots}}} c={fit.c * 1e6:.3f} us/(seq*token), max rel err {worst:.1%}")
+        print(f"fit {m}: base ms by batch {{{knots}}} c={fit.c * 1e6:.3f} us/(seq*token) d={fit.d * 1e3:.3f} "
+              f"ms/token mixed={fit.mixed:.3f}, max rel err {worst:.1%}")
     res = {"device": "cpu", "threads": args.threads, "dtype": "float32", "points": points, "fits": fits,
-           "note": "ModelRunner (varlen SDPA over paged KV) decode steps, random-weight presets, min of steps "
-                   "(median kept as median_s); piecewise fit base(batch) + c*batch*context"}
+           "core": args.core, "command": "python benchmarks/routing/cpu_latency.py "
+           + " ".join(argv if argv is not None else sys.argv[1:]),
+           "loadavg_before": load_before, "loadavg_after": [round(x, 2) for x in os.getloadavg()],
+           "wall_s": round(time.time() - t0, 1), "torch": torch.__version__, "machine": platform.machine(),
+           "measured_at": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+           "note": "ModelRunner decode steps (the runtime's torch runner defaults), random-weight presets, wall-clock "
+                   "min of steps (median kept as median_s); piecewise fit base(batch) + c*batch*context"}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(res, indent=1))
     return res
