@@ -100,3 +100,17 @@ def test_measure_grid_alternates_on_one_runtime(re_mod):
     counters = runs[(1, 2)][0]["model_stats"][0]["counters"]
     assert counters["prefix_hit_tokens"] == 0   # the second run's prompts are new, not the first run's again
     assert re_mod.runner_ms_per_step(runs[(1, 1)])[0]["runner_ms"] > 0
+
+
+def test_cpu_latency_fit_stat(tmp_path):
+    """--fit-stat picks the steps' min or median column; d and mixed come from cpu_latency.json's --mixed summary."""
+    mod = load("cpu_latency")
+    pts = [{"model": "tiny-large", "batch": b, "context": ctx, "latency_s": 0.010 * b ** 0.5 + 1e-6 * b * ctx,
+            "median_s": 0.012 * b ** 0.5 + 1e-6 * b * ctx} for b in (1, 4) for ctx in (48, 160)]
+    lo = mod.fit_points(pts, ["tiny-large"], tmp_path / "x.json", "min")["tiny-large"]
+    hi = mod.fit_points(pts, ["tiny-large"], tmp_path / "x.json", "median")["tiny-large"]
+    assert [k for k, _ in lo["knots"]] == [1, 4]
+    assert abs(lo["knots"][0][1] - 0.010) < 1e-6 and abs(hi["knots"][0][1] - 0.012) < 1e-6
+    assert abs(lo["c"] - 1e-6) < 1e-8 and lo["max_rel_error"] < 1e-6
+    mixed = mod.json.loads((mod.OUT / "cpu_latency.json").read_text())["mixed"]["summary"]["tiny-large"]
+    assert lo["d"] == mixed["d_s_per_token"] and lo["mixed"] == mixed["mixed"]

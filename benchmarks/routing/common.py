@@ -23,8 +23,11 @@ from tokenplane.engine.latency_runner import LatencyFit, preset  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 CPU_LATENCY = RESULTS / "cpu_latency.json"
-# the torch engines as the runtime runs them: 1 thread, pinned to one core (cpu_latency.py --threads 1 --core 0)
+# the torch engines as the runtime runs them: 1 thread pinned to one core, the other model stepping on the other core
+# (cpu_latency.py --threads 1 --core 0 --background)
 TORCH_LATENCY = RESULTS / "cpu_latency_torch.json"
+# the same engines measured alone (the other core free): what a model costs without its peer, for comparison
+TORCH_LATENCY_ISOLATED = RESULTS / "cpu_latency_torch_isolated.json"
 
 
 def latency_setting(name: str) -> tuple[list[LatencyFit], str]:
@@ -41,13 +44,23 @@ def latency_setting(name: str) -> tuple[list[LatencyFit], str]:
         if not TORCH_LATENCY.exists():
             raise FileNotFoundError(f"{TORCH_LATENCY} missing: measure it with `python benchmarks/routing/"
                                     "cpu_latency.py --threads 1 --core 0 --out " + str(TORCH_LATENCY) + "`")
-        d = json.loads(TORCH_LATENCY.read_text())
-        fits = [LatencyFit.from_dict(d["fits"][m]) for m in ("tiny-small", "tiny-large")]
-        return fits, (f"piecewise fit of the torch ModelRunner's tiny-small / tiny-large decode steps, 1 thread "
-                      f"pinned to core {d.get('core')}, wall-clock min of steps, measured {d.get('measured_at')} "
-                      f"(`{d.get('command')}`, load {d.get('loadavg_before')}); d and mixed from "
-                      f"{CPU_LATENCY.name}'s --mixed measurement ({TORCH_LATENCY.name})")
+        return torch_fits(TORCH_LATENCY)
     raise ValueError(f"unknown latency setting {name!r}")
+
+
+def torch_fits(path: Path) -> tuple[list[LatencyFit], str]:
+    """(fits for [tiny-small, tiny-large], provenance) from a cpu_latency.py --core measurement."""
+    d = json.loads(path.read_text())
+    fits = [LatencyFit.from_dict(d["fits"][m]) for m in ("tiny-small", "tiny-large")]
+    bg = d.get("background")
+    side = (f"while the other model stepped (batch {bg['batch']}) on core {bg['core']}, as in the runtime"
+            if bg else "alone")
+    return fits, (f"piecewise fit of the torch ModelRunner's tiny-small / tiny-large decode steps, 1 thread "
+                  f"pinned to core {d.get('core')}, {side}, fitted on the wall-clock {d.get('fit_stat', 'min')} of "
+                  f"{(d.get('points') or [{}])[0].get('steps')} steps per point, measured {d.get('measured_at')} "
+                  f"(`{d.get('command')}`, load {d.get('loadavg_before')}); d and mixed from "
+                  f"{CPU_LATENCY.name}'s --mixed measurement ({path.name}"
+                  + (f"; fits: `{d['refit_command']}`" if d.get("refit_command") else "") + ")")
 
 
 def prompt_for(i: int, length: int, vocab: int = 500) -> list[int]:

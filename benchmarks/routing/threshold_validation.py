@@ -458,7 +458,7 @@ def rechain(path: Path, settings: list[str] | None, des_steps: int = 60_000) -> 
             e["des"] = {"measured": {_key(ts): v for ts, v in meas.items()}, "best": list(best),
                         "best_throughput": meas[best]}
             print(f"[{setting} C={C}] rechained: choice {e['chosen']}, overhead-aware "
-                  f"{e.get('chosen_overhead')}", flush=True)
+                  f"{e.get('chosen_overhead') or e.get('torch_chosen_overhead')}", flush=True)
     result.setdefault("commands", []).append(f"python benchmarks/routing/threshold_validation.py --rechain "
                                              f"{path.name} {' '.join(settings or [])}".strip())
     write_outputs(path.stem, result, render(result))
