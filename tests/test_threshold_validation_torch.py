@@ -114,3 +114,21 @@ def test_cpu_latency_fit_stat(tmp_path):
     assert abs(lo["c"] - 1e-6) < 1e-8 and lo["max_rel_error"] < 1e-6
     mixed = mod.json.loads((mod.OUT / "cpu_latency.json").read_text())["mixed"]["summary"]["tiny-large"]
     assert lo["d"] == mixed["d_s_per_token"] and lo["mixed"] == mixed["mixed"]
+
+
+def test_torch_calibrate(tv):
+    """kappa = the runner's time per step in the (1, 1) runs / the fit at the same mean batch; the chain again on the
+    scaled fits, and on the isolated fits for comparison."""
+    from tokenplane.engine.latency_runner import LatencyFit
+    from tokenplane.route.batching import feasible_thresholds
+    from tokenplane.route.throughput_model import RoutingModel
+    fits = [LatencyFit(0.010, 0.001), LatencyFit(0.020, 0.002)]
+    win = [{"model": m, "steps": 10, "mean_batch": 2.0, "runner_ms_per_step": 1e3 * f(2) * k}
+           for m, (f, k) in enumerate(zip(fits, (1.5, 2.0)))]
+    entry = {"torch_raw": {"1,1": [{"window_counters": win}]}, "torch_overhead_s": [0.0, 0.0]}
+    tv.torch_calibrate(entry, fits, RoutingModel.r2r(0.35), 96.0, 4, feasible_thresholds(2, 4, 8))
+    assert entry["torch_kappa"] == pytest.approx([1.5, 2.0])
+    plain = tv.chain_latency_fns(fits, RoutingModel.r2r(0.35), 96.0)
+    slow = tv.solve_chain((1, 1), 4, RoutingModel.r2r(0.35), plain).throughput
+    assert entry["torch_chain_calibrated"]["1,1"]["throughput"] < slow / 1.4   # every step 1.5-2x as long
+    assert tuple(entry["torch_chosen_calibrated"]) in {tuple(map(int, k.split(","))) for k in entry["torch_chain_calibrated"]}

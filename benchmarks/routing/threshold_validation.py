@@ -34,6 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import (  # noqa: E402
     RESULTS,
+    TORCH_LATENCY_ISOLATED,
     chain_latency_fns,
     closed_loop,
     latency_setting,
@@ -41,6 +42,7 @@ from common import (  # noqa: E402
     md_table,
     runtime_overhead_s,
     summarize,
+    torch_fits,
     write_outputs,
 )
 from real_engines import EngineRunSpec, ensure_model_dirs, measure_grid, runner_ms_per_step  # noqa: E402
@@ -111,7 +113,11 @@ def torch_calibrate(entry: dict, fits: list, rm, context: float, C: int, combos)
     chain = {ts: solve_chain(ts, C, rm, fns) for ts in combos}
     entry.update(torch_kappa=k, torch_chain_calibrated={_key(ts): r.to_dict() for ts, r in chain.items()},
                  torch_chosen_calibrated=list(_choose(chain)))
-    print(f"   torch engines' step cost in the runtime / isolated fit: {[round(x, 3) for x in k]} -> calibrated "
+    if TORCH_LATENCY_ISOLATED.exists():   # the same engines measured alone, for comparison
+        iso, _ = torch_fits(TORCH_LATENCY_ISOLATED)
+        fns = chain_latency_fns(iso, rm, context)
+        entry["torch_chain_isolated"] = {_key(ts): solve_chain(ts, C, rm, fns).to_dict() for ts in combos}
+    print(f"   torch engines' step cost in the runtime / the setting's fit: {[round(x, 3) for x in k]} -> calibrated "
           f"choice {tuple(entry['torch_chosen_calibrated'])}", flush=True)
 
 
@@ -198,8 +204,6 @@ def main(argv: list[str] | None = None) -> dict:
                                   _bk(backend, "chain_overhead"): {_key(ts): r.to_dict() for ts, r in chain_oh.items()}})
                     print(f"   measured {backend} overhead per step {[round(1e3 * o, 2) for o in overhead or []]} ms "
                           f"-> overhead-aware choice {chosen_oh} ({time.time() - t:.1f} s)", flush=True)
-                    if backend == "torch":
-                        torch_calibrate(entry, fits, rm, context, C, combos)
                     if backend == "runtime":
                         grid = [(1, b) for b in args.runtime_large if (1, b) in chain and b <= C]
                         for ts in (chosen, chosen_oh):
@@ -213,6 +217,8 @@ def main(argv: list[str] | None = None) -> dict:
                     entry[f"{backend}_summary"] = {_key(ts): summarize([r["throughput"] for r in rs])
                                                    for ts, rs in runs.items()}
                     entry[f"{backend}_load"] = summarize([r["loadavg_before"][0] for rs in runs.values() for r in rs])
+                    if backend == "torch":   # needs entry["torch_raw"] and the overhead
+                        torch_calibrate(entry, fits, rm, context, C, combos)
                 best_ts = max(measured, key=measured.get)
                 ratio = measured[chosen] / measured[best_ts]
                 entry[backend] = {"measured": {f"{a},{b}": v for (a, b), v in measured.items()},
@@ -360,6 +366,7 @@ def render_torch(sres: dict, ctx: float) -> str:
         chain = {tuple(map(int, k.split(","))): v["throughput"] for k, v in e["chain"].items()}
         ch_oh = {k: v["throughput"] for k, v in (e.get("torch_chain_overhead") or {}).items()}
         ch_cal = {k: v["throughput"] for k, v in (e.get("torch_chain_calibrated") or {}).items()}
+        ch_iso = {k: v["throughput"] for k, v in (e.get("torch_chain_isolated") or {}).items()}
         chosen = _choose_pred(chain)
         for k, runs in raw.items():
             ts = tuple(map(int, k.split(",")))
@@ -371,7 +378,7 @@ def render_torch(sres: dict, ctx: float) -> str:
             mark = " (choice)" if ts == chosen else ""
             cal = ch_cal.get(k)
             rows.append([C, f"({k}){mark}", sm["median"], sm["p90"], sm["n"], chain[ts], f"{sm['median'] / chain[ts]:.1%}",
-                         ch_oh.get(k, ""), "" if cal is None else cal,
+                         ch_oh.get(k, ""), ch_iso.get(k, ""), "" if cal is None else cal,
                          "" if cal is None else f"{sm['median'] / cal:.1%}", load["median"], eng])
         t = e["torch"]
         err = t["chosen_throughput"] / chain[chosen] - 1
@@ -396,12 +403,14 @@ def render_torch(sres: dict, ctx: float) -> str:
                         "engines' in-runtime speed: kappa, choice, measured - predicted"], targets)
             + "\nTorch engine runs (tok/s median and P90 over n repeats, configurations alternated in one runtime; "
             "predicted = the chain on the engines' isolated fits; with overhead = plus the runtime's measured busy "
-            "time per step outside the runner; calibrated = the chain with each engine's step cost as the (1, 1) "
+            "time per step outside the runner; isolated fit = the chain on the engines measured alone "
+            "(cpu_latency_torch_isolated.json, min of steps); calibrated = the chain with each engine's step cost as the (1, 1) "
             "runs measured it inside the runtime (fit x kappa, plus that overhead: see torch_calibrate); per "
             "model: mean batch and the runner's own ms per step in the runtime, next to the isolated fit at that "
             "mean batch and the mean context):\n\n"
             + md_table(["C", "thresholds", "tok/s median", "tok/s P90", "n", "predicted tok/s", "measured / predicted",
-                        "predicted with overhead", "predicted, calibrated", "measured / calibrated", "load avg",
+                        "predicted with overhead", "predicted, isolated fit", "predicted, calibrated",
+                        "measured / calibrated", "load avg",
                         "engines in the runtime"], rows))
 
 
