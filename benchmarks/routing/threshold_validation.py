@@ -391,7 +391,7 @@ def render_torch(sres: dict, ctx: float) -> str:
     # the step shape in regime_map.py's terms: rho = large / small at batch 1, beta = the mean marginal cost of one
     # more sequence (batch 1 -> 16) relative to a batch-1 step
     lat = [[f(b, ctx) for b in (1, 4, 16)] for f in fits]
-    shape = (f"Step shape of these engines at context {ctx:.0f} (isolated fits): small {lat[0][0] * 1e3:.1f} / "
+    shape = (f"Step shape of these engines at context {ctx:.0f} (the setting's fits): small {lat[0][0] * 1e3:.1f} / "
              f"{lat[0][1] * 1e3:.1f} / {lat[0][2] * 1e3:.1f} ms, large {lat[1][0] * 1e3:.1f} / {lat[1][1] * 1e3:.1f} / "
              f"{lat[1][2] * 1e3:.1f} ms at batch 1 / 4 / 16: rho = {lat[1][0] / lat[0][0]:.2f}, beta = "
              f"{(lat[0][2] / lat[0][0] - 1) / 15:.3f} (small), {(lat[1][2] / lat[1][0] - 1) / 15:.3f} (large). "
@@ -402,11 +402,11 @@ def render_torch(sres: dict, ctx: float) -> str:
                         "best measured", "best tok/s", "choice / best", ">= 95%", "(1,1) tok/s",
                         "engines' in-runtime speed: kappa, choice, measured - predicted"], targets)
             + "\nTorch engine runs (tok/s median and P90 over n repeats, configurations alternated in one runtime; "
-            "predicted = the chain on the engines' isolated fits; with overhead = plus the runtime's measured busy "
+            "predicted = the chain on the setting's fits; with overhead = plus the runtime's measured busy "
             "time per step outside the runner; isolated fit = the chain on the engines measured alone "
             "(cpu_latency_torch_isolated.json, min of steps); calibrated = the chain with each engine's step cost as the (1, 1) "
             "runs measured it inside the runtime (fit x kappa, plus that overhead: see torch_calibrate); per "
-            "model: mean batch and the runner's own ms per step in the runtime, next to the isolated fit at that "
+            "model: mean batch and the runner's own ms per step in the runtime, next to the setting's fit at that "
             "mean batch and the mean context):\n\n"
             + md_table(["C", "thresholds", "tok/s median", "tok/s P90", "n", "predicted tok/s", "measured / predicted",
                         "predicted with overhead", "predicted, isolated fit", "predicted, calibrated",
