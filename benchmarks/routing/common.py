@@ -23,10 +23,15 @@ from tokenplane.engine.latency_runner import LatencyFit, preset  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 CPU_LATENCY = RESULTS / "cpu_latency.json"
+# the torch engines as the runtime runs them: 1 thread pinned to one core, the other model stepping on the other core
+# (cpu_latency.py --threads 1 --core 0 --background)
+TORCH_LATENCY = RESULTS / "cpu_latency_torch.json"
+# the same engines measured alone (the other core free): what a model costs without its peer, for comparison
+TORCH_LATENCY_ISOLATED = RESULTS / "cpu_latency_torch_isolated.json"
 
 
 def latency_setting(name: str) -> tuple[list[LatencyFit], str]:
-    """(fits for [small, large], provenance) for "seed-r2r" or "cpu-measured"."""
+    """(fits for [small, large], provenance) for "seed-r2r", "cpu-measured" or "torch-measured"."""
     if name == "seed-r2r":
         return list(preset("seed-r2r")), "seed's R2R GPU figures (6.0 / 27.9 ms at batch 4, context 1024)"
     if name == "cpu-measured":
@@ -35,7 +40,27 @@ def latency_setting(name: str) -> tuple[list[LatencyFit], str]:
             fits = [LatencyFit.from_dict(d["fits"][m]) for m in ("tiny-small", "tiny-large")]
             return fits, f"piecewise fit of ModelRunner tiny-small / tiny-large decode steps ({CPU_LATENCY.name})"
         return list(preset("cpu-facts")), "engine-cpu-facts.md figures (no cpu_latency.json measured)"
+    if name == "torch-measured":
+        if not TORCH_LATENCY.exists():
+            raise FileNotFoundError(f"{TORCH_LATENCY} missing: measure it with `python benchmarks/routing/"
+                                    "cpu_latency.py --threads 1 --core 0 --out " + str(TORCH_LATENCY) + "`")
+        return torch_fits(TORCH_LATENCY)
     raise ValueError(f"unknown latency setting {name!r}")
+
+
+def torch_fits(path: Path) -> tuple[list[LatencyFit], str]:
+    """(fits for [tiny-small, tiny-large], provenance) from a cpu_latency.py --core measurement."""
+    d = json.loads(path.read_text())
+    fits = [LatencyFit.from_dict(d["fits"][m]) for m in ("tiny-small", "tiny-large")]
+    bg = d.get("background")
+    side = (f"while the other model stepped (batch {bg['batch']}) on core {bg['core']}, as in the runtime"
+            if bg else "alone")
+    return fits, (f"piecewise fit of the torch ModelRunner's tiny-small / tiny-large decode steps, 1 thread "
+                  f"pinned to core {d.get('core')}, {side}, fitted on the wall-clock {d.get('fit_stat', 'min')} of "
+                  f"{(d.get('points') or [{}])[0].get('steps')} steps per point, measured {d.get('measured_at')} "
+                  f"(`{d.get('command')}`, load {d.get('loadavg_before')}); d and mixed from "
+                  f"{CPU_LATENCY.name}'s --mixed measurement ({path.name}"
+                  + (f"; fits: `{d['refit_command']}`" if d.get("refit_command") else "") + ")")
 
 
 def prompt_for(i: int, length: int, vocab: int = 500) -> list[int]:
@@ -43,7 +68,7 @@ def prompt_for(i: int, length: int, vocab: int = 500) -> list[int]:
 
 
 async def _closed_loop(rt, concurrency: int, duration_s: float, warmup_s: float, max_tokens: int,
-                       prompt_len: int, vocab: int) -> dict[str, Any]:
+                       prompt_len: int, vocab: int, first_request: int = 0) -> dict[str, Any]:
     from tokenplane.engine.sampler import SamplingParams
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
     t_start = time.monotonic()
@@ -52,7 +77,7 @@ async def _closed_loop(rt, concurrency: int, duration_s: float, warmup_s: float,
     latencies: list[float] = []
     speeds: list[float] = []  # per request: output tokens / (finish - first token), decode speed one user sees
     ttfts: list[float] = []
-    counter = [0]
+    counter = [first_request]   # request numbers (prompts, ids) continue from first_request
     snaps: list = []
 
     async def snapshot(at: float) -> None:
@@ -95,7 +120,7 @@ async def _closed_loop(rt, concurrency: int, duration_s: float, warmup_s: float,
             "requests_in_window": len(latencies),
             "latency_mean_s": statistics.fmean(latencies) if latencies else None,
             "ttft_mean_s": statistics.fmean(ttfts) if ttfts else None,
-            "user_speed": statistics.fmean(speeds) if speeds else None}
+            "user_speed": statistics.fmean(speeds) if speeds else None, "next_request": counter[0]}
 
 
 def window_counters(before: list[dict], after: list[dict]) -> list[dict]:
@@ -150,8 +175,11 @@ def loadavg() -> list[float]:
 
 
 def closed_loop(rt, concurrency: int, *, duration_s: float, warmup_s: float = 0.5, max_tokens: int = 128,
-                prompt_len: int = 32, vocab: int = 500) -> dict[str, Any]:
-    return asyncio.run(_closed_loop(rt, concurrency, duration_s, warmup_s, max_tokens, prompt_len, vocab))
+                prompt_len: int = 32, vocab: int = 500, first_request: int = 0) -> dict[str, Any]:
+    """first_request: the first request number (prompt and id); a runtime measured again gets fresh prompts by
+    passing the previous run's `next_request`, so no run hits another's prefix cache."""
+    return asyncio.run(_closed_loop(rt, concurrency, duration_s, warmup_s, max_tokens, prompt_len, vocab,
+                                    first_request))
 
 
 def write_outputs(stem: str, result: dict, markdown: str) -> None:

@@ -8,6 +8,17 @@ contention only ever adds time, so the minimum is the best estimate of an uncont
     python benchmarks/routing/cpu_latency.py [--models tiny-small tiny-large] [--quick]
     python benchmarks/routing/cpu_latency.py --mixed [--models tiny-small tiny-large smollm2-135m-instruct]
 
+--core N pins the process to one core (what each runtime sub-server gets in the real-engine runs of
+threshold_validation.py --backend torch); with --threads 1 the fit is the latency of one pinned single-thread
+sub-server. Fits written to another --out than cpu_latency.json carry `d` (per catch-up token) and `mixed` from
+cpu_latency.json's --mixed measurement of the same model (measured on the same engine, thread CPU time), since
+decode-only steps cannot measure them.
+
+--background (with --core and two --models): while one model is measured, the other runs decode steps
+(--background-batch sequences, 1 thread) on the next core, as the runtime's two sub-servers run side by side. On this
+machine decode is bound by memory bandwidth (tiny-large's lm_head alone is 311 MB fp32 per step), which the two
+cores share, so a model measured alone is faster than the same model in the runtime.
+
 --mixed measures the mixed-batch penalty the latency model's `mixed` factor stands for: a batch of b sequences where
 one sequence computes k > 1 tokens (a catch-up or re-admission) against a decode-only batch of the same b, on the
 same sequences, the three kinds (decode, k = 2, k = 10) interleaved in rotating order so drift and contention hit
@@ -67,6 +78,60 @@ def measure(model_name: str, batches: list[int], contexts: list[int], steps: int
             print(f"{model_name:>11} ctx {ctx:5d} batch {b:3d}: min {min(times) * 1e3:8.2f} ms, "
                   f"median {med * 1e3:8.2f} ms", flush=True)
     return out
+
+
+def _background(model_name: str, core: int, batch: int, ready, stop) -> None:
+    """Child process: decode steps of `batch` sequences of `model_name` on `core`, 1 thread, until `stop` is set."""
+    import os
+    os.sched_setaffinity(0, {core})
+    torch.set_num_threads(1)
+    from tokenplane.engine.loader import load_model
+    from tokenplane.engine.model_runner import ModelRunner
+    from tokenplane.engine.sequence import Sequence
+    cfg, model = load_model(model_name, seed=0)
+    runner = ModelRunner(model, cfg, num_blocks=batch * 24 + 8, block_size=16)
+    ready.set()
+    while not stop.is_set():
+        seqs = [Sequence(f"bg-{i}", [(13 * i + 5 * j) % 1000 + 1 for j in range(64)]) for i in range(batch)]
+        for s in seqs:
+            runner.prepare(s)
+        runner.run(seqs)
+        for k in range(256):   # contexts 64..320, the range the measured model sees
+            if stop.is_set():
+                break
+            for s in seqs:
+                s.append_token(5 + k % 50)
+                runner.prepare(s)
+            runner.run(seqs)
+        for s in seqs:
+            runner.free(s)
+
+
+class Background:
+    """The other model stepping on another core while `with` runs (None model: nothing)."""
+
+    def __init__(self, model_name: str | None, core: int, batch: int) -> None:
+        self.model_name, self.core, self.batch, self.proc = model_name, core, batch, None
+
+    def __enter__(self) -> Background:
+        if self.model_name is not None:
+            import multiprocessing as mp
+            ctx = mp.get_context("spawn")
+            self.ready, self.stop = ctx.Event(), ctx.Event()
+            self.proc = ctx.Process(target=_background, args=(self.model_name, self.core, self.batch, self.ready,
+                                                              self.stop), daemon=True)
+            self.proc.start()
+            if not self.ready.wait(300):
+                raise RuntimeError("background model did not start")
+            time.sleep(0.5)   # its first steps (kernel compilation) before the timed ones
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.proc is not None:
+            self.stop.set()
+            self.proc.join(30)
+            if self.proc.is_alive():
+                self.proc.kill()
 
 
 MIXED_KS = (2, 10)
@@ -200,6 +265,14 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--contexts", type=int, nargs="+", default=[128, 512])
     ap.add_argument("--steps", type=int, default=7)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--core", type=int, default=None, help="pin this process to one core (sched_setaffinity)")
+    ap.add_argument("--background", action="store_true", help="the other of two --models steps on the next core "
+                    "while one is measured (see module docstring); needs --core")
+    ap.add_argument("--background-batch", type=int, default=4)
+    ap.add_argument("--fit-stat", choices=["min", "median"], default="min",
+                    help="fit the steps' minimum (an uncontended step) or median (the typical step a busy runtime "
+                         "sees on a shared machine: what throughput depends on)")
+    ap.add_argument("--refit", action="store_true", help="fit --out's stored points again (with --fit-stat)")
     ap.add_argument("--out", type=Path, default=OUT / "cpu_latency.json")
     ap.add_argument("--from-engine", type=Path, default=None,
                     help="fit from the engine helper's engine_decode.json (single-thread CPU-time medians) instead "
@@ -213,24 +286,72 @@ def main(argv: list[str] | None = None) -> dict:
         return main_mixed(args)
     if args.from_engine is not None:
         return from_engine(args.from_engine, args.out)
-    torch.set_num_threads(args.threads)
-    points = []
-    for m in args.models:
-        points += measure(m, args.batches, args.contexts, args.steps)
-    fits = {}
-    for m in args.models:
-        pts = [p for p in points if p["model"] == m]
-        fit = LatencyFit.fit_piecewise(pts, name=f"cpu-{m}")
-        worst = max(abs(fit(p["batch"], p["context"]) / p["latency_s"] - 1) for p in pts)
-        fits[m] = fit.to_dict() | {"max_rel_error": worst}
-        knots = ", ".join(f"{k}:{v * 1e3:.1f}" for k, v in fit.knots)
-        print(f"fit {m}: base ms by batch {{{knots}}} c={fit.c * 1e6:.3f} us/(seq*token), max rel err {worst:.1%}")
-    res = {"device": "cpu", "threads": args.threads, "dtype": "float32", "points": points, "fits": fits,
-           "note": "ModelRunner (varlen SDPA over paged KV) decode steps, random-weight presets, min of steps "
-                   "(median kept as median_s); piecewise fit base(batch) + c*batch*context"}
+    cmd = "python benchmarks/routing/cpu_latency.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    if args.refit:   # the stored points of --out, fitted again with --fit-stat; the measurement's record is kept
+        res = json.loads(args.out.read_text())
+        res["refit_command"] = cmd
+    else:
+        res = measure_points(args, cmd)
+    res["fit_stat"] = args.fit_stat
+    res["fits"] = fit_points(res["points"], args.models, args.out, args.fit_stat)
+    res["note"] = ("ModelRunner decode steps (the runtime's torch runner defaults), random-weight presets, "
+                   f"wall-clock min (latency_s) and median (median_s) of steps; fitted on the {args.fit_stat}; "
+                   "piecewise fit base(batch) + c*batch*context")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(res, indent=1))
     return res
+
+
+def measure_points(args, cmd: str) -> dict:
+    import os
+    import platform
+    if args.core is not None:
+        os.sched_setaffinity(0, {args.core})
+    torch.set_num_threads(args.threads)
+    load_before, t0 = [round(x, 2) for x in os.getloadavg()], time.time()
+    points = []
+    background = None
+    if args.background:
+        if args.core is None or len(args.models) != 2:
+            raise SystemExit("--background needs --core and exactly two --models")
+        cores = sorted(os.sched_getaffinity(0) | set(range(os.cpu_count() or 1)))
+        bg_core = cores[(cores.index(args.core) + 1) % len(cores)]
+        background = {"core": bg_core, "batch": args.background_batch,
+                      "what": "the other model's decode steps, 1 thread, contexts 64-320"}
+    for m in args.models:
+        other = next(x for x in args.models if x != m) if background else None
+        with Background(other, background["core"] if background else 0, args.background_batch):
+            points += measure(m, args.batches, args.contexts, args.steps)
+    return {"device": "cpu", "threads": args.threads, "dtype": "float32", "points": points,
+            "core": args.core, "background": background, "command": cmd,
+            "loadavg_before": load_before, "loadavg_after": [round(x, 2) for x in os.getloadavg()],
+            "wall_s": round(time.time() - t0, 1), "torch": torch.__version__, "machine": platform.machine(),
+            "measured_at": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
+
+
+def fit_points(points: list[dict], models: list[str], out: Path, stat: str) -> dict:
+    """Piecewise fits per model on the steps' min (latency_s) or median (median_s); d and mixed carried over from
+    cpu_latency.json's --mixed measurement when writing another file (decode-only steps cannot measure them)."""
+    import dataclasses
+    key = "latency_s" if stat == "min" else "median_s"
+    carried = {}
+    default_out = OUT / "cpu_latency.json"
+    if out.resolve() != default_out.resolve() and default_out.exists():
+        carried = json.loads(default_out.read_text()).get("mixed", {}).get("summary", {})
+    fits = {}
+    for m in models:
+        pts = [p | {"latency_s": p[key]} for p in points if p["model"] == m]
+        fit = LatencyFit.fit_piecewise(pts, name=f"cpu-{m}")
+        extra = {}
+        if m in carried:
+            fit = dataclasses.replace(fit, d=float(carried[m]["d_s_per_token"]), mixed=float(carried[m]["mixed"]))
+            extra = {"d_mixed_source": f"{default_out.name} --mixed summary (thread CPU time, same engine)"}
+        worst = max(abs(fit(p["batch"], p["context"]) / p["latency_s"] - 1) for p in pts)
+        fits[m] = fit.to_dict() | {"max_rel_error": worst} | extra
+        knots = ", ".join(f"{k}:{v * 1e3:.1f}" for k, v in fit.knots)
+        print(f"fit {m} ({stat}): base ms by batch {{{knots}}} c={fit.c * 1e6:.3f} us/(seq*token) "
+              f"d={fit.d * 1e3:.3f} ms/token mixed={fit.mixed:.3f}, max rel err {worst:.1%}")
+    return fits
 
 
 def from_engine(path: Path, out: Path) -> dict:

@@ -14,8 +14,14 @@ and hands back after one token):
      the (1, 1) runs' steady-state window, is added to each model's step latency and the chain chooses again: the
      "overhead-aware" choice (the chain's documented assumption is zero overhead unless folded into L_m);
   5. reported: measured (median) throughput of each choice / best measured median (target >= 95%).
+  6. "torch" (setting torch-measured only): the same runtime with REAL engines, the torch ModelRunner on the
+     tiny-small / tiny-large checkpoints, 1 thread per sub-server, one core each (real_engines.py); the chain's
+     inputs are those engines' own step latencies measured the same way (cpu_latency_torch.json). Measured: (1, 1),
+     the chain's choice, its feasible neighbours and (1, b) for b in --torch-large, alternated in one runtime per
+     concurrency; reported also measured / predicted per configuration (target: within 5% at the choice).
 
     python benchmarks/routing/threshold_validation.py [--backend des runtime] [--settings seed-r2r cpu-measured]
+    python benchmarks/routing/threshold_validation.py --settings torch-measured --backend des torch --merge
 """
 from __future__ import annotations
 
@@ -28,6 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import (  # noqa: E402
     RESULTS,
+    TORCH_LATENCY_ISOLATED,
     chain_latency_fns,
     closed_loop,
     latency_setting,
@@ -35,8 +42,10 @@ from common import (  # noqa: E402
     md_table,
     runtime_overhead_s,
     summarize,
+    torch_fits,
     write_outputs,
 )
+from real_engines import EngineRunSpec, ensure_model_dirs, measure_grid, runner_ms_per_step  # noqa: E402
 
 from tokenplane.route.batching import feasible_thresholds  # noqa: E402
 from tokenplane.route.throughput_model import RoutingModel, simulate, solve_chain  # noqa: E402
@@ -72,6 +81,46 @@ def runtime_repeats(fits, ts, C, dur, args) -> list[dict]:
     return runs
 
 
+def torch_grid(chain: dict, chosen: tuple[int, int], large: list[int]) -> list[tuple[int, int]]:
+    """Configurations the torch backend measures: (1, 1), the chain's choice, its feasible neighbours (one
+    threshold one step up or down) and (1, b) for b in `large`; each once, in that order."""
+    a, b = chosen
+    cands = [(1, 1), chosen, (a, b - 1), (a, b + 1), (a - 1, b), (a + 1, b)] + [(1, x) for x in large]
+    grid: list[tuple[int, int]] = []
+    for ts in cands:
+        if ts in chain and ts not in grid:
+            grid.append(ts)
+    return grid
+
+
+def torch_calibrate(entry: dict, fits: list, rm, context: float, C: int, combos) -> None:
+    """The chain again with each engine's step cost as the (1, 1) runs saw it inside the runtime: fit m scaled by
+    kappa_m = the runner's measured time per step / the isolated fit at the same mean batch (median over the (1, 1)
+    runs; the fit at the mean batch stands in for the mean over the batch mix), plus the measured busy time outside
+    the runner. Not an independent prediction for (1, 1) (its step costs come from those runs); for the other
+    configurations it tests the chain's batching dynamics given the engines' speed under this machine's load."""
+    import statistics
+    kappa: dict[int, list[float]] = {}
+    for r in entry["torch_raw"]["1,1"]:
+        for w in r.get("window_counters") or []:
+            if w["steps"] > 0:
+                fit_s = fits[w["model"]](w["mean_batch"], context)
+                kappa.setdefault(w["model"], []).append(w["runner_ms_per_step"] / 1e3 / fit_s)
+    if len(kappa) != len(fits):
+        return
+    k = [statistics.median(kappa[m]) for m in range(len(fits))]
+    fns = chain_latency_fns([f.scaled(x) for f, x in zip(fits, k)], rm, context, entry.get("torch_overhead_s"))
+    chain = {ts: solve_chain(ts, C, rm, fns) for ts in combos}
+    entry.update(torch_kappa=k, torch_chain_calibrated={_key(ts): r.to_dict() for ts, r in chain.items()},
+                 torch_chosen_calibrated=list(_choose(chain)))
+    if TORCH_LATENCY_ISOLATED.exists():   # the same engines measured alone, for comparison
+        iso, _ = torch_fits(TORCH_LATENCY_ISOLATED)
+        fns = chain_latency_fns(iso, rm, context)
+        entry["torch_chain_isolated"] = {_key(ts): solve_chain(ts, C, rm, fns).to_dict() for ts in combos}
+    print(f"   torch engines' step cost in the runtime / the setting's fit: {[round(x, 3) for x in k]} -> calibrated "
+          f"choice {tuple(entry['torch_chosen_calibrated'])}", flush=True)
+
+
 def _choose(chain: dict) -> tuple[int, int]:
     best_pred = max(chain.values(), key=lambda r: r.throughput).throughput
     return min((ts for ts, r in chain.items() if r.throughput >= best_pred * (1 - REL_TOL)),
@@ -80,14 +129,20 @@ def _choose(chain: dict) -> tuple[int, int]:
 
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--backend", nargs="+", default=["des", "runtime"], choices=["des", "runtime"])
-    ap.add_argument("--settings", nargs="+", default=["seed-r2r", "cpu-measured"])
+    ap.add_argument("--backend", nargs="+", default=["des", "runtime"], choices=["des", "runtime", "torch"])
+    ap.add_argument("--settings", nargs="+", default=["seed-r2r", "cpu-measured"],
+                    choices=["seed-r2r", "cpu-measured", "torch-measured"])
     ap.add_argument("--concurrency", type=int, nargs="+", default=[4, 8, 16])
     ap.add_argument("--max-t", type=int, default=8)
     ap.add_argument("--runtime-large", type=int, nargs="+", default=[1, 2, 4, 6, 8],
                     help="T_large values measured on the runtime (T_small = 1), plus the model's choice")
     ap.add_argument("--duration", type=float, default=3.0, help="runtime window per config, seconds (seed scale)")
     ap.add_argument("--cpu-duration", type=float, default=8.0, help="runtime window per config at CPU latencies")
+    ap.add_argument("--torch-duration", type=float, default=8.0, help="torch backend window per config, seconds")
+    ap.add_argument("--torch-large", type=int, nargs="*", default=[2, 4],
+                    help="torch backend: (1, b) measured besides (1, 1), the choice and its neighbours")
+    ap.add_argument("--models-dir", type=Path, default=Path("/tmp/tokenplane-peer-models"),
+                    help="torch backend: where the tiny-small / tiny-large checkpoints live (written if missing)")
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--prompt-len", type=int, default=32)
     ap.add_argument("--des-steps", type=int, default=60_000)
@@ -128,42 +183,59 @@ def main(argv: list[str] | None = None) -> dict:
                     measured = {ts: simulate(ts, C, rm, fns, horizon_steps=args.des_steps, seed=7).throughput
                                 for ts in combos}
                 else:
-                    dur = args.duration if setting == "seed-r2r" else args.cpu_duration
-                    runs = {(1, 1): runtime_repeats(fits, (1, 1), C, dur, args)}
+                    if backend == "runtime":
+                        dur = args.duration if setting == "seed-r2r" else args.cpu_duration
+                        runs = {(1, 1): runtime_repeats(fits, (1, 1), C, dur, args)}
+                    else:   # torch: real engines, whose own measured latencies are this setting's chain inputs
+                        if setting != "torch-measured":
+                            raise SystemExit("--backend torch measures the torch engines: use it with --settings "
+                                             "torch-measured (their own latency fits)")
+                        spec = EngineRunSpec(ensure_model_dirs(args.models_dir), P_SWITCH, C,
+                                             duration_s=args.torch_duration, max_tokens=args.max_tokens,
+                                             prompt_len=args.prompt_len)
+                        runs = measure_grid(spec, torch_grid(chain, chosen, args.torch_large), args.repeats)
+                        entry["torch_runner"] = {_key(ts): runner_ms_per_step(rs) for ts, rs in runs.items()}
                     overhead = runtime_overhead_s(runs[(1, 1)])
                     t = time.time()
                     fns_oh = chain_latency_fns(fits, rm, context, overhead)
                     chain_oh = {ts: solve_chain(ts, C, rm, fns_oh) for ts in combos}
                     chosen_oh = _choose(chain_oh)
-                    entry.update(overhead_s=overhead, chosen_overhead=list(chosen_oh),
-                                 chain_overhead={_key(ts): r.to_dict() for ts, r in chain_oh.items()})
-                    print(f"   measured runtime overhead per step {[round(1e3 * o, 2) for o in overhead]} ms -> "
-                          f"overhead-aware choice {chosen_oh} ({time.time() - t:.1f} s)", flush=True)
-                    grid = [(1, b) for b in args.runtime_large if (1, b) in chain and b <= C]
-                    for ts in (chosen, chosen_oh):
-                        if ts not in grid:
-                            grid.append(ts)
-                    for ts in grid:
-                        if ts not in runs:
-                            runs[ts] = runtime_repeats(fits, ts, C, dur, args)
+                    entry.update({_bk(backend, "overhead_s"): overhead, _bk(backend, "chosen_overhead"): list(chosen_oh),
+                                  _bk(backend, "chain_overhead"): {_key(ts): r.to_dict() for ts, r in chain_oh.items()}})
+                    print(f"   measured {backend} overhead per step {[round(1e3 * o, 2) for o in overhead or []]} ms "
+                          f"-> overhead-aware choice {chosen_oh} ({time.time() - t:.1f} s)", flush=True)
+                    if backend == "runtime":
+                        grid = [(1, b) for b in args.runtime_large if (1, b) in chain and b <= C]
+                        for ts in (chosen, chosen_oh):
+                            if ts not in grid:
+                                grid.append(ts)
+                        for ts in grid:
+                            if ts not in runs:
+                                runs[ts] = runtime_repeats(fits, ts, C, dur, args)
                     measured = {ts: summarize([r["throughput"] for r in rs])["median"] for ts, rs in runs.items()}
-                    entry["runtime_raw"] = {_key(ts): rs for ts, rs in runs.items()}
-                    entry["runtime_summary"] = {_key(ts): summarize([r["throughput"] for r in rs])
-                                                for ts, rs in runs.items()}
-                    entry["runtime_load"] = summarize([r["loadavg_before"][0] for rs in runs.values() for r in rs])
+                    entry[f"{backend}_raw"] = {_key(ts): rs for ts, rs in runs.items()}
+                    entry[f"{backend}_summary"] = {_key(ts): summarize([r["throughput"] for r in rs])
+                                                   for ts, rs in runs.items()}
+                    entry[f"{backend}_load"] = summarize([r["loadavg_before"][0] for rs in runs.values() for r in rs])
+                    if backend == "torch":   # needs entry["torch_raw"] and the overhead
+                        torch_calibrate(entry, fits, rm, context, C, combos)
                 best_ts = max(measured, key=measured.get)
                 ratio = measured[chosen] / measured[best_ts]
                 entry[backend] = {"measured": {f"{a},{b}": v for (a, b), v in measured.items()},
                                   "best": list(best_ts), "best_throughput": measured[best_ts],
                                   "chosen_throughput": measured[chosen], "ratio": ratio,
-                                  "all_ones": measured.get((1, 1))}
+                                  "all_ones": measured.get((1, 1)),
+                                  "predicted_chosen": chain[chosen].throughput,
+                                  "measured_over_predicted": measured[chosen] / chain[chosen].throughput}
                 print(f"   {backend}: best {best_ts} {measured[best_ts]:.1f}, chosen {chosen} "
-                      f"{measured[chosen]:.1f} -> {ratio:.1%}", flush=True)
-                if backend == "runtime":
-                    got = measured[tuple(entry["chosen_overhead"])]
-                    entry[backend].update(chosen_overhead_throughput=got, ratio_overhead=got / measured[best_ts])
-                    print(f"   runtime: overhead-aware choice {tuple(entry['chosen_overhead'])} {got:.1f} -> "
-                          f"{got / measured[best_ts]:.1%}", flush=True)
+                      f"{measured[chosen]:.1f} -> {ratio:.1%}; measured / predicted at the choice "
+                      f"{measured[chosen] / chain[chosen].throughput:.1%}", flush=True)
+                if backend in ("runtime", "torch"):
+                    got = measured.get(tuple(entry[_bk(backend, "chosen_overhead")]))
+                    if got is not None:
+                        entry[backend].update(chosen_overhead_throughput=got, ratio_overhead=got / measured[best_ts])
+                        print(f"   {backend}: overhead-aware choice {tuple(entry[_bk(backend, 'chosen_overhead')])} "
+                              f"{got:.1f} -> {got / measured[best_ts]:.1%}", flush=True)
             # --merge: a backend not run now keeps its earlier measurement of this concurrency
             for backend, old_m in sres["by_concurrency"].get(str(C), {}).items():
                 if backend in ("des",) and backend not in args.backend:
@@ -180,6 +252,11 @@ def main(argv: list[str] | None = None) -> dict:
 
 def _key(ts) -> str:
     return f"{ts[0]},{ts[1]}"
+
+
+def _bk(backend: str, name: str) -> str:
+    """Per-backend entry keys: the latency-model runtime keeps its original names, the torch backend prefixes."""
+    return name if backend == "runtime" else f"{backend}_{name}"
 
 
 def _runtime_diag(raw: dict) -> str:
@@ -210,7 +287,10 @@ def render(result: dict) -> str:
           "consistency check, not an independent measurement); `runtime` = the real multi-process runtime with the "
           "latency-model backend (measured on a shared 2-core machine under other jobs' load). `runtime, "
           "overhead-aware` = the same measurements judged against the chain's choice when each model's step latency "
-          "includes the runtime's measured busy time per step outside the runner (from the (1, 1) runs).\n"]
+          "includes the runtime's measured busy time per step outside the runner (from the (1, 1) runs). `torch` = "
+          "the same runtime with real engines (torch ModelRunner on the tiny-small / tiny-large checkpoints, 1 "
+          "thread and one core per sub-server), judged against the chain on those engines' own measured step "
+          "latencies (setting torch-measured).\n"]
     for cmd in result.get("commands", []):
         md.append(f"\nRun: `{cmd}`\n")
     if result.get("notes"):
@@ -222,18 +302,19 @@ def render(result: dict) -> str:
             chain = {tuple(map(int, k.split(","))): v["throughput"] for k, v in e["chain"].items()}
             chosen = _choose_pred(chain)
             e["chosen"] = list(chosen)
-            for backend in ("des", "runtime"):
+            for backend in ("des", "runtime", "torch"):
                 b = e.get(backend)
                 if not b:
                     continue
                 meas = {tuple(map(int, k.split(","))): v for k, v in b["measured"].items()}
                 best_ts = max(meas, key=meas.get)
-                summ = e.get("runtime_summary", {}) if backend == "runtime" else {}
+                summ = e.get(f"{backend}_summary", {}) if backend != "des" else {}
                 n = f" (n={summ[_key(best_ts)]['n']})" if summ else ""
                 choices = [(backend, chosen, chain)]
-                if backend == "runtime" and "chain_overhead" in e:
-                    ch_oh = {tuple(map(int, k.split(","))): v["throughput"] for k, v in e["chain_overhead"].items()}
-                    choices.append(("runtime, overhead-aware", _choose_pred(ch_oh), ch_oh))
+                if backend != "des" and _bk(backend, "chain_overhead") in e:
+                    ch_oh = {tuple(map(int, k.split(","))): v["throughput"]
+                             for k, v in e[_bk(backend, "chain_overhead")].items()}
+                    choices.append((f"{backend}, overhead-aware", _choose_pred(ch_oh), ch_oh))
                 for label, ch, pred in choices:
                     got = meas.get(ch)
                     ratio = None if got is None else got / meas[best_ts]
@@ -257,18 +338,90 @@ def render(result: dict) -> str:
         md.append(md_table(["C", "measured on", "model's choice (T_s, T_l)", "predicted tok/s",
                             "measured tok/s (choice, median)", "best measured (T_s, T_l)", "best tok/s",
                             "choice / best", "(1,1) tok/s", "configs"], rows))
-        oh_rows = [[C, ", ".join(f"m{m}: {1e3 * o:.2f} ms" for m, o in enumerate(e["overhead_s"]))]
-                   for C, e in sorted(sres["by_concurrency"].items(), key=lambda kv: int(kv[0])) if e.get("overhead_s")]
+        oh_rows = [[C, backend, ", ".join(f"m{m}: {1e3 * o:.2f} ms" for m, o in enumerate(e[_bk(backend, "overhead_s")]))]
+                   for C, e in sorted(sres["by_concurrency"].items(), key=lambda kv: int(kv[0]))
+                   for backend in ("runtime", "torch") if e.get(_bk(backend, "overhead_s"))]
         if oh_rows:
             md.append("\nMeasured runtime busy time per step outside the runner ((1, 1) runs, median), added to L_m "
                       "for the overhead-aware choice:\n\n")
-            md.append(md_table(["C", "per model"], oh_rows))
+            md.append(md_table(["C", "backend", "per model"], oh_rows))
         if diag:
             md.append("\nRuntime runs (tok/s median and P90 over n repeats; load average at start, median; counters "
                       "of the median run: mean batch per model, launches forced below threshold / steps):\n\n")
             md.append(md_table(["C", "thresholds", "tok/s median", "tok/s P90", "n", "predicted tok/s",
                                 "predicted with overhead", "load avg", "runtime counters"], diag))
+        md.append(render_torch(sres, result["context"]))
     return "".join(md)
+
+
+def render_torch(sres: dict, ctx: float) -> str:
+    """The torch backend's per-configuration table and its two targets, per concurrency."""
+    from tokenplane.engine.latency_runner import LatencyFit
+    fits = [LatencyFit.from_dict(f) for f in sres["fits"]]
+    rows, targets = [], []
+    for C, e in sorted(sres["by_concurrency"].items(), key=lambda kv: int(kv[0])):
+        raw = e.get("torch_raw")
+        if not raw:
+            continue
+        chain = {tuple(map(int, k.split(","))): v["throughput"] for k, v in e["chain"].items()}
+        ch_oh = {k: v["throughput"] for k, v in (e.get("torch_chain_overhead") or {}).items()}
+        ch_cal = {k: v["throughput"] for k, v in (e.get("torch_chain_calibrated") or {}).items()}
+        ch_iso = {k: v["throughput"] for k, v in (e.get("torch_chain_isolated") or {}).items()}
+        chosen = _choose_pred(chain)
+        for k, runs in raw.items():
+            ts = tuple(map(int, k.split(",")))
+            sm = summarize([r["throughput"] for r in runs])
+            load = summarize([r["loadavg_before"][0] for r in runs])
+            eng = "; ".join(f"m{m}: batch {x['mean_batch']:.2f}, runner {x['runner_ms']:.1f} ms "
+                            f"(fit {1e3 * fits[m](x['mean_batch'], ctx):.1f})"
+                            for m, x in enumerate((e.get("torch_runner") or {}).get(k, [])))
+            mark = " (choice)" if ts == chosen else ""
+            cal = ch_cal.get(k)
+            rows.append([C, f"({k}){mark}", sm["median"], sm["p90"], sm["n"], chain[ts], f"{sm['median'] / chain[ts]:.1%}",
+                         ch_oh.get(k, ""), ch_iso.get(k, ""), "" if cal is None else cal,
+                         "" if cal is None else f"{sm['median'] / cal:.1%}", load["median"], eng])
+        t = e["torch"]
+        err = t["chosen_throughput"] / chain[chosen] - 1
+        targets.append([C, str(chosen), chain[chosen], t["chosen_throughput"], f"{err:+.1%}",
+                        "met" if abs(err) <= 0.05 else "NOT met", str(tuple(t["best"])), t["best_throughput"],
+                        f"{t['ratio']:.1%}", "met" if t["ratio"] >= 0.95 else "NOT met", t.get("all_ones"),
+                        _calibrated_note(e, ch_cal)])
+    if not rows:
+        return ""
+    # the step shape in regime_map.py's terms: rho = large / small at batch 1, beta = the mean marginal cost of one
+    # more sequence (batch 1 -> 16) relative to a batch-1 step
+    lat = [[f(b, ctx) for b in (1, 4, 16)] for f in fits]
+    shape = (f"Step shape of these engines at context {ctx:.0f} (the setting's fits): small {lat[0][0] * 1e3:.1f} / "
+             f"{lat[0][1] * 1e3:.1f} / {lat[0][2] * 1e3:.1f} ms, large {lat[1][0] * 1e3:.1f} / {lat[1][1] * 1e3:.1f} / "
+             f"{lat[1][2] * 1e3:.1f} ms at batch 1 / 4 / 16: rho = {lat[1][0] / lat[0][0]:.2f}, beta = "
+             f"{(lat[0][2] / lat[0][0] - 1) / 15:.3f} (small), {(lat[1][2] / lat[1][0] - 1) / 15:.3f} (large). "
+             "regime_map.md: delayed batching gains >= 10% only at rho >= 4.65 with beta <= 0.05.\n")
+    return ("\n" + shape + "\nTorch engines: targets per concurrency (measured within 5% of predicted at the chain's choice; the "
+            "choice >= 95% of the best measured):\n\n"
+            + md_table(["C", "choice", "predicted tok/s", "measured tok/s", "measured - predicted", "within 5%",
+                        "best measured", "best tok/s", "choice / best", ">= 95%", "(1,1) tok/s",
+                        "engines' in-runtime speed: kappa, choice, measured - predicted"], targets)
+            + "\nTorch engine runs (tok/s median and P90 over n repeats, configurations alternated in one runtime; "
+            "predicted = the chain on the setting's fits; with overhead = plus the runtime's measured busy "
+            "time per step outside the runner; isolated fit = the chain on the engines measured alone "
+            "(cpu_latency_torch_isolated.json, min of steps); calibrated = the chain with each engine's step cost as the (1, 1) "
+            "runs measured it inside the runtime (fit x kappa, plus that overhead: see torch_calibrate); per "
+            "model: mean batch and the runner's own ms per step in the runtime, next to the setting's fit at that "
+            "mean batch and the mean context):\n\n"
+            + md_table(["C", "thresholds", "tok/s median", "tok/s P90", "n", "predicted tok/s", "measured / predicted",
+                        "predicted with overhead", "predicted, isolated fit", "predicted, calibrated",
+                        "measured / calibrated", "load avg",
+                        "engines in the runtime"], rows))
+
+
+def _calibrated_note(e: dict, ch_cal: dict) -> str:
+    if not ch_cal or not e.get("torch_kappa"):
+        return ""
+    ch = _choose_pred({tuple(map(int, k.split(","))): v for k, v in ch_cal.items()})
+    meas = {tuple(map(int, k.split(","))): v for k, v in e["torch"]["measured"].items()}
+    got = meas.get(ch)
+    diff = "not measured" if got is None else f"{got / ch_cal[_key(ch)] - 1:+.1%}"
+    return f"{', '.join(f'{x:.2f}' for x in e['torch_kappa'])}; {ch}; {diff}"
 
 
 def _choose_pred(chain: dict) -> tuple[int, int]:
@@ -300,18 +453,21 @@ def rechain(path: Path, settings: list[str] | None, des_steps: int = 60_000) -> 
             chain = {ts: solve_chain(ts, C, rm, fns) for ts in combos}
             e["chain"] = {_key(ts): r.to_dict() for ts, r in chain.items()}
             e["chosen"] = list(_choose(chain))
-            if e.get("overhead_s"):
-                fns_oh = chain_latency_fns(fits, rm, context, e["overhead_s"])
-                ch = {ts: solve_chain(ts, C, rm, fns_oh) for ts in combos}
-                e["chain_overhead"] = {_key(ts): r.to_dict() for ts, r in ch.items()}
-                e["chosen_overhead"] = list(_choose(ch))
+            for backend in ("runtime", "torch"):
+                if e.get(_bk(backend, "overhead_s")):
+                    fns_oh = chain_latency_fns(fits, rm, context, e[_bk(backend, "overhead_s")])
+                    ch = {ts: solve_chain(ts, C, rm, fns_oh) for ts in combos}
+                    e[_bk(backend, "chain_overhead")] = {_key(ts): r.to_dict() for ts, r in ch.items()}
+                    e[_bk(backend, "chosen_overhead")] = list(_choose(ch))
+            if e.get("torch_raw"):
+                torch_calibrate(e, fits, rm, context, C, combos)
             # the DES depends on the model inputs alone: always recomputed
             meas = {ts: simulate(ts, C, rm, fns, horizon_steps=des_steps, seed=7).throughput for ts in combos}
             best = max(meas, key=meas.get)
             e["des"] = {"measured": {_key(ts): v for ts, v in meas.items()}, "best": list(best),
                         "best_throughput": meas[best]}
             print(f"[{setting} C={C}] rechained: choice {e['chosen']}, overhead-aware "
-                  f"{e.get('chosen_overhead')}", flush=True)
+                  f"{e.get('chosen_overhead') or e.get('torch_chosen_overhead')}", flush=True)
     result.setdefault("commands", []).append(f"python benchmarks/routing/threshold_validation.py --rechain "
                                              f"{path.name} {' '.join(settings or [])}".strip())
     write_outputs(path.stem, result, render(result))
@@ -344,7 +500,7 @@ def plot(result: dict, path: Path) -> None:
             chain = {tuple(map(int, k.split(","))): v["throughput"] for k, v in e["chain"].items()}
             xs = sorted(b for a, b in chain if a == 1)
             ax.plot(xs, [chain[(1, b)] for b in xs], "o-", label="chain (predicted)")
-            for backend, style in (("des", "s--"), ("runtime", "^-")):
+            for backend, style in (("des", "s--"), ("runtime", "^-"), ("torch", "v-")):
                 if backend in e:
                     m = {tuple(map(int, k.split(","))): v for k, v in e[backend]["measured"].items()}
                     bx = sorted(b for a, b in m if a == 1)
