@@ -51,6 +51,9 @@ class BodyState:
     session: str | None = None          # the tokenization session the body's prompt went to
     conversation_key: str | None = None
     nbytes: int = field(default=0)
+    # Message i as the previous turn validated it (protocol.ChatMessage), when kept: a message whose bytes are equal
+    # validates to an equal object, so the next turn validates only its new messages (proxy_routes._validated).
+    validated: list[Any] | None = None
 
 
 @dataclass
@@ -223,14 +226,14 @@ class BodyDeltas:
         return Parsed(body, checked, None, raw=raw if checked and len(raw) >= KEY_BYTES else None)
 
     def remember(self, raw: bytes, messages: Any, session: str | None, conversation_key: str | None,
-                 clean: int) -> bool:
+                 clean: int, validated: list[Any] | None = None) -> bool:
         """Build and keep the state of a body parsed in full (`Parsed.raw`; `messages` as parsed). Its structure
         scan and span proofs cost a few times the parse (~40 ms at 4M characters), so the tier runs this off the
         turn's path: the state is needed by the next turn only."""
         state = self._state_of(raw, messages)
         if state is None:
             return False
-        self.keep(state, session, conversation_key, clean)
+        self.keep(state, session, conversation_key, clean, validated)
         return True
 
     def _state_of(self, raw: bytes, messages: Any) -> BodyState | None:
@@ -301,9 +304,12 @@ class BodyDeltas:
                           session=st.session, conversation_key=st.conversation_key)
         return Parsed(body, True, state, reused=i + 1, base=st)
 
-    def keep(self, state: BodyState, session: str | None, conversation_key: str | None, clean: int) -> None:
-        """Keep a body's state for the next turn (after its prompt was tokenized)."""
+    def keep(self, state: BodyState, session: str | None, conversation_key: str | None, clean: int,
+             validated: list[Any] | None = None) -> None:
+        """Keep a body's state for the next turn (after its prompt was tokenized). `validated`: its messages as
+        validated, one per message (anything else is not kept)."""
         state.session, state.conversation_key, state.clean = session, conversation_key, clean
+        state.validated = validated if validated is not None and len(validated) == len(state.messages) else None
         state.nbytes = len(state.raw)
         key = state.raw[:KEY_BYTES]
         with self._lock:
