@@ -29,6 +29,16 @@ from .tokenize_service import SessionEntry, SessionStore
 BLOCK_CHARS = 1024   # prompts are hashed in blocks of this many characters; shorter ones are encoded directly
 
 
+@dataclass(frozen=True)
+class SessionText:
+    """A session held exactly the text just tokenized: at this revision, with this many characters. While its
+    revision is unchanged it still holds that text (every mutation moves the revision), so the next turn may append
+    to it without handing over, or comparing, the whole text again (`append_on`)."""
+    session: str
+    revision: int
+    chars: int
+
+
 @dataclass
 class TokenizationReport:
     """What the response's `tokenization` field says about how the prompt's IDs were obtained."""
@@ -39,6 +49,7 @@ class TokenizationReport:
     time_ms: float            # tokenization time in the server (lookup + repair or encode)
     session: str | None = None
     origin: IdsOrigin | None = None   # how the IDs relate to the session's previous ones (for the body cache)
+    text: SessionText | None = None   # the session's state holding exactly this prompt
 
     def to_dict(self) -> dict[str, Any]:
         return {"path": self.path, "reused_tokens": self.reused_tokens, "new_tokens": self.new_tokens,
@@ -126,10 +137,11 @@ class ConversationCache:
             splice = entry.session.sync(text)
             ids = np.array(entry.session.ids, copy=True)
             origin = IdsOrigin(entry.id, base, entry.session.revision, int(splice.keep))
+            held = SessionText(entry.id, entry.session.revision, entry.session.n_chars)
         self.store.resize(entry)
         self._remember(entry, keys)
         report = TokenizationReport(path, int(splice.keep), int(len(splice.ids)), (time.perf_counter() - t0) * 1e3,
-                                    entry.id, origin)
+                                    entry.id, origin, held)
         return ids, report
 
     def encode_on(self, session_id: str, text: str) -> tuple[np.ndarray, TokenizationReport] | None:
@@ -151,13 +163,40 @@ class ConversationCache:
             splice = entry.session.sync(text)
             ids = np.array(entry.session.ids, copy=True)
             origin = IdsOrigin(entry.id, base, entry.session.revision, int(splice.keep))
+            held = SessionText(entry.id, entry.session.revision, entry.session.n_chars)
         self.store.resize(entry)
         return ids, TokenizationReport("session", int(splice.keep), int(len(splice.ids)),
-                                       (time.perf_counter() - t0) * 1e3, entry.id, origin)
+                                       (time.perf_counter() - t0) * 1e3, entry.id, origin, held)
+
+    def append_on(self, held: SessionText, tail: str) -> tuple[np.ndarray, TokenizationReport] | None:
+        """IDs of (the text `held` says the session holds) + `tail`, by appending `tail`: O(tail) in text, where
+        `encode_on` compares the whole new text with the stored one. None when the session is gone or has moved
+        since (another revision or length): then the caller renders and syncs the whole text. The IDs are exact
+        when the caller's claim is: the session's text at that revision is the text whose continuation `tail` is
+        (chat.ChatTemplate.extend proves that for a conversation that grew)."""
+        t0 = time.perf_counter()
+        try:
+            entry = self.store.get(held.session)
+        except Exception:   # noqa: BLE001 - evicted or deleted since
+            return None
+        if entry.model != self.tokenizer.name:
+            return None
+        with entry.lock:
+            session = entry.session
+            if session.revision != held.revision or session.n_chars != held.chars:
+                return None
+            splice = session.append(tail)
+            ids = np.array(session.ids, copy=True)
+            origin = IdsOrigin(entry.id, held.revision, session.revision, int(splice.keep))
+            now = SessionText(entry.id, session.revision, session.n_chars)
+        self.hits += 1
+        self.store.resize(entry)
+        return ids, TokenizationReport("session", int(splice.keep), int(len(splice.ids)),
+                                       (time.perf_counter() - t0) * 1e3, entry.id, origin, now)
 
     def stats(self) -> dict[str, int]:
         with self._lock:
             return {"hits": self.hits, "misses": self.misses, "index_keys": len(self._index)}
 
 
-__all__ = ["ConversationCache", "TokenizationReport", "blocks", "chain"]
+__all__ = ["ConversationCache", "SessionText", "TokenizationReport", "blocks", "chain"]

@@ -26,7 +26,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse
 
 from .backends import BackendHealth, ModelStatus
-from .body_delta import BodyDeltas, Parsed
+from .body_delta import BodyDeltas, KeptTurn, Parsed
 from .conversations import TokenizationReport
 from .errors import APIError, InvalidRequest
 from .event_stream import EventStream
@@ -141,27 +141,40 @@ class ProxyServer(OpenAIServer):
 
     def _chat_ids(self, req: ChatCompletionRequest, parsed: Parsed) -> tuple[Any, TokenizationReport | None]:
         """chat_ids with what the conversation's previous body says: which leading messages are known to quote no
-        control token, and (same conversation key) the session to repair; then this body kept for the next turn."""
-        base = parsed.base
-        clean = min(base.clean, parsed.reused) if base is not None else 0
-        session = base.session if base is not None and base.conversation_key == req.conversation_key else None
-        prompt_ids, report = self.chat_ids(req, clean, session)
-        if report is not None and report.path in ("session", "new_session"):   # every message scanned: none quotes
+        control token, their (role, text) pairs, and (same conversation key) the session to repair, or, when this
+        body keeps every message of that one, the session text to append the new messages' text to; then this
+        body kept for the next turn."""
+        base, reused = parsed.base, parsed.reused
+        kept = base.turn if base is not None else None
+        clean = min(base.clean, reused) if base is not None else 0
+        same = base is not None and base.conversation_key == req.conversation_key
+        session = base.session if same and base is not None else None
+        if kept is not None and 0 < reused <= len(kept.pairs):   # equal bytes: equal messages, equal pairs
+            pairs = kept.pairs[:reused] + [(m.role, m.text()) for m in req.messages[reused:]]
+        else:
+            pairs = [(m.role, m.text()) for m in req.messages]
+        prior = (kept.pairs, kept.rendered) if same and kept is not None and kept.rendered is not None \
+            and reused == len(kept.pairs) else None
+        prompt_ids, report = self.chat_ids(req, clean, session, pairs, prior)
+        if report is None:
+            return prompt_ids, report
+        if report.path in ("session", "new_session"):   # every message scanned: none quotes
             clean = len(req.messages)
-        if parsed.state is not None and report is not None:
-            self.deltas.keep(parsed.state, report.session, req.conversation_key, clean, req.messages)
-        elif parsed.raw is not None and report is not None:
+        turn = KeptTurn(req.messages, pairs, report.text if report.path in ("session", "new_session") else None)
+        if parsed.state is not None:
+            self.deltas.keep(parsed.state, report.session, req.conversation_key, clean, turn)
+        elif parsed.raw is not None:
             self._states.submit(self._remember, parsed.raw, parsed.body.get("messages"), report.session,
-                                req.conversation_key, clean, req.messages)
+                                req.conversation_key, clean, turn)
         return prompt_ids, report
 
     def _remember(self, raw: bytes, messages: Any, session: str | None, key: str | None, clean: int,
-                  validated: list[Any]) -> None:
+                  turn: KeptTurn) -> None:
         """A body parsed in full, kept for the next turn after this turn's answer has started (its state costs a
         few parses: body_delta.remember)."""
         time.sleep(_STATE_DELAY_S)
         try:
-            self.deltas.remember(raw, messages, session, key, clean, validated)
+            self.deltas.remember(raw, messages, session, key, clean, turn)
         except Exception:   # noqa: BLE001 - the next turn parses in full instead
             log.exception("keeping a chat body's state failed")
 
@@ -216,7 +229,7 @@ class ProxyServer(OpenAIServer):
         of lone surrogates, hold for the joined list when they hold for both parts). Any refusal is redone on
         the whole body, so that its error names the field as the client sent it."""
         base, reused = parsed.base, parsed.reused
-        kept = base.validated if base is not None else None
+        kept = base.turn.validated if base is not None and base.turn is not None else None
         messages = parsed.body.get("messages")
         if kept is not None and parsed.checked and 0 < reused <= len(kept) and isinstance(messages, list) \
                 and len(messages) > reused:
