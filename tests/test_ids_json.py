@@ -111,3 +111,21 @@ def test_chunks_reference_earlier_bytes_and_cut_across_pieces():
             assert any(c is run or (isinstance(c, memoryview) and c.obj is run) for c in got), "first run copied"
         ids, rev = new, rev + 1
     assert bodies.reused == 150 and bodies.written == 1
+
+
+def test_bodies_from_a_sessions_read_only_view():
+    """The tier writes bodies from the session's own IDs (a read-only view, under the session's lock): the same bytes
+    as from a copy, the view untouched."""
+    from tokenplane.tokenize.registry import load
+
+    session = load("qwen3").session(allowed_special="all")
+    bodies, text = RequestBodies(), ""
+    for step in range(20):
+        text += f"step {step}: <|im_start|>user\nwords ünï {step * 7}<|im_end|>\n"
+        base = session.revision
+        splice = session.sync(text)
+        view = session.ids
+        assert not view.flags.writeable
+        got = b"".join(bodies.chunks({"model": "q"}, view, IdsOrigin("v", base, session.revision, int(splice.keep))))
+        assert got == full({"model": "q"}, np.array(view, copy=True))
+    assert bodies.reused == 19

@@ -133,8 +133,8 @@ def test_appended_turns_forward_reference_ids(server, monkeypatch, seed):
     appended = []
     append_on = server.chat_sessions.append_on
 
-    def spy(held, tail):
-        found = append_on(held, tail)
+    def spy(held, tail, *take):
+        found = append_on(held, tail, *take)
         appended.append(found is not None)
         return found
     monkeypatch.setattr(server.chat_sessions, "append_on", spy)

@@ -27,10 +27,10 @@ from fastapi.responses import JSONResponse
 
 from .backends import BackendHealth, ModelStatus
 from .body_delta import BodyDeltas, KeptTurn, Parsed
-from .conversations import TokenizationReport
+from .conversations import Take, TokenizationReport, copied
 from .errors import APIError, InvalidRequest
 from .event_stream import EventStream
-from .ids_json import Chunks, RequestBodies
+from .ids_json import Chunks, IdsOrigin, RequestBodies
 from .openai_routes import ClientDisconnected, OpenAIServer
 from .protocol import ChatCompletionRequest, CompletionRequest
 from .upstream import FORWARDED, UpstreamPool, error_from, sse_data
@@ -94,6 +94,13 @@ class Phases:
         self.marks[name] = round((time.perf_counter() - self.t0) * 1e3, 4)
 
 
+@dataclass(frozen=True)
+class _Forwarded:
+    """A prompt's length in tokens and the upstream body that carries it."""
+    n: int
+    body: Chunks
+
+
 def conversation_key(req: Any, text: str) -> str:
     """What pins a conversation to an upstream: the client's key, else its first 1K characters (stable across
     tokenplane replicas, unlike a session id)."""
@@ -139,7 +146,8 @@ class ProxyServer(OpenAIServer):
         body["model"] = self.pool.model
         return body
 
-    def _chat_ids(self, req: ChatCompletionRequest, parsed: Parsed) -> tuple[Any, TokenizationReport | None]:
+    def _chat_ids(self, req: ChatCompletionRequest, parsed: Parsed,
+                  take: Take = copied) -> tuple[Any, TokenizationReport | None]:
         """chat_ids with what the conversation's previous body says: which leading messages are known to quote no
         control token, their (role, text) pairs, and (same conversation key) the session to repair, or, when this
         body keeps every message of that one, the session text to append the new messages' text to; then this
@@ -155,7 +163,7 @@ class ProxyServer(OpenAIServer):
             pairs = [(m.role, m.text()) for m in req.messages]
         prior = (kept.pairs, kept.rendered) if same and kept is not None and kept.rendered is not None \
             and reused == len(kept.pairs) else None
-        prompt_ids, report = self.chat_ids(req, clean, session, pairs, prior)
+        prompt_ids, report = self.chat_ids(req, clean, session, pairs, prior, take)
         if report is None:
             return prompt_ids, report
         if report.path in ("session", "new_session"):   # every message scanned: none quotes
@@ -185,20 +193,26 @@ class ProxyServer(OpenAIServer):
     def _prepared(self, req: Any, chat: bool, parsed: Parsed | None = None) -> tuple[int, TokenizationReport | None,
                                                                                      Chunks]:
         """Worker-thread part of a request: its prompt IDs, checked against the context, and the upstream body
-        (ids_json.py: the IDs' JSON reuses the session's previous body where the splice allows)."""
+        (ids_json.py: the IDs' JSON reuses the session's previous body where the splice allows). A chat's body is
+        written under its session's lock from the session's own IDs (conversations.Take): no copy of the context's
+        IDs, only the JSON of the IDs the previous body lacks."""
+        fields = self._fields(req, self.chat.stop_token_ids if chat else ())
         if chat:
-            prompt_ids, report = self._chat_ids(req, parsed) if parsed is not None else self.chat_ids(req)
+            def take(ids: Any, origin: IdsOrigin | None) -> _Forwarded:
+                return _Forwarded(len(ids), self.bodies.chunks(fields, ids, origin))
+            fwd, report = self._chat_ids(req, parsed, take) if parsed is not None else self.chat_ids(req, take=take)
         else:
             prompt_ids, report = self.completion_ids(req)
-        n = len(prompt_ids)
+            fwd = _Forwarded(len(prompt_ids), self.bodies.chunks(fields, prompt_ids,
+                                                                 report.origin if report is not None else None))
+        n = fwd.n
         if n == 0:
             raise InvalidRequest("the prompt is empty", param="prompt")
         limit = self.backend.max_model_len
         if limit is not None and n >= limit:
             raise InvalidRequest(f"this model's maximum context length is {limit} tokens; the prompt has "
                                  f"{n} tokens", param="prompt", code="context_length_exceeded")
-        fields = self._fields(req, self.chat.stop_token_ids if chat else ())
-        return n, report, self.bodies.chunks(fields, prompt_ids, report.origin if report is not None else None)
+        return n, report, fwd.body
 
     async def completions(self, request: Request) -> Any:
         phases = Phases()
