@@ -79,14 +79,14 @@ def test_feasible_thresholds_bounds():
         feasible_thresholds(0, 4)
 
 
-# -- the runtime's count-based "nothing else can run" (tokenplane.route.subserver) ----------------------------------
+# -- the runtime's count-based "nothing else can run" (tokenplane.route.launch_gate) --------------------------------
 def _status(model, active=False, ready=0, sent=(0, 0), received=(0, 0)):
     from tokenplane.route.messages import PeerStatus
     return PeerStatus(model, active, ready, list(sent), list(received))
 
 
 def test_stale_idle_report_does_not_force_after_a_hand_back():
-    from tokenplane.route.subserver import nothing_else_can_run
+    from tokenplane.route.launch_gate import nothing_else_can_run
     # The large model (1) just handed 3 requests back to the small one (0) and kept 1 queued below T_1. Model 0's
     # latest report ("idle, received 0 from model 1") predates those handoffs: it is stale, waiting must win.
     peers = [_status(0, sent=(0, 4), received=(0, 0)), None]
@@ -97,7 +97,7 @@ def test_stale_idle_report_does_not_force_after_a_hand_back():
 
 
 def test_active_or_silent_peer_or_in_flight_between_others_blocks_forcing():
-    from tokenplane.route.subserver import nothing_else_can_run
+    from tokenplane.route.launch_gate import nothing_else_can_run
     assert not nothing_else_can_run(1, 1, [0, 0], [0, 0], [None, None])                       # never reported
     assert not nothing_else_can_run(1, 1, [0, 0], [0, 0], [_status(0, active=True), None])    # executing
     # three models: 0 sent 2 to 2, which has only received 1 -> in flight between two peers
@@ -109,7 +109,7 @@ def test_active_or_silent_peer_or_in_flight_between_others_blocks_forcing():
 
 
 def test_exactly_one_waiting_model_is_leader_on_a_consistent_cut():
-    from tokenplane.route.subserver import nothing_else_can_run
+    from tokenplane.route.launch_gate import nothing_else_can_run
     # both idle below their thresholds, nothing in flight (a drained workload): the one with more ready launches,
     # ties go to the lower index, so the two never both wait and never both force
     for r0, r1 in [(2, 1), (1, 2), (2, 2), (0, 3)]:
@@ -120,55 +120,58 @@ def test_exactly_one_waiting_model_is_leader_on_a_consistent_cut():
         assert a + b == 1, (r0, r1, a, b)
 
 
+def _gate(model: int, num_models: int = 2, policy=None):
+    """A LaunchGate over an Outbox without sockets (the tests set counts and queued messages by hand)."""
+    from tokenplane.route.launch_gate import LaunchGate
+    from tokenplane.route.outbox import Outbox
+    gate = LaunchGate(model, num_models, Outbox(model, num_models, None, None))
+    gate.policy = policy
+    return gate
+
+
 def test_idle_report_rides_behind_the_handoffs_it_counts():
     """An idle model's PeerStatus goes in the same frame as this turn's handoffs (queued behind them) and its counts
     already include them, so a peer reading both in one drain finds a consistent cut with no extra round trip; an
-    "active" report goes out at once. Exercised on SubServer._publish with the sockets replaced."""
+    "active" report goes out at once. Exercised on LaunchGate.publish with the outbox's sends replaced."""
     from tokenplane.route.batching import BatchPolicy
     from tokenplane.route.messages import HandoffMsg, PeerStatus
-    from tokenplane.route.subserver import SubServer
 
     frames: list[list] = []
     direct: list = []
-    srv = object.__new__(SubServer)
-    srv.model, srv.policy, srv.published = 0, BatchPolicy([1, 3], 8), None
-    srv.sent, srv.received = [0, 3], [0, 2]
-    srv.final_sent, srv.final_received = [0, 1], [0, 1]   # final deliveries never create work: not counted
-    srv.peers = {1: object()}
+    gate = _gate(0, policy=BatchPolicy([1, 3], 8))
+    out = gate.out
+    out.sent, out.received = [0, 3], [0, 2]
+    out.final_sent, out.final_received = [0, 1], [0, 1]   # final deliveries never create work: not counted
+    out.peers = {1: object()}
     handoff = object.__new__(HandoffMsg)
     final = object.__new__(HandoffMsg)
     final.final = True
-    srv.outbox = {1: [handoff, final, handoff]}
-    srv._flush = lambda: (frames.append(srv.outbox.get(1, [])), setattr(srv, "outbox", {}))
-    import tokenplane.route.subserver as sub
-    orig, sub.send = sub.send, lambda sock, msg: direct.append(msg) or True
-    try:
-        srv._publish(False, 1)
-        assert len(frames) == 1 and frames[0][:3] == [handoff, final, handoff]
-        st = frames[0][3]
-        assert isinstance(st, PeerStatus)
-        assert not st.active and st.ready == 1 and st.sent == [0, 4] and st.received == [0, 1] and st.at > 0
-        srv.sent, srv.final_sent = [0, 6], [0, 2]
-        srv._publish(False, 1)   # unchanged state: nothing new to say
-        assert frames[-1] == [] and not direct
-        srv._publish(True, 2)
-        assert len(direct) == 1 and direct[0].active
-    finally:
-        sub.send = orig
+    out.queued = {1: [handoff, final, handoff]}
+    out.flush = lambda: (frames.append(out.queued.get(1, [])), setattr(out, "queued", {}))
+    out.send_now = lambda dest, msg: direct.append(msg) or True
+    gate.publish(False, 1)
+    assert len(frames) == 1 and frames[0][:3] == [handoff, final, handoff]
+    st = frames[0][3]
+    assert isinstance(st, PeerStatus)
+    assert not st.active and st.ready == 1 and st.sent == [0, 4] and st.received == [0, 1] and st.at > 0
+    out.sent, out.final_sent = [0, 6], [0, 2]
+    gate.publish(False, 1)   # unchanged state: nothing new to say
+    assert frames[-1] == [] and not direct
+    gate.publish(True, 2)
+    assert len(direct) == 1 and direct[0].active
 
 
 def test_a_final_delivery_in_flight_does_not_hold_a_forced_launch():
     """Model 1 delivered a finished request to the home model (a final HandoffMsg): model 0's idle report cannot
     count it yet, but it can never create work, so model 1 need not wait for that acknowledgement round trip."""
-    from tokenplane.route.subserver import SubServer
-    srv = object.__new__(SubServer)
-    srv.model, srv.outbox = 1, {}
-    srv.sent, srv.received, srv.final_sent, srv.final_received = [3, 0], [4, 0], [1, 0], [0, 0]
+    gate = _gate(1)
+    out = gate.out
+    out.sent, out.received, out.final_sent, out.final_received = [3, 0], [4, 0], [1, 0], [0, 0]
     # model 0: idle, sent 4 to model 1, acknowledged 2 from it (the 2 that carried work)
-    srv.peer_status = [_status(0, sent=(0, 4), received=(0, 2)), None]
-    assert srv._nothing_else_can_run(1)
-    srv.final_sent = [0, 0]   # were the third one a hand-back with work, model 0 might still launch: wait
-    assert not srv._nothing_else_can_run(1)
+    gate.peer_status = [_status(0, sent=(0, 4), received=(0, 2)), None]
+    assert gate.nothing_else_can_run(1)
+    out.final_sent = [0, 0]   # were the third one a hand-back with work, model 0 might still launch: wait
+    assert not gate.nothing_else_can_run(1)
 
 
 def test_own_unflushed_hand_back_blocks_forcing():
@@ -177,12 +180,10 @@ def test_own_unflushed_hand_back_blocks_forcing():
     launch right after every hand-back, before the batch its threshold waits for can form (measured: at C = 8,
     thresholds (1, 7) ran exactly like (1, 1))."""
     from tokenplane.route.messages import HandoffMsg
-    from tokenplane.route.subserver import SubServer
-    srv = object.__new__(SubServer)
-    srv.model = 1
-    srv.sent, srv.received, srv.final_sent, srv.final_received = [3, 0], [3, 0], [0, 0], [0, 0]
-    srv.peer_status = [_status(0, sent=(0, 3), received=(0, 3)), None]
-    srv.outbox = {}
-    assert srv._nothing_else_can_run(1)          # everything delivered and acknowledged
-    srv.outbox = {0: [object.__new__(HandoffMsg), object.__new__(HandoffMsg)]}
-    assert not srv._nothing_else_can_run(1)      # dispatched, not yet flushed: model 0 is about to get work
+    gate = _gate(1)
+    out = gate.out
+    out.sent, out.received, out.final_sent, out.final_received = [3, 0], [3, 0], [0, 0], [0, 0]
+    gate.peer_status = [_status(0, sent=(0, 3), received=(0, 3)), None]
+    assert gate.nothing_else_can_run(1)          # everything delivered and acknowledged
+    out.queued = {0: [object.__new__(HandoffMsg), object.__new__(HandoffMsg)]}
+    assert not gate.nothing_else_can_run(1)      # dispatched, not yet flushed: model 0 is about to get work

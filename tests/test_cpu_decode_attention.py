@@ -95,3 +95,29 @@ def test_bfloat16_rounding_matches_torch():
     nan = np.isnan(f)
     assert np.array_equal(got[~nan], want[~nan])
     assert np.isnan(torch.from_numpy(got[nan].view(np.int16)).view(torch.bfloat16).float().numpy()).all()
+
+
+def test_float32_softmax_exp_is_within_3_ulp():
+    """The kernel's float32 exp (a polynomial, so it vectorizes) against exp in float64, on a dense grid of the
+    softmax numerators' range [-87, 0] and on its edges; float64 keeps libm's exp."""
+    from numba import njit
+
+    from tokenplane.engine.cpu_decode_attention import _exp_nonpos
+
+    @njit
+    def apply(xs):  # noqa: ANN001, ANN202
+        out = np.empty_like(xs)
+        for i in range(xs.shape[0]):
+            out[i] = _exp_nonpos(xs[i])
+        return out
+
+    xs = np.concatenate([np.linspace(-87, 0, 1_000_001, dtype=np.float32),
+                         np.array([0.0, -0.0, -1e-30, -1e-8, -0.34657359, 0.34657359 * -3], np.float32)])
+    got = apply(xs).astype(np.float64)
+    ref = np.exp(xs.astype(np.float64))
+    ulp = np.spacing(ref.astype(np.float32)).astype(np.float64)
+    assert (np.abs(got - ref) <= 3 * ulp).all()
+    assert apply(np.array([0.0], np.float32))[0] == 1.0
+    far = apply(np.array([-88.0, -1e4], np.float32))          # below the clamp: tiny, never above e^-87
+    assert (far > 0).all() and (far <= np.float32(np.exp(-87.0)) * 1.000001).all()
+    assert apply(np.array([-2.0]))[0] == np.exp(-2.0)          # float64: libm's exp itself

@@ -9,8 +9,9 @@ import torch
 from tokenplane.engine.block_manager import BlockManager
 from tokenplane.engine.sampler import SamplingParams
 from tokenplane.route.api import Algorithm
-from tokenplane.route.messages import AddRequest, Finished, HandoffMsg, Release, TokenChunk, Yield
-from tokenplane.route.scheduler import FRONTEND, Scheduler, params_to_wire
+from tokenplane.route.messages import AddRequest, Finished, HandoffMsg, Release, TokenChunk, Yield, params_to_wire
+from tokenplane.route.route_request import FRONTEND
+from tokenplane.route.scheduler import Scheduler
 from tokenplane.route.states import RequestState
 
 V = 64

@@ -178,11 +178,12 @@ def test_splice_and_views(toks):
     ids = sess.ids
     assert not ids.flags.writeable
     assert np.shares_memory(ids, sess._rec.buf)   # zero-copy view of the internal buffer
+    del ids
     buf = sess._rec.buf
     old = sess.ids.copy()
-    sp = sess.append(" pipe")
+    n_sp = len(sess.append(" pipe").ids)
     sp2 = sess.append("line")
-    assert sp2.keep < len(old) + len(sp.ids)    # "pipe"+"line" re-tokenized the seam token
+    assert sp2.keep < len(old) + n_sp           # "pipe"+"line" re-tokenized the seam token
     assert sess._rec.buf is buf                 # in place: no reallocation for small appends
     assert sp2.revision == sess.revision == 3
     # IDs (4 bytes) + <= 6.25% growth slack + a checkpoint per 64 tokens (ends are derived, not stored)
@@ -317,6 +318,62 @@ def test_chunk_store_matches_a_plain_string(parts, other, a, b, rep):
     store.replace(max(0, len(text) - 2), len(text), rep)
     text = text[:max(0, len(text) - 2)] + rep
     assert store.slice(0, len(text) + 5) == text and store.length == len(text)
+
+
+def test_chunk_store_edits_stay_exact_and_bounded(monkeypatch):
+    """Many edits on a store of many small chunks (tiny chunk limits, so every edit cuts chunks of mixed widths):
+    the text equals a plain string edited alike, starts stay consistent, and an ASCII edit whose cut chunks fit in
+    one rejoins them (the chunk count does not grow edit by edit)."""
+    import random
+
+    from tokenplane.tokenize import textstore
+
+    monkeypatch.setattr(textstore, "CHUNK_MERGE", 16)
+    monkeypatch.setattr(textstore, "WIDTH_RUN", 8)
+    monkeypatch.setattr(textstore, "WIDTH_FINE", 4)
+    rng = random.Random(7)
+    alpha = ["a", "b", " ", "\u00e9", "\U0001f600", "\n", "\u4e2d"]
+    for trial in range(300):
+        wide = trial % 2    # ASCII texts: an edit rejoins the chunks it cuts when they fit in one
+        text = "".join(rng.choice(alpha if wide else alpha[:3]) for _ in range(rng.randrange(0, 400)))
+        store = textstore.TextStore()
+        store.append(text)
+        for _ in range(40):
+            a = rng.randrange(0, len(text) + 1)
+            b = rng.randrange(a, min(len(text), a + 30) + 1)
+            rep = "".join(rng.choice(alpha[:3]) for _ in range(rng.randrange(0, 12)))
+            before = len(store.chunks)
+            rejoin = (not wide and b < len(text)
+                      and a - store.starts[store._locate(a)] + len(rep) + len(store.chunks[store._locate(b)])
+                      - (b - store.starts[store._locate(b)]) <= 2 * textstore.CHUNK_MERGE)
+            store.replace(a, b, rep)
+            assert len(store.chunks) <= before + 2 and (not rejoin or len(store.chunks) <= before)
+            text = text[:a] + rep + text[b:]
+            assert all(store.chunks) and "".join(store.chunks) == text and len(store) == len(text)
+            assert store.starts == [sum(map(len, store.chunks[:k])) for k in range(len(store.chunks))]
+            if text:
+                p = rng.randrange(len(text))
+                assert store.char(p) == text[p] and store.slice(p, p + 9) == text[p:p + 9]
+
+
+def test_exported_ids_survive_later_edits(toks):
+    """Session.ids and Splice.ids are views that later mutations never change: the records are copied first only
+    while such a view (or a view derived from it) is alive, and written in place otherwise."""
+    tok = toks["cl100k_base"]
+    sess = tok.session(text=PROSE * 20)
+    held, derived = sess.ids, sess.sync(sess.text[:500] + "X" + sess.text[501:]).ids[3:]
+    kept, kept_d = held.copy(), derived.copy()
+    buf = sess._rec.buf
+    for k in range(5):
+        sp = sess.edit(200 + k, 203 + k, "Q\u00e9")
+        assert (sess.ids == tok.encode(sess.text)).all()
+    assert (held == kept).all() and (derived == kept_d).all()
+    assert sess._rec.buf is not buf                   # copied once, for the live views
+    del held, derived, sp
+    buf = sess._rec.buf
+    for k in range(5):
+        sess.edit(300 + k, 302 + k, "zz")     # nothing handed out is alive: the records are edited in place
+    assert sess._rec.buf is buf and (sess.ids == tok.encode(sess.text)).all()
 
 
 @pytest.mark.parametrize("name", NAMES)

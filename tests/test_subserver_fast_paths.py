@@ -7,7 +7,7 @@ import torch
 
 from tokenplane.engine import cpu_malloc
 from tokenplane.engine.cpu_fused_norm import fused_norm_applies
-from tokenplane.route.subserver import SubServerSpec, build_runner
+from tokenplane.route.subserver_spec import SubServerSpec, build_runner
 
 
 def test_subserver_runner_takes_the_cpu_fast_paths() -> None:

@@ -297,8 +297,9 @@ def part_breakdown(args, fits) -> dict:
     AddRequest re-submission, and time the small model's steps by category."""
     from tokenplane.engine.sampler import SamplingParams
     from tokenplane.route.algorithms import make_algorithm
-    from tokenplane.route.messages import AddRequest, Yield, decode, encode
-    from tokenplane.route.scheduler import FRONTEND, Scheduler, params_to_wire
+    from tokenplane.route.messages import AddRequest, Yield, decode, encode, params_to_wire
+    from tokenplane.route.route_request import FRONTEND
+    from tokenplane.route.scheduler import Scheduler
     out = {}
     backends = [("latency-model (seed scale)", None)] + [("torch " + args.real_models[0], args.real_models)]
     for label, real in backends:

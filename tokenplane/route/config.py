@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .standard import validate_unit
-from .subserver import MODES
+from .subserver_spec import MODES
 
 log = logging.getLogger("tokenplane.route.runtime")
 

@@ -27,7 +27,7 @@ class EnsembleWait:
 
 
 def complete_position(alg: Algorithm, rec: Any, model: int, wait: EnsembleWait) -> None:
-    """Commit the combined token on `rec` (the scheduler's RouteRequest); the position reports the primary's
+    """Commit the combined token on `rec` (a route_request.RouteRequest); the position reports the primary's
     logprob, as the reference does."""
     token = int(alg.combine(rec.view, wait.result, wait.scores))
     rec.ensemble = None

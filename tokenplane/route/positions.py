@@ -20,7 +20,7 @@ def logprob_entry(logits: Any, token: int, k: int) -> list[Any]:
 
 
 def record(rec: Any, model: int, logits: Any, token: int) -> None:
-    """Per-position records of a token `model` commits (rec: scheduler.RouteRequest); its logprob, from the logits
+    """Per-position records of a token `model` commits (rec: route_request.RouteRequest); its logprob, from the logits
     that produced it, only when the request asked."""
     rec.models.append(model)
     if rec.logprobs is not None:
@@ -29,7 +29,7 @@ def record(rec: Any, model: int, logits: Any, token: int) -> None:
 
 def set_received(rec: Any, h: Any, models: list[int], logprobs: list[Any] | None, start: int | None = None) -> None:
     """The records of the positions a handoff `h` delivered, [start, committed length) (default start: its anchor),
-    from the sender's lists; rec: scheduler.RouteRequest after receive() / apply_handoff."""
+    from the sender's lists; rec: route_request.RouteRequest after receive() / apply_handoff."""
     start = max(h.anchor, 0) if start is None else start
     n = len(rec.view.output_ids)
     splice(rec.models, start, [int(m) for m in models], n, h.source)

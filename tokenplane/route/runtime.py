@@ -12,8 +12,9 @@ code path (RuntimeConfig.mode / pending_return / standard_serving), see docs/run
 
 Three jobs, three objects: this module is the request front end (validation, admission control, streaming, aborts);
 `supervisor.Supervisor` owns the processes (spawn, heartbeats, hung steps, deaths, restarts, health);
-`coordinator.Coordinator` grants steps in the sync modes. One I/O thread owns the inbox and drives the other two;
-user calls send on the per-model client sockets under a lock.
+`coordinator.Coordinator` grants steps in the sync modes. One I/O thread (frontend_io.FrontEndIO) owns the inbox,
+delivers the sub-servers' messages to live requests and drives the other two; user calls send on the per-model
+client sockets under a lock shared with it.
 
 Errors (tokenplane.route.errors), all raised by `generate` before anything is registered unless noted:
     RequestRejected   a sampling field out of range / not finite, a bad or too long prompt, prompt + max_tokens over
@@ -43,29 +44,19 @@ import zmq
 from .config import RuntimeConfig, resolve_thresholds
 from .coordinator import Coordinator
 from .errors import ModelUnavailable, Overloaded, RequestFailed, RequestRejected, RouteError
-from .handoff import bind_pull, drain, new_address_dir, send, send_many
+from .frontend_io import FrontEndIO, LiveRequest
+from .handoff import bind_pull, new_address_dir, send
 from .messages import (
-    Abort,
     AddRequest,
     Configure,
-    Error,
-    Finished,
-    Heartbeat,
-    PeerRestarted,
-    Peers,
-    Ready,
     Shutdown,
     StatsQuery,
     StatsReply,
-    StepDone,
-    StepGrant,
     TokenChunk,
-    Yield,
     params_to_wire,
 )
 from .params import capped_max_tokens, request_params, stop_token_ids, validate_params, validate_prompt
-from .standard import front_end_yield
-from .subserver import SYNC_MODES, SubServerSpec
+from .subserver_spec import SubServerSpec
 from .supervisor import ModelHealth, ModelState, Supervisor
 
 log = logging.getLogger(__name__)
@@ -81,20 +72,6 @@ class RuntimeOutput:
     logprobs: list | None = None      # per token [logprob, [[id, logprob], ...]] when params.logprobs is set
 
 
-@dataclass
-class _Live:
-    rid: str
-    loop: asyncio.AbstractEventLoop
-    queue: asyncio.Queue
-    prompt: list[int]
-    params: dict[str, Any]
-    start: float
-    streamed: int = 0
-    first_token: float | None = None
-    done: bool = False
-    inc: int = 0
-
-
 class Runtime:
     """Front end of the routing runtime (see module docstring)."""
 
@@ -108,28 +85,22 @@ class Runtime:
         self._ctx = zmq.Context()
         self._inbox, self._inbox_addr = bind_pull(self._ctx, config.transport, self._ipc_dir, "fe")
         self._lock = threading.RLock()
-        self._live: dict[str, _Live] = {}
-        self._all_ready = threading.Event()
-        self._stop = threading.Event()
-        self._closed = False
+        self._live: dict[str, LiveRequest] = {}
         self.errors: list[str] = []             # non-request errors reported by sub-servers
         self.events: list[str] = []             # kills, deaths and restarts, for operators and tests
-        self._stats_waits: dict[int, tuple[threading.Event, dict[int, StatsReply]]] = {}
         self._stats_token = itertools.count(1)
         self._inc = itertools.count(1)
-        self._sup = Supervisor(config, self._ctx, mp.get_context("spawn"), self._spec, self._on_death, self.events)
+        # A death is handled by the I/O side (it fails the live requests), which needs the Supervisor: late-bound.
+        self._sup = Supervisor(config, self._ctx, mp.get_context("spawn"), self._spec,
+                               lambda m, why: self._io.on_death(m, why), self.events)
         self._coord = Coordinator(self.num_models)
-        # I/O thread batching: deliveries to a caller's event loop and standard-serving re-submissions collected
-        # while one inbox drain is handled, then handed over once (one loop wake-up, one frame per model).
-        self._batching = False
-        self._pending_deliveries: list[tuple[_Live, Any]] = []
-        self._pending_adds: dict[int, list[tuple[_Live, AddRequest]]] = {}
-        self._io = threading.Thread(target=self._io_loop, name="tokenplane-runtime-io", daemon=True)
+        self._io = FrontEndIO(self._sup, self._coord, self._inbox, self._lock, self._live, self.errors,
+                              self.num_models)
         try:
             for m in range(self.num_models):
                 self._sup.spawn(m)
-            self._io.start()
-            if not self._all_ready.wait(config.startup_timeout_s):
+            self._io.thread.start()
+            if not self._io.all_ready.wait(config.startup_timeout_s):
                 raise RuntimeError(self._sup.startup_error
                                    or f"sub-servers not ready after {config.startup_timeout_s} s")
             if self._sup.startup_error:
@@ -235,7 +206,7 @@ class Runtime:
         """Route one request; yields TokenChunks as tokens are committed. RequestRejected / Overloaded /
         ModelUnavailable before anything is registered; RequestFailed (ModelUnavailable on a death) mid-stream."""
         from tokenplane.engine.sampler import SamplingParams
-        if self._closed:
+        if self._io.closing:
             raise RequestFailed("runtime is shut down")
         params = params if params is not None else SamplingParams()
         rid = request_id or uuid.uuid4().hex
@@ -245,7 +216,7 @@ class Runtime:
             raise RequestRejected(f"prompt must be a sequence of token ids: {exc}", param="prompt") from None
         wire = self._prepare_params(prompt, params, rid)
         deadline = time.monotonic() + self.config.request_timeout_s
-        live = _Live(rid, asyncio.get_running_loop(), asyncio.Queue(), prompt, wire, time.monotonic(),
+        live = LiveRequest(rid, asyncio.get_running_loop(), asyncio.Queue(), prompt, wire, time.monotonic(),
                      inc=next(self._inc))
         with self._lock:
             self._check_available()
@@ -259,7 +230,7 @@ class Runtime:
             try:
                 self._send_client(0, AddRequest(rid, prompt, wire, inc=live.inc))
             except BaseException:
-                self._unregister(live)
+                self._io.unregister(live)
                 raise
         try:
             while True:
@@ -313,31 +284,23 @@ class Runtime:
             live = self._live.get(request_id)
             if live is None:
                 return False
-            self._unregister(live)
+            self._io.unregister(live)
         if not live.done:
             live.done = True
-            self._deliver(live, TokenChunk(request_id, [], [], live.streamed, "abort", {}))
+            self._io.deliver(live, TokenChunk(request_id, [], [], live.streamed, "abort", {}))
         return True
-
-    def _unregister(self, live: _Live, reason: str = "abort") -> None:
-        """Drop a live entry (if still the same incarnation) and abort it on every reachable model."""
-        if self._live.get(live.rid) is live:
-            del self._live[live.rid]
-        for st in self._sup.models:
-            if st.ready and st.client is not None:
-                send(st.client, Abort(live.rid, reason, live.inc))
 
     def stats(self, timeout: float = 10.0) -> list[dict[str, Any]]:
         """Per-model block accounting and counters (a StatsQuery round trip to every sub-server)."""
         token = next(self._stats_token)
         ev, replies = threading.Event(), dict[int, StatsReply]()
         with self._lock:
-            self._stats_waits[token] = (ev, replies)
+            self._io.stats_waits[token] = (ev, replies)
             for m in range(self.num_models):
                 self._send_client(m, StatsQuery(token))
         ev.wait(timeout)
         with self._lock:
-            self._stats_waits.pop(token, None)
+            self._io.stats_waits.pop(token, None)
         if len(replies) < self.num_models:
             raise RequestFailed(f"stats: only models {sorted(replies)} answered within {timeout} s")
         return [dataclasses.asdict(replies[m]) for m in range(self.num_models)]
@@ -410,12 +373,12 @@ class Runtime:
         raise RuntimeError(f"model {m} did not come back within the timeout")
 
     def shutdown(self, timeout: float = 5.0) -> None:
-        if self._closed:
+        if self._io.closing:
             return
-        self._closed = True
+        self._io.closing = True
         with self._lock:
             for live in list(self._live.values()):
-                self._fail(live, RequestFailed("runtime shut down"))
+                self._io.fail(live, RequestFailed("runtime shut down"))
             self._live.clear()
             for st in self._sup.models:
                 if st.client is not None:
@@ -427,9 +390,7 @@ class Runtime:
                 if st.proc.exitcode is None:
                     st.proc.kill()
                     st.proc.join(2)
-        self._stop.set()
-        if self._io.is_alive():
-            self._io.join(5)
+        self._io.stop(5)
         for st in self._sup.models:
             if st.client is not None:
                 st.client.close(0)
@@ -438,183 +399,13 @@ class Runtime:
         if self._ipc_dir:
             shutil.rmtree(self._ipc_dir, ignore_errors=True)
 
-    # -- plumbing used by user threads and the I/O thread ----------------------------------------------------------
+    # -- plumbing used by user threads ------------------------------------------------------------------------------
     def _send_client(self, m: int, msg) -> None:
         st = self._sup.models[m]
         if st.client is None or not send(st.client, msg):
             raise ModelUnavailable(f"model {m} is not reachable", model=m, retry_after_s=self._sup.retry_after_s(m))
         if isinstance(msg, AddRequest):
             self._coord.mark(m)
-
-    def _deliver(self, live: _Live, item) -> None:
-        if self._batching and threading.current_thread() is self._io:
-            self._pending_deliveries.append((live, item))
-            return
-        try:
-            live.loop.call_soon_threadsafe(live.queue.put_nowait, item)
-        except RuntimeError:
-            pass   # the caller's event loop is gone; nobody is listening
-
-    def _flush_io(self) -> None:
-        """I/O thread, after handling one drain: re-submissions (one frame per model), then deliveries (one
-        call_soon_threadsafe per caller loop, items in arrival order)."""
-        adds, self._pending_adds = self._pending_adds, {}
-        for m, items in adds.items():
-            st = self._sup.models[m]
-            if st.client is None or not send_many(st.client, [a for _, a in items]):
-                for live, a in items:
-                    if self._live.get(a.request_id) is live:
-                        self._live.pop(a.request_id, None)
-                    self._fail(live, ModelUnavailable(f"model {m} is not reachable", model=m,
-                                                      retry_after_s=self._sup.retry_after_s(m)))
-            else:
-                self._coord.mark(m)
-        items, self._pending_deliveries = self._pending_deliveries, []
-        by_loop: dict[Any, list] = {}
-        for live, item in items:
-            by_loop.setdefault(live.loop, []).append((live.queue, item))
-        for loop, batch in by_loop.items():
-            try:
-                loop.call_soon_threadsafe(_put_all, batch)
-            except RuntimeError:
-                pass
-
-    def _fail(self, live: _Live, exc: RouteError) -> None:
-        if not live.done:
-            live.done = True
-            self._deliver(live, exc)
-
-    # -- I/O thread --------------------------------------------------------------------------------------------------
-    def _io_loop(self) -> None:
-        poller = zmq.Poller()
-        poller.register(self._inbox, zmq.POLLIN)
-        next_check = 0.0
-        while not self._stop.is_set():
-            poller.poll(5 if self.config.mode in SYNC_MODES else 50)
-            msgs = drain(self._inbox)
-            if msgs:
-                with self._lock:
-                    self._batching = True
-                    try:
-                        for msg in msgs:
-                            try:
-                                self._on_message(msg)
-                            except Exception as exc:   # never let one bad message kill the front end
-                                self.errors.append(f"front end: {type(exc).__name__}: {exc}")
-                    finally:
-                        self._batching = False
-                        self._flush_io()
-            now = time.monotonic()
-            if now >= next_check and not self._closed:
-                next_check = now + 0.1
-                with self._lock:
-                    self._sup.watch(now)
-                    if self._sup.startup_error and not self._all_ready.is_set():
-                        self._all_ready.set()
-            if self.config.mode in SYNC_MODES:
-                with self._lock:
-                    self._coord.tick(now, self.config.mode, bool(self._live),
-                                     all(st.ready for st in self._sup.models), self._grant)
-
-    def _grant(self, m: int, grant: StepGrant) -> None:
-        send(self._sup.models[m].client, grant)
-
-    def _on_message(self, msg) -> None:
-        if isinstance(msg, TokenChunk):
-            live = self._live.get(msg.request_id)
-            if live is not None and not live.done and live.inc == msg.inc:
-                if live.first_token is None:
-                    live.first_token = time.monotonic()
-                live.streamed = msg.start + len(msg.tokens)
-                self._deliver(live, msg)
-        elif isinstance(msg, Finished):
-            live = self._live.get(msg.request_id)
-            if live is not None and live.inc == msg.inc and not live.done:
-                del self._live[msg.request_id]
-                live.done = True
-                self._deliver(live, TokenChunk(msg.request_id, msg.tokens, msg.models, msg.start, msg.finish_reason,
-                                               self._final_stats(live, msg.stats), logprobs=msg.logprobs))
-        elif isinstance(msg, Yield):
-            self._on_yield(msg)
-        elif isinstance(msg, Error):
-            self._on_error(msg)
-        elif isinstance(msg, Heartbeat):
-            self._sup.on_heartbeat(msg)
-        elif isinstance(msg, StepDone):
-            self._coord.on_step_done(msg)
-        elif isinstance(msg, StatsReply):
-            w = self._stats_waits.get(msg.token)
-            if w is not None:
-                w[1][msg.model] = msg
-                if len(w[1]) == self.num_models:
-                    w[0].set()
-        elif isinstance(msg, Ready):
-            self._on_ready(msg)
-
-    def _final_stats(self, live: _Live, stats: dict[str, Any] | None) -> dict[str, Any]:
-        now = time.monotonic()
-        out = dict(stats or {})
-        out["latency_s"] = now - live.start
-        out["ttft_s"] = (live.first_token or now) - live.start
-        return out
-
-    def _on_yield(self, y: Yield) -> None:
-        """Standard serving: the front end is the external scheduler; one call (a token or a segment) ended."""
-        live = self._live.get(y.request_id)
-        if live is None or live.done or live.inc != y.inc:
-            return
-        add = front_end_yield(live, y, self._deliver, self._final_stats, time.monotonic())
-        if add is None:
-            self._live.pop(y.request_id, None)
-        else:
-            self._pending_adds.setdefault(y.next_model, []).append((live, add))
-
-    def _on_error(self, e: Error) -> None:
-        if e.request_id is None:
-            self.errors.append(e.message)
-            if e.fatal and not self._all_ready.is_set():
-                self._sup.startup_error = e.message
-                self._all_ready.set()
-            return
-        live = self._live.get(e.request_id)
-        if live is None or (e.inc is not None and e.inc != live.inc):
-            return
-        self._unregister(live, "error")
-        self._fail(live, RequestFailed(f"request {e.request_id} failed on model {e.model}: {e.message}"))
-
-    def _on_ready(self, r: Ready) -> None:
-        st = self._sup.models[r.model]
-        if r.pid != st.pid:
-            return   # a previous generation's late message
-        restarted = self._sup.started
-        all_ready = self._sup.on_ready(r)
-        if restarted:
-            # Survivors reconnect to the new peer inbox; the newcomer learns everyone's.
-            for k, other in enumerate(self._sup.models):
-                if k != r.model and other.ready:
-                    send(other.client, PeerRestarted(r.model, r.peer_address))
-        if all_ready:
-            addrs = [s.peer_address or "" for s in self._sup.models]   # all ready: every address is set
-            targets = [r.model] if restarted else range(self.num_models)
-            for k in targets:
-                send(self._sup.models[k].client, Peers(addrs))
-            self._sup.started = True
-            self._all_ready.set()
-
-    def _on_death(self, m: int, why: str) -> None:
-        """Supervisor callback (under the lock): model m died. Every live request fails with ModelUnavailable (any
-        of them may hold state on m or be routed to it next); survivors drop them; the sync barrier resets."""
-        st = self._sup.models[m]
-        retry = st.start_s if st.start_s is not None else 30.0
-        for live in list(self._live.values()):
-            self._unregister(live, "peer failure")
-            self._fail(live, ModelUnavailable(f"{why}; request {live.rid} failed", model=m, retry_after_s=retry))
-        self._coord.on_model_reset(m)
-
-
-def _put_all(batch: list) -> None:
-    for queue, item in batch:
-        queue.put_nowait(item)
 
 
 __all__ = ["ModelHealth", "ModelState", "ModelUnavailable", "Overloaded", "RequestFailed", "RequestRejected",

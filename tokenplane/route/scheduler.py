@@ -17,29 +17,14 @@ With `pending_return=False` (baseline) the request frees its blocks when it leav
 (standard.py): admitted, run, freed, and the request goes back to the front end (an external scheduler) as a Yield,
 after one token (`standard_unit="token"`) or when the router switches models (`"segment"`, streaming meanwhile).
 
-KV memory (vLLM v1 style): admission allocates what the prompt (its first chunk) needs and blocks grow as tokens come.
-When a RUNNING request cannot grow, the most recently admitted request holding blocks that is not already in this
-step is preempted by recompute (an admission that does not fit may preempt PENDING_RETURN requests only, so pools
-full of requests parked on each other's models cannot deadlock): its blocks are freed (full blocks stay in the
-prefix cache), it keeps its tokens, and its next admission computes them again (mostly prefix-cache hits). A RUNNING
-victim goes back to the front of WAITING. A PENDING_RETURN victim stays PENDING_RETURN without KV; when its peer hands
-it back it goes through WAITING (prefix match, allocate, recompute), the path pending_return=False takes; its view
-(prompt + output) is bookkeeping, not KV, so nothing is lost. If no other victim exists the request preempts itself.
-A request that can never fit (prompt + max_tokens over the pool) is refused at admission; the front end refuses it
-before registering.
-
-Chunked prefill: a step computes at most `max_num_batched_tokens` tokens. Decodes (1 uncomputed token) are scheduled
-first, then longer catch-ups / prefills in admission order, then admissions; a request whose uncomputed tokens do not
-fit the rest of the budget computes a chunk (its Sequence is cut at the chunk end for the run and restored in
-update_from_output) and samples only when its last chunk completes.
+KV memory and chunked prefill (which requests compute which tokens each step, preemption by recompute when the pool
+is out) are step_batch.py's; the request record and Outbound are route_request.py's.
 """
 
 from __future__ import annotations
 
 import logging
-import time
 from collections import OrderedDict, deque
-from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from .api import Algorithm, Handoff, RequestView, StepResult, after_send, apply_handoff, commit
@@ -57,43 +42,15 @@ from .messages import (
     stats_to_wire,
 )
 from .positions import record, set_received, window
+from .route_request import FRONTEND, Outbound, RouteRequest
 from .standard import build_yield, validate_unit
 from .states import RequestState
 from .stats import RouteStats
+from .step_batch import form_batch, free_kv
 
-FRONTEND = -1
 _TOMBSTONES = 65_536
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class Outbound:
-    dest: int          # model index, or FRONTEND
-    msg: Any
-
-
-@dataclass
-class RouteRequest:
-    view: RequestView
-    params: Any                         # tokenplane.engine.sampler.SamplingParams
-    models: list[int]                   # producing model per output position (parallel to view.output_ids)
-    stats: RouteStats
-    state: RequestState = RequestState.WAITING
-    seq: Any = None                     # tokenplane.engine.sequence.Sequence while this model holds KV
-    admitted_at: int = 0                # admission order (preemption victim: the most recent)
-    tail: list[int] | None = None       # chunked prefill: tokens held back from rec.seq during this step
-    streamed: int = 0                   # home model: output tokens already sent to the front end
-    score_for: int | None = None        # answering an ensemble score visit from that model
-    ensemble: EnsembleWait | None = None
-    num_handoffs: int = 0
-    inc: int = 0                        # incarnation (request ids may be reused once a request ended)
-    logprobs: list | None = None        # per output position [lp, top] (positions.py) when params ask, else None
-    arrival: float = field(default_factory=time.monotonic)
-
-    @property
-    def request_id(self) -> str:
-        return self.view.request_id
 
 
 class Scheduler:
@@ -116,7 +73,7 @@ class Scheduler:
         self.max_num_batched_tokens = int(max_num_batched_tokens)
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
-        self._admissions = 0
+        self.admission_clock = 0   # admissions so far: RouteRequest.admitted_at (preemption picks the latest)
         from tokenplane.engine.sampler import sample
         from tokenplane.engine.sequence import Sequence
         self.sample_fn: Callable = sample_fn or sample
@@ -296,99 +253,9 @@ class Scheduler:
 
     # -- the step ------------------------------------------------------------------------------------------------
     def schedule(self) -> list[RouteRequest]:
-        """This step's batch within max_num_batched_tokens: RUNNING requests grow (decodes first, preempting the
-        most recently admitted when the pool is out), then WAITING ones are admitted while blocks and budget last."""
-        budget = self.max_num_batched_tokens
-        batch: list[RouteRequest] = []
-        in_batch: set[str] = set()
-        self.running = [rid for rid in self.running
-                        if rid in self.requests and self.requests[rid].state == RequestState.RUNNING]
-        # decodes first (1 uncomputed token), then catch-ups and prefill chunks, each group in admission order
-        order = sorted(self.running, key=lambda rid: self._uncomputed(self.requests[rid]) > 1)
-        for rid in order:
-            rec = self.requests.get(rid)
-            if budget <= 0 or len(batch) >= self.max_num_seqs:
-                break
-            if rec is None or rec.state != RequestState.RUNNING:
-                continue   # preempted while an earlier request grew
-            n = self._grow(rec, budget, in_batch)
-            if n:
-                batch.append(rec)
-                in_batch.add(rid)
-                budget -= n
-        while self.waiting and len(self.running) < self.max_num_seqs and budget > 0:
-            rec = self.requests.get(self.waiting[0])
-            if rec is None or rec.state != RequestState.WAITING:
-                self.waiting.popleft()
-                continue
-            seq = self.Sequence(rec.request_id, rec.view.prompt_ids + rec.view.output_ids)
-            end = min(seq.num_tokens, self._cached_tokens(seq) + budget)
-            tail = seq.token_ids[end:]
-            del seq.token_ids[end:]
-            if not self.bm.can_allocate(seq):
-                # Admissions never preempt RUNNING requests, but may take the KV of parked PENDING_RETURN ones:
-                # otherwise two models whose pools are full of requests parked on each other would deadlock.
-                parked = [r for r in self.requests.values()
-                          if r.state == RequestState.PENDING_RETURN and r.seq is not None]
-                if not parked:
-                    break
-                self._preempt(max(parked, key=lambda r: r.admitted_at))
-                continue
-            self.waiting.popleft()
-            self.bm.allocate(seq)
-            if rec.stats.cached_prompt is None and self.is_home:
-                # the request's first admission (a chunk's cut never reaches into the cached blocks it counts)
-                rec.stats.cached_prompt = min(seq.num_cached_tokens, len(rec.view.prompt_ids))
-            budget -= seq.num_tokens - seq.num_computed_tokens
-            self._admissions += 1
-            rec.seq, rec.tail, rec.admitted_at = seq, tail or None, self._admissions
-            rec.state = RequestState.RUNNING
-            self.running.append(rec.request_id)
-            self.counters["admissions"] += 1
-            batch.append(rec)
-        return batch
-
-    @staticmethod
-    def _uncomputed(rec: RouteRequest) -> int:
-        return rec.seq.num_tokens - rec.seq.num_computed_tokens
-
-    def _cached_tokens(self, seq) -> int:
-        """Prefix-cache hits `allocate` would give `seq` (the chunk's budget starts after them)."""
-        return int(self.bm.num_cached_prefix_tokens(seq))
-
-    def _grow(self, rec: RouteRequest, budget: int, in_batch: set[str]) -> int:
-        """Blocks for a RUNNING request's next chunk (<= budget tokens); preempts others (or itself) when the pool
-        is out. Returns the tokens scheduled, 0 when it was preempted."""
-        seq = rec.seq
-        if seq.num_computed_tokens >= seq.num_tokens:
-            # Nothing new since the last run (e.g. the peer returned zero tokens): recompute the last position
-            # to get its logits again. Same values are rewritten into the same slot.
-            seq.num_computed_tokens = seq.num_tokens - 1
-        n = min(seq.num_tokens - seq.num_computed_tokens, budget)
-        end = seq.num_computed_tokens + n
-        while self.bm.blocks_needed(end) - len(seq.block_table) > self.bm.num_free_blocks:
-            victims = [r for r in self.requests.values()
-                       if r.seq is not None and r is not rec and r.request_id not in in_batch]
-            if not victims:
-                self._preempt(rec)
-                return 0
-            self._preempt(max(victims, key=lambda r: r.admitted_at))
-        if end < seq.num_tokens:
-            rec.tail = seq.token_ids[end:]
-            del seq.token_ids[end:]
-        self.bm.append_slots(seq)
-        return n
-
-    def _preempt(self, rec: RouteRequest) -> None:
-        """Free a request's blocks (recompute later). RUNNING -> front of WAITING; PENDING_RETURN stays, without KV,
-        and re-admits through WAITING when it returns (see the module docstring)."""
-        self._free_seq(rec)
-        self.counters["preemptions"] += 1
-        if rec.state == RequestState.RUNNING:
-            rec.state = RequestState.WAITING
-            if rec.request_id in self.running:
-                self.running.remove(rec.request_id)
-            self.waiting.appendleft(rec.request_id)
+        """This step's batch: RUNNING requests grow, WAITING ones are admitted, within the token budget and the KV
+        pool (step_batch.py: decodes first, chunked prefill, preemption by recompute)."""
+        return form_batch(self)
 
     def update_from_output(self, batch: list[RouteRequest], out) -> list[Outbound]:
         """Sample one token per request and act on the routing decision."""
@@ -485,7 +352,7 @@ class Scheduler:
             rec.state = RequestState.PENDING_RETURN
         else:
             rec.view.seen[self.model] = 0   # the next visit must bring the whole sequence
-            self._free_seq(rec)
+            free_kv(self.bm, rec)
             if self.is_home:
                 rec.state = RequestState.PENDING_RETURN   # keep the bookkeeping (streaming), not the KV
             else:
@@ -581,18 +448,13 @@ class Scheduler:
         rec.state = state
         if state == RequestState.ABORTED:
             self.counters["aborted"] += 1
-        self._free_seq(rec)
+        free_kv(self.bm, rec)
         self.requests.pop(rec.request_id, None)
         if tombstone:
             self._tombstone((rec.request_id, rec.inc))
         # waiting/running lists are filtered lazily (schedule / update_from_output)
         if rec.request_id in self.running and rec.state != RequestState.RUNNING:
             self.running.remove(rec.request_id)
-
-    def _free_seq(self, rec: RouteRequest) -> None:
-        if rec.seq is not None:
-            self.bm.free(rec.seq)
-            rec.seq = None
 
     def _tombstone(self, key: tuple[str, int]) -> None:
         self.tombstones[key] = None
@@ -618,5 +480,4 @@ class Scheduler:
         return Outbound(FRONTEND, Error(rid, message, self.model, inc=inc))
 
 
-__all__ = ["EnsembleWait", "FRONTEND", "Outbound", "RouteRequest", "Scheduler", "params_from_wire",
-           "params_to_wire"]
+__all__ = ["Scheduler"]

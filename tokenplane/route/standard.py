@@ -35,7 +35,7 @@ def validate_unit(unit: str) -> str:
 
 def build_yield(rec: Any, model: int, next_model: int, h: Handoff | None, finish_reason: str | None,
                 final_stats: dict[str, Any] | None) -> Yield:
-    """The Yield that ends a call on `model` (rec: the scheduler's RouteRequest)."""
+    """The Yield that ends a call on `model` (rec: a route_request.RouteRequest)."""
     view = rec.view
     return Yield(rec.request_id, model, list(view.prompt_ids), list(view.output_ids), list(rec.models),
                  dict(view.state), params_to_wire(rec.params), rec.num_handoffs, next_model, finish_reason, h,

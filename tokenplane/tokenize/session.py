@@ -57,7 +57,8 @@ _NFC_REACH = 1 << 16        # how far an NFC split point (an ASCII character) is
 
 @dataclass(frozen=True)
 class Splice:
-    """The change to the ID sequence: new_ids == old_ids[:keep] + ids."""
+    """The change to the ID sequence: new_ids == old_ids[:keep] + ids (`ids`: a read-only view that later mutations
+    of the session leave as it is; see Session.ids)."""
     keep: int
     ids: np.ndarray
     revision: int
@@ -161,10 +162,9 @@ class Session:
 
     @property
     def ids(self) -> np.ndarray:
-        """Current IDs: a read-only zero-copy view, valid until the next mutation."""
-        v = self._rec.ids
-        v.flags.writeable = False
-        return v
+        """Current IDs: a read-only zero-copy view. Later mutations never change it (records.py: a mutation copies
+        the records first while such a view is alive), so holding it costs a copy at the next mutation."""
+        return self._rec.exported()
 
     @property
     def ends(self) -> np.ndarray:
@@ -273,7 +273,7 @@ class Session:
             self._raw, self._norm, self._lits, self._rec, self.revision, self.stats, self._nmap = saved
             raise
         self.stats, self.revision = saved[5], saved[4] + 1     # counters and revision continue across a reset
-        return Splice(0, self._rec.ids.copy(), self.revision, "full")
+        return Splice(0, self._rec.exported(), self.revision, "full")
 
     def _check_revision(self, expect: int | None) -> None:
         if expect is not None and expect != self.revision:
@@ -487,4 +487,4 @@ class Session:
         self.stats.windows_tried += rs.attempts
         self.stats.widenings += max(0, rs.attempts - 1)
         self.stats.last_path = rs.path
-        return Splice(rs.keep, self._rec.ids[rs.keep:].copy(), self.revision, rs.path)
+        return Splice(rs.keep, self._rec.exported(rs.keep), self.revision, rs.path)

@@ -212,7 +212,7 @@ class TextStore:
         return self.chunks[i][pos - self.starts[i]]
 
     def replace(self, a: int, b: int, s: str) -> None:
-        """Replace [a, b) by s; O(chunks + the two chunks cut)."""
+        """Replace [a, b) by s; O(the two chunks cut + the chunks after them)."""
         if b == self.length:          # tail replace (every NFC append): cut the last chunks, then merge-append
             i = self._locate(a) if a < self.length else len(self.chunks)
             if i < len(self.chunks):
@@ -225,20 +225,27 @@ class TextStore:
                     self.length = a
             self.append(s)
             return
-        left, right = [], []
-        for c, o in zip(self.chunks, self.starts):
-            end = o + len(c)
-            if end <= a:
-                left.append(c)
-            elif o >= b:
-                right.append(c)
-            else:
-                if o < a:
-                    left.append(c[:a - o])
-                if end > b:
-                    right.append(c[b - o:])
-        self.chunks = [c for c in (*left, s, *right) if c]
-        self._reindex()
+        # the chunks holding a and b are cut and rejoined around s: one chunk again when they are of one width and
+        # not too long (a bounded copy that keeps the chunk count from growing edit by edit), else up to three
+        i, j = self._locate(a), self._locate(b)
+        ci, cj = self.chunks[i], self.chunks[j]
+        left, right = ci[:a - self.starts[i]], cj[b - self.starts[j]:]
+        if (len(left) + len(s) + len(right) <= 2 * CHUNK_MERGE
+                and left.isascii() == s.isascii() == right.isascii()):
+            pieces = [m] if (m := left + s + right) else []
+        else:
+            pieces = [c for c in (left, s, right) if c]
+        starts, o = [], self.starts[i]
+        for c in pieces:
+            starts.append(o)
+            o += len(c)
+        delta = len(s) - (b - a)
+        self.chunks[i:j + 1] = pieces
+        self.starts[i:j + 1] = starts
+        if delta:
+            k = i + len(pieces)
+            self.starts[k:] = [x + delta for x in self.starts[k:]]
+        self.length += delta
 
     def apply(self, change: TextChange) -> TextStore:
         """The store after `change`: this store edited in place, or a new one for `SetText`."""
