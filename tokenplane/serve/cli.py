@@ -17,7 +17,6 @@ import sys
 import time
 
 from .config import Limits, ServeConfig
-from .read_buffer import raise_body_high_water
 
 
 def main_arguments(parser: argparse.ArgumentParser) -> None:
@@ -86,7 +85,6 @@ def main(args: argparse.Namespace) -> int:
     app = create_app(backend, tokenizer, model_name=cfg.served_model_name, default_max_tokens=cfg.default_max_tokens,
                      limits=limits, chat_template=chat)
     _progress(f"serving {cfg.served_model_name!r} on http://{args.host}:{args.port}")
-    raise_body_high_water()
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level.lower(), timeout_graceful_shutdown=5)
     return 0
 
@@ -112,7 +110,6 @@ def _serve_tier(args: argparse.Namespace, cfg: ServeConfig, limits: Limits) -> i
     app = create_app(None, tokenizer, model_name=cfg.served_model_name if args.config else "", limits=limits,
                      chat_template=chat, upstream=pool)
     _progress(f"tokenization tier for {args.upstream} on http://{args.host}:{args.port}")
-    raise_body_high_water()   # agent bodies of megabytes arrive in a few reads (read_buffer.py)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level.lower(), timeout_graceful_shutdown=5)
     return 0
 
