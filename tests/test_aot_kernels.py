@@ -21,8 +21,9 @@ import pytest
 from test_pretokenize import ALPHABET, FRAGMENTS, _corpus_docs
 
 import tokenplane
-from tokenplane.tokenize.cpu import aotbuild, kernels, segments
+from tokenplane.tokenize.cpu import aotbuild, kernels, segments, window
 from tokenplane.tokenize.cpu.parallel import CpuEncoder
+from tokenplane.tokenize.errors import InvalidTextError
 
 ROOT = Path(__file__).resolve().parents[1]
 FAMILIES = ["cl100k_base", "o200k_base", "llama3", "qwen3", "deepseek_v4", "smollm2"]
@@ -113,6 +114,84 @@ def test_segments_between_specials_equal_jit_and_reference(name, aot, use):
             assert a[0].tolist() == [t for w in want for t in w]
             assert a[2].tolist() == [len(w) for w in want]
     assert kernels.guard_fallbacks == before
+
+
+def _window_texts(name: str) -> list[str]:
+    """Real agent-trace windows (the tail of each call's prompt: what a session's repair window encodes),
+    adversarial strings, corpus documents, and cuts that start or end inside a run."""
+    from realtext import traces_dir
+
+    from tokenplane.tokenize.evidence.traces import load_trajectories, render_prompts
+
+    out = []
+    for messages in load_trajectories(traces_dir(), limit=4):
+        prompts = render_prompts(messages)
+        out += [b[len(a) - 256:] for a, b in zip(prompts[:6], prompts[1:7])]
+    rng = random.Random(name + "window")
+    out += _texts(name, 60)
+    out += [t[rng.randrange(len(t)):] for t in out[-20:] if t]
+    return [t for t in out if t]
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_fused_window_equals_staged_jit_and_reference(name, aot, use):
+    """window.py's one-call kernel (session repair windows) == the staged segments path == the reference, IDs,
+    absolute ends and tokens per span, with the AOT and the JIT kernels; whatever it declines (status != OK: o200k's
+    rare shapes, a byte the vocabulary lacks) the staged path answers, so encode_segments(tc=...) stays exact."""
+    tok = tokenplane.load(name)
+    enc = CpuEncoder(tok)
+    tc = tok.vocab_facts.token_chars
+    rng = random.Random(name + "fused")
+    before = dict(kernels.guard_fallbacks)
+    declined = checked = 0
+    for text in _window_texts(name):
+        norm = tok.normalize(text)
+        n = len(norm)
+        cuts = sorted(rng.sample(range(1, n), min(n - 1, 4))) if n > 2 else []
+        multi = [(a, b) for a, b in zip([0, *cuts[1::2]], [*cuts[::2], n]) if a < b]
+        for spans in ([(0, n)], multi):
+            if not spans:
+                continue
+            shift = rng.randrange(0, 10_000)
+            checked += 1
+            want = [tok.reference.encode_with_ends(norm[a:b]) for a, b in spans]
+            staged = segments.encode_segments(enc.bpe, name, norm, spans)
+            arr = segments.NO_SPANS if len(spans) == 1 else np.array(spans, dtype=np.int64)
+            lo, hi = spans[0] if len(spans) == 1 else (0, 0)
+            fused = _both(enc, aot, use, lambda: segments.window_encoder(enc.bpe, name, tc)(norm, lo, hi, arr, shift))
+            (a_ids, a_ends, a_counts, a_st), (j_ids, j_ends, j_counts, j_st) = fused
+            assert a_st == j_st, repr(norm[:200])
+            if staged is None:      # a byte the vocabulary lacks: the reference path answers the session
+                assert a_st == window.DROPPED
+                continue
+            if a_st != window.OK:
+                assert name == "o200k_base" and a_st == window.RARE, (a_st, repr(norm[:200]))
+                declined += 1
+            else:
+                assert np.array_equal(a_ids, j_ids) and np.array_equal(a_ends, j_ends)
+                assert np.array_equal(a_counts, j_counts)
+                assert a_ids.dtype == np.uint32 and a_ends.dtype == np.int64
+                assert np.array_equal(a_ids, staged[0]) and np.array_equal(a_ends, staged[1] + shift)
+                assert a_counts.tolist() == staged[2].tolist()
+                assert a_ids.tolist() == [t for ids, _ in want for t in ids.tolist()], repr(norm[:200])
+                assert a_ends.tolist() == [e + a + shift for (a, _), (_, ends) in zip(spans, want)
+                                           for e in ends.tolist()]
+            both = segments.encode_segments(enc.bpe, name, norm, spans, tc=tc, shift=shift)
+            assert both is not None
+            assert np.array_equal(both[0], staged[0]) and np.array_equal(both[1], staged[1] + shift)
+    assert declined < checked // 2        # the fused kernel answers most windows (o200k declines rare shapes)
+    assert kernels.guard_fallbacks == before, "an argument of the fused window missed its AOT signature"
+
+
+def test_fused_window_refuses_a_lone_surrogate(aot, use):
+    tok = tokenplane.load("cl100k_base")
+    enc = CpuEncoder(tok)
+    for k in (aot, kernels.jit_kernels()):
+        use(k)
+        fn = segments.window_encoder(enc.bpe, "cl100k_base", tok.vocab_facts.token_chars)
+        assert fn("ab\ud800c", 0, 4, segments.NO_SPANS, 0)[3] == window.SURROGATE
+        with pytest.raises(InvalidTextError):
+            segments.encode_segments(enc.bpe, "cl100k_base", "ab\ud800c", [(0, 4)], tc=tok.vocab_facts.token_chars)
 
 
 def test_guard_sends_mismatched_arguments_to_the_jit_kernel(aot):

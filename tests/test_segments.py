@@ -78,7 +78,7 @@ def test_session_windows_take_the_batched_path():
     import tokenplane.tokenize.router as session_module
     real = session_module.encode_segments
     try:
-        session_module.encode_segments = lambda *a: calls.append(a[-1]) or real(*a)
+        session_module.encode_segments = lambda *a, **k: calls.append(a[-1]) or real(*a, **k)
         sess.append("<|im_start|>assistant\nhello<|im_end|>\n<|im_start|>user\nok<|im_end|>\n")
     finally:
         session_module.encode_segments = real
@@ -114,7 +114,7 @@ def test_encode_with_allowed_specials_equals_the_reference(tok):
     real = [t for t in corpus_texts("mixed")[:30] if t]
     calls = []
     real_encode = tokenizer_module.encode_segments
-    tokenizer_module.encode_segments = lambda *a: calls.append(1) or real_encode(*a)
+    tokenizer_module.encode_segments = lambda *a, **k: calls.append(1) or real_encode(*a, **k)
     try:
         for k in range(150):
             parts = []

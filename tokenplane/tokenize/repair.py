@@ -29,6 +29,18 @@ if TYPE_CHECKING:   # type names only: tokenizer.py imports session.py, which im
 Specials = Callable[[int, int], list[tuple[int, int, int]]]    # allowed literals inside [lo, hi): (a, b, id)
 
 
+def no_specials(lo: int, hi: int) -> list[tuple[int, int, int]]:
+    """The Specials of a session without allowed literals (one function, not a closure per mutation)."""
+    return []
+
+
+# shared empty records (read-only): a RecordSplice's defaults, without two allocations per mutation
+_NO_IDS = np.zeros(0, np.uint32)
+_NO_ENDS = np.zeros(0, np.int64)
+_NO_IDS.flags.writeable = False
+_NO_ENDS.flags.writeable = False
+
+
 @dataclass
 class SessionStats:
     repairs: int = 0                # mutations of a non-empty session
@@ -52,8 +64,8 @@ class SessionStats:
 class RecordSplice:
     """The records after a mutation: old[:keep] + mid + old[right_from:], the last part's ends moved by delta."""
     keep: int = 0
-    mid_ids: np.ndarray = field(default_factory=lambda: np.zeros(0, np.uint32))
-    mid_ends: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+    mid_ids: np.ndarray = field(default_factory=lambda: _NO_IDS)
+    mid_ends: np.ndarray = field(default_factory=lambda: _NO_ENDS)
     right_from: int = 0                         # old record index where the shifted right part starts
     delta: int = 0
     path: Literal["window", "full", "noop"] = "window"
@@ -75,6 +87,7 @@ class WindowRepair:
         sig, pair = boundary.pair_table(rule) if rule is not None else (None, None)
         facts = tokenizer.vocab_facts
         self.search = SpliceSearch(facts.continuation_start, facts.max_token_chars, sig, pair)
+        self.token_chars = facts.token_chars
         self.encode_s = 0.0         # time inside the window encoder during the current mutation
 
     @property
@@ -170,6 +183,14 @@ class WindowRepair:
                       ) -> tuple[np.ndarray, np.ndarray] | None:
         """Reference records of text = new[s:r] (literals split out), ends absolute. None if an NFC self-check
         fails."""
+        if not specials and r > s:
+            # the common window: no literal in it, one span (ends made absolute by the encoder itself)
+            if self.nfc and check and not text.isascii() and self.tokenizer.normalize(text) != text:
+                return None
+            t0 = time.perf_counter()
+            ids, ends, _ = self._ordinary_records(text, [(0, r - s)], s)
+            self.encode_s += time.perf_counter() - t0
+            return ids, ends
         inside = [(a - s, b - s, sid) for a, b, sid in specials if s <= a and b <= r]
         spans, pos = [], 0
         for a, b, _ in inside:
@@ -188,14 +209,15 @@ class WindowRepair:
         ids, ends = with_literals(ids, ends, counts, spans, inside)
         return ids, ends + s
 
-    def _ordinary_records(self, text: str, spans: list[tuple[int, int]]
+    def _ordinary_records(self, text: str, spans: list[tuple[int, int]], shift: int = 0
                           ) -> tuple[np.ndarray, np.ndarray, list[int] | np.ndarray]:
-        """(ids uint32, ends int64 in characters of text, token count per span) of each span encoded on its own:
-        one batched call on the CPU path (cpu/segments.py), else one encode per span."""
+        """(ids uint32, ends int64 in characters of text + shift, token count per span) of each span encoded on its
+        own: one batched call on the CPU path (cpu/segments.py: one fused kernel call), else one encode per span."""
         if not spans:
             return np.zeros(0, np.uint32), np.zeros(0, np.int64), []
         if self.encode_path != "reference":
-            out = encode_segments_on(self.tokenizer.path(self.encode_path), self.tokenizer.family.name, text, spans)
+            out = encode_segments_on(self.tokenizer.path(self.encode_path), self.tokenizer.family.name, text, spans,
+                                     tc=self.token_chars, shift=shift)
             if out is not None:
                 return out
         id_parts, end_parts, counts = [], [], []
@@ -207,7 +229,7 @@ class WindowRepair:
                 ids = self.tokenizer.encode_ordinary(t, path=self.encode_path)
             ids = np.asarray(ids, dtype=np.uint32)
             id_parts.append(ids)
-            end_parts.append(self._char_ends(t, ids) + a)
+            end_parts.append(self._char_ends(t, ids) + (a + shift))
             counts.append(len(ids))
         return np.concatenate(id_parts), np.concatenate(end_parts).astype(np.int64, copy=False), counts
 
@@ -224,7 +246,7 @@ class WindowRepair:
     def _find_left(self, rec: Records, text: str, s: int, d: int, f_ids: np.ndarray, f_ends: np.ndarray,
                    specials: list[tuple[int, int, int]]) -> Point | None:
         """Rightmost certified splice point p in [s, d]: (p, cached index, fresh index); text = new[s:r]."""
-        hard = [s] if s == 0 or self._is_special_edge(rec, s) else []
+        hard = [s] if s == 0 or (self.literals and self._is_special_edge(rec, s)) else []
         for a, b, _ in specials:
             if s <= b <= d:
                 hard += [x for x in (a, b) if x >= s]
@@ -261,8 +283,11 @@ class WindowRepair:
         mid_ends = f_ends[fj_p + 1:fj_q + 1]
         # keep cached tokens that equal the fresh ones after p (same start, same IDs -> same records)
         cap = min(len(mid_ids), max(0, ci_q - ci_p))
-        neq = np.flatnonzero(rec.ids[ci_p + 1:ci_p + 1 + cap] != mid_ids[:cap])
-        k = int(neq[0]) if len(neq) else cap
+        k = cap
+        if cap:
+            old, new = rec.buf[ci_p + 1:ci_p + 1 + cap], mid_ids[:cap]
+            if old.tobytes() != new.tobytes():      # a few tokens: two copies and a memcmp beat ufunc dispatch
+                k = int((old != new).argmax())      # the first differing token (one exists)
         out.keep = ci_p + 1 + k
         out.mid_ids, out.mid_ends = mid_ids[k:], mid_ends[k:]
         out.right_from = ci_q + 1

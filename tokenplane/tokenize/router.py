@@ -134,15 +134,18 @@ def segment_encoder(encoder: Encoder | None, longest: int) -> Any | None:
     return None
 
 
-def encode_segments_on(encoder: Encoder | None, family: str, text: str, spans: Sequence[tuple[int, int]]
+def encode_segments_on(encoder: Encoder | None, family: str, text: str, spans: Sequence[tuple[int, int]], *,
+                       tc: np.ndarray | None = None, shift: int = 0
                        ) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
-    """`cpu/segments.encode_segments` through the CPU encoder behind a registered path (ids, ends, token count per
-    span); None where that path does not apply: no CPU encoder behind it, a GPU-sized segment, spans reaching over
-    `segments.MAX_CHARS` (the encoder's own chunk-parallel path is for those), a byte the vocabulary lacks."""
+    """`cpu/segments.encode_segments` through the CPU encoder behind a registered path (ids, ends + shift, token
+    count per span; `tc` enables its fused kernel); None where that path does not apply: no CPU encoder behind it, a
+    GPU-sized segment, spans reaching over `segments.MAX_CHARS` (the encoder's own chunk-parallel path is for
+    those), a byte the vocabulary lacks."""
     if not spans or spans[-1][1] - spans[0][0] >= SEGMENTS_MAX_CHARS:
         return None
-    cpu = segment_encoder(encoder, max(b - a for a, b in spans))
-    return None if cpu is None else encode_segments(cpu.bpe, family, text, spans)
+    longest = spans[0][1] - spans[0][0] if len(spans) == 1 else max(b - a for a, b in spans)
+    cpu = segment_encoder(encoder, longest)
+    return None if cpu is None else encode_segments(cpu.bpe, family, text, spans, tc=tc, shift=shift)
 
 
 # Touches every pre-tokenizer branch family by family: letters, case, contractions, digits, punctuation runs,

@@ -29,7 +29,7 @@ from .cpu import boundary
 from .errors import SessionError, StaleRevisionError, TextTooLargeError, validate_text  # noqa: F401
 from .nfcmap import MappedText, NfcMap, build_map
 from .records import Records
-from .repair import RecordSplice, SessionStats, Specials, WindowRepair
+from .repair import RecordSplice, SessionStats, Specials, WindowRepair, no_specials
 from .textstore import (
     Append,
     Replace,
@@ -289,6 +289,13 @@ class Session:
     # -- planning -------------------------------------------------------------------------------------------------
     def _plan_append(self, text: str) -> _Plan:
         L0 = len(self._raw)
+        if not self._nfc and not self._literals and self._norm is None:
+            # the common append (no normalizer, no allowed literals: normalized text == raw text): the general plan
+            # below with every literal and NFC step empty, without building them
+            plan = _Plan(raw_change=Append(text), norm_change=None, lits=None)
+            new = SplicedText(self._raw, L0, text, L0)
+            self._repair(plan, new, L0, new.length, no_specials)
+            return plan
         norm = self._normtext
         N0 = len(norm)
         struct_raw = L0                         # first raw position whose segmentation may differ

@@ -19,7 +19,7 @@ The kernel is numba-compiled with nogil=True, so chunks encode in parallel threa
 from __future__ import annotations
 
 import threading
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -495,6 +495,7 @@ class PieceCache:
         self.long_length = np.zeros(long_ways, dtype=np.int32)
         self.long_ids = np.zeros((long_ways, LONG_IDS), dtype=np.int32)
         self.long_n = np.zeros(long_ways, dtype=np.int32)
+        self.bound: dict[str, Any] = {}     # kernels with these arrays bound (window.py), by family
 
     def clear(self) -> None:
         self.tiny[:, 1] = 0
@@ -540,6 +541,10 @@ class BPE:
         self.wkeys, self.wids = tables.wkeys, tables.wids
         self._local = threading.local()
         self._caches: list[PieceCache] = []     # every thread's cache, so clear_caches can reach them
+
+    def thread_cache(self) -> PieceCache:
+        """The calling thread's piece cache."""
+        return self._cache()
 
     def _cache(self) -> PieceCache:
         cache = getattr(self._local, "cache", None)

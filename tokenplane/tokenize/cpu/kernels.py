@@ -44,9 +44,8 @@ MODULE_NAME = "tokenplane_kernels"      # the extension's PyInit_ name: fixed, t
 KEY_VERSION = 1                         # bump when what goes into the module changes outside the hashed sources
 _HERE = Path(__file__).resolve().parent
 # The modules whose source decides the compiled code: the kernels, this table of signatures, the lazy decorator.
-SOURCES = ("strbuf.py", "pretokenize.py", "bpe.py", "boundary.py", "segments.py", "../records.py", "../splice.py",
-           "../textstore.py", "lazyjit.py", "kernels.py",
-           "aotbuild.py")
+SOURCES = ("strbuf.py", "pretokenize.py", "bpe.py", "boundary.py", "segments.py", "window.py", "../records.py",
+           "../splice.py", "../textstore.py", "lazyjit.py", "kernels.py", "aotbuild.py")
 
 # -- the export table: name -> (module, attribute, return type, argument types) ------------------------------------
 # Argument types: "str" (a Python str, numba unicode_type), "int64", "boolean", or (dtype, ndim) for a C-contiguous
@@ -59,6 +58,13 @@ def A(dtype: str, ndim: int = 1) -> tuple[str, int]:
 
 
 REC = (A("uint32"), A("int64"), A("uint16"), A("int64"), A("int64"))    # records.Records.kernel_args()[:5]
+# the BPE tables and one thread's piece cache, in encode_pieces' order (after its buf and bounds)
+BPE_ARGS = (A("int32"), A("uint64", 2), B, B, A("uint64"), A("int32"), A("uint8"), A("int64"), A("uint64", 2),
+            A("uint32", 2), A("uint8", 2), A("int32"), A("int32", 2), A("int32"))
+# the fused window kernels (window.py): text, lo, hi, spans, shift | family tables | token_chars, missing bytes, BPE
+WINDOW_HEAD = (S, I, I, A("int64", 2), I)
+WINDOW_TAIL = (A("uint16"), B, A("boolean"), *BPE_ARGS)
+WINDOW_RET = "Tuple((uint32[::1], int64[::1], int64[::1], int64))"
 
 
 EXPORTS: dict[str, tuple[str, str, str, tuple[Any, ...]]] = {
@@ -76,10 +82,7 @@ EXPORTS: dict[str, tuple[str, str, str, tuple[Any, ...]]] = {
     "deepseek_loop": ("pretokenize", "_deepseek_loop", "void", (A("int32"), A("uint8"), A("boolean"))),
     "smollm2_loop": ("pretokenize", "_smollm2_loop", "void", (A("int32"), A("int8"), A("boolean"))),
     # bpe
-    "encode_pieces": ("bpe", "_encode_pieces", "int32[::1]",
-                      (A("uint8"), A("int64"), A("int32"), A("uint64", 2), B, B, A("uint64"), A("int32"),
-                       A("uint8"), A("int64"), A("uint64", 2), A("uint32", 2), A("uint8", 2), A("int32"), A("int32", 2),
-                       A("int32"))),
+    "encode_pieces": ("bpe", "_encode_pieces", "int32[::1]", (A("uint8"), A("int64"), *BPE_ARGS)),
     "any_of": ("bpe", "_any_of", "boolean", (A("uint8"), A("boolean"))),
     # boundary: the chunk-cut search (holds the GIL, as the JIT kernel does: see boundary.py)
     "scan_first_stable": ("boundary", "_scan_first_stable", "int64",
@@ -93,6 +96,11 @@ EXPORTS: dict[str, tuple[str, str, str, tuple[Any, ...]]] = {
     "spans_smollm2": ("segments", "_spans_smollm2", "void", (A("int32"), A("int8"), A("boolean"), A("int64"))),
     "interleave": ("segments", "_interleave", "void",
                    (A("uint32"), A("int64"), A("int64"), A("uint32"), A("int64"), A("uint32"), A("int64"))),
+    # the fused window encode (window.py): one call per session repair window
+    "window_gpt4": ("window", "_window_gpt4", WINDOW_RET, (*WINDOW_HEAD, A("int8"), I, B, *WINDOW_TAIL)),
+    "window_o200k": ("window", "_window_o200k", WINDOW_RET, (*WINDOW_HEAD, A("uint8"), *WINDOW_TAIL)),
+    "window_deepseek": ("window", "_window_deepseek", WINDOW_RET, (*WINDOW_HEAD, A("uint8"), *WINDOW_TAIL)),
+    "window_smollm2": ("window", "_window_smollm2", WINDOW_RET, (*WINDOW_HEAD, A("int8"), *WINDOW_TAIL)),
     # session records (..records: IDs, checkpoints ck, token characters tc, end exceptions ex_i / ex_v)
     "rec_end_at": ("..records", "end_at", "int64", (*REC, I)),
     "rec_locate": ("..records", "locate", "UniTuple(int64, 2)", (*REC, I, I)),
@@ -237,15 +245,10 @@ def _jit_kernel(name: str) -> Any:
 guard_fallbacks: dict[str, int] = {}
 
 
-def _guarded(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
-    """fn with its arguments checked against the export's signature; a mismatch goes to the JIT kernel.
-
-    The check is generated as straight-line code per export (a session's sync makes ~10 kernel calls, and a
-    generic loop over the signature cost ~2.5 us per call)."""
-    names = [f"a{i}" for i in range(len(EXPORTS[name][3]))]
-    env: dict[str, Any] = {"fn": fn, "ndarray": np.ndarray, "mismatch": _mismatch, "name": name}
+def _checks(types: tuple[Any, ...], names: list[str], env: dict[str, Any]) -> str:
+    """The straight-line test that arguments `names` match `types` (arrays: dtype, rank, C order; str: type)."""
     tests = []
-    for i, t in enumerate(EXPORTS[name][3]):
+    for i, t in enumerate(types):
         a = names[i]
         if t == S:
             tests.append(f"type({a}) is str")
@@ -255,16 +258,36 @@ def _guarded(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
             # dtype identity first (builtin dtypes are singletons); an equal dtype object of a loaded table next
             tests.append(f"type({a}) is ndarray and ({a}.dtype is d{i} or {a}.dtype == d{i}) and {a}.ndim == {t[1]} "
                          f"and {a}.flags.c_contiguous")
+    return " and ".join(tests) or "True"
+
+
+def _guarded(name: str, fn: Callable[..., Any], bound: tuple[Any, ...] = ()) -> Callable[..., Any]:
+    """fn with its arguments checked against the export's signature; a mismatch goes to the JIT kernel. `bound`:
+    trailing arguments already checked (Kernels.bind), passed after the caller's.
+
+    The check is generated as straight-line code per export (a session's sync makes ~10 kernel calls, and a
+    generic loop over the signature cost ~2.5 us per call)."""
+    types = EXPORTS[name][3][:len(EXPORTS[name][3]) - len(bound)]
+    names = [f"a{i}" for i in range(len(types))]
+    env: dict[str, Any] = {"fn": fn, "ndarray": np.ndarray, "mismatch": _mismatch, "name": name, "bound": bound}
+    body = _checks(types, names, env)
     args = ", ".join(names)
-    body = " and ".join(tests) or "True"
+    tail = ", *bound" if bound else ""
     src = (f"def call({args}):\n"
            f"    if {body}:\n"
-           f"        return fn({args})\n"
-           f"    return mismatch(name, ({args}{',' if len(names) == 1 else ''}))\n")
+           f"        return fn({args}{tail})\n"
+           f"    return mismatch(name, ({args}{',' if len(names) == 1 else ''}){' + bound' if bound else ''})\n")
     exec(compile(src, f"<kernel guard {name}>", "exec"), env)
     call = env["call"]
     call.__name__ = name
     return call
+
+
+def _args_match(types: tuple[Any, ...], values: tuple[Any, ...]) -> bool:
+    env: dict[str, Any] = {"ndarray": np.ndarray}
+    names = [f"a{i}" for i in range(len(types))]
+    env.update(zip(names, values))
+    return bool(eval(_checks(types, names, env), env))
 
 
 def _mismatch(name: str, args: tuple[Any, ...]) -> Any:
@@ -276,11 +299,31 @@ def _mismatch(name: str, args: tuple[Any, ...]) -> Any:
 class Kernels:
     """The kernel set one process uses: `kind` is "aot" or "jit", each export an attribute."""
 
-    def __init__(self, kind: str, funcs: dict[str, Callable[..., Any]], note: str = ""):
+    def __init__(self, kind: str, funcs: dict[str, Callable[..., Any]], note: str = "",
+                 raw: dict[str, Callable[..., Any]] | None = None):
         self.kind = kind
         self.note = note
+        self._raw = raw or {}
         for name, fn in funcs.items():
             setattr(self, name, fn)
+
+    def bind(self, name: str, n_head: int, *tail: Any) -> Callable[..., Any]:
+        """Export `name` with its arguments after the first `n_head` fixed to `tail` (tables that stay the same
+        across calls): checked once here, so each call's guard checks only the head. Tail arguments that do not
+        match the signature bind the JIT kernel (counted in guard_fallbacks)."""
+        if len(tail) != len(EXPORTS[name][3]) - n_head:
+            raise TypeError(f"{name}: {n_head} head arguments + {len(tail)} bound != its signature")
+        raw = self._raw.get(name)
+        if raw is not None and _args_match(EXPORTS[name][3][n_head:], tail):
+            return _guarded(name, raw, tail)
+        if raw is not None:
+            guard_fallbacks[name] = guard_fallbacks.get(name, 0) + 1
+        fn = _jit_kernel(name)
+
+        def call(*head: Any) -> Any:
+            return fn(*head, *tail)
+
+        return call
 
     def __getattr__(self, name: str) -> Any:    # only for exports missing from funcs: never on the AOT path
         raise AttributeError(name)
@@ -292,7 +335,8 @@ def jit_kernels(note: str = "") -> Kernels:
 
 def aot_kernels(folder: Path) -> Kernels:
     mod = load_module(folder)
-    return Kernels("aot", {name: _guarded(name, getattr(mod, name)) for name in EXPORTS}, str(folder))
+    raw = {name: getattr(mod, name) for name in EXPORTS}
+    return Kernels("aot", {name: _guarded(name, fn) for name, fn in raw.items()}, str(folder), raw)
 
 
 _lock = threading.Lock()

@@ -22,6 +22,7 @@ from . import kernels, strbuf
 from . import pretokenize as pt
 from .bpe import BPE, DroppedBytes
 from .lazyjit import njit  # numba itself only when a JIT kernel runs (lazyjit.py)
+from .window import NO_SPANS, OK, window_encoder
 
 MAX_CHARS = 256 * 1024   # longer texts take the encoder's own (chunk-parallel) path
 
@@ -104,12 +105,22 @@ def span_starts(family: str, cps: np.ndarray, bounds: np.ndarray) -> np.ndarray:
     return starts
 
 
-def encode_segments(bpe: BPE, family: str, text: str,
-                    spans: Sequence[tuple[int, int]]) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+def encode_segments(bpe: BPE, family: str, text: str, spans: Sequence[tuple[int, int]], *,
+                    tc: np.ndarray | None = None, shift: int = 0
+                    ) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
     """For non-empty, sorted, disjoint character spans of `text` (normalized, validated): the IDs of every
-    text[a:b] encoded on its own, concatenated (uint32), each token's end in characters of `text` (int64), and how
-    many tokens each span produced. None when some span holds a byte the vocabulary lacks (the caller encodes such
-    text through the reference)."""
+    text[a:b] encoded on its own, concatenated (uint32), each token's end in characters of `text` plus `shift`
+    (int64), and how many tokens each span produced. None when some span holds a byte the vocabulary lacks (the
+    caller encodes such text through the reference). `tc`: the vocabulary's token_chars, which enables the fused
+    one-call kernel (window.py; the staged calls below answer what it leaves)."""
+    if tc is not None:
+        fn = window_encoder(bpe, family, tc)
+        if len(spans) == 1:
+            ids, ends, counts, status = fn(text, spans[0][0], spans[0][1], NO_SPANS, shift)
+        else:
+            ids, ends, counts, status = fn(text, 0, 0, np.array(spans, dtype=np.int64), shift)
+        if status == OK:
+            return ids, ends, counts
     lo, hi = spans[0][0], spans[-1][1]
     window = strbuf.codepoints(text, lo, hi)
     bounds_arr = np.array(spans, dtype=np.int64)
@@ -133,6 +144,8 @@ def encode_segments(bpe: BPE, family: str, text: str,
     counts = np.zeros(len(spans), dtype=np.int64)
     if ids.shape[0]:
         kernels.get().token_ends(ids, bpe.tok_off, cps, bounds_arr, ends, counts)
+    if shift:
+        ends += shift
     return ids, ends, counts
 
 

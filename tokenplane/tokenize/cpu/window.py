@@ -1,0 +1,203 @@
+"""A session's repair window encoded in one compiled call: str -> (IDs, character ends, tokens per span).
+
+The staged path (segments.encode_segments) runs the window through six kernel calls (code points, feature gather,
+pre-tokenizer loop, UTF-8 + piece bounds, BPE, token ends) with Python and numpy glue between them. On real agent
+traces a window is ~1.6K characters (P50) and the glue (argument guards, small-array allocations, slicing) cost as
+much as the kernels themselves (benchmarks/session_repair.py, per-call fixed cost). Here the same kernels run back
+to back inside one compiled function per pre-tokenizer family, with their constant tables bound once per thread
+(kernels.bind: the guard then checks only the per-call arguments).
+
+A pure restructuring: the same code points, the same pre-tokenizer loops on each span alone, the same piece bounds,
+the same BPE kernel with the calling thread's piece cache. Token ends: each token moves the character count by the
+characters its bytes start (the vocabulary's `token_chars`), which is what the staged path's byte walk computes for
+valid UTF-8 (a token ending inside a character covers it; the token holding the rest starts no character).
+Whatever the common case does not cover answers a nonzero status and the caller runs the staged path: a lone
+surrogate (it raises there), a byte the vocabulary lacks, o200k's rare shapes (its rescan is Python).
+tests/test_window_kernel.py checks fused == staged == reference, AOT and JIT, for every family.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import numpy as np
+
+from ..errors import UnsupportedFamily
+from . import bpe as bpe_mod
+from . import kernels, strbuf
+from . import pretokenize as pt
+from .lazyjit import njit  # numba itself only when a JIT kernel runs (lazyjit.py)
+
+OK, SURROGATE, DROPPED, RARE = 0, 1, 2, 3      # status of a fused call: anything but OK -> the staged path
+NO_SPANS = np.zeros((0, 2), np.int64)          # "one span: [lo, hi)" (no literal inside the window)
+
+
+@njit(cache=True, nogil=True)
+def _window_cps(s, lo, hi, spans):
+    """(code points of s[lo:hi], or of every span back to back; int64 offsets of the spans in them plus the end;
+    index of a lone surrogate or -1)."""
+    if spans.shape[0] == 0:
+        cps = np.empty(hi - lo, np.uint32)
+        offsets = np.empty(2, np.int64)
+        offsets[0] = 0
+        offsets[1] = hi - lo
+        bad = strbuf._codepoints(s, lo, hi, cps) if hi > lo else -1
+        return cps, offsets, bad
+    k = spans.shape[0]
+    offsets = np.empty(k + 1, np.int64)
+    offsets[0] = 0
+    for j in range(k):
+        offsets[j + 1] = offsets[j] + spans[j, 1] - spans[j, 0]
+    cps = np.empty(offsets[k], np.uint32)
+    bad = -1
+    for j in range(k):
+        got = strbuf._codepoints(s, spans[j, 0], spans[j, 1], cps[offsets[j]:offsets[j + 1]])
+        if got >= 0 and bad < 0:
+            bad = got
+    return cps, offsets, bad
+
+
+@njit(cache=True, nogil=True)
+def _window_finish(cps, offsets, starts, lo, spans, shift, tc, has_missing, missing, byte_ids, ptab, batch, whole,
+                   wkeys, wids, tok_flat, tok_off, tiny, short, long_keys, long_len, long_ids, long_n):
+    """UTF-8 + piece bounds, BPE, then each token's end (absolute: + shift) and the tokens per span."""
+    n = cps.shape[0]
+    k = offsets.shape[0] - 1
+    for j in range(k):
+        starts[offsets[j]] = True      # a segment is a text of its own: its first character starts a piece
+    buf = np.empty(4 * n, np.uint8)
+    bounds = np.empty(n + 1, np.int64)
+    nb, size = strbuf._utf8_and_bounds(cps, n, starts, buf, bounds)
+    counts = np.zeros(k, np.int64)
+    if has_missing and bpe_mod._any_of(buf[:size], missing):
+        return np.empty(0, np.uint32), np.empty(0, np.int64), counts, DROPPED
+    raw = bpe_mod._encode_pieces(buf[:size], bounds[:nb], byte_ids, ptab, batch, whole, wkeys, wids, tok_flat,
+                                 tok_off, tiny, short, long_keys, long_len, long_ids, long_n)
+    m = raw.shape[0]
+    ids = np.empty(m, np.uint32)
+    ends = np.empty(m, np.int64)
+    # span j of the gathered code points starts at text position (spans[j, 0] or lo) + shift
+    span = 0
+    span_end = offsets[1]
+    base = (spans[0, 0] if spans.shape[0] else lo) + shift
+    c = 0
+    for t in range(m):
+        x = raw[t]
+        ids[t] = x
+        c += tc[x]
+        while c > span_end:
+            span += 1
+            base = spans[span, 0] + shift - span_end
+            span_end = offsets[span + 1]
+        ends[t] = c + base
+        counts[span] += 1
+    return ids, ends, counts, OK
+
+
+def _window_gpt4_impl(s, lo, hi, spans, shift, kind_table, digits, whole_at_end, tc, has_missing, missing, byte_ids,
+                      ptab, batch, whole, wkeys, wids, tok_flat, tok_off, tiny, short, long_keys, long_len, long_ids,
+                      long_n):
+    cps, offsets, bad = _window_cps(s, lo, hi, spans)
+    if bad >= 0:
+        return np.empty(0, np.uint32), np.empty(0, np.int64), np.empty(0, np.int64), SURROGATE
+    kind = pt._gather(kind_table, cps)
+    c = cps.view(np.int32)
+    starts = np.zeros(cps.shape[0], np.bool_)
+    for j in range(offsets.shape[0] - 1):
+        a, b = offsets[j], offsets[j + 1]
+        pt._gpt4_loop(c[a:b], kind[a:b], digits, whole_at_end, starts[a:b])
+    return _window_finish(cps, offsets, starts, lo, spans, shift, tc, has_missing, missing, byte_ids, ptab, batch,
+                          whole, wkeys, wids, tok_flat, tok_off, tiny, short, long_keys, long_len, long_ids, long_n)
+
+
+def _window_o200k_impl(s, lo, hi, spans, shift, feat_table, tc, has_missing, missing, byte_ids, ptab, batch, whole,
+                       wkeys, wids, tok_flat, tok_off, tiny, short, long_keys, long_len, long_ids, long_n):
+    cps, offsets, bad = _window_cps(s, lo, hi, spans)
+    if bad >= 0:
+        return np.empty(0, np.uint32), np.empty(0, np.int64), np.empty(0, np.int64), SURROGATE
+    feat = pt._gather(feat_table, cps)
+    c = cps.view(np.int32)
+    starts = np.zeros(cps.shape[0], np.bool_)
+    rare = np.empty(cps.shape[0], np.int64)
+    for j in range(offsets.shape[0] - 1):
+        a, b = offsets[j], offsets[j + 1]
+        if pt._o200k_loop(c[a:b], feat[a:b], starts[a:b], rare[a:b]) > 0:
+            return np.empty(0, np.uint32), np.empty(0, np.int64), np.empty(0, np.int64), RARE
+    return _window_finish(cps, offsets, starts, lo, spans, shift, tc, has_missing, missing, byte_ids, ptab, batch,
+                          whole, wkeys, wids, tok_flat, tok_off, tiny, short, long_keys, long_len, long_ids, long_n)
+
+
+def _window_deepseek_impl(s, lo, hi, spans, shift, feat_table, tc, has_missing, missing, byte_ids, ptab, batch,
+                          whole, wkeys, wids, tok_flat, tok_off, tiny, short, long_keys, long_len, long_ids, long_n):
+    cps, offsets, bad = _window_cps(s, lo, hi, spans)
+    if bad >= 0:
+        return np.empty(0, np.uint32), np.empty(0, np.int64), np.empty(0, np.int64), SURROGATE
+    feat = pt._gather(feat_table, cps)
+    c = cps.view(np.int32)
+    starts = np.zeros(cps.shape[0], np.bool_)
+    for j in range(offsets.shape[0] - 1):
+        a, b = offsets[j], offsets[j + 1]
+        pt._deepseek_loop(c[a:b], feat[a:b], starts[a:b])
+    return _window_finish(cps, offsets, starts, lo, spans, shift, tc, has_missing, missing, byte_ids, ptab, batch,
+                          whole, wkeys, wids, tok_flat, tok_off, tiny, short, long_keys, long_len, long_ids, long_n)
+
+
+def _window_smollm2_impl(s, lo, hi, spans, shift, kind_table, tc, has_missing, missing, byte_ids, ptab, batch,
+                         whole, wkeys, wids, tok_flat, tok_off, tiny, short, long_keys, long_len, long_ids, long_n):
+    cps, offsets, bad = _window_cps(s, lo, hi, spans)
+    if bad >= 0:
+        return np.empty(0, np.uint32), np.empty(0, np.int64), np.empty(0, np.int64), SURROGATE
+    kind = pt._gather(kind_table, cps)
+    c = cps.view(np.int32)
+    starts = np.zeros(cps.shape[0], np.bool_)
+    for j in range(offsets.shape[0] - 1):
+        a, b = offsets[j], offsets[j + 1]
+        pt._smollm2_loop(c[a:b], kind[a:b], starts[a:b])
+    return _window_finish(cps, offsets, starts, lo, spans, shift, tc, has_missing, missing, byte_ids, ptab, batch,
+                          whole, wkeys, wids, tok_flat, tok_off, tiny, short, long_keys, long_len, long_ids, long_n)
+
+
+_window_gpt4 = njit(cache=True, nogil=True)(_window_gpt4_impl)
+_window_o200k = njit(cache=True, nogil=True)(_window_o200k_impl)
+_window_deepseek = njit(cache=True, nogil=True)(_window_deepseek_impl)
+_window_smollm2 = njit(cache=True, nogil=True)(_window_smollm2_impl)
+
+# -- binding: the constant tables of one (encoder, family, thread) fixed once -----------------------------------------
+WindowFn = Callable[[str, int, int, np.ndarray, int], tuple[np.ndarray, np.ndarray, np.ndarray, int]]
+_NO_MISSING = np.zeros(256, np.bool_)
+
+
+def _family_tables(family: str) -> tuple[str, tuple[Any, ...]]:
+    fam = pt._family(family)
+    if fam.name in pt._GPT4:
+        digits, whole = pt._GPT4[fam.name]
+        return "window_gpt4", (pt._cp_kind_gpt4(fam.engine), digits, whole)
+    if fam.name == "o200k_base":
+        return "window_o200k", (pt._cp_kind_o200k(fam.engine),)
+    if fam.name == "deepseek_v4":
+        return "window_deepseek", (pt._cp_feat_deepseek(fam.engine),)
+    if fam.name == "smollm2":
+        return "window_smollm2", (pt._cp_kind_smollm2(fam.engine),)
+    raise UnsupportedFamily(fam.name)
+
+
+def window_encoder(bpe: bpe_mod.BPE, family: str, tc: np.ndarray) -> WindowFn:
+    """The fused window kernel of `family` with `bpe`'s tables, `tc` (token_chars) and the calling thread's piece
+    cache bound: fn(text, lo, hi, spans, shift) -> (ids uint32, ends int64 (+ shift), tokens per span, status).
+    Kept on that cache; bound again when the process's kernel set or the encoder's schedule
+    flags change (tests switch them)."""
+    k = kernels.get()
+    c = bpe.thread_cache()
+    entry = c.bound.get(family)
+    if entry is not None and entry[0] is k and entry[1] == bpe.batch and entry[2] == bpe.whole and entry[3] is tc:
+        return entry[4]
+    name, fam_args = _family_tables(family)
+    missing = bpe.missing if bpe.missing is not None else _NO_MISSING
+    fn = k.bind(name, 5, *fam_args, np.ascontiguousarray(tc, np.uint16), bpe.missing is not None, missing,
+                bpe.byte_ids, bpe.ptab, bpe.batch, bpe.whole, bpe.wkeys, bpe.wids, bpe.tok_flat, bpe.tok_off, c.tiny,
+                c.short, c.long_keys, c.long_length, c.long_ids, c.long_n)
+    c.bound[family] = (k, bpe.batch, bpe.whole, tc, fn)
+    return fn
+
+
+__all__ = ["NO_SPANS", "OK", "window_encoder"]
