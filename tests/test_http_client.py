@@ -169,3 +169,31 @@ def test_errors_refused_timeout_bad_answer():
                 await client.request("POST", url + "/", b"{}")
         await client.aclose()
     run(go())
+
+
+@pytest.mark.parametrize("use_uvloop", [False, True])
+def test_body_in_pieces_arrives_whole(use_uvloop):
+    """A body given as pieces (bytes and memoryviews of larger bytes, as ids_json.RequestBodies.chunks makes them)
+    arrives as their concatenation with its Content-Length, small (joined) or large (written piece by piece), on
+    asyncio's loop and on uvloop's (whose writelines takes the pieces as they are)."""
+    if use_uvloop:
+        uvloop = pytest.importorskip("uvloop")
+    big = bytes(range(256)) * 4096
+    small = (b'{"prompt":[', memoryview(b"xx1,2,3yy")[2:7], b"]}")
+    large = (b"head", memoryview(big)[5:700_005], b",", memoryview(big)[:3], big[:300_000], b"]}")
+
+    async def go():
+        srv = Scripted([fixed(b"a"), fixed(b"b"), fixed(b"c")])
+        async with srv as url:
+            client = HTTPClient()
+            for body in (small, large, [bytes(big[:10])]):
+                r = await client.request("POST", url + "/", body)
+                await r.aread()
+            await client.aclose()
+        for got, body in zip(srv.requests, (small, large, [big[:10]])):
+            want = b"".join(body)
+            assert got.endswith(b"\r\n\r\n" + want) and b"Content-Length: %d\r\n" % len(want) in got
+    if use_uvloop:
+        uvloop.run(go())
+    else:
+        run(go())

@@ -92,3 +92,40 @@ def test_real_session_splices():
         assert json.loads(got)["prompt"] == tok.encode(text, allowed_special="all").tolist()
         assert got == full({"model": "q"}, ids)
     assert bodies.reused > 30
+
+
+def test_chunks_reference_earlier_bytes_and_cut_across_pieces():
+    """`chunks` gives the body as pieces: the kept run is views of bytes written on earlier turns (not copied), and
+    dropping more IDs than the last piece holds cuts into the pieces before it; joined, it is the full body."""
+    bodies = RequestBodies()
+    ids = np.arange(1000, 1100, dtype=np.uint32)
+    first = bodies.chunks({"m": 1}, ids, IdsOrigin("s", 0, 1, 0))
+    run = first[1]
+    rev = 1
+    for step in range(150):   # pieces of 6 IDs, drops of up to 13 (across pieces); past _MAX_SEGMENTS pieces
+        keep = len(ids) - (step % 14)
+        new = np.concatenate([ids[:keep], np.arange(step, step + 6, dtype=np.uint32)])
+        got = bodies.chunks({"m": 1}, new, IdsOrigin("s", rev, rev + 1, keep))
+        assert b"".join(got) == full({"m": 1}, new)
+        if step < 20:
+            assert any(c is run or (isinstance(c, memoryview) and c.obj is run) for c in got), "first run copied"
+        ids, rev = new, rev + 1
+    assert bodies.reused == 150 and bodies.written == 1
+
+
+def test_bodies_from_a_sessions_read_only_view():
+    """The tier writes bodies from the session's own IDs (a read-only view, under the session's lock): the same bytes
+    as from a copy, the view untouched."""
+    from tokenplane.tokenize.registry import load
+
+    session = load("qwen3").session(allowed_special="all")
+    bodies, text = RequestBodies(), ""
+    for step in range(20):
+        text += f"step {step}: <|im_start|>user\nwords ünï {step * 7}<|im_end|>\n"
+        base = session.revision
+        splice = session.sync(text)
+        view = session.ids
+        assert not view.flags.writeable
+        got = b"".join(bodies.chunks({"model": "q"}, view, IdsOrigin("v", base, session.revision, int(splice.keep))))
+        assert got == full({"model": "q"}, np.array(view, copy=True))
+    assert bodies.reused == 19

@@ -51,6 +51,17 @@ class BodyState:
     session: str | None = None          # the tokenization session the body's prompt went to
     conversation_key: str | None = None
     nbytes: int = field(default=0)
+    turn: KeptTurn | None = None        # what its turn derived from the messages (for the next turn's kept ones)
+
+
+@dataclass(frozen=True)
+class KeptTurn:
+    """What the turn that sent a body derived from its messages, one entry per message. A later body whose bytes
+    equal this one's through message i holds equal messages 0..i, so its turn takes these for them and works on its
+    new messages only (proxy_routes.py)."""
+    validated: list[Any]                # protocol.ChatMessage
+    pairs: list[tuple[str, str]]        # (role, text), as the chat template renders them
+    rendered: Any = None                # conversations.SessionText: the session held exactly render(pairs)
 
 
 @dataclass
@@ -223,14 +234,14 @@ class BodyDeltas:
         return Parsed(body, checked, None, raw=raw if checked and len(raw) >= KEY_BYTES else None)
 
     def remember(self, raw: bytes, messages: Any, session: str | None, conversation_key: str | None,
-                 clean: int) -> bool:
+                 clean: int, turn: KeptTurn | None = None) -> bool:
         """Build and keep the state of a body parsed in full (`Parsed.raw`; `messages` as parsed). Its structure
         scan and span proofs cost a few times the parse (~40 ms at 4M characters), so the tier runs this off the
         turn's path: the state is needed by the next turn only."""
         state = self._state_of(raw, messages)
         if state is None:
             return False
-        self.keep(state, session, conversation_key, clean)
+        self.keep(state, session, conversation_key, clean, turn)
         return True
 
     def _state_of(self, raw: bytes, messages: Any) -> BodyState | None:
@@ -301,9 +312,13 @@ class BodyDeltas:
                           session=st.session, conversation_key=st.conversation_key)
         return Parsed(body, True, state, reused=i + 1, base=st)
 
-    def keep(self, state: BodyState, session: str | None, conversation_key: str | None, clean: int) -> None:
-        """Keep a body's state for the next turn (after its prompt was tokenized)."""
+    def keep(self, state: BodyState, session: str | None, conversation_key: str | None, clean: int,
+             turn: KeptTurn | None = None) -> None:
+        """Keep a body's state for the next turn (after its prompt was tokenized); `turn` only when it has an entry
+        for each of the body's messages."""
         state.session, state.conversation_key, state.clean = session, conversation_key, clean
+        n = len(state.messages)
+        state.turn = turn if turn is not None and len(turn.validated) == n and len(turn.pairs) == n else None
         state.nbytes = len(state.raw)
         key = state.raw[:KEY_BYTES]
         with self._lock:
@@ -342,4 +357,4 @@ class BodyDeltas:
             return {"bodies": len(self._lru), "bytes": self._bytes, "hits": self.hits, "misses": self.misses}
 
 
-__all__ = ["BodyDeltas", "BodyState", "Parsed", "value_end"]
+__all__ = ["BodyDeltas", "BodyState", "KeptTurn", "Parsed", "value_end"]

@@ -27,7 +27,7 @@ import jinja2
 import jinja2.ext
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from .chat_native import CHATML_TEMPLATE, native_renderer
+from .chat_native import CHATML_TEMPLATE, GENERATION_PROMPT, native_incremental, native_renderer
 from .errors import InvalidRequest
 
 CHATML_SPECIALS = ("<|im_start|>", "<|im_end|>")
@@ -90,6 +90,23 @@ def _token_text(value: Any) -> str | None:
     return value if isinstance(value, str) else None
 
 
+class _SystemRoles(Sequence[tuple[str, str]]):
+    """Messages with `developer` read as `system` (as `render` passes them), mapped on access: O(1) to make."""
+    __slots__ = ("_messages",)
+
+    def __init__(self, messages: Sequence[tuple[str, str]]) -> None:
+        self._messages = messages
+
+    def __len__(self) -> int:
+        return len(self._messages)
+
+    def __getitem__(self, i: Any) -> Any:
+        if isinstance(i, slice):
+            return [("system" if r == "developer" else r, c) for r, c in self._messages[i]]
+        role, content = self._messages[i]
+        return ("system" if role == "developer" else role, content)
+
+
 class ChatTemplate:
     def __init__(self, tokenizer: Any, template: str | None = None, *, special_tokens: dict[str, str] | None = None,
                  stop_tokens: Sequence[str] = (), control_tokens: Sequence[str] | None = None) -> None:
@@ -102,6 +119,7 @@ class ChatTemplate:
         self.source = template or CHATML_TEMPLATE
         self.template = compile_template(self.source)
         self._native = native_renderer(self.source)   # the same text without the sandbox, for known sources
+        self._incremental = native_incremental(self.source)
         self.variables = {k: v for k, v in (special_tokens or {}).items() if isinstance(v, str)}
         stops = [*CHAT_STOP_TOKENS, *stop_tokens]
         if "eos_token" in self.variables:
@@ -149,6 +167,28 @@ class ChatTemplate:
             raise InvalidRequest(f"the chat template refused this conversation: {exc}", param="messages") from None
         except jinja2.exceptions.TemplateError as exc:
             raise InvalidRequest(f"the chat template rejected this conversation: {exc}", param="messages") from None
+
+    def extend(self, old: Sequence[tuple[str, str]], new: Sequence[tuple[str, str]]) -> str | None:
+        """What render(new) adds to render(old), for a conversation `new` that is `old` plus messages (the caller
+        knows new[:len(old)] == old): render(new) == render(old) + the returned text, in O(new messages); None when
+        that does not hold or cannot be shown cheaply (then render in full). Only for native templates: the text is
+        their segments (chat_native.Incremental), and the kept segments that read the conversation's context are
+        rendered again under the old and the new context and compared."""
+        inc = self._incremental
+        k, n = len(old), len(new)
+        if inc is None or k == 0 or n <= k:
+            return None
+        before, after = _SystemRoles(old), _SystemRoles(new)
+        try:
+            old_ctx, new_ctx = inc.context(before), inc.context(after)
+            lo = inc.stable_from(old_ctx, new_ctx, k)
+            if lo < k and inc.segments(before, lo, k, old_ctx) != inc.segments(after, lo, k, new_ctx):
+                return None
+            tail = inc.segments(after, k, n, new_ctx) + GENERATION_PROMPT
+        except ValueError:
+            return None
+        # render(old) ends with the generation prompt; the new messages' text must start with it (an assistant turn).
+        return tail[len(GENERATION_PROMPT):] if tail.startswith(GENERATION_PROMPT) else None
 
     def quotes_specials(self, messages: Sequence[tuple[str, str]], start: int = 0) -> bool:
         """True when some user message quotes a control token, which must then stay ordinary text. `start`: the

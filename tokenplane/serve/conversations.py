@@ -19,7 +19,7 @@ from __future__ import annotations
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
@@ -27,6 +27,25 @@ from .ids_json import IdsOrigin
 from .tokenize_service import SessionEntry, SessionStore
 
 BLOCK_CHARS = 1024   # prompts are hashed in blocks of this many characters; shorter ones are encoded directly
+# What a caller makes of a session's IDs while it holds the session's lock: the IDs are a read-only view of the
+# session's array, valid until its next mutation, so anything kept past the call is copied (the default keeps them
+# all; the tier writes its upstream body from the view and copies only the IDs it has not written before).
+# origin None: IDs encoded directly (no session; the caller's own array or list).
+Take = Callable[[Any, IdsOrigin | None], Any]
+
+
+def copied(ids: Any, origin: IdsOrigin | None) -> Any:
+    return np.array(ids, copy=True) if origin is not None else ids
+
+
+@dataclass(frozen=True)
+class SessionText:
+    """A session held exactly the text just tokenized: at this revision, with this many characters. While its
+    revision is unchanged it still holds that text (every mutation moves the revision), so the next turn may append
+    to it without handing over, or comparing, the whole text again (`append_on`)."""
+    session: str
+    revision: int
+    chars: int
 
 
 @dataclass
@@ -39,6 +58,7 @@ class TokenizationReport:
     time_ms: float            # tokenization time in the server (lookup + repair or encode)
     session: str | None = None
     origin: IdsOrigin | None = None   # how the IDs relate to the session's previous ones (for the body cache)
+    text: SessionText | None = None   # the session's state holding exactly this prompt
 
     def to_dict(self) -> dict[str, Any]:
         return {"path": self.path, "reused_tokens": self.reused_tokens, "new_tokens": self.new_tokens,
@@ -104,14 +124,16 @@ class ConversationCache:
                     self._index[key] = entry.id
                     known.append(key)
 
-    def encode(self, text: str, pieces: Sequence[str],
-               salt: str | None = None) -> tuple[np.ndarray, TokenizationReport]:
-        """IDs of `text` (== tokenizer.encode(text, allowed_special=self.allowed)). `pieces` are consecutive
-        prefixes' increments of `text` (their concatenation is a prefix of it)."""
+    def encode(self, text: str, pieces: Sequence[str], salt: str | None = None,
+               take: Take = copied) -> tuple[Any, TokenizationReport]:
+        """IDs of `text` (== tokenizer.encode(text, allowed_special=self.allowed)), as `take` makes them (a copy by
+        default). `pieces` are consecutive prefixes' increments of `text` (their concatenation is a prefix of
+        it)."""
         t0 = time.perf_counter()
         if len(text) < self.min_chars:
             ids = self.tokenizer.encode(text, allowed_special=self.allowed)
-            return ids, TokenizationReport("bypass", 0, int(len(ids)), (time.perf_counter() - t0) * 1e3)
+            report = TokenizationReport("bypass", 0, int(len(ids)), (time.perf_counter() - t0) * 1e3)
+            return take(ids, None), report
         keys = chain(pieces, salt)
         entry = self._lookup(keys)
         path = "session"
@@ -124,15 +146,16 @@ class ConversationCache:
         with entry.lock:   # one writer per session; a concurrent turn of the same conversation waits here
             base = entry.session.revision
             splice = entry.session.sync(text)
-            ids = np.array(entry.session.ids, copy=True)
             origin = IdsOrigin(entry.id, base, entry.session.revision, int(splice.keep))
+            ids = take(entry.session.ids, origin)
+            held = SessionText(entry.id, entry.session.revision, entry.session.n_chars)
         self.store.resize(entry)
         self._remember(entry, keys)
         report = TokenizationReport(path, int(splice.keep), int(len(splice.ids)), (time.perf_counter() - t0) * 1e3,
-                                    entry.id, origin)
+                                    entry.id, origin, held)
         return ids, report
 
-    def encode_on(self, session_id: str, text: str) -> tuple[np.ndarray, TokenizationReport] | None:
+    def encode_on(self, session_id: str, text: str, take: Take = copied) -> tuple[Any, TokenizationReport] | None:
         """IDs of `text` by repairing a session known from this conversation's previous body (body_delta.py),
         without the prefix-hash lookup; None when that session is gone. The IDs are exact whichever session is
         repaired (sync compares the texts); the blocks' keys stay those of the turn that last looked it up."""
@@ -149,15 +172,42 @@ class ConversationCache:
         with entry.lock:
             base = entry.session.revision
             splice = entry.session.sync(text)
-            ids = np.array(entry.session.ids, copy=True)
             origin = IdsOrigin(entry.id, base, entry.session.revision, int(splice.keep))
+            ids = take(entry.session.ids, origin)
+            held = SessionText(entry.id, entry.session.revision, entry.session.n_chars)
         self.store.resize(entry)
         return ids, TokenizationReport("session", int(splice.keep), int(len(splice.ids)),
-                                       (time.perf_counter() - t0) * 1e3, entry.id, origin)
+                                       (time.perf_counter() - t0) * 1e3, entry.id, origin, held)
+
+    def append_on(self, held: SessionText, tail: str, take: Take = copied) -> tuple[Any, TokenizationReport] | None:
+        """IDs of (the text `held` says the session holds) + `tail`, by appending `tail`: O(tail) in text, where
+        `encode_on` compares the whole new text with the stored one. None when the session is gone or has moved
+        since (another revision or length): then the caller renders and syncs the whole text. The IDs are exact
+        when the caller's claim is: the session's text at that revision is the text whose continuation `tail` is
+        (chat.ChatTemplate.extend proves that for a conversation that grew)."""
+        t0 = time.perf_counter()
+        try:
+            entry = self.store.get(held.session)
+        except Exception:   # noqa: BLE001 - evicted or deleted since
+            return None
+        if entry.model != self.tokenizer.name:
+            return None
+        with entry.lock:
+            session = entry.session
+            if session.revision != held.revision or session.n_chars != held.chars:
+                return None
+            splice = session.append(tail)
+            origin = IdsOrigin(entry.id, held.revision, session.revision, int(splice.keep))
+            ids = take(session.ids, origin)
+            now = SessionText(entry.id, session.revision, session.n_chars)
+        self.hits += 1
+        self.store.resize(entry)
+        return ids, TokenizationReport("session", int(splice.keep), int(len(splice.ids)),
+                                       (time.perf_counter() - t0) * 1e3, entry.id, origin, now)
 
     def stats(self) -> dict[str, int]:
         with self._lock:
             return {"hits": self.hits, "misses": self.misses, "index_keys": len(self._index)}
 
 
-__all__ = ["ConversationCache", "TokenizationReport", "blocks", "chain"]
+__all__ = ["ConversationCache", "SessionText", "Take", "TokenizationReport", "blocks", "chain", "copied"]

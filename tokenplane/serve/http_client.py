@@ -22,13 +22,14 @@ from __future__ import annotations
 
 import asyncio
 import ssl as _ssl
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Sequence
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
 _JOIN_BELOW = 64 << 10      # bodies up to this go out in one write with the head (one copy is cheaper than a syscall)
 _READ_LIMIT = 1 << 20       # StreamReader buffer limit: a response head or chunk-size line longer than this is refused
 _MAX_IDLE = 64              # kept connections per origin
+Body = bytes | Sequence[bytes | memoryview]
 
 
 class HTTPClientError(Exception):
@@ -228,13 +229,22 @@ class HTTPClient:
             conn.close()
         return None
 
-    async def request(self, method: str, url: str, body: bytes = b"",
+    async def request(self, method: str, url: str, body: Body = b"",
                       content_type: str = "application/json", timeout: float | None = None) -> Response:
-        """Send; the head of the answer read. `timeout` (if given) replaces read_timeout for this request."""
+        """Send; the head of the answer read. `timeout` (if given) replaces read_timeout for this request. `body`:
+        bytes, or a sequence of pieces (bytes or byte memoryviews) written one after the other, never joined when
+        large (the tier's bodies are views of earlier turns' bytes: ids_json.py)."""
         origin = Origin.of(url)
         path = _path_of(url)
+        if not isinstance(body, bytes):
+            body = tuple(body)
+            size = sum(len(c) for c in body)   # bytes: the views are 1-D and of bytes
+            if size <= _JOIN_BELOW:
+                body = b"".join(body)
+        else:
+            size = len(body)
         head = b"%s %s HTTP/1.1\r\nHost: %s\r\nContent-Type: %s\r\nContent-Length: %d\r\n\r\n" % (
-            method.encode(), path.encode(), origin.host_header, content_type.encode(), len(body))
+            method.encode(), path.encode(), origin.host_header, content_type.encode(), size)
         read_timeout = self.read_timeout if timeout is None else timeout
         conn = self._kept(origin)
         if conn is not None:
@@ -244,10 +254,13 @@ class HTTPClient:
                 pass   # closed by the server while idle: once more on a new connection
         return await self._exchange(origin, await self._connect(origin), head, body, read_timeout)
 
-    async def _exchange(self, origin: Origin, conn: _Conn, head: bytes, body: bytes,
+    async def _exchange(self, origin: Origin, conn: _Conn, head: bytes, body: bytes | tuple[bytes | memoryview, ...],
                         read_timeout: float | None) -> Response:
         try:
-            if len(body) <= _JOIN_BELOW:
+            if not isinstance(body, bytes):   # large, in pieces
+                conn.writer.write(head)
+                conn.writer.writelines(body)
+            elif len(body) <= _JOIN_BELOW:
                 conn.writer.write(head + body)
             else:
                 conn.writer.write(head)

@@ -5,7 +5,10 @@ array (a 4M-character context) in ~10 ms, every turn, although the turn changed 
 session's IDs change by splices (new_ids == old_ids[:keep] + ids, tokenize/session.py), each with its revision, so
 the body sent for the previous turn already holds the JSON of every kept ID: this turn's body is the previous one's
 bytes up to the keep-th ID, then the JSON of the new IDs. The kept part is found from the end, one comma per dropped
-ID (a turn drops a few: the generation prompt's tokens), and copied once, into the new body.
+ID (a turn drops a few: the generation prompt's tokens). It is not copied: a body is a sequence of pieces (`chunks`),
+views of the bytes earlier turns wrote plus this turn's new IDs, that the upstream client writes one after the other
+(http_client.py; a copy of the whole body cost ~0.3 ms per turn at 1M characters, ~0.6-1 ms at 4M). The kept run is
+joined into one piece once it has _MAX_SEGMENTS pieces.
 
 The previous body is reused only when it was written for exactly the session state this turn's splice started from
 (same session id, revision before the splice == the revision the body was written at, and the splice is the only
@@ -40,19 +43,47 @@ class IdsOrigin:
     keep: int
 
 
+Segment = tuple[bytes, int, int]   # raw[start:end] of a bytes object, never copied out of it
+Chunks = tuple[bytes | memoryview, ...]   # a body as pieces, written one after the other (writev), never joined
+_MAX_SEGMENTS = 64   # a kept run in more pieces than this is joined once (O(context) once per that many turns)
+
+
 @dataclass
 class _Body:
-    raw: bytes
-    start: int       # the ID run is raw[start:end], e.g. b"1,2,3"
-    end: int
+    run: tuple[Segment, ...]   # the ID run (b"1,2,3"): its segments' bytes one after the other, each after the first
+                               # starting with the comma before its first ID
     n: int
     revision: int
+    size: int                  # bytes in the run
 
 
 def ids_run(ids: Any) -> bytes:
     """b"1,2,3" for IDs [1, 2, 3] (b"" for none)."""
     arr = ids if isinstance(ids, np.ndarray) else np.asarray(ids, dtype=np.int64)
     return orjson.dumps(arr, option=orjson.OPT_SERIALIZE_NUMPY)[1:-1]
+
+
+def _cut(run: tuple[Segment, ...], dropped: int) -> list[Segment] | None:
+    """The run without its last `dropped` IDs (back over one comma per ID, from the end); None when the run has too
+    few IDs for that (not a run this module wrote)."""
+    segs = list(run)
+    for _ in range(dropped):
+        if not segs:
+            return None
+        raw, start, end = segs[-1]
+        comma = raw.rfind(b",", start, end)
+        if comma < start:
+            return None
+        if comma == start:   # the segment held one ID after its leading comma
+            segs.pop()
+        else:
+            segs[-1] = (raw, start, comma)
+    return segs if segs else None
+
+
+def _view(seg: Segment) -> bytes | memoryview:
+    raw, start, end = seg
+    return raw if start == 0 and end == len(raw) else memoryview(raw)[start:end]
 
 
 class RequestBodies:
@@ -70,7 +101,7 @@ class RequestBodies:
         with self._lock:
             old = self._bodies.pop(session, None)
             if old is not None:
-                self._bytes -= len(old.raw)
+                self._bytes -= old.size
 
     def _reusable(self, origin: IdsOrigin, n: int) -> _Body | None:
         with self._lock:
@@ -86,23 +117,30 @@ class RequestBodies:
     def build(self, fields: dict[str, Any], ids: np.ndarray | list[int], origin: IdsOrigin | None = None) -> bytes:
         """The JSON body: `fields` and `"prompt": ids`. `origin` (IDs from a session splice) allows reusing the
         session's previous body."""
+        return b"".join(self.chunks(fields, ids, origin))
+
+    def chunks(self, fields: dict[str, Any], ids: np.ndarray | list[int], origin: IdsOrigin | None = None) -> Chunks:
+        """`build`'s body as pieces: the kept ID run's pieces are views of the bytes earlier turns wrote, so a turn
+        copies nothing of its context here (the socket write takes the pieces as they are: writev)."""
         head = orjson.dumps(fields)[:-1] + (b',"prompt":[' if fields else b'"prompt":[')
         n = len(ids)
         prev = self._reusable(origin, n) if origin is not None else None
-        if prev is None or origin is None:
+        segs = _cut(prev.run, prev.n - origin.keep) if prev is not None and origin is not None else None
+        if segs is None or origin is None:
             run = ids_run(ids)
-            raw = b"".join((head, run, b"]}"))
+            segs = [(run, 0, len(run))] if run else []
             self.written += 1
         else:
-            cut = prev.end
-            for _ in range(prev.n - origin.keep):   # back over the dropped IDs' commas (origin.keep > 0)
-                cut = prev.raw.rfind(b",", prev.start, cut)
-            new = ids_run(ids[origin.keep:]) if n > origin.keep else b""
-            raw = b"".join((head, memoryview(prev.raw)[prev.start:cut], b"," if new else b"", new, b"]}"))
+            if n > origin.keep:
+                new = b"," + ids_run(ids[origin.keep:])
+                segs.append((new, 0, len(new)))
+            if len(segs) > _MAX_SEGMENTS:
+                run = b"".join(_view(s) for s in segs)
+                segs = [(run, 0, len(run))]
             self.reused += 1
         if origin is not None:
-            self._keep(origin, _Body(raw, len(head), len(raw) - 2, n, origin.revision))
-        return raw
+            self._keep(origin, _Body(tuple(segs), n, origin.revision, sum(e - s for _, s, e in segs)))
+        return (head, *(_view(s) for s in segs), b"]}")
 
     def _keep(self, origin: IdsOrigin, body: _Body) -> None:
         with self._lock:
@@ -110,13 +148,13 @@ class RequestBodies:
             if old is not None:
                 if old.revision > body.revision:
                     return   # a concurrent later turn of the same session already wrote its body
-                self._bytes -= len(old.raw)
+                self._bytes -= old.size
             self._bodies[origin.session] = body
             self._bodies.move_to_end(origin.session)
-            self._bytes += len(body.raw)
+            self._bytes += body.size
             while self._bytes > self.max_bytes and self._bodies:
                 _, dropped = self._bodies.popitem(last=False)
-                self._bytes -= len(dropped.raw)
+                self._bytes -= dropped.size
 
     def stats(self) -> dict[str, int]:
         with self._lock:
@@ -124,4 +162,4 @@ class RequestBodies:
                     "written": self.written}
 
 
-__all__ = ["IdsOrigin", "RequestBodies", "ids_run"]
+__all__ = ["Chunks", "IdsOrigin", "RequestBodies", "ids_run"]

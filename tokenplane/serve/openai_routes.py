@@ -25,7 +25,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from .backends import Backend, TokenLogprob
 from .chat import ChatTemplate, template_for
 from .config import Limits
-from .conversations import ConversationCache, TokenizationReport, blocks
+from .conversations import ConversationCache, SessionText, Take, TokenizationReport, blocks, copied
 from .errors import APIError, InvalidRequest, NotFound, PayloadTooLarge
 from .metrics import Metrics
 from .protocol import ChatCompletionRequest, CompletionRequest, parse_request, validate
@@ -138,20 +138,33 @@ class OpenAIServer:
             return direct, TokenizationReport("full_encode", 0, len(direct), (time.perf_counter() - t0) * 1e3)
         return self.prompt_sessions.encode(prompt, blocks(prompt), req.conversation_key)
 
-    def chat_ids(self, req: ChatCompletionRequest, clean: int = 0,
-                 session: str | None = None) -> tuple[PromptIds, TokenizationReport | None]:
+    def chat_ids(self, req: ChatCompletionRequest, clean: int = 0, session: str | None = None,
+                 messages: list[tuple[str, str]] | None = None,
+                 prior: tuple[Sequence[tuple[str, str]], SessionText] | None = None,
+                 take: Take = copied) -> tuple[Any, TokenizationReport | None]:
         """clean: leading messages known to quote no control token; session: the session this conversation's
-        previous turn repaired (the prefix-hash lookup is skipped while it lives)."""
-        messages = [(m.role, m.text()) for m in req.messages]
+        previous turn repaired (the prefix-hash lookup is skipped while it lives); messages: the request's (role,
+        text) pairs if the caller has them; prior: the previous turn's pairs, which the caller knows this request
+        starts with, and the session text that turn left: the new messages alone are rendered and appended
+        (ChatTemplate.extend, ConversationCache.append_on), else the whole prompt is rendered and synced; take:
+        what to make of the IDs (conversations.Take; a copy of a session's IDs by default)."""
+        if messages is None:
+            messages = [(m.role, m.text()) for m in req.messages]
         t0 = time.perf_counter()   # both paths time the template render too, so their figures compare
         if self.chat_sessions is None or self.chat.quotes_specials(messages, clean):
             direct = self.chat.encode(messages)
             path = "bypass" if self.chat_sessions is not None else "full_encode"
-            return direct, TokenizationReport(path, 0, len(direct), (time.perf_counter() - t0) * 1e3)
+            return take(direct, None), TokenizationReport(path, 0, len(direct), (time.perf_counter() - t0) * 1e3)
+        if prior is not None:
+            tail = self.chat.extend(prior[0], messages)
+            found = self.chat_sessions.append_on(prior[1], tail, take) if tail is not None else None
+            if found is not None:
+                found[1].time_ms = (time.perf_counter() - t0) * 1e3
+                return found
         text = self.chat.render(messages)
-        found = self.chat_sessions.encode_on(session, text) if session is not None else None
+        found = self.chat_sessions.encode_on(session, text, take) if session is not None else None
         ids, report = found if found is not None else \
-            self.chat_sessions.encode(text, blocks(text), req.conversation_key)
+            self.chat_sessions.encode(text, blocks(text), req.conversation_key, take)
         report.time_ms = (time.perf_counter() - t0) * 1e3
         return ids, report
 

@@ -26,11 +26,11 @@ from fastapi import Request
 from fastapi.responses import JSONResponse
 
 from .backends import BackendHealth, ModelStatus
-from .body_delta import BodyDeltas, Parsed
-from .conversations import TokenizationReport
+from .body_delta import BodyDeltas, KeptTurn, Parsed
+from .conversations import Take, TokenizationReport, copied
 from .errors import APIError, InvalidRequest
 from .event_stream import EventStream
-from .ids_json import RequestBodies
+from .ids_json import Chunks, IdsOrigin, RequestBodies
 from .openai_routes import ClientDisconnected, OpenAIServer
 from .protocol import ChatCompletionRequest, CompletionRequest
 from .upstream import FORWARDED, UpstreamPool, error_from, sse_data
@@ -94,6 +94,13 @@ class Phases:
         self.marks[name] = round((time.perf_counter() - self.t0) * 1e3, 4)
 
 
+@dataclass(frozen=True)
+class _Forwarded:
+    """A prompt's length in tokens and the upstream body that carries it."""
+    n: int
+    body: Chunks
+
+
 def conversation_key(req: Any, text: str) -> str:
     """What pins a conversation to an upstream: the client's key, else its first 1K characters (stable across
     tokenplane replicas, unlike a session id)."""
@@ -139,28 +146,43 @@ class ProxyServer(OpenAIServer):
         body["model"] = self.pool.model
         return body
 
-    def _chat_ids(self, req: ChatCompletionRequest, parsed: Parsed) -> tuple[Any, TokenizationReport | None]:
+    def _chat_ids(self, req: ChatCompletionRequest, parsed: Parsed,
+                  take: Take = copied) -> tuple[Any, TokenizationReport | None]:
         """chat_ids with what the conversation's previous body says: which leading messages are known to quote no
-        control token, and (same conversation key) the session to repair; then this body kept for the next turn."""
-        base = parsed.base
-        clean = min(base.clean, parsed.reused) if base is not None else 0
-        session = base.session if base is not None and base.conversation_key == req.conversation_key else None
-        prompt_ids, report = self.chat_ids(req, clean, session)
-        if report is not None and report.path in ("session", "new_session"):   # every message scanned: none quotes
+        control token, their (role, text) pairs, and (same conversation key) the session to repair, or, when this
+        body keeps every message of that one, the session text to append the new messages' text to; then this
+        body kept for the next turn."""
+        base, reused = parsed.base, parsed.reused
+        kept = base.turn if base is not None else None
+        clean = min(base.clean, reused) if base is not None else 0
+        same = base is not None and base.conversation_key == req.conversation_key
+        session = base.session if same and base is not None else None
+        if kept is not None and 0 < reused <= len(kept.pairs):   # equal bytes: equal messages, equal pairs
+            pairs = kept.pairs[:reused] + [(m.role, m.text()) for m in req.messages[reused:]]
+        else:
+            pairs = [(m.role, m.text()) for m in req.messages]
+        prior = (kept.pairs, kept.rendered) if same and kept is not None and kept.rendered is not None \
+            and reused == len(kept.pairs) else None
+        prompt_ids, report = self.chat_ids(req, clean, session, pairs, prior, take)
+        if report is None:
+            return prompt_ids, report
+        if report.path in ("session", "new_session"):   # every message scanned: none quotes
             clean = len(req.messages)
-        if parsed.state is not None and report is not None:
-            self.deltas.keep(parsed.state, report.session, req.conversation_key, clean)
-        elif parsed.raw is not None and report is not None:
+        turn = KeptTurn(req.messages, pairs, report.text if report.path in ("session", "new_session") else None)
+        if parsed.state is not None:
+            self.deltas.keep(parsed.state, report.session, req.conversation_key, clean, turn)
+        elif parsed.raw is not None:
             self._states.submit(self._remember, parsed.raw, parsed.body.get("messages"), report.session,
-                                req.conversation_key, clean)
+                                req.conversation_key, clean, turn)
         return prompt_ids, report
 
-    def _remember(self, raw: bytes, messages: Any, session: str | None, key: str | None, clean: int) -> None:
+    def _remember(self, raw: bytes, messages: Any, session: str | None, key: str | None, clean: int,
+                  turn: KeptTurn) -> None:
         """A body parsed in full, kept for the next turn after this turn's answer has started (its state costs a
         few parses: body_delta.remember)."""
         time.sleep(_STATE_DELAY_S)
         try:
-            self.deltas.remember(raw, messages, session, key, clean)
+            self.deltas.remember(raw, messages, session, key, clean, turn)
         except Exception:   # noqa: BLE001 - the next turn parses in full instead
             log.exception("keeping a chat body's state failed")
 
@@ -169,22 +191,28 @@ class ProxyServer(OpenAIServer):
         super().close()
 
     def _prepared(self, req: Any, chat: bool, parsed: Parsed | None = None) -> tuple[int, TokenizationReport | None,
-                                                                                     bytes]:
+                                                                                     Chunks]:
         """Worker-thread part of a request: its prompt IDs, checked against the context, and the upstream body
-        (ids_json.py: the IDs' JSON reuses the session's previous body where the splice allows)."""
+        (ids_json.py: the IDs' JSON reuses the session's previous body where the splice allows). A chat's body is
+        written under its session's lock from the session's own IDs (conversations.Take): no copy of the context's
+        IDs, only the JSON of the IDs the previous body lacks."""
+        fields = self._fields(req, self.chat.stop_token_ids if chat else ())
         if chat:
-            prompt_ids, report = self._chat_ids(req, parsed) if parsed is not None else self.chat_ids(req)
+            def take(ids: Any, origin: IdsOrigin | None) -> _Forwarded:
+                return _Forwarded(len(ids), self.bodies.chunks(fields, ids, origin))
+            fwd, report = self._chat_ids(req, parsed, take) if parsed is not None else self.chat_ids(req, take=take)
         else:
             prompt_ids, report = self.completion_ids(req)
-        n = len(prompt_ids)
+            fwd = _Forwarded(len(prompt_ids), self.bodies.chunks(fields, prompt_ids,
+                                                                 report.origin if report is not None else None))
+        n = fwd.n
         if n == 0:
             raise InvalidRequest("the prompt is empty", param="prompt")
         limit = self.backend.max_model_len
         if limit is not None and n >= limit:
             raise InvalidRequest(f"this model's maximum context length is {limit} tokens; the prompt has "
                                  f"{n} tokens", param="prompt", code="context_length_exceeded")
-        fields = self._fields(req, self.chat.stop_token_ids if chat else ())
-        return n, report, self.bodies.build(fields, prompt_ids, report.origin if report is not None else None)
+        return n, report, fwd.body
 
     async def completions(self, request: Request) -> Any:
         phases = Phases()
@@ -198,15 +226,36 @@ class ProxyServer(OpenAIServer):
         return await self._forward(request, req, n, body, report, conversation_key(req, text), False, phases)
 
     def _chat_work(self, request: Request, raw: bytes, parsed: Parsed | None = None,
-                   fast_tried: bool = False) -> tuple[Any, int, TokenizationReport | None, bytes]:
+                   fast_tried: bool = False) -> tuple[Any, int, TokenizationReport | None, Chunks]:
         """A chat body to its validated request and upstream body, on the loop or in one worker-thread hop (each hop
         is a thread hand-off and a loop wake-up). `parsed`: already parsed through a kept body; `fast_tried`: that
         was tried and missed (the full parse follows)."""
         if parsed is None:
             parsed = self.deltas.full(raw) if fast_tried else self.deltas.parse(raw)
-        req = self.checked(request, ChatCompletionRequest, parsed.body, parsed.checked)
+        req = self._validated(request, parsed)
         self._check_chars(sum(len(m.text()) for m in req.messages))
         return (req, *self._prepared(req, True, parsed))
+
+    def _validated(self, request: Request, parsed: Parsed) -> ChatCompletionRequest:
+        """The body validated as a chat request. Through a kept body, only the new messages are validated: the
+        kept ones are the bytes, hence the objects, the previous turn validated (a message validates on its own:
+        ChatMessage has no cross-message rule, and the list's own rules, at least one message and each text free
+        of lone surrogates, hold for the joined list when they hold for both parts). Any refusal is redone on
+        the whole body, so that its error names the field as the client sent it."""
+        base, reused = parsed.base, parsed.reused
+        kept = base.turn.validated if base is not None and base.turn is not None else None
+        messages = parsed.body.get("messages")
+        if kept is not None and parsed.checked and 0 < reused <= len(kept) and isinstance(messages, list) \
+                and len(messages) > reused:
+            try:
+                req = self.checked(request, ChatCompletionRequest, {**parsed.body, "messages": messages[reused:]},
+                                   True)
+            except APIError:
+                pass
+            else:
+                req.messages = kept[:reused] + req.messages
+                return req
+        return self.checked(request, ChatCompletionRequest, parsed.body, parsed.checked)
 
     async def chat_completions(self, request: Request) -> Any:
         phases = Phases()
@@ -225,7 +274,7 @@ class ProxyServer(OpenAIServer):
         first = req.messages[0].text()[:1024] if req.messages else ""
         return await self._forward(request, req, n, body, report, conversation_key(req, first), True, phases)
 
-    async def _forward(self, request: Request, req: Any, n_prompt: int, body: bytes,
+    async def _forward(self, request: Request, req: Any, n_prompt: int, body: Chunks,
                        report: TokenizationReport | None, key: str, chat: bool, phases: Phases) -> Any:
         extra = {"tokenization": {**report.to_dict(), "phases_ms": phases.marks}} if report is not None else {}
         if self.metrics is not None:
@@ -243,7 +292,7 @@ class ProxyServer(OpenAIServer):
             raise await error_from(resp, url)
         return EventStream(self._relay(resp, chat, extra, phases))
 
-    async def _exchange(self, key: str, body: bytes) -> dict[str, Any]:
+    async def _exchange(self, key: str, body: Chunks) -> dict[str, Any]:
         url, resp = await self.pool.send(key, body)
         try:
             if resp.status_code != 200:

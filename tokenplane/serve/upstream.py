@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .errors import APIError, ServiceUnavailable, retry_headers
-from .http_client import ConnectFailed, HTTPClient, HTTPClientError, Response
+from .http_client import Body, ConnectFailed, HTTPClient, HTTPClientError, Response
 
 UpstreamResponse = Response   # an upstream's answer, opened as a stream (http_client.Response)
 
@@ -128,7 +128,7 @@ class UpstreamPool:
         return [{"name": s.url, "state": "ready" if s.up(now) else "failed", "requests": s.requests,
                  "failures": s.failures, "last_error": s.last_error} for s in self.state.values()]
 
-    async def send(self, key: str, body: bytes) -> tuple[str, UpstreamResponse]:
+    async def send(self, key: str, body: Body) -> tuple[str, UpstreamResponse]:
         """POST /v1/completions to the conversation's upstream, failing over along the ring when one cannot be
         reached. The response is opened as a stream (the caller reads or relays it and must close it)."""
         tried: list[str] = []
