@@ -13,7 +13,7 @@ characters its bytes start (the vocabulary's `token_chars`), which is what the s
 valid UTF-8 (a token ending inside a character covers it; the token holding the rest starts no character).
 Whatever the common case does not cover answers a nonzero status and the caller runs the staged path: a lone
 surrogate (it raises there), a byte the vocabulary lacks, o200k's rare shapes (its rescan is Python).
-tests/test_window_kernel.py checks fused == staged == reference, AOT and JIT, for every family.
+tests/test_aot_kernels.py checks fused == staged == reference, AOT and JIT, for every family.
 """
 
 from __future__ import annotations
@@ -58,6 +58,24 @@ def _window_cps(s, lo, hi, spans):
 
 
 @njit(cache=True, nogil=True)
+def _window_start(s, lo, hi, spans, table):
+    """What every family's window starts with: the code points (of each span back to back) and their offsets, the
+    table's class of each, an all-False piece-start mask, and the index of a lone surrogate or -1. On a surrogate the
+    classes are not gathered: not every code point was written."""
+    cps, offsets, bad = _window_cps(s, lo, hi, spans)
+    starts = np.zeros(cps.shape[0], np.bool_)
+    if bad >= 0:
+        return cps, offsets, np.empty(0, table.dtype), starts, bad
+    return cps, offsets, pt._gather(table, cps), starts, bad
+
+
+@njit(cache=True, nogil=True)
+def _declined(status):
+    """The answer of a window the fused call does not cover: the staged path encodes it."""
+    return np.empty(0, np.uint32), np.empty(0, np.int64), np.empty(0, np.int64), status
+
+
+@njit(cache=True, nogil=True)
 def _window_finish(cps, offsets, starts, lo, spans, shift, tc, has_missing, missing, byte_ids, ptab, batch, whole,
                    wkeys, wids, tok_flat, tok_off, tiny, short, long_keys, long_len, long_ids, long_n):
     """UTF-8 + piece bounds, BPE, then each token's end (absolute: + shift) and the tokens per span."""
@@ -97,12 +115,10 @@ def _window_finish(cps, offsets, starts, lo, spans, shift, tc, has_missing, miss
 def _window_gpt4_impl(s, lo, hi, spans, shift, kind_table, digits, whole_at_end, tc, has_missing, missing, byte_ids,
                       ptab, batch, whole, wkeys, wids, tok_flat, tok_off, tiny, short, long_keys, long_len, long_ids,
                       long_n):
-    cps, offsets, bad = _window_cps(s, lo, hi, spans)
+    cps, offsets, kind, starts, bad = _window_start(s, lo, hi, spans, kind_table)
     if bad >= 0:
-        return np.empty(0, np.uint32), np.empty(0, np.int64), np.empty(0, np.int64), SURROGATE
-    kind = pt._gather(kind_table, cps)
+        return _declined(SURROGATE)
     c = cps.view(np.int32)
-    starts = np.zeros(cps.shape[0], np.bool_)
     for j in range(offsets.shape[0] - 1):
         a, b = offsets[j], offsets[j + 1]
         pt._gpt4_loop(c[a:b], kind[a:b], digits, whole_at_end, starts[a:b])
@@ -112,29 +128,25 @@ def _window_gpt4_impl(s, lo, hi, spans, shift, kind_table, digits, whole_at_end,
 
 def _window_o200k_impl(s, lo, hi, spans, shift, feat_table, tc, has_missing, missing, byte_ids, ptab, batch, whole,
                        wkeys, wids, tok_flat, tok_off, tiny, short, long_keys, long_len, long_ids, long_n):
-    cps, offsets, bad = _window_cps(s, lo, hi, spans)
+    cps, offsets, feat, starts, bad = _window_start(s, lo, hi, spans, feat_table)
     if bad >= 0:
-        return np.empty(0, np.uint32), np.empty(0, np.int64), np.empty(0, np.int64), SURROGATE
-    feat = pt._gather(feat_table, cps)
+        return _declined(SURROGATE)
     c = cps.view(np.int32)
-    starts = np.zeros(cps.shape[0], np.bool_)
     rare = np.empty(cps.shape[0], np.int64)
     for j in range(offsets.shape[0] - 1):
         a, b = offsets[j], offsets[j + 1]
         if pt._o200k_loop(c[a:b], feat[a:b], starts[a:b], rare[a:b]) > 0:
-            return np.empty(0, np.uint32), np.empty(0, np.int64), np.empty(0, np.int64), RARE
+            return _declined(RARE)
     return _window_finish(cps, offsets, starts, lo, spans, shift, tc, has_missing, missing, byte_ids, ptab, batch,
                           whole, wkeys, wids, tok_flat, tok_off, tiny, short, long_keys, long_len, long_ids, long_n)
 
 
 def _window_deepseek_impl(s, lo, hi, spans, shift, feat_table, tc, has_missing, missing, byte_ids, ptab, batch,
                           whole, wkeys, wids, tok_flat, tok_off, tiny, short, long_keys, long_len, long_ids, long_n):
-    cps, offsets, bad = _window_cps(s, lo, hi, spans)
+    cps, offsets, feat, starts, bad = _window_start(s, lo, hi, spans, feat_table)
     if bad >= 0:
-        return np.empty(0, np.uint32), np.empty(0, np.int64), np.empty(0, np.int64), SURROGATE
-    feat = pt._gather(feat_table, cps)
+        return _declined(SURROGATE)
     c = cps.view(np.int32)
-    starts = np.zeros(cps.shape[0], np.bool_)
     for j in range(offsets.shape[0] - 1):
         a, b = offsets[j], offsets[j + 1]
         pt._deepseek_loop(c[a:b], feat[a:b], starts[a:b])
@@ -144,12 +156,10 @@ def _window_deepseek_impl(s, lo, hi, spans, shift, feat_table, tc, has_missing, 
 
 def _window_smollm2_impl(s, lo, hi, spans, shift, kind_table, tc, has_missing, missing, byte_ids, ptab, batch,
                          whole, wkeys, wids, tok_flat, tok_off, tiny, short, long_keys, long_len, long_ids, long_n):
-    cps, offsets, bad = _window_cps(s, lo, hi, spans)
+    cps, offsets, kind, starts, bad = _window_start(s, lo, hi, spans, kind_table)
     if bad >= 0:
-        return np.empty(0, np.uint32), np.empty(0, np.int64), np.empty(0, np.int64), SURROGATE
-    kind = pt._gather(kind_table, cps)
+        return _declined(SURROGATE)
     c = cps.view(np.int32)
-    starts = np.zeros(cps.shape[0], np.bool_)
     for j in range(offsets.shape[0] - 1):
         a, b = offsets[j], offsets[j + 1]
         pt._smollm2_loop(c[a:b], kind[a:b], starts[a:b])
