@@ -1,0 +1,1 @@
+"""The parts of benchmarks/serve_faults.py: processes, one request, the phases, the report."""
