@@ -118,6 +118,30 @@ def test_bad_fields_are_400(server, raw, param):
     assert backend.health().live_requests == 0
 
 
+def test_token_ids_beyond_the_vocabulary_are_400(server):
+    url, backend = server
+    vocab = backend.vocab_size
+    err = is_openai_error(post(url, "/v1/completions", {"prompt": [1, vocab], "max_tokens": 1}), 400)
+    assert err["param"] == "prompt" and err["code"] == "token_out_of_vocabulary" and str(vocab) in err["message"]
+    for ids in ([1 << 31], [-1]):   # beyond any vocabulary: refused by the schema's bounds
+        assert is_openai_error(post(url, "/v1/completions", {"prompt": ids}), 400)["param"] == "prompt"
+    assert post(url, "/v1/completions", {"prompt": [1, vocab - 1], "max_tokens": 1}).status_code == 200
+    assert backend.health().live_requests == 0
+
+
+def test_unserved_parameter_values_are_not_in_the_schema(server):
+    """The OpenAPI schema offers only the served values of the parameters refused by name (a schema-driven client
+    or fuzzer never builds a refused request from it), and the refusal still names the parameter."""
+    url, _ = server
+    doc = httpx.get(url + "/openapi.json").json()
+    props = doc["paths"]["/v1/completions"]["post"]["requestBody"]["content"]["application/json"]["schema"][
+        "properties"]
+    assert props["echo"]["const"] is False and props["best_of"]["enum"] == [None, 1]
+    assert props["presence_penalty"]["enum"] == [None, 0] and props["logit_bias"]["maxProperties"] == 0
+    err = is_openai_error(post(url, "/v1/completions", {"prompt": "x", "best_of": 0}), 400)
+    assert err["param"] == "best_of"
+
+
 def test_chat_unsupported_parameters_are_named(server):
     url, _ = server
     msgs = [{"role": "user", "content": "hi"}]

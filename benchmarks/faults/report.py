@@ -87,8 +87,18 @@ def targets(result: dict[str, Any], args: argparse.Namespace) -> list[list[Any]]
                 + (f"; e.g. {next(iter(lg['exception_examples'].values()))}" if lg["exception_examples"] else ""))
     if "schemathesis" in ph and "exit_code" in ph["schemathesis"]:
         s = ph["schemathesis"]
-        add("schemathesis: no failures", s["exit_code"] == 0 and not s.get("failures"),
-            f"exit {s['exit_code']}; {len(s.get('failures', []))} failing operations; {s.get('result_line', '')}")
+        fails = s.get("failures", [])
+        findings = [f for f in fails if not f.get("semantic")]
+        semantic = [f"{f['operation']} ({', '.join(f['codes'])})" for f in fails if f.get("semantic")]
+        errs = s.get("errors", [])
+        timeouts = [e["operation"] for e in errs if e.get("client_timeout")]
+        other_errors = [e for e in errs if not e.get("client_timeout")]
+        add("schemathesis: no failure but refusals the schema cannot state, no error but the fuzzer's read timeouts",
+            s["exit_code"] in (0, 1) and not findings and not other_errors,
+            f"exit {s['exit_code']}; {len(findings)} failing operations"
+            + (f" ({', '.join(f['operation'] for f in findings)})" if findings else "")
+            + f"; semantic refusals: {', '.join(semantic) or 'none'}; fuzzer read timeouts: "
+            f"{', '.join(timeouts) or 'none'}; other errors: {len(other_errors)}; {s.get('result_line', '')}")
     return rows
 
 
@@ -181,8 +191,13 @@ def markdown(result: dict[str, Any], args: argparse.Namespace) -> str:
         if warn:
             L.append("\nWarnings:\n\n```\n" + warn.group(1).strip()[:2000] + "\n```\n")
         for f in s.get("failures", []):
-            L.append(f"\n- **{f['operation']}**: " + "; ".join(f["failures"][:5]) +
+            kind = f" (a refusal the schema cannot state: {', '.join(f['codes'])})" if f.get("semantic") else ""
+            L.append(f"\n- **{f['operation']}**{kind}: " + "; ".join(f["failures"][:5]) +
                      "".join(f"\n  - `{c[:300]}`" for c in f["reproduce"][:2]))
+        for e in s.get("errors", []):
+            kind = "the fuzzer's read timeout" if e.get("client_timeout") else "error"
+            L.append(f"\n- **{e['operation']}** ({kind}): " + e["text"].splitlines()[0][:200] +
+                     "".join(f"\n  - `{c[:300]}`" for c in e["reproduce"][:1]))
         L.append("\n")
     if result.get("rss"):
         L.append("\n## 6. RSS per process (MiB)\n\n")

@@ -12,6 +12,13 @@ from typing import Any
 
 from .common import ROOT, now
 
+# Refusals of schema-valid requests that a JSON schema cannot state: a prompt plus max_tokens beyond the model's
+# context and a prompt token ID beyond its vocabulary (both the served model's, and the prompt's token count is
+# known only after tokenization), and text_b64 whose bytes are not valid UTF-8.
+SEMANTIC_CODES = {"context_length_exceeded": "prompt + max_tokens beyond the model's context",
+                  "token_out_of_vocabulary": "a prompt token ID beyond the served model's vocabulary",
+                  "invalid_text": "text_b64 that decodes to invalid UTF-8"}
+
 
 def phase_schemathesis(url: str, args: argparse.Namespace, log_path: Path, workdir: Path) -> dict[str, Any]:
     exe = shutil.which("schemathesis") or shutil.which("st")
@@ -57,14 +64,25 @@ def parse_schemathesis(output: str, report: Path) -> dict[str, Any]:
         checks[m.group(1)] = {"passed": int(m.group(2)), "total": int(m.group(3))}
     if checks:
         out["checks"] = checks
-    failures = []
-    for m in re.finditer(r"_{5,} (\S+ \S+) _{5,}\n(.*?)(?=\n_{5,} |\n={5,}|\Z)", clean, re.S):
-        body = m.group(2)
-        titles = re.findall(r"^\s*-\s+(.+)$", body, re.M)
-        curls = re.findall(r"^\s*(curl .+)$", body, re.M)
-        failures.append({"operation": m.group(1), "failures": titles[:10], "reproduce": curls[:5],
-                         "text": body.strip()[:3000]})
-    out["failures"] = failures
+    failures, errors = [], []
+    for section, rows in (("FAILURES", failures), ("ERRORS", errors)):
+        m = re.search(rf"={{5,}} {section} ={{5,}}\n(.*?)(?=\n={{5,}} |\Z)", clean, re.S)
+        for block in re.finditer(r"_{5,} (\S+ \S+) _{5,}\n(.*?)(?=\n_{5,} |\Z)", m.group(1) if m else "", re.S):
+            body = block.group(2)
+            titles = re.findall(r"^\s*-\s+(.+)$", body, re.M)
+            rows.append({"operation": block.group(1), "failures": titles[:10],
+                         "reproduce": re.findall(r"^\s*(curl .+)$", body, re.M)[:5], "text": body.strip()[:3000]})
+    for f in failures:
+        # A schema-valid request refused for what JSON Schema cannot state (see SEMANTIC_CODES) is the API's answer,
+        # the same as OpenAI's and vLLM's; anything else refused, or any other check failing, is a finding.
+        f["codes"] = sorted(set(re.findall(r'"code":"([a-z_]+)"', f["text"])))
+        f["semantic"] = (bool(f["failures"]) and all("Schema-valid request rejected" in t for t in f["failures"])
+                         and bool(f["codes"]) and set(f["codes"]) <= set(SEMANTIC_CODES))
+    for e in errors:
+        # The fuzzer's own read timeout on a request that asked for thousands of tokens from a CPU model: the
+        # server was still generating (its hangs are what the load, kill and disconnect phases look for).
+        e["client_timeout"] = "Read timed out" in e["text"]
+    out["failures"], out["errors"] = failures, errors
     out["output_clean"] = clean[-20000:]
     m = re.search(r"=+\s*(.*?(?:passed|failed|errors?|warnings?).*?)\s*=+\s*$", clean, re.M)
     tail = [ln for ln in clean.strip().splitlines() if ln.strip()][-3:]

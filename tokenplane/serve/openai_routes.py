@@ -182,7 +182,7 @@ class OpenAIServer:
         vocab = self.backend.vocab_size
         if vocab is not None and max(prompt_ids) >= vocab:
             raise InvalidRequest(f"prompt token id {max(prompt_ids)} is outside the model vocabulary ({vocab})",
-                                 param="prompt")
+                                 param="prompt", code="token_out_of_vocabulary")
         asked = getattr(req, "max_completion_tokens", None) or req.max_tokens
         n_prompt = len(prompt_ids)
         limit = self.backend.max_model_len

@@ -17,6 +17,7 @@ from .errors import InvalidRequest
 
 INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1
 MAX_TOKENS_LIMIT = (1 << 31) - 1
+MAX_TOKEN_ID = (1 << 31) - 1  # above any vocabulary; the served model's own size is checked per request
 MAX_STOP_STRINGS = 4          # as OpenAI
 MAX_STOP_CHARS = 1024         # per stop string; keeps stop matching per token small (text_stream.py)
 MAX_N = 16
@@ -129,18 +130,20 @@ class _Common(_Strict):
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
     ignore_eos: bool = False
-    stop_token_ids: list[Annotated[int, Field(ge=0, le=INT64_MAX)]] | None = None   # vLLM's: ids that end it
+    stop_token_ids: list[Annotated[int, Field(ge=0, le=MAX_TOKEN_ID)]] | None = None   # vLLM's: ids that end it
     user: str | None = None
     prompt_cache_key: str | None = None    # conversations with different keys never share a tokenization session
-    # Refused by name when set to anything but their default (see `unsupported`).
-    logit_bias: dict[str, float] | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    tools: Any = None
-    tool_choice: Any = None
-    functions: Any = None
-    function_call: Any = None
-    response_format: Any = None
+    # Refused by name when set to anything but their default (see `unsupported`). The schema states the values that
+    # are served, so a generated client (or a schema-driven fuzzer) knows them; the refusal names the parameter.
+    logit_bias: dict[str, float] | None = Field(None, json_schema_extra={"maxProperties": 0})
+    presence_penalty: float | None = Field(None, json_schema_extra={"enum": [None, 0]})
+    frequency_penalty: float | None = Field(None, json_schema_extra={"enum": [None, 0]})
+    tools: Any = Field(None, json_schema_extra={"enum": [None, []]})
+    tool_choice: Any = Field(None, json_schema_extra={"enum": [None, "none"]})
+    functions: Any = Field(None, json_schema_extra={"enum": [None, []]})
+    function_call: Any = Field(None, json_schema_extra={"enum": [None, "none"]})
+    response_format: Any = Field(None, json_schema_extra={"anyOf": [
+        {"type": "null"}, {"type": "object", "properties": {"type": {"const": "text"}}, "required": ["type"]}]})
 
     @field_validator("stop")
     @classmethod
@@ -188,7 +191,7 @@ class _Common(_Strict):
 
 
 NonEmptyText = Annotated[str, Field(min_length=1)]
-TokenIds = Annotated[list[Annotated[int, Field(ge=0, le=INT64_MAX)]], Field(min_length=1)]
+TokenIds = Annotated[list[Annotated[int, Field(ge=0, le=MAX_TOKEN_ID)]], Field(min_length=1)]
 
 
 class CompletionRequest(_Common):
@@ -196,9 +199,9 @@ class CompletionRequest(_Common):
     prompt: NonEmptyText | TokenIds | Annotated[list[NonEmptyText], Field(min_length=1, max_length=1)] \
         | Annotated[list[TokenIds], Field(min_length=1, max_length=1)]
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)   # top alternatives per token (0: the token's own)
-    echo: bool = False
-    suffix: str | None = None
-    best_of: int | None = None
+    echo: bool = Field(False, json_schema_extra={"const": False})
+    suffix: str | None = Field(None, json_schema_extra={"enum": [None, ""]})
+    best_of: int | None = Field(None, json_schema_extra={"enum": [None, 1]})   # (and best_of == n is accepted)
 
     @field_validator("prompt", mode="before")
     @classmethod

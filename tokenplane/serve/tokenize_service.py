@@ -36,13 +36,13 @@ from typing import Any, Callable, Literal, Mapping, Sequence, TypeVar
 
 import numpy as np
 from fastapi import FastAPI, Request
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from ..tokenize.errors import InvalidTextError, SessionError, StaleRevisionError, TextTooLargeError, validate_text
 from ..tokenize.tokenizer import Tokenizer
 from ..tokenize.verify import ShadowVerifier
 from .errors import Conflict, InvalidRequest, NotFound, PayloadTooLarge
-from .protocol import parse_body
+from .protocol import INT64_MAX, parse_body
 
 B = TypeVar("B", bound=BaseModel)
 
@@ -66,13 +66,13 @@ class CreateSessionBody(BaseModel):
 
 
 class AppendBody(TextBody):
-    expect_revision: int | None = None
+    expect_revision: int | None = Field(None, ge=0, le=INT64_MAX)
     return_ids: bool = True
 
 
 class EditBody(AppendBody):
-    start: int
-    end: int
+    start: int = Field(ge=0, le=INT64_MAX)
+    end: int = Field(ge=0, le=INT64_MAX)
 
 
 class SyncBody(AppendBody):
