@@ -5,9 +5,10 @@ fast that stream runs. On this machine (1 thread, AVX2, cold weights as in a dec
 (`layers.cpu_pack`, what vLLM's CPU backend also runs) streamed a 151936 x 512 vocabulary matrix at 4 rows in 15-20 ms
 (vLLM's own oneDNN build: 16 ms; a plain sum over the same 311 MB: 15 ms), and a 1024 x 512 layer at 0.09-0.16 ms.
 This kernel reads each weight panel once for all rows, keeps every row's partial sums in vector registers, and
-prefetches the panel stream ahead: 11-14 ms at 1-4 rows for the vocabulary matrix, 1.3-2x faster than oneDNN on the
-layer shapes at 1-8 rows. From 16 rows on it becomes compute-bound (it does not block over k or use the rows twice
-from registers) and oneDNN is faster (42 vs 29 ms at 16 rows on the vocabulary matrix), so callers keep oneDNN there.
+prefetches the panel stream ahead: 11-14 ms at 1-4 rows for the vocabulary matrix; on the layer shapes (3072 x 512,
+512 x 1536, 1024 x 512, 512 x 512) 1.15x (8 rows) to 2x and more (1 row) faster than oneDNN. From 16 rows on it is
+compute-bound (it neither blocks over k nor reuses the weight vectors across more than 4 rows) and oneDNN is faster
+(42 vs 29 ms at 16 rows on the vocabulary matrix), so callers keep oneDNN there.
 
 Layout: weight [N, K] -> panels [ceil(N / 16), K, 16] (16 output columns, contiguous along k), zero-padded past N.
 A pass over one panel computes 4, 2 or 1 rows x 16 columns into 8, 4 or 2 vector registers (<8 x float>, emitted
@@ -32,9 +33,9 @@ from numba.core import cgutils
 from numba.extending import intrinsic, models, register_model
 
 PANEL = 16            # output columns per panel: two 8-float vectors
-MAX_ROWS = 8          # above this oneDNN is faster (see the module docstring)
+MAX_ROWS = 8          # measured no slower than oneDNN up to 8 rows; at 16 oneDNN is faster (docstring)
 K_BLOCK = 64          # k steps summed in registers before they are added to the output (see Numerics)
-PREFETCH = 1024       # floats ahead of the panel stream (64 k-steps, 4 KiB): 5-25% faster than none, measured here
+PREFETCH = 1024       # floats ahead of the panel stream (64 k-steps, 4 KiB): at 4 rows 15-30% faster than none here
 
 _V8 = ir.VectorType(ir.FloatType(), 8)
 _I32 = ir.IntType(32)
