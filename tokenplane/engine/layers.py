@@ -8,6 +8,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tokenplane.engine import cpu_small_gemm
+
 CPU_PACK_DTYPES = (torch.float32, torch.bfloat16)
 # Every row count takes the packed path, prefill included. It is what vLLM's CPU backend runs (oneDNN matmul on a
 # prepacked weight) and 15-20% faster than F.linear's MKL GEMM at 256-2048 rows (1 thread, fp32, SmolLM2 shapes:
@@ -41,7 +43,7 @@ class Linear(nn.Linear):
 
     # Plain attributes, not buffers: state_dict() stays the weights only.
     cpu_packed: torch.Tensor | None = None
-    cpu_weight_t: torch.Tensor | None = None   # [in, out] contiguous, for one-row inputs of widening layers
+    cpu_panels: torch.Tensor | None = None   # fp32: cpu_small_gemm's copy, for 1-8 row inputs (decode)
 
     def reset_parameters(self) -> None:
         pass
@@ -52,41 +54,37 @@ class Linear(nn.Linear):
             self.unpack_cpu()
             return
         self.cpu_packed = cpu_pack(w)
-        # One row (batch-1 decode) through a widening layer (qkv, gate_up): x @ W^T over a transposed copy streams the
-        # weight ~1.5-1.8x faster than oneDNN or MKL's F.linear (3072 x 512 fp32, cold cache: 0.33 vs 0.48-0.61 ms).
-        # Narrowing layers (down, o) measured no gain, so they keep one copy.
-        widening = w.shape[0] > w.shape[1] and w.dtype == torch.float32
-        self.cpu_weight_t = w.detach().t().contiguous() if widening else None
+        # Decode-sized fp32 inputs (1-8 rows, 1 thread) stream the weight through cpu_small_gemm's panel copy:
+        # 1.15x (8 rows) to 2x+ (1 row) faster than oneDNN's packed path on the layer shapes measured there (and
+        # than the transposed-copy x @ W^T it replaces for one row). Costs one more copy of the narrowing layers.
+        self.cpu_panels = cpu_small_gemm.pack(w) if cpu_small_gemm.available(w) else None
 
     def unpack_cpu(self) -> None:
-        self.cpu_packed = self.cpu_weight_t = None
+        self.cpu_packed = self.cpu_panels = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         p = self.cpu_packed
         if p is not None and x.dtype == self.weight.dtype and x.device.type == "cpu":
-            if x.shape[0] == 1 and x.dim() == 2 and x.dtype == torch.float32:
-                # one fp32 row: oneDNN's packed path measured 3-6% slower than these (bf16 has no fast MKL GEMV)
-                wt = self.cpu_weight_t
-                if wt is None:
-                    return F.linear(x, self.weight, self.bias)
-                return torch.mm(x, wt) if self.bias is None else torch.addmm(self.bias, x, wt)
+            if self.cpu_panels is not None and cpu_small_gemm.applies(x):
+                return cpu_small_gemm.linear(x, self.cpu_panels, self.out_features, self.bias)
             return cpu_packed_linear(x, p, self.bias)
         return F.linear(x, self.weight, self.bias)
 
 
 class VocabProjection:
-    """hidden [B, H] -> logits [B, V] on CPU, the step's largest GEMM for small models. One row (batch-1 decode):
-    x @ W^T over a transposed contiguous copy streams the matrix 2.5x faster than F.linear or W @ x^T (151936 x 256
-    fp32: 7 vs 18 ms); more rows: oneDNN's packed copy (see `cpu_pack`). Holds two copies of the matrix."""
+    """hidden [B, H] -> logits [B, V] on CPU, the step's largest GEMM for small models. Decode-sized fp32 batches
+    (1-8 rows, 1 thread): cpu_small_gemm's panel copy streams the matrix at memory speed (151936 x 512 fp32: 11-14 ms
+    at 1-4 rows, vs 15-20 ms on oneDNN's packed copy and 16 ms for x @ W^T over a transposed copy at one row); more
+    rows, bf16, or more threads: oneDNN's packed copy (see `cpu_pack`). Holds two copies of the matrix."""
 
     def __init__(self, weight: torch.Tensor) -> None:
-        # fp32 only: bf16 has no fast MKL GEMV, oneDNN's packed bf16 path serves one row too
-        self.weight_t = weight.detach().t().contiguous() if weight.dtype == torch.float32 else None
+        self.out_features = weight.shape[0]
+        self.panels = cpu_small_gemm.pack(weight) if cpu_small_gemm.available(weight) else None
         self.packed = cpu_pack(weight)
 
     def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
-        if hidden.shape[0] == 1 and self.weight_t is not None:
-            return torch.mm(hidden, self.weight_t)
+        if self.panels is not None and cpu_small_gemm.applies(hidden):
+            return cpu_small_gemm.linear(hidden, self.panels, self.out_features)
         return cpu_packed_linear(hidden, self.packed, None)
 
 

@@ -1,0 +1,80 @@
+"""cpu_small_gemm (the few-row float32 linear of decode steps) against float64 F.linear, and the layers that take it."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tokenplane.engine import cpu_small_gemm
+from tokenplane.engine.layers import Linear, VocabProjection
+
+
+@pytest.fixture
+def one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("n,k", [(1, 1), (17, 5), (100, 37), (48, 64), (3072, 512), (49152, 96)])
+def test_linear_matches_float64_reference(n, k):
+    """Every row count the kernel takes (4-, 2- and 1-row passes and their mixes), out_features not a multiple of the
+    panel width (padding columns dropped), with and without bias."""
+    g = torch.Generator().manual_seed(n * 1000 + k)
+    w = torch.randn(n, k, generator=g) * 0.05
+    b = torch.randn(n, generator=g)
+    panels = cpu_small_gemm.pack(w)
+    assert panels.shape == (-(-n // cpu_small_gemm.PANEL), k, cpu_small_gemm.PANEL)
+    for rows in range(1, cpu_small_gemm.MAX_ROWS + 1):
+        x = torch.randn(rows, k, generator=g)
+        ref = F.linear(x.double(), w.double())
+        y = cpu_small_gemm.linear(x, panels, n)
+        yb = cpu_small_gemm.linear(x, panels, n, b)
+        assert y.shape == (rows, n) and y.dtype == torch.float32 and y.is_contiguous()
+        # float32 accumulation of k products of size ~0.05 * 1: a few ulps of the sum
+        tol = 1e-6 * max(1.0, k ** 0.5)
+        assert (y.double() - ref).abs().max().item() < tol
+        assert (yb.double() - ref - b.double()).abs().max().item() < tol + 1e-6
+
+
+def test_linear_reads_strided_inputs_and_rejects_a_wrong_width():
+    w = torch.randn(32, 24)
+    x = torch.randn(24, 3).t()                     # non-contiguous [3, 24]
+    assert (cpu_small_gemm.linear(x, cpu_small_gemm.pack(w), 32) - F.linear(x, w)).abs().max().item() < 1e-5
+    with pytest.raises(ValueError):
+        cpu_small_gemm.linear(torch.randn(2, 23), cpu_small_gemm.pack(w), 32)
+
+
+def test_applies_only_to_few_float32_rows_on_one_thread(one_thread):
+    assert cpu_small_gemm.applies(torch.zeros(1, 8)) and cpu_small_gemm.applies(torch.zeros(8, 8))
+    assert not cpu_small_gemm.applies(torch.zeros(cpu_small_gemm.MAX_ROWS + 1, 8))
+    assert not cpu_small_gemm.applies(torch.zeros(2, 8, dtype=torch.float64))
+    assert not cpu_small_gemm.applies(torch.zeros(2, 8, dtype=torch.bfloat16))
+    assert not cpu_small_gemm.applies(torch.zeros(8))
+    torch.set_num_threads(2)
+    assert not cpu_small_gemm.applies(torch.zeros(2, 8))
+
+
+def test_packed_linear_and_vocab_projection_take_the_kernel_for_decode_rows(one_thread, monkeypatch):
+    """Linear (after pack_cpu) and VocabProjection route 1-8 fp32 rows through the kernel and larger batches through
+    oneDNN; both paths equal F.linear within rounding."""
+    torch.manual_seed(0)
+    lin = Linear(64, 96, bias=True)
+    with torch.no_grad():
+        lin.weight.normal_(0, 0.05)
+        lin.bias.normal_()
+    lin.pack_cpu()
+    assert lin.cpu_panels is not None
+    vp = VocabProjection(lin.weight)
+    calls = []
+    real = cpu_small_gemm.linear
+    monkeypatch.setattr(cpu_small_gemm, "linear", lambda *a, **kw: calls.append(a[0].shape[0]) or real(*a, **kw))
+    with torch.inference_mode():
+        for rows in (1, 3, 8, 9, 40):
+            x = torch.randn(rows, 64)
+            assert (lin(x) - F.linear(x, lin.weight, lin.bias)).abs().max().item() < 1e-5
+            assert (vp(x) - F.linear(x, lin.weight)).abs().max().item() < 1e-5
+    assert calls == [1, 1, 3, 3, 8, 8]
+    lin.unpack_cpu()
+    assert lin.cpu_panels is None and lin.cpu_packed is None
