@@ -496,8 +496,11 @@ class PieceCache:
         self.long_ids = np.zeros((long_ways, LONG_IDS), dtype=np.int32)
         self.long_n = np.zeros(long_ways, dtype=np.int32)
         self.bound: dict[str, Any] = {}     # kernels with these arrays bound (window.py), by family
+        self.pmap: Any = None               # the full encode's piece map (piecemap.py), made on first use
 
     def clear(self) -> None:
+        if self.pmap is not None:
+            self.pmap.clear()
         self.tiny[:, 1] = 0
         self.short[:, 0] = 0
         self.long_length[:] = 0
@@ -508,14 +511,12 @@ class DroppedBytes(ValueError):
     fallback) while merging across it; the kernels do not implement that, so the caller encodes with the reference."""
 
 
+@njit(cache=True, nogil=True)
 def _any_of(buf, lut):
     for i in range(buf.shape[0]):
         if lut[buf[i]]:
             return True
     return False
-
-
-_any_of = njit(cache=True, nogil=True)(_any_of)
 
 
 class BPE:

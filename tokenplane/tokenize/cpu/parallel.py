@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from . import boundary, bpetables, nfc, pretokenize, strbuf
+from . import boundary, bpetables, fullencode, nfc, pretokenize, strbuf
 from .bpe import BPE, DroppedBytes
 
 if TYPE_CHECKING:   # type names only: these modules sit above this one
@@ -88,6 +88,7 @@ class CpuEncoder:
         self._pool_lock = threading.Lock()
         self._local = threading.local()
         self.block_chars = BLOCK_CHARS
+        self.fused = True       # False: the staged chain only (kept to measure against and as the tests' oracle)
         self.stats = {"serial": 0, "parallel": 0, "chunks": 0, "cut_rejected": 0}
         # Plain NFC (qwen3): chunks are cut in raw text and normalized by their own threads (encode_parallel).
         self._nfc_inert = None
@@ -106,10 +107,18 @@ class CpuEncoder:
 
     def _encode_range(self, s: str, a: int, b: int, lookahead: str = "") -> np.ndarray:
         """IDs of s[a:b] (already normalized); `lookahead`: the character right of a chunk cut, read by the
-        pre-tokenizer but not encoded. Apart from Python glue the whole chain runs without the GIL (strbuf)."""
+        pre-tokenizer but not encoded. One GIL-free fused call (fullencode.py); what it declines (a lone surrogate,
+        a byte the vocabulary lacks, o200k's rare shapes) runs the staged chain below."""
         n = b - a
         if n <= 0:
             return np.zeros(0, dtype=np.uint32)
+        if self.fused:
+            ids, status = fullencode.full_encoder(self.bpe, self.family.name)(s, a, b, lookahead)
+            if status == fullencode.OK:
+                return ids.view(np.uint32)
+            if status == fullencode.CUT_REJECTED:
+                raise _CutRejected(b)
+            self.stats["fused_declined"] = self.stats.get("fused_declined", 0) + 1
         sc = self._scratch(n + len(lookahead))
         cps = strbuf.codepoints(s, a, b, lookahead, sc.cps)
         starts = pretokenize.piece_starts(self.family, cps, sc.starts)

@@ -1,0 +1,155 @@
+"""A full encode's block in one compiled call: str -> IDs (code points, pre-tokenizer, piece map walk).
+
+The staged block encode (parallel.CpuEncoder._encode_range before this module) made four kernel calls and three
+text-sized arrays between them: code points, the class gather + pre-tokenizer loop, the whole block's UTF-8 and
+piece bounds, then BPE over bpe.py's direct-mapped piece tiers. Here one call per pre-tokenizer family runs the same
+code point reader and the same family loop, then piecemap._walk: each piece's UTF-8 is made in a small buffer and
+looked up in the thread's open-addressing piece map (a miss runs bpe.py's merge kernels). Same pieces, same BPE of
+each piece: the same IDs (tests/test_fullencode.py checks fused == staged == reference on real and adversarial text).
+
+What the common case does not cover answers a nonzero status and the caller runs the staged path: a lone surrogate
+(the staged path raises), a byte the vocabulary lacks (DroppedBytes -> the reference), o200k's rare shapes (its
+rescan is Python), and a chunk cut that is not a piece start (CUT_REJECTED: the caller re-encodes serially).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import numpy as np
+
+from ..errors import UnsupportedFamily
+from . import bpe as bpe_mod
+from . import kernels, strbuf
+from . import pretokenize as pt
+from .lazyjit import njit  # numba itself only when a JIT kernel runs (lazyjit.py)
+from .piecemap import CUT_REJECTED, DROPPED, OK, RARE, SURROGATE, PieceMap, _walk
+
+FullFn = Callable[[str, int, int, str], tuple[np.ndarray, int]]
+_NO_MISSING = np.zeros(256, np.bool_)
+
+
+@njit(cache=True, nogil=True)
+def _block_start(s, a, b, extra, table):
+    """Code points of s[a:b] + extra, the table's class of each, an all-False start mask, the index of a lone
+    surrogate or -1 (then the classes are not gathered)."""
+    n = b - a
+    cps = np.empty(n + len(extra), np.uint32)
+    bad = strbuf._codepoints(s, a, b, cps) if n > 0 else -1
+    if len(extra) > 0 and bad < 0:
+        got = strbuf._codepoints(extra, 0, len(extra), cps[n:])
+        if got >= 0:
+            bad = n + got
+    starts = np.zeros(cps.shape[0], np.bool_)
+    if bad >= 0:
+        return cps, np.empty(0, table.dtype), starts, bad
+    return cps, pt._gather(table, cps), starts, bad
+
+
+@njit(cache=True, nogil=True)
+def _declined(status):
+    return np.empty(0, np.int32), status
+
+
+@njit(cache=True, nogil=True)
+def _finish(cps, n, starts, has_missing, missing, byte_ids, ptab, batch, whole, wkeys, wids, tok_flat, tok_off,
+            slots, arena, state):
+    """UTF-8 + piece bounds (strbuf's one pass), then the piece map walk."""
+    if cps.shape[0] > n and not starts[n]:    # the lookahead character must start a piece (a stable cut)
+        return _declined(CUT_REJECTED)
+    if n == 0:
+        return _declined(OK)
+    buf = np.empty(4 * n + 8, np.uint8)       # 8 bytes of padding: the walk reads a small piece as one word
+    bounds = np.empty(n + 1, np.int64)
+    nb, size = strbuf._utf8_and_bounds(cps, n, starts, buf, bounds)
+    for k in range(size, size + 8):
+        buf[k] = 0
+    return _walk(buf, bounds, nb, has_missing, missing, byte_ids, ptab, batch, whole, wkeys, wids, tok_flat, tok_off,
+                 slots, arena, state)
+
+
+def _full_gpt4_impl(s, a, b, extra, kind_table, digits, whole_at_end, has_missing, missing, byte_ids, ptab, batch,
+                    whole, wkeys, wids, tok_flat, tok_off, slots, arena, state):
+    cps, kind, starts, bad = _block_start(s, a, b, extra, kind_table)
+    if bad >= 0:
+        return _declined(SURROGATE)
+    pt._gpt4_loop(cps.view(np.int32), kind, digits, whole_at_end, starts)
+    return _finish(cps, b - a, starts, has_missing, missing, byte_ids, ptab, batch, whole, wkeys, wids, tok_flat,
+                   tok_off, slots, arena, state)
+
+
+def _full_o200k_impl(s, a, b, extra, feat_table, has_missing, missing, byte_ids, ptab, batch, whole, wkeys, wids,
+                     tok_flat, tok_off, slots, arena, state):
+    cps, feat, starts, bad = _block_start(s, a, b, extra, feat_table)
+    if bad >= 0:
+        return _declined(SURROGATE)
+    rare = np.empty(cps.shape[0], np.int64)
+    if pt._o200k_loop(cps.view(np.int32), feat, starts, rare) > 0:
+        return _declined(RARE)
+    return _finish(cps, b - a, starts, has_missing, missing, byte_ids, ptab, batch, whole, wkeys, wids, tok_flat,
+                   tok_off, slots, arena, state)
+
+
+def _full_deepseek_impl(s, a, b, extra, feat_table, has_missing, missing, byte_ids, ptab, batch, whole, wkeys, wids,
+                        tok_flat, tok_off, slots, arena, state):
+    cps, feat, starts, bad = _block_start(s, a, b, extra, feat_table)
+    if bad >= 0:
+        return _declined(SURROGATE)
+    pt._deepseek_loop(cps.view(np.int32), feat, starts)
+    return _finish(cps, b - a, starts, has_missing, missing, byte_ids, ptab, batch, whole, wkeys, wids, tok_flat,
+                   tok_off, slots, arena, state)
+
+
+def _full_smollm2_impl(s, a, b, extra, kind_table, has_missing, missing, byte_ids, ptab, batch, whole, wkeys, wids,
+                       tok_flat, tok_off, slots, arena, state):
+    cps, kind, starts, bad = _block_start(s, a, b, extra, kind_table)
+    if bad >= 0:
+        return _declined(SURROGATE)
+    pt._smollm2_loop(cps.view(np.int32), kind, starts)
+    return _finish(cps, b - a, starts, has_missing, missing, byte_ids, ptab, batch, whole, wkeys, wids, tok_flat,
+                   tok_off, slots, arena, state)
+
+
+_full_gpt4 = njit(cache=True, nogil=True)(_full_gpt4_impl)
+_full_o200k = njit(cache=True, nogil=True)(_full_o200k_impl)
+_full_deepseek = njit(cache=True, nogil=True)(_full_deepseek_impl)
+_full_smollm2 = njit(cache=True, nogil=True)(_full_smollm2_impl)
+
+
+def _family_tables(family: str) -> tuple[str, tuple[Any, ...]]:
+    fam = pt._family(family)
+    if fam.name in pt._GPT4:
+        digits, whole = pt._GPT4[fam.name]
+        return "full_gpt4", (pt._cp_kind_gpt4(fam.engine), digits, whole)
+    if fam.name == "o200k_base":
+        return "full_o200k", (pt._cp_kind_o200k(fam.engine),)
+    if fam.name == "deepseek_v4":
+        return "full_deepseek", (pt._cp_feat_deepseek(fam.engine),)
+    if fam.name == "smollm2":
+        return "full_smollm2", (pt._cp_kind_smollm2(fam.engine),)
+    raise UnsupportedFamily(fam.name)
+
+
+def full_encoder(bpe: bpe_mod.BPE, family: str) -> FullFn:
+    """The fused block kernel of `family` with `bpe`'s tables and the calling thread's piece map bound:
+    fn(text, a, b, extra) -> (IDs int32 of text[a:b], status); `extra`: characters right of the block (a cut's
+    lookahead, "" at the text's end) that the pre-tokenizer reads and that must start a piece. The map lives on the
+    thread's bpe.PieceCache (bpe.clear_caches empties it too); bound again when the kernel set or the encoder's
+    schedule flags change (tests switch them)."""
+    k = kernels.get()
+    c = bpe.thread_cache()
+    pm = c.pmap
+    if pm is None:
+        pm = c.pmap = PieceMap()
+    entry = pm.bound.get(family)
+    if entry is not None and entry[0] is k and entry[1] == bpe.batch and entry[2] == bpe.whole:
+        return entry[3]
+    name, fam_args = _family_tables(family)
+    missing = bpe.missing if bpe.missing is not None else _NO_MISSING
+    fn = k.bind(name, 4, *fam_args, bpe.missing is not None, missing, bpe.byte_ids, bpe.ptab, bpe.batch, bpe.whole,
+                bpe.wkeys, bpe.wids, bpe.tok_flat, bpe.tok_off, pm.slots, pm.arena, pm.state)
+    pm.bound[family] = (k, bpe.batch, bpe.whole, fn)
+    return fn
+
+
+__all__ = ["CUT_REJECTED", "DROPPED", "OK", "RARE", "SURROGATE", "full_encoder"]
