@@ -73,9 +73,10 @@ def test_fused_declines_what_it_does_not_cover():
     tok = tokenplane.load("cl100k_base")
     enc = CpuEncoder(tok, workers=1)
     fn = fullencode.full_encoder(enc.bpe, "cl100k_base")
-    assert fn("ab\ud800c", 0, 4, "")[1] == fullencode.SURROGATE
-    assert fn("hello world", 0, 5, "w")[1] == fullencode.CUT_REJECTED      # "hellow": the cut is inside a word
-    ids, status = fn("hello world", 0, 5, " ")
+    sc = fullencode.scratch_args("cl100k_base")     # empty: the kernel makes its own arrays
+    assert fn("ab\ud800c", 0, 4, "", *sc)[1] == fullencode.SURROGATE
+    assert fn("hello world", 0, 5, "w", *sc)[1] == fullencode.CUT_REJECTED      # "hellow": the cut is inside a word
+    ids, status = fn("hello world", 0, 5, " ", *fullencode.scratch_args("cl100k_base", 64))
     assert status == fullencode.OK and ids.tolist() == tok.reference.encode_ordinary("hello").tolist()
     smol = tokenplane.load("smollm2")
     senc = CpuEncoder(smol, workers=1)
@@ -83,7 +84,8 @@ def test_fused_declines_what_it_does_not_cover():
         byte = int(np.flatnonzero(senc.bpe.missing)[0])
         if byte < 0x80:
             text = f"ab{chr(byte)}cd"
-            assert fullencode.full_encoder(senc.bpe, "smollm2")(text, 0, len(text), "")[1] == fullencode.DROPPED
+            fn = fullencode.full_encoder(senc.bpe, "smollm2")
+            assert fn(text, 0, len(text), "", *fullencode.scratch_args("smollm2"))[1] == fullencode.DROPPED
             assert senc.encode(text, parallel=False).tolist() == smol.reference.encode_ordinary(text).tolist()
 
 

@@ -25,25 +25,30 @@ from . import pretokenize as pt
 from .lazyjit import njit  # numba itself only when a JIT kernel runs (lazyjit.py)
 from .piecemap import CUT_REJECTED, DROPPED, OK, RARE, SURROGATE, PieceMap, _walk
 
-FullFn = Callable[[str, int, int, str], tuple[np.ndarray, int]]
+FullFn = Callable[..., tuple[np.ndarray, int]]
 _NO_MISSING = np.zeros(256, np.bool_)
 
 
 @njit(cache=True, nogil=True)
-def _block_start(s, a, b, extra, table):
-    """Code points of s[a:b] + extra, the table's class of each, an all-False start mask, the index of a lone
-    surrogate or -1 (then the classes are not gathered)."""
+def _block_start(s, a, b, extra, cps, kind, starts, table):
+    """Code points of s[a:b] + extra into `cps`, the table's class of each into `kind`, a cleared start mask (the
+    caller's scratch arrays, each replaced by a new one when too short), the index of a lone surrogate or -1 (then
+    the classes are not gathered)."""
     n = b - a
-    cps = np.empty(n + len(extra), np.uint32)
+    total = n + len(extra)
+    cps = cps[:total] if cps.shape[0] >= total else np.empty(total, np.uint32)
+    kind = kind[:total] if kind.shape[0] >= total else np.empty(total, kind.dtype)
+    starts = starts[:total] if starts.shape[0] >= total else np.empty(total, np.bool_)
+    starts[:] = False
     bad = strbuf._codepoints(s, a, b, cps) if n > 0 else -1
     if len(extra) > 0 and bad < 0:
         got = strbuf._codepoints(extra, 0, len(extra), cps[n:])
         if got >= 0:
             bad = n + got
-    starts = np.zeros(cps.shape[0], np.bool_)
-    if bad >= 0:
-        return cps, np.empty(0, table.dtype), starts, bad
-    return cps, pt._gather(table, cps), starts, bad
+    if bad < 0:
+        for i in range(total):
+            kind[i] = table[cps[i]]
+    return cps, kind, starts, bad
 
 
 @njit(cache=True, nogil=True)
@@ -52,15 +57,18 @@ def _declined(status):
 
 
 @njit(cache=True, nogil=True)
-def _finish(cps, n, starts, has_missing, missing, byte_ids, ptab, batch, whole, wkeys, wids, tok_flat, tok_off,
-            slots, arena, state):
-    """UTF-8 + piece bounds (strbuf's one pass), then the piece map walk."""
+def _finish(cps, n, starts, buf, bounds, has_missing, missing, byte_ids, ptab, batch, whole, wkeys, wids, tok_flat,
+            tok_off, slots, arena, state):
+    """UTF-8 + piece bounds (strbuf's one pass, into the scratch `buf` and `bounds` when long enough), then the piece
+    map walk."""
     if cps.shape[0] > n and not starts[n]:    # the lookahead character must start a piece (a stable cut)
         return _declined(CUT_REJECTED)
     if n == 0:
         return _declined(OK)
-    buf = np.empty(4 * n + 8, np.uint8)       # 8 bytes of padding: the walk reads a small piece as one word
-    bounds = np.empty(n + 1, np.int64)
+    if buf.shape[0] < 4 * n + 8:              # 8 bytes of padding: the walk reads a small piece as one word
+        buf = np.empty(4 * n + 8, np.uint8)
+    if bounds.shape[0] < n + 1:
+        bounds = np.empty(n + 1, np.int64)
     nb, size = strbuf._utf8_and_bounds(cps, n, starts, buf, bounds)
     for k in range(size, size + 8):
         buf[k] = 0
@@ -68,46 +76,48 @@ def _finish(cps, n, starts, has_missing, missing, byte_ids, ptab, batch, whole, 
                  slots, arena, state)
 
 
-def _full_gpt4_impl(s, a, b, extra, kind_table, digits, whole_at_end, has_missing, missing, byte_ids, ptab, batch,
-                    whole, wkeys, wids, tok_flat, tok_off, slots, arena, state):
-    cps, kind, starts, bad = _block_start(s, a, b, extra, kind_table)
+# Arguments: the text, the block [a, b), its lookahead | scratch: code points, classes, starts, UTF-8, piece bounds |
+# the family's tables | missing bytes, the BPE tables, the thread's piece map.
+def _full_gpt4_impl(s, a, b, extra, cps, kind, starts, buf, bounds, kind_table, digits, whole_at_end, has_missing,
+                    missing, byte_ids, ptab, batch, whole, wkeys, wids, tok_flat, tok_off, slots, arena, state):
+    cps, kind, starts, bad = _block_start(s, a, b, extra, cps, kind, starts, kind_table)
     if bad >= 0:
         return _declined(SURROGATE)
     pt._gpt4_loop(cps.view(np.int32), kind, digits, whole_at_end, starts)
-    return _finish(cps, b - a, starts, has_missing, missing, byte_ids, ptab, batch, whole, wkeys, wids, tok_flat,
-                   tok_off, slots, arena, state)
+    return _finish(cps, b - a, starts, buf, bounds, has_missing, missing, byte_ids, ptab, batch, whole, wkeys, wids,
+                   tok_flat, tok_off, slots, arena, state)
 
 
-def _full_o200k_impl(s, a, b, extra, feat_table, has_missing, missing, byte_ids, ptab, batch, whole, wkeys, wids,
-                     tok_flat, tok_off, slots, arena, state):
-    cps, feat, starts, bad = _block_start(s, a, b, extra, feat_table)
+def _full_o200k_impl(s, a, b, extra, cps, feat, starts, buf, bounds, feat_table, has_missing, missing, byte_ids,
+                     ptab, batch, whole, wkeys, wids, tok_flat, tok_off, slots, arena, state):
+    cps, feat, starts, bad = _block_start(s, a, b, extra, cps, feat, starts, feat_table)
     if bad >= 0:
         return _declined(SURROGATE)
-    rare = np.empty(cps.shape[0], np.int64)
+    rare = np.empty(cps.shape[0], np.int64)     # written only at rare shapes: its untouched pages cost nothing
     if pt._o200k_loop(cps.view(np.int32), feat, starts, rare) > 0:
         return _declined(RARE)
-    return _finish(cps, b - a, starts, has_missing, missing, byte_ids, ptab, batch, whole, wkeys, wids, tok_flat,
-                   tok_off, slots, arena, state)
+    return _finish(cps, b - a, starts, buf, bounds, has_missing, missing, byte_ids, ptab, batch, whole, wkeys, wids,
+                   tok_flat, tok_off, slots, arena, state)
 
 
-def _full_deepseek_impl(s, a, b, extra, feat_table, has_missing, missing, byte_ids, ptab, batch, whole, wkeys, wids,
-                        tok_flat, tok_off, slots, arena, state):
-    cps, feat, starts, bad = _block_start(s, a, b, extra, feat_table)
+def _full_deepseek_impl(s, a, b, extra, cps, feat, starts, buf, bounds, feat_table, has_missing, missing, byte_ids,
+                        ptab, batch, whole, wkeys, wids, tok_flat, tok_off, slots, arena, state):
+    cps, feat, starts, bad = _block_start(s, a, b, extra, cps, feat, starts, feat_table)
     if bad >= 0:
         return _declined(SURROGATE)
     pt._deepseek_loop(cps.view(np.int32), feat, starts)
-    return _finish(cps, b - a, starts, has_missing, missing, byte_ids, ptab, batch, whole, wkeys, wids, tok_flat,
-                   tok_off, slots, arena, state)
+    return _finish(cps, b - a, starts, buf, bounds, has_missing, missing, byte_ids, ptab, batch, whole, wkeys, wids,
+                   tok_flat, tok_off, slots, arena, state)
 
 
-def _full_smollm2_impl(s, a, b, extra, kind_table, has_missing, missing, byte_ids, ptab, batch, whole, wkeys, wids,
-                       tok_flat, tok_off, slots, arena, state):
-    cps, kind, starts, bad = _block_start(s, a, b, extra, kind_table)
+def _full_smollm2_impl(s, a, b, extra, cps, kind, starts, buf, bounds, kind_table, has_missing, missing, byte_ids,
+                       ptab, batch, whole, wkeys, wids, tok_flat, tok_off, slots, arena, state):
+    cps, kind, starts, bad = _block_start(s, a, b, extra, cps, kind, starts, kind_table)
     if bad >= 0:
         return _declined(SURROGATE)
     pt._smollm2_loop(cps.view(np.int32), kind, starts)
-    return _finish(cps, b - a, starts, has_missing, missing, byte_ids, ptab, batch, whole, wkeys, wids, tok_flat,
-                   tok_off, slots, arena, state)
+    return _finish(cps, b - a, starts, buf, bounds, has_missing, missing, byte_ids, ptab, batch, whole, wkeys, wids,
+                   tok_flat, tok_off, slots, arena, state)
 
 
 _full_gpt4 = njit(cache=True, nogil=True)(_full_gpt4_impl)
@@ -132,8 +142,10 @@ def _family_tables(family: str) -> tuple[str, tuple[Any, ...]]:
 
 def full_encoder(bpe: bpe_mod.BPE, family: str) -> FullFn:
     """The fused block kernel of `family` with `bpe`'s tables and the calling thread's piece map bound:
-    fn(text, a, b, extra) -> (IDs int32 of text[a:b], status); `extra`: characters right of the block (a cut's
-    lookahead, "" at the text's end) that the pre-tokenizer reads and that must start a piece. The map lives on the
+    fn(text, a, b, extra, cps, kind, starts, buf, bounds) -> (IDs int32 of text[a:b], status); `extra`: characters
+    right of the block (a cut's lookahead, "" at the text's end) that the pre-tokenizer reads and that must start a
+    piece; then scratch arrays (uint32, the family table's dtype, bool, uint8, int64; `scratch_args` makes them),
+    each replaced inside by a new one when too short. The map lives on the
     thread's bpe.PieceCache (bpe.clear_caches empties it too); bound again when the kernel set or the encoder's
     schedule flags change (tests switch them)."""
     k = kernels.get()
@@ -146,10 +158,19 @@ def full_encoder(bpe: bpe_mod.BPE, family: str) -> FullFn:
         return entry[3]
     name, fam_args = _family_tables(family)
     missing = bpe.missing if bpe.missing is not None else _NO_MISSING
-    fn = k.bind(name, 4, *fam_args, bpe.missing is not None, missing, bpe.byte_ids, bpe.ptab, bpe.batch, bpe.whole,
+    fn = k.bind(name, 9, *fam_args, bpe.missing is not None, missing, bpe.byte_ids, bpe.ptab, bpe.batch, bpe.whole,
                 bpe.wkeys, bpe.wids, bpe.tok_flat, bpe.tok_off, pm.slots, pm.arena, pm.state)
     pm.bound[family] = (k, bpe.batch, bpe.whole, fn)
     return fn
 
 
-__all__ = ["CUT_REJECTED", "DROPPED", "OK", "RARE", "SURROGATE", "full_encoder"]
+def scratch_args(family: str, chars: int = 0) -> tuple[np.ndarray, ...]:
+    """Scratch arrays for `full_encoder`'s kernel that hold a block of `chars` characters plus a lookahead
+    (none given: empty ones, which the kernel replaces by arrays of the block's size)."""
+    n = chars + 2 if chars else 0
+    dtype = _family_tables(family)[1][0].dtype
+    return (np.empty(n, np.uint32), np.empty(n, dtype), np.empty(n, np.bool_), np.empty(4 * n + 8, np.uint8),
+            np.empty(n + 1, np.int64))
+
+
+__all__ = ["CUT_REJECTED", "DROPPED", "OK", "RARE", "SURROGATE", "full_encoder", "scratch_args"]

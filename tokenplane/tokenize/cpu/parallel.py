@@ -55,6 +55,7 @@ class _Scratch:
         n = max(chars, 4096) + 2
         self.chars = n
         self.cps = np.empty(n, dtype=np.uint32)
+        self.kind = np.empty(n, dtype=np.uint8)       # the fused kernel's classes (as the family table's dtype)
         self.starts = np.empty(n, dtype=np.bool_)
         self.buf = np.empty(4 * n, dtype=np.uint8)
         self.bounds = np.empty(n + 1, dtype=np.int64)
@@ -89,6 +90,8 @@ class CpuEncoder:
         self._local = threading.local()
         self.block_chars = BLOCK_CHARS
         self.fused = True       # False: the staged chain only (kept to measure against and as the tests' oracle)
+        dtype = fullencode.scratch_args(tok.family.name)[1].dtype
+        self._kind_dtype = None if dtype == np.uint8 else dtype
         self.stats = {"serial": 0, "parallel": 0, "chunks": 0, "cut_rejected": 0}
         # Plain NFC (qwen3): chunks are cut in raw text and normalized by their own threads (encode_parallel).
         self._nfc_inert = None
@@ -112,14 +115,16 @@ class CpuEncoder:
         n = b - a
         if n <= 0:
             return np.zeros(0, dtype=np.uint32)
+        sc = self._scratch(n + len(lookahead))
         if self.fused:
-            ids, status = fullencode.full_encoder(self.bpe, self.family.name)(s, a, b, lookahead)
+            kind = sc.kind if self._kind_dtype is None else sc.kind.view(self._kind_dtype)
+            ids, status = fullencode.full_encoder(self.bpe, self.family.name)(s, a, b, lookahead, sc.cps, kind,
+                                                                              sc.starts, sc.buf, sc.bounds)
             if status == fullencode.OK:
                 return ids.view(np.uint32)
             if status == fullencode.CUT_REJECTED:
                 raise _CutRejected(b)
             self.stats["fused_declined"] = self.stats.get("fused_declined", 0) + 1
-        sc = self._scratch(n + len(lookahead))
         cps = strbuf.codepoints(s, a, b, lookahead, sc.cps)
         starts = pretokenize.piece_starts(self.family, cps, sc.starts)
         if lookahead and not starts[n]:
