@@ -164,6 +164,25 @@ def full_encoder(bpe: bpe_mod.BPE, family: str) -> FullFn:
     return fn
 
 
+def walk_encoder(bpe: bpe_mod.BPE) -> FullFn:
+    """The second half of the block kernel alone, with the same bindings as `full_encoder`: fn(cps, n, starts, buf,
+    bounds) -> (IDs int32, status) for code points whose piece starts the caller computed (o200k's rare shapes:
+    pretokenize.piece_starts runs its rescan), then UTF-8 + bounds and the walk through the thread's piece map."""
+    k = kernels.get()
+    c = bpe.thread_cache()
+    pm = c.pmap
+    if pm is None:
+        pm = c.pmap = PieceMap()
+    entry = pm.bound.get("walk")
+    if entry is not None and entry[0] is k and entry[1] == bpe.batch and entry[2] == bpe.whole:
+        return entry[3]
+    missing = bpe.missing if bpe.missing is not None else _NO_MISSING
+    fn = k.bind("full_walk", 5, bpe.missing is not None, missing, bpe.byte_ids, bpe.ptab, bpe.batch, bpe.whole,
+                bpe.wkeys, bpe.wids, bpe.tok_flat, bpe.tok_off, pm.slots, pm.arena, pm.state)
+    pm.bound["walk"] = (k, bpe.batch, bpe.whole, fn)
+    return fn
+
+
 def scratch_args(family: str, chars: int = 0) -> tuple[np.ndarray, ...]:
     """Scratch arrays for `full_encoder`'s kernel that hold a block of `chars` characters plus a lookahead
     (none given: empty ones, which the kernel replaces by arrays of the block's size)."""
@@ -173,4 +192,4 @@ def scratch_args(family: str, chars: int = 0) -> tuple[np.ndarray, ...]:
             np.empty(n + 1, np.int64))
 
 
-__all__ = ["CUT_REJECTED", "DROPPED", "OK", "RARE", "SURROGATE", "full_encoder", "scratch_args"]
+__all__ = ["CUT_REJECTED", "DROPPED", "OK", "RARE", "SURROGATE", "full_encoder", "scratch_args", "walk_encoder"]

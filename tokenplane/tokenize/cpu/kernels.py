@@ -117,6 +117,7 @@ EXPORTS: dict[str, tuple[str, str, str, tuple[Any, ...]]] = {
                       (*FULL_HEAD, A("uint8"), *FULL_SCRATCH, A("uint8"), *FULL_TAIL)),
     "full_smollm2": ("fullencode", "_full_smollm2", FULL_RET,
                      (*FULL_HEAD, A("int8"), *FULL_SCRATCH, A("int8"), *FULL_TAIL)),
+    "full_walk": ("fullencode", "_finish", FULL_RET, (A("uint32"), I, *FULL_SCRATCH, *FULL_TAIL)),
     # session records (..records: IDs, checkpoints ck, token characters tc, end exceptions ex_i / ex_v)
     "rec_end_at": ("..records", "end_at", "int64", (*REC, I)),
     "rec_locate": ("..records", "locate", "UniTuple(int64, 2)", (*REC, I, I)),

@@ -129,6 +129,10 @@ class CpuEncoder:
         starts = pretokenize.piece_starts(self.family, cps, sc.starts)
         if lookahead and not starts[n]:
             raise _CutRejected(b)
+        if self.fused:      # o200k's rare shapes (the rescan above is Python): the pieces still go through the map
+            ids, status = fullencode.walk_encoder(self.bpe)(cps, n, starts, sc.buf, sc.bounds)
+            if status == fullencode.OK:
+                return ids.view(np.uint32)
         buf, bounds = strbuf.utf8_and_bounds(cps, n, starts, sc.buf, sc.bounds)
         return self.bpe.encode_bytes(buf, bounds).view(np.uint32)
 
