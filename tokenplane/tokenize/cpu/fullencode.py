@@ -8,8 +8,9 @@ looked up in the thread's open-addressing piece map (a miss runs bpe.py's merge 
 each piece: the same IDs (tests/test_fullencode.py checks fused == staged == reference on real and adversarial text).
 
 What the common case does not cover answers a nonzero status and the caller runs the staged path: a lone surrogate
-(the staged path raises), a byte the vocabulary lacks (DroppedBytes -> the reference), o200k's rare shapes (its
-rescan is Python), and a chunk cut that is not a piece start (CUT_REJECTED: the caller re-encodes serially).
+(the staged path raises), a byte the vocabulary lacks (DroppedBytes -> the reference), and a chunk cut that is not a
+piece start (CUT_REJECTED: the caller re-encodes serially). o200k has no fused kernel (`has_full_kernel`): its staged
+pre-tokenizer (with the Python rescan of its rare shapes) feeds the second half alone (`walk_encoder`).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from . import bpe as bpe_mod
 from . import kernels, strbuf
 from . import pretokenize as pt
 from .lazyjit import njit  # numba itself only when a JIT kernel runs (lazyjit.py)
-from .piecemap import CUT_REJECTED, DROPPED, OK, RARE, SURROGATE, PieceMap, _walk
+from .piecemap import CUT_REJECTED, DROPPED, OK, SURROGATE, PieceMap, _walk
 
 FullFn = Callable[..., tuple[np.ndarray, int]]
 _NO_MISSING = np.zeros(256, np.bool_)
@@ -88,18 +89,6 @@ def _full_gpt4_impl(s, a, b, extra, cps, kind, starts, buf, bounds, kind_table, 
                    tok_flat, tok_off, slots, arena, state)
 
 
-def _full_o200k_impl(s, a, b, extra, cps, feat, starts, buf, bounds, feat_table, has_missing, missing, byte_ids,
-                     ptab, batch, whole, wkeys, wids, tok_flat, tok_off, slots, arena, state):
-    cps, feat, starts, bad = _block_start(s, a, b, extra, cps, feat, starts, feat_table)
-    if bad >= 0:
-        return _declined(SURROGATE)
-    rare = np.empty(cps.shape[0], np.int64)     # written only at rare shapes: its untouched pages cost nothing
-    if pt._o200k_loop(cps.view(np.int32), feat, starts, rare) > 0:
-        return _declined(RARE)
-    return _finish(cps, b - a, starts, buf, bounds, has_missing, missing, byte_ids, ptab, batch, whole, wkeys, wids,
-                   tok_flat, tok_off, slots, arena, state)
-
-
 def _full_deepseek_impl(s, a, b, extra, cps, feat, starts, buf, bounds, feat_table, has_missing, missing, byte_ids,
                         ptab, batch, whole, wkeys, wids, tok_flat, tok_off, slots, arena, state):
     cps, feat, starts, bad = _block_start(s, a, b, extra, cps, feat, starts, feat_table)
@@ -121,7 +110,6 @@ def _full_smollm2_impl(s, a, b, extra, cps, kind, starts, buf, bounds, kind_tabl
 
 
 _full_gpt4 = njit(cache=True, nogil=True)(_full_gpt4_impl)
-_full_o200k = njit(cache=True, nogil=True)(_full_o200k_impl)
 _full_deepseek = njit(cache=True, nogil=True)(_full_deepseek_impl)
 _full_smollm2 = njit(cache=True, nogil=True)(_full_smollm2_impl)
 
@@ -131,13 +119,20 @@ def _family_tables(family: str) -> tuple[str, tuple[Any, ...]]:
     if fam.name in pt._GPT4:
         digits, whole = pt._GPT4[fam.name]
         return "full_gpt4", (pt._cp_kind_gpt4(fam.engine), digits, whole)
-    if fam.name == "o200k_base":
-        return "full_o200k", (pt._cp_kind_o200k(fam.engine),)
+    if fam.name == "o200k_base":    # no fused kernel (see has_full_kernel): the table only sizes the scratch
+        return "", (pt._cp_kind_o200k(fam.engine),)
     if fam.name == "deepseek_v4":
         return "full_deepseek", (pt._cp_feat_deepseek(fam.engine),)
     if fam.name == "smollm2":
         return "full_smollm2", (pt._cp_kind_smollm2(fam.engine),)
     raise UnsupportedFamily(fam.name)
+
+
+def has_full_kernel(family: str) -> bool:
+    """o200k has no fused block kernel: most 1M-character blocks of real text hold one of its rare shapes (english
+    and CJK of the benchmark corpus did), whose rescan is Python, so a fused call would pre-tokenize such a block
+    twice. Its encoder runs the staged pre-tokenizer and then `walk_encoder`."""
+    return _family_tables(family)[0] != ""
 
 
 def full_encoder(bpe: bpe_mod.BPE, family: str) -> FullFn:
@@ -192,4 +187,5 @@ def scratch_args(family: str, chars: int = 0) -> tuple[np.ndarray, ...]:
             np.empty(n + 1, np.int64))
 
 
-__all__ = ["CUT_REJECTED", "DROPPED", "OK", "RARE", "SURROGATE", "full_encoder", "scratch_args", "walk_encoder"]
+__all__ = ["CUT_REJECTED", "DROPPED", "OK", "SURROGATE", "full_encoder", "has_full_kernel", "scratch_args",
+           "walk_encoder"]

@@ -111,8 +111,6 @@ EXPORTS: dict[str, tuple[str, str, str, tuple[Any, ...]]] = {
     # the fused full-encode block (fullencode.py): one call per block of a full encode
     "full_gpt4": ("fullencode", "_full_gpt4", FULL_RET,
                   (*FULL_HEAD, A("int8"), *FULL_SCRATCH, A("int8"), I, B, *FULL_TAIL)),
-    "full_o200k": ("fullencode", "_full_o200k", FULL_RET,
-                   (*FULL_HEAD, A("uint8"), *FULL_SCRATCH, A("uint8"), *FULL_TAIL)),
     "full_deepseek": ("fullencode", "_full_deepseek", FULL_RET,
                       (*FULL_HEAD, A("uint8"), *FULL_SCRATCH, A("uint8"), *FULL_TAIL)),
     "full_smollm2": ("fullencode", "_full_smollm2", FULL_RET,

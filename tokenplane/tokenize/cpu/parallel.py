@@ -90,6 +90,7 @@ class CpuEncoder:
         self._local = threading.local()
         self.block_chars = BLOCK_CHARS
         self.fused = True       # False: the staged chain only (kept to measure against and as the tests' oracle)
+        self._full_kernel = fullencode.has_full_kernel(tok.family.name)
         dtype = fullencode.scratch_args(tok.family.name)[1].dtype
         self._kind_dtype = None if dtype == np.uint8 else dtype
         self.stats = {"serial": 0, "parallel": 0, "chunks": 0, "cut_rejected": 0}
@@ -111,12 +112,13 @@ class CpuEncoder:
     def _encode_range(self, s: str, a: int, b: int, lookahead: str = "") -> np.ndarray:
         """IDs of s[a:b] (already normalized); `lookahead`: the character right of a chunk cut, read by the
         pre-tokenizer but not encoded. One GIL-free fused call (fullencode.py); what it declines (a lone surrogate,
-        a byte the vocabulary lacks, o200k's rare shapes) runs the staged chain below."""
+        a byte the vocabulary lacks) runs the staged chain below; o200k runs the staged pre-tokenizer, then the
+        fused call's second half."""
         n = b - a
         if n <= 0:
             return np.zeros(0, dtype=np.uint32)
         sc = self._scratch(n + len(lookahead))
-        if self.fused:
+        if self.fused and self._full_kernel:
             kind = sc.kind if self._kind_dtype is None else sc.kind.view(self._kind_dtype)
             ids, status = fullencode.full_encoder(self.bpe, self.family.name)(s, a, b, lookahead, sc.cps, kind,
                                                                               sc.starts, sc.buf, sc.bounds)
@@ -129,7 +131,7 @@ class CpuEncoder:
         starts = pretokenize.piece_starts(self.family, cps, sc.starts)
         if lookahead and not starts[n]:
             raise _CutRejected(b)
-        if self.fused:      # o200k's rare shapes (the rescan above is Python): the pieces still go through the map
+        if self.fused:      # o200k (its rare shapes' rescan is Python): the pieces still go through the piece map
             ids, status = fullencode.walk_encoder(self.bpe)(cps, n, starts, sc.buf, sc.bounds)
             if status == fullencode.OK:
                 return ids.view(np.uint32)

@@ -17,7 +17,6 @@ text: 2,048 direct-mapped long slots for ~24K distinct CJK runs); a miss re-runs
 
 from __future__ import annotations
 
-import threading
 from typing import Any
 
 import numpy as np
@@ -25,7 +24,7 @@ import numpy as np
 from . import bpe as bpe_mod
 from .lazyjit import njit  # numba itself only when a JIT kernel runs (lazyjit.py)
 
-OK, SURROGATE, DROPPED, RARE, CUT_REJECTED = 0, 1, 2, 3, 4   # status of a fused call (fullencode.py)
+OK, SURROGATE, DROPPED, CUT_REJECTED = 0, 1, 2, 3   # status of a fused call (fullencode.py)
 SLOTS = 1 << 17              # 2 MB of slots per thread
 MAX_LOAD = (SLOTS * 5) // 8  # entries before the map is emptied (linear probing stays short below ~0.6)
 ARENA_WORDS = 1 << 21        # 8 MB of IDs and bytes of pieces that do not fit a slot
@@ -38,7 +37,7 @@ _K = 0x9E3779B97F4A7C15
 
 
 class PieceMap:
-    """One thread's map (never shared: the kernels write it without locks)."""
+    """One thread's map (never shared: the kernels write it without locks; bpe.PieceCache.pmap holds it)."""
 
     def __init__(self, slots: int = SLOTS, arena_words: int = ARENA_WORDS, max_load: int = MAX_LOAD):
         self.slots = np.zeros((slots, 2), dtype=np.uint64)      # word 1 == 0: empty slot
@@ -50,19 +49,6 @@ class PieceMap:
     def clear(self) -> None:
         self.slots[:, 1] = 0
         self.state[:2] = 0
-
-
-class ThreadMaps:
-    """The calling thread's PieceMap, one per thread of an encoder."""
-
-    def __init__(self) -> None:
-        self._local = threading.local()
-
-    def get(self) -> PieceMap:
-        pm = getattr(self._local, "map", None)
-        if pm is None:
-            pm = self._local.map = PieceMap()
-        return pm
 
 
 @njit(cache=True, nogil=True, inline="always")
@@ -227,4 +213,4 @@ def _walk(buf, bounds, nb, has_missing, missing, byte_ids, ptab, batch, whole, w
     return out[:o], OK
 
 
-__all__ = ["CUT_REJECTED", "DROPPED", "OK", "PieceMap", "RARE", "SURROGATE", "ThreadMaps"]
+__all__ = ["CUT_REJECTED", "DROPPED", "OK", "PieceMap", "SURROGATE"]
