@@ -119,7 +119,7 @@ def main() -> None:
             for case in args.cases:
                 family, kind = case.split(":")
                 pairs = [(run(trees[0], family, kind), run(trees[1], family, kind)) for _ in range(args.rounds)]
-                rows.append({"case": case, "mb_s" if args.mode == "serial" else "speedup": pairs})
+                rows.append({"case": case, "speedup" if args.mode == "parallel" else "mb_s": pairs})
                 print(f"{case:>20}: " + ", ".join(f"{a:.2f} -> {b:.2f}" for a, b in pairs), flush=True)
             record = {"revs": args.revs, "mode": args.mode, "reps": args.reps, "rounds": args.rounds, "rows": rows,
                       "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]), "load_end": os.getloadavg(),
