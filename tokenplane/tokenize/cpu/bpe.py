@@ -30,7 +30,6 @@ if TYPE_CHECKING:   # type name only: bpetables builds its tables with this modu
     from .bpetables import BpeTables
 
 EMPTY = np.uint64(0xFFFFFFFFFFFFFFFF)
-_MUL = np.uint64(0x9E3779B97F4A7C15)
 CACHE_WAYS = 1 << 15       # per-thread piece cache slots
 CACHE_BYTES = SHORT_BYTES = 24     # pieces up to this many bytes go to the short tier (6 words of a record)
 SHORT_IDS = 9                       # IDs a short record holds (9 words)
