@@ -5,8 +5,10 @@ processes puts both revisions under the same drift. Each process loads one revis
 encodes one text with a fresh 1-thread CpuEncoder, cold piece caches, and prints the best of `--reps` encodes in
 MB/s (best, not median: interference only ever slows a CPU-bound loop down). `--mode parallel` prints instead the
 median over `--reps` pairs of serial time / chunk-parallel time (all cores, cold caches, order alternating, 60 ms of
-untimed parallel encodes before each pair, as benchmarks/parallel_speedup.py). Used for the BPE layout figures in
-docs/pretokenizer.md:
+untimed parallel encodes before each pair, as benchmarks/parallel_speedup.py). `--mode warm` times full_encode.py's
+warm cell instead (each pass a new instance that first encoded the pool's last 1M characters, then the text), and
+`--mode repeat` that instance's second pass over the same text; `--out` writes JSON + Markdown. Used for the BPE
+layout figures in docs/pretokenizer.md:
 
     python benchmarks/revision_ab.py --revs a27fdcd HEAD --cases cl100k_base:mixed qwen3:cjk cl100k_base:cjk4 \\
         --rounds 3 --corpus /tmp/corpus
@@ -38,7 +40,21 @@ else:
 size = 4_000_000 if kind.endswith("4") else 1_000_000
 text = (pool * (1 + size // max(1, len(pool))))[:size]
 mode = sys.argv[6]
-if mode == "serial":
+if mode in ("warm", "repeat"):   # full_encode.py's warm cell: new instances warmed on 1M other characters
+    warm = pool[-1_000_000:] if len(pool) >= size + 1_000_000 else None
+    assert warm is not None, "the pool is too short for a disjoint warm-up region"
+    best = float("inf")
+    for _ in range(reps):
+        enc = CpuEncoder(tokenplane.load(family), workers=1)
+        enc.encode(warm, parallel=False)
+        t = time.perf_counter()
+        enc.encode(text, parallel=False)
+        if mode == "repeat":     # the same text again: every piece cached
+            t = time.perf_counter()
+            enc.encode(text, parallel=False)
+        best = min(best, time.perf_counter() - t)
+    print(len(text.encode()) / 1e6 / best)
+elif mode == "serial":
     enc = CpuEncoder(tokenplane.load(family), workers=1)
     enc.encode(text, parallel=False)
     best = float("inf")
@@ -75,9 +91,14 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--reps", type=int, default=15)
     ap.add_argument("--corpus", default=os.environ.get("TOKENPLANE_CORPUS", "/tmp/corpus"))
-    ap.add_argument("--mode", choices=("serial", "parallel"), default="serial",
-                    help="serial: one-core MB/s (best of reps); parallel: median serial/parallel speedup")
+    ap.add_argument("--mode", choices=("serial", "warm", "repeat", "parallel"), default="serial",
+                    help="serial: one-core MB/s, cold piece caches (best of reps); warm: one-core MB/s of new "
+                         "instances that first encoded the pool's last 1M characters (full_encode.py's warm cell, "
+                         "best of reps); repeat: the same text a second time; parallel: median serial/parallel "
+                         "speedup")
+    ap.add_argument("--out", help="also write the rows as JSON and Markdown to OUT.json / OUT.md")
     args = ap.parse_args()
+    load_start = os.getloadavg()
     with tempfile.TemporaryDirectory() as tmp:
         trees = []
         for k, rev in enumerate(args.revs):
@@ -98,12 +119,38 @@ def main() -> None:
             for case in args.cases:
                 family, kind = case.split(":")
                 pairs = [(run(trees[0], family, kind), run(trees[1], family, kind)) for _ in range(args.rounds)]
-                rows.append({"case": case, "mb_s" if args.mode == "serial" else "speedup": pairs})
+                rows.append({"case": case, "speedup" if args.mode == "parallel" else "mb_s": pairs})
                 print(f"{case:>20}: " + ", ".join(f"{a:.2f} -> {b:.2f}" for a, b in pairs), flush=True)
-            print(json.dumps({"revs": args.revs, "mode": args.mode, "reps": args.reps, "rows": rows}))
+            record = {"revs": args.revs, "mode": args.mode, "reps": args.reps, "rounds": args.rounds, "rows": rows,
+                      "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]), "load_end": os.getloadavg(),
+                      "load_start": load_start}
+            print(json.dumps(record))
+            if args.out:
+                _write(Path(args.out), record)
         finally:
             for tree in trees:
                 subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(tree)], check=False)
+
+
+def _write(out: Path, record: dict) -> None:
+    """OUT.json (the record), OUT.md (a table: per case every round's A -> B, the median of each side and B/A)."""
+    import statistics
+
+    out.with_suffix(".json").write_text(json.dumps(record, indent=1))
+    key = "speedup" if record["mode"] == "parallel" else "mb_s"
+    a, b = record["revs"]
+    lines = [f"# revision A/B ({record['mode']})", "",
+             f"Command: `{record['command']}`  ",
+             f"Load average: {' '.join(f'{x:.2f}' for x in record['load_start'])} (start), "
+             f"{' '.join(f'{x:.2f}' for x in record['load_end'])} (end). Alternating processes, each the best of "
+             f"{record['reps']} passes; {record['rounds']} rounds.", "",
+             f"| case | {a} (median) | {b} (median) | {b} / {a} | rounds (A -> B) |", "|---|---:|---:|---:|---|"]
+    for row in record["rows"]:
+        pairs = row[key]
+        ma, mb = statistics.median(p[0] for p in pairs), statistics.median(p[1] for p in pairs)
+        lines.append(f"| {row['case']} | {ma:.1f} | {mb:.1f} | {mb / ma:.2f} | "
+                     + ", ".join(f"{x:.1f} -> {y:.1f}" for x, y in pairs) + " |")
+    out.with_suffix(".md").write_text("\n".join(lines) + "\n")
 
 
 if __name__ == "__main__":

@@ -30,7 +30,6 @@ if TYPE_CHECKING:   # type name only: bpetables builds its tables with this modu
     from .bpetables import BpeTables
 
 EMPTY = np.uint64(0xFFFFFFFFFFFFFFFF)
-_MUL = np.uint64(0x9E3779B97F4A7C15)
 CACHE_WAYS = 1 << 15       # per-thread piece cache slots
 CACHE_BYTES = SHORT_BYTES = 24     # pieces up to this many bytes go to the short tier (6 words of a record)
 SHORT_IDS = 9                       # IDs a short record holds (9 words)
@@ -496,8 +495,11 @@ class PieceCache:
         self.long_ids = np.zeros((long_ways, LONG_IDS), dtype=np.int32)
         self.long_n = np.zeros(long_ways, dtype=np.int32)
         self.bound: dict[str, Any] = {}     # kernels with these arrays bound (window.py), by family
+        self.pmap: Any = None               # the full encode's piece map (piecemap.py), made on first use
 
     def clear(self) -> None:
+        if self.pmap is not None:
+            self.pmap.clear()
         self.tiny[:, 1] = 0
         self.short[:, 0] = 0
         self.long_length[:] = 0
@@ -508,14 +510,12 @@ class DroppedBytes(ValueError):
     fallback) while merging across it; the kernels do not implement that, so the caller encodes with the reference."""
 
 
+@njit(cache=True, nogil=True)
 def _any_of(buf, lut):
     for i in range(buf.shape[0]):
         if lut[buf[i]]:
             return True
     return False
-
-
-_any_of = njit(cache=True, nogil=True)(_any_of)
 
 
 class BPE:

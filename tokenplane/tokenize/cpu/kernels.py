@@ -44,8 +44,9 @@ MODULE_NAME = "tokenplane_kernels"      # the extension's PyInit_ name: fixed, t
 KEY_VERSION = 1                         # bump when what goes into the module changes outside the hashed sources
 _HERE = Path(__file__).resolve().parent
 # The modules whose source decides the compiled code: the kernels, this table of signatures, the lazy decorator.
-SOURCES = ("strbuf.py", "pretokenize.py", "bpe.py", "boundary.py", "segments.py", "window.py", "../records.py",
-           "../splice.py", "../textstore.py", "lazyjit.py", "kernels.py", "aotbuild.py")
+SOURCES = ("strbuf.py", "pretokenize.py", "bpe.py", "boundary.py", "segments.py", "window.py", "piecemap.py",
+           "fullencode.py", "../records.py", "../splice.py", "../textstore.py", "lazyjit.py", "kernels.py",
+           "aotbuild.py")
 
 # -- the export table: name -> (module, attribute, return type, argument types) ------------------------------------
 # Argument types: "str" (a Python str, numba unicode_type), "int64", "boolean", or (dtype, ndim) for a C-contiguous
@@ -65,6 +66,12 @@ BPE_ARGS = (A("int32"), A("uint64", 2), B, B, A("uint64"), A("int32"), A("uint8"
 WINDOW_HEAD = (S, I, I, A("int64", 2), I)
 WINDOW_TAIL = (A("uint16"), B, A("boolean"), *BPE_ARGS)
 WINDOW_RET = "Tuple((uint32[::1], int64[::1], int64[::1], int64))"
+# the fused full-encode block kernels (fullencode.py): text, a, b, lookahead, scratch (code points, classes, starts,
+# UTF-8, bounds) | family tables | missing bytes, BPE tables, the thread's piece map (piecemap.py: slots, arena, state)
+FULL_HEAD = (S, I, I, S, A("uint32"))
+FULL_SCRATCH = (A("boolean"), A("uint8"), A("int64"))
+FULL_TAIL = (B, A("boolean"), *BPE_ARGS[:8], A("uint64", 2), A("uint32"), A("int64"))
+FULL_RET = "Tuple((int32[::1], int64))"
 
 
 EXPORTS: dict[str, tuple[str, str, str, tuple[Any, ...]]] = {
@@ -101,6 +108,14 @@ EXPORTS: dict[str, tuple[str, str, str, tuple[Any, ...]]] = {
     "window_o200k": ("window", "_window_o200k", WINDOW_RET, (*WINDOW_HEAD, A("uint8"), *WINDOW_TAIL)),
     "window_deepseek": ("window", "_window_deepseek", WINDOW_RET, (*WINDOW_HEAD, A("uint8"), *WINDOW_TAIL)),
     "window_smollm2": ("window", "_window_smollm2", WINDOW_RET, (*WINDOW_HEAD, A("int8"), *WINDOW_TAIL)),
+    # the fused full-encode block (fullencode.py): one call per block of a full encode
+    "full_gpt4": ("fullencode", "_full_gpt4", FULL_RET,
+                  (*FULL_HEAD, A("int8"), *FULL_SCRATCH, A("int8"), I, B, *FULL_TAIL)),
+    "full_deepseek": ("fullencode", "_full_deepseek", FULL_RET,
+                      (*FULL_HEAD, A("uint8"), *FULL_SCRATCH, A("uint8"), *FULL_TAIL)),
+    "full_smollm2": ("fullencode", "_full_smollm2", FULL_RET,
+                     (*FULL_HEAD, A("int8"), *FULL_SCRATCH, A("int8"), *FULL_TAIL)),
+    "full_walk": ("fullencode", "_finish", FULL_RET, (A("uint32"), I, *FULL_SCRATCH, *FULL_TAIL)),
     # session records (..records: IDs, checkpoints ck, token characters tc, end exceptions ex_i / ex_v)
     "rec_end_at": ("..records", "end_at", "int64", (*REC, I)),
     "rec_locate": ("..records", "locate", "UniTuple(int64, 2)", (*REC, I, I)),

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from . import boundary, bpetables, nfc, pretokenize, strbuf
+from . import boundary, bpetables, fullencode, nfc, pretokenize, strbuf
 from .bpe import BPE, DroppedBytes
 
 if TYPE_CHECKING:   # type names only: these modules sit above this one
@@ -55,6 +55,7 @@ class _Scratch:
         n = max(chars, 4096) + 2
         self.chars = n
         self.cps = np.empty(n, dtype=np.uint32)
+        self.kind = np.empty(n, dtype=np.uint8)       # the fused kernel's classes (as the family table's dtype)
         self.starts = np.empty(n, dtype=np.bool_)
         self.buf = np.empty(4 * n, dtype=np.uint8)
         self.bounds = np.empty(n + 1, dtype=np.int64)
@@ -88,6 +89,10 @@ class CpuEncoder:
         self._pool_lock = threading.Lock()
         self._local = threading.local()
         self.block_chars = BLOCK_CHARS
+        self.fused = True       # False: the staged chain only (kept to measure against and as the tests' oracle)
+        self._full_kernel = fullencode.has_full_kernel(tok.family.name)
+        dtype = fullencode.scratch_args(tok.family.name)[1].dtype
+        self._kind_dtype = None if dtype == np.uint8 else dtype
         self.stats = {"serial": 0, "parallel": 0, "chunks": 0, "cut_rejected": 0}
         # Plain NFC (qwen3): chunks are cut in raw text and normalized by their own threads (encode_parallel).
         self._nfc_inert = None
@@ -106,15 +111,30 @@ class CpuEncoder:
 
     def _encode_range(self, s: str, a: int, b: int, lookahead: str = "") -> np.ndarray:
         """IDs of s[a:b] (already normalized); `lookahead`: the character right of a chunk cut, read by the
-        pre-tokenizer but not encoded. Apart from Python glue the whole chain runs without the GIL (strbuf)."""
+        pre-tokenizer but not encoded. One GIL-free fused call (fullencode.py); what it declines (a lone surrogate,
+        a byte the vocabulary lacks) runs the staged chain below; o200k runs the staged pre-tokenizer, then the
+        fused call's second half."""
         n = b - a
         if n <= 0:
             return np.zeros(0, dtype=np.uint32)
         sc = self._scratch(n + len(lookahead))
+        if self.fused and self._full_kernel:
+            kind = sc.kind if self._kind_dtype is None else sc.kind.view(self._kind_dtype)
+            ids, status = fullencode.full_encoder(self.bpe, self.family.name)(s, a, b, lookahead, sc.cps, kind,
+                                                                              sc.starts, sc.buf, sc.bounds)
+            if status == fullencode.OK:
+                return ids.view(np.uint32)
+            if status == fullencode.CUT_REJECTED:
+                raise _CutRejected(b)
+            self.stats["fused_declined"] = self.stats.get("fused_declined", 0) + 1
         cps = strbuf.codepoints(s, a, b, lookahead, sc.cps)
         starts = pretokenize.piece_starts(self.family, cps, sc.starts)
         if lookahead and not starts[n]:
             raise _CutRejected(b)
+        if self.fused:      # o200k (its rare shapes' rescan is Python): the pieces still go through the piece map
+            ids, status = fullencode.walk_encoder(self.bpe)(cps, n, starts, sc.buf, sc.bounds)
+            if status == fullencode.OK:
+                return ids.view(np.uint32)
         buf, bounds = strbuf.utf8_and_bounds(cps, n, starts, sc.buf, sc.bounds)
         return self.bpe.encode_bytes(buf, bounds).view(np.uint32)
 

@@ -1,0 +1,107 @@
+"""The fused full-encode block kernel (cpu/fullencode.py + cpu/piecemap.py): the same IDs as the staged chain and
+the reference, for every family, on real text (corpus documents, agent-trace prompts) and adversarial text (the
+pre-tokenizer's alphabet and fragments, long pieces past the map's limit, pieces of more than two IDs, a map small
+enough to be emptied mid-text), through the process's kernel set and the JIT kernels; and the comparison is shown to
+catch a wrong map entry."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+from test_pretokenize import ALPHABET, FRAGMENTS, _corpus_docs
+
+import tokenplane
+from tokenplane.tokenize.cpu import fullencode, kernels
+from tokenplane.tokenize.cpu.parallel import CpuEncoder
+from tokenplane.tokenize.cpu.piecemap import PieceMap
+
+FAMILIES = ["cl100k_base", "o200k_base", "llama3", "qwen3", "deepseek_v4", "smollm2"]
+
+
+def _texts(name: str) -> list[str]:
+    from realtext import traces_dir
+
+    from tokenplane.tokenize.evidence.traces import load_trajectories, render_prompts
+
+    rng = random.Random(name + "full")
+    out = ["".join(rng.choice(ALPHABET + FRAGMENTS) for _ in range(rng.randint(1, 400))) for _ in range(80)]
+    out += ["a" * 2000, " " * 3000 + "x", "日本語" * 400, "👍🏽" * 300, "\n" * 1500 + "/", "x" + "!?" * 700,
+            "".join(chr(rng.randrange(0x4E00, 0x9FA5)) for _ in range(3000))]
+    out += [doc[:20_000] for doc in _corpus_docs(20_000)]
+    for messages in load_trajectories(traces_dir(), limit=3):
+        out += render_prompts(messages)[-1:]
+    return [t for t in out if t]
+
+
+def _staged(enc: CpuEncoder, text: str) -> list[int]:
+    enc.fused = False
+    try:
+        return enc.encode(text, parallel=False).tolist()
+    finally:
+        enc.fused = True
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+@pytest.mark.parametrize("kind", ["process", "jit"])
+def test_fused_equals_staged_and_reference(name, kind, monkeypatch):
+    if kind == "jit":
+        monkeypatch.setattr(kernels, "_active", kernels.jit_kernels())
+    tok = tokenplane.load(name)
+    enc = CpuEncoder(tok, workers=2)
+    small = CpuEncoder(tok, workers=1)
+    small.bpe.thread_cache().pmap = PieceMap(slots=256, arena_words=512, max_load=150)   # emptied again and again
+    rng = random.Random(name)
+    texts = _texts(name)
+    for text in texts:
+        ref = tok.reference.encode_ordinary(text).tolist()
+        assert enc.encode(text, parallel=False).tolist() == ref, repr(text[:200])
+        assert enc.encode(text, parallel=False).tolist() == ref, repr(text[:200])   # now from the map
+        assert small.encode(text, parallel=False).tolist() == ref, repr(text[:200])
+        assert _staged(enc, text) == ref, repr(text[:200])
+        if len(text) > 40:       # chunks: the fused call reads the cut's lookahead character
+            assert enc.encode_parallel(text, n_chunks=rng.randint(2, 9)).tolist() == ref, repr(text[:200])
+    assert small.bpe.thread_cache().pmap.state[3] > 0       # the small map was emptied and refilled
+    declined = enc.stats.get("fused_declined", 0)
+    if name not in ("o200k_base", "smollm2"):     # o200k's rare shapes and smollm2's missing bytes go staged
+        assert declined == 0
+    assert enc.stats["cut_rejected"] == 0
+
+
+def test_fused_declines_what_it_does_not_cover():
+    tok = tokenplane.load("cl100k_base")
+    enc = CpuEncoder(tok, workers=1)
+    fn = fullencode.full_encoder(enc.bpe, "cl100k_base")
+    sc = fullencode.scratch_args("cl100k_base")     # empty: the kernel makes its own arrays
+    assert fn("ab\ud800c", 0, 4, "", *sc)[1] == fullencode.SURROGATE
+    assert fn("hello world", 0, 5, "w", *sc)[1] == fullencode.CUT_REJECTED      # "hellow": the cut is inside a word
+    ids, status = fn("hello world", 0, 5, " ", *fullencode.scratch_args("cl100k_base", 64))
+    assert status == fullencode.OK and ids.tolist() == tok.reference.encode_ordinary("hello").tolist()
+    smol = tokenplane.load("smollm2")
+    senc = CpuEncoder(smol, workers=1)
+    if senc.bpe.missing is not None and senc.bpe.missing.any():
+        byte = int(np.flatnonzero(senc.bpe.missing)[0])
+        if byte < 0x80:
+            text = f"ab{chr(byte)}cd"
+            fn = fullencode.full_encoder(senc.bpe, "smollm2")
+            assert fn(text, 0, len(text), "", *fullencode.scratch_args("smollm2"))[1] == fullencode.DROPPED
+            assert senc.encode(text, parallel=False).tolist() == smol.reference.encode_ordinary(text).tolist()
+
+
+@pytest.mark.parametrize("name", ["cl100k_base", "qwen3"])
+def test_a_wrong_map_entry_is_caught(name):
+    """The differential check above sees the map: entries rewritten to other IDs change the fused output."""
+    tok = tokenplane.load(name)
+    enc = CpuEncoder(tok, workers=1)
+    text = "".join(_corpus_docs(5000))[:50_000] + "日本語のテキスト" * 50
+    ref = tok.reference.encode_ordinary(text).tolist()
+    assert enc.encode(text, parallel=False).tolist() == ref
+    pm = enc.bpe.thread_cache().pmap
+    used = pm.slots[:, 1] != 0
+    inline = used & ((pm.slots[:, 1] >> np.uint64(63)) == 0)
+    pm.slots[inline, 1] ^= np.uint64(1 << 8)             # every inline entry's first ID off by one
+    pm.arena[:pm.state[1]] ^= np.uint32(1)                # every arena entry's IDs and bytes
+    assert enc.encode(text, parallel=False).tolist() != ref
+    enc.bpe.clear_caches()
+    assert enc.encode(text, parallel=False).tolist() == ref

@@ -1,0 +1,191 @@
+"""A full encode's block in one compiled call: str -> IDs (code points, pre-tokenizer, piece map walk).
+
+The staged block encode (parallel.CpuEncoder._encode_range before this module) made four kernel calls and three
+text-sized arrays between them: code points, the class gather + pre-tokenizer loop, the whole block's UTF-8 and
+piece bounds, then BPE over bpe.py's direct-mapped piece tiers. Here one call per pre-tokenizer family runs the same
+code point reader and the same family loop, then piecemap._walk: each piece's UTF-8 is made in a small buffer and
+looked up in the thread's open-addressing piece map (a miss runs bpe.py's merge kernels). Same pieces, same BPE of
+each piece: the same IDs (tests/test_fullencode.py checks fused == staged == reference on real and adversarial text).
+
+What the common case does not cover answers a nonzero status and the caller runs the staged path: a lone surrogate
+(the staged path raises), a byte the vocabulary lacks (DroppedBytes -> the reference), and a chunk cut that is not a
+piece start (CUT_REJECTED: the caller re-encodes serially). o200k has no fused kernel (`has_full_kernel`): its staged
+pre-tokenizer (with the Python rescan of its rare shapes) feeds the second half alone (`walk_encoder`).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import numpy as np
+
+from ..errors import UnsupportedFamily
+from . import bpe as bpe_mod
+from . import kernels, strbuf
+from . import pretokenize as pt
+from .lazyjit import njit  # numba itself only when a JIT kernel runs (lazyjit.py)
+from .piecemap import CUT_REJECTED, DROPPED, OK, SURROGATE, PieceMap, _walk
+
+FullFn = Callable[..., tuple[np.ndarray, int]]
+_NO_MISSING = np.zeros(256, np.bool_)
+
+
+@njit(cache=True, nogil=True)
+def _block_start(s, a, b, extra, cps, kind, starts, table):
+    """Code points of s[a:b] + extra into `cps`, the table's class of each into `kind`, a cleared start mask (the
+    caller's scratch arrays, each replaced by a new one when too short), the index of a lone surrogate or -1 (then
+    the classes are not gathered)."""
+    n = b - a
+    total = n + len(extra)
+    cps = cps[:total] if cps.shape[0] >= total else np.empty(total, np.uint32)
+    kind = kind[:total] if kind.shape[0] >= total else np.empty(total, kind.dtype)
+    starts = starts[:total] if starts.shape[0] >= total else np.empty(total, np.bool_)
+    starts[:] = False
+    bad = strbuf._codepoints(s, a, b, cps) if n > 0 else -1
+    if len(extra) > 0 and bad < 0:
+        got = strbuf._codepoints(extra, 0, len(extra), cps[n:])
+        if got >= 0:
+            bad = n + got
+    if bad < 0:
+        for i in range(total):
+            kind[i] = table[cps[i]]
+    return cps, kind, starts, bad
+
+
+@njit(cache=True, nogil=True)
+def _declined(status):
+    return np.empty(0, np.int32), status
+
+
+@njit(cache=True, nogil=True)
+def _finish(cps, n, starts, buf, bounds, has_missing, missing, byte_ids, ptab, batch, whole, wkeys, wids, tok_flat,
+            tok_off, slots, arena, state):
+    """UTF-8 + piece bounds (strbuf's one pass, into the scratch `buf` and `bounds` when long enough), then the piece
+    map walk."""
+    if cps.shape[0] > n and not starts[n]:    # the lookahead character must start a piece (a stable cut)
+        return _declined(CUT_REJECTED)
+    if n == 0:
+        return _declined(OK)
+    if buf.shape[0] < 4 * n + 8:              # 8 bytes of padding: the walk reads a small piece as one word
+        buf = np.empty(4 * n + 8, np.uint8)
+    if bounds.shape[0] < n + 1:
+        bounds = np.empty(n + 1, np.int64)
+    nb, size = strbuf._utf8_and_bounds(cps, n, starts, buf, bounds)
+    for k in range(size, size + 8):
+        buf[k] = 0
+    return _walk(buf, bounds, nb, has_missing, missing, byte_ids, ptab, batch, whole, wkeys, wids, tok_flat, tok_off,
+                 slots, arena, state)
+
+
+# Arguments: the text, the block [a, b), its lookahead | scratch: code points, classes, starts, UTF-8, piece bounds |
+# the family's tables | missing bytes, the BPE tables, the thread's piece map.
+def _full_gpt4_impl(s, a, b, extra, cps, kind, starts, buf, bounds, kind_table, digits, whole_at_end, has_missing,
+                    missing, byte_ids, ptab, batch, whole, wkeys, wids, tok_flat, tok_off, slots, arena, state):
+    cps, kind, starts, bad = _block_start(s, a, b, extra, cps, kind, starts, kind_table)
+    if bad >= 0:
+        return _declined(SURROGATE)
+    pt._gpt4_loop(cps.view(np.int32), kind, digits, whole_at_end, starts)
+    return _finish(cps, b - a, starts, buf, bounds, has_missing, missing, byte_ids, ptab, batch, whole, wkeys, wids,
+                   tok_flat, tok_off, slots, arena, state)
+
+
+def _full_deepseek_impl(s, a, b, extra, cps, feat, starts, buf, bounds, feat_table, has_missing, missing, byte_ids,
+                        ptab, batch, whole, wkeys, wids, tok_flat, tok_off, slots, arena, state):
+    cps, feat, starts, bad = _block_start(s, a, b, extra, cps, feat, starts, feat_table)
+    if bad >= 0:
+        return _declined(SURROGATE)
+    pt._deepseek_loop(cps.view(np.int32), feat, starts)
+    return _finish(cps, b - a, starts, buf, bounds, has_missing, missing, byte_ids, ptab, batch, whole, wkeys, wids,
+                   tok_flat, tok_off, slots, arena, state)
+
+
+def _full_smollm2_impl(s, a, b, extra, cps, kind, starts, buf, bounds, kind_table, has_missing, missing, byte_ids,
+                       ptab, batch, whole, wkeys, wids, tok_flat, tok_off, slots, arena, state):
+    cps, kind, starts, bad = _block_start(s, a, b, extra, cps, kind, starts, kind_table)
+    if bad >= 0:
+        return _declined(SURROGATE)
+    pt._smollm2_loop(cps.view(np.int32), kind, starts)
+    return _finish(cps, b - a, starts, buf, bounds, has_missing, missing, byte_ids, ptab, batch, whole, wkeys, wids,
+                   tok_flat, tok_off, slots, arena, state)
+
+
+_full_gpt4 = njit(cache=True, nogil=True)(_full_gpt4_impl)
+_full_deepseek = njit(cache=True, nogil=True)(_full_deepseek_impl)
+_full_smollm2 = njit(cache=True, nogil=True)(_full_smollm2_impl)
+
+
+def _family_tables(family: str) -> tuple[str, tuple[Any, ...]]:
+    fam = pt._family(family)
+    if fam.name in pt._GPT4:
+        digits, whole = pt._GPT4[fam.name]
+        return "full_gpt4", (pt._cp_kind_gpt4(fam.engine), digits, whole)
+    if fam.name == "o200k_base":    # no fused kernel (see has_full_kernel): the table only sizes the scratch
+        return "", (pt._cp_kind_o200k(fam.engine),)
+    if fam.name == "deepseek_v4":
+        return "full_deepseek", (pt._cp_feat_deepseek(fam.engine),)
+    if fam.name == "smollm2":
+        return "full_smollm2", (pt._cp_kind_smollm2(fam.engine),)
+    raise UnsupportedFamily(fam.name)
+
+
+def has_full_kernel(family: str) -> bool:
+    """o200k has no fused block kernel: most 1M-character blocks of real text hold one of its rare shapes (english
+    and CJK of the benchmark corpus did), whose rescan is Python, so a fused call would pre-tokenize such a block
+    twice. Its encoder runs the staged pre-tokenizer and then `walk_encoder`."""
+    return _family_tables(family)[0] != ""
+
+
+def full_encoder(bpe: bpe_mod.BPE, family: str) -> FullFn:
+    """The fused block kernel of `family` with `bpe`'s tables and the calling thread's piece map bound:
+    fn(text, a, b, extra, cps, kind, starts, buf, bounds) -> (IDs int32 of text[a:b], status); `extra`: characters
+    right of the block (a cut's lookahead, "" at the text's end) that the pre-tokenizer reads and that must start a
+    piece; then scratch arrays (uint32, the family table's dtype, bool, uint8, int64; `scratch_args` makes them),
+    each replaced inside by a new one when too short. The map lives on the
+    thread's bpe.PieceCache (bpe.clear_caches empties it too); bound again when the kernel set or the encoder's
+    schedule flags change (tests switch them)."""
+    k = kernels.get()
+    c = bpe.thread_cache()
+    pm = c.pmap
+    if pm is None:
+        pm = c.pmap = PieceMap()
+    entry = pm.bound.get(family)
+    if entry is not None and entry[0] is k and entry[1] == bpe.batch and entry[2] == bpe.whole:
+        return entry[3]
+    name, fam_args = _family_tables(family)
+    missing = bpe.missing if bpe.missing is not None else _NO_MISSING
+    fn = k.bind(name, 9, *fam_args, bpe.missing is not None, missing, bpe.byte_ids, bpe.ptab, bpe.batch, bpe.whole,
+                bpe.wkeys, bpe.wids, bpe.tok_flat, bpe.tok_off, pm.slots, pm.arena, pm.state)
+    pm.bound[family] = (k, bpe.batch, bpe.whole, fn)
+    return fn
+
+
+def walk_encoder(bpe: bpe_mod.BPE) -> FullFn:
+    """The second half of the block kernel alone, with the same bindings as `full_encoder`: fn(cps, n, starts, buf,
+    bounds) -> (IDs int32, status) for code points whose piece starts the caller computed (o200k's rare shapes:
+    pretokenize.piece_starts runs its rescan), then UTF-8 + bounds and the walk through the thread's piece map."""
+    k = kernels.get()
+    c = bpe.thread_cache()
+    pm = c.pmap
+    if pm is None:
+        pm = c.pmap = PieceMap()
+    entry = pm.bound.get("walk")
+    if entry is not None and entry[0] is k and entry[1] == bpe.batch and entry[2] == bpe.whole:
+        return entry[3]
+    missing = bpe.missing if bpe.missing is not None else _NO_MISSING
+    fn = k.bind("full_walk", 5, bpe.missing is not None, missing, bpe.byte_ids, bpe.ptab, bpe.batch, bpe.whole,
+                bpe.wkeys, bpe.wids, bpe.tok_flat, bpe.tok_off, pm.slots, pm.arena, pm.state)
+    pm.bound["walk"] = (k, bpe.batch, bpe.whole, fn)
+    return fn
+
+
+def scratch_args(family: str, chars: int = 0) -> tuple[np.ndarray, ...]:
+    """Scratch arrays for `full_encoder`'s kernel that hold a block of `chars` characters plus a lookahead
+    (none given: empty ones, which the kernel replaces by arrays of the block's size)."""
+    n = chars + 2 if chars else 0
+    dtype = _family_tables(family)[1][0].dtype
+    return (np.empty(n, np.uint32), np.empty(n, dtype), np.empty(n, np.bool_), np.empty(4 * n + 8, np.uint8),
+            np.empty(n + 1, np.int64))
+
+
+__all__ = ["CUT_REJECTED", "DROPPED", "OK", "SURROGATE", "full_encoder", "has_full_kernel", "scratch_args",
+           "walk_encoder"]

@@ -1,0 +1,216 @@
+"""Pieces -> IDs through one open-addressing map per thread, walked straight from the pre-tokenizer's piece starts.
+
+The staged full encode writes the whole text's UTF-8 and piece bounds, then looks every piece up in bpe.py's
+three direct-mapped tiers. Measured on 1M characters of real text (one core, warm): ~26 ns a piece on a run where
+every piece had been seen, and the CJK tiers thrashed (76K of 275K pieces missed on a second pass over the same
+text: 2,048 direct-mapped long slots for ~24K distinct CJK runs); a miss re-runs BPE (~0.9-1.7 us a piece). Here:
+
+* one table of 16-byte slots, linear probing, no conflict misses until it holds MAX_LOAD of its slots (then it is
+  emptied and refilled; distinct pieces of 2M characters of real text: 13-47K);
+* a piece of <= 8 bytes with <= 2 IDs is one slot: its bytes as one word (the exact key) and its IDs packed in the
+  other word; any other piece (<= MAX_BYTES) keeps its IDs and its bytes in an append-only arena, and its slot holds
+  a 64-bit hash of the bytes, the length, the ID count and the arena offset; a hit compares the bytes, so a hit is
+  exact by construction (the BPE of a piece depends on its bytes alone);
+* the piece's UTF-8 is written into a small buffer as the walk goes (no text-sized UTF-8 or bounds array);
+* a miss runs bpe.py's own merge kernels (whole-piece lookup, rounds, heap) on that buffer: the same IDs.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from . import bpe as bpe_mod
+from .lazyjit import njit  # numba itself only when a JIT kernel runs (lazyjit.py)
+
+OK, SURROGATE, DROPPED, CUT_REJECTED = 0, 1, 2, 3   # status of a fused call (fullencode.py)
+SLOTS = 1 << 17              # 2 MB of slots per thread
+MAX_LOAD = (SLOTS * 5) // 8  # entries before the map is emptied (linear probing stays short below ~0.6)
+ARENA_WORDS = 1 << 21        # 8 MB of IDs and bytes of pieces that do not fit a slot
+MAX_BYTES = 1024             # longer pieces (long whitespace or symbol runs) are merged each time, not kept
+# Pieces longer than this merge through bpe.py's heap kernel (same IDs): on the multi-token pieces a warm 1M-character
+# encode misses (one core, hot tables), the heap took 2,161 vs 2,450 ns for 17-32 bytes and 2,970 vs 3,864 ns for
+# 33-48 bytes (qwen3 CJK runs), and the rounds kernel was faster below 9 bytes (bpe.HEAP_MIN_BYTES is 48 there).
+HEAP_MIN_BYTES = 16
+_K = 0x9E3779B97F4A7C15
+
+
+class PieceMap:
+    """One thread's map (never shared: the kernels write it without locks; bpe.PieceCache.pmap holds it)."""
+
+    def __init__(self, slots: int = SLOTS, arena_words: int = ARENA_WORDS, max_load: int = MAX_LOAD):
+        self.slots = np.zeros((slots, 2), dtype=np.uint64)      # word 1 == 0: empty slot
+        self.arena = np.zeros(arena_words, dtype=np.uint32)
+        # entries, arena words used, the entry limit, times emptied
+        self.state = np.array([0, 0, max_load, 0], dtype=np.int64)
+        self.bound: dict[str, Any] = {}     # fullencode kernels with these arrays bound, by family
+
+    def clear(self) -> None:
+        self.slots[:, 1] = 0
+        self.state[:2] = 0
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _long_hash(words, m):
+    """A 64-bit hash of a piece's bytes held in `words` (zero past byte m), its length mixed in."""
+    h = np.uint64(m) * np.uint64(_K)
+    for w in range((m + 7) >> 3):
+        h = (h ^ words[w]) * np.uint64(_K)
+        h ^= h >> np.uint64(29)
+    return h
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _home(key, m, mask):
+    return np.int64((((key + np.uint64(m)) * np.uint64(_K)) >> np.uint64(40)) & np.uint64(mask))
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _word8(buf, a, m):
+    """buf[a:a+m] (m <= 8) as one little-endian word, zero above the piece: eight unconditional loads (buf has 8
+    bytes of padding) and a mask, no loop whose exit depends on the piece's length (it mispredicts once a piece)."""
+    v = (np.uint64(buf[a]) | (np.uint64(buf[a + 1]) << np.uint64(8)) | (np.uint64(buf[a + 2]) << np.uint64(16))
+         | (np.uint64(buf[a + 3]) << np.uint64(24)) | (np.uint64(buf[a + 4]) << np.uint64(32))
+         | (np.uint64(buf[a + 5]) << np.uint64(40)) | (np.uint64(buf[a + 6]) << np.uint64(48))
+         | (np.uint64(buf[a + 7]) << np.uint64(56)))
+    return v & (np.uint64(0xFFFFFFFFFFFFFFFF) >> np.uint64(64 - 8 * m))
+
+
+@njit(cache=True, nogil=True)
+def _walk(buf, bounds, nb, has_missing, missing, byte_ids, ptab, batch, whole, wkeys, wids, tok_flat, tok_off,
+          slots, arena, state):
+    """(IDs of the pieces buf[bounds[j]:bounds[j+1]], j < nb - 1, status OK or DROPPED: a byte the vocabulary
+    lacks). buf: the UTF-8, with at least 8 bytes after the last piece."""
+    size = bounds[nb - 1]
+    out = np.empty(size + 16, np.int32)         # a piece yields at most one ID per byte
+    words = np.zeros(32, np.uint64)             # a long piece's bytes, zero-padded to whole words
+    scratch = 64
+    sym = np.empty(scratch, np.int32)
+    rk = np.empty(scratch, np.int32)
+    nw = np.empty(scratch, np.int32)
+    heap = np.empty(3 * scratch, np.int64)
+    prk = np.empty(scratch, np.int32)
+    pnw = np.empty(scratch, np.int32)
+    mask = slots.shape[0] - 1
+    idmask = np.uint64((1 << bpe_mod.ID_BITS) - 1)
+    o = 0
+    for j in range(nb - 1):
+        a = bounds[j]
+        b = bounds[j + 1]
+        m = b - a
+        if m == 1:
+            if has_missing and missing[buf[a]]:
+                return out[:0], DROPPED
+            out[o] = byte_ids[buf[a]]
+            o += 1
+            continue
+        # -- lookup
+        small = m <= 8
+        if small:
+            key = _word8(buf, a, m)
+        else:
+            nwords = (m + 7) >> 3
+            if nwords > words.shape[0]:
+                words = np.zeros(2 * nwords, np.uint64)
+            pw = words.view(np.uint8)
+            for k in range(m):
+                pw[k] = buf[a + k]
+            for k in range(m, nwords << 3):
+                pw[k] = 0
+            key = _long_hash(words, m)
+        s = _home(key, m, mask)
+        hit = False
+        while True:
+            meta = slots[s, 1]
+            if meta == 0:
+                break
+            if slots[s, 0] == key:
+                if (meta >> np.uint64(63)) == 0:
+                    if small and (meta & np.uint64(15)) == np.uint64(m):
+                        out[o] = np.int32((meta >> np.uint64(8)) & idmask)
+                        if (meta & np.uint64(16)) != 0:
+                            out[o + 1] = np.int32(meta >> np.uint64(32))
+                            o += 2
+                        else:
+                            o += 1
+                        hit = True
+                        break
+                elif np.int64(meta & np.uint64(0xFFFF)) == m:
+                    cnt = np.int64((meta >> np.uint64(16)) & np.uint64(0xFF))
+                    off = np.int64(meta >> np.uint64(24)) & np.int64(0x7FFFFFFFFF)
+                    same = True
+                    if not small:       # a small piece's key is its bytes: equal keys and lengths are enough
+                        w32 = words.view(np.uint32)
+                        for w in range((m + 3) >> 2):
+                            if arena[off + cnt + w] != w32[w]:
+                                same = False
+                                break
+                    if same:
+                        for t in range(cnt):
+                            out[o + t] = arena[off + t]
+                        o += cnt
+                        hit = True
+                        break
+            s = (s + 1) & mask
+        if hit:
+            continue
+        # -- miss: bpe.py's kernels on the piece's bytes
+        if has_missing:
+            for k in range(a, b):
+                if missing[buf[k]]:
+                    return out[:0], DROPPED
+        if m > scratch:
+            scratch = 2 * m
+            sym = np.empty(scratch, np.int32)
+            rk = np.empty(scratch, np.int32)
+            nw = np.empty(scratch, np.int32)
+            heap = np.empty(3 * scratch, np.int64)
+            prk = np.empty(scratch, np.int32)
+            pnw = np.empty(scratch, np.int32)
+        o0 = o
+        t = -1
+        if whole:
+            t = bpe_mod._whole_lookup(wkeys, wids, tok_flat, tok_off, buf, a, b, bpe_mod._fnv(buf, a, b))
+        if t >= 0:
+            out[o] = t
+            o += 1
+        elif m > HEAP_MIN_BYTES and batch:
+            o = bpe_mod._merge_piece_heap(buf, a, b, byte_ids, ptab, sym, rk, nw, prk, pnw, heap, out, o)
+        else:
+            o = bpe_mod._merge_piece(buf, a, b, byte_ids, ptab, batch, sym, rk, nw, out, o)
+        # -- insert (the slot found empty above, unless the map is emptied first)
+        cnt = o - o0
+        inline = small and cnt <= 2
+        need = 0 if inline else cnt + ((m + 3) >> 2)
+        if m > MAX_BYTES or cnt > 255:
+            continue
+        if state[0] >= state[2] or state[1] + need > arena.shape[0]:
+            for z in range(slots.shape[0]):
+                slots[z, 1] = 0
+            state[0] = 0
+            state[1] = 0
+            state[3] += 1
+            s = _home(key, m, mask)
+        if inline:
+            meta = np.uint64(m) | (np.uint64(out[o0]) << np.uint64(8))
+            if cnt == 2:
+                meta |= np.uint64(16) | (np.uint64(out[o0 + 1]) << np.uint64(32))
+        else:
+            off = state[1]
+            for t in range(cnt):
+                arena[off + t] = out[o0 + t]
+            if not small:
+                w32 = words.view(np.uint32)
+                for w in range((m + 3) >> 2):
+                    arena[off + cnt + w] = w32[w]
+            state[1] = off + need
+            meta = (np.uint64(1) << np.uint64(63)) | np.uint64(m) | (np.uint64(cnt) << np.uint64(16)) | (
+                np.uint64(off) << np.uint64(24))
+        slots[s, 0] = key
+        slots[s, 1] = meta
+        state[0] += 1
+    return out[:o], OK
+
+
+__all__ = ["CUT_REJECTED", "DROPPED", "OK", "PieceMap", "SURROGATE"]
