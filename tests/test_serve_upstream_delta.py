@@ -118,10 +118,15 @@ def test_direct_chat_route_keeps_errors_metrics_and_cancellation(tok):
             assert r.status_code == 405 and "POST" in r.headers["allow"]
             r = httpx.post(t.url + "/v1/chat/completions", json={"messages": msgs, "max_tokens": 1}, headers=auth)
             assert r.status_code == 200 and r.json()["object"] == "chat.completion"
-            assert isinstance(app.middleware_stack.app, DirectRoutes)   # served past FastAPI's layers
+            # 3 requests reached the route (the 401 and the 413 stop in the guard, the GET is FastAPI's 405)
+            assert isinstance(app.direct, DirectRoutes) and app.direct.served == 3, \
+                "the chat route was not served past FastAPI's layers"
+            r = httpx.post(t.url + "/v1/completions", json={"prompt": "hi", "max_tokens": 1}, headers=auth)
+            assert r.status_code == 200 and r.json()["object"] == "text_completion" and app.direct.served == 4
             metrics = httpx.get(t.url + "/metrics").text
             assert 'tokenplane_requests_total{route="/v1/chat/completions",status="200"} 1.0' in metrics
             assert 'tokenplane_requests_total{route="/v1/chat/completions",status="404"} 1.0' in metrics
+            assert 'tokenplane_requests_total{route="/v1/completions",status="200"} 1.0' in metrics
             body = {"messages": msgs, "max_tokens": 40, "stream": True}
             with httpx.stream("POST", t.url + "/v1/chat/completions", json=body, headers=auth, timeout=30) as r:
                 for line in r.iter_lines():
