@@ -118,10 +118,15 @@ def test_direct_chat_route_keeps_errors_metrics_and_cancellation(tok):
             assert r.status_code == 405 and "POST" in r.headers["allow"]
             r = httpx.post(t.url + "/v1/chat/completions", json={"messages": msgs, "max_tokens": 1}, headers=auth)
             assert r.status_code == 200 and r.json()["object"] == "chat.completion"
-            assert isinstance(app.middleware_stack.app, DirectRoutes)   # served past FastAPI's layers
+            # 3 requests reached the route (the 401 and the 413 stop in the guard, the GET is FastAPI's 405)
+            assert isinstance(app.direct, DirectRoutes) and app.direct.served == 3, \
+                "the chat route was not served past FastAPI's layers"
+            r = httpx.post(t.url + "/v1/completions", json={"prompt": "hi", "max_tokens": 1}, headers=auth)
+            assert r.status_code == 200 and r.json()["object"] == "text_completion" and app.direct.served == 4
             metrics = httpx.get(t.url + "/metrics").text
             assert 'tokenplane_requests_total{route="/v1/chat/completions",status="200"} 1.0' in metrics
             assert 'tokenplane_requests_total{route="/v1/chat/completions",status="404"} 1.0' in metrics
+            assert 'tokenplane_requests_total{route="/v1/completions",status="200"} 1.0' in metrics
             body = {"messages": msgs, "max_tokens": 40, "stream": True}
             with httpx.stream("POST", t.url + "/v1/chat/completions", json=body, headers=auth, timeout=30) as r:
                 for line in r.iter_lines():
@@ -143,3 +148,30 @@ def test_direct_chat_route_keeps_errors_metrics_and_cancellation(tok):
             while len(slow.aborted) == before and time.time() < deadline:
                 time.sleep(0.05)
             assert len(slow.aborted) > before, "the non-streaming client's leaving did not cancel the upstream"
+
+
+@pytest.mark.parametrize("stream", [True, False], ids=["stream", "json"])
+def test_full_parse_state_kept_once_the_answer_is_out(tok, monkeypatch, stream):
+    """A body parsed in full gets its state built as soon as its turn's answer has been sent (not only after the
+    fallback delay, set here far past the test's patience): a next turn that comes right after the answer takes the
+    kept-body path."""
+    monkeypatch.setattr(proxy_routes, "_STATE_DELAY_S", 20.0)
+    engine = Engine("A")
+    with engine_server(tok, engine) as ea, tier(tok, [ea.url]) as t:
+        server = t.app.state.server
+        msgs = conversation(0)
+        fields = {"model": "tier", "max_tokens": 2, "stream": stream, "prompt_cache_key": "answered"}
+        for turn in range(3):
+            msgs = msgs + [{"role": "assistant", "content": f"answer {turn}"},
+                           {"role": "user", "content": f"turn {turn}: " + "log line\n" * 20}]
+            hits = server.deltas.hits
+            r = httpx.post(t.url + "/v1/chat/completions", json={**fields, "messages": msgs}, timeout=30)
+            assert r.status_code == 200, r.text
+            if turn == 0:
+                assert server.deltas.hits == hits, "the first body has no kept state to go through"
+                deadline = time.time() + 5
+                while server.deltas.stats()["bodies"] == 0 and time.time() < deadline:
+                    time.sleep(0.01)
+                assert server.deltas.stats()["bodies"] == 1, "the state was not built once the answer was out"
+            else:
+                assert server.deltas.hits == hits + 1, f"turn {turn} did not take the kept body"

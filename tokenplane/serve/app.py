@@ -20,6 +20,7 @@ from fastapi.responses import JSONResponse, Response
 from fastapi.routing import APIRoute
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
+from starlette.types import Receive, Scope, Send
 
 from .backends import Backend, BackendHealth
 from .config import Limits
@@ -42,16 +43,27 @@ log = logging.getLogger("tokenplane.serve")
 
 
 class _GuardedFastAPI(FastAPI):
-    """FastAPI whose whole middleware stack (its ServerErrorMiddleware included) runs inside GuardMiddleware."""
+    """FastAPI whose whole middleware stack (its ServerErrorMiddleware included) runs inside GuardMiddleware; the
+    hot routes (`direct_routes`) go from this __call__ through the same guard to their handlers (direct_routes.py)."""
 
     guard_options: dict[str, Any] = {}
     direct_routes: dict[tuple[str, str], Any] = {}   # hot routes called past FastAPI's layers (direct_routes.py)
+    direct: DirectRoutes | None = None
+    _direct_guarded: GuardMiddleware | None = None
 
     def build_middleware_stack(self) -> Any:
-        stack = super().build_middleware_stack()
-        if self.direct_routes:
-            stack = DirectRoutes(stack, self.direct_routes, error_response)
-        return GuardMiddleware(stack, **self.guard_options)
+        return GuardMiddleware(super().build_middleware_stack(), **self.guard_options)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if self.direct_routes and scope["type"] == "http":
+            if self._direct_guarded is None:   # built at the first request, as Starlette builds its stack
+                self.direct = DirectRoutes(self.direct_routes, error_response)
+                self._direct_guarded = GuardMiddleware(self.direct, **self.guard_options)
+            if self.direct is not None and self.direct.serves(scope):
+                scope["app"] = self
+                await self._direct_guarded(scope, receive, send)
+                return
+        await super().__call__(scope, receive, send)
 
 
 def error_response(err: APIError) -> JSONResponse:
@@ -186,9 +198,11 @@ def create_app(backend: Backend | None, tokenizer: Any, *, model_name: str = "to
              responses={200: {"model": ChatCompletionResponse, "content": {"text/event-stream": {}}},
                         **_OPENAI_ERRORS})(server.chat_completions)
 
-    if upstream is not None:   # the tier's per-turn route: its own overhead is what the tier adds to each turn
-        route = next(r for r in app.router.routes if isinstance(r, APIRoute) and r.path == "/v1/chat/completions")
-        app.direct_routes = {("POST", "/v1/chat/completions"): (server.chat_completions, route)}  # type: ignore[attr-defined]
+    if upstream is not None:   # the tier's per-turn routes: their own overhead is what the tier adds to each turn
+        routes = {r.path: r for r in app.router.routes if isinstance(r, APIRoute)}
+        app.direct_routes = {  # type: ignore[attr-defined]
+            ("POST", "/v1/chat/completions"): (server.chat_completions, routes["/v1/chat/completions"]),
+            ("POST", "/v1/completions"): (server.completions, routes["/v1/completions"])}
 
     def card() -> dict[str, Any]:
         return {"id": server.model_name, "object": "model", "created": server.created, "owned_by": "tokenplane",

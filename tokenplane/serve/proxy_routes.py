@@ -15,6 +15,7 @@ import hashlib
 import json
 import logging
 import secrets
+import threading
 import time
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
@@ -37,7 +38,11 @@ from .upstream import FORWARDED, UpstreamPool, error_from, sse_data
 
 _DISCONNECT_POLL_S = 0.25
 _FINISH_S = 0.25        # how long the relay waits for an upstream stream to end after its [DONE]
-_STATE_DELAY_S = 0.05   # a body's state is built this long after its turn was tokenized (past the first chunk)
+# A body parsed in full gets its state built (body_delta.remember) once its turn's answer has been sent, or at the
+# latest this long after the turn was tokenized (past the first chunk of a long answer): only the next turn needs
+# it, and a client sends its next turn after the answer. A fixed delay alone left the state missing for a next turn
+# that came within it (each such turn parsed in full again and rendered and synced the whole prompt).
+_STATE_DELAY_S = 0.05
 # Chat work runs on the event loop when it is small: the worker-thread hop (a hand-off and a loop wake-up each way)
 # cost 0.2-0.5 ms of a turn's overhead on 2 shared CPUs, more than half of a ~24K-character turn's own work. Small
 # means: a body up to _INLINE_CHAT_BYTES, or a resent body up to _INLINE_DELTA_BYTES whose part past the kept messages
@@ -118,6 +123,7 @@ class ProxyServer(OpenAIServer):
         self.bodies = RequestBodies()
         self.deltas = BodyDeltas()   # resent chat bodies parsed in O(new part) (body_delta.py)
         self._states = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenplane-bodies")
+        self._answered: dict[str, threading.Event] = {}   # session -> set when its turn's answer is out
 
     async def warm_up(self) -> None:
         if self._follow_upstream_name and self.pool.model:
@@ -172,19 +178,30 @@ class ProxyServer(OpenAIServer):
         if parsed.state is not None:
             self.deltas.keep(parsed.state, report.session, req.conversation_key, clean, turn)
         elif parsed.raw is not None:
+            answered = threading.Event()
+            if report.session is not None:
+                self._answered[report.session] = answered
             self._states.submit(self._remember, parsed.raw, parsed.body.get("messages"), report.session,
-                                req.conversation_key, clean, turn)
+                                req.conversation_key, clean, turn, answered)
         return prompt_ids, report
 
     def _remember(self, raw: bytes, messages: Any, session: str | None, key: str | None, clean: int,
-                  turn: KeptTurn) -> None:
-        """A body parsed in full, kept for the next turn after this turn's answer has started (its state costs a
-        few parses: body_delta.remember)."""
-        time.sleep(_STATE_DELAY_S)
+                  turn: KeptTurn, answered: threading.Event) -> None:
+        """A body parsed in full, kept for the next turn once this turn's answer is out, or _STATE_DELAY_S after it
+        was tokenized (its state costs a few parses: body_delta.remember)."""
+        answered.wait(_STATE_DELAY_S)
+        if session is not None and self._answered.get(session) is answered:
+            self._answered.pop(session, None)
         try:
             self.deltas.remember(raw, messages, session, key, clean, turn)
         except Exception:   # noqa: BLE001 - the next turn parses in full instead
             log.exception("keeping a chat body's state failed")
+
+    def _answer_out(self, session: str | None) -> None:
+        """The turn on `session` has sent its answer: a state waiting to be built for its body is built now."""
+        answered = self._answered.pop(session, None) if session is not None else None
+        if answered is not None:
+            answered.set()
 
     def close(self) -> None:
         self._states.shutdown(wait=False, cancel_futures=True)
@@ -279,18 +296,20 @@ class ProxyServer(OpenAIServer):
         extra = {"tokenization": {**report.to_dict(), "phases_ms": phases.marks}} if report is not None else {}
         if self.metrics is not None:
             self.metrics.prompt_tokens.inc(n_prompt)
+        session = report.session if report is not None else None
         if not req.stream:
             try:
                 data = await self._until_disconnect(request, self._exchange(key, body))
             except ClientDisconnected:
                 return JSONResponse({"error": {"message": "client disconnected", "type": "client_closed_request",
                                                "param": None, "code": None}}, status_code=499)
+            self._answer_out(session)
             return {**(self._to_chat(data) if chat else data), **extra}
         url, resp = await self.pool.send(key, body)
         phases.mark("upstream_head")
         if resp.status_code != 200:
             raise await error_from(resp, url)
-        return EventStream(self._relay(resp, chat, extra, phases))
+        return EventStream(self._relay(resp, chat, extra, phases, session))
 
     async def _exchange(self, key: str, body: Chunks) -> dict[str, Any]:
         url, resp = await self.pool.send(key, body)
@@ -343,7 +362,8 @@ class ProxyServer(OpenAIServer):
             out["usage"] = data["usage"]
         return out
 
-    async def _relay(self, resp: Any, chat: bool, extra: dict[str, Any], phases: Phases) -> AsyncIterator[bytes]:
+    async def _relay(self, resp: Any, chat: bool, extra: dict[str, Any], phases: Phases,
+                     session: str | None = None) -> AsyncIterator[bytes]:
         started: set[int] = set()
         first = True
         ended = False   # the upstream sent [DONE]: the rest of its stream is its terminator
@@ -376,6 +396,7 @@ class ProxyServer(OpenAIServer):
             if not ended:   # failed, cancelled (the client left) or ended without [DONE]: closed unless complete
                 await resp.aclose()
         yield b"data: [DONE]\n\n"
+        self._answer_out(session)
         # Read the upstream's stream to its end so that its connection is kept for the next turn (a new connection
         # per turn cost ~1 ms of connect and close on the loop); one that does not end promptly is closed.
         await resp.finish(_FINISH_S)
