@@ -138,14 +138,6 @@ def _acc8(out, index, value, first):  # noqa: ANN001
 @njit(inline="always")
 def _pass4(x, k_dim, m, wp, wbase, last, out, n_out, col):  # noqa: ANN001
     """out[m : m + 4, col : col + 16] = x[m : m + 4] @ panel, the panel starting at wp[wbase]."""
-    a00 = _zero8()
-    a01 = _zero8()
-    a10 = _zero8()
-    a11 = _zero8()
-    a20 = _zero8()
-    a21 = _zero8()
-    a30 = _zero8()
-    a31 = _zero8()
     x0 = m * k_dim
     o = m * n_out + col
     for k0 in range(0, k_dim, K_BLOCK):
