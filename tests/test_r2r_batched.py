@@ -70,3 +70,27 @@ def test_prepare_step_batches_only_the_small_models_signal_rows():
     synthetic = make_algorithm("r2r", mode="synthetic", rates={"switch": 0.3}, router_dim=32, router_blocks=1)
     synthetic.prepare_step(small)
     assert synthetic._step == {}
+
+
+@pytest.fixture
+def one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)     # the sub-server setting, under which the router streams its weights
+    yield
+    torch.set_num_threads(before)
+
+
+def test_streamed_router_equals_the_plain_one_and_ignores_the_batch(one_thread):
+    from tokenplane.route.algorithms.r2r import StreamedLinear
+    alg = make_algorithm("r2r", mode="signal", router_dim=256, router_blocks=2, seed=4)
+    res = rows(12, seed=11)     # more than one pass of cpu_small_gemm.MAX_ROWS rows
+    single = [one_row(alg, r) for r in res]     # builds the cast router: its linears stream
+    router, _ = next(iter(alg._cast.values()))
+    streamed = [m for m in router.modules() if isinstance(m, StreamedLinear)]
+    assert streamed and all(m.panels is not None for m in streamed)
+    alg.prepare_step(res)
+    assert max(abs(alg._step[id(r)] - v) for r, v in zip(res, single)) < BATCH_MARGIN / 100
+    for m in streamed:
+        m.panels = None                                      # the plain F.linear router
+    plain = [one_row(alg, r) for r in res]
+    assert max(abs(a - b) for a, b in zip(single, plain)) < 1e-5

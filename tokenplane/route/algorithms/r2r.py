@@ -22,22 +22,48 @@ from typing import Any
 import torch
 from torch import nn
 
+from ...engine import cpu_small_gemm
 from ..api import StepResult
 from .base import Gate, OneTokenCorrection, load_weights, seeded
 
 # Without the small model's embedding (no attach, no checkpoint), tokens hash into a fixed random table: the router
 # still sees the sampled token, but this only makes sense for random-weight runs.
 FALLBACK_EMBED_ROWS = 4096
+# Router batches up to this many rows stream the weights in passes of cpu_small_gemm.MAX_ROWS rows (a step at
+# concurrency 16 holds ~9 small-model rows); larger ones take F.linear.
+STREAM_MAX_ROWS = 32
 # A batched router output this close to the threshold is recomputed for its row alone (see R2R.divergence).
 BATCH_MARGIN = 1e-4
+
+
+class StreamedLinear(nn.Linear):
+    """nn.Linear (same parameters, same seeded init) that streams a panel copy of its weight for decode-sized fp32
+    inputs (1-8 rows, 1 thread: engine/cpu_small_gemm.py) once `stream()` made it. At the official size the router
+    reads ~200 MB of weights per step; MKL's F.linear streamed them at ~6 GB/s here (~32 ms per step at 2-3 rows),
+    the panel kernel at memory speed (its error against float64 is below oneDNN's and MKL's; see that module)."""
+
+    panels: torch.Tensor | None = None
+
+    def stream(self) -> None:
+        self.panels = cpu_small_gemm.pack(self.weight) if cpu_small_gemm.available(self.weight) else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.panels is not None and cpu_small_gemm.applies(x[:cpu_small_gemm.MAX_ROWS]):
+            if x.shape[0] <= cpu_small_gemm.MAX_ROWS:
+                return cpu_small_gemm.linear(x, self.panels, self.out_features, self.bias)
+            if x.shape[0] <= STREAM_MAX_ROWS:   # a few passes over the panels still beat MKL's F.linear here
+                return torch.cat([cpu_small_gemm.linear(x[i:i + cpu_small_gemm.MAX_ROWS], self.panels,
+                                                        self.out_features, self.bias)
+                                  for i in range(0, x.shape[0], cpu_small_gemm.MAX_ROWS)])
+        return super().forward(x)
 
 
 class ResidualBlock(nn.Module):
     def __init__(self, dim: int, expansion: int):
         super().__init__()
         self.norm = nn.LayerNorm(dim)
-        self.fc1 = nn.Linear(dim, dim * expansion)
-        self.fc2 = nn.Linear(dim * expansion, dim)
+        self.fc1 = StreamedLinear(dim, dim * expansion)
+        self.fc2 = StreamedLinear(dim * expansion, dim)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return x + self.fc2(nn.functional.gelu(self.fc1(self.norm(x))))   # dropout is identity at inference
@@ -48,9 +74,9 @@ class R2RRouter(nn.Module):
                  expansion: int = 4):
         super().__init__()
         self.logits_size = logits_size
-        self.logits_projection = nn.Linear(logits_size, hidden_size)
-        self.combined_projection = nn.Linear(3 * hidden_size, dim)
-        self.input_projection = nn.Linear(dim, dim)
+        self.logits_projection = StreamedLinear(logits_size, hidden_size)
+        self.combined_projection = StreamedLinear(3 * hidden_size, dim)
+        self.input_projection = StreamedLinear(dim, dim)
         self.blocks = nn.ModuleList(ResidualBlock(dim, expansion) for _ in range(num_blocks))
         self.final_norm = nn.LayerNorm(dim)
         self.output = nn.Linear(dim, 1)
@@ -116,9 +142,11 @@ class R2R(OneTokenCorrection):
         assert self.router is not None and self.embedding is not None   # _build sets both
         dtype, device = hidden.dtype, hidden.device
         if (dtype, device) not in self._cast:   # the router runs where the hidden state lives, in its precision
-            router = copy.deepcopy(self.router)   # not a fresh module: init would consume the global RNG
-            self._cast[(dtype, device)] = (router.to(device=device, dtype=dtype),
-                                           self.embedding.to(device=device, dtype=dtype))
+            router = copy.deepcopy(self.router).to(device=device, dtype=dtype)   # not a fresh module: init would
+            for m in router.modules():                                           # consume the global RNG
+                if isinstance(m, StreamedLinear):
+                    m.stream()
+            self._cast[(dtype, device)] = (router, self.embedding.to(device=device, dtype=dtype))
         return self._cast[(dtype, device)]
 
     def _run(self, hidden: torch.Tensor, tokens: list[int], logits: torch.Tensor) -> torch.Tensor:
