@@ -15,11 +15,10 @@ pre-tokenizer (with the Python rescan of its rare shapes) feeds the second half 
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Callable
 
 import numpy as np
 
-from ..errors import UnsupportedFamily
 from . import bpe as bpe_mod
 from . import kernels, strbuf
 from . import pretokenize as pt
@@ -114,25 +113,11 @@ _full_deepseek = njit(cache=True, nogil=True)(_full_deepseek_impl)
 _full_smollm2 = njit(cache=True, nogil=True)(_full_smollm2_impl)
 
 
-def _family_tables(family: str) -> tuple[str, tuple[Any, ...]]:
-    fam = pt._family(family)
-    if fam.name in pt._GPT4:
-        digits, whole = pt._GPT4[fam.name]
-        return "full_gpt4", (pt._cp_kind_gpt4(fam.engine), digits, whole)
-    if fam.name == "o200k_base":    # no fused kernel (see has_full_kernel): the table only sizes the scratch
-        return "", (pt._cp_kind_o200k(fam.engine),)
-    if fam.name == "deepseek_v4":
-        return "full_deepseek", (pt._cp_feat_deepseek(fam.engine),)
-    if fam.name == "smollm2":
-        return "full_smollm2", (pt._cp_kind_smollm2(fam.engine),)
-    raise UnsupportedFamily(fam.name)
-
-
 def has_full_kernel(family: str) -> bool:
     """o200k has no fused block kernel: most 1M-character blocks of real text hold one of its rare shapes (english
     and CJK of the benchmark corpus did), whose rescan is Python, so a fused call would pre-tokenize such a block
     twice. Its encoder runs the staged pre-tokenizer and then `walk_encoder`."""
-    return _family_tables(family)[0] != ""
+    return pt.loop_tables(family)[0] != "o200k"
 
 
 def full_encoder(bpe: bpe_mod.BPE, family: str) -> FullFn:
@@ -151,10 +136,10 @@ def full_encoder(bpe: bpe_mod.BPE, family: str) -> FullFn:
     entry = pm.bound.get(family)
     if entry is not None and entry[0] is k and entry[1] == bpe.batch and entry[2] == bpe.whole:
         return entry[3]
-    name, fam_args = _family_tables(family)
+    loop, fam_args = pt.loop_tables(family)
     missing = bpe.missing if bpe.missing is not None else _NO_MISSING
-    fn = k.bind(name, 9, *fam_args, bpe.missing is not None, missing, bpe.byte_ids, bpe.ptab, bpe.batch, bpe.whole,
-                bpe.wkeys, bpe.wids, bpe.tok_flat, bpe.tok_off, pm.slots, pm.arena, pm.state)
+    fn = k.bind(f"full_{loop}", 9, *fam_args, bpe.missing is not None, missing, bpe.byte_ids, bpe.ptab, bpe.batch,
+                bpe.whole, bpe.wkeys, bpe.wids, bpe.tok_flat, bpe.tok_off, pm.slots, pm.arena, pm.state)
     pm.bound[family] = (k, bpe.batch, bpe.whole, fn)
     return fn
 
@@ -182,7 +167,7 @@ def scratch_args(family: str, chars: int = 0) -> tuple[np.ndarray, ...]:
     """Scratch arrays for `full_encoder`'s kernel that hold a block of `chars` characters plus a lookahead
     (none given: empty ones, which the kernel replaces by arrays of the block's size)."""
     n = chars + 2 if chars else 0
-    dtype = _family_tables(family)[1][0].dtype
+    dtype = pt.loop_tables(family)[1][0].dtype
     return (np.empty(n, np.uint32), np.empty(n, dtype), np.empty(n, np.bool_), np.empty(4 * n + 8, np.uint8),
             np.empty(n + 1, np.int64))
 

@@ -18,6 +18,7 @@ context is (o200k_rescan.py).
 from __future__ import annotations
 
 from functools import cache
+from typing import Any
 
 import numpy as np
 
@@ -469,6 +470,22 @@ def _starts_smollm2_loop(cps: np.ndarray, engine: str, starts: np.ndarray | None
 
 
 # -- public API -----------------------------------------------------------------------------------------------------
+def loop_tables(family: Family | str) -> tuple[str, tuple[Any, ...]]:
+    """(loop, its tables): which pre-tokenizer loop the family runs ("gpt4", "o200k", "deepseek", "smollm2") and the
+    arguments the fused kernels pass it besides the text (its code point class table first, then its flags)."""
+    fam = _family(family)
+    if fam.name in _GPT4:
+        digits, whole = _GPT4[fam.name]
+        return "gpt4", (_cp_kind_gpt4(fam.engine), digits, whole)
+    if fam.name == "o200k_base":
+        return "o200k", (_cp_kind_o200k(fam.engine),)
+    if fam.name == "deepseek_v4":
+        return "deepseek", (_cp_feat_deepseek(fam.engine),)
+    if fam.name == "smollm2":
+        return "smollm2", (_cp_kind_smollm2(fam.engine),)
+    raise UnsupportedFamily(fam.name)
+
+
 def piece_starts(family: Family | str, cps: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
     """bool[len(cps)]: True where a piece of the family's pre-tokenizer starts (cps: code points of normalized
     text). `out`: a bool scratch array to write into when it is long enough (the result is then a view of it)."""

@@ -18,11 +18,10 @@ tests/test_aot_kernels.py checks fused == staged == reference, AOT and JIT, for 
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Callable
 
 import numpy as np
 
-from ..errors import UnsupportedFamily
 from . import bpe as bpe_mod
 from . import kernels, strbuf
 from . import pretokenize as pt
@@ -177,20 +176,6 @@ WindowFn = Callable[[str, int, int, np.ndarray, int], tuple[np.ndarray, np.ndarr
 _NO_MISSING = np.zeros(256, np.bool_)
 
 
-def _family_tables(family: str) -> tuple[str, tuple[Any, ...]]:
-    fam = pt._family(family)
-    if fam.name in pt._GPT4:
-        digits, whole = pt._GPT4[fam.name]
-        return "window_gpt4", (pt._cp_kind_gpt4(fam.engine), digits, whole)
-    if fam.name == "o200k_base":
-        return "window_o200k", (pt._cp_kind_o200k(fam.engine),)
-    if fam.name == "deepseek_v4":
-        return "window_deepseek", (pt._cp_feat_deepseek(fam.engine),)
-    if fam.name == "smollm2":
-        return "window_smollm2", (pt._cp_kind_smollm2(fam.engine),)
-    raise UnsupportedFamily(fam.name)
-
-
 def window_encoder(bpe: bpe_mod.BPE, family: str, tc: np.ndarray) -> WindowFn:
     """The fused window kernel of `family` with `bpe`'s tables, `tc` (token_chars) and the calling thread's piece
     cache bound: fn(text, lo, hi, spans, shift) -> (ids uint32, ends int64 (+ shift), tokens per span, status).
@@ -201,9 +186,9 @@ def window_encoder(bpe: bpe_mod.BPE, family: str, tc: np.ndarray) -> WindowFn:
     entry = c.bound.get(family)
     if entry is not None and entry[0] is k and entry[1] == bpe.batch and entry[2] == bpe.whole and entry[3] is tc:
         return entry[4]
-    name, fam_args = _family_tables(family)
+    loop, fam_args = pt.loop_tables(family)
     missing = bpe.missing if bpe.missing is not None else _NO_MISSING
-    fn = k.bind(name, 5, *fam_args, np.ascontiguousarray(tc, np.uint16), bpe.missing is not None, missing,
+    fn = k.bind(f"window_{loop}", 5, *fam_args, np.ascontiguousarray(tc, np.uint16), bpe.missing is not None, missing,
                 bpe.byte_ids, bpe.ptab, bpe.batch, bpe.whole, bpe.wkeys, bpe.wids, bpe.tok_flat, bpe.tok_off, c.tiny,
                 c.short, c.long_keys, c.long_length, c.long_ids, c.long_n)
     c.bound[family] = (k, bpe.batch, bpe.whole, tc, fn)
