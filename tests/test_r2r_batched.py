@@ -83,7 +83,7 @@ def one_thread():
 def test_streamed_router_equals_the_plain_one_and_ignores_the_batch(one_thread):
     from tokenplane.route.algorithms.r2r import StreamedLinear
     alg = make_algorithm("r2r", mode="signal", router_dim=256, router_blocks=2, seed=4)
-    res = rows(12, seed=11)     # more than one pass of cpu_small_gemm.MAX_ROWS rows
+    res = rows(12, seed=11)     # more rows than cpu_small_gemm.MAX_ROWS
     single = [one_row(alg, r) for r in res]     # builds the cast router: its linears stream
     router, _ = next(iter(alg._cast.values()))
     streamed = [m for m in router.modules() if isinstance(m, StreamedLinear)]

@@ -253,9 +253,11 @@ def pack(weight: torch.Tensor) -> torch.Tensor:
     return w.reshape(panels, PANEL, k).transpose(1, 2).contiguous()
 
 
-def applies(x: torch.Tensor) -> bool:
-    """A CPU float32 [rows, K] input of 1..MAX_ROWS rows, with 1 torch thread."""
-    return (x.dim() == 2 and 0 < x.shape[0] <= MAX_ROWS and x.dtype == torch.float32 and x.device.type == "cpu"
+def applies(x: torch.Tensor, max_rows: int = MAX_ROWS) -> bool:
+    """A CPU float32 [rows, K] input of 1..max_rows rows, with 1 torch thread. The kernel takes any row count (each
+    panel is read from memory once, then from cache for every further 4 rows); MAX_ROWS is where oneDNN's packed path
+    overtakes it."""
+    return (x.dim() == 2 and 0 < x.shape[0] <= max_rows and x.dtype == torch.float32 and x.device.type == "cpu"
             and torch.get_num_threads() == 1)
 
 

@@ -29,8 +29,8 @@ from .base import Gate, OneTokenCorrection, load_weights, seeded
 # Without the small model's embedding (no attach, no checkpoint), tokens hash into a fixed random table: the router
 # still sees the sampled token, but this only makes sense for random-weight runs.
 FALLBACK_EMBED_ROWS = 4096
-# Router batches up to this many rows stream the weights in passes of cpu_small_gemm.MAX_ROWS rows (a step at
-# concurrency 16 holds ~9 small-model rows); larger ones take F.linear.
+# Router batches up to this many rows stream the weights (a step at concurrency 16 holds ~9 small-model rows; the
+# router has no oneDNN packed copy to hand larger batches to); larger ones take F.linear.
 STREAM_MAX_ROWS = 32
 # A batched router output this close to the threshold is recomputed for its row alone (see R2R.divergence).
 BATCH_MARGIN = 1e-4
@@ -48,13 +48,8 @@ class StreamedLinear(nn.Linear):
         self.panels = cpu_small_gemm.pack(self.weight) if cpu_small_gemm.available(self.weight) else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.panels is not None and cpu_small_gemm.applies(x[:cpu_small_gemm.MAX_ROWS]):
-            if x.shape[0] <= cpu_small_gemm.MAX_ROWS:
-                return cpu_small_gemm.linear(x, self.panels, self.out_features, self.bias)
-            if x.shape[0] <= STREAM_MAX_ROWS:   # a few passes over the panels still beat MKL's F.linear here
-                return torch.cat([cpu_small_gemm.linear(x[i:i + cpu_small_gemm.MAX_ROWS], self.panels,
-                                                        self.out_features, self.bias)
-                                  for i in range(0, x.shape[0], cpu_small_gemm.MAX_ROWS)])
+        if self.panels is not None and cpu_small_gemm.applies(x, STREAM_MAX_ROWS):
+            return cpu_small_gemm.linear(x, self.panels, self.out_features, self.bias)
         return super().forward(x)
 
 
