@@ -52,6 +52,18 @@ class BodyState:
     conversation_key: str | None = None
     nbytes: int = field(default=0)
     turn: KeptTurn | None = None        # what its turn derived from the messages (for the next turn's kept ones)
+    after: int = -1                     # offset just past the messages array's `]` (-1: not known)
+
+    def same_fields(self, other: BodyState) -> bool:
+        """Both bodies hold the same members besides "messages", byte for byte: the same bytes before the array
+        (a body parsed through `other` shares them) and after it. Equal bytes are equal JSON values of the same
+        types, which an equality of parsed values (1 == 1.0 == True) is not."""
+        if self.after < 0 or other.after < 0 or self.array != other.array:
+            return False
+        n = len(self.raw) - self.after
+        if n != len(other.raw) - other.after or self.raw[:self.array] != other.raw[:other.array]:
+            return False
+        return memoryview(self.raw)[self.after:] == memoryview(other.raw)[other.after:]
 
 
 @dataclass(frozen=True)
@@ -62,6 +74,7 @@ class KeptTurn:
     validated: list[Any]                # protocol.ChatMessage
     pairs: list[tuple[str, str]]        # (role, text), as the chat template renders them
     rendered: Any = None                # conversations.SessionText: the session held exactly render(pairs)
+    request: Any = None                 # protocol.ChatCompletionRequest as validated from the body alone
 
 
 @dataclass
@@ -152,14 +165,14 @@ def _elements(raw: bytes, p: int, stop_after: int | None = None) -> tuple[list[i
         q = _skip_ws(raw, q + 1)
 
 
-def _messages_array(raw: bytes) -> tuple[int, list[int], list[int]] | None:
-    """(offset of `[`, element starts, element ends) of the top-level "messages" array; None when there is no such
-    array or the key appears more than once."""
+def _messages_array(raw: bytes) -> tuple[int, list[int], list[int], int] | None:
+    """(offset of `[`, element starts, element ends, offset past `]`) of the top-level "messages" array; None when
+    there is no such array or the key appears more than once."""
     p = _skip_ws(raw, 0)
     if raw[p] != 0x7B:
         return None
     p = _skip_ws(raw, p + 1)
-    found: tuple[int, list[int], list[int]] | None = None
+    found: tuple[int, list[int], list[int], int] | None = None
     seen = 0
     if raw[p] == 0x7D:
         return None
@@ -175,7 +188,7 @@ def _messages_array(raw: bytes) -> tuple[int, list[int], list[int]] | None:
             if raw[p] != 0x5B:
                 return None
             starts, ends, end = _elements(raw, p + 1)
-            found = (p, starts, ends)
+            found = (p, starts, ends, end)
         else:
             end = value_end(raw, p)
         p = _skip_ws(raw, end)
@@ -253,10 +266,10 @@ class BodyDeltas:
             return None
         if found is None:
             return None
-        array, starts, ends = found
+        array, starts, ends, after = found
         if not _proved(raw, starts, ends, messages):
             return None
-        return BodyState(raw, array, ends, list(messages))
+        return BodyState(raw, array, ends, list(messages), after=after)
 
     def _best(self, raw: bytes) -> tuple[BodyState, int] | None:
         with self._lock:
@@ -301,7 +314,7 @@ class BodyDeltas:
             return None
         new = got[1:]
         try:
-            starts, ends, _ = _elements(raw, cut) if new else ([], [], 0)
+            starts, ends, after = _elements(raw, cut) if new else ([], [], -1)
         except (ValueError, IndexError):
             return None
         if not _proved(raw, starts, ends, new):
@@ -309,7 +322,7 @@ class BodyDeltas:
         messages = st.messages[:i + 1] + new
         body["messages"] = messages
         state = BodyState(raw, st.array, st.ends[:i + 1] + ends, messages, clean=min(st.clean, i + 1),
-                          session=st.session, conversation_key=st.conversation_key)
+                          session=st.session, conversation_key=st.conversation_key, after=after)
         return Parsed(body, True, state, reused=i + 1, base=st)
 
     def keep(self, state: BodyState, session: str | None, conversation_key: str | None, clean: int,

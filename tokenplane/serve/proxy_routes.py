@@ -25,6 +25,7 @@ from typing import Any
 import orjson
 from fastapi import Request
 from fastapi.responses import JSONResponse
+from pydantic import TypeAdapter, ValidationError
 
 from .backends import BackendHealth, ModelStatus
 from .body_delta import BodyDeltas, KeptTurn, Parsed
@@ -33,7 +34,7 @@ from .errors import APIError, InvalidRequest
 from .event_stream import EventStream
 from .ids_json import Chunks, IdsOrigin, RequestBodies
 from .openai_routes import ClientDisconnected, OpenAIServer
-from .protocol import ChatCompletionRequest, CompletionRequest
+from .protocol import ChatCompletionRequest, ChatMessage, CompletionRequest
 from .upstream import FORWARDED, UpstreamPool, error_from, sse_data
 
 _DISCONNECT_POLL_S = 0.25
@@ -50,6 +51,7 @@ _STATE_DELAY_S = 0.05
 # at most on the loop). Everything else (a first turn of a long context, a large append) goes to the worker thread.
 _INLINE_CHAT_BYTES = 64 << 10
 _INLINE_DELTA_BYTES = 2 << 20
+_MESSAGES: TypeAdapter[list[ChatMessage]] = TypeAdapter(list[ChatMessage])
 log = logging.getLogger("tokenplane.serve")
 
 
@@ -174,7 +176,7 @@ class ProxyServer(OpenAIServer):
             return prompt_ids, report
         if report.path in ("session", "new_session"):   # every message scanned: none quotes
             clean = len(req.messages)
-        turn = KeptTurn(req.messages, pairs, report.text if report.path in ("session", "new_session") else None)
+        turn = KeptTurn(req.messages, pairs, report.text if report.path in ("session", "new_session") else None, req)
         if parsed.state is not None:
             self.deltas.keep(parsed.state, report.session, req.conversation_key, clean, turn)
         elif parsed.raw is not None:
@@ -258,12 +260,23 @@ class ProxyServer(OpenAIServer):
         kept ones are the bytes, hence the objects, the previous turn validated (a message validates on its own:
         ChatMessage has no cross-message rule, and the list's own rules, at least one message and each text free
         of lone surrogates, hold for the joined list when they hold for both parts). Any refusal is redone on
-        the whole body, so that its error names the field as the client sent it."""
+        the whole body, so that its error names the field as the client sent it. When the body's other members are
+        the kept body's, byte for byte, they validate as they did then: the kept request is reused with the new
+        messages validated alone (ChatMessage's own schema: what the request's list validates them with)."""
         base, reused = parsed.base, parsed.reused
         kept = base.turn.validated if base is not None and base.turn is not None else None
         messages = parsed.body.get("messages")
         if kept is not None and parsed.checked and 0 < reused <= len(kept) and isinstance(messages, list) \
                 and len(messages) > reused:
+            prev = base.turn.request if base is not None and base.turn is not None else None
+            if prev is not None and parsed.state is not None and base is not None and parsed.state.same_fields(base):
+                try:
+                    new = _MESSAGES.validate_python(messages[reused:], context={"text_checked": True})
+                except ValidationError:
+                    pass
+                else:   # prompt_cache_key as the body says (the kept request's may come from a header)
+                    return self.applied(request, prev.model_copy(update={
+                        "messages": kept[:reused] + new, "prompt_cache_key": parsed.body.get("prompt_cache_key")}))
             try:
                 req = self.checked(request, ChatCompletionRequest, {**parsed.body, "messages": messages[reused:]},
                                    True)
