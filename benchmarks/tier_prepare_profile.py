@@ -96,9 +96,9 @@ def main() -> int:
     p.add_argument("--out", default=None)
     args = p.parse_args()
 
-    import tokenplane
     from starlette.requests import Request
 
+    import tokenplane
     from tokenplane.serve import proxy_routes
     from tokenplane.serve.app import create_app
     from tokenplane.serve.config import Limits
