@@ -75,6 +75,7 @@ class KeptTurn:
     pairs: list[tuple[str, str]]        # (role, text), as the chat template renders them
     rendered: Any = None                # conversations.SessionText: the session held exactly render(pairs)
     request: Any = None                 # protocol.ChatCompletionRequest as validated from the body alone
+    fields: dict[str, Any] | None = None   # the upstream request's fields other than the prompt, made from it
 
 
 @dataclass
@@ -86,6 +87,7 @@ class Parsed:
     reused: int = 0                     # messages taken from a kept body
     base: BodyState | None = None       # the kept state it came from
     raw: bytes | None = None            # parsed in full: its state can be built (`remember`), off the turn's path
+    fields_kept: bool = False           # its members besides "messages" are base's bytes (base's request reused)
 
     @property
     def new_bytes(self) -> int:

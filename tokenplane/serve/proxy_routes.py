@@ -154,8 +154,8 @@ class ProxyServer(OpenAIServer):
         body["model"] = self.pool.model
         return body
 
-    def _chat_ids(self, req: ChatCompletionRequest, parsed: Parsed,
-                  take: Take = copied) -> tuple[Any, TokenizationReport | None]:
+    def _chat_ids(self, req: ChatCompletionRequest, parsed: Parsed, take: Take = copied,
+                  fields: dict[str, Any] | None = None) -> tuple[Any, TokenizationReport | None]:
         """chat_ids with what the conversation's previous body says: which leading messages are known to quote no
         control token, their (role, text) pairs, and (same conversation key) the session to repair, or, when this
         body keeps every message of that one, the session text to append the new messages' text to; then this
@@ -176,7 +176,8 @@ class ProxyServer(OpenAIServer):
             return prompt_ids, report
         if report.path in ("session", "new_session"):   # every message scanned: none quotes
             clean = len(req.messages)
-        turn = KeptTurn(req.messages, pairs, report.text if report.path in ("session", "new_session") else None, req)
+        turn = KeptTurn(req.messages, pairs, report.text if report.path in ("session", "new_session") else None, req,
+                        fields)
         if parsed.state is not None:
             self.deltas.keep(parsed.state, report.session, req.conversation_key, clean, turn)
         elif parsed.raw is not None:
@@ -215,11 +216,16 @@ class ProxyServer(OpenAIServer):
         (ids_json.py: the IDs' JSON reuses the session's previous body where the splice allows). A chat's body is
         written under its session's lock from the session's own IDs (conversations.Take): no copy of the context's
         IDs, only the JSON of the IDs the previous body lacks."""
-        fields = self._fields(req, self.chat.stop_token_ids if chat else ())
+        kept = parsed.base.turn if parsed is not None and parsed.fields_kept and parsed.base is not None else None
+        if kept is not None and kept.fields is not None and kept.fields.get("model") == self.pool.model:
+            fields = kept.fields   # made from equal fields (the kept request reused), never mutated
+        else:
+            fields = self._fields(req, self.chat.stop_token_ids if chat else ())
         if chat:
             def take(ids: Any, origin: IdsOrigin | None) -> _Forwarded:
                 return _Forwarded(len(ids), self.bodies.chunks(fields, ids, origin))
-            fwd, report = self._chat_ids(req, parsed, take) if parsed is not None else self.chat_ids(req, take=take)
+            fwd, report = self._chat_ids(req, parsed, take, fields) if parsed is not None \
+                else self.chat_ids(req, take=take)
         else:
             prompt_ids, report = self.completion_ids(req)
             fwd = _Forwarded(len(prompt_ids), self.bodies.chunks(fields, prompt_ids,
@@ -275,6 +281,7 @@ class ProxyServer(OpenAIServer):
                 except ValidationError:
                     pass
                 else:   # prompt_cache_key as the body says (the kept request's may come from a header)
+                    parsed.fields_kept = True
                     return self.applied(request, prev.model_copy(update={
                         "messages": kept[:reused] + new, "prompt_cache_key": parsed.body.get("prompt_cache_key")}))
             try:
