@@ -279,9 +279,13 @@ class BodyDeltas:
         best: tuple[BodyState, int] | None = None
         for st in candidates:
             ends = st.ends
-            if best is not None and ends[-1] <= best[0].ends[best[1]]:
-                continue
             old = memoryview(st.raw)
+            if best is not None:
+                floor = best[0].ends[best[1]]
+                # to do better it must share more than `floor` bytes: one compare settles most candidates (other
+                # conversations with the same system prompt part ways at their first user message)
+                if ends[-1] <= floor or not raw.startswith(old[:floor + 1]):
+                    continue
             if raw.startswith(old[:ends[-1]]):   # memcmp (memoryview == compares item by item)
                 i = len(ends) - 1
             else:   # an edit: the last message end still shared (prefix equality is monotone in the length)
