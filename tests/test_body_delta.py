@@ -160,3 +160,34 @@ def test_later_duplicate_key_that_repeats_the_new_messages() -> None:
     new = json.dumps({"model": "m", "messages": msgs + [a]}).encode()
     check(deltas, new[:-1] + b', "messages": [0, ' + json.dumps(a).encode() + b"]}")
     check(deltas, new[:-1] + b', "messages": [1, ' + json.dumps(a).encode() + b"]}")
+
+
+def test_best_kept_body_is_the_longest_shared_prefix() -> None:
+    """Conversations that share a system prompt share an index key: the body a new one parses through is the kept
+    one sharing the most message bytes with it (a brute-force scan over every kept body says which), whichever
+    order their turns interleave in (later candidates are settled by one compare against the best so far)."""
+    rng = random.Random(5)
+    deltas = BodyDeltas()
+    system = {"role": "system", "content": "You are an agent. " * 20}
+    convs = [[system, {"role": "user", "content": f"task {c}: " + content(rng)}] for c in range(10)]
+    forks = 0
+    for _ in range(150):
+        c = rng.randrange(len(convs))
+        if rng.random() < 0.1:   # a fork of another conversation: shares its messages, then parts
+            c2 = rng.randrange(len(convs))
+            convs[c] = [dict(m) for m in convs[c2][:rng.randint(2, len(convs[c2]))]]
+            forks += 1
+        convs[c] = convs[c] + [{"role": "assistant", "content": content(rng)}, {"role": "user", "content": content(rng)}]
+        raw = json.dumps({"model": "m", "messages": convs[c], "prompt_cache_key": f"k{c}"}).encode()
+        with deltas._lock:
+            kept = [st for bucket in deltas._index.values() for st in bucket]
+        shared = [max((e for e in st.ends if raw.startswith(st.raw[:e])), default=-1) for st in kept]
+        got = deltas._best(raw)
+        assert (got[0].ends[got[1]] if got is not None else -1) == max(shared, default=-1)
+        check_keep = deltas.parse(raw)
+        assert check_keep.body == parse_request(raw)[0]
+        if check_keep.state is not None:
+            deltas.keep(check_keep.state, f"s{c}", f"k{c}", 0)
+        else:
+            deltas.remember(raw, check_keep.body["messages"], f"s{c}", f"k{c}", 0)
+    assert forks and deltas.hits > 100

@@ -47,7 +47,7 @@ def test_adversarial_equals_reference(qwen3):
     hf = qwen3._normalizer.normalize_str
     rng = random.Random(11)
     for trial in range(400):
-        n = rng.choice([nfc.SMALL_TEXT, 600, 2000, 5000])
+        n = rng.choice([1, 5, 40, 300, nfc.SMALL_TEXT, 600, 2000, 5000, nfc.PRECHECK_TEXT + 10])
         dense = rng.random()      # from mostly-ASCII with rare tricky characters to all tricky
         chars = [rng.choice(TRICKY) if rng.random() < dense else rng.choice("abc xyz\n") for _ in range(n)]
         if trial % 7 == 0:        # every separator candidate present: the per-region fallback

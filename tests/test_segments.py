@@ -129,3 +129,34 @@ def test_encode_with_allowed_specials_equals_the_reference(tok):
     finally:
         tokenizer_module.encode_segments = real_encode
     assert (len(calls) > 100) == (tok.family.normalizer is None)
+
+
+def test_with_literals_slices_equal_the_interleave_kernel(monkeypatch):
+    """Few literals are merged by slices, many by the interleave kernel: the same records (literals at span edges,
+    back to back, before and after every span, spans that produced no token)."""
+    from tokenplane.tokenize.cpu import segments
+    rng = random.Random(3)
+    for _ in range(300):
+        n_spans = rng.randint(0, 6)
+        pos, spans, literals = 0, [], []
+        for _ in range(n_spans + 1):
+            for _ in range(rng.randint(0, 3)):   # literals before the next span
+                width = rng.randint(1, 12)
+                literals.append((pos, pos + width, rng.randrange(1 << 20)))
+                pos += width
+            if len(spans) < n_spans:
+                width = rng.randint(1, 30)
+                spans.append((pos, pos + width))
+                pos += width
+        counts = np.array([rng.randint(0, b - a) for a, b in spans], np.int64)
+        total = int(counts.sum())
+        ids = np.arange(total, dtype=np.uint32)
+        ends = np.arange(1, total + 1, dtype=np.int64)
+        shift = rng.randint(0, 1000)
+        monkeypatch.setattr(segments, "_FEW_LITERALS", 1 << 30)
+        few = segments.with_literals(ids, ends, counts, spans, literals, shift)
+        monkeypatch.setattr(segments, "_FEW_LITERALS", -1)
+        kernel = segments.with_literals(ids, ends, counts, spans, literals, shift)
+        assert few[0].tolist() == kernel[0].tolist() and few[1].tolist() == kernel[1].tolist()
+        assert len(few[0]) == total + len(literals)
+        assert sorted(few[0].tolist()) == sorted(ids.tolist() + [sid for _, _, sid in literals])

@@ -52,6 +52,18 @@ class BodyState:
     conversation_key: str | None = None
     nbytes: int = field(default=0)
     turn: KeptTurn | None = None        # what its turn derived from the messages (for the next turn's kept ones)
+    after: int = -1                     # offset just past the messages array's `]` (-1: not known)
+
+    def same_fields(self, other: BodyState) -> bool:
+        """Both bodies hold the same members besides "messages", byte for byte: the same bytes before the array
+        (a body parsed through `other` shares them) and after it. Equal bytes are equal JSON values of the same
+        types, which an equality of parsed values (1 == 1.0 == True) is not."""
+        if self.after < 0 or other.after < 0 or self.array != other.array:
+            return False
+        n = len(self.raw) - self.after
+        if n != len(other.raw) - other.after or self.raw[:self.array] != other.raw[:other.array]:
+            return False
+        return memoryview(self.raw)[self.after:] == memoryview(other.raw)[other.after:]
 
 
 @dataclass(frozen=True)
@@ -62,6 +74,8 @@ class KeptTurn:
     validated: list[Any]                # protocol.ChatMessage
     pairs: list[tuple[str, str]]        # (role, text), as the chat template renders them
     rendered: Any = None                # conversations.SessionText: the session held exactly render(pairs)
+    request: Any = None                 # protocol.ChatCompletionRequest as validated from the body alone
+    fields: dict[str, Any] | None = None   # the upstream request's fields other than the prompt, made from it
 
 
 @dataclass
@@ -73,6 +87,7 @@ class Parsed:
     reused: int = 0                     # messages taken from a kept body
     base: BodyState | None = None       # the kept state it came from
     raw: bytes | None = None            # parsed in full: its state can be built (`remember`), off the turn's path
+    fields_kept: bool = False           # its members besides "messages" are base's bytes (base's request reused)
 
     @property
     def new_bytes(self) -> int:
@@ -152,14 +167,14 @@ def _elements(raw: bytes, p: int, stop_after: int | None = None) -> tuple[list[i
         q = _skip_ws(raw, q + 1)
 
 
-def _messages_array(raw: bytes) -> tuple[int, list[int], list[int]] | None:
-    """(offset of `[`, element starts, element ends) of the top-level "messages" array; None when there is no such
-    array or the key appears more than once."""
+def _messages_array(raw: bytes) -> tuple[int, list[int], list[int], int] | None:
+    """(offset of `[`, element starts, element ends, offset past `]`) of the top-level "messages" array; None when
+    there is no such array or the key appears more than once."""
     p = _skip_ws(raw, 0)
     if raw[p] != 0x7B:
         return None
     p = _skip_ws(raw, p + 1)
-    found: tuple[int, list[int], list[int]] | None = None
+    found: tuple[int, list[int], list[int], int] | None = None
     seen = 0
     if raw[p] == 0x7D:
         return None
@@ -175,7 +190,7 @@ def _messages_array(raw: bytes) -> tuple[int, list[int], list[int]] | None:
             if raw[p] != 0x5B:
                 return None
             starts, ends, end = _elements(raw, p + 1)
-            found = (p, starts, ends)
+            found = (p, starts, ends, end)
         else:
             end = value_end(raw, p)
         p = _skip_ws(raw, end)
@@ -253,10 +268,10 @@ class BodyDeltas:
             return None
         if found is None:
             return None
-        array, starts, ends = found
+        array, starts, ends, after = found
         if not _proved(raw, starts, ends, messages):
             return None
-        return BodyState(raw, array, ends, list(messages))
+        return BodyState(raw, array, ends, list(messages), after=after)
 
     def _best(self, raw: bytes) -> tuple[BodyState, int] | None:
         with self._lock:
@@ -264,9 +279,13 @@ class BodyDeltas:
         best: tuple[BodyState, int] | None = None
         for st in candidates:
             ends = st.ends
-            if best is not None and ends[-1] <= best[0].ends[best[1]]:
-                continue
             old = memoryview(st.raw)
+            if best is not None:
+                floor = best[0].ends[best[1]]
+                # to do better it must share more than `floor` bytes: one compare settles most candidates (other
+                # conversations with the same system prompt part ways at their first user message)
+                if ends[-1] <= floor or not raw.startswith(old[:floor + 1]):
+                    continue
             if raw.startswith(old[:ends[-1]]):   # memcmp (memoryview == compares item by item)
                 i = len(ends) - 1
             else:   # an edit: the last message end still shared (prefix equality is monotone in the length)
@@ -301,7 +320,7 @@ class BodyDeltas:
             return None
         new = got[1:]
         try:
-            starts, ends, _ = _elements(raw, cut) if new else ([], [], 0)
+            starts, ends, after = _elements(raw, cut) if new else ([], [], -1)
         except (ValueError, IndexError):
             return None
         if not _proved(raw, starts, ends, new):
@@ -309,7 +328,7 @@ class BodyDeltas:
         messages = st.messages[:i + 1] + new
         body["messages"] = messages
         state = BodyState(raw, st.array, st.ends[:i + 1] + ends, messages, clean=min(st.clean, i + 1),
-                          session=st.session, conversation_key=st.conversation_key)
+                          session=st.session, conversation_key=st.conversation_key, after=after)
         return Parsed(body, True, state, reused=i + 1, base=st)
 
     def keep(self, state: BodyState, session: str | None, conversation_key: str | None, clean: int,

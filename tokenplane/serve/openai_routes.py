@@ -114,7 +114,10 @@ class OpenAIServer:
 
     def checked(self, request: Request, model: type[Any], body: dict[str, Any], checked: bool) -> Any:
         """A parsed body validated as `model`, with the conversation header and the model name applied."""
-        req = validate(model, body, checked)
+        return self.applied(request, validate(model, body, checked))
+
+    def applied(self, request: Request, req: Any) -> Any:
+        """A request validated from its body, with the conversation header and the model name applied."""
         if req.prompt_cache_key is None and (header := request.headers.get("x-conversation-id")):
             req.prompt_cache_key = header   # what a consistent-hash load balancer in front keys on, too
         if req.model is not None and req.model != self.model_name:

@@ -25,6 +25,7 @@ from typing import Any
 import orjson
 from fastapi import Request
 from fastapi.responses import JSONResponse
+from pydantic import TypeAdapter, ValidationError
 
 from .backends import BackendHealth, ModelStatus
 from .body_delta import BodyDeltas, KeptTurn, Parsed
@@ -33,7 +34,7 @@ from .errors import APIError, InvalidRequest
 from .event_stream import EventStream
 from .ids_json import Chunks, IdsOrigin, RequestBodies
 from .openai_routes import ClientDisconnected, OpenAIServer
-from .protocol import ChatCompletionRequest, CompletionRequest
+from .protocol import ChatCompletionRequest, ChatMessage, CompletionRequest
 from .upstream import FORWARDED, UpstreamPool, error_from, sse_data
 
 _DISCONNECT_POLL_S = 0.25
@@ -50,6 +51,7 @@ _STATE_DELAY_S = 0.05
 # at most on the loop). Everything else (a first turn of a long context, a large append) goes to the worker thread.
 _INLINE_CHAT_BYTES = 64 << 10
 _INLINE_DELTA_BYTES = 2 << 20
+_MESSAGES: TypeAdapter[list[ChatMessage]] = TypeAdapter(list[ChatMessage])
 log = logging.getLogger("tokenplane.serve")
 
 
@@ -152,8 +154,8 @@ class ProxyServer(OpenAIServer):
         body["model"] = self.pool.model
         return body
 
-    def _chat_ids(self, req: ChatCompletionRequest, parsed: Parsed,
-                  take: Take = copied) -> tuple[Any, TokenizationReport | None]:
+    def _chat_ids(self, req: ChatCompletionRequest, parsed: Parsed, take: Take = copied,
+                  fields: dict[str, Any] | None = None) -> tuple[Any, TokenizationReport | None]:
         """chat_ids with what the conversation's previous body says: which leading messages are known to quote no
         control token, their (role, text) pairs, and (same conversation key) the session to repair, or, when this
         body keeps every message of that one, the session text to append the new messages' text to; then this
@@ -174,7 +176,8 @@ class ProxyServer(OpenAIServer):
             return prompt_ids, report
         if report.path in ("session", "new_session"):   # every message scanned: none quotes
             clean = len(req.messages)
-        turn = KeptTurn(req.messages, pairs, report.text if report.path in ("session", "new_session") else None)
+        turn = KeptTurn(req.messages, pairs, report.text if report.path in ("session", "new_session") else None, req,
+                        fields)
         if parsed.state is not None:
             self.deltas.keep(parsed.state, report.session, req.conversation_key, clean, turn)
         elif parsed.raw is not None:
@@ -213,11 +216,16 @@ class ProxyServer(OpenAIServer):
         (ids_json.py: the IDs' JSON reuses the session's previous body where the splice allows). A chat's body is
         written under its session's lock from the session's own IDs (conversations.Take): no copy of the context's
         IDs, only the JSON of the IDs the previous body lacks."""
-        fields = self._fields(req, self.chat.stop_token_ids if chat else ())
+        kept = parsed.base.turn if parsed is not None and parsed.fields_kept and parsed.base is not None else None
+        if kept is not None and kept.fields is not None and kept.fields.get("model") == self.pool.model:
+            fields = kept.fields   # made from equal fields (the kept request reused), never mutated
+        else:
+            fields = self._fields(req, self.chat.stop_token_ids if chat else ())
         if chat:
             def take(ids: Any, origin: IdsOrigin | None) -> _Forwarded:
                 return _Forwarded(len(ids), self.bodies.chunks(fields, ids, origin))
-            fwd, report = self._chat_ids(req, parsed, take) if parsed is not None else self.chat_ids(req, take=take)
+            fwd, report = self._chat_ids(req, parsed, take, fields) if parsed is not None \
+                else self.chat_ids(req, take=take)
         else:
             prompt_ids, report = self.completion_ids(req)
             fwd = _Forwarded(len(prompt_ids), self.bodies.chunks(fields, prompt_ids,
@@ -258,12 +266,24 @@ class ProxyServer(OpenAIServer):
         kept ones are the bytes, hence the objects, the previous turn validated (a message validates on its own:
         ChatMessage has no cross-message rule, and the list's own rules, at least one message and each text free
         of lone surrogates, hold for the joined list when they hold for both parts). Any refusal is redone on
-        the whole body, so that its error names the field as the client sent it."""
+        the whole body, so that its error names the field as the client sent it. When the body's other members are
+        the kept body's, byte for byte, they validate as they did then: the kept request is reused with the new
+        messages validated alone (ChatMessage's own schema: what the request's list validates them with)."""
         base, reused = parsed.base, parsed.reused
         kept = base.turn.validated if base is not None and base.turn is not None else None
         messages = parsed.body.get("messages")
         if kept is not None and parsed.checked and 0 < reused <= len(kept) and isinstance(messages, list) \
                 and len(messages) > reused:
+            prev = base.turn.request if base is not None and base.turn is not None else None
+            if prev is not None and parsed.state is not None and base is not None and parsed.state.same_fields(base):
+                try:
+                    new = _MESSAGES.validate_python(messages[reused:], context={"text_checked": True})
+                except ValidationError:
+                    pass
+                else:   # prompt_cache_key as the body says (the kept request's may come from a header)
+                    parsed.fields_kept = True
+                    return self.applied(request, prev.model_copy(update={
+                        "messages": kept[:reused] + new, "prompt_cache_key": parsed.body.get("prompt_cache_key")}))
             try:
                 req = self.checked(request, ChatCompletionRequest, {**parsed.body, "messages": messages[reused:]},
                                    True)

@@ -105,9 +105,11 @@ class WindowRepair:
             stats.repairs += 1
             for attempt in range(self.max_widenings + 1):
                 w = self.window << attempt
-                s = self._window_start(rec, old_norm, d - w)
-                if self.literals:
-                    s = self._after_literal(old_norm, s, d, specials)
+                s = self._literal_edge(old_norm, d, w, specials) if self.literals else -1
+                if s < 0:
+                    s = self._window_start(rec, old_norm, d - w)
+                    if self.literals:
+                        s = self._after_literal(old_norm, s, d, specials)
                 r = new_len
                 if e_new + w < new_len:
                     r = self._window_end(e_new + w, specials(e_new + w - 1, e_new + w + 1))
@@ -161,6 +163,20 @@ class WindowRepair:
                 return pos
         return fallback
 
+    def _literal_edge(self, norm: TextReader, d: int, w: int, specials: Specials) -> int:
+        """What `_window_start` then `_after_literal` give when an allowed literal ends in (d - w, d]: that end (the
+        last one), found without the clean-boundary search; -1 otherwise. Same answer: the window start is at or
+        before d - w, so every literal ending past d - w lies in the range _after_literal looks at, and the last end
+        at or before d among them is the one it returns. A chat turn's append always has one (its template's
+        control tokens end the previous prompt)."""
+        lo = max(0, d - w)
+        edge = max((b for _, b, _ in specials(lo, d + 1) if b <= d), default=-1)
+        if edge <= lo:
+            return -1
+        if self.nfc and (edge >= len(norm) or norm.char(edge) >= "\x80"):
+            return -1    # _after_literal keeps the window start there: the full path computes it
+        return edge
+
     def _after_literal(self, norm: TextReader, s: int, d: int, specials: Specials) -> int:
         """The window may start right after the last allowed literal in [s, d]: a literal is always split out of the
         encode, so its end is a certified splice point and the text before it needs no re-encoding (a chat prompt
@@ -204,10 +220,9 @@ class WindowRepair:
                 if not t.isascii() and self.tokenizer.normalize(t) != t:
                     return None
         t0 = time.perf_counter()
-        ids, ends, counts = self._ordinary_records(text, spans)
+        ids, ends, counts = self._ordinary_records(text, spans, s)
         self.encode_s += time.perf_counter() - t0
-        ids, ends = with_literals(ids, ends, counts, spans, inside)
-        return ids, ends + s
+        return with_literals(ids, ends, counts, spans, inside, s)
 
     def _ordinary_records(self, text: str, spans: list[tuple[int, int]], shift: int = 0
                           ) -> tuple[np.ndarray, np.ndarray, list[int] | np.ndarray]:
