@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from tokenplane.engine import attention as attention_module
-from tokenplane.engine.cpu_prefill_attention import TK, available, paged_prefill, query_tile
+from tokenplane.engine.cpu_prefill_attention import TK, available, paged_prefill, query_tile, worth
 
 
 @pytest.fixture(autouse=True)
@@ -96,6 +96,11 @@ def test_available_only_for_cpu_float32_and_head_dim_multiple_of_16():
     assert available(torch.float32, cpu, 64) and available(torch.float32, cpu, 16)
     assert not available(torch.float64, cpu, 64) and not available(torch.bfloat16, cpu, 64)
     assert not available(torch.float32, cpu, 24) and not available(torch.float32, torch.device("cuda"), 64)
+
+
+def test_short_rows_stay_with_sdpa():
+    assert not worth(2, 2) and not worth(4, 2) and not worth(2, 3) and not worth(11, 1)
+    assert worth(4, 3) and worth(8, 2) and worth(12, 1) and worth(2048, 3)
 
 
 def _runner(kernel: str, dtype=torch.float32):

@@ -57,7 +57,8 @@ class ModelRunner:
         serves one runner at a time: the runner binds its KV cache into the model's attention layers.
         prefill_kernel (rows of several tokens): "cpu" (one compiled call per layer for all of them, reading the paged
         KV in place; CPU float32, head_dim a multiple of 16), "varlen" (per-sequence SDPA) or "auto" (cpu where it
-        applies and the step runs on 1 torch thread, the setting it was measured faster at; varlen otherwise)."""
+        applies and the step runs on 1 torch thread, the setting it was measured faster at; varlen otherwise). Either
+        way rows too short to gain (cpu_prefill_attention.worth: q_len x group < 12) stay with SDPA."""
         param = next(model.parameters())
         self.device = torch.device(device) if device is not None else param.device
         self.dtype = dtype if dtype is not None else param.dtype
@@ -189,7 +190,7 @@ class ModelRunner:
                 decode_lens.append(end)
                 q_start += 1
                 continue
-            if q_len > 1 and cpu_prefill:
+            if q_len > 1 and cpu_prefill and cpu_prefill_attention.worth(q_len, self.group):
                 prefill.append((q_start, q_len, end, seq.block_table))
                 q_start += q_len
                 continue
