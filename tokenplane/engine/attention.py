@@ -4,9 +4,14 @@ Cache layout per layer: [num_kv_heads, num_slots, head_dim] with slot = block_id
 sequence's keys gathered by block are already [kv_heads, context, head_dim] for SDPA (no transpose copy), and a
 sequence whose blocks are consecutive (the common case: blocks come off the free list in order) is a plain slice.
 
-Three kernels, chosen per batch by the runner:
+Kernels, chosen per batch by the runner:
 - cpu (the CPU fp32/fp64 default): every one-token row of the batch in one compiled call per layer that reads K/V in
-  place through the block tables (cpu_decode_attention.py); rows with several tokens take the varlen path below.
+  place through the block tables (cpu_decode_attention.py); rows with several tokens take the varlen path below,
+  unless the runner hands them to
+- cpu prefill (CPU fp32, 1 thread): every multi-token row of the batch in one compiled call per layer, causal,
+  flash-style over query x key tiles, K/V read in place (cpu_prefill_attention.py). One layer, SmolLM2's 9/3 heads,
+  2048 tokens: 76 vs 104 ms for SDPA's flash kernel (0.73x; 256 tokens 0.56x; benchmarks/results/prefill_attention.md);
+  a whole 2048-token SmolLM2 prefill step 0.94x. Rows of few tokens (q_len x group < 12) stay with varlen.
 - varlen: one SDPA call per sequence over its uncomputed tokens (prefill, decode, a peer's k tokens: same code), with
   4-D inputs so CPU runs PyTorch's flash kernel. A decode folds the query heads of a KV head into its query rows (GQA
   never copies K/V per query head); several tokens use enable_gqa, causal without a mask when they are the whole
@@ -36,6 +41,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tokenplane.engine.cpu_decode_attention import paged_decode
+from tokenplane.engine.cpu_prefill_attention import paged_prefill
 
 
 @dataclass
@@ -59,6 +65,11 @@ class AttentionMetadata:
     decode_rows: np.ndarray | None = None           # [D] row of q / out
     decode_block_tables: np.ndarray | None = None   # [D, max_blocks]
     decode_context_lens: np.ndarray | None = None   # [D]
+    # cpu prefill kernel only: the multi-token rows (q rows q_start .. + q_len, causal over context_len tokens)
+    prefill_q_starts: np.ndarray | None = None      # [P]
+    prefill_q_lens: np.ndarray | None = None        # [P]
+    prefill_context_lens: np.ndarray | None = None  # [P]
+    prefill_block_tables: np.ndarray | None = None  # [P, max_blocks]
 
     @property
     def padded(self) -> bool:
@@ -97,6 +108,9 @@ class PagedAttention(nn.Module):
         if meta.decode_rows is not None:
             paged_decode(q, k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens, meta.decode_rows,
                          out, self.block_size, g, self.scale)
+        if meta.prefill_q_starts is not None:
+            paged_prefill(q, k_cache, v_cache, meta.prefill_q_starts, meta.prefill_q_lens, meta.prefill_context_lens,
+                          meta.prefill_block_tables, out, self.block_size, g, self.scale)
         for s in meta.seqs:
             if s.kv_slice_start is not None:
                 kc = k_cache[:, s.kv_slice_start:s.kv_slice_start + s.context_len]

@@ -30,7 +30,7 @@ class LLMEngine:
     def __init__(self, source: Any, *, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
                  seed: int = 0, num_blocks: int = 512, block_size: int = 16, max_num_seqs: int = 64,
                  max_num_batched_tokens: int = 2048, max_model_len: int | None = None, enforce_eager: bool = False,
-                 decode_kernel: str = "auto", num_threads: int | None = None) -> None:
+                 decode_kernel: str = "auto", num_threads: int | None = None, prefill_kernel: str = "auto") -> None:
         """num_threads: torch's intra-op threads for this process (torch.set_num_threads), set before the model loads;
         None leaves the process setting alone. Pin the process to cores from outside (taskset, or the serving
         runtime's per-sub-server cores): one engine per process, so its thread count is the process's."""
@@ -41,7 +41,7 @@ class LLMEngine:
         self.cfg, model = load_model(source, device=device, dtype=dtype, seed=seed)
         self.runner = ModelRunner(model, self.cfg, num_blocks=num_blocks, block_size=block_size, device=device,
                                   dtype=dtype, enforce_eager=enforce_eager, max_num_seqs=max_num_seqs,
-                                  decode_kernel=decode_kernel)
+                                  decode_kernel=decode_kernel, prefill_kernel=prefill_kernel)
         limit = min(self.cfg.max_position_embeddings, num_blocks * block_size)
         eos = self.cfg.eos_token_id
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))

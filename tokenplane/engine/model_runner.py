@@ -16,7 +16,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from tokenplane.engine import cpu_decode_attention
+from tokenplane.engine import cpu_decode_attention, cpu_prefill_attention
 from tokenplane.engine.attention import AttentionMetadata, SeqAttention, causal_mask
 from tokenplane.engine.block_manager import BlockManager
 from tokenplane.engine.config import ModelConfig
@@ -31,6 +31,16 @@ class RunnerOutput:
     rows: list[int] | None = None  # with num_new_tokens: the batch rows these B rows belong to (complete sequences)
 
 
+def _block_table_array(tables: list[list[int]], context_lens: list[int], bs: int) -> np.ndarray:
+    """One [rows, max_blocks] int64 table for the compiled kernels; entries past a row's context are never read."""
+    width = max(-(-n // bs) for n in context_lens)
+    out = np.zeros((len(tables), width), dtype=np.int64)
+    for i, (bt, n) in enumerate(zip(tables, context_lens)):
+        nb = -(-n // bs)
+        out[i, :nb] = bt[:nb]
+    return out
+
+
 def _graph_batch_sizes(max_num_seqs: int) -> list[int]:
     sizes = [b for b in (1, 2, 4, 8) if b < max_num_seqs] + list(range(16, max_num_seqs, 16))
     return sizes + [max_num_seqs]
@@ -39,11 +49,16 @@ def _graph_batch_sizes(max_num_seqs: int) -> list[int]:
 class ModelRunner:
     def __init__(self, model: nn.Module, cfg: ModelConfig, *, num_blocks: int, block_size: int = 16,
                  device: str | torch.device | None = None, dtype: torch.dtype | None = None,
-                 enforce_eager: bool = False, max_num_seqs: int = 256, decode_kernel: str = "auto") -> None:
+                 enforce_eager: bool = False, max_num_seqs: int = 256, decode_kernel: str = "auto",
+                 prefill_kernel: str = "auto") -> None:
         """decode_kernel: "cpu" (one compiled call per layer for all one-token rows, reading the paged KV in place;
         CPU float32/float64 only), "varlen" (per-sequence SDPA), "padded" (one masked SDPA over the padded batch) or
         "auto" (cpu where it applies, else varlen on CPU; padded on CUDA where it is what the graphs capture). A model
-        serves one runner at a time: the runner binds its KV cache into the model's attention layers."""
+        serves one runner at a time: the runner binds its KV cache into the model's attention layers.
+        prefill_kernel (rows of several tokens): "cpu" (one compiled call per layer for all of them, reading the paged
+        KV in place; CPU float32, head_dim a multiple of 16), "varlen" (per-sequence SDPA) or "auto" (cpu where it
+        applies and the step runs on 1 torch thread, the setting it was measured faster at; varlen otherwise). Either
+        way rows too short to gain (cpu_prefill_attention.worth: q_len x group < 12) stay with SDPA."""
         param = next(model.parameters())
         self.device = torch.device(device) if device is not None else param.device
         self.dtype = dtype if dtype is not None else param.dtype
@@ -53,6 +68,13 @@ class ModelRunner:
             raise ValueError(f"decode_kernel must be auto, cpu, varlen or padded, not {decode_kernel!r}")
         if decode_kernel == "cpu" and not cpu_decode_attention.available(self.dtype, self.device):
             raise ValueError(f"decode_kernel 'cpu' needs a CPU float32/float64 model, not {self.device} {self.dtype}")
+        if prefill_kernel not in ("auto", "cpu", "varlen"):
+            raise ValueError(f"prefill_kernel must be auto, cpu or varlen, not {prefill_kernel!r}")
+        prefill_ok = cpu_prefill_attention.available(self.dtype, self.device, cfg.head_dim)
+        if prefill_kernel == "cpu" and not prefill_ok:
+            raise ValueError(f"prefill_kernel 'cpu' needs a CPU float32 model with head_dim a multiple of 16, not "
+                             f"{self.device} {self.dtype} head_dim {cfg.head_dim}")
+        self.prefill_kernel = prefill_kernel if prefill_ok else "varlen"
         self.model, self.cfg = model, cfg
         if self.device.type == "cpu":
             retain_freed_memory()   # process-wide: large activations stop page-faulting in every step (cpu_malloc.py)
@@ -155,9 +177,11 @@ class ModelRunner:
             return meta
         q_start = 0
         cpu_kernel = self.decode_kernel == "cpu"
+        cpu_prefill = self.uses_cpu_prefill()
         decode_rows: list[int] = []
         decode_tables: list[list[int]] = []
         decode_lens: list[int] = []
+        prefill: list[tuple[int, int, int, list[int]]] = []   # q_start, q_len, context_len, block table
         for seq, (start, end) in zip(seqs, spans):
             q_len = end - start
             if q_len == 1 and cpu_kernel:
@@ -165,6 +189,10 @@ class ModelRunner:
                 decode_tables.append(seq.block_table)
                 decode_lens.append(end)
                 q_start += 1
+                continue
+            if q_len > 1 and cpu_prefill and cpu_prefill_attention.worth(q_len, self.group):
+                prefill.append((q_start, q_len, end, seq.block_table))
+                q_start += q_len
                 continue
             blocks = seq.block_table[:-(-end // bs)]
             s = SeqAttention(q_start=q_start, q_len=q_len, context_len=end)
@@ -178,15 +206,21 @@ class ModelRunner:
             q_start += q_len
         if decode_rows:
             # one [D, max_blocks] table; entries past a row's context are never read
-            width = max(-(-n // bs) for n in decode_lens)
-            table = np.zeros((len(decode_rows), width), dtype=np.int64)
-            for i, (bt, n) in enumerate(zip(decode_tables, decode_lens)):
-                nb = -(-n // bs)
-                table[i, :nb] = bt[:nb]
             meta.decode_rows = np.array(decode_rows, dtype=np.int64)
-            meta.decode_block_tables = table
+            meta.decode_block_tables = _block_table_array(decode_tables, decode_lens, bs)
             meta.decode_context_lens = np.array(decode_lens, dtype=np.int64)
+        if prefill:
+            meta.prefill_q_starts = np.array([p[0] for p in prefill], dtype=np.int64)
+            meta.prefill_q_lens = np.array([p[1] for p in prefill], dtype=np.int64)
+            meta.prefill_context_lens = np.array([p[2] for p in prefill], dtype=np.int64)
+            meta.prefill_block_tables = _block_table_array([p[3] for p in prefill], [p[2] for p in prefill], bs)
         return meta
+
+    def uses_cpu_prefill(self) -> bool:
+        """Whether this step's multi-token rows go to cpu_prefill_attention (see prefill_kernel)."""
+        if self.prefill_kernel == "auto":
+            return torch.get_num_threads() == 1
+        return self.prefill_kernel == "cpu"
 
     # -- CUDA graphs (decode only) ------------------------------------------------------------------------------------
     def _run_graph(self, ids: list[int], positions: list[int], slots: list[int], seqs: list[Sequence],

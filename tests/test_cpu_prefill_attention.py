@@ -1,0 +1,164 @@
+"""The compiled CPU prefill-attention kernel against float64 SDPA over the same K/V gathered by block table.
+
+Adversarial cases: GQA groups 1, 2 and 3, head_dim 16, 64 and 128, chunks after cached context (q_len < context_len,
+the causal diagonal offset), scattered and shared block ids, block sizes that do not divide the tiles, lengths that are
+not multiples of the query or key tile (kernel's TQ, TK) and of the 4-key / 4-row passes, sequences out of order in a
+wider token batch next to rows the kernel must not touch, and scores in the hundreds (the max-subtraction must hold).
+Model-level: the runner hands multi-token rows to the kernel (and only where it should), with the same logits as the
+SDPA path; tests/test_engine.py's float32 cases compare against transformers with it in use.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tokenplane.engine import attention as attention_module
+from tokenplane.engine.cpu_prefill_attention import TK, available, paged_prefill, query_tile, worth
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    saved = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(saved)
+
+
+def reference(q, kc, vc, table, q_len, n, bs, group, scale):
+    """Causal SDPA in float64 over the gathered K/V for one sequence's q_len queries at positions n - q_len .. n - 1,
+    and the largest |score|."""
+    q, kc, vc = q.double(), kc.double(), vc.double()
+    blocks = torch.tensor(table[:-(-n // bs)])
+    k = kc.unflatten(1, (-1, bs)).index_select(1, blocks).flatten(1, 2)[:, :n]
+    v = vc.unflatten(1, (-1, bs)).index_select(1, blocks).flatten(1, 2)[:, :n]
+    qh = q.transpose(0, 1)[None]   # [1, heads, q_len, d]
+    mask = torch.arange(n)[None, :] <= torch.arange(n - q_len, n)[:, None]
+    kk = k.repeat_interleave(group, 0)[None]
+    max_score = (qh @ kk.transpose(-1, -2)).masked_fill(~mask, 0).abs().max().item() * scale
+    o = F.scaled_dot_product_attention(qh, kk, v.repeat_interleave(group, 0)[None], attn_mask=mask, scale=scale)
+    return o[0].transpose(0, 1).reshape(q_len, -1), max_score
+
+
+@pytest.mark.parametrize("kvh,group,d,bs", [(2, 1, 64, 16), (2, 2, 128, 16), (3, 3, 64, 16), (1, 3, 16, 5),
+                                            (2, 2, 64, 7)])
+def test_kernel_matches_float64_sdpa(kvh, group, d, bs):
+    g = torch.Generator().manual_seed(kvh * 100 + group * 10 + bs)
+    num_blocks = 160
+    kc = torch.randn(kvh, num_blocks * bs, d, generator=g)
+    vc = torch.randn(kvh, num_blocks * bs, d, generator=g)
+    tq = query_tile(group)
+    # (q_len, context_len): whole prompts and chunks after cached context, around the tile sizes
+    spans = [(2, 2), (tq + 5, tq + 5), (3, TK + 1), (tq - 1, 2 * TK + tq + 3), (2 * tq + 7, 2 * tq + 7 + TK - 3),
+             (TK + 9, TK + 9), (5, 5)]
+    rng = np.random.default_rng(bs)
+    width = max(-(-n // bs) for _, n in spans)
+    table = np.zeros((len(spans), width), dtype=np.int64)
+    for i, (_, n) in enumerate(spans):
+        nb = -(-n // bs)
+        table[i, :nb] = rng.choice(num_blocks, nb, replace=False)
+    table[3, 0] = table[2, 0]   # two sequences share a block (a prefix-cache hit)
+    order = [4, 0, 6, 2, 1, 5, 3]   # sequences placed out of order in the token batch, with a gap row in between
+    starts = {}
+    t = 0
+    for i in order:
+        starts[i] = t
+        t += spans[i][0] + (1 if i == 2 else 0)
+    T = t
+    # q as the model passes it: the first heads of a wider [T, heads + kv_heads, d] tensor (a non-contiguous view),
+    # scaled so scores reach the hundreds and an unshifted exp would overflow in float32
+    qk = torch.randn(T, kvh * group + kvh, d, generator=g) * 30
+    q = qk[:, :kvh * group]
+    out = torch.full((T, kvh * group * d), float("nan"))
+    scale = d ** -0.5
+    paged_prefill(q, kc, vc, np.array([starts[i] for i in range(len(spans))], dtype=np.int64),
+                  np.array([s[0] for s in spans], dtype=np.int64), np.array([s[1] for s in spans], dtype=np.int64),
+                  table, out, bs, group, scale)
+    eps = torch.finfo(torch.float32).eps
+    touched = set()
+    for i, (q_len, n) in enumerate(spans):
+        rows = slice(starts[i], starts[i] + q_len)
+        touched.update(range(starts[i], starts[i] + q_len))
+        ref, max_score = reference(q[rows], kc, vc, table[i], q_len, n, bs, group, scale)
+        err = (out[rows].double() - ref).abs().max().item()
+        # A float32 score is off by about eps * (max |score| + d) (its d products and the scaling); exp turns that into
+        # a relative error of each weight, so of the output (a convex combination of values, |v| <= vmax); the value
+        # and weight sums add about eps per term (n of them), the online rescaling eps per key tile. Twice that.
+        bound = 2 * eps * (max_score + d + n + n / TK) * max(1.0, vc.abs().max().item())
+        assert err < bound, (i, err, bound)
+    untouched = sorted(set(range(T)) - touched)
+    assert untouched and torch.isnan(out[untouched]).all()
+
+
+def test_available_only_for_cpu_float32_and_head_dim_multiple_of_16():
+    cpu = torch.device("cpu")
+    assert available(torch.float32, cpu, 64) and available(torch.float32, cpu, 16)
+    assert not available(torch.float64, cpu, 64) and not available(torch.bfloat16, cpu, 64)
+    assert not available(torch.float32, cpu, 24) and not available(torch.float32, torch.device("cuda"), 64)
+
+
+def test_short_rows_stay_with_sdpa():
+    assert not worth(2, 2) and not worth(4, 2) and not worth(2, 3) and not worth(11, 1)
+    assert worth(4, 3) and worth(8, 2) and worth(12, 1) and worth(2048, 3)
+
+
+def _runner(kernel: str, dtype=torch.float32):
+    from tokenplane.engine.loader import load_model
+    from tokenplane.engine.model_runner import ModelRunner
+
+    cfg, model = load_model("test-small", dtype=dtype, seed=3)
+    return cfg, ModelRunner(model, cfg, num_blocks=48, block_size=4, prefill_kernel=kernel)
+
+
+def _prefill_then_chunk(runner):
+    """A whole prompt and a chunked one (its second chunk attends to cached context) in one batch each; returns the
+    logits of both runs."""
+    from tokenplane.engine.sequence import Sequence
+
+    a = Sequence("a", list(range(3, 40)))
+    b = Sequence("b", [(7 * i) % 500 for i in range(29)])
+    for s in (a, b):
+        assert runner.prepare(s)
+    first = runner.run([a, b], num_new_tokens=[37, 11])   # b: the first 11 tokens only
+    second = runner.run([b])                              # b: the other 18, over 11 cached tokens
+    return first.logits, second.logits
+
+
+def test_runner_uses_the_kernel_for_multi_token_rows(monkeypatch):
+    calls = []
+    real = attention_module.paged_prefill
+
+    def counting(q, k_cache, v_cache, q_starts, q_lens, context_lens, *args):  # noqa: ANN001, ANN002
+        calls.append((q_lens.tolist(), context_lens.tolist()))
+        real(q, k_cache, v_cache, q_starts, q_lens, context_lens, *args)
+
+    def no_sdpa(*args, **kwargs):  # noqa: ANN002, ANN003
+        raise AssertionError("multi-token rows went to SDPA")
+
+    cfg, varlen = _runner("varlen")
+    ref = _prefill_then_chunk(varlen)
+    cfg, runner = _runner("auto")
+    assert runner.uses_cpu_prefill()
+    monkeypatch.setattr(attention_module, "paged_prefill", counting)
+    monkeypatch.setattr(attention_module.F, "scaled_dot_product_attention", no_sdpa)
+    got = _prefill_then_chunk(runner)
+    layers = cfg.num_hidden_layers
+    assert calls == [([37, 11], [37, 11])] * layers + [([18], [29])] * layers
+    for x, y in zip(got, ref):
+        assert (x - y).abs().max().item() < 1e-5
+
+
+def test_runner_keeps_sdpa_where_the_kernel_does_not_apply(monkeypatch):
+    def refuse(*args, **kwargs):  # noqa: ANN002, ANN003
+        raise AssertionError("the cpu prefill kernel ran")
+
+    monkeypatch.setattr(attention_module, "paged_prefill", refuse)
+    _prefill_then_chunk(_runner("varlen")[1])
+    _prefill_then_chunk(_runner("auto", torch.float64)[1])
+    cfg, runner = _runner("auto")
+    torch.set_num_threads(2)   # measured at 1 thread only; with more, SDPA's kernel runs in parallel and this does not
+    assert not runner.uses_cpu_prefill()
+    _prefill_then_chunk(runner)
+    with pytest.raises(ValueError):
+        _runner("cpu", torch.float64)

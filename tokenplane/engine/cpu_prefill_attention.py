@@ -1,0 +1,351 @@
+"""Causal prefill attention over the paged KV cache on CPU (float32, one thread): multi-token rows, flash-style.
+
+Why a kernel of our own: PyTorch's CPU flash SDPA (the varlen path in attention.py) spent 92 ms a layer on a
+2048-token SmolLM2-135M prefill (9 query heads / 3 KV heads, head_dim 64; torch.profiler, 1 thread) where vLLM's CPU
+attention kernel spent 69 ms, and a sequence whose blocks are not consecutive first paid an index_select copy of its
+whole K/V. Here K/V are read in place through the block table, and the `group` query heads of a KV head are one tile
+of query rows, so each K/V tile is loaded once for all of them (enable_gqa SDPA walks each query head on its own).
+
+Tiles: a query tile is TQ positions x G heads = R rows (row r = position r // G, head r % G), packed once, scaled, and
+transposed to qt [D, R]; a key tile is TK keys read in place from the cache. Scores are kept transposed, s [TK, R],
+so both products are vector loads along a contiguous axis times a broadcast scalar, with no transpose of K or V:
+  s[j, r:r+24]  = sum_d K[j, d] (broadcast, from the cache) * qt[d, r:r+24]            (4 keys x 24 rows a pass)
+  o[r, c:c+16] += sum_j s[j, r] (broadcast) * V[j, c:c+16] (from the cache)            (6 rows x 16 columns a pass)
+and the online softmax's per-row max and sum run down the columns of s (vector max/add of whole rows of s); off the
+diagonal the row max is taken while a score pass still holds its scores in registers, and exp and sum are one loop. Key
+tiles above a query tile's last position are skipped (causal); on the tiles that cross the diagonal, the keys after
+a row's position are masked to exp = 0 exactly. A chunk after cached context (q_len < context_len) is the same loop
+with its positions offset by context_len - q_len.
+
+Numerics: float32 throughout, fused multiply-adds; q is multiplied by the scale when packed (SDPA scales the product
+instead), exp is cpu_decode_attention's vectorizable exp (at most 3 ulp), the softmax is online (per key tile: new
+row max, old sums and outputs rescaled by exp(old max - new max)), and the output is divided by the row sum at the
+end, as in flash attention. Results differ from SDPA's in the last bits (other summation order); the differential
+test (tests/test_cpu_prefill_attention.py) bounds the difference against float64.
+
+Vector code: cpu_small_gemm's <8 x float> llvmlite intrinsics (numba has no vector type); the softmax loops are plain
+loops that LLVM vectorizes.
+"""
+from __future__ import annotations
+
+from functools import cache
+
+import numpy as np
+import torch
+from numba import njit
+from numba.extending import intrinsic
+
+from tokenplane.engine.cpu_decode_attention import _exp_nonpos
+from tokenplane.engine.cpu_small_gemm import _fma8, _load8, _splat8, _store8, _vec8, _zero8
+
+TK = 64            # keys per tile
+ROWS = 24          # query rows per score pass (three vectors) and a multiple of the 6 rows of a value pass; R is
+                   # padded to a multiple of it
+ROW_TARGET = 48    # query rows per tile (see query_tile)
+NEG_INF = np.float32(-np.inf)
+
+
+def query_tile(group: int) -> int:
+    """Query positions per tile: R = TQ * group rows, about ROW_TARGET (a multiple of ROWS for groups 1-4, 6, 8, so
+    no padded rows but in the last tile): enough rows to reuse each K/V tile, few enough that s, qt and o stay in L2."""
+    return max(1, ROW_TARGET // group)
+
+
+@intrinsic
+def _max8(typingctx, a, b):  # noqa: ANN001
+    """Lane-wise max (vmaxps; the scores are never NaN)."""
+    def codegen(context, builder, signature, args):  # noqa: ANN001
+        return builder.select(builder.fcmp_ordered(">", args[0], args[1]), args[0], args[1])
+    return _vec8(_vec8, _vec8), codegen
+
+
+@njit(inline="always")
+def _track_max(mt, i, a, b, c, d):  # noqa: ANN001
+    """mt[i : i + 8] = max(mt[i : i + 8], a, b, c, d)."""
+    _store8(mt, i, _max8(_max8(_max8(a, b), _max8(c, d)), _load8(mt, i)))
+
+
+@njit(inline="always")
+def _scores4(kf, k0, k1, k2, k3, qt, rb, rp, d_dim, s, so, mt, track):  # noqa: ANN001
+    """s[so + i * rp + rb : +24] = K row at kf[k_i] . qt[:, rb : rb + 24] for the 4 keys i (so = first key's row);
+    with track, also mt[rb : rb + 24] = max(mt, those scores) while they are in registers. 12 accumulators: two FMA
+    pipes x 4 cycles of latency need 8 in flight, and the loads (3 vectors, 4 broadcasts) stay under the FMAs."""
+    a00 = _zero8()
+    a01 = _zero8()
+    a02 = _zero8()
+    a10 = _zero8()
+    a11 = _zero8()
+    a12 = _zero8()
+    a20 = _zero8()
+    a21 = _zero8()
+    a22 = _zero8()
+    a30 = _zero8()
+    a31 = _zero8()
+    a32 = _zero8()
+    for d in range(d_dim):
+        qi = d * rp + rb
+        q0 = _load8(qt, qi)
+        q1 = _load8(qt, qi + 8)
+        q2 = _load8(qt, qi + 16)
+        b = _splat8(kf, k0 + d)
+        a00 = _fma8(b, q0, a00)
+        a01 = _fma8(b, q1, a01)
+        a02 = _fma8(b, q2, a02)
+        b = _splat8(kf, k1 + d)
+        a10 = _fma8(b, q0, a10)
+        a11 = _fma8(b, q1, a11)
+        a12 = _fma8(b, q2, a12)
+        b = _splat8(kf, k2 + d)
+        a20 = _fma8(b, q0, a20)
+        a21 = _fma8(b, q1, a21)
+        a22 = _fma8(b, q2, a22)
+        b = _splat8(kf, k3 + d)
+        a30 = _fma8(b, q0, a30)
+        a31 = _fma8(b, q1, a31)
+        a32 = _fma8(b, q2, a32)
+    o = so + rb
+    _store8(s, o, a00)
+    _store8(s, o + 8, a01)
+    _store8(s, o + 16, a02)
+    _store8(s, o + rp, a10)
+    _store8(s, o + rp + 8, a11)
+    _store8(s, o + rp + 16, a12)
+    _store8(s, o + 2 * rp, a20)
+    _store8(s, o + 2 * rp + 8, a21)
+    _store8(s, o + 2 * rp + 16, a22)
+    _store8(s, o + 3 * rp, a30)
+    _store8(s, o + 3 * rp + 8, a31)
+    _store8(s, o + 3 * rp + 16, a32)
+    if track:
+        _track_max(mt, rb, a00, a10, a20, a30)
+        _track_max(mt, rb + 8, a01, a11, a21, a31)
+        _track_max(mt, rb + 16, a02, a12, a22, a32)
+
+
+@njit(inline="always")
+def _scores1(kf, k0, qt, rb, rp, d_dim, s, so, mt, track):  # noqa: ANN001
+    a00 = _zero8()
+    a01 = _zero8()
+    a02 = _zero8()
+    for d in range(d_dim):
+        qi = d * rp + rb
+        b = _splat8(kf, k0 + d)
+        a00 = _fma8(b, _load8(qt, qi), a00)
+        a01 = _fma8(b, _load8(qt, qi + 8), a01)
+        a02 = _fma8(b, _load8(qt, qi + 16), a02)
+    _store8(s, so + rb, a00)
+    _store8(s, so + rb + 8, a01)
+    _store8(s, so + rb + 16, a02)
+    if track:
+        _track_max(mt, rb, a00, a00, a00, a00)
+        _track_max(mt, rb + 8, a01, a01, a01, a01)
+        _track_max(mt, rb + 16, a02, a02, a02, a02)
+
+
+@njit(inline="always")
+def _rescaled(o, i, alpha, r):  # noqa: ANN001
+    return _fma8(_load8(o, i), _splat8(alpha, r), _zero8())
+
+
+@njit(inline="always")
+def _values6(vf, ofs, nk, p, rp, r, o, d_dim, c, alpha):  # noqa: ANN001
+    """o[r..r+5, c:c+16] = o * alpha[row] + sum_j p[j, row] * V[j, c:c+16] (V row j at vf[ofs[j]]): 12 accumulators,
+    2 vector loads and 6 broadcasts a key."""
+    i0 = r * d_dim + c
+    a00 = _rescaled(o, i0, alpha, r)
+    a01 = _rescaled(o, i0 + 8, alpha, r)
+    a10 = _rescaled(o, i0 + d_dim, alpha, r + 1)
+    a11 = _rescaled(o, i0 + d_dim + 8, alpha, r + 1)
+    a20 = _rescaled(o, i0 + 2 * d_dim, alpha, r + 2)
+    a21 = _rescaled(o, i0 + 2 * d_dim + 8, alpha, r + 2)
+    a30 = _rescaled(o, i0 + 3 * d_dim, alpha, r + 3)
+    a31 = _rescaled(o, i0 + 3 * d_dim + 8, alpha, r + 3)
+    a40 = _rescaled(o, i0 + 4 * d_dim, alpha, r + 4)
+    a41 = _rescaled(o, i0 + 4 * d_dim + 8, alpha, r + 4)
+    a50 = _rescaled(o, i0 + 5 * d_dim, alpha, r + 5)
+    a51 = _rescaled(o, i0 + 5 * d_dim + 8, alpha, r + 5)
+    for j in range(nk):
+        vb = ofs[j] + c
+        v0 = _load8(vf, vb)
+        v1 = _load8(vf, vb + 8)
+        pj = j * rp + r
+        b = _splat8(p, pj)
+        a00 = _fma8(b, v0, a00)
+        a01 = _fma8(b, v1, a01)
+        b = _splat8(p, pj + 1)
+        a10 = _fma8(b, v0, a10)
+        a11 = _fma8(b, v1, a11)
+        b = _splat8(p, pj + 2)
+        a20 = _fma8(b, v0, a20)
+        a21 = _fma8(b, v1, a21)
+        b = _splat8(p, pj + 3)
+        a30 = _fma8(b, v0, a30)
+        a31 = _fma8(b, v1, a31)
+        b = _splat8(p, pj + 4)
+        a40 = _fma8(b, v0, a40)
+        a41 = _fma8(b, v1, a41)
+        b = _splat8(p, pj + 5)
+        a50 = _fma8(b, v0, a50)
+        a51 = _fma8(b, v1, a51)
+    _store8(o, i0, a00)
+    _store8(o, i0 + 8, a01)
+    _store8(o, i0 + d_dim, a10)
+    _store8(o, i0 + d_dim + 8, a11)
+    _store8(o, i0 + 2 * d_dim, a20)
+    _store8(o, i0 + 2 * d_dim + 8, a21)
+    _store8(o, i0 + 3 * d_dim, a30)
+    _store8(o, i0 + 3 * d_dim + 8, a31)
+    _store8(o, i0 + 4 * d_dim, a40)
+    _store8(o, i0 + 4 * d_dim + 8, a41)
+    _store8(o, i0 + 5 * d_dim, a50)
+    _store8(o, i0 + 5 * d_dim + 8, a51)
+
+
+@cache
+def _kernel(D: int, G: int):  # noqa: ANN202
+    """The kernel for head size D (a multiple of 16) and GQA group G, compile-time constants (the tile loops unroll
+    on them). numba caches each (D, G) on disk."""
+    TQ = query_tile(G)
+    RP = -(-(TQ * G) // ROWS) * ROWS
+
+    # error_model numpy: no zero-division checks in the loops (a row sum is >= 1: its max term is exp(0))
+    @njit(cache=True, nogil=True, error_model="numpy", fastmath={"reassoc", "contract", "nsz", "arcp"})
+    def _prefill(q, kf, vf, kvh, slots, q_starts, q_lens, ctx_lens, block_tables, block_size, out, scale):  # noqa: ANN001
+        """q [T, heads(+more), D] (only the first kvh * G heads are read); kf/vf: a layer's K/V cache flat
+        ([kvh, slots, D]); per sequence b: q rows q_starts[b] .. + q_lens[b], context ctx_lens[b] (its tokens
+        included), blocks block_tables[b]; out [T, heads * D]."""
+        d_dim = D
+        qt = np.zeros(D * RP, dtype=np.float32)
+        s = np.empty(TK * RP, dtype=np.float32)
+        o = np.empty(RP * D, dtype=np.float32)
+        m = np.empty(RP, dtype=np.float32)
+        mt = np.empty(RP, dtype=np.float32)
+        lsum = np.empty(RP, dtype=np.float32)
+        part = np.empty(RP, dtype=np.float32)
+        alpha = np.empty(RP, dtype=np.float32)
+        ofs = np.empty(TK, dtype=np.int64)
+        sc = np.float32(scale)
+        for b in range(q_lens.shape[0]):
+            n_q = q_lens[b]
+            ctx = ctx_lens[b]
+            first = ctx - n_q                  # absolute position of the chunk's first query
+            row0 = q_starts[b]
+            for h in range(kvh):
+                head_base = h * slots
+                for i0 in range(0, n_q, TQ):
+                    nq = min(TQ, n_q - i0)
+                    rv = nq * G
+                    ru = -(-rv // ROWS) * ROWS         # rows computed: a short last tile (or chunk) skips the rest
+                    for i in range(nq):
+                        for g in range(G):
+                            r = i * G + g
+                            for d in range(D):
+                                qt[d * RP + r] = q[row0 + i0 + i, h * G + g, d] * sc
+                    for d in range(D):
+                        for r in range(rv, RP):
+                            qt[d * RP + r] = 0.0
+                    for r in range(RP):
+                        m[r] = NEG_INF
+                        lsum[r] = 0.0
+                    for x in range(RP * D):
+                        o[x] = 0.0
+                    p0 = first + i0                # this tile's first and last query positions
+                    n_keys = p0 + nq               # keys 0 .. last position
+                    for j0 in range(0, n_keys, TK):
+                        nk = min(TK, n_keys - j0)
+                        # the tile's K/V rows: runs of consecutive slots, one per cache block
+                        j = 0
+                        while j < nk:
+                            pos = j0 + j
+                            blk = pos // block_size
+                            within = pos - blk * block_size
+                            base = (head_base + block_tables[b, blk] * block_size + within) * d_dim
+                            run = min(block_size - within, nk - j)
+                            for x in range(run):
+                                ofs[j + x] = base + x * d_dim
+                            j += run
+                        # causal: key j0 + j is after the positions of rows r < (j0 + j - p0) * G; only tiles that
+                        # cross the diagonal have such keys, and only they need a masked pass for the row max
+                        diagonal = j0 + nk - 1 > p0
+                        for r in range(ru):
+                            mt[r] = m[r]
+                        for rb in range(0, ru, ROWS):
+                            j = 0
+                            while j + 4 <= nk:
+                                _scores4(kf, ofs[j], ofs[j + 1], ofs[j + 2], ofs[j + 3], qt, rb, RP, d_dim, s, j * RP,
+                                         mt, not diagonal)
+                                j += 4
+                            while j < nk:
+                                _scores1(kf, ofs[j], qt, rb, RP, d_dim, s, j * RP, mt, not diagonal)
+                                j += 1
+                        if diagonal:
+                            for j in range(nk):
+                                cut = min(max((j0 + j - p0) * G, 0), rv)
+                                for r in range(cut):
+                                    s[j * RP + r] = NEG_INF
+                            for j in range(nk):
+                                for r in range(ru):
+                                    mt[r] = max(mt[r], s[j * RP + r])
+                        # key 0 is visible to every row and is in the first tile, so mt is finite from then on; the
+                        # first tile's alpha (exp(-inf) -> e^-87) multiplies a zero sum and zero outputs
+                        for r in range(ru):
+                            alpha[r] = _exp_nonpos(m[r] - mt[r])
+                            m[r] = mt[r]
+                            part[r] = 0.0
+                        if diagonal:
+                            for j in range(nk):
+                                for r in range(ru):
+                                    s[j * RP + r] = _exp_nonpos(s[j * RP + r] - mt[r])
+                            for j in range(nk):
+                                cut = min(max((j0 + j - p0) * G, 0), rv)
+                                for r in range(cut):
+                                    s[j * RP + r] = 0.0    # exactly zero, not the exp's e^-87 floor
+                            for j in range(nk):
+                                for r in range(ru):
+                                    part[r] += s[j * RP + r]
+                        else:
+                            for j in range(nk):
+                                for r in range(ru):
+                                    e = _exp_nonpos(s[j * RP + r] - mt[r])
+                                    s[j * RP + r] = e
+                                    part[r] += e
+                        for r in range(ru):
+                            lsum[r] = lsum[r] * alpha[r] + part[r]
+                        for r in range(0, ru, 6):
+                            for c in range(0, D, 16):
+                                _values6(vf, ofs, nk, s, RP, r, o, d_dim, c, alpha)
+                    for i in range(nq):
+                        for g in range(G):
+                            r = i * G + g
+                            inv = np.float32(1.0) / lsum[r]
+                            col = (h * G + g) * D
+                            for d in range(D):
+                                out[row0 + i0 + i, col + d] = o[r * D + d] * inv
+    return _prefill
+
+
+MIN_ROWS = 12      # q_len x group below this: SDPA's kernel is as fast or faster (a score pass computes 24 rows)
+
+
+def available(dtype: torch.dtype, device: torch.device, head_dim: int) -> bool:
+    return device.type == "cpu" and dtype == torch.float32 and head_dim % 16 == 0
+
+
+def worth(q_len: int, group: int) -> bool:
+    """Whether a row of q_len tokens is faster here than in SDPA's flash kernel. Measured at 2048 tokens of context
+    (benchmarks/prefill_attention.py, one layer, kernel/SDPA CPU time): SmolLM2's 3 x 3 heads at q_len 2 / 4 / 8:
+    0.98 / 0.80 / 0.58; tiny-large's 4 x 2 at 2 / 4 / 8: 1.26 / 1.06 / 0.73; whole prompts of 256 tokens and up
+    0.57-0.8."""
+    return q_len * group >= MIN_ROWS
+
+
+def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, q_starts: np.ndarray,
+                  q_lens: np.ndarray, context_lens: np.ndarray, block_tables: np.ndarray, out: torch.Tensor,
+                  block_size: int, group: int, scale: float) -> None:
+    """Writes out[q_starts[b] + i] = causal attention of q[q_starts[b] + i] (absolute position
+    context_lens[b] - q_lens[b] + i) over keys 0 .. that position of sequence b, for every b and i. CPU float32;
+    q [T, >= kvh * group, d], k/v_cache [kvh, slots, d] contiguous (d a multiple of 16), out [T, heads * d];
+    block_tables [B, >= blocks] int64, entries past a sequence's context never read."""
+    kvh, slots, d = (int(x) for x in k_cache.shape)
+    _kernel(d, int(group))(q.numpy(), k_cache.numpy().reshape(-1), v_cache.numpy().reshape(-1), kvh, slots,
+                           q_starts, q_lens, context_lens, block_tables, block_size, out.numpy(), scale)
