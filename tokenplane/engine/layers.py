@@ -1,6 +1,7 @@
 """Building blocks shared by the model files: RMSNorm, rotary embedding (default and llama3), SwiGLU."""
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any
 
@@ -18,8 +19,21 @@ CPU_PACK_DTYPES = (torch.float32, torch.bfloat16)
 # is 1e-4 (measured here).
 
 def cpu_packing_available(weight: torch.Tensor) -> bool:
-    return (weight.device.type == "cpu" and weight.dtype in CPU_PACK_DTYPES and torch.backends.mkldnn.is_available()
-            and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
+    """oneDNN packs fp32 on any x86 CPU, bf16 only where the CPU has bf16 conversion instructions (AVX-512 BW/VL/DQ
+    or AVX-NE-CONVERT): on an AVX2-only CPU its reorder raises, and bf16 layers stay on F.linear."""
+    if not (weight.device.type == "cpu" and weight.dtype in CPU_PACK_DTYPES and torch.backends.mkldnn.is_available()
+            and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")):
+        return False
+    return cpu_packing_supported(weight.dtype)
+
+
+@functools.cache
+def cpu_packing_supported(dtype: torch.dtype) -> bool:
+    """Whether this CPU's oneDNN packs weights of `dtype` (fp32 always; bf16 per the CPU's instructions)."""
+    if dtype != torch.bfloat16:
+        return dtype in CPU_PACK_DTYPES
+    probe = getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", None)
+    return bool(probe is not None and probe())
 
 
 def cpu_pack(weight: torch.Tensor, batch_hint: int = 16) -> torch.Tensor:
