@@ -1,5 +1,7 @@
 import os
 
+import pytest
+
 # Two shared cores: torch/OpenMP spin-waiting threads make tiny-model steps 20-50x slower under load, and the
 # sub-server processes each run their own pool. One thread per process keeps tests fast and timings stable.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -8,3 +10,16 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # no detached AOT kernel builds from test processes (a fresh tmp cache would start one per process); the AOT
 # module is built explicitly where a test needs it (tests/test_aot_kernels.py)
 os.environ.setdefault("TOKENPLANE_AOT_BUILD", "0")
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """One torch intra-op thread for a module's tests: tiny matrices gain nothing from a second thread, whose
+    spin-waits against other processes on 2 shared cores cost 5-50x, and 1 thread is the sub-server setting under
+    which the CPU kernels (few-row GEMM, paged attention) are the ones that run."""
+    import torch
+
+    saved = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(saved)

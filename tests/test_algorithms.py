@@ -24,13 +24,7 @@ F64 = torch.float64
 H = 16
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    # 2 shared cores: torch's intra-op threads spin against other processes (5-8x slower steps)
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")   # conftest: 1 torch thread for the module
 
 
 def res(logits, model=0, position=0, token=None, hidden=None, rid="r"):

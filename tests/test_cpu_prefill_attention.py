@@ -17,13 +17,7 @@ import torch.nn.functional as F
 from tokenplane.engine import attention as attention_module
 from tokenplane.engine.cpu_prefill_attention import TK, available, paged_prefill, query_tile, worth
 
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    saved = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(saved)
+pytestmark = pytest.mark.usefixtures("one_thread")   # conftest: 1 torch thread for the module
 
 
 def reference(q, kc, vc, table, q_len, n, bs, group, scale):
@@ -158,7 +152,10 @@ def test_runner_keeps_sdpa_where_the_kernel_does_not_apply(monkeypatch):
     _prefill_then_chunk(_runner("auto", torch.float64)[1])
     cfg, runner = _runner("auto")
     torch.set_num_threads(2)   # measured at 1 thread only; with more, SDPA's kernel runs in parallel and this does not
-    assert not runner.uses_cpu_prefill()
-    _prefill_then_chunk(runner)
+    try:
+        assert not runner.uses_cpu_prefill()
+        _prefill_then_chunk(runner)
+    finally:
+        torch.set_num_threads(1)   # one_thread is module-scoped
     with pytest.raises(ValueError):
         _runner("cpu", torch.float64)

@@ -9,14 +9,6 @@ from tokenplane.engine import cpu_small_gemm
 from tokenplane.engine.layers import Linear, VocabProjection
 
 
-@pytest.fixture
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 @pytest.mark.parametrize("n,k", [(1, 1), (17, 5), (100, 37), (48, 64), (3072, 512), (49152, 96)])
 def test_linear_matches_float64_reference(n, k):
     """Every row count the kernel takes (4-, 2- and 1-row passes and their mixes), out_features not a multiple of the
@@ -53,7 +45,10 @@ def test_applies_only_to_few_float32_rows_on_one_thread(one_thread):
     assert not cpu_small_gemm.applies(torch.zeros(2, 8, dtype=torch.bfloat16))
     assert not cpu_small_gemm.applies(torch.zeros(8))
     torch.set_num_threads(2)
-    assert not cpu_small_gemm.applies(torch.zeros(2, 8))
+    try:
+        assert not cpu_small_gemm.applies(torch.zeros(2, 8))
+    finally:
+        torch.set_num_threads(1)   # one_thread is module-scoped: later tests expect one thread
 
 
 def test_packed_linear_and_vocab_projection_take_the_kernel_for_decode_rows(one_thread, monkeypatch):

@@ -23,13 +23,7 @@ PRESETS = ["test-small", "test-llama"]
 TOL = {torch.float32: 1e-4, torch.float64: 1e-10}
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny matrices: a second intra-op thread only adds spin-wait, which on a shared 2-core box costs 20-50x."""
-    saved = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(saved)
+pytestmark = pytest.mark.usefixtures("one_thread")   # conftest: 1 torch thread for the module
 
 
 @contextlib.contextmanager

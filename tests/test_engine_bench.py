@@ -17,13 +17,7 @@ def load(path: Path):
     return module
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    import torch
-    saved = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(saved)
+pytestmark = pytest.mark.usefixtures("one_thread")   # conftest: 1 torch thread for the module
 
 
 def test_device_latency_smoke(tmp_path):

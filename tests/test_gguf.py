@@ -48,12 +48,7 @@ GGUF_NAMES = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_n
               "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    saved = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(saved)
+pytestmark = pytest.mark.usefixtures("one_thread")   # conftest: 1 torch thread for the module
 
 
 @pytest.fixture

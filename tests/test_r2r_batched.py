@@ -72,14 +72,6 @@ def test_prepare_step_batches_only_the_small_models_signal_rows():
     assert synthetic._step == {}
 
 
-@pytest.fixture
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)     # the sub-server setting, under which the router streams its weights
-    yield
-    torch.set_num_threads(before)
-
-
 def test_streamed_router_equals_the_plain_one_and_ignores_the_batch(one_thread):
     from tokenplane.route.algorithms.r2r import StreamedLinear
     alg = make_algorithm("r2r", mode="signal", router_dim=256, router_blocks=2, seed=4)

@@ -11,15 +11,7 @@ from tokenplane.route.algorithms import make_algorithm
 from tokenplane.route.reference import SequentialRouter, build_runner
 from tokenplane.route.runtime import Runtime, RuntimeConfig
 
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    threads = torch.get_num_threads()   # the in-process reference: tiny models, one thread is far faster here
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-pytestmark = pytest.mark.campaign
+pytestmark = [pytest.mark.campaign, pytest.mark.usefixtures("one_thread")]
 
 PROMPTS = [[(11 * i + 5 * j) % 500 + 1 for j in range(3 + 5 * i)] for i in range(12)]
 RIDS = [f"camp-{i}" for i in range(len(PROMPTS))]

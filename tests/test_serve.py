@@ -31,14 +31,7 @@ MODEL = "tokenplane-router"
 SpyBackend = spy_backend_class()
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    # 2 shared cores: torch's intra-op threads spin against other processes (5-8x slower steps)
-    import torch
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")   # conftest: 1 torch thread for the module
 
 
 @pytest.fixture(scope="module")

@@ -23,13 +23,7 @@ MODEL = "tokenplane-router"
 
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    import torch
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")   # conftest: 1 torch thread for the module
 
 
 @pytest.fixture(scope="module")
