@@ -261,6 +261,11 @@ def combine(files: list[Path], out: Path, rates: dict[str, Any], notes: list[str
             by.pop((cell.algorithm, cell.concurrency), None)
             by[(cell.algorithm, cell.concurrency)] = cell
     meta = dict(parts[-1]["meta"])
+    # Per-algorithm provenance (thresholds, router charge) of every part, not only the last one's algorithms.
+    for key in ("calibration", "router_charge"):
+        merged = {k: v for p in parts for k, v in (p["meta"].get(key) or {}).items()}
+        if merged:
+            meta[key] = merged
     meta["combined_from"] = [{"file": f.name, "command": p["meta"]["command"], "when": p["meta"]["when"],
                               "load_start": p["meta"]["load_start"], "elapsed_s": p["meta"]["elapsed_s"],
                               "cells": [f"{c['algorithm']}@{c['concurrency']}" for c in p["cells"]]}
