@@ -33,6 +33,9 @@ from numba import njit
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from engine_vs_vllm import MODELS  # noqa: E402   the cell names of its results -> model sources
 
 from tokenplane.engine import cpu_small_gemm as g  # noqa: E402
 from tokenplane.engine.config import ModelConfig  # noqa: E402
@@ -96,11 +99,8 @@ def stream_gbs(mb: int = 512) -> float:
     return a.nbytes / (time.perf_counter() - t) / 1e9
 
 
-ENGINE_MODELS = {"tiny-small": "tiny-small", "tiny-large": "tiny-large", "smollm2-135m": "smollm2-135m-instruct"}
-
-
 def model_config(name: str) -> ModelConfig:
-    return resolve_config(ENGINE_MODELS.get(name, name))[0]
+    return resolve_config(MODELS.get(name, name))[0]
 
 
 def prefill_flops(cfg: ModelConfig, prompt: int, n: int) -> float:

@@ -21,10 +21,8 @@ CPU_PACK_DTYPES = (torch.float32, torch.bfloat16)
 def cpu_packing_available(weight: torch.Tensor) -> bool:
     """oneDNN packs fp32 on any x86 CPU, bf16 only where the CPU has bf16 conversion instructions (AVX-512 BW/VL/DQ
     or AVX-NE-CONVERT): on an AVX2-only CPU its reorder raises, and bf16 layers stay on F.linear."""
-    if not (weight.device.type == "cpu" and weight.dtype in CPU_PACK_DTYPES and torch.backends.mkldnn.is_available()
-            and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")):
-        return False
-    return cpu_packing_supported(weight.dtype)
+    return (weight.device.type == "cpu" and torch.backends.mkldnn.is_available()
+            and hasattr(torch.ops.mkldnn, "_reorder_linear_weight") and cpu_packing_supported(weight.dtype))
 
 
 @functools.cache
