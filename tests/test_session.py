@@ -454,6 +454,33 @@ def test_windows_can_use_a_registered_exact_path(toks):
     assert len(calls) == 2 and calls[1] < 2000      # bootstrap, then one window
 
 
+def test_sessions_share_their_read_only_policy_and_keep_their_own_path(toks):
+    """The repair policy, splice search and allowed set are one object per distinct option set (a small session's
+    bytes are its records and text, issue 17), while the encoder path stays each session's own."""
+    tok = toks["cl100k_base"]
+    calls = []
+
+    def spy(text):
+        calls.append(len(text))
+        return tok.reference.encode_ordinary(text)
+
+    tok = Tokenizer(tok.name, tok.family, artifact_bytes(tok.name), encoders=lambda t: {"spy-test": spy})
+    a, b = tok.session(text=PROSE, encode_path="spy-test"), tok.session(text=PROSE, encode_path="reference")
+    assert a._repairer is b._repairer and a._repairer.search is tok.splice_search(a.rule)
+    assert tok.session(allowed_special={"<|endoftext|>"}).allowed_special is tok.session(
+        allowed_special=["<|endoftext|>"]).allowed_special
+    assert tok.session(allowed_special="all")._repairer is not a._repairer
+    assert not hasattr(a, "__dict__")
+    n = len(calls)
+    b.append(" appended words 123")
+    assert len(calls) == n                          # b's windows went to the reference, not to a's path
+    a.append(" appended words 123")
+    assert len(calls) == n + 1 and b.encode_path == "reference" and a.encode_path == "spy-test"
+    _check(a, tok)
+    _check(b, tok)
+    assert a.stats.last_encode_s > 0 and b.stats.last_encode_s > 0
+
+
 SMOLLM2_ATOMS = ["x  1", "1", "23", " 4", "  ", "   ", "x", "it's", "'re", "'S", " '", "\t", "\n", "\x04", "!\x06!",
                  "\U00011de0", "\U00016ff5", "\U00040000", "٣", "e\u0301", "word", " word", "(", "))", " 1.5"]
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import bisect
 import sys
-from typing import Callable
+from typing import Callable, Sequence
 
 from .cpu import nfc
 from .cpu.strbuf import codepoints
@@ -23,11 +23,13 @@ from .textstore import TextStore
 class NfcMap:
     __slots__ = ("ra", "rb", "na", "nb", "texts")
 
-    def __init__(self, ra: list[int] | None = None, rb: list[int] | None = None, na: list[int] | None = None,
-                 nb: list[int] | None = None, texts: list[str] | None = None):
-        self.ra, self.rb = ra or [], rb or []
-        self.na, self.nb = na or [], nb or []
-        self.texts = texts or []          # texts[k] == normalized[na[k]:nb[k]]
+    # a value (tuples, never edited: `replace` makes a new map): sessions share the empty one's tuples, and a
+    # tuple of a few regions is half the size of an over-allocated list (issue 17: small sessions' bytes/token)
+    def __init__(self, ra: Sequence[int] = (), rb: Sequence[int] = (), na: Sequence[int] = (),
+                 nb: Sequence[int] = (), texts: Sequence[str] = ()):
+        self.ra, self.rb = tuple(ra), tuple(rb)
+        self.na, self.nb = tuple(na), tuple(nb)
+        self.texts = tuple(texts)          # texts[k] == normalized[na[k]:nb[k]]
 
     def nbytes(self) -> int:
         return sum(sys.getsizeof(t) for t in self.texts) + 4 * 8 * len(self.ra)
@@ -58,7 +60,7 @@ class NfcMap:
         dr, dn = raw_len - (hi - lo), norm_len - (n_hi - n_lo)
         if not inner.ra and i == j and (j == len(self.ra) or dr == dn == 0):
             return self     # no region added, removed or moved (an ASCII append): the same value, no list copies
-        ra, rb, na, nb = self.ra[:i], self.rb[:i], self.na[:i], self.nb[:i]
+        ra, rb, na, nb = list(self.ra[:i]), list(self.rb[:i]), list(self.na[:i]), list(self.nb[:i])
         texts = self.texts[:i] + inner.texts + self.texts[j:]
         ra += [x + lo for x in inner.ra]
         rb += [x + lo for x in inner.rb]
@@ -77,21 +79,26 @@ def build_map(raw: str, normalize: Callable[[str], str]) -> tuple[str, NfcMap]:
     if raw.isascii():
         return raw, NfcMap()
     spans = nfc.regions(codepoints(raw), nfc.inert_table()).tolist()
-    out, m, prev, shift = [], NfcMap(), 0, 0
+    out, prev, shift = [], 0, 0
+    ra: list[int] = []
+    rb: list[int] = []
+    na: list[int] = []
+    nb: list[int] = []
+    texts: list[str] = []
     for a, b in spans:
         seg = raw[a:b]
         done = normalize(seg)
         out += [raw[prev:a], done]
         if done != seg:
-            m.ra.append(a)
-            m.rb.append(b)
-            m.na.append(a + shift)
-            m.nb.append(a + shift + len(done))
-            m.texts.append(done)
+            ra.append(a)
+            rb.append(b)
+            na.append(a + shift)
+            nb.append(a + shift + len(done))
+            texts.append(done)
             shift += len(done) - len(seg)
         prev = b
     out.append(raw[prev:])
-    return "".join(out), m
+    return "".join(out), NfcMap(ra, rb, na, nb, texts)
 
 
 class MappedText:

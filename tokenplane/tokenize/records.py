@@ -200,7 +200,8 @@ class Records:
         self.ck = np.zeros((MIN_CAPACITY >> SHIFT) + 2, np.int64)
         self.ex_i, self.ex_v = _EMPTY_I, _EMPTY_I
         self.n = 0
-        self._exports: list[weakref.ref[memoryview]] = []    # bases of the views handed out of this buffer
+        # bases of the views handed out of this buffer (a tuple: the empty one is shared, one entry is 56 bytes)
+        self._exports: tuple[weakref.ref[memoryview], ...] = ()
 
     @property
     def ids(self) -> np.ndarray:
@@ -209,12 +210,10 @@ class Records:
 
     def exported(self, start: int = 0) -> np.ndarray:
         """ids[start:] as a read-only view that later splices never change (see the module docstring)."""
-        live = [r for r in self._exports if r() is not None]
         v = np.frombuffer(memoryview(self.buf), np.uint32, self.n - start, 4 * start)
         base = v.base
         assert isinstance(base, memoryview)      # numpy's own export of the buffer: the view's lifetime anchor
-        live.append(weakref.ref(base))
-        self._exports = live
+        self._exports = (*(r for r in self._exports if r() is not None), weakref.ref(base))
         v.flags.writeable = False
         return v
 
@@ -222,7 +221,7 @@ class Records:
         """Before an in-place write: give the buffer to the live exported views and keep writing into a copy."""
         if any(r() is not None for r in self._exports):
             self.buf = self.buf.copy()
-        self._exports = []
+        self._exports = ()
 
     def kernel_args(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray, int]:
         """(ids, ck, tc, ex_i, ex_v, n): what the kernels of this module and splice.py read."""
@@ -316,6 +315,6 @@ class Records:
             ck = np.zeros((cap >> SHIFT) + 2, np.int64)
             ck[:len(self.ck)] = self.ck
             self.buf, self.ck = grown, ck
-            self._exports = []          # the exported views keep the old buffer, which is never written again
+            self._exports = ()          # the exported views keep the old buffer, which is never written again
         elif n_right and dst != right_from:
             ctypes.memmove(buf.ctypes.data + 4 * dst, buf.ctypes.data + 4 * right_from, 4 * n_right)

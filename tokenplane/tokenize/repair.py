@@ -19,7 +19,7 @@ from .cpu import boundary
 from .cpu.segments import with_literals
 from .records import Records
 from .router import encode_segments_on
-from .splice import Point, SpliceSearch
+from .splice import Point
 from .textstore import SplicedText, TextReader
 
 if TYPE_CHECKING:   # type names only: tokenizer.py imports session.py, which imports this module
@@ -41,7 +41,7 @@ _NO_IDS.flags.writeable = False
 _NO_ENDS.flags.writeable = False
 
 
-@dataclass
+@dataclass(slots=True)
 class SessionStats:
     repairs: int = 0                # mutations of a non-empty session
     windows_tried: int = 0
@@ -57,7 +57,8 @@ class SessionStats:
 
     def to_dict(self) -> dict[str, int | float | str]:
         """Plain JSON-able values (counters may be numpy scalars after array arithmetic)."""
-        return {k: (v.item() if isinstance(v, np.generic) else v) for k, v in self.__dict__.items()}
+        return {k: (v.item() if isinstance(v, np.generic) else v) for k, v in
+                ((f, getattr(self, f)) for f in self.__slots__)}
 
 
 @dataclass
@@ -73,31 +74,33 @@ class RecordSplice:
 
 
 class WindowRepair:
-    """The repair of one session's records (its tokenizer, allowed literals and window policy)."""
+    """The repair policy of a tokenizer's sessions (allowed literals, boundary rule, window): read-only, so one
+    instance serves every session with the same policy (Tokenizer.window_repair). What varies per session (its
+    records, text, encoder path, counters) comes with each call."""
+
+    __slots__ = ("tokenizer", "rule", "window", "max_widenings", "nfc", "literals", "is_special", "search",
+                 "token_chars")
 
     def __init__(self, tokenizer: Tokenizer, allowed_special: frozenset[str], rule: boundary.BoundaryRule | None, *,
-                 window: int, max_widenings: int, encode_path: str):
+                 window: int, max_widenings: int):
         self.tokenizer = tokenizer
         self.rule = rule
         self.window, self.max_widenings = window, max_widenings
-        self.encode_path = encode_path
         self.nfc = tokenizer.family.normalizer is not None
         self.literals = bool(allowed_special)
         self.is_special = tokenizer.special_mask(allowed_special)
-        sig, pair = boundary.pair_table(rule) if rule is not None else (None, None)
-        facts = tokenizer.vocab_facts
-        self.search = SpliceSearch(facts.continuation_start, facts.max_token_chars, sig, pair)
-        self.token_chars = facts.token_chars
-        self.encode_s = 0.0         # time inside the window encoder during the current mutation
+        self.search = tokenizer.splice_search(rule)
+        self.token_chars = tokenizer.vocab_facts.token_chars
 
     @property
     def reference(self) -> ReferenceEngine:
         return self.tokenizer.reference      # built on first use: only the "reference" window path needs it
 
     def repair(self, rec: Records, old_norm: TextReader, new: SplicedText, d: int, e_new: int, specials: Specials,
-               stats: SessionStats) -> RecordSplice:
+               stats: SessionStats, path: str) -> RecordSplice:
         """The record splice for new text that equals the old text on [0, d) and on [e_new, end) (shifted by
-        new.delta), with the same literal segmentation there."""
+        new.delta), with the same literal segmentation there; windows encoded on `path` (its time is added to
+        stats.last_encode_s)."""
         n = rec.n
         out = RecordSplice(delta=new.delta)
         new_len = new.length
@@ -116,7 +119,7 @@ class WindowRepair:
                 out.attempts = attempt + 1
                 sp = specials(s, r)
                 text = new.slice(s, r)
-                fresh = self.encode_window(text, s, r, sp)
+                fresh = self.encode_window(text, s, r, sp, path, stats)
                 if fresh is None:
                     continue
                 f_ids, f_ends = fresh
@@ -135,7 +138,7 @@ class WindowRepair:
         elif n:
             stats.repairs += 1
         stats.full_encodes += 1
-        full = self.encode_window(new.slice(0, new_len), 0, new_len, specials(0, new_len), check=False)
+        full = self.encode_window(new.slice(0, new_len), 0, new_len, specials(0, new_len), path, stats, check=False)
         assert full is not None     # check=False never refuses
         f_ids, f_ends = full
         m = min(n, len(f_ids))
@@ -195,8 +198,8 @@ class WindowRepair:
                 return a
         return target
 
-    def encode_window(self, text: str, s: int, r: int, specials: list[tuple[int, int, int]], check: bool = True
-                      ) -> tuple[np.ndarray, np.ndarray] | None:
+    def encode_window(self, text: str, s: int, r: int, specials: list[tuple[int, int, int]], path: str,
+                      stats: SessionStats, check: bool = True) -> tuple[np.ndarray, np.ndarray] | None:
         """Reference records of text = new[s:r] (literals split out), ends absolute. None if an NFC self-check
         fails."""
         if not specials and r > s:
@@ -204,8 +207,8 @@ class WindowRepair:
             if self.nfc and check and not text.isascii() and self.tokenizer.normalize(text) != text:
                 return None
             t0 = time.perf_counter()
-            ids, ends, _ = self._ordinary_records(text, [(0, r - s)], s)
-            self.encode_s += time.perf_counter() - t0
+            ids, ends, _ = self._ordinary_records(text, [(0, r - s)], path, s)
+            stats.last_encode_s += time.perf_counter() - t0
             return ids, ends
         inside = [(a - s, b - s, sid) for a, b, sid in specials if s <= a and b <= r]
         spans, pos = [], 0
@@ -220,39 +223,39 @@ class WindowRepair:
                 if not t.isascii() and self.tokenizer.normalize(t) != t:
                     return None
         t0 = time.perf_counter()
-        ids, ends, counts = self._ordinary_records(text, spans, s)
-        self.encode_s += time.perf_counter() - t0
+        ids, ends, counts = self._ordinary_records(text, spans, path, s)
+        stats.last_encode_s += time.perf_counter() - t0
         return with_literals(ids, ends, counts, spans, inside, s)
 
-    def _ordinary_records(self, text: str, spans: list[tuple[int, int]], shift: int = 0
+    def _ordinary_records(self, text: str, spans: list[tuple[int, int]], path: str, shift: int = 0
                           ) -> tuple[np.ndarray, np.ndarray, list[int] | np.ndarray]:
         """(ids uint32, ends int64 in characters of text + shift, token count per span) of each span encoded on its
         own: one batched call on the CPU path (cpu/segments.py: one fused kernel call), else one encode per span."""
         if not spans:
             return np.zeros(0, np.uint32), np.zeros(0, np.int64), []
-        if self.encode_path != "reference":
-            out = encode_segments_on(self.tokenizer.path(self.encode_path), self.tokenizer.family.name, text, spans,
+        if path != "reference":
+            out = encode_segments_on(self.tokenizer.path(path), self.tokenizer.family.name, text, spans,
                                      tc=self.token_chars, shift=shift)
             if out is not None:
                 return out
         id_parts, end_parts, counts = [], [], []
         for a, b in spans:
             t = text[a:b]
-            if self.encode_path == "reference":
+            if path == "reference":
                 ids = self.reference.encode_ordinary_normalized(t)
             else:
-                ids = self.tokenizer.encode_ordinary(t, path=self.encode_path)
+                ids = self.tokenizer.encode_ordinary(t, path=path)
             ids = np.asarray(ids, dtype=np.uint32)
             id_parts.append(ids)
-            end_parts.append(self._char_ends(t, ids) + (a + shift))
+            end_parts.append(self._char_ends(t, ids, path) + (a + shift))
             counts.append(len(ids))
         return np.concatenate(id_parts), np.concatenate(end_parts).astype(np.int64, copy=False), counts
 
-    def _char_ends(self, t: str, ids: np.ndarray) -> np.ndarray:
+    def _char_ends(self, t: str, ids: np.ndarray, path: str) -> np.ndarray:
         """Each token's end in characters of t: the running sum of the characters each token starts (the
         vocabulary's token_chars), exact unless the vocabulary dropped some character's lead byte (smollm2's missing
         control bytes), which shows as a total short of len(t); then the reference's byte walk decides."""
-        if self.encode_path != "reference":
+        if path != "reference":
             ends = np.cumsum(self.tokenizer.vocab_facts.token_chars[ids], dtype=np.int64)
             if not ends.size or int(ends[-1]) == len(t):
                 return ends

@@ -29,7 +29,7 @@ from .cpu import boundary
 from .errors import SessionError, StaleRevisionError, TextTooLargeError, validate_text  # noqa: F401
 from .nfcmap import MappedText, NfcMap, build_map
 from .records import Records
-from .repair import RecordSplice, SessionStats, Specials, WindowRepair, no_specials
+from .repair import RecordSplice, SessionStats, Specials, no_specials
 from .textstore import (
     Append,
     Replace,
@@ -103,6 +103,11 @@ class _Plan:
 class Session:
     """Token state of one growing (or edited) context. See the module docstring for the contract."""
 
+    # slots: thousands of small sessions live in one server, and an instance dict costs ~0.6 KB each (issue 17:
+    # a 1.5K-token session's fixed overhead is what keeps it above 8 bytes/token)
+    __slots__ = ("tokenizer", "allowed_special", "_nfc", "rule", "_literals", "_mapped", "_maxlit", "_repairer",
+                 "_path", "_raw", "_norm", "_nmap", "_lits", "_rec", "revision", "stats", "__weakref__")
+
     def __init__(self, tokenizer: Tokenizer, *, text: str | bytes = "",
                  allowed_special: Collection[str] | Literal["all"] = (), window: int | None = None,
                  max_widenings: int = MAX_WIDENINGS, certify: bool = True, encode_path: str = "auto"):
@@ -126,8 +131,8 @@ class Session:
         # "cpu", "gpu"; same contract: reference IDs). Ends are derived from token byte lengths either way. The
         # default "auto" answers from the reference until the CPU path is built, then from the CPU path (for qwen3,
         # HF's encode of a 2K-char window costs ~12 ms; the CPU path ~0.3 ms).
-        self._repairer = WindowRepair(tokenizer, self.allowed_special, self.rule, window=window,
-                                      max_widenings=max_widenings, encode_path=encode_path)
+        self._repairer = tokenizer.window_repair(self.allowed_special, self.rule, window, max_widenings)
+        self._path = encode_path
         self._clear()
         if text:
             self.append(text)
@@ -154,11 +159,11 @@ class Session:
 
     @property
     def encode_path(self) -> str:
-        return self._repairer.encode_path
+        return self._path
 
     @encode_path.setter
     def encode_path(self, path: str) -> None:
-        self._repairer.encode_path = path
+        self._path = path
 
     @property
     def ids(self) -> np.ndarray:
@@ -213,7 +218,7 @@ class Session:
         if not text:
             return Splice(self._rec.n, np.zeros(0, np.uint32), self.revision, "noop")
         t0 = time.perf_counter()
-        self._repairer.encode_s = 0.0
+        self.stats.last_encode_s = 0.0
         plan = self._plan_append(text)
         return self._commit(plan, t0)
 
@@ -237,7 +242,7 @@ class Session:
         if old == replacement:
             return Splice(self._rec.n, np.zeros(0, np.uint32), self.revision, "noop")
         t0 = time.perf_counter()
-        self._repairer.encode_s = 0.0
+        self.stats.last_encode_s = 0.0
         plan = self._plan_edit(start, end, replacement)
         return self._commit(plan, t0)
 
@@ -470,7 +475,8 @@ class Session:
     # -- commit ---------------------------------------------------------------------------------------------------
     def _repair(self, plan: _Plan, new: SplicedText, d: int, e_new: int, specials: Specials) -> None:
         """The certified record splice of the planned text change (repair.py), read against the old state."""
-        plan.records = self._repairer.repair(self._rec, self._normtext, new, d, e_new, specials, self.stats)
+        plan.records = self._repairer.repair(self._rec, self._normtext, new, d, e_new, specials, self.stats,
+                                             self._path)
 
     def _commit(self, plan: _Plan, t0: float) -> Splice:
         rs = plan.records
@@ -489,7 +495,6 @@ class Session:
         self.revision += 1
         dt = time.perf_counter() - t0
         self.stats.last_repair_s = dt
-        self.stats.last_encode_s = self._repairer.encode_s
         self.stats.total_repair_s += dt
         self.stats.windows_tried += rs.attempts
         self.stats.widenings += max(0, rs.attempts - 1)

@@ -24,7 +24,10 @@ from .spec.families import Family
 from .spec.vocabmeta import VocabFacts, cached_facts, cached_meta
 
 if TYPE_CHECKING:   # sessions (and the numba kernels they run) are imported on first use, not by `import tokenplane`
+    from .cpu.boundary import BoundaryRule
+    from .repair import WindowRepair
     from .session import Session
+    from .splice import SpliceSearch
 
 DEFAULT_MAX_CHARS = 64 * 1024 * 1024
 EncodePath = Literal["auto", "reference", "cpu", "gpu"]
@@ -108,6 +111,9 @@ class Tokenizer:
         self.specials: dict[str, int] = dict(meta.specials)
         self._matcher = SpecialMatcher(self.specials)
         self._special_masks: dict[frozenset[str], np.ndarray] = {}
+        self._allowed_sets: dict[frozenset[str], frozenset[str]] = {}
+        self._splice_searches: dict[object, SpliceSearch] = {}
+        self._window_repairs: dict[tuple[object, ...], WindowRepair] = {}
         self._paths: dict[str, Encoder] = dict(encoders(self)) if encoders is not None else {}
 
     @property
@@ -154,12 +160,39 @@ class Tokenizer:
     # -- encoding -------------------------------------------------------------------------------------------------
     def resolve_allowed(self, allowed_special: AllowedSpecial) -> frozenset[str]:
         """The allowed special literals as a set; unknown names are an error."""
-        if allowed_special == "all":
-            return frozenset(self.specials)
-        unknown = set(allowed_special) - self.specials.keys()
+        allowed = frozenset(self.specials) if allowed_special == "all" else frozenset(allowed_special)
+        shared = self._allowed_sets.get(allowed)
+        if shared is not None:
+            return shared       # one set per distinct value, held by every session that allows it
+        unknown = allowed - self.specials.keys()
         if unknown:
             raise ValueError(f"not special tokens of {self.name}: {sorted(unknown)[:5]}")
-        return frozenset(allowed_special)
+        return self._allowed_sets.setdefault(allowed, allowed)
+
+    def window_repair(self, allowed: frozenset[str], rule: BoundaryRule | None, window: int, max_widenings: int
+                      ) -> WindowRepair:
+        """The repair policy sessions with these options share (read-only; see repair.WindowRepair)."""
+        key = (allowed, rule, window, max_widenings)
+        repair = self._window_repairs.get(key)
+        if repair is None:
+            from .repair import WindowRepair
+
+            repair = self._window_repairs.setdefault(
+                key, WindowRepair(self, allowed, rule, window=window, max_widenings=max_widenings))
+        return repair
+
+    def splice_search(self, rule: BoundaryRule | None) -> SpliceSearch:
+        """The splice-point search of this vocabulary under `rule` (read-only; one per rule, shared by sessions)."""
+        search = self._splice_searches.get(rule)
+        if search is None:
+            from .cpu.boundary import pair_table
+            from .splice import SpliceSearch
+
+            sig, pair = pair_table(rule) if rule is not None else (None, None)
+            facts = self.vocab_facts
+            search = self._splice_searches.setdefault(
+                rule, SpliceSearch(facts.continuation_start, facts.max_token_chars, sig, pair))
+        return search
 
     def special_mask(self, allowed: frozenset[str]) -> np.ndarray:
         """A read-only bool array over the vocabulary, True at the allowed special tokens' ids. One per allowed set,
