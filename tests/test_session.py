@@ -7,6 +7,7 @@ transitions, marks, CJK, emoji ZWJ, special-token strings and NFC-composable pai
 """
 
 import random
+import weakref
 
 import numpy as np
 import pytest
@@ -179,12 +180,12 @@ def test_splice_and_views(toks):
     assert not ids.flags.writeable
     assert np.shares_memory(ids, sess._rec.buf)   # zero-copy view of the internal buffer
     del ids
-    buf = sess._rec.buf
+    buf = weakref.ref(sess._rec.buf)            # (a strong reference would itself count as a holder)
     old = sess.ids.copy()
     n_sp = len(sess.append(" pipe").ids)
     sp2 = sess.append("line")
     assert sp2.keep < len(old) + n_sp           # "pipe"+"line" re-tokenized the seam token
-    assert sess._rec.buf is buf                 # in place: no reallocation for small appends
+    assert sess._rec.buf is buf()               # in place: no reallocation for small appends
     assert sp2.revision == sess.revision == 3
     # IDs (4 bytes) + <= 6.25% growth slack + a checkpoint per 64 tokens (ends are derived, not stored)
     assert sess.nbytes > 0 and sess.array_nbytes <= 4.4 * len(sess) + 512
@@ -363,17 +364,21 @@ def test_exported_ids_survive_later_edits(toks):
     sess = tok.session(text=PROSE * 20)
     held, derived = sess.ids, sess.sync(sess.text[:500] + "X" + sess.text[501:]).ids[3:]
     kept, kept_d = held.copy(), derived.copy()
-    buf = sess._rec.buf
+    buf = weakref.ref(sess._rec.buf)        # (a strong reference would itself count as a holder)
     for k in range(5):
         sp = sess.edit(200 + k, 203 + k, "Q\u00e9")
         assert (sess.ids == tok.encode(sess.text)).all()
     assert (held == kept).all() and (derived == kept_d).all()
-    assert sess._rec.buf is not buf                   # copied once, for the live views
+    assert sess._rec.buf is not buf()                 # copied once, for the live views
     del held, derived, sp
-    buf = sess._rec.buf
+    buf = weakref.ref(sess._rec.buf)
     for k in range(5):
         sess.edit(300 + k, 302 + k, "zz")     # nothing handed out is alive: the records are edited in place
-    assert sess._rec.buf is buf and (sess.ids == tok.encode(sess.text)).all()
+    assert sess._rec.buf is buf() and (sess.ids == tok.encode(sess.text)).all()
+    view = sess.ids[10:20]                   # a view derived from a view holds the buffer too
+    kept_v = view.copy()
+    sess.edit(12, 14, "QQQ")
+    assert (view == kept_v).all() and sess._rec.buf is not buf() and not view.flags.writeable
 
 
 @pytest.mark.parametrize("name", NAMES)

@@ -11,9 +11,11 @@ redundant. What is kept beside the IDs (uint32, 4 bytes/token, grown by a fracti
   vocabulary without a token for some byte (smollm2) drops that byte's character from the token stream, so the next
   token's end also covers it. Empty for every other family and for most text; O(such tokens) when present.
 
-The IDs handed out (`exported`) are read-only views that stay valid after later edits: each is made through its
-own memoryview of the buffer (numpy keeps it alive as the view's base, through any derived view), and a splice
-that would write into the buffer while one of them is alive first copies the buffer (copy-on-write). A caller that
+The IDs handed out (`exported`) are read-only views that stay valid after later edits: every view of the buffer,
+and every view derived from one, holds the buffer as its numpy base, so the buffer's reference count says whether
+any is alive (ndarray.resize's refcheck uses the same fact), and a splice that would write into the buffer while
+one of them is alive first copies the buffer (copy-on-write; a reference held for any other reason only costs
+that copy). A caller that
 drops the IDs before the next edit (the server, the benchmarks) costs no copy; one that keeps them pays the copy a
 returned tail would have cost anyway.
 
@@ -26,7 +28,7 @@ through them).
 from __future__ import annotations
 
 import ctypes
-import weakref
+import sys
 
 import numpy as np
 
@@ -192,7 +194,7 @@ class Records:
     """IDs (uint32, edited in place, grown by a fraction), block checkpoints and end exceptions of one session.
     `tc`: characters per token ID (the vocabulary's `token_chars`), shared by all sessions of a tokenizer."""
 
-    __slots__ = ("tc", "buf", "ck", "ex_i", "ex_v", "n", "_exports")
+    __slots__ = ("tc", "buf", "ck", "ex_i", "ex_v", "n")
 
     def __init__(self, tc: np.ndarray):
         self.tc = tc
@@ -200,8 +202,6 @@ class Records:
         self.ck = np.zeros((MIN_CAPACITY >> SHIFT) + 2, np.int64)
         self.ex_i, self.ex_v = _EMPTY_I, _EMPTY_I
         self.n = 0
-        # bases of the views handed out of this buffer (a tuple: the empty one is shared, one entry is 56 bytes)
-        self._exports: tuple[weakref.ref[memoryview], ...] = ()
 
     @property
     def ids(self) -> np.ndarray:
@@ -210,18 +210,15 @@ class Records:
 
     def exported(self, start: int = 0) -> np.ndarray:
         """ids[start:] as a read-only view that later splices never change (see the module docstring)."""
-        v = np.frombuffer(memoryview(self.buf), np.uint32, self.n - start, 4 * start)
-        base = v.base
-        assert isinstance(base, memoryview)      # numpy's own export of the buffer: the view's lifetime anchor
-        self._exports = (*(r for r in self._exports if r() is not None), weakref.ref(base))
-        v.flags.writeable = False
+        v = self.buf[start:self.n]
+        v.setflags(write=False)
         return v
 
     def _detach(self) -> None:
-        """Before an in-place write: give the buffer to the live exported views and keep writing into a copy."""
-        if any(r() is not None for r in self._exports):
+        """Before an in-place write: give the buffer to the live views of it and keep writing into a copy. Two
+        references are this object's and getrefcount's argument; any more is a view (or a caller) holding it."""
+        if sys.getrefcount(self.buf) > 2:
             self.buf = self.buf.copy()
-        self._exports = ()
 
     def kernel_args(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray, int]:
         """(ids, ck, tc, ex_i, ex_v, n): what the kernels of this module and splice.py read."""
@@ -250,7 +247,7 @@ class Records:
         the absolute ends of the mid records (from the fresh encode)."""
         n, tc, k = self.n, self.tc, kernels.get()
         n_mid, n_right = len(mid_ids), n - right_from
-        if self._exports and keep < n and keep + n_mid + n_right <= len(self.buf):
+        if keep < n and keep + n_mid + n_right <= len(self.buf):
             self._detach()      # (a write only past n, or into a grown buffer, leaves the exported IDs as they are)
         if not n_right and not self.ex_i.size:
             # an append (nothing right of the window, no exceptions): one kernel, when no new exception arises
@@ -315,6 +312,5 @@ class Records:
             ck = np.zeros((cap >> SHIFT) + 2, np.int64)
             ck[:len(self.ck)] = self.ck
             self.buf, self.ck = grown, ck
-            self._exports = ()          # the exported views keep the old buffer, which is never written again
         elif n_right and dst != right_from:
             ctypes.memmove(buf.ctypes.data + 4 * dst, buf.ctypes.data + 4 * right_from, 4 * n_right)
