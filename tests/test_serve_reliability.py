@@ -421,3 +421,38 @@ def test_prompt_forms(server):
     assert is_openai_error(post(url, "/v1/completions", {"prompt": [["AAA"]]}), 400)["param"] == "prompt"
     r = post(url, "/v1/completions", {"prompt": [[5.0, 6.0]], "max_tokens": 1, "temperature": 0})
     assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == 2
+
+
+# -- client request ids ----------------------------------------------------------------------------------------------
+def test_client_request_id_names_the_request_and_repeats_its_routing(server):
+    """X-Request-Id (vLLM's request-id header): the response id derives from it, synthetic routing decisions keyed on
+    the request id repeat for a repeated id, a malformed one is 400, and one already in flight is 409."""
+    url, backend = server
+    client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "Count to twenty."}], "max_tokens": 24,
+            "temperature": 0}
+    outs = [client.chat.completions.create(**body, extra_headers={"X-Request-Id": "fixed-id-1"}) for _ in range(2)]
+    assert [o.id for o in outs] == ["chatcmpl-fixed-id-1"] * 2
+    routing = [(o.model_extra or {})["routing"] for o in outs]
+    assert routing[0]["num_handoffs"] > 0 and routing[0]["tokens_per_model"] == routing[1]["tokens_per_model"]
+    assert routing[0]["num_handoffs"] == routing[1]["num_handoffs"]
+    other = client.chat.completions.create(**body)
+    assert other.id.startswith("chatcmpl-") and other.id != outs[0].id
+    for bad in ("", "x" * 129, "caf\u00e9", "a\tb"):
+        r = httpx.post(url + "/v1/chat/completions", json=body, headers={"x-request-id": bad.encode("utf-8")},
+                       timeout=60)
+        assert is_openai_error(r, 400)["code"] == "invalid_request_id", bad
+    long = {"prompt": "Tell me a long story", "max_tokens": 2000, "temperature": 0, "ignore_eos": True,
+            "stream": True}
+
+    async def go():
+        async with httpx.AsyncClient(base_url=url, timeout=60, headers={"x-request-id": "busy"}) as c:
+            async with c.stream("POST", "/v1/completions", json=long) as first:
+                assert first.status_code == 200
+                again = await c.post("/v1/completions", json={**long, "stream": False})
+            return again
+    err = is_openai_error(asyncio.run(go()), 409)
+    assert err["code"] == "duplicate_request_id" and err["param"] == "X-Request-Id"
+    r = httpx.post(url + "/v1/completions", json={"prompt": "hi", "max_tokens": 2, "temperature": 0},
+                   headers={"x-request-id": "busy"}, timeout=60)
+    assert r.status_code == 200 and r.json()["id"] == "cmpl-busy"     # free again once the first one ended

@@ -141,8 +141,11 @@ def _routed_example(model: str, threads: int, max_tokens: int) -> bool:
         server, thread, (url, _) = _serve(cfg, max(1, threads // 2) if name == "routed" else threads)
         try:
             client = openai.OpenAI(base_url=url + "/v1", api_key="demo", max_retries=0, timeout=600)
+            # a fixed request id: synthetic switches are drawn per (request id, position), so every run of the
+            # demo shows the same handoffs
             out = client.chat.completions.create(model="m", messages=question,  # type: ignore[arg-type]
-                                                 max_tokens=max_tokens, temperature=0)
+                                                 max_tokens=max_tokens, temperature=0,
+                                                 extra_headers={"X-Request-Id": "tokenplane-demo"})
             answers[name] = (out.choices[0].message.content, (out.model_extra or {}).get("routing") or {})
         finally:
             _stop(server, thread)

@@ -71,6 +71,7 @@ class OpenAIServer:
         self._cpu = ThreadPoolExecutor(max_workers=2, thread_name_prefix="tokenplane-text")
         self.chat_sessions: ConversationCache | None = None
         self.prompt_sessions: ConversationCache | None = None
+        self._in_flight: set[str] = set()       # backend request ids being generated (client ids must not clash)
 
     async def warm_up(self) -> None:
         """Compile the tokenizer's fast paths (numba JIT) before the first request instead of during it: one full
@@ -217,6 +218,10 @@ class OpenAIServer:
         lps: list[tuple[int, TokenLogprob]] | None = [] if job.params.logprobs is not None else None
         t0 = time.perf_counter()
         backend_done = False   # the backend finished the request itself; otherwise it must be told to stop
+        if request_id in self._in_flight:    # only a client's X-Request-Id can repeat (ours are random)
+            raise APIError(f"request id {request_id!r} is already in flight", status=409, param="X-Request-Id",
+                           code="duplicate_request_id")
+        self._in_flight.add(request_id)
         try:
             async with aclosing(self.backend.generate(job.prompt_ids, job.params, request_id)) as chunks:
                 async for chunk in chunks:
@@ -239,6 +244,7 @@ class OpenAIServer:
             backend_done = True
             yield Event(text.flush(), "stop", None, n, lps)
         finally:
+            self._in_flight.discard(request_id)
             if not backend_done:   # client went away, stop string, or an error: free the request's resources
                 self.backend.abort(request_id)
             if self.metrics is not None:
@@ -264,7 +270,8 @@ class OpenAIServer:
     async def _collect_all(self, request: Request, jobs: list[Job], rid: str) -> list[Event]:
         """All choices, aborted when the client disconnects (a non-streaming client that left must not keep
         decoding and holding KV)."""
-        tasks = [asyncio.ensure_future(self._collect(job, f"{rid}-{i}")) for i, job in enumerate(jobs)]
+        tasks = [asyncio.ensure_future(self._collect(job, f"{rid}-{i}" if len(jobs) > 1 else rid))
+                 for i, job in enumerate(jobs)]
         gathered = asyncio.gather(*tasks)
         try:
             while True:
@@ -438,7 +445,7 @@ class OpenAIServer:
 
     async def _respond(self, request: Request, req: Any, jobs: list[Job], prefix: str, obj: str,
                        choice: Callable[..., dict[str, Any]]) -> Any:
-        rid = f"{prefix}-{secrets.token_hex(12)}"
+        rid = f"{prefix}-{_client_request_id(request) or secrets.token_hex(12)}"
         base = {"id": rid, "created": int(time.time()), "model": self.model_name}
         if self.metrics is not None:
             self.metrics.prompt_tokens.inc(len(jobs[0].prompt_ids))
@@ -460,6 +467,19 @@ class OpenAIServer:
                      "finish_reason": None} for i in range(len(jobs))] if obj == "chat.completion" else []
         return StreamingResponse(self._sse(streams, jobs, head, choice, req.include_usage, preamble),
                                  media_type="text/event-stream")
+
+
+def _client_request_id(request: Request) -> str | None:
+    """The client's X-Request-Id header (as vLLM's --enable-request-id-headers takes it): the response id and the
+    backend's request id derive from it, so a client can trace a request through the logs, and routing decisions
+    keyed on the request id (synthetic mode) repeat for a repeated id."""
+    given = request.headers.get("x-request-id")
+    if given is None:
+        return None
+    if not 0 < len(given) <= 128 or not given.isascii() or not given.isprintable():
+        raise APIError("X-Request-Id must be 1 to 128 printable ASCII characters", status=400, param="X-Request-Id",
+                       code="invalid_request_id")
+    return given
 
 
 __all__ = ["OpenAIServer"]
