@@ -15,9 +15,8 @@ The IDs handed out (`exported`) are read-only views that stay valid after later 
 and every view derived from one, holds the buffer as its numpy base, so the buffer's reference count says whether
 any is alive (ndarray.resize's refcheck uses the same fact), and a splice that would write into the buffer while
 one of them is alive first copies the buffer (copy-on-write; a reference held for any other reason only costs
-that copy). A caller that
-drops the IDs before the next edit (the server, the benchmarks) costs no copy; one that keeps them pays the copy a
-returned tail would have cost anyway.
+that copy). A caller that drops the IDs before the next edit (the server, the benchmarks) costs no copy; one that
+keeps them pays the copy a returned tail would have cost anyway.
 
 An edit moves the IDs right of it with one memmove; their checkpoints are the old ones shifted by the length
 change when the token count is kept, else read from the old records at the moved offsets (a few table lookups per
