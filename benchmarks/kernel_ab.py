@@ -110,8 +110,8 @@ def main() -> int:
         tok = tokenplane.load(fam)
         bpe = BPE(load_tables(fam, tok.content_hash, lambda: tok.reference))
         for cat in args.categories.split(","):
-            doc, warm = docs[cat]
-            ref = tok.reference.encode_ordinary(doc)
+            ref = tok.reference.encode_ordinary(docs[cat][0])
+            doc, warm = (tok.normalize(x) for x in docs[cat])     # the kernels take normalized text
             t: dict[str, dict[str, list[float]]] = {k: {"warm": [], "repeat": []} for k in mods}
             for r in range(args.runs):
                 for name in (("A", "B") if r % 2 == 0 else ("B", "A")):
