@@ -387,6 +387,18 @@ def _deepseek_loop_impl(c, feat, starts):
         if head:
             seg_start = a
             starts[a] = True
+        if k == 2 and b == a + 1 and c[a] == 32 and b < n and (feat[b] & 7) == 0 and not _ds_seg_head(feat, b):
+            # " word" in one step (as in the gpt4 loop): the space starts a piece and glues to the letter run of
+            # the same segment after it, whatever came before the space; -20..-27% loop time on english / code (the
+            # same step measured no gain in the smollm2 loop, whose runs carry less per-run work)
+            starts[a] = True
+            e = b + 1
+            while e < n and (feat[e] & 7) == 0 and not _ds_seg_head(feat, e):
+                e += 1
+            prev_kind = 0
+            prev_len = e - b
+            a = e
+            continue
         same = not head
         pk = prev_kind if same else -1
         pc = c[a - 1] if same else -1
