@@ -236,3 +236,23 @@ def test_smollm2_x_two_spaces_1():
     tok = tokenplane.load("smollm2")
     assert tok.reference.pretokenize("x  1") == [(0, 1), (1, 3), (3, 4)]
     assert pretokenize.pieces("smollm2", "x  1") == [(0, 1), (1, 3), (3, 4)]
+
+
+# Units around the loops' " word" step (a single space, then a letter run, taken in one step when nothing else can
+# happen there) and the o200k loop's skip of the case rule for runs without an inner upper-case letter: the pairs it
+# takes, and every neighbour that must send the pair back to the general path (two spaces, tab, CR/LF, a contraction
+# or mark after the word, upper / title case inside the word, the text's end right after the space or the word).
+SPACE_WORD_UNITS = [" ", "  ", " \t", "\t", "\n", "\r\n", " x", " word", " Word", " wORD", " WoRd", " ABC", " aBc",
+                    " ǅx", " xǅ", " İx", " xİ", " ſ", " e\u0301", " \u0301a", "'s", "'S", "'ll", "'LL", "'ve", "'Re",
+                    "don't", " don'T", ".", "..", "!", " .", "(", "12", "1234567", " 5", "日本", " 日", " ʰx",
+                    " x\u0903", "_", "/", "\u00a0", " \u00a0x", "\u3000x", "é", " É", " éÉ", "ß", " ẞ", "'sAbC",
+                    "'tXyZ", "'llaB"]
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_space_word_step_and_case_rule_skip(name):
+    rng = random.Random(name + "space-word")
+    texts = ["".join(rng.choice(SPACE_WORD_UNITS) for _ in range(rng.randint(1, 12))) for _ in range(400)]
+    texts += [u for u in SPACE_WORD_UNITS] + [u + " " for u in SPACE_WORD_UNITS] + [" " + u for u in SPACE_WORD_UNITS]
+    for text in texts:
+        _check(name, text)

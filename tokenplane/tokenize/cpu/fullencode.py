@@ -65,12 +65,12 @@ def _finish(cps, n, starts, buf, bounds, has_missing, missing, byte_ids, ptab, b
         return _declined(CUT_REJECTED)
     if n == 0:
         return _declined(OK)
-    if buf.shape[0] < 4 * n + 8:              # 8 bytes of padding: the walk reads a small piece as one word
-        buf = np.empty(4 * n + 8, np.uint8)
+    if buf.shape[0] < 4 * n + 16:             # 16 bytes of padding: the walk reads a small piece's two words
+        buf = np.empty(4 * n + 16, np.uint8)
     if bounds.shape[0] < n + 1:
         bounds = np.empty(n + 1, np.int64)
     nb, size = strbuf._utf8_and_bounds(cps, n, starts, buf, bounds)
-    for k in range(size, size + 8):
+    for k in range(size, size + 16):
         buf[k] = 0
     return _walk(buf, bounds, nb, has_missing, missing, byte_ids, ptab, batch, whole, wkeys, wids, tok_flat, tok_off,
                  slots, arena, state)
@@ -168,7 +168,7 @@ def scratch_args(family: str, chars: int = 0) -> tuple[np.ndarray, ...]:
     (none given: empty ones, which the kernel replaces by arrays of the block's size)."""
     n = chars + 2 if chars else 0
     dtype = pt.loop_tables(family)[1][0].dtype
-    return (np.empty(n, np.uint32), np.empty(n, dtype), np.empty(n, np.bool_), np.empty(4 * n + 8, np.uint8),
+    return (np.empty(n, np.uint32), np.empty(n, dtype), np.empty(n, np.bool_), np.empty(4 * n + 16, np.uint8),
             np.empty(n + 1, np.int64))
 
 

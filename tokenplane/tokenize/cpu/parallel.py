@@ -57,7 +57,7 @@ class _Scratch:
         self.cps = np.empty(n, dtype=np.uint32)
         self.kind = np.empty(n, dtype=np.uint8)       # the fused kernel's classes (as the family table's dtype)
         self.starts = np.empty(n, dtype=np.bool_)
-        self.buf = np.empty(4 * n, dtype=np.uint8)
+        self.buf = np.empty(4 * n + 16, dtype=np.uint8)   # + the walk's padding (fullencode._finish)
         self.bounds = np.empty(n + 1, dtype=np.int64)
 
 

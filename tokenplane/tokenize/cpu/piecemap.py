@@ -67,21 +67,23 @@ def _home(key, m, mask):
 
 
 @njit(cache=True, nogil=True, inline="always")
-def _word8(buf, a, m):
-    """buf[a:a+m] (m <= 8) as one little-endian word, zero above the piece: eight unconditional loads (buf has 8
-    bytes of padding) and a mask, no loop whose exit depends on the piece's length (it mispredicts once a piece)."""
-    v = (np.uint64(buf[a]) | (np.uint64(buf[a + 1]) << np.uint64(8)) | (np.uint64(buf[a + 2]) << np.uint64(16))
-         | (np.uint64(buf[a + 3]) << np.uint64(24)) | (np.uint64(buf[a + 4]) << np.uint64(32))
-         | (np.uint64(buf[a + 5]) << np.uint64(40)) | (np.uint64(buf[a + 6]) << np.uint64(48))
-         | (np.uint64(buf[a + 7]) << np.uint64(56)))
-    return v & (np.uint64(0xFFFFFFFFFFFFFFFF) >> np.uint64(64 - 8 * m))
+def _word8(b64, a, m):
+    """Bytes a..a+m-1 (m <= 8) of the buffer whose whole words are `b64` as one little-endian word, zero above the
+    piece: the two aligned words that hold them, shifted together and masked (the buffer has 16 bytes of padding),
+    no loop whose exit depends on the piece's length (it mispredicts once a piece); two loads instead of eight
+    byte loads measured -3..-7% of the walk's time on a run where every piece hit."""
+    q = a >> 3
+    r = np.uint64((a & 7) * 8)
+    lo = b64[q] >> r
+    hi = (b64[q + 1] << np.uint64(1)) << (np.uint64(63) - r)    # two shifts: a shift by 64 (r == 0) is undefined
+    return (lo | hi) & (np.uint64(0xFFFFFFFFFFFFFFFF) >> np.uint64(64 - 8 * m))
 
 
 @njit(cache=True, nogil=True)
 def _walk(buf, bounds, nb, has_missing, missing, byte_ids, ptab, batch, whole, wkeys, wids, tok_flat, tok_off,
           slots, arena, state):
     """(IDs of the pieces buf[bounds[j]:bounds[j+1]], j < nb - 1, status OK or DROPPED: a byte the vocabulary
-    lacks). buf: the UTF-8, with at least 8 bytes after the last piece."""
+    lacks). buf: the UTF-8, with at least 16 bytes after the last piece."""
     size = bounds[nb - 1]
     out = np.empty(size + 16, np.int32)         # a piece yields at most one ID per byte
     words = np.zeros(32, np.uint64)             # a long piece's bytes, zero-padded to whole words
@@ -94,6 +96,7 @@ def _walk(buf, bounds, nb, has_missing, missing, byte_ids, ptab, batch, whole, w
     pnw = np.empty(scratch, np.int32)
     mask = slots.shape[0] - 1
     idmask = np.uint64((1 << bpe_mod.ID_BITS) - 1)
+    b64 = buf[:(buf.shape[0] >> 3) << 3].view(np.uint64)
     o = 0
     for j in range(nb - 1):
         a = bounds[j]
@@ -108,7 +111,7 @@ def _walk(buf, bounds, nb, has_missing, missing, byte_ids, ptab, batch, whole, w
         # -- lookup
         small = m <= 8
         if small:
-            key = _word8(buf, a, m)
+            key = _word8(b64, a, m)
         else:
             nwords = (m + 7) >> 3
             if nwords > words.shape[0]:

@@ -127,6 +127,19 @@ def _gpt4_loop_impl(c, kind, digits, whole_at_end, starts):
             b += 1
         pc = c[a - 1] if a > 0 else -1
         p2 = c[a - 2] if a > 1 else -1
+        if k == 2 and b == a + 1 and c[a] == 32 and b < n and kind[b] == 0:
+            # " word", the commonest pair of runs in prose, in one step: what the two branches below do for it (the
+            # space starts a piece, `[^\r\n\p{L}\p{N}]?+` glues it to the letter run, and no contraction follows a
+            # space); -25% loop time on English, -12% on code (one core, CPU time)
+            starts[a] = True
+            a = b
+            b = a + 1
+            while b < n and kind[b] == 0:
+                b += 1
+            prev_kind = 0
+            prev_len = b - a
+            a = b
+            continue
         if k == 3:
             if pc != 32:
                 starts[a] = True
@@ -205,10 +218,29 @@ def _o200k_loop_impl(c, feat, starts, rare):
     while a < n:
         k = feat[a] & 3
         b = a + 1
+        inner = 0                # feature bits of the run's characters after its first
         while b < n and (feat[b] & 3) == k:
+            inner |= feat[b]
             b += 1
         pc = c[a - 1] if a > 0 else -1
         p2 = c[a - 2] if a > 1 else -1
+        if k == 2 and b == a + 1 and c[a] == 32 and b < n and (feat[b] & 3) == 0:
+            # " word" with no upper-case letter after the word's first: what the branches below do for the pair of
+            # runs in one step (the space starts a piece and glues to the word; no rare shape, contraction or case
+            # split can occur); otherwise the two runs take the general path
+            e = b + 1
+            word_inner = 0
+            while e < n and (feat[e] & 3) == 0:
+                word_inner |= feat[e]
+                e += 1
+            if (word_inner & 4) == 0:
+                starts[a] = True
+                prev_tail_full = False
+                pprev_kind = 2
+                prev_kind = 0
+                prev_len = e - b
+                a = e
+                continue
         tail_full = False
         if k == 3:
             if pc != 32:
@@ -252,8 +284,9 @@ def _o200k_loop_impl(c, feat, starts, rare):
                         tail_full = True
             if x == a and not ws_prefix and not o_prefix:
                 starts[a] = True
-            if x < b:
-                # case rule: [PB]*[WB]+ | P+ from the sub-run start x
+            if x < b and (inner & 4) != 0:
+                # case rule: [PB]*[WB]+ | P+ from the sub-run start x (it starts a piece only at an upper-case letter
+                # right of x >= a: a run with none after its first character has nothing to split)
                 t = b
                 while t > x and (feat[t - 1] & 4) != 0:
                     t -= 1
@@ -354,6 +387,18 @@ def _deepseek_loop_impl(c, feat, starts):
         if head:
             seg_start = a
             starts[a] = True
+        if k == 2 and b == a + 1 and c[a] == 32 and b < n and (feat[b] & 7) == 0 and not _ds_seg_head(feat, b):
+            # " word" in one step (as in the gpt4 loop): the space starts a piece and glues to the letter run of
+            # the same segment after it, whatever came before the space; -20..-27% loop time on english / code (the
+            # same step measured no gain in the smollm2 loop, whose runs carry less per-run work)
+            starts[a] = True
+            e = b + 1
+            while e < n and (feat[e] & 7) == 0 and not _ds_seg_head(feat, e):
+                e += 1
+            prev_kind = 0
+            prev_len = e - b
+            a = e
+            continue
         same = not head
         pk = prev_kind if same else -1
         pc = c[a - 1] if same else -1
