@@ -53,8 +53,9 @@ def test_qkv_rope_not_applicable():
 
 @pytest.mark.parametrize("preset", ["test-small", "test-llama"])
 def test_decode_stack_matches_model_path(preset, monkeypatch):
-    """Decode steps of 1-3 rows, interleaved block tables: the compiled stack's logits equal the torch path's within
-    float rounding (its one difference is the SwiGLU's exp), and the same greedy tokens."""
+    """Decode steps of 1-3 rows, interleaved block tables, positions crossing the rope table's first size (256):
+    the compiled stack's logits equal the torch path's within float rounding (its one difference is the SwiGLU's
+    exp), and the same greedy tokens."""
     torch.set_num_threads(1)
     cfg, model = load_model(preset, dtype=torch.float32, seed=0)
     calls = []
@@ -64,7 +65,7 @@ def test_decode_stack_matches_model_path(preset, monkeypatch):
     for on in (False, True):
         model.model.decode_stack = on
         runner = ModelRunner(model, cfg, num_blocks=64, block_size=16)
-        seqs = [Sequence(f"s{i}", [(7 * i + 3 * t) % 500 + 1 for t in range(n)]) for i, n in enumerate((37, 64, 5))]
+        seqs = [Sequence(f"s{i}", [(7 * i + 3 * t) % 500 + 1 for t in range(n)]) for i, n in enumerate((37, 250, 5))]
         for s in seqs:
             assert runner.prepare(s)
         runner.run(seqs)

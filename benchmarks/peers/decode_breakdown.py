@@ -53,6 +53,29 @@ def instrument(eng: LLMEngine) -> None:
         vp = model.vocab_projection
         model.vocab_projection = timed("gemm lm_head", vp.__call__)   # type: ignore[assignment]
         BYTES["gemm lm_head"] += model.vocab_weight().numel() * 4
+    # the compiled decode stack (cpu_decode_stack): its kernels are module globals there
+    from tokenplane.engine import cpu_decode_stack as cds
+    stack = cds.stack_for(model.model)
+    if stack is not None:
+        names = {}
+        for L in stack.layers:
+            for kind, lin in (("qkv_proj", L.qkv), ("o_proj", L.o), ("gate_up_proj", L.gate_up), ("down_proj", L.down)):
+                names[id(lin)] = f"gemm {kind}"
+        matmul = cds._matmul
+
+        def kinded(x: Any, lin: Any) -> Any:
+            t0 = time.perf_counter()
+            try:
+                return matmul(x, lin)
+            finally:
+                TIMES[names[id(lin)]] += time.perf_counter() - t0
+                COUNTS[names[id(lin)]] += 1
+        cds._matmul = kinded
+        cds._qkv_rope = timed("qk-norm+rope+kv write (fused)", cds._qkv_rope)
+        cds._add_rms_norm = timed("norm (fused add+rms)", cds._add_rms_norm)
+        cds._silu_mul = timed("swiglu silu*mul (silu)", cds._silu_mul)
+        stack.attention = timed("attention kernel", stack.attention)
+        cds.DecodeStack.forward = timed("decoder stack (compiled path)", cds.DecodeStack.forward)
     model.compute_logits = timed("logits (compute_logits)", model.compute_logits)   # type: ignore[method-assign]
     qwen3.add_rms_norm_ = timed("norm (fused add+rms)", qwen3.add_rms_norm_)
     qwen3.rms_norm = timed("qk rms_norm", qwen3.rms_norm)

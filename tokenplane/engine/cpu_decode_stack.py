@@ -113,16 +113,28 @@ class DecodeStack:
                 qk_eps=float(sa.q_norm.eps) if qk else 0.0,
                 k_cache=sa.attn.k_cache.numpy(), v_cache=sa.attn.v_cache.numpy()))
         self.qk_norm = bool(attn0.qk_norm)
+        self.rotary = model.rotary
+        self._rope_len = 0
+        self._cos = self._sin = _F32_EMPTY
         self.attention = decode_kernel(self.head_dim, self.group)
 
-    def forward(self, input_ids: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                meta: AttentionMetadata) -> torch.Tensor:
+    def _rope_rows(self, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """cos / signed sin [T, head_dim] at these positions, rows of a table the model's RotaryEmbedding computed
+        once for positions 0..n-1 (grown by doubling), instead of its ~10 torch ops a step."""
+        top = int(positions.max())
+        if top >= self._rope_len:
+            n = max(256, 2 * self._rope_len, top + 1)
+            cos, sin = self.rotary(torch.arange(n), torch.float32)
+            self._cos, self._sin = cos.reshape(n, -1).numpy(), sin.reshape(n, -1).numpy()
+            self._rope_len = n
+        return self._cos[positions], self._sin[positions]
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """Final-norm hidden states [T, hidden] of a decode-only step (`applies`)."""
         T = input_ids.shape[0]
         d = self.head_dim
         x = self.embed[input_ids.numpy()]   # fancy indexing: a fresh [T, hidden] copy
-        cos_a = cos.reshape(T, d).numpy()
-        sin_a = sin.reshape(T, d).numpy()
+        cos_a, sin_a = self._rope_rows(positions.numpy())
         slots = meta.slot_mapping.numpy()
         h = np.empty_like(x)
         first = self.layers[0]

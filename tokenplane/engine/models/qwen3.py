@@ -112,8 +112,7 @@ class DecoderModel(nn.Module):
         if rows is None and self.decode_stack and self.fused_norm and cpu_decode_stack.applies(input_ids, meta):
             stack = cpu_decode_stack.stack_for(self)
             if stack is not None:
-                cos, sin = self.rotary(positions, torch.float32)
-                return stack.forward(input_ids, cos, sin, meta)
+                return stack.forward(input_ids, positions, meta)
         x = self.embed_tokens(input_ids)
         cos, sin = self.rotary(positions, x.dtype)
         n = len(self.layers)
