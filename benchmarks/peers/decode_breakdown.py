@@ -111,12 +111,13 @@ def main() -> None:
     ap.add_argument("--model", required=True)
     ap.add_argument("--prompt-len", type=int, default=256)
     ap.add_argument("--steps", type=int, default=40)
+    ap.add_argument("--bare", action="store_true", help="step times only (runs on any tree: no instrumentation)")
     ap.add_argument("--ab", action="store_true", help="also time steps with the model's decode_stack off, alternated")
     ap.add_argument("--gbps", type=float, default=0.0, help="0: measure the plain-sum bandwidth here")
     args = ap.parse_args()
     eng = LLMEngine(args.model, dtype=torch.float32, num_blocks=-(-(args.prompt_len + 4 * args.steps + 64) // 16) + 8,
                     block_size=16, max_num_seqs=1, max_num_batched_tokens=2048, enforce_eager=True, num_threads=1)
-    gbps = args.gbps or measure_bw()
+    gbps = args.gbps or (1.0 if args.bare else measure_bw())
     params = SamplingParams(temperature=0.0, max_tokens=4 * args.steps + 8, ignore_eos=True)
     eng.add_request([(7 * t) % 30000 + 10 for t in range(args.prompt_len)], params)
     eng.step()   # prefill
@@ -128,6 +129,10 @@ def main() -> None:
         eng.step()
         bare.append((time.perf_counter() - t0) * 1e3)
         bare_cpu.append((time.process_time() - c0) * 1e3)
+    if args.bare:
+        print(f"bare {args.model} P={args.prompt_len}: step median {statistics.median(bare):.3f} ms, P90 "
+              f"{sorted(bare)[int(0.9 * (len(bare) - 1))]:.3f} ms, cpu median {statistics.median(bare_cpu):.3f} ms")
+        return
     if args.ab:
         inner = eng.runner.model.model
         ab: dict[bool, list[float]] = {True: [], False: []}
