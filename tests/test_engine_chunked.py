@@ -132,6 +132,8 @@ def test_greedy_equals_argmax_with_ties(vocab):
     x[5, vocab // 3] = float("nan")
     x[6, -2] = float("nan")
     x[7, :] = float("-inf")
+    x[8, 0] = float("nan")                              # NaN first
+    x[8, 1] = float("inf")
     for dt in (torch.float32, torch.float64, torch.bfloat16):
         assert greedy(x.to(dt)).tolist() == torch.argmax(x.to(dt), dim=-1).tolist()
 

@@ -101,6 +101,14 @@ class PagedAttention(nn.Module):
         # Write first, then read: a sequence's own new tokens are attended through the cache like cached ones.
         k_cache.index_copy_(1, meta.slot_mapping, k.transpose(0, 1))
         v_cache.index_copy_(1, meta.slot_mapping, v.transpose(0, 1))
+        return self.attend(q, meta)
+
+    def attend(self, q: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """The read half of `forward`, for callers that wrote this step's K/V into the cache themselves
+        (cpu_qkv_rope): q [T, heads, d] -> [T, heads * d]."""
+        k_cache, v_cache = self.k_cache, self.v_cache
+        if k_cache is None or v_cache is None:
+            raise RuntimeError("KV cache not set: build a ModelRunner around the model first")
         if meta.padded:
             return self._padded_decode(q, meta)
         out = torch.empty(q.shape[0], self.num_heads * self.head_dim, dtype=q.dtype, device=q.device)

@@ -96,7 +96,10 @@ def sample_one(logits: torch.Tensor, params: SamplingParams, step: int) -> int:
 def greedy(logits: torch.Tensor) -> torch.Tensor:
     """torch.argmax(logits, -1) (first index of the maximum; NaN counts as the maximum), computed as block maxima
     first: CPU argmax over a vocabulary row is a scalar loop (16 x 151936 fp32: 2.1 ms here) while amax is
-    vectorized (0.19 ms)."""
+    vectorized (0.19 ms). CPU float32/float64: numpy's argmax, which is vectorized with the same semantics (first
+    maximum, first NaN) in one call: 1 x 151936 fp32 in 23 us vs 120 us for the blocked form (~8 torch ops)."""
+    if logits.device.type == "cpu" and logits.dtype in (torch.float32, torch.float64):
+        return torch.from_numpy(logits.detach().numpy().argmax(-1))
     B, V = logits.shape
     c = 128
     n = V // c

@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tokenplane.engine import cpu_decode_stack, cpu_qkv_rope
 from tokenplane.engine.attention import AttentionMetadata, PagedAttention
 from tokenplane.engine.config import ModelConfig
 from tokenplane.engine.cpu_fused_norm import add_rms_norm_, fused_norm_applies
@@ -46,6 +47,16 @@ class DecoderAttention(nn.Module):
         every row's K/V is still written)."""
         qkv = self.qkv_proj(x)
         h, kvh, d, qk_size = self.num_heads, self.num_kv_heads, self.head_dim, self.q_size + self.kv_size
+        attn = self.attn
+        if cpu_qkv_rope.applies(qkv, attn.k_cache) and attn.v_cache is not None:
+            # one compiled pass: norm + rope + KV-cache write (bit-identical rope; see cpu_qkv_rope)
+            qw = self.q_norm.weight if self.qk_norm else None
+            kw = self.k_norm.weight if self.qk_norm else None
+            eps = self.q_norm.eps if self.qk_norm else 0.0
+            q = cpu_qkv_rope.qkv_rope_write(qkv, h, kvh, d, qw, kw, eps, cos, sin, attn.k_cache, attn.v_cache,
+                                            meta.slot_mapping)
+            o = attn.attend(q, meta)
+            return self.o_proj(o if rows is None else o[rows])
         # q and k side by side as [T, heads + kv_heads, d]: one norm and one rope for both (same values per head).
         qk = qkv[:, :qk_size].view(-1, h + kvh, d)
         v = qkv[:, qk_size:].view(-1, kvh, d)
@@ -86,6 +97,8 @@ class DecoderModel(nn.Module):
     # CPU fp32/fp64: residual adds fused into the next RMSNorm (cpu_fused_norm.py); a plain attribute so a benchmark
     # can compare both paths on one model.
     fused_norm = True
+    # CPU fp32 decode steps of 1-8 rows: the whole stack as compiled kernels over arrays (cpu_decode_stack.py)
+    decode_stack = True
     prune_rows = True   # False: compute every row through the last layer, then select (the pre-pruning path)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
@@ -96,6 +109,10 @@ class DecoderModel(nn.Module):
         math on a smaller GEMM)."""
         if rows is not None and not self.prune_rows:
             return self.forward(input_ids, positions, meta)[rows]
+        if rows is None and self.decode_stack and self.fused_norm and cpu_decode_stack.applies(input_ids, meta):
+            stack = cpu_decode_stack.stack_for(self)
+            if stack is not None:
+                return stack.forward(input_ids, positions, meta)
         x = self.embed_tokens(input_ids)
         cos, sin = self.rotary(positions, x.dtype)
         n = len(self.layers)
@@ -149,6 +166,7 @@ class Qwen3ForCausalLM(nn.Module):
         """oneDNN-packed copies of every linear and of the vocabulary projection, for CPU fp32/bf16 (a snapshot of
         the weights: call again after changing them). Returns False (and packs nothing) elsewhere."""
         weight = self.vocab_weight()
+        cpu_decode_stack.invalidate(self.model)
         if not cpu_packing_available(weight):
             self.unpack_cpu()
             return False
@@ -159,6 +177,7 @@ class Qwen3ForCausalLM(nn.Module):
         return True
 
     def unpack_cpu(self) -> None:
+        cpu_decode_stack.invalidate(self.model)
         for m in self.modules():
             if isinstance(m, Linear):
                 m.unpack_cpu()

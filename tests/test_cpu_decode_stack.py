@@ -1,0 +1,101 @@
+"""The compiled decode path (cpu_qkv_rope, cpu_decode_stack) against the PyTorch ops and model path it replaces."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tokenplane.engine import ModelRunner, Sequence, cpu_decode_stack, load_model
+from tokenplane.engine.cpu_decode_stack import applies, stack_for
+from tokenplane.engine.cpu_qkv_rope import applies as qkv_applies
+from tokenplane.engine.cpu_qkv_rope import qkv_rope_write
+from tokenplane.engine.layers import RotaryEmbedding, apply_rope, rms_norm
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("norm", [False, True])
+@pytest.mark.parametrize("T", [1, 5])
+def test_qkv_rope_write_matches_torch(dtype, norm, T):
+    h, kvh, d, slots_n = 6, 2, 16, 64
+    g = torch.Generator().manual_seed(T * 10 + norm)
+    qkv = torch.randn(T, (h + 2 * kvh) * d, generator=g, dtype=dtype) * 2
+    qw, kw = torch.randn(d, generator=g, dtype=dtype), torch.randn(d, generator=g, dtype=dtype)
+    positions = torch.tensor([3, 17, 40, 41, 1000][:T])
+    cos, sin = RotaryEmbedding(d, 10000.0, None)(positions, dtype)
+    slots = torch.randperm(slots_n, generator=g)[:T]
+    k_cache, v_cache = torch.zeros(kvh, slots_n, d, dtype=dtype), torch.zeros(kvh, slots_n, d, dtype=dtype)
+    assert qkv_applies(qkv, k_cache)
+    q = qkv_rope_write(qkv, h, kvh, d, qw if norm else None, kw if norm else None, 1e-6, cos, sin, k_cache, v_cache,
+                       slots)
+    # the torch path of DecoderAttention.forward
+    qk = qkv[:, :(h + kvh) * d].view(T, h + kvh, d)
+    if norm:
+        qk = rms_norm(qk, torch.cat((qw.expand(h, d), kw.expand(kvh, d))), 1e-6)
+    qk = apply_rope(qk, cos, sin)
+    want_v = qkv[:, (h + kvh) * d:].view(T, kvh, d)
+    assert torch.equal(v_cache[:, slots].transpose(0, 1), want_v)
+    untouched = torch.ones(slots_n, dtype=torch.bool)
+    untouched[slots] = False
+    assert not k_cache[:, untouched].any() and not v_cache[:, untouched].any()
+    got_k = k_cache[:, slots].transpose(0, 1)
+    if norm:   # the norm's sum runs in another order: last-bit differences
+        tol = 4e-6 if dtype == torch.float32 else 1e-14
+        assert (q - qk[:, :h]).abs().max() <= tol * qk.abs().max()
+        assert (got_k - qk[:, h:]).abs().max() <= tol * qk.abs().max()
+    else:      # the rope alone is bit-identical to apply_rope
+        assert torch.equal(q, qk[:, :h]) and torch.equal(got_k, qk[:, h:])
+
+
+def test_qkv_rope_not_applicable():
+    assert not qkv_applies(torch.zeros(1, 8, dtype=torch.bfloat16), torch.zeros(1, 4, 2, dtype=torch.bfloat16))
+    assert not qkv_applies(torch.zeros(1, 8), None)
+    assert not qkv_applies(torch.zeros(8, 2).t(), torch.zeros(1, 4, 2))
+
+
+@pytest.mark.parametrize("preset", ["test-small", "test-llama"])
+def test_decode_stack_matches_model_path(preset, monkeypatch):
+    """Decode steps of 1-3 rows, interleaved block tables, positions crossing the rope table's first size (256):
+    the compiled stack's logits equal the torch path's within float rounding (its one difference is the SwiGLU's
+    exp), and the same greedy tokens."""
+    torch.set_num_threads(1)
+    cfg, model = load_model(preset, dtype=torch.float32, seed=0)
+    calls = []
+    forward = cpu_decode_stack.DecodeStack.forward
+    monkeypatch.setattr(cpu_decode_stack.DecodeStack, "forward", lambda *a: calls.append(1) or forward(*a))
+    results = {}
+    for on in (False, True):
+        model.model.decode_stack = on
+        runner = ModelRunner(model, cfg, num_blocks=64, block_size=16)
+        seqs = [Sequence(f"s{i}", [(7 * i + 3 * t) % 500 + 1 for t in range(n)]) for i, n in enumerate((37, 250, 5))]
+        for s in seqs:
+            assert runner.prepare(s)
+        runner.run(seqs)
+        outs = []
+        for step in range(20):
+            batch = seqs if step % 3 else seqs[:1]
+            for s in batch:
+                s.append_token((step * 13 + s.num_tokens) % 500 + 1)
+                assert runner.prepare(s)
+            if on:
+                assert stack_for(model.model) is not None
+            outs.append(runner.run(batch).logits)
+        results[on] = outs
+        assert len(calls) == (20 if on else 0)   # every decode step, and only those, took the stack
+    model.model.decode_stack = True
+    for a, b in zip(results[False], results[True]):
+        assert (a - b).abs().max().item() <= 1e-5 * max(1.0, a.abs().max().item())
+        assert torch.equal(a.argmax(-1), b.argmax(-1))
+
+
+def test_decode_stack_not_applicable():
+    """float64 models keep the torch path (no panel copies), and so do steps with a multi-token row."""
+    torch.set_num_threads(1)
+    cfg, model = load_model("test-small", dtype=torch.float64, seed=0)
+    ModelRunner(model, cfg, num_blocks=8, block_size=16)
+    assert stack_for(model.model) is None
+    cfg, model = load_model("test-small", dtype=torch.float32, seed=0)
+    runner = ModelRunner(model, cfg, num_blocks=8, block_size=16)
+    assert stack_for(model.model) is not None
+    s = Sequence("a", list(range(1, 20)))
+    assert runner.prepare(s)
+    meta = runner._metadata([s], [(0, 19)], list(range(19)), padded=False)
+    assert not applies(torch.zeros(19, dtype=torch.long), meta)

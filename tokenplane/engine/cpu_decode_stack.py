@@ -1,0 +1,199 @@
+"""The decoder stack of a decode step on CPU (float32, 1-8 one-token rows, 1 thread) as compiled kernels over numpy
+views, with no torch op between them.
+
+Why: at one row a layer's arithmetic is a few microseconds beside its weight stream, and the rest of its time is
+dispatch. The torch path (models/qwen3.py's fused-norm loop) runs the same compiled kernels (cpu_small_gemm,
+cpu_fused_norm, cpu_qkv_rope, cpu_decode_attention) but wraps each in tensor-to-array conversions, output tensors,
+views and slices, ~2-4 us apiece here: ~100-200 us a layer, several ms a step for a 30-layer model. Here the weights'
+and caches' arrays are taken once (`DecodeStack`, rebuilt when the runner rebinds a cache or the weights are packed
+again) and each kernel is called on arrays directly.
+
+Numerics: the same kernels in the same order as the torch path, so the same values, except the SwiGLU activation:
+silu(g) * u as g / (1 + exp(-g)) * u, PyTorch's CPU formula, with libm's expf for the exponent instead of PyTorch's
+vectorized one (they can differ in the last bit).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from numba import njit
+from torch import nn
+
+from tokenplane.engine import cpu_small_gemm
+from tokenplane.engine.attention import AttentionMetadata
+from tokenplane.engine.cpu_decode_attention import _kernel as decode_kernel
+from tokenplane.engine.cpu_fused_norm import _add_rms_norm
+from tokenplane.engine.cpu_qkv_rope import _qkv_rope
+
+_F32_EMPTY = np.empty(0, np.float32)
+
+
+@njit(cache=True, nogil=True)
+def _silu_mul(gu, ffn, out):  # noqa: ANN001
+    """out[t] = silu(gu[t, :ffn]) * gu[t, ffn:2 ffn]."""
+    one = gu.dtype.type(1)
+    for t in range(out.shape[0]):
+        for j in range(ffn):
+            g = gu[t, j]
+            out[t, j] = (g / (one + math.exp(-g))) * gu[t, ffn + j]
+
+
+@dataclass
+class _Linear:
+    panels: np.ndarray        # flat panel copy (cpu_small_gemm.pack)
+    n_panels: int
+    k: int
+    n: int                    # out_features
+    bias: np.ndarray | None
+
+
+def _linear_of(m: nn.Module) -> _Linear:
+    p = m.cpu_panels
+    return _Linear(p.numpy().reshape(-1), int(p.shape[0]), int(p.shape[1]), int(m.out_features),
+                   None if m.bias is None else m.bias.detach().numpy())
+
+
+def _matmul(x: np.ndarray, lin: _Linear) -> np.ndarray:
+    rows = x.shape[0]
+    width = lin.n_panels * cpu_small_gemm.PANEL
+    out = np.empty((rows, width), np.float32)
+    cpu_small_gemm._gemm(x.reshape(-1), rows, lin.k, lin.panels, lin.n_panels, out.reshape(-1), width)
+    if width != lin.n:
+        out = np.ascontiguousarray(out[:, :lin.n])
+    if lin.bias is not None:
+        out += lin.bias
+    return out
+
+
+@dataclass
+class _Layer:
+    qkv: _Linear
+    o: _Linear
+    gate_up: _Linear
+    down: _Linear
+    in_norm: np.ndarray
+    in_eps: float
+    post_norm: np.ndarray
+    post_eps: float
+    q_norm: np.ndarray
+    k_norm: np.ndarray
+    qk_eps: float
+    k_cache: np.ndarray
+    v_cache: np.ndarray
+
+
+class DecodeStack:
+    """Arrays of one DecoderModel's packed weights and bound caches, and the step over them."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.embed = model.embed_tokens.weight.detach().numpy()
+        self.final_norm = model.norm.weight.detach().numpy()
+        self.final_eps = float(model.norm.eps)
+        attn0 = model.layers[0].self_attn
+        self.heads, self.kv_heads, self.head_dim = attn0.num_heads, attn0.num_kv_heads, attn0.head_dim
+        self.group = self.heads // self.kv_heads
+        self.scale = attn0.attn.scale
+        self.block_size = attn0.attn.block_size
+        self.ffn = model.layers[0].mlp.ffn
+        self.layers = []
+        for layer in model.layers:
+            sa = layer.self_attn
+            qk = sa.qk_norm
+            self.layers.append(_Layer(
+                qkv=_linear_of(sa.qkv_proj), o=_linear_of(sa.o_proj), gate_up=_linear_of(layer.mlp.gate_up_proj),
+                down=_linear_of(layer.mlp.down_proj),
+                in_norm=layer.input_layernorm.weight.detach().numpy(), in_eps=float(layer.input_layernorm.eps),
+                post_norm=layer.post_attention_layernorm.weight.detach().numpy(),
+                post_eps=float(layer.post_attention_layernorm.eps),
+                q_norm=sa.q_norm.weight.detach().numpy() if qk else _F32_EMPTY,
+                k_norm=sa.k_norm.weight.detach().numpy() if qk else _F32_EMPTY,
+                qk_eps=float(sa.q_norm.eps) if qk else 0.0,
+                k_cache=sa.attn.k_cache.numpy(), v_cache=sa.attn.v_cache.numpy()))
+        self.qk_norm = bool(attn0.qk_norm)
+        self.rotary = model.rotary
+        self._rope_len = 0
+        self._cos = self._sin = _F32_EMPTY
+        self.attention = decode_kernel(self.head_dim, self.group)
+
+    def _rope_rows(self, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """cos / signed sin [T, head_dim] at these positions, rows of a table the model's RotaryEmbedding computed
+        once for positions 0..n-1 (grown by doubling), instead of its ~10 torch ops a step."""
+        top = int(positions.max())
+        if top >= self._rope_len:
+            n = max(256, 2 * self._rope_len, top + 1)
+            cos, sin = self.rotary(torch.arange(n), torch.float32)
+            self._cos, self._sin = cos.reshape(n, -1).numpy(), sin.reshape(n, -1).numpy()
+            self._rope_len = n
+        return self._cos[positions], self._sin[positions]
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """Final-norm hidden states [T, hidden] of a decode-only step (`applies`)."""
+        T = input_ids.shape[0]
+        d = self.head_dim
+        x = self.embed[input_ids.numpy()]   # fancy indexing: a fresh [T, hidden] copy
+        cos_a, sin_a = self._rope_rows(positions.numpy())
+        slots = meta.slot_mapping.numpy()
+        h = np.empty_like(x)
+        first = self.layers[0]
+        _add_rms_norm(x, x, first.in_norm, first.in_eps, h, False)
+        ffn = self.ffn
+        n = len(self.layers)
+        for i, L in enumerate(self.layers):
+            qkv = _matmul(h, L.qkv)
+            q = np.empty((T, self.heads, d), np.float32)
+            _qkv_rope(qkv, self.heads, self.kv_heads, d, L.q_norm, L.k_norm, L.qk_eps, self.qk_norm, cos_a, sin_a,
+                      L.k_cache, L.v_cache, slots, q)
+            o = np.empty((T, self.heads * d), np.float32)
+            self.attention(q, L.k_cache, L.v_cache, meta.decode_block_tables, meta.decode_context_lens,
+                           meta.decode_rows, o, self.block_size, self.scale, True, _F32_EMPTY)
+            a = _matmul(o, L.o)
+            _add_rms_norm(a, x, L.post_norm, L.post_eps, h, True)
+            gu = _matmul(h, L.gate_up)
+            act = np.empty((T, ffn), np.float32)
+            _silu_mul(gu, ffn, act)
+            m = _matmul(act, L.down)
+            if i + 1 < n:
+                nxt = self.layers[i + 1]
+                _add_rms_norm(m, a, nxt.in_norm, nxt.in_eps, h, True)
+            else:
+                _add_rms_norm(m, a, self.final_norm, self.final_eps, h, True)
+            x = m
+        return torch.from_numpy(h)
+
+
+def _packed(model: nn.Module) -> bool:
+    for layer in model.layers:
+        sa, mlp = layer.self_attn, layer.mlp
+        if (sa.qkv_proj.cpu_panels is None or sa.o_proj.cpu_panels is None or mlp.gate_up_proj.cpu_panels is None
+                or mlp.down_proj.cpu_panels is None or sa.attn.k_cache is None or sa.attn.v_cache is None
+                or sa.attn.k_cache.dtype != torch.float32):
+            return False
+    return model.embed_tokens.weight.dtype == torch.float32 and model.norm.weight.dtype == torch.float32
+
+
+def stack_for(model: nn.Module) -> DecodeStack | None:
+    """The model's DecodeStack, built on first use after `invalidate` (None where its linears are not all
+    panel-packed float32 or a cache is unbound)."""
+    st = model.__dict__.get("_decode_stack")
+    if st is None:
+        st = DecodeStack(model) if _packed(model) else False
+        model.__dict__["_decode_stack"] = st
+    return st or None
+
+
+def invalidate(model: nn.Module) -> None:
+    """Drop the arrays taken of the model's weights and caches: call after packing the weights again or binding
+    other caches (Qwen3ForCausalLM.pack_cpu / unpack_cpu do; the ModelRunner binds its caches before packing)."""
+    model.__dict__["_decode_stack"] = None
+
+
+def applies(input_ids: torch.Tensor, meta: AttentionMetadata) -> bool:
+    """A CPU decode-only step (every row one token, cpu decode kernel) of 1..MAX_ROWS rows on 1 thread; the model's
+    side is `stack_for`."""
+    T = input_ids.shape[0]
+    return (0 < T <= cpu_small_gemm.MAX_ROWS and input_ids.device.type == "cpu" and torch.get_num_threads() == 1
+            and meta.decode_rows is not None and len(meta.decode_rows) == T and not meta.seqs
+            and meta.prefill_q_starts is None and not meta.padded)

@@ -1,0 +1,85 @@
+"""From the packed qkv projection to attention inputs on CPU in one compiled pass: per-head q/k RMSNorm (Qwen3;
+skipped for Llama), rotary embedding on q and k, K and V written into their paged-cache slots, q into a fresh buffer.
+
+Why: in PyTorch ops this is ~20 dispatched ops per layer (views, a cat of the two norm weights, six for the norm, four
+for the rope, two index_copy_ with their transposes, slices), each a few microseconds whatever the size. A decode step
+at one row is all overhead there: SmolLM2-135M (30 layers) spent ~3 ms of a ~75 ms step in the rope and the KV writes
+alone (benchmarks/peers/decode_breakdown.py). Compiled, it is one call per layer.
+
+Numerics: the rope is transformers' x * cos + rotate_half(x) * sin as `layers.apply_rope` computes it (the sign folded
+into the sin), the same two rounded products and one sum per element with no fused multiply-add (numba does not
+contract without fastmath), so it is bit-identical to apply_rope. The norm sums the squares in another order than
+torch's mean and uses 1 / sqrt instead of rsqrt, so normed values can differ from `layers.rms_norm`'s in the last bit,
+as cpu_fused_norm's do. float32 and float64 only.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+from numba import njit
+
+DTYPES = (torch.float32, torch.float64)
+
+
+@njit(cache=True, nogil=True)
+def _qkv_rope(qkv, heads, kv_heads, d, q_w, k_w, eps, use_norm, cos, sin, k_cache, v_cache, slots, q_out):  # noqa: ANN001
+    """qkv [T, (heads + 2 kv_heads) d]; q_w, k_w [d]; cos, sin [T, d] (sin with its first half negated);
+    k/v_cache [kv_heads, slots, d]; slots [T]; q_out [T, heads, d]."""
+    half = d // 2
+    one = qkv.dtype.type(1)
+    epsv = qkv.dtype.type(eps)
+    buf = np.empty(d, dtype=qkv.dtype)
+    for t in range(qkv.shape[0]):
+        slot = slots[t]
+        for hh in range(heads + kv_heads):
+            base = hh * d
+            if use_norm:
+                w = q_w if hh < heads else k_w
+                s = qkv.dtype.type(0)
+                for j in range(d):
+                    s += qkv[t, base + j] * qkv[t, base + j]
+                r = one / math.sqrt(s / d + epsv)
+                for j in range(d):
+                    buf[j] = (qkv[t, base + j] * r) * w[j]
+            else:
+                for j in range(d):
+                    buf[j] = qkv[t, base + j]
+            for j in range(d):
+                jj = j + half if j < half else j - half
+                a = buf[j] * cos[t, j]
+                b = buf[jj] * sin[t, j]
+                if hh < heads:
+                    q_out[t, hh, j] = a + b
+                else:
+                    k_cache[hh - heads, slot, j] = a + b
+        vbase = (heads + kv_heads) * d
+        for hv in range(kv_heads):
+            for j in range(d):
+                v_cache[hv, slot, j] = qkv[t, vbase + hv * d + j]
+
+
+def applies(qkv: torch.Tensor, k_cache: torch.Tensor | None) -> bool:
+    return (qkv.device.type == "cpu" and qkv.dtype in DTYPES and qkv.dim() == 2 and qkv.is_contiguous()
+            and k_cache is not None and k_cache.dtype == qkv.dtype and k_cache.device.type == "cpu")
+
+
+def qkv_rope_write(qkv: torch.Tensor, heads: int, kv_heads: int, head_dim: int, q_norm: torch.Tensor | None,
+                   k_norm: torch.Tensor | None, eps: float, cos: torch.Tensor, sin: torch.Tensor,
+                   k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """Writes each row's roped (and normed, with q_norm/k_norm given) k and its v into k/v_cache[:, slots[t]], and
+    returns the roped (normed) q as [T, heads, head_dim]. qkv [T, (heads + 2 kv_heads) head_dim] contiguous (check
+    `applies`); cos/sin as layers.RotaryEmbedding gives them ([T, 1, head_dim], or [T, head_dim])."""
+    T = qkv.shape[0]
+    q = torch.empty(T, heads, head_dim, dtype=qkv.dtype)
+    norm = q_norm is not None and k_norm is not None
+    qw = q_norm.detach().numpy() if norm else _EMPTY[qkv.dtype]   # type: ignore[union-attr]
+    kw = k_norm.detach().numpy() if norm else _EMPTY[qkv.dtype]   # type: ignore[union-attr]
+    _qkv_rope(qkv.numpy(), heads, kv_heads, head_dim, qw, kw, eps, norm,
+              cos.reshape(T, head_dim).contiguous().numpy(), sin.reshape(T, head_dim).contiguous().numpy(),
+              k_cache.numpy(), v_cache.numpy(), slots.numpy(), q.numpy())
+    return q
+
+
+_EMPTY = {torch.float32: np.empty(0, np.float32), torch.float64: np.empty(0, np.float64)}
