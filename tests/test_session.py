@@ -444,15 +444,19 @@ def test_random_operations_campaign(toks, name):
             assert np.array_equal(np.concatenate([before[:sp.keep], sp.ids]), sess.ids)
 
 
-def test_windows_can_use_a_registered_exact_path(toks):
-    tok = toks["o200k_base"]
-    calls = []
+def _spied(tok: Tokenizer) -> tuple[Tokenizer, list[int]]:
+    """A copy of `tok` with an exact path "spy-test" (the reference) that records each encoded text's length."""
+    calls: list[int] = []
 
     def spy(text):
         calls.append(len(text))
         return tok.reference.encode_ordinary(text)
 
-    tok = Tokenizer(tok.name, tok.family, artifact_bytes(tok.name), encoders=lambda t: {"spy-test": spy})
+    return Tokenizer(tok.name, tok.family, artifact_bytes(tok.name), encoders=lambda t: {"spy-test": spy}), calls
+
+
+def test_windows_can_use_a_registered_exact_path(toks):
+    tok, calls = _spied(toks["o200k_base"])
     sess = tok.session(text=PROSE, encode_path="spy-test")
     sess.append(" appended words 123")
     _check(sess, tok)
@@ -462,14 +466,7 @@ def test_windows_can_use_a_registered_exact_path(toks):
 def test_sessions_share_their_read_only_policy_and_keep_their_own_path(toks):
     """The repair policy, splice search and allowed set are one object per distinct option set (a small session's
     bytes are its records and text, issue 17), while the encoder path stays each session's own."""
-    tok = toks["cl100k_base"]
-    calls = []
-
-    def spy(text):
-        calls.append(len(text))
-        return tok.reference.encode_ordinary(text)
-
-    tok = Tokenizer(tok.name, tok.family, artifact_bytes(tok.name), encoders=lambda t: {"spy-test": spy})
+    tok, calls = _spied(toks["cl100k_base"])
     a, b = tok.session(text=PROSE, encode_path="spy-test"), tok.session(text=PROSE, encode_path="reference")
     assert a._repairer is b._repairer and a._repairer.search is tok.splice_search(a.rule)
     assert tok.session(allowed_special={"<|endoftext|>"}).allowed_special is tok.session(
