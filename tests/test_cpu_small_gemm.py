@@ -11,14 +11,14 @@ from tokenplane.engine.layers import Linear, VocabProjection
 
 @pytest.mark.parametrize("n,k", [(1, 1), (17, 5), (100, 37), (48, 64), (3072, 512), (49152, 96)])
 def test_linear_matches_float64_reference(n, k):
-    """Every row count the kernel takes (4-, 2- and 1-row passes and their mixes), out_features not a multiple of the
-    panel width (padding columns dropped), with and without bias."""
+    """Every row count the kernel is given (6-, 4-, 2- and 1-row passes and their mixes), out_features not a multiple
+    of the panel width (padding columns dropped), with and without bias."""
     g = torch.Generator().manual_seed(n * 1000 + k)
     w = torch.randn(n, k, generator=g) * 0.05
     b = torch.randn(n, generator=g)
     panels = cpu_small_gemm.pack(w)
     assert panels.shape == (-(-n // cpu_small_gemm.PANEL), k, cpu_small_gemm.PANEL)
-    for rows in range(1, cpu_small_gemm.MAX_ROWS + 1):
+    for rows in range(1, cpu_small_gemm.VOCAB_MAX_ROWS + 1):
         x = torch.randn(rows, k, generator=g)
         ref = F.linear(x.double(), w.double())
         y = cpu_small_gemm.linear(x, panels, n)
@@ -28,6 +28,18 @@ def test_linear_matches_float64_reference(n, k):
         tol = 1e-6 * max(1.0, k ** 0.5)
         assert (y.double() - ref).abs().max().item() < tol
         assert (yb.double() - ref - b.double()).abs().max().item() < tol + 1e-6
+
+
+def test_a_rows_values_do_not_depend_on_the_batch_around_it():
+    """Each pass sums a row in the same order, so a row computed alone, in a 6-row pass or in any mix equals itself
+    bit for bit (batch invariance: a sequence's greedy tokens do not depend on what else is in the step)."""
+    g = torch.Generator().manual_seed(5)
+    w = torch.randn(200, 150, generator=g) * 0.05
+    panels = cpu_small_gemm.pack(w)
+    x = torch.randn(cpu_small_gemm.VOCAB_MAX_ROWS, 150, generator=g)
+    alone = torch.cat([cpu_small_gemm.linear(x[i:i + 1], panels, 200) for i in range(x.shape[0])])
+    for rows in (2, 5, 6, 7, 13, 17, cpu_small_gemm.VOCAB_MAX_ROWS):
+        assert torch.equal(cpu_small_gemm.linear(x[:rows], panels, 200), alone[:rows])
 
 
 def test_linear_reads_strided_inputs_and_rejects_a_wrong_width():
@@ -52,8 +64,8 @@ def test_applies_only_to_few_float32_rows_on_one_thread(one_thread):
 
 
 def test_packed_linear_and_vocab_projection_take_the_kernel_for_decode_rows(one_thread, monkeypatch):
-    """Linear (after pack_cpu) and VocabProjection route 1-8 fp32 rows through the kernel and larger batches through
-    oneDNN; both paths equal F.linear within rounding."""
+    """Linear (after pack_cpu) routes 1-MAX_ROWS fp32 rows through the kernel, VocabProjection 1-VOCAB_MAX_ROWS, and
+    larger batches through oneDNN; both paths equal F.linear within rounding."""
     torch.manual_seed(0)
     lin = Linear(64, 96, bias=True)
     with torch.no_grad():
@@ -66,10 +78,10 @@ def test_packed_linear_and_vocab_projection_take_the_kernel_for_decode_rows(one_
     real = cpu_small_gemm.linear
     monkeypatch.setattr(cpu_small_gemm, "linear", lambda *a, **kw: calls.append(a[0].shape[0]) or real(*a, **kw))
     with torch.inference_mode():
-        for rows in (1, 3, 8, 9, 40):
+        for rows in (1, 3, 16, 17, 32, 33):
             x = torch.randn(rows, 64)
             assert (lin(x) - F.linear(x, lin.weight, lin.bias)).abs().max().item() < 1e-5
             assert (vp(x) - F.linear(x, lin.weight)).abs().max().item() < 1e-5
-    assert calls == [1, 1, 3, 3, 8, 8]
+    assert calls == [1, 1, 3, 3, 16, 16, 17, 32]
     lin.unpack_cpu()
     assert lin.cpu_panels is None and lin.cpu_packed is None

@@ -111,18 +111,21 @@ def main() -> None:
     ap.add_argument("--model", required=True)
     ap.add_argument("--prompt-len", type=int, default=256)
     ap.add_argument("--steps", type=int, default=40)
+    ap.add_argument("--batch", type=int, default=1, help="concurrent requests decoding together (N)")
     ap.add_argument("--bare", action="store_true", help="step times only (runs on any tree: no instrumentation)")
     ap.add_argument("--ab", action="store_true", help="also time steps with the model's decode_stack off, alternated")
     ap.add_argument("--gbps", type=float, default=0.0, help="0: measure the plain-sum bandwidth here")
     args = ap.parse_args()
-    eng = LLMEngine(args.model, dtype=torch.float32, num_blocks=-(-(args.prompt_len + 4 * args.steps + 64) // 16) + 8,
-                    block_size=16, max_num_seqs=1, max_num_batched_tokens=2048, enforce_eager=True, num_threads=1)
+    n_req = args.batch
+    eng = LLMEngine(args.model, dtype=torch.float32,
+                    num_blocks=n_req * (-(-(args.prompt_len + 4 * args.steps + 64) // 16) + 1) + 8,
+                    block_size=16, max_num_seqs=n_req, max_num_batched_tokens=2048, enforce_eager=True, num_threads=1)
     gbps = args.gbps or (1.0 if args.bare else measure_bw())
     params = SamplingParams(temperature=0.0, max_tokens=4 * args.steps + 8, ignore_eos=True)
-    eng.add_request([(7 * t) % 30000 + 10 for t in range(args.prompt_len)], params)
-    eng.step()   # prefill
-    for _ in range(4):
-        eng.step()
+    for r in range(n_req):
+        eng.add_request([(7 * t + 13 * r) % 30000 + 10 for t in range(args.prompt_len)], params)
+    while any(s.num_output_tokens < 4 for s in eng.scheduler.running) or eng.scheduler.waiting:
+        eng.step()   # prefill (chunked at 2,048 tokens a step) and a few decode steps
     bare, bare_cpu = [], []
     for _ in range(args.steps):
         t0, c0 = time.perf_counter(), time.process_time()
@@ -130,7 +133,7 @@ def main() -> None:
         bare.append((time.perf_counter() - t0) * 1e3)
         bare_cpu.append((time.process_time() - c0) * 1e3)
     if args.bare:
-        print(f"bare {args.model} P={args.prompt_len}: step median {statistics.median(bare):.3f} ms, P90 "
+        print(f"bare {args.model} P={args.prompt_len} N={n_req}: step median {statistics.median(bare):.3f} ms, P90 "
               f"{sorted(bare)[int(0.9 * (len(bare) - 1))]:.3f} ms, cpu median {statistics.median(bare_cpu):.3f} ms")
         return
     if args.ab:
@@ -158,7 +161,7 @@ def main() -> None:
         wrapped.append((time.perf_counter() - t0) * 1e3)
     n = args.steps
     step = statistics.median(bare)
-    print(f"model {args.model}  P={args.prompt_len}  plain-sum bandwidth {gbps:.1f} GB/s")
+    print(f"model {args.model}  P={args.prompt_len}  N={n_req}  plain-sum bandwidth {gbps:.1f} GB/s")
     print(f"step (bare) median {step:.3f} ms  cpu {statistics.median(bare_cpu):.3f} ms   wrapped median "
           f"{statistics.median(wrapped):.3f} ms (mean {statistics.mean(wrapped):.3f})")
     print(f"{'part':40s} {'ms/step':>8s} {'calls':>6s} {'share':>6s} {'stream ms':>9s}")

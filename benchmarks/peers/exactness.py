@@ -23,6 +23,7 @@ def main() -> None:
     ap.add_argument("--prompt", type=int, default=300)
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--chunk", type=int, default=128, help="prefill in chunks of this many tokens (0: whole)")
+    ap.add_argument("--batch", type=int, default=2, help="sequences decoding together (prompts of different lengths)")
     args = ap.parse_args()
     dtype = getattr(torch, args.dtype)
     torch.set_num_threads(1)
@@ -33,9 +34,11 @@ def main() -> None:
             hf = transformers.AutoModelForCausalLM.from_pretrained(d, dtype=dtype, attn_implementation="sdpa").eval()
             hf64 = transformers.AutoModelForCausalLM.from_pretrained(d, dtype=torch.float64,
                                                                      attn_implementation="sdpa").eval()
-        runner = ModelRunner(model, cfg, num_blocks=64, block_size=16)
+        runner = ModelRunner(model, cfg, num_blocks=args.batch * (-(-(args.prompt + args.steps + 1) // 16) + 1) + 8,
+                             block_size=16, max_num_seqs=max(64, args.batch))
         ids = torch.randint(10, min(cfg.vocab_size, 32000), (args.prompt,), generator=torch.Generator().manual_seed(1))
-        seqs = [Sequence("a", ids.tolist()), Sequence("b", ids.tolist()[: args.prompt // 2])]
+        seqs = [Sequence(f"s{i}", ids.tolist()[: args.prompt - i * args.prompt // (2 * args.batch)])
+                for i in range(args.batch)]
         for s in seqs:
             assert runner.prepare(s)
         worst, same, ours64, hf_64 = 0.0, True, 0.0, 0.0
@@ -57,7 +60,7 @@ def main() -> None:
                 hf_64 = max(hf_64, (ref - exact).abs().max().item())
                 same &= int(row.argmax()) == int(ref.argmax())
         print(f"{name} {args.dtype}: max |logit diff| vs transformers {worst:.2e} over a {args.prompt}-token prefill "
-              f"(chunks of {args.chunk}) + {args.steps} decode steps, batch 2; argmax equal: {same}; vs float64 "
+              f"(chunks of {args.chunk}) + {args.steps} decode steps, batch {args.batch}; argmax equal: {same}; vs float64 "
               f"transformers: ours {ours64:.2e}, transformers {args.dtype} {hf_64:.2e}", flush=True)
 
 

@@ -1,4 +1,4 @@
-"""The decoder stack of a decode step on CPU (float32, 1-8 one-token rows, 1 thread) as compiled kernels over numpy
+"""The decoder stack of a decode step on CPU (float32, 1-16 one-token rows, 1 thread) as compiled kernels over numpy
 views, with no torch op between them.
 
 Why: at one row a layer's arithmetic is a few microseconds beside its weight stream, and the rest of its time is

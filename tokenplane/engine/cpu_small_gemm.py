@@ -1,4 +1,5 @@
-"""Few-row float32 linear on CPU (decode steps: 1-8 rows): one compiled pass over a panel-packed copy of the weight.
+"""Few-row float32 linear on CPU (decode steps: 1-16 rows; vocabulary projections: 1-32): one compiled pass over a
+panel-packed copy of the weight.
 
 Why a kernel of our own: at a handful of rows a linear is a stream over its weight matrix, and the step's time is how
 fast that stream runs. On this machine (1 thread, AVX2, cold weights as in a decode step) oneDNN's packed path
@@ -6,17 +7,21 @@ fast that stream runs. On this machine (1 thread, AVX2, cold weights as in a dec
 (vLLM's own oneDNN build: 16 ms; a plain sum over the same 311 MB: 15 ms), and a 1024 x 512 layer at 0.09-0.16 ms.
 This kernel reads each weight panel once for all rows, keeps every row's partial sums in vector registers, and
 prefetches the panel stream ahead: 11-14 ms at 1-4 rows for the vocabulary matrix; on the layer shapes (3072 x 512,
-512 x 1536, 1024 x 512, 512 x 512) 1.15x (8 rows) to 2x and more (1 row) faster than oneDNN. From 16 rows on it is
-compute-bound (it neither blocks over k nor reuses the weight vectors across more than 4 rows) and oneDNN is faster
-(42 vs 29 ms at 16 rows on the vocabulary matrix), so callers keep oneDNN there.
+512 x 1536, 1024 x 512, 512 x 512) 1.15x (8 rows) to 2x and more (1 row) faster than oneDNN. Past 8 rows the 6-row
+pass (12 accumulators, FMA-bound) carries it: on a 151936 x 256 vocabulary matrix (cold, 1 thread, process CPU time)
+12 / 16 / 24 / 32 rows took 27 / 34 / 45 / 54 ms against oneDNN's 41 / 42 / 55 / 64 ms, parity at 48, oneDNN ahead
+at 64 in one of two runs; on layer shapes (3072 x 576, 576 x 1536, 960 x 576, 1536 x 256, 512 x 256; warm) it was
+faster at 12-16 rows on all of them and slower on the two small-k ones from 24 rows
+(benchmarks/results/small_gemm_rows.md). Hence two limits: MAX_ROWS for layers, VOCAB_MAX_ROWS for the vocabulary.
 
 Layout: weight [N, K] -> panels [ceil(N / 16), K, 16] (16 output columns, contiguous along k), zero-padded past N.
-A pass over one panel computes 4, 2 or 1 rows x 16 columns into 8, 4 or 2 vector registers (<8 x float>, emitted
-through llvmlite because numba has no vector type), so an 8-row batch reads each panel from memory once and from L1
-the second time.
+A pass over one panel computes 6, 4, 2 or 1 rows x 16 columns into 12, 8, 4 or 2 vector registers (<8 x float>,
+emitted through llvmlite because numba has no vector type), so the panel is read from memory once and from L1/L2 for
+every further pass.
 
 Numerics: every output is sum_k x[m, k] * w[n, k] in float32: blocks of 64 k steps accumulated in registers with
-fused multiply-adds, each block's sum then added to the output, the bias added last. One chain over all of k instead
+fused multiply-adds, each block's sum then added to the output, the bias added last; the same order in every pass, so
+a row's values do not depend on the row count or on which pass computed it. One chain over all of k instead
 made SmolLM2-135M's logits drift past 1e-4 from transformers' (benchmarks/peers/exactness.py: 1.01e-4; its error
 against a float64 reference on 4 x 576..1536 inputs was 1.5-3.3e-5, oneDNN's 1.2-1.8e-5, MKL's 0.6-0.8e-5); blocked
 by 64 it is 2.4-4.1e-6. F.linear, oneDNN and MKL sum in other orders, so results differ from theirs in the last bits.
@@ -33,7 +38,8 @@ from numba.core import cgutils
 from numba.extending import intrinsic, models, register_model
 
 PANEL = 16            # output columns per panel: two 8-float vectors
-MAX_ROWS = 8          # measured no slower than oneDNN up to 8 rows; at 16 oneDNN is faster (docstring)
+MAX_ROWS = 16         # layers: faster than oneDNN up to 16 rows on every measured shape (docstring)
+VOCAB_MAX_ROWS = 32   # vocabulary projections: faster up to 32 rows, parity at 48 (docstring)
 K_BLOCK = 64          # k steps summed in registers before they are added to the output (see Numerics)
 PREFETCH = 1024       # floats ahead of the panel stream (64 k-steps, 4 KiB): at 4 rows 15-30% faster than none here
 
@@ -136,6 +142,63 @@ def _acc8(out, index, value, first):  # noqa: ANN001
 
 
 @njit(inline="always")
+def _pass6(x, k_dim, m, wp, wbase, last, out, n_out, col):  # noqa: ANN001
+    """out[m : m + 6, col : col + 16] = x[m : m + 6] @ panel: 12 accumulators, 2 panel loads and 6 broadcasts for 12
+    FMAs a k step (FMA-bound on AVX2's 16 vector registers; the 4-row pass is load-bound)."""
+    x0 = m * k_dim
+    o = m * n_out + col
+    for k0 in range(0, k_dim, K_BLOCK):
+        a00 = _zero8()
+        a01 = _zero8()
+        a10 = _zero8()
+        a11 = _zero8()
+        a20 = _zero8()
+        a21 = _zero8()
+        a30 = _zero8()
+        a31 = _zero8()
+        a40 = _zero8()
+        a41 = _zero8()
+        a50 = _zero8()
+        a51 = _zero8()
+        for k in range(k0, min(k0 + K_BLOCK, k_dim)):
+            wi = wbase + k * PANEL
+            _prefetch(wp, min(wi + PREFETCH, last))
+            w0 = _load8(wp, wi)
+            w1 = _load8(wp, wi + 8)
+            b = _splat8(x, x0 + k)
+            a00 = _fma8(b, w0, a00)
+            a01 = _fma8(b, w1, a01)
+            b = _splat8(x, x0 + k_dim + k)
+            a10 = _fma8(b, w0, a10)
+            a11 = _fma8(b, w1, a11)
+            b = _splat8(x, x0 + 2 * k_dim + k)
+            a20 = _fma8(b, w0, a20)
+            a21 = _fma8(b, w1, a21)
+            b = _splat8(x, x0 + 3 * k_dim + k)
+            a30 = _fma8(b, w0, a30)
+            a31 = _fma8(b, w1, a31)
+            b = _splat8(x, x0 + 4 * k_dim + k)
+            a40 = _fma8(b, w0, a40)
+            a41 = _fma8(b, w1, a41)
+            b = _splat8(x, x0 + 5 * k_dim + k)
+            a50 = _fma8(b, w0, a50)
+            a51 = _fma8(b, w1, a51)
+        first = k0 == 0
+        _acc8(out, o, a00, first)
+        _acc8(out, o + 8, a01, first)
+        _acc8(out, o + n_out, a10, first)
+        _acc8(out, o + n_out + 8, a11, first)
+        _acc8(out, o + 2 * n_out, a20, first)
+        _acc8(out, o + 2 * n_out + 8, a21, first)
+        _acc8(out, o + 3 * n_out, a30, first)
+        _acc8(out, o + 3 * n_out + 8, a31, first)
+        _acc8(out, o + 4 * n_out, a40, first)
+        _acc8(out, o + 4 * n_out + 8, a41, first)
+        _acc8(out, o + 5 * n_out, a50, first)
+        _acc8(out, o + 5 * n_out + 8, a51, first)
+
+
+@njit(inline="always")
 def _pass4(x, k_dim, m, wp, wbase, last, out, n_out, col):  # noqa: ANN001
     """out[m : m + 4, col : col + 16] = x[m : m + 4] @ panel, the panel starting at wp[wbase]."""
     x0 = m * k_dim
@@ -229,6 +292,9 @@ def _gemm(x, rows, k_dim, wp, panels, out, n_out):  # noqa: ANN001
         wbase = p * k_dim * PANEL
         col = p * PANEL
         m = 0
+        while rows - m >= 6:
+            _pass6(x, k_dim, m, wp, wbase, last, out, n_out, col)
+            m += 6
         while rows - m >= 4:
             _pass4(x, k_dim, m, wp, wbase, last, out, n_out, col)
             m += 4
@@ -278,4 +344,4 @@ def linear(x: torch.Tensor, panels: torch.Tensor, out_features: int, bias: torch
     return out
 
 
-__all__ = ["MAX_ROWS", "PANEL", "applies", "available", "linear", "pack"]
+__all__ = ["MAX_ROWS", "PANEL", "VOCAB_MAX_ROWS", "applies", "available", "linear", "pack"]

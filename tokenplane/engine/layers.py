@@ -55,7 +55,7 @@ class Linear(nn.Linear):
 
     # Plain attributes, not buffers: state_dict() stays the weights only.
     cpu_packed: torch.Tensor | None = None
-    cpu_panels: torch.Tensor | None = None   # fp32: cpu_small_gemm's copy, for 1-8 row inputs (decode)
+    cpu_panels: torch.Tensor | None = None   # fp32: cpu_small_gemm's copy, for 1-16 row inputs (decode)
 
     def reset_parameters(self) -> None:
         pass
@@ -66,7 +66,7 @@ class Linear(nn.Linear):
             self.unpack_cpu()
             return
         self.cpu_packed = cpu_pack(w)
-        # Decode-sized fp32 inputs (1-8 rows, 1 thread) stream the weight through cpu_small_gemm's panel copy:
+        # Decode-sized fp32 inputs (1-16 rows, 1 thread) stream the weight through cpu_small_gemm's panel copy:
         # 1.15x (8 rows) to 2x+ (1 row) faster than oneDNN's packed path on the layer shapes measured there (and
         # than the transposed-copy x @ W^T it replaces for one row). Costs one more copy of the narrowing layers.
         self.cpu_panels = cpu_small_gemm.pack(w) if cpu_small_gemm.available(w) else None
@@ -85,9 +85,10 @@ class Linear(nn.Linear):
 
 class VocabProjection:
     """hidden [B, H] -> logits [B, V] on CPU, the step's largest GEMM for small models. Decode-sized fp32 batches
-    (1-8 rows, 1 thread): cpu_small_gemm's panel copy streams the matrix at memory speed (151936 x 512 fp32: 11-14 ms
-    at 1-4 rows, vs 15-20 ms on oneDNN's packed copy and 16 ms for x @ W^T over a transposed copy at one row); more
-    rows, bf16, or more threads: oneDNN's packed copy (see `cpu_pack`). Holds two copies of the matrix."""
+    (1-32 rows, 1 thread): cpu_small_gemm's panel copy streams the matrix at memory speed (151936 x 512 fp32: 11-14 ms
+    at 1-4 rows, vs 15-20 ms on oneDNN's packed copy and 16 ms for x @ W^T over a transposed copy at one row) and
+    stays ahead of oneDNN up to 32 rows (cpu_small_gemm's docstring); more rows, bf16, or more threads: oneDNN's packed
+    copy (see `cpu_pack`). Holds two copies of the matrix."""
 
     def __init__(self, weight: torch.Tensor) -> None:
         self.out_features = weight.shape[0]
@@ -95,7 +96,7 @@ class VocabProjection:
         self.packed = cpu_pack(weight)
 
     def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
-        if self.panels is not None and cpu_small_gemm.applies(hidden):
+        if self.panels is not None and cpu_small_gemm.applies(hidden, cpu_small_gemm.VOCAB_MAX_ROWS):
             return cpu_small_gemm.linear(hidden, self.panels, self.out_features)
         return cpu_packed_linear(hidden, self.packed, None)
 

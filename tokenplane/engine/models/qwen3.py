@@ -97,7 +97,7 @@ class DecoderModel(nn.Module):
     # CPU fp32/fp64: residual adds fused into the next RMSNorm (cpu_fused_norm.py); a plain attribute so a benchmark
     # can compare both paths on one model.
     fused_norm = True
-    # CPU fp32 decode steps of 1-8 rows: the whole stack as compiled kernels over arrays (cpu_decode_stack.py)
+    # CPU fp32 decode steps of 1-16 rows: the whole stack as compiled kernels over arrays (cpu_decode_stack.py)
     decode_stack = True
     prune_rows = True   # False: compute every row through the last layer, then select (the pre-pruning path)
 

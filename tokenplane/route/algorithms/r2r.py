@@ -38,7 +38,7 @@ BATCH_MARGIN = 1e-4
 
 class StreamedLinear(nn.Linear):
     """nn.Linear (same parameters, same seeded init) that streams a panel copy of its weight for decode-sized fp32
-    inputs (1-8 rows, 1 thread: engine/cpu_small_gemm.py) once `stream()` made it. At the official size the router
+    inputs (1 thread: engine/cpu_small_gemm.py) once `stream()` made it. At the official size the router
     reads ~200 MB of weights per step; MKL's F.linear streamed them at ~6 GB/s here (~32 ms per step at 2-3 rows),
     the panel kernel at memory speed (its error against float64 is below oneDNN's and MKL's; see that module)."""
 
