@@ -8,11 +8,10 @@ fast that stream runs. On this machine (1 thread, AVX2, cold weights as in a dec
 This kernel reads each weight panel once for all rows, keeps every row's partial sums in vector registers, and
 prefetches the panel stream ahead: 11-14 ms at 1-4 rows for the vocabulary matrix; on the layer shapes (3072 x 512,
 512 x 1536, 1024 x 512, 512 x 512) 1.15x (8 rows) to 2x and more (1 row) faster than oneDNN. Past 8 rows the 6-row
-pass (12 accumulators, FMA-bound) carries it: on a 151936 x 256 vocabulary matrix (cold, 1 thread, process CPU time)
-12 / 16 / 24 / 32 rows took 27 / 34 / 45 / 54 ms against oneDNN's 41 / 42 / 55 / 64 ms, parity at 48, oneDNN ahead
-at 64 in one of two runs; on layer shapes (3072 x 576, 576 x 1536, 960 x 576, 1536 x 256, 512 x 256; warm) it was
-faster at 12-16 rows on all of them and slower on the two small-k ones from 24 rows
-(benchmarks/results/small_gemm_rows.md). Hence two limits: MAX_ROWS for layers, VOCAB_MAX_ROWS for the vocabulary.
+pass (12 accumulators, FMA-bound) carries it (benchmarks/results/small_gemm_rows.md; 1 thread, process CPU time,
+alternated, load 2-4): on the three vocabulary shapes (151936 x 256 / 512, 49152 x 576; cold) 1.11-1.37x faster than
+oneDNN at 12-32 rows, 0.96-1.06x at 48-64; on five layer shapes (warm) 1.08-1.63x at 12-16 rows and 0.88-1.35x at 24-32.
+Hence two limits: MAX_ROWS for layers, VOCAB_MAX_ROWS for the vocabulary.
 
 Layout: weight [N, K] -> panels [ceil(N / 16), K, 16] (16 output columns, contiguous along k), zero-padded past N.
 A pass over one panel computes 6, 4, 2 or 1 rows x 16 columns into 12, 8, 4 or 2 vector registers (<8 x float>,
