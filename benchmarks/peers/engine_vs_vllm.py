@@ -66,7 +66,11 @@ def worker_main(args: argparse.Namespace) -> None:
 
         def generate(prompts, max_tokens):
             return eng.generate(prompts, SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True))
-    generate([[1, 2, 3, 4]], 2)   # warm-up
+    # Warm-up on both engines, shaped to reach every kernel a cell uses (multi-token prefill rows, a decode step of
+    # more than 8 rows): tokenplane's numba kernels compile on first use in a fresh tree (~10 s), which must not land
+    # in a measured run.
+    generate([[1, 2, 3, 4]], 2)
+    generate([[10 + (7 * i + j) % 1000 for i in range(48 + j)] for j in range(9)], 3)
     print(MARK + json.dumps({"ready": True}), flush=True)
     for line in sys.stdin:
         req = json.loads(line)
