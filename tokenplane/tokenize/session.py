@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Collection, Literal
 
 import numpy as np
 
-from .cpu import boundary
+from .cpu import boundary, nfc
 from .errors import SessionError, StaleRevisionError, TextTooLargeError, validate_text  # noqa: F401
 from .nfcmap import MappedText, NfcMap, build_map
 from .records import Records
@@ -52,6 +52,7 @@ if TYPE_CHECKING:   # type names only: tokenizer.py imports this module, never t
 # acceptance), and a real-trace append's window (~1.3K new characters P50) encodes ~15% less than at 512.
 DEFAULT_WINDOW = 256
 MAX_WIDENINGS = 5
+_INERT_SCAN = 1 << 14      # appended non-ASCII text up to this long is checked for NFC-inert code points
 _NFC_REACH = 1 << 16        # how far an NFC split point (an ASCII character) is searched for before a full renormalize
 
 
@@ -301,6 +302,15 @@ class Session:
             new = SplicedText(self._raw, L0, text, L0)
             self._repair(plan, new, L0, new.length, no_specials)
             return plan
+        if self._nmap is not None and self._inert_text(text):
+            # NFC with a map (no literals), appending text of inert code points only: NFC(raw + text) ==
+            # NFC(raw) + text (cpu/nfc.py), so the map stands and the normalized text grows by `text` alone
+            norm = self._normtext
+            N0 = len(norm)
+            plan = _Plan(raw_change=Append(text), norm_change=None, lits=None)
+            new = SplicedText(norm, N0, text, N0)
+            self._repair(plan, new, N0, new.length, no_specials)
+            return plan
         norm = self._normtext
         N0 = len(norm)
         struct_raw = L0                         # first raw position whose segmentation may differ
@@ -381,6 +391,12 @@ class Session:
 
         self._repair(plan, new, d, new.length, specials)
         return plan
+
+    @staticmethod
+    def _inert_text(text: str) -> bool:
+        """Every code point of `text` is inert under NFC (ASCII always is; a longer non-ASCII text takes the general
+        plan, whose NFC split is cheaper than a table gather over all of it)."""
+        return text.isascii() or (len(text) <= _INERT_SCAN and nfc.all_inert(text))
 
     def _plan_edit(self, start: int, end: int, replacement: str) -> _Plan:
         raw_len = len(self._raw)
