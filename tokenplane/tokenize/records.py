@@ -312,12 +312,12 @@ class Records:
 
     def _move(self, keep: int, n_mid: int, right_from: int, n_right: int, new_n: int) -> None:
         """The right part to its new place: one memmove in place, or a copy into larger arrays."""
+        cap = new_n + min(new_n // GROWTH, MAX_SLACK) + 16
+        if new_n > len(self.buf) and not n_right and self._grow_in_place(cap):
+            return          # (before any local name holds the buffer: the resize's refcheck counts them)
         buf = self.buf
         dst = keep + n_mid
         if new_n > len(buf):
-            cap = new_n + min(new_n // GROWTH, MAX_SLACK) + 16
-            if not n_right and self._grow_in_place(cap):
-                return
             grown = np.empty(cap, np.uint32)
             grown[:keep] = buf[:keep]
             grown[dst:new_n] = buf[right_from:right_from + n_right]

@@ -166,7 +166,8 @@ class WindowRepair:
         call declines (the general loop then decides from its first attempt) or no CPU window kernel applies."""
         new_len = new.length
         # the window starts at a clean boundary at or before d - window: text from d - 2 * window covers it unless
-        # the tokens there are long (or, for NFC, not ASCII for long); then the call declines
+        # the tokens there are long (or, for NFC, not ASCII for long); then the call declines, unless it reads the
+        # whole new text (sync's resent str: no slice, no copy)
         base = max(0, d - 2 * self.window)
         if new_len - base >= SEGMENTS_MAX_CHARS:
             return None
@@ -176,7 +177,10 @@ class WindowRepair:
         if self.nfc and self._inert is None:
             self._inert = nfc.inert_table()
         fn = append_encoder(cpu.bpe, self.family, self.token_chars, self.search, self._inert)
-        text = new.slice(base, new_len)
+        if new.whole is not None:
+            text, base = new.whole, 0
+        else:
+            text = new.slice(base, new_len)
         t0 = time.perf_counter()
         status, keep, mid_ids, mid_ends = fn(text, base, d, self.window, rec.buf, rec.ck, rec.ex_i, rec.ex_v, rec.n)
         # the fused call's time counts as the window encode (the splice search and compare inside it are a few us);

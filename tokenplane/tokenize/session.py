@@ -212,6 +212,11 @@ class Session:
     def append(self, text: str | bytes, *, expect_revision: int | None = None) -> Splice:
         """Append raw text; returns the splice that turns the previous IDs into the new ones."""
         self._check_revision(expect_revision)
+        return self._append(text, None)
+
+    def _append(self, text: str | bytes, whole: str | None) -> Splice:
+        """`append` after the revision check; `whole`: the whole new raw text as one str when the caller holds it
+        (sync's resent text), so the repair window is read from it in place."""
         text = validate_text(text, self.tokenizer.max_chars)
         if len(self._raw) + len(text) > self.tokenizer.max_chars:
             raise TextTooLargeError(f"session would hold {len(self._raw) + len(text):,} characters; "
@@ -220,7 +225,7 @@ class Session:
             return Splice(self._rec.n, np.zeros(0, np.uint32), self.revision, "noop")
         t0 = time.perf_counter()
         self.stats.last_encode_s = 0.0
-        plan = self._plan_append(text)
+        plan = self._plan_append(text, whole)
         return self._commit(plan, t0)
 
     def edit(self, start: int, end: int, replacement: str | bytes = "", *,
@@ -262,7 +267,7 @@ class Session:
             full_text = validate_text(full_text, self.tokenizer.max_chars)    # bytes: decoding validates them
         length = len(self._raw)
         if self._raw.is_prefix_of(full_text):
-            return self.append(full_text[length:])
+            return self._append(full_text[length:], full_text)
         cp = self._raw.common_prefix(full_text)
         cs = self._raw.common_suffix(full_text, min(length, len(full_text)) - cp)
         return self.edit(cp, length - cs, full_text[cp:len(full_text) - cs])
@@ -293,13 +298,13 @@ class Session:
                 for a, b, lit in self.tokenizer.special_matches(text)]
 
     # -- planning -------------------------------------------------------------------------------------------------
-    def _plan_append(self, text: str) -> _Plan:
+    def _plan_append(self, text: str, whole: str | None = None) -> _Plan:
         L0 = len(self._raw)
         if not self._nfc and not self._literals and self._norm is None:
             # the common append (no normalizer, no allowed literals: normalized text == raw text): the general plan
             # below with every literal and NFC step empty, without building them
             plan = _Plan(raw_change=Append(text), norm_change=None, lits=None)
-            new = SplicedText(self._raw, L0, text, L0)
+            new = SplicedText(self._raw, L0, text, L0, whole)
             self._repair(plan, new, L0, new.length, no_specials)
             return plan
         if self._nmap is not None and self._inert_text(text):
@@ -308,7 +313,7 @@ class Session:
             norm = self._normtext
             N0 = len(norm)
             plan = _Plan(raw_change=Append(text), norm_change=None, lits=None)
-            new = SplicedText(norm, N0, text, N0)
+            new = SplicedText(norm, N0, text, N0, None if len(self._nmap) else whole)   # no region: raw == NFC
             self._repair(plan, new, N0, new.length, no_specials)
             return plan
         norm = self._normtext
