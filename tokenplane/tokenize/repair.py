@@ -4,7 +4,8 @@ Given the new normalized text, equal to the old one on [0, d) and on [e_new, end
 window of fresh tokens around the change is encoded and spliced onto the cached records only at points splice.py
 certifies (a clean boundary of both inside an agreeing run, or a hard boundary). Otherwise the window doubles, up to
 `max_widenings` times, and finally the whole text is encoded. The result is a `RecordSplice`, a value the session
-commits to its records (records.py).
+commits to its records (records.py). The first attempt of an append without allowed literals (the common call on
+agent traffic) runs as one compiled call (cpu/appendwin.py: same steps, same answer); what it declines starts here.
 """
 
 from __future__ import annotations
