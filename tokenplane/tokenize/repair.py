@@ -4,7 +4,8 @@ Given the new normalized text, equal to the old one on [0, d) and on [e_new, end
 window of fresh tokens around the change is encoded and spliced onto the cached records only at points splice.py
 certifies (a clean boundary of both inside an agreeing run, or a hard boundary). Otherwise the window doubles, up to
 `max_widenings` times, and finally the whole text is encoded. The result is a `RecordSplice`, a value the session
-commits to its records (records.py).
+commits to its records (records.py). The first attempt of an append without allowed literals (the common call on
+agent traffic) runs as one compiled call (cpu/appendwin.py: same steps, same answer); what it declines starts here.
 """
 
 from __future__ import annotations
@@ -15,10 +16,11 @@ from typing import TYPE_CHECKING, Callable, Literal
 
 import numpy as np
 
-from .cpu import boundary
+from .cpu import appendwin, boundary, nfc, pretokenize
+from .cpu.appendwin import append_encoder
 from .cpu.segments import with_literals
 from .records import Records
-from .router import encode_segments_on
+from .router import SEGMENTS_MAX_CHARS, encode_segments_on, segment_encoder
 from .splice import Point
 from .textstore import SplicedText, TextReader
 
@@ -79,7 +81,7 @@ class WindowRepair:
     records, text, encoder path, counters) comes with each call."""
 
     __slots__ = ("tokenizer", "rule", "window", "max_widenings", "nfc", "literals", "is_special", "search",
-                 "token_chars")
+                 "token_chars", "fused", "family", "_inert")
 
     def __init__(self, tokenizer: Tokenizer, allowed_special: frozenset[str], rule: boundary.BoundaryRule | None, *,
                  window: int, max_widenings: int):
@@ -91,6 +93,12 @@ class WindowRepair:
         self.is_special = tokenizer.special_mask(allowed_special)
         self.search = tokenizer.splice_search(rule)
         self.token_chars = tokenizer.vocab_facts.token_chars
+        # the fused first window of an append (cpu/appendwin.py): families with a CPU window kernel, without allowed
+        # literals, and no normalizer or exactly NFC (its inert table proves a window is its own NFC)
+        self.fused = (rule is not None and not self.literals and (not self.nfc or tokenizer.plain_nfc)
+                      and pretokenize.supported(tokenizer.family))
+        self.family = tokenizer.family.name
+        self._inert: np.ndarray | None = None       # the NFC inert table, loaded on the first fused NFC repair
 
     @property
     def reference(self) -> ReferenceEngine:
@@ -102,8 +110,12 @@ class WindowRepair:
         new.delta), with the same literal segmentation there; windows encoded on `path` (its time is added to
         stats.last_encode_s)."""
         n = rec.n
-        out = RecordSplice(delta=new.delta)
         new_len = new.length
+        if n and self.fused and e_new >= new_len and path != "reference":
+            fast = self._fused_append(rec, new, d, path, stats)
+            if fast is not None:
+                return fast
+        out = RecordSplice(delta=new.delta)
         if n and self.rule is not None:
             stats.repairs += 1
             for attempt in range(self.max_widenings + 1):
@@ -147,6 +159,39 @@ class WindowRepair:
         out.keep, out.mid_ids, out.mid_ends = keep, f_ids[keep:], f_ends[keep:]
         out.right_from, out.path = n, "full"
         return out
+
+    def _fused_append(self, rec: Records, new: SplicedText, d: int, path: str, stats: SessionStats
+                      ) -> RecordSplice | None:
+        """The first attempt of `repair` for an append (the change reaches the text end, no literals) in one compiled
+        call (cpu/appendwin.py): the same window start, encode, splice search and kept-token compare; None when that
+        call declines (the general loop then decides from its first attempt) or no CPU window kernel applies."""
+        new_len = new.length
+        # the window starts at a clean boundary at or before d - window: text from d - 2 * window covers it unless
+        # the tokens there are long (or, for NFC, not ASCII for long); then the call declines, unless it reads the
+        # whole new text (sync's resent str: no slice, no copy)
+        base = max(0, d - 2 * self.window)
+        if new_len - base >= SEGMENTS_MAX_CHARS:
+            return None
+        cpu = segment_encoder(self.tokenizer.path(path), new_len - base)
+        if cpu is None:
+            return None
+        if self.nfc and self._inert is None:
+            self._inert = nfc.inert_table()
+        fn = append_encoder(cpu.bpe, self.family, self.token_chars, self.search, self._inert)
+        if new.whole is not None:
+            text, base = new.whole, 0
+        else:
+            text = new.slice(base, new_len)
+        t0 = time.perf_counter()
+        status, keep, mid_ids, mid_ends = fn(text, base, d, self.window, rec.buf, rec.ck, rec.ex_i, rec.ex_v, rec.n)
+        # the fused call's time counts as the window encode (the splice search and compare inside it are a few us);
+        # mid_ids / mid_ends are views of the thread's scratch, copied into the records at this mutation's commit
+        stats.last_encode_s += time.perf_counter() - t0
+        if status != appendwin.OK:
+            return None
+        stats.repairs += 1
+        stats.first_window_accepts += 1
+        return RecordSplice(keep, mid_ids, mid_ends, rec.n, new.delta, "window", 1)
 
     def _window_start(self, rec: Records, norm: TextReader, target: int) -> int:
         """A clean cached token boundary <= target (a character boundary no token straddles); ASCII for NFC."""

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Collection, Literal
 
 import numpy as np
 
-from .cpu import boundary
+from .cpu import boundary, nfc
 from .errors import SessionError, StaleRevisionError, TextTooLargeError, validate_text  # noqa: F401
 from .nfcmap import MappedText, NfcMap, build_map
 from .records import Records
@@ -52,6 +52,7 @@ if TYPE_CHECKING:   # type names only: tokenizer.py imports this module, never t
 # acceptance), and a real-trace append's window (~1.3K new characters P50) encodes ~15% less than at 512.
 DEFAULT_WINDOW = 256
 MAX_WIDENINGS = 5
+_INERT_SCAN = 1 << 14      # appended non-ASCII text up to this long is checked for NFC-inert code points
 _NFC_REACH = 1 << 16        # how far an NFC split point (an ASCII character) is searched for before a full renormalize
 
 
@@ -211,6 +212,11 @@ class Session:
     def append(self, text: str | bytes, *, expect_revision: int | None = None) -> Splice:
         """Append raw text; returns the splice that turns the previous IDs into the new ones."""
         self._check_revision(expect_revision)
+        return self._append(text, None)
+
+    def _append(self, text: str | bytes, whole: str | None) -> Splice:
+        """`append` after the revision check; `whole`: the whole new raw text as one str when the caller holds it
+        (sync's resent text), so the repair window is read from it in place."""
         text = validate_text(text, self.tokenizer.max_chars)
         if len(self._raw) + len(text) > self.tokenizer.max_chars:
             raise TextTooLargeError(f"session would hold {len(self._raw) + len(text):,} characters; "
@@ -219,7 +225,7 @@ class Session:
             return Splice(self._rec.n, np.zeros(0, np.uint32), self.revision, "noop")
         t0 = time.perf_counter()
         self.stats.last_encode_s = 0.0
-        plan = self._plan_append(text)
+        plan = self._plan_append(text, whole)
         return self._commit(plan, t0)
 
     def edit(self, start: int, end: int, replacement: str | bytes = "", *,
@@ -261,7 +267,7 @@ class Session:
             full_text = validate_text(full_text, self.tokenizer.max_chars)    # bytes: decoding validates them
         length = len(self._raw)
         if self._raw.is_prefix_of(full_text):
-            return self.append(full_text[length:])
+            return self._append(full_text[length:], full_text)
         cp = self._raw.common_prefix(full_text)
         cs = self._raw.common_suffix(full_text, min(length, len(full_text)) - cp)
         return self.edit(cp, length - cs, full_text[cp:len(full_text) - cs])
@@ -292,14 +298,23 @@ class Session:
                 for a, b, lit in self.tokenizer.special_matches(text)]
 
     # -- planning -------------------------------------------------------------------------------------------------
-    def _plan_append(self, text: str) -> _Plan:
+    def _plan_append(self, text: str, whole: str | None = None) -> _Plan:
         L0 = len(self._raw)
         if not self._nfc and not self._literals and self._norm is None:
             # the common append (no normalizer, no allowed literals: normalized text == raw text): the general plan
             # below with every literal and NFC step empty, without building them
             plan = _Plan(raw_change=Append(text), norm_change=None, lits=None)
-            new = SplicedText(self._raw, L0, text, L0)
+            new = SplicedText(self._raw, L0, text, L0, whole)
             self._repair(plan, new, L0, new.length, no_specials)
+            return plan
+        if self._nmap is not None and self._inert_text(text):
+            # NFC with a map (no literals), appending text of inert code points only: NFC(raw + text) ==
+            # NFC(raw) + text (cpu/nfc.py), so the map stands and the normalized text grows by `text` alone
+            norm = self._normtext
+            N0 = len(norm)
+            plan = _Plan(raw_change=Append(text), norm_change=None, lits=None)
+            new = SplicedText(norm, N0, text, N0, None if len(self._nmap) else whole)   # no region: raw == NFC
+            self._repair(plan, new, N0, new.length, no_specials)
             return plan
         norm = self._normtext
         N0 = len(norm)
@@ -381,6 +396,12 @@ class Session:
 
         self._repair(plan, new, d, new.length, specials)
         return plan
+
+    @staticmethod
+    def _inert_text(text: str) -> bool:
+        """Every code point of `text` is inert under NFC (ASCII always is; a longer non-ASCII text takes the general
+        plan, whose NFC split is cheaper than a table gather over all of it)."""
+        return text.isascii() or (len(text) <= _INERT_SCAN and nfc.all_inert(text))
 
     def _plan_edit(self, start: int, end: int, replacement: str) -> _Plan:
         raw_len = len(self._raw)

@@ -349,8 +349,9 @@ class TextReader(Protocol):
 class SplicedText:
     """The new normalized text as old[:d0] + mid + old[e_old:], read by slices without materializing it."""
 
-    def __init__(self, old: TextReader, d0: int, mid: str, e_old: int):
+    def __init__(self, old: TextReader, d0: int, mid: str, e_old: int, whole: str | None = None):
         self.old, self.d0, self.mid, self.e_old = old, d0, mid, e_old
+        self.whole = whole      # the whole new text as one str, when the caller holds it (sync): read in place
         self.m_end = d0 + len(mid)
         self.delta = self.m_end - e_old
         self.length = len(old) + self.delta
