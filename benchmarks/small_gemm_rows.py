@@ -93,7 +93,7 @@ def main() -> None:
                f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items())}
     with open(args.out + ".json", "w") as f:
         json.dump(res, f, indent=1)
-    lines = [f"# cpu_small_gemm vs oneDNN's packed linear by row count (fp32, 1 thread)", "",
+    lines = ["# cpu_small_gemm vs oneDNN's packed linear by row count (fp32, 1 thread)", "",
              f"{started}; load {load0:.1f} -> {res['load_after']:.1f}; `{res['command']}`; median of "
              f"{args.repeats} alternating timings, process CPU ms (P90 in brackets); vocabulary shapes one cold call, "
              f"layer shapes a loop of {args.inner} warm calls. Limits in use: MAX_ROWS {cpu_small_gemm.MAX_ROWS} "

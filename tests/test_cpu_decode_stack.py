@@ -99,3 +99,37 @@ def test_decode_stack_not_applicable():
     assert runner.prepare(s)
     meta = runner._metadata([s], [(0, 19)], list(range(19)), padded=False)
     assert not applies(torch.zeros(19, dtype=torch.long), meta)
+
+
+def test_decode_stack_matches_model_path_at_9_to_16_rows(monkeypatch):
+    """Decode steps of 9-16 rows (the row counts of routing steps at concurrency 16) run the compiled stack, with
+    the torch path's logits within float rounding and the same greedy tokens; past MAX_ROWS the torch path runs."""
+    from tokenplane.engine import cpu_small_gemm
+    torch.set_num_threads(1)
+    cfg, model = load_model("test-small", dtype=torch.float32, seed=1)
+    top = cpu_small_gemm.MAX_ROWS
+    calls = []
+    forward = cpu_decode_stack.DecodeStack.forward
+    monkeypatch.setattr(cpu_decode_stack.DecodeStack, "forward", lambda *a: calls.append(a[1].shape[0]) or forward(*a))
+    sizes = (9, 12, top, top + 1, top, 13)
+    results = {}
+    for on in (False, True):
+        model.model.decode_stack = on
+        runner = ModelRunner(model, cfg, num_blocks=256, block_size=16)
+        seqs = [Sequence(f"s{i}", [(11 * i + 3 * t) % 500 + 1 for t in range(9 + 5 * i)]) for i in range(top + 1)]
+        for s in seqs:
+            assert runner.prepare(s)
+        runner.run(seqs)
+        outs = []
+        for n in sizes:
+            batch = seqs[:n]
+            for s in batch:
+                s.append_token((n * 13 + s.num_tokens) % 500 + 1)
+                assert runner.prepare(s)
+            outs.append(runner.run(batch).logits)
+        results[on] = outs
+    model.model.decode_stack = True
+    assert calls == [n for n in sizes if n <= top]
+    for a, b in zip(results[False], results[True]):
+        assert (a - b).abs().max().item() <= 1e-5 * max(1.0, a.abs().max().item())
+        assert torch.equal(a.argmax(-1), b.argmax(-1))

@@ -8,7 +8,9 @@ sends) vs blocked on sockets. With TOKENPLANE_PROFILE_DIR set, each sub-server r
 functions by own time are printed (profiled timings are inflated; use an unprofiled run for the split).
 
     flock /tmp/bench.lock env PYTHONPATH=. python benchmarks/peers/profile_routing.py r_stitch 4 \\
-        '{"switch": 0.9957, "return": 0.9912}'
+        '{"switch": 0.9957, "return": 0.9912}' --out benchmarks/routing/results/profile_rstitch_c4
+
+--out PREFIX writes PREFIX.json (the figures, command, load, commit) and PREFIX.md (one table).
 """
 from __future__ import annotations
 
@@ -34,7 +36,10 @@ def main() -> None:
     ap.add_argument("concurrency", type=int)
     ap.add_argument("thresholds", type=json.loads, help="calibrated thresholds, JSON")
     ap.add_argument("--models-dir", default="/tmp/tokenplane-peer-models")
+    ap.add_argument("--out", help="write PREFIX.json and PREFIX.md")
     args = ap.parse_args()
+    load_before = os.getloadavg()
+    started = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     from routing_vs_vllm import PAIRS, RATES, load_prompts
     from vllm_http_engine import pin_process
 
@@ -69,15 +74,22 @@ def main() -> None:
     finally:
         rt.shutdown()
     toks = sum(len(o.token_ids) for o in outs)
-    print(f"{args.algorithm} C={C}: {toks / dt:.1f} tok/s, large share "
-          f"{sum(sum(o.token_models) for o in outs) / toks:.3f}")
+    large = sum(sum(o.token_models) for o in outs) / toks
+    print(f"{args.algorithm} C={C}: {toks / dt:.1f} tok/s, large share {large:.3f}")
+    models = []
     for m, (b, a) in enumerate(zip(before, after)):
         d = {k: a["counters"].get(k, 0) - b["counters"].get(k, 0)
              for k in ("steps", "batched_seqs", "step_time_s", "step_wall_s", "idle_s", "wall_s")}
         n = max(1, d["steps"])
-        print(f"m{m}: steps {d['steps']} rows/step {d['batched_seqs'] / n:.2f} run {d['step_time_s']:.2f}s "
+        d.update(rows_per_step=d["batched_seqs"] / n, run_ms_per_step=1e3 * d["step_time_s"] / n,
+                 step_ms_per_step=1e3 * d["step_wall_s"] / n,
+                 glue_ms_per_step=1e3 * (d["step_wall_s"] - d["step_time_s"]) / n)
+        models.append(d)
+        print(f"m{m}: steps {d['steps']} rows/step {d['rows_per_step']:.2f} run {d['step_time_s']:.2f}s "
               f"step {d['step_wall_s']:.2f}s idle {d['idle_s']:.2f}s wall {d['wall_s']:.2f}s; ms per step: run "
-              f"{1e3 * d['step_time_s'] / n:.1f}, whole step {1e3 * d['step_wall_s'] / n:.1f}")
+              f"{d['run_ms_per_step']:.1f}, whole step {d['step_ms_per_step']:.1f}")
+    if args.out:
+        write(args, C, toks / dt, large, toks, dt, models, load_before, started)
     prof = os.environ.get("TOKENPLANE_PROFILE_DIR")
     if prof:
         time.sleep(2)   # the sub-servers write their profiles as they exit
@@ -86,6 +98,32 @@ def main() -> None:
             pstats.Stats(f, stream=s).sort_stats("tottime").print_stats(25)
             print("==", f)
             print(s.getvalue().split("\n", 6)[-1])
+
+
+def write(args: argparse.Namespace, C: int, tok_s: float, large: float, toks: int, dt: float,
+          models: list[dict[str, Any]], load_before: tuple[float, float, float], started: str) -> None:
+    import subprocess
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                            cwd=Path(__file__).resolve().parent).stdout.strip()
+    cmd = "python " + " ".join(sys.argv)
+    res = {"command": cmd, "started": started, "commit": commit, "load_before": load_before,
+           "load_after": os.getloadavg(), "algorithm": args.algorithm, "concurrency": C,
+           "thresholds": args.thresholds, "requests": 4 * C, "tokens": toks, "seconds": dt, "tok_s": tok_s,
+           "large_share": large, "models": models, "profiled": bool(os.environ.get("TOKENPLANE_PROFILE_DIR"))}
+    Path(f"{args.out}.json").write_text(json.dumps(res, indent=1))
+    lines = [f"# Routing runtime profile: {args.algorithm}, C={C} (runtime side only)", "",
+             f"Command: `{cmd}`  ", f"{started}, commit {commit}, load average before {list(load_before)}, after "
+             f"{[round(x, 2) for x in res['load_after']]}", "",
+             f"{4 * C} requests x 64 tokens: {tok_s:.1f} tok/s, large-model share {large:.3f}.", "",
+             "run = inside runner.run (forward + logits); whole step = schedule + run + sample + route + sends; "
+             "glue = whole step - run.", "",
+             "| model | steps | rows/step | run ms/step | whole step ms/step | glue ms/step | idle s | wall s |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for m, d in enumerate(models):
+        lines.append(f"| m{m} | {d['steps']} | {d['rows_per_step']:.2f} | {d['run_ms_per_step']:.1f} | "
+                     f"{d['step_ms_per_step']:.1f} | {d['glue_ms_per_step']:.1f} | {d['idle_s']:.2f} | "
+                     f"{d['wall_s']:.2f} |")
+    Path(f"{args.out}.md").write_text("\n".join(lines) + "\n")
 
 
 if __name__ == "__main__":
