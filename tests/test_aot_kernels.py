@@ -21,7 +21,8 @@ import pytest
 from test_pretokenize import ALPHABET, FRAGMENTS, _corpus_docs
 
 import tokenplane
-from tokenplane.tokenize.cpu import aotbuild, appendwin, kernels, segments, window
+from tokenplane.tokenize import appendwin
+from tokenplane.tokenize.cpu import aotbuild, kernels, segments, window
 from tokenplane.tokenize.cpu.parallel import CpuEncoder
 from tokenplane.tokenize.errors import InvalidTextError
 

@@ -1,4 +1,4 @@
-"""The fused first window of an append (cpu/appendwin.py) and the session plan that feeds it.
+"""The fused first window of an append (tokenize/appendwin.py) and the session plan that feeds it.
 
 The fused call must be a pure restructuring of WindowRepair.repair's first attempt: for every family, on real agent
 traces and adversarial appends, each mutation's splice (kept prefix and new IDs) equals the one the general repair
@@ -17,7 +17,8 @@ from realtext import traces_dir
 from test_pretokenize import ALPHABET, FRAGMENTS
 
 import tokenplane
-from tokenplane.tokenize.cpu import appendwin, nfc
+from tokenplane.tokenize import appendwin
+from tokenplane.tokenize.cpu import nfc
 from tokenplane.tokenize.evidence import traces
 from tokenplane.tokenize.repair import WindowRepair
 

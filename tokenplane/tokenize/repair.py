@@ -5,7 +5,7 @@ window of fresh tokens around the change is encoded and spliced onto the cached 
 certifies (a clean boundary of both inside an agreeing run, or a hard boundary). Otherwise the window doubles, up to
 `max_widenings` times, and finally the whole text is encoded. The result is a `RecordSplice`, a value the session
 commits to its records (records.py). The first attempt of an append without allowed literals (the common call on
-agent traffic) runs as one compiled call (cpu/appendwin.py: same steps, same answer); what it declines starts here.
+agent traffic) runs as one compiled call (appendwin.py: same steps, same answer); what it declines starts here.
 """
 
 from __future__ import annotations
@@ -16,8 +16,9 @@ from typing import TYPE_CHECKING, Callable, Literal
 
 import numpy as np
 
-from .cpu import appendwin, boundary, nfc, pretokenize
-from .cpu.appendwin import append_encoder
+from . import appendwin
+from .appendwin import append_encoder
+from .cpu import boundary, nfc, pretokenize
 from .cpu.segments import with_literals
 from .records import Records
 from .router import SEGMENTS_MAX_CHARS, encode_segments_on, segment_encoder
@@ -93,7 +94,7 @@ class WindowRepair:
         self.is_special = tokenizer.special_mask(allowed_special)
         self.search = tokenizer.splice_search(rule)
         self.token_chars = tokenizer.vocab_facts.token_chars
-        # the fused first window of an append (cpu/appendwin.py): families with a CPU window kernel, without allowed
+        # the fused first window of an append (appendwin.py): families with a CPU window kernel, without allowed
         # literals, and no normalizer or exactly NFC (its inert table proves a window is its own NFC)
         self.fused = (rule is not None and not self.literals and (not self.nfc or tokenizer.plain_nfc)
                       and pretokenize.supported(tokenizer.family))
@@ -163,7 +164,7 @@ class WindowRepair:
     def _fused_append(self, rec: Records, new: SplicedText, d: int, path: str, stats: SessionStats
                       ) -> RecordSplice | None:
         """The first attempt of `repair` for an append (the change reaches the text end, no literals) in one compiled
-        call (cpu/appendwin.py): the same window start, encode, splice search and kept-token compare; None when that
+        call (appendwin.py): the same window start, encode, splice search and kept-token compare; None when that
         call declines (the general loop then decides from its first attempt) or no CPU window kernel applies."""
         new_len = new.length
         # the window starts at a clean boundary at or before d - window: text from d - 2 * window covers it unless

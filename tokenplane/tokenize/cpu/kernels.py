@@ -45,7 +45,7 @@ KEY_VERSION = 1                         # bump when what goes into the module ch
 _HERE = Path(__file__).resolve().parent
 # The modules whose source decides the compiled code: the kernels, this table of signatures, the lazy decorator.
 SOURCES = ("strbuf.py", "pretokenize.py", "bpe.py", "boundary.py", "segments.py", "window.py", "piecemap.py",
-           "fullencode.py", "appendwin.py", "../records.py", "../splice.py", "../textstore.py", "lazyjit.py",
+           "fullencode.py", "../appendwin.py", "../records.py", "../splice.py", "../textstore.py", "lazyjit.py",
            "kernels.py", "aotbuild.py")
 
 # -- the export table: name -> (module, attribute, return type, argument types) ------------------------------------
@@ -72,8 +72,8 @@ FULL_HEAD = (S, I, I, S, A("uint32"))
 FULL_SCRATCH = (A("boolean"), A("uint8"), A("int64"))
 FULL_TAIL = (B, A("boolean"), *BPE_ARGS[:8], A("uint64", 2), A("uint32"), A("int64"))
 FULL_RET = "Tuple((int32[::1], int64))"
-# the fused append window (appendwin.py): text, base, d, w, the records (no tc) | NFC flag and inert table, the splice
-# search's tables and limits | family tables | the window tail
+# the fused append window (tokenize/appendwin.py): text, base, d, w, the records (no tc) | NFC flag and inert table,
+# the splice search's tables and limits | family tables | the window tail
 APPEND_HEAD = (S, I, I, I, A("uint32"), A("int64"), A("int64"), A("int64"), I)
 APPEND_MID = (B, A("boolean"), A("boolean"), A("uint8"), A("uint8", 2), B, I, I, I)
 APPEND_RET = "UniTuple(int64, 3)"
@@ -114,14 +114,14 @@ EXPORTS: dict[str, tuple[str, str, str, tuple[Any, ...]]] = {
     "window_o200k": ("window", "_window_o200k", WINDOW_RET, (*WINDOW_HEAD, A("uint8"), *WINDOW_TAIL)),
     "window_deepseek": ("window", "_window_deepseek", WINDOW_RET, (*WINDOW_HEAD, A("uint8"), *WINDOW_TAIL)),
     "window_smollm2": ("window", "_window_smollm2", WINDOW_RET, (*WINDOW_HEAD, A("int8"), *WINDOW_TAIL)),
-    # the fused first window of an append (appendwin.py): start, encode, splice search, kept-token compare
-    "append_gpt4": ("appendwin", "_append_gpt4", APPEND_RET,
+    # the fused first window of an append (../appendwin.py): start, encode, splice search, kept-token compare
+    "append_gpt4": ("..appendwin", "_append_gpt4", APPEND_RET,
                     (*APPEND_HEAD, *APPEND_MID, A("int8"), I, B, *WINDOW_TAIL, *APPEND_OUT)),
-    "append_o200k": ("appendwin", "_append_o200k", APPEND_RET,
+    "append_o200k": ("..appendwin", "_append_o200k", APPEND_RET,
                      (*APPEND_HEAD, *APPEND_MID, A("uint8"), *WINDOW_TAIL, *APPEND_OUT)),
-    "append_deepseek": ("appendwin", "_append_deepseek", APPEND_RET,
+    "append_deepseek": ("..appendwin", "_append_deepseek", APPEND_RET,
                         (*APPEND_HEAD, *APPEND_MID, A("uint8"), *WINDOW_TAIL, *APPEND_OUT)),
-    "append_smollm2": ("appendwin", "_append_smollm2", APPEND_RET,
+    "append_smollm2": ("..appendwin", "_append_smollm2", APPEND_RET,
                        (*APPEND_HEAD, *APPEND_MID, A("int8"), *WINDOW_TAIL, *APPEND_OUT)),
     # the fused full-encode block (fullencode.py): one call per block of a full encode
     "full_gpt4": ("fullencode", "_full_gpt4", FULL_RET,

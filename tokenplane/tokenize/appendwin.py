@@ -23,11 +23,11 @@ from typing import Callable
 
 import numpy as np
 
-from .. import splice
-from . import bpe as bpe_mod
-from . import kernels, window
-from . import pretokenize as pt
-from .lazyjit import njit, numba_global  # numba itself only when a JIT kernel runs (lazyjit.py)
+from . import splice
+from .cpu import bpe as bpe_mod
+from .cpu import kernels, window
+from .cpu import pretokenize as pt
+from .cpu.lazyjit import njit, numba_global  # numba itself only when a JIT kernel runs (lazyjit.py)
 
 _get_code_point = numba_global("numba.cpython.unicode", "_get_code_point")
 
