@@ -23,3 +23,20 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(saved)
+
+
+@pytest.fixture
+def appendwin_statuses(monkeypatch):
+    """Every status the fused append window answered in this test (spied on the bound kernel's wrapper)."""
+    from tokenplane.tokenize import appendwin
+
+    seen: list[int] = []
+    real = appendwin._Bound.__call__
+
+    def spy(self, *args):
+        out = real(self, *args)
+        seen.append(out[0])
+        return out
+
+    monkeypatch.setattr(appendwin._Bound, "__call__", spy)
+    return seen

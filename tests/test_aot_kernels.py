@@ -298,22 +298,14 @@ def _session_steps(name: str) -> list[str]:
 
 
 @pytest.mark.parametrize("name", FAMILIES)
-def test_session_kernels_equal_jit_and_reference(name, aot, use, monkeypatch):
+def test_session_kernels_equal_jit_and_reference(name, aot, use, appendwin_statuses):
     """A session's own kernels (records, splice-point search, cross-kind prefix compare, the fused append window) on
     the AOT module answer as the JIT kernels do, every step equal to the reference, with no argument missing its
     signature; the fused append window answers some appends on both kernel sets."""
     tok = tokenplane.load(name)
     steps = _session_steps(name)
     before = dict(kernels.guard_fallbacks)
-    statuses: list[int] = []
-    real = appendwin._Bound.__call__
-
-    def spy(self, *args):
-        out = real(self, *args)
-        statuses.append(out[0])
-        return out
-
-    monkeypatch.setattr(appendwin._Bound, "__call__", spy)
+    statuses = appendwin_statuses
     splices = []
     for k in (aot, kernels.jit_kernels()):
         use(k)

@@ -26,18 +26,8 @@ FAMILIES = ["cl100k_base", "o200k_base", "llama3", "qwen3", "deepseek_v4", "smol
 
 
 @pytest.fixture
-def statuses(monkeypatch):
-    """Every status the fused call answered (spied on the bound kernel's wrapper)."""
-    seen: list[int] = []
-    real = appendwin._Bound.__call__
-
-    def spy(self, *args):
-        out = real(self, *args)
-        seen.append(out[0])
-        return out
-
-    monkeypatch.setattr(appendwin._Bound, "__call__", spy)
-    return seen
+def statuses(appendwin_statuses):
+    return appendwin_statuses
 
 
 def _replay(tok, steps, *, fused: bool, monkeypatch, allowed=()):
