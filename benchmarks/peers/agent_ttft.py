@@ -168,6 +168,14 @@ def corpus_text(n: int) -> str:
     return "\n".join(parts)
 
 
+def _attention(window: int | None) -> str:
+    if window is None:
+        return "full (each turn's new tokens attend to the whole context)"
+    return (f"sliding window of {window} tokens in every layer (`--sliding-window {window}`: the same weights, Qwen3's "
+            "own `use_sliding_window`), so the engine's per-turn attention cost is bounded at any context length and "
+            "a long-context turn's time is what lies outside the model: request handling and tokenization")
+
+
 def chars(messages: list[dict[str, str]]) -> int:
     return sum(len(m["content"]) for m in messages)
 
@@ -262,7 +270,8 @@ def write(res: dict[str, Any], prefix: Path) -> None:
              f"({json.dumps({k: vllm_server.TINY[k] for k in ('vocab_size', 'hidden_size', 'num_hidden_layers', 'num_attention_heads', 'head_dim', 'intermediate_size')})}), "
              f"fp32, qwen3 tokenizer and chat template; vLLM: block_size 32, prefix caching on, max_model_len "
              f"{m['max_model_len']}, max_num_batched_tokens {m['max_num_batched_tokens']}, engine bound to core "
-             f"{m['core']}, 1 thread. TTFT: client-side, streaming, first chunk with a choice, max_tokens 1. "
+             f"{m['core']}, 1 thread. Attention: {_attention(m.get('sliding_window'))}. TTFT: client-side, streaming, "
+             "first chunk with a choice, max_tokens 1. "
              "Measured turns only (the first turn of each conversation builds the context; its time is listed).", "",
              "Columns: (a) vLLM alone = chat text to vLLM; (b) tier = chat to tokenplane, IDs to vLLM; tier tokenize"
              " = the tier's `tokenization.time_ms`; forwarding = TTFT(tier, repeat) - TTFT(same IDs straight to "
@@ -270,9 +279,10 @@ def write(res: dict[str, Any], prefix: Path) -> None:
              "endpoint's latency for the same chat (render + encode, vLLM-side, HTTP included); HF encode = "
              "`tokenizers` encode of the rendered text in the client process (measured separately).", "",
              "| cell | turns | context chars P50 | tokens P50 | TTFT (a) vLLM P50 ms | TTFT (b) tier P50 ms | (a)/(b) |"
+             " TTFT (c) same IDs straight to vLLM, cached P50 ms |"
              " tier tokenize P50 / P90 ms | forwarding P50 ms | tier added P50 ms | vLLM /tokenize P50 ms | "
              "HF encode P50 ms | build turn s (vLLM / tier) | load |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---|"]
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---|"]
     for s in res["summary"]:
         builds = "; ".join(f"{b['vllm'].get('wall_s', float('nan')):.1f} / "
                            f"{b.get('tier', {}).get('wall_s', float('nan')):.1f}" if "vllm" in b else "-"
@@ -284,6 +294,7 @@ def write(res: dict[str, Any], prefix: Path) -> None:
         lines.append(
             f"| {s['cell']} | {s['turns']} | {s['context_chars_p50']:,.0f} | {s['prompt_tokens_p50']:,.0f} | "
             f"{s['ttft_vllm_s_p50'] * 1e3:.0f} | {s['ttft_tier_s_p50'] * 1e3:.0f} | {s['ttft_ratio_p50']:.1f}x | "
+            f"{s['ttft_ids_direct_s_p50'] * 1e3:.0f} | "
             f"{s['tier_tok_ms_p50']:.2f} / {s['tier_tok_ms_p90']:.2f} | {s['forwarding_ms_p50']:.1f} | "
             f"{s['tier_added_ms_p50']:.1f} | {s['vllm_tokenize_endpoint_ms_p50']:.0f} | {s['hf_encode_ms_p50']:.0f} | "
             f"{builds} | {s['load_p50']:.1f} |")
@@ -340,13 +351,15 @@ def main() -> int:
     ap.add_argument("--deadline-s", type=float, default=3000.0, help="stop measuring new turns after this")
     ap.add_argument("--max-num-batched-tokens", type=int, default=8192)
     ap.add_argument("--core", default="1")
+    ap.add_argument("--sliding-window", type=int, default=None,
+                    help="serve the model with every layer's attention limited to this many tokens (see _attention)")
     ap.add_argument("--out", default=str(RESULTS / "agent_ttft"))
     args = ap.parse_args()
     deadline = time.monotonic() + args.deadline_s
     biggest = max(args.sizes or [0])
     max_len = max(65_536, int((biggest + 400_000) / 3.0))
     kv_gib = max(1, -(-2 * max_len * 512 // (1 << 30)) + 1)
-    model = vllm_server.model_dir()
+    model = vllm_server.model_dir(sliding_window=args.sliding_window)
     import subprocess
     vver = subprocess.run([vllm_server.VLLM_PYTHON, "-c", "import vllm; print(vllm.__version__)"],
                           capture_output=True, text=True, cwd="/tmp").stdout.strip().splitlines()[-1:]
@@ -354,7 +367,8 @@ def main() -> int:
                                     time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "cpus": os.cpu_count(),
                                     "vllm_version": vver[0] if vver else "?", "max_model_len": max_len,
                                     "kv_gib": kv_gib, "max_num_batched_tokens": args.max_num_batched_tokens,
-                                    "core": args.core, "model": vllm_server.TINY},
+                                    "core": args.core, "model": vllm_server.TINY,
+                                    "sliding_window": args.sliding_window},
                            "cells": [], "rows": [], "notes": []}
     prefix = Path(args.out)
     run_tag = f"{int(time.time())}"

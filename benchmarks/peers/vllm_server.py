@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import json
 import os
 import shutil
 import signal
@@ -43,8 +44,11 @@ def tokenizer_files() -> Path:
     return Path(spec.origin).parent / "tokenizer_files"
 
 
-def model_dir(root: Path | None = None) -> Path:
-    """The tiny model's HF directory (written once, reused)."""
+def model_dir(root: Path | None = None, sliding_window: int | None = None) -> Path:
+    """The tiny model's HF directory (written once, reused). `sliding_window`: the same weights with every layer's
+    attention limited to that many past tokens (Qwen3's own `use_sliding_window` config, max_window_layers 0), so
+    that an engine's per-turn attention cost stays bounded at any context length (the agent-TTFT benchmark's second
+    configuration: what remains of a long-context turn's time is what the tier changes, tokenization)."""
     root = root or Path(os.environ.get("TMPDIR", "/tmp")) / "tokenplane-peer-models"
     d = root / "tiny-qwen3-long"
     if not (d / "model.safetensors").exists() or not (d / "tokenizer.json").exists():
@@ -57,7 +61,20 @@ def model_dir(root: Path | None = None) -> Path:
         for f in tokenizer_files().iterdir():
             if f.is_file():
                 shutil.copy(f, d / f.name)
-    return d
+    if sliding_window is None:
+        return d
+    w = root / f"tiny-qwen3-long-sw{sliding_window}"
+    if not (w / "config.json").exists():
+        tmp = root / f".tiny-qwen3-long-sw{sliding_window}.{os.getpid()}"
+        shutil.copytree(d, tmp, dirs_exist_ok=True)
+        cfg = json.loads((tmp / "config.json").read_text())
+        cfg.update(use_sliding_window=True, sliding_window=sliding_window, max_window_layers=0)
+        (tmp / "config.json").write_text(json.dumps(cfg, indent=2))
+        if w.exists():   # another process wrote it first
+            shutil.rmtree(tmp)
+        else:
+            os.replace(tmp, w)
+    return w
 
 
 def free_port() -> int:
