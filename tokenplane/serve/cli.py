@@ -46,6 +46,9 @@ def main_arguments(parser: argparse.ArgumentParser) -> None:
                              "(vLLM, SGLang, another tokenplane); repeat for replicas (consistent hashing per "
                              "conversation)")
     parser.add_argument("--upstream-model", default=None, help="the upstream's model name (default: its /v1/models)")
+    parser.add_argument("--upstream-token-ids", action="store_true",
+                        help="tier mode: the upstreams run without a tokenizer (vLLM/SGLang --skip-tokenizer-init) "
+                             "and answer token IDs; the tier decodes them and matches stop strings itself")
     parser.add_argument("--tokenizer", default=None, help="tier mode: tokenizer family name or tokenizer.json path "
                         "(default: the config's)")
     parser.add_argument("--chat-template", default=None, metavar="TOKENIZER_CONFIG_JSON",
@@ -105,7 +108,7 @@ def _serve_tier(args: argparse.Namespace, cfg: ServeConfig, limits: Limits) -> i
     tokenizer, chat = resolve_tokenizer(cfg)
     if args.chat_template:
         chat = ChatTemplate.from_tokenizer_config(tokenizer, args.chat_template)
-    pool = UpstreamPool(args.upstream, model=args.upstream_model)
+    pool = UpstreamPool(args.upstream, model=args.upstream_model, answers_ids=args.upstream_token_ids)
     # Without a config the tier serves under the upstream's model name; a config's served_model_name renames it.
     app = create_app(None, tokenizer, model_name=cfg.served_model_name if args.config else "", limits=limits,
                      chat_template=chat, upstream=pool)

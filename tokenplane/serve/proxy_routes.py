@@ -32,6 +32,7 @@ from .body_delta import BodyDeltas, KeptTurn, Parsed
 from .conversations import Take, TokenizationReport, copied
 from .errors import APIError, InvalidRequest
 from .event_stream import EventStream
+from .id_answers import IdAnswer, gathered, upstream_fields
 from .ids_json import Chunks, IdsOrigin, RequestBodies
 from .openai_routes import ClientDisconnected, OpenAIServer
 from .protocol import ChatCompletionRequest, ChatMessage, CompletionRequest
@@ -152,7 +153,7 @@ class ProxyServer(OpenAIServer):
         if stop_ids:
             body["stop_token_ids"] = list(stop_ids)
         body["model"] = self.pool.model
-        return body
+        return upstream_fields(body, req) if self.pool.answers_ids else body
 
     def _chat_ids(self, req: ChatCompletionRequest, parsed: Parsed, take: Take = copied,
                   fields: dict[str, Any] | None = None) -> tuple[Any, TokenizationReport | None]:
@@ -317,9 +318,10 @@ class ProxyServer(OpenAIServer):
         if self.metrics is not None:
             self.metrics.prompt_tokens.inc(n_prompt)
         session = report.session if report is not None else None
+        answer = IdAnswer(self.tokenizer, req.stops, n_prompt, req.n) if self.pool.answers_ids else None
         if not req.stream:
             try:
-                data = await self._until_disconnect(request, self._exchange(key, body))
+                data = await self._until_disconnect(request, self._exchange(key, body, answer))
             except ClientDisconnected:
                 return JSONResponse({"error": {"message": "client disconnected", "type": "client_closed_request",
                                                "param": None, "code": None}}, status_code=499)
@@ -329,16 +331,35 @@ class ProxyServer(OpenAIServer):
         phases.mark("upstream_head")
         if resp.status_code != 200:
             raise await error_from(resp, url)
-        return EventStream(self._relay(resp, chat, extra, phases, session))
+        return EventStream(self._relay(resp, chat, extra, phases, session, answer, req.include_usage))
 
-    async def _exchange(self, key: str, body: Chunks) -> dict[str, Any]:
+    async def _exchange(self, key: str, body: Chunks, answer: IdAnswer | None = None) -> dict[str, Any]:
+        """A non-streaming answer; from an ID-only upstream, its stream gathered and decoded here (id_answers)."""
         url, resp = await self.pool.send(key, body)
         try:
             if resp.status_code != 200:
                 raise await error_from(resp, url)
-            return json.loads(await resp.aread())
+            if answer is None:
+                return json.loads(await resp.aread())
+            return await gathered(answer, self._decoded(resp, answer))
         finally:
             await resp.aclose()
+
+    @staticmethod
+    async def _decoded(resp: Any, answer: IdAnswer) -> AsyncIterator[dict[str, Any]]:
+        stream = sse_data(resp)
+        try:
+            async for payload in stream:
+                if payload == b"[DONE]":
+                    return
+                data = _loads(payload)
+                if "error" in data:
+                    err = data["error"]
+                    raise APIError(str(err.get("message") if isinstance(err, dict) else err), status=502,
+                                   code="upstream_error")
+                yield answer.convert(data)
+        finally:
+            await stream.aclose()
 
     @staticmethod
     async def _until_disconnect(request: Request, work: Any) -> Any:
@@ -383,7 +404,11 @@ class ProxyServer(OpenAIServer):
         return out
 
     async def _relay(self, resp: Any, chat: bool, extra: dict[str, Any], phases: Phases,
-                     session: str | None = None) -> AsyncIterator[bytes]:
+                     session: str | None = None, answer: IdAnswer | None = None,
+                     client_usage: bool = True) -> AsyncIterator[bytes]:
+        """The upstream's SSE chunks to the client (chat format for a chat). From an ID-only upstream each chunk's
+        token IDs become text here, a stop string found here ends the answer (and closes the upstream request),
+        and the usage chunk, always asked of it, reaches the client only if the client asked for it."""
         started: set[int] = set()
         first = True
         ended = False   # the upstream sent [DONE]: the rest of its stream is its terminator
@@ -399,14 +424,18 @@ class ProxyServer(OpenAIServer):
                 if "error" in data:
                     yield b"data: " + payload + b"\n\n"
                     continue
-                if data.get("usage") and not data.get("choices"):
-                    data.update(extra)   # the final usage chunk carries the tokenization report too
-                if chat:
-                    data = self._chunk_to_chat(data, started)
-                yield b"data: " + _dumps(data) + b"\n\n"
+                if answer is not None:
+                    data = answer.convert(data)
+                    if not data["choices"] and not (client_usage and data.get("usage")):
+                        continue   # the usage the client did not ask for, or a choice already ended here
+                yield self._event(data, chat, extra, started)
                 if first:
                     phases.mark("first_sent")   # the server has taken the chunk (resumed by the next ask)
                     first = False
+                if answer is not None and answer.ended_here:
+                    if client_usage:
+                        yield self._event(answer.usage_chunk(), chat, extra, started)
+                    break   # not `ended`: the upstream request is closed below, and vLLM aborts it
         except Exception as exc:   # noqa: BLE001 - told to the client in the stream, which still ends cleanly
             err = exc if isinstance(exc, APIError) else APIError(f"upstream stream failed: {type(exc).__name__}",
                                                                  status=502, code="upstream_error")
@@ -420,6 +449,13 @@ class ProxyServer(OpenAIServer):
         # Read the upstream's stream to its end so that its connection is kept for the next turn (a new connection
         # per turn cost ~1 ms of connect and close on the loop); one that does not end promptly is closed.
         await resp.finish(_FINISH_S)
+
+    def _event(self, data: dict[str, Any], chat: bool, extra: dict[str, Any], started: set[int]) -> bytes:
+        if data.get("usage") and not data.get("choices"):
+            data.update(extra)   # the final usage chunk carries the tokenization report too
+        if chat:
+            data = self._chunk_to_chat(data, started)
+        return b"data: " + _dumps(data) + b"\n\n"
 
     @classmethod
     def _chunk_to_chat(cls, data: dict[str, Any], started: set[int]) -> dict[str, Any]:

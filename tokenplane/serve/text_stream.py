@@ -15,6 +15,7 @@ from typing import Protocol, Sequence
 
 class _Detokenizer(Protocol):
     specials: dict[str, int]
+    decode_skipped: frozenset[int]
 
     def decode_bytes(self, ids: Sequence[int]) -> bytes: ...
 
@@ -70,17 +71,22 @@ class StopMatcher:
 
     def match_length(self) -> int:
         """After `feed` found a stop: the length of the longest stop ending there."""
-        return max(len(s) for j, s in enumerate(self.stops) if self._state[j] == len(s))
+        return len(self.matched())
+
+    def matched(self) -> str:
+        """After `feed` found a stop: the longest stop string ending there (vLLM's `stop_reason`)."""
+        return max((s for j, s in enumerate(self.stops) if self._state[j] == len(s)), key=len)
 
 
 class TextStream:
     """Token ids -> text deltas. A stop string ends the text before it (it is not returned); text that may still
     start a stop string is held back until it cannot. Special tokens (end-of-turn, EOS, template markers) are not
-    text: they are skipped, as vLLM's skip_special_tokens does by default."""
+    text: they are skipped, as vLLM's skip_special_tokens does by default: the added tokens the tokenizer file marks
+    special, not those it adds as ordinary text (qwen3's `<think>`, `<tool_call>`)."""
 
     def __init__(self, tokenizer: _Detokenizer, stop: Sequence[str] = (), *, skip_special: bool = True) -> None:
         self.tokenizer = tokenizer
-        self.skip = frozenset(getattr(tokenizer, "specials", {}).values()) if skip_special else frozenset()
+        self.skip = tokenizer.decode_skipped if skip_special else frozenset()
         self.decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
         self.matcher = StopMatcher(stop)
         self.pending = ""   # decoded text not yet returned (at most the matcher's held characters)
@@ -89,8 +95,10 @@ class TextStream:
     def _bytes(self, token: int) -> bytes:
         try:
             return self.tokenizer.decode_bytes([token])
-        except (ValueError, KeyError, IndexError):   # random-weight models can sample ids the tokenizer lacks
-            return "\ufffd".encode()
+        except (ValueError, KeyError, IndexError):
+            # A model's vocabulary is padded past the tokenizer's (Qwen3: 151,936 rows, 151,669 tokens) and a
+            # random-weight one samples those rows; they decode to nothing, as HF's decode and vLLM give them.
+            return b""
 
     def push(self, tokens: Sequence[int]) -> str:
         if self.stopped:

@@ -81,7 +81,7 @@ class UpstreamPool:
     upstream's state."""
 
     def __init__(self, urls: list[str], *, model: str | None = None, timeout_s: float = 600.0,
-                 connect_timeout_s: float = 5.0, cooldown_s: float = 10.0) -> None:
+                 connect_timeout_s: float = 5.0, cooldown_s: float = 10.0, answers_ids: bool = False) -> None:
         if not urls:
             raise ValueError("at least one upstream URL is needed")
         self.urls = [u.rstrip("/") for u in urls]
@@ -91,6 +91,9 @@ class UpstreamPool:
         self.cooldown_s = cooldown_s
         self.client = HTTPClient(connect_timeout=connect_timeout_s, read_timeout=timeout_s)
         self.max_model_len: int | None = None
+        # The upstreams run without a tokenizer (vLLM/SGLang --skip-tokenizer-init): they answer token IDs, which
+        # the tier decodes (id_answers.py).
+        self.answers_ids = answers_ids
 
     async def start(self) -> None:
         """Learn the upstream model name and context length (first upstream that answers)."""

@@ -76,10 +76,17 @@ class VocabMeta:
     specials: dict[str, int]
     n_vocab: int            # len(token_bytes) of the reference engine
     normalizer: str         # "none" (identity), "nfc" (exactly HF's NFC, `plain_nfc`) or "other"
+    # The ids a decode with skip_special_tokens drops (HF: the added tokens marked special; `<think>` and
+    # `<tool_call>` are added but not special, so they stay in the text, as vLLM's detokenizer keeps them).
+    skipped: frozenset[int] = frozenset()
 
 
 def hf_specials(config: dict) -> dict[str, int]:
     return {a["content"]: a["id"] for a in config.get("added_tokens", [])}
+
+
+def hf_skipped(config: dict) -> frozenset[int]:
+    return frozenset(a["id"] for a in config.get("added_tokens", []) if a.get("special"))
 
 
 def hf_normalizer(config: dict) -> str:
@@ -95,12 +102,13 @@ def vocab_meta(family: FamilyLike, data: bytes) -> VocabMeta:
     if family.engine == "tiktoken":
         ranks = parse_tiktoken(data)
         specials = dict(family.specials)
-        return VocabMeta(specials, max(max(ranks.values()), max(specials.values(), default=0)) + 1, "none")
+        return VocabMeta(specials, max(max(ranks.values()), max(specials.values(), default=0)) + 1, "none",
+                         frozenset(specials.values()))
     config = json.loads(data)
     specials = hf_specials(config)
     vocab = config["model"]["vocab"]
     return VocabMeta(specials, max(max(vocab.values()), max(specials.values(), default=0)) + 1,
-                     hf_normalizer(config))
+                     hf_normalizer(config), hf_skipped(config))
 
 
 class ReferenceEngine:

@@ -109,6 +109,7 @@ class Tokenizer:
         self._normalizer = meta.normalizer
         self.plain_nfc = meta.normalizer == "nfc"   # exactly HF's NFC (qwen3): the fast NFC may stand in for it
         self.specials: dict[str, int] = dict(meta.specials)
+        self.decode_skipped: frozenset[int] = meta.skipped   # dropped by a skip_special_tokens decode
         self._matcher = SpecialMatcher(self.specials)
         self._special_masks: dict[frozenset[str], np.ndarray] = {}
         self._allowed_sets: dict[frozenset[str], frozenset[str]] = {}

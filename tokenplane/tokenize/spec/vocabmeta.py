@@ -1,9 +1,9 @@
 """What a Tokenizer needs of its file without the reference engine, cached by the file's sha256.
 
 `Tokenizer` builds its reference engine only when something needs it (reference encodes, decoding, the verifier).
-- VocabMeta (specials, vocabulary size, normalizer kind): what construction needs. Deriving it parses the whole
-  file (json.loads of 11 MB for qwen3, ~0.1-0.2 s; the rank lines of a .tiktoken file), so it is kept as a few
-  hundred bytes of JSON.
+- VocabMeta (specials, vocabulary size, normalizer kind, the ids a decode skips): what construction needs.
+  Deriving it parses the whole file (json.loads of 11 MB for qwen3, ~0.1-0.2 s; the rank lines of a .tiktoken
+  file), so it is kept as a few hundred bytes of JSON.
 - VocabFacts (characters each token starts, whether it starts inside a character, the longest token in
   characters): what a session needs to derive token ends and certify splice points. Derived from the reference's
   token bytes (building the reference: ~1.3 s for qwen3 on the first session of a process), kept as one .npz
@@ -26,7 +26,7 @@ import numpy as np
 from ..reference import FamilyLike, VocabMeta, vocab_meta
 from .artifacts import cache_dir
 
-META_VERSION = 1
+META_VERSION = 2
 FACTS_VERSION = 1
 
 
@@ -36,12 +36,12 @@ def cached_meta(family: FamilyLike, data: bytes, content_hash: str) -> VocabMeta
         raw = json.loads(path.read_text(encoding="utf-8"))
         if raw["content_hash"] == content_hash:
             return VocabMeta({str(k): int(v) for k, v in raw["specials"].items()}, int(raw["n_vocab"]),
-                             str(raw["normalizer"]))
+                             str(raw["normalizer"]), frozenset(int(i) for i in raw["skipped"]))
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         pass
     meta = vocab_meta(family, data)
     record = {"content_hash": content_hash, "specials": meta.specials, "n_vocab": meta.n_vocab,
-              "normalizer": meta.normalizer}
+              "normalizer": meta.normalizer, "skipped": sorted(meta.skipped)}
     _store(path, lambda tmp: tmp.write_text(json.dumps(record, ensure_ascii=False), encoding="utf-8"))
     return meta
 

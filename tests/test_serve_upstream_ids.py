@@ -1,0 +1,162 @@
+"""The tier in front of upstreams that answer token IDs only (`tokenplane serve --upstream URL --upstream-token-ids`,
+for engines started with `--skip-tokenizer-init`): the tier decodes the answer's IDs into text with its own
+tokenizer, matches stop strings itself and ends the upstream request on one, and counts usage when it ended the
+answer.
+
+The upstream is a small real HTTP server speaking vLLM's ID-only completion stream (`return_token_ids`: each chunk's
+choice carries `token_ids` and empty text, the first also echoes `prompt_token_ids`). The campaign test against a
+real vLLM started with --skip-tokenizer-init is in test_tier_vllm.py."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any
+
+import httpx
+import openai
+import pytest
+from servers import ThreadServer
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, StreamingResponse
+from starlette.routing import Route
+
+import tokenplane
+from tokenplane.serve.app import create_app
+from tokenplane.serve.config import Limits
+from tokenplane.serve.text_stream import TextStream
+from tokenplane.serve.upstream import UpstreamPool
+
+ANSWER = "Hi <think>ok</think> \U0001f389 naïve STOP rest of it"
+
+
+class IdOnlyEngine:
+    """vLLM with --skip-tokenizer-init, as seen over HTTP: answers `reply` one token per chunk, text always empty."""
+
+    def __init__(self, reply: list[int], delay_s: float = 0.0) -> None:
+        self.reply, self.delay_s = reply, delay_s
+        self.bodies: list[dict[str, Any]] = []
+        self.completed: list[bool] = []
+        self.app = Starlette(routes=[Route("/v1/models", self.models), Route("/v1/completions", self.completions,
+                                                                            methods=["POST"])])
+
+    async def models(self, request: Request) -> JSONResponse:
+        return JSONResponse({"object": "list", "data": [{"id": "ids-engine", "object": "model",
+                                                         "max_model_len": 1 << 20}]})
+
+    async def completions(self, request: Request) -> Any:
+        body = json.loads(await request.body())
+        self.bodies.append(body)
+        if not body.get("return_token_ids"):
+            return JSONResponse({"error": {"message": "no tokenizer: return_token_ids is needed"}}, status_code=400)
+        reply = self.reply[:body.get("max_tokens") or len(self.reply)]
+        stops = set(body.get("stop_token_ids") or ())
+        slot = len(self.completed)
+        self.completed.append(False)
+
+        def chunk(i: int, t: int, finish: str | None) -> bytes:
+            c: dict[str, Any] = {"index": 0, "text": "", "logprobs": None, "finish_reason": finish,
+                                 "stop_reason": None, "token_ids": [t],
+                                 "prompt_token_ids": body["prompt"] if i == 0 else None}
+            return b"data: " + json.dumps({"id": "cmpl-x", "object": "text_completion", "created": 1,
+                                           "model": "ids-engine", "choices": [c]}).encode() + b"\n\n"
+
+        async def events() -> Any:
+            n = 0
+            for i, t in enumerate(reply):
+                if self.delay_s:
+                    await asyncio.sleep(self.delay_s)
+                n += 1
+                end = t in stops or i == len(reply) - 1
+                yield chunk(i, t, None if not end else "stop" if t in stops else "length")
+                if end:
+                    break
+            usage = {"prompt_tokens": len(body["prompt"]), "completion_tokens": n,
+                     "total_tokens": len(body["prompt"]) + n}
+            yield b"data: " + json.dumps({"id": "cmpl-x", "object": "text_completion", "created": 1,
+                                          "model": "ids-engine", "choices": [], "usage": usage}).encode() + b"\n\n"
+            yield b"data: [DONE]\n\n"
+            self.completed[slot] = True
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return tokenplane.load("qwen3")
+
+
+def reply_ids(tok) -> list[int]:
+    return [int(t) for t in (*tok.encode(ANSWER, allowed_special="all"), tok.specials["<|im_end|>"],
+                             *tok.encode(" after"))]
+
+
+def tier(tok, url: str) -> ThreadServer:
+    return ThreadServer(create_app(None, tok, model_name="tier", upstream=UpstreamPool([url], answers_ids=True),
+                                   limits=Limits(max_prompt_chars=1 << 20)))
+
+
+def test_decode_skips_only_the_tokens_marked_special(tok):
+    """skip_special_tokens drops the added tokens the file marks special, as HF and vLLM do: qwen3's <think> is
+    added but not special, so it stays in the text; <|im_end|> does not."""
+    assert tok.specials["<|im_end|>"] in tok.decode_skipped
+    assert tok.specials["<think>"] not in tok.decode_skipped
+    assert tok.specials["<tool_call>"] not in tok.decode_skipped
+    ids = tok.encode("a<think>b</think><|im_end|>", allowed_special="all")
+    assert TextStream(tok).push(ids) == "a<think>b</think>"
+    cl = tokenplane.load("cl100k_base")   # tiktoken families: every special is skipped
+    assert cl.decode_skipped == frozenset(cl.specials.values())
+
+
+def test_streamed_answer_is_decoded_here_and_the_echo_dropped(tok):
+    engine = IdOnlyEngine(reply_ids(tok))
+    with ThreadServer(engine.app) as up, tier(tok, up.url) as t:
+        client = openai.OpenAI(base_url=t.url + "/v1", api_key="x")
+        stream = client.chat.completions.create(model="tier", messages=[{"role": "user", "content": "hello"}],
+                                                stream=True, stream_options={"include_usage": True})
+        chunks = list(stream)
+        text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        assert text == ANSWER                                   # <think> kept, <|im_end|> skipped, 🎉 whole
+        finals = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+        assert finals == ["stop"]                               # the end-of-turn token, as the upstream said
+        usage = chunks[-1].usage
+        assert usage is not None and usage.completion_tokens == len(tok.encode(ANSWER, allowed_special="all")) + 1
+        raw = httpx.post(t.url + "/v1/completions", json={"model": "tier", "prompt": "hi", "stream": True},
+                         timeout=30).text
+        assert "token_ids" not in raw and "usage" not in raw   # no echo; no usage chunk the client did not ask for
+    body = engine.bodies[0]
+    assert body["return_token_ids"] is True and body["stream"] is True and "stop" not in body
+    assert tok.specials["<|im_end|>"] in body["stop_token_ids"]   # the template's end of turn, matched upstream
+
+
+def test_stop_string_ends_the_answer_and_the_upstream_request(tok):
+    engine = IdOnlyEngine(reply_ids(tok), delay_s=0.02)
+    cut = ANSWER[:ANSWER.index("STOP")]
+    with ThreadServer(engine.app) as up, tier(tok, up.url) as t:
+        client = openai.OpenAI(base_url=t.url + "/v1", api_key="x")
+        chunks = list(client.completions.create(model="tier", prompt="hello", stop=["STOP", "zzz"], stream=True,
+                                                stream_options={"include_usage": True}, max_tokens=64))
+        text = "".join(c.choices[0].text for c in chunks if c.choices)
+        assert text == cut
+        ends = [c.choices[0] for c in chunks if c.choices and c.choices[0].finish_reason]
+        assert len(ends) == 1 and ends[0].finish_reason == "stop"
+        upto = len(tok.encode(cut + "STOP", allowed_special="all"))
+        assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens in (upto - 1, upto, upto + 1)
+        assert chunks[-1].usage.prompt_tokens == len(tok.encode("hello"))
+        # non-streaming: gathered from the upstream's stream, cut at the same place
+        whole = client.completions.create(model="tier", prompt="hello", stop="STOP", max_tokens=64)
+        assert whole.choices[0].text == cut and whole.choices[0].finish_reason == "stop"
+        chat = client.chat.completions.create(model="tier", messages=[{"role": "user", "content": "hello"}])
+        assert chat.choices[0].message.content == ANSWER and chat.usage is not None
+        import time
+        time.sleep(0.5)
+    assert engine.completed[0] is False and engine.completed[1] is False   # closed on the stop string
+    assert engine.completed[2] is True
+
+
+def test_logprobs_need_an_upstream_with_its_tokenizer(tok):
+    engine = IdOnlyEngine(reply_ids(tok))
+    with ThreadServer(engine.app) as up, tier(tok, up.url) as t:
+        r = httpx.post(t.url + "/v1/completions", json={"model": "tier", "prompt": "hi", "logprobs": 1}, timeout=30)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "logprobs"
+    assert engine.bodies == []
