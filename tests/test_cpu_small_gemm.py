@@ -107,3 +107,19 @@ def test_packed_linear_and_vocab_projection_take_the_kernel_for_decode_rows(one_
     assert calls == [1, 1, 3, 3, 16, 16, 17, 32]
     lin.unpack_cpu()
     assert lin.cpu_panels is None and lin.cpu_packed is None
+
+
+def test_pack_is_the_panel_layout_on_2mib_pages_when_large():
+    """pack's copy holds the same values as the plain panel layout; a copy of 2 MiB or more starts on a 2 MiB
+    boundary (cpu_malloc.huge_page_empty), a smaller one is a plain tensor."""
+    from tokenplane.engine.cpu_malloc import huge_page_empty
+
+    for n, k in ((1000, 576), (40, 24)):
+        w = torch.randn(n, k)
+        panels = cpu_small_gemm.pack(w)
+        pad = torch.cat([w, w.new_zeros(panels.shape[0] * cpu_small_gemm.PANEL - n, k)])
+        assert torch.equal(panels, pad.reshape(-1, cpu_small_gemm.PANEL, k).transpose(1, 2).contiguous())
+        assert panels.is_contiguous()
+        if panels.numel() * 4 >= 2 << 20:
+            assert panels.data_ptr() % (2 << 20) == 0
+    assert huge_page_empty(10).numel() == 10

@@ -42,6 +42,8 @@ from numba import njit, types
 from numba.core import cgutils
 from numba.extending import intrinsic, models, register_model
 
+from tokenplane.engine.cpu_malloc import huge_page_empty
+
 PANEL = 16            # output columns per panel: two 8-float vectors
 MAX_ROWS = 16         # layers: faster than oneDNN up to 16 rows on every measured shape (docstring)
 VOCAB_MAX_ROWS = 32   # vocabulary projections: faster up to 32 rows, parity at 48 (docstring)
@@ -324,7 +326,9 @@ def pack(weight: torch.Tensor) -> torch.Tensor:
     w = weight.detach()
     if n % PANEL:
         w = torch.cat([w, w.new_zeros(panels * PANEL - n, k)])
-    return w.reshape(panels, PANEL, k).transpose(1, 2).contiguous()
+    src = w.reshape(panels, PANEL, k).transpose(1, 2)
+    # 2 MiB pages: a decode step streams every panel copy once (cpu_malloc.huge_page_empty)
+    return huge_page_empty(src.numel()).view(src.shape).copy_(src)
 
 
 def applies(x: torch.Tensor, max_rows: int = MAX_ROWS) -> bool:
