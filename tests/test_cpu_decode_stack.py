@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from tokenplane.engine import ModelRunner, Sequence, cpu_decode_stack, load_model
 from tokenplane.engine.cpu_decode_stack import applies, stack_for
@@ -133,3 +134,29 @@ def test_decode_stack_matches_model_path_at_9_to_16_rows(monkeypatch):
     for a, b in zip(results[False], results[True]):
         assert (a - b).abs().max().item() <= 1e-5 * max(1.0, a.abs().max().item())
         assert torch.equal(a.argmax(-1), b.argmax(-1))
+
+
+@pytest.mark.parametrize("k", [64, 256, 576])
+def test_decode_stack_linears_sum_in_f_linears_order(k):
+    """The stack's GEMMs take cpu_small_gemm's block size for their K and put the bias first: every row equals F.linear
+    (transformers' call, at 40 rows) bit for bit, so decode steps match transformers' linears exactly."""
+    from tokenplane.engine import cpu_small_gemm
+    from tokenplane.engine.cpu_decode_stack import _linear_of, _matmul
+    from tokenplane.engine.layers import Linear
+
+    if cpu_small_gemm.probe_k_block(k) is None:
+        pytest.skip(f"this torch's BLAS sums a {k}-long dot product in no order the kernel mirrors")
+    torch.manual_seed(k)
+    for bias in (False, True):
+        lin = Linear(k, 72, bias=bias)
+        with torch.no_grad():
+            lin.weight.normal_(0, 0.05)
+            if bias:
+                lin.bias.normal_()
+        lin.pack_cpu()
+        x = torch.randn(40, k)
+        with torch.no_grad():
+            ref = F.linear(x, lin.weight, lin.bias)
+        stacked = _linear_of(lin)
+        for rows in (1, 2, 5, 16):
+            assert torch.equal(torch.from_numpy(_matmul(x[:rows].numpy(), stacked)), ref[:rows])

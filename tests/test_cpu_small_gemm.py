@@ -42,6 +42,24 @@ def test_a_rows_values_do_not_depend_on_the_batch_around_it():
         assert torch.equal(cpu_small_gemm.linear(x[:rows], panels, 200), alone[:rows])
 
 
+@pytest.mark.parametrize("n,k", [(96, 64), (100, 200), (768, 256), (960, 576), (576, 1536), (49152, 576)])
+def test_linear_sums_in_f_linears_order(n, k):
+    """The block size `probe_k_block` finds on a 16 x k x 32 product carries over to other weights, widths, every row
+    count and a bias: each row equals F.linear's (transformers' call; taken on 40 rows, its BLAS path) bit for bit."""
+    kb = cpu_small_gemm.probe_k_block(k)
+    if kb is None:
+        pytest.skip(f"this torch's BLAS sums a {k}-long dot product in no order the kernel mirrors")
+    g = torch.Generator().manual_seed(n + k)
+    w = torch.randn(n, k, generator=g) * 0.05
+    b = torch.randn(n, generator=g)
+    x = torch.randn(40, k, generator=g)
+    ref, refb = F.linear(x, w), F.linear(x, w, b)
+    panels = cpu_small_gemm.pack(w)
+    for rows in (1, 2, 3, 4, 5, 6, 7, 12, 16, 32):
+        assert torch.equal(cpu_small_gemm.linear(x[:rows], panels, n), ref[:rows])
+        assert torch.equal(cpu_small_gemm.linear(x[:rows], panels, n, b), refb[:rows])
+
+
 def test_linear_reads_strided_inputs_and_rejects_a_wrong_width():
     w = torch.randn(32, 24)
     x = torch.randn(24, 3).t()                     # non-contiguous [3, 24]
@@ -65,23 +83,43 @@ def test_applies_only_to_few_float32_rows_on_one_thread(one_thread):
 
 def test_packed_linear_and_vocab_projection_take_the_kernel_for_decode_rows(one_thread, monkeypatch):
     """Linear (after pack_cpu) routes 1-MAX_ROWS fp32 rows through the kernel, VocabProjection 1-VOCAB_MAX_ROWS, and
-    larger batches through oneDNN; both paths equal F.linear within rounding."""
+    larger batches through F.linear: every row equals transformers' F.linear over the whole batch bit for bit (the
+    kernel sums in its order: test_linear_sums_in_f_linears_order)."""
+    if cpu_small_gemm.probe_k_block(64) is None:
+        pytest.skip("this torch's BLAS sums a 64-long dot product in no order the kernel mirrors")
     torch.manual_seed(0)
     lin = Linear(64, 96, bias=True)
     with torch.no_grad():
         lin.weight.normal_(0, 0.05)
         lin.bias.normal_()
     lin.pack_cpu()
-    assert lin.cpu_panels is not None
+    assert lin.cpu_panels is not None and lin.cpu_packed is None   # fp32 keeps no oneDNN copy
     vp = VocabProjection(lin.weight)
     calls = []
     real = cpu_small_gemm.linear
     monkeypatch.setattr(cpu_small_gemm, "linear", lambda *a, **kw: calls.append(a[0].shape[0]) or real(*a, **kw))
+    x = torch.randn(40, 64)
     with torch.inference_mode():
+        ref, refb = F.linear(x, lin.weight), F.linear(x, lin.weight, lin.bias)
         for rows in (1, 3, 16, 17, 32, 33):
-            x = torch.randn(rows, 64)
-            assert (lin(x) - F.linear(x, lin.weight, lin.bias)).abs().max().item() < 1e-5
-            assert (vp(x) - F.linear(x, lin.weight)).abs().max().item() < 1e-5
+            assert torch.equal(lin(x[:rows]), refb[:rows])
+            assert torch.equal(vp(x[:rows]), ref[:rows])
     assert calls == [1, 1, 3, 3, 16, 16, 17, 32]
     lin.unpack_cpu()
     assert lin.cpu_panels is None and lin.cpu_packed is None
+
+
+def test_pack_is_the_panel_layout_on_2mib_pages_when_large():
+    """pack's copy holds the same values as the plain panel layout; a copy of 2 MiB or more starts on a 2 MiB
+    boundary (cpu_malloc.huge_page_empty), a smaller one is a plain tensor."""
+    from tokenplane.engine.cpu_malloc import huge_page_empty
+
+    for n, k in ((1000, 576), (40, 24)):
+        w = torch.randn(n, k)
+        panels = cpu_small_gemm.pack(w)
+        pad = torch.cat([w, w.new_zeros(panels.shape[0] * cpu_small_gemm.PANEL - n, k)])
+        assert torch.equal(panels, pad.reshape(-1, cpu_small_gemm.PANEL, k).transpose(1, 2).contiguous())
+        assert panels.is_contiguous()
+        if panels.numel() * 4 >= 2 << 20:
+            assert panels.data_ptr() % (2 << 20) == 0
+    assert huge_page_empty(10).numel() == 10

@@ -148,10 +148,13 @@ def test_cpu_runner_keeps_freed_memory_in_the_heap():
 
     def faults_of_one_allocation() -> int:
         before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-        x = torch.ones(8 << 20)    # 32 MiB, every page written
+        x = torch.ones(6 << 20)    # 24 MiB (the engine's largest activation), every page written
         del x
         return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
 
-    # The first two can grow the heap (torch aligns large blocks to 2 MiB); from then on the block is reused.
-    # Without the setting every one faults all 8192 pages in again (measured here).
-    assert min(faults_of_one_allocation() for _ in range(4)) < 1000
+    # Until the heap's layout settles, an allocation can grow the heap instead of reusing the freed block (each is
+    # 64-byte aligned, so a freed block just below a small live one does not fit the next request; up to 7 rounds in
+    # ~10 rounds, depending on what the process allocated before); from then on the block is reused. With glibc's
+    # defaults the block is mmapped and unmapped again whenever the dynamic threshold is below it.
+    faults = [faults_of_one_allocation() for _ in range(40)]
+    assert max(faults[-3:]) < 1000, faults

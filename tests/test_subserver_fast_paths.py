@@ -1,5 +1,5 @@
 """The runtime's sub-servers build their model through route/subserver.build_runner: on CPU fp32 that runner must take
-the engine's fast paths (oneDNN-packed linears, the compiled decode-attention kernel, the fused add+RMSNorm, glibc
+the engine's fast paths (panel-packed linears for cpu_small_gemm, the compiled decode-attention kernel, the fused add+RMSNorm, glibc
 keeping freed memory), the same ones the engine benchmarks measure, so routing benchmarks measure the current engine."""
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ def test_subserver_runner_takes_the_cpu_fast_paths() -> None:
                          num_blocks=16)
     runner, model = build_runner(spec)
     assert runner.cpu_packed is True
-    linears = [m for m in model.modules() if hasattr(m, "cpu_packed") and m.cpu_packed is not None]
+    linears = [m for m in model.modules() if getattr(m, "cpu_panels", None) is not None]   # fp32: the kernel's copy
     assert len(linears) == 4 * len(model.model.layers)   # qkv, o, gate_up, down per layer
     assert runner.decode_kernel == "cpu"
     inner = model.model

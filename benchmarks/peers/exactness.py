@@ -4,11 +4,19 @@ float64 run of transformers on the same weights: how far each fp32 implementatio
 says whether a difference between the two is more than fp32 summation order (it varies with the CPU's kernels).
 
     PYTHONPATH=. python benchmarks/peers/exactness.py --models tiny-small tiny-large smollm2-135m-instruct
+
+--out PREFIX also writes PREFIX.json and PREFIX.md (the figures, the command, the machine's load before and after).
 """
 from __future__ import annotations
 
 import argparse
+import json
+import os
+import platform
+import sys
 import tempfile
+import time
+from pathlib import Path
 
 import torch
 import transformers
@@ -24,7 +32,10 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--chunk", type=int, default=128, help="prefill in chunks of this many tokens (0: whole)")
     ap.add_argument("--batch", type=int, default=2, help="sequences decoding together (prompts of different lengths)")
+    ap.add_argument("--out", default="", help="write PREFIX.json and PREFIX.md")
     args = ap.parse_args()
+    rows = []
+    load0 = os.getloadavg()[0]
     dtype = getattr(torch, args.dtype)
     torch.set_num_threads(1)
     for name in args.models:
@@ -62,6 +73,32 @@ def main() -> None:
         print(f"{name} {args.dtype}: max |logit diff| vs transformers {worst:.2e} over a {args.prompt}-token prefill "
               f"(chunks of {args.chunk}) + {args.steps} decode steps, batch {args.batch}; argmax equal: {same}; vs float64 "
               f"transformers: ours {ours64:.2e}, transformers {args.dtype} {hf_64:.2e}", flush=True)
+        rows.append({"model": name, "max_abs_diff_vs_transformers": worst, "argmax_equal": same,
+                     "ours_vs_float64": ours64, "transformers_vs_float64": hf_64})
+    if args.out:
+        write(args, rows, load0)
+
+
+def write(args: argparse.Namespace, rows: list[dict], load0: float) -> None:
+    res = {"command": "PYTHONPATH=. python " + " ".join(["benchmarks/peers/exactness.py", *sys.argv[1:]]),
+           "host": f"{platform.machine()}, {os.cpu_count()} CPUs", "torch": torch.__version__,
+           "transformers": transformers.__version__, "when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+           "load_before": load0, "load_after": os.getloadavg()[0], "dtype": args.dtype, "prompt": args.prompt,
+           "steps": args.steps, "chunk": args.chunk, "batch": args.batch, "bound": 1e-4, "rows": rows}
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.with_suffix(".json").write_text(json.dumps(res, indent=1))
+    lines = [f"# Engine logits vs transformers ({args.dtype}, CPU)", "",
+             f"{res['host']}; {res['when']}; torch {res['torch']}, transformers {res['transformers']}; load "
+             f"{load0:.2f} -> {res['load_after']:.2f}. A {args.prompt}-token prefill (chunks of {args.chunk}) + "
+             f"{args.steps} greedy decode steps, batch {args.batch}; max over every step and sequence. Bound: 1e-4.", "",
+             f"Command: `{res['command']}`", "",
+             "| model | max abs diff vs transformers | argmax equal | ours vs float64 | transformers vs float64 |",
+             "|---|---:|---|---:|---:|"]
+    for r in rows:
+        lines.append(f"| {r['model']} | {r['max_abs_diff_vs_transformers']:.2e} | {r['argmax_equal']} | "
+                     f"{r['ours_vs_float64']:.2e} | {r['transformers_vs_float64']:.2e} |")
+    out.with_suffix(".md").write_text("\n".join(lines) + "\n")
 
 
 if __name__ == "__main__":

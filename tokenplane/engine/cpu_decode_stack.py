@@ -48,23 +48,27 @@ class _Linear:
     k: int
     n: int                    # out_features
     bias: np.ndarray | None
+    kb: int                   # cpu_small_gemm.k_block(k)
 
 
 def _linear_of(m: nn.Module) -> _Linear:
     p = m.cpu_panels
     return _Linear(p.numpy().reshape(-1), int(p.shape[0]), int(p.shape[1]), int(m.out_features),
-                   None if m.bias is None else m.bias.detach().numpy())
+                   None if m.bias is None else m.bias.detach().numpy(), cpu_small_gemm.k_block(int(p.shape[1])))
 
 
 def _matmul(x: np.ndarray, lin: _Linear) -> np.ndarray:
     rows = x.shape[0]
     width = lin.n_panels * cpu_small_gemm.PANEL
-    out = np.empty((rows, width), np.float32)
-    cpu_small_gemm._gemm(x.reshape(-1), rows, lin.k, lin.panels, lin.n_panels, out.reshape(-1), width)
+    if lin.bias is None:
+        out = np.empty((rows, width), np.float32)
+    else:   # cpu_small_gemm's (F.linear's) order: the bias first
+        out = np.zeros((rows, width), np.float32)
+        out[:, :lin.n] = lin.bias
+    cpu_small_gemm._gemm(x.reshape(-1), rows, lin.k, lin.panels, lin.n_panels, out.reshape(-1), width, lin.kb,
+                         lin.bias is not None)
     if width != lin.n:
         out = np.ascontiguousarray(out[:, :lin.n])
-    if lin.bias is not None:
-        out += lin.bias
     return out
 
 

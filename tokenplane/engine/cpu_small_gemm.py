@@ -18,28 +18,37 @@ A pass over one panel computes 6, 4, 2 or 1 rows x 16 columns into 12, 8, 4 or 2
 emitted through llvmlite because numba has no vector type), so the panel is read from memory once and from L1/L2 for
 every further pass.
 
-Numerics: every output is sum_k x[m, k] * w[n, k] in float32: blocks of 64 k steps accumulated in registers with
-fused multiply-adds, each block's sum then added to the output, the bias added last; the same order in every pass, so
-a row's values do not depend on the row count or on which pass computed it. One chain over all of k instead
-made SmolLM2-135M's logits drift past 1e-4 from transformers' (benchmarks/peers/exactness.py: 1.01e-4; its error
-against a float64 reference on 4 x 576..1536 inputs was 1.5-3.3e-5, oneDNN's 1.2-1.8e-5, MKL's 0.6-0.8e-5); blocked
-by 64 it is 2.4-4.1e-6. F.linear, oneDNN and MKL sum in other orders, so results differ from theirs in the last bits.
+Numerics: every output is sum_k x[m, k] * w[n, k] in float32: blocks of `k_block(K)` k steps accumulated in
+registers with fused multiply-adds from zero, each block's sum then added to the output (to the bias where there is
+one); the same order in every pass, so a row's values do not depend on the row count or on which pass computed it.
+That is F.linear's order (torch's CPU BLAS, what transformers runs) at 4+ rows, with the block size a probe finds
+once per K (`k_block`): on this machine (MKL, AVX2) 192 from K = 385 on, K/2 from 193 to 384, one block up to 192.
+So decode linears and vocabulary projections equal transformers' bit for bit (F.linear's own 1-3 row path sums
+otherwise); SmolLM2-135M's logits vs transformers (benchmarks/peers/exactness.py) went from 1.37e-4 to 4.3e-5.
+Where no candidate reproduces F.linear, K_BLOCK = 64, the most accurate order measured (error against float64 on
+4 x 576..1536 inputs 2.4-4.1e-6, vs 1.5-3.3e-5 for one chain over all of k, oneDNN's 1.2-1.8e-5, MKL's 0.6-0.8e-5).
 
 Threads: the kernel runs on the calling thread only; `applies` takes it only with 1 torch intra-op thread (the
-sub-server setting), otherwise the caller's multi-threaded oneDNN path runs.
+sub-server setting), otherwise the caller runs F.linear (multi-threaded).
 """
 from __future__ import annotations
 
+import functools
+
 import torch
+import torch.nn.functional as F
 from llvmlite import ir
 from numba import njit, types
 from numba.core import cgutils
 from numba.extending import intrinsic, models, register_model
 
+from tokenplane.engine.cpu_malloc import huge_page_empty
+
 PANEL = 16            # output columns per panel: two 8-float vectors
 MAX_ROWS = 16         # layers: faster than oneDNN up to 16 rows on every measured shape (docstring)
 VOCAB_MAX_ROWS = 32   # vocabulary projections: faster up to 32 rows, parity at 48 (docstring)
-K_BLOCK = 64          # k steps summed in registers before they are added to the output (see Numerics)
+K_BLOCK = 64          # k steps a register block sums where no size reproduces F.linear (see Numerics, `k_block`)
+_K_CANDIDATES = (192, 128, 256, 96, 384, 512, 64)   # block sizes BLAS sgemm kernels use, tried in this order
 PREFETCH = 1024       # floats ahead of the panel stream (64 k-steps, 4 KiB): at 4 rows 15-30% faster than none here
 
 _V8 = ir.VectorType(ir.FloatType(), 8)
@@ -141,12 +150,12 @@ def _acc8(out, index, value, first):  # noqa: ANN001
 
 
 @njit(inline="always")
-def _pass6(x, k_dim, m, wp, wbase, last, out, n_out, col):  # noqa: ANN001
+def _pass6(x, k_dim, m, wp, wbase, last, out, n_out, col, kb, acc):  # noqa: ANN001
     """out[m : m + 6, col : col + 16] = x[m : m + 6] @ panel: 12 accumulators, 2 panel loads and 6 broadcasts for 12
     FMAs a k step (FMA-bound on AVX2's 16 vector registers; the 4-row pass is load-bound)."""
     x0 = m * k_dim
     o = m * n_out + col
-    for k0 in range(0, k_dim, K_BLOCK):
+    for k0 in range(0, k_dim, kb):
         a00 = _zero8()
         a01 = _zero8()
         a10 = _zero8()
@@ -159,7 +168,7 @@ def _pass6(x, k_dim, m, wp, wbase, last, out, n_out, col):  # noqa: ANN001
         a41 = _zero8()
         a50 = _zero8()
         a51 = _zero8()
-        for k in range(k0, min(k0 + K_BLOCK, k_dim)):
+        for k in range(k0, min(k0 + kb, k_dim)):
             wi = wbase + k * PANEL
             _prefetch(wp, min(wi + PREFETCH, last))
             w0 = _load8(wp, wi)
@@ -182,7 +191,7 @@ def _pass6(x, k_dim, m, wp, wbase, last, out, n_out, col):  # noqa: ANN001
             b = _splat8(x, x0 + 5 * k_dim + k)
             a50 = _fma8(b, w0, a50)
             a51 = _fma8(b, w1, a51)
-        first = k0 == 0
+        first = k0 == 0 and not acc
         _acc8(out, o, a00, first)
         _acc8(out, o + 8, a01, first)
         _acc8(out, o + n_out, a10, first)
@@ -198,11 +207,11 @@ def _pass6(x, k_dim, m, wp, wbase, last, out, n_out, col):  # noqa: ANN001
 
 
 @njit(inline="always")
-def _pass4(x, k_dim, m, wp, wbase, last, out, n_out, col):  # noqa: ANN001
+def _pass4(x, k_dim, m, wp, wbase, last, out, n_out, col, kb, acc):  # noqa: ANN001
     """out[m : m + 4, col : col + 16] = x[m : m + 4] @ panel, the panel starting at wp[wbase]."""
     x0 = m * k_dim
     o = m * n_out + col
-    for k0 in range(0, k_dim, K_BLOCK):
+    for k0 in range(0, k_dim, kb):
         a00 = _zero8()
         a01 = _zero8()
         a10 = _zero8()
@@ -211,7 +220,7 @@ def _pass4(x, k_dim, m, wp, wbase, last, out, n_out, col):  # noqa: ANN001
         a21 = _zero8()
         a30 = _zero8()
         a31 = _zero8()
-        for k in range(k0, min(k0 + K_BLOCK, k_dim)):
+        for k in range(k0, min(k0 + kb, k_dim)):
             wi = wbase + k * PANEL
             _prefetch(wp, min(wi + PREFETCH, last))
             w0 = _load8(wp, wi)
@@ -228,7 +237,7 @@ def _pass4(x, k_dim, m, wp, wbase, last, out, n_out, col):  # noqa: ANN001
             b = _splat8(x, x0 + 3 * k_dim + k)
             a30 = _fma8(b, w0, a30)
             a31 = _fma8(b, w1, a31)
-        first = k0 == 0
+        first = k0 == 0 and not acc
         _acc8(out, o, a00, first)
         _acc8(out, o + 8, a01, first)
         _acc8(out, o + n_out, a10, first)
@@ -240,15 +249,15 @@ def _pass4(x, k_dim, m, wp, wbase, last, out, n_out, col):  # noqa: ANN001
 
 
 @njit(inline="always")
-def _pass2(x, k_dim, m, wp, wbase, last, out, n_out, col):  # noqa: ANN001
+def _pass2(x, k_dim, m, wp, wbase, last, out, n_out, col, kb, acc):  # noqa: ANN001
     x0 = m * k_dim
     o = m * n_out + col
-    for k0 in range(0, k_dim, K_BLOCK):
+    for k0 in range(0, k_dim, kb):
         a00 = _zero8()
         a01 = _zero8()
         a10 = _zero8()
         a11 = _zero8()
-        for k in range(k0, min(k0 + K_BLOCK, k_dim)):
+        for k in range(k0, min(k0 + kb, k_dim)):
             wi = wbase + k * PANEL
             _prefetch(wp, min(wi + PREFETCH, last))
             w0 = _load8(wp, wi)
@@ -259,7 +268,7 @@ def _pass2(x, k_dim, m, wp, wbase, last, out, n_out, col):  # noqa: ANN001
             b = _splat8(x, x0 + k_dim + k)
             a10 = _fma8(b, w0, a10)
             a11 = _fma8(b, w1, a11)
-        first = k0 == 0
+        first = k0 == 0 and not acc
         _acc8(out, o, a00, first)
         _acc8(out, o + 8, a01, first)
         _acc8(out, o + n_out, a10, first)
@@ -267,41 +276,43 @@ def _pass2(x, k_dim, m, wp, wbase, last, out, n_out, col):  # noqa: ANN001
 
 
 @njit(inline="always")
-def _pass1(x, k_dim, m, wp, wbase, last, out, n_out, col):  # noqa: ANN001
+def _pass1(x, k_dim, m, wp, wbase, last, out, n_out, col, kb, acc):  # noqa: ANN001
     x0 = m * k_dim
     o = m * n_out + col
-    for k0 in range(0, k_dim, K_BLOCK):
+    for k0 in range(0, k_dim, kb):
         a00 = _zero8()
         a01 = _zero8()
-        for k in range(k0, min(k0 + K_BLOCK, k_dim)):
+        for k in range(k0, min(k0 + kb, k_dim)):
             wi = wbase + k * PANEL
             _prefetch(wp, min(wi + PREFETCH, last))
             a00 = _fma8(_splat8(x, x0 + k), _load8(wp, wi), a00)
             a01 = _fma8(_splat8(x, x0 + k), _load8(wp, wi + 8), a01)
-        first = k0 == 0
+        first = k0 == 0 and not acc
         _acc8(out, o, a00, first)
         _acc8(out, o + 8, a01, first)
 
 
 @njit(cache=True, nogil=True)
-def _gemm(x, rows, k_dim, wp, panels, out, n_out):  # noqa: ANN001
-    """x [rows, k_dim] flat float32, wp [panels, k_dim, 16] flat, out [rows, n_out] flat (n_out = panels * 16)."""
+def _gemm(x, rows, k_dim, wp, panels, out, n_out, kb, acc):  # noqa: ANN001
+    """x [rows, k_dim] flat float32, wp [panels, k_dim, 16] flat, out [rows, n_out] flat (n_out = panels * 16); kb: k
+    steps a register block sums before it is added to the output (`k_block`); acc: add every block to out's values
+    (the bias, as F.linear starts from it) instead of storing the first."""
     last = panels * k_dim * PANEL - 1
     for p in range(panels):
         wbase = p * k_dim * PANEL
         col = p * PANEL
         m = 0
         while rows - m >= 6:
-            _pass6(x, k_dim, m, wp, wbase, last, out, n_out, col)
+            _pass6(x, k_dim, m, wp, wbase, last, out, n_out, col, kb, acc)
             m += 6
         while rows - m >= 4:
-            _pass4(x, k_dim, m, wp, wbase, last, out, n_out, col)
+            _pass4(x, k_dim, m, wp, wbase, last, out, n_out, col, kb, acc)
             m += 4
         if rows - m >= 2:
-            _pass2(x, k_dim, m, wp, wbase, last, out, n_out, col)
+            _pass2(x, k_dim, m, wp, wbase, last, out, n_out, col, kb, acc)
             m += 2
         if rows - m == 1:
-            _pass1(x, k_dim, m, wp, wbase, last, out, n_out, col)
+            _pass1(x, k_dim, m, wp, wbase, last, out, n_out, col, kb, acc)
 
 
 def available(weight: torch.Tensor) -> bool:
@@ -315,7 +326,9 @@ def pack(weight: torch.Tensor) -> torch.Tensor:
     w = weight.detach()
     if n % PANEL:
         w = torch.cat([w, w.new_zeros(panels * PANEL - n, k)])
-    return w.reshape(panels, PANEL, k).transpose(1, 2).contiguous()
+    src = w.reshape(panels, PANEL, k).transpose(1, 2)
+    # 2 MiB pages: a decode step streams every panel copy once (cpu_malloc.huge_page_empty)
+    return huge_page_empty(src.numel()).view(src.shape).copy_(src)
 
 
 def applies(x: torch.Tensor, max_rows: int = MAX_ROWS) -> bool:
@@ -326,21 +339,51 @@ def applies(x: torch.Tensor, max_rows: int = MAX_ROWS) -> bool:
             and torch.get_num_threads() == 1)
 
 
-def linear(x: torch.Tensor, panels: torch.Tensor, out_features: int, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x @ W^T (+ bias) for `applies(x)` inputs, W given as `pack(W)`; returns a contiguous [rows, out_features]."""
+def k_block(k: int) -> int:
+    """k steps per register block at inner size k: the size that reproduces F.linear's order (`probe_k_block`), else
+    K_BLOCK."""
+    return probe_k_block(k) or K_BLOCK
+
+
+@functools.cache
+def probe_k_block(k: int) -> int | None:
+    """The k-block size whose summation order reproduces F.linear's float32 results bit for bit at inner size k (at 4+
+    rows), found once per k: each candidate (one chain over all of k, K/2, the sizes BLAS kernels use) runs on a
+    16-row product and is compared with F.linear's; None where none matches."""
+    g = torch.Generator().manual_seed(k)
+    x = torch.randn(16, k, generator=g)
+    w = torch.randn(2 * PANEL, k, generator=g)
+    with torch.no_grad():
+        ref = F.linear(x, w)
+    panels = pack(w)
+    for kb in dict.fromkeys((k, -(-k // 2), *_K_CANDIDATES)):
+        if kb <= k and torch.equal(_linear(x, panels, kb, None), ref):
+            return kb
+    return None
+
+
+def _linear(x: torch.Tensor, panels: torch.Tensor, kb: int, bias: torch.Tensor | None) -> torch.Tensor:
     rows, k = x.shape
     n_panels = panels.shape[0]
-    if panels.shape[1] != k:
-        raise ValueError(f"input has {k} features, the weight {panels.shape[1]}")
-    x = x.detach().contiguous()
-    out = torch.empty(rows, n_panels * PANEL, dtype=torch.float32)
+    if bias is None:
+        out = torch.empty(rows, n_panels * PANEL, dtype=torch.float32)
+    else:   # F.linear's order: the bias first, then each k block's sum added to it
+        out = torch.zeros(rows, n_panels * PANEL, dtype=torch.float32)
+        out[:, :bias.shape[0]] = bias
     _gemm(x.numpy().reshape(-1), rows, k, panels.numpy().reshape(-1), n_panels, out.numpy().reshape(-1),
-          n_panels * PANEL)
-    if out.shape[1] != out_features:
-        out = out[:, :out_features].contiguous()
-    if bias is not None:
-        out.add_(bias)
+          n_panels * PANEL, kb, bias is not None)
     return out
 
 
-__all__ = ["MAX_ROWS", "PANEL", "VOCAB_MAX_ROWS", "applies", "available", "linear", "pack"]
+def linear(x: torch.Tensor, panels: torch.Tensor, out_features: int, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x @ W^T (+ bias) for `applies(x)` inputs, W given as `pack(W)`; returns a contiguous [rows, out_features]."""
+    k = x.shape[1]
+    if panels.shape[1] != k:
+        raise ValueError(f"input has {k} features, the weight {panels.shape[1]}")
+    out = _linear(x.detach().contiguous(), panels, k_block(k), None if bias is None else bias.detach())
+    if out.shape[1] != out_features:
+        out = out[:, :out_features].contiguous()
+    return out
+
+
+__all__ = ["MAX_ROWS", "PANEL", "VOCAB_MAX_ROWS", "applies", "available", "k_block", "linear", "pack", "probe_k_block"]

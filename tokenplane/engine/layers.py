@@ -12,11 +12,9 @@ from torch import nn
 from tokenplane.engine import cpu_small_gemm
 
 CPU_PACK_DTYPES = (torch.float32, torch.bfloat16)
-# Every row count takes the packed path, prefill included. It is what vLLM's CPU backend runs (oneDNN matmul on a
-# prepacked weight) and 15-20% faster than F.linear's MKL GEMM at 256-2048 rows (1 thread, fp32, SmolLM2 shapes:
-# 89-97 -> 106-112 GFLOP/s). Its summation order differs from transformers' MKL GEMM: SmolLM2-135M fp32 prefill logits
-# vs transformers, max |diff| over 256-700-token prompts 4.7-7.5e-5 (MKL for rows above 64: 3.6-5.7e-5); the bound
-# is 1e-4 (measured here).
+# Rows past cpu_small_gemm's limits (prefill), fp32: F.linear, transformers' own call, so the same summation order
+# (SmolLM2-135M shapes, 1 thread, here: 6-12% faster than oneDNN's packed path at 128-2048 rows, GEMMs alone, and
+# oneDNN's one chain over k sits 2x further from float64); bf16: oneDNN's packed path (`cpu_pack`).
 
 def cpu_packing_available(weight: torch.Tensor) -> bool:
     """oneDNN packs fp32 on any x86 CPU, bf16 only where the CPU has bf16 conversion instructions (AVX-512 BW/VL/DQ
@@ -54,7 +52,7 @@ class Linear(nn.Linear):
     changes the weight afterwards must call `pack_cpu` again (or `unpack_cpu`)."""
 
     # Plain attributes, not buffers: state_dict() stays the weights only.
-    cpu_packed: torch.Tensor | None = None
+    cpu_packed: torch.Tensor | None = None   # bf16: oneDNN's packed copy
     cpu_panels: torch.Tensor | None = None   # fp32: cpu_small_gemm's copy, for 1-16 row inputs (decode)
 
     def reset_parameters(self) -> None:
@@ -65,21 +63,25 @@ class Linear(nn.Linear):
         if not cpu_packing_available(w):
             self.unpack_cpu()
             return
-        self.cpu_packed = cpu_pack(w)
         # Decode-sized fp32 inputs (1-16 rows, 1 thread) stream the weight through cpu_small_gemm's panel copy:
         # 1.15x (8 rows) to 2x+ (1 row) faster than oneDNN's packed path on the layer shapes measured there (and
-        # than the transposed-copy x @ W^T it replaces for one row). Costs one more copy of the narrowing layers.
-        self.cpu_panels = cpu_small_gemm.pack(w) if cpu_small_gemm.available(w) else None
+        # than the transposed-copy x @ W^T it replaces for one row), in F.linear's summation order. Larger fp32
+        # inputs take F.linear itself (see CPU_PACK_DTYPES), so fp32 keeps no oneDNN copy.
+        if cpu_small_gemm.available(w):
+            self.cpu_panels, self.cpu_packed = cpu_small_gemm.pack(w), None
+        else:
+            self.cpu_panels, self.cpu_packed = None, cpu_pack(w)
 
     def unpack_cpu(self) -> None:
         self.cpu_packed = self.cpu_panels = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        p = self.cpu_packed
-        if p is not None and x.dtype == self.weight.dtype and x.device.type == "cpu":
+        if x.dtype == self.weight.dtype and x.device.type == "cpu":
             if self.cpu_panels is not None and cpu_small_gemm.applies(x):
                 return cpu_small_gemm.linear(x, self.cpu_panels, self.out_features, self.bias)
-            return cpu_packed_linear(x, p, self.bias)
+            p = self.cpu_packed
+            if p is not None:
+                return cpu_packed_linear(x, p, self.bias)
         return F.linear(x, self.weight, self.bias)
 
 
@@ -87,18 +89,22 @@ class VocabProjection:
     """hidden [B, H] -> logits [B, V] on CPU, the step's largest GEMM for small models. Decode-sized fp32 batches
     (1-32 rows, 1 thread): cpu_small_gemm's panel copy streams the matrix at memory speed (151936 x 512 fp32: 11-14 ms
     at 1-4 rows, vs 15-20 ms on oneDNN's packed copy and 16 ms for x @ W^T over a transposed copy at one row) and
-    stays ahead of oneDNN up to 32 rows (cpu_small_gemm's docstring); more rows, bf16, or more threads: oneDNN's packed
-    copy (see `cpu_pack`). Holds two copies of the matrix."""
+    stays ahead of oneDNN up to 32 rows (cpu_small_gemm's docstring), in F.linear's summation order; more fp32 rows
+    or more threads: F.linear (transformers' call); bf16: oneDNN's packed copy (see `cpu_pack`). Holds one copy of the
+    matrix beside the weight."""
 
     def __init__(self, weight: torch.Tensor) -> None:
         self.out_features = weight.shape[0]
+        self.weight = weight
         self.panels = cpu_small_gemm.pack(weight) if cpu_small_gemm.available(weight) else None
-        self.packed = cpu_pack(weight)
+        self.packed = None if self.panels is not None else cpu_pack(weight)
 
     def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.panels is not None and cpu_small_gemm.applies(hidden, cpu_small_gemm.VOCAB_MAX_ROWS):
             return cpu_small_gemm.linear(hidden, self.panels, self.out_features)
-        return cpu_packed_linear(hidden, self.packed, None)
+        if self.packed is not None:
+            return cpu_packed_linear(hidden, self.packed, None)
+        return F.linear(hidden, self.weight)
 
 
 class RMSNorm(nn.Module):
