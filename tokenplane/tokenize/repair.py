@@ -115,7 +115,7 @@ class WindowRepair:
         if n and self.fused and e_new >= new_len and path != "reference":
             fast = self._fused_append(rec, new, d, path, stats)
             if fast is not None:
-                return fast
+                return RecordSplice(fast[1], fast[2], fast[3], n, new.delta, "window", 1)
         out = RecordSplice(delta=new.delta)
         if n and self.rule is not None:
             stats.repairs += 1
@@ -161,12 +161,39 @@ class WindowRepair:
         out.right_from, out.path = n, "full"
         return out
 
-    def _fused_append(self, rec: Records, new: SplicedText, d: int, path: str, stats: SessionStats
-                      ) -> RecordSplice | None:
+    def append_commit(self, rec: Records, whole: str, d: int, path: str, stats: SessionStats) -> int | None:
+        """The repair of an append whose whole new normalized text is `whole` (equal to the old text on [0, d)),
+        committed to `rec`: one compiled call that also writes the new records when they are the plain tail write
+        (appendwin.COMMITTED), else `rec.splice` of what it found. Returns the kept record count, or None, with
+        `rec` unchanged, where the fused call declines (the caller then takes the general repair)."""
+        n = rec.n
+        if not (n and self.fused and path != "reference" and d):
+            return None
+        # room for the new records, estimated from the session's own characters per token (a few % over): the
+        # kernel writes them in place when they fit, else the records take them by the general splice
+        added = len(whole) - d
+        rec.reserve(n + (added * n) // d + (added >> 4) + 32)
+        fast = self._fused_append(rec, whole, d, path, stats, True)
+        if fast is None:
+            return None
+        status, keep, mid_ids, mid_ends = fast
+        if status == appendwin.COMMITTED:
+            rec.n = keep + len(mid_ids)     # the kernel wrote the IDs and checkpoints past keep
+        else:
+            rec.splice(keep, mid_ids, mid_ends, rec.n, len(whole) - d)
+        return keep
+
+    def _fused_append(self, rec: Records, new: SplicedText | str, d: int, path: str, stats: SessionStats,
+                      commit: bool = False) -> tuple[int, int, np.ndarray, np.ndarray] | None:
         """The first attempt of `repair` for an append (the change reaches the text end, no literals) in one compiled
         call (appendwin.py): the same window start, encode, splice search and kept-token compare; None when that
-        call declines (the general loop then decides from its first attempt) or no CPU window kernel applies."""
-        new_len = new.length
+        call declines (the general loop then decides from its first attempt) or no CPU window kernel applies.
+        `new`: the new normalized text, or the whole of it as one str. Answers (status, keep, mid_ids, mid_ends);
+        `commit`: the records may already hold the result (status COMMITTED; see appendwin._Bound)."""
+        if isinstance(new, str):
+            whole, new_len = new, len(new)
+        else:
+            whole, new_len = new.whole, new.length
         # the window starts at a clean boundary at or before d - window: text from d - 2 * window covers it unless
         # the tokens there are long (or, for NFC, not ASCII for long); then the call declines, unless it reads the
         # whole new text (sync's resent str: no slice, no copy)
@@ -179,20 +206,23 @@ class WindowRepair:
         if self.nfc and self._inert is None:
             self._inert = nfc.inert_table()
         fn = append_encoder(cpu.bpe, self.family, self.token_chars, self.search, self._inert)
-        if new.whole is not None:
-            text, base = new.whole, 0
+        if whole is not None:
+            text, base = whole, 0
         else:
+            assert not isinstance(new, str)
             text = new.slice(base, new_len)
+        if commit:
+            rec.detach()        # the kernel may write over records that an exported view shows
         t0 = time.perf_counter()
-        status, keep, mid_ids, mid_ends = fn(text, base, d, self.window, rec.buf, rec.ck, rec.ex_i, rec.ex_v, rec.n)
+        out = fn(text, base, d, self.window, rec.buf, rec.ck, rec.ex_i, rec.ex_v, rec.n, commit)
         # the fused call's time counts as the window encode (the splice search and compare inside it are a few us);
         # mid_ids / mid_ends are views of the thread's scratch, copied into the records at this mutation's commit
         stats.last_encode_s += time.perf_counter() - t0
-        if status != appendwin.OK:
+        if out[0] != appendwin.OK and out[0] != appendwin.COMMITTED:
             return None
         stats.repairs += 1
         stats.first_window_accepts += 1
-        return RecordSplice(keep, mid_ids, mid_ends, rec.n, new.delta, "window", 1)
+        return out
 
     def _window_start(self, rec: Records, norm: TextReader, target: int) -> int:
         """A clean cached token boundary <= target (a character boundary no token straddles); ASCII for NFC."""

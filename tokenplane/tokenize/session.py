@@ -267,10 +267,49 @@ class Session:
             full_text = validate_text(full_text, self.tokenizer.max_chars)    # bytes: decoding validates them
         length = len(self._raw)
         if self._raw.is_prefix_of(full_text):
+            if length < len(full_text) and self._rec.n and type(full_text) is str:
+                done = self._sync_append(full_text, length)
+                if done is not None:
+                    return done
             return self._append(full_text[length:], full_text)
         cp = self._raw.common_prefix(full_text)
         cs = self._raw.common_suffix(full_text, min(length, len(full_text)) - cp)
         return self.edit(cp, length - cs, full_text[cp:len(full_text) - cs])
+
+    def _sync_append(self, full_text: str, length: int) -> Splice | None:
+        """A resend that appends to the stored text, the common sync of agent traffic, in a few steps: the tail
+        validated, one compiled call that repairs and writes the records (WindowRepair.append_commit), the text
+        stored. The same result as `_append`'s plan and commit, whose general steps (plan values, a SplicedText,
+        a RecordSplice, the text change as a value) it skips. None, before anything changed, where it does not
+        apply: allowed literals, NFC text whose normalized form differs from the raw one, an appended tail that is
+        not NFC-inert, or the fused call declining; the general path then answers."""
+        nmap = self._nmap
+        if self._norm is not None or (nmap is not None and len(nmap)) or self._literals:
+            return None
+        ascii_text = full_text.isascii()
+        tail = None
+        if not ascii_text:
+            tail = validate_text(full_text[length:], self.tokenizer.max_chars)     # lone surrogates refused here
+            if self._nfc and not self._inert_text(tail):
+                return None
+        t0 = time.perf_counter()
+        stats = self.stats
+        stats.last_encode_s = 0.0
+        # with no NFC region (or no normalizer) the normalized text is the raw one: the resent str is read in place
+        keep = self._repairer.append_commit(self._rec, full_text, length, self._path, stats)
+        if keep is None:
+            return None
+        if tail is None:
+            self._raw.adopt(full_text)
+        else:
+            self._raw.append(tail)
+        self.revision += 1
+        dt = time.perf_counter() - t0
+        stats.last_repair_s = dt
+        stats.total_repair_s += dt
+        stats.windows_tried += 1
+        stats.last_path = "window"
+        return Splice(keep, self._rec.exported(keep), self.revision, "window")
 
     def reset(self, text: str | bytes = "", *, expect_revision: int | None = None) -> Splice:
         """Drop the state and start over from `text` (a session-state miss)."""
