@@ -6,6 +6,13 @@ certifies (a clean boundary of both inside an agreeing run, or a hard boundary).
 `max_widenings` times, and finally the whole text is encoded. The result is a `RecordSplice`, a value the session
 commits to its records (records.py). The first attempt of an append without allowed literals (the common call on
 agent traffic) runs as one compiled call (appendwin.py: same steps, same answer); what it declines starts here.
+
+`append_commit` is Session.sync's append: the same fused call with `commit`, which also writes the new records into
+the session's buffer and checkpoints (records.py's `_append_tail` on the values Records.splice would hand it) when
+that is the whole splice: no end exceptions, capacity reserved here beforehand from the session's characters per
+token, no new exception in the window. It answers COMMITTED then, else OK with the records untouched and they are
+spliced in Python. A sync's append thus runs as one compiled call plus a handful of Python steps, with no plan,
+RecordSplice or Records.splice between (tests/test_sync_commit.py checks it against the general path).
 """
 
 from __future__ import annotations
