@@ -1,5 +1,5 @@
-"""Session.sync's committed append (Session._sync_append: the fused append window writes the records itself, the
-resent ASCII str becomes the stored text): every step equals the general plan-and-commit path (the fused call
+"""Session.sync's and Session.append's committed append (Session._fast_append: the fused append window writes the
+records itself; a resent ASCII str becomes the stored text): every step equals the general plan-and-commit path (the fused call
 switched off) and the reference encode, with exported IDs held across steps (copy-on-write), through record growth
 in place and by copy, non-ASCII tails, edits after an adopted text, and resends past the adoption limit."""
 
@@ -22,8 +22,8 @@ PROSE = ("An agent's context grows turn by turn: tool output, code like f(x) = x
 
 
 def _steps(seed: str, n: int, wide: bool) -> list[tuple[str, object]]:
-    """("sync", whole text) mostly, with a few edits (a resend that changes the middle) and, when `wide`, tails with
-    non-ASCII characters."""
+    """("sync", whole text) and ("append", text) steps, with a few edits (a resend that changes the middle) and,
+    when `wide`, tails with non-ASCII characters."""
     rng = random.Random(seed)
     pieces = ALPHABET + FRAGMENTS + [" " * 40, "9" * 30, "\n\n", "def f():\n    return 1\n"]
     if wide:
@@ -36,9 +36,13 @@ def _steps(seed: str, n: int, wide: bool) -> list[tuple[str, object]]:
         if rng.random() < 0.1 and len(text) > 200:
             a = rng.randrange(len(text) // 2, len(text) - 50)
             text = text[:a] + add[:30] + text[a + 20:]
+            steps.append(("sync", text))
+        elif rng.random() < 0.4:
+            text += add
+            steps.append(("append", add))
         else:
             text += add
-        steps.append(("sync", text))
+            steps.append(("sync", text))
     return steps
 
 
@@ -48,12 +52,14 @@ def _replay(tok, steps, *, fused: bool, monkeypatch, hold: bool):
             m.setattr(WindowRepair, "_fused_append", lambda *a, **k: None)
         sess = tok.session(encode_path="cpu")
         out, held = [], []
-        for _, text in steps:
-            sp = sess.sync(text)
+        for kind, arg in steps:
+            sp = sess.sync(arg) if kind == "sync" else sess.append(arg)
             out.append((sp.keep, sp.ids.tolist(), sp.path))
+            text = sess.text
             want = np.asarray(tok.encode(text, path="reference")).tolist()
             assert sess.ids.tolist() == want, len(text)
-            assert sess.text == text
+            if kind == "sync":
+                assert text == arg
             if hold:
                 held.append((sess.ids, want))       # exported views must never change afterwards
         for ids, want in held:

@@ -168,39 +168,41 @@ class WindowRepair:
         out.right_from, out.path = n, "full"
         return out
 
-    def append_commit(self, rec: Records, whole: str, d: int, path: str, stats: SessionStats) -> int | None:
-        """The repair of an append whose whole new normalized text is `whole` (equal to the old text on [0, d)),
-        committed to `rec`: one compiled call that also writes the new records when they are the plain tail write
-        (appendwin.COMMITTED), else `rec.splice` of what it found. Returns the kept record count, or None, with
-        `rec` unchanged, where the fused call declines (the caller then takes the general repair)."""
+    def append_commit(self, rec: Records, new: str, base: int, d: int, path: str, stats: SessionStats
+                      ) -> int | None:
+        """The repair of an append whose new normalized text from `base` to its end is `new` (equal to the old text
+        on [0, d)), committed to `rec`: one compiled call that also writes the new records when they are the plain
+        tail write (appendwin.COMMITTED), else `rec.splice` of what it found. Returns the kept record count, or
+        None, with `rec` unchanged, where the fused call declines (the caller then takes the general repair)."""
         n = rec.n
         if not (n and self.fused and path != "reference" and d):
             return None
         # room for the new records, estimated from the session's own characters per token (a few % over): the
         # kernel writes them in place when they fit, else the records take them by the general splice
-        added = len(whole) - d
+        added = base + len(new) - d
         rec.reserve(n + (added * n) // d + (added >> 4) + 32)
-        fast = self._fused_append(rec, whole, d, path, stats, True)
+        fast = self._fused_append(rec, new, d, path, stats, True, base)
         if fast is None:
             return None
         status, keep, mid_ids, mid_ends = fast
         if status == appendwin.COMMITTED:
             rec.n = keep + len(mid_ids)     # the kernel wrote the IDs and checkpoints past keep
         else:
-            rec.splice(keep, mid_ids, mid_ends, rec.n, len(whole) - d)
+            rec.splice(keep, mid_ids, mid_ends, rec.n, added)
         return keep
 
     def _fused_append(self, rec: Records, new: SplicedText | str, d: int, path: str, stats: SessionStats,
-                      commit: bool = False) -> tuple[int, int, np.ndarray, np.ndarray] | None:
+                      commit: bool = False, str_base: int = 0) -> tuple[int, int, np.ndarray, np.ndarray] | None:
         """The first attempt of `repair` for an append (the change reaches the text end, no literals) in one compiled
         call (appendwin.py): the same window start, encode, splice search and kept-token compare; None when that
         call declines (the general loop then decides from its first attempt) or no CPU window kernel applies.
-        `new`: the new normalized text, or the whole of it as one str. Answers (status, keep, mid_ids, mid_ends);
-        `commit`: the records may already hold the result (status COMMITTED; see appendwin._Bound)."""
+        `new`: the new normalized text, or the part of it from `str_base` to its end as one str. Answers (status,
+        keep, mid_ids, mid_ends); `commit`: the records may already hold the result (status COMMITTED; see
+        appendwin._Bound)."""
         if isinstance(new, str):
-            whole, new_len = new, len(new)
+            whole, new_len = new, str_base + len(new)
         else:
-            whole, new_len = new.whole, new.length
+            whole, new_len, str_base = new.whole, new.length, 0
         # the window starts at a clean boundary at or before d - window: text from d - 2 * window covers it unless
         # the tokens there are long (or, for NFC, not ASCII for long); then the call declines, unless it reads the
         # whole new text (sync's resent str: no slice, no copy)
@@ -214,7 +216,9 @@ class WindowRepair:
             self._inert = nfc.inert_table()
         fn = append_encoder(cpu.bpe, self.family, self.token_chars, self.search, self._inert)
         if whole is not None:
-            text, base = whole, 0
+            if str_base > base:
+                return None     # the str starts right of where the window may start: the general repair reads it
+            text, base = whole, str_base
         else:
             assert not isinstance(new, str)
             text = new.slice(base, new_len)
