@@ -7,11 +7,14 @@ wrapped around each stage function, and prints one Markdown row per family:
   validate     validate_text of the new tail
   plan_glue    Session._plan_append minus the repair (plan values, NFC split and map for qwen3)
   kernel       the window encoder's time (SessionStats.last_encode_s; with the fused append window this includes its
-               splice search and kept-token compare)
-  repair_glue  WindowRepair.repair minus the kernel (window start, window text, search, compare, Python between)
-  records      Records.splice (the ID buffer's growth and the append kernel)
-  text_apply   TextStore.apply (the appended chunk)
-  commit_glue  Session._commit minus records and text
+               splice search and kept-token compare, and on the committed path its write of the records)
+  repair_glue  WindowRepair.repair or .append_commit minus the kernel and the records (window start, window text,
+               search, compare, Python between)
+  records      Records.splice and Records.reserve (the ID buffer's growth; the append kernel where the fused call
+               did not write the records itself)
+  text_apply   TextStore.apply or .adopt (the appended chunk; adopting the resent str)
+  commit_glue  Session._commit minus records and text, or Session._fast_append minus its repair and text (the
+               committed append: Session._fast_append, appendwin.COMMITTED)
   sync_glue    the rest of sync + returning the IDs (np.asarray(session.ids))
 
 Each wrapper adds ~0.3 us to its stage, and the stages' medians do not add up to the median total. Light (a few
@@ -49,7 +52,9 @@ def main() -> int:
     cur: dict[str, float] = {}
 
     def wrap(obj, name: str, label: str) -> None:
-        f = getattr(obj, name)
+        f = getattr(obj, name, None)
+        if f is None:       # a tree without that stage (an older revision run for comparison)
+            return
 
         def timed(*a, **k):
             t0 = time.perf_counter()
@@ -64,8 +69,12 @@ def main() -> int:
     wrap(repair.WindowRepair, "repair", "repair")
     wrap(session.Session, "_plan_append", "plan")
     wrap(session.Session, "_commit", "commit")
+    wrap(repair.WindowRepair, "append_commit", "repair")
+    wrap(session.Session, "_fast_append", "commit")
     wrap(records.Records, "splice", "records")
+    wrap(records.Records, "reserve", "records")
     wrap(textstore.TextStore, "apply", "text_apply")
+    wrap(textstore.TextStore, "adopt", "text_apply")
     prompts_all = [render_prompts(t) for t in load_trajectories(Path(args.traces), limit=args.trace_count)]
     if not prompts_all:
         p.error(f"no trajectories in {args.traces}")
@@ -90,12 +99,14 @@ def main() -> int:
                 if not k:                       # a session's first call is a full encode
                     continue
                 g, kern = cur.get, s.stats.last_encode_s
+                plan, rep, recs, text = g("plan", 0.0), g("repair", 0.0), g("records", 0.0), g("text_apply", 0.0)
+                # the committed append (no plan) splices its records inside the repair; the general one at commit
+                in_repair = recs if not plan else 0.0
                 row = {"TOTAL": dt, "prefix": g("prefix", 0.0), "validate": g("validate", 0.0),
-                       "plan_glue": g("plan", 0.0) - g("repair", 0.0), "kernel": kern,
-                       "repair_glue": g("repair", 0.0) - kern, "records": g("records", 0.0),
-                       "text_apply": g("text_apply", 0.0),
-                       "commit_glue": g("commit", 0.0) - g("records", 0.0) - g("text_apply", 0.0)}
-                row["sync_glue"] = dt - g("prefix", 0.0) - g("validate", 0.0) - g("plan", 0.0) - g("commit", 0.0)
+                       "plan_glue": plan - rep if plan else 0.0, "kernel": kern,
+                       "repair_glue": rep - kern - in_repair, "records": recs, "text_apply": text,
+                       "commit_glue": g("commit", 0.0) - (rep if not plan else recs) - text}
+                row["sync_glue"] = dt - g("prefix", 0.0) - g("validate", 0.0) - plan - g("commit", 0.0)
                 for c in COLS:
                     acc[c].append(row[c])
         print(f"| {fam} | " + " | ".join(f"{np.median(acc[c]) * 1e6:.1f}" for c in COLS) + " |", flush=True)

@@ -318,7 +318,7 @@ def test_session_kernels_equal_jit_and_reference(name, aot, use, appendwin_statu
             assert session.ids.tolist() == tok.encode(text, path="reference").tolist()
         splices.append(run)
         assert session.stats.windows_tried > 0
-        assert appendwin.OK in statuses[n_before:] or name == "o200k_base"    # o200k: rare shapes decline
+        assert set(appendwin.ACCEPTED) & set(statuses[n_before:]) or name == "o200k_base"    # o200k: rare shapes decline
     assert splices[0] == splices[1]
     assert kernels.guard_fallbacks == before, "a session argument missed its AOT signature"
 

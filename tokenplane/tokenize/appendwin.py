@@ -23,7 +23,7 @@ from typing import Callable
 
 import numpy as np
 
-from . import splice
+from . import records, splice
 from .cpu import bpe as bpe_mod
 from .cpu import kernels, window
 from .cpu import pretokenize as pt
@@ -31,7 +31,8 @@ from .cpu.lazyjit import njit, numba_global  # numba itself only when a JIT kern
 
 _get_code_point = numba_global("numba.cpython.unicode", "_get_code_point")
 
-OK, BEFORE_TEXT, NOT_INERT, WINDOW_DECLINED, NO_POINT, SCRATCH = 0, 1, 2, 3, 4, 5
+OK, BEFORE_TEXT, NOT_INERT, WINDOW_DECLINED, NO_POINT, SCRATCH, COMMITTED = 0, 1, 2, 3, 4, 5, 6
+ACCEPTED = (OK, COMMITTED)
 
 
 @njit(cache=True, nogil=True)
@@ -77,8 +78,8 @@ def _declined(status):
 
 
 @njit(cache=True, nogil=True)
-def _finish(text, base, s, d, f_ids, f_ends, ids, ck, tc, ex_i, ex_v, n, cont, sig, pair, use_stable, max_chars,
-            max_stable, max_cand, out_ids, out_ends):
+def _finish(text, base, s, d, f_ids, f_ends, ids, ck, tc, ex_i, ex_v, n, commit, cont, sig, pair, use_stable,
+            max_chars, max_stable, max_cand, out_ids, out_ends):
     """_find_left (rightmost certified point in [s, d]; hard boundary: the text start), then _fill_window with the
     append's right point (the text end, the last cached and the last fresh record): (OK, keep, count) with the
     count new records in out_ids / out_ends, or (SCRATCH, records needed, 0) when they do not fit."""
@@ -101,7 +102,12 @@ def _finish(text, base, s, d, f_ids, f_ends, ids, ck, tc, ex_i, ex_v, n, cont, s
     for j in range(count):
         out_ids[j] = f_ids[a + k + j]
         out_ends[j] = f_ends[a + k + j]
-    return OK, ci_p + 1 + k, count
+    keep = ci_p + 1 + k
+    if (commit and ex_i.shape[0] == 0 and keep + count <= ids.shape[0]
+            and ((keep + count) >> records.SHIFT) < ck.shape[0]
+            and records._append_tail(ids, ck, tc, keep, n, out_ids[:count], out_ends[:count])):
+        return COMMITTED, keep, count
+    return OK, keep, count
 
 
 @njit(cache=True, nogil=True)
@@ -115,10 +121,10 @@ def _pre(text, base, d, w, nfc, inert, ids, ck, tc, ex_i, ex_v, n, cont):
     return s, OK
 
 
-def _append_gpt4_impl(text, base, d, w, ids, ck, ex_i, ex_v, n, nfc, inert, cont, sig, pair, use_stable, max_chars,
-                      max_stable, max_cand, kind_table, digits, whole_at_end, tc, has_missing, missing, byte_ids, ptab,
-                      batch, whole, wkeys, wids, tok_flat, tok_off, tiny, short, long_keys, long_len, long_ids, long_n,
-                      out_ids, out_ends):
+def _append_gpt4_impl(text, base, d, w, ids, ck, ex_i, ex_v, n, commit, nfc, inert, cont, sig, pair, use_stable,
+                      max_chars, max_stable, max_cand, kind_table, digits, whole_at_end, tc, has_missing, missing,
+                      byte_ids, ptab, batch, whole, wkeys, wids, tok_flat, tok_off, tiny, short, long_keys, long_len,
+                      long_ids, long_n, out_ids, out_ends):
     s, status = _pre(text, base, d, w, nfc, inert, ids, ck, tc, ex_i, ex_v, n, cont)
     if status != OK:
         return _declined(status)
@@ -128,14 +134,14 @@ def _append_gpt4_impl(text, base, d, w, ids, ck, ex_i, ex_v, n, nfc, inert, cont
         long_len, long_ids, long_n)
     if st != window.OK:
         return _declined(WINDOW_DECLINED)
-    return _finish(text, base, s, d, f_ids, f_ends, ids, ck, tc, ex_i, ex_v, n, cont, sig, pair, use_stable,
-                   max_chars, max_stable, max_cand, out_ids, out_ends)
+    return _finish(text, base, s, d, f_ids, f_ends, ids, ck, tc, ex_i, ex_v, n, commit, cont, sig, pair,
+                   use_stable, max_chars, max_stable, max_cand, out_ids, out_ends)
 
 
-def _append_o200k_impl(text, base, d, w, ids, ck, ex_i, ex_v, n, nfc, inert, cont, sig, pair, use_stable,
-                 max_chars, max_stable, max_cand, table, tc, has_missing, missing, byte_ids, ptab, batch, whole,
-                 wkeys, wids, tok_flat, tok_off, tiny, short, long_keys, long_len, long_ids, long_n, out_ids,
-                 out_ends):
+def _append_o200k_impl(text, base, d, w, ids, ck, ex_i, ex_v, n, commit, nfc, inert, cont, sig, pair,
+                       use_stable, max_chars, max_stable, max_cand, table, tc, has_missing, missing, byte_ids, ptab,
+                       batch, whole, wkeys, wids, tok_flat, tok_off, tiny, short, long_keys, long_len, long_ids,
+                       long_n, out_ids, out_ends):
     s, status = _pre(text, base, d, w, nfc, inert, ids, ck, tc, ex_i, ex_v, n, cont)
     if status != OK:
         return _declined(status)
@@ -144,14 +150,14 @@ def _append_o200k_impl(text, base, d, w, ids, ck, ex_i, ex_v, n, nfc, inert, con
         batch, whole, wkeys, wids, tok_flat, tok_off, tiny, short, long_keys, long_len, long_ids, long_n)
     if st != window.OK:
         return _declined(WINDOW_DECLINED)
-    return _finish(text, base, s, d, f_ids, f_ends, ids, ck, tc, ex_i, ex_v, n, cont, sig, pair, use_stable,
-                   max_chars, max_stable, max_cand, out_ids, out_ends)
+    return _finish(text, base, s, d, f_ids, f_ends, ids, ck, tc, ex_i, ex_v, n, commit, cont, sig, pair,
+                   use_stable, max_chars, max_stable, max_cand, out_ids, out_ends)
 
 
-def _append_deepseek_impl(text, base, d, w, ids, ck, ex_i, ex_v, n, nfc, inert, cont, sig, pair, use_stable,
-                 max_chars, max_stable, max_cand, table, tc, has_missing, missing, byte_ids, ptab, batch, whole,
-                 wkeys, wids, tok_flat, tok_off, tiny, short, long_keys, long_len, long_ids, long_n, out_ids,
-                 out_ends):
+def _append_deepseek_impl(text, base, d, w, ids, ck, ex_i, ex_v, n, commit, nfc, inert, cont, sig, pair,
+                          use_stable, max_chars, max_stable, max_cand, table, tc, has_missing, missing, byte_ids, ptab,
+                          batch, whole, wkeys, wids, tok_flat, tok_off, tiny, short, long_keys, long_len, long_ids,
+                          long_n, out_ids, out_ends):
     s, status = _pre(text, base, d, w, nfc, inert, ids, ck, tc, ex_i, ex_v, n, cont)
     if status != OK:
         return _declined(status)
@@ -160,14 +166,14 @@ def _append_deepseek_impl(text, base, d, w, ids, ck, ex_i, ex_v, n, nfc, inert, 
         batch, whole, wkeys, wids, tok_flat, tok_off, tiny, short, long_keys, long_len, long_ids, long_n)
     if st != window.OK:
         return _declined(WINDOW_DECLINED)
-    return _finish(text, base, s, d, f_ids, f_ends, ids, ck, tc, ex_i, ex_v, n, cont, sig, pair, use_stable,
-                   max_chars, max_stable, max_cand, out_ids, out_ends)
+    return _finish(text, base, s, d, f_ids, f_ends, ids, ck, tc, ex_i, ex_v, n, commit, cont, sig, pair,
+                   use_stable, max_chars, max_stable, max_cand, out_ids, out_ends)
 
 
-def _append_smollm2_impl(text, base, d, w, ids, ck, ex_i, ex_v, n, nfc, inert, cont, sig, pair, use_stable,
-                 max_chars, max_stable, max_cand, table, tc, has_missing, missing, byte_ids, ptab, batch, whole,
-                 wkeys, wids, tok_flat, tok_off, tiny, short, long_keys, long_len, long_ids, long_n, out_ids,
-                 out_ends):
+def _append_smollm2_impl(text, base, d, w, ids, ck, ex_i, ex_v, n, commit, nfc, inert, cont, sig, pair,
+                         use_stable, max_chars, max_stable, max_cand, table, tc, has_missing, missing, byte_ids, ptab,
+                         batch, whole, wkeys, wids, tok_flat, tok_off, tiny, short, long_keys, long_len, long_ids,
+                         long_n, out_ids, out_ends):
     s, status = _pre(text, base, d, w, nfc, inert, ids, ck, tc, ex_i, ex_v, n, cont)
     if status != OK:
         return _declined(status)
@@ -176,8 +182,8 @@ def _append_smollm2_impl(text, base, d, w, ids, ck, ex_i, ex_v, n, nfc, inert, c
         batch, whole, wkeys, wids, tok_flat, tok_off, tiny, short, long_keys, long_len, long_ids, long_n)
     if st != window.OK:
         return _declined(WINDOW_DECLINED)
-    return _finish(text, base, s, d, f_ids, f_ends, ids, ck, tc, ex_i, ex_v, n, cont, sig, pair, use_stable,
-                   max_chars, max_stable, max_cand, out_ids, out_ends)
+    return _finish(text, base, s, d, f_ids, f_ends, ids, ck, tc, ex_i, ex_v, n, commit, cont, sig, pair,
+                   use_stable, max_chars, max_stable, max_cand, out_ids, out_ends)
 
 
 _append_gpt4 = njit(cache=True, nogil=True)(_append_gpt4_impl)
@@ -188,7 +194,7 @@ _append_smollm2 = njit(cache=True, nogil=True)(_append_smollm2_impl)
 # -- binding: the constant tables of one (encoder, family, search, thread) fixed once ---------------------------------
 # The new records come back in the thread's scratch arrays, not as returned arrays: an AOT kernel boxes a returned
 # array through numba's serialized type (~2.5 us each on this VM), as much as the splice search itself.
-AppendFn = Callable[[str, int, int, int, np.ndarray, np.ndarray, np.ndarray, np.ndarray, int],
+AppendFn = Callable[[str, int, int, int, np.ndarray, np.ndarray, np.ndarray, np.ndarray, int, bool],
                     tuple[int, np.ndarray, np.ndarray]]
 _NO_MISSING = np.zeros(256, np.bool_)
 _NO_INERT = np.zeros(1, np.bool_)
@@ -210,16 +216,18 @@ class _Bound:
     def _grow(self, size: int) -> None:
         self.out_ids = np.empty(size, np.uint32)
         self.out_ends = np.empty(size, np.int64)
-        self.fn = self.kernels.bind(f"append_{self.loop}", 9, *self.tail, self.out_ids, self.out_ends)
+        self.fn = self.kernels.bind(f"append_{self.loop}", 10, *self.tail, self.out_ids, self.out_ends)
 
     def __call__(self, text: str, base: int, d: int, w: int, ids: np.ndarray, ck: np.ndarray, ex_i: np.ndarray,
-                 ex_v: np.ndarray, n: int) -> tuple[int, int, np.ndarray, np.ndarray]:
+                 ex_v: np.ndarray, n: int, commit: bool = False) -> tuple[int, int, np.ndarray, np.ndarray]:
         """(status, keep, mid_ids, mid_ends): the mid records are views of this thread's scratch, valid until its
-        next call (the session copies them into its records at commit, before any other repair on this thread)."""
-        status, keep, count = self.fn(text, base, d, w, ids, ck, ex_i, ex_v, n)
+        next call (the session copies them into its records at commit, before any other repair on this thread).
+        `commit`: also write them into the records (`ids` / `ck`) when that is the plain tail write (see
+        `_finish`), answering COMMITTED; the caller then sets the record count to keep + len(mid_ids)."""
+        status, keep, count = self.fn(text, base, d, w, ids, ck, ex_i, ex_v, n, commit)
         if status == SCRATCH:       # `keep` says how many records the window needs: once per larger window
             self._grow(max(2 * keep, MIN_SCRATCH))
-            status, keep, count = self.fn(text, base, d, w, ids, ck, ex_i, ex_v, n)
+            status, keep, count = self.fn(text, base, d, w, ids, ck, ex_i, ex_v, n, commit)
         return status, keep, self.out_ids[:count], self.out_ends[:count]
 
 

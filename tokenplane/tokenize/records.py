@@ -213,7 +213,7 @@ class Records:
         v.setflags(write=False)
         return v
 
-    def _detach(self) -> None:
+    def detach(self) -> None:
         """Before an in-place write: give the buffer to the live views of it and keep writing into a copy. Two
         references are this object's and getrefcount's argument; any more is a view (or a caller) holding it."""
         if sys.getrefcount(self.buf) > 2:
@@ -247,7 +247,7 @@ class Records:
         n, tc, k = self.n, self.tc, kernels.get()
         n_mid, n_right = len(mid_ids), n - right_from
         if keep < n and keep + n_mid + n_right <= len(self.buf):
-            self._detach()      # (a write only past n, or into a grown buffer, leaves the exported IDs as they are)
+            self.detach()      # (a write only past n, or into a grown buffer, leaves the exported IDs as they are)
         if not n_right and not self.ex_i.size:
             # an append (nothing right of the window, no exceptions): one kernel, when no new exception arises
             if keep + n_mid > len(self.buf):
@@ -298,6 +298,19 @@ class Records:
             self.ck[j_first:last_block + 1] = moved
         if j0 <= j1:
             k.rec_fill_checkpoints(self.buf, self.ck, tc, self.ex_i, self.ex_v, j0, j1)
+
+    def reserve(self, need: int) -> None:
+        """Capacity for `need` records (grown by the usual fraction beyond it), so that an append kernel can write
+        them in place (appendwin.py's commit); the IDs stay where the exported views see them."""
+        if need <= len(self.buf):
+            return
+        cap = need + min(need // GROWTH, MAX_SLACK) + 16
+        if not self._grow_in_place(cap):        # an exported view holds the buffer: it keeps it, we copy
+            grown = np.empty(cap, np.uint32)
+            grown[:self.n] = self.buf[:self.n]
+            ck = np.zeros((cap >> SHIFT) + 2, np.int64)
+            ck[:len(self.ck)] = self.ck
+            self.buf, self.ck = grown, ck
 
     def _grow_in_place(self, cap: int) -> bool:
         """An append's growth as a realloc of both arrays (no new buffer, no Python-level copy: ~1 us instead of ~4

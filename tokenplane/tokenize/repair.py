@@ -6,6 +6,13 @@ certifies (a clean boundary of both inside an agreeing run, or a hard boundary).
 `max_widenings` times, and finally the whole text is encoded. The result is a `RecordSplice`, a value the session
 commits to its records (records.py). The first attempt of an append without allowed literals (the common call on
 agent traffic) runs as one compiled call (appendwin.py: same steps, same answer); what it declines starts here.
+
+`append_commit` is Session.sync's append: the same fused call with `commit`, which also writes the new records into
+the session's buffer and checkpoints (records.py's `_append_tail` on the values Records.splice would hand it) when
+that is the whole splice: no end exceptions, capacity reserved here beforehand from the session's characters per
+token, no new exception in the window. It answers COMMITTED then, else OK with the records untouched and they are
+spliced in Python. A sync's append thus runs as one compiled call plus a handful of Python steps, with no plan,
+RecordSplice or Records.splice between (tests/test_sync_commit.py checks it against the general path).
 """
 
 from __future__ import annotations
@@ -115,7 +122,7 @@ class WindowRepair:
         if n and self.fused and e_new >= new_len and path != "reference":
             fast = self._fused_append(rec, new, d, path, stats)
             if fast is not None:
-                return fast
+                return RecordSplice(fast[1], fast[2], fast[3], n, new.delta, "window", 1)
         out = RecordSplice(delta=new.delta)
         if n and self.rule is not None:
             stats.repairs += 1
@@ -161,12 +168,41 @@ class WindowRepair:
         out.right_from, out.path = n, "full"
         return out
 
-    def _fused_append(self, rec: Records, new: SplicedText, d: int, path: str, stats: SessionStats
-                      ) -> RecordSplice | None:
+    def append_commit(self, rec: Records, new: str, base: int, d: int, path: str, stats: SessionStats
+                      ) -> int | None:
+        """The repair of an append whose new normalized text from `base` to its end is `new` (equal to the old text
+        on [0, d)), committed to `rec`: one compiled call that also writes the new records when they are the plain
+        tail write (appendwin.COMMITTED), else `rec.splice` of what it found. Returns the kept record count, or
+        None, with `rec` unchanged, where the fused call declines (the caller then takes the general repair)."""
+        n = rec.n
+        if not (n and self.fused and path != "reference" and d):
+            return None
+        # room for the new records, estimated from the session's own characters per token (a few % over): the
+        # kernel writes them in place when they fit, else the records take them by the general splice
+        added = base + len(new) - d
+        rec.reserve(n + (added * n) // d + (added >> 4) + 32)
+        fast = self._fused_append(rec, new, d, path, stats, True, base)
+        if fast is None:
+            return None
+        status, keep, mid_ids, mid_ends = fast
+        if status == appendwin.COMMITTED:
+            rec.n = keep + len(mid_ids)     # the kernel wrote the IDs and checkpoints past keep
+        else:
+            rec.splice(keep, mid_ids, mid_ends, rec.n, added)
+        return keep
+
+    def _fused_append(self, rec: Records, new: SplicedText | str, d: int, path: str, stats: SessionStats,
+                      commit: bool = False, str_base: int = 0) -> tuple[int, int, np.ndarray, np.ndarray] | None:
         """The first attempt of `repair` for an append (the change reaches the text end, no literals) in one compiled
         call (appendwin.py): the same window start, encode, splice search and kept-token compare; None when that
-        call declines (the general loop then decides from its first attempt) or no CPU window kernel applies."""
-        new_len = new.length
+        call declines (the general loop then decides from its first attempt) or no CPU window kernel applies.
+        `new`: the new normalized text, or the part of it from `str_base` to its end as one str. Answers (status,
+        keep, mid_ids, mid_ends); `commit`: the records may already hold the result (status COMMITTED; see
+        appendwin._Bound)."""
+        if isinstance(new, str):
+            whole, new_len = new, str_base + len(new)
+        else:
+            whole, new_len, str_base = new.whole, new.length, 0
         # the window starts at a clean boundary at or before d - window: text from d - 2 * window covers it unless
         # the tokens there are long (or, for NFC, not ASCII for long); then the call declines, unless it reads the
         # whole new text (sync's resent str: no slice, no copy)
@@ -179,20 +215,25 @@ class WindowRepair:
         if self.nfc and self._inert is None:
             self._inert = nfc.inert_table()
         fn = append_encoder(cpu.bpe, self.family, self.token_chars, self.search, self._inert)
-        if new.whole is not None:
-            text, base = new.whole, 0
+        if whole is not None:
+            if str_base > base:
+                return None     # the str starts right of where the window may start: the general repair reads it
+            text, base = whole, str_base
         else:
+            assert not isinstance(new, str)
             text = new.slice(base, new_len)
+        if commit:
+            rec.detach()        # the kernel may write over records that an exported view shows
         t0 = time.perf_counter()
-        status, keep, mid_ids, mid_ends = fn(text, base, d, self.window, rec.buf, rec.ck, rec.ex_i, rec.ex_v, rec.n)
+        out = fn(text, base, d, self.window, rec.buf, rec.ck, rec.ex_i, rec.ex_v, rec.n, commit)
         # the fused call's time counts as the window encode (the splice search and compare inside it are a few us);
         # mid_ids / mid_ends are views of the thread's scratch, copied into the records at this mutation's commit
         stats.last_encode_s += time.perf_counter() - t0
-        if status != appendwin.OK:
+        if out[0] != appendwin.OK and out[0] != appendwin.COMMITTED:
             return None
         stats.repairs += 1
         stats.first_window_accepts += 1
-        return RecordSplice(keep, mid_ids, mid_ends, rec.n, new.delta, "window", 1)
+        return out
 
     def _window_start(self, rec: Records, norm: TextReader, target: int) -> int:
         """A clean cached token boundary <= target (a character boundary no token straddles); ASCII for NFC."""

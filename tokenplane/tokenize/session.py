@@ -223,6 +223,10 @@ class Session:
                                     f"the limit is {self.tokenizer.max_chars:,}")
         if not text:
             return Splice(self._rec.n, np.zeros(0, np.uint32), self.revision, "noop")
+        if whole is None and self._rec.n and self._repairer.fused:
+            done = self._append_committed(text)
+            if done is not None:
+                return done
         t0 = time.perf_counter()
         self.stats.last_encode_s = 0.0
         plan = self._plan_append(text, whole)
@@ -267,10 +271,62 @@ class Session:
             full_text = validate_text(full_text, self.tokenizer.max_chars)    # bytes: decoding validates them
         length = len(self._raw)
         if self._raw.is_prefix_of(full_text):
+            if length < len(full_text) and self._rec.n and type(full_text) is str:
+                done = self._sync_append(full_text, length)
+                if done is not None:
+                    return done
             return self._append(full_text[length:], full_text)
         cp = self._raw.common_prefix(full_text)
         cs = self._raw.common_suffix(full_text, min(length, len(full_text)) - cp)
         return self.edit(cp, length - cs, full_text[cp:len(full_text) - cs])
+
+    def _sync_append(self, full_text: str, length: int) -> Splice | None:
+        """A resend that appends to the stored text, the common sync of agent traffic: `_fast_append` reading the
+        resent str in place (no slice of it unless its tail is not ASCII), which then becomes the stored text."""
+        if full_text.isascii():
+            return self._fast_append(None, full_text, 0, full_text)
+        tail = validate_text(full_text[length:], self.tokenizer.max_chars)     # lone surrogates refused here
+        return self._fast_append(tail, full_text, 0, None)
+
+    def _append_committed(self, text: str) -> Splice | None:
+        """`append` of validated text as `_fast_append`: the fused call reads the stored text from 2 windows left
+        of the end (it declines, changing nothing, where its window would start further left) plus `text`."""
+        length = len(self._raw)
+        base = max(0, length - 2 * self._repairer.window)
+        return self._fast_append(text, self._raw.slice(base, length) + text, base, None)
+
+    def _fast_append(self, tail: str | None, new: str, base: int, adopt: str | None) -> Splice | None:
+        """An append in a few steps: one compiled call that repairs and writes the records
+        (WindowRepair.append_commit), the text stored. The same result as `_append`'s plan and commit, whose general
+        steps (plan values, a SplicedText, a RecordSplice, the text change as a value) it skips. `new`: the new text
+        from `base` to its end; `tail`: the validated appended text, or None when `adopt`, the whole new ASCII
+        text, replaces the stored one. None, before anything changed, where it does not apply: allowed literals,
+        NFC text whose normalized form differs from the raw one, an appended tail that is not NFC-inert, or the
+        fused call declining; the general path then answers."""
+        nmap = self._nmap
+        if self._norm is not None or (nmap is not None and len(nmap)) or self._literals:
+            return None
+        if tail is not None and self._nfc and not self._inert_text(tail):
+            return None
+        t0 = time.perf_counter()
+        stats = self.stats
+        stats.last_encode_s = 0.0
+        # with no NFC region (or no normalizer) the normalized text is the raw one, so `new` is read as it is
+        keep = self._repairer.append_commit(self._rec, new, base, len(self._raw), self._path, stats)
+        if keep is None:
+            return None
+        if adopt is not None:
+            self._raw.adopt(adopt)
+        else:
+            assert tail is not None
+            self._raw.append(tail)
+        self.revision += 1
+        dt = time.perf_counter() - t0
+        stats.last_repair_s = dt
+        stats.total_repair_s += dt
+        stats.windows_tried += 1
+        stats.last_path = "window"
+        return Splice(keep, self._rec.exported(keep), self.revision, "window")
 
     def reset(self, text: str | bytes = "", *, expect_revision: int | None = None) -> Splice:
         """Drop the state and start over from `text` (a session-state miss)."""

@@ -23,6 +23,7 @@ CHUNK_MERGE = 1 << 16      # appends smaller than this merge into the last text 
 WIDTH_RUN = 4096           # ASCII gaps shorter than this stay inside a wide run (fewer, larger chunks: a prefix
                            # check costs ~2 us per chunk of a narrower kind than the resent text)
 WIDTH_FINE = 256           # granularity of a wide run's edges
+ADOPT_MAX = 2 * CHUNK_MERGE     # an ASCII resent text up to this long is kept as the store's one chunk (`adopt`)
 
 
 def width_runs(s: str) -> list[str]:
@@ -180,6 +181,17 @@ class TextStore:
         for run in width_runs(s):
             self._add(run)
 
+    def adopt(self, text: str) -> None:
+        """Become `text`, an ASCII str this store's text is a prefix of (sync's resent text): kept as it is, one chunk
+        at one byte per character, no copy, while it is at most ADOPT_MAX characters (an edit rejoins a chunk that
+        size, as `replace` does); a longer text appends its new part as `append` does."""
+        if len(text) > ADOPT_MAX:
+            self.append(text[self.length:])
+            return
+        self.chunks = [text]
+        self.starts = [0]
+        self.length = len(text)
+
     def _add(self, s: str) -> None:
         """Merge into the last chunk when both are ASCII or both not (a merge never widens ASCII text), unless the
         store already holds more chunks than its budget (one per 16K characters, plus 64): the Python-level
@@ -269,6 +281,8 @@ class TextStore:
         return self.chunks[0] if self.chunks else ""
 
     def is_prefix_of(self, text: str) -> bool:
+        if len(self.chunks) == 1 and text.isascii():    # an adopted resend (`adopt`): one memcmp
+            return text.startswith(self.chunks[0])
         return self.length <= len(text) and all(starts_with_at(text, c, o) for c, o in zip(self.chunks, self.starts))
 
     def common_prefix(self, text: str) -> int:

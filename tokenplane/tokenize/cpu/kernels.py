@@ -72,9 +72,9 @@ FULL_HEAD = (S, I, I, S, A("uint32"))
 FULL_SCRATCH = (A("boolean"), A("uint8"), A("int64"))
 FULL_TAIL = (B, A("boolean"), *BPE_ARGS[:8], A("uint64", 2), A("uint32"), A("int64"))
 FULL_RET = "Tuple((int32[::1], int64))"
-# the fused append window (tokenize/appendwin.py): text, base, d, w, the records (no tc) | NFC flag and inert table,
-# the splice search's tables and limits | family tables | the window tail
-APPEND_HEAD = (S, I, I, I, A("uint32"), A("int64"), A("int64"), A("int64"), I)
+# the fused append window (tokenize/appendwin.py): text, base, d, w, the records (no tc), commit flag | NFC flag and
+# inert table, the splice search's tables and limits | family tables | the window tail
+APPEND_HEAD = (S, I, I, I, A("uint32"), A("int64"), A("int64"), A("int64"), I, B)
 APPEND_MID = (B, A("boolean"), A("boolean"), A("uint8"), A("uint8", 2), B, I, I, I)
 APPEND_RET = "UniTuple(int64, 3)"
 APPEND_OUT = (A("uint32"), A("int64"))       # the thread's scratch for the new records
