@@ -1,10 +1,11 @@
 """Can R-Stitch's entropy signal be computed faster without changing a routing decision? (issue 16, runtime side)
 
-The runtime's signal is StepResult.normalized_entropy: float32 log_softmax, exp, product and sum over the vocabulary
-(~0.5-0.8 ms per row at V = 151,936 on one core). A one-pass kernel (max, then exp by a float32 polynomial with
-float64 sums; here, not in tokenplane) is far more accurate, but a decision may use a value that differs from the
+"reference" here is the runtime's signal until session 28: float32 log_softmax, exp, product and sum over the
+vocabulary (~0.4-0.8 ms per row at V = 151,936 on one core). A one-pass kernel (max, then exp by a float32 polynomial
+with float64 sums; here, not in tokenplane) is far more accurate, but a decision may use a value that differs from the
 reference only where it is certainly on the same side of the threshold: farther than the reference's own float32
-error. This measures the three things that decide whether that pays:
+error. (Session 28 replaced the signal itself instead: StepResult.normalized_entropy is now route/entropy.py's
+float64 pass, row "runtime", used by the reference router and the runtime alike.) This measures:
   1. per-row cost: reference, the same ops with the product in place (bit-identical), the one-pass kernel;
   2. the reference's error against float64 on random rows (scales 0.01-100) and on structured rows (k tied maxima over
      a flat tail: the float32 sums' rounding errors all point the same way), and the kernel's;
@@ -84,6 +85,13 @@ def one_pass(x: torch.Tensor) -> float:
 
 
 def reference(x: torch.Tensor) -> float:
+    """The runtime's signal until session 28 (torch, float32): what the results before then call the reference."""
+    logp = torch.log_softmax(x, dim=-1)
+    return float(-(logp.exp() * logp).sum()) / math.log(x.shape[0])
+
+
+def runtime(x: torch.Tensor) -> float:
+    """StepResult.normalized_entropy today: tokenplane/route/entropy.py's compiled float64 pass."""
     from tokenplane.route.api import StepResult
     return StepResult("r", 0, 0, 0, x).normalized_entropy()
 
@@ -103,8 +111,9 @@ def costs(reps: int) -> dict[str, dict[str, float]]:
     rows = list(torch.randn(16, V, generator=torch.Generator().manual_seed(0)) * 0.05)
     for x in rows:
         assert in_place(x) == reference(x)
-        one_pass(x)   # compiles (or loads) the kernel before any timing
-    fns = {"reference": reference, "in_place": in_place, "one_pass": one_pass}
+        one_pass(x)   # compiles (or loads) the kernels before any timing
+        runtime(x)
+    fns = {"reference": reference, "in_place": in_place, "one_pass": one_pass, "runtime": runtime}
     got: dict[str, list[float]] = {k: [] for k in fns}
     for r in range(reps):
         for name in (list(fns) if r % 2 else list(fns)[::-1]):   # alternated
@@ -121,7 +130,8 @@ def errors() -> dict[str, Any]:
     for scale in (0.01, 0.1, 0.3, 1, 2, 3, 4, 5, 8, 20, 100):
         x = torch.randn(V, generator=g) * scale
         t = float64(x)
-        random.append({"scale": scale, "h": t, "reference_err": abs(reference(x) - t), "one_pass_err": abs(one_pass(x) - t)})
+        random.append({"scale": scale, "h": t, "reference_err": abs(reference(x) - t), "one_pass_err": abs(one_pass(x) - t),
+                       "runtime_err": abs(runtime(x) - t)})
     tied = []
     for k in (1, 2, 10, 100, 1000):
         for c in (1.0, 3.0, 5.0, 6.5, 8.0, 12.0):
@@ -129,7 +139,7 @@ def errors() -> dict[str, Any]:
             x[:k] = c
             t = float64(x)
             tied.append({"k": k, "c": c, "h": t, "reference_err": abs(reference(x) - t),
-                         "one_pass_err": abs(one_pass(x) - t)})
+                         "one_pass_err": abs(one_pass(x) - t), "runtime_err": abs(runtime(x) - t)})
     return {"random": random, "tied": tied}
 
 
@@ -171,13 +181,15 @@ def main() -> None:
     ref_rand = max(r["reference_err"] for r in e["random"])
     ref_tied = max(r["reference_err"] for r in e["tied"])
     one = max(r["one_pass_err"] for r in e["random"] + e["tied"])
+    rt = max(r["runtime_err"] for r in e["random"] + e["tied"])
     lines = ["# R-Stitch entropy signal: cost, the reference's float32 error, calibrated signal spread", "",
              f"Command: `{res['command']}`  ", f"{started}; load average before {[round(x, 2) for x in load]}, after "
              f"{[round(x, 2) for x in res['load_after']]}; 1 thread; V = {V}.", "",
              "| computation | ms per row (min / median of alternated reps, 16 rows each) |", "|---|---:|"]
     lines += [f"| {k} | {v['min_ms']:.3f} / {v['median_ms']:.3f} |" for k, v in c.items()]
     lines += ["", f"Error against float64 (normalized entropy): reference up to {ref_rand:.2e} on random rows, up to "
-              f"{ref_tied:.2e} on tied-maxima rows; one-pass kernel up to {one:.2e} on all of them.", "",
+              f"{ref_tied:.2e} on tied-maxima rows; one-pass kernel up to {one:.2e} on all of them; the runtime's "
+              f"(route/entropy.py) up to {rt:.2e}.", "",
               "| gate | warm-up signals | min | max | threshold | share within 1e-6 / 1e-5 / 1e-4 / 1e-3 |",
               "|---|---:|---:|---:|---:|---|"]
     for gate, d in s.items():

@@ -24,6 +24,7 @@ from torch import nn
 
 from ...engine import cpu_small_gemm
 from ..api import StepResult
+from ..top_values import top_values
 from .base import Gate, OneTokenCorrection, load_weights, seeded
 
 # Without the small model's embedding (no attach, no checkpoint), tokens hash into a fixed random table: the router
@@ -144,12 +145,13 @@ class R2R(OneTokenCorrection):
             self._cast[(dtype, device)] = (router, self.embedding.to(device=device, dtype=dtype))
         return self._cast[(dtype, device)]
 
-    def _run(self, hidden: torch.Tensor, tokens: list[int], logits: torch.Tensor) -> torch.Tensor:
-        """Router outputs for rows hidden [B, H], sampled tokens [B], logits [B, V]."""
+    def _run(self, hidden: torch.Tensor, tokens: list[int], logits: list[torch.Tensor]) -> torch.Tensor:
+        """Router outputs for rows hidden [B, H], sampled tokens [B], logits B rows of [V]."""
         router, embedding = self._router_for(hidden)
         rows = tokens if embedding.shape[0] != FALLBACK_EMBED_ROWS else [t % FALLBACK_EMBED_ROWS for t in tokens]
-        k = min(self.logits_size, logits.shape[-1])
-        top = torch.topk(logits.to(device=hidden.device, dtype=hidden.dtype), k).values
+        k = min(self.logits_size, logits[0].shape[-1])
+        # The k largest values, then the router's dtype: a monotonic cast keeps which values are largest.
+        top = top_values(logits, k).to(device=hidden.device, dtype=hidden.dtype)
         if k < self.logits_size:   # tiny vocabularies: pad with the smallest value so the shape matches
             top = torch.cat([top, top[:, -1:].expand(-1, self.logits_size - k)], dim=-1)
         with torch.no_grad():
@@ -166,7 +168,7 @@ class R2R(OneTokenCorrection):
         if len(rows) < 2 or len({(r.hidden.dtype, r.hidden.device) for r in rows}) != 1:  # type: ignore[union-attr]
             return
         out = self._run(torch.stack([r.hidden for r in rows]), [int(r.token) for r in rows],  # type: ignore[misc]
-                        torch.stack([r.logits for r in rows]))
+                        [r.logits for r in rows])
         self._step = {id(r): float(v) for r, v in zip(rows, out.tolist())}
         self._step_rows = rows
 
@@ -181,7 +183,7 @@ class R2R(OneTokenCorrection):
         v = self._step.get(id(result))
         if v is not None and abs(v - self.thresholds["switch"]) > BATCH_MARGIN:
             return v
-        return float(self._run(result.hidden[None], [int(result.token)], result.logits[None])[0])
+        return float(self._run(result.hidden[None], [int(result.token)], [result.logits])[0])
 
     def signal(self, gate: Gate, result: StepResult) -> float:
         return self.divergence(result)
