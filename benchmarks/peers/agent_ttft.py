@@ -23,12 +23,17 @@ characters: a first turn builds the context (its prefill time is recorded, bound
     flock /tmp/suite.lock python benchmarks/peers/agent_ttft.py [--sizes 100000 1000000 4000000] [--turns 6]
                                                                [--trajectories 3] [--build-timeout 900]
 
+With --tier-upstream-token-ids, (b), (b') and (c) go to a second vLLM on the same files started with
+--skip-tokenizer-init, the tier in front of it with --upstream-token-ids (it decodes the answer's IDs itself): vLLM
+then never detokenizes, which skips its O(context) detokenizer priming on each request.
+
 Writes benchmarks/results/agent_ttft.{json,md,png} (or --out PREFIX), after every cell.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import random
@@ -82,8 +87,9 @@ def stream(client: httpx.Client, url: str, body: dict[str, Any], timeout: float)
 
 
 class Paths:
-    def __init__(self, vllm_url: str, tier_url: str, timeout: float) -> None:
+    def __init__(self, vllm_url: str, tier_url: str, timeout: float, ids_url: str | None = None) -> None:
         self.vllm, self.tier, self.timeout = vllm_url, tier_url, timeout
+        self.ids_url = ids_url or vllm_url   # the vLLM behind the tier: (c) sends the same IDs there
         self.client = httpx.Client()
         self.hf = None
 
@@ -96,7 +102,7 @@ class Paths:
                       {"model": self.tier_model, "messages": messages, "prompt_cache_key": key}, timeout or self.timeout)
 
     def vllm_ids(self, ids: list[int]) -> dict[str, Any]:
-        return stream(self.client, self.vllm + "/v1/completions", {"model": MODEL, "prompt": ids}, self.timeout)
+        return stream(self.client, self.ids_url + "/v1/completions", {"model": MODEL, "prompt": ids}, self.timeout)
 
     def vllm_tokenize(self, messages: list[dict[str, str]]) -> tuple[list[int], float]:
         t0 = time.perf_counter()
@@ -278,6 +284,9 @@ def write(res: dict[str, Any], prefix: Path) -> None:
              "vLLM) - tier tokenize(repeat); tier added = tier tokenize + forwarding; vLLM /tokenize = its "
              "endpoint's latency for the same chat (render + encode, vLLM-side, HTTP included); HF encode = "
              "`tokenizers` encode of the rendered text in the client process (measured separately).", "",
+             *(["Tier (b), (b') and (c) here: a second vLLM on the same files and core, started with "
+                "`--skip-tokenizer-init`, the tier in front of it with `--upstream-token-ids` (the tier turns the "
+                "answer's IDs into text); (a) is the stock vLLM.", ""] if m.get("tier_upstream_token_ids") else []),
              "| cell | turns | context chars P50 | tokens P50 | TTFT (a) vLLM P50 ms | TTFT (b) tier P50 ms | (a)/(b) |"
              " TTFT (c) same IDs straight to vLLM, cached P50 ms |"
              " tier tokenize P50 / P90 ms | forwarding P50 ms | tier added P50 ms | vLLM /tokenize P50 ms | "
@@ -353,6 +362,10 @@ def main() -> int:
     ap.add_argument("--core", default="1")
     ap.add_argument("--sliding-window", type=int, default=None,
                     help="serve the model with every layer's attention limited to this many tokens (see _attention)")
+    ap.add_argument("--tier-upstream-token-ids", action="store_true",
+                    help="put the tier in front of a second vLLM on the same files started with --skip-tokenizer-init "
+                         "(tier flag --upstream-token-ids: the tier also turns the answer's IDs into text); (c) goes "
+                         "to that vLLM too")
     ap.add_argument("--out", default=str(RESULTS / "agent_ttft"))
     args = ap.parse_args()
     deadline = time.monotonic() + args.deadline_s
@@ -368,15 +381,23 @@ def main() -> int:
                                     "vllm_version": vver[0] if vver else "?", "max_model_len": max_len,
                                     "kv_gib": kv_gib, "max_num_batched_tokens": args.max_num_batched_tokens,
                                     "core": args.core, "model": vllm_server.TINY,
-                                    "sliding_window": args.sliding_window},
+                                    "sliding_window": args.sliding_window,
+                                    "tier_upstream_token_ids": args.tier_upstream_token_ids},
                            "cells": [], "rows": [], "notes": []}
     prefix = Path(args.out)
     run_tag = f"{int(time.time())}"
-    with vllm_server.VLLMServer(model, max_model_len=max_len, kv_gib=kv_gib, core=args.core,
-                                max_num_batched_tokens=args.max_num_batched_tokens) as v:
+    with contextlib.ExitStack() as stack:
+        v = stack.enter_context(vllm_server.VLLMServer(model, max_model_len=max_len, kv_gib=kv_gib, core=args.core,
+                                                       max_num_batched_tokens=args.max_num_batched_tokens))
         res["meta"]["vllm_start_s"] = time.monotonic() - v.started
-        with vllm_server.TierServer(v.url, model / "tokenizer_config.json") as t:
-            p = Paths(v.url, t.url, timeout=600.0)
+        behind, tier_extra = v, []
+        if args.tier_upstream_token_ids:
+            behind = stack.enter_context(vllm_server.VLLMServer(
+                model, max_model_len=max_len, kv_gib=kv_gib, core=args.core,
+                max_num_batched_tokens=args.max_num_batched_tokens, extra=["--skip-tokenizer-init"]))
+            tier_extra = ["--upstream-token-ids"]
+        with vllm_server.TierServer(behind.url, model / "tokenizer_config.json", extra=tier_extra) as t:
+            p = Paths(v.url, t.url, timeout=600.0, ids_url=behind.url)
             # the tier answers to its own served name (its /v1/models), not the upstream's
             p.tier_model = httpx.get(t.url + "/v1/models").json()["data"][0]["id"]
             res["meta"]["tier_model_name"] = p.tier_model
