@@ -3,9 +3,10 @@ for engines started with `--skip-tokenizer-init`): the tier decodes the answer's
 tokenizer, matches stop strings itself and ends the upstream request on one, and counts usage when it ended the
 answer.
 
-The upstream is a small real HTTP server speaking vLLM's ID-only completion stream (`return_token_ids`: each chunk's
-choice carries `token_ids` and empty text, the first also echoes `prompt_token_ids`). The campaign test against a
-real vLLM started with --skip-tokenizer-init is in test_tier_vllm.py."""
+The upstream is a small real HTTP server speaking vLLM's ID-only completion stream: text always empty, each chunk's
+token written as an ID in its logprobs (`logprobs: 0` + `return_tokens_as_token_ids`: "token_id:N"), or, asked with
+`return_token_ids`, carried as `token_ids` with the prompt's IDs echoed in the first chunk. The campaign test against
+a real vLLM started with --skip-tokenizer-init is in test_tier_vllm.py."""
 
 from __future__ import annotations
 
@@ -34,8 +35,10 @@ ANSWER = "Hi <think>ok</think> \U0001f389 naïve STOP rest of it"
 class IdOnlyEngine:
     """vLLM with --skip-tokenizer-init, as seen over HTTP: answers `reply` one token per chunk, text always empty."""
 
-    def __init__(self, reply: list[int], delay_s: float = 0.0) -> None:
-        self.reply, self.delay_s = reply, delay_s
+    def __init__(self, reply: list[int], delay_s: float = 0.0, mode: str = "asked") -> None:
+        # mode: "asked" answers the way the request asks; "token_ids" always sends `token_ids` (and the prompt
+        # echo); "text_tokens" writes text, not IDs, in logprobs (an upstream that has its tokenizer after all)
+        self.reply, self.delay_s, self.mode = reply, delay_s, mode
         self.bodies: list[dict[str, Any]] = []
         self.completed: list[bool] = []
         self.app = Starlette(routes=[Route("/v1/models", self.models), Route("/v1/completions", self.completions,
@@ -48,8 +51,12 @@ class IdOnlyEngine:
     async def completions(self, request: Request) -> Any:
         body = json.loads(await request.body())
         self.bodies.append(body)
-        if not body.get("return_token_ids"):
-            return JSONResponse({"error": {"message": "no tokenizer: return_token_ids is needed"}}, status_code=400)
+        as_logprobs = body.get("logprobs") is not None and body.get("return_tokens_as_token_ids")
+        as_ids = body.get("return_token_ids") or self.mode == "token_ids"
+        as_logprobs = as_logprobs and self.mode != "token_ids"
+        prefix = "tok" if self.mode == "text_tokens" else "token_id:"
+        if not (as_logprobs or as_ids):
+            return JSONResponse({"error": {"message": "no tokenizer: ask for IDs"}}, status_code=400)
         reply = self.reply[:body.get("max_tokens") or len(self.reply)]
         stops = set(body.get("stop_token_ids") or ())
         slot = len(self.completed)
@@ -57,8 +64,12 @@ class IdOnlyEngine:
 
         def chunk(i: int, t: int, finish: str | None) -> bytes:
             c: dict[str, Any] = {"index": 0, "text": "", "logprobs": None, "finish_reason": finish,
-                                 "stop_reason": None, "token_ids": [t],
-                                 "prompt_token_ids": body["prompt"] if i == 0 else None}
+                                 "stop_reason": None}
+            if as_logprobs:
+                c["logprobs"] = {"text_offset": [0], "token_logprobs": [-0.5], "tokens": [f"{prefix}{t}"],
+                                 "top_logprobs": [{f"{prefix}{t}": -0.5}]}
+            if as_ids:
+                c.update(token_ids=[t], prompt_token_ids=body["prompt"] if i == 0 else None)
             return b"data: " + json.dumps({"id": "cmpl-x", "object": "text_completion", "created": 1,
                                            "model": "ids-engine", "choices": [c]}).encode() + b"\n\n"
 
@@ -123,9 +134,12 @@ def test_streamed_answer_is_decoded_here_and_the_echo_dropped(tok):
         assert usage is not None and usage.completion_tokens == len(tok.encode(ANSWER, allowed_special="all")) + 1
         raw = httpx.post(t.url + "/v1/completions", json={"model": "tier", "prompt": "hi", "stream": True},
                          timeout=30).text
-        assert "token_ids" not in raw and "usage" not in raw   # no echo; no usage chunk the client did not ask for
+        assert "token_id" not in raw and "usage" not in raw   # no IDs; no usage chunk the client did not ask for
+        assert all(json.loads(line[6:])["choices"][0]["logprobs"] is None
+                   for line in raw.splitlines() if line.startswith("data: {"))
     body = engine.bodies[0]
-    assert body["return_token_ids"] is True and body["stream"] is True and "stop" not in body
+    assert body["logprobs"] == 0 and body["return_tokens_as_token_ids"] is True   # IDs without the prompt's echo
+    assert "return_token_ids" not in body and body["stream"] is True and "stop" not in body
     assert tok.specials["<|im_end|>"] in body["stop_token_ids"]   # the template's end of turn, matched upstream
 
 
@@ -160,3 +174,23 @@ def test_logprobs_need_an_upstream_with_its_tokenizer(tok):
         r = httpx.post(t.url + "/v1/completions", json={"model": "tier", "prompt": "hi", "logprobs": 1}, timeout=30)
         assert r.status_code == 400 and r.json()["error"]["param"] == "logprobs"
     assert engine.bodies == []
+
+
+def test_token_ids_field_is_read_too(tok):
+    """An upstream that answers `token_ids` (vLLM's return_token_ids, with the prompt echo) decodes the same."""
+    engine = IdOnlyEngine(reply_ids(tok), mode="token_ids")
+    with ThreadServer(engine.app) as up, tier(tok, up.url) as t:
+        client = openai.OpenAI(base_url=t.url + "/v1", api_key="x")
+        chat = client.chat.completions.create(model="tier", messages=[{"role": "user", "content": "hello"}])
+        assert chat.choices[0].message.content == ANSWER
+
+
+def test_upstream_without_ids_is_a_502(tok):
+    """An upstream that has its tokenizer after all writes text tokens in logprobs: told as the upstream's fault,
+    streamed (an error event, then [DONE]) and not."""
+    engine = IdOnlyEngine(reply_ids(tok), mode="text_tokens")
+    with ThreadServer(engine.app) as up, tier(tok, up.url) as t:
+        r = httpx.post(t.url + "/v1/completions", json={"model": "tier", "prompt": "hi"}, timeout=30)
+        assert r.status_code == 502 and r.json()["error"]["code"] == "upstream_error"
+        s = httpx.post(t.url + "/v1/completions", json={"model": "tier", "prompt": "hi", "stream": True}, timeout=30)
+        assert '"upstream_error"' in s.text and s.text.rstrip().endswith("data: [DONE]")

@@ -56,9 +56,18 @@ MODEL = vllm_server.MODEL_NAME
 
 
 # -- one request each way -----------------------------------------------------------------------------------------
+# Seconds to wait before each request. vLLM's CPU worker busy-loops (sched_yield) for 1 s after each message it
+# reads (shm_broadcast.SpinCondition, busy_loop_s=1); two servers on one machine then steal each other's core: with
+# both on one core, a cached 5K-token request took ~380 ms instead of ~20 after the other server had run. Set by
+# main() when a second vLLM runs.
+GAP_S = 0.0
+
+
 def stream(client: httpx.Client, url: str, body: dict[str, Any], timeout: float) -> dict[str, Any]:
     """POST a streaming request; -> ttft_s, e2e_s, usage, tokenization (tier), or status + error."""
     body = {**body, "stream": True, "stream_options": {"include_usage": True}, "max_tokens": 1, "temperature": 0}
+    if GAP_S:
+        time.sleep(GAP_S)
     # Serialized before the clock starts: the client's own JSON encoding (~25 ms for 300K IDs with the stdlib) is
     # not a cost of either path.
     raw = json.dumps(body).encode()
@@ -284,9 +293,11 @@ def write(res: dict[str, Any], prefix: Path) -> None:
              "vLLM) - tier tokenize(repeat); tier added = tier tokenize + forwarding; vLLM /tokenize = its "
              "endpoint's latency for the same chat (render + encode, vLLM-side, HTTP included); HF encode = "
              "`tokenizers` encode of the rendered text in the client process (measured separately).", "",
-             *(["Tier (b), (b') and (c) here: a second vLLM on the same files and core, started with "
-                "`--skip-tokenizer-init`, the tier in front of it with `--upstream-token-ids` (the tier turns the "
-                "answer's IDs into text); (a) is the stock vLLM.", ""] if m.get("tier_upstream_token_ids") else []),
+             *([f"Tier (b), (b') and (c) here: a second vLLM on the same files, its engine on core "
+                f"{m.get('tier_vllm_core')}, started with `--skip-tokenizer-init`, the tier in front of it with "
+                "`--upstream-token-ids` (the tier turns the answer's IDs into text); (a) is the stock vLLM. Each "
+                f"request waits {m.get('gap_s')} s first: vLLM's CPU worker busy-loops 1 s after each message, and "
+                "two servers would steal each other's core.", ""] if m.get("tier_upstream_token_ids") else []),
              "| cell | turns | context chars P50 | tokens P50 | TTFT (a) vLLM P50 ms | TTFT (b) tier P50 ms | (a)/(b) |"
              " TTFT (c) same IDs straight to vLLM, cached P50 ms |"
              " tier tokenize P50 / P90 ms | forwarding P50 ms | tier added P50 ms | vLLM /tokenize P50 ms | "
@@ -366,8 +377,13 @@ def main() -> int:
                     help="put the tier in front of a second vLLM on the same files started with --skip-tokenizer-init "
                          "(tier flag --upstream-token-ids: the tier also turns the answer's IDs into text); (c) goes "
                          "to that vLLM too")
+    ap.add_argument("--tier-vllm-core", default="0", help="core of that second vLLM's engine (not --core: see GAP_S)")
+    ap.add_argument("--gap-s", type=float, default=None,
+                    help="idle seconds before each request (default 1.2 with a second vLLM, else 0; see GAP_S)")
     ap.add_argument("--out", default=str(RESULTS / "agent_ttft"))
     args = ap.parse_args()
+    global GAP_S
+    GAP_S = args.gap_s if args.gap_s is not None else (1.2 if args.tier_upstream_token_ids else 0.0)
     deadline = time.monotonic() + args.deadline_s
     biggest = max(args.sizes or [0])
     max_len = max(65_536, int((biggest + 400_000) / 3.0))
@@ -382,7 +398,9 @@ def main() -> int:
                                     "kv_gib": kv_gib, "max_num_batched_tokens": args.max_num_batched_tokens,
                                     "core": args.core, "model": vllm_server.TINY,
                                     "sliding_window": args.sliding_window,
-                                    "tier_upstream_token_ids": args.tier_upstream_token_ids},
+                                    "tier_upstream_token_ids": args.tier_upstream_token_ids,
+                                    "tier_vllm_core": args.tier_vllm_core if args.tier_upstream_token_ids else None,
+                                    "gap_s": GAP_S},
                            "cells": [], "rows": [], "notes": []}
     prefix = Path(args.out)
     run_tag = f"{int(time.time())}"
@@ -393,7 +411,7 @@ def main() -> int:
         behind, tier_extra = v, []
         if args.tier_upstream_token_ids:
             behind = stack.enter_context(vllm_server.VLLMServer(
-                model, max_model_len=max_len, kv_gib=kv_gib, core=args.core,
+                model, max_model_len=max_len, kv_gib=kv_gib, core=args.tier_vllm_core,
                 max_num_batched_tokens=args.max_num_batched_tokens, extra=["--skip-tokenizer-init"]))
             tier_extra = ["--upstream-token-ids"]
         with vllm_server.TierServer(behind.url, model / "tokenizer_config.json", extra=tier_extra) as t:

@@ -1,10 +1,10 @@
 """Text out for upstreams that answer token IDs only: the tier owns detokenization too.
 
 An engine started without a tokenizer (vLLM or SGLang `--skip-tokenizer-init`) takes token-ID prompts and answers
-token IDs (`return_token_ids`) with empty text. In front of one, the tier turns each choice's IDs into text with
-its own tokenizer (text_stream.TextStream: whole UTF-8 characters, special tokens skipped as vLLM's
-skip_special_tokens does, stop strings matched here and cut as vLLM cuts them) and drops the ID echo the client did
-not ask for. What this buys: vLLM primes its detokenizer with the whole prompt on every request
+token IDs with empty text (upstream_fields says how they are asked for). In front of one, the tier turns each
+choice's IDs into text with its own tokenizer (text_stream.TextStream: whole UTF-8 characters, special tokens
+skipped as vLLM's skip_special_tokens does, stop strings matched here and cut as vLLM cuts them) and drops the IDs the
+client did not ask for. What this buys: vLLM primes its detokenizer with the whole prompt on every request
 (`DecodeStream(ids=prompt)`, decoded on the first output token), O(context) per turn, ~0.15 s at 290K tokens on
 this machine (benchmarks/results/agent_ttft*.md); a tokenizer-less engine skips it, and the tier's incremental
 decoding costs O(new tokens).
@@ -21,19 +21,43 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
-from .errors import InvalidRequest
+from .errors import APIError, InvalidRequest
 from .text_stream import TextStream
+
+_PLACEHOLDER = "token_id:"
 
 
 def upstream_fields(body: dict[str, Any], req: Any) -> dict[str, Any]:
     """The upstream request's fields for an ID-only upstream: IDs back, always streamed with usage; stop strings
-    stay here (a tokenizer-less engine cannot match text)."""
+    stay here (a tokenizer-less engine cannot match text).
+
+    The IDs come as the sampled token's logprob entry written as an ID (`logprobs: 0` with
+    `return_tokens_as_token_ids`: "token_id:N"), not through `return_token_ids`: vLLM's `return_token_ids` also
+    echoes the whole prompt's IDs in the first chunk, which vLLM serializes and the tier parses, O(context) per turn
+    (~35 ms at 314K tokens, ~130 ms at 1M on this machine: benchmarks/results/agent_ttft_sw4096_ids*.md). An answer
+    whose chunks carry `token_ids` is read too."""
     if req.num_logprobs is not None:
         raise InvalidRequest("logprobs need an upstream that has its tokenizer (this tier decodes token IDs from "
                              "tokenizer-less upstreams: --upstream-token-ids)", param="logprobs")
     out = {k: v for k, v in body.items() if k not in ("stop", "stream", "stream_options")}
-    out.update(return_token_ids=True, stream=True, stream_options={"include_usage": True})
+    out.update(logprobs=0, return_tokens_as_token_ids=True, stream=True, stream_options={"include_usage": True})
     return out
+
+
+def _ids(choice: dict[str, Any]) -> list[int]:
+    """A chunk choice's new token IDs: `token_ids`, else its logprobs' tokens written as IDs ("token_id:N")."""
+    ids = choice.pop("token_ids", None)
+    lp = choice.get("logprobs")
+    choice["logprobs"] = None   # the client asked for none (upstream_fields refuses logprobs)
+    if ids is not None:
+        return list(ids)
+    if not lp:
+        return []
+    try:
+        return [int(t[len(_PLACEHOLDER):]) for t in lp.get("tokens") or ()]
+    except (TypeError, ValueError, AttributeError) as e:
+        raise APIError(f"the upstream's logprobs tokens are not token IDs ('token_id:N'): is it started without its "
+                       f"tokenizer? {str(lp)[:200]}", status=502, code="upstream_error") from e
 
 
 class IdAnswer:
@@ -79,7 +103,7 @@ class IdAnswer:
         for c in data.get("choices") or ():
             i = c.get("index", 0)
             c.pop("prompt_token_ids", None)
-            ids = c.pop("token_ids", None) or []
+            ids = _ids(c)
             if i in self.finished:
                 continue   # a choice this tier already ended on a stop string: the rest is not its answer
             s = self._stream(i)
