@@ -56,18 +56,12 @@ MODEL = vllm_server.MODEL_NAME
 
 
 # -- one request each way -----------------------------------------------------------------------------------------
-# Seconds to wait before each request. vLLM's CPU worker busy-loops (sched_yield) for 1 s after each message it
-# reads (shm_broadcast.SpinCondition, busy_loop_s=1); two servers on one machine then steal each other's core: with
-# both on one core, a cached 5K-token request took ~380 ms instead of ~20 after the other server had run. Set by
-# main() when a second vLLM runs.
-GAP_S = 0.0
-
-
-def stream(client: httpx.Client, url: str, body: dict[str, Any], timeout: float) -> dict[str, Any]:
-    """POST a streaming request; -> ttft_s, e2e_s, usage, tokenization (tier), or status + error."""
+def stream(client: httpx.Client, url: str, body: dict[str, Any], timeout: float, gap_s: float = 0.0) -> dict[str, Any]:
+    """POST a streaming request, after `gap_s` idle seconds; -> ttft_s, e2e_s, usage, tokenization (tier), or
+    status + error."""
     body = {**body, "stream": True, "stream_options": {"include_usage": True}, "max_tokens": 1, "temperature": 0}
-    if GAP_S:
-        time.sleep(GAP_S)
+    if gap_s:
+        time.sleep(gap_s)
     # Serialized before the clock starts: the client's own JSON encoding (~25 ms for 300K IDs with the stdlib) is
     # not a cost of either path.
     raw = json.dumps(body).encode()
@@ -96,22 +90,29 @@ def stream(client: httpx.Client, url: str, body: dict[str, Any], timeout: float)
 
 
 class Paths:
-    def __init__(self, vllm_url: str, tier_url: str, timeout: float, ids_url: str | None = None) -> None:
+    def __init__(self, vllm_url: str, tier_url: str, timeout: float, ids_url: str | None = None,
+                 gap_s: float = 0.0) -> None:
         self.vllm, self.tier, self.timeout = vllm_url, tier_url, timeout
         self.ids_url = ids_url or vllm_url   # the vLLM behind the tier: (c) sends the same IDs there
+        # Idle seconds before each request. vLLM's CPU worker busy-loops (sched_yield) for 1 s after each message
+        # it reads (shm_broadcast.SpinCondition, busy_loop_s=1); two servers then steal each other's core: with
+        # both on one core, a cached 5K-token request took ~380 ms instead of ~20 after the other server had run.
+        self.gap_s = gap_s
         self.client = httpx.Client()
         self.hf = None
 
     def vllm_chat(self, messages: list[dict[str, str]], timeout: float | None = None) -> dict[str, Any]:
         return stream(self.client, self.vllm + "/v1/chat/completions", {"model": MODEL, "messages": messages},
-                      timeout or self.timeout)
+                      timeout or self.timeout, self.gap_s)
 
     def tier_chat(self, messages: list[dict[str, str]], key: str, timeout: float | None = None) -> dict[str, Any]:
         return stream(self.client, self.tier + "/v1/chat/completions",
-                      {"model": self.tier_model, "messages": messages, "prompt_cache_key": key}, timeout or self.timeout)
+                      {"model": self.tier_model, "messages": messages, "prompt_cache_key": key}, timeout or self.timeout,
+                      self.gap_s)
 
     def vllm_ids(self, ids: list[int]) -> dict[str, Any]:
-        return stream(self.client, self.ids_url + "/v1/completions", {"model": MODEL, "prompt": ids}, self.timeout)
+        return stream(self.client, self.ids_url + "/v1/completions", {"model": MODEL, "prompt": ids}, self.timeout,
+                      self.gap_s)
 
     def vllm_tokenize(self, messages: list[dict[str, str]]) -> tuple[list[int], float]:
         t0 = time.perf_counter()
@@ -377,13 +378,13 @@ def main() -> int:
                     help="put the tier in front of a second vLLM on the same files started with --skip-tokenizer-init "
                          "(tier flag --upstream-token-ids: the tier also turns the answer's IDs into text); (c) goes "
                          "to that vLLM too")
-    ap.add_argument("--tier-vllm-core", default="0", help="core of that second vLLM's engine (not --core: see GAP_S)")
+    ap.add_argument("--tier-vllm-core", default="0",
+                    help="core of that second vLLM's engine (not --core: see Paths.gap_s)")
     ap.add_argument("--gap-s", type=float, default=None,
-                    help="idle seconds before each request (default 1.2 with a second vLLM, else 0; see GAP_S)")
+                    help="idle seconds before each request (default 1.2 with a second vLLM, else 0; see Paths.gap_s)")
     ap.add_argument("--out", default=str(RESULTS / "agent_ttft"))
     args = ap.parse_args()
-    global GAP_S
-    GAP_S = args.gap_s if args.gap_s is not None else (1.2 if args.tier_upstream_token_ids else 0.0)
+    gap_s = args.gap_s if args.gap_s is not None else (1.2 if args.tier_upstream_token_ids else 0.0)
     deadline = time.monotonic() + args.deadline_s
     biggest = max(args.sizes or [0])
     max_len = max(65_536, int((biggest + 400_000) / 3.0))
@@ -400,7 +401,7 @@ def main() -> int:
                                     "sliding_window": args.sliding_window,
                                     "tier_upstream_token_ids": args.tier_upstream_token_ids,
                                     "tier_vllm_core": args.tier_vllm_core if args.tier_upstream_token_ids else None,
-                                    "gap_s": GAP_S},
+                                    "gap_s": gap_s},
                            "cells": [], "rows": [], "notes": []}
     prefix = Path(args.out)
     run_tag = f"{int(time.time())}"
@@ -415,7 +416,7 @@ def main() -> int:
                 max_num_batched_tokens=args.max_num_batched_tokens, extra=["--skip-tokenizer-init"]))
             tier_extra = ["--upstream-token-ids"]
         with vllm_server.TierServer(behind.url, model / "tokenizer_config.json", extra=tier_extra) as t:
-            p = Paths(v.url, t.url, timeout=600.0, ids_url=behind.url)
+            p = Paths(v.url, t.url, timeout=600.0, ids_url=behind.url, gap_s=gap_s)
             # the tier answers to its own served name (its /v1/models), not the upstream's
             p.tier_model = httpx.get(t.url + "/v1/models").json()["data"][0]["id"]
             res["meta"]["tier_model_name"] = p.tier_model

@@ -78,7 +78,7 @@ class VocabMeta:
     normalizer: str         # "none" (identity), "nfc" (exactly HF's NFC, `plain_nfc`) or "other"
     # The ids a decode with skip_special_tokens drops (HF: the added tokens marked special; `<think>` and
     # `<tool_call>` are added but not special, so they stay in the text, as vLLM's detokenizer keeps them).
-    skipped: frozenset[int] = frozenset()
+    skipped: frozenset[int]
 
 
 def hf_specials(config: dict) -> dict[str, int]:
