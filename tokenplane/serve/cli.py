@@ -43,8 +43,9 @@ def main_arguments(parser: argparse.ArgumentParser) -> None:
                         "repairing the conversation's session (a baseline)")
     parser.add_argument("--upstream", action="append", default=None, metavar="URL",
                         help="tokenization tier mode: forward exact token IDs to this OpenAI-compatible engine "
-                             "(vLLM, SGLang, another tokenplane); repeat for replicas (consistent hashing per "
-                             "conversation)")
+                             "(vLLM, SGLang, another tokenplane), or grpc://HOST:PORT for vLLM's gRPC engine "
+                             "service (its grpc_server launcher; token IDs both ways, the tier decodes); repeat for "
+                             "replicas (consistent hashing per conversation)")
     parser.add_argument("--upstream-model", default=None, help="the upstream's model name (default: its /v1/models)")
     parser.add_argument("--upstream-token-ids", action="store_true",
                         help="tier mode: the upstreams run without a tokenizer (vLLM/SGLang --skip-tokenizer-init) "

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -81,16 +82,37 @@ def _cut(run: tuple[Segment, ...], dropped: int) -> list[Segment] | None:
     return segs if segs else None
 
 
+def _json_frame(fields: dict[str, Any], pieces: Sequence[bytes | memoryview], size: int) -> Chunks:
+    head = orjson.dumps(fields)[:-1] + (b',"prompt":[' if fields else b'"prompt":[')
+    return (head, *pieces, b"]}")
+
+
+@dataclass(frozen=True)
+class IdsCodec:
+    """How a body writes a prompt's IDs: `run` writes IDs, `sep` goes between a kept run and the run appended to
+    it, `cut` takes a run's last IDs off (None: not a run this codec wrote), `frame` puts a run's pieces (of `size`
+    bytes in all) into a whole body with the request's other fields."""
+    run: Callable[[Any], bytes]
+    sep: bytes
+    cut: Callable[[tuple[Segment, ...], int], list[Segment] | None]
+    frame: Callable[[dict[str, Any], Sequence[bytes | memoryview], int], Chunks]
+
+
+JSON_IDS = IdsCodec(run=ids_run, sep=b",", cut=_cut, frame=_json_frame)
+
+
 def _view(seg: Segment) -> bytes | memoryview:
     raw, start, end = seg
     return raw if start == 0 and end == len(raw) else memoryview(raw)[start:end]
 
 
 class RequestBodies:
-    """Upstream request bodies; the last one per session kept (LRU, up to `max_bytes` in all) for the next turn."""
+    """Upstream request bodies; the last one per session kept (LRU, up to `max_bytes` in all) for the next turn.
+    `codec`: JSON completions bodies (HTTP upstreams), or grpc_wire.VARINT_IDS (vLLM's gRPC engine service)."""
 
-    def __init__(self, max_bytes: int = 512 << 20) -> None:
+    def __init__(self, max_bytes: int = 512 << 20, codec: IdsCodec = JSON_IDS) -> None:
         self.max_bytes = max_bytes
+        self.codec = codec
         self._bodies: OrderedDict[str, _Body] = OrderedDict()
         self._bytes = 0
         self._lock = threading.Lock()
@@ -115,32 +137,33 @@ class RequestBodies:
         return prev
 
     def build(self, fields: dict[str, Any], ids: np.ndarray | list[int], origin: IdsOrigin | None = None) -> bytes:
-        """The JSON body: `fields` and `"prompt": ids`. `origin` (IDs from a session splice) allows reusing the
+        """The body (JSON: `fields` and `"prompt": ids`). `origin` (IDs from a session splice) allows reusing the
         session's previous body."""
         return b"".join(self.chunks(fields, ids, origin))
 
     def chunks(self, fields: dict[str, Any], ids: np.ndarray | list[int], origin: IdsOrigin | None = None) -> Chunks:
         """`build`'s body as pieces: the kept ID run's pieces are views of the bytes earlier turns wrote, so a turn
         copies nothing of its context here (the socket write takes the pieces as they are: writev)."""
-        head = orjson.dumps(fields)[:-1] + (b',"prompt":[' if fields else b'"prompt":[')
+        codec = self.codec
         n = len(ids)
         prev = self._reusable(origin, n) if origin is not None else None
-        segs = _cut(prev.run, prev.n - origin.keep) if prev is not None and origin is not None else None
+        segs = codec.cut(prev.run, prev.n - origin.keep) if prev is not None and origin is not None else None
         if segs is None or origin is None:
-            run = ids_run(ids)
+            run = codec.run(ids)
             segs = [(run, 0, len(run))] if run else []
             self.written += 1
         else:
             if n > origin.keep:
-                new = b"," + ids_run(ids[origin.keep:])
+                new = codec.sep + codec.run(ids[origin.keep:])
                 segs.append((new, 0, len(new)))
             if len(segs) > _MAX_SEGMENTS:
                 run = b"".join(_view(s) for s in segs)
                 segs = [(run, 0, len(run))]
             self.reused += 1
+        size = sum(e - s for _, s, e in segs)
         if origin is not None:
-            self._keep(origin, _Body(tuple(segs), n, origin.revision, sum(e - s for _, s, e in segs)))
-        return (head, *(_view(s) for s in segs), b"]}")
+            self._keep(origin, _Body(tuple(segs), n, origin.revision, size))
+        return codec.frame(fields, [_view(s) for s in segs], size)
 
     def _keep(self, origin: IdsOrigin, body: _Body) -> None:
         with self._lock:
@@ -162,4 +185,4 @@ class RequestBodies:
                     "written": self.written}
 
 
-__all__ = ["Chunks", "IdsOrigin", "RequestBodies", "ids_run"]
+__all__ = ["JSON_IDS", "Chunks", "IdsCodec", "IdsOrigin", "RequestBodies", "Segment", "ids_run"]

@@ -32,8 +32,9 @@ from .body_delta import BodyDeltas, KeptTurn, Parsed
 from .conversations import Take, TokenizationReport, copied
 from .errors import APIError, InvalidRequest
 from .event_stream import EventStream
+from .grpc_wire import VARINT_IDS
 from .id_answers import IdAnswer, gathered, upstream_fields
-from .ids_json import Chunks, IdsOrigin, RequestBodies
+from .ids_json import JSON_IDS, Chunks, IdsOrigin, RequestBodies
 from .openai_routes import ClientDisconnected, OpenAIServer
 from .protocol import ChatCompletionRequest, ChatMessage, CompletionRequest
 from .upstream import FORWARDED, UpstreamPool, error_from, sse_data
@@ -123,7 +124,7 @@ class ProxyServer(OpenAIServer):
         self._follow_upstream_name = not kwargs.get("model_name")
         super().__init__(UpstreamBackend(pool), tokenizer, **kwargs)
         self.pool = pool
-        self.bodies = RequestBodies()
+        self.bodies = RequestBodies(codec=VARINT_IDS if pool.grpc is not None else JSON_IDS)
         self.deltas = BodyDeltas()   # resent chat bodies parsed in O(new part) (body_delta.py)
         self._states = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenplane-bodies")
         self._answered: dict[str, threading.Event] = {}   # session -> set when its turn's answer is out
@@ -153,6 +154,8 @@ class ProxyServer(OpenAIServer):
         if stop_ids:
             body["stop_token_ids"] = list(stop_ids)
         body["model"] = self.pool.model
+        if self.pool.sampling_defaults:
+            body = {**self.pool.sampling_defaults, **body}
         return upstream_fields(body, req) if self.pool.answers_ids else body
 
     def _chat_ids(self, req: ChatCompletionRequest, parsed: Parsed, take: Take = copied,

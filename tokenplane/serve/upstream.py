@@ -25,9 +25,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .errors import APIError, ServiceUnavailable, retry_headers
+from .grpc_upstream import GrpcAnswer, GrpcUpstreams, Unreachable, is_grpc
 from .http_client import Body, ConnectFailed, HTTPClient, HTTPClientError, Response
 
-UpstreamResponse = Response   # an upstream's answer, opened as a stream (http_client.Response)
+# an upstream's answer, opened as a stream: http_client.Response, or a gRPC call read as one (grpc_upstream.py)
+UpstreamResponse = Response | GrpcAnswer
 
 log = logging.getLogger("tokenplane.serve")
 
@@ -91,12 +93,24 @@ class UpstreamPool:
         self.cooldown_s = cooldown_s
         self.client = HTTPClient(connect_timeout=connect_timeout_s, read_timeout=timeout_s)
         self.max_model_len: int | None = None
-        # The upstreams run without a tokenizer (vLLM/SGLang --skip-tokenizer-init): they answer token IDs, which
-        # the tier decodes (id_answers.py).
-        self.answers_ids = answers_ids
+        # grpc:// upstreams: vLLM's gRPC engine service (grpc_upstream.py), token IDs both ways. One pool speaks
+        # one protocol: the request body is written for it (ids_json.RequestBodies' codec).
+        kinds = {is_grpc(u) for u in self.urls}
+        if len(kinds) > 1:
+            raise ValueError("upstreams must all be grpc:// or all be http(s)://")
+        self.grpc = GrpcUpstreams(connect_timeout_s, timeout_s) if kinds == {True} else None
+        # The upstreams run without a tokenizer (vLLM/SGLang --skip-tokenizer-init, or gRPC): they answer token
+        # IDs, which the tier decodes (id_answers.py).
+        self.answers_ids = answers_ids or self.grpc is not None
+        # Sampling defaults the upstream would apply to a request that leaves them out (its model's
+        # generation_config); vLLM's HTTP server applies its own, its gRPC servicer does not, so the tier does.
+        self.sampling_defaults: dict[str, Any] = {}
 
     async def start(self) -> None:
         """Learn the upstream model name and context length (first upstream that answers)."""
+        if self.grpc is not None:
+            await self._start_grpc(self.grpc)
+            return
         for url in self.urls:
             try:
                 async with asyncio.timeout(10):
@@ -111,8 +125,24 @@ class UpstreamPool:
         if self.model is None:
             raise RuntimeError(f"no upstream answered /v1/models: {self.urls}")
 
+    async def _start_grpc(self, grpc: GrpcUpstreams) -> None:
+        for url in self.urls:
+            try:
+                info = await grpc.model_info(url)
+            except (Unreachable, ValueError) as exc:
+                log.warning("upstream %s: GetModelInfo failed at start-up (%s)", url, exc)
+                continue
+            self.model = self.model or info.served_model_name
+            self.max_model_len = info.max_context_length
+            self.sampling_defaults = info.default_sampling
+            return
+        if self.model is None:
+            raise RuntimeError(f"no upstream answered GetModelInfo: {self.urls}")
+
     async def close(self) -> None:
         await self.client.aclose()
+        if self.grpc is not None:
+            await self.grpc.aclose()
 
     def candidates(self, key: str) -> list[str]:
         now = time.monotonic()
@@ -132,11 +162,20 @@ class UpstreamPool:
                  "failures": s.failures, "last_error": s.last_error} for s in self.state.values()]
 
     async def send(self, key: str, body: Body) -> tuple[str, UpstreamResponse]:
-        """POST /v1/completions to the conversation's upstream, failing over along the ring when one cannot be
-        reached. The response is opened as a stream (the caller reads or relays it and must close it)."""
+        """POST /v1/completions (or a gRPC Generate call) to the conversation's upstream, failing over along the
+        ring when one cannot be reached. The response is opened as a stream (the caller reads or relays it and must
+        close it)."""
         tried: list[str] = []
         for url in self.candidates(key):
             tried.append(url)
+            if self.grpc is not None:
+                try:
+                    answer = await self.grpc.generate(url, body if not isinstance(body, bytes) else (body,))
+                except Unreachable as exc:
+                    self.failed(url, str(exc))
+                    continue
+                self.state[url].requests += 1
+                return url, answer
             try:
                 resp = await self.client.request("POST", url + "/v1/completions", body)
             except ConnectFailed as exc:
