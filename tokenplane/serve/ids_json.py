@@ -17,7 +17,8 @@ the whole array. The reuse is exact by construction and tests/test_ids_json.py c
 serialization over random splice sequences.
 
 Bodies are `{<other fields>,"prompt":[<ids>]}`: the IDs last, so the fields that differ per request (stream,
-max_tokens, ...) sit in front and the ID bytes are one contiguous run.
+max_tokens, ...) sit in front and the ID bytes are one contiguous run. The same reuse writes gRPC bodies (an
+IdsCodec: grpc_wire.VARINT_IDS, packed varints, where the end of each ID's last byte stands for the comma).
 """
 
 from __future__ import annotations
