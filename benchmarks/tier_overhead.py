@@ -21,6 +21,11 @@ with sizes from real Claude Code request shapes (../shared/data/traces/claude-co
     python benchmarks/tier_overhead.py [--sizes 100000 1000000 4000000] [--turns 8] [--trajectories 4]
         [--out PREFIX] [--baseline-tree DIR]
 
+--grpc puts a gRPC stub (vLLM's engine service, smg vllm_engine.proto: GetModelInfo and a streamed Generate that
+parses the request with the official classes, as vLLM's servicer does, and answers one token) in the stub's place,
+the tier in front of it with `--upstream grpc://...`; direct = the very request bytes the tier sent, as a Generate
+call from this process (a kept channel).
+
 --baseline-tree runs a second tier from another checkout (cells prefixed "baseline"), every turn measured on both,
 alternating which goes first: a change and its baseline side by side under the same load.
 
@@ -91,6 +96,71 @@ def run_stub(port: int) -> None:
     uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning", loop="asyncio", http="h11")
 
 
+def run_grpc_stub(port: int) -> None:
+    from concurrent.futures import ThreadPoolExecutor
+
+    import grpc
+    from smg_grpc_proto import vllm_engine_pb2 as pb
+
+    last: dict[str, bytes] = {"body": b""}
+
+    def generate(raw: bytes, context: Any) -> Any:
+        last["body"] = raw
+        n = len(pb.GenerateRequest.FromString(raw).tokenized.input_ids)
+        yield pb.GenerateResponse(chunk=pb.GenerateStreamChunk(token_ids=[9], prompt_tokens=n, completion_tokens=1))
+        yield pb.GenerateResponse(complete=pb.GenerateComplete(output_ids=[9], finish_reason="length",
+                                                               prompt_tokens=n, completion_tokens=1))
+
+    def model_info(raw: bytes, context: Any) -> bytes:
+        return pb.GetModelInfoResponse(served_model_name=STUB_MODEL, max_context_length=1 << 24).SerializeToString()
+
+    def last_body(raw: bytes, context: Any) -> bytes:
+        return last["body"]
+
+    server = grpc.server(ThreadPoolExecutor(max_workers=4), options=[("grpc.max_receive_message_length", -1),
+                                                                     ("grpc.max_send_message_length", -1)])
+    server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler("vllm.grpc.engine.VllmEngine", {
+        "Generate": grpc.unary_stream_rpc_method_handler(
+            generate, response_serializer=pb.GenerateResponse.SerializeToString),
+        "GetModelInfo": grpc.unary_unary_rpc_method_handler(model_info),
+        "Last": grpc.unary_unary_rpc_method_handler(last_body)})])
+    server.add_insecure_port(f"127.0.0.1:{port}")
+    server.start()
+    server.wait_for_termination()
+
+
+class GrpcStub:
+    """This process's side of the gRPC stub: the last request the tier sent, and the same bytes as a timed call."""
+
+    def __init__(self, port: int) -> None:
+        import grpc
+        self.grpc = grpc
+        self.channel = grpc.insecure_channel(f"127.0.0.1:{port}", options=[("grpc.max_receive_message_length", -1),
+                                                                          ("grpc.max_send_message_length", -1)])
+        self.generate = self.channel.unary_stream("/vllm.grpc.engine.VllmEngine/Generate")
+        self.last = self.channel.unary_unary("/vllm.grpc.engine.VllmEngine/Last")
+
+    def ready(self) -> bool:
+        try:
+            self.channel.unary_unary("/vllm.grpc.engine.VllmEngine/GetModelInfo")(b"", timeout=2)
+            return True
+        except self.grpc.RpcError:
+            return False
+
+    def ttft(self, raw: bytes) -> float:
+        t0 = time.perf_counter()
+        first = None
+        for _ in self.generate(raw, timeout=600):
+            if first is None:
+                first = time.perf_counter() - t0
+        return (first if first is not None else time.perf_counter() - t0) * 1e3
+
+    @staticmethod
+    def tokens(raw: bytes) -> int:
+        from smg_grpc_proto import vllm_engine_pb2 as pb
+        return len(pb.GenerateRequest.FromString(raw).tokenized.input_ids)
+
+
 # -- processes ----------------------------------------------------------------------------------------------------
 def free_port() -> int:
     with socket.socket() as s:
@@ -150,22 +220,27 @@ def chat_body(messages: list[dict[str, str]], key: str) -> bytes:
                        "stream_options": {"include_usage": True}, "prompt_cache_key": key}).encode()
 
 
-def measure_turn(client: httpx.Client, tier: str, stub: str, messages: list[dict[str, str]],
+def measure_turn(client: httpx.Client, tier: str, stub: str | GrpcStub, messages: list[dict[str, str]],
                  key: str) -> dict[str, Any]:
     """The turn through the tier (a real new turn: its session holds the previous one), then the bytes the tier
     forwarded straight to the stub. The order is fixed: the direct request needs the tier's output, and sending the
     turn through the tier twice would time a resend instead of a turn."""
     body = chat_body(messages, key)
     t_tier, rep = ttft(client, tier + "/v1/chat/completions", body)
-    forwarded = client.get(stub + "/last").content
-    t_direct, _ = ttft(client, stub + "/v1/completions", forwarded)
+    if isinstance(stub, GrpcStub):
+        forwarded = stub.last(b"", timeout=30)
+        t_direct, n = stub.ttft(forwarded), stub.tokens(forwarded)
+    else:
+        forwarded = client.get(stub + "/last").content
+        t_direct, _ = ttft(client, stub + "/v1/completions", forwarded)
+        n = len(json.loads(forwarded)["prompt"])
     marks = rep.get("phases_ms") or {}
     phases = {}
     if all(k in marks for k in ("received", "prepared", "upstream_first", "first_sent")):
         phases = {"receive_ms": marks["received"], "prepare_ms": marks["prepared"] - marks["received"],
                   "upstream_ms": marks["upstream_first"] - marks["prepared"],
                   "relay_ms": marks["first_sent"] - marks["upstream_first"]}
-    return {"chars": sum(len(m["content"]) for m in messages), "tokens": len(json.loads(forwarded)["prompt"]),
+    return {"chars": sum(len(m["content"]) for m in messages), "tokens": n,
             "tier_ms": t_tier, "direct_ms": t_direct, "added_ms": t_tier - t_direct,
             "tok_ms": rep.get("time_ms"), "path": rep.get("path"), **phases}
 
@@ -197,7 +272,10 @@ def write(res: dict[str, Any], prefix: Path) -> None:
     prefix.with_suffix(".json").write_text(json.dumps(res, indent=1))
     lines = ["# The tokenization tier's own added latency (an upstream stub instead of an engine)", "",
              f"`{res['command']}` at {res['started']}, load average {res['load_before']} -> {res['load_after']} on "
-             f"{os.cpu_count()} CPUs (shared). tier added = TTFT(chat through the tier) - TTFT(the bytes the tier "
+             f"{os.cpu_count()} CPUs (shared). "
+             + ("Upstream: a gRPC stub of vLLM's engine service (the tier's `--upstream grpc://`); direct = the same "
+                "request bytes as a Generate call. " if res.get("grpc") else "")
+             + "tier added = TTFT(chat through the tier) - TTFT(the bytes the tier "
              "forwarded, sent straight to the stub), paired per turn; tier tokenize = the response's "
              "`tokenization.time_ms` (render + session lookup + repair).", "",
              "| workload | turns | context chars P50 | tokens P50 | tier TTFT P50 ms | direct TTFT P50 ms | "
@@ -242,6 +320,8 @@ def write(res: dict[str, Any], prefix: Path) -> None:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--stub", type=int, default=None, help=argparse.SUPPRESS)
+    p.add_argument("--grpc-stub", type=int, default=None, help=argparse.SUPPRESS)
+    p.add_argument("--grpc", action="store_true", help="a gRPC stub and the tier's grpc:// upstream (see above)")
     p.add_argument("--sizes", type=int, nargs="*", default=[100_000, 1_000_000, 4_000_000])
     p.add_argument("--turns", type=int, default=8)
     p.add_argument("--trajectories", type=int, default=4)
@@ -254,11 +334,15 @@ def main() -> int:
     if args.stub is not None:
         run_stub(args.stub)
         return 0
+    if args.grpc_stub is not None:
+        run_grpc_stub(args.grpc_stub)
+        return 0
     logs = Path(args.out).parent / "tier_overhead_logs"
     logs.mkdir(parents=True, exist_ok=True)
     sp, tp = free_port(), free_port()
-    stub_url, tier_url = f"http://127.0.0.1:{sp}", f"http://127.0.0.1:{tp}"
-    stub = spawn([sys.executable, __file__, "--stub", str(sp)], logs / "stub.log")
+    stub_url, tier_url = f"{'grpc' if args.grpc else 'http'}://127.0.0.1:{sp}", f"http://127.0.0.1:{tp}"
+    stub = spawn([sys.executable, __file__, "--grpc-stub" if args.grpc else "--stub", str(sp)], logs / "stub.log")
+    direct: str | GrpcStub = GrpcStub(sp) if args.grpc else stub_url
     def tier_cmd(port: int) -> list[str]:
         return [sys.executable, "-m", "tokenplane.cli", "serve", "--upstream", stub_url, "--tokenizer", args.tokenizer,
                 "--port", str(port), "--log-level", "warning", "--max-prompt-chars",
@@ -274,9 +358,16 @@ def main() -> int:
     res: dict[str, Any] = {"command": "python benchmarks/tier_overhead.py " + " ".join(sys.argv[1:]),
                            "started": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
                            "load_before": round(os.getloadavg()[0], 2), "tokenizer": args.tokenizer,
-                           "baseline_tree": args.baseline_tree, "cells": [], "rows": []}
+                           "baseline_tree": args.baseline_tree, "grpc": args.grpc, "cells": [], "rows": []}
     try:
-        wait_ready(stub_url + "/v1/models", stub)
+        if isinstance(direct, GrpcStub):
+            deadline = time.monotonic() + 60
+            while not direct.ready():
+                if time.monotonic() > deadline or stub.poll() is not None:
+                    raise RuntimeError("the gRPC stub did not come up")
+                time.sleep(0.3)
+        else:
+            wait_ready(stub_url + "/v1/models", stub)
         for _, url, proc in tiers:
             wait_ready(url + "/health", proc)
         client = httpx.Client()
@@ -298,7 +389,7 @@ def main() -> int:
                 for ti, messages in enumerate(calls[1:]):
                     order = tiers if ti % 2 == 0 else tiers[::-1]   # alternate which tier goes first
                     for label, url, _ in order:
-                        row = measure_turn(client, url, stub_url, messages, key)
+                        row = measure_turn(client, url, direct, messages, key)
                         rows[label].append({"workload": label + name, **row})
                         print(f"{label}{name}: {row['chars']:,} chars, tier {row['tier_ms']:.2f} direct "
                               f"{row['direct_ms']:.2f} added {row['added_ms']:.2f} tok {row['tok_ms']} "
