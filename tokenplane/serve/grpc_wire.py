@@ -3,8 +3,9 @@
 The service is `vllm.grpc.engine.VllmEngine` (vllm_engine.proto of the smg-grpc-proto package), which vLLM serves
 with `python -m vllm.entrypoints.launchers.grpc_server` (the `vllm[grpc]` extra) for the SGLang model gateway:
 token IDs in (`TokenizedInput.input_ids`, packed varints), token IDs out, no text either way. It is the cheapest way
-to hand a long prompt's IDs to vLLM: over HTTP vLLM parses a JSON array of 334K IDs into a pydantic list[int], ~50 ms
-more per turn than this (benchmarks/results/tier_grpc_floor.md).
+to hand a long prompt's IDs to vLLM: over HTTP vLLM parses a JSON array into a pydantic list[int]; a cached
+1M-character turn (314K tokens) sent straight to vLLM took 105 ms over gRPC and 118 ms over HTTP, 314 and 380 ms at
+4M characters (benchmarks/results/agent_ttft_sw4096_grpc.md and _ids.md, column (c), separate runs).
 
 Written by hand, not through protobuf's Python classes: a prompt's IDs are almost all of a request, and here they are
 a varint run that a conversation's next turn reuses up to its splice (ids_json.RequestBodies with VARINT_IDS, as the
