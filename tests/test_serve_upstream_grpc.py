@@ -27,6 +27,7 @@ from tokenplane.serve.app import create_app
 from tokenplane.serve.config import Limits
 from tokenplane.serve.grpc_wire import (
     VARINT_IDS,
+    WireError,
     generate_body,
     read_model_info,
     read_output,
@@ -99,6 +100,15 @@ def test_answers_read_as_the_official_messages_write_them():
     got = read_model_info(info.SerializeToString())
     assert got.served_model_name == "tiny" and got.max_context_length == 4096 and got.vocab_size == 151_936
     assert got.default_sampling == {"temperature": 0.6, "top_k": 20, "max_tokens": 99}
+
+
+def test_malformed_messages_are_wire_errors():
+    raw = pb.GenerateResponse(chunk=pb.GenerateStreamChunk(token_ids=[300, 5])).SerializeToString()
+    for bad in (raw[:-1], raw[:3], b"\x0f", b"\x08"):   # cut inside a run, a length, a key's wire type 7, a varint
+        with pytest.raises(WireError):
+            read_output(bad)
+    with pytest.raises(WireError):
+        read_varints(b"\x80")
 
 
 @pytest.mark.parametrize("seed", range(3))

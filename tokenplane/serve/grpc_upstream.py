@@ -22,7 +22,7 @@ from typing import Any
 import orjson
 
 from .errors import APIError
-from .grpc_wire import SERVICE, ModelInfo, Output, read_model_info, read_output, request_id_field
+from .grpc_wire import SERVICE, ModelInfo, Output, WireError, read_model_info, read_output, request_id_field
 
 try:   # the `grpc` extra
     import grpc
@@ -50,6 +50,14 @@ def is_grpc(url: str) -> bool:
 
 def _target(url: str) -> str:
     return url.removeprefix("grpc://").rstrip("/")
+
+
+def _output(url: str, msg: bytes) -> Output:
+    try:
+        return read_output(msg)
+    except WireError as exc:
+        raise APIError(f"upstream {url} sent a message that is not a GenerateResponse: {exc}", status=502,
+                       code="upstream_error") from None
 
 
 def _error(url: str, exc: Any) -> APIError:
@@ -91,7 +99,7 @@ class GrpcAnswer:
                 raise _error(self.url, exc) from None
             if msg is grpc.aio.EOF:
                 return
-            yield read_output(msg)
+            yield _output(self.url, msg)
 
     async def lines(self) -> AsyncIterator[bytes]:
         prompt = 0
@@ -171,7 +179,12 @@ class GrpcUpstreams:
             raise
         if msg is grpc.aio.EOF:
             raise APIError(f"upstream {url} ended the call without an answer", status=502, code="upstream_error")
-        return GrpcAnswer(url, call, read_output(msg), self.models.get(url), self.read_timeout_s)
+        try:
+            first = _output(url, msg)
+        except APIError:
+            call.cancel()
+            raise
+        return GrpcAnswer(url, call, first, self.models.get(url), self.read_timeout_s)
 
     async def aclose(self) -> None:
         for ch in self._channels.values():

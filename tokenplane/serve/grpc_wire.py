@@ -162,46 +162,33 @@ def request_id_field(request_id: str) -> bytes:
 VARINT_IDS = IdsCodec(run=varint_run, sep=b"", cut=_cut, frame=generate_body)
 
 
+def _read_varint(mv: memoryview, i: int, what: str) -> tuple[int, int]:
+    """The varint at mv[i:], and the index past it."""
+    n = shift = 0
+    while True:
+        if i >= len(mv):
+            raise WireError(f"a message ends inside {what}")
+        b = mv[i]
+        i += 1
+        n |= (b & 0x7F) << shift
+        shift += 7
+        if not b & 0x80:
+            return n, i
+
+
 def fields(buf: bytes | memoryview) -> Iterator[tuple[int, int, Any]]:
     """(field number, wire type, value) of a message: an int for varints and fixed widths, a memoryview for
     length-delimited fields."""
     mv = memoryview(buf)
     i, end = 0, len(mv)
     while i < end:
-        key = shift = 0
-        while True:
-            if i >= end:
-                raise WireError("a message ends inside a field key")
-            b = mv[i]
-            i += 1
-            key |= (b & 0x7F) << shift
-            shift += 7
-            if not b & 0x80:
-                break
+        key, i = _read_varint(mv, i, "a field key")
         num, wire = key >> 3, key & 7
         if wire == _VARINT:
-            n = shift = 0
-            while True:
-                if i >= end:
-                    raise WireError("a message ends inside a varint")
-                b = mv[i]
-                i += 1
-                n |= (b & 0x7F) << shift
-                shift += 7
-                if not b & 0x80:
-                    break
-            yield num, wire, n
+            value, i = _read_varint(mv, i, "a varint")
+            yield num, wire, value
         elif wire == _LEN:
-            size = shift = 0
-            while True:
-                if i >= end:
-                    raise WireError("a message ends inside a length")
-                b = mv[i]
-                i += 1
-                size |= (b & 0x7F) << shift
-                shift += 7
-                if not b & 0x80:
-                    break
+            size, i = _read_varint(mv, i, "a length")
             if i + size > end:
                 raise WireError("a length-delimited field runs past its message")
             yield num, wire, mv[i:i + size]
