@@ -99,6 +99,9 @@ def test_longest_allowed_stop_strings_cost_little(server):
     (b'{"prompt": "x", "best_of": 3}', "best_of"),
     (b'{"prompt": "x", "logit_bias": {"5": 1}}', "logit_bias"),
     (b'{"prompt": "x", "presence_penalty": 0.5}', "presence_penalty"),
+    (b'{"prompt": "x", "top_k": 20}', "top_k"),                 # vLLM's extensions: refused by name, not dropped
+    (b'{"prompt": "x", "min_p": 0.1}', "min_p"),
+    (b'{"prompt": "x", "repetition_penalty": 1.2}', "repetition_penalty"),
     (b'{"prompt": "x", "suffix": "y"}', "suffix"),
     (b'{"prompt": "x", "response_format": {"type": "json_object"}}', "response_format"),
     (b'{"prompt": "x", "stream": "yes"}', "stream"),

@@ -284,6 +284,26 @@ def test_upstream_errors_and_failover(tok):
             assert r.status_code == 503 and r.json()["error"]["code"] == "upstream_unavailable"
 
 
+def test_vllm_sampling_parameters_reach_either_upstream(tok):
+    """top_k, min_p and the penalties, which this project's engine refuses by name, are the upstream's to apply: the
+    tier forwards them over HTTP and over gRPC alike."""
+    extra = {"top_k": 20, "min_p": 0.05, "repetition_penalty": 1.1, "presence_penalty": 0.5,
+             "frequency_penalty": -0.25}
+    engine = IdOnlyEngine(reply_ids(tok))
+    with GrpcEngine(reply_ids(tok)) as g, ThreadServer(engine.app) as h, tier(tok, g.url) as tg, \
+            tier(tok, h.url) as th:
+        for url in (tg.url, th.url):
+            r = httpx.post(url + "/v1/chat/completions", json={"model": "tier", "messages": [
+                {"role": "user", "content": "hi"}], **extra}, timeout=30)
+            assert r.status_code == 200, r.text
+            r = httpx.post(url + "/v1/completions", json={"model": "tier", "prompt": "hi", "top_k": -2}, timeout=30)
+            assert r.status_code == 400 and r.json()["error"]["param"] == "top_k"
+    assert all(engine.bodies[0][k] == v for k, v in extra.items())
+    sp = g.requests[0].sampling_params
+    assert sp.top_k == 20 and sp.min_p == np.float32(0.05) and sp.repetition_penalty == np.float32(1.1)
+    assert sp.presence_penalty == np.float32(0.5) and sp.frequency_penalty == np.float32(-0.25)
+
+
 def test_pools_speak_one_protocol():
     with pytest.raises(ValueError, match="all be grpc"):
         UpstreamPool(["grpc://127.0.0.1:1", "http://127.0.0.1:2"])

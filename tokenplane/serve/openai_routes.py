@@ -66,6 +66,7 @@ class OpenAIServer:
         self.backend, self.tokenizer, self.model_name = backend, tokenizer, model_name
         self.limits, self.metrics = limits, metrics
         self.default_max_tokens = default_max_tokens
+        self.forwarded_sampling: frozenset[str] = frozenset()   # sampling parameters the engine behind implements
         self.chat = chat_template or template_for(tokenizer)
         self.created = int(time.time())
         self._cpu = ThreadPoolExecutor(max_workers=2, thread_name_prefix="tokenplane-text")
@@ -115,7 +116,7 @@ class OpenAIServer:
 
     def checked(self, request: Request, model: type[Any], body: dict[str, Any], checked: bool) -> Any:
         """A parsed body validated as `model`, with the conversation header and the model name applied."""
-        return self.applied(request, validate(model, body, checked))
+        return self.applied(request, validate(model, body, checked, self.forwarded_sampling))
 
     def applied(self, request: Request, req: Any) -> Any:
         """A request validated from its body, with the conversation header and the model name applied."""

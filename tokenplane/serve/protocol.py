@@ -115,6 +115,13 @@ class _Strict(BaseModel):
         return data
 
 
+# vLLM's sampling parameters beyond OpenAI's core set, and the values that leave sampling as it is
+_SAMPLING_NEUTRAL: dict[str, tuple[Any, ...]] = {"presence_penalty": (None, 0), "frequency_penalty": (None, 0),
+                                                 "top_k": (None, -1, 0), "min_p": (None, 0),
+                                                 "repetition_penalty": (None, 1)}
+FORWARDABLE_SAMPLING = frozenset(_SAMPLING_NEUTRAL)
+
+
 class StreamOptions(_Strict):
     include_usage: bool = False
 
@@ -136,8 +143,13 @@ class _Common(_Strict):
     # Refused by name when set to anything but their default (see `unsupported`). The schema states the values that
     # are served, so a generated client (or a schema-driven fuzzer) knows them; the refusal names the parameter.
     logit_bias: dict[str, float] | None = Field(None, json_schema_extra={"maxProperties": 0})
-    presence_penalty: float | None = Field(None, json_schema_extra={"enum": [None, 0]})
-    frequency_penalty: float | None = Field(None, json_schema_extra={"enum": [None, 0]})
+    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0, json_schema_extra={"enum": [None, 0]})
+    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0, json_schema_extra={"enum": [None, 0]})
+    # vLLM's sampling extensions: forwarded by the tokenization tier to engines that implement them, refused by name
+    # by this project's engine (which does not), never dropped silently.
+    top_k: int | None = Field(None, ge=-1, le=1 << 20, json_schema_extra={"enum": [None, -1, 0]})
+    min_p: float | None = Field(None, ge=0.0, le=1.0, json_schema_extra={"enum": [None, 0]})
+    repetition_penalty: float | None = Field(None, gt=0.0, le=2.0, json_schema_extra={"enum": [None, 1]})
     tools: Any = Field(None, json_schema_extra={"enum": [None, []]})
     tool_choice: Any = Field(None, json_schema_extra={"enum": [None, "none"]})
     functions: Any = Field(None, json_schema_extra={"enum": [None, []]})
@@ -157,12 +169,14 @@ class _Common(_Strict):
             _check_text(s, "stop")
         return [s for s in stops if s]
 
-    def unsupported(self) -> list[str]:
+    def unsupported(self, forwarded: frozenset[str] = frozenset()) -> list[str]:
+        """Parameters set to something this server cannot do; `forwarded`: sampling parameters it passes on to an
+        engine that implements them (the tokenization tier)."""
         bad = []
         if self.logit_bias:
             bad.append("logit_bias")
-        for name in ("presence_penalty", "frequency_penalty"):
-            if getattr(self, name) not in (None, 0, 0.0):
+        for name, neutral in _SAMPLING_NEUTRAL.items():
+            if name not in forwarded and getattr(self, name) not in neutral:
                 bad.append(name)
         for name in ("tools", "tool_choice", "functions", "function_call"):
             if getattr(self, name) not in (None, [], "none"):
@@ -234,8 +248,8 @@ class CompletionRequest(_Common):
     def num_logprobs(self) -> int | None:
         return self.logprobs
 
-    def unsupported(self) -> list[str]:
-        bad = super().unsupported()
+    def unsupported(self, forwarded: frozenset[str] = frozenset()) -> list[str]:
+        bad = super().unsupported(forwarded)
         if self.echo:
             bad.append("echo")
         if self.suffix:
@@ -287,9 +301,11 @@ class ChatCompletionRequest(_Common):
         return v
 
 
-def validate(model: type[_Common], body: dict[str, Any], text_checked: bool = False) -> Any:
+def validate(model: type[_Common], body: dict[str, Any], text_checked: bool = False,
+             forwarded: frozenset[str] = frozenset()) -> Any:
     """A validated request, or InvalidRequest naming the first bad field (and each unsupported parameter).
-    text_checked: the body's strings are known to hold no lone surrogates (parse_request says so)."""
+    text_checked: the body's strings are known to hold no lone surrogates (parse_request says so); forwarded: the
+    sampling parameters the server passes on to its engine (see _Common.unsupported)."""
     try:
         req = model.model_validate(body, context={"text_checked": True} if text_checked else None)
     except ValidationError as exc:
@@ -302,7 +318,7 @@ def validate(model: type[_Common], body: dict[str, Any], text_checked: bool = Fa
         _ = req.num_logprobs
     except ValueError as exc:
         raise InvalidRequest(str(exc), param="top_logprobs") from None
-    bad = req.unsupported()
+    bad = req.unsupported(forwarded)
     if bad:
         raise InvalidRequest(f"unsupported parameter(s) {bad}: this server does not implement them",
                              param=bad[0], code="unsupported_parameter")

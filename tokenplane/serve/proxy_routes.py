@@ -36,7 +36,7 @@ from .grpc_wire import VARINT_IDS
 from .id_answers import IdAnswer, gathered, upstream_fields
 from .ids_json import JSON_IDS, Chunks, IdsOrigin, RequestBodies
 from .openai_routes import ClientDisconnected, OpenAIServer
-from .protocol import ChatCompletionRequest, ChatMessage, CompletionRequest
+from .protocol import FORWARDABLE_SAMPLING, ChatCompletionRequest, ChatMessage, CompletionRequest
 from .upstream import FORWARDED, UpstreamPool, error_from, sse_data
 
 _DISCONNECT_POLL_S = 0.25
@@ -124,6 +124,7 @@ class ProxyServer(OpenAIServer):
         self._follow_upstream_name = not kwargs.get("model_name")
         super().__init__(UpstreamBackend(pool), tokenizer, **kwargs)
         self.pool = pool
+        self.forwarded_sampling = FORWARDABLE_SAMPLING   # vLLM and SGLang implement them
         self.bodies = RequestBodies(codec=VARINT_IDS if pool.grpc is not None else JSON_IDS)
         self.deltas = BodyDeltas()   # resent chat bodies parsed in O(new part) (body_delta.py)
         self._states = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenplane-bodies")

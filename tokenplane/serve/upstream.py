@@ -33,9 +33,11 @@ UpstreamResponse = Response | GrpcAnswer
 
 log = logging.getLogger("tokenplane.serve")
 
-# Request fields forwarded as they are (OpenAI's plus vLLM's stop_token_ids / ignore_eos); everything else stays here.
+# Request fields forwarded as they are (OpenAI's, vLLM's stop_token_ids / ignore_eos and its sampling extensions);
+# everything else stays here.
 FORWARDED = ("max_tokens", "temperature", "top_p", "n", "seed", "stream", "stream_options", "stop", "logprobs",
-             "ignore_eos", "stop_token_ids", "user")
+             "ignore_eos", "stop_token_ids", "user", "presence_penalty", "frequency_penalty", "top_k", "min_p",
+             "repetition_penalty")
 
 
 def _point(key: str) -> int:
