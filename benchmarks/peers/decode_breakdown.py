@@ -11,6 +11,7 @@ weight-stream time at `--gbps` (a measured plain-sum bandwidth, printed by this 
 from __future__ import annotations
 
 import argparse
+import resource
 import statistics
 import time
 from collections import defaultdict
@@ -130,12 +131,13 @@ def main() -> None:
         eng.add_request([(7 * t + 13 * r) % 30000 + 10 for t in range(args.prompt_len)], params)
     while any(s.num_output_tokens < 4 for s in eng.scheduler.running) or eng.scheduler.waiting:
         eng.step()   # prefill (chunked at 2,048 tokens a step) and a few decode steps
-    bare, bare_cpu = [], []
+    bare, bare_cpu, faults = [], [], []
     for _ in range(args.steps):
-        t0, c0 = time.perf_counter(), time.process_time()
+        t0, c0, f0 = time.perf_counter(), time.process_time(), resource.getrusage(resource.RUSAGE_SELF).ru_minflt
         eng.step()
         bare.append((time.perf_counter() - t0) * 1e3)
         bare_cpu.append((time.process_time() - c0) * 1e3)
+        faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0)
     if args.bare:
         print(f"bare {args.model} P={args.prompt_len} N={n_req}: step median {statistics.median(bare):.3f} ms, P90 "
               f"{sorted(bare)[int(0.9 * (len(bare) - 1))]:.3f} ms, cpu median {statistics.median(bare_cpu):.3f} ms")
@@ -167,8 +169,9 @@ def main() -> None:
     step = statistics.median(bare)
     print(f"model {args.model}  P={args.prompt_len}  N={n_req} (rows in the last step: "
           f"{len(eng.scheduler.running)})  plain-sum bandwidth {gbps:.1f} GB/s")
-    print(f"step (bare) median {step:.3f} ms  cpu {statistics.median(bare_cpu):.3f} ms   wrapped median "
-          f"{statistics.median(wrapped):.3f} ms (mean {statistics.mean(wrapped):.3f})")
+    print(f"step (bare) median {step:.3f} ms  cpu {statistics.median(bare_cpu):.3f} ms  minor page faults "
+          f"{statistics.median(faults):.0f}   wrapped median {statistics.median(wrapped):.3f} ms "
+          f"(mean {statistics.mean(wrapped):.3f})")
     print(f"{'part':40s} {'ms/step':>8s} {'calls':>6s} {'share':>6s} {'stream ms':>9s}")
     total = statistics.mean(wrapped)
     for k in sorted(TIMES, key=lambda k: -TIMES[k]):
