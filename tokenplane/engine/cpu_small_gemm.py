@@ -12,9 +12,10 @@ pass (12 accumulators, FMA-bound) carries it (benchmarks/results/small_gemm_rows
 alternated, load 2-4): on the three vocabulary shapes (151936 x 256 / 512, 49152 x 576; cold) 1.11-1.37x faster than
 oneDNN at 12-32 rows, 0.96-1.06x at 48-64; on five layer shapes (warm) 1.08-1.63x at 12-16 rows and 0.88-1.35x at 24-32.
 Against F.linear, the engine's other fp32 path (fp32 keeps no oneDNN copy; F.linear is faster than oneDNN from
-~64 rows on), it is ahead at every row count measured up to 256 (benchmarks/results/small_gemm_rows_256.md): on
-151936 x 512 at 64 rows 135 vs 183 ms (cold, one call), on the layer shapes 1.15-1.25x at 64 rows and 1.02-1.05x at
-256 (warm). Hence MAX_ROWS (layers) and VOCAB_MAX_ROWS (vocabulary) of 256; larger inputs (prefill) take F.linear.
+~64 rows on), it is ahead at every row count measured up to 256 (benchmarks/results/small_gemm_rows_256.md: 16-256
+rows, 3 vocabulary and 8 layer shapes, 1.02x at the least, 960 x 576 at 256 rows): on 151936 x 512 at 64 rows 146 vs
+228 ms (cold, one call), on the layer shapes 1.1-1.25x at 64 rows and 1.02-1.06x at 256 (warm). Hence MAX_ROWS
+(layers) and VOCAB_MAX_ROWS (vocabulary) of 256; larger inputs (prefill) take F.linear.
 
 Layout: weight [N, K] -> panels [ceil(N / 16), K, 16] (16 output columns, contiguous along k), zero-padded past N.
 A pass over one panel computes 6, 4, 2 or 1 rows x 16 columns into 12, 8, 4 or 2 vector registers (<8 x float>,
