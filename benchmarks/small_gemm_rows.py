@@ -1,7 +1,8 @@
-"""cpu_small_gemm against oneDNN's packed linear (the engine's two CPU fp32 paths) by row count: where each is faster,
-which sets cpu_small_gemm.MAX_ROWS (layers) and VOCAB_MAX_ROWS (vocabulary projections).
+"""cpu_small_gemm against oneDNN's packed linear and F.linear (the engine's fp32 fallback past the limits: fp32 keeps no
+oneDNN copy) by row count: where each is faster, which sets cpu_small_gemm.MAX_ROWS (layers) and VOCAB_MAX_ROWS
+(vocabulary projections).
 
-Both run on the same weights in one process, 1 thread, alternating call by call; each cell is the median (and P90)
+All three run on the same weights in one process, 1 thread, alternating call by call; each cell is the median (and P90)
 of `--repeats` timings of one call (vocabulary shapes: cold, the matrix is far larger than the caches, as in a decode
 step) or of a loop of `--inner` calls (layer shapes: warm). Process CPU time is the figure (steadier on a shared
 machine); wall time is recorded beside it. Every cell also checks both outputs against float64.
@@ -18,12 +19,13 @@ import time
 from collections.abc import Callable
 
 import torch
+import torch.nn.functional as F
 
 from tokenplane.engine import cpu_small_gemm
 from tokenplane.engine.layers import cpu_pack, cpu_packed_linear
 
 VOCAB_SHAPES = [(151936, 256), (151936, 512), (49152, 576)]
-LAYER_SHAPES = [(3072, 576), (576, 1536), (960, 576), (1536, 256), (512, 256)]
+LAYER_SHAPES = [(3072, 576), (576, 1536), (960, 576), (1536, 256), (512, 256), (3072, 512), (512, 1536), (1024, 512)]
 
 
 def timed(fn: Callable[[], object], inner: int) -> tuple[float, float]:
@@ -42,7 +44,7 @@ def cell(n: int, k: int, rows: int, repeats: int, inner: int, w: torch.Tensor, p
     g = torch.Generator().manual_seed(rows)
     x = torch.randn(rows, k, generator=g)
     ways = {"onednn": lambda: cpu_packed_linear(x, packed, None), "small_gemm": lambda: cpu_small_gemm.linear(
-        x, panels, n)}
+        x, panels, n), "f_linear": lambda: F.linear(x, w)}
     ref = x.double() @ w.double().t()
     rec: dict = {"n": n, "k": k, "rows": rows, "inner": inner}
     for name, fn in ways.items():
@@ -51,7 +53,7 @@ def cell(n: int, k: int, rows: int, repeats: int, inner: int, w: torch.Tensor, p
     cpu: dict[str, list[float]] = {name: [] for name in ways}
     wall: dict[str, list[float]] = {name: [] for name in ways}
     for r in range(repeats):
-        order = list(ways) if r % 2 == 0 else list(reversed(ways))
+        order = list(ways)[r % 3:] + list(ways)[:r % 3]
         for name in order:
             c, t = timed(ways[name], inner)
             cpu[name].append(c)
@@ -61,6 +63,7 @@ def cell(n: int, k: int, rows: int, repeats: int, inner: int, w: torch.Tensor, p
         rec[f"{name}_cpu_p90_ms"] = p90(cpu[name]) * 1e3
         rec[f"{name}_wall_ms"] = statistics.median(wall[name]) * 1e3
     rec["ratio_onednn_over_small_gemm"] = rec["onednn_cpu_ms"] / rec["small_gemm_cpu_ms"]
+    rec["ratio_f_linear_over_small_gemm"] = rec["f_linear_cpu_ms"] / rec["small_gemm_cpu_ms"]
     return rec
 
 
@@ -84,8 +87,10 @@ def main() -> None:
                 rec = cell(n, k, m, args.repeats, inner, w, panels, packed)
                 rec["kind"] = kind
                 cells.append(rec)
-                print(f"{kind} {n}x{k} rows {m}: oneDNN {rec['onednn_cpu_ms']:.3f} ms, small_gemm "
-                      f"{rec['small_gemm_cpu_ms']:.3f} ms ({rec['ratio_onednn_over_small_gemm']:.2f}x)", flush=True)
+                print(f"{kind} {n}x{k} rows {m}: oneDNN {rec['onednn_cpu_ms']:.3f} ms, F.linear "
+                      f"{rec['f_linear_cpu_ms']:.3f} ms, small_gemm {rec['small_gemm_cpu_ms']:.3f} ms "
+                      f"({rec['ratio_onednn_over_small_gemm']:.2f}x, {rec['ratio_f_linear_over_small_gemm']:.2f}x)",
+                      flush=True)
             del w, panels, packed
     res = {"started": started, "load_before": load0, "load_after": os.getloadavg()[0], "repeats": args.repeats,
            "max_rows": cpu_small_gemm.MAX_ROWS, "vocab_max_rows": cpu_small_gemm.VOCAB_MAX_ROWS, "cells": cells,
@@ -93,18 +98,20 @@ def main() -> None:
                f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items())}
     with open(args.out + ".json", "w") as f:
         json.dump(res, f, indent=1)
-    lines = ["# cpu_small_gemm vs oneDNN's packed linear by row count (fp32, 1 thread)", "",
+    lines = ["# cpu_small_gemm vs oneDNN's packed linear and F.linear by row count (fp32, 1 thread)", "",
              f"{started}; load {load0:.1f} -> {res['load_after']:.1f}; `{res['command']}`; median of "
              f"{args.repeats} alternating timings, process CPU ms (P90 in brackets); vocabulary shapes one cold call, "
              f"layer shapes a loop of {args.inner} warm calls. Limits in use: MAX_ROWS {cpu_small_gemm.MAX_ROWS} "
              f"(layers), VOCAB_MAX_ROWS {cpu_small_gemm.VOCAB_MAX_ROWS} (vocabulary).", "",
-             "| kind | N x K | rows | oneDNN ms | small_gemm ms | oneDNN / small_gemm | max err vs f64 (oneDNN / ours) |",
-             "|---|---|---:|---:|---:|---:|---|"]
+             "| kind | N x K | rows | oneDNN ms | F.linear ms | small_gemm ms | oneDNN / small_gemm | F.linear / small_gemm "
+             "| max err vs f64 (oneDNN / F.linear / ours) |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---|"]
     for c in cells:
         lines.append(f"| {c['kind']} | {c['n']} x {c['k']} | {c['rows']} | {c['onednn_cpu_ms']:.3f} "
-                     f"({c['onednn_cpu_p90_ms']:.3f}) | {c['small_gemm_cpu_ms']:.3f} ({c['small_gemm_cpu_p90_ms']:.3f}) "
-                     f"| {c['ratio_onednn_over_small_gemm']:.2f} | {c['onednn_err_vs_f64']:.1e} / "
-                     f"{c['small_gemm_err_vs_f64']:.1e} |")
+                     f"({c['onednn_cpu_p90_ms']:.3f}) | {c['f_linear_cpu_ms']:.3f} ({c['f_linear_cpu_p90_ms']:.3f}) "
+                     f"| {c['small_gemm_cpu_ms']:.3f} ({c['small_gemm_cpu_p90_ms']:.3f}) "
+                     f"| {c['ratio_onednn_over_small_gemm']:.2f} | {c['ratio_f_linear_over_small_gemm']:.2f} "
+                     f"| {c['onednn_err_vs_f64']:.1e} / {c['f_linear_err_vs_f64']:.1e} / {c['small_gemm_err_vs_f64']:.1e} |")
     with open(args.out + ".md", "w") as f:
         f.write("\n".join(lines) + "\n")
     try:
@@ -116,11 +123,13 @@ def main() -> None:
     fig, ax = plt.subplots(figsize=(8, 4.5))
     for n, k in VOCAB_SHAPES + LAYER_SHAPES:
         cs = [c for c in cells if c["n"] == n and c["k"] == k]
-        ax.plot([c["rows"] for c in cs], [c["ratio_onednn_over_small_gemm"] for c in cs], marker="o",
-                label=f"{n}x{k} ({cs[0]['kind']})")
+        line, = ax.plot([c["rows"] for c in cs], [c["ratio_onednn_over_small_gemm"] for c in cs], marker="o",
+                        label=f"{n}x{k} ({cs[0]['kind']}) vs oneDNN")
+        ax.plot([c["rows"] for c in cs], [c["ratio_f_linear_over_small_gemm"] for c in cs], marker="x", ls="--",
+                color=line.get_color(), label=f"{n}x{k} vs F.linear")
     ax.axhline(1.0, color="k", lw=0.8)
     ax.set_xlabel("rows")
-    ax.set_ylabel("oneDNN time / small_gemm time (>1: small_gemm faster)")
+    ax.set_ylabel("other time / small_gemm time (>1: small_gemm faster)")
     ax.set_xscale("log", base=2)
     ax.legend(fontsize=7)
     fig.tight_layout()

@@ -121,3 +121,50 @@ def test_float32_softmax_exp_is_within_3_ulp():
     far = apply(np.array([-88.0, -1e4], np.float32))          # below the clamp: tiny, never above e^-87
     assert (far > 0).all() and (far <= np.float32(np.exp(-87.0)) * 1.000001).all()
     assert apply(np.array([-2.0]))[0] == np.exp(-2.0)          # float64: libm's exp itself
+
+
+@pytest.mark.parametrize("group", [1, 2, 3, 4])
+def test_float32_vector_kernel_matches_generic_on_long_falling_and_scattered_tables(group):
+    """float32 runs cpu_decode_attention_vec's kernel (KS = 8 / group keys scored together, d walked in parts):
+    against SDPA and against the generic kernel over long contexts whose block tables fall (read in reverse), climb,
+    or are scattered, with context lengths that end mid-block and mid-group of keys."""
+    from tokenplane.engine import cpu_decode_attention_vec
+    from tokenplane.engine.cpu_decode_attention import _descending, _kernel, kernel_for
+
+    kvh, d, bs = 2, 64, 16
+    assert kernel_for(torch.float32, d, group) is cpu_decode_attention_vec.kernel(d, group)
+    assert kernel_for(torch.float64, d, group) is _kernel(d, group)
+    g = torch.Generator().manual_seed(group)
+    num_blocks = 200
+    kc = torch.randn(kvh, num_blocks * bs, d, generator=g)
+    vc = torch.randn(kvh, num_blocks * bs, d, generator=g)
+    lens = [517, 300, 33, 1, 16 * 40, 250]
+    width = max(-(-n // bs) for n in lens)
+    table = np.zeros((len(lens), width), dtype=np.int64)
+    rng = np.random.default_rng(group)
+    start = 0
+    for i, n in enumerate(lens):
+        nb = -(-n // bs)
+        if i % 3 == 0:     # a falling run, as the block manager hands out a finished sequence's blocks
+            table[i, :nb] = np.arange(start + nb - 1, start - 1, -1)
+        elif i % 3 == 1:   # a climbing run
+            table[i, :nb] = np.arange(start, start + nb)
+        else:              # scattered over the blocks after the runs
+            table[i, :nb] = rng.choice(np.arange(150, num_blocks), nb, replace=False)
+        start += nb if i % 3 != 2 else 0
+    assert _descending(table, 0, -(-lens[0] // bs)) and not _descending(table, 1, -(-lens[1] // bs))
+    q = torch.randn(len(lens), kvh * group, d, generator=g) * 3
+    rows = np.arange(len(lens), dtype=np.int64)
+    ctx = np.array(lens, dtype=np.int64)
+    scale = d ** -0.5
+    out = torch.full((len(lens), kvh * group * d), float("nan"))
+    paged_decode(q, kc, vc, table, ctx, rows, out, bs, group, scale)
+    generic = np.full((len(lens), kvh * group * d), np.nan, dtype=np.float32)
+    _kernel(d, group)(q.numpy(), kc.numpy(), vc.numpy(), table, ctx, rows, generic, bs, scale, True,
+                      np.empty(0, np.float32))
+    eps = torch.finfo(torch.float32).eps
+    for i, n in enumerate(lens):
+        ref, max_score = reference(q[i], kc, vc, table[i], n, bs, group, scale)
+        tol = 2 * eps * (max_score + d + n) * vc.abs().max().item()
+        assert (out[i].double() - ref).abs().max().item() < tol, i
+        assert np.abs(generic[i] - ref.numpy()).max() < tol, i

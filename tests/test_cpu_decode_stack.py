@@ -105,10 +105,9 @@ def test_decode_stack_not_applicable():
 def test_decode_stack_matches_model_path_at_9_to_16_rows(monkeypatch):
     """Decode steps of 9-16 rows (the row counts of routing steps at concurrency 16) run the compiled stack, with
     the torch path's logits within float rounding and the same greedy tokens; past MAX_ROWS the torch path runs."""
-    from tokenplane.engine import cpu_small_gemm
     torch.set_num_threads(1)
     cfg, model = load_model("test-small", dtype=torch.float32, seed=1)
-    top = cpu_small_gemm.MAX_ROWS
+    top = cpu_decode_stack.MAX_ROWS
     calls = []
     forward = cpu_decode_stack.DecodeStack.forward
     monkeypatch.setattr(cpu_decode_stack.DecodeStack, "forward", lambda *a: calls.append(a[1].shape[0]) or forward(*a))

@@ -18,7 +18,7 @@ def test_linear_matches_float64_reference(n, k):
     b = torch.randn(n, generator=g)
     panels = cpu_small_gemm.pack(w)
     assert panels.shape == (-(-n // cpu_small_gemm.PANEL), k, cpu_small_gemm.PANEL)
-    for rows in range(1, cpu_small_gemm.VOCAB_MAX_ROWS + 1):
+    for rows in [*range(1, 41), 63, 64, 65, 127, cpu_small_gemm.MAX_ROWS, cpu_small_gemm.VOCAB_MAX_ROWS]:
         x = torch.randn(rows, k, generator=g)
         ref = F.linear(x.double(), w.double())
         y = cpu_small_gemm.linear(x, panels, n)
@@ -98,13 +98,18 @@ def test_packed_linear_and_vocab_projection_take_the_kernel_for_decode_rows(one_
     calls = []
     real = cpu_small_gemm.linear
     monkeypatch.setattr(cpu_small_gemm, "linear", lambda *a, **kw: calls.append(a[0].shape[0]) or real(*a, **kw))
-    x = torch.randn(40, 64)
+    top = max(cpu_small_gemm.MAX_ROWS, cpu_small_gemm.VOCAB_MAX_ROWS)
+    x = torch.randn(top + 1, 64)
+    counts = (1, 3, 16, 17, 64, cpu_small_gemm.MAX_ROWS, cpu_small_gemm.MAX_ROWS + 1, cpu_small_gemm.VOCAB_MAX_ROWS,
+              cpu_small_gemm.VOCAB_MAX_ROWS + 1)
+    expected = []
     with torch.inference_mode():
         ref, refb = F.linear(x, lin.weight), F.linear(x, lin.weight, lin.bias)
-        for rows in (1, 3, 16, 17, 32, 33):
+        for rows in counts:
             assert torch.equal(lin(x[:rows]), refb[:rows])
             assert torch.equal(vp(x[:rows]), ref[:rows])
-    assert calls == [1, 1, 3, 3, 16, 16, 17, 32]
+            expected += [rows] * ((rows <= cpu_small_gemm.MAX_ROWS) + (rows <= cpu_small_gemm.VOCAB_MAX_ROWS))
+    assert calls == expected and cpu_small_gemm.MAX_ROWS + 1 not in calls
     lin.unpack_cpu()
     assert lin.cpu_panels is None and lin.cpu_packed is None
 

@@ -11,6 +11,7 @@ weight-stream time at `--gbps` (a measured plain-sum bandwidth, printed by this 
 from __future__ import annotations
 
 import argparse
+import resource
 import statistics
 import time
 from collections import defaultdict
@@ -117,21 +118,26 @@ def main() -> None:
     ap.add_argument("--gbps", type=float, default=0.0, help="0: measure the plain-sum bandwidth here")
     args = ap.parse_args()
     n_req = args.batch
+    # Prefill is chunked at 2,048 tokens a step, and a request decodes while the ones after it are prefilled: at
+    # P = 2048 the first of N gets ~N tokens before the last is prefilled. Room for those, so no request finishes
+    # (and the batch shrinks) before the measured steps end.
+    max_tokens = 4 * args.steps + 8 + n_req * max(1, -(-args.prompt_len // 2048))
     eng = LLMEngine(args.model, dtype=torch.float32,
-                    num_blocks=n_req * (-(-(args.prompt_len + 4 * args.steps + 64) // 16) + 1) + 8,
+                    num_blocks=n_req * (-(-(args.prompt_len + max_tokens + 64) // 16) + 1) + 8,
                     block_size=16, max_num_seqs=n_req, max_num_batched_tokens=2048, enforce_eager=True, num_threads=1)
     gbps = args.gbps or (1.0 if args.bare else measure_bw())
-    params = SamplingParams(temperature=0.0, max_tokens=4 * args.steps + 8, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     for r in range(n_req):
         eng.add_request([(7 * t + 13 * r) % 30000 + 10 for t in range(args.prompt_len)], params)
     while any(s.num_output_tokens < 4 for s in eng.scheduler.running) or eng.scheduler.waiting:
         eng.step()   # prefill (chunked at 2,048 tokens a step) and a few decode steps
-    bare, bare_cpu = [], []
+    bare, bare_cpu, faults = [], [], []
     for _ in range(args.steps):
-        t0, c0 = time.perf_counter(), time.process_time()
+        t0, c0, f0 = time.perf_counter(), time.process_time(), resource.getrusage(resource.RUSAGE_SELF).ru_minflt
         eng.step()
         bare.append((time.perf_counter() - t0) * 1e3)
         bare_cpu.append((time.process_time() - c0) * 1e3)
+        faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0)
     if args.bare:
         print(f"bare {args.model} P={args.prompt_len} N={n_req}: step median {statistics.median(bare):.3f} ms, P90 "
               f"{sorted(bare)[int(0.9 * (len(bare) - 1))]:.3f} ms, cpu median {statistics.median(bare_cpu):.3f} ms")
@@ -161,9 +167,11 @@ def main() -> None:
         wrapped.append((time.perf_counter() - t0) * 1e3)
     n = args.steps
     step = statistics.median(bare)
-    print(f"model {args.model}  P={args.prompt_len}  N={n_req}  plain-sum bandwidth {gbps:.1f} GB/s")
-    print(f"step (bare) median {step:.3f} ms  cpu {statistics.median(bare_cpu):.3f} ms   wrapped median "
-          f"{statistics.median(wrapped):.3f} ms (mean {statistics.mean(wrapped):.3f})")
+    print(f"model {args.model}  P={args.prompt_len}  N={n_req} (rows in the last step: "
+          f"{len(eng.scheduler.running)})  plain-sum bandwidth {gbps:.1f} GB/s")
+    print(f"step (bare) median {step:.3f} ms  cpu {statistics.median(bare_cpu):.3f} ms  minor page faults "
+          f"{statistics.median(faults):.0f}   wrapped median {statistics.median(wrapped):.3f} ms "
+          f"(mean {statistics.mean(wrapped):.3f})")
     print(f"{'part':40s} {'ms/step':>8s} {'calls':>6s} {'share':>6s} {'stream ms':>9s}")
     total = statistics.mean(wrapped)
     for k in sorted(TIMES, key=lambda k: -TIMES[k]):

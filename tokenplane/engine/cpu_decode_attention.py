@@ -130,6 +130,54 @@ def _prefetch_block(flat, start, n, step):  # noqa: ANN001
         _prefetch(flat, start + i)
 
 
+@njit(inline="always")
+def _descending(block_tables, b, nblk):  # noqa: ANN001, ANN202
+    """Whether row b's blocks mostly lie at falling addresses. The block manager frees a sequence's blocks last first
+    (so a prefix outlives its tail in the LRU), so a prompt admitted after another sequence finished gets that
+    sequence's run of blocks in falling order: in engine_vs_vllm's P=2048 N=64 decode steps 78-95% of adjacent table
+    entries are one block apart downwards. Read in table order, each 4 KiB block sits just below the one before, where
+    the hardware prefetcher (running upwards) has not been; read in the reverse order the stream climbs through
+    memory. Attention is a sum over keys, so the order only changes rounding. Measured (tiny-large's shape, 64 rows x
+    2080 tokens, falling runs): 1.30x a plain sum of the same bytes in table order, ~1.0x reversed."""
+    up = 0
+    down = 0
+    for i in range(1, nblk):
+        step = block_tables[b, i] - block_tables[b, i - 1]
+        if step > 0:
+            up += 1
+        elif step < 0:
+            down += 1
+    return down > up
+
+
+@njit(inline="always")
+def _table_index(i, nblk, rev):  # noqa: ANN001, ANN202
+    """The table entry read i-th (reversed order when rev)."""
+    return nblk - 1 - i if rev else i
+
+
+@njit(inline="always")
+def _stream_block(kf, vf, block_tables, context_lens, b, h, kvh, slots, block_size, d, pos, rev):  # noqa: ANN001, ANN202
+    """Where the kernel reads `pos` blocks after the start of row b's head h (read order `rev`): its K blocks, then its
+    V blocks, then the next head's (or the next row's first head's) K blocks. Returns (cache, flat offset): what to
+    prefetch."""
+    nblk = (context_lens[b] + block_size - 1) // block_size
+    if pos < nblk:
+        return kf, (h * slots + block_tables[b, _table_index(pos, nblk, rev)] * block_size) * d
+    if pos < 2 * nblk:
+        return vf, (h * slots + block_tables[b, _table_index(pos - nblk, nblk, rev)] * block_size) * d
+    pos -= 2 * nblk
+    if h + 1 < kvh:
+        h += 1
+    elif b + 1 < context_lens.shape[0]:
+        b += 1
+        h = 0
+        nblk = (context_lens[b] + block_size - 1) // block_size
+        rev = _descending(block_tables, b, nblk)
+    pos = min(pos, nblk - 1)
+    return kf, (h * slots + block_tables[b, _table_index(pos, nblk, rev)] * block_size) * d
+
+
 @cache
 def _kernel(D: int, G: int):  # noqa: ANN202
     """The kernel for head size D and GQA group G, both compile-time constants: the per-key dot products and value
@@ -164,19 +212,19 @@ def _kernel(D: int, G: int):  # noqa: ANN202
             ctx = context_lens[b]
             row = rows[b]
             nblk = (ctx + block_size - 1) // block_size
+            rev = _descending(block_tables, b, nblk)
             for h in range(kvh):
                 for gi in range(G):
                     for j in range(d):
                         qbuf[gi, j] = _load(q[row, h * G + gi, j])
                 # scores = q . k for every cached key, read through the block table
-                t = 0
                 for bi in range(nblk):
-                    base = block_tables[b, bi] * block_size
+                    ti = _table_index(bi, nblk, rev)
+                    base = block_tables[b, ti] * block_size
+                    t = ti * block_size
                     n = min(block_size, ctx - t)
-                    if bi + 1 < nblk:
-                        nxt, nxt_flat = (h * slots + block_tables[b, bi + 1] * block_size) * d, k_flat
-                    else:
-                        nxt, nxt_flat = (h * slots + block_tables[b, 0] * block_size) * d, v_flat
+                    nxt_flat, nxt = _stream_block(k_flat, v_flat, block_tables, context_lens, b, h, kvh, slots,
+                                                  block_size, d, bi + 1, rev)
                     for o in range(n):
                         slot = base + o
                         if prefetch:
@@ -186,7 +234,6 @@ def _kernel(D: int, G: int):  # noqa: ANN202
                             for j in range(d):
                                 s += qbuf[gi, j] * _load(k_cache[h, slot, j])
                             scores[gi, t + o] = s * scale
-                    t += n
                 # softmax numerators and denominators per query head
                 for gi in range(G):
                     m = scores[gi, 0]
@@ -200,17 +247,13 @@ def _kernel(D: int, G: int):  # noqa: ANN202
                     qbuf[gi, 0] = total   # qbuf is free now: keep each head's denominator in its first column
                     for j in range(d):
                         acc[gi, j] = zero
-                t = 0
                 for bi in range(nblk):
-                    base = block_tables[b, bi] * block_size
+                    ti = _table_index(bi, nblk, rev)
+                    base = block_tables[b, ti] * block_size
+                    t = ti * block_size
                     n = min(block_size, ctx - t)
-                    if bi + 1 < nblk:
-                        nxt, nxt_flat = (h * slots + block_tables[b, bi + 1] * block_size) * d, v_flat
-                    elif h + 1 < kvh:
-                        nxt, nxt_flat = ((h + 1) * slots + block_tables[b, 0] * block_size) * d, k_flat
-                    else:
-                        nb = min(b + 1, context_lens.shape[0] - 1)
-                        nxt, nxt_flat = block_tables[nb, 0] * block_size * d, k_flat
+                    nxt_flat, nxt = _stream_block(k_flat, v_flat, block_tables, context_lens, b, h, kvh, slots,
+                                                  block_size, d, nblk + bi + 1, rev)
                     for o in range(n):
                         slot = base + o
                         if prefetch:
@@ -219,13 +262,23 @@ def _kernel(D: int, G: int):  # noqa: ANN202
                             p = scores[gi, t + o]
                             for j in range(d):
                                 acc[gi, j] += p * _load(v_cache[h, slot, j])
-                    t += n
                 for gi in range(G):
                     inv = 1.0 / qbuf[gi, 0]
                     col = (h * G + gi) * d
                     for j in range(d):
                         out[row, col + j] = _store(acc[gi, j] * inv, out[row, col + j])
     return _paged_decode
+
+@cache
+def kernel_for(dtype: torch.dtype, D: int, G: int):  # noqa: ANN201
+    """The compiled kernel for a cache of `dtype`, head size D and group G: float32 shapes that
+    cpu_decode_attention_vec takes run its explicit-vector form, everything else `_kernel`."""
+    if dtype == torch.float32:
+        from tokenplane.engine import cpu_decode_attention_vec as vec  # built on this module's helpers
+        if vec.applies(D, G):
+            return vec.kernel(D, G)
+    return _kernel(D, G)
+
 
 def available(dtype: torch.dtype, device: torch.device) -> bool:
     return device.type == "cpu" and dtype in DTYPES
@@ -243,8 +296,8 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
         arrays = [t.numpy() for t in (q, k_cache, v_cache, out)]
         acc_like = _EMPTY[q.dtype]
     qa, ka, va, oa = arrays
-    _kernel(int(k_cache.shape[2]), int(group))(qa, ka, va, block_tables, context_lens, rows, oa, block_size, scale,
-                                               prefetch, acc_like)
+    kernel_for(q.dtype, int(k_cache.shape[2]), int(group))(qa, ka, va, block_tables, context_lens, rows, oa,
+                                                            block_size, scale, prefetch, acc_like)
 
 
 _EMPTY = {torch.float32: np.empty(0, np.float32), torch.float64: np.empty(0, np.float64)}

@@ -24,11 +24,15 @@ from torch import nn
 
 from tokenplane.engine import cpu_small_gemm
 from tokenplane.engine.attention import AttentionMetadata
-from tokenplane.engine.cpu_decode_attention import _kernel as decode_kernel
+from tokenplane.engine.cpu_decode_attention import kernel_for as decode_kernel
 from tokenplane.engine.cpu_fused_norm import _add_rms_norm
 from tokenplane.engine.cpu_qkv_rope import _qkv_rope
 
 _F32_EMPTY = np.empty(0, np.float32)
+# Rows the compiled stack takes (its tests cover 1-16); larger decode batches run the torch path, whose GEMMs are the
+# same cpu_small_gemm kernel up to cpu_small_gemm.MAX_ROWS. Its SwiGLU calls libm's scalar expf, which torch's
+# vectorized silu outruns at tens of rows.
+MAX_ROWS = 16
 
 
 @njit(cache=True, nogil=True)
@@ -120,7 +124,7 @@ class DecodeStack:
         self.rotary = model.rotary
         self._rope_len = 0
         self._cos = self._sin = _F32_EMPTY
-        self.attention = decode_kernel(self.head_dim, self.group)
+        self.attention = decode_kernel(torch.float32, self.head_dim, self.group)
 
     def _rope_rows(self, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """cos / signed sin [T, head_dim] at these positions, rows of a table the model's RotaryEmbedding computed
@@ -198,6 +202,6 @@ def applies(input_ids: torch.Tensor, meta: AttentionMetadata) -> bool:
     """A CPU decode-only step (every row one token, cpu decode kernel) of 1..MAX_ROWS rows on 1 thread; the model's
     side is `stack_for`."""
     T = input_ids.shape[0]
-    return (0 < T <= cpu_small_gemm.MAX_ROWS and input_ids.device.type == "cpu" and torch.get_num_threads() == 1
+    return (0 < T <= MAX_ROWS and input_ids.device.type == "cpu" and torch.get_num_threads() == 1
             and meta.decode_rows is not None and len(meta.decode_rows) == T and not meta.seqs
             and meta.prefill_q_starts is None and not meta.padded)

@@ -1,4 +1,4 @@
-"""Few-row float32 linear on CPU (decode steps: 1-16 rows; vocabulary projections: 1-32): one compiled pass over a
+"""Few-row float32 linear on CPU (decode steps and vocabulary projections: 1-256 rows): one compiled pass over a
 panel-packed copy of the weight.
 
 Why a kernel of our own: at a handful of rows a linear is a stream over its weight matrix, and the step's time is how
@@ -11,7 +11,11 @@ prefetches the panel stream ahead: 11-14 ms at 1-4 rows for the vocabulary matri
 pass (12 accumulators, FMA-bound) carries it (benchmarks/results/small_gemm_rows.md; 1 thread, process CPU time,
 alternated, load 2-4): on the three vocabulary shapes (151936 x 256 / 512, 49152 x 576; cold) 1.11-1.37x faster than
 oneDNN at 12-32 rows, 0.96-1.06x at 48-64; on five layer shapes (warm) 1.08-1.63x at 12-16 rows and 0.88-1.35x at 24-32.
-Hence two limits: MAX_ROWS for layers, VOCAB_MAX_ROWS for the vocabulary.
+Against F.linear, the engine's other fp32 path (fp32 keeps no oneDNN copy; F.linear is faster than oneDNN from
+~64 rows on), it is ahead at every row count measured up to 256 (benchmarks/results/small_gemm_rows_256.md: 16-256
+rows, 3 vocabulary and 8 layer shapes, 1.02x at the least, 960 x 576 at 256 rows): on 151936 x 512 at 64 rows 146 vs
+228 ms (cold, one call), on the layer shapes 1.1-1.25x at 64 rows and 1.02-1.06x at 256 (warm). Hence MAX_ROWS
+(layers) and VOCAB_MAX_ROWS (vocabulary) of 256; larger inputs (prefill) take F.linear.
 
 Layout: weight [N, K] -> panels [ceil(N / 16), K, 16] (16 output columns, contiguous along k), zero-padded past N.
 A pass over one panel computes 6, 4, 2 or 1 rows x 16 columns into 12, 8, 4 or 2 vector registers (<8 x float>,
@@ -45,8 +49,8 @@ from numba.extending import intrinsic, models, register_model
 from tokenplane.engine.cpu_malloc import huge_page_empty
 
 PANEL = 16            # output columns per panel: two 8-float vectors
-MAX_ROWS = 16         # layers: faster than oneDNN up to 16 rows on every measured shape (docstring)
-VOCAB_MAX_ROWS = 32   # vocabulary projections: faster up to 32 rows, parity at 48 (docstring)
+MAX_ROWS = 256        # layers: ahead of F.linear (the fallback) up to 256 rows on every measured shape (docstring)
+VOCAB_MAX_ROWS = 256  # vocabulary projections: likewise (docstring)
 K_BLOCK = 64          # k steps a register block sums where no size reproduces F.linear (see Numerics, `k_block`)
 _K_CANDIDATES = (192, 128, 256, 96, 384, 512, 64)   # block sizes BLAS sgemm kernels use, tried in this order
 PREFETCH = 1024       # floats ahead of the panel stream (64 k-steps, 4 KiB): at 4 rows 15-30% faster than none here
@@ -333,8 +337,8 @@ def pack(weight: torch.Tensor) -> torch.Tensor:
 
 def applies(x: torch.Tensor, max_rows: int = MAX_ROWS) -> bool:
     """A CPU float32 [rows, K] input of 1..max_rows rows, with 1 torch thread. The kernel takes any row count (each
-    panel is read from memory once, then from cache for every further 4 rows); MAX_ROWS is where oneDNN's packed path
-    overtakes it."""
+    panel is read from memory once, then from cache for every further 6 rows); MAX_ROWS is as far as it was measured
+    ahead of F.linear."""
     return (x.dim() == 2 and 0 < x.shape[0] <= max_rows and x.dtype == torch.float32 and x.device.type == "cpu"
             and torch.get_num_threads() == 1)
 

@@ -53,7 +53,7 @@ class Linear(nn.Linear):
 
     # Plain attributes, not buffers: state_dict() stays the weights only.
     cpu_packed: torch.Tensor | None = None   # bf16: oneDNN's packed copy
-    cpu_panels: torch.Tensor | None = None   # fp32: cpu_small_gemm's copy, for 1-16 row inputs (decode)
+    cpu_panels: torch.Tensor | None = None   # fp32: cpu_small_gemm's copy, for 1-256 row inputs (decode)
 
     def reset_parameters(self) -> None:
         pass
@@ -63,10 +63,10 @@ class Linear(nn.Linear):
         if not cpu_packing_available(w):
             self.unpack_cpu()
             return
-        # Decode-sized fp32 inputs (1-16 rows, 1 thread) stream the weight through cpu_small_gemm's panel copy:
-        # 1.15x (8 rows) to 2x+ (1 row) faster than oneDNN's packed path on the layer shapes measured there (and
-        # than the transposed-copy x @ W^T it replaces for one row), in F.linear's summation order. Larger fp32
-        # inputs take F.linear itself (see CPU_PACK_DTYPES), so fp32 keeps no oneDNN copy.
+        # Decode-sized fp32 inputs (1-256 rows, 1 thread) stream the weight through cpu_small_gemm's panel copy:
+        # 1.15x (8 rows) to 2x+ (1 row) faster than oneDNN's packed path on the layer shapes measured there, and
+        # ahead of F.linear up to 256 rows, in F.linear's summation order. Larger fp32 inputs take F.linear itself
+        # (see CPU_PACK_DTYPES), so fp32 keeps no oneDNN copy.
         if cpu_small_gemm.available(w):
             self.cpu_panels, self.cpu_packed = cpu_small_gemm.pack(w), None
         else:
@@ -87,11 +87,11 @@ class Linear(nn.Linear):
 
 class VocabProjection:
     """hidden [B, H] -> logits [B, V] on CPU, the step's largest GEMM for small models. Decode-sized fp32 batches
-    (1-32 rows, 1 thread): cpu_small_gemm's panel copy streams the matrix at memory speed (151936 x 512 fp32: 11-14 ms
+    (1-256 rows, 1 thread): cpu_small_gemm's panel copy streams the matrix at memory speed (151936 x 512 fp32: 11-14 ms
     at 1-4 rows, vs 15-20 ms on oneDNN's packed copy and 16 ms for x @ W^T over a transposed copy at one row) and
-    stays ahead of oneDNN up to 32 rows (cpu_small_gemm's docstring), in F.linear's summation order; more fp32 rows
-    or more threads: F.linear (transformers' call); bf16: oneDNN's packed copy (see `cpu_pack`). Holds one copy of the
-    matrix beside the weight."""
+    stays ahead of F.linear up to 256 rows (64 rows: 135 vs 183 ms; cpu_small_gemm's docstring), in F.linear's
+    summation order; more fp32 rows or more threads: F.linear (transformers' call); bf16: oneDNN's packed copy (see
+    `cpu_pack`). Holds one copy of the matrix beside the weight."""
 
     def __init__(self, weight: torch.Tensor) -> None:
         self.out_features = weight.shape[0]
