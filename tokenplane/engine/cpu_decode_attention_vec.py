@@ -29,7 +29,7 @@ from llvmlite import ir
 from numba import njit
 from numba.extending import intrinsic
 
-from tokenplane.engine.cpu_decode_attention import (
+from tokenplane.engine.cpu_decode_paging import (
     CACHE_LINE,
     _descending,
     _exp_nonpos,
