@@ -61,9 +61,9 @@ def _output(url: str, msg: bytes) -> Output:
 
 
 def _error(url: str, exc: Any) -> APIError:
-    name = exc.code().name if hasattr(exc, "code") else "UNKNOWN"
-    status, code = _STATUS.get(name, (502, "upstream_error"))
-    return APIError(f"upstream {url}: {exc.details() if hasattr(exc, 'details') else exc}", status=status, code=code)
+    """A failed call (grpc.aio.AioRpcError) as the matching OpenAI-shaped error."""
+    status, code = _STATUS.get(exc.code().name, (502, "upstream_error"))
+    return APIError(f"upstream {url}: {exc.details()}", status=status, code=code)
 
 
 class GrpcAnswer:

@@ -93,17 +93,12 @@ def varint_run(ids: Any) -> bytes:
 
 def read_varints(buf: bytes | memoryview) -> list[int]:
     """A packed-varint run's values."""
+    mv = memoryview(buf)
     out: list[int] = []
-    n = shift = 0
-    for b in bytes(buf):
-        n |= (b & 0x7F) << shift
-        if b & 0x80:
-            shift += 7
-        else:
-            out.append(n)
-            n = shift = 0
-    if shift:
-        raise WireError("a packed varint run ends inside a value")
+    i = 0
+    while i < len(mv):
+        value, i = _read_varint(mv, i, "a packed varint")
+        out.append(value)
     return out
 
 
