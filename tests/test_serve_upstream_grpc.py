@@ -20,7 +20,7 @@ import openai
 import pytest
 from servers import ThreadServer
 from smg_grpc_proto import vllm_engine_pb2 as pb
-from test_serve_upstream_ids import ANSWER, IdOnlyEngine, reply_ids
+from test_serve_upstream_ids import ANSWER, IdOnlyEngine, expected_logprobs, reply_ids, vllm_logprobs
 
 import tokenplane
 from tokenplane.serve.app import create_app
@@ -66,7 +66,7 @@ def test_varints_match_protobuf():
 def test_generate_request_parses_as_the_official_message():
     ids = np.asarray([5, 151_643, 300, 1 << 20], dtype=np.uint32)
     fields = {"model": "m", "max_tokens": 7, "temperature": 0.7, "top_p": 0.9, "top_k": 20, "n": 2, "seed": -3,
-              "ignore_eos": True, "stop_token_ids": [151_645, 151_643], "stream": True, "logprobs": 0,
+              "ignore_eos": True, "stop_token_ids": [151_645, 151_643], "stream": True,
               "return_tokens_as_token_ids": True, "min_p": 0.05, "repetition_penalty": 1.1}
     run = varint_run(ids)
     raw = b"".join((request_id_field("req-1"), *generate_body(fields, [run[:3], memoryview(run)[3:]], len(run))))
@@ -82,6 +82,9 @@ def test_generate_request_parses_as_the_official_message():
     # left out: temperature unset (vLLM's servicer then samples at 1.0), top_k <= 0 (no limit), no max_tokens
     sp = pb.SamplingParams.FromString(sampling_params({"top_k": -1, "temperature": None}))
     assert not sp.HasField("temperature") and sp.top_k == 0 and not sp.HasField("max_tokens")
+    # logprobs: in the fields only when the client asked (0: the sampled token's alone)
+    assert [pb.SamplingParams.FromString(sampling_params({"logprobs": k})).logprobs for k in (0, 5)] == [0, 5]
+    assert pb.SamplingParams.FromString(sampling_params({"logprobs": 0})).HasField("logprobs")
 
 
 def test_answers_read_as_the_official_messages_write_them():
@@ -98,6 +101,14 @@ def test_answers_read_as_the_official_messages_write_them():
         token_logprobs=[-0.5], token_ids=[3]))
     out = read_output(pb.GenerateResponse(complete=done).SerializeToString())
     assert out.stop_reason == "END" and out.token_ids == []   # the logprobs' IDs are another message's
+    assert out.logprobs is not None and out.logprobs.token_ids == [3] and out.logprobs.values == [-0.5]
+    lp = pb.OutputLogProbs(token_logprobs=[-0.25, float("-inf")], token_ids=[7, 151_000], top_logprobs=[
+        pb.TopLogProbs(values=[-0.25, -2.0], token_ids=[7, 8]), pb.TopLogProbs(values=[-1e-3], token_ids=[1 << 20])])
+    out = read_output(pb.GenerateResponse(chunk=pb.GenerateStreamChunk(token_ids=[7, 151_000], output_logprobs=lp))
+                      .SerializeToString())
+    assert out.logprobs is not None and out.logprobs.token_ids == [7, 151_000]
+    assert out.logprobs.values == [-0.25, float("-inf")]
+    assert out.logprobs.top == [[(7, -0.25), (8, -2.0)], [(1 << 20, np.float32(-1e-3))]]
     info = pb.GetModelInfoResponse(model_path="/m", served_model_name="tiny", max_context_length=4096,
                                    vocab_size=151_936, default_sampling_params_json='{"temperature": 0.6, '
                                    '"top_k": 20, "max_new_tokens": 99, "bogus": 1}')
@@ -113,6 +124,9 @@ def test_malformed_messages_are_wire_errors():
             read_output(bad)
     with pytest.raises(WireError):
         read_varints(b"\x80")
+    uneven = pb.OutputLogProbs(token_logprobs=[-0.5], token_ids=[1, 2])
+    with pytest.raises(WireError, match="unequal"):
+        read_output(pb.GenerateResponse(chunk=pb.GenerateStreamChunk(output_logprobs=uneven)).SerializeToString())
 
 
 @pytest.mark.parametrize("seed", range(3))
@@ -169,8 +183,13 @@ class GrpcEngine:
                 time.sleep(self.delay_s)
             if not context.is_active():
                 return
+            lp = {}
+            if sp.HasField("logprobs"):   # as vLLM's servicer: the first k entries of vLLM's dict
+                top = list(vllm_logprobs(t, sp.logprobs).items())[:sp.logprobs]
+                lp["output_logprobs"] = pb.OutputLogProbs(token_logprobs=[-0.5], token_ids=[t], top_logprobs=[
+                    pb.TopLogProbs(values=[v for _, v in top], token_ids=[x for x, _ in top])] if top else [])
             yield pb.GenerateResponse(chunk=pb.GenerateStreamChunk(token_ids=[t], prompt_tokens=n_prompt,
-                                                                    completion_tokens=1, index=0))
+                                                                    completion_tokens=1, index=0, **lp))
             if t in stops or i == min(limit, len(self.reply)) - 1:
                 kw = {"matched_token_id": t} if t in stops else {}
                 self.completed[slot] = True
@@ -306,6 +325,29 @@ def test_vllm_sampling_parameters_reach_either_upstream(tok):
     sp = g.requests[0].sampling_params
     assert sp.top_k == 20 and sp.min_p == np.float32(0.05) and sp.repetition_penalty == np.float32(1.1)
     assert sp.presence_penalty == np.float32(0.5) and sp.frequency_penalty == np.float32(-0.25)
+
+
+def test_logprobs_over_grpc(tok):
+    """Asked only when the client asks (SamplingParams.logprobs), read from OutputLogProbs and written as text as over
+    HTTP; the top entries are the servicer's (the first k of vLLM's dict), the sampled token alone at 0."""
+    reply = reply_ids(tok)
+    with GrpcEngine(reply) as g, tier(tok, g.url) as t:
+        client = openai.OpenAI(base_url=t.url + "/v1", api_key="x")
+        plain = client.completions.create(model="tier", prompt="hi", max_tokens=5)
+        assert plain.choices[0].logprobs is None and not g.requests[-1].sampling_params.HasField("logprobs")
+        for k in (0, 3):
+            whole = client.completions.create(model="tier", prompt="hi", logprobs=k, max_tokens=40)
+            assert g.requests[-1].sampling_params.logprobs == k
+            n = whole.usage.completion_tokens
+            tops = [dict(list(vllm_logprobs(x, k).items())[:k]) if k else {x: -0.5} for x in reply[:n]]
+            assert whole.choices[0].logprobs.model_dump() == expected_logprobs(tok, reply[:n], tops)
+        chunks = list(client.chat.completions.create(model="tier", messages=[{"role": "user", "content": "hi"}],
+                                                     logprobs=True, top_logprobs=2, stream=True))
+        content = [e for c in chunks if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content]
+        want = expected_logprobs(tok, reply[:len(content)], [dict(list(vllm_logprobs(x, 2).items())[:2])
+                                                             for x in reply[:len(content)]])
+        assert [e.token for e in content] == want["tokens"] and len(content) == len(reply) - 1
+        assert [{e2.token: e2.logprob for e2 in e.top_logprobs} for e in content] == want["top_logprobs"]
 
 
 def test_pools_speak_one_protocol():

@@ -32,6 +32,16 @@ from tokenplane.serve.upstream import UpstreamPool
 ANSWER = "Hi <think>ok</think> \U0001f389 naïve STOP rest of it"
 
 
+def vllm_logprobs(t: int, k: int) -> dict[int, float]:
+    """vLLM's logprob dict for a sampled token t asked with k top logprobs: the sampled token first, then the k most
+    likely (here t-1..t-k, or t itself among them when it is even: then the dict holds k entries)."""
+    d = {t: -0.5}
+    for j in range(k):
+        x = t - j if t % 2 == 0 else t - j - 1
+        d[x] = -0.5 if x == t else -1.0 - j
+    return d
+
+
 class IdOnlyEngine:
     """vLLM with --skip-tokenizer-init, as seen over HTTP: answers `reply` one token per chunk, text always empty."""
 
@@ -66,8 +76,10 @@ class IdOnlyEngine:
             c: dict[str, Any] = {"index": 0, "text": "", "logprobs": None, "finish_reason": finish,
                                  "stop_reason": None}
             if as_logprobs:
+                k = body["logprobs"]
+                top = dict(list(vllm_logprobs(t, k).items())[:k + 1])   # vLLM's HTTP server: top k + the sampled
                 c["logprobs"] = {"text_offset": [0], "token_logprobs": [-0.5], "tokens": [f"{prefix}{t}"],
-                                 "top_logprobs": [{f"{prefix}{t}": -0.5}]}
+                                 "top_logprobs": [{f"{prefix}{x}": v for x, v in top.items()}]}
             if as_ids:
                 c.update(token_ids=[t], prompt_token_ids=body["prompt"] if i == 0 else None)
             return b"data: " + json.dumps({"id": "cmpl-x", "object": "text_completion", "created": 1,
@@ -168,12 +180,49 @@ def test_stop_string_ends_the_answer_and_the_upstream_request(tok):
     assert engine.completed[2] is True
 
 
-def test_logprobs_need_an_upstream_with_its_tokenizer(tok):
-    engine = IdOnlyEngine(reply_ids(tok))
+def expected_logprobs(tok, ids: list[int], tops: list[dict[int, float]]) -> dict[str, Any]:
+    """Completion logprobs as the tier writes them: each token as its bytes decoded alone, offsets summed."""
+    def text(t: int) -> str:
+        return tok.decode_bytes([t]).decode("utf-8", "replace")
+    offsets, n = [], 0
+    for t in ids:
+        offsets.append(n)
+        n += len(text(t))
+    return {"tokens": [text(t) for t in ids], "token_logprobs": [-0.5] * len(ids), "text_offset": offsets,
+            "top_logprobs": [{text(x): v for x, v in top.items()} for top in tops]}
+
+
+def test_logprobs_come_back_as_text(tok):
+    """Logprobs through an ID-only upstream: asked with the client's count, answered in the token-ID form, written
+    here as text (tokens, top-logprob keys, text offsets), streamed and not, completions and chat."""
+    reply = reply_ids(tok)
+    engine = IdOnlyEngine(reply)
     with ThreadServer(engine.app) as up, tier(tok, up.url) as t:
-        r = httpx.post(t.url + "/v1/completions", json={"model": "tier", "prompt": "hi", "logprobs": 1}, timeout=30)
-        assert r.status_code == 400 and r.json()["error"]["param"] == "logprobs"
-    assert engine.bodies == []
+        client = openai.OpenAI(base_url=t.url + "/v1", api_key="x")
+        whole = client.completions.create(model="tier", prompt="hi", logprobs=2, max_tokens=40)
+        n = whole.usage.completion_tokens
+        want = expected_logprobs(tok, reply[:n], [dict(list(vllm_logprobs(x, 2).items())[:3]) for x in reply[:n]])
+        assert whole.choices[0].logprobs.model_dump() == want
+        assert engine.bodies[-1]["logprobs"] == 2
+        streamed = list(client.completions.create(model="tier", prompt="hi", logprobs=2, max_tokens=40,
+                                                  stream=True))
+        got: dict[str, list[Any]] = {k: [] for k in want}
+        for c in streamed:
+            for k, v in (c.choices[0].logprobs.model_dump() if c.choices and c.choices[0].logprobs else {}).items():
+                got[k] += v
+        assert got == want
+        chat = client.chat.completions.create(model="tier", messages=[{"role": "user", "content": "hi"}],
+                                              logprobs=True, top_logprobs=1, max_tokens=40)
+        assert engine.bodies[-1]["logprobs"] == 1
+        m = chat.usage.completion_tokens
+        want_chat = expected_logprobs(tok, reply[:m], [dict(list(vllm_logprobs(x, 1).items())[:2])
+                                                       for x in reply[:m]])
+        content = chat.choices[0].logprobs.content
+        assert [e.token for e in content] == want_chat["tokens"]
+        assert [e.bytes for e in content] == [list(x.encode()) for x in want_chat["tokens"]]
+        assert [{e2.token: e2.logprob for e2 in e.top_logprobs} for e in content] == want_chat["top_logprobs"]
+        plain = client.chat.completions.create(model="tier", messages=[{"role": "user", "content": "hi"}])
+        assert plain.choices[0].logprobs is None and engine.bodies[-1]["logprobs"] == 0
 
 
 def test_token_ids_field_is_read_too(tok):

@@ -160,6 +160,37 @@ def test_tier_decodes_what_vllm_decodes(id_stack):
     assert checked >= 10 and stops >= 5, (checked, stops)
 
 
+def test_tier_logprobs_are_vllms(id_stack):
+    """Logprobs through the tier from a tokenizer-less vLLM (token-ID form, written as text by the tier) equal
+    vLLM's own: tokens, values, text offsets; top logprobs equal over HTTP, and over gRPC the first k entries of
+    vLLM's (its servicer sends k, its HTTP server k + 1)."""
+    from serve_agent import load_trajectories
+
+    vllm_url, tier_url = id_stack
+    convs = load_trajectories(ROOT / "tests" / "fixtures" / "traces", 3)
+    checked = 0
+    with httpx.Client(timeout=600) as client:
+        name = client.get(tier_url + "/v1/models").json()["data"][0]["id"]
+        for n, messages in enumerate(convs):
+            ids = client.post(vllm_url + "/tokenize", json={"model": "tiny-qwen3", "messages": messages[:1],
+                                                            "add_generation_prompt": True}).json()["tokens"]
+            for k in (0, 3):
+                body = {"prompt": ids, "max_tokens": 24, "temperature": 1.0, "seed": n, "ignore_eos": True,
+                        "logprobs": k}
+                want = client.post(vllm_url + "/v1/completions", json={"model": "tiny-qwen3", **body}).json()
+                got = client.post(tier_url + "/v1/completions", json={"model": name, **body}).json()
+                w, g = want["choices"][0]["logprobs"], got["choices"][0]["logprobs"]
+                assert g["tokens"] == w["tokens"] and g["text_offset"] == w["text_offset"], (n, k)
+                assert g["token_logprobs"] == pytest.approx(w["token_logprobs"], abs=1e-6)
+                for gt, wt in zip(g["top_logprobs"], w["top_logprobs"]):
+                    if len(gt) == len(wt):    # over HTTP: vLLM's own
+                        assert gt == pytest.approx(wt, abs=1e-6)
+                    else:                     # over gRPC: the servicer's first k (the sampled alone at 0)
+                        assert list(gt) == list(wt)[:max(k, 1)]
+                checked += 1
+    assert checked == 6
+
+
 def _stop_string(text: str) -> str | None:
     """Two printable, non-space characters from the second half of `text` (a random model's answer is mostly byte
     fragments and spaces), so a stop there cuts the answer mid-way."""

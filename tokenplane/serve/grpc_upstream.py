@@ -22,7 +22,7 @@ from typing import Any
 import orjson
 
 from .errors import APIError
-from .grpc_wire import SERVICE, ModelInfo, Output, WireError, read_model_info, read_output, request_id_field
+from .grpc_wire import SERVICE, Logprobs, ModelInfo, Output, WireError, read_model_info, read_output, request_id_field
 
 try:   # the `grpc` extra
     import grpc
@@ -58,6 +58,20 @@ def _output(url: str, msg: bytes) -> Output:
     except WireError as exc:
         raise APIError(f"upstream {url} sent a message that is not a GenerateResponse: {exc}", status=502,
                        code="upstream_error") from None
+
+
+def _id_logprobs(lp: Logprobs | None) -> dict[str, Any] | None:
+    """A chunk's logprobs as vLLM's HTTP server writes them for a tokenizer-less engine: tokens as "token_id:N",
+    values clamped at -9999.0 as it does (JSON has no -inf). The top entries are what the servicer sends: the first
+    `logprobs` entries of vLLM's dict (the sampled token, then the most likely), the sampled token alone at 0, as
+    the HTTP server writes it then."""
+    if lp is None:
+        return None
+    tops = lp.top or [[(t, v)] for t, v in zip(lp.token_ids, lp.values)]
+    return {"tokens": [f"token_id:{t}" for t in lp.token_ids],
+            "token_logprobs": [max(v, -9999.0) for v in lp.values],
+            "top_logprobs": [{f"token_id:{t}": max(v, -9999.0) for t, v in top} for top in tops],
+            "text_offset": []}
 
 
 def _error(url: str, exc: Any) -> APIError:
@@ -108,8 +122,9 @@ class GrpcAnswer:
             prompt = out.prompt_tokens or prompt
             if not out.complete:
                 tokens[out.index] = tokens.get(out.index, 0) + len(out.token_ids)
-                yield self._line([{"index": out.index, "text": "", "token_ids": out.token_ids, "logprobs": None,
-                                   "finish_reason": None, "stop_reason": None}])
+                yield self._line([{"index": out.index, "text": "", "token_ids": out.token_ids,
+                                   "logprobs": _id_logprobs(out.logprobs), "finish_reason": None,
+                                   "stop_reason": None}])
             else:   # streamed: its IDs were the last chunk's, sent already
                 yield self._line([{"index": out.index, "text": "", "token_ids": [], "logprobs": None,
                                    "finish_reason": out.finish_reason or "stop", "stop_reason": out.stop_reason}])

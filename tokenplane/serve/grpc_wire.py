@@ -120,13 +120,14 @@ def _cut(run: tuple[Segment, ...], dropped: int) -> list[Segment] | None:
 
 
 # What a request's fields (the dict the JSON bodies are written from) become in SamplingParams: field number and
-# kind. Everything else in the dict (model, stream, logprobs asked only to get IDs back over HTTP, user...) has no
-# place here: the answer's IDs come back as IDs, and the tier matches stop strings itself.
+# kind. Everything else in the dict (model, stream, user...) has no place here: the answer's IDs come back as IDs,
+# and the tier matches stop strings itself. logprobs is in the fields only when the client asked for them
+# (id_answers.upstream_fields).
 _SAMPLING: dict[str, tuple[int, str]] = {
     "temperature": (1, "float"), "top_p": (2, "float"), "top_k": (3, "uint"), "min_p": (4, "float"),
     "frequency_penalty": (5, "float"), "presence_penalty": (6, "float"), "repetition_penalty": (7, "float"),
     "max_tokens": (8, "uint"), "min_tokens": (9, "uint"), "stop_token_ids": (11, "packed"),
-    "ignore_eos": (14, "bool"), "n": (15, "uint"), "seed": (24, "int"),
+    "ignore_eos": (14, "bool"), "n": (15, "uint"), "logprobs": (22, "int"), "seed": (24, "int"),
 }
 
 
@@ -222,11 +223,63 @@ class Output:
     cached_tokens: int = 0
     finish_reason: str | None = None
     stop_reason: int | str | None = None   # the stop token ID or stop string vLLM matched
+    logprobs: Logprobs | None = None       # when the request asked for them
+
+
+@dataclass
+class Logprobs:
+    """OutputLogProbs: per new token its ID and logprob, and the top (ID, logprob) pairs vLLM sent for it."""
+    token_ids: list[int] = field(default_factory=list)
+    values: list[float] = field(default_factory=list)
+    top: list[list[tuple[int, float]]] = field(default_factory=list)
 
 
 # field numbers of GenerateStreamChunk / GenerateComplete
-_CHUNK = {"ids": 1, "prompt": 2, "completion": 3, "cached": 4, "index": 7}
-_COMPLETE = {"ids": 1, "finish": 2, "prompt": 3, "completion": 4, "cached": 5, "index": 8, "token": 10, "string": 11}
+_CHUNK = {"ids": 1, "prompt": 2, "completion": 3, "cached": 4, "logprobs": 5, "index": 7}
+_COMPLETE = {"ids": 1, "finish": 2, "prompt": 3, "completion": 4, "cached": 5, "logprobs": 6, "index": 8, "token": 10,
+             "string": 11}
+
+
+def _floats(wire: int, value: Any) -> list[float]:
+    """A repeated float field's values: packed (little-endian float32s) or one fixed32."""
+    if wire == _LEN:
+        if len(value) % 4:
+            raise WireError("a packed float field whose length is not a multiple of 4")
+        return np.frombuffer(value, "<f4").tolist()
+    if wire == _I32:
+        return [struct.unpack("<f", value.to_bytes(4, "little"))[0]]
+    raise WireError(f"a float field of wire type {wire}")
+
+
+def _uints(wire: int, value: Any) -> list[int]:
+    return read_varints(value) if wire == _LEN else [value]
+
+
+def _read_top(buf: memoryview) -> list[tuple[int, float]]:
+    values: list[float] = []
+    ids: list[int] = []
+    for num, wire, value in fields(buf):
+        if num == 1:
+            values += _floats(wire, value)
+        elif num == 2:
+            ids += _uints(wire, value)
+    if len(ids) != len(values):
+        raise WireError("top logprobs with unequal numbers of token IDs and values")
+    return list(zip(ids, values))
+
+
+def _read_logprobs(buf: memoryview) -> Logprobs:
+    out = Logprobs()
+    for num, wire, value in fields(buf):
+        if num == 1:
+            out.values += _floats(wire, value)
+        elif num == 2:
+            out.token_ids += _uints(wire, value)
+        elif num == 3 and wire == _LEN:
+            out.top.append(_read_top(value))
+    if len(out.token_ids) != len(out.values) or (out.top and len(out.top) != len(out.values)):
+        raise WireError("output logprobs with unequal numbers of tokens, values and top entries")
+    return out
 
 
 def read_output(buf: bytes) -> Output:
@@ -253,6 +306,8 @@ def _read_output(buf: memoryview, complete: bool) -> Output:
             out.completion_tokens = value
         elif num == f["cached"]:
             out.cached_tokens = value
+        elif num == f["logprobs"] and wire == _LEN:
+            out.logprobs = _read_logprobs(value)
         elif complete and num == f["finish"]:
             out.finish_reason = bytes(value).decode()
         elif complete and num == f["token"]:
@@ -296,5 +351,6 @@ def read_model_info(buf: bytes) -> ModelInfo:
                      default_sampling=defaults)
 
 
-__all__ = ["SERVICE", "VARINT_IDS", "ModelInfo", "Output", "WireError", "fields", "generate_body", "read_model_info",
-           "read_output", "read_varints", "request_id_field", "sampling_params", "varint", "varint_run"]
+__all__ = ["SERVICE", "VARINT_IDS", "Logprobs", "ModelInfo", "Output", "WireError", "fields", "generate_body",
+           "read_model_info", "read_output", "read_varints", "request_id_field", "sampling_params", "varint",
+           "varint_run"]

@@ -3,8 +3,9 @@
 An engine started without a tokenizer (vLLM or SGLang `--skip-tokenizer-init`) takes token-ID prompts and answers
 token IDs with empty text (upstream_fields says how they are asked for). In front of one, the tier turns each
 choice's IDs into text with its own tokenizer (text_stream.TextStream: whole UTF-8 characters, special tokens
-skipped as vLLM's skip_special_tokens does, stop strings matched here and cut as vLLM cuts them) and drops the IDs the
-client did not ask for. What this buys: vLLM primes its detokenizer with the whole prompt on every request
+skipped as vLLM's skip_special_tokens does, stop strings matched here and cut as vLLM cuts them), writes the
+logprobs a client asked for as text (the upstream answers them in token-ID form), and drops the IDs the client did
+not ask for. What this buys: vLLM primes its detokenizer with the whole prompt on every request
 (`DecodeStream(ids=prompt)`, decoded on the first output token), O(context) per turn, ~0.15 s at 290K tokens on
 this machine (benchmarks/results/agent_ttft*.md); a tokenizer-less engine skips it, and the tier's incremental
 decoding costs O(new tokens).
@@ -21,43 +22,57 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
-from .errors import APIError, InvalidRequest
+from .errors import APIError
 from .text_stream import TextStream
 
 _PLACEHOLDER = "token_id:"
 
 
-def upstream_fields(body: dict[str, Any], req: Any) -> dict[str, Any]:
+def upstream_fields(body: dict[str, Any], req: Any, ids_in_answer: bool = False) -> dict[str, Any]:
     """The upstream request's fields for an ID-only upstream: IDs back, always streamed with usage; stop strings
     stay here (a tokenizer-less engine cannot match text).
 
-    The IDs come as the sampled token's logprob entry written as an ID (`logprobs: 0` with
+    Over HTTP the IDs come as the sampled token's logprob entry written as an ID (`logprobs: 0` with
     `return_tokens_as_token_ids`: "token_id:N"), not through `return_token_ids`: vLLM's `return_token_ids` also
     echoes the whole prompt's IDs in the first chunk, which vLLM serializes and the tier parses, O(context) per turn
     (~35 ms at 314K tokens, ~130 ms at 1M on this machine: benchmarks/results/agent_ttft_sw4096_ids*.md). An answer
-    whose chunks carry `token_ids` is read too."""
+    whose chunks carry `token_ids` is read too. An upstream whose answers carry IDs anyway (`ids_in_answer`: gRPC)
+    is asked for logprobs only when the client asked. A client's logprobs are asked with its count and come back
+    in the token-ID form, which `IdAnswer` writes as text."""
+    out = {k: v for k, v in body.items() if k not in ("stop", "stream", "stream_options", "logprobs")}
     if req.num_logprobs is not None:
-        raise InvalidRequest("logprobs need an upstream that has its tokenizer (this tier decodes token IDs from "
-                             "tokenizer-less upstreams: --upstream-token-ids)", param="logprobs")
-    out = {k: v for k, v in body.items() if k not in ("stop", "stream", "stream_options")}
-    out.update(logprobs=0, return_tokens_as_token_ids=True, stream=True, stream_options={"include_usage": True})
+        out["logprobs"] = req.num_logprobs
+    elif not ids_in_answer:
+        out["logprobs"] = 0
+    out.update(return_tokens_as_token_ids=True, stream=True, stream_options={"include_usage": True})
     return out
 
 
-def _ids(choice: dict[str, Any]) -> list[int]:
-    """A chunk choice's new token IDs: `token_ids`, else its logprobs' tokens written as IDs ("token_id:N")."""
+def _token_id(token: Any) -> int:
+    if not (isinstance(token, str) and token.startswith(_PLACEHOLDER)):
+        raise ValueError(token)
+    return int(token[len(_PLACEHOLDER):])
+
+
+def _bad_ids(lp: Any) -> APIError:
+    return APIError(f"the upstream's logprobs tokens are not token IDs ('token_id:N'): is it started without its "
+                    f"tokenizer? {str(lp)[:200]}", status=502, code="upstream_error")
+
+
+def _ids(choice: dict[str, Any]) -> tuple[list[int], Any]:
+    """A chunk choice's new token IDs (`token_ids`, else its logprobs' tokens written as IDs, "token_id:N") and its
+    logprobs as the upstream sent them (taken out of the choice)."""
     ids = choice.pop("token_ids", None)
     lp = choice.get("logprobs")
-    choice["logprobs"] = None   # the client asked for none (upstream_fields refuses logprobs)
+    choice["logprobs"] = None
     if ids is not None:
-        return list(ids)
+        return list(ids), lp
     if not lp:
-        return []
+        return [], lp
     try:
-        return [int(t[len(_PLACEHOLDER):]) for t in lp.get("tokens") or ()]
+        return [_token_id(t) for t in lp.get("tokens") or ()], lp
     except (TypeError, ValueError, AttributeError) as e:
-        raise APIError(f"the upstream's logprobs tokens are not token IDs ('token_id:N'): is it started without its "
-                       f"tokenizer? {str(lp)[:200]}", status=502, code="upstream_error") from e
+        raise _bad_ids(lp) from e
 
 
 class IdAnswer:
@@ -67,8 +82,11 @@ class IdAnswer:
     whether every choice has now finished; a choice that met a stop string here gets finish_reason "stop" and
     stop_reason the string, as vLLM reports it."""
 
-    def __init__(self, tokenizer: Any, stops: list[str], n_prompt: int, n_choices: int = 1) -> None:
+    def __init__(self, tokenizer: Any, stops: list[str], n_prompt: int, n_choices: int = 1,
+                 logprobs: int | None = None) -> None:
         self.tokenizer, self.stops, self.n_prompt = tokenizer, stops, n_prompt
+        self.logprobs = logprobs              # the client's count, None: it asked for none
+        self.offsets: dict[int, int] = {}     # per choice: characters of its token texts so far (text_offset)
         self.streams: dict[int, TextStream] = {}
         self.tokens: dict[int, int] = {}      # output tokens received per choice (up to its end)
         self.finished: set[int] = set()
@@ -103,9 +121,11 @@ class IdAnswer:
         for c in data.get("choices") or ():
             i = c.get("index", 0)
             c.pop("prompt_token_ids", None)
-            ids = _ids(c)
+            ids, lp = _ids(c)
             if i in self.finished:
                 continue   # a choice this tier already ended on a stop string: the rest is not its answer
+            if self.logprobs is not None and ids:
+                c["logprobs"] = self._logprobs(i, ids, lp)
             s = self._stream(i)
             text = s.push(ids)
             self.tokens[i] = self.tokens.get(i, 0) + len(ids)
@@ -120,6 +140,37 @@ class IdAnswer:
             choices.append(c)
         data["choices"] = choices
         return data
+
+    def _text(self, token: int) -> str:
+        """A token as text, as vLLM writes a logprob's token: its bytes decoded alone ("\ufffd" for a part of a
+        character)."""
+        try:
+            return self.tokenizer.decode_bytes([token]).decode("utf-8", "replace")
+        except (ValueError, KeyError, IndexError):
+            return ""
+
+    def _logprobs(self, i: int, ids: list[int], lp: Any) -> dict[str, Any]:
+        """The client's completion logprobs for choice i's new tokens, from the upstream's token-ID form: every
+        token and top-logprob key written as its text, text offsets counted in this choice's tokens."""
+        if not isinstance(lp, dict) or len(lp.get("token_logprobs") or ()) != len(ids):
+            raise APIError(f"the upstream sent no logprobs for {len(ids)} token(s) the client asked them for: "
+                           f"{str(lp)[:200]}", status=502, code="upstream_error")
+        tops = lp.get("top_logprobs") or [None] * len(ids)
+        out: dict[str, Any] = {"tokens": [], "token_logprobs": list(lp["token_logprobs"]), "top_logprobs": [],
+                               "text_offset": []}
+        offset = self.offsets.get(i, 0)
+        try:
+            for t, top in zip(ids, tops):
+                text = self._text(t)
+                out["tokens"].append(text)
+                out["text_offset"].append(offset)
+                offset += len(text)
+                out["top_logprobs"].append(None if top is None else
+                                           {self._text(_token_id(k)): v for k, v in top.items()})
+        except (TypeError, ValueError, AttributeError) as e:
+            raise _bad_ids(lp) from e
+        self.offsets[i] = offset
+        return out
 
     def counted_usage(self) -> dict[str, Any]:
         """Usage for an answer this tier ended (the upstream's own usage chunk never came)."""
@@ -136,15 +187,21 @@ async def gathered(answer: IdAnswer, chunks: AsyncIterator[dict[str, Any]]) -> d
     texts: dict[int, list[str]] = {}
     finish: dict[int, Any] = {}
     stop_reason: dict[int, Any] = {}
+    logprobs: dict[int, dict[str, list[Any]]] = {}
     async for data in chunks:
         for c in data.get("choices") or ():
             i = c.get("index", 0)
             texts.setdefault(i, []).append(c.get("text", ""))
+            if answer.logprobs is not None:
+                into = logprobs.setdefault(i, {"tokens": [], "token_logprobs": [], "top_logprobs": [],
+                                               "text_offset": []})
+                for k, v in (c.get("logprobs") or {}).items():
+                    into[k] += v
             if c.get("finish_reason") is not None:
                 finish[i], stop_reason[i] = c["finish_reason"], c.get("stop_reason")
         if answer.ended_here:
             break
-    choices = [{"index": i, "text": "".join(texts[i]), "logprobs": None, "finish_reason": finish.get(i),
+    choices = [{"index": i, "text": "".join(texts[i]), "logprobs": logprobs.get(i), "finish_reason": finish.get(i),
                 "stop_reason": stop_reason.get(i)} for i in sorted(texts)]
     return {"id": answer.meta.get("id", ""), "object": "text_completion",
             "created": answer.meta.get("created", int(time.time())), "model": answer.meta.get("model"),

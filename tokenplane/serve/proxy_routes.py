@@ -159,7 +159,7 @@ class ProxyServer(OpenAIServer):
         body["model"] = self.pool.model
         if self.pool.sampling_defaults:
             body = {**self.pool.sampling_defaults, **body}
-        return upstream_fields(body, req) if self.pool.answers_ids else body
+        return upstream_fields(body, req, ids_in_answer=self.pool.grpc is not None) if self.pool.answers_ids else body
 
     def _chat_ids(self, req: ChatCompletionRequest, parsed: Parsed, take: Take = copied,
                   fields: dict[str, Any] | None = None) -> tuple[Any, TokenizationReport | None]:
@@ -324,7 +324,8 @@ class ProxyServer(OpenAIServer):
         if self.metrics is not None:
             self.metrics.prompt_tokens.inc(n_prompt)
         session = report.session if report is not None else None
-        answer = IdAnswer(self.tokenizer, req.stops, n_prompt, req.n) if self.pool.answers_ids else None
+        answer = IdAnswer(self.tokenizer, req.stops, n_prompt, req.n,
+                          req.num_logprobs) if self.pool.answers_ids else None
         if not req.stream:
             try:
                 data = await self._until_disconnect(request, self._exchange(key, body, answer))
