@@ -26,6 +26,12 @@ parses the request with the official classes, as vLLM's servicer does, and answe
 the tier in front of it with `--upstream grpc://...`; direct = the very request bytes the tier sent, as a Generate
 call from this process (a kept channel).
 
+--null-proxy also times a pass-through proxy on the tier's own HTTP stack (uvicorn as `tokenplane serve` runs it,
+the tier's HTTP client or a grpc.aio channel upstream): it reads the chat request's body whole, sends the bytes the
+tier forwarded for that turn (handed to it before the clock starts) to the stub, and relays the answer. It renders,
+parses and tokenizes nothing, so `null added` is what receiving the client's bytes and one more hop cost on this
+stack, a floor under any proxy's added latency; tier added - null added is the tier's own work.
+
 --baseline-tree runs a second tier from another checkout (cells prefixed "baseline"), every turn measured on both,
 alternating which goes first: a change and its baseline side by side under the same load.
 
@@ -129,6 +135,55 @@ def run_grpc_stub(port: int) -> None:
     server.wait_for_termination()
 
 
+def run_null_proxy(port: int, upstream: str) -> None:
+    """A proxy that does no work of its own (see --null-proxy): PUT /next sets the upstream bytes of the next chat."""
+    import uvicorn
+    from starlette.applications import Starlette
+    from starlette.requests import Request
+    from starlette.responses import Response, StreamingResponse
+    from starlette.routing import Route
+
+    from tokenplane.serve.http_client import HTTPClient
+
+    nxt: dict[str, bytes] = {"body": b""}
+    client = HTTPClient()
+    channel: Any = None
+
+    async def put_next(request: Request) -> Response:
+        nxt["body"] = await request.body()
+        return Response(b"")
+
+    async def health(request: Request) -> Response:
+        return Response(b"ok")
+
+    async def chat(request: Request) -> StreamingResponse:
+        nonlocal channel
+        await request.body()
+        if upstream.startswith("grpc://"):
+            import grpc.aio
+            if channel is None:
+                channel = grpc.aio.insecure_channel(upstream.removeprefix("grpc://"), options=[
+                    ("grpc.max_send_message_length", -1), ("grpc.max_receive_message_length", -1)])
+            call = channel.unary_stream("/vllm.grpc.engine.VllmEngine/Generate")(nxt["body"])
+
+            async def relay_grpc() -> Any:
+                async for _ in call:
+                    yield b'data: {"choices": [{"index": 0, "delta": {"content": "ok"}}]}\n\n'
+                yield b"data: [DONE]\n\n"
+            return StreamingResponse(relay_grpc(), media_type="text/event-stream")
+        resp = await client.request("POST", upstream + "/v1/completions", nxt["body"])
+
+        async def relay() -> Any:
+            async for data in resp.chunks():
+                yield data
+            await resp.aclose()
+        return StreamingResponse(relay(), media_type="text/event-stream")
+
+    app = Starlette(routes=[Route("/next", put_next, methods=["PUT"]), Route("/health", health),
+                            Route("/v1/chat/completions", chat, methods=["POST"])])
+    uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning")
+
+
 class GrpcStub:
     """This process's side of the gRPC stub: the last request the tier sent, and the same bytes as a timed call."""
 
@@ -221,7 +276,7 @@ def chat_body(messages: list[dict[str, str]], key: str) -> bytes:
 
 
 def measure_turn(client: httpx.Client, tier: str, stub: str | GrpcStub, messages: list[dict[str, str]],
-                 key: str) -> dict[str, Any]:
+                 key: str, null_proxy: str | None = None) -> dict[str, Any]:
     """The turn through the tier (a real new turn: its session holds the previous one), then the bytes the tier
     forwarded straight to the stub. The order is fixed: the direct request needs the tier's output, and sending the
     turn through the tier twice would time a resend instead of a turn."""
@@ -234,6 +289,11 @@ def measure_turn(client: httpx.Client, tier: str, stub: str | GrpcStub, messages
         forwarded = client.get(stub + "/last").content
         t_direct, _ = ttft(client, stub + "/v1/completions", forwarded)
         n = len(json.loads(forwarded)["prompt"])
+    null = {}
+    if null_proxy is not None:
+        client.put(null_proxy + "/next", content=forwarded, timeout=60)
+        t_null, _ = ttft(client, null_proxy + "/v1/chat/completions", body)
+        null = {"null_ms": t_null, "null_added_ms": t_null - t_direct, "tier_over_null_ms": t_tier - t_null}
     marks = rep.get("phases_ms") or {}
     phases = {}
     if all(k in marks for k in ("received", "prepared", "upstream_first", "first_sent")):
@@ -242,7 +302,7 @@ def measure_turn(client: httpx.Client, tier: str, stub: str | GrpcStub, messages
                   "relay_ms": marks["first_sent"] - marks["upstream_first"]}
     return {"chars": sum(len(m["content"]) for m in messages), "tokens": n,
             "tier_ms": t_tier, "direct_ms": t_direct, "added_ms": t_tier - t_direct,
-            "tok_ms": rep.get("time_ms"), "path": rep.get("path"), **phases}
+            "tok_ms": rep.get("time_ms"), "path": rep.get("path"), **phases, **null}
 
 
 # -- workloads ----------------------------------------------------------------------------------------------------
@@ -298,6 +358,18 @@ def write(res: dict[str, Any], prefix: Path) -> None:
         lines.append(f"| {c['workload']} | {c['receive_ms_p50']:.2f} | {c['prepare_ms_p50']:.2f} "
                      f"({c['tok_ms_p50']:.2f}) | {c['upstream_ms_p50']:.2f} | {c['relay_ms_p50']:.2f} | "
                      f"{c['outside_ms_p50']:.2f} |")
+    if any("null_added_ms_p50" in c for c in res["cells"]):
+        lines += ["", "A pass-through proxy on the same stack (--null-proxy: reads the chat body, sends the bytes the "
+                  "tier forwarded to the stub, relays the answer; no parse, render or tokenization): its added "
+                  "latency is the floor of receiving the client's bytes plus one hop here. tier over null = TTFT(tier) "
+                  "- TTFT(null proxy), paired per turn: the tier's own work.", "",
+                  "| workload | tier added P50 / P90 ms | null proxy added P50 / P90 ms | tier over null P50 / P90 ms |",
+                  "|---|---:|---:|---:|"]
+        for c in res["cells"]:
+            if "null_added_ms_p50" in c:
+                lines.append(f"| {c['workload']} | {c['added_ms_p50']:.2f} / {c['added_ms_p90']:.2f} | "
+                             f"{c['null_added_ms_p50']:.2f} / {c['null_added_ms_p90']:.2f} | "
+                             f"{c['tier_over_null_ms_p50']:.2f} / {c['tier_over_null_ms_p90']:.2f} |")
     prefix.with_suffix(".md").write_text("\n".join(lines) + "\n")
     try:
         import matplotlib
@@ -322,6 +394,9 @@ def main() -> int:
     p.add_argument("--stub", type=int, default=None, help=argparse.SUPPRESS)
     p.add_argument("--grpc-stub", type=int, default=None, help=argparse.SUPPRESS)
     p.add_argument("--grpc", action="store_true", help="a gRPC stub and the tier's grpc:// upstream (see above)")
+    p.add_argument("--null-proxy", action="store_true", help="also time a pass-through proxy (see above)")
+    p.add_argument("--null-proxy-port", type=int, default=None, help=argparse.SUPPRESS)
+    p.add_argument("--null-upstream", default=None, help=argparse.SUPPRESS)
     p.add_argument("--sizes", type=int, nargs="*", default=[100_000, 1_000_000, 4_000_000])
     p.add_argument("--turns", type=int, default=8)
     p.add_argument("--trajectories", type=int, default=4)
@@ -337,6 +412,9 @@ def main() -> int:
     if args.grpc_stub is not None:
         run_grpc_stub(args.grpc_stub)
         return 0
+    if args.null_proxy_port is not None:
+        run_null_proxy(args.null_proxy_port, args.null_upstream)
+        return 0
     logs = Path(args.out).parent / "tier_overhead_logs"
     logs.mkdir(parents=True, exist_ok=True)
     sp, tp = free_port(), free_port()
@@ -348,6 +426,12 @@ def main() -> int:
                 "--port", str(port), "--log-level", "warning", "--max-prompt-chars",
                 str(max(args.sizes + [0]) * 2 + 100_000)]
     tier = spawn(tier_cmd(tp), logs / "tier.log")
+    null_url, null_proc = None, None
+    if args.null_proxy:
+        npt = free_port()
+        null_url = f"http://127.0.0.1:{npt}"
+        null_proc = spawn([sys.executable, __file__, "--null-proxy-port", str(npt), "--null-upstream", stub_url],
+                          logs / "null_proxy.log")
     tiers = [("", tier_url, tier)]
     if args.baseline_tree:
         bp = free_port()
@@ -370,6 +454,8 @@ def main() -> int:
             wait_ready(stub_url + "/v1/models", stub)
         for _, url, proc in tiers:
             wait_ready(url + "/health", proc)
+        if null_proc is not None:
+            wait_ready(f"{null_url}/health", null_proc)
         client = httpx.Client()
         rng = random.Random(0)
         workloads: list[tuple[str, list[list[list[dict[str, str]]]]]] = []
@@ -389,11 +475,12 @@ def main() -> int:
                 for ti, messages in enumerate(calls[1:]):
                     order = tiers if ti % 2 == 0 else tiers[::-1]   # alternate which tier goes first
                     for label, url, _ in order:
-                        row = measure_turn(client, url, direct, messages, key)
+                        row = measure_turn(client, url, direct, messages, key, null_url if not label else None)
                         rows[label].append({"workload": label + name, **row})
                         print(f"{label}{name}: {row['chars']:,} chars, tier {row['tier_ms']:.2f} direct "
                               f"{row['direct_ms']:.2f} added {row['added_ms']:.2f} tok {row['tok_ms']} "
-                              f"({row['path']})", flush=True)
+                              f"({row['path']})" + (f" null added {row['null_added_ms']:.2f}"
+                                                    if "null_ms" in row else ""), flush=True)
             for label, _, _ in tiers:
                 got = rows[label]
                 res["rows"] += got
@@ -402,6 +489,10 @@ def main() -> int:
                                      "tokens_p50": int(pct([r["tokens"] for r in got], 0.5)),
                                      **{f"{m}_p{q}": pct([r[m] for r in got], q / 100)
                                         for m in ("tier_ms", "direct_ms", "added_ms", "tok_ms") for q in (50, 90)}})
+                nulled = [r for r in got if "null_ms" in r]
+                if nulled:
+                    res["cells"][-1].update({f"{m}_p{q}": pct([r[m] for r in nulled], q / 100)
+                                             for m in ("null_added_ms", "tier_over_null_ms") for q in (50, 90)})
                 phased = [r for r in got if "receive_ms" in r]
                 if phased:
                     for r in phased:
@@ -413,6 +504,8 @@ def main() -> int:
     finally:
         for _, _, proc in tiers:
             stop(proc)
+        if null_proc is not None:
+            stop(null_proc)
         stop(stub)
     print(Path(args.out).with_suffix(".md").read_text())
     return 0
