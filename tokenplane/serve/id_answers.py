@@ -23,7 +23,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from .errors import APIError
-from .text_stream import TextStream
+from .text_stream import TextStream, completion_logprobs
 
 _PLACEHOLDER = "token_id:"
 
@@ -141,14 +141,6 @@ class IdAnswer:
         data["choices"] = choices
         return data
 
-    def _text(self, token: int) -> str:
-        """A token as text, as vLLM writes a logprob's token: its bytes decoded alone ("\ufffd" for a part of a
-        character)."""
-        try:
-            return self.tokenizer.decode_bytes([token]).decode("utf-8", "replace")
-        except (ValueError, KeyError, IndexError):
-            return ""
-
     def _logprobs(self, i: int, ids: list[int], lp: Any) -> dict[str, Any]:
         """The client's completion logprobs for choice i's new tokens, from the upstream's token-ID form: every
         token and top-logprob key written as its text, text offsets counted in this choice's tokens."""
@@ -156,20 +148,12 @@ class IdAnswer:
             raise APIError(f"the upstream sent no logprobs for {len(ids)} token(s) the client asked them for: "
                            f"{str(lp)[:200]}", status=502, code="upstream_error")
         tops = lp.get("top_logprobs") or [None] * len(ids)
-        out: dict[str, Any] = {"tokens": [], "token_logprobs": list(lp["token_logprobs"]), "top_logprobs": [],
-                               "text_offset": []}
-        offset = self.offsets.get(i, 0)
         try:
-            for t, top in zip(ids, tops):
-                text = self._text(t)
-                out["tokens"].append(text)
-                out["text_offset"].append(offset)
-                offset += len(text)
-                out["top_logprobs"].append(None if top is None else
-                                           {self._text(_token_id(k)): v for k, v in top.items()})
+            entries = [(t, v, None if top is None else [(_token_id(k), x) for k, x in top.items()])
+                       for t, v, top in zip(ids, lp["token_logprobs"], tops)]
         except (TypeError, ValueError, AttributeError) as e:
             raise _bad_ids(lp) from e
-        self.offsets[i] = offset
+        out, self.offsets[i] = completion_logprobs(self.tokenizer, entries, self.offsets.get(i, 0))
         return out
 
     def counted_usage(self) -> dict[str, Any]:

@@ -29,7 +29,7 @@ from .conversations import ConversationCache, SessionText, Take, TokenizationRep
 from .errors import APIError, InvalidRequest, NotFound, PayloadTooLarge
 from .metrics import Metrics
 from .protocol import ChatCompletionRequest, CompletionRequest, parse_request, validate
-from .text_stream import TextStream
+from .text_stream import TextStream, completion_logprobs, token_bytes
 
 log = logging.getLogger("tokenplane.serve")
 T = TypeVar("T")
@@ -403,32 +403,17 @@ class OpenAIServer:
         jobs = self.jobs(req, prompt_ids, self.chat.stop_token_ids, tokenization=report)
         return await self._respond(request, req, jobs, "chatcmpl", "chat.completion", self._chat_choice)
 
-    def _token_bytes(self, token: int) -> bytes:
-        try:
-            return self.tokenizer.decode_bytes([token])
-        except (ValueError, KeyError, IndexError):
-            return b""
-
     def _completion_logprobs(self, ev: Event) -> dict[str, Any] | None:
         if ev.logprobs is None:
             return None
-        out: dict[str, Any] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
-        offset = 0
-        for token, (lp, top) in ev.logprobs:
-            text = self._token_bytes(token).decode("utf-8", "replace")
-            out["tokens"].append(text)
-            out["token_logprobs"].append(lp)
-            out["top_logprobs"].append({self._token_bytes(t).decode("utf-8", "replace"): v for t, v in top})
-            out["text_offset"].append(offset)
-            offset += len(text)
-        return out
+        return completion_logprobs(self.tokenizer, ((token, lp, top) for token, (lp, top) in ev.logprobs))[0]
 
     def _chat_logprobs(self, ev: Event) -> dict[str, Any] | None:
         if ev.logprobs is None:
             return None
 
         def entry(token: int, lp: float) -> dict[str, Any]:
-            raw = self._token_bytes(token)
+            raw = token_bytes(self.tokenizer, token)
             return {"token": raw.decode("utf-8", "replace"), "logprob": lp, "bytes": list(raw)}
         return {"content": [{**entry(token, lp), "top_logprobs": [entry(t, v) for t, v in top]}
                             for token, (lp, top) in ev.logprobs]}

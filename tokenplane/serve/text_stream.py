@@ -10,7 +10,7 @@ O(new characters x number of stops), bounded by the request limits (protocol.py 
 from __future__ import annotations
 
 import codecs
-from typing import Protocol, Sequence
+from typing import Any, Iterable, Protocol, Sequence
 
 
 class _Detokenizer(Protocol):
@@ -18,6 +18,39 @@ class _Detokenizer(Protocol):
     decode_skipped: frozenset[int]
 
     def decode_bytes(self, ids: Sequence[int]) -> bytes: ...
+
+
+def token_bytes(tokenizer: _Detokenizer, token: int) -> bytes:
+    """One token's bytes. A model's vocabulary is padded past the tokenizer's (Qwen3: 151,936 rows, 151,669 tokens)
+    and a random-weight one samples those rows; they decode to nothing, as HF's decode and vLLM give them."""
+    try:
+        return tokenizer.decode_bytes([token])
+    except (ValueError, KeyError, IndexError):
+        return b""
+
+
+def token_text(tokenizer: _Detokenizer, token: int) -> str:
+    """A token as text, as vLLM writes a logprob's token: its bytes decoded alone ("\ufffd" for part of a
+    character)."""
+    return token_bytes(tokenizer, token).decode("utf-8", "replace")
+
+
+LogprobEntry = tuple[int, float, Iterable[tuple[int, float]] | None]   # token, its logprob, top (token, logprob)
+
+
+def completion_logprobs(tokenizer: _Detokenizer, entries: Iterable[LogprobEntry],
+                        offset: int = 0) -> tuple[dict[str, Any], int]:
+    """Completions-format logprobs of (token, logprob, top (token, logprob) pairs or None) entries, every token
+    written as its text, text offsets counted from `offset`; and the offset past them."""
+    out: dict[str, Any] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    for token, lp, top in entries:
+        text = token_text(tokenizer, token)
+        out["tokens"].append(text)
+        out["token_logprobs"].append(lp)
+        out["top_logprobs"].append(None if top is None else {token_text(tokenizer, t): v for t, v in top})
+        out["text_offset"].append(offset)
+        offset += len(text)
+    return out, offset
 
 
 def _failure(pattern: str) -> list[int]:
@@ -92,18 +125,10 @@ class TextStream:
         self.pending = ""   # decoded text not yet returned (at most the matcher's held characters)
         self.stopped = False
 
-    def _bytes(self, token: int) -> bytes:
-        try:
-            return self.tokenizer.decode_bytes([token])
-        except (ValueError, KeyError, IndexError):
-            # A model's vocabulary is padded past the tokenizer's (Qwen3: 151,936 rows, 151,669 tokens) and a
-            # random-weight one samples those rows; they decode to nothing, as HF's decode and vLLM give them.
-            return b""
-
     def push(self, tokens: Sequence[int]) -> str:
         if self.stopped:
             return ""
-        new = "".join(self.decoder.decode(self._bytes(t)) for t in tokens if t not in self.skip)
+        new = "".join(self.decoder.decode(token_bytes(self.tokenizer, t)) for t in tokens if t not in self.skip)
         return self._emit(new, final=False)
 
     def flush(self) -> str:
@@ -123,4 +148,4 @@ class TextStream:
         return text[:len(text) - hold]
 
 
-__all__ = ["StopMatcher", "TextStream"]
+__all__ = ["StopMatcher", "TextStream", "completion_logprobs", "token_bytes", "token_text"]
