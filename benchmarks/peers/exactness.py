@@ -57,8 +57,7 @@ def main() -> None:
                 for i in range(args.batch)]
         for s in seqs:
             assert runner.prepare(s)
-        worst, same, ours64, hf_64, hf_self = 0.0, True, 0.0, 0.0, 0.0
-        diffs: list[float] = []
+        same = True
         vectors: list[dict] = []
         caches = [transformers.DynamicCache() for _ in seqs]
         # transformers 5.x renames past_key_values to cache (the old name warns)
@@ -83,23 +82,20 @@ def main() -> None:
                         cached = hf(torch.tensor([s.token_ids[fed[i]:end]]), **{cache_kw: caches[i]},
                                     use_cache=True).logits[0, -1].double()
                         fed[i] = end
-                d = (row.double() - ref).abs().max().item()
-                v = {"seq": i, "step": step, "vs_transformers": d, "ours_vs_float64": (row.double() - exact).abs().max().item(),
-                     "transformers_vs_float64": (ref - exact).abs().max().item(),
-                     "cached_vs_recompute": (cached - ref).abs().max().item(),
-                     "cached_vs_float64": (cached - exact).abs().max().item(), "max_abs_logit": exact.abs().max().item()}
-                diffs.append(d)
-                vectors.append(v)
-                worst = max(worst, d)
-                hf_self = max(hf_self, v["cached_vs_recompute"])
-                ours64 = max(ours64, v["ours_vs_float64"])
-                hf_64 = max(hf_64, v["transformers_vs_float64"])
+                vectors.append({"seq": i, "step": step, "vs_transformers": (row.double() - ref).abs().max().item(),
+                                "ours_vs_float64": (row.double() - exact).abs().max().item(),
+                                "transformers_vs_float64": (ref - exact).abs().max().item(),
+                                "cached_vs_recompute": (cached - ref).abs().max().item(),
+                                "cached_vs_float64": (cached - exact).abs().max().item(),
+                                "max_abs_logit": exact.abs().max().item()})
                 same &= int(row.argmax()) == int(ref.argmax())
+        worst, ours64, hf_64, hf_self = (max(v[k] for v in vectors) for k in (
+            "vs_transformers", "ours_vs_float64", "transformers_vs_float64", "cached_vs_recompute"))
+        diffs = sorted(v["vs_transformers"] for v in vectors)
         print(f"{name} {args.dtype}: max |logit diff| vs transformers {worst:.2e} over a {args.prompt}-token prefill "
               f"(chunks of {args.chunk}) + {args.steps} decode steps, batch {args.batch}; argmax equal: {same}; vs float64 "
               f"transformers: ours {ours64:.2e}, transformers {args.dtype} {hf_64:.2e}; transformers cached vs its "
               f"full recompute {hf_self:.2e}", flush=True)
-        diffs.sort()
         rows.append({"model": name, "max_abs_diff_vs_transformers": worst, "argmax_equal": same,
                      "ours_vs_float64": ours64, "transformers_vs_float64": hf_64,
                      "transformers_cached_vs_recompute": hf_self, "diff_p50": diffs[len(diffs) // 2],
