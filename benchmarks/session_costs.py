@@ -134,14 +134,16 @@ def memory(tok, context: str, appends: list[str], session_path: str, copies: int
     the session made and still holds, text included) and the process RSS delta (separate sessions, no tracing,
     freed heap trimmed first), beside the session's own `nbytes`. The tokenizer first serves one identical session
     (dropped before measuring), so what it keeps for every session (piece caches, which grow with new text; the
-    parallel encoder's per-thread scratch, sized by the largest text it encoded) is not counted as session state. A small session is measured as `copies` live sessions (default: enough for ~2M characters of text, at most
+    parallel encoder's per-thread scratch, sized by the largest text it encoded) is not counted as session state.
+    Sessions are measured as `copies` live sessions (default: enough for ~8M characters of text, at least 2, at most
     1,000) and divided, as a server holding many of them sees it: RSS moves in 4 KB pages, a ~16 KB session alone
-    would read 0, 4 or 8 KB of it."""
+    would read 0, 4 or 8 KB of it, and one 1M-character session's RSS delta moves by a few hundred KB run to run
+    with where the allocator's free pages happen to lie."""
     # first-session allocations (masks, kernels loaded on the first repair, caches, scratch) are shared
     _fill(tok, context[:2000], [context[2000:2400], context[2400:2500]], session_path)
     _fill(tok, context, appends, session_path)
     if copies is None:
-        copies = max(1, min(1000, 2_000_000 // max(1, len(context) + sum(map(len, appends)))))
+        copies = max(2, min(1000, 8_000_000 // max(1, len(context) + sum(map(len, appends)))))
     gc.collect()
     tracemalloc.start()
     before = tracemalloc.get_traced_memory()[0]

@@ -7,6 +7,7 @@ transitions, marks, CJK, emoji ZWJ, special-token strings and NFC-composable pai
 """
 
 import random
+import sys
 import weakref
 
 import numpy as np
@@ -176,6 +177,8 @@ def test_nfc_raw_text_differs_from_normalized(toks):
 def test_splice_and_views(toks):
     tok = toks["cl100k_base"]
     sess = tok.session(text=PROSE)
+    assert len(sess._rec.buf) == len(sess)      # a first fill is sized exactly
+    sess.append("\n")                           # the first append grows the records by the usual fraction
     ids = sess.ids
     assert not ids.flags.writeable
     assert np.shares_memory(ids, sess._rec.buf)   # zero-copy view of the internal buffer
@@ -186,7 +189,7 @@ def test_splice_and_views(toks):
     sp2 = sess.append("line")
     assert sp2.keep < len(old) + n_sp           # "pipe"+"line" re-tokenized the seam token
     assert sess._rec.buf is buf()               # in place: no reallocation for small appends
-    assert sp2.revision == sess.revision == 3
+    assert sp2.revision == sess.revision == 4
     # IDs (4 bytes) + <= 6.25% growth slack + a checkpoint per 64 tokens (ends are derived, not stored)
     assert sess.nbytes > 0 and sess.array_nbytes <= 4.4 * len(sess) + 512
 
@@ -530,3 +533,36 @@ def test_window_starts_after_the_last_literal(toks, name):
         assert sp.path == "window"
         # "assistant\n" (after the last old literal), the answer, "\n", "user\nok k", "\n", "assistant\n"
         assert sum(map(len, calls)) < len("assistant\n") + len(answer), calls
+
+
+def test_char_width_reads_the_storage_kind():
+    """char_width (O(1), from the str's size) equals the width its widest character implies, for every kind."""
+    import random
+
+    from tokenplane.tokenize.textstore import char_width
+
+    rng = random.Random(3)
+    pools = ["ab ", "ab\u00e9\u00ff", "a\u0416\u4e2d\uffff", "a\u00e9\U0001f600\U0010ffff"]
+    for trial in range(400):
+        s = "".join(rng.choice(pools[trial % 4]) for _ in range(rng.randrange(0, 300)))
+        m = max(map(ord, s), default=0)
+        assert char_width(s) == (1 if m < 0x100 else 2 if m < 0x10000 else 4), (trial, len(s))
+        assert char_width(s[1:]) == char_width(s[1:] + "")
+
+
+def test_wide_lines_do_not_widen_the_narrow_text_between_them():
+    """Cyrillic lines between English and French ones (a translation catalogue): the store keeps the narrow text
+    at one byte per character, so it costs about its UTF-8 size, and stays exact."""
+    from tokenplane.tokenize.textstore import TextStore
+
+    en = "msgid \"Could not open the file caf\u00e9 for writing: %s\"\n" * 60
+    bg = "msgstr \"\u041d\u0435 \u043c\u043e\u0436\u0435 \u0434\u0430 \u0441\u0435 \u043e\u0442\u0432\u043e\u0440\u0438\"\n"
+    text = (en + bg) * 30
+    store = TextStore()
+    for k in range(0, len(text), 1400):       # appended in agent-sized pieces
+        store.append(text[k:k + 1400])
+    assert store.joined() == text
+    size = sum(sys.getsizeof(c) for c in store.chunks)
+    assert size < 1.15 * len(text.encode()), (size, len(text.encode()), len(store.chunks))
+    wide = sum(len(c) for c in store.chunks if not c.isascii() and max(c) > "\u00ff")
+    assert wide < 0.2 * len(text)

@@ -37,7 +37,8 @@ from .cpu.lazyjit import njit  # numba itself only when a JIT kernel runs (lazyj
 SHIFT = 6                   # 64 tokens per checkpoint
 MIN_CAPACITY = 64           # records allocated for an empty session
 GROWTH = 32                 # capacity grows to n + n / GROWTH + 16 (at most ~3% slack; a reallocation copies the
-MAX_SLACK = 1 << 16         # IDs, amortized 32 x 4 bytes per appended token) and at most 64K records beyond n
+MAX_SLACK = 1 << 16         # IDs, amortized 32 x 4 bytes per appended token) and at most 64K records beyond n;
+                            # a first fill (no records yet) is sized exactly: nothing has been appended to it yet
 
 
 @njit(cache=True)
@@ -304,13 +305,16 @@ class Records:
         them in place (appendwin.py's commit); the IDs stay where the exported views see them."""
         if need <= len(self.buf):
             return
-        cap = need + min(need // GROWTH, MAX_SLACK) + 16
+        cap = self._capacity(need)
         if not self._grow_in_place(cap):        # an exported view holds the buffer: it keeps it, we copy
             grown = np.empty(cap, np.uint32)
             grown[:self.n] = self.buf[:self.n]
             ck = np.zeros((cap >> SHIFT) + 2, np.int64)
             ck[:len(self.ck)] = self.ck
             self.buf, self.ck = grown, ck
+
+    def _capacity(self, need: int) -> int:
+        return need + min(need // GROWTH, MAX_SLACK) + 16 if self.n else need
 
     def _grow_in_place(self, cap: int) -> bool:
         """An append's growth as a realloc of both arrays (no new buffer, no Python-level copy: ~1 us instead of ~4
@@ -325,7 +329,7 @@ class Records:
 
     def _move(self, keep: int, n_mid: int, right_from: int, n_right: int, new_n: int) -> None:
         """The right part to its new place: one memmove in place, or a copy into larger arrays."""
-        cap = new_n + min(new_n // GROWTH, MAX_SLACK) + 16
+        cap = self._capacity(new_n)
         if new_n > len(self.buf) and not n_right and self._grow_in_place(cap):
             return          # (before any local name holds the buffer: the resize's refcheck counts them)
         buf = self.buf

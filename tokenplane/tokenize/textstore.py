@@ -2,9 +2,9 @@
 
 A str stores every character at the width of its widest one, and an append to one big str copies it; the store keeps
 a list of chunks with start offsets instead, so an append is O(len(appended)) and a large context is kept as chunks
-of at most 64K characters, cut between ASCII and wider runs (`width_runs`), each at its own width: the text costs
-about its UTF-8 size for mostly-ASCII text with a few wide characters. Changes are values (`Append`, `Replace`,
-`SetText`) computed before anything is mutated and applied at commit.
+of at most 64K characters, cut between narrow runs (ASCII and Latin-1: one byte per character) and wide runs
+(`width_runs`), each at its own width: mostly-Latin text with a few wide characters costs about its UTF-8 size.
+Changes are values (`Append`, `Replace`, `SetText`) computed before anything is mutated and applied at commit.
 """
 
 from __future__ import annotations
@@ -20,23 +20,35 @@ from .cpu.lazyjit import njit, numba_global  # numba itself only when a JIT kern
 _get_code_point = numba_global("numba.cpython.unicode", "_get_code_point")
 
 CHUNK_MERGE = 1 << 16      # appends smaller than this merge into the last text chunk (bounded copy)
-WIDTH_RUN = 4096           # ASCII gaps shorter than this stay inside a wide run (fewer, larger chunks: a prefix
-                           # check costs ~2 us per chunk of a narrower kind than the resent text)
-WIDTH_FINE = 256           # granularity of a wide run's edges
+WIDTH_RUN = 1024           # narrow gaps shorter than this stay inside a wide run (fewer, larger chunks: a prefix
+                           # check costs ~0.5 us per chunk, ~3 us for one of another kind than the resent text)
+WIDTH_FINE = 64            # granularity of a wide run's edges
 ADOPT_MAX = 2 * CHUNK_MERGE     # an ASCII resent text up to this long is kept as the store's one chunk (`adopt`)
+
+# A compact non-ASCII str is this header plus (len + 1) * kind bytes, kind = 1, 2 or 4 bytes per character.
+_HEADER = sys.getsizeof("\u00e9") - 2
+
+
+def char_width(s: str) -> int:
+    """Bytes per character of s's storage: 1 (ASCII or Latin-1), 2 or 4, read from its size in O(1). A str that
+    also caches its UTF-8 form reads wider than it is; that only costs a chunk its merge, never an answer."""
+    if s.isascii():
+        return 1
+    return min(4, (sys.getsizeof(s) - _HEADER) // (len(s) + 1))
 
 
 def width_runs(s: str) -> list[str]:
-    """s cut into ASCII runs and wide runs (each wide run spans non-ASCII characters to WIDTH_FINE granularity, and
-    ASCII gaps shorter than WIDTH_RUN stay inside it). A str stores every character at the width of its widest one:
-    cut this way, one emoji widens ~256 characters, not a 64K-character chunk or a whole context."""
-    if len(s) <= WIDTH_FINE or s.isascii():
+    """s cut into narrow runs (ASCII and Latin-1) and wide runs (each spans the characters above U+00FF to
+    WIDTH_FINE granularity, and narrow gaps shorter than WIDTH_RUN stay inside it). A str stores every character at
+    the width of its widest one: cut this way, one emoji widens ~64 characters, not a 64K-character chunk, and
+    Cyrillic lines between English ones do not widen the English."""
+    if len(s) <= WIDTH_FINE or char_width(s) == 1:
         return [s]
     spans: list[list[int]] = []
     for i in range(0, len(s), WIDTH_RUN):
-        if s[i:i + WIDTH_RUN].isascii():
+        if char_width(s[i:i + WIDTH_RUN]) == 1:
             continue
-        fine = [j for j in range(i, min(i + WIDTH_RUN, len(s)), WIDTH_FINE) if not s[j:j + WIDTH_FINE].isascii()]
+        fine = [j for j in range(i, min(i + WIDTH_RUN, len(s)), WIDTH_FINE) if char_width(s[j:j + WIDTH_FINE]) > 1]
         a, b = fine[0], min(fine[-1] + WIDTH_FINE, len(s))
         if spans and a - spans[-1][1] < WIDTH_RUN:
             spans[-1][1] = b
@@ -78,10 +90,9 @@ def _match_at(chunk, text, off):
 def starts_with_at(text: str, chunk: str, off: int) -> bool:
     """text.startswith(chunk, off) on the strs' own buffers: memcmp for equal kinds, a blocked compare otherwise."""
     # isascii is a flag read: ASCII text is kind 1, as any match is. The kernel's call (typing two str arguments)
-    # costs ~3 us, CPython's compare across kinds ~0.3 ns/char: the kernel pays from ~12K characters on. An ASCII
-    # chunk in wider text is almost surely of another kind; a wider chunk may match the text's kind (then a
-    # memcmp), so the kernel is tried on those only from 32K on.
-    if text.isascii() or len(chunk) < (12288 if chunk.isascii() else 32768):
+    # costs ~3 us, CPython's compare across kinds ~0.3 ns/char: the kernel pays from ~12K characters on. Strs of one
+    # width are one memcmp in CPython (`char_width` is O(1); a misread width only picks the slower correct compare).
+    if text.isascii() or len(chunk) < 12288 or char_width(chunk) == char_width(text):
         return text.startswith(chunk, off)
     r = kernels.get().text_match_at(chunk, text, off)
     return text.startswith(chunk, off) if r == 1 else r == 2
@@ -193,12 +204,12 @@ class TextStore:
         self.length = len(text)
 
     def _add(self, s: str) -> None:
-        """Merge into the last chunk when both are ASCII or both not (a merge never widens ASCII text), unless the
-        store already holds more chunks than its budget (one per 16K characters, plus 64): the Python-level
+        """Merge into the last chunk when both are of one width (a merge never widens narrow text), unless the
+        store already holds more chunks than its budget (one per 8K characters, plus 64): the Python-level
         per-chunk work of a prefix check stays bounded while text of mixed widths keeps each run at its own."""
         chunks = self.chunks
         if chunks and len(chunks[-1]) + len(s) <= CHUNK_MERGE and (
-                chunks[-1].isascii() == s.isascii() or len(chunks) > 64 + self.length // 16384):
+                char_width(chunks[-1]) == char_width(s) or len(chunks) > 64 + self.length // 8192):
             chunks[-1] += s
         else:
             self.starts.append(self.length)
@@ -243,7 +254,7 @@ class TextStore:
         ci, cj = self.chunks[i], self.chunks[j]
         left, right = ci[:a - self.starts[i]], cj[b - self.starts[j]:]
         if (len(left) + len(s) + len(right) <= 2 * CHUNK_MERGE
-                and left.isascii() == s.isascii() == right.isascii()):
+                and char_width(left) == char_width(s) == char_width(right)):
             pieces = [m] if (m := left + s + right) else []
         else:
             pieces = [c for c in (left, s, right) if c]
