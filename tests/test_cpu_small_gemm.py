@@ -42,6 +42,30 @@ def test_a_rows_values_do_not_depend_on_the_batch_around_it():
         assert torch.equal(cpu_small_gemm.linear(x[:rows], panels, 200), alone[:rows])
 
 
+@pytest.mark.parametrize("n,k", [(1, 1), (17, 5), (48, 64), (200, 150), (3072, 512), (49152, 96)])
+def test_8_and_16_lane_kernels_sum_alike(n, k):
+    """The AVX-512 kernel (cpu_small_gemm16: two panels a pass, up to 12 rows) equals the 8-lane one bit for bit at
+    every row count, odd and even panel counts, with and without bias (on a host without AVX-512 LLVM splits its
+    vectors in two: slower, the same sums)."""
+    from tokenplane.engine import cpu_small_gemm16
+
+    g = torch.Generator().manual_seed(n + 7 * k)
+    w = torch.randn(n, k, generator=g) * 0.05
+    bias = torch.randn(n, generator=g)
+    panels = cpu_small_gemm.pack(w)
+    kernel = cpu_small_gemm._KERNEL[0]
+    try:
+        for rows in [*range(1, 30), 35, 64, 256]:
+            x = torch.randn(rows, k, generator=g)
+            out = {}
+            for name, fn in (("8", cpu_small_gemm._gemm), ("16", cpu_small_gemm16.gemm)):
+                cpu_small_gemm._KERNEL[0] = fn
+                out[name] = (cpu_small_gemm.linear(x, panels, n), cpu_small_gemm.linear(x, panels, n, bias))
+            assert torch.equal(out["8"][0], out["16"][0]) and torch.equal(out["8"][1], out["16"][1]), rows
+    finally:
+        cpu_small_gemm._KERNEL[0] = kernel
+
+
 @pytest.mark.parametrize("n,k", [(96, 64), (100, 200), (768, 256), (960, 576), (576, 1536), (49152, 576)])
 def test_linear_sums_in_f_linears_order(n, k):
     """The block size `probe_k_block` finds on a 16 x k x 32 product carries over to other weights, widths, every row

@@ -1,4 +1,5 @@
-"""What one core of this machine can do, and how close each engine's prefill runs to it (issue 14's N = 1 target).
+"""What one core of this machine can do, and how close each engine's prefill and decode run to it (issue 14's N = 1
+target).
 
 Measures, on one pinned core, one thread, alternating the probes and taking medians of --repeats:
 - fma_peak: a loop of 12 independent <8 x float> fused multiply-adds per iteration (llvmlite vector code through the
@@ -6,11 +7,17 @@ Measures, on one pinned core, one thread, alternating the probes and taking medi
 - gemm: torch.mm of two 2048 x 2048 fp32 matrices at 1 thread (what a tuned BLAS reaches on a large square GEMM),
   and the oneDNN packed linear the engine runs for prefill (layers.cpu_pack) on a 256 x 512 -> 3072 shape.
 - stream: a numpy sum over 512 MB (memory bandwidth, what a vocabulary projection at a few rows is bound by).
+- read: the same 512 MB read by a loop of 8 independent <8 x float> loads and adds (the core's read bandwidth with
+  nothing else in the loop), and decode_gemv: the engine's one-row kernel (engine/cpu_small_gemm.py, what a decode
+  step at N = 1 runs for every projection) over a 151936 x 512 weight, in GB/s of weight read.
 
 Then, for each prefill cell of the engine_vs_vllm result files given (--results), the model FLOPs of the step (linear
 layers of every prompt token, causal attention, the vocabulary projection of the sampled rows only: what both engines
 compute) over each engine's measured prefill time: achieved GFLOP/s and the fraction of fma_peak. A ratio target above
-peak / (vLLM's achieved rate) cannot be met by any engine on this core.
+peak / (vLLM's achieved rate) cannot be met by any engine on this core. For each decode cell at N = 1, the bytes one
+step must read (every linear weight and the vocabulary projection once, the KV cache of a P + 32-token context) times
+each engine's measured decode rate: achieved GB/s, against the best read sample; the ceiling is the decode rate an
+engine reading at that bandwidth would reach, over vLLM's.
 
     python benchmarks/peers/cpu_roofline.py --results benchmarks/results/engine_vs_vllm_speed6_tinylarge.json \
         --out benchmarks/results/cpu_roofline
@@ -99,6 +106,46 @@ def stream_gbs(mb: int = 512) -> float:
     return a.nbytes / (time.perf_counter() - t) / 1e9
 
 
+@njit(cache=True, nogil=True)
+def _read_loop(buf, n):  # noqa: ANN001, ANN202
+    c0 = g._zero8(); c1 = c0; c2 = c0; c3 = c0; c4 = c0; c5 = c0; c6 = c0; c7 = c0  # noqa: E702
+    for i in range(0, n - 63, 64):
+        c0 = g._add8(c0, g._load8(buf, i)); c1 = g._add8(c1, g._load8(buf, i + 8))  # noqa: E702
+        c2 = g._add8(c2, g._load8(buf, i + 16)); c3 = g._add8(c3, g._load8(buf, i + 24))  # noqa: E702
+        c4 = g._add8(c4, g._load8(buf, i + 32)); c5 = g._add8(c5, g._load8(buf, i + 40))  # noqa: E702
+        c6 = g._add8(c6, g._load8(buf, i + 48)); c7 = g._add8(c7, g._load8(buf, i + 56))  # noqa: E702
+    s = g._add8(g._add8(g._add8(c0, c1), g._add8(c2, c3)), g._add8(g._add8(c4, c5), g._add8(c6, c7)))
+    g._store8(buf, 0, s)    # keeps the loop live
+
+
+def read_gbs(mb: int = 512) -> float:
+    a = np.ones(mb * 1024 * 1024 // 4, dtype=np.float32)
+    _read_loop(a, a.size)
+    a[:] = 1.0
+    t = time.perf_counter()
+    _read_loop(a, a.size)
+    return a.nbytes / (time.perf_counter() - t) / 1e9
+
+
+def decode_gemv_gbs(n: int = 151936, k: int = 512, reps: int = 5) -> float:
+    panels = g.pack(torch.randn(n, k))
+    x = torch.randn(1, k)
+    g.linear(x, panels, n)
+    t = time.perf_counter()
+    for _ in range(reps):
+        g.linear(x, panels, n)
+    return reps * n * k * 4 / (time.perf_counter() - t) / 1e9
+
+
+def decode_bytes(cfg: ModelConfig, context: int) -> float:
+    """Bytes one decode step of one sequence must read: every linear weight and the vocabulary projection once,
+    plus the K and V of `context` positions (fp32)."""
+    d, heads, kv, hd = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+    ffn, layers, vocab = cfg.intermediate_size, cfg.num_hidden_layers, cfg.vocab_size
+    linear = d * (heads + 2 * kv) * hd + heads * hd * d + d * 2 * ffn + ffn * d
+    return 4.0 * (layers * (linear + 2 * kv * hd * context) + d * vocab)
+
+
 def model_config(name: str) -> ModelConfig:
     return resolve_config(MODELS.get(name, name))[0]
 
@@ -125,17 +172,29 @@ def main() -> None:
     torch.set_num_threads(1)
     load0 = os.getloadavg()[0]
     probes = {"fma_peak_gflops": fma_peak_gflops, "gemm_2048_gflops": gemm_gflops,
-              "onednn_packed_linear_256x512x3072_gflops": packed_linear_gflops, "stream_sum_gbs": stream_gbs}
+              "onednn_packed_linear_256x512x3072_gflops": packed_linear_gflops, "stream_sum_gbs": stream_gbs,
+              "read_gbs": read_gbs, "decode_gemv_gbs": decode_gemv_gbs}
     samples: dict[str, list[float]] = {k: [] for k in probes}
     for _ in range(args.repeats):
         for k, fn in probes.items():
             samples[k].append(fn())
     med = {k: statistics.median(v) for k, v in samples.items()}
     peak = max(samples["fma_peak_gflops"])   # the core's capability: other jobs only ever lower a sample
-    cells = []
+    bandwidth = max(samples["read_gbs"] + samples["decode_gemv_gbs"])   # the best read any probe reached
+    cells, decode_cells = [], []
     for path in args.results:
         data = json.loads(Path(path).read_text())
         for c in data["cells"]:
+            if c["N"] == 1 and "decode_tok_s" in c:
+                nbytes = decode_bytes(model_config(c["model"]), c["P"] + 32)
+                row = {"file": Path(path).name, "model": c["model"], "P": c["P"], "mb_per_token": nbytes / 1e6}
+                for side in ("tokenplane", "vllm"):
+                    row[f"{side}_tok_s"] = c["decode_tok_s"][side]
+                    row[f"{side}_gbs"] = nbytes * c["decode_tok_s"][side] / 1e9
+                row["ceiling_tok_s"] = bandwidth * 1e9 / nbytes
+                row["ratio"] = c["decode_tok_s"]["tokenplane"] / c["decode_tok_s"]["vllm"]
+                row["ratio_ceiling"] = row["ceiling_tok_s"] / c["decode_tok_s"]["vllm"]
+                decode_cells.append(row)
             flops = prefill_flops(model_config(c["model"]), c["P"], c["N"])
             row = {"file": Path(path).name, "model": c["model"], "P": c["P"], "N": c["N"], "gflop": flops / 1e9}
             for side in ("tokenplane", "vllm"):
@@ -146,7 +205,7 @@ def main() -> None:
             cells.append(row)
     out = {"command": " ".join(sys.argv), "core": args.core, "load_before": load0, "load_after": os.getloadavg()[0],
            "when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "samples": samples, "medians": med,
-           "peak_gflops": peak, "prefill_cells": cells}
+           "peak_gflops": peak, "prefill_cells": cells, "read_bandwidth_gbs": bandwidth, "decode_cells": decode_cells}
     Path(args.out + ".json").write_text(json.dumps(out, indent=1))
     lines = [f"# One core of this machine vs the engines' prefill ({out['when']})", "",
              f"Command: `python {out['command']}`; core {args.core}, 1 thread; load {load0:.1f} -> "
@@ -164,6 +223,17 @@ def main() -> None:
             lines.append(f"| {r['file']} | {r['model']} | {r['P']} | {r['N']} | {r['gflop']:.1f} | "
                          f"{r['tokenplane_gflops']:.1f} ({r['tokenplane_of_peak']:.0%}) | "
                          f"{r['vllm_gflops']:.1f} ({r['vllm_of_peak']:.0%}) | {r['ratio_ceiling_at_peak']:.2f} |")
+    if decode_cells:
+        lines += ["", f"Decode cells at N = 1 (bytes a step reads x the measured decode tok/s; bandwidth = the best read or "
+                  f"decode_gemv sample, {bandwidth:.1f} GB/s; ceiling = the decode tok/s at that bandwidth, and its ratio "
+                  "to vLLM's measured rate):", "",
+                  "| file | model | P | MB per token | tokenplane tok/s (GB/s) | vLLM tok/s (GB/s) | ratio | ceiling tok/s | "
+                  "ceiling ratio |", "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
+        for r in decode_cells:
+            lines.append(f"| {r['file']} | {r['model']} | {r['P']} | {r['mb_per_token']:.0f} | "
+                         f"{r['tokenplane_tok_s']:.1f} ({r['tokenplane_gbs']:.1f}) | {r['vllm_tok_s']:.1f} "
+                         f"({r['vllm_gbs']:.1f}) | {r['ratio']:.2f} | {r['ceiling_tok_s']:.1f} | "
+                         f"{r['ratio_ceiling']:.2f} |")
     Path(args.out + ".md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 

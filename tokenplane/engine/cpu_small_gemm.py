@@ -2,7 +2,7 @@
 panel-packed copy of the weight.
 
 Why a kernel of our own: at a handful of rows a linear is a stream over its weight matrix, and the step's time is how
-fast that stream runs. On this machine (1 thread, AVX2, cold weights as in a decode step) oneDNN's packed path
+fast that stream runs. On an AMD EPYC core (1 thread, AVX2, cold weights as in a decode step) oneDNN's packed path
 (`layers.cpu_pack`, what vLLM's CPU backend also runs) streamed a 151936 x 512 vocabulary matrix at 4 rows in 15-20 ms
 (vLLM's own oneDNN build: 16 ms; a plain sum over the same 311 MB: 15 ms), and a 1024 x 512 layer at 0.09-0.16 ms.
 This kernel reads each weight panel once for all rows, keeps every row's partial sums in vector registers, and
@@ -32,6 +32,10 @@ otherwise); SmolLM2-135M's logits vs transformers (benchmarks/peers/exactness.py
 Where no candidate reproduces F.linear, K_BLOCK = 64, the most accurate order measured (error against float64 on
 4 x 576..1536 inputs 2.4-4.1e-6, vs 1.5-3.3e-5 for one chain over all of k, oneDNN's 1.2-1.8e-5, MKL's 0.6-0.8e-5).
 
+Width: the figures above are this module's 8-lane kernel on AVX2. On an AVX-512 host `linear` runs the 16-lane
+kernel of cpu_small_gemm16.py over the same panels (equal sums bit for bit; there the 8-lane one falls behind oneDNN
+and F.linear from ~8 rows on).
+
 Threads: the kernel runs on the calling thread only; `applies` takes it only with 1 torch intra-op thread (the
 sub-server setting), otherwise the caller runs F.linear (multi-threaded).
 """
@@ -41,108 +45,28 @@ import functools
 
 import torch
 import torch.nn.functional as F
-from llvmlite import ir
-from numba import njit, types
-from numba.core import cgutils
-from numba.extending import intrinsic, models, register_model
+from numba import njit
 
+from tokenplane.engine import cpu_small_gemm16
 from tokenplane.engine.cpu_malloc import huge_page_empty
+from tokenplane.engine.cpu_simd import (  # noqa: F401  (the 8-lane names: also the attention kernels' imports)
+    HOST_AVX512,
+    _add8,
+    _fma8,
+    _load8,
+    _prefetch,
+    _splat8,
+    _store8,
+    _vec8,
+    _zero8,
+)
 
-PANEL = 16            # output columns per panel: two 8-float vectors
+PANEL = 16            # output columns per panel: two 8-float vectors (one 16-float vector in cpu_small_gemm16)
 MAX_ROWS = 256        # layers: ahead of F.linear (the fallback) up to 256 rows on every measured shape (docstring)
 VOCAB_MAX_ROWS = 256  # vocabulary projections: likewise (docstring)
 K_BLOCK = 64          # k steps a register block sums where no size reproduces F.linear (see Numerics, `k_block`)
 _K_CANDIDATES = (192, 128, 256, 96, 384, 512, 64)   # block sizes BLAS sgemm kernels use, tried in this order
 PREFETCH = 1024       # floats ahead of the panel stream (64 k-steps, 4 KiB): at 4 rows 15-30% faster than none here
-
-_V8 = ir.VectorType(ir.FloatType(), 8)
-_I32 = ir.IntType(32)
-
-
-class _Vec8Type(types.Type):
-    """Eight float32 lanes held as one LLVM vector value (a ymm register on AVX2)."""
-
-    def __init__(self) -> None:
-        super().__init__(name="Vec8f32")
-
-
-_vec8 = _Vec8Type()
-
-
-@register_model(_Vec8Type)
-class _Vec8Model(models.PrimitiveModel):
-    def __init__(self, dmm, fe_type) -> None:  # noqa: ANN001
-        super().__init__(dmm, fe_type, _V8)
-
-
-def _pointer(context, builder, aryty, ary, index):  # noqa: ANN001, ANN202
-    a = context.make_array(aryty)(context, builder, ary)
-    return cgutils.get_item_pointer(context, builder, aryty, a, [index], wraparound=False)
-
-
-@intrinsic
-def _load8(typingctx, flat, index):  # noqa: ANN001
-    """flat[index : index + 8] as a vector (unaligned load, no bounds or wraparound code)."""
-    def codegen(context, builder, signature, args):  # noqa: ANN001
-        p = _pointer(context, builder, signature.args[0], args[0], args[1])
-        return builder.load(builder.bitcast(p, _V8.as_pointer()), align=4)
-    return _vec8(flat, index), codegen
-
-
-@intrinsic
-def _store8(typingctx, flat, index, value):  # noqa: ANN001
-    def codegen(context, builder, signature, args):  # noqa: ANN001
-        p = _pointer(context, builder, signature.args[0], args[0], args[1])
-        builder.store(args[2], builder.bitcast(p, _V8.as_pointer()), align=4)
-        return context.get_dummy_value()
-    return types.void(flat, index, _vec8), codegen
-
-
-@intrinsic
-def _splat8(typingctx, flat, index):  # noqa: ANN001
-    """flat[index] broadcast to 8 lanes (one vbroadcastss from memory)."""
-    def codegen(context, builder, signature, args):  # noqa: ANN001
-        s = builder.load(_pointer(context, builder, signature.args[0], args[0], args[1]), align=4)
-        v = builder.insert_element(ir.Constant(_V8, ir.Undefined), s, ir.Constant(_I32, 0))
-        return builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(_I32, 8), [0] * 8))
-    return _vec8(flat, index), codegen
-
-
-@intrinsic
-def _zero8(typingctx):  # noqa: ANN001
-    def codegen(context, builder, signature, args):  # noqa: ANN001
-        return ir.Constant(_V8, [0.0] * 8)
-    return _vec8(), codegen
-
-
-@intrinsic
-def _fma8(typingctx, a, b, c):  # noqa: ANN001
-    """a * b + c, one rounding (llvm.fma: vfmadd on FMA hardware)."""
-    def codegen(context, builder, signature, args):  # noqa: ANN001
-        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_V8, [_V8, _V8, _V8]), "llvm.fma.v8f32")
-        return builder.call(fn, args)
-    return _vec8(_vec8, _vec8, _vec8), codegen
-
-
-@intrinsic
-def _add8(typingctx, a, b):  # noqa: ANN001
-    def codegen(context, builder, signature, args):  # noqa: ANN001
-        return builder.fadd(args[0], args[1])
-    return _vec8(_vec8, _vec8), codegen
-
-
-@intrinsic
-def _prefetch(typingctx, flat, index):  # noqa: ANN001
-    """llvm.prefetch (read, high locality) of flat[index]."""
-    def codegen(context, builder, signature, args):  # noqa: ANN001
-        p = _pointer(context, builder, signature.args[0], args[0], args[1])
-        i8p = ir.IntType(8).as_pointer()
-        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.VoidType(), [i8p, _I32, _I32, _I32]),
-                                            "llvm.prefetch.p0i8")
-        builder.call(fn, [builder.bitcast(p, i8p), ir.Constant(_I32, 0), ir.Constant(_I32, 3), ir.Constant(_I32, 1)])
-        return context.get_dummy_value()
-    return types.void(flat, index), codegen
-
 
 @njit(inline="always")
 def _acc8(out, index, value, first):  # noqa: ANN001
@@ -319,6 +243,11 @@ def _gemm(x, rows, k_dim, wp, panels, out, n_out, kb, acc):  # noqa: ANN001
             _pass1(x, k_dim, m, wp, wbase, last, out, n_out, col, kb, acc)
 
 
+# The kernel `linear` runs: the 16-lane one where the host has AVX-512 (cpu_small_gemm16.py; same layout, same sums
+# bit for bit), this module's 8-lane one elsewhere. A one-item list, so tests can run both on one host.
+_KERNEL = [cpu_small_gemm16.gemm if HOST_AVX512 else _gemm]
+
+
 def available(weight: torch.Tensor) -> bool:
     return weight.device.type == "cpu" and weight.dtype == torch.float32 and weight.dim() == 2
 
@@ -374,7 +303,7 @@ def _linear(x: torch.Tensor, panels: torch.Tensor, kb: int, bias: torch.Tensor |
     else:   # F.linear's order: the bias first, then each k block's sum added to it
         out = torch.zeros(rows, n_panels * PANEL, dtype=torch.float32)
         out[:, :bias.shape[0]] = bias
-    _gemm(x.numpy().reshape(-1), rows, k, panels.numpy().reshape(-1), n_panels, out.numpy().reshape(-1),
+    _KERNEL[0](x.numpy().reshape(-1), rows, k, panels.numpy().reshape(-1), n_panels, out.numpy().reshape(-1),
           n_panels * PANEL, kb, bias is not None)
     return out
 
