@@ -1,6 +1,7 @@
 """cpu_small_gemm against oneDNN's packed linear and F.linear (the engine's fp32 fallback past the limits: fp32 keeps no
 oneDNN copy) by row count: where each is faster, which sets cpu_small_gemm.MAX_ROWS (layers) and VOCAB_MAX_ROWS
-(vocabulary projections).
+(vocabulary projections). On an AVX-512 host `small_gemm` is the 16-lane kernel (cpu_small_gemm16.py) and the
+8-lane one is timed beside it as `small_gemm_8lane` (same sums bit for bit: checked in every cell).
 
 All three run on the same weights in one process, 1 thread, alternating call by call; each cell is the median (and P90)
 of `--repeats` timings of one call (vocabulary shapes: cold, the matrix is far larger than the caches, as in a decode
@@ -45,15 +46,19 @@ def cell(n: int, k: int, rows: int, repeats: int, inner: int, w: torch.Tensor, p
     x = torch.randn(rows, k, generator=g)
     ways = {"onednn": lambda: cpu_packed_linear(x, packed, None), "small_gemm": lambda: cpu_small_gemm.linear(
         x, panels, n), "f_linear": lambda: F.linear(x, w)}
+    if cpu_small_gemm.HOST_AVX512:
+        ways["small_gemm_8lane"] = lambda: _eight_lane(x, panels, n)
     ref = x.double() @ w.double().t()
     rec: dict = {"n": n, "k": k, "rows": rows, "inner": inner}
+    if cpu_small_gemm.HOST_AVX512:
+        rec["lanes_equal"] = bool(torch.equal(_eight_lane(x, panels, n), cpu_small_gemm.linear(x, panels, n)))
     for name, fn in ways.items():
         rec[f"{name}_err_vs_f64"] = (fn().double() - ref).abs().max().item()   # type: ignore[union-attr]
         fn()
     cpu: dict[str, list[float]] = {name: [] for name in ways}
     wall: dict[str, list[float]] = {name: [] for name in ways}
     for r in range(repeats):
-        order = list(ways)[r % 3:] + list(ways)[:r % 3]
+        order = list(ways)[r % len(ways):] + list(ways)[:r % len(ways)]
         for name in order:
             c, t = timed(ways[name], inner)
             cpu[name].append(c)
@@ -64,7 +69,28 @@ def cell(n: int, k: int, rows: int, repeats: int, inner: int, w: torch.Tensor, p
         rec[f"{name}_wall_ms"] = statistics.median(wall[name]) * 1e3
     rec["ratio_onednn_over_small_gemm"] = rec["onednn_cpu_ms"] / rec["small_gemm_cpu_ms"]
     rec["ratio_f_linear_over_small_gemm"] = rec["f_linear_cpu_ms"] / rec["small_gemm_cpu_ms"]
+    if "small_gemm_8lane" in ways:
+        rec["ratio_8lane_over_small_gemm"] = rec["small_gemm_8lane_cpu_ms"] / rec["small_gemm_cpu_ms"]
     return rec
+
+
+def _eight_lane(x: torch.Tensor, panels: torch.Tensor, n: int) -> torch.Tensor:
+    kernel = cpu_small_gemm._KERNEL[0]
+    cpu_small_gemm._KERNEL[0] = cpu_small_gemm._gemm
+    try:
+        return cpu_small_gemm.linear(x, panels, n)
+    finally:
+        cpu_small_gemm._KERNEL[0] = kernel
+
+
+def _cpu_name() -> str:
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return "unknown"
 
 
 def main() -> None:
@@ -98,20 +124,24 @@ def main() -> None:
                f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items())}
     with open(args.out + ".json", "w") as f:
         json.dump(res, f, indent=1)
+    lanes = "16-lane (AVX-512 host; the 8-lane kernel timed beside it)" if cpu_small_gemm.HOST_AVX512 else "8-lane"
     lines = ["# cpu_small_gemm vs oneDNN's packed linear and F.linear by row count (fp32, 1 thread)", "",
+             f"small_gemm here: the {lanes} kernel; host CPU: {_cpu_name()}.", "",
              f"{started}; load {load0:.1f} -> {res['load_after']:.1f}; `{res['command']}`; median of "
              f"{args.repeats} alternating timings, process CPU ms (P90 in brackets); vocabulary shapes one cold call, "
              f"layer shapes a loop of {args.inner} warm calls. Limits in use: MAX_ROWS {cpu_small_gemm.MAX_ROWS} "
              f"(layers), VOCAB_MAX_ROWS {cpu_small_gemm.VOCAB_MAX_ROWS} (vocabulary).", "",
              "| kind | N x K | rows | oneDNN ms | F.linear ms | small_gemm ms | oneDNN / small_gemm | F.linear / small_gemm "
-             "| max err vs f64 (oneDNN / F.linear / ours) |",
-             "|---|---|---:|---:|---:|---:|---:|---:|---|"]
+             "| max err vs f64 (oneDNN / F.linear / ours) | 8-lane ms | 8-lane / small_gemm | lanes equal |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---|---:|---:|---|"]
     for c in cells:
         lines.append(f"| {c['kind']} | {c['n']} x {c['k']} | {c['rows']} | {c['onednn_cpu_ms']:.3f} "
                      f"({c['onednn_cpu_p90_ms']:.3f}) | {c['f_linear_cpu_ms']:.3f} ({c['f_linear_cpu_p90_ms']:.3f}) "
                      f"| {c['small_gemm_cpu_ms']:.3f} ({c['small_gemm_cpu_p90_ms']:.3f}) "
                      f"| {c['ratio_onednn_over_small_gemm']:.2f} | {c['ratio_f_linear_over_small_gemm']:.2f} "
-                     f"| {c['onednn_err_vs_f64']:.1e} / {c['f_linear_err_vs_f64']:.1e} / {c['small_gemm_err_vs_f64']:.1e} |")
+                     f"| {c['onednn_err_vs_f64']:.1e} / {c['f_linear_err_vs_f64']:.1e} / {c['small_gemm_err_vs_f64']:.1e} | "
+                     + (f"{c['small_gemm_8lane_cpu_ms']:.3f} | {c['ratio_8lane_over_small_gemm']:.2f} | "
+                        f"{c['lanes_equal']} |" if "lanes_equal" in c else "- | - | - |"))
     with open(args.out + ".md", "w") as f:
         f.write("\n".join(lines) + "\n")
     try:
