@@ -69,8 +69,8 @@ def _matmul(x: np.ndarray, lin: _Linear) -> np.ndarray:
     else:   # cpu_small_gemm's (F.linear's) order: the bias first
         out = np.zeros((rows, width), np.float32)
         out[:, :lin.n] = lin.bias
-    cpu_small_gemm._gemm(x.reshape(-1), rows, lin.k, lin.panels, lin.n_panels, out.reshape(-1), width, lin.kb,
-                         lin.bias is not None)
+    cpu_small_gemm.kernel()(x.reshape(-1), rows, lin.k, lin.panels, lin.n_panels, out.reshape(-1), width, lin.kb,
+                            lin.bias is not None)
     if width != lin.n:
         out = np.ascontiguousarray(out[:, :lin.n])
     return out

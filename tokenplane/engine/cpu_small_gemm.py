@@ -42,6 +42,7 @@ sub-server setting), otherwise the caller runs F.linear (multi-threaded).
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -248,6 +249,12 @@ def _gemm(x, rows, k_dim, wp, panels, out, n_out, kb, acc):  # noqa: ANN001
 _KERNEL = [cpu_small_gemm16.gemm if HOST_AVX512 else _gemm]
 
 
+def kernel() -> Callable[..., None]:
+    """The compiled kernel `linear` runs (`_gemm`'s arguments), for callers that hold flat arrays themselves
+    (cpu_decode_stack.py)."""
+    return _KERNEL[0]
+
+
 def available(weight: torch.Tensor) -> bool:
     return weight.device.type == "cpu" and weight.dtype == torch.float32 and weight.dim() == 2
 
@@ -319,4 +326,5 @@ def linear(x: torch.Tensor, panels: torch.Tensor, out_features: int, bias: torch
     return out
 
 
-__all__ = ["MAX_ROWS", "PANEL", "VOCAB_MAX_ROWS", "applies", "available", "k_block", "linear", "pack", "probe_k_block"]
+__all__ = ["MAX_ROWS", "PANEL", "VOCAB_MAX_ROWS", "applies", "available", "k_block", "kernel", "linear", "pack",
+           "probe_k_block"]
