@@ -3,7 +3,8 @@ target).
 
 Measures, on one pinned core, one thread, alternating the probes and taking medians of --repeats:
 - fma_peak: a loop of 12 independent <8 x float> fused multiply-adds per iteration (llvmlite vector code through the
-  same intrinsics as engine/cpu_small_gemm.py), so the loop is bound by the FMA ports alone: the core's fp32 peak.
+  same intrinsics as engine/cpu_small_gemm.py), so the loop is bound by the FMA ports alone: the core's fp32 peak;
+  on an AVX-512 host also fma_peak16, the same loop on <16 x float> (engine/cpu_simd.py), and the peak is the larger.
 - gemm: torch.mm of two 2048 x 2048 fp32 matrices at 1 thread (what a tuned BLAS reaches on a large square GEMM),
   and the oneDNN packed linear the engine runs for prefill (layers.cpu_pack) on a 256 x 512 -> 3072 shape.
 - stream: a numpy sum over 512 MB (memory bandwidth, what a vocabulary projection at a few rows is bound by).
@@ -44,6 +45,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from engine_vs_vllm import MODELS  # noqa: E402   the cell names of its results -> model sources
 
+from tokenplane.engine import cpu_simd as simd  # noqa: E402
 from tokenplane.engine import cpu_small_gemm as g  # noqa: E402
 from tokenplane.engine.config import ModelConfig  # noqa: E402
 from tokenplane.engine.loader import resolve_config  # noqa: E402
@@ -64,6 +66,33 @@ def _fma_loop(buf, n):  # noqa: ANN001, ANN202
     s = g._add8(g._add8(g._add8(c0, c1), g._add8(c2, c3)), g._add8(g._add8(c4, c5), g._add8(c6, c7)))
     s = g._add8(s, g._add8(g._add8(c8, c9), g._add8(c10, c11)))
     g._store8(buf, 24, s)   # keeps the loop live
+
+
+@njit(cache=True, nogil=True)
+def _fma16_loop(buf, n):  # noqa: ANN001, ANN202
+    a = simd._load16(buf, 0)
+    b = simd._load16(buf, 16)
+    c0 = simd._load16(buf, 32)
+    c1 = c0; c2 = c0; c3 = c0; c4 = c0; c5 = c0; c6 = c0; c7 = c0; c8 = c0; c9 = c0; c10 = c0; c11 = c0  # noqa: E702
+    for _ in range(n):
+        c0 = simd._fma16(c0, a, b); c1 = simd._fma16(c1, a, b); c2 = simd._fma16(c2, a, b); c3 = simd._fma16(c3, a, b)  # noqa: E702
+        c4 = simd._fma16(c4, a, b); c5 = simd._fma16(c5, a, b); c6 = simd._fma16(c6, a, b); c7 = simd._fma16(c7, a, b)  # noqa: E702
+        c8 = simd._fma16(c8, a, b); c9 = simd._fma16(c9, a, b); c10 = simd._fma16(c10, a, b)  # noqa: E702
+        c11 = simd._fma16(c11, a, b)
+    s = simd._add16(simd._add16(simd._add16(c0, c1), simd._add16(c2, c3)), simd._add16(simd._add16(c4, c5), simd._add16(c6, c7)))
+    s = simd._add16(s, simd._add16(simd._add16(c8, c9), simd._add16(c10, c11)))
+    simd._store16(buf, 48, s)   # keeps the loop live
+
+
+def fma_peak16_gflops(iters: int = 20_000_000) -> float:
+    buf = np.full(64, 0.5, dtype=np.float32)
+    buf[:16] = 0.999999
+    buf[16:32] = 1e-7
+    _fma16_loop(buf, 1000)
+    t = time.perf_counter()
+    _fma16_loop(buf, iters)
+    dt = time.perf_counter() - t
+    return iters * ACCUMULATORS * 16 * 2 / dt / 1e9
 
 
 def fma_peak_gflops(iters: int = 20_000_000) -> float:
@@ -174,12 +203,15 @@ def main() -> None:
     probes = {"fma_peak_gflops": fma_peak_gflops, "gemm_2048_gflops": gemm_gflops,
               "onednn_packed_linear_256x512x3072_gflops": packed_linear_gflops, "stream_sum_gbs": stream_gbs,
               "read_gbs": read_gbs, "decode_gemv_gbs": decode_gemv_gbs}
+    if simd.HOST_AVX512:
+        probes["fma_peak16_gflops"] = fma_peak16_gflops
     samples: dict[str, list[float]] = {k: [] for k in probes}
     for _ in range(args.repeats):
         for k, fn in probes.items():
             samples[k].append(fn())
     med = {k: statistics.median(v) for k, v in samples.items()}
-    peak = max(samples["fma_peak_gflops"])   # the core's capability: other jobs only ever lower a sample
+    # the core's capability (other jobs only ever lower a sample): the wider vectors' loop where the host has them
+    peak = max(samples["fma_peak_gflops"] + samples.get("fma_peak16_gflops", []))
     bandwidth = max(samples["read_gbs"] + samples["decode_gemv_gbs"])   # the best read any probe reached
     cells, decode_cells = [], []
     for path in args.results:
@@ -215,7 +247,7 @@ def main() -> None:
         lines.append(f"| {k} | {med[k]:.1f} | {', '.join(f'{x:.1f}' for x in v)} |")
     if cells:
         lines += ["", "Prefill cells (model FLOPs / median process CPU time of the max_tokens=1 run; of peak = of the best "
-                  f"fma_peak sample ({peak:.1f} GFLOP/s); ceiling = the tokenplane / vLLM prefill ratio an engine at that "
+                  f"fma_peak / fma_peak16 sample ({peak:.1f} GFLOP/s); ceiling = the tokenplane / vLLM prefill ratio an engine at that "
                   "peak would reach against vLLM's measured rate in that cell):", "",
                   "| file | model | P | N | GFLOP | tokenplane GFLOP/s (of peak) | vLLM GFLOP/s (of peak) | ceiling |",
                   "|---|---|---:|---:|---:|---:|---:|---:|"]
