@@ -29,6 +29,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from tokenplane.engine import cpu_prefill_attention  # noqa: E402
 from tokenplane.engine.attention import causal_mask  # noqa: E402
 from tokenplane.engine.config import PRESETS  # noqa: E402
 from tokenplane.engine.cpu_prefill_attention import paged_prefill  # noqa: E402
@@ -71,10 +72,23 @@ def case(model: str, q_len: int, context: int, repeats: int, block_size: int = 1
                                            attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=True)
         return o[0].transpose(0, 1).reshape(q_len, -1)
 
+    def kernel_8lane() -> torch.Tensor:     # the 8-lane passes, on a host whose default is the 16-lane ones
+        wide = cpu_prefill_attention.WIDE[0]
+        cpu_prefill_attention.WIDE[0] = False
+        try:
+            return kernel()
+        finally:
+            cpu_prefill_attention.WIDE[0] = wide
+
     diff = (kernel() - sdpa()).abs().max().item()   # also the warm-up call of each
-    times: dict[str, list[tuple[float, float]]] = {"kernel": [], "sdpa": []}
+    systems = [("kernel", kernel), ("sdpa", sdpa)]
+    if cpu_prefill_attention.WIDE[0] and d % 32 == 0:
+        wide_out = kernel().clone()
+        systems.append(("kernel_8lane", kernel_8lane))
+        lanes_equal = bool(torch.equal(kernel_8lane(), wide_out))
+    times: dict[str, list[tuple[float, float]]] = {name: [] for name, _ in systems}
     for _ in range(repeats):
-        for name, fn in (("kernel", kernel), ("sdpa", sdpa)):
+        for name, fn in systems:
             w, c = time.perf_counter(), time.thread_time()
             fn()
             times[name].append((time.perf_counter() - w, time.thread_time() - c))
@@ -85,6 +99,9 @@ def case(model: str, q_len: int, context: int, repeats: int, block_size: int = 1
         cpu = [t[1] * 1e3 for t in ts]
         row[name] = {"median_ms": statistics.median(wall), "p90_ms": percentile(wall, 0.9),
                      "cpu_median_ms": statistics.median(cpu), "cpu_p90_ms": percentile(cpu, 0.9)}
+    if "kernel_8lane" in row:
+        row["lanes_equal"] = lanes_equal
+        row["ratio_16_over_8_cpu"] = row["kernel"]["cpu_median_ms"] / row["kernel_8lane"]["cpu_median_ms"]
     row["ratio_wall"] = row["kernel"]["median_ms"] / row["sdpa"]["median_ms"]
     row["ratio_cpu"] = row["kernel"]["cpu_median_ms"] / row["sdpa"]["cpu_median_ms"]
     flops = 4 * heads * d * sum(context - q_len + i + 1 for i in range(q_len))   # causal: QK^T and PV, 2 flop a FMA
@@ -133,13 +150,16 @@ def write_md(path: Path, rows: list[dict], meta: dict) -> None:
              "ratio = kernel / SDPA (below 1: the kernel is faster). CPU = thread CPU time, less exposed to the other "
              "jobs on the machine than wall time. GFLOP/s: causal QK^T + PV flops over the kernel's CPU-time median.",
              "", "| model (heads/kv/d) | q_len | context | kernel ms (P90) | SDPA ms (P90) | ratio wall | ratio CPU "
-             "| kernel GFLOP/s | max abs diff |", "|---|---|---|---|---|---|---|---|---|"]
+             "| kernel GFLOP/s | max abs diff | 8-lane kernel CPU ms | 16 / 8 lanes CPU | lanes equal |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         k, s = r["kernel"], r["sdpa"]
         lines.append(f"| {r['model']} ({r['heads']}/{r['kv_heads']}/{r['head_dim']}) | {r['q_len']} | {r['context']} "
                      f"| {k['median_ms']:.2f} ({k['p90_ms']:.2f}) | {s['median_ms']:.2f} ({s['p90_ms']:.2f}) "
                      f"| {r['ratio_wall']:.2f} | {r['ratio_cpu']:.2f} | {r['kernel_gflops_cpu']:.0f} "
-                     f"| {r['max_abs_diff']:.1e} |")
+                     f"| {r['max_abs_diff']:.1e} | "
+                     + (f"{r['kernel_8lane']['cpu_median_ms']:.2f} | {r['ratio_16_over_8_cpu']:.2f} | {r['lanes_equal']} |"
+                        if "kernel_8lane" in r else "- | - | - |"))
     path.write_text("\n".join(lines) + "\n")
 
 

@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from tokenplane.engine import attention as attention_module
+from tokenplane.engine import cpu_prefill_attention
 from tokenplane.engine.cpu_prefill_attention import TK, available, paged_prefill, query_tile, worth
 
 pytestmark = pytest.mark.usefixtures("one_thread")   # conftest: 1 torch thread for the module
@@ -35,9 +36,24 @@ def reference(q, kc, vc, table, q_len, n, bs, group, scale):
     return o[0].transpose(0, 1).reshape(q_len, -1), max_score
 
 
+@pytest.fixture
+def lanes():
+    """Sets which vector width paged_prefill runs (cpu_prefill_attention.WIDE), restored after the test."""
+    saved = cpu_prefill_attention.WIDE[0]
+
+    def choose(wide: bool) -> None:
+        cpu_prefill_attention.WIDE[0] = wide
+    yield choose
+    cpu_prefill_attention.WIDE[0] = saved
+
+
+@pytest.mark.parametrize("wide", [False, True])
 @pytest.mark.parametrize("kvh,group,d,bs", [(2, 1, 64, 16), (2, 2, 128, 16), (3, 3, 64, 16), (1, 3, 16, 5),
                                             (2, 2, 64, 7)])
-def test_kernel_matches_float64_sdpa(kvh, group, d, bs):
+def test_kernel_matches_float64_sdpa(kvh, group, d, bs, wide, lanes):
+    """Both vector widths (wide: the 16-lane passes, taken for head sizes a multiple of 32; on a host without
+    AVX-512 LLVM splits their vectors in two)."""
+    lanes(wide)
     g = torch.Generator().manual_seed(kvh * 100 + group * 10 + bs)
     num_blocks = 160
     kc = torch.randn(kvh, num_blocks * bs, d, generator=g)
@@ -83,6 +99,28 @@ def test_kernel_matches_float64_sdpa(kvh, group, d, bs):
         assert err < bound, (i, err, bound)
     untouched = sorted(set(range(T)) - touched)
     assert untouched and torch.isnan(out[untouched]).all()
+
+
+@pytest.mark.parametrize("group", [1, 2, 3])
+def test_8_and_16_lane_passes_give_the_same_bits(group, lanes):
+    """Each lane sums over d (scores) or keys (values) in the same order at either width, so the outputs are equal bit
+    for bit: prompts and chunks after cached context, across key tiles and the diagonal."""
+    g = torch.Generator().manual_seed(group)
+    kvh, d, bs = 2, 64, 16
+    kc = torch.randn(kvh, 64 * bs, d, generator=g)
+    vc = torch.randn(kvh, 64 * bs, d, generator=g)
+    spans = [(150, 150), (37, 300), (1 + query_tile(group), 2 * TK + 5)]
+    table = np.arange(3 * 20, dtype=np.int64).reshape(3, 20)
+    starts = np.array([0, 150, 187], dtype=np.int64)
+    q = torch.randn(int(starts[-1]) + spans[-1][0], kvh * group, d, generator=g) * 10
+    outs = []
+    for wide in (False, True):
+        lanes(wide)
+        out = torch.zeros(q.shape[0], kvh * group * d)
+        paged_prefill(q, kc, vc, starts, np.array([a for a, _ in spans], dtype=np.int64),
+                      np.array([b for _, b in spans], dtype=np.int64), table, out, bs, group, d ** -0.5)
+        outs.append(out)
+    assert torch.equal(outs[0], outs[1])
 
 
 def test_available_only_for_cpu_float32_and_head_dim_multiple_of_16():

@@ -550,6 +550,26 @@ def test_char_width_reads_the_storage_kind():
         assert char_width(s[1:]) == char_width(s[1:] + "")
 
 
+def test_a_str_holding_its_utf8_form_is_cut_and_stored_exactly():
+    """A Latin-1 str whose UTF-8 form some C API has cached reads wider than it is (char_width is a size read): the
+    store still keeps it exactly and in one narrow run (a campaign replay hit this as an IndexError in width_runs)."""
+    import ctypes
+
+    from tokenplane.tokenize.textstore import TextStore, char_width, width_runs
+
+    as_utf8 = ctypes.pythonapi.PyUnicode_AsUTF8AndSize
+    as_utf8.restype = ctypes.c_char_p
+    as_utf8.argtypes = [ctypes.py_object, ctypes.POINTER(ctypes.c_ssize_t)]
+    s = "def f(x):\n    return x + 1\n\u00b112345$ ls -la\n<tool_call>\n\r**121e-9\n" * 3    # 64 < len <= 1K
+    assert char_width(s) == 1
+    as_utf8(s, None)
+    assert "".join(width_runs(s)) == s
+    store = TextStore()
+    store.append("x" * 100)
+    store.append(s)
+    assert store.joined() == "x" * 100 + s and all(max(c) <= "\u00ff" for c in store.chunks)
+
+
 def test_wide_lines_do_not_widen_the_narrow_text_between_them():
     """Cyrillic lines between English and French ones (a translation catalogue): the store keeps the narrow text
     at one byte per character, so it costs about its UTF-8 size, and stays exact."""

@@ -23,8 +23,10 @@ row max, old sums and outputs rescaled by exp(old max - new max)), and the outpu
 end, as in flash attention. Results differ from SDPA's in the last bits (other summation order); the differential
 test (tests/test_cpu_prefill_attention.py) bounds the difference against float64.
 
-Vector code: cpu_small_gemm's <8 x float> llvmlite intrinsics (numba has no vector type); the softmax loops are plain
-loops that LLVM vectorizes.
+Vector code: cpu_simd's <8 x float> llvmlite intrinsics (numba has no vector type), or on an AVX-512 host (head size a
+multiple of 32) the same passes on <16 x float>: 48 rows a score pass and 32 columns a value pass, each lane's sum
+over d or keys in the same order, so the two widths' outputs are equal bit for bit (tests/test_cpu_prefill_attention
+.py). The softmax loops are plain loops that LLVM vectorizes.
 """
 from __future__ import annotations
 
@@ -36,11 +38,29 @@ from numba import njit
 from numba.extending import intrinsic
 
 from tokenplane.engine.cpu_decode_attention import _exp_nonpos
-from tokenplane.engine.cpu_small_gemm import _fma8, _load8, _splat8, _store8, _vec8, _zero8
+from tokenplane.engine.cpu_simd import (
+    HOST_AVX512,
+    _fma8,
+    _fma16,
+    _load8,
+    _load16,
+    _splat8,
+    _splat16,
+    _store8,
+    _store16,
+    _vec8,
+    _vec16,
+    _zero8,
+    _zero16,
+)
 
 TK = 64            # keys per tile
 ROWS = 24          # query rows per score pass (three vectors) and a multiple of the 6 rows of a value pass; R is
                    # padded to a multiple of it
+ROWS16 = 48        # the same on 16-float vectors (AVX-512 hosts)
+# Whether `paged_prefill` runs the 16-lane passes (head sizes a multiple of 32 on an AVX-512 host; the same sums in
+# the same order as the 8-lane ones, twice the lanes an instruction). A one-item list, so tests can run both.
+WIDE = [HOST_AVX512]
 ROW_TARGET = 48    # query rows per tile (see query_tile)
 NEG_INF = np.float32(-np.inf)
 
@@ -201,12 +221,159 @@ def _values6(vf, ofs, nk, p, rp, r, o, d_dim, c, alpha):  # noqa: ANN001
     _store8(o, i0 + 5 * d_dim + 8, a51)
 
 
+@intrinsic
+def _max16(typingctx, a, b):  # noqa: ANN001
+    def codegen(context, builder, signature, args):  # noqa: ANN001
+        return builder.select(builder.fcmp_ordered(">", args[0], args[1]), args[0], args[1])
+    return _vec16(_vec16, _vec16), codegen
+
+
+@njit(inline="always")
+def _track_max16(mt, i, a, b, c, d):  # noqa: ANN001
+    _store16(mt, i, _max16(_max16(_max16(a, b), _max16(c, d)), _load16(mt, i)))
+
+
+@njit(inline="always")
+def _scores4w(kf, k0, k1, k2, k3, qt, rb, rp, d_dim, s, so, mt, track):  # noqa: ANN001
+    """_scores4 on 16-float vectors: 4 keys x 48 rows, 12 accumulators."""
+    a00 = _zero16()
+    a01 = _zero16()
+    a02 = _zero16()
+    a10 = _zero16()
+    a11 = _zero16()
+    a12 = _zero16()
+    a20 = _zero16()
+    a21 = _zero16()
+    a22 = _zero16()
+    a30 = _zero16()
+    a31 = _zero16()
+    a32 = _zero16()
+    for d in range(d_dim):
+        qi = d * rp + rb
+        q0 = _load16(qt, qi)
+        q1 = _load16(qt, qi + 16)
+        q2 = _load16(qt, qi + 32)
+        b = _splat16(kf, k0 + d)
+        a00 = _fma16(b, q0, a00)
+        a01 = _fma16(b, q1, a01)
+        a02 = _fma16(b, q2, a02)
+        b = _splat16(kf, k1 + d)
+        a10 = _fma16(b, q0, a10)
+        a11 = _fma16(b, q1, a11)
+        a12 = _fma16(b, q2, a12)
+        b = _splat16(kf, k2 + d)
+        a20 = _fma16(b, q0, a20)
+        a21 = _fma16(b, q1, a21)
+        a22 = _fma16(b, q2, a22)
+        b = _splat16(kf, k3 + d)
+        a30 = _fma16(b, q0, a30)
+        a31 = _fma16(b, q1, a31)
+        a32 = _fma16(b, q2, a32)
+    o = so + rb
+    _store16(s, o, a00)
+    _store16(s, o + 16, a01)
+    _store16(s, o + 32, a02)
+    _store16(s, o + rp, a10)
+    _store16(s, o + rp + 16, a11)
+    _store16(s, o + rp + 32, a12)
+    _store16(s, o + 2 * rp, a20)
+    _store16(s, o + 2 * rp + 16, a21)
+    _store16(s, o + 2 * rp + 32, a22)
+    _store16(s, o + 3 * rp, a30)
+    _store16(s, o + 3 * rp + 16, a31)
+    _store16(s, o + 3 * rp + 32, a32)
+    if track:
+        _track_max16(mt, rb, a00, a10, a20, a30)
+        _track_max16(mt, rb + 16, a01, a11, a21, a31)
+        _track_max16(mt, rb + 32, a02, a12, a22, a32)
+
+
+@njit(inline="always")
+def _scores1w(kf, k0, qt, rb, rp, d_dim, s, so, mt, track):  # noqa: ANN001
+    a00 = _zero16()
+    a01 = _zero16()
+    a02 = _zero16()
+    for d in range(d_dim):
+        qi = d * rp + rb
+        b = _splat16(kf, k0 + d)
+        a00 = _fma16(b, _load16(qt, qi), a00)
+        a01 = _fma16(b, _load16(qt, qi + 16), a01)
+        a02 = _fma16(b, _load16(qt, qi + 32), a02)
+    _store16(s, so + rb, a00)
+    _store16(s, so + rb + 16, a01)
+    _store16(s, so + rb + 32, a02)
+    if track:
+        _track_max16(mt, rb, a00, a00, a00, a00)
+        _track_max16(mt, rb + 16, a01, a01, a01, a01)
+        _track_max16(mt, rb + 32, a02, a02, a02, a02)
+
+
+@njit(inline="always")
+def _rescaled16(o, i, alpha, r):  # noqa: ANN001
+    return _fma16(_load16(o, i), _splat16(alpha, r), _zero16())
+
+
+@njit(inline="always")
+def _values6w(vf, ofs, nk, p, rp, r, o, d_dim, c, alpha):  # noqa: ANN001
+    """_values6 on 16-float vectors: 6 rows x 32 columns, 12 accumulators."""
+    i0 = r * d_dim + c
+    a00 = _rescaled16(o, i0, alpha, r)
+    a01 = _rescaled16(o, i0 + 16, alpha, r)
+    a10 = _rescaled16(o, i0 + d_dim, alpha, r + 1)
+    a11 = _rescaled16(o, i0 + d_dim + 16, alpha, r + 1)
+    a20 = _rescaled16(o, i0 + 2 * d_dim, alpha, r + 2)
+    a21 = _rescaled16(o, i0 + 2 * d_dim + 16, alpha, r + 2)
+    a30 = _rescaled16(o, i0 + 3 * d_dim, alpha, r + 3)
+    a31 = _rescaled16(o, i0 + 3 * d_dim + 16, alpha, r + 3)
+    a40 = _rescaled16(o, i0 + 4 * d_dim, alpha, r + 4)
+    a41 = _rescaled16(o, i0 + 4 * d_dim + 16, alpha, r + 4)
+    a50 = _rescaled16(o, i0 + 5 * d_dim, alpha, r + 5)
+    a51 = _rescaled16(o, i0 + 5 * d_dim + 16, alpha, r + 5)
+    for j in range(nk):
+        vb = ofs[j] + c
+        v0 = _load16(vf, vb)
+        v1 = _load16(vf, vb + 16)
+        pj = j * rp + r
+        b = _splat16(p, pj)
+        a00 = _fma16(b, v0, a00)
+        a01 = _fma16(b, v1, a01)
+        b = _splat16(p, pj + 1)
+        a10 = _fma16(b, v0, a10)
+        a11 = _fma16(b, v1, a11)
+        b = _splat16(p, pj + 2)
+        a20 = _fma16(b, v0, a20)
+        a21 = _fma16(b, v1, a21)
+        b = _splat16(p, pj + 3)
+        a30 = _fma16(b, v0, a30)
+        a31 = _fma16(b, v1, a31)
+        b = _splat16(p, pj + 4)
+        a40 = _fma16(b, v0, a40)
+        a41 = _fma16(b, v1, a41)
+        b = _splat16(p, pj + 5)
+        a50 = _fma16(b, v0, a50)
+        a51 = _fma16(b, v1, a51)
+    _store16(o, i0, a00)
+    _store16(o, i0 + 16, a01)
+    _store16(o, i0 + d_dim, a10)
+    _store16(o, i0 + d_dim + 16, a11)
+    _store16(o, i0 + 2 * d_dim, a20)
+    _store16(o, i0 + 2 * d_dim + 16, a21)
+    _store16(o, i0 + 3 * d_dim, a30)
+    _store16(o, i0 + 3 * d_dim + 16, a31)
+    _store16(o, i0 + 4 * d_dim, a40)
+    _store16(o, i0 + 4 * d_dim + 16, a41)
+    _store16(o, i0 + 5 * d_dim, a50)
+    _store16(o, i0 + 5 * d_dim + 16, a51)
+
+
 @cache
-def _kernel(D: int, G: int):  # noqa: ANN202
-    """The kernel for head size D (a multiple of 16) and GQA group G, compile-time constants (the tile loops unroll
-    on them). numba caches each (D, G) on disk."""
+def _kernel(D: int, G: int, wide: bool = False):  # noqa: ANN202
+    """The kernel for head size D (a multiple of 16; of 32 when wide) and GQA group G, compile-time constants (the
+    tile loops unroll on them); wide: the 16-lane passes. numba caches each (D, G, wide) on disk."""
     TQ = query_tile(G)
-    RP = -(-(TQ * G) // ROWS) * ROWS
+    W_ROWS = ROWS16 if wide else ROWS
+    CW = 32 if wide else 16         # output columns a value pass covers
+    RP = -(-(TQ * G) // W_ROWS) * W_ROWS
 
     # error_model numpy: no zero-division checks in the loops (a row sum is >= 1: its max term is exp(0))
     @njit(cache=True, nogil=True, error_model="numpy", fastmath={"reassoc", "contract", "nsz", "arcp"})
@@ -235,7 +402,7 @@ def _kernel(D: int, G: int):  # noqa: ANN202
                 for i0 in range(0, n_q, TQ):
                     nq = min(TQ, n_q - i0)
                     rv = nq * G
-                    ru = -(-rv // ROWS) * ROWS         # rows computed: a short last tile (or chunk) skips the rest
+                    ru = -(-rv // W_ROWS) * W_ROWS     # rows computed: a short last tile (or chunk) skips the rest
                     for i in range(nq):
                         for g in range(G):
                             r = i * G + g
@@ -269,14 +436,21 @@ def _kernel(D: int, G: int):  # noqa: ANN202
                         diagonal = j0 + nk - 1 > p0
                         for r in range(ru):
                             mt[r] = m[r]
-                        for rb in range(0, ru, ROWS):
+                        for rb in range(0, ru, W_ROWS):
                             j = 0
                             while j + 4 <= nk:
-                                _scores4(kf, ofs[j], ofs[j + 1], ofs[j + 2], ofs[j + 3], qt, rb, RP, d_dim, s, j * RP,
-                                         mt, not diagonal)
+                                if wide:
+                                    _scores4w(kf, ofs[j], ofs[j + 1], ofs[j + 2], ofs[j + 3], qt, rb, RP, d_dim, s,
+                                              j * RP, mt, not diagonal)
+                                else:
+                                    _scores4(kf, ofs[j], ofs[j + 1], ofs[j + 2], ofs[j + 3], qt, rb, RP, d_dim, s,
+                                             j * RP, mt, not diagonal)
                                 j += 4
                             while j < nk:
-                                _scores1(kf, ofs[j], qt, rb, RP, d_dim, s, j * RP, mt, not diagonal)
+                                if wide:
+                                    _scores1w(kf, ofs[j], qt, rb, RP, d_dim, s, j * RP, mt, not diagonal)
+                                else:
+                                    _scores1(kf, ofs[j], qt, rb, RP, d_dim, s, j * RP, mt, not diagonal)
                                 j += 1
                         if diagonal:
                             for j in range(nk):
@@ -312,8 +486,11 @@ def _kernel(D: int, G: int):  # noqa: ANN202
                         for r in range(ru):
                             lsum[r] = lsum[r] * alpha[r] + part[r]
                         for r in range(0, ru, 6):
-                            for c in range(0, D, 16):
-                                _values6(vf, ofs, nk, s, RP, r, o, d_dim, c, alpha)
+                            for c in range(0, D, CW):
+                                if wide:
+                                    _values6w(vf, ofs, nk, s, RP, r, o, d_dim, c, alpha)
+                                else:
+                                    _values6(vf, ofs, nk, s, RP, r, o, d_dim, c, alpha)
                     for i in range(nq):
                         for g in range(G):
                             r = i * G + g
@@ -347,5 +524,9 @@ def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     q [T, >= kvh * group, d], k/v_cache [kvh, slots, d] contiguous (d a multiple of 16), out [T, heads * d];
     block_tables [B, >= blocks] int64, entries past a sequence's context never read."""
     kvh, slots, d = (int(x) for x in k_cache.shape)
-    _kernel(d, int(group))(q.numpy(), k_cache.numpy().reshape(-1), v_cache.numpy().reshape(-1), kvh, slots,
-                           q_starts, q_lens, context_lens, block_tables, block_size, out.numpy(), scale)
+    # 16 lanes pay once a tile holds more rows than one 8-lane pass (24): below, their 48-row pass computes twice
+    # the padding (routing's catch-up chunks of 6-12 tokens at group 2: 1.2-1.3x slower than 8 lanes)
+    wide = WIDE[0] and d % 32 == 0 and int(q_lens.max(initial=0)) * group > ROWS
+    kernel = _kernel(d, int(group), wide)
+    kernel(q.numpy(), k_cache.numpy().reshape(-1), v_cache.numpy().reshape(-1), kvh, slots, q_starts, q_lens,
+           context_lens, block_tables, block_size, out.numpy(), scale)

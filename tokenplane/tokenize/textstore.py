@@ -31,7 +31,8 @@ _HEADER = sys.getsizeof("\u00e9") - 2
 
 def char_width(s: str) -> int:
     """Bytes per character of s's storage: 1 (ASCII or Latin-1), 2 or 4, read from its size in O(1). A str that
-    also caches its UTF-8 form reads wider than it is; that only costs a chunk its merge, never an answer."""
+    also caches its UTF-8 form (any C API that asked for it, e.g. PyUnicode_AsUTF8) reads wider than it is: callers
+    take a width as a layout hint only (a merge or a compare path), and a fresh slice never holds that cache."""
     if s.isascii():
         return 1
     return min(4, (sys.getsizeof(s) - _HEADER) // (len(s) + 1))
@@ -49,6 +50,8 @@ def width_runs(s: str) -> list[str]:
         if char_width(s[i:i + WIDTH_RUN]) == 1:
             continue
         fine = [j for j in range(i, min(i + WIDTH_RUN, len(s)), WIDTH_FINE) if char_width(s[j:j + WIDTH_FINE]) > 1]
+        if not fine:        # s read wide only through its cached UTF-8 form: this block is narrow
+            continue
         a, b = fine[0], min(fine[-1] + WIDTH_FINE, len(s))
         if spans and a - spans[-1][1] < WIDTH_RUN:
             spans[-1][1] = b
