@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from tokenplane.tokenize import records as records_mod
+from tokenplane.tokenize.cpu import kernels
 from tokenplane.tokenize.records import SHIFT, Records
 
 TC = np.array([1, 2, 3, 1, 4, 1, 1, 2, 5, 1, 0, 3], dtype=np.int64)    # characters per ID (0: a continuation byte)
@@ -81,6 +82,8 @@ def test_append_kernel_runs_and_falls_back_on_an_exception(monkeypatch):
         return calls[-1]
 
     monkeypatch.setattr(records_mod, "_append_tail", spy)
+    # the JIT set, which calls the module's (spied) function: an AOT module in the cache would call its own copy
+    monkeypatch.setattr(kernels, "_active", kernels.jit_kernels())
     rng = random.Random(7)
     rec, ref = Records(TC), []
     for _ in range(30):
