@@ -55,17 +55,17 @@ ACCUMULATORS = 12     # FMA latency 4-5 cycles x 2 ports: 10+ independent chains
 
 @njit(cache=True, nogil=True)
 def _fma_loop(buf, n):  # noqa: ANN001, ANN202
-    a = g._load8(buf, 0)
-    b = g._load8(buf, 8)
-    c0 = g._load8(buf, 16)
+    a = simd._load8(buf, 0)
+    b = simd._load8(buf, 8)
+    c0 = simd._load8(buf, 16)
     c1 = c0; c2 = c0; c3 = c0; c4 = c0; c5 = c0; c6 = c0; c7 = c0; c8 = c0; c9 = c0; c10 = c0; c11 = c0  # noqa: E702
     for _ in range(n):
-        c0 = g._fma8(c0, a, b); c1 = g._fma8(c1, a, b); c2 = g._fma8(c2, a, b); c3 = g._fma8(c3, a, b)  # noqa: E702
-        c4 = g._fma8(c4, a, b); c5 = g._fma8(c5, a, b); c6 = g._fma8(c6, a, b); c7 = g._fma8(c7, a, b)  # noqa: E702
-        c8 = g._fma8(c8, a, b); c9 = g._fma8(c9, a, b); c10 = g._fma8(c10, a, b); c11 = g._fma8(c11, a, b)  # noqa: E702
-    s = g._add8(g._add8(g._add8(c0, c1), g._add8(c2, c3)), g._add8(g._add8(c4, c5), g._add8(c6, c7)))
-    s = g._add8(s, g._add8(g._add8(c8, c9), g._add8(c10, c11)))
-    g._store8(buf, 24, s)   # keeps the loop live
+        c0 = simd._fma8(c0, a, b); c1 = simd._fma8(c1, a, b); c2 = simd._fma8(c2, a, b); c3 = simd._fma8(c3, a, b)  # noqa: E702
+        c4 = simd._fma8(c4, a, b); c5 = simd._fma8(c5, a, b); c6 = simd._fma8(c6, a, b); c7 = simd._fma8(c7, a, b)  # noqa: E702
+        c8 = simd._fma8(c8, a, b); c9 = simd._fma8(c9, a, b); c10 = simd._fma8(c10, a, b); c11 = simd._fma8(c11, a, b)  # noqa: E702
+    s = simd._add8(simd._add8(simd._add8(c0, c1), simd._add8(c2, c3)), simd._add8(simd._add8(c4, c5), simd._add8(c6, c7)))
+    s = simd._add8(s, simd._add8(simd._add8(c8, c9), simd._add8(c10, c11)))
+    simd._store8(buf, 24, s)   # keeps the loop live
 
 
 @njit(cache=True, nogil=True)
@@ -137,14 +137,14 @@ def stream_gbs(mb: int = 512) -> float:
 
 @njit(cache=True, nogil=True)
 def _read_loop(buf, n):  # noqa: ANN001, ANN202
-    c0 = g._zero8(); c1 = c0; c2 = c0; c3 = c0; c4 = c0; c5 = c0; c6 = c0; c7 = c0  # noqa: E702
+    c0 = simd._zero8(); c1 = c0; c2 = c0; c3 = c0; c4 = c0; c5 = c0; c6 = c0; c7 = c0  # noqa: E702
     for i in range(0, n - 63, 64):
-        c0 = g._add8(c0, g._load8(buf, i)); c1 = g._add8(c1, g._load8(buf, i + 8))  # noqa: E702
-        c2 = g._add8(c2, g._load8(buf, i + 16)); c3 = g._add8(c3, g._load8(buf, i + 24))  # noqa: E702
-        c4 = g._add8(c4, g._load8(buf, i + 32)); c5 = g._add8(c5, g._load8(buf, i + 40))  # noqa: E702
-        c6 = g._add8(c6, g._load8(buf, i + 48)); c7 = g._add8(c7, g._load8(buf, i + 56))  # noqa: E702
-    s = g._add8(g._add8(g._add8(c0, c1), g._add8(c2, c3)), g._add8(g._add8(c4, c5), g._add8(c6, c7)))
-    g._store8(buf, 0, s)    # keeps the loop live
+        c0 = simd._add8(c0, simd._load8(buf, i)); c1 = simd._add8(c1, simd._load8(buf, i + 8))  # noqa: E702
+        c2 = simd._add8(c2, simd._load8(buf, i + 16)); c3 = simd._add8(c3, simd._load8(buf, i + 24))  # noqa: E702
+        c4 = simd._add8(c4, simd._load8(buf, i + 32)); c5 = simd._add8(c5, simd._load8(buf, i + 40))  # noqa: E702
+        c6 = simd._add8(c6, simd._load8(buf, i + 48)); c7 = simd._add8(c7, simd._load8(buf, i + 56))  # noqa: E702
+    s = simd._add8(simd._add8(simd._add8(c0, c1), simd._add8(c2, c3)), simd._add8(simd._add8(c4, c5), simd._add8(c6, c7)))
+    simd._store8(buf, 0, s)    # keeps the loop live
 
 
 def read_gbs(mb: int = 512) -> float:

@@ -37,7 +37,7 @@ from tokenplane.engine.cpu_decode_paging import (
     _stream_block,
     _table_index,
 )
-from tokenplane.engine.cpu_small_gemm import _fma8, _load8, _splat8, _store8, _vec8, _zero8
+from tokenplane.engine.cpu_simd import _fma8, _load8, _splat8, _store8, _vec8, _zero8
 
 _I32 = ir.IntType(32)
 

@@ -35,7 +35,6 @@ from functools import cache
 import numpy as np
 import torch
 from numba import njit
-from numba.extending import intrinsic
 
 from tokenplane.engine.cpu_decode_attention import _exp_nonpos
 from tokenplane.engine.cpu_simd import (
@@ -44,12 +43,12 @@ from tokenplane.engine.cpu_simd import (
     _fma16,
     _load8,
     _load16,
+    _max8,
+    _max16,
     _splat8,
     _splat16,
     _store8,
     _store16,
-    _vec8,
-    _vec16,
     _zero8,
     _zero16,
 )
@@ -69,14 +68,6 @@ def query_tile(group: int) -> int:
     """Query positions per tile: R = TQ * group rows, about ROW_TARGET (a multiple of ROWS for groups 1-4, 6, 8, so
     no padded rows but in the last tile): enough rows to reuse each K/V tile, few enough that s, qt and o stay in L2."""
     return max(1, ROW_TARGET // group)
-
-
-@intrinsic
-def _max8(typingctx, a, b):  # noqa: ANN001
-    """Lane-wise max (vmaxps; the scores are never NaN)."""
-    def codegen(context, builder, signature, args):  # noqa: ANN001
-        return builder.select(builder.fcmp_ordered(">", args[0], args[1]), args[0], args[1])
-    return _vec8(_vec8, _vec8), codegen
 
 
 @njit(inline="always")
@@ -219,13 +210,6 @@ def _values6(vf, ofs, nk, p, rp, r, o, d_dim, c, alpha):  # noqa: ANN001
     _store8(o, i0 + 4 * d_dim + 8, a41)
     _store8(o, i0 + 5 * d_dim, a50)
     _store8(o, i0 + 5 * d_dim + 8, a51)
-
-
-@intrinsic
-def _max16(typingctx, a, b):  # noqa: ANN001
-    def codegen(context, builder, signature, args):  # noqa: ANN001
-        return builder.select(builder.fcmp_ordered(">", args[0], args[1]), args[0], args[1])
-    return _vec16(_vec16, _vec16), codegen
 
 
 @njit(inline="always")

@@ -2,10 +2,12 @@
 use on them (unaligned load and store, broadcast, fused multiply-add, add, prefetch), emitted through llvmlite
 because numba has no vector type. An 8-lane vector is a ymm register on AVX2; a 16-lane one is a zmm register where
 the host has AVX-512 (`HOST_AVX512`), and two ymm registers elsewhere (so 16-lane kernels are picked only there).
+Both widths come from one definition (`_vector_ops`), so the 8- and 16-lane names are the same operations.
 """
 from __future__ import annotations
 
 import os
+from typing import Any
 
 import llvmlite.binding as llvm
 from llvmlite import ir
@@ -26,24 +28,21 @@ def _host_avx512() -> bool:
 
 HOST_AVX512 = _host_avx512()
 
-_V8 = ir.VectorType(ir.FloatType(), 8)
 _I32 = ir.IntType(32)
 
 
-class _Vec8Type(types.Type):
-    """Eight float32 lanes held as one LLVM vector value (a ymm register on AVX2)."""
+class _VecType(types.Type):
+    """`lanes` float32 lanes held as one LLVM vector value."""
 
-    def __init__(self) -> None:
-        super().__init__(name="Vec8f32")
-
-
-_vec8 = _Vec8Type()
+    def __init__(self, lanes: int) -> None:
+        self.lanes = lanes
+        super().__init__(name=f"Vec{lanes}f32")
 
 
-@register_model(_Vec8Type)
-class _Vec8Model(models.PrimitiveModel):
+@register_model(_VecType)
+class _VecModel(models.PrimitiveModel):
     def __init__(self, dmm, fe_type) -> None:  # noqa: ANN001
-        super().__init__(dmm, fe_type, _V8)
+        super().__init__(dmm, fe_type, ir.VectorType(ir.FloatType(), fe_type.lanes))
 
 
 def _pointer(context, builder, aryty, ary, index):  # noqa: ANN001, ANN202
@@ -51,55 +50,69 @@ def _pointer(context, builder, aryty, ary, index):  # noqa: ANN001, ANN202
     return cgutils.get_item_pointer(context, builder, aryty, a, [index], wraparound=False)
 
 
-@intrinsic
-def _load8(typingctx, flat, index):  # noqa: ANN001
-    """flat[index : index + 8] as a vector (unaligned load, no bounds or wraparound code)."""
-    def codegen(context, builder, signature, args):  # noqa: ANN001
-        p = _pointer(context, builder, signature.args[0], args[0], args[1])
-        return builder.load(builder.bitcast(p, _V8.as_pointer()), align=4)
-    return _vec8(flat, index), codegen
+def _vector_ops(lanes: int) -> tuple[Any, ...]:
+    """(type, load, store, splat, zero, fma, add, max) on `lanes`-float vectors:
+    load(flat, i): flat[i : i + lanes] as a vector (unaligned, no bounds or wraparound code); store(flat, i, v);
+    splat(flat, i): flat[i] broadcast to every lane (one vbroadcastss from memory); zero(); fma(a, b, c): a * b + c,
+    one rounding per lane (llvm.fma: vfmadd on FMA hardware); add(a, b); max(a, b): lane-wise (vmaxps; for inputs
+    that are never NaN)."""
+    vt = ir.VectorType(ir.FloatType(), lanes)
+    vec = _VecType(lanes)
+
+    @intrinsic
+    def load(typingctx, flat, index):  # noqa: ANN001
+        def codegen(context, builder, signature, args):  # noqa: ANN001
+            p = _pointer(context, builder, signature.args[0], args[0], args[1])
+            return builder.load(builder.bitcast(p, vt.as_pointer()), align=4)
+        return vec(flat, index), codegen
+
+    @intrinsic
+    def store(typingctx, flat, index, value):  # noqa: ANN001
+        def codegen(context, builder, signature, args):  # noqa: ANN001
+            p = _pointer(context, builder, signature.args[0], args[0], args[1])
+            builder.store(args[2], builder.bitcast(p, vt.as_pointer()), align=4)
+            return context.get_dummy_value()
+        return types.void(flat, index, vec), codegen
+
+    @intrinsic
+    def splat(typingctx, flat, index):  # noqa: ANN001
+        def codegen(context, builder, signature, args):  # noqa: ANN001
+            s = builder.load(_pointer(context, builder, signature.args[0], args[0], args[1]), align=4)
+            v = builder.insert_element(ir.Constant(vt, ir.Undefined), s, ir.Constant(_I32, 0))
+            return builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(_I32, lanes), [0] * lanes))
+        return vec(flat, index), codegen
+
+    @intrinsic
+    def zero(typingctx):  # noqa: ANN001
+        def codegen(context, builder, signature, args):  # noqa: ANN001
+            return ir.Constant(vt, [0.0] * lanes)
+        return vec(), codegen
+
+    @intrinsic
+    def fma(typingctx, a, b, c):  # noqa: ANN001
+        def codegen(context, builder, signature, args):  # noqa: ANN001
+            fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(vt, [vt, vt, vt]),
+                                                f"llvm.fma.v{lanes}f32")
+            return builder.call(fn, args)
+        return vec(vec, vec, vec), codegen
+
+    @intrinsic
+    def add(typingctx, a, b):  # noqa: ANN001
+        def codegen(context, builder, signature, args):  # noqa: ANN001
+            return builder.fadd(args[0], args[1])
+        return vec(vec, vec), codegen
+
+    @intrinsic
+    def vmax(typingctx, a, b):  # noqa: ANN001
+        def codegen(context, builder, signature, args):  # noqa: ANN001
+            return builder.select(builder.fcmp_ordered(">", args[0], args[1]), args[0], args[1])
+        return vec(vec, vec), codegen
+
+    return vec, load, store, splat, zero, fma, add, vmax
 
 
-@intrinsic
-def _store8(typingctx, flat, index, value):  # noqa: ANN001
-    def codegen(context, builder, signature, args):  # noqa: ANN001
-        p = _pointer(context, builder, signature.args[0], args[0], args[1])
-        builder.store(args[2], builder.bitcast(p, _V8.as_pointer()), align=4)
-        return context.get_dummy_value()
-    return types.void(flat, index, _vec8), codegen
-
-
-@intrinsic
-def _splat8(typingctx, flat, index):  # noqa: ANN001
-    """flat[index] broadcast to 8 lanes (one vbroadcastss from memory)."""
-    def codegen(context, builder, signature, args):  # noqa: ANN001
-        s = builder.load(_pointer(context, builder, signature.args[0], args[0], args[1]), align=4)
-        v = builder.insert_element(ir.Constant(_V8, ir.Undefined), s, ir.Constant(_I32, 0))
-        return builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(_I32, 8), [0] * 8))
-    return _vec8(flat, index), codegen
-
-
-@intrinsic
-def _zero8(typingctx):  # noqa: ANN001
-    def codegen(context, builder, signature, args):  # noqa: ANN001
-        return ir.Constant(_V8, [0.0] * 8)
-    return _vec8(), codegen
-
-
-@intrinsic
-def _fma8(typingctx, a, b, c):  # noqa: ANN001
-    """a * b + c, one rounding (llvm.fma: vfmadd on FMA hardware)."""
-    def codegen(context, builder, signature, args):  # noqa: ANN001
-        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_V8, [_V8, _V8, _V8]), "llvm.fma.v8f32")
-        return builder.call(fn, args)
-    return _vec8(_vec8, _vec8, _vec8), codegen
-
-
-@intrinsic
-def _add8(typingctx, a, b):  # noqa: ANN001
-    def codegen(context, builder, signature, args):  # noqa: ANN001
-        return builder.fadd(args[0], args[1])
-    return _vec8(_vec8, _vec8), codegen
+_vec8, _load8, _store8, _splat8, _zero8, _fma8, _add8, _max8 = _vector_ops(8)
+_vec16, _load16, _store16, _splat16, _zero16, _fma16, _add16, _max16 = _vector_ops(16)
 
 
 @intrinsic
@@ -113,74 +126,3 @@ def _prefetch(typingctx, flat, index):  # noqa: ANN001
         builder.call(fn, [builder.bitcast(p, i8p), ir.Constant(_I32, 0), ir.Constant(_I32, 3), ir.Constant(_I32, 1)])
         return context.get_dummy_value()
     return types.void(flat, index), codegen
-
-
-_V16 = ir.VectorType(ir.FloatType(), 16)
-
-
-class _Vec16Type(types.Type):
-    """Sixteen float32 lanes held as one LLVM vector value (a zmm register on AVX-512)."""
-
-    def __init__(self) -> None:
-        super().__init__(name="Vec16f32")
-
-
-_vec16 = _Vec16Type()
-
-
-@register_model(_Vec16Type)
-class _Vec16Model(models.PrimitiveModel):
-    def __init__(self, dmm, fe_type) -> None:  # noqa: ANN001
-        super().__init__(dmm, fe_type, _V16)
-
-
-@intrinsic
-def _load16(typingctx, flat, index):  # noqa: ANN001
-    """flat[index : index + 16] as a vector (unaligned load, no bounds or wraparound code)."""
-    def codegen(context, builder, signature, args):  # noqa: ANN001
-        p = _pointer(context, builder, signature.args[0], args[0], args[1])
-        return builder.load(builder.bitcast(p, _V16.as_pointer()), align=4)
-    return _vec16(flat, index), codegen
-
-
-@intrinsic
-def _store16(typingctx, flat, index, value):  # noqa: ANN001
-    def codegen(context, builder, signature, args):  # noqa: ANN001
-        p = _pointer(context, builder, signature.args[0], args[0], args[1])
-        builder.store(args[2], builder.bitcast(p, _V16.as_pointer()), align=4)
-        return context.get_dummy_value()
-    return types.void(flat, index, _vec16), codegen
-
-
-@intrinsic
-def _splat16(typingctx, flat, index):  # noqa: ANN001
-    """flat[index] broadcast to 16 lanes (one vbroadcastss from memory)."""
-    def codegen(context, builder, signature, args):  # noqa: ANN001
-        s = builder.load(_pointer(context, builder, signature.args[0], args[0], args[1]), align=4)
-        v = builder.insert_element(ir.Constant(_V16, ir.Undefined), s, ir.Constant(_I32, 0))
-        return builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(_I32, 16), [0] * 16))
-    return _vec16(flat, index), codegen
-
-
-@intrinsic
-def _zero16(typingctx):  # noqa: ANN001
-    def codegen(context, builder, signature, args):  # noqa: ANN001
-        return ir.Constant(_V16, [0.0] * 16)
-    return _vec16(), codegen
-
-
-@intrinsic
-def _fma16(typingctx, a, b, c):  # noqa: ANN001
-    """a * b + c, one rounding per lane (llvm.fma: vfmadd)."""
-    def codegen(context, builder, signature, args):  # noqa: ANN001
-        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_V16, [_V16, _V16, _V16]),
-                                            "llvm.fma.v16f32")
-        return builder.call(fn, args)
-    return _vec16(_vec16, _vec16, _vec16), codegen
-
-
-@intrinsic
-def _add16(typingctx, a, b):  # noqa: ANN001
-    def codegen(context, builder, signature, args):  # noqa: ANN001
-        return builder.fadd(args[0], args[1])
-    return _vec16(_vec16, _vec16), codegen
