@@ -11,6 +11,10 @@ with fresh random prompts per repeat (no prefix-cache hits on either side; vLLM'
 same prompts for both engines, whose greedy outputs are compared. Reported: medians over repeats, and the ratio
 tokenplane / vLLM of the medians per cell; load average before and after each cell.
 
+`--engines vllm tokenplane tokenplane-full` adds a third worker: tokenplane with its greedy screen off
+(`LLMEngine(greedy_screen=False)`: every step projects onto the whole vocabulary in fp32, the path before the screen),
+in the same rotation, reported as its own ratio column; every engine's greedy outputs are compared with vLLM's.
+
     benchmarks/peers/build_vllm_cpu.sh /work/peers/vllm-cpu        # once, never in CI
     PYTHONPATH=. python benchmarks/peers/engine_vs_vllm.py --vllm-python /work/peers/vllm-cpu/bin/python
     PYTHONPATH=. python benchmarks/peers/engine_vs_vllm.py --models tiny-small --prompt-lens 256 --batches 1 4 --repeats 2
@@ -62,7 +66,8 @@ def worker_main(args: argparse.Namespace) -> None:
         blocks = -(-args.kv_tokens // bs) + args.max_num_seqs + 8
         eng = LLMEngine(args.model_dir, dtype=getattr(torch, args.dtype), num_blocks=blocks, block_size=bs,
                         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                        max_model_len=args.max_model_len, enforce_eager=True, num_threads=args.threads)
+                        max_model_len=args.max_model_len, enforce_eager=True, num_threads=args.threads,
+                        greedy_screen=args.worker == "tokenplane")
 
         def generate(prompts, max_tokens):
             return eng.generate(prompts, SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True))
@@ -158,9 +163,9 @@ def run_cell(workers: dict[str, Worker], vocab: int, P: int, N: int, gen: int, r
             rec["full_s"][name].append(res["seconds"])
             rec["full_cpu_s"][name].append(res["cpu_seconds"])
             outs[name] = res["outputs"]
-        if len(outs) == 2:
-            a, b = outs.values()
-            rec["greedy_equal"].append(sum(x == y for x, y in zip(a, b)) / N)
+        if len(outs) >= 2:     # the share of prompts every engine answered alike
+            first, *rest = outs.values()
+            rec["greedy_equal"].append(sum(all(o[i] == first[i] for o in rest) for i in range(N)) / N)
     rec["load_after"] = loadavg()
     for name in workers:
         for clock, pre in (("s", ""), ("cpu_s", "cpu_")):
@@ -171,10 +176,11 @@ def run_cell(workers: dict[str, Worker], vocab: int, P: int, N: int, gen: int, r
             rec.setdefault(f"{pre}prefill_tok_s", {})[name] = N * P / t1
             rec.setdefault(f"{pre}decode_tok_s", {})[name] = N * (gen - 1) / max(td, 1e-9)
             rec.setdefault(f"{pre}total_tok_s", {})[name] = N * gen / t64
-    if len(workers) == 2:
-        for k in ("prefill_tok_s", "decode_tok_s", "total_tok_s", "cpu_prefill_tok_s", "cpu_decode_tok_s",
-                  "cpu_total_tok_s"):
-            rec.setdefault("ratio", {})[k] = rec[k]["tokenplane"] / rec[k]["vllm"]
+    for ours, key in (("tokenplane", "ratio"), ("tokenplane-full", "ratio_full")):
+        if ours in workers and "vllm" in workers:
+            for k in ("prefill_tok_s", "decode_tok_s", "total_tok_s", "cpu_prefill_tok_s", "cpu_decode_tok_s",
+                      "cpu_total_tok_s"):
+                rec.setdefault(key, {})[k] = rec[k][ours] / rec[k]["vllm"]
     return rec
 
 
@@ -191,6 +197,7 @@ def write_results(res: dict, prefix: Path) -> None:
              "shared machine (it leaves out time spent waiting for the core).", "",
              "| model | P | N | prefill tp | prefill vLLM | ratio | cpu ratio | decode tp | decode vLLM | ratio | "
              "cpu ratio | greedy equal | load |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+    full = [c for c in res["cells"] if "ratio_full" in c]
     for c in res["cells"]:
         r = c.get("ratio", {})
         lines.append(f"| {c['model']} | {c['P']} | {c['N']} | {c['prefill_tok_s'].get('tokenplane', 0):.0f} | "
@@ -200,6 +207,16 @@ def write_results(res: dict, prefix: Path) -> None:
                      f"{r.get('decode_tok_s', float('nan')):.2f} | {r.get('cpu_decode_tok_s', float('nan')):.2f} | "
                      f"{statistics.mean(c['greedy_equal']) if c['greedy_equal'] else float('nan'):.2f} | "
                      f"{c['load_before']:.1f}->{c['load_after']:.1f} |")
+    if full:
+        lines += ["", "The same runs' third worker, tokenplane with the greedy screen off (every step projects onto the "
+                  "whole vocabulary in fp32), against the same vLLM runs:", "",
+                  "| model | P | N | decode tp | decode tp, screen off | decode vLLM | ratio | ratio, screen off | "
+                  "cpu ratio, screen off | prefill ratio, screen off |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+        for c in full:
+            d, r, f = c["decode_tok_s"], c["ratio"], c["ratio_full"]
+            lines.append(f"| {c['model']} | {c['P']} | {c['N']} | {d['tokenplane']:.1f} | {d['tokenplane-full']:.1f} | "
+                         f"{d['vllm']:.1f} | {r['decode_tok_s']:.2f} | {f['decode_tok_s']:.2f} | "
+                         f"{f['cpu_decode_tok_s']:.2f} | {f['prefill_tok_s']:.2f} |")
     prefix.with_suffix(".md").write_text("\n".join(lines) + "\n")
     try:
         import matplotlib
@@ -225,7 +242,7 @@ def write_results(res: dict, prefix: Path) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--worker", choices=["vllm", "tokenplane"])
+    ap.add_argument("--worker", choices=["vllm", "tokenplane", "tokenplane-full"])
     ap.add_argument("--model-dir")
     ap.add_argument("--max-model-len", type=int, default=2048 + 64)
     ap.add_argument("--max-num-seqs", type=int, default=64)
@@ -265,7 +282,7 @@ def main() -> None:
         args.max_num_seqs = max(args.batches)
         args.kv_tokens = max(N * (P + args.gen) for P in args.prompt_lens for N in args.batches
                              if N * P <= args.max_cell_tokens)
-        pythons = {"vllm": args.vllm_python, "tokenplane": sys.executable}
+        pythons = {"vllm": args.vllm_python, "tokenplane": sys.executable, "tokenplane-full": sys.executable}
         workers = {e: Worker(e, pythons[e], d, args, log) for e in args.engines}
         try:
             for P in args.prompt_lens:

@@ -116,6 +116,21 @@ _vec16, _load16, _store16, _splat16, _zero16, _fma16, _add16, _max16 = _vector_o
 
 
 @intrinsic
+def _load16_bf16(typingctx, flat, index):  # noqa: ANN001
+    """flat[index : index + 16] of a uint16 array holding bfloat16 bits, as 16 float32 lanes (exact: a bfloat16 is
+    the top half of a float32): a 32-byte load, zero-extended to 32-bit lanes and shifted left by 16."""
+    vi16 = ir.VectorType(ir.IntType(16), 16)
+    vi32 = ir.VectorType(_I32, 16)
+
+    def codegen(context, builder, signature, args):  # noqa: ANN001
+        p = _pointer(context, builder, signature.args[0], args[0], args[1])
+        raw = builder.load(builder.bitcast(p, vi16.as_pointer()), align=2)
+        wide = builder.shl(builder.zext(raw, vi32), ir.Constant(vi32, [16] * 16))
+        return builder.bitcast(wide, ir.VectorType(ir.FloatType(), 16))
+    return _vec16(flat, index), codegen
+
+
+@intrinsic
 def _prefetch(typingctx, flat, index):  # noqa: ANN001
     """llvm.prefetch (read, high locality) of flat[index]."""
     def codegen(context, builder, signature, args):  # noqa: ANN001

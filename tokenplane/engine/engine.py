@@ -30,10 +30,14 @@ class LLMEngine:
     def __init__(self, source: Any, *, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
                  seed: int = 0, num_blocks: int = 512, block_size: int = 16, max_num_seqs: int = 64,
                  max_num_batched_tokens: int = 2048, max_model_len: int | None = None, enforce_eager: bool = False,
-                 decode_kernel: str = "auto", num_threads: int | None = None, prefill_kernel: str = "auto") -> None:
+                 decode_kernel: str = "auto", num_threads: int | None = None, prefill_kernel: str = "auto",
+                 greedy_screen: bool = True) -> None:
         """num_threads: torch's intra-op threads for this process (torch.set_num_threads), set before the model loads;
         None leaves the process setting alone. Pin the process to cores from outside (taskset, or the serving
-        runtime's per-sub-server cores): one engine per process, so its thread count is the process's."""
+        runtime's per-sub-server cores): one engine per process, so its thread count is the process's.
+        greedy_screen: a step whose sequences are all greedy without logprobs asks the runner for tokens
+        (`ModelRunner.run_greedy`: the same tokens, from a bf16 screen of the vocabulary projection where the model
+        has one) instead of full logits; False always projects in full (the baseline)."""
         if num_threads is not None:
             if num_threads < 1:
                 raise ValueError("num_threads must be >= 1")
@@ -49,6 +53,7 @@ class LLMEngine:
                                    max_num_batched_tokens=max_num_batched_tokens,
                                    max_model_len=min(limit, max_model_len or limit), eos_token_ids=eos_ids)
         self.seed = seed
+        self.greedy_screen = greedy_screen
         self._ids = itertools.count()
 
     @property
@@ -77,11 +82,16 @@ class LLMEngine:
         batch, counts = self.scheduler.schedule()
         if not batch:
             raise RuntimeError("nothing schedulable: the KV cache is too small for any waiting request")
-        out = self.runner.run(batch, counts)
-        seqs = [batch[i] for i in out.rows] if out.rows is not None else batch
+        if self.greedy_screen and all(s.params.temperature == 0.0 and s.params.logprobs is None for s in batch):
+            g = self.runner.run_greedy(batch, counts)
+            seqs = [batch[i] for i in g.rows] if g.rows is not None else batch
+            tokens = g.tokens
+        else:
+            out = self.runner.run(batch, counts)
+            seqs = [batch[i] for i in out.rows] if out.rows is not None else batch
+            tokens = sample(out.logits, [s.params for s in seqs], [s.num_output_tokens for s in seqs]) if seqs else []
         if not seqs:
             return []
-        tokens = sample(out.logits, [s.params for s in seqs], [s.num_output_tokens for s in seqs])
         finished = {s.seq_id for s in self.scheduler.postprocess(seqs, tokens)}
         reasons = {SequenceStatus.FINISHED_STOPPED: "stop", SequenceStatus.FINISHED_LENGTH: "length"}
         return [StepOutput(s.seq_id, t, s.seq_id in finished, reasons.get(s.status)) for s, t in zip(seqs, tokens)]

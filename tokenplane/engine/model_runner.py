@@ -21,6 +21,7 @@ from tokenplane.engine.attention import AttentionMetadata, SeqAttention, causal_
 from tokenplane.engine.block_manager import BlockManager
 from tokenplane.engine.config import ModelConfig
 from tokenplane.engine.cpu_malloc import retain_freed_memory
+from tokenplane.engine.sampler import greedy
 from tokenplane.engine.sequence import Sequence
 
 
@@ -29,6 +30,13 @@ class RunnerOutput:
     logits: torch.Tensor  # [B, V] float32 (float64 for float64 models, so equivalence tests keep full precision)
     hidden: torch.Tensor  # [B, H] final-norm hidden state at the same positions, same dtype as logits
     rows: list[int] | None = None  # with num_new_tokens: the batch rows these B rows belong to (complete sequences)
+
+
+@dataclass
+class GreedyOutput:
+    tokens: list[int]     # per row: sampler.greedy of the logits `run` would return (their first maximum)
+    rows: list[int] | None = None  # as RunnerOutput.rows
+    screened: bool = False  # True: the model's greedy screen gave them (no full vocabulary projection ran)
 
 
 def _block_table_array(tables: list[list[int]], context_lens: list[int], bs: int) -> np.ndarray:
@@ -113,6 +121,29 @@ class ModelRunner:
     # -- run --------------------------------------------------------------------------------------------------------
     @torch.inference_mode()
     def run(self, seqs: list[Sequence], num_new_tokens: list[int] | None = None) -> RunnerOutput:
+        hidden, rows = self._forward(seqs, num_new_tokens)
+        logits = self.model.compute_logits(hidden) if hidden.shape[0] else hidden.new_empty(0, self.cfg.vocab_size)
+        out_dtype = torch.float64 if self.dtype == torch.float64 else torch.float32
+        return RunnerOutput(logits=logits.to(out_dtype), hidden=hidden.to(out_dtype), rows=rows)
+
+    @torch.inference_mode()
+    def run_greedy(self, seqs: list[Sequence], num_new_tokens: list[int] | None = None) -> GreedyOutput:
+        """`run`, answering each row's greedy token instead of its logits: the model's greedy screen
+        (greedy_screen.py: a bf16 pass over the vocabulary matrix, then the fp32 logits of the few rows that can be
+        the maximum) where it applies and proves the answer, else the argmax of the full projection. Either way the
+        token `sampler.greedy(run(...).logits)` gives."""
+        hidden, rows = self._forward(seqs, num_new_tokens)
+        if not hidden.shape[0]:
+            return GreedyOutput([], rows)
+        screen = getattr(self.model, "greedy_tokens", None)
+        tokens = screen(hidden) if screen is not None else None
+        if tokens is not None:
+            return GreedyOutput(tokens, rows, screened=True)
+        out_dtype = torch.float64 if self.dtype == torch.float64 else torch.float32
+        return GreedyOutput(greedy(self.model.compute_logits(hidden).to(out_dtype)).tolist(), rows)
+
+    def _forward(self, seqs: list[Sequence], num_new_tokens: list[int] | None) -> tuple[torch.Tensor, list[int] | None]:
+        """The model over every sequence's next tokens: (final-norm hidden states of the rows to project, rows)."""
         if not seqs:
             raise ValueError("run() needs at least one sequence")
         if num_new_tokens is not None and len(num_new_tokens) != len(seqs):
@@ -157,12 +188,10 @@ class ModelRunner:
                 keep_t = torch.tensor(keep, dtype=torch.long, device=dev)
             # the model computes only the kept rows after the last layer's attention
             hidden = self.model(torch.tensor(ids, device=dev), torch.tensor(positions, device=dev), meta, keep_t)
-        logits = self.model.compute_logits(hidden) if hidden.shape[0] else hidden.new_empty(0, self.cfg.vocab_size)
-        out_dtype = torch.float64 if self.dtype == torch.float64 else torch.float32
         for seq, (_, end) in zip(seqs, spans):
             seq.num_computed_tokens = end
             self.block_manager.cache_blocks(seq)
-        return RunnerOutput(logits=logits.to(out_dtype), hidden=hidden.to(out_dtype), rows=rows)
+        return hidden, rows
 
     def _metadata(self, seqs: list[Sequence], spans: list[tuple[int, int]], slots: list[int],
                   padded: bool) -> AttentionMetadata:

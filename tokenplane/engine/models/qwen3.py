@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tokenplane.engine import cpu_decode_stack, cpu_qkv_rope
+from tokenplane.engine import cpu_decode_stack, cpu_qkv_rope, cpu_small_gemm, greedy_screen
 from tokenplane.engine.attention import AttentionMetadata, PagedAttention
 from tokenplane.engine.config import ModelConfig
 from tokenplane.engine.cpu_fused_norm import add_rms_norm_, fused_norm_applies
@@ -150,6 +150,7 @@ class Qwen3ForCausalLM(nn.Module):
         self.model = DecoderModel(cfg, self.qk_norm)
         self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.vocab_projection: VocabProjection | None = None   # CPU fast path, set by pack_cpu()
+        self.greedy_screen: greedy_screen.GreedyScreen | None = None   # greedy_tokens' bf16 copy, made on first use
 
     def packed_sizes(self, packed: str) -> list[int]:
         c = self.cfg
@@ -174,6 +175,7 @@ class Qwen3ForCausalLM(nn.Module):
             if isinstance(m, Linear) and m is not self.lm_head:
                 m.pack_cpu()
         self.vocab_projection = VocabProjection(weight)
+        self.greedy_screen = None
         return True
 
     def unpack_cpu(self) -> None:
@@ -182,9 +184,20 @@ class Qwen3ForCausalLM(nn.Module):
             if isinstance(m, Linear):
                 m.unpack_cpu()
         self.vocab_projection = None
+        self.greedy_screen = None
 
     def vocab_weight(self) -> torch.Tensor:
         return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+
+    def greedy_tokens(self, hidden: torch.Tensor) -> list[int] | None:
+        """Each row's greedy token from the vocabulary projection's greedy screen (greedy_screen.py), or None where
+        it does not apply (not the fp32 panel path) or cannot prove the answer: then project in full."""
+        vp = self.vocab_projection
+        if vp is None or vp.panels is None or not cpu_small_gemm.applies(hidden, greedy_screen.MAX_ROWS):
+            return None
+        if self.greedy_screen is None or self.greedy_screen.panels is not vp.panels:   # built on first use
+            self.greedy_screen = greedy_screen.GreedyScreen(vp.weight, vp.panels)
+        return self.greedy_screen.argmax(hidden)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         weight = self.vocab_weight()

@@ -1,0 +1,138 @@
+"""The greedy screen (engine/greedy_screen.py) and its bf16 stream (engine/cpu_bf16_gemv.py): the token is the fp32
+projection's argmax on random, tied, near-tied and trained-looking logits; the bound holds; the engine's greedy
+outputs are the same with the screen and without it."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from tokenplane.engine import LLMEngine, SamplingParams, cpu_bf16_gemv, cpu_small_gemm
+from tokenplane.engine.config import PRESETS
+from tokenplane.engine.greedy_screen import GreedyScreen
+
+
+def _full_argmax(h: torch.Tensor, panels: torch.Tensor, n: int) -> list[int]:
+    """What the engine's greedy takes without the screen: numpy's argmax of the fp32 panel kernel's logits."""
+    return cpu_small_gemm.linear(h, panels, n).numpy().argmax(-1).tolist()
+
+
+@pytest.mark.parametrize("n,k", [(1, 1), (33, 7), (1000, 64), (4099, 96)])
+def test_bf16_stream_sums_within_the_bound_and_alike_at_every_row_count(n, k):
+    """Every output within g_K sum |x| |wb| of the float64 product over the bf16 weight, at 1-17 rows (8-row passes,
+    the 1..7-row tails, an odd panel count), and a row's values equal whatever rows come with it."""
+    g = torch.Generator().manual_seed(n + k)
+    w = torch.randn(n, k, generator=g) * 0.05
+    wp = cpu_bf16_gemv.pack_bf16(w)
+    wb = w.to(torch.bfloat16).double()
+    gamma = k * 2.0 ** -24 / (1 - k * 2.0 ** -24)
+    x = torch.randn(17, k, generator=g)
+    alone = np.concatenate([cpu_bf16_gemv.linear_bf16(x[i:i + 1].contiguous(), wp)[:, :n] for i in range(17)])
+    for rows in range(1, 18):
+        got = cpu_bf16_gemv.linear_bf16(x[:rows].contiguous(), wp)[:, :n]
+        ref = (x[:rows].double() @ wb.t()).numpy()
+        mag = (x[:rows].double().abs() @ wb.abs().t()).numpy()
+        assert np.all(np.abs(got - ref) <= gamma * mag + 1e-30)
+        assert np.array_equal(got, alone[:rows])
+
+
+def _screen(n: int, k: int, seed: int, scale: float = 0.05) -> tuple[torch.Tensor, torch.Tensor, GreedyScreen]:
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(n, k, generator=g) * scale
+    panels = cpu_small_gemm.pack(w)
+    return w, panels, GreedyScreen(w, panels)
+
+
+@pytest.mark.parametrize("n,k", [(4096, 64), (20000, 256), (3001, 96)])
+def test_screen_token_is_the_fp32_argmax(one_thread, n, k):
+    w, panels, screen = _screen(n, k, n + k)
+    g = torch.Generator().manual_seed(k)
+    engaged = 0
+    for rows in (1, 2, 3, 5, 8, 16):
+        for trial in range(6):
+            h = torch.randn(rows, k, generator=g) * (1 + 4 * trial)   # logits from ~1 to ~20 wide
+            got = screen.argmax(h)
+            if got is not None:
+                engaged += 1
+                assert got == _full_argmax(h, panels, n), (rows, trial)
+    assert engaged >= 30     # the screen answered (not only fallbacks) on these well-separated logits
+
+
+def test_screen_bound_holds_for_every_vocabulary_row(one_thread):
+    """|bf16 pass - fp32 kernel| <= |h| (g_K (|wb_i| + |w_i|) + |wb_i - w_i|) for every row i (the screen doubles it)."""
+    n, k = 5000, 128
+    w, panels, screen = _screen(n, k, 3)
+    g = torch.Generator().manual_seed(4)
+    for rows in (1, 7):
+        h = torch.randn(rows, k, generator=g) * 3
+        exact = cpu_small_gemm.linear(h, panels, n).numpy().astype(np.float64)
+        approx = cpu_bf16_gemv.linear_bf16(h, screen.bf16)[:, :n].astype(np.float64)
+        nh = torch.linalg.vector_norm(h.double(), dim=-1).numpy()[:, None]
+        assert np.all(np.abs(approx - exact) <= nh * screen.row_bound[None, :])
+
+
+def test_ties_and_near_ties_take_the_first_maximum(one_thread):
+    """Duplicated vocabulary rows (exact ties: the lowest index wins, as numpy's argmax), rows one float32 ulp apart,
+    and rows equal after bf16 rounding but not before: the screen cannot tell them apart in bf16, the fp32 recompute
+    must."""
+    n, k = 4096, 64
+    g = torch.Generator().manual_seed(9)
+    w = torch.randn(n, k, generator=g) * 0.05
+    h = torch.randn(8, k, generator=g)
+    best = int(cpu_small_gemm.linear(h[:1], cpu_small_gemm.pack(w), n).argmax())
+    w[3000] = w[best]                                     # an exact tie at a later index
+    w[100] = w[best] * (1 + 2.0 ** -20)                   # equal in bf16, a hair larger in fp32
+    w[2000] = torch.nextafter(w[best], torch.full_like(w[best], 1.0))  # one ulp towards 1 in every entry
+    panels = cpu_small_gemm.pack(w)
+    screen = GreedyScreen(w, panels)
+    for rows in (1, 8):
+        got = screen.argmax(h[:rows])
+        assert got is not None and got == _full_argmax(h[:rows], panels, n)
+    w2 = w.clone()
+    w2[[100, 2000]] = w2[best].clone()                          # now three exact ties: the first index
+    panels2 = cpu_small_gemm.pack(w2)
+    got = GreedyScreen(w2, panels2).argmax(h[:1])
+    assert got == _full_argmax(h[:1], panels2, n) == [min(best, 100)]
+
+
+def test_screen_declines_what_it_cannot_prove(one_thread):
+    n, k = 4096, 64
+    w, panels, screen = _screen(n, k, 5)
+    h = torch.randn(2, k)
+    h[1, 3] = float("nan")
+    assert screen.argmax(h) is None                        # a non-finite input
+    flat = torch.zeros(n, k)
+    flat[:, 0] = 1.0                                       # every logit equal: every panel is a candidate
+    assert GreedyScreen(flat, cpu_small_gemm.pack(flat)).argmax(torch.ones(1, k)) is None
+    wbad = w.clone()
+    wbad[17, 2] = float("inf")
+    assert GreedyScreen(wbad, cpu_small_gemm.pack(wbad)).argmax(torch.randn(1, k)) is None
+
+
+def _engine(screen: bool) -> LLMEngine:
+    cfg = dict(PRESETS["test-small"], vocab_size=8192)
+    return LLMEngine(cfg, dtype=torch.float32, seed=3, num_blocks=256, block_size=4, max_num_seqs=8,
+                     num_threads=1, greedy_screen=screen)
+
+
+def test_engine_greedy_outputs_equal_with_and_without_the_screen(one_thread, monkeypatch):
+    on, off = _engine(True), _engine(False)
+    calls = {"screened": 0, "steps": 0}
+    run_greedy = on.runner.run_greedy
+
+    def spy(*args, **kwargs):
+        out = run_greedy(*args, **kwargs)
+        calls["steps"] += 1
+        calls["screened"] += out.screened
+        return out
+    monkeypatch.setattr(on.runner, "run_greedy", spy)
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(0, 8192, int(rng.integers(3, 40))).tolist() for _ in range(7)]
+    greedy = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    assert on.generate(prompts, greedy) == off.generate(prompts, greedy)
+    assert calls["screened"] > calls["steps"] // 2        # most steps took the screen
+    # a step holding a sampled request (or one asking for logprobs) projects in full: same outputs again
+    mixed = [greedy, SamplingParams(temperature=0.8, seed=5, max_tokens=24, ignore_eos=True),
+             SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=2)]
+    plist = [mixed[i % 3] for i in range(len(prompts))]
+    assert on.generate(prompts, plist) == off.generate(prompts, plist)

@@ -1,0 +1,100 @@
+"""Exact greedy tokens from a bf16 screen of the vocabulary projection: half the bytes a decode step streams.
+
+At one to a few rows the fp32 vocabulary projection is a stream over its weight (151936 x 256 fp32: 155 MB, ~10 ms
+of an ~11 ms tiny-model decode step on one core), and a greedy request needs only the index of its largest logit,
+not every logit. This module finds that index without reading the fp32 matrix:
+
+1. approx = h @ bf16(W)^T over a bfloat16 panel copy of the matrix (cpu_bf16_gemv: half the bytes, float32 sums);
+2. a bound B_r with |approx[r, i] - logits[r, i]| <= B_r for every vocabulary row i, where `logits` is what the fp32
+   path (cpu_small_gemm's panel kernel, the logits every other request gets) computes; every i with
+   approx[r, i] < max_i approx[r, i] - 2 B_r is then provably not the argmax (its logit is below the lower bound of
+   the maximum);
+3. the remaining candidates' logits computed by that same fp32 kernel over their own panels (bit for bit the values
+   the full projection gives: a column's sums do not depend on which panels a call holds), and numpy's argmax among
+   them (first maximum, as `sampler.greedy`).
+
+So the token is the full fp32 path's token, by construction; where the screen cannot prove that cheaply (a
+non-finite input, logits near overflow, too many candidates) it answers None and the caller projects in full.
+
+The bound, for row i of W (wb: its bfloat16 rounding; u = 2**-24; g_K = K u / (1 - K u), Higham's bound for a sum
+of K products in any order, fused or not):
+  |fp32 kernel - h.w|   <= g_K |h| |w_i|
+  |bf16 pass - h.wb|    <= g_K |h| |wb_i|
+  |h.wb - h.w|          <= |h| |wb_i - w_i|             (Cauchy-Schwarz)
+so B = |h| (g_K (|wb_i| + |w_i|) + |wb_i - w_i|), taken over the worst row of W (three maxima kept at build time),
+doubled for slack, plus 1e-30 for flushed denormals. Per-row norms then prune a large candidate set further.
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from tokenplane.engine import cpu_bf16_gemv, cpu_small_gemm
+
+U32 = 2.0 ** -24
+MAX_ROWS = 16           # the rows measured ahead of the fp32 stream (cpu_bf16_gemv; decode-sized steps)
+MAX_PANEL_SHARE = 8     # more candidate panels than 1/8 of all: the screen gains too little, project in full
+PRUNE_ABOVE = 64        # candidates past which the rows' own norms prune the set
+
+
+def _row_norms(x: torch.Tensor) -> np.ndarray:
+    return torch.linalg.vector_norm(x.double(), dim=-1).numpy()
+
+
+class GreedyScreen:
+    """Built beside a VocabProjection's fp32 panel copy: a bfloat16 panel copy of W (half of the fp32 matrix's
+    bytes) and W's row norms (float64)."""
+
+    def __init__(self, weight: torch.Tensor, panels: torch.Tensor) -> None:
+        w = weight.detach()
+        self.out_features, self.k = w.shape
+        self.panels = panels
+        self.bf16 = cpu_bf16_gemv.pack_bf16(w)
+        wb = w.to(torch.bfloat16)
+        self.n_w = _row_norms(w)
+        self.n_wb = _row_norms(wb)
+        self.n_d = _row_norms(wb.double() - w.double())
+        g = self.k * U32
+        self.gamma = g / (1 - g)
+        self.row_bound = self.gamma * (self.n_wb + self.n_w) + self.n_d     # B / |h| per vocabulary row
+        self.worst = float(self.row_bound.max())
+        self.kb = cpu_small_gemm.k_block(self.k)
+
+    def argmax(self, hidden: torch.Tensor) -> list[int] | None:
+        """numpy's argmax of each row of the fp32 projection of `hidden` [B, K] (float32, CPU), or None where the
+        screen cannot prove it cheaply (the caller then projects in full)."""
+        h = hidden.detach().contiguous()
+        if not np.isfinite(self.worst) or not bool(torch.isfinite(h).all()):   # a non-finite weight or input
+            return None
+        approx = cpu_bf16_gemv.linear_bf16(h, self.bf16)[:, :self.out_features]
+        n_h = _row_norms(h)
+        top = approx.max(axis=1).astype(np.float64)
+        if not np.all(np.abs(top) < 1e30):       # logits near float32 overflow: project in full
+            return None
+        bound = 2.0 * n_h * self.worst + 1e-30
+        cands: list[np.ndarray] = []
+        for r in range(h.shape[0]):
+            # approx_i >= top - 2 B, the threshold rounded down to float32 so no candidate is lost to rounding
+            thr = np.nextafter(np.float32(top[r] - 2.0 * bound[r]), np.float32(-np.inf))
+            c = np.flatnonzero(approx[r] >= thr)
+            if c.shape[0] > PRUNE_ABOVE:     # each row's own bound (the one above takes the worst row of W)
+                b = 2.0 * n_h[r] * self.row_bound[c] + 1e-30
+                v = approx[r, c].astype(np.float64)
+                c = c[v + b >= np.max(v - b)]
+            if c.shape[0] == 0:
+                return None
+            cands.append(c)
+        panel_ids = np.unique(np.concatenate(cands) // cpu_small_gemm.PANEL)
+        if panel_ids.shape[0] * MAX_PANEL_SHARE > self.panels.shape[0]:
+            return None
+        sub = self.panels.index_select(0, torch.from_numpy(panel_ids))
+        exact = cpu_small_gemm._linear(h, sub, self.kb, None).numpy()
+        slot = np.searchsorted(panel_ids, np.arange(panel_ids[-1] + 1))    # panel id -> its place in `sub`
+        tokens: list[int] = []
+        for r, c in enumerate(cands):
+            vals = exact[r, slot[c // cpu_small_gemm.PANEL] * cpu_small_gemm.PANEL + c % cpu_small_gemm.PANEL]
+            tokens.append(int(c[int(np.argmax(vals))]))    # c ascends: the first maximum is the lowest index
+        return tokens
+
+
+__all__ = ["GreedyScreen", "MAX_ROWS"]
