@@ -136,3 +136,76 @@ def test_engine_greedy_outputs_equal_with_and_without_the_screen(one_thread, mon
              SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=2)]
     plist = [mixed[i % 3] for i in range(len(prompts))]
     assert on.generate(prompts, plist) == off.generate(prompts, plist)
+
+
+def test_runner_greedy_equals_run_and_projects_rows_on_demand(one_thread):
+    """ModelRunner.run_greedy: the tokens sampler.greedy takes from run()'s logits, through the screen, and each
+    row's `project` equal to run()'s logits row bit for bit (what a deferred StepResult reads)."""
+    from tokenplane.engine import Sequence
+    from tokenplane.engine.sampler import greedy
+
+    a, b = _engine(True), _engine(False)
+    rng = np.random.default_rng(1)
+    prompts = [rng.integers(0, 8192, int(rng.integers(3, 30))).tolist() for _ in range(5)]
+    sa = [Sequence(f"s{i}", p) for i, p in enumerate(prompts)]
+    sb = [Sequence(f"s{i}", p) for i, p in enumerate(prompts)]
+    for s in sa:
+        a.runner.prepare(s)
+    for s in sb:
+        b.runner.prepare(s)
+    screened = 0
+    for _ in range(6):
+        g = a.runner.run_greedy(sa)
+        r = b.runner.run(sb)
+        assert g.tokens == greedy(r.logits).tolist()
+        assert torch.equal(g.hidden, r.hidden)
+        for i in (0, len(sa) - 1):
+            assert torch.equal(g.project(i), r.logits[i])
+        screened += g.screened
+        for s, u, t in zip(sa, sb, g.tokens):
+            s.append_token(t)
+            u.append_token(t)
+            a.runner.prepare(s)
+            b.runner.prepare(u)
+    assert screened >= 4
+
+
+@pytest.mark.parametrize("k", [1, 7, 100])
+def test_screen_top_values_are_topk_of_the_fp32_logits(one_thread, k):
+    """screen(h, k)'s values: torch.topk of the fp32 projection's row, descending (R2R's router input), and its
+    token the argmax, on rows with ties and near ties among the top k."""
+    n, kdim = 60000, 128
+    w, panels, screen = _screen(n, kdim, 21)
+    w[59000:59010] = w[5]           # ten exact copies of a row: ties wherever row 5 ranks
+    panels = cpu_small_gemm.pack(w)
+    screen = GreedyScreen(w, panels)
+    g = torch.Generator().manual_seed(22)
+    engaged = 0
+    for rows in (1, 3, 9):
+        for scale in (1.0, 4.0, 16.0):
+            h = torch.randn(rows, kdim, generator=g) * scale
+            h[0] = w[5] * 40               # row 0: row 5 (and its copies) on top
+            got = screen.screen(h, k)
+            if got is None:
+                continue
+            engaged += 1
+            tokens, top = got
+            full = cpu_small_gemm.linear(h, panels, n)
+            assert tokens == full.numpy().argmax(-1).tolist()
+            assert top is not None and torch.equal(torch.from_numpy(top), torch.topk(full, k).values)
+    assert engaged >= 6
+
+
+def test_run_greedy_top_values_without_the_screen_are_topk(one_thread):
+    """The full-projection fallback answers the same values (a float64 model has no screen; its one-row projection
+    differs from the batched one in the last bits only, as float64 BLAS sums by batch shape)."""
+    from tokenplane.engine import Sequence
+
+    eng = LLMEngine("test-small", dtype=torch.float64, seed=2, num_blocks=64, block_size=4, num_threads=1)
+    seqs = [Sequence(f"q{i}", [3 + i, 9, 27, 81 % 512]) for i in range(3)]
+    for s in seqs:
+        eng.runner.prepare(s)
+    g = eng.runner.run_greedy(seqs, top_k=600)      # more than the 512-token vocabulary: all of it
+    assert not g.screened and g.top is not None and g.top.shape == (3, 512)
+    for i in range(3):
+        assert torch.allclose(g.top[i], torch.sort(g.project(i), descending=True).values, rtol=0, atol=1e-12)

@@ -86,3 +86,27 @@ def test_streamed_router_equals_the_plain_one_and_ignores_the_batch(one_thread):
         m.panels = None                                      # the plain F.linear router
     plain = [one_row(alg, r) for r in res]
     assert max(abs(a - b) for a, b in zip(single, plain)) < 1e-5
+
+
+def test_router_reads_the_subservers_top_logits_as_it_reads_the_logits():
+    """A sub-server on the greedy screen hands R2R each row's top logits (StepResult.top_logits) and defers the full
+    projection: the router's values are the same, batched and alone, and no row's logits are projected."""
+    alg = make_algorithm("r2r", mode="signal", router_dim=64, router_blocks=1, seed=5)
+    assert not alg.uses_logits(0) and alg.top_logits(0) == 100 and alg.top_logits(1) == 0
+    assert make_algorithm("r2r", mode="synthetic", rates={"switch": 0.1}).top_logits(0) == 0
+    full = rows(6, seed=9)
+    projected: list[int] = []
+
+    def lazy(r: StepResult) -> StepResult:
+        def project(r=r) -> torch.Tensor:
+            projected.append(r.position)
+            return r.logits
+        return StepResult.deferred(r.request_id, 0, r.position, r.token, project, r.hidden,
+                                   torch.topk(r.logits, 100).values)
+    screened = [lazy(r) for r in full]
+    alg.prepare_step(full)
+    want = [alg._step[id(r)] for r in full]
+    alg.prepare_step(screened)
+    assert [alg._step[id(r)] for r in screened] == want
+    assert [one_row(alg, r) for r in screened] == [one_row(alg, r) for r in full]
+    assert projected == []

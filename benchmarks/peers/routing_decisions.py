@@ -43,6 +43,12 @@ class Decisions:
         return position + 1 < len(ms) and ms[position + 1] == 0
 
 
+# Each algorithm's published signal where the runtime's default is another: CITER's official router is an MLP on
+# the small model's hidden state (its "router" signal); the runtime's default, max_prob, is the training-free
+# variant. R2R's router and Co-LLM's deferral head are their algorithms' defaults already.
+SIGNALS: dict[str, dict[str, Any]] = {"citer": {"signal": "router"}}
+
+
 def calibrate(alg: str, dirs: list[str], rates: dict[str, float], warmup: list[list[int]], max_tokens: int,
               seed: int) -> tuple[dict[str, Any], dict[str, Any]]:
     """(algorithm_kwargs for the runtime: mode calibrated + the calibrated thresholds, provenance for the results)."""
@@ -52,7 +58,7 @@ def calibrate(alg: str, dirs: list[str], rates: dict[str, float], warmup: list[l
     from tokenplane.route.algorithms import make_algorithm
     from tokenplane.route.reference import calibrate as ref_calibrate
     t0 = time.perf_counter()
-    algorithm = make_algorithm(alg, mode="calibrated", rates=dict(rates), seed=seed)
+    algorithm = make_algorithm(alg, mode="calibrated", rates=dict(rates), seed=seed, **SIGNALS.get(alg, {}))
     sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     thresholds = ref_calibrate(algorithm, dirs, warmup, sp, dtype=torch.float32, num_blocks=512)
     kwargs = algorithm.config()

@@ -63,25 +63,40 @@ class GreedyScreen:
     def argmax(self, hidden: torch.Tensor) -> list[int] | None:
         """numpy's argmax of each row of the fp32 projection of `hidden` [B, K] (float32, CPU), or None where the
         screen cannot prove it cheaply (the caller then projects in full)."""
+        got = self.screen(hidden, 0)
+        return None if got is None else got[0]
+
+    def screen(self, hidden: torch.Tensor, k: int) -> tuple[list[int], np.ndarray | None] | None:
+        """(each row's argmax, and with k > 0 each row's k largest fp32 logits sorted descending [B, min(k, V)], the
+        values torch.topk(logits, k) gives), or None where the screen cannot prove them cheaply.
+
+        Top-k: with a_k the k-th largest approx value, k rows have logits >= a_k - B, so the k-th largest logit is
+        >= a_k - B, and every row with approx < a_k - 2 B lies strictly below it: the candidates (approx >= a_k - 2 B,
+        a superset of the argmax's) hold every top-k value."""
         h = hidden.detach().contiguous()
         if not np.isfinite(self.worst) or not bool(torch.isfinite(h).all()):   # a non-finite weight or input
             return None
+        k = min(k, self.out_features)
         approx = cpu_bf16_gemv.linear_bf16(h, self.bf16)[:, :self.out_features]
         n_h = _row_norms(h)
-        top = approx.max(axis=1).astype(np.float64)
-        if not np.all(np.abs(top) < 1e30):       # logits near float32 overflow: project in full
+        if k > 0:
+            level = np.partition(approx, self.out_features - k, axis=1)[:, self.out_features - k].astype(np.float64)
+        else:
+            level = approx.max(axis=1).astype(np.float64)
+        if not np.all(np.abs(approx.max(axis=1)) < 1e30):     # logits near float32 overflow: project in full
             return None
         bound = 2.0 * n_h * self.worst + 1e-30
         cands: list[np.ndarray] = []
         for r in range(h.shape[0]):
-            # approx_i >= top - 2 B, the threshold rounded down to float32 so no candidate is lost to rounding
-            thr = np.nextafter(np.float32(top[r] - 2.0 * bound[r]), np.float32(-np.inf))
+            # approx_i >= level - 2 B, the threshold rounded down to float32 so no candidate is lost to rounding
+            thr = np.nextafter(np.float32(level[r] - 2.0 * bound[r]), np.float32(-np.inf))
             c = np.flatnonzero(approx[r] >= thr)
-            if c.shape[0] > PRUNE_ABOVE:     # each row's own bound (the one above takes the worst row of W)
+            if c.shape[0] > max(PRUNE_ABOVE, 2 * k):    # each row's own bound (the one above takes the worst row)
                 b = 2.0 * n_h[r] * self.row_bound[c] + 1e-30
                 v = approx[r, c].astype(np.float64)
-                c = c[v + b >= np.max(v - b)]
-            if c.shape[0] == 0:
+                low = np.max(v - b) if k == 0 else np.partition(v - b, v.shape[0] - k)[v.shape[0] - k]
+                c = c[v + b >= low]
+            if c.shape[0] < max(k, 1):
                 return None
             cands.append(c)
         panel_ids = np.unique(np.concatenate(cands) // cpu_small_gemm.PANEL)
@@ -91,10 +106,13 @@ class GreedyScreen:
         exact = cpu_small_gemm._linear(h, sub, self.kb, None).numpy()
         slot = np.searchsorted(panel_ids, np.arange(panel_ids[-1] + 1))    # panel id -> its place in `sub`
         tokens: list[int] = []
+        top = np.empty((h.shape[0], k), np.float32) if k > 0 else None
         for r, c in enumerate(cands):
             vals = exact[r, slot[c // cpu_small_gemm.PANEL] * cpu_small_gemm.PANEL + c % cpu_small_gemm.PANEL]
             tokens.append(int(c[int(np.argmax(vals))]))    # c ascends: the first maximum is the lowest index
-        return tokens
+            if top is not None:
+                top[r] = np.sort(vals)[::-1][:k]
+        return tokens, top
 
 
 __all__ = ["GreedyScreen", "MAX_ROWS"]

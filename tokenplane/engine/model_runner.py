@@ -10,6 +10,7 @@ onto the vocabulary only the rows whose sequence is then complete, the ones a sc
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -35,8 +36,11 @@ class RunnerOutput:
 @dataclass
 class GreedyOutput:
     tokens: list[int]     # per row: sampler.greedy of the logits `run` would return (their first maximum)
+    hidden: torch.Tensor  # as RunnerOutput.hidden
+    project: Callable[[int], torch.Tensor]   # row i -> the [V] logits `run` would return for it
     rows: list[int] | None = None  # as RunnerOutput.rows
     screened: bool = False  # True: the model's greedy screen gave them (no full vocabulary projection ran)
+    top: torch.Tensor | None = None  # run_greedy(top_k=k): each row's k largest logits, descending [B, min(k, V)]
 
 
 def _block_table_array(tables: list[list[int]], context_lens: list[int], bs: int) -> np.ndarray:
@@ -127,20 +131,32 @@ class ModelRunner:
         return RunnerOutput(logits=logits.to(out_dtype), hidden=hidden.to(out_dtype), rows=rows)
 
     @torch.inference_mode()
-    def run_greedy(self, seqs: list[Sequence], num_new_tokens: list[int] | None = None) -> GreedyOutput:
-        """`run`, answering each row's greedy token instead of its logits: the model's greedy screen
-        (greedy_screen.py: a bf16 pass over the vocabulary matrix, then the fp32 logits of the few rows that can be
-        the maximum) where it applies and proves the answer, else the argmax of the full projection. Either way the
-        token `sampler.greedy(run(...).logits)` gives."""
+    def run_greedy(self, seqs: list[Sequence], num_new_tokens: list[int] | None = None,
+                   top_k: int = 0) -> GreedyOutput:
+        """`run`, answering each row's greedy token (and with top_k > 0 its top_k largest logits, the values
+        torch.topk gives) instead of its logits: the model's greedy screen (greedy_screen.py: a bf16 pass over the
+        vocabulary matrix, then the fp32 logits of the few rows that can be the maximum) where it applies and proves
+        the answer, else the full projection. Either way the token `sampler.greedy(run(...).logits)` gives; each
+        row's logits stay one call away (`GreedyOutput.project`)."""
         hidden, rows = self._forward(seqs, num_new_tokens)
-        if not hidden.shape[0]:
-            return GreedyOutput([], rows)
-        screen = getattr(self.model, "greedy_tokens", None)
-        tokens = screen(hidden) if screen is not None else None
-        if tokens is not None:
-            return GreedyOutput(tokens, rows, screened=True)
         out_dtype = torch.float64 if self.dtype == torch.float64 else torch.float32
-        return GreedyOutput(greedy(self.model.compute_logits(hidden).to(out_dtype)).tolist(), rows)
+        model = self.model
+
+        def project(i: int) -> torch.Tensor:   # one row's logits (a row's projection does not depend on its batch)
+            with torch.inference_mode():
+                return model.compute_logits(hidden[i:i + 1])[0].to(out_dtype)
+        if not hidden.shape[0]:
+            return GreedyOutput([], hidden.to(out_dtype), project, rows)
+        screen = getattr(model, "greedy_tokens", None)
+        got = screen(hidden, top_k) if screen is not None else None
+        if got is not None:
+            tokens, top = got
+            return GreedyOutput(tokens, hidden.to(out_dtype), project, rows, screened=True,
+                                top=None if top is None else torch.from_numpy(top).to(out_dtype))
+        logits = model.compute_logits(hidden).to(out_dtype)
+        k = min(top_k, logits.shape[-1])
+        return GreedyOutput(greedy(logits).tolist(), hidden.to(out_dtype), project, rows,
+                            top=torch.topk(logits, k).values if k > 0 else None)
 
     def _forward(self, seqs: list[Sequence], num_new_tokens: list[int] | None) -> tuple[torch.Tensor, list[int] | None]:
         """The model over every sequence's next tokens: (final-norm hidden states of the rows to project, rows)."""

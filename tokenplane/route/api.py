@@ -32,12 +32,13 @@ import hashlib
 import math
 import struct
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 from typing import Sequence as Seq
 
 import torch
 
 WIRE_VERSION = 1
+_DEFERRED = torch.empty(0)     # StepResult.logits until a deferred result's `project` has run
 
 
 def counter_uniform(seed: int, request_id: str, position: int, model: int, stream: int = 0) -> float:
@@ -49,13 +50,29 @@ def counter_uniform(seed: int, request_id: str, position: int, model: int, strea
 
 @dataclass
 class StepResult:
-    """One decoded token of one request on one model: what `route` sees."""
+    """One decoded token of one request on one model: what `route` sees.
+
+    `logits` may be given as a function that computes them (`project`): a sub-server whose algorithm routes on
+    hidden states alone (`Algorithm.uses_logits` False) takes greedy tokens from the engine's greedy screen and
+    projects a row onto the vocabulary only if something reads its logits (the same values: the projection of a row
+    does not depend on its batch)."""
     request_id: str
     model: int
     position: int                   # output position the token goes to
     token: int                      # sampled on `model`
     logits: torch.Tensor            # [V], the logits that produced `token` (float32; float64 in equivalence tests)
     hidden: torch.Tensor | None = None   # [H], final-norm hidden state at the same position
+    top_logits: torch.Tensor | None = None   # the k largest logits, descending, where the sub-server computed them
+    #                                          (Algorithm.top_logits: R2R's router input) without projecting in full
+
+    @classmethod
+    def deferred(cls, request_id: str, model: int, position: int, token: int, project: Callable[[], torch.Tensor],
+                 hidden: torch.Tensor | None = None, top_logits: torch.Tensor | None = None) -> StepResult:
+        """A result whose logits `project()` computes on first read."""
+        r = cls(request_id, model, position, token, _DEFERRED, hidden, top_logits)
+        r.__dict__["_project"] = project
+        return r
+
 
     def probs(self) -> torch.Tensor:
         return torch.softmax(self.logits, dim=-1)
@@ -83,6 +100,21 @@ class StepResult:
         # torch.topk's tie order is unspecified; a stable sort on -p makes ties deterministic across processes.
         order = torch.sort(-p, stable=True).indices[:k]
         return [int(i) for i in order], [float(p[i]) for i in order]
+
+
+def _get_logits(self: StepResult) -> torch.Tensor:
+    v = self.__dict__["_logits"]
+    if v is _DEFERRED:
+        v = self.__dict__["_logits"] = self.__dict__.pop("_project")()
+    return v
+
+
+def _set_logits(self: StepResult, value: torch.Tensor) -> None:
+    self.__dict__["_logits"] = value
+
+
+# `logits` reads through the deferred projection (the dataclass __init__ assigns it through the setter)
+StepResult.logits = property(_get_logits, _set_logits)  # type: ignore[assignment]
 
 
 @dataclass
@@ -178,6 +210,17 @@ class Algorithm:
         return {"seed": self.seed, "num_models": self.num_models}
 
     # -- the interface -------------------------------------------------------------------------------------
+    def uses_logits(self, model: int) -> bool:
+        """Whether this algorithm reads `StepResult.logits` (or what derives from them: probs, entropy, top-k) of
+        `model`'s results. False lets that model's sub-server take greedy tokens from the engine's greedy screen
+        without projecting onto the vocabulary (the logits are still computed if read). Default: True."""
+        return True
+
+    def top_logits(self, model: int) -> int:
+        """How many of the largest logits of `model`'s results this algorithm reads through `StepResult.top_logits`
+        (0: none). With `uses_logits` False, the sub-server's greedy screen computes just those."""
+        return 0
+
     def prepare_step(self, results: list[StepResult]) -> None:
         """Called once per sub-server step with every row that sampled, before their `route` calls: an algorithm
         whose signal is a network (R2R's router) can run it once for the whole batch instead of once per row. Its

@@ -32,6 +32,6 @@ def complete_position(alg: Algorithm, rec: Any, model: int, wait: EnsembleWait) 
     token = int(alg.combine(rec.view, wait.result, wait.scores))
     rec.ensemble = None
     commit(rec.view, model, token)
-    record(rec, model, wait.result.logits, token)
+    record(rec, model, wait.result, token)
     rec.stats.token_models = list(rec.models)
     rec.stats.on_ensemble()

@@ -19,12 +19,13 @@ def logprob_entry(logits: Any, token: int, k: int) -> list[Any]:
     return [lp, [[i, v] for i, v in top]]
 
 
-def record(rec: Any, model: int, logits: Any, token: int) -> None:
+def record(rec: Any, model: int, result: Any, token: int) -> None:
     """Per-position records of a token `model` commits (rec: route_request.RouteRequest); its logprob, from the logits
-    that produced it, only when the request asked."""
+    of `result` (the api.StepResult that produced it: read only here, so a deferred projection runs only when the
+    request asked for logprobs)."""
     rec.models.append(model)
     if rec.logprobs is not None:
-        rec.logprobs.append(logprob_entry(logits, token, rec.params.logprobs))
+        rec.logprobs.append(logprob_entry(result.logits, token, rec.params.logprobs))
 
 
 def set_received(rec: Any, h: Any, models: list[int], logprobs: list[Any] | None, start: int | None = None) -> None:

@@ -23,6 +23,7 @@ is out) are step_batch.py's; the request record and Outbound are route_request.p
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections import OrderedDict, deque
 from typing import Any, Callable
@@ -77,6 +78,7 @@ class Scheduler:
         from tokenplane.engine.sampler import sample
         from tokenplane.engine.sequence import Sequence
         self.sample_fn: Callable = sample_fn or sample
+        self.default_sampler = sample_fn is None
         self.Sequence = sequence_cls or Sequence
         self.requests: dict[str, RouteRequest] = {}
         self.waiting: deque[str] = deque()
@@ -257,6 +259,13 @@ class Scheduler:
         pool (step_batch.py: decodes first, chunked prefill, preemption by recompute)."""
         return form_batch(self)
 
+    def greedy_step(self, batch: list[RouteRequest]) -> bool:
+        """Whether this step may take greedy tokens from the runner (`ModelRunner.run_greedy`: the engine's greedy
+        screen, no vocabulary projection) instead of logits: every request greedy without logprobs, the default
+        sampler, and an algorithm that does not read this model's logits (`Algorithm.uses_logits`)."""
+        return (self.default_sampler and not self.alg.uses_logits(self.model)
+                and all(r.params.temperature == 0.0 and r.logprobs is None for r in batch))
+
     def update_from_output(self, batch: list[RouteRequest], out) -> list[Outbound]:
         """Sample one token per request and act on the routing decision."""
         self.counters["steps"] += 1
@@ -270,13 +279,21 @@ class Scheduler:
                 rows.append(i)
         if not rows:
             return []
-        logits = out.logits if len(rows) == len(batch) else out.logits[rows]
         positions = [len(batch[i].view.output_ids) for i in rows]
-        tokens = self.sample_fn(logits, [batch[i].params for i in rows], positions)
         hidden = getattr(out, "hidden", None)
         sends: list[Outbound] = []
-        results = [StepResult(batch[i].request_id, self.model, positions[j], int(tokens[j]), out.logits[i],
-                              None if hidden is None else hidden[i]) for j, i in enumerate(rows)]
+        greedy = getattr(out, "tokens", None)
+        if greedy is not None:      # run_greedy's tokens (greedy_step): logits only if something reads them
+            top = getattr(out, "top", None)
+            results = [StepResult.deferred(batch[i].request_id, self.model, positions[j], int(greedy[i]),
+                                           functools.partial(out.project, i), out.hidden[i],
+                                           None if top is None else top[i])
+                       for j, i in enumerate(rows)]
+        else:
+            logits = out.logits if len(rows) == len(batch) else out.logits[rows]
+            tokens = self.sample_fn(logits, [batch[i].params for i in rows], positions)
+            results = [StepResult(batch[i].request_id, self.model, positions[j], int(tokens[j]), out.logits[i],
+                                  None if hidden is None else hidden[i]) for j, i in enumerate(rows)]
         try:
             self.alg.prepare_step(results)
         except Exception:  # noqa: BLE001 - the per-row calls below recompute, and fail their own request if broken
@@ -321,7 +338,7 @@ class Scheduler:
         if target == self.model:
             commit(view, self.model, result.token)
             rec.seq.append_token(result.token)
-            record(rec, self.model, result.logits, result.token)
+            record(rec, self.model, result, result.token)
             rec.stats.on_commit(self.model)
             reason = self._finish_reason(rec)
             if reason is not None:
@@ -335,7 +352,7 @@ class Scheduler:
         after_send(view, result, h)
         if h.keep_last:
             rec.seq.append_token(result.token)
-            record(rec, self.model, result.logits, result.token)
+            record(rec, self.model, result, result.token)
             rec.stats.on_commit(self.model)
         rec.num_handoffs += 1
         reason = self._finish_reason(rec)

@@ -310,7 +310,9 @@ class SubServer:
                 out = self.runner.wait(pending)
             else:
                 self.out.flush()
-                out = self.runner.run(seqs)
+                run_greedy = getattr(self.runner, "run_greedy", None)
+                out = (run_greedy(seqs, top_k=s.alg.top_logits(self.model))
+                       if run_greedy is not None and s.greedy_step(batch) else self.runner.run(seqs))
         except Exception as exc:   # a failed forward fails its batch, not the process
             for r in batch:
                 s.abort(r.request_id, "error")

@@ -6,6 +6,7 @@ only the last position of each sequence onto the vocabulary.
 """
 from __future__ import annotations
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -189,15 +190,16 @@ class Qwen3ForCausalLM(nn.Module):
     def vocab_weight(self) -> torch.Tensor:
         return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
 
-    def greedy_tokens(self, hidden: torch.Tensor) -> list[int] | None:
-        """Each row's greedy token from the vocabulary projection's greedy screen (greedy_screen.py), or None where
-        it does not apply (not the fp32 panel path) or cannot prove the answer: then project in full."""
+    def greedy_tokens(self, hidden: torch.Tensor, top_k: int = 0) -> tuple[list[int], np.ndarray | None] | None:
+        """(each row's greedy token, with top_k > 0 each row's top_k largest logits sorted descending) from the
+        vocabulary projection's greedy screen (greedy_screen.py), or None where it does not apply (not the fp32
+        panel path) or cannot prove the answer: then project in full."""
         vp = self.vocab_projection
         if vp is None or vp.panels is None or not cpu_small_gemm.applies(hidden, greedy_screen.MAX_ROWS):
             return None
         if self.greedy_screen is None or self.greedy_screen.panels is not vp.panels:   # built on first use
             self.greedy_screen = greedy_screen.GreedyScreen(vp.weight, vp.panels)
-        return self.greedy_screen.argmax(hidden)
+        return self.greedy_screen.screen(hidden, top_k)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         weight = self.vocab_weight()

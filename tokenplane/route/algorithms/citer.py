@@ -68,5 +68,9 @@ class CITER(OneTokenCorrection):
         with torch.no_grad():
             return float(self._cast[key](result.hidden[None])[0])
 
+    def uses_logits(self, model: int) -> bool:
+        """Only the max_prob signal (on model 0) reads logits; the router signal reads the hidden state."""
+        return model == 0 and self.signal_name == "max_prob"
+
     def signal(self, gate: Gate, result: StepResult) -> float:
         return self.confidence(result)

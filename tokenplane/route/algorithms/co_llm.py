@@ -65,5 +65,9 @@ class CoLLM(OneTokenCorrection):
         logit = torch.dot(self.weight.to(device=h.device, dtype=h.dtype), h) + self.bias
         return float(torch.sigmoid(logit))
 
+    def uses_logits(self, model: int) -> bool:
+        """Only the max_prob signal (on model 0) reads logits; the router signal reads the hidden state."""
+        return model == 0 and self.signal_name == "max_prob"
+
     def signal(self, gate: Gate, result: StepResult) -> float:
         return self.defer_prob(result)

@@ -145,13 +145,29 @@ class R2R(OneTokenCorrection):
             self._cast[(dtype, device)] = (router, self.embedding.to(device=device, dtype=dtype))
         return self._cast[(dtype, device)]
 
-    def _run(self, hidden: torch.Tensor, tokens: list[int], logits: list[torch.Tensor]) -> torch.Tensor:
-        """Router outputs for rows hidden [B, H], sampled tokens [B], logits B rows of [V]."""
+    def uses_logits(self, model: int) -> bool:
+        """The router reads the small model's top logits only (`top_logits`); synthetic decisions read nothing."""
+        return False
+
+    def top_logits(self, model: int) -> int:
+        return self.logits_size if model == 0 and self.mode != "synthetic" else 0
+
+    def _top(self, results: list[StepResult]) -> torch.Tensor:
+        """Each row's k = min(logits_size, V) largest logits, descending: the sub-server's (StepResult.top_logits,
+        from the greedy screen) where every row has them, else from the logits (the same values)."""
+        tops = [r.top_logits for r in results]
+        if all(t is not None for t in tops):     # the sub-server asked for top_logits(0) = logits_size of them
+            return torch.stack(tops)  # type: ignore[arg-type]
+        logits = [r.logits for r in results]
+        return top_values(logits, min(self.logits_size, logits[0].shape[-1]))
+
+    def _run(self, hidden: torch.Tensor, tokens: list[int], results: list[StepResult]) -> torch.Tensor:
+        """Router outputs for rows hidden [B, H], sampled tokens [B], the rows' results (their top logits)."""
         router, embedding = self._router_for(hidden)
         rows = tokens if embedding.shape[0] != FALLBACK_EMBED_ROWS else [t % FALLBACK_EMBED_ROWS for t in tokens]
-        k = min(self.logits_size, logits[0].shape[-1])
         # The k largest values, then the router's dtype: a monotonic cast keeps which values are largest.
-        top = top_values(logits, k).to(device=hidden.device, dtype=hidden.dtype)
+        top = self._top(results).to(device=hidden.device, dtype=hidden.dtype)
+        k = top.shape[-1]
         if k < self.logits_size:   # tiny vocabularies: pad with the smallest value so the shape matches
             top = torch.cat([top, top[:, -1:].expand(-1, self.logits_size - k)], dim=-1)
         with torch.no_grad():
@@ -167,8 +183,7 @@ class R2R(OneTokenCorrection):
         rows = [r for r in results if r.model == 0 and r.hidden is not None]
         if len(rows) < 2 or len({(r.hidden.dtype, r.hidden.device) for r in rows}) != 1:  # type: ignore[union-attr]
             return
-        out = self._run(torch.stack([r.hidden for r in rows]), [int(r.token) for r in rows],  # type: ignore[misc]
-                        [r.logits for r in rows])
+        out = self._run(torch.stack([r.hidden for r in rows]), [int(r.token) for r in rows], rows)  # type: ignore[misc]
         self._step = {id(r): float(v) for r, v in zip(rows, out.tolist())}
         self._step_rows = rows
 
@@ -183,7 +198,7 @@ class R2R(OneTokenCorrection):
         v = self._step.get(id(result))
         if v is not None and abs(v - self.thresholds["switch"]) > BATCH_MARGIN:
             return v
-        return float(self._run(result.hidden[None], [int(result.token)], [result.logits])[0])
+        return float(self._run(result.hidden[None], [int(result.token)], [result])[0])
 
     def signal(self, gate: Gate, result: StepResult) -> float:
         return self.divergence(result)
