@@ -24,5 +24,9 @@ class Single(Algorithm):
             raise ValueError(f"single takes no routing parameters, got {sorted(kwargs)}")
         super().__init__(seed=seed, num_models=1)
 
+    def uses_logits(self, model: int) -> bool:
+        """Nothing to route on: greedy steps take the engine's greedy screen (logprobs still read the logits)."""
+        return False
+
     def route(self, result: StepResult, req: Any) -> int:
         return result.model
