@@ -1,6 +1,7 @@
 """cpu_small_gemm (the few-row float32 linear of decode steps) against float64 F.linear, and the layers that take it."""
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -62,6 +63,30 @@ def test_8_and_16_lane_kernels_sum_alike(n, k):
                 cpu_small_gemm._KERNEL[0] = fn
                 out[name] = (cpu_small_gemm.linear(x, panels, n), cpu_small_gemm.linear(x, panels, n, bias))
             assert torch.equal(out["8"][0], out["16"][0]) and torch.equal(out["8"][1], out["16"][1]), rows
+    finally:
+        cpu_small_gemm._KERNEL[0] = kernel
+
+
+@pytest.mark.parametrize("n,k", [(1, 1), (33, 7), (100, 130), (5000, 256), (4000, 576), (300, 1536)])
+def test_columns_are_the_kernels_values_bit_for_bit(n, k):
+    """cpu_small_gemm.columns (a few output columns of one row from the unpacked weight: the greedy screen's exact
+    recompute) equals both kernels' outputs bit for bit, at one k block and at several (K = 576, 1536)."""
+    from tokenplane.engine import cpu_small_gemm16
+
+    g = torch.Generator().manual_seed(n * 3 + k)
+    w = torch.randn(n, k, generator=g) * 0.05
+    panels = cpu_small_gemm.pack(w)
+    kernel = cpu_small_gemm._KERNEL[0]
+    try:
+        for rows in (1, 5, 13):
+            x = torch.randn(rows, k, generator=g)
+            cols = np.unique(np.random.default_rng(n).integers(0, n, min(n, 300)))
+            for fn in (cpu_small_gemm._gemm, cpu_small_gemm16.gemm):
+                cpu_small_gemm._KERNEL[0] = fn
+                full = cpu_small_gemm.linear(x, panels, n).numpy()
+                for r in range(rows):
+                    got = cpu_small_gemm.columns(x[r], w, cols)
+                    assert np.array_equal(got.view(np.uint32), full[r, cols].view(np.uint32)), (rows, r)
     finally:
         cpu_small_gemm._KERNEL[0] = kernel
 

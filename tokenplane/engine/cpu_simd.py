@@ -116,6 +116,16 @@ _vec16, _load16, _store16, _splat16, _zero16, _fma16, _add16, _max16 = _vector_o
 
 
 @intrinsic
+def _fma1(typingctx, a, b, c):  # noqa: ANN001
+    """a * b + c on float32 scalars with one rounding (llvm.fma.f32): one lane of the vector kernels' `fma`."""
+    def codegen(context, builder, signature, args):  # noqa: ANN001
+        f = ir.FloatType()
+        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(f, [f, f, f]), "llvm.fma.f32")
+        return builder.call(fn, args)
+    return types.float32(types.float32, types.float32, types.float32), codegen
+
+
+@intrinsic
 def _load16_bf16(typingctx, flat, index):  # noqa: ANN001
     """flat[index : index + 16] of a uint16 array holding bfloat16 bits, as 16 float32 lanes (exact: a bfloat16 is
     the top half of a float32): a 32-byte load, zero-extended to 32-bit lanes and shifted left by 16."""

@@ -44,13 +44,14 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from numba import njit
 
 from tokenplane.engine import cpu_small_gemm16
 from tokenplane.engine.cpu_malloc import huge_page_empty
-from tokenplane.engine.cpu_simd import HOST_AVX512, _add8, _fma8, _load8, _prefetch, _splat8, _store8, _zero8
+from tokenplane.engine.cpu_simd import HOST_AVX512, _add8, _fma1, _fma8, _load8, _prefetch, _splat8, _store8, _zero8
 
 PANEL = 16            # output columns per panel: two 8-float vectors (one 16-float vector in cpu_small_gemm16)
 MAX_ROWS = 256        # layers: ahead of F.linear (the fallback) up to 256 rows on every measured shape (docstring)
@@ -305,6 +306,33 @@ def _linear(x: torch.Tensor, panels: torch.Tensor, kb: int, bias: torch.Tensor |
     return out
 
 
+@njit(cache=True, nogil=True)
+def _columns(x, k_dim, w, cols, kb, out):  # noqa: ANN001
+    """out[j] = the kernels' sum for output column cols[j] of one input row x (float32 [k_dim]) over the unpacked
+    weight w (float32 [N, k_dim], flat): each lane's arithmetic, one lane at a time (k blocks of kb steps, each a
+    chain of fused multiply-adds from zero; the first block's sum stored, each next one added), so the same bits as
+    the panel kernels' output for that row and column (cpu_small_gemm16 is the same lane arithmetic)."""
+    for j in range(cols.shape[0]):
+        base = cols[j] * k_dim
+        total = np.float32(0.0)
+        for k0 in range(0, k_dim, kb):
+            acc = np.float32(0.0)
+            for k in range(k0, min(k0 + kb, k_dim)):
+                acc = _fma1(x[k], w[base + k], acc)
+            total = acc if k0 == 0 else np.float32(total + acc)
+        out[j] = total
+
+
+def columns(x: torch.Tensor, weight: torch.Tensor, cols: np.ndarray) -> np.ndarray:
+    """float32 values of `linear(x[None], pack(weight), N)[0, cols]` (bit for bit, no bias) for one row x [K],
+    reading only the weight rows `cols` (int64): a few logits of a vocabulary projection."""
+    k = x.shape[0]
+    out = np.empty(cols.shape[0], np.float32)
+    _columns(x.detach().contiguous().numpy(), k, weight.detach().contiguous().numpy().reshape(-1), cols,
+             k_block(k), out)
+    return out
+
+
 def linear(x: torch.Tensor, panels: torch.Tensor, out_features: int, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x @ W^T (+ bias) for `applies(x)` inputs, W given as `pack(W)`; returns a contiguous [rows, out_features]."""
     k = x.shape[1]
@@ -316,5 +344,5 @@ def linear(x: torch.Tensor, panels: torch.Tensor, out_features: int, bias: torch
     return out
 
 
-__all__ = ["MAX_ROWS", "PANEL", "VOCAB_MAX_ROWS", "applies", "available", "k_block", "kernel", "linear", "pack",
-           "probe_k_block"]
+__all__ = ["MAX_ROWS", "PANEL", "VOCAB_MAX_ROWS", "applies", "available", "columns", "k_block", "kernel", "linear",
+           "pack", "probe_k_block"]

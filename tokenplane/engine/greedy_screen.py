@@ -9,9 +9,9 @@ not every logit. This module finds that index without reading the fp32 matrix:
    path (cpu_small_gemm's panel kernel, the logits every other request gets) computes; every i with
    approx[r, i] < max_i approx[r, i] - 2 B_r is then provably not the argmax (its logit is below the lower bound of
    the maximum);
-3. the remaining candidates' logits computed by that same fp32 kernel over their own panels (bit for bit the values
-   the full projection gives: a column's sums do not depend on which panels a call holds), and numpy's argmax among
-   them (first maximum, as `sampler.greedy`).
+3. the remaining candidates' logits computed with the fp32 kernel's own lane arithmetic from their weight rows alone
+   (cpu_small_gemm.columns: bit for bit the values the full projection gives), and numpy's argmax among them (first
+   maximum, as `sampler.greedy`).
 
 So the token is the full fp32 path's token, by construction; where the screen cannot prove that cheaply (a
 non-finite input, logits near overflow, too many candidates) it answers None and the caller projects in full.
@@ -33,12 +33,24 @@ from tokenplane.engine import cpu_bf16_gemv, cpu_small_gemm
 
 U32 = 2.0 ** -24
 MAX_ROWS = 16           # the rows measured ahead of the fp32 stream (cpu_bf16_gemv; decode-sized steps)
-MAX_PANEL_SHARE = 8     # more candidate panels than 1/8 of all: the screen gains too little, project in full
+MAX_CANDIDATE_SHARE = 8  # more candidates than 1/8 of the vocabulary: the screen gains too little, project in full
+BLOCK = 128             # block maxima for the k-th largest approximate value's lower bound
 PRUNE_ABOVE = 64        # candidates past which the rows' own norms prune the set
 
 
 def _row_norms(x: torch.Tensor) -> np.ndarray:
     return torch.linalg.vector_norm(x.double(), dim=-1).numpy()
+
+
+def _kth_lower_bound(approx: np.ndarray, k: int) -> np.ndarray:
+    """Per row, a value <= its k-th largest entry: the k-th largest of its block maxima (k blocks hold an entry >=
+    it), the whole row's k-th largest where it has fewer than k blocks. float64 [B]."""
+    b, v = approx.shape
+    n = v // BLOCK
+    if n < k:
+        return np.partition(approx, v - k, axis=1)[:, v - k].astype(np.float64)
+    maxima = approx[:, :n * BLOCK].reshape(b, n, BLOCK).max(axis=2)
+    return np.partition(maxima, n - k, axis=1)[:, n - k].astype(np.float64)
 
 
 class GreedyScreen:
@@ -49,6 +61,7 @@ class GreedyScreen:
         w = weight.detach()
         self.out_features, self.k = w.shape
         self.panels = panels
+        self.weight = w
         self.bf16 = cpu_bf16_gemv.pack_bf16(w)
         wb = w.to(torch.bfloat16)
         self.n_w = _row_norms(w)
@@ -58,7 +71,6 @@ class GreedyScreen:
         self.gamma = g / (1 - g)
         self.row_bound = self.gamma * (self.n_wb + self.n_w) + self.n_d     # B / |h| per vocabulary row
         self.worst = float(self.row_bound.max())
-        self.kb = cpu_small_gemm.k_block(self.k)
 
     def argmax(self, hidden: torch.Tensor) -> list[int] | None:
         """numpy's argmax of each row of the fp32 projection of `hidden` [B, K] (float32, CPU), or None where the
@@ -70,23 +82,26 @@ class GreedyScreen:
         """(each row's argmax, and with k > 0 each row's k largest fp32 logits sorted descending [B, min(k, V)], the
         values torch.topk(logits, k) gives), or None where the screen cannot prove them cheaply.
 
-        Top-k: with a_k the k-th largest approx value, k rows have logits >= a_k - B, so the k-th largest logit is
-        >= a_k - B, and every row with approx < a_k - 2 B lies strictly below it: the candidates (approx >= a_k - 2 B,
-        a superset of the argmax's) hold every top-k value."""
+        Top-k: with L <= the k-th largest approx value (the k-th largest block maximum: k blocks hold a value >= it),
+        k rows have logits >= L - B, so the k-th largest logit is >= L - B, and every row with approx < L - 2 B lies
+        strictly below it: the candidates (approx >= L - 2 B, a superset of the argmax's) hold every top-k value."""
         h = hidden.detach().contiguous()
         if not np.isfinite(self.worst) or not bool(torch.isfinite(h).all()):   # a non-finite weight or input
             return None
-        k = min(k, self.out_features)
-        approx = cpu_bf16_gemv.linear_bf16(h, self.bf16)[:, :self.out_features]
+        v_all = self.out_features
+        k = min(k, v_all)
+        approx = cpu_bf16_gemv.linear_bf16(h, self.bf16)[:, :v_all]
         n_h = _row_norms(h)
-        if k > 0:
-            level = np.partition(approx, self.out_features - k, axis=1)[:, self.out_features - k].astype(np.float64)
-        else:
-            level = approx.max(axis=1).astype(np.float64)
-        if not np.all(np.abs(approx.max(axis=1)) < 1e30):     # logits near float32 overflow: project in full
+        top_value = approx.max(axis=1)
+        if not np.all(np.abs(top_value) < 1e30):     # logits near float32 overflow: project in full
             return None
+        level = top_value.astype(np.float64)
+        if k > 1:
+            level = _kth_lower_bound(approx, k)
         bound = 2.0 * n_h * self.worst + 1e-30
-        cands: list[np.ndarray] = []
+        tokens: list[int] = []
+        top = np.empty((h.shape[0], k), np.float32) if k > 0 else None
+        budget = v_all // MAX_CANDIDATE_SHARE
         for r in range(h.shape[0]):
             # approx_i >= level - 2 B, the threshold rounded down to float32 so no candidate is lost to rounding
             thr = np.nextafter(np.float32(level[r] - 2.0 * bound[r]), np.float32(-np.inf))
@@ -94,21 +109,11 @@ class GreedyScreen:
             if c.shape[0] > max(PRUNE_ABOVE, 2 * k):    # each row's own bound (the one above takes the worst row)
                 b = 2.0 * n_h[r] * self.row_bound[c] + 1e-30
                 v = approx[r, c].astype(np.float64)
-                low = np.max(v - b) if k == 0 else np.partition(v - b, v.shape[0] - k)[v.shape[0] - k]
+                low = np.max(v - b) if k <= 1 else np.partition(v - b, v.shape[0] - k)[v.shape[0] - k]
                 c = c[v + b >= low]
-            if c.shape[0] < max(k, 1):
+            if c.shape[0] < max(k, 1) or c.shape[0] > budget:
                 return None
-            cands.append(c)
-        panel_ids = np.unique(np.concatenate(cands) // cpu_small_gemm.PANEL)
-        if panel_ids.shape[0] * MAX_PANEL_SHARE > self.panels.shape[0]:
-            return None
-        sub = self.panels.index_select(0, torch.from_numpy(panel_ids))
-        exact = cpu_small_gemm._linear(h, sub, self.kb, None).numpy()
-        slot = np.searchsorted(panel_ids, np.arange(panel_ids[-1] + 1))    # panel id -> its place in `sub`
-        tokens: list[int] = []
-        top = np.empty((h.shape[0], k), np.float32) if k > 0 else None
-        for r, c in enumerate(cands):
-            vals = exact[r, slot[c // cpu_small_gemm.PANEL] * cpu_small_gemm.PANEL + c % cpu_small_gemm.PANEL]
+            vals = cpu_small_gemm.columns(h[r], self.weight, c)   # the fp32 kernel's own values for these rows
             tokens.append(int(c[int(np.argmax(vals))]))    # c ascends: the first maximum is the lowest index
             if top is not None:
                 top[r] = np.sort(vals)[::-1][:k]
