@@ -66,12 +66,12 @@ def weight_norms(w: torch.Tensor, chunk: int = 16384) -> tuple[np.ndarray, np.nd
     """(|w_i|, |bf16(w_i)|, |bf16(w_i) - w_i|) per row of a float32 [V, K] weight, float64, a chunk of rows at a
     time (torch's float64 copies of a 151936 x 512 matrix took ~6 s and 1.7 GB here)."""
     v = w.shape[0]
-    out = tuple(np.empty(v, np.float64) for _ in range(3))
+    n_w, n_wb, n_d = np.empty(v, np.float64), np.empty(v, np.float64), np.empty(v, np.float64)
     for a in range(0, v, chunk):
         part = w[a:a + chunk].contiguous()
-        _weight_norms(part.numpy(), part.to(torch.bfloat16).float().numpy(), out[0][a:a + chunk],
-                      out[1][a:a + chunk], out[2][a:a + chunk])
-    return out
+        _weight_norms(part.numpy(), part.to(torch.bfloat16).float().numpy(), n_w[a:a + chunk], n_wb[a:a + chunk],
+                      n_d[a:a + chunk])
+    return n_w, n_wb, n_d
 
 
 def _kth_lower_bound(approx: np.ndarray, k: int) -> np.ndarray:
