@@ -209,3 +209,13 @@ def test_run_greedy_top_values_without_the_screen_are_topk(one_thread):
     assert not g.screened and g.top is not None and g.top.shape == (3, 512)
     for i in range(3):
         assert torch.allclose(g.top[i], torch.sort(g.project(i), descending=True).values, rtol=0, atol=1e-12)
+
+
+def test_weight_norms_equal_float64_norms_across_chunks():
+    from tokenplane.engine.greedy_screen import weight_norms
+
+    w = torch.randn(1000, 37, generator=torch.Generator().manual_seed(6))
+    n_w, n_wb, n_d = weight_norms(w, chunk=300)
+    wb = w.to(torch.bfloat16).double()
+    for got, want in ((n_w, w.double()), (n_wb, wb), (n_d, wb - w.double())):
+        assert np.allclose(got, torch.linalg.vector_norm(want, dim=-1).numpy(), rtol=1e-12, atol=0)
