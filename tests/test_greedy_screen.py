@@ -219,3 +219,31 @@ def test_weight_norms_equal_float64_norms_across_chunks():
     wb = w.to(torch.bfloat16).double()
     for got, want in ((n_w, w.double()), (n_wb, wb), (n_d, wb - w.double())):
         assert np.allclose(got, torch.linalg.vector_norm(want, dim=-1).numpy(), rtol=1e-12, atol=0)
+
+
+def test_trained_model_greedy_outputs_equal_with_and_without_the_screen(one_thread):
+    """SmolLM2-135M-Instruct (trained logits, tied 49152 x 576 embeddings): every decode step takes the screen and
+    the greedy outputs equal the full projection's."""
+    import importlib.util
+
+    from tokenplane.engine import artifacts
+    smol = artifacts.MODELS["smollm2-135m-instruct"]
+    if importlib.util.find_spec(smol.package) is None:
+        pytest.skip(f"registry model not installed (`{smol.install}`)")
+    prompts = [[1, 504, 3575, 282, 4649, 314], [1, 563, 28267, 30, 94, 1843, 42], [1, 9519, 2379, 253, 655, 28]]
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    outs = []
+    for screen in (True, False):
+        eng = LLMEngine(smol.name, num_blocks=64, max_num_seqs=4, num_threads=1, greedy_screen=screen)
+        if screen:
+            seen: list[bool] = []
+            run_greedy = eng.runner.run_greedy
+
+            def spy(*args, **kwargs):
+                out = run_greedy(*args, **kwargs)
+                seen.append(out.screened)
+                return out
+            eng.runner.run_greedy = spy  # type: ignore[method-assign]
+        outs.append(eng.generate(prompts, params))
+    assert outs[0] == outs[1]
+    assert len(seen) >= 23 and sum(seen) >= len(seen) - 1      # the prefill step may project in full
