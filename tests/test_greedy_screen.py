@@ -115,6 +115,12 @@ def _engine(screen: bool) -> LLMEngine:
                      num_threads=1, greedy_screen=screen)
 
 
+def test_only_greedy_requests_without_logprobs_skip_the_logits():
+    assert not SamplingParams(temperature=0.0).needs_logits
+    assert SamplingParams(temperature=0.7).needs_logits
+    assert SamplingParams(temperature=0.0, logprobs=0).needs_logits
+
+
 def test_engine_greedy_outputs_equal_with_and_without_the_screen(one_thread, monkeypatch):
     on, off = _engine(True), _engine(False)
     calls = {"screened": 0, "steps": 0}

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from tokenplane.engine.loader import load_model
-from tokenplane.engine.model_runner import ModelRunner
+from tokenplane.engine.model_runner import GreedyOutput, ModelRunner
 from tokenplane.engine.sampler import SamplingParams, sample, splitmix64
 from tokenplane.engine.scheduler import Scheduler
 from tokenplane.engine.sequence import Sequence, SequenceStatus
@@ -82,16 +82,13 @@ class LLMEngine:
         batch, counts = self.scheduler.schedule()
         if not batch:
             raise RuntimeError("nothing schedulable: the KV cache is too small for any waiting request")
-        if self.greedy_screen and all(s.params.temperature == 0.0 and s.params.logprobs is None for s in batch):
-            g = self.runner.run_greedy(batch, counts)
-            seqs = [batch[i] for i in g.rows] if g.rows is not None else batch
-            tokens = g.tokens
-        else:
-            out = self.runner.run(batch, counts)
-            seqs = [batch[i] for i in out.rows] if out.rows is not None else batch
-            tokens = sample(out.logits, [s.params for s in seqs], [s.num_output_tokens for s in seqs]) if seqs else []
+        greedy = self.greedy_screen and not any(s.params.needs_logits for s in batch)
+        out = self.runner.run_greedy(batch, counts) if greedy else self.runner.run(batch, counts)
+        seqs = [batch[i] for i in out.rows] if out.rows is not None else batch
         if not seqs:
             return []
+        tokens = (out.tokens if isinstance(out, GreedyOutput)
+                  else sample(out.logits, [s.params for s in seqs], [s.num_output_tokens for s in seqs]))
         finished = {s.seq_id for s in self.scheduler.postprocess(seqs, tokens)}
         reasons = {SequenceStatus.FINISHED_STOPPED: "stop", SequenceStatus.FINISHED_LENGTH: "length"}
         return [StepOutput(s.seq_id, t, s.seq_id in finished, reasons.get(s.status)) for s, t in zip(seqs, tokens)]

@@ -74,6 +74,8 @@ class ModelRunner:
         param = next(model.parameters())
         self.device = torch.device(device) if device is not None else param.device
         self.dtype = dtype if dtype is not None else param.dtype
+        # logits and hidden states leave the runner in float32 (float64 for float64 models: equivalence tests)
+        self.out_dtype = torch.float64 if self.dtype == torch.float64 else torch.float32
         if param.device != self.device or param.dtype != self.dtype:
             model = model.to(device=self.device, dtype=self.dtype)
         if decode_kernel not in ("auto", "cpu", "varlen", "padded"):
@@ -127,8 +129,7 @@ class ModelRunner:
     def run(self, seqs: list[Sequence], num_new_tokens: list[int] | None = None) -> RunnerOutput:
         hidden, rows = self._forward(seqs, num_new_tokens)
         logits = self.model.compute_logits(hidden) if hidden.shape[0] else hidden.new_empty(0, self.cfg.vocab_size)
-        out_dtype = torch.float64 if self.dtype == torch.float64 else torch.float32
-        return RunnerOutput(logits=logits.to(out_dtype), hidden=hidden.to(out_dtype), rows=rows)
+        return RunnerOutput(logits=logits.to(self.out_dtype), hidden=hidden.to(self.out_dtype), rows=rows)
 
     @torch.inference_mode()
     def run_greedy(self, seqs: list[Sequence], num_new_tokens: list[int] | None = None,
@@ -139,23 +140,22 @@ class ModelRunner:
         the answer, else the full projection. Either way the token `sampler.greedy(run(...).logits)` gives; each
         row's logits stay one call away (`GreedyOutput.project`)."""
         hidden, rows = self._forward(seqs, num_new_tokens)
-        out_dtype = torch.float64 if self.dtype == torch.float64 else torch.float32
-        model = self.model
+        model, out_dtype, hidden_out = self.model, self.out_dtype, hidden.to(self.out_dtype)
 
         def project(i: int) -> torch.Tensor:   # one row's logits (a row's projection does not depend on its batch)
             with torch.inference_mode():
                 return model.compute_logits(hidden[i:i + 1])[0].to(out_dtype)
         if not hidden.shape[0]:
-            return GreedyOutput([], hidden.to(out_dtype), project, rows)
+            return GreedyOutput([], hidden_out, project, rows)
         screen = getattr(model, "greedy_tokens", None)
         got = screen(hidden, top_k) if screen is not None else None
         if got is not None:
             tokens, top = got
-            return GreedyOutput(tokens, hidden.to(out_dtype), project, rows, screened=True,
+            return GreedyOutput(tokens, hidden_out, project, rows, screened=True,
                                 top=None if top is None else torch.from_numpy(top).to(out_dtype))
         logits = model.compute_logits(hidden).to(out_dtype)
         k = min(top_k, logits.shape[-1])
-        return GreedyOutput(greedy(logits).tolist(), hidden.to(out_dtype), project, rows,
+        return GreedyOutput(greedy(logits).tolist(), hidden_out, project, rows,
                             top=torch.topk(logits, k).values if k > 0 else None)
 
     def _forward(self, seqs: list[Sequence], num_new_tokens: list[int] | None) -> tuple[torch.Tensor, list[int] | None]:

@@ -36,6 +36,12 @@ class SamplingParams:
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
             raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}]")
 
+    @property
+    def needs_logits(self) -> bool:
+        """Whether sampling reads the logits (a temperature, or logprobs asked); False: the greedy token is all a
+        step must produce for this request (`ModelRunner.run_greedy`)."""
+        return self.temperature != 0.0 or self.logprobs is not None
+
 
 def token_logprobs(logits: torch.Tensor, token: int, k: int) -> tuple[float, list[tuple[int, float]]]:
     """(logprob of `token`, the k most likely (id, logprob)) under the model's raw next-token distribution

@@ -73,7 +73,6 @@ class StepResult:
         r.__dict__["_project"] = project
         return r
 
-
     def probs(self) -> torch.Tensor:
         return torch.softmax(self.logits, dim=-1)
 

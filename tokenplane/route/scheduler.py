@@ -264,7 +264,7 @@ class Scheduler:
         screen, no vocabulary projection) instead of logits: every request greedy without logprobs, the default
         sampler, and an algorithm that does not read this model's logits (`Algorithm.uses_logits`)."""
         return (self.default_sampler and not self.alg.uses_logits(self.model)
-                and all(r.params.temperature == 0.0 and r.logprobs is None for r in batch))
+                and not any(r.params.needs_logits for r in batch))
 
     def update_from_output(self, batch: list[RouteRequest], out) -> list[Outbound]:
         """Sample one token per request and act on the routing decision."""
