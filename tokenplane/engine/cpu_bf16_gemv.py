@@ -13,23 +13,17 @@ import numpy as np
 import torch
 from numba import njit
 
-from tokenplane.engine.cpu_malloc import huge_page_empty
+from tokenplane.engine import cpu_small_gemm
 from tokenplane.engine.cpu_simd import _fma16, _load16_bf16, _prefetch, _splat16, _store16, _zero16
 
-PANEL = 16
+PANEL = cpu_small_gemm.PANEL
 PREFETCH = 2048       # bfloat16 elements ahead of the panel stream (4 KiB, as cpu_small_gemm's 1024 floats)
 
 
 def pack_bf16(weight: torch.Tensor) -> np.ndarray:
-    """bfloat16 bits (uint16) of a float32 [N, K] weight in panels [ceil(N / 16), K, 16], on 2 MiB pages."""
-    n, k = weight.shape
-    panels = -(-n // PANEL)
-    w = weight.detach().to(torch.bfloat16)
-    if n % PANEL:
-        w = torch.cat([w, w.new_zeros(panels * PANEL - n, k)])
-    src = w.view(torch.int16).reshape(panels, PANEL, k).transpose(1, 2)
-    out = huge_page_empty(src.numel(), torch.int16).view(src.shape).copy_(src)
-    return out.numpy().view(np.uint16)
+    """bfloat16 bits (uint16) of a float32 [N, K] weight in cpu_small_gemm's panels [ceil(N / 16), K, 16], on 2 MiB
+    pages."""
+    return cpu_small_gemm.pack(weight, torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
 
 
 @njit(inline="always")

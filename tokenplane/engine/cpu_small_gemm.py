@@ -250,16 +250,17 @@ def available(weight: torch.Tensor) -> bool:
     return weight.device.type == "cpu" and weight.dtype == torch.float32 and weight.dim() == 2
 
 
-def pack(weight: torch.Tensor) -> torch.Tensor:
-    """The panel copy [ceil(N / 16), K, 16] of a float32 [N, K] weight (a snapshot: pack again after changing it)."""
+def pack(weight: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The panel copy [ceil(N / 16), K, 16] of a float32 [N, K] weight (a snapshot: pack again after changing it), in
+    `dtype` (bfloat16: cpu_bf16_gemv's copy)."""
     n, k = weight.shape
     panels = -(-n // PANEL)
-    w = weight.detach()
+    w = weight.detach().to(dtype)
     if n % PANEL:
         w = torch.cat([w, w.new_zeros(panels * PANEL - n, k)])
     src = w.reshape(panels, PANEL, k).transpose(1, 2)
     # 2 MiB pages: a decode step streams every panel copy once (cpu_malloc.huge_page_empty)
-    return huge_page_empty(src.numel()).view(src.shape).copy_(src)
+    return huge_page_empty(src.numel(), dtype).view(src.shape).copy_(src)
 
 
 def applies(x: torch.Tensor, max_rows: int = MAX_ROWS) -> bool:
