@@ -52,7 +52,9 @@ def instrument(eng: LLMEngine) -> None:
             BYTES[f"gemm {kind}"] += mod.weight.numel() * mod.weight.element_size()
     if model.vocab_projection is not None:
         vp = model.vocab_projection
-        model.vocab_projection = timed("gemm lm_head", vp.__call__)   # type: ignore[assignment]
+        vp.__class__ = type("TimedProjection", (type(vp),), {"__call__": timed("gemm lm_head", type(vp).__call__)})
+        if hasattr(model, "greedy_tokens"):   # the greedy screen replaces the projection on greedy steps
+            model.greedy_tokens = timed("gemm lm_head (greedy screen)", model.greedy_tokens)
         BYTES["gemm lm_head"] += model.vocab_weight().numel() * 4
     # the compiled decode stack (cpu_decode_stack): its kernels are module globals there
     from tokenplane.engine import cpu_decode_stack as cds

@@ -1,42 +1,60 @@
-"""Exact greedy tokens from a bf16 screen of the vocabulary projection: half the bytes a decode step streams.
+"""Exact greedy tokens from a bfloat16 screen of the vocabulary projection: a fraction of the full projection's cost.
 
-At one to a few rows the fp32 vocabulary projection is a stream over its weight (151936 x 256 fp32: 155 MB, ~10 ms
-of an ~11 ms tiny-model decode step on one core), and a greedy request needs only the index of its largest logit,
-not every logit. This module finds that index without reading the fp32 matrix:
+A greedy request needs the index of its largest logit, not every logit. At one to a few rows the fp32 vocabulary
+projection is a stream over its weight (151936 x 256 fp32: 155 MB, ~10 of an ~11 ms tiny-model decode step on one
+core); at tens of rows it is the step's largest GEMM (151936 x 512 at 64 rows: ~110 ms of fp32 FMAs on one core).
+This module finds each row's argmax without computing the fp32 logits:
 
-1. approx = h @ bf16(W)^T over a bfloat16 panel copy of the matrix (cpu_bf16_gemv: half the bytes, float32 sums);
-2. a bound B_r with |approx[r, i] - logits[r, i]| <= B_r for every vocabulary row i, where `logits` is what the fp32
-   path (cpu_small_gemm's panel kernel, the logits every other request gets) computes; every i with
-   approx[r, i] < max_i approx[r, i] - 2 B_r is then provably not the argmax (its logit is below the lower bound of
-   the maximum);
+1. approximate logits over a bfloat16 copy of the matrix, by one of two passes (`STREAM_MAX_ROWS`):
+   - stream (1-4 rows): h @ bf16(W)^T with float32 h and float32 sums over a bf16 panel copy (cpu_bf16_gemv: half
+     the bytes of the fp32 stream);
+   - oneDNN (more rows, where the CPU has bf16 instructions; AMX on Sapphire Rapids): bf16(h) @ bf16(W)^T with
+     float32 accumulation and bf16 output (oneDNN's packed bf16 matmul: 151936 x 512 at 64 rows in ~21 ms here,
+     against ~86 ms for the stream and ~110 for the fp32 panel kernel);
+2. a bound with |approx[r, i] - logits[r, i]| <= bound for every vocabulary row i, where `logits` is what the fp32
+   path computes (cpu_small_gemm's panel kernel: the logits every other request gets); every i whose upper bound is
+   below the largest lower bound is provably not the argmax;
 3. the remaining candidates' logits computed with the fp32 kernel's own lane arithmetic from their weight rows alone
    (cpu_small_gemm.columns: bit for bit the values the full projection gives), and numpy's argmax among them (first
    maximum, as `sampler.greedy`).
 
-So the token is the full fp32 path's token, by construction; where the screen cannot prove that cheaply (a
-non-finite input, logits near overflow, too many candidates) it answers None and the caller projects in full.
+So the token is the full fp32 path's token, by construction; where the screen cannot prove it cheaply (a non-finite
+input or weight, logits that could overflow, too many candidates) it answers None and the caller projects in full.
 
-The bound, for row i of W (wb: its bfloat16 rounding; u = 2**-24; g_K = K u / (1 - K u), Higham's bound for a sum
-of K products in any order, fused or not):
-  |fp32 kernel - h.w|   <= g_K |h| |w_i|
-  |bf16 pass - h.wb|    <= g_K |h| |wb_i|
-  |h.wb - h.w|          <= |h| |wb_i - w_i|             (Cauchy-Schwarz)
-so B = |h| (g_K (|wb_i| + |w_i|) + |wb_i - w_i|), taken over the worst row of W (three maxima kept at build time),
-doubled for slack, plus 1e-30 for flushed denormals. Per-row norms then prune a large candidate set further.
+The bound, for row i of W (wb: its bfloat16 rounding; hb: h's; u = 2**-24; g_K = K u / (1 - K u), Higham's bound
+for a sum of K products in any order, fused or not, in float32):
+  |fp32 kernel - h.w|        <= g_K |h| |w_i|
+  stream: |pass - h.wb|      <= g_K |h| |wb_i|
+          |h.wb - h.w|       <= |h| |wb_i - w_i|                              (Cauchy-Schwarz)
+  oneDNN: |sum - hb.wb|      <= g_K |hb| |wb_i|                               (float32 accumulation, any order)
+          |hb.wb - h.w|      <= |hb - h| |wb_i| + |h| |wb_i - w_i|
+          |bf16(sum) - sum|  <= e |bf16(sum)|, e = 2**-7 / (1 - 2**-7)        (any rounding to 8 significant bits)
+The row-independent part is taken over the worst row of W (maxima kept at build time), everything doubled for slack,
+plus a term for flushed denormals; per-row norms then prune a large candidate set further. The approximate values
+are compared as integer keys of their bit patterns (monotone in the value), scanning only the blocks of the
+vocabulary whose maximum passes the threshold.
 """
 from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 from numba import njit
 
 from tokenplane.engine import cpu_bf16_gemv, cpu_small_gemm
+from tokenplane.engine.layers import cpu_pack, cpu_packed_linear, cpu_packing_supported
 
 U32 = 2.0 ** -24
-MAX_ROWS = 16           # the rows measured ahead of the fp32 stream (cpu_bf16_gemv; decode-sized steps)
+BF16_OUT = 2.0 ** -7 / (1 - 2.0 ** -7)   # relative error of a bf16 output, for round-to-nearest and truncation alike
+DENORMAL = 2.0 ** -100   # covers flush-to-zero of denormal inputs, products and outputs (each < 2**-126 x the operands)
+MAX_ROWS = cpu_small_gemm.VOCAB_MAX_ROWS   # as far as the fp32 panel kernel (the values reproduced) is the path
+STREAM_MAX_ROWS = 4      # the stream ahead of oneDNN's bf16 matmul up to here (module docstring's shapes, 1 thread)
 MAX_CANDIDATE_SHARE = 8  # more candidates than 1/8 of the vocabulary: the screen gains too little, project in full
-BLOCK = 128             # block maxima for the k-th largest approximate value's lower bound
-PRUNE_ABOVE = 64        # candidates past which the rows' own norms prune the set
+OVERFLOW = 1e30          # |h| |w_i| past this could overflow a float32 partial sum: project in full
+BLOCK = 128              # vocabulary entries per block maximum
+PRUNE_ABOVE = 64         # candidates past which the rows' own norms prune the set
 
 
 def _row_norms(x: torch.Tensor) -> np.ndarray:
@@ -74,20 +92,113 @@ def weight_norms(w: torch.Tensor, chunk: int = 16384) -> tuple[np.ndarray, np.nd
     return n_w, n_wb, n_d
 
 
-def _kth_lower_bound(approx: np.ndarray, k: int) -> np.ndarray:
-    """Per row, a value <= its k-th largest entry: the k-th largest of its block maxima (k blocks hold an entry >=
-    it), the whole row's k-th largest where it has fewer than k blocks. float64 [B]."""
-    b, v = approx.shape
-    n = v // BLOCK
-    if n < k:
-        return np.partition(approx, v - k, axis=1)[:, v - k].astype(np.float64)
-    maxima = approx[:, :n * BLOCK].reshape(b, n, BLOCK).max(axis=2)
-    return np.partition(maxima, n - k, axis=1)[:, n - k].astype(np.float64)
+# Keys: a float's bit pattern as a signed integer is monotone in the value for non-negative floats and reversed for
+# negative ones; flipping every bit but the sign of the negative ones makes it monotone throughout (NaN aside: the
+# screen declines before any can arise). `mask` is 0x7FFF for bf16 bits (int16), 0x7FFFFFFF for float32 (int32).
+
+@njit(nogil=True, inline="always")
+def _extremes(row, lo, hi):  # noqa: ANN001
+    """(max, min) of the raw bit patterns row[lo:hi] as signed integers."""
+    m = row[lo]
+    mn = row[lo]
+    for i in range(lo, hi):
+        m = max(m, row[i])
+        mn = min(mn, row[i])
+    return m, mn
+
+
+@njit(nogil=True, inline="always")
+def _extremes_block(row, lo):  # noqa: ANN001
+    """_extremes(row, lo, lo + BLOCK), a constant trip count: LLVM unrolls it into a few vector max/min (6x faster
+    than the variable-length loop on 64 x 151936 bf16 here)."""
+    m = row[lo]
+    mn = row[lo]
+    for j in range(BLOCK):
+        m = max(m, row[lo + j])
+        mn = min(mn, row[lo + j])
+    return m, mn
+
+
+@njit(cache=True, nogil=True)
+def _block_max(bits, v, out):  # noqa: ANN001
+    """out[r, b] = the bit pattern of the largest value in bits[r, b * BLOCK : min((b + 1) * BLOCK, v)]: the largest
+    signed pattern where any is non-negative (the non-negative floats order as their patterns), else the smallest
+    (the negative floats order against their patterns)."""
+    full = v // BLOCK
+    for r in range(bits.shape[0]):
+        row = bits[r]
+        for b in range(full):
+            m, mn = _extremes_block(row, b * BLOCK)
+            out[r, b] = m if m >= 0 else mn
+        if full < out.shape[1]:
+            m, mn = _extremes(row, full * BLOCK, v)
+            out[r, full] = m if m >= 0 else mn
+
+
+@njit(cache=True, nogil=True)
+def _collect(bits, v, mask, block_max, thr, cands, counts):  # noqa: ANN001
+    """Per row r, the indices i < v with key >= thr[r] into cands[r, :counts[r]] (ascending), scanning only the blocks
+    whose maximum reaches thr[r]; counts[r] keeps counting past cands' width (the caller declines then)."""
+    cap = cands.shape[1]
+    for r in range(bits.shape[0]):
+        n = 0
+        t = thr[r]
+        for b in range(block_max.shape[1]):
+            if block_max[r, b] < t:
+                continue
+            for i in range(b * BLOCK, min((b + 1) * BLOCK, v)):
+                x = np.int64(bits[r, i])
+                if x ^ ((x >> 63) & mask) >= t:
+                    if n < cap:
+                        cands[r, n] = i
+                    n += 1
+        counts[r] = n
+
+
+def _keys(bits: np.ndarray, bf16: bool) -> np.ndarray:
+    """The keys (int64) of bf16 (int16) or float32 (int32) bit patterns."""
+    x = bits.astype(np.int64)
+    return np.where(x >= 0, x, x ^ (0x7FFF if bf16 else 0x7FFFFFFF))
+
+
+def _values(keys: np.ndarray, bf16: bool) -> np.ndarray:
+    """The float64 values of keys (int64)."""
+    mask = 0x7FFF if bf16 else 0x7FFFFFFF
+    bits = np.where(keys >= 0, keys, keys ^ mask)
+    if bf16:
+        return ((bits & 0xFFFF).astype(np.uint32) << 16).view(np.float32).astype(np.float64)
+    return (bits & 0xFFFFFFFF).astype(np.uint32).view(np.float32).astype(np.float64)
+
+
+def _key_at_most(x: np.ndarray, bf16: bool) -> np.ndarray:
+    """Per value of x (float64, finite), the key of the largest float32 (bf16) value <= it."""
+    f = x.astype(np.float32)
+    f = np.where(f.astype(np.float64) > x, np.nextafter(f, np.float32(-np.inf)), f)
+    u = f.view(np.uint32).astype(np.int64)
+    if bf16:
+        neg = u >> 31
+        b = (u >> 16) + (neg & ((u & 0xFFFF) != 0))    # a negative value's dropped bits round it away from zero
+        b = np.where(b >= 0x8000, b - 0x10000, b)       # as int16
+        return np.where(b >= 0, b, b ^ 0x7FFF)
+    b = np.where(u >= 0x80000000, u - 0x100000000, u)
+    return np.where(b >= 0, b, b ^ 0x7FFFFFFF)
+
+
+@dataclass
+class _Approx:
+    """One pass's approximate logits and their bound: |approx - logits| <= 2 (bound_c + e |approx|) per entry, with
+    bound_c[r] the worst vocabulary row's and per_row(r, c) each of the rows c's."""
+    bits: np.ndarray          # [B, >= V] int16 (bf16 bits) or int32 (float32 bits)
+    bf16: bool
+    e: float
+    bound_c: np.ndarray       # float64 [B]
+    per_row: Callable[[int, np.ndarray], np.ndarray]
 
 
 class GreedyScreen:
-    """Built beside a VocabProjection's fp32 panel copy: a bfloat16 panel copy of W (half of the fp32 matrix's
-    bytes) and W's row norms (float64)."""
+    """Built beside a VocabProjection's fp32 panel copy: a bfloat16 panel copy of W for the stream (half of the fp32
+    matrix's bytes), oneDNN's packed bf16 copy for more rows (the same again, made on the first such step), and W's row
+    norms (float64)."""
 
     def __init__(self, weight: torch.Tensor, panels: torch.Tensor) -> None:
         w = weight.detach()
@@ -95,11 +206,15 @@ class GreedyScreen:
         self.panels = panels
         self.weight = w
         self.bf16 = cpu_bf16_gemv.pack_bf16(w)
+        self.packed: torch.Tensor | None = None
+        self.onednn = cpu_packing_supported(torch.bfloat16)
         self.n_w, self.n_wb, self.n_d = weight_norms(w)
         g = self.k * U32
         self.gamma = g / (1 - g)
-        self.row_bound = self.gamma * (self.n_wb + self.n_w) + self.n_d     # B / |h| per vocabulary row
+        self.row_bound = self.gamma * (self.n_wb + self.n_w) + self.n_d     # the stream's bound / |h| per row
         self.worst = float(self.row_bound.max())
+        self.max_w, self.max_wb, self.max_d = float(self.n_w.max()), float(self.n_wb.max()), float(self.n_d.max())
+        self.max_abs_w = float(w.abs().max()) if w.numel() else 0.0
 
     def argmax(self, hidden: torch.Tensor) -> list[int] | None:
         """numpy's argmax of each row of the fp32 projection of `hidden` [B, K] (float32, CPU), or None where the
@@ -107,41 +222,77 @@ class GreedyScreen:
         got = self.screen(hidden, 0)
         return None if got is None else got[0]
 
+    def _stream(self, h: torch.Tensor, n_h: np.ndarray) -> _Approx:
+        out = cpu_bf16_gemv.linear_bf16(h, self.bf16)
+        return _Approx(out.view(np.int32), False, 0.0, n_h * self.worst,
+                       lambda r, c: n_h[r] * self.row_bound[c])
+
+    def _onednn(self, h: torch.Tensor, n_h: np.ndarray) -> _Approx:
+        if self.packed is None:
+            self.packed = cpu_pack(self.weight.to(torch.bfloat16))
+        hb = h.to(torch.bfloat16)
+        out = cpu_packed_linear(hb, self.packed, None)
+        n_hb = _row_norms(hb)
+        n_e = _row_norms(hb.float() - h)
+        g = self.gamma
+        bound_c = g * (n_h * self.max_w + n_hb * self.max_wb) + n_e * self.max_wb + n_h * self.max_d
+        return _Approx(out.view(torch.int16).numpy(), True, BF16_OUT, bound_c,
+                       lambda r, c: g * (n_h[r] * self.n_w[c] + n_hb[r] * self.n_wb[c]) + n_e[r] * self.n_wb[c]
+                       + n_h[r] * self.n_d[c])
+
     def screen(self, hidden: torch.Tensor, k: int) -> tuple[list[int], np.ndarray | None] | None:
         """(each row's argmax, and with k > 0 each row's k largest fp32 logits sorted descending [B, min(k, V)], the
         values torch.topk(logits, k) gives), or None where the screen cannot prove them cheaply.
 
-        Top-k: with L <= the k-th largest approx value (the k-th largest block maximum: k blocks hold a value >= it),
-        k rows have logits >= L - B, so the k-th largest logit is >= L - B, and every row with approx < L - 2 B lies
-        strictly below it: the candidates (approx >= L - 2 B, a superset of the argmax's) hold every top-k value."""
+        With lo(a) and hi(a) the bounds of the logit behind an approximate value a, and L <= the k-th largest approx
+        value (the row's maximum for k <= 1; else the k-th largest block maximum: k blocks hold a value >= it), k
+        rows have logits >= lo(L), so the k-th largest logit is >= lo(L), and every row with hi(approx) < lo(L)
+        lies strictly below it: the candidates (hi(approx) >= lo(L), hi increasing) hold the argmax and every top-k
+        value."""
         h = hidden.detach().contiguous()
-        if not np.isfinite(self.worst) or not bool(torch.isfinite(h).all()):   # a non-finite weight or input
-            return None
+        rows = h.shape[0]
         v_all = self.out_features
         k = min(k, v_all)
-        approx = cpu_bf16_gemv.linear_bf16(h, self.bf16)[:, :v_all]
-        n_h = _row_norms(h)
-        top_value = approx.max(axis=1)
-        if not np.all(np.abs(top_value) < 1e30):     # logits near float32 overflow: project in full
+        if not np.isfinite(self.worst) or not bool(torch.isfinite(h).all()):   # a non-finite weight or input
             return None
-        level = top_value.astype(np.float64)
-        if k > 1:
-            level = _kth_lower_bound(approx, k)
-        bound = 2.0 * n_h * self.worst + 1e-30
+        n_h = _row_norms(h)
+        # |partial sums| <= sum_k |h_k| |w_k| <= |h| |w_i| (and likewise for the bf16 roundings, at most 2**-8
+        # larger): below OVERFLOW nothing overflows, so no inf or NaN can appear in either computation
+        if not np.all(n_h * max(self.max_w, self.max_wb) < OVERFLOW):
+            return None
+        ap = self._onednn(h, n_h) if rows > STREAM_MAX_ROWS and self.onednn else self._stream(h, n_h)
+        mask = 0x7FFF if ap.bf16 else 0x7FFFFFFF
+        nb = -(-v_all // BLOCK)
+        raw_max = np.empty((rows, nb), ap.bits.dtype)
+        _block_max(ap.bits, v_all, raw_max)
+        block_max = _keys(raw_max, ap.bf16)
+        if k <= 1 or nb >= k:
+            level_key = block_max.max(axis=1) if k <= 1 else np.partition(block_max, nb - k, axis=1)[:, nb - k]
+        else:   # fewer blocks than k: the row's own k-th largest
+            level_key = np.partition(_keys(ap.bits[:, :v_all], ap.bf16), v_all - k, axis=1)[:, v_all - k]
+        level = _values(level_key, ap.bf16)
+        tiny = DENORMAL * (self.k + 2) * (1.0 + self.max_abs_w) * (1.0 + float(h.abs().max()))
+        bc = 2.0 * (ap.bound_c + tiny)
+        e2 = 2.0 * ap.e
+        low = level - e2 * np.abs(level) - bc                                  # lo(L)
+        thr = np.where(low - bc >= 0, (low - bc) / (1 + e2), (low - bc) / (1 - e2))   # hi(a) >= lo(L) <=> a >= thr
+        budget = max(v_all // MAX_CANDIDATE_SHARE, 1)
+        cands = np.empty((rows, budget), np.int64)
+        counts = np.empty(rows, np.int64)
+        _collect(ap.bits, v_all, mask, block_max, _key_at_most(thr, ap.bf16), cands, counts)
         tokens: list[int] = []
-        top = np.empty((h.shape[0], k), np.float32) if k > 0 else None
-        budget = v_all // MAX_CANDIDATE_SHARE
-        for r in range(h.shape[0]):
-            # approx_i >= level - 2 B, the threshold rounded down to float32 so no candidate is lost to rounding
-            thr = np.nextafter(np.float32(level[r] - 2.0 * bound[r]), np.float32(-np.inf))
-            c = np.flatnonzero(approx[r] >= thr)
-            if c.shape[0] > max(PRUNE_ABOVE, 2 * k):    # each row's own bound (the one above takes the worst row)
-                b = 2.0 * n_h[r] * self.row_bound[c] + 1e-30
-                v = approx[r, c].astype(np.float64)
-                low = np.max(v - b) if k <= 1 else np.partition(v - b, v.shape[0] - k)[v.shape[0] - k]
-                c = c[v + b >= low]
-            if c.shape[0] < max(k, 1) or c.shape[0] > budget:
+        top = np.empty((rows, k), np.float32) if k > 0 else None
+        for r in range(rows):
+            n = int(counts[r])
+            if n < max(k, 1) or n > budget:
                 return None
+            c = cands[r, :n]
+            if n > max(PRUNE_ABOVE, 2 * k):    # each vocabulary row's own bound (the one above takes the worst)
+                a = _values(_keys(ap.bits[r, c], ap.bf16), ap.bf16)
+                b = 2.0 * (ap.per_row(r, c) + tiny + ap.e * np.abs(a))
+                lows = a - b
+                lo = np.max(lows) if k <= 1 else np.partition(lows, n - k)[n - k]
+                c = c[a + b >= lo]
             vals = cpu_small_gemm.columns(h[r], self.weight, c)   # the fp32 kernel's own values for these rows
             tokens.append(int(c[int(np.argmax(vals))]))    # c ascends: the first maximum is the lowest index
             if top is not None:
@@ -149,4 +300,5 @@ class GreedyScreen:
         return tokens, top
 
 
-__all__ = ["GreedyScreen", "MAX_ROWS"]
+
+__all__ = ["GreedyScreen", "MAX_ROWS", "STREAM_MAX_ROWS"]
