@@ -7,9 +7,8 @@ import numpy as np
 import pytest
 import torch
 
-from tokenplane.engine import LLMEngine, SamplingParams, cpu_bf16_gemv, cpu_small_gemm
+from tokenplane.engine import LLMEngine, SamplingParams, cpu_bf16_gemv, cpu_small_gemm, greedy_screen
 from tokenplane.engine.config import PRESETS
-from tokenplane.engine import greedy_screen
 from tokenplane.engine.greedy_screen import GreedyScreen
 from tokenplane.engine.layers import cpu_packing_supported
 
