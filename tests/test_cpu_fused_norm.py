@@ -27,12 +27,30 @@ def test_add_rms_norm_matches_torch(dtype, tol, rows, dim):
     assert torch.equal(plain, got)
 
 
+@pytest.mark.parametrize("rows,dim", [(1, 64), (7, 576), (300, 96)])
+def test_add_rms_norm_bf16_rounds_where_torch_rounds(rows, dim):
+    """bf16: the residual add bit for bit (an fp32 add rounded to nearest even), the normed rows equal transformers'
+    bf16 RMSNorm but where the float32 sum of squares, summed in another order, crosses a rounding boundary."""
+    g = torch.Generator().manual_seed(rows + dim)
+    a = (torch.randn(rows, dim, generator=g) * 3).to(torch.bfloat16)
+    x = torch.randn(rows, dim, generator=g).to(torch.bfloat16)
+    w = (torch.rand(dim, generator=g) + 0.5).to(torch.bfloat16)
+    assert fused_norm_applies(a, w)
+    want_sum = a + x
+    want = rms_norm(want_sum, w, 1e-6)
+    got = add_rms_norm_(a, x, w, 1e-6)
+    assert torch.equal(a, want_sum)
+    assert (got != want).float().mean().item() <= 0.01
+    assert (got.float() - want.float()).abs().max().item() <= 2 ** -7 * want.float().abs().max().item()
+
+
 def test_not_applicable_off_cpu_dtypes():
-    assert not fused_norm_applies(torch.zeros(2, 4, dtype=torch.bfloat16), torch.zeros(4, dtype=torch.bfloat16))
+    assert not fused_norm_applies(torch.zeros(2, 4, dtype=torch.float16), torch.zeros(4, dtype=torch.float16))
+    assert not fused_norm_applies(torch.zeros(2, 4, dtype=torch.bfloat16), torch.zeros(4))
     assert not fused_norm_applies(torch.zeros(2, 2, 4), torch.zeros(4))
 
 
-@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.float64, 1e-12)])
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.float64, 1e-12), (torch.bfloat16, 0.1)])
 def test_model_paths_agree(dtype, tol):
     """fused_norm and prune_rows on/off: the same last-position logits within float rounding, chunked prefill too."""
     torch.set_num_threads(1)

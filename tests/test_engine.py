@@ -100,6 +100,28 @@ def test_prefill_and_decode_match_transformers(hf_pair, preset, dtype, kernel):
     assert a.block_table != list(range(a.block_table[0], a.block_table[0] + len(a.block_table)))
 
 
+@pytest.mark.parametrize("preset", PRESETS)
+@pytest.mark.parametrize("fused", [True, False])
+def test_bf16_prefill_and_decode_match_transformers(hf_pair, preset, fused):
+    """bf16 on CPU (the compiled add + RMSNorm and qkv/rope kernels, or the plain torch ops): each step's logits within
+    two bf16 ulps of the largest of transformers' bf16 logits (the two round in the same places; they sum in
+    different orders)."""
+    cfg, model, hf = hf_pair(preset, torch.bfloat16)
+    model.model.fused_norm = fused
+    try:
+        runner = ModelRunner(model, cfg, num_blocks=64, block_size=4)
+        a = Sequence("a", prompt(13, 1))
+        assert runner.prepare(a)
+        for step in range(6):
+            out = runner.run([a])
+            ref = hf_logits(hf, a.token_ids)[-1]
+            assert (out.logits[0].double() - ref).abs().max().item() <= 2 * 2 ** -8 * ref.abs().max().item()
+            a.append_token((a.token_ids[-1] * 31 + step) % cfg.vocab_size)
+            assert runner.prepare(a)
+    finally:
+        model.model.fused_norm = True
+
+
 def test_final_hidden_matches_transformers(hf_pair):
     cfg, model, hf = hf_pair("test-small", torch.float64)
     runner = ModelRunner(model, cfg, num_blocks=32, block_size=4)

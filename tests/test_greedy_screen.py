@@ -145,6 +145,14 @@ def test_screen_declines_what_it_cannot_prove(one_thread):
     assert GreedyScreen(wbad, cpu_small_gemm.pack(wbad)).argmax(torch.randn(1, k)) is None
 
 
+def test_without_onednn_bf16_the_stream_screens_up_to_16_rows(one_thread):
+    w, panels, screen = _screen(4096, 64, 17)
+    screen.onednn = False      # as on a CPU without bf16 instructions
+    h = torch.randn(17, 64, generator=torch.Generator().manual_seed(18)) * 4
+    assert screen.argmax(h[:16]) == _full_argmax(h[:16], panels, 4096)
+    assert screen.argmax(h) is None       # past the stream's measured gain: the caller projects in full
+
+
 def _engine(screen: bool) -> LLMEngine:
     cfg = dict(PRESETS["test-small"], vocab_size=8192)
     return LLMEngine(cfg, dtype=torch.float32, seed=3, num_blocks=256, block_size=4, max_num_seqs=8,

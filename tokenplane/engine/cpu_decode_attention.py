@@ -22,57 +22,20 @@ from functools import cache
 
 import numpy as np
 import torch
-from llvmlite import ir
-from numba import njit, types
-from numba.extending import intrinsic, overload
+from numba import njit
 
 from tokenplane.engine import cpu_decode_attention_vec as vec
 from tokenplane.engine.cpu_decode_paging import (
     CACHE_LINE,
     _descending,
     _exp_nonpos,
-    _f32_from_bits,
     _prefetch_block,
     _stream_block,
     _table_index,
 )
+from tokenplane.engine.cpu_elements import _load, _store, as_array
 
 DTYPES = (torch.float32, torch.float64, torch.bfloat16)
-@intrinsic
-def _bits_from_f32(typingctx, value):  # noqa: ANN001
-    """Reinterpret a float32 as the uint32 with its bits."""
-    def codegen(context, builder, signature, args):  # noqa: ANN001
-        return builder.bitcast(args[0], ir.IntType(32))
-    return types.uint32(types.float32), codegen
-
-
-def _load(x):  # noqa: ANN001, ANN202
-    """A cache or query element as the value to compute with (bfloat16 bits -> float32; floats as they are)."""
-
-
-@overload(_load, inline="always")
-def _load_impl(x):  # noqa: ANN001, ANN202
-    if x == types.uint16:
-        return lambda x: _f32_from_bits(types.uint32(x) << types.uint32(16))
-    return lambda x: x
-
-
-def _store(value, like):  # noqa: ANN001, ANN202
-    """`value` as an element of an output array whose elements look like `like`."""
-
-
-@overload(_store, inline="always")
-def _store_impl(value, like):  # noqa: ANN001, ANN202
-    if like == types.uint16:
-        def to_bf16(value, like):  # noqa: ANN001, ANN202
-            f = types.float32(value)
-            if f != f:
-                return types.uint16(0x7FC0)   # a quiet NaN, as torch's cast gives
-            u = _bits_from_f32(f)
-            return types.uint16((u + types.uint32(0x7FFF) + ((u >> types.uint32(16)) & types.uint32(1)))
-                                >> types.uint32(16))
-        return to_bf16
-    return lambda value, like: value
 
 
 @cache
@@ -186,12 +149,10 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     """Writes out[rows[b]] = attention of q[rows[b]] over its context_lens[b] cached tokens, for every b. CPU tensors
     of one dtype in DTYPES; q [T, >= kvh * group, d], k/v_cache [kvh, slots, d] contiguous, out [T, heads * d]."""
     if q.dtype == torch.bfloat16:
-        arrays = [t.view(torch.int16).numpy().view(np.uint16) for t in (q, k_cache, v_cache, out)]
         acc_like = _EMPTY[torch.float32]
     else:
-        arrays = [t.numpy() for t in (q, k_cache, v_cache, out)]
         acc_like = _EMPTY[q.dtype]
-    qa, ka, va, oa = arrays
+    qa, ka, va, oa = (as_array(t) for t in (q, k_cache, v_cache, out))
     kernel_for(q.dtype, int(k_cache.shape[2]), int(group))(qa, ka, va, block_tables, context_lens, rows, oa,
                                                             block_size, scale, prefetch, acc_like)
 

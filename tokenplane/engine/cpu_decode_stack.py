@@ -125,6 +125,7 @@ class DecodeStack:
         self._rope_len = 0
         self._cos = self._sin = _F32_EMPTY
         self.attention = decode_kernel(torch.float32, self.head_dim, self.group)
+        self._buf = np.empty(self.head_dim, np.float32)   # _qkv_rope's per-head scratch
 
     def _rope_rows(self, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """cos / signed sin [T, head_dim] at these positions, rows of a table the model's RotaryEmbedding computed
@@ -153,7 +154,7 @@ class DecodeStack:
             qkv = _matmul(h, L.qkv)
             q = np.empty((T, self.heads, d), np.float32)
             _qkv_rope(qkv, self.heads, self.kv_heads, d, L.q_norm, L.k_norm, L.qk_eps, self.qk_norm, cos_a, sin_a,
-                      L.k_cache, L.v_cache, slots, q)
+                      L.k_cache, L.v_cache, slots, q, self._buf)
             o = np.empty((T, self.heads * d), np.float32)
             self.attention(q, L.k_cache, L.v_cache, meta.decode_block_tables, meta.decode_context_lens,
                            meta.decode_rows, o, self.block_size, self.scale, True, _F32_EMPTY)

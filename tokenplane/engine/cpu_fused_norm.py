@@ -6,7 +6,8 @@ MB, larger than L2, twice per layer. Compiled (numba), each row is added, reduce
 
 Numerics: the residual sum `a + x` is the same IEEE add as PyTorch's (bit-identical residual stream). The mean of
 squares is summed in a different order (vectorized by LLVM), so the normed rows differ from `rms_norm`'s in the last
-bits; the scale is applied as (x * r) * w, transformers' order. float32 and float64 only.
+bits; the scale is applied as (x * r) * w, transformers' order. bfloat16 follows transformers' bf16 RMSNorm: the
+residual sum rounded to bf16, the norm in float32, x * r rounded to bf16, then the weight product rounded to bf16.
 """
 from __future__ import annotations
 
@@ -15,33 +16,36 @@ import math
 import torch
 from numba import njit
 
-DTYPES = (torch.float32, torch.float64)
+from tokenplane.engine.cpu_elements import _cast, _load, _narrow, _round, _store, as_array
+
+DTYPES = (torch.float32, torch.float64, torch.bfloat16)
 
 
 @njit(cache=True, nogil=True, fastmath={"reassoc", "contract", "nsz"})
 def _sum_squares(row):  # noqa: ANN001
-    s = row.dtype.type(0)
+    s = _cast(0.0, row[0])
     for j in range(row.shape[0]):
-        s += row[j] * row[j]
+        v = _load(row[j])
+        s += v * v
     return s
 
 
 @njit(cache=True, nogil=True)
 def _add_rms_norm(a, x, w, eps, out, add):  # noqa: ANN001
     """out[i] = (a[i] (+ x[i] into a[i] when add)) * rsqrt(mean(a[i]^2) + eps) * w; every array 2-D contiguous but
-    w (1-D)."""
+    w (1-D). bf16 (uint16 bits): each step rounded as PyTorch's bf16 ops round it (cpu_elements)."""
     n = a.shape[1]
-    one = a.dtype.type(1)
     for i in range(a.shape[0]):
         ai = a[i]
+        like = ai[0]
         if add:
             xi = x[i]
             for j in range(n):
-                ai[j] = ai[j] + xi[j]
-        r = one / math.sqrt(_sum_squares(ai) / n + a.dtype.type(eps))
+                ai[j] = _store(_load(ai[j]) + _load(xi[j]), like)
+        r = _narrow(_cast(1.0, like) / math.sqrt(_sum_squares(ai) / n + _cast(eps, like)), like)
         oi = out[i]
         for j in range(n):
-            oi[j] = (ai[j] * r) * w[j]
+            oi[j] = _store(_load(w[j]) * _round(_load(ai[j]) * r, like), like)
 
 
 def fused_norm_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -53,6 +57,6 @@ def add_rms_norm_(a: torch.Tensor, x: torch.Tensor | None, weight: torch.Tensor,
     """a += x in place (a becomes the residual stream; skipped when x is None), returns rms_norm(a) * weight in a
     fresh tensor. a, x: [T, hidden] contiguous; check `fused_norm_applies` first."""
     out = torch.empty_like(a)
-    an = a.numpy()
-    _add_rms_norm(an, an if x is None else x.numpy(), weight.detach().numpy(), eps, out.numpy(), x is not None)
+    an = as_array(a)
+    _add_rms_norm(an, an if x is None else as_array(x), as_array(weight.detach()), eps, as_array(out), x is not None)
     return out

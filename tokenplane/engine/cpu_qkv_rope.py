@@ -10,7 +10,8 @@ Numerics: the rope is transformers' x * cos + rotate_half(x) * sin as `layers.ap
 into the sin), the same two rounded products and one sum per element with no fused multiply-add (numba does not
 contract without fastmath), so it is bit-identical to apply_rope. The norm sums the squares in another order than
 torch's mean and uses 1 / sqrt instead of rsqrt, so normed values can differ from `layers.rms_norm`'s in the last bit,
-as cpu_fused_norm's do. float32 and float64 only.
+as cpu_fused_norm's do. bfloat16 rounds where PyTorch's bf16 ops round (each norm step, each rope product and the
+sum; cpu_elements), so its rope is bit-identical to apply_rope in bf16 too.
 """
 from __future__ import annotations
 
@@ -20,40 +21,41 @@ import numpy as np
 import torch
 from numba import njit
 
-DTYPES = (torch.float32, torch.float64)
+from tokenplane.engine.cpu_elements import _cast, _load, _narrow, _round, _store, as_array
+
+DTYPES = (torch.float32, torch.float64, torch.bfloat16)
 
 
 @njit(cache=True, nogil=True)
-def _qkv_rope(qkv, heads, kv_heads, d, q_w, k_w, eps, use_norm, cos, sin, k_cache, v_cache, slots, q_out):  # noqa: ANN001
+def _qkv_rope(qkv, heads, kv_heads, d, q_w, k_w, eps, use_norm, cos, sin, k_cache, v_cache, slots, q_out, buf):  # noqa: ANN001
     """qkv [T, (heads + 2 kv_heads) d]; q_w, k_w [d]; cos, sin [T, d] (sin with its first half negated);
-    k/v_cache [kv_heads, slots, d]; slots [T]; q_out [T, heads, d]."""
+    k/v_cache [kv_heads, slots, d]; slots [T]; q_out [T, heads, d]; buf [d] in the compute type (cpu_elements)."""
     half = d // 2
-    one = qkv.dtype.type(1)
-    epsv = qkv.dtype.type(eps)
-    buf = np.empty(d, dtype=qkv.dtype)
     for t in range(qkv.shape[0]):
         slot = slots[t]
+        like = qkv[t, 0]
         for hh in range(heads + kv_heads):
             base = hh * d
             if use_norm:
                 w = q_w if hh < heads else k_w
-                s = qkv.dtype.type(0)
+                s = _cast(0.0, like)
                 for j in range(d):
-                    s += qkv[t, base + j] * qkv[t, base + j]
-                r = one / math.sqrt(s / d + epsv)
+                    v = _load(qkv[t, base + j])
+                    s += v * v
+                r = _narrow(_cast(1.0, like) / math.sqrt(s / d + _cast(eps, like)), like)
                 for j in range(d):
-                    buf[j] = (qkv[t, base + j] * r) * w[j]
+                    buf[j] = _round(_load(w[j]) * _round(_load(qkv[t, base + j]) * r, like), like)
             else:
                 for j in range(d):
-                    buf[j] = qkv[t, base + j]
+                    buf[j] = _load(qkv[t, base + j])
             for j in range(d):
                 jj = j + half if j < half else j - half
-                a = buf[j] * cos[t, j]
-                b = buf[jj] * sin[t, j]
+                a = _round(buf[j] * _load(cos[t, j]), like)
+                b = _round(buf[jj] * _load(sin[t, j]), like)
                 if hh < heads:
-                    q_out[t, hh, j] = a + b
+                    q_out[t, hh, j] = _store(a + b, like)
                 else:
-                    k_cache[hh - heads, slot, j] = a + b
+                    k_cache[hh - heads, slot, j] = _store(a + b, like)
         vbase = (heads + kv_heads) * d
         for hv in range(kv_heads):
             for j in range(d):
@@ -74,12 +76,14 @@ def qkv_rope_write(qkv: torch.Tensor, heads: int, kv_heads: int, head_dim: int, 
     T = qkv.shape[0]
     q = torch.empty(T, heads, head_dim, dtype=qkv.dtype)
     norm = q_norm is not None and k_norm is not None
-    qw = q_norm.detach().numpy() if norm else _EMPTY[qkv.dtype]   # type: ignore[union-attr]
-    kw = k_norm.detach().numpy() if norm else _EMPTY[qkv.dtype]   # type: ignore[union-attr]
-    _qkv_rope(qkv.numpy(), heads, kv_heads, head_dim, qw, kw, eps, norm,
-              cos.reshape(T, head_dim).contiguous().numpy(), sin.reshape(T, head_dim).contiguous().numpy(),
-              k_cache.numpy(), v_cache.numpy(), slots.numpy(), q.numpy())
+    qw = as_array(q_norm.detach()) if norm else _EMPTY[qkv.dtype]   # type: ignore[union-attr]
+    kw = as_array(k_norm.detach()) if norm else _EMPTY[qkv.dtype]   # type: ignore[union-attr]
+    buf = np.empty(head_dim, np.float64 if qkv.dtype == torch.float64 else np.float32)
+    _qkv_rope(as_array(qkv), heads, kv_heads, head_dim, qw, kw, eps, norm,
+              as_array(cos.reshape(T, head_dim).contiguous()), as_array(sin.reshape(T, head_dim).contiguous()),
+              as_array(k_cache), as_array(v_cache), slots.numpy(), as_array(q), buf)
     return q
 
 
-_EMPTY = {torch.float32: np.empty(0, np.float32), torch.float64: np.empty(0, np.float64)}
+_EMPTY = {torch.float32: np.empty(0, np.float32), torch.float64: np.empty(0, np.float64),
+          torch.bfloat16: np.empty(0, np.uint16)}

@@ -51,6 +51,7 @@ BF16_OUT = 2.0 ** -7 / (1 - 2.0 ** -7)   # relative error of a bf16 output, for 
 DENORMAL = 2.0 ** -100   # covers flush-to-zero of denormal inputs, products and outputs (each < 2**-126 x the operands)
 MAX_ROWS = cpu_small_gemm.VOCAB_MAX_ROWS   # as far as the fp32 panel kernel (the values reproduced) is the path
 STREAM_MAX_ROWS = 4      # the stream ahead of oneDNN's bf16 matmul up to here (module docstring's shapes, 1 thread)
+STREAM_ONLY_MAX_ROWS = 16  # without oneDNN bf16, the stream's rows ahead of the fp32 stream (measured at stop 33)
 MAX_CANDIDATE_SHARE = 8  # more candidates than 1/8 of the vocabulary: the screen gains too little, project in full
 OVERFLOW = 1e30          # |h| |w_i| past this could overflow a float32 partial sum: project in full
 BLOCK = 128              # vocabulary entries per block maximum
@@ -260,7 +261,12 @@ class GreedyScreen:
         # larger): below OVERFLOW nothing overflows, so no inf or NaN can appear in either computation
         if not np.all(n_h * max(self.max_w, self.max_wb) < OVERFLOW):
             return None
-        ap = self._onednn(h, n_h) if rows > STREAM_MAX_ROWS and self.onednn else self._stream(h, n_h)
+        if rows > STREAM_MAX_ROWS and self.onednn:
+            ap = self._onednn(h, n_h)
+        elif rows <= max(STREAM_ONLY_MAX_ROWS, STREAM_MAX_ROWS):
+            ap = self._stream(h, n_h)
+        else:   # past the stream's gain: the full projection
+            return None
         mask = 0x7FFF if ap.bf16 else 0x7FFFFFFF
         nb = -(-v_all // BLOCK)
         raw_max = np.empty((rows, nb), ap.bits.dtype)
