@@ -168,3 +168,12 @@ def test_float32_vector_kernel_matches_generic_on_long_falling_and_scattered_tab
         tol = 2 * eps * (max_score + d + n) * vc.abs().max().item()
         assert (out[i].double() - ref).abs().max().item() < tol, i
         assert np.abs(generic[i] - ref.numpy()).max() < tol, i
+    from tokenplane.engine.cpu_simd import HOST_AVX512
+    for width in (8, 16) if HOST_AVX512 else (8,):     # each vector width of the kernel, whatever the default
+        got = np.full((len(lens), kvh * group * d), np.nan, dtype=np.float32)
+        cpu_decode_attention_vec.kernel(d, group, width)(q.numpy(), kc.numpy(), vc.numpy(), table, ctx, rows, got, bs,
+                                                         scale, True, np.empty(0, np.float32))
+        for i, n in enumerate(lens):
+            ref, max_score = reference(q[i], kc, vc, table[i], n, bs, group, scale)
+            tol = 2 * eps * (max_score + d + n) * vc.abs().max().item()
+            assert np.abs(got[i] - ref.numpy()).max() < tol, (width, i)

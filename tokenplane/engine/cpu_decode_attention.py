@@ -129,6 +129,7 @@ def _kernel(D: int, G: int):  # noqa: ANN202
                         out[row, col + j] = _store(acc[gi, j] * inv, out[row, col + j])
     return _paged_decode
 
+
 @cache
 def kernel_for(dtype: torch.dtype, D: int, G: int):  # noqa: ANN201
     """The compiled kernel for a cache of `dtype`, head size D and group G: float32 shapes that

@@ -1,4 +1,4 @@
-"""The float32 decode-attention kernel (cpu_decode_attention.py's math) written on explicit 8-float vectors.
+"""The float32 decode-attention kernel (cpu_decode_attention.py's math) written on explicit 8- or 16-float vectors.
 
 Why a second form: at long contexts and big batches a decode step is mostly this kernel streaming the KV cache, and
 the generic kernel's arithmetic did not hide under that stream. Measured here (1 thread, tiny-large's shape: 4 KV
@@ -17,6 +17,11 @@ The softmax in between is the generic kernel's (same max, same exponent, same or
 Numerics: the same formula as the generic kernel (scores q.k * scale in float32, max-subtracted exponent, value sum
 over keys in key order divided by the exponent sum); only the order of each d-term dot product differs (8 lanes of
 d / 8 terms each, then a tree), so results differ from it in the last bits, as SDPA's kernels differ from each other.
+
+Vector width (`lanes`): 16 floats where the host has AVX-512 and d is a multiple of 16 (each accumulator a zmm
+register, every 16-lane score accumulator folded to 8 lanes before the transposing reduction), else 8. The two
+widths sum each dot product's d terms in different orders (16 lanes of d / 16 terms against 8 of d / 8), so they
+differ in the last bits, as the 8-lane form differs from the generic kernel.
 
 Applies to float32 with d a multiple of 8 and G <= 4 (`applies`); other shapes and dtypes run the generic kernel.
 """
@@ -37,7 +42,21 @@ from tokenplane.engine.cpu_decode_paging import (
     _stream_block,
     _table_index,
 )
-from tokenplane.engine.cpu_simd import _fma8, _load8, _splat8, _store8, _vec8, _zero8
+from tokenplane.engine.cpu_simd import (
+    HOST_AVX512,
+    _fma8,
+    _fma16,
+    _load8,
+    _load16,
+    _splat8,
+    _splat16,
+    _store8,
+    _store16,
+    _vec8,
+    _vec16,
+    _zero8,
+    _zero16,
+)
 
 _I32 = ir.IntType(32)
 
@@ -60,17 +79,41 @@ def _sum8x8(typingctx, a0, a1, a2, a3, a4, a5, a6, a7):  # noqa: ANN001
     return _vec8(_vec8, _vec8, _vec8, _vec8, _vec8, _vec8, _vec8, _vec8), codegen
 
 
+@intrinsic
+def _fold16(typingctx, a):  # noqa: ANN001
+    """A 16-lane vector's low and high 8 lanes added: the same total as 8 lanes (for `_sum8x8`)."""
+    def codegen(context, builder, signature, args):  # noqa: ANN001
+        lo = builder.shuffle_vector(args[0], args[0], ir.Constant(ir.VectorType(_I32, 8), list(range(8))))
+        hi = builder.shuffle_vector(args[0], args[0], ir.Constant(ir.VectorType(_I32, 8), list(range(8, 16))))
+        return builder.fadd(lo, hi)
+    return _vec8(_vec16), codegen
+
+
+@njit(inline="always")
+def _fold8(a):  # noqa: ANN001, ANN202
+    return a
+
+
 def applies(d: int, group: int) -> bool:
     return d % 8 == 0 and 1 <= group <= 4
 
 
+def lanes(D: int) -> int:
+    """The vector width the kernel takes for head size D: 16 floats (a zmm register) on AVX-512 hosts where D allows,
+    else 8."""
+    return 16 if HOST_AVX512 and D % 16 == 0 else 8
+
+
 @cache
-def kernel(D: int, G: int):  # noqa: ANN202
-    """The float32 kernel for head size D and GQA group G (compile-time constants; `applies(D, G)`), with the generic
-    kernel's signature (cpu_decode_attention._kernel)."""
+def kernel(D: int, G: int, W: int = 0):  # noqa: ANN202
+    """The float32 kernel for head size D and GQA group G (compile-time constants; `applies(D, G)`) on W-float vectors
+    (`lanes(D)` by default), with the generic kernel's signature (cpu_decode_attention._kernel)."""
+    W = W or lanes(D)
+    load, store, splat, zero, fma, fold = ((_load16, _store16, _splat16, _zero16, _fma16, _fold16) if W == 16 else
+                                           (_load8, _store8, _splat8, _zero8, _fma8, _fold8))
     KS = 8 // G                  # keys scored together: KS * G <= 8 accumulators
-    CP = min(8 // G, D // 8)     # chunks of 8 floats of d per value part: G * CP <= 8 accumulators
-    PART = 8 * CP                # floats of d per value part
+    CP = min(8 // G, D // W)     # chunks of W floats of d per value part: G * CP <= 8 accumulators
+    PART = W * CP                # floats of d per value part
     NA_S = KS * G                # accumulators in use (scores)
     NA_V = CP * G                # accumulators in use (values)
 
@@ -114,30 +157,31 @@ def kernel(D: int, G: int):  # noqa: ANN202
                             for i in range(0, KS * D, step):
                                 _prefetch(nxt_flat, nxt + o * D + i)
                         kb = base + o * D
-                        a0 = _zero8()
-                        a1 = _zero8()
-                        a2 = _zero8()
-                        a3 = _zero8()
-                        a4 = _zero8()
-                        a5 = _zero8()
-                        a6 = _zero8()
-                        a7 = _zero8()
+                        a0 = zero()
+                        a1 = zero()
+                        a2 = zero()
+                        a3 = zero()
+                        a4 = zero()
+                        a5 = zero()
+                        a6 = zero()
+                        a7 = zero()
                         # accumulator a holds head a // KS against key a % KS (constant indices: LLVM loads each
                         # q chunk and key chunk once per c and drops the unused accumulators)
-                        for c in range(0, D, 8):
-                            a0 = _fma8(_load8(qbuf, (0 // KS) * D + c), _load8(kf, kb + (0 % KS) * D + c), a0)
+                        for c in range(0, D, W):
+                            a0 = fma(load(qbuf, (0 // KS) * D + c), load(kf, kb + (0 % KS) * D + c), a0)
                             if NA_S > 1:
-                                a1 = _fma8(_load8(qbuf, (1 // KS) * D + c), _load8(kf, kb + (1 % KS) * D + c), a1)
+                                a1 = fma(load(qbuf, (1 // KS) * D + c), load(kf, kb + (1 % KS) * D + c), a1)
                             if NA_S > 2:
-                                a2 = _fma8(_load8(qbuf, (2 // KS) * D + c), _load8(kf, kb + (2 % KS) * D + c), a2)
-                                a3 = _fma8(_load8(qbuf, (3 // KS) * D + c), _load8(kf, kb + (3 % KS) * D + c), a3)
+                                a2 = fma(load(qbuf, (2 // KS) * D + c), load(kf, kb + (2 % KS) * D + c), a2)
+                                a3 = fma(load(qbuf, (3 // KS) * D + c), load(kf, kb + (3 % KS) * D + c), a3)
                             if NA_S > 4:
-                                a4 = _fma8(_load8(qbuf, (4 // KS) * D + c), _load8(kf, kb + (4 % KS) * D + c), a4)
-                                a5 = _fma8(_load8(qbuf, (5 // KS) * D + c), _load8(kf, kb + (5 % KS) * D + c), a5)
+                                a4 = fma(load(qbuf, (4 // KS) * D + c), load(kf, kb + (4 % KS) * D + c), a4)
+                                a5 = fma(load(qbuf, (5 // KS) * D + c), load(kf, kb + (5 % KS) * D + c), a5)
                             if NA_S > 6:
-                                a6 = _fma8(_load8(qbuf, (6 // KS) * D + c), _load8(kf, kb + (6 % KS) * D + c), a6)
-                                a7 = _fma8(_load8(qbuf, (7 // KS) * D + c), _load8(kf, kb + (7 % KS) * D + c), a7)
-                        _store8(tmp, 0, _sum8x8(a0, a1, a2, a3, a4, a5, a6, a7))
+                                a6 = fma(load(qbuf, (6 // KS) * D + c), load(kf, kb + (6 % KS) * D + c), a6)
+                                a7 = fma(load(qbuf, (7 // KS) * D + c), load(kf, kb + (7 % KS) * D + c), a7)
+                        _store8(tmp, 0, _sum8x8(fold(a0), fold(a1), fold(a2), fold(a3), fold(a4), fold(a5), fold(a6),
+                                                fold(a7)))
                         for a in range(NA_S):
                             scores[(a // KS) * max_ctx + t + o + a % KS] = tmp[a] * sc
                         o += KS
@@ -175,57 +219,57 @@ def kernel(D: int, G: int):  # noqa: ANN202
                     nxt_flat, nxt = _stream_block(kf, vf, block_tables, context_lens, b, h, kvh, slots, block_size, D,
                                                   nblk + bi + 1, rev)
                     for part in range(0, D, PART):
-                        # accumulator a: head a // CP, chunk part + 8 * (a % CP)
-                        c0 = _load8(acc, (0 // CP) * D + part + 8 * (0 % CP))
+                        # accumulator a: head a // CP, chunk part + W * (a % CP)
+                        c0 = load(acc, (0 // CP) * D + part + W * (0 % CP))
                         c1 = c2 = c3 = c4 = c5 = c6 = c7 = c0
                         if NA_V > 1:
-                            c1 = _load8(acc, (1 // CP) * D + part + 8 * (1 % CP))
+                            c1 = load(acc, (1 // CP) * D + part + W * (1 % CP))
                         if NA_V > 2:
-                            c2 = _load8(acc, (2 // CP) * D + part + 8 * (2 % CP))
-                            c3 = _load8(acc, (3 // CP) * D + part + 8 * (3 % CP))
+                            c2 = load(acc, (2 // CP) * D + part + W * (2 % CP))
+                            c3 = load(acc, (3 // CP) * D + part + W * (3 % CP))
                         if NA_V > 4:
-                            c4 = _load8(acc, (4 // CP) * D + part + 8 * (4 % CP))
-                            c5 = _load8(acc, (5 // CP) * D + part + 8 * (5 % CP))
+                            c4 = load(acc, (4 // CP) * D + part + W * (4 % CP))
+                            c5 = load(acc, (5 // CP) * D + part + W * (5 % CP))
                         if NA_V > 6:
-                            c6 = _load8(acc, (6 // CP) * D + part + 8 * (6 % CP))
-                            c7 = _load8(acc, (7 // CP) * D + part + 8 * (7 % CP))
+                            c6 = load(acc, (6 // CP) * D + part + W * (6 % CP))
+                            c7 = load(acc, (7 // CP) * D + part + W * (7 % CP))
                         for o in range(n):
                             if prefetch and part == 0:
                                 for i in range(0, D, step):
                                     _prefetch(nxt_flat, nxt + o * D + i)
                             vb = base + o * D + part
                             pi = t + o
-                            c0 = _fma8(_splat8(scores, (0 // CP) * max_ctx + pi), _load8(vf, vb + 8 * (0 % CP)), c0)
+                            c0 = fma(splat(scores, (0 // CP) * max_ctx + pi), load(vf, vb + W * (0 % CP)), c0)
                             if NA_V > 1:
-                                c1 = _fma8(_splat8(scores, (1 // CP) * max_ctx + pi), _load8(vf, vb + 8 * (1 % CP)),
+                                c1 = fma(splat(scores, (1 // CP) * max_ctx + pi), load(vf, vb + W * (1 % CP)),
                                            c1)
                             if NA_V > 2:
-                                c2 = _fma8(_splat8(scores, (2 // CP) * max_ctx + pi), _load8(vf, vb + 8 * (2 % CP)),
+                                c2 = fma(splat(scores, (2 // CP) * max_ctx + pi), load(vf, vb + W * (2 % CP)),
                                            c2)
-                                c3 = _fma8(_splat8(scores, (3 // CP) * max_ctx + pi), _load8(vf, vb + 8 * (3 % CP)),
+                                c3 = fma(splat(scores, (3 // CP) * max_ctx + pi), load(vf, vb + W * (3 % CP)),
                                            c3)
                             if NA_V > 4:
-                                c4 = _fma8(_splat8(scores, (4 // CP) * max_ctx + pi), _load8(vf, vb + 8 * (4 % CP)),
+                                c4 = fma(splat(scores, (4 // CP) * max_ctx + pi), load(vf, vb + W * (4 % CP)),
                                            c4)
-                                c5 = _fma8(_splat8(scores, (5 // CP) * max_ctx + pi), _load8(vf, vb + 8 * (5 % CP)),
+                                c5 = fma(splat(scores, (5 // CP) * max_ctx + pi), load(vf, vb + W * (5 % CP)),
                                            c5)
                             if NA_V > 6:
-                                c6 = _fma8(_splat8(scores, (6 // CP) * max_ctx + pi), _load8(vf, vb + 8 * (6 % CP)),
+                                c6 = fma(splat(scores, (6 // CP) * max_ctx + pi), load(vf, vb + W * (6 % CP)),
                                            c6)
-                                c7 = _fma8(_splat8(scores, (7 // CP) * max_ctx + pi), _load8(vf, vb + 8 * (7 % CP)),
+                                c7 = fma(splat(scores, (7 // CP) * max_ctx + pi), load(vf, vb + W * (7 % CP)),
                                            c7)
-                        _store8(acc, (0 // CP) * D + part + 8 * (0 % CP), c0)
+                        store(acc, (0 // CP) * D + part + W * (0 % CP), c0)
                         if NA_V > 1:
-                            _store8(acc, (1 // CP) * D + part + 8 * (1 % CP), c1)
+                            store(acc, (1 // CP) * D + part + W * (1 % CP), c1)
                         if NA_V > 2:
-                            _store8(acc, (2 // CP) * D + part + 8 * (2 % CP), c2)
-                            _store8(acc, (3 // CP) * D + part + 8 * (3 % CP), c3)
+                            store(acc, (2 // CP) * D + part + W * (2 % CP), c2)
+                            store(acc, (3 // CP) * D + part + W * (3 % CP), c3)
                         if NA_V > 4:
-                            _store8(acc, (4 // CP) * D + part + 8 * (4 % CP), c4)
-                            _store8(acc, (5 // CP) * D + part + 8 * (5 % CP), c5)
+                            store(acc, (4 // CP) * D + part + W * (4 % CP), c4)
+                            store(acc, (5 // CP) * D + part + W * (5 % CP), c5)
                         if NA_V > 6:
-                            _store8(acc, (6 // CP) * D + part + 8 * (6 % CP), c6)
-                            _store8(acc, (7 // CP) * D + part + 8 * (7 % CP), c7)
+                            store(acc, (6 // CP) * D + part + W * (6 % CP), c6)
+                            store(acc, (7 // CP) * D + part + W * (7 % CP), c7)
                 for gi in range(G):
                     inv = 1.0 / total[gi]
                     col = (h * G + gi) * D
