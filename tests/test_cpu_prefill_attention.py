@@ -126,7 +126,7 @@ def test_8_and_16_lane_passes_give_the_same_bits(group, lanes):
 def test_available_only_for_cpu_float32_and_head_dim_multiple_of_16():
     cpu = torch.device("cpu")
     assert available(torch.float32, cpu, 64) and available(torch.float32, cpu, 16)
-    assert not available(torch.float64, cpu, 64) and available(torch.bfloat16, cpu, 64)
+    assert not available(torch.float64, cpu, 64) and not available(torch.bfloat16, cpu, 64)
     assert not available(torch.float32, cpu, 24) and not available(torch.float32, torch.device("cuda"), 64)
 
 
@@ -197,31 +197,3 @@ def test_runner_keeps_sdpa_where_the_kernel_does_not_apply(monkeypatch):
         torch.set_num_threads(1)   # one_thread is module-scoped
     with pytest.raises(ValueError):
         _runner("cpu", torch.float64)
-
-
-def test_bf16_runs_the_float32_kernel_on_exact_copies():
-    """bf16 q and caches: the kernel's float32 result on their exact float32 values, rounded to bf16 once; rows
-    outside the prefill spans untouched; a block shared by two sequences read by both."""
-    kvh, group, d, bs = 2, 2, 64, 16
-    g = torch.Generator().manual_seed(31)
-    kc = torch.randn(kvh, 40 * bs, d, generator=g).to(torch.bfloat16)
-    vc = torch.randn(kvh, 40 * bs, d, generator=g).to(torch.bfloat16)
-    spans = [(30, 30), (7, 50)]
-    table = np.array([[5, 9, 0, 0], [5, 30, 2, 11]], dtype=np.int64)
-    q = (torch.randn(38, kvh * group, d, generator=g) * 4).to(torch.bfloat16)
-    out = torch.full((38, kvh * group * d), float("nan"), dtype=torch.bfloat16)
-    starts = np.array([0, 31], dtype=np.int64)
-    scale = d ** -0.5
-    paged_prefill(q, kc, vc, starts, np.array([30, 7], dtype=np.int64), np.array([30, 50], dtype=np.int64), table,
-                  out, bs, group, scale)
-    want = torch.full((38, kvh * group * d), float("nan"))
-    paged_prefill(q.float(), kc.float(), vc.float(), starts, np.array([30, 7], dtype=np.int64),
-                  np.array([30, 50], dtype=np.int64), table, want, bs, group, scale)
-    rows = list(range(0, 30)) + list(range(31, 38))
-    assert torch.equal(out[rows], want[rows].to(torch.bfloat16))
-    assert torch.isnan(out[30].float()).all()
-    for i, (q_len, n) in enumerate(spans):
-        ref, _ = reference(q[starts[i]:starts[i] + q_len].float(), kc.float(), vc.float(), table[i], q_len, n, bs, group,
-                           scale)
-        got = out[starts[i]:starts[i] + q_len].double()
-        assert (got - ref).abs().max().item() <= 2 ** -8 * ref.abs().max().item() + 1e-5

@@ -488,11 +488,8 @@ def _kernel(D: int, G: int, wide: bool = False):  # noqa: ANN202
 MIN_ROWS = 12      # q_len x group below this: SDPA's kernel is as fast or faster (a score pass computes 24 rows)
 
 
-DTYPES = (torch.float32, torch.bfloat16)
-
-
 def available(dtype: torch.dtype, device: torch.device, head_dim: int) -> bool:
-    return device.type == "cpu" and dtype in DTYPES and head_dim % 16 == 0
+    return device.type == "cpu" and dtype == torch.float32 and head_dim % 16 == 0
 
 
 def worth(q_len: int, group: int) -> bool:
@@ -510,10 +507,6 @@ def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     context_lens[b] - q_lens[b] + i) over keys 0 .. that position of sequence b, for every b and i. CPU float32;
     q [T, >= kvh * group, d], k/v_cache [kvh, slots, d] contiguous (d a multiple of 16), out [T, heads * d];
     block_tables [B, >= blocks] int64, entries past a sequence's context never read."""
-    if q.dtype == torch.bfloat16:
-        _paged_prefill_bf16(q, k_cache, v_cache, q_starts, q_lens, context_lens, block_tables, out, block_size, group,
-                            scale)
-        return
     kvh, slots, d = (int(x) for x in k_cache.shape)
     # 16 lanes pay once a tile holds more rows than one 8-lane pass (24): below, their 48-row pass computes twice
     # the padding (routing's catch-up chunks of 6-12 tokens at group 2: 1.2-1.3x slower than 8 lanes)
@@ -521,26 +514,3 @@ def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     kernel = _kernel(d, int(group), wide)
     kernel(q.numpy(), k_cache.numpy().reshape(-1), v_cache.numpy().reshape(-1), kvh, slots, q_starts, q_lens,
            context_lens, block_tables, block_size, out.numpy(), scale)
-
-
-def _paged_prefill_bf16(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, q_starts: np.ndarray,
-                        q_lens: np.ndarray, context_lens: np.ndarray, block_tables: np.ndarray, out: torch.Tensor,
-                        block_size: int, group: int, scale: float) -> None:
-    """bf16: the float32 kernel over exact float32 copies of q and of the blocks these sequences read (gathered into
-    a compact cache with renumbered tables: O(context x d) per layer against the kernel's O(q_len x context x d)),
-    the output rounded to bf16 once (PyTorch's flash SDPA for bf16 also scores and sums in float32)."""
-    nb = -(-context_lens // block_size)
-    used = np.concatenate([block_tables[b, :nb[b]] for b in range(nb.shape[0])])
-    tables = np.zeros((nb.shape[0], max(int(nb.max(initial=0)), 1)), np.int64)
-    start = 0
-    for b in range(nb.shape[0]):
-        tables[b, :nb[b]] = np.arange(start, start + nb[b])
-        start += int(nb[b])
-    idx = torch.from_numpy(used)
-    kvh, _, d = (int(x) for x in k_cache.shape)
-    kf = k_cache.unflatten(1, (-1, block_size)).index_select(1, idx).float().reshape(kvh, -1, d)
-    vf = v_cache.unflatten(1, (-1, block_size)).index_select(1, idx).float().reshape(kvh, -1, d)
-    of = torch.empty(out.shape, dtype=torch.float32)
-    paged_prefill(q.float(), kf, vf, q_starts, q_lens, context_lens, tables, of, block_size, group, scale)
-    rows = torch.from_numpy(np.concatenate([np.arange(a, a + n) for a, n in zip(q_starts, q_lens)]))
-    out.index_copy_(0, rows, of.index_select(0, rows).to(torch.bfloat16))

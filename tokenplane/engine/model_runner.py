@@ -86,8 +86,8 @@ class ModelRunner:
             raise ValueError(f"prefill_kernel must be auto, cpu or varlen, not {prefill_kernel!r}")
         prefill_ok = cpu_prefill_attention.available(self.dtype, self.device, cfg.head_dim)
         if prefill_kernel == "cpu" and not prefill_ok:
-            raise ValueError(f"prefill_kernel 'cpu' needs a CPU float32 or bfloat16 model with head_dim a multiple of "
-                             f"16, not {self.device} {self.dtype} head_dim {cfg.head_dim}")
+            raise ValueError(f"prefill_kernel 'cpu' needs a CPU float32 model with head_dim a multiple of 16, not "
+                             f"{self.device} {self.dtype} head_dim {cfg.head_dim}")
         self.prefill_kernel = prefill_kernel if prefill_ok else "varlen"
         self.model, self.cfg = model, cfg
         if self.device.type == "cpu":
