@@ -140,6 +140,10 @@ def test_screen_declines_what_it_cannot_prove(one_thread):
     flat = torch.zeros(n, k)
     flat[:, 0] = 1.0                                       # every logit equal: every panel is a candidate
     assert GreedyScreen(flat, cpu_small_gemm.pack(flat)).argmax(torch.ones(1, k)) is None
+    tiny_w = w * 1e-12                                     # |h| |w_i| stays far below overflow ...
+    huge = torch.randn(8, k)
+    huge[:, 5] = 3.39e38                                   # ... but h is inf once rounded to bf16 (oneDNN's input)
+    assert GreedyScreen(tiny_w, cpu_small_gemm.pack(tiny_w)).argmax(huge) is None
     wbad = w.clone()
     wbad[17, 2] = float("inf")
     assert GreedyScreen(wbad, cpu_small_gemm.pack(wbad)).argmax(torch.randn(1, k)) is None

@@ -257,9 +257,11 @@ class GreedyScreen:
         if not np.isfinite(self.worst) or not bool(torch.isfinite(h).all()):   # a non-finite weight or input
             return None
         n_h = _row_norms(h)
+        h_max = float(h.abs().max()) if h.numel() else 0.0
         # |partial sums| <= sum_k |h_k| |w_k| <= |h| |w_i| (and likewise for the bf16 roundings, at most 2**-8
-        # larger): below OVERFLOW nothing overflows, so no inf or NaN can appear in either computation
-        if not np.all(n_h * max(self.max_w, self.max_wb) < OVERFLOW):
+        # larger): below OVERFLOW nothing overflows, so no inf or NaN can appear in either computation (h itself
+        # too: its bf16 rounding cannot overflow)
+        if not (np.all(n_h * max(self.max_w, self.max_wb) < OVERFLOW) and h_max < OVERFLOW):
             return None
         if rows > STREAM_MAX_ROWS and self.onednn:
             ap = self._onednn(h, n_h)
@@ -277,7 +279,7 @@ class GreedyScreen:
         else:   # fewer blocks than k: the row's own k-th largest
             level_key = np.partition(_keys(ap.bits[:, :v_all], ap.bf16), v_all - k, axis=1)[:, v_all - k]
         level = _values(level_key, ap.bf16)
-        tiny = DENORMAL * (self.k + 2) * (1.0 + self.max_abs_w) * (1.0 + float(h.abs().max()))
+        tiny = DENORMAL * (self.k + 2) * (1.0 + self.max_abs_w) * (1.0 + h_max)
         bc = 2.0 * (ap.bound_c + tiny)
         e2 = 2.0 * ap.e
         low = level - e2 * np.abs(level) - bc                                  # lo(L)
@@ -304,7 +306,6 @@ class GreedyScreen:
             if top is not None:
                 top[r] = np.sort(vals)[::-1][:k]
         return tokens, top
-
 
 
 __all__ = ["GreedyScreen", "MAX_ROWS", "STREAM_MAX_ROWS"]
