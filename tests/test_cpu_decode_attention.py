@@ -177,3 +177,33 @@ def test_float32_vector_kernel_matches_generic_on_long_falling_and_scattered_tab
             ref, max_score = reference(q[i], kc, vc, table[i], n, bs, group, scale)
             tol = 2 * eps * (max_score + d + n) * vc.abs().max().item()
             assert np.abs(got[i] - ref.numpy()).max() < tol, (width, i)
+
+
+@pytest.mark.parametrize("d,group,width", [(16, 3, 16), (48, 3, 16), (16, 1, 16), (24, 3, 8), (8, 3, 8), (48, 2, 8)])
+def test_float32_vector_kernel_shapes_with_odd_accumulator_counts(d, group, width):
+    """Head sizes and groups where the value accumulators (group x chunks per part) are odd or the chunks of d do
+    not split evenly: every output within the float32 bound of float64 SDPA, and the kernel's buffers untouched past
+    their ends (each accumulator loaded and stored only if it exists)."""
+    from tokenplane.engine import cpu_decode_attention_vec
+    from tokenplane.engine.cpu_simd import HOST_AVX512
+
+    if width == 16 and not HOST_AVX512:
+        pytest.skip("16-lane kernels run on AVX-512 hosts only")
+    kvh, bs = 2, 16
+    g = torch.Generator().manual_seed(d * 10 + group)
+    kc = torch.randn(kvh, 60 * bs, d, generator=g)
+    vc = torch.randn(kvh, 60 * bs, d, generator=g)
+    lens = [1, 37, 300]
+    table = np.arange(3 * 19, dtype=np.int64).reshape(3, 19)
+    q = torch.randn(3, kvh * group, d, generator=g) * 2
+    out = np.full((3, kvh * group * d + 16), 7.0, dtype=np.float32)     # 16 guard floats past the row
+    scale = d ** -0.5
+    cpu_decode_attention_vec.kernel(d, group, width)(q.numpy(), kc.numpy(), vc.numpy(), table, np.array(lens),
+                                                     np.arange(3, dtype=np.int64), out, bs, scale, True,
+                                                     np.empty(0, np.float32))
+    assert (out[:, kvh * group * d:] == 7.0).all()
+    eps = torch.finfo(torch.float32).eps
+    for i, n in enumerate(lens):
+        ref, max_score = reference(q[i], kc, vc, table[i], n, bs, group, scale)
+        tol = 2 * eps * (max_score + d + n) * vc.abs().max().item()
+        assert np.abs(out[i, :kvh * group * d] - ref.numpy()).max() < tol

@@ -112,7 +112,9 @@ def kernel(D: int, G: int, W: int = 0):  # noqa: ANN202
     load, store, splat, zero, fma, fold = ((_load16, _store16, _splat16, _zero16, _fma16, _fold16) if W == 16 else
                                            (_load8, _store8, _splat8, _zero8, _fma8, _fold8))
     KS = 8 // G                  # keys scored together: KS * G <= 8 accumulators
-    CP = min(8 // G, D // W)     # chunks of W floats of d per value part: G * CP <= 8 accumulators
+    chunks = D // W
+    # chunks of W floats of d per value part: G * CP <= 8 accumulators, and CP divides the chunks (parts tile d)
+    CP = max(c for c in range(1, min(8 // G, chunks) + 1) if chunks % c == 0)
     PART = W * CP                # floats of d per value part
     NA_S = KS * G                # accumulators in use (scores)
     NA_V = CP * G                # accumulators in use (values)
@@ -173,12 +175,15 @@ def kernel(D: int, G: int, W: int = 0):  # noqa: ANN202
                                 a1 = fma(load(qbuf, (1 // KS) * D + c), load(kf, kb + (1 % KS) * D + c), a1)
                             if NA_S > 2:
                                 a2 = fma(load(qbuf, (2 // KS) * D + c), load(kf, kb + (2 % KS) * D + c), a2)
+                            if NA_S > 3:
                                 a3 = fma(load(qbuf, (3 // KS) * D + c), load(kf, kb + (3 % KS) * D + c), a3)
                             if NA_S > 4:
                                 a4 = fma(load(qbuf, (4 // KS) * D + c), load(kf, kb + (4 % KS) * D + c), a4)
+                            if NA_S > 5:
                                 a5 = fma(load(qbuf, (5 // KS) * D + c), load(kf, kb + (5 % KS) * D + c), a5)
                             if NA_S > 6:
                                 a6 = fma(load(qbuf, (6 // KS) * D + c), load(kf, kb + (6 % KS) * D + c), a6)
+                            if NA_S > 7:
                                 a7 = fma(load(qbuf, (7 // KS) * D + c), load(kf, kb + (7 % KS) * D + c), a7)
                         _store8(tmp, 0, _sum8x8(fold(a0), fold(a1), fold(a2), fold(a3), fold(a4), fold(a5), fold(a6),
                                                 fold(a7)))
@@ -226,12 +231,15 @@ def kernel(D: int, G: int, W: int = 0):  # noqa: ANN202
                             c1 = load(acc, (1 // CP) * D + part + W * (1 % CP))
                         if NA_V > 2:
                             c2 = load(acc, (2 // CP) * D + part + W * (2 % CP))
+                        if NA_V > 3:
                             c3 = load(acc, (3 // CP) * D + part + W * (3 % CP))
                         if NA_V > 4:
                             c4 = load(acc, (4 // CP) * D + part + W * (4 % CP))
+                        if NA_V > 5:
                             c5 = load(acc, (5 // CP) * D + part + W * (5 % CP))
                         if NA_V > 6:
                             c6 = load(acc, (6 // CP) * D + part + W * (6 % CP))
+                        if NA_V > 7:
                             c7 = load(acc, (7 // CP) * D + part + W * (7 % CP))
                         for o in range(n):
                             if prefetch and part == 0:
@@ -246,16 +254,19 @@ def kernel(D: int, G: int, W: int = 0):  # noqa: ANN202
                             if NA_V > 2:
                                 c2 = fma(splat(scores, (2 // CP) * max_ctx + pi), load(vf, vb + W * (2 % CP)),
                                            c2)
+                            if NA_V > 3:
                                 c3 = fma(splat(scores, (3 // CP) * max_ctx + pi), load(vf, vb + W * (3 % CP)),
                                            c3)
                             if NA_V > 4:
                                 c4 = fma(splat(scores, (4 // CP) * max_ctx + pi), load(vf, vb + W * (4 % CP)),
                                            c4)
+                            if NA_V > 5:
                                 c5 = fma(splat(scores, (5 // CP) * max_ctx + pi), load(vf, vb + W * (5 % CP)),
                                            c5)
                             if NA_V > 6:
                                 c6 = fma(splat(scores, (6 // CP) * max_ctx + pi), load(vf, vb + W * (6 % CP)),
                                            c6)
+                            if NA_V > 7:
                                 c7 = fma(splat(scores, (7 // CP) * max_ctx + pi), load(vf, vb + W * (7 % CP)),
                                            c7)
                         store(acc, (0 // CP) * D + part + W * (0 % CP), c0)
@@ -263,12 +274,15 @@ def kernel(D: int, G: int, W: int = 0):  # noqa: ANN202
                             store(acc, (1 // CP) * D + part + W * (1 % CP), c1)
                         if NA_V > 2:
                             store(acc, (2 // CP) * D + part + W * (2 % CP), c2)
+                        if NA_V > 3:
                             store(acc, (3 // CP) * D + part + W * (3 % CP), c3)
                         if NA_V > 4:
                             store(acc, (4 // CP) * D + part + W * (4 % CP), c4)
+                        if NA_V > 5:
                             store(acc, (5 // CP) * D + part + W * (5 % CP), c5)
                         if NA_V > 6:
                             store(acc, (6 // CP) * D + part + W * (6 % CP), c6)
+                        if NA_V > 7:
                             store(acc, (7 // CP) * D + part + W * (7 % CP), c7)
                 for gi in range(G):
                     inv = 1.0 / total[gi]
