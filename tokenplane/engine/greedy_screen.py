@@ -156,19 +156,31 @@ def _collect(bits, v, mask, block_max, thr, cands, counts):  # noqa: ANN001
         counts[r] = n
 
 
+def _mask(bf16: bool) -> int:
+    return 0x7FFF if bf16 else 0x7FFFFFFF
+
+
+def _flip(x: np.ndarray, bf16: bool) -> np.ndarray:
+    """Signed bit patterns (int64) <-> their keys: the negative ones' bits but the sign flipped (its own inverse)."""
+    return np.where(x >= 0, x, x ^ _mask(bf16))
+
+
 def _keys(bits: np.ndarray, bf16: bool) -> np.ndarray:
     """The keys (int64) of bf16 (int16) or float32 (int32) bit patterns."""
-    x = bits.astype(np.int64)
-    return np.where(x >= 0, x, x ^ (0x7FFF if bf16 else 0x7FFFFFFF))
+    return _flip(bits.astype(np.int64), bf16)
+
+
+def _bit_values(bits: np.ndarray, bf16: bool) -> np.ndarray:
+    """The float64 values of signed bf16 or float32 bit patterns (any integer dtype)."""
+    bits = bits.astype(np.int64)
+    if bf16:
+        return ((bits & 0xFFFF).astype(np.uint32) << 16).view(np.float32).astype(np.float64)
+    return (bits & 0xFFFFFFFF).astype(np.uint32).view(np.float32).astype(np.float64)
 
 
 def _values(keys: np.ndarray, bf16: bool) -> np.ndarray:
     """The float64 values of keys (int64)."""
-    mask = 0x7FFF if bf16 else 0x7FFFFFFF
-    bits = np.where(keys >= 0, keys, keys ^ mask)
-    if bf16:
-        return ((bits & 0xFFFF).astype(np.uint32) << 16).view(np.float32).astype(np.float64)
-    return (bits & 0xFFFFFFFF).astype(np.uint32).view(np.float32).astype(np.float64)
+    return _bit_values(_flip(keys, bf16), bf16)
 
 
 def _key_at_most(x: np.ndarray, bf16: bool) -> np.ndarray:
@@ -180,9 +192,9 @@ def _key_at_most(x: np.ndarray, bf16: bool) -> np.ndarray:
         neg = u >> 31
         b = (u >> 16) + (neg & ((u & 0xFFFF) != 0))    # a negative value's dropped bits round it away from zero
         b = np.where(b >= 0x8000, b - 0x10000, b)       # as int16
-        return np.where(b >= 0, b, b ^ 0x7FFF)
-    b = np.where(u >= 0x80000000, u - 0x100000000, u)
-    return np.where(b >= 0, b, b ^ 0x7FFFFFFF)
+    else:
+        b = np.where(u >= 0x80000000, u - 0x100000000, u)
+    return _flip(b, bf16)
 
 
 @dataclass
@@ -269,7 +281,7 @@ class GreedyScreen:
             ap = self._stream(h, n_h)
         else:   # past the stream's gain: the full projection
             return None
-        mask = 0x7FFF if ap.bf16 else 0x7FFFFFFF
+        mask = _mask(ap.bf16)
         nb = -(-v_all // BLOCK)
         raw_max = np.empty((rows, nb), ap.bits.dtype)
         _block_max(ap.bits, v_all, raw_max)
@@ -296,7 +308,7 @@ class GreedyScreen:
                 return None
             c = cands[r, :n]
             if n > max(PRUNE_ABOVE, 2 * k):    # each vocabulary row's own bound (the one above takes the worst)
-                a = _values(_keys(ap.bits[r, c], ap.bf16), ap.bf16)
+                a = _bit_values(ap.bits[r, c], ap.bf16)
                 b = 2.0 * (ap.per_row(r, c) + tiny + ap.e * np.abs(a))
                 lows = a - b
                 lo = np.max(lows) if k <= 1 else np.partition(lows, n - k)[n - k]
