@@ -250,6 +250,34 @@ def test_generate_greedy_matches_transformers(hf_pair):
         assert out == ids[len(p):]
 
 
+def test_generate_with_logit_adjustments_matches_transformers(hf_pair):
+    """Penalties and logit_bias (greedy) and top-k / min-p (seeded draws) through the engine, against transformers'
+    logits adjusted by vLLM's formulas and drawn by the same counter-based sampler; one engine is tight enough to
+    preempt (recompute), which must not change a penalized request's history."""
+    from tokenplane.engine.sampler import sample
+
+    cfg, model, hf = hf_pair("test-small", torch.float64)
+    prompts = [prompt(n, 60 + n) for n in (7, 13, 4)]
+    params = [SamplingParams(max_tokens=10, repetition_penalty=1.6, frequency_penalty=0.7, presence_penalty=0.5),
+              SamplingParams(max_tokens=10, logit_bias=((5, 3.0), (int(prompts[1][0]), -2.0)), repetition_penalty=0.8),
+              SamplingParams(max_tokens=10, temperature=0.9, top_k=5, min_p=0.05, seed=21, frequency_penalty=1.2)]
+    expect = []
+    for pr, sp in zip(prompts, params):
+        ids = list(pr)
+        for step in range(sp.max_tokens):
+            ids.append(sample(hf_logits(hf, ids)[-1:], [sp], [step], [(pr, ids[len(pr):])])[0])
+        expect.append(ids[len(pr):])
+    plain = LLMEngine("test-small", dtype=torch.float64, seed=7, num_blocks=64, block_size=4)
+    assert plain.generate(prompts, params) == expect
+    unadjusted = plain.generate(prompts, [SamplingParams(max_tokens=10)] * 2 + [
+        SamplingParams(max_tokens=10, temperature=0.9, seed=21)])
+    assert sum(a != b for a, b in zip(unadjusted, expect)) >= 2, (unadjusted, expect)   # the adjustments act
+    tight = LLMEngine("test-small", dtype=torch.float64, seed=7, num_blocks=9, block_size=4, max_num_seqs=3,
+                      max_num_batched_tokens=16)
+    assert tight.generate(prompts, params) == expect
+    assert tight.scheduler.num_preemptions > 0
+
+
 def test_engine_preemption_and_limits_keep_results():
     prompts = [prompt(n, 40 + n) for n in (9, 14, 5, 12)]
     params = [SamplingParams(max_tokens=12), SamplingParams(max_tokens=9, temperature=0.8, top_p=0.9, seed=11),

@@ -222,3 +222,87 @@ def test_nucleus_equals_full_sort(scale, top_p):
     ref_p, ref_i = torch.sort(probs, descending=True, stable=True)
     keep = int((torch.cumsum(ref_p, -1) < top_p).sum()) + 1
     assert torch.equal(got_i, ref_i[:keep]) and torch.equal(got_p, ref_p[:keep])
+
+
+# -- vLLM's logit adjustments: each against a direct float64 transcription of vLLM's formulas ----------------------
+def _vllm_adjusted(row, params, prompt, output):
+    """vLLM's sampler on one row, written out: logit_bias added, then repetition over prompt + output tokens,
+    then frequency and presence over the output tokens' counts."""
+    x = row.double().clone()
+    for t, b in params.logit_bias:
+        x[t] += b
+    for t in set(prompt) | set(output):
+        x[t] = x[t] / params.repetition_penalty if x[t] > 0 else x[t] * params.repetition_penalty
+    for t, c in collections.Counter(output).items():
+        x[t] -= params.frequency_penalty * c + params.presence_penalty
+    return x
+
+
+@pytest.mark.parametrize("kw", [
+    {"repetition_penalty": 1.3},
+    {"repetition_penalty": 0.7},
+    {"frequency_penalty": 0.8},
+    {"presence_penalty": -1.5},
+    {"logit_bias": ((3, 5.0), (9, -100.0))},
+    {"repetition_penalty": 1.2, "frequency_penalty": 0.5, "presence_penalty": 0.4, "logit_bias": ((1, 2.5),)},
+])
+def test_adjusted_logits_follow_vllm(kw):
+    from tokenplane.engine.sampler import adjusted
+
+    g = torch.Generator().manual_seed(5)
+    row = torch.randn(64, generator=g) * 3
+    prompt, output = [1, 2, 2, 40, 63], [2, 7, 7, 7, 9, 3]
+    params = SamplingParams(**kw)
+    assert params.needs_logits
+    got = adjusted(row, params, (prompt, output))
+    assert torch.equal(got, _vllm_adjusted(row, params, prompt, output))
+    assert torch.equal(row, row.clone())   # the input is not modified
+    # greedy on the adjusted logits, through the batch entry point (one penalized row among plain ones)
+    logits = torch.stack([row, row, -row])
+    plain = SamplingParams()
+    toks = sample(logits, [plain, params, plain], [0, 6, 0], [None, (prompt, output), None])
+    assert toks == [int(row.argmax()), int(got.argmax()), int((-row).argmax())]
+
+
+def test_penalties_move_the_greedy_token():
+    row = torch.tensor([1.0, 4.0, 3.9, -2.0])
+    assert sample(row[None], [SamplingParams()], [0])[0] == 1
+    assert sample(row[None], [SamplingParams(repetition_penalty=1.1)], [0], [([1], [])])[0] == 2   # 4/1.1 < 3.9
+    assert sample(row[None], [SamplingParams(presence_penalty=0.2)], [1], [([], [1])])[0] == 2
+    assert sample(row[None], [SamplingParams(logit_bias=((3, 100.0),))], [0])[0] == 3
+    assert sample(row[None], [SamplingParams(logit_bias=((1, -100.0),))], [0])[0] == 2
+    with pytest.raises(ValueError, match="prompt and output"):
+        sample(row[None], [SamplingParams(repetition_penalty=1.1)], [0])
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        sample(row[None], [SamplingParams(logit_bias=((4, 1.0),))], [0])
+
+
+def test_min_p_and_top_k_restrict_the_draw():
+    probs = torch.tensor([0.4, 0.3, 0.2, 0.06, 0.04])
+    logits = torch.log(probs)[None]
+
+    def drawn(**kw):
+        p = SamplingParams(temperature=1.0, seed=11, **kw)
+        return collections.Counter(sample(logits, [p], [s])[0] for s in range(3000))
+
+    assert set(drawn(top_k=2)) == {0, 1}
+    assert set(drawn(top_k=1)) == {0}
+    assert set(drawn(min_p=0.45)) == {0, 1, 2}           # >= 0.45 x 0.4 = 0.18
+    assert set(drawn(min_p=0.45, top_k=2)) == {0, 1}
+    assert set(drawn(top_k=3, top_p=0.6)) == {0, 1}      # top-p over the renormalized top 3: 0.4/0.9 < 0.6
+    c = drawn(top_k=2)
+    assert abs(c[0] / 3000 - 0.4 / 0.7) < 0.04
+    assert set(drawn(top_k=-1)) == set(drawn()) == {0, 1, 2, 3, 4}
+    ties = torch.tensor([[2.0, 2.0, 1.0]])               # a tie at the k-th value is kept (vLLM's threshold)
+    p = SamplingParams(temperature=1.0, top_k=1, seed=3)
+    assert {sample(ties, [p], [s])[0] for s in range(200)} == {0, 1}
+    # at temperature 0 they change nothing: the raw argmax, and no logits needed for it
+    assert not SamplingParams(top_k=3, min_p=0.2).needs_logits
+
+
+@pytest.mark.parametrize("kw", [{"top_k": -2}, {"min_p": 1.5}, {"presence_penalty": 2.5},
+                                {"frequency_penalty": -3}, {"repetition_penalty": 0}, {"repetition_penalty": 2.5},
+                                {"logit_bias": ((-1, 1.0),)}, {"logit_bias": ((5, 101.0),)}])
+def test_adjustment_params_validation(kw):
+    with pytest.raises(ValueError):
+        SamplingParams(**kw)

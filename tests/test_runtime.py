@@ -270,6 +270,32 @@ def test_logprobs_equal_reference(runtime, runners, name, flags):
     check_logprobs(runtime, runners, name, ALGORITHMS[name])
 
 
+PEN_PARAMS = [SamplingParams(max_tokens=24, repetition_penalty=1.5, frequency_penalty=0.6, presence_penalty=0.3),
+              SamplingParams(max_tokens=24, logit_bias=((5, 2.0),), repetition_penalty=0.9),
+              SamplingParams(max_tokens=24, temperature=0.8, top_k=8, min_p=0.02, seed=5, frequency_penalty=1.0),
+              SamplingParams(max_tokens=24)] * 2
+
+
+@pytest.mark.parametrize("flags", [{"pending_return": True}, {"pending_return": False}, {"standard_serving": True},
+                                   {"standard_serving": True, "standard_unit": "segment"}],
+                         ids=["pending_return", "baseline", "standard_serving", "standard_segment"])
+@pytest.mark.parametrize("name", ["r2r", "r_stitch"])
+def test_penalties_and_bias_equal_reference(runtime, runners, name, flags):
+    """Penalties read the request's prompt and output tokens on whichever model samples (a peer's view after a
+    handoff, a re-admitted standard-serving request): every token equals the sequential reference's."""
+    full = {"pending_return": True, "standard_serving": False, "standard_unit": "token", **flags}
+    runtime.configure(algorithm=name, algorithm_kwargs=ALGORITHMS[name], mode="immediate_async", thresholds=None,
+                      **full)
+    router = SequentialRouter(make_algorithm(name, **ALGORITHMS[name]), runners)
+    ref = [router.generate(p, sp, rid) for p, sp, rid in zip(PROMPTS, PEN_PARAMS, RIDS)]
+    outs = runtime.run_batch(PROMPTS, PEN_PARAMS, request_ids=RIDS, concurrency=8)
+    for r, o in zip(ref, outs):
+        assert o.token_ids == r.token_ids and o.token_models == r.token_models, (name, o.request_id)
+    assert sum(len(set(o.token_models)) > 1 for o in outs) >= 4, "must exercise handoffs"
+    plain = [router.generate(p, SamplingParams(max_tokens=24), rid) for p, rid in zip(PROMPTS[:3], RIDS)]
+    assert sum(a.token_ids != b.token_ids for a, b in zip(plain, ref)) >= 2   # the adjustments act
+
+
 def test_logprobs_ensemble_report_the_primary(runtime, runners):
     runtime.configure(algorithm="ensemble", algorithm_kwargs=ALGORITHMS["ensemble"], mode="immediate_async",
                       thresholds=None, pending_return=True, standard_serving=False)

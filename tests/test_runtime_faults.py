@@ -48,6 +48,10 @@ def _params(**kw):
     ({"max_tokens": 0}, "max_tokens"), ({"temperature": math.nan}, "temperature"),
     ({"temperature": math.inf}, "temperature"), ({"top_p": math.nan}, "top_p"), ({"top_p": 0.0}, "top_p"),
     ({"stop_token_ids": (-5,)}, "stop_token_ids"),
+    ({"top_k": -2}, "top_k"), ({"top_k": 2.5}, "top_k"), ({"min_p": math.nan}, "min_p"),
+    ({"presence_penalty": 3.0}, "presence_penalty"), ({"frequency_penalty": -math.inf}, "frequency_penalty"),
+    ({"repetition_penalty": 0.0}, "repetition_penalty"), ({"logit_bias": ((-1, 1.0),)}, "logit_bias"),
+    ({"logit_bias": ((3, math.nan),)}, "logit_bias"),
     ({"max_tokens": 1022}, "max_tokens"),          # 3 + 1022 tokens > the 64 x 16 = 1024-token pool
 ])
 def test_bad_fields_are_rejected_before_registration(rt, kw, param):

@@ -98,6 +98,42 @@ def test_health_and_models(server):
     assert data[0]["max_model_len"] == 4096
 
 
+def test_sampling_adjustments_equal_reference(server, router, tokenizer):
+    """logit_bias, the penalties, top_k and min_p through the official client (vLLM's extensions in extra_body)
+    reach the engine: the text equals the reference router's under the same SamplingParams."""
+    import openai
+
+    url, _ = server
+    client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=120)
+    prompt = "The quick brown fox"
+    ids = tokenizer.encode(prompt).tolist()
+    hello = tokenizer.encode(" hello").tolist()
+    assert len(hello) == 1
+    r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=4, temperature=0,
+                                  logit_bias={str(hello[0]): 100})
+    assert r.choices[0].text == " hello" * 4
+    world = tokenizer.encode(" world").tolist()
+    both = {str(hello[0]): 100, str(world[0]): 100}
+    # both words biased far above the rest, so the penalties decide between them (they visibly act)
+    cases = [({"logit_bias": both, "presence_penalty": 0.5, "frequency_penalty": 2.0,
+               "extra_body": {"repetition_penalty": 1.4}},
+              SamplingParams(max_tokens=12, presence_penalty=0.5, frequency_penalty=2.0, repetition_penalty=1.4,
+                             logit_bias=((hello[0], 100.0), (world[0], 100.0)))),
+             ({"temperature": 0.9, "seed": 4, "extra_body": {"top_k": 6, "min_p": 0.05}},
+              SamplingParams(max_tokens=12, temperature=0.9, seed=4, top_k=6, min_p=0.05))]
+    texts = []
+    for kw, sp in cases:
+        kw = {"temperature": 0, **kw}
+        r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, **kw)
+        out = router.generate(ids, sp, "ref")
+        stream = TextStream(tokenizer)
+        assert r.choices[0].text == stream.push(out.token_ids) + stream.flush(), kw
+        texts.append(r.choices[0].text)
+    assert " hello" in texts[0] and " world" in texts[0], texts[0]
+    alone = client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0, logit_bias=both)
+    assert set(alone.choices[0].text.split()) <= {"hello", "world"} and alone.choices[0].text != texts[0]
+
+
 def test_completion_equals_reference(server, router, tokenizer):
     url, _ = server
     prompt = "The quick brown fox"

@@ -97,11 +97,14 @@ def test_longest_allowed_stop_strings_cost_little(server):
     (b'{"prompt": "x", "n": 1000}', "n"),
     (b'{"prompt": "x", "echo": true}', "echo"),
     (b'{"prompt": "x", "best_of": 3}', "best_of"),
-    (b'{"prompt": "x", "logit_bias": {"5": 1}}', "logit_bias"),
-    (b'{"prompt": "x", "presence_penalty": 0.5}', "presence_penalty"),
-    (b'{"prompt": "x", "top_k": 20}', "top_k"),                 # vLLM's extensions: refused by name, not dropped
-    (b'{"prompt": "x", "min_p": 0.1}', "min_p"),
-    (b'{"prompt": "x", "repetition_penalty": 1.2}', "repetition_penalty"),
+    (b'{"prompt": "x", "logit_bias": {"a5": 1}}', "logit_bias"),
+    (b'{"prompt": "x", "logit_bias": {"5": 101}}', "logit_bias"),
+    (b'{"prompt": "x", "logit_bias": {"5": "1"}}', "logit_bias"),
+    (b'{"prompt": "x", "logit_bias": {"99999999": 1}}', "logit_bias"),   # beyond the vocabulary
+    (b'{"prompt": "x", "presence_penalty": 2.5}', "presence_penalty"),
+    (b'{"prompt": "x", "top_k": -2}', "top_k"),
+    (b'{"prompt": "x", "min_p": 1.5}', "min_p"),
+    (b'{"prompt": "x", "repetition_penalty": 0}', "repetition_penalty"),
     (b'{"prompt": "x", "suffix": "y"}', "suffix"),
     (b'{"prompt": "x", "response_format": {"type": "json_object"}}', "response_format"),
     (b'{"prompt": "x", "stream": "yes"}', "stream"),
@@ -128,13 +131,15 @@ def test_token_ids_beyond_the_vocabulary_are_400(server):
 
 def test_unserved_parameter_values_are_not_in_the_schema(server):
     """The OpenAPI schema offers only the served values of the parameters refused by name (a schema-driven client
-    or fuzzer never builds a refused request from it), and the refusal still names the parameter."""
+    or fuzzer never builds a refused request from it), and the refusal still names the parameter. The sampling
+    adjustments are served: the schema states their ranges."""
     url, _ = server
     doc = httpx.get(url + "/openapi.json").json()
     props = doc["paths"]["/v1/completions"]["post"]["requestBody"]["content"]["application/json"]["schema"][
         "properties"]
     assert props["echo"]["const"] is False and props["best_of"]["enum"] == [None, 1]
-    assert props["presence_penalty"]["enum"] == [None, 0] and props["logit_bias"]["maxProperties"] == 0
+    assert "enum" not in props["presence_penalty"] and props["logit_bias"]["maxProperties"] == 300
+    assert props["logit_bias"]["propertyNames"] == {"pattern": "^[0-9]{1,10}$"}
     err = is_openai_error(post(url, "/v1/completions", {"prompt": "x", "best_of": 0}), 400)
     assert err["param"] == "best_of"
 
@@ -143,7 +148,7 @@ def test_chat_unsupported_parameters_are_named(server):
     url, _ = server
     msgs = [{"role": "user", "content": "hi"}]
     for extra, name in (({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
-                        ({"frequency_penalty": 1.0}, "frequency_penalty")):
+                        ({"response_format": {"type": "json_object"}}, "response_format")):
         err = is_openai_error(post(url, "/v1/chat/completions", {"messages": msgs, **extra}), 400)
         assert err["param"] == name and name in err["message"]
 

@@ -1,18 +1,28 @@
-"""Greedy, temperature and top-p sampling with counter-based randomness.
+"""Greedy and random sampling with counter-based randomness, and vLLM's logit adjustments.
 
 A request's random draw at output step t is a pure function of (seed, t): a splitmix64 hash turned into a uniform
-double, then an inverse-CDF pick over the float64 top-p distribution. So a request samples the same tokens whatever
-batch it lands in, on whichever process or model, which the routing runtimes need to equal the sequential reference.
+double, then an inverse-CDF pick over the float64 distribution left by min-p, top-k and top-p. So a request samples
+the same tokens whatever batch it lands in, on whichever process or model, which the routing runtimes need to equal
+the sequential reference.
+
+The adjustments follow vLLM's sampler, in its order: logit_bias is added to the raw logits, then the penalties
+(repetition over the prompt's and the output's tokens: a positive logit divided by it, a negative one multiplied;
+frequency and presence over the output's tokens: minus frequency x count, minus presence once), then greedy takes
+the argmax, or temperature, min-p (drop tokens below min_p x the top probability), top-k (keep the k largest, ties
+at the k-th kept) and top-p apply before the draw. Logprobs stay those of the raw distribution (as vLLM and OpenAI
+report them).
 """
 from __future__ import annotations
 
 import secrets
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
 MASK64 = (1 << 64) - 1
 MAX_LOGPROBS = 20
+History = tuple[Sequence[int], Sequence[int]]    # a request's (prompt ids, output ids so far)
 
 
 @dataclass(frozen=True)
@@ -24,6 +34,12 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None   # None: none; k >= 0: each output token's logprob and the k most likely tokens'
+    top_k: int = 0                # <= 0: every token (vLLM's -1)
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()   # (token id, bias added to its logit)
 
     def __post_init__(self) -> None:
         if self.temperature < 0:
@@ -35,12 +51,30 @@ class SamplingParams:
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
             raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}]")
+        if self.top_k < -1:
+            raise ValueError("top_k must be -1, 0 (all tokens) or positive")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise ValueError("min_p must be in [0, 1]")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2.0 <= getattr(self, name) <= 2.0:
+                raise ValueError(f"{name} must be in [-2, 2]")
+        if not 0.0 < self.repetition_penalty <= 2.0:
+            raise ValueError("repetition_penalty must be in (0, 2]")
+        bias = tuple((int(t), float(b)) for t, b in self.logit_bias)
+        if any(t < 0 or not -100.0 <= b <= 100.0 for t, b in bias):
+            raise ValueError("logit_bias maps token ids >= 0 to biases in [-100, 100]")
+        object.__setattr__(self, "logit_bias", bias)
+
+    @property
+    def penalized(self) -> bool:
+        """Whether a penalty reads the request's tokens (prompt and output: `sample`'s histories)."""
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
 
     @property
     def needs_logits(self) -> bool:
-        """Whether sampling reads the logits (a temperature, or logprobs asked); False: the greedy token is all a
-        step must produce for this request (`ModelRunner.run_greedy`)."""
-        return self.temperature != 0.0 or self.logprobs is not None
+        """Whether sampling reads the logits (a temperature, logprobs, a bias or a penalty, which move the argmax);
+        False: the raw greedy token is all a step must produce for this request (`ModelRunner.run_greedy`)."""
+        return self.temperature != 0.0 or self.logprobs is not None or self.penalized or bool(self.logit_bias)
 
 
 def token_logprobs(logits: torch.Tensor, token: int, k: int) -> tuple[float, list[tuple[int, float]]]:
@@ -83,10 +117,54 @@ def nucleus(probs: torch.Tensor, top_p: float) -> tuple[torch.Tensor, torch.Tens
         k *= 8
 
 
-def sample_one(logits: torch.Tensor, params: SamplingParams, step: int) -> int:
+def adjusted(logits: torch.Tensor, params: SamplingParams, history: History | None = None) -> torch.Tensor:
+    """One row's logits after logit_bias and the penalties (float64; the input itself when neither applies).
+    history: (prompt ids, output ids), needed when `params.penalized`."""
+    if not params.logit_bias and not params.penalized:
+        return logits
+    out = logits.double().clone()
+    v = out.numel()
+    if params.logit_bias:
+        ids = torch.tensor([t for t, _ in params.logit_bias], dtype=torch.long)
+        if int(ids.max()) >= v:
+            raise ValueError(f"logit_bias token id {int(ids.max())} is outside the vocabulary ({v})")
+        out.index_add_(0, ids, torch.tensor([b for _, b in params.logit_bias], dtype=torch.float64))
+    if params.penalized:
+        if history is None:
+            raise ValueError("a penalized request needs its prompt and output tokens")
+        prompt, output = history
+        gen = torch.as_tensor(list(output), dtype=torch.long)
+        if params.repetition_penalty != 1.0:
+            seen = torch.unique(torch.cat((torch.as_tensor(list(prompt), dtype=torch.long), gen)))
+            seen = seen[seen < v]
+            x = out[seen]
+            out[seen] = torch.where(x > 0, x / params.repetition_penalty, x * params.repetition_penalty)
+        if gen.numel() and (params.frequency_penalty != 0.0 or params.presence_penalty != 0.0):
+            ids, counts = torch.unique(gen[gen < v], return_counts=True)
+            out[ids] -= params.frequency_penalty * counts.double() + params.presence_penalty
+    return out
+
+
+def _filtered(probs: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """min-p, then top-k, as masks on the probabilities (renormalized when anything was dropped)."""
+    keep = None
+    if params.min_p > 0.0:
+        keep = probs >= params.min_p * probs.max()
+    if 0 < params.top_k < probs.numel():
+        kth = torch.topk(probs if keep is None else probs * keep, params.top_k, sorted=True).values[-1]
+        k_keep = probs >= kth
+        keep = k_keep if keep is None else keep & k_keep
+    if keep is None:
+        return probs
+    probs = probs * keep
+    return probs / probs.sum()
+
+
+def sample_one(logits: torch.Tensor, params: SamplingParams, step: int, history: History | None = None) -> int:
+    logits = adjusted(logits, params, history)
     if params.temperature == 0.0:
         return int(torch.argmax(logits))
-    probs = torch.softmax(logits.double() / params.temperature, dim=-1)
+    probs = _filtered(torch.softmax(logits.double() / params.temperature, dim=-1), params)
     if params.top_p < 1.0:
         sorted_probs, order = nucleus(probs, params.top_p)
     else:
@@ -121,10 +199,15 @@ def greedy(logits: torch.Tensor) -> torch.Tensor:
     return idx
 
 
-def sample(logits: torch.Tensor, params: list[SamplingParams], steps: list[int]) -> list[int]:
-    """One token per row. logits [B, V]; steps[i] = index of the output token being drawn for row i."""
+def sample(logits: torch.Tensor, params: list[SamplingParams], steps: list[int],
+           histories: Sequence[History | None] | None = None) -> list[int]:
+    """One token per row. logits [B, V]; steps[i] = index of the output token being drawn for row i; histories[i]:
+    row i's (prompt ids, output ids), read only for penalized rows (`SamplingParams.penalized`)."""
     if logits.dim() != 2 or logits.shape[0] != len(params) or len(params) != len(steps):
         raise ValueError("logits must be [B, V] with one SamplingParams and one step per row")
-    if all(p.temperature == 0.0 for p in params):
+    if histories is not None and len(histories) != len(params):
+        raise ValueError("one history per row")
+    if all(p.temperature == 0.0 and not p.logit_bias and not p.penalized for p in params):
         return greedy(logits).tolist()
-    return [sample_one(logits[i], p, s) for i, (p, s) in enumerate(zip(params, steps))]
+    return [sample_one(logits[i], p, s, None if histories is None else histories[i])
+            for i, (p, s) in enumerate(zip(params, steps))]

@@ -301,7 +301,12 @@ def params_to_wire(p) -> dict[str, Any]:
     return {"temperature": float(p.temperature), "top_p": float(p.top_p), "max_tokens": int(p.max_tokens),
             "seed": None if p.seed is None else int(p.seed), "stop_token_ids": [int(t) for t in p.stop_token_ids],
             "ignore_eos": bool(getattr(p, "ignore_eos", False)),
-            "logprobs": None if getattr(p, "logprobs", None) is None else int(p.logprobs)}
+            "logprobs": None if getattr(p, "logprobs", None) is None else int(p.logprobs),
+            "top_k": int(getattr(p, "top_k", 0)), "min_p": float(getattr(p, "min_p", 0.0)),
+            "presence_penalty": float(getattr(p, "presence_penalty", 0.0)),
+            "frequency_penalty": float(getattr(p, "frequency_penalty", 0.0)),
+            "repetition_penalty": float(getattr(p, "repetition_penalty", 1.0)),
+            "logit_bias": [[int(t), float(b)] for t, b in getattr(p, "logit_bias", ())]}
 
 
 def params_from_wire(d: dict[str, Any]):
@@ -309,7 +314,12 @@ def params_from_wire(d: dict[str, Any]):
     return SamplingParams(temperature=float(d.get("temperature", 0.0)), top_p=float(d.get("top_p", 1.0)),
                           max_tokens=int(d.get("max_tokens", 16)), seed=d.get("seed"),
                           stop_token_ids=tuple(d.get("stop_token_ids", ())),
-                          ignore_eos=bool(d.get("ignore_eos", False)), logprobs=d.get("logprobs"))
+                          ignore_eos=bool(d.get("ignore_eos", False)), logprobs=d.get("logprobs"),
+                          top_k=int(d.get("top_k", 0)), min_p=float(d.get("min_p", 0.0)),
+                          presence_penalty=float(d.get("presence_penalty", 0.0)),
+                          frequency_penalty=float(d.get("frequency_penalty", 0.0)),
+                          repetition_penalty=float(d.get("repetition_penalty", 1.0)),
+                          logit_bias=tuple((int(t), float(b)) for t, b in d.get("logit_bias", ())))
 
 
 def stats_to_wire(s: RouteStats) -> dict[str, Any]:

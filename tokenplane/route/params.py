@@ -58,6 +58,19 @@ def validate_params(params: Any) -> None:
     k = getattr(params, "logprobs", None)
     if k is not None and (not _is_int(k) or not 0 <= k <= 20):
         raise RequestRejected(f"logprobs must be an integer in [0, 20], got {k!r}", param="logprobs")
+    top_k = getattr(params, "top_k", 0)
+    if not _is_int(top_k) or top_k < -1:
+        raise RequestRejected(f"top_k must be an integer >= -1, got {top_k!r}", param="top_k")
+    for name, lo, hi in (("min_p", 0.0, 1.0), ("presence_penalty", -2.0, 2.0), ("frequency_penalty", -2.0, 2.0),
+                         ("repetition_penalty", 0.0, 2.0)):
+        v = _number(name, getattr(params, name, 1.0 if name == "repetition_penalty" else 0.0))
+        if not lo <= v <= hi or (name == "repetition_penalty" and v == 0.0):
+            raise RequestRejected(f"{name} must be in {'(' if name == 'repetition_penalty' else '['}{lo}, {hi}], "
+                                  f"got {v}", param=name)
+    for tok, bias in getattr(params, "logit_bias", ()):
+        if not _is_int(tok) or not 0 <= tok <= TOKEN_ID_MAX or not -100.0 <= _number("logit_bias", bias) <= 100.0:
+            raise RequestRejected(f"logit_bias maps token ids in [0, {TOKEN_ID_MAX}] to biases in [-100, 100], got "
+                                  f"{tok!r}: {bias!r}", param="logit_bias")
     for tok in params.stop_token_ids:
         if not _is_int(tok) or not 0 <= tok <= TOKEN_ID_MAX:
             raise RequestRejected(f"stop_token_ids must be token ids in [0, {TOKEN_ID_MAX}], got {tok!r}",

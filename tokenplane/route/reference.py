@@ -100,10 +100,12 @@ class SequentialRouter:
         hidden = out.hidden[0] if getattr(out, "hidden", None) is not None else None
         return out.logits[0], hidden
 
-    def _step(self, m: int, seq: Any, rid: str, position: int, params: Any) -> StepResult:
+    def _step(self, m: int, seq: Any, rid: str, position: int, params: Any,
+              view: RequestView | None = None) -> StepResult:
         from tokenplane.engine.sampler import sample
         logits, hidden = self._run(m, seq)
-        token = sample(logits[None], [params], [position])[0]
+        history = (view.prompt_ids, view.output_ids) if view is not None else None
+        token = sample(logits[None], [params], [position], [history])[0]
         return StepResult(rid, m, position, int(token), logits, hidden)
 
     def _deliver(self, h: Handoff, views: dict[int, RequestView], seqs: dict[int, Any], stats: RouteStats) -> None:
@@ -149,7 +151,7 @@ class SequentialRouter:
             while finish is None:
                 view, seq = views[m], seqs[m]
                 p = view.num_output
-                result = self._step(m, seq, request_id, p, params)
+                result = self._step(m, seq, request_id, p, params, view)
                 if stats.cached_prompt is None:   # the first step: model 0 just allocated the prompt
                     stats.cached_prompt = seqs[0].num_cached_tokens
                 peers = alg.ensemble_peers(result, view)
@@ -213,7 +215,7 @@ class SequentialRouter:
             stats.on_handoff(h)
             after_send(views[m], result, h)
             self._deliver(h, views, seqs, stats)
-            rq = self._step(q, seqs[q], result.request_id, p, params)
+            rq = self._step(q, seqs[q], result.request_id, p, params, views[q])
             reply = alg.score_reply(views[q], rq, m)
             apply_handoff(views[m], reply, alg.receive(views[m], reply))
             scores[q] = reply.metadata["scores"]

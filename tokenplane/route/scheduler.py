@@ -291,7 +291,12 @@ class Scheduler:
                        for j, i in enumerate(rows)]
         else:
             logits = out.logits if len(rows) == len(batch) else out.logits[rows]
-            tokens = self.sample_fn(logits, [batch[i].params for i in rows], positions)
+            params = [batch[i].params for i in rows]
+            if any(p.penalized for p in params):
+                tokens = self.sample_fn(logits, params, positions,
+                                        [(batch[i].view.prompt_ids, batch[i].view.output_ids) for i in rows])
+            else:
+                tokens = self.sample_fn(logits, params, positions)
             results = [StepResult(batch[i].request_id, self.model, positions[j], int(tokens[j]), out.logits[i],
                                   None if hidden is None else hidden[i]) for j, i in enumerate(rows)]
         try:

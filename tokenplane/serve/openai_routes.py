@@ -28,7 +28,7 @@ from .config import Limits
 from .conversations import ConversationCache, SessionText, Take, TokenizationReport, blocks, copied
 from .errors import APIError, InvalidRequest, NotFound, PayloadTooLarge
 from .metrics import Metrics
-from .protocol import ChatCompletionRequest, CompletionRequest, parse_request, validate
+from .protocol import ENGINE_SAMPLING, ChatCompletionRequest, CompletionRequest, parse_request, validate
 from .text_stream import TextStream, completion_logprobs, token_bytes
 
 log = logging.getLogger("tokenplane.serve")
@@ -66,7 +66,7 @@ class OpenAIServer:
         self.backend, self.tokenizer, self.model_name = backend, tokenizer, model_name
         self.limits, self.metrics = limits, metrics
         self.default_max_tokens = default_max_tokens
-        self.forwarded_sampling: frozenset[str] = frozenset()   # sampling parameters the engine behind implements
+        self.forwarded_sampling: frozenset[str] = ENGINE_SAMPLING   # sampling parameters the engine behind implements
         self.chat = chat_template or template_for(tokenizer)
         self.created = int(time.time())
         self._cpu = ThreadPoolExecutor(max_workers=2, thread_name_prefix="tokenplane-text")
@@ -199,6 +199,10 @@ class OpenAIServer:
                 raise InvalidRequest(f"this model's maximum context length is {limit} tokens; you requested "
                                      f"{n_prompt + asked} tokens ({n_prompt} in the prompt, {asked} in the "
                                      f"completion)", param="max_tokens", code="context_length_exceeded")
+        sampling = req.sampling()
+        if vocab is not None and sampling["logit_bias"] and max(t for t, _ in sampling["logit_bias"]) >= vocab:
+            raise InvalidRequest(f"logit_bias token id {max(t for t, _ in sampling['logit_bias'])} is outside the "
+                                 f"model vocabulary ({vocab})", param="logit_bias", code="token_out_of_vocabulary")
         max_tokens = asked if asked is not None else self.default_max_tokens
         if limit is not None:
             max_tokens = min(max_tokens, limit - n_prompt)
@@ -208,7 +212,7 @@ class OpenAIServer:
             params = SamplingParams(temperature=req.temperature, top_p=req.top_p, max_tokens=max_tokens, seed=seed,
                                     stop_token_ids=(*extra_stop_ids, *(req.stop_token_ids or ())),
                                     ignore_eos=req.ignore_eos,
-                                    logprobs=req.num_logprobs)
+                                    logprobs=req.num_logprobs, **sampling)
             out.append(Job(prompt_ids, params, req.stops, tokenization))
         return out
 

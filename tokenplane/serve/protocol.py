@@ -115,11 +115,15 @@ class _Strict(BaseModel):
         return data
 
 
-# vLLM's sampling parameters beyond OpenAI's core set, and the values that leave sampling as it is
+# OpenAI's and vLLM's sampling parameters beyond temperature / top_p, and the values that leave sampling as it is.
+# This project's engine implements all of them (engine/sampler.py); the tokenization tier forwards the ones its
+# upstream wires carry (the gRPC SamplingParams has no logit_bias).
 _SAMPLING_NEUTRAL: dict[str, tuple[Any, ...]] = {"presence_penalty": (None, 0), "frequency_penalty": (None, 0),
                                                  "top_k": (None, -1, 0), "min_p": (None, 0),
-                                                 "repetition_penalty": (None, 1)}
-FORWARDABLE_SAMPLING = frozenset(_SAMPLING_NEUTRAL)
+                                                 "repetition_penalty": (None, 1), "logit_bias": (None, {})}
+FORWARDABLE_SAMPLING = frozenset(_SAMPLING_NEUTRAL) - {"logit_bias"}
+ENGINE_SAMPLING = frozenset(_SAMPLING_NEUTRAL)
+MAX_LOGIT_BIAS = 300    # entries (OpenAI's limit)
 
 
 class StreamOptions(_Strict):
@@ -140,16 +144,16 @@ class _Common(_Strict):
     stop_token_ids: list[Annotated[int, Field(ge=0, le=MAX_TOKEN_ID)]] | None = None   # vLLM's: ids that end it
     user: str | None = None
     prompt_cache_key: str | None = None    # conversations with different keys never share a tokenization session
-    # Refused by name when set to anything but their default (see `unsupported`). The schema states the values that
-    # are served, so a generated client (or a schema-driven fuzzer) knows them; the refusal names the parameter.
-    logit_bias: dict[str, float] | None = Field(None, json_schema_extra={"maxProperties": 0})
-    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0, json_schema_extra={"enum": [None, 0]})
-    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0, json_schema_extra={"enum": [None, 0]})
-    # vLLM's sampling extensions: forwarded by the tokenization tier to engines that implement them, refused by name
-    # by this project's engine (which does not), never dropped silently.
-    top_k: int | None = Field(None, ge=-1, le=1 << 20, json_schema_extra={"enum": [None, -1, 0]})
-    min_p: float | None = Field(None, ge=0.0, le=1.0, json_schema_extra={"enum": [None, 0]})
-    repetition_penalty: float | None = Field(None, gt=0.0, le=2.0, json_schema_extra={"enum": [None, 1]})
+    # Sampling adjustments (engine/sampler.py has their semantics, vLLM's). A server whose engine lacks one refuses
+    # it by name when set to anything but its neutral value (see `unsupported`), never drops it silently.
+    logit_bias: dict[str, float] | None = Field(None, json_schema_extra={
+        "maxProperties": MAX_LOGIT_BIAS, "propertyNames": {"pattern": "^[0-9]{1,10}$"},
+        "additionalProperties": {"type": "number", "minimum": -100, "maximum": 100}})
+    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    top_k: int | None = Field(None, ge=-1, le=1 << 20)
+    min_p: float | None = Field(None, ge=0.0, le=1.0)
+    repetition_penalty: float | None = Field(None, gt=0.0, le=2.0)
     tools: Any = Field(None, json_schema_extra={"enum": [None, []]})
     tool_choice: Any = Field(None, json_schema_extra={"enum": [None, "none"]})
     functions: Any = Field(None, json_schema_extra={"enum": [None, []]})
@@ -169,12 +173,31 @@ class _Common(_Strict):
             _check_text(s, "stop")
         return [s for s in stops if s]
 
+    @field_validator("logit_bias")
+    @classmethod
+    def _logit_bias(cls, v: dict[str, float] | None) -> dict[str, float] | None:
+        if v is None:
+            return v
+        if len(v) > MAX_LOGIT_BIAS:
+            raise ValueError(f"at most {MAX_LOGIT_BIAS} entries, got {len(v)}")
+        for key, bias in v.items():
+            if not (key.isascii() and key.isdigit() and len(key) <= 10):
+                raise ValueError(f"keys are token ids (decimal strings), got {key[:20]!r}")
+            if not -100.0 <= bias <= 100.0:
+                raise ValueError(f"a bias is in [-100, 100], got {bias} for token {key}")
+        return v
+
+    def sampling(self) -> dict[str, Any]:
+        """The adjustments as engine.sampler.SamplingParams fields (neutral when unset)."""
+        return {"top_k": self.top_k or 0, "min_p": self.min_p or 0.0,
+                "presence_penalty": self.presence_penalty or 0.0, "frequency_penalty": self.frequency_penalty or 0.0,
+                "repetition_penalty": 1.0 if self.repetition_penalty is None else self.repetition_penalty,
+                "logit_bias": tuple((int(k), float(b)) for k, b in (self.logit_bias or {}).items())}
+
     def unsupported(self, forwarded: frozenset[str] = frozenset()) -> list[str]:
         """Parameters set to something this server cannot do; `forwarded`: sampling parameters it passes on to an
         engine that implements them (the tokenization tier)."""
         bad = []
-        if self.logit_bias:
-            bad.append("logit_bias")
         for name, neutral in _SAMPLING_NEUTRAL.items():
             if name not in forwarded and getattr(self, name) not in neutral:
                 bad.append(name)
