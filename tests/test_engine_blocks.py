@@ -247,7 +247,7 @@ def _vllm_adjusted(row, params, prompt, output):
     {"repetition_penalty": 1.2, "frequency_penalty": 0.5, "presence_penalty": 0.4, "logit_bias": ((1, 2.5),)},
 ])
 def test_adjusted_logits_follow_vllm(kw):
-    from tokenplane.engine.sampler import adjusted
+    from tokenplane.engine.sampler import adjusted, token_set
 
     g = torch.Generator().manual_seed(5)
     row = torch.randn(64, generator=g) * 3
@@ -256,6 +256,7 @@ def test_adjusted_logits_follow_vllm(kw):
     assert params.needs_logits
     got = adjusted(row, params, (prompt, output))
     assert torch.equal(got, _vllm_adjusted(row, params, prompt, output))
+    assert torch.equal(adjusted(row, params, (token_set(prompt), output)), got)   # the precomputed prompt form
     assert torch.equal(row, row.clone())   # the input is not modified
     # greedy on the adjusted logits, through the batch entry point (one penalized row among plain ones)
     logits = torch.stack([row, row, -row])

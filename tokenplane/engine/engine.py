@@ -89,8 +89,7 @@ class LLMEngine:
             return []
         tokens = (out.tokens if isinstance(out, GreedyOutput)
                   else sample(out.logits, [s.params for s in seqs], [s.num_output_tokens for s in seqs],
-                              [(s.token_ids[:s.num_prompt_tokens], s.output_token_ids) if s.params.penalized
-                               else None for s in seqs]))
+                              [(s.prompt_set, s.output_token_ids) if s.params.penalized else None for s in seqs]))
         finished = {s.seq_id for s in self.scheduler.postprocess(seqs, tokens)}
         reasons = {SequenceStatus.FINISHED_STOPPED: "stop", SequenceStatus.FINISHED_LENGTH: "length"}
         return [StepOutput(s.seq_id, t, s.seq_id in finished, reasons.get(s.status)) for s, t in zip(seqs, tokens)]

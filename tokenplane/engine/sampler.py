@@ -22,7 +22,9 @@ import torch
 
 MASK64 = (1 << 64) - 1
 MAX_LOGPROBS = 20
-History = tuple[Sequence[int], Sequence[int]]    # a request's (prompt ids, output ids so far)
+# A request's (prompt ids, output ids so far); the prompt may be given as `token_set(prompt)`, which its holder
+# computes once instead of once a step (a long prompt's set costs milliseconds).
+History = tuple["Sequence[int] | torch.Tensor", Sequence[int]]
 
 
 @dataclass(frozen=True)
@@ -117,6 +119,11 @@ def nucleus(probs: torch.Tensor, top_p: float) -> tuple[torch.Tensor, torch.Tens
         k *= 8
 
 
+def token_set(ids: Sequence[int]) -> torch.Tensor:
+    """The distinct token ids of `ids`, sorted (a History's prompt in its precomputed form)."""
+    return torch.unique(torch.as_tensor(list(ids), dtype=torch.long))
+
+
 def adjusted(logits: torch.Tensor, params: SamplingParams, history: History | None = None) -> torch.Tensor:
     """One row's logits after logit_bias and the penalties (float64; the input itself when neither applies).
     history: (prompt ids, output ids), needed when `params.penalized`."""
@@ -135,7 +142,8 @@ def adjusted(logits: torch.Tensor, params: SamplingParams, history: History | No
         prompt, output = history
         gen = torch.as_tensor(list(output), dtype=torch.long)
         if params.repetition_penalty != 1.0:
-            seen = torch.unique(torch.cat((torch.as_tensor(list(prompt), dtype=torch.long), gen)))
+            pset = prompt if isinstance(prompt, torch.Tensor) else token_set(prompt)
+            seen = torch.unique(torch.cat((pset, gen)))
             seen = seen[seen < v]
             x = out[seen]
             out[seen] = torch.where(x > 0, x / params.repetition_penalty, x * params.repetition_penalty)

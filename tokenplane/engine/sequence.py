@@ -7,7 +7,9 @@ from __future__ import annotations
 
 from enum import IntEnum
 
-from tokenplane.engine.sampler import SamplingParams
+import torch
+
+from tokenplane.engine.sampler import SamplingParams, token_set
 
 
 class SequenceStatus(IntEnum):
@@ -34,6 +36,7 @@ class Sequence:
         self.block_table: list[int] = []
         self.params = params if params is not None else SamplingParams()
         self.status = SequenceStatus.WAITING
+        self._prompt_set: torch.Tensor | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -46,6 +49,14 @@ class Sequence:
     @property
     def output_token_ids(self) -> list[int]:
         return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def prompt_set(self) -> torch.Tensor:
+        """The prompt's distinct token ids (sampler.token_set), computed once: the repetition penalty reads them
+        every step."""
+        if self._prompt_set is None:
+            self._prompt_set = token_set(self.token_ids[:self.num_prompt_tokens])
+        return self._prompt_set
 
     @property
     def num_output_tokens(self) -> int:

@@ -44,6 +44,7 @@ class RouteRequest:
     num_handoffs: int = 0
     inc: int = 0                        # incarnation (request ids may be reused once a request ended)
     logprobs: list | None = None        # per output position [lp, top] (positions.py) when params ask, else None
+    prompt_set: Any = None              # sampler.token_set of the prompt, made on a penalized request's first sample
     arrival: float = field(default_factory=time.monotonic)
 
     @property
