@@ -66,3 +66,52 @@ def test_ends_are_character_offsets(name):
         except UnicodeDecodeError:
             continue
         assert s == tok.normalize(text)[: ends[i]]
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_batch_api_equals_one_by_one(name):
+    """encode_batch / encode_ordinary_batch / decode_batch (tiktoken's names) give each text's own IDs in order,
+    on several threads (enough text to leave the serial path), and the reference's."""
+    from realtext import corpus_texts
+
+    from tokenplane.tokenize.tokenizer import BATCH_SERIAL_CHARS
+
+    tok = tokenplane.load(name)
+    texts = corpus_texts("mixed")[:40] + corpus_texts("nonen")[:20] + ["", TEXT, "x"]
+    assert sum(map(len, texts)) >= BATCH_SERIAL_CHARS
+    one = [tok.encode(t) for t in texts]
+    for threads in (1, 4):
+        got = tok.encode_batch(texts, num_threads=threads)
+        assert len(got) == len(texts) and all(np.array_equal(a, b) for a, b in zip(got, one))
+        assert all(g.dtype == np.uint32 for g in got)
+    ref = [tok.encode(t, path="reference") for t in texts[::7]]
+    assert all(np.array_equal(a, b) for a, b in zip(tok.encode_ordinary_batch(texts[::7], num_threads=3), ref))
+    special = next(iter(tok.specials))
+    allowed = tok.encode_batch([f"a{special}", "b"], allowed_special="all")
+    assert allowed[0].tolist() == tok.encode(f"a{special}", allowed_special="all").tolist()
+    assert tok.decode_batch(one[:10]) == [tok.decode(ids) for ids in one[:10]]
+
+
+def test_batch_errors_name_the_text():
+    tok = tokenplane.load("cl100k_base")
+    texts = ["fine"] * 30 + ["a\ud800b"] + ["x" * 5000] * 30
+    with pytest.raises(InvalidTextError) as ei:
+        tok.encode_batch(texts, num_threads=4)
+    assert ei.value.index == 30
+
+
+@pytest.mark.parametrize("name", ["cl100k_base", "qwen3", "smollm2"])
+def test_single_token_lookups(name):
+    tok = tokenplane.load(name)
+    for t in (0, 1000, 5000, tok.n_vocab - len(tok.specials) - 1):
+        raw = tok.decode_single_token_bytes(t)
+        assert raw == tok.decode_bytes([t])
+        assert tok.decode_bytes([tok.encode_single_token(raw)]) == raw
+    word = tok.encode(" hello").tolist()
+    assert len(word) == 1 and tok.encode_single_token(" hello") == word[0] == tok.encode_single_token(b" hello")
+    special, sid = next(iter(tok.specials.items()))
+    assert tok.encode_single_token(special) == sid
+    with pytest.raises(KeyError):
+        tok.encode_single_token("definitely not one token at all")
+    with pytest.raises(ValueError):
+        tok.decode_single_token_bytes(tok.n_vocab + 10)

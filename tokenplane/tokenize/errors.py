@@ -14,9 +14,13 @@ class ArtifactError(RuntimeError):
 class InvalidTextError(ValueError):
     """Input is not valid Unicode text (not str, invalid UTF-8 bytes, lone surrogates)."""
 
+    index: int | None = None    # a batch call: the position of the offending text
+
 
 class TextTooLargeError(ValueError):
     """Input exceeds the tokenizer's configured maximum size."""
+
+    index: int | None = None    # a batch call: the position of the offending text
 
 
 class PathUnavailableError(RuntimeError):
