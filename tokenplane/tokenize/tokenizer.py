@@ -276,10 +276,19 @@ class Tokenizer:
         workers = max(1, min(int(num_threads), len(items)))
         if workers == 1 or sum(len(t) for t in items) < BATCH_SERIAL_CHARS:
             return [one(i) for i in range(len(items))]
-        # Long-lived threads: each keeps its piece caches warm from batch to batch (fresh threads start with empty
-        # caches, and measured slower on two threads than one). Texts go out in `workers` interleaved strides.
-        pool = self._batch_pool(workers)
-        parts = list(pool.map(lambda w: [one(i) for i in range(w, len(items), workers)], range(workers)))
+        # Texts go out in `workers` interleaved strides: the calling thread takes the first (its piece caches are
+        # the warmest: a serial caller's), long-lived pool threads the others (each keeps its caches warm from batch
+        # to batch; fresh threads start empty, and measured slower on two threads than one).
+        def stride(w: int) -> list[np.ndarray]:
+            return [one(i) for i in range(w, len(items), workers)]
+
+        pool = self._batch_pool(workers - 1)
+        futures = [pool.submit(stride, w) for w in range(1, workers)]
+        try:
+            parts = [stride(0)]
+        finally:
+            done = [f.result() for f in futures]    # every stride ends (or raises) before this call returns
+        parts += done
         out: list[np.ndarray] = [np.empty(0, np.uint32)] * len(items)
         for w, part in enumerate(parts):
             out[w::workers] = part
