@@ -381,3 +381,42 @@ def test_cli_defaults_bind_localhost():
     args = p.parse_args([])
     assert (args.host, args.port, args.config, args.backend) == ("127.0.0.1", 8000, None, None)
     assert p.parse_args(["--backend", "inprocess"]).backend == "inprocess"
+
+
+def test_vllm_tokenize_and_detokenize_routes(server, tokenizer):
+    """vLLM's /tokenize and /detokenize: the IDs the completion and chat routes send to the engine (a chat's count
+    equals its completion's usage.prompt_tokens), token strings, and OpenAI-shaped errors."""
+    from tokenplane.serve.chat import template_for
+
+    url, _ = server
+    prompt = "The quick brown fox, naïve café 你好 <|im_start|>"
+    r = post(url, "/tokenize", {"model": MODEL, "prompt": prompt, "add_special_tokens": True})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["tokens"] == tokenizer.encode(prompt).tolist() and body["count"] == len(body["tokens"])
+    assert body["max_model_len"] == httpx.get(url + "/v1/models").json()["data"][0]["max_model_len"]
+    assert "token_strs" not in body
+    msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 2 + 2?"}]
+    pairs = [(m["role"], m["content"]) for m in msgs]
+    chat = post(url, "/tokenize", {"messages": msgs, "return_token_strs": True}).json()
+    template = template_for(tokenizer)
+    assert chat["tokens"] == template.encode(pairs)
+    assert "".join(chat["token_strs"]) == tokenizer.decode(chat["tokens"]) == template.render(pairs)
+    done = post(url, "/v1/chat/completions", {"messages": msgs, "max_tokens": 1, "temperature": 0}).json()
+    assert done["usage"]["prompt_tokens"] == chat["count"]
+    bare = post(url, "/tokenize", {"messages": msgs, "add_generation_prompt": False}).json()
+    assert bare["tokens"] == template.encode(pairs, add_generation_prompt=False)
+    assert bare["count"] < chat["count"] and chat["tokens"][:bare["count"]] == bare["tokens"]
+    r = post(url, "/detokenize", {"model": MODEL, "tokens": body["tokens"]})
+    assert r.status_code == 200 and r.json() == {"prompt": tokenizer.decode(body["tokens"])}
+    for path, bad, param in (("/tokenize", {"prompt": "x", "messages": msgs}, None),
+                             ("/tokenize", {}, None),
+                             ("/tokenize", b'{"prompt": "a\\udc00"}', "prompt"),
+                             ("/tokenize", {"messages": msgs, "tools": [{"type": "function"}]}, "tools"),
+                             ("/tokenize", {"prompt": "x", "model": "other"}, "model"),
+                             ("/detokenize", {"tokens": [1, tokenizer.n_vocab]}, "tokens"),
+                             ("/detokenize", {"tokens": [-1]}, "tokens")):
+        r = post(url, path, bad)
+        assert r.status_code in (400, 404), (path, bad, r.text)
+        err = r.json()["error"]
+        assert param is None or err["param"] == param, (bad, err)

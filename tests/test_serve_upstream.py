@@ -189,3 +189,22 @@ def test_client_disconnect_cancels_upstream(tok):
         while len(slow.aborted) == before and time.time() < deadline:
             time.sleep(0.05)
         assert len(slow.aborted) > before
+
+
+def test_tier_answers_vllm_tokenize_itself(tok):
+    """The tier's /tokenize is its own exact encode (the IDs it would forward for that chat), and no upstream
+    request is made for it."""
+    engine = Engine("A")
+    with engine_server(tok, engine) as up, tier(tok, [up.url]) as t:
+        msgs = conversation(1)
+        r = httpx.post(t.url + "/tokenize", json={"model": "tier", "messages": msgs}, timeout=30)
+        assert r.status_code == 200, r.text
+        ids = r.json()["tokens"]
+        assert ids == template_for(tok).encode([(m["role"], m["content"]) for m in msgs])
+        assert not engine.prompts
+        done = httpx.post(t.url + "/v1/chat/completions", json={"model": "tier", "messages": msgs, "max_tokens": 2},
+                          timeout=30)
+        assert done.status_code == 200, done.text
+        assert engine.prompts == [ids]       # what /tokenize answered is what the engine received
+        d = httpx.post(t.url + "/detokenize", json={"tokens": ids[:20]}, timeout=30).json()
+        assert d["prompt"] == tok.decode(ids[:20])

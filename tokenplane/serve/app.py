@@ -34,9 +34,11 @@ from .protocol import (
     ChatCompletionResponse,
     CompletionRequest,
     CompletionResponse,
+    DetokenizeRequest,
     ErrorResponse,
     ModelCard,
     ModelList,
+    TokenizeRequest,
 )
 
 log = logging.getLogger("tokenplane.serve")
@@ -197,6 +199,12 @@ def create_app(backend: Backend | None, tokenizer: Any, *, model_name: str = "to
     app.post("/v1/chat/completions", response_model=None, openapi_extra=request_schema(ChatCompletionRequest, defs),
              responses={200: {"model": ChatCompletionResponse, "content": {"text/event-stream": {}}},
                         **_OPENAI_ERRORS})(server.chat_completions)
+
+    # vLLM's tokenizer routes (clients use them to count and to build prompts as the server would)
+    app.post("/tokenize", response_model=None, openapi_extra=request_schema(TokenizeRequest, defs),
+             responses=_OPENAI_ERRORS)(server.tokenize)
+    app.post("/detokenize", response_model=None, openapi_extra=request_schema(DetokenizeRequest, defs),
+             responses=_OPENAI_ERRORS)(server.detokenize)
 
     if upstream is not None:   # the tier's per-turn routes: their own overhead is what the tier adds to each turn
         routes = {r.path: r for r in app.router.routes if isinstance(r, APIRoute)}

@@ -239,9 +239,9 @@ class ChatTemplate:
                                  "tokens", param="messages", code="special_tokens_in_content")
         return spans
 
-    def encode(self, messages: Sequence[tuple[str, str]]) -> list[int]:
+    def encode(self, messages: Sequence[tuple[str, str]], add_generation_prompt: bool = True) -> list[int]:
         """Prompt IDs: HF's for ordinary conversations; quoted special-token text in user content stays text."""
-        text = self.render(messages)
+        text = self.render(messages, add_generation_prompt)
         tok = self.tokenizer
         if not self.quotes_specials(messages):
             return tok.encode(text, allowed_special="all").tolist()

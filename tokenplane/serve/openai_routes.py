@@ -28,7 +28,15 @@ from .config import Limits
 from .conversations import ConversationCache, SessionText, Take, TokenizationReport, blocks, copied
 from .errors import APIError, InvalidRequest, NotFound, PayloadTooLarge
 from .metrics import Metrics
-from .protocol import ENGINE_SAMPLING, ChatCompletionRequest, CompletionRequest, parse_request, validate
+from .protocol import (
+    ENGINE_SAMPLING,
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+    parse_request,
+    validate,
+)
 from .text_stream import TextStream, completion_logprobs, token_bytes
 
 log = logging.getLogger("tokenplane.serve")
@@ -406,6 +414,33 @@ class OpenAIServer:
         prompt_ids, report = await self.offload(lambda: self.listed(self.chat_ids(req)))
         jobs = self.jobs(req, prompt_ids, self.chat.stop_token_ids, tokenization=report)
         return await self._respond(request, req, jobs, "chatcmpl", "chat.completion", self._chat_choice)
+
+    async def tokenize(self, request: Request) -> dict[str, Any]:
+        """vLLM's /tokenize: the IDs the completion or chat route would send to the engine for this prompt or
+        conversation (the sessionless encode: a session gives the same IDs by construction)."""
+        req = await self.read(request, TokenizeRequest)
+        if req.prompt is not None:
+            self._check_chars(len(req.prompt))
+            prompt = req.prompt
+            ids: list[int] = await self.offload(lambda: self.tokenizer.encode(prompt).tolist())
+        else:
+            messages = [(m.role, m.text()) for m in req.messages or ()]
+            self._check_chars(sum(len(text) for _, text in messages))
+            ids = await self.offload(lambda: self.chat.encode(messages, req.add_generation_prompt))
+        out: dict[str, Any] = {"count": len(ids), "max_model_len": self.backend.max_model_len, "tokens": ids}
+        if req.return_token_strs:
+            out["token_strs"] = [token_bytes(self.tokenizer, t).decode("utf-8", "replace") for t in ids]
+        return out
+
+    async def detokenize(self, request: Request) -> dict[str, Any]:
+        """vLLM's /detokenize: the text of token IDs (every ID must be in the vocabulary)."""
+        req = await self.read(request, DetokenizeRequest)
+        vocab = self.tokenizer.n_vocab
+        bad = next((t for t in req.tokens if t >= vocab), None)
+        if bad is not None:
+            raise InvalidRequest(f"token id {bad} is outside the vocabulary ({vocab})", param="tokens",
+                                 code="token_out_of_vocabulary")
+        return {"prompt": self.tokenizer.decode(req.tokens)}
 
     def _completion_logprobs(self, ev: Event) -> dict[str, Any] | None:
         if ev.logprobs is None:

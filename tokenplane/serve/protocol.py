@@ -324,7 +324,60 @@ class ChatCompletionRequest(_Common):
         return v
 
 
-def validate(model: type[_Common], body: dict[str, Any], text_checked: bool = False,
+class TokenizeRequest(_Strict):
+    """vLLM's POST /tokenize: a completion prompt or a chat conversation -> the IDs this server's completion or chat
+    route would send to its engine for it (the same tokenizer, template and sessionless encode)."""
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = Field(None, min_length=1)
+    add_generation_prompt: bool = True
+    add_special_tokens: bool = True     # accepted as vLLM clients send it; no BOS is added outside the template
+    return_token_strs: bool = False
+    tools: Any = Field(None, json_schema_extra={"enum": [None, []]})
+    prompt_cache_key: str | None = None
+
+    @field_validator("prompt")
+    @classmethod
+    def _prompt(cls, v: str | None, info: ValidationInfo) -> str | None:
+        return v if v is None else _check_text(v, "prompt", info)
+
+    @field_validator("messages")
+    @classmethod
+    def _messages(cls, v: list[ChatMessage] | None, info: ValidationInfo) -> list[ChatMessage] | None:
+        for i, m in enumerate(v or ()):
+            _check_text(m.text(), f"messages[{i}].content", info)
+        return v
+
+    @model_validator(mode="after")
+    def _one_input(self) -> TokenizeRequest:
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("give exactly one of `prompt` and `messages`")
+        return self
+
+    @property
+    def num_logprobs(self) -> int | None:
+        return None
+
+    def unsupported(self, forwarded: frozenset[str] = frozenset()) -> list[str]:
+        return ["tools"] if self.tools not in (None, []) else []
+
+
+class DetokenizeRequest(_Strict):
+    """vLLM's POST /detokenize: token IDs -> their text."""
+    model: str | None = None
+    tokens: list[Annotated[int, Field(ge=0, le=MAX_TOKEN_ID)]]
+    prompt_cache_key: str | None = None
+
+    @property
+    def num_logprobs(self) -> int | None:
+        return None
+
+    def unsupported(self, forwarded: frozenset[str] = frozenset()) -> list[str]:
+        return []
+
+
+def validate(model: type[_Common] | type[TokenizeRequest] | type[DetokenizeRequest], body: dict[str, Any],
+             text_checked: bool = False,
              forwarded: frozenset[str] = frozenset()) -> Any:
     """A validated request, or InvalidRequest naming the first bad field (and each unsupported parameter).
     text_checked: the body's strings are known to hold no lone surrogates (parse_request says so); forwarded: the
@@ -419,4 +472,5 @@ class ModelList(BaseModel):
 
 
 __all__ = ["ChatCompletionRequest", "ChatCompletionResponse", "ChatMessage", "CompletionRequest",
-           "CompletionResponse", "ErrorResponse", "ModelCard", "ModelList", "parse_body", "parse_request", "validate"]
+           "CompletionResponse", "DetokenizeRequest", "ErrorResponse", "ModelCard", "ModelList", "TokenizeRequest",
+           "parse_body", "parse_request", "validate"]
