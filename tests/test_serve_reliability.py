@@ -147,7 +147,9 @@ def test_unserved_parameter_values_are_not_in_the_schema(server):
 def test_chat_unsupported_parameters_are_named(server):
     url, _ = server
     msgs = [{"role": "user", "content": "hi"}]
-    for extra, name in (({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+    tools = [{"type": "function", "function": {"name": "f"}}]   # served (this template writes Hermes calls)
+    for extra, name in (({"tools": tools, "tool_choice": "required"}, "tool_choice"),
+                        ({"functions": [{"name": "f"}]}, "functions"),
                         ({"response_format": {"type": "json_object"}}, "response_format")):
         err = is_openai_error(post(url, "/v1/chat/completions", {"messages": msgs, **extra}), 400)
         assert err["param"] == name and name in err["message"]

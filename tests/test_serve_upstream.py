@@ -208,3 +208,6 @@ def test_tier_answers_vllm_tokenize_itself(tok):
         assert engine.prompts == [ids]       # what /tokenize answered is what the engine received
         d = httpx.post(t.url + "/detokenize", json={"tokens": ids[:20]}, timeout=30).json()
         assert d["prompt"] == tok.decode(ids[:20])
+        tools = [{"type": "function", "function": {"name": "f"}}]   # the tier does not parse calls: refused by name
+        r = httpx.post(t.url + "/v1/chat/completions", json={"messages": msgs, "tools": tools}, timeout=30)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "tools"

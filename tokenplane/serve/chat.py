@@ -29,9 +29,11 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from .chat_native import CHATML_TEMPLATE, GENERATION_PROMPT, native_incremental, native_renderer
 from .errors import InvalidRequest
+from .tool_calls import ChatExtras, template_calls_tools
 
 CHATML_SPECIALS = ("<|im_start|>", "<|im_end|>")
 CHAT_STOP_TOKENS = ("<|im_end|>", "<|endoftext|>")
+_UNTRUSTED = ("user", "tool")     # roles whose content is the outside world's text: its control tokens stay text
 _SPECIAL_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token", "cls_token", "mask_token")
 
 
@@ -150,7 +152,19 @@ class ChatTemplate:
                    control_tokens=controls)
 
     # -- rendering --------------------------------------------------------------------------------------------------
-    def render(self, messages: Sequence[tuple[str, str]], add_generation_prompt: bool = True) -> str:
+    @property
+    def calls_tools(self) -> bool:
+        """Whether this template renders tools and writes calls this server can parse (tool_calls.py)."""
+        return template_calls_tools(self.source)
+
+    def render(self, messages: Sequence[tuple[str, str]], add_generation_prompt: bool = True,
+               extras: ChatExtras | None = None) -> str:
+        """extras: a tool conversation's tool definitions and per-message tool fields (the template renders them;
+        the native renderers know plain conversations only)."""
+        if extras is not None:
+            conversation = [{"role": "system" if role == "developer" else role, "content": content, **fields}
+                            for (role, content), fields in zip(messages, extras.fields)]
+            return self._jinja(conversation, add_generation_prompt, list(extras.tools) if extras.tools else None)
         if self._native is not None:
             try:
                 return self._native([("system" if role == "developer" else role, content)
@@ -160,9 +174,13 @@ class ChatTemplate:
                                      param="messages") from None
         conversation = [{"role": "system" if role == "developer" else role, "content": content}
                         for role, content in messages]
+        return self._jinja(conversation, add_generation_prompt, None)
+
+    def _jinja(self, conversation: list[dict[str, Any]], add_generation_prompt: bool,
+               tools: list[dict[str, Any]] | None) -> str:
         try:
             return self.template.render(messages=conversation, add_generation_prompt=add_generation_prompt,
-                                        tools=None, documents=None, **self.variables)
+                                        tools=tools, documents=None, **self.variables)
         except jinja2.exceptions.SecurityError as exc:
             raise InvalidRequest(f"the chat template refused this conversation: {exc}", param="messages") from None
         except jinja2.exceptions.TemplateError as exc:
@@ -193,7 +211,7 @@ class ChatTemplate:
     def quotes_specials(self, messages: Sequence[tuple[str, str]], start: int = 0) -> bool:
         """True when some user message quotes a control token, which must then stay ordinary text. `start`: the
         messages before it are known to quote none (the same messages were checked on an earlier turn)."""
-        return self._controls is not None and any(role == "user" and self._quotes(content)
+        return self._controls is not None and any(role in _UNTRUSTED and self._quotes(content)
                                                   for role, content in messages[start:])
 
     def _quotes(self, content: str) -> bool:
@@ -210,13 +228,15 @@ class ChatTemplate:
             at = content.find(lead, at + 1)
         return self._controls.search(content, at) is not None if at >= 0 else False
 
-    def _protected_spans(self, messages: Sequence[tuple[str, str]], text: str) -> list[tuple[int, int]]:
-        """Where each user content that quotes special-token text lies in the rendered text: the template is
-        rendered again with a marker in place of each such content."""
-        quoting = [role == "user" and self._controls is not None and self._quotes(content)
+    def _protected_spans(self, messages: Sequence[tuple[str, str]], text: str, add_generation_prompt: bool = True,
+                         extras: ChatExtras | None = None) -> list[tuple[int, int]]:
+        """Where each user (or tool) content that quotes special-token text lies in the rendered text: the template
+        is rendered again with a marker in place of each such content."""
+        quoting = [role in _UNTRUSTED and self._controls is not None and self._quotes(content)
                    for role, content in messages]
         marks = {i: f"\ue000{i}\ue001" for i, q in enumerate(quoting) if q}
-        marked = self.render([(role, marks.get(i, content)) for i, (role, content) in enumerate(messages)])
+        marked = self.render([(role, marks.get(i, content)) for i, (role, content) in enumerate(messages)],
+                             add_generation_prompt, extras)
         spans: list[tuple[int, int]] = []
         out: list[str] = []
         size = 0
@@ -239,16 +259,18 @@ class ChatTemplate:
                                  "tokens", param="messages", code="special_tokens_in_content")
         return spans
 
-    def encode(self, messages: Sequence[tuple[str, str]], add_generation_prompt: bool = True) -> list[int]:
-        """Prompt IDs: HF's for ordinary conversations; quoted special-token text in user content stays text."""
-        text = self.render(messages, add_generation_prompt)
+    def encode(self, messages: Sequence[tuple[str, str]], add_generation_prompt: bool = True,
+               extras: ChatExtras | None = None) -> list[int]:
+        """Prompt IDs: HF's for ordinary conversations; quoted special-token text in user (and tool) content stays
+        text."""
+        text = self.render(messages, add_generation_prompt, extras)
         tok = self.tokenizer
         if not self.quotes_specials(messages):
             return tok.encode(text, allowed_special="all").tolist()
         # Special tokens count only outside the protected spans; the text between two of them is encoded in one
         # piece, as a tokenizer that never saw the quoted specials would.
         assert self._specials is not None
-        spans = self._protected_spans(messages, text)
+        spans = self._protected_spans(messages, text, add_generation_prompt, extras)
         cuts: list[tuple[int, int]] = []
         pos = 0
         for start, end in [*spans, (len(text), len(text))]:

@@ -38,6 +38,7 @@ from .protocol import (
     validate,
 )
 from .text_stream import TextStream, completion_logprobs, token_bytes
+from .tool_calls import ToolChoices, chat_extras
 
 log = logging.getLogger("tokenplane.serve")
 T = TypeVar("T")
@@ -74,8 +75,9 @@ class OpenAIServer:
         self.backend, self.tokenizer, self.model_name = backend, tokenizer, model_name
         self.limits, self.metrics = limits, metrics
         self.default_max_tokens = default_max_tokens
-        self.forwarded_sampling: frozenset[str] = ENGINE_SAMPLING   # sampling parameters the engine behind implements
         self.chat = chat_template or template_for(tokenizer)
+        # what the engine behind implements (sampling parameters; tools where this template writes parseable calls)
+        self.forwarded_sampling: frozenset[str] = ENGINE_SAMPLING | ({"tools"} if self.chat.calls_tools else set())
         self.created = int(time.time())
         self._cpu = ThreadPoolExecutor(max_workers=2, thread_name_prefix="tokenplane-text")
         self.chat_sessions: ConversationCache | None = None
@@ -164,8 +166,11 @@ class OpenAIServer:
         if messages is None:
             messages = [(m.role, m.text()) for m in req.messages]
         t0 = time.perf_counter()   # both paths time the template render too, so their figures compare
-        if self.chat_sessions is None or self.chat.quotes_specials(messages, clean):
-            direct = self.chat.encode(messages)
+        extras = chat_extras(req.messages, req.tools if req.calls_tools else None)
+        if extras is not None:      # a tool conversation: rendered whole (no incremental render), then synced
+            prior = None
+        if self.chat_sessions is None or self.chat.quotes_specials(messages, clean if extras is None else 0):
+            direct = self.chat.encode(messages, extras=extras)
             path = "bypass" if self.chat_sessions is not None else "full_encode"
             return take(direct, None), TokenizationReport(path, 0, len(direct), (time.perf_counter() - t0) * 1e3)
         if prior is not None:
@@ -174,7 +179,7 @@ class OpenAIServer:
             if found is not None:
                 found[1].time_ms = (time.perf_counter() - t0) * 1e3
                 return found
-        text = self.chat.render(messages)
+        text = self.chat.render(messages, extras=extras)
         found = self.chat_sessions.encode_on(session, text, take) if session is not None else None
         ids, report = found if found is not None else \
             self.chat_sessions.encode(text, blocks(text), req.conversation_key, take)
@@ -413,7 +418,8 @@ class OpenAIServer:
         self._check_chars(sum(len(m.text()) for m in req.messages))
         prompt_ids, report = await self.offload(lambda: self.listed(self.chat_ids(req)))
         jobs = self.jobs(req, prompt_ids, self.chat.stop_token_ids, tokenization=report)
-        return await self._respond(request, req, jobs, "chatcmpl", "chat.completion", self._chat_choice)
+        choice = ToolChoices(self._chat_choice, Event) if req.calls_tools else self._chat_choice
+        return await self._respond(request, req, jobs, "chatcmpl", "chat.completion", choice)
 
     async def tokenize(self, request: Request) -> dict[str, Any]:
         """vLLM's /tokenize: the IDs the completion or chat route would send to the engine for this prompt or
@@ -426,7 +432,8 @@ class OpenAIServer:
         else:
             messages = [(m.role, m.text()) for m in req.messages or ()]
             self._check_chars(sum(len(text) for _, text in messages))
-            ids = await self.offload(lambda: self.chat.encode(messages, req.add_generation_prompt))
+            extras = chat_extras(req.messages or (), req.tools)
+            ids = await self.offload(lambda: self.chat.encode(messages, req.add_generation_prompt, extras))
         out: dict[str, Any] = {"count": len(ids), "max_model_len": self.backend.max_model_len, "tokens": ids}
         if req.return_token_strs:
             out["token_strs"] = [token_bytes(self.tokenizer, t).decode("utf-8", "replace") for t in ids]

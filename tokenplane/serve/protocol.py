@@ -287,10 +287,51 @@ class TextPart(_Strict):
     text: str
 
 
+MAX_TOOLS = 128
+_FUNCTION_NAME = r"^[a-zA-Z0-9_.-]{1,64}$"
+
+
+class FunctionCall(_Strict):
+    name: str = Field(pattern=_FUNCTION_NAME)
+    arguments: str = Field(max_length=1 << 20)   # JSON text, as the model wrote it
+
+
+class ToolCall(_Strict):
+    id: str = Field(min_length=1, max_length=128)
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class FunctionDef(_Strict):
+    name: str = Field(pattern=_FUNCTION_NAME)
+    description: str | None = Field(None, max_length=1 << 16)
+    parameters: dict[str, Any] | None = None    # a JSON Schema object, shown to the model as given
+    strict: bool | None = None
+
+
+class ToolDef(_Strict):
+    type: Literal["function"]
+    function: FunctionDef
+
+
 class ChatMessage(_Strict):
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = Field(None, max_length=MAX_TOOLS)    # an assistant turn that called tools
+    tool_call_id: str | None = Field(None, max_length=128)                  # a tool's answer: the call it answers
+
+    @model_validator(mode="after")
+    def _tool_fields(self) -> ChatMessage:
+        if self.tool_calls and self.role != "assistant":
+            raise ValueError("only an assistant message carries tool_calls")
+        if self.role == "tool" and not self.tool_call_id:
+            raise ValueError("a tool message needs the tool_call_id it answers")
+        return self
+
+    @property
+    def uses_tools(self) -> bool:
+        return self.role == "tool" or bool(self.tool_calls)
 
     def text(self) -> str:
         if self.content is None:
@@ -309,6 +350,26 @@ class ChatCompletionRequest(_Common):
     max_completion_tokens: int | None = Field(None, ge=1, le=MAX_TOKENS_LIMIT)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    # Tools reach the model through its chat template; its calls come back as message.tool_calls where the server
+    # parses its template's format (tool_calls.py). "required" and a named function would need constrained decoding.
+    tools: list[ToolDef] | None = Field(None, max_length=MAX_TOOLS)
+    tool_choice: Any = Field(None, json_schema_extra={"enum": [None, "none", "auto"]})
+    parallel_tool_calls: bool | None = None
+
+    def unsupported(self, forwarded: frozenset[str] = frozenset()) -> list[str]:
+        served = "tools" in forwarded
+        bad = [name for name in super().unsupported(forwarded)
+               if not (served and name == "tools") and name != "tool_choice"]
+        if not served and any(m.uses_tools for m in self.messages) and "tools" not in bad:
+            bad.append("tools")
+        if self.tool_choice not in (None, "none", "auto") or (self.tool_choice == "auto" and not served):
+            bad.append("tool_choice")
+        return bad
+
+    @property
+    def calls_tools(self) -> bool:
+        """Whether the answer may hold tool calls (tools given, and tool_choice not "none")."""
+        return bool(self.tools) and self.tool_choice != "none"
 
     @property
     def num_logprobs(self) -> int | None:
@@ -333,7 +394,7 @@ class TokenizeRequest(_Strict):
     add_generation_prompt: bool = True
     add_special_tokens: bool = True     # accepted as vLLM clients send it; no BOS is added outside the template
     return_token_strs: bool = False
-    tools: Any = Field(None, json_schema_extra={"enum": [None, []]})
+    tools: list[ToolDef] | None = Field(None, max_length=MAX_TOOLS)     # rendered as the chat route renders them
     prompt_cache_key: str | None = None
 
     @field_validator("prompt")
@@ -359,7 +420,8 @@ class TokenizeRequest(_Strict):
         return None
 
     def unsupported(self, forwarded: frozenset[str] = frozenset()) -> list[str]:
-        return ["tools"] if self.tools not in (None, []) else []
+        uses = bool(self.tools) or any(m.uses_tools for m in self.messages or ())
+        return ["tools"] if uses and "tools" not in forwarded else []
 
 
 class DetokenizeRequest(_Strict):
