@@ -208,6 +208,41 @@ def test_tier_answers_vllm_tokenize_itself(tok):
         assert engine.prompts == [ids]       # what /tokenize answered is what the engine received
         d = httpx.post(t.url + "/detokenize", json={"tokens": ids[:20]}, timeout=30).json()
         assert d["prompt"] == tok.decode(ids[:20])
-        tools = [{"type": "function", "function": {"name": "f"}}]   # the tier does not parse calls: refused by name
-        r = httpx.post(t.url + "/v1/chat/completions", json={"messages": msgs, "tools": tools}, timeout=30)
-        assert r.status_code == 400 and r.json()["error"]["param"] == "tools"
+
+
+def test_tier_renders_tools_and_parses_calls(tok):
+    """Tools through the tier: rendered into the prompt it forwards (== the template's render, as the engine server
+    renders them), the upstream's Hermes-style answer parsed into tool_calls, streamed and not."""
+    import openai
+
+    from tokenplane.serve.protocol import ChatCompletionRequest
+    from tokenplane.serve.tool_calls import chat_extras
+
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}}}}}]
+    call = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+    engine = Engine("A")
+    engine.reply = tok.encode("Checking." + call).tolist() + [tok.specials["<|im_end|>"]]
+    msgs = conversation(1)
+    req = ChatCompletionRequest.model_validate({"messages": msgs, "tools": tools})
+    expect = template_for(tok).encode([(m.role, m.text()) for m in req.messages],
+                                      extras=chat_extras(req.messages, req.tools))
+    with engine_server(tok, engine) as up, tier(tok, [up.url]) as t:
+        client = openai.OpenAI(base_url=t.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+        r = client.chat.completions.create(model="tier", messages=msgs, tools=tools, max_tokens=100)
+        assert engine.prompts[-1] == expect
+        c = r.choices[0]
+        assert c.finish_reason == "tool_calls" and c.message.content == "Checking."
+        assert c.message.tool_calls[0].function.name == "get_weather"
+        assert json.loads(c.message.tool_calls[0].function.arguments) == {"city": "Paris"}
+        content, got, finish = [], {}, None
+        for chunk in client.chat.completions.create(model="tier", messages=msgs, tools=tools, max_tokens=100,
+                                                    stream=True):
+            for ch in chunk.choices:
+                content.append(ch.delta.content or "")
+                for tc in ch.delta.tool_calls or ():
+                    got[tc.index] = tc
+                finish = ch.finish_reason or finish
+        assert "".join(content) == "Checking." and finish == "tool_calls" and got[0].function.name == "get_weather"
+        plain = client.chat.completions.create(model="tier", messages=msgs, max_tokens=100)   # no tools: text
+        assert not plain.choices[0].message.tool_calls and call in plain.choices[0].message.content

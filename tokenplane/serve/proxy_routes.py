@@ -37,6 +37,7 @@ from .id_answers import IdAnswer, gathered, upstream_fields
 from .ids_json import JSON_IDS, Chunks, IdsOrigin, RequestBodies
 from .openai_routes import ClientDisconnected, OpenAIServer
 from .protocol import FORWARDABLE_SAMPLING, ChatCompletionRequest, ChatMessage, CompletionRequest
+from .tool_calls import ToolCallStream
 from .upstream import FORWARDED, UpstreamPool, error_from, sse_data
 
 _DISCONNECT_POLL_S = 0.25
@@ -124,7 +125,8 @@ class ProxyServer(OpenAIServer):
         self._follow_upstream_name = not kwargs.get("model_name")
         super().__init__(UpstreamBackend(pool), tokenizer, **kwargs)
         self.pool = pool
-        self.forwarded_sampling = FORWARDABLE_SAMPLING   # vLLM and SGLang implement them
+        # vLLM and SGLang implement the sampling fields; tools are rendered and their calls parsed here
+        self.forwarded_sampling = FORWARDABLE_SAMPLING | ({"tools"} if self.chat.calls_tools else set())
         self.bodies = RequestBodies(codec=VARINT_IDS if pool.grpc is not None else JSON_IDS)
         self.deltas = BodyDeltas()   # resent chat bodies parsed in O(new part) (body_delta.py)
         self._states = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenplane-bodies")
@@ -326,6 +328,7 @@ class ProxyServer(OpenAIServer):
         session = report.session if report is not None else None
         answer = IdAnswer(self.tokenizer, req.stops, n_prompt, req.n,
                           req.num_logprobs) if self.pool.answers_ids else None
+        calls: dict[int, ToolCallStream] | None = {} if chat and req.calls_tools else None
         if not req.stream:
             try:
                 data = await self._until_disconnect(request, self._exchange(key, body, answer))
@@ -333,12 +336,12 @@ class ProxyServer(OpenAIServer):
                 return JSONResponse({"error": {"message": "client disconnected", "type": "client_closed_request",
                                                "param": None, "code": None}}, status_code=499)
             self._answer_out(session)
-            return {**(self._to_chat(data) if chat else data), **extra}
+            return {**(self._to_chat(data, calls) if chat else data), **extra}
         url, resp = await self.pool.send(key, body)
         phases.mark("upstream_head")
         if resp.status_code != 200:
             raise await error_from(resp, url)
-        return EventStream(self._relay(resp, chat, extra, phases, session, answer, req.include_usage))
+        return EventStream(self._relay(resp, chat, extra, phases, session, answer, req.include_usage, calls))
 
     async def _exchange(self, key: str, body: Chunks, answer: IdAnswer | None = None) -> dict[str, Any]:
         """A non-streaming answer; from an ID-only upstream, its stream gathered and decoded here (id_answers)."""
@@ -399,10 +402,21 @@ class ProxyServer(OpenAIServer):
                             for t, v, top in zip(lp["tokens"], lp["token_logprobs"], tops)]}
 
     @classmethod
-    def _to_chat(cls, data: dict[str, Any]) -> dict[str, Any]:
-        choices = [{"index": c.get("index", 0), "message": {"role": "assistant", "content": c.get("text", "")},
-                    "logprobs": cls._chat_logprobs(c.get("logprobs")), "finish_reason": c.get("finish_reason")}
-                   for c in data.get("choices", [])]
+    def _to_chat(cls, data: dict[str, Any], calls: dict[int, ToolCallStream] | None = None) -> dict[str, Any]:
+        """calls: given when the answer may hold tool calls (tool_calls.py): parsed out of each choice's text."""
+        choices = []
+        for c in data.get("choices", []):
+            msg: dict[str, Any] = {"role": "assistant", "content": c.get("text", "")}
+            reason = c.get("finish_reason")
+            if calls is not None:
+                s = ToolCallStream()
+                content = s.feed(msg["content"])
+                tail, found = s.finish()
+                if found:
+                    msg.update(content=content + tail or None, tool_calls=found)
+                    reason = "tool_calls" if reason == "stop" else reason
+            choices.append({"index": c.get("index", 0), "message": msg,
+                            "logprobs": cls._chat_logprobs(c.get("logprobs")), "finish_reason": reason})
         out = {"id": "chatcmpl-" + str(data.get("id", secrets.token_hex(12))).removeprefix("cmpl-"),
                "object": "chat.completion", "created": data.get("created", int(time.time())),
                "model": data.get("model"), "choices": choices}
@@ -412,7 +426,8 @@ class ProxyServer(OpenAIServer):
 
     async def _relay(self, resp: Any, chat: bool, extra: dict[str, Any], phases: Phases,
                      session: str | None = None, answer: IdAnswer | None = None,
-                     client_usage: bool = True) -> AsyncIterator[bytes]:
+                     client_usage: bool = True,
+                     calls: dict[int, ToolCallStream] | None = None) -> AsyncIterator[bytes]:
         """The upstream's SSE chunks to the client (chat format for a chat). From an ID-only upstream each chunk's
         token IDs become text here, a stop string found here ends the answer (and closes the upstream request),
         and the usage chunk, always asked of it, reaches the client only if the client asked for it."""
@@ -435,13 +450,13 @@ class ProxyServer(OpenAIServer):
                     data = answer.convert(data)
                     if not data["choices"] and not (client_usage and data.get("usage")):
                         continue   # the usage the client did not ask for, or a choice already ended here
-                yield self._event(data, chat, extra, started)
+                yield self._event(data, chat, extra, started, calls)
                 if first:
                     phases.mark("first_sent")   # the server has taken the chunk (resumed by the next ask)
                     first = False
                 if answer is not None and answer.ended_here:
                     if client_usage:
-                        yield self._event(answer.usage_chunk(), chat, extra, started)
+                        yield self._event(answer.usage_chunk(), chat, extra, started, calls)
                     break   # not `ended`: the upstream request is closed below, and vLLM aborts it
         except Exception as exc:   # noqa: BLE001 - told to the client in the stream, which still ends cleanly
             err = exc if isinstance(exc, APIError) else APIError(f"upstream stream failed: {type(exc).__name__}",
@@ -457,24 +472,37 @@ class ProxyServer(OpenAIServer):
         # per turn cost ~1 ms of connect and close on the loop); one that does not end promptly is closed.
         await resp.finish(_FINISH_S)
 
-    def _event(self, data: dict[str, Any], chat: bool, extra: dict[str, Any], started: set[int]) -> bytes:
+    def _event(self, data: dict[str, Any], chat: bool, extra: dict[str, Any], started: set[int],
+               calls: dict[int, ToolCallStream] | None = None) -> bytes:
         if data.get("usage") and not data.get("choices"):
             data.update(extra)   # the final usage chunk carries the tokenization report too
         if chat:
-            data = self._chunk_to_chat(data, started)
+            data = self._chunk_to_chat(data, started, calls)
         return b"data: " + _dumps(data) + b"\n\n"
 
     @classmethod
-    def _chunk_to_chat(cls, data: dict[str, Any], started: set[int]) -> dict[str, Any]:
+    def _chunk_to_chat(cls, data: dict[str, Any], started: set[int],
+                       calls: dict[int, ToolCallStream] | None = None) -> dict[str, Any]:
         choices = []
         for c in data.get("choices", []):
             i = c.get("index", 0)
-            delta: dict[str, Any] = {"content": c.get("text", "")} if c.get("text") else {}
+            text, reason = c.get("text", ""), c.get("finish_reason")
+            found: list[dict[str, Any]] = []
+            if calls is not None:   # content streams until a tool call starts; the calls come with the end
+                s = calls.setdefault(i, ToolCallStream())
+                text = s.feed(text)
+                if reason is not None:
+                    tail, found = s.finish()
+                    text += tail
+            delta: dict[str, Any] = {"content": text} if text else {}
+            if found:
+                delta["tool_calls"] = [{"index": k, **call} for k, call in enumerate(found)]
+                reason = "tool_calls" if reason == "stop" else reason
             if i not in started:
                 started.add(i)
                 delta = {"role": "assistant", **delta}
             choices.append({"index": i, "delta": delta, "logprobs": cls._chat_logprobs(c.get("logprobs")),
-                            "finish_reason": c.get("finish_reason")})
+                            "finish_reason": reason})
         out = {k: v for k, v in data.items() if k != "choices"}
         out.update(object="chat.completion.chunk", choices=choices,
                    id="chatcmpl-" + str(data.get("id", "")).removeprefix("cmpl-"))
