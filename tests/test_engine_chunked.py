@@ -119,6 +119,40 @@ def test_cpu_packed_weights_match_the_plain_path(dtype):
         assert (x - y).abs().max().item() < tol
 
 
+def test_packed_row_buckets():
+    """Row buckets of the packed path: at least the rows, few distinct counts, little padding."""
+    from tokenplane.engine.layers import packed_rows
+
+    rows = [packed_rows(m) for m in range(1, 4097)]
+    assert all(r >= m for m, r in zip(range(1, 4097), rows)) and rows == sorted(rows)
+    assert rows[:16] == list(range(1, 17)) and len(set(rows[:2048])) == 72
+    assert all(r - m < m / 8 for m, r in zip(range(1, 4097), rows))
+    assert all(packed_rows(r) == r for r in rows)   # a bucket is its own bucket
+
+
+def test_bucketed_packed_linear_and_warm_up():
+    """Padding to the bucket changes no row beyond bf16 rounding (vs float64), and the runner warms every bucket
+    of its step budget (bf16, where this CPU packs it)."""
+    from tokenplane.engine.layers import cpu_bucketed_linear, cpu_pack, packed_rows
+
+    if not cpu_packing_supported(torch.bfloat16):
+        pytest.skip("this CPU's oneDNN does not pack bf16")
+    g = torch.Generator().manual_seed(0)
+    w = (torch.randn(96, 64, generator=g) * 0.1).bfloat16()
+    packed, bias = cpu_pack(w), (torch.randn(96, generator=g) * 0.1).bfloat16()
+    for m in (1, 16, 17, 40, 257, 300):
+        x = torch.randn(m, 64, generator=g).bfloat16()
+        assert packed_rows(m) >= m
+        y = cpu_bucketed_linear(x, packed, bias)
+        ref = x.double() @ w.double().T + bias.double()
+        assert y.shape == (m, 96) and y.is_contiguous()
+        assert ((y.double() - ref).abs() <= 2 ** -7 * ref.abs() + 1e-2).all()
+    cfg, model = load_model("test-small", dtype=torch.bfloat16, seed=3)
+    runner = ModelRunner(model, cfg, num_blocks=32, block_size=4, max_num_batched_tokens=64)
+    assert runner.cpu_packed and runner.warm_up_s > 0
+    assert ModelRunner(model, cfg, num_blocks=32, block_size=4).warm_up_s == 0
+
+
 @pytest.mark.parametrize("vocab", [151936, 49152, 1000, 300, 100])
 def test_greedy_equals_argmax_with_ties(vocab):
     from tokenplane.engine.sampler import greedy

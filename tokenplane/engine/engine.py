@@ -45,7 +45,8 @@ class LLMEngine:
         self.cfg, model = load_model(source, device=device, dtype=dtype, seed=seed)
         self.runner = ModelRunner(model, self.cfg, num_blocks=num_blocks, block_size=block_size, device=device,
                                   dtype=dtype, enforce_eager=enforce_eager, max_num_seqs=max_num_seqs,
-                                  decode_kernel=decode_kernel, prefill_kernel=prefill_kernel)
+                                  decode_kernel=decode_kernel, prefill_kernel=prefill_kernel,
+                                  max_num_batched_tokens=max_num_batched_tokens)
         limit = min(self.cfg.max_position_embeddings, num_blocks * block_size)
         eos = self.cfg.eos_token_id
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))

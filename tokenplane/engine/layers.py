@@ -44,6 +44,45 @@ def cpu_packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor 
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
+def packed_rows(m: int) -> int:
+    """The row count a packed GEMM of m rows runs at (`cpu_bucketed_linear`): m up to 16, then the next multiple of
+    an eighth of m's power of two (8 buckets an octave: under 12.5% padded rows). oneDNN builds a primitive for each
+    new (weight shape, row count) on its first call: measured here (bf16, 1 thread, AMX) ~1-2 ms a call on top of
+    the GEMM, so a step whose token count is new paid a few ms per layer shape (4 x 256-token prefill, tiny-small:
+    78 ms the first time, 35 after), and up to 2,048 distinct counts would overflow oneDNN's primitive cache (1,024
+    entries). The buckets bound the distinct counts (72 up to 2,048 rows), which `warm_packed` builds ahead."""
+    if m <= 16:
+        return m
+    step = 1 << (m.bit_length() - 4)
+    return -(-m // step) * step
+
+
+def cpu_bucketed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """cpu_packed_linear at `packed_rows` rows: a 2-D input is padded with zero rows and the product cut back."""
+    m = x.shape[0]
+    rows = packed_rows(m) if x.dim() == 2 else m
+    if rows == m:
+        return cpu_packed_linear(x, packed, bias)
+    padded = x.new_empty(rows, x.shape[1])
+    padded[:m] = x
+    padded[m:].zero_()
+    return cpu_packed_linear(padded, packed, bias)[:m]
+
+
+def warm_packed(layers: list[tuple[torch.Tensor, torch.Tensor | None, int]], max_rows: int) -> int:
+    """Runs each distinct packed GEMM (packed weight, bias, input width) once at every `packed_rows` bucket up to
+    `max_rows`, so that no serving step pays oneDNN's primitive creation (see `packed_rows`). One weight per shape
+    suffices: primitives are keyed by shapes, not values. Returns the number of calls."""
+    buckets = sorted({packed_rows(m) for m in range(1, max_rows + 1)})
+    calls = 0
+    for packed, bias, width in layers:
+        x = torch.zeros(buckets[-1], width, dtype=packed.dtype)
+        for rows in buckets:
+            cpu_packed_linear(x[:rows], packed, bias)
+            calls += 1
+    return calls
+
+
 class Linear(nn.Linear):
     """nn.Linear without its random init: every weight comes from the loader, and skipping the init keeps building a
     151k-vocabulary model (or an 8B one on a GPU) to allocation cost.
@@ -81,7 +120,7 @@ class Linear(nn.Linear):
                 return cpu_small_gemm.linear(x, self.cpu_panels, self.out_features, self.bias)
             p = self.cpu_packed
             if p is not None:
-                return cpu_packed_linear(x, p, self.bias)
+                return cpu_bucketed_linear(x, p, self.bias)
         return F.linear(x, self.weight, self.bias)
 
 
@@ -103,7 +142,7 @@ class VocabProjection:
         if self.panels is not None and cpu_small_gemm.applies(hidden, cpu_small_gemm.VOCAB_MAX_ROWS):
             return cpu_small_gemm.linear(hidden, self.panels, self.out_features)
         if self.packed is not None:
-            return cpu_packed_linear(hidden, self.packed, None)
+            return cpu_bucketed_linear(hidden, self.packed, None)
         return F.linear(hidden, self.weight)
 
 

@@ -10,6 +10,7 @@ onto the vocabulary only the rows whose sequence is then complete, the ones a sc
 from __future__ import annotations
 
 import itertools
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -22,6 +23,7 @@ from tokenplane.engine.attention import AttentionMetadata, SeqAttention, causal_
 from tokenplane.engine.block_manager import BlockManager
 from tokenplane.engine.config import ModelConfig
 from tokenplane.engine.cpu_malloc import retain_freed_memory
+from tokenplane.engine.layers import Linear, warm_packed
 from tokenplane.engine.sampler import greedy
 from tokenplane.engine.sequence import Sequence
 
@@ -62,7 +64,7 @@ class ModelRunner:
     def __init__(self, model: nn.Module, cfg: ModelConfig, *, num_blocks: int, block_size: int = 16,
                  device: str | torch.device | None = None, dtype: torch.dtype | None = None,
                  enforce_eager: bool = False, max_num_seqs: int = 256, decode_kernel: str = "auto",
-                 prefill_kernel: str = "auto") -> None:
+                 prefill_kernel: str = "auto", max_num_batched_tokens: int | None = None) -> None:
         """decode_kernel: "cpu" (one compiled call per layer for all one-token rows, reading the paged KV in place;
         CPU float32/float64 only), "varlen" (per-sequence SDPA), "padded" (one masked SDPA over the padded batch) or
         "auto" (cpu where it applies, else varlen on CPU; padded on CUDA where it is what the graphs capture). A model
@@ -103,6 +105,9 @@ class ModelRunner:
             attn.k_cache, attn.v_cache, attn.block_size = self.kv_cache[0, i], self.kv_cache[1, i], block_size
         # CPU fp32/bf16: oneDNN-packed weight copies (layers.cpu_pack); no-op elsewhere.
         self.cpu_packed = bool(getattr(model, "pack_cpu", lambda: False)())
+        self.warm_up_s = 0.0
+        if self.cpu_packed and max_num_batched_tokens is not None:
+            self.warm_up_s = self._warm_packed(max_num_batched_tokens, max_num_seqs)
         is_cuda = self.device.type == "cuda"
         if decode_kernel == "auto":
             decode_kernel = ("padded" if is_cuda else
@@ -115,6 +120,23 @@ class ModelRunner:
         self._graph_pool = None
         self._static: dict[str, torch.Tensor] = {}
         self.graph_batch_sizes = _graph_batch_sizes(max_num_seqs)
+
+    def _warm_packed(self, max_tokens: int, max_seqs: int) -> float:
+        """Seconds spent running every distinct oneDNN-packed GEMM once at each row bucket a step can use
+        (layers.warm_packed): the linears up to the step's token budget, the vocabulary projection up to the rows
+        that sample (one per sequence)."""
+        t0 = time.perf_counter()
+        shapes: dict[tuple[int, int, bool], tuple[torch.Tensor, torch.Tensor | None, int]] = {}
+        for m in self.model.modules():
+            if isinstance(m, Linear) and m.cpu_packed is not None:
+                shapes.setdefault((m.in_features, m.out_features, m.bias is not None),
+                                  (m.cpu_packed, m.bias, m.in_features))
+        with torch.inference_mode():
+            warm_packed(list(shapes.values()), max_tokens)
+            vocab = getattr(self.model, "vocab_projection", None)
+            if vocab is not None and vocab.packed is not None:
+                warm_packed([(vocab.packed, None, vocab.weight.shape[1])], max_seqs)
+        return time.perf_counter() - t0
 
     # -- block helpers ----------------------------------------------------------------------------------------------
     def prepare(self, seq: Sequence) -> bool:

@@ -76,7 +76,7 @@ def build_runner(spec: SubServerSpec) -> tuple[Any, Any]:
     cfg, model = load_model(spec.source, device=spec.device, dtype=dtype, seed=spec.seed)
     runner = ModelRunner(model, cfg, num_blocks=spec.num_blocks, block_size=spec.block_size,
                          device=spec.device, dtype=dtype, enforce_eager=spec.enforce_eager,
-                         max_num_seqs=spec.max_num_seqs)
+                         max_num_seqs=spec.max_num_seqs, max_num_batched_tokens=spec.max_num_batched_tokens)
     return runner, model
 
 
