@@ -179,6 +179,56 @@ def test_float32_vector_kernel_matches_generic_on_long_falling_and_scattered_tab
             assert np.abs(got[i] - ref.numpy()).max() < tol, (width, i)
 
 
+@pytest.mark.parametrize("group", [1, 2, 3, 4])
+def test_bfloat16_vector_kernel_equals_the_generic_bf16_kernel(group):
+    """bfloat16 caches on AVX-512 hosts run the vector form on 16 lanes: within one bf16 rounding of the generic bf16
+    kernel (both compute in float32 from the same exactly widened values and round once) and of SDPA in float64,
+    over long falling / climbing / scattered tables with contexts ending mid-block."""
+    from tokenplane.engine import cpu_decode_attention_vec
+    from tokenplane.engine.cpu_decode_attention import _kernel, kernel_for
+    from tokenplane.engine.cpu_elements import as_array
+
+    kvh, d, bs = 2, 64, 16
+    if not cpu_decode_attention_vec.applies_bf16(d, group):
+        assert kernel_for(torch.bfloat16, d, group) is _kernel(d, group)
+        pytest.skip("no 16-lane vectors on this host: bfloat16 runs the generic kernel")
+    assert kernel_for(torch.bfloat16, d, group) is cpu_decode_attention_vec.kernel(d, group, 16, True)
+    g = torch.Generator().manual_seed(10 + group)
+    num_blocks = 120
+    kc = torch.randn(kvh, num_blocks * bs, d, generator=g).bfloat16()
+    vc = torch.randn(kvh, num_blocks * bs, d, generator=g).bfloat16()
+    lens = [517, 300, 33, 1, 16 * 20, 250]
+    width = max(-(-n // bs) for n in lens)
+    table = np.zeros((len(lens), width), dtype=np.int64)
+    rng = np.random.default_rng(group)
+    start = 0
+    for i, n in enumerate(lens):
+        nb = -(-n // bs)
+        if i % 3 == 0:
+            table[i, :nb] = np.arange(start + nb - 1, start - 1, -1)
+        elif i % 3 == 1:
+            table[i, :nb] = np.arange(start, start + nb)
+        else:
+            table[i, :nb] = rng.choice(np.arange(90, num_blocks), nb, replace=False)
+        start += nb if i % 3 != 2 else 0
+    q = (torch.randn(len(lens), kvh * group, d, generator=g) * 3).bfloat16()
+    rows = np.arange(len(lens), dtype=np.int64)
+    ctx = np.array(lens, dtype=np.int64)
+    scale = d ** -0.5
+    out = torch.full((len(lens), kvh * group * d), float("nan")).bfloat16()
+    paged_decode(q, kc, vc, table, ctx, rows, out, bs, group, scale)
+    generic = torch.full_like(out, float("nan"))
+    _kernel(d, group)(as_array(q), as_array(kc), as_array(vc), table, ctx, rows, as_array(generic), bs, scale, True,
+                      np.empty(0, np.float32))
+    ulp = 2.0 ** -7
+    for i, n in enumerate(lens):
+        ref, max_score = reference(q[i].double(), kc.double(), vc.double(), table[i], n, bs, group, scale)
+        a, b = out[i].double(), generic[i].double()
+        assert ((a - b).abs() <= ulp * torch.maximum(a.abs(), b.abs()) + 1e-6).all(), i
+        tol = ulp * ref.abs() + 4 * torch.finfo(torch.float32).eps * (max_score + d + n) * 4
+        assert ((a - ref).abs() <= tol).all(), i
+
+
 @pytest.mark.parametrize("d,group,width", [(16, 3, 16), (48, 3, 16), (16, 1, 16), (24, 3, 8), (8, 3, 8), (48, 2, 8)])
 def test_float32_vector_kernel_shapes_with_odd_accumulator_counts(d, group, width):
     """Head sizes and groups where the value accumulators (group x chunks per part) are odd or the chunks of d do

@@ -132,11 +132,13 @@ def _kernel(D: int, G: int):  # noqa: ANN202
 
 @cache
 def kernel_for(dtype: torch.dtype, D: int, G: int):  # noqa: ANN201
-    """The compiled kernel for a cache of `dtype`, head size D and group G: float32 shapes that
-    cpu_decode_attention_vec takes run its explicit-vector form, everything else `_kernel`."""
+    """The compiled kernel for a cache of `dtype`, head size D and group G: float32 (and, on 16 lanes, bfloat16)
+    shapes that cpu_decode_attention_vec takes run its explicit-vector form, everything else `_kernel`."""
     if dtype == torch.float32:
         if vec.applies(D, G):
             return vec.kernel(D, G)
+    if dtype == torch.bfloat16 and vec.applies_bf16(D, G):
+        return vec.kernel(D, G, 16, True)
     return _kernel(D, G)
 
 

@@ -42,12 +42,14 @@ from tokenplane.engine.cpu_decode_paging import (
     _stream_block,
     _table_index,
 )
+from tokenplane.engine.cpu_elements import _load, _store
 from tokenplane.engine.cpu_simd import (
     HOST_AVX512,
     _fma8,
     _fma16,
     _load8,
     _load16,
+    _load16_bf16,
     _splat8,
     _splat16,
     _store8,
@@ -104,13 +106,24 @@ def lanes(D: int) -> int:
     return 16 if HOST_AVX512 and D % 16 == 0 else 8
 
 
+def applies_bf16(d: int, group: int) -> bool:
+    """bfloat16 caches take the vector form where it runs on 16 lanes (a 32-byte load widened to one zmm register)."""
+    return applies(d, group) and lanes(d) == 16
+
+
 @cache
-def kernel(D: int, G: int, W: int = 0):  # noqa: ANN202
-    """The float32 kernel for head size D and GQA group G (compile-time constants; `applies(D, G)`) on W-float vectors
-    (`lanes(D)` by default), with the generic kernel's signature (cpu_decode_attention._kernel)."""
+def kernel(D: int, G: int, W: int = 0, bf16: bool = False):  # noqa: ANN202
+    """The kernel for head size D and GQA group G (compile-time constants; `applies(D, G)`) on W-float vectors
+    (`lanes(D)` by default), with the generic kernel's signature (cpu_decode_attention._kernel). bf16: q, the caches
+    and out hold bfloat16 bits (`applies_bf16`); every load widens them to float32 exactly, the arithmetic is the
+    float32 kernel's, and the output is rounded to bfloat16 once (as the generic kernel's bf16 form)."""
     W = W or lanes(D)
+    if bf16 and W != 16:
+        raise ValueError("the bfloat16 form runs on 16 lanes only")
     load, store, splat, zero, fma, fold = ((_load16, _store16, _splat16, _zero16, _fma16, _fold16) if W == 16 else
                                            (_load8, _store8, _splat8, _zero8, _fma8, _fold8))
+    kload = _load16_bf16 if bf16 else load     # K and V rows (the caches' own dtype)
+    ELEM = 2 if bf16 else 4                    # bytes per cache element
     KS = 8 // G                  # keys scored together: KS * G <= 8 accumulators
     chunks = D // W
     # chunks of W floats of d per value part: G * CP <= 8 accumulators, and CP divides the chunks (parts tile d)
@@ -126,7 +139,7 @@ def kernel(D: int, G: int, W: int = 0):  # noqa: ANN202
         slots = k_cache.shape[1]
         kf = k_cache.reshape(-1)
         vf = v_cache.reshape(-1)
-        step = CACHE_LINE // 4
+        step = CACHE_LINE // ELEM
         max_ctx = 0
         for b in range(context_lens.shape[0]):
             max_ctx = max(max_ctx, context_lens[b])
@@ -144,7 +157,7 @@ def kernel(D: int, G: int, W: int = 0):  # noqa: ANN202
             for h in range(kvh):
                 for gi in range(G):
                     for j in range(D):
-                        qbuf[gi * D + j] = q[row, h * G + gi, j]
+                        qbuf[gi * D + j] = _load(q[row, h * G + gi, j])
                 # scores: KS keys x G heads at a time; the next block is prefetched, spread over this one's keys
                 for bi in range(nblk):
                     ti = _table_index(bi, nblk, rev)
@@ -170,21 +183,21 @@ def kernel(D: int, G: int, W: int = 0):  # noqa: ANN202
                         # accumulator a holds head a // KS against key a % KS (constant indices: LLVM loads each
                         # q chunk and key chunk once per c and drops the unused accumulators)
                         for c in range(0, D, W):
-                            a0 = fma(load(qbuf, (0 // KS) * D + c), load(kf, kb + (0 % KS) * D + c), a0)
+                            a0 = fma(load(qbuf, (0 // KS) * D + c), kload(kf, kb + (0 % KS) * D + c), a0)
                             if NA_S > 1:
-                                a1 = fma(load(qbuf, (1 // KS) * D + c), load(kf, kb + (1 % KS) * D + c), a1)
+                                a1 = fma(load(qbuf, (1 // KS) * D + c), kload(kf, kb + (1 % KS) * D + c), a1)
                             if NA_S > 2:
-                                a2 = fma(load(qbuf, (2 // KS) * D + c), load(kf, kb + (2 % KS) * D + c), a2)
+                                a2 = fma(load(qbuf, (2 // KS) * D + c), kload(kf, kb + (2 % KS) * D + c), a2)
                             if NA_S > 3:
-                                a3 = fma(load(qbuf, (3 // KS) * D + c), load(kf, kb + (3 % KS) * D + c), a3)
+                                a3 = fma(load(qbuf, (3 // KS) * D + c), kload(kf, kb + (3 % KS) * D + c), a3)
                             if NA_S > 4:
-                                a4 = fma(load(qbuf, (4 // KS) * D + c), load(kf, kb + (4 % KS) * D + c), a4)
+                                a4 = fma(load(qbuf, (4 // KS) * D + c), kload(kf, kb + (4 % KS) * D + c), a4)
                             if NA_S > 5:
-                                a5 = fma(load(qbuf, (5 // KS) * D + c), load(kf, kb + (5 % KS) * D + c), a5)
+                                a5 = fma(load(qbuf, (5 // KS) * D + c), kload(kf, kb + (5 % KS) * D + c), a5)
                             if NA_S > 6:
-                                a6 = fma(load(qbuf, (6 // KS) * D + c), load(kf, kb + (6 % KS) * D + c), a6)
+                                a6 = fma(load(qbuf, (6 // KS) * D + c), kload(kf, kb + (6 % KS) * D + c), a6)
                             if NA_S > 7:
-                                a7 = fma(load(qbuf, (7 // KS) * D + c), load(kf, kb + (7 % KS) * D + c), a7)
+                                a7 = fma(load(qbuf, (7 // KS) * D + c), kload(kf, kb + (7 % KS) * D + c), a7)
                         _store8(tmp, 0, _sum8x8(fold(a0), fold(a1), fold(a2), fold(a3), fold(a4), fold(a5), fold(a6),
                                                 fold(a7)))
                         for a in range(NA_S):
@@ -198,7 +211,7 @@ def kernel(D: int, G: int, W: int = 0):  # noqa: ANN202
                         for gi in range(G):
                             s = np.float32(0.0)
                             for j in range(D):
-                                s += qbuf[gi * D + j] * kf[kb + j]
+                                s += qbuf[gi * D + j] * _load(kf[kb + j])
                             scores[gi * max_ctx + t + o] = s * sc
                         o += 1
                 # softmax numerators and denominators per query head
@@ -247,27 +260,27 @@ def kernel(D: int, G: int, W: int = 0):  # noqa: ANN202
                                     _prefetch(nxt_flat, nxt + o * D + i)
                             vb = base + o * D + part
                             pi = t + o
-                            c0 = fma(splat(scores, (0 // CP) * max_ctx + pi), load(vf, vb + W * (0 % CP)), c0)
+                            c0 = fma(splat(scores, (0 // CP) * max_ctx + pi), kload(vf, vb + W * (0 % CP)), c0)
                             if NA_V > 1:
-                                c1 = fma(splat(scores, (1 // CP) * max_ctx + pi), load(vf, vb + W * (1 % CP)),
+                                c1 = fma(splat(scores, (1 // CP) * max_ctx + pi), kload(vf, vb + W * (1 % CP)),
                                            c1)
                             if NA_V > 2:
-                                c2 = fma(splat(scores, (2 // CP) * max_ctx + pi), load(vf, vb + W * (2 % CP)),
+                                c2 = fma(splat(scores, (2 // CP) * max_ctx + pi), kload(vf, vb + W * (2 % CP)),
                                            c2)
                             if NA_V > 3:
-                                c3 = fma(splat(scores, (3 // CP) * max_ctx + pi), load(vf, vb + W * (3 % CP)),
+                                c3 = fma(splat(scores, (3 // CP) * max_ctx + pi), kload(vf, vb + W * (3 % CP)),
                                            c3)
                             if NA_V > 4:
-                                c4 = fma(splat(scores, (4 // CP) * max_ctx + pi), load(vf, vb + W * (4 % CP)),
+                                c4 = fma(splat(scores, (4 // CP) * max_ctx + pi), kload(vf, vb + W * (4 % CP)),
                                            c4)
                             if NA_V > 5:
-                                c5 = fma(splat(scores, (5 // CP) * max_ctx + pi), load(vf, vb + W * (5 % CP)),
+                                c5 = fma(splat(scores, (5 // CP) * max_ctx + pi), kload(vf, vb + W * (5 % CP)),
                                            c5)
                             if NA_V > 6:
-                                c6 = fma(splat(scores, (6 // CP) * max_ctx + pi), load(vf, vb + W * (6 % CP)),
+                                c6 = fma(splat(scores, (6 // CP) * max_ctx + pi), kload(vf, vb + W * (6 % CP)),
                                            c6)
                             if NA_V > 7:
-                                c7 = fma(splat(scores, (7 // CP) * max_ctx + pi), load(vf, vb + W * (7 % CP)),
+                                c7 = fma(splat(scores, (7 // CP) * max_ctx + pi), kload(vf, vb + W * (7 % CP)),
                                            c7)
                         store(acc, (0 // CP) * D + part + W * (0 % CP), c0)
                         if NA_V > 1:
@@ -288,8 +301,8 @@ def kernel(D: int, G: int, W: int = 0):  # noqa: ANN202
                     inv = 1.0 / total[gi]
                     col = (h * G + gi) * D
                     for j in range(D):
-                        out[row, col + j] = acc[gi * D + j] * inv
+                        out[row, col + j] = _store(acc[gi * D + j] * inv, out[row, col + j])
     return _paged_decode_vec
 
 
-__all__ = ["applies", "kernel"]
+__all__ = ["applies", "applies_bf16", "kernel"]
