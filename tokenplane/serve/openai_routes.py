@@ -427,17 +427,20 @@ class OpenAIServer:
         req = await self.read(request, TokenizeRequest)
         if req.prompt is not None:
             self._check_chars(len(req.prompt))
-            prompt = req.prompt
-            ids: list[int] = await self.offload(lambda: self.tokenizer.encode(prompt).tolist())
         else:
-            messages = [(m.role, m.text()) for m in req.messages or ()]
-            self._check_chars(sum(len(text) for _, text in messages))
-            extras = chat_extras(req.messages or (), req.tools)
-            ids = await self.offload(lambda: self.chat.encode(messages, req.add_generation_prompt, extras))
-        out: dict[str, Any] = {"count": len(ids), "max_model_len": self.backend.max_model_len, "tokens": ids}
-        if req.return_token_strs:
-            out["token_strs"] = [token_bytes(self.tokenizer, t).decode("utf-8", "replace") for t in ids]
-        return out
+            self._check_chars(sum(len(m.text()) for m in req.messages or ()))
+
+        def work() -> dict[str, Any]:   # in a worker thread: O(prompt) work never runs on the event loop
+            if req.prompt is not None:
+                ids: list[int] = self.tokenizer.encode(req.prompt).tolist()
+            else:
+                messages = [(m.role, m.text()) for m in req.messages or ()]
+                ids = self.chat.encode(messages, req.add_generation_prompt, chat_extras(req.messages or (), req.tools))
+            out: dict[str, Any] = {"count": len(ids), "max_model_len": self.backend.max_model_len, "tokens": ids}
+            if req.return_token_strs:
+                out["token_strs"] = [token_bytes(self.tokenizer, t).decode("utf-8", "replace") for t in ids]
+            return out
+        return await self.offload(work)
 
     async def detokenize(self, request: Request) -> dict[str, Any]:
         """vLLM's /detokenize: the text of token IDs (every ID must be in the vocabulary)."""
@@ -447,7 +450,7 @@ class OpenAIServer:
         if bad is not None:
             raise InvalidRequest(f"token id {bad} is outside the vocabulary ({vocab})", param="tokens",
                                  code="token_out_of_vocabulary")
-        return {"prompt": self.tokenizer.decode(req.tokens)}
+        return {"prompt": await self.offload(self.tokenizer.decode, req.tokens)}
 
     def _completion_logprobs(self, ev: Event) -> dict[str, Any] | None:
         if ev.logprobs is None:
