@@ -111,7 +111,8 @@ def test_stream_parser_splits_content_and_calls():
 @pytest.mark.parametrize("bad", ["<tool_call>\n{\"name\": \"f\", \"arguments\": {\"a\": 1}}",   # unclosed (length)
                                  "<tool_call>not json</tool_call>",
                                  "<tool_call>{\"arguments\": {}}</tool_call>",
-                                 "<tool_call>{\"name\": \"f\", \"arguments\": [1]}</tool_call>"])
+                                 "<tool_call>{\"name\": \"f\", \"arguments\": [1]}</tool_call>",
+                                 "<tool_call>" + "[" * 100_000 + "</tool_call>"])
 def test_unparseable_calls_stay_content(bad):
     assert parse_calls(bad) is None
     s = ToolCallStream()

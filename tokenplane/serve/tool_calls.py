@@ -63,7 +63,7 @@ def _arguments(text: str) -> Any:
     else the text itself."""
     try:
         value = json.loads(text)
-    except ValueError:
+    except (ValueError, RecursionError):
         return text
     return value if isinstance(value, dict) else text
 
@@ -89,7 +89,7 @@ def parse_calls(text: str) -> list[dict[str, Any]] | None:
             return None
         try:
             call = json.loads(text[at + len(OPEN):end])
-        except ValueError:
+        except (ValueError, RecursionError):    # the model's text: any JSON, nested as deep as it wrote it
             return None
         if not isinstance(call, dict) or not isinstance(call.get("name"), str):
             return None
@@ -97,7 +97,7 @@ def parse_calls(text: str) -> list[dict[str, Any]] | None:
         if isinstance(args, str):
             try:
                 args = json.loads(args)
-            except ValueError:
+            except (ValueError, RecursionError):
                 return None
         if not isinstance(args, dict):
             return None
