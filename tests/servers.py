@@ -78,3 +78,16 @@ def spy_backend_class() -> type:
             self.aborted.append(request_id)
             super().abort(request_id)
     return SpyBackend
+
+
+def streamed_chat(client, **kwargs) -> tuple[str, dict, str | None]:
+    """A streamed chat completion through the official client, gathered: (content, tool calls by index, the last
+    finish_reason)."""
+    content, calls, finish = [], {}, None
+    for chunk in client.chat.completions.create(stream=True, **kwargs):
+        for c in chunk.choices:
+            content.append(c.delta.content or "")
+            for tc in c.delta.tool_calls or ():
+                calls[tc.index] = tc
+            finish = c.finish_reason or finish
+    return "".join(content), calls, finish

