@@ -409,6 +409,11 @@ def test_vllm_tokenize_and_detokenize_routes(server, tokenizer):
     assert bare["count"] < chat["count"] and chat["tokens"][:bare["count"]] == bare["tokens"]
     r = post(url, "/detokenize", {"model": MODEL, "tokens": body["tokens"]})
     assert r.status_code == 200 and r.json() == {"prompt": tokenizer.decode(body["tokens"])}
+    r = post(url, "/detokenize", {"tokens": [float(t) for t in body["tokens"]]})   # JSON Schema's integers: 3.0
+    assert r.status_code == 200 and r.json() == {"prompt": tokenizer.decode(body["tokens"])}
+    schema = httpx.get(url + "/openapi.json").json()["paths"]["/tokenize"]["post"]["requestBody"]["content"][
+        "application/json"]["schema"]
+    assert [sorted(b["required"]) for b in schema["oneOf"]] == [["prompt"], ["messages"]]
     for path, bad, param in (("/tokenize", {"prompt": "x", "messages": msgs}, None),
                              ("/tokenize", {}, None),
                              ("/tokenize", b'{"prompt": "a\\udc00"}', "prompt"),

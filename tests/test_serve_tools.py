@@ -172,6 +172,22 @@ def test_server_tool_calls_through_the_official_client(tok):
         assert bad.status_code == 400 and "tool_call_id" in bad.json()["error"]["message"]
 
 
+def test_message_schema_states_the_tool_fields():
+    """What the validator refuses, the schema says (a schema-driven fuzzer found both cases unstated)."""
+    from pydantic import ValidationError
+
+    from tokenplane.serve.protocol import ChatMessage
+
+    rules = ChatMessage.model_json_schema()["allOf"]
+    assert rules[0]["then"]["required"] == ["tool_call_id"] and rules[1]["then"]["properties"]["role"] == {
+        "const": "assistant"}
+    for bad in ({"role": "tool", "content": "x"}, {"role": "tool", "tool_call_id": "", "content": "x"},
+                {"role": "user", "content": "x", "tool_calls": [{"id": "a", "function": {"name": "f",
+                                                                                   "arguments": "{}"}}]}):
+        with pytest.raises(ValidationError):
+            ChatMessage.model_validate(bad)
+
+
 def test_templates_without_tool_calls_refuse_tools(tok):
     engine = Engine([1, 2])
     plain = ChatTemplate(tok)   # ChatML without tools

@@ -315,11 +315,17 @@ class ToolDef(_Strict):
 
 
 class ChatMessage(_Strict):
+    # What `_tool_fields` checks, stated in the schema for generated clients and schema-driven fuzzers.
+    model_config = ConfigDict(json_schema_extra={"allOf": [
+        {"if": {"properties": {"role": {"const": "tool"}}, "required": ["role"]},
+         "then": {"required": ["tool_call_id"], "properties": {"tool_call_id": {"type": "string"}}}},
+        {"if": {"properties": {"tool_calls": {"type": "array", "minItems": 1}}, "required": ["tool_calls"]},
+         "then": {"properties": {"role": {"const": "assistant"}}}}]})
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
     tool_calls: list[ToolCall] | None = Field(None, max_length=MAX_TOOLS)    # an assistant turn that called tools
-    tool_call_id: str | None = Field(None, max_length=128)                  # a tool's answer: the call it answers
+    tool_call_id: str | None = Field(None, min_length=1, max_length=128)    # a tool's answer: the call it answers
 
     @model_validator(mode="after")
     def _tool_fields(self) -> ChatMessage:
@@ -388,6 +394,9 @@ class ChatCompletionRequest(_Common):
 class TokenizeRequest(_Strict):
     """vLLM's POST /tokenize: a completion prompt or a chat conversation -> the IDs this server's completion or chat
     route would send to its engine for it (the same tokenizer, template and sessionless encode)."""
+    model_config = ConfigDict(json_schema_extra={"oneOf": [   # exactly one of them (`_one_input`)
+        {"properties": {"prompt": {"type": "string"}}, "required": ["prompt"]},
+        {"properties": {"messages": {"type": "array"}}, "required": ["messages"]}]})
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = Field(None, min_length=1)
@@ -429,6 +438,14 @@ class DetokenizeRequest(_Strict):
     model: str | None = None
     tokens: list[Annotated[int, Field(ge=0, le=MAX_TOKEN_ID)]]
     prompt_cache_key: str | None = None
+
+    @field_validator("tokens", mode="before")
+    @classmethod
+    def _integral(cls, v: Any) -> Any:
+        """JSON Schema's integers include 3.0: token ids given as integral floats."""
+        if isinstance(v, list):
+            return [int(t) if isinstance(t, float) and t.is_integer() and abs(t) < 2.0 ** 63 else t for t in v]
+        return v
 
     @property
     def num_logprobs(self) -> int | None:
