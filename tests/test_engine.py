@@ -278,6 +278,18 @@ def test_generate_with_logit_adjustments_matches_transformers(hf_pair):
     assert tight.scheduler.num_preemptions > 0
 
 
+def test_min_tokens_holds_off_stop_ids_and_eos():
+    prompts = [prompt(n, 70 + n) for n in (5, 9)]
+    engine = LLMEngine("test-small", dtype=torch.float64, seed=7, num_blocks=64, block_size=4)
+    free = engine.generate(prompts, SamplingParams(max_tokens=8))
+    stops = tuple({o[0] for o in free})
+    stopped = engine.generate(prompts, SamplingParams(max_tokens=8, stop_token_ids=stops))
+    assert all(len(o) == 1 for o in stopped)            # each ends on its first token
+    held = engine.generate(prompts, SamplingParams(max_tokens=8, stop_token_ids=stops, min_tokens=4))
+    for o in held:
+        assert len(o) >= 4 and not set(o[:3]) & set(stops)
+
+
 def test_engine_preemption_and_limits_keep_results():
     prompts = [prompt(n, 40 + n) for n in (9, 14, 5, 12)]
     params = [SamplingParams(max_tokens=12), SamplingParams(max_tokens=9, temperature=0.8, top_p=0.9, seed=11),

@@ -307,3 +307,17 @@ def test_min_p_and_top_k_restrict_the_draw():
 def test_adjustment_params_validation(kw):
     with pytest.raises(ValueError):
         SamplingParams(**kw)
+
+
+def test_min_tokens_bans_the_ending_ids_until_reached():
+    row = torch.tensor([0.0, 5.0, 1.0, 4.0])
+    p = SamplingParams(max_tokens=8, min_tokens=3)
+    assert p.needs_logits and p.needs_history
+    for out, want in (([], 3), ([7], 3), ([7, 7], 3), ([7, 7, 7], 1)):
+        assert sample(row[None], [p], [len(out)], [([0], out, (1,))])[0] == want
+    hot = SamplingParams(max_tokens=8, min_tokens=2, temperature=1.0, seed=4)
+    assert {sample(row[None], [hot], [s], [([0], [], (1, 3))])[0] for s in range(300)} <= {0, 2}
+    with pytest.raises(ValueError, match="min_tokens"):
+        SamplingParams(max_tokens=2, min_tokens=3)
+    with pytest.raises(ValueError, match="ids that end it"):
+        sample(row[None], [p], [0])

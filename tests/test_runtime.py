@@ -273,7 +273,7 @@ def test_logprobs_equal_reference(runtime, runners, name, flags):
 PEN_PARAMS = [SamplingParams(max_tokens=24, repetition_penalty=1.5, frequency_penalty=0.6, presence_penalty=0.3),
               SamplingParams(max_tokens=24, logit_bias=((5, 2.0),), repetition_penalty=0.9),
               SamplingParams(max_tokens=24, temperature=0.8, top_k=8, min_p=0.02, seed=5, frequency_penalty=1.0),
-              SamplingParams(max_tokens=24)] * 2
+              SamplingParams(max_tokens=24, min_tokens=20, stop_token_ids=tuple(range(0, 500, 3)))] * 2
 
 
 @pytest.mark.parametrize("flags", [{"pending_return": True}, {"pending_return": False}, {"standard_serving": True},

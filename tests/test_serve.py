@@ -310,6 +310,28 @@ def test_text_stream_utf8_and_stop(tokenizer):
     s = TextStream(tokenizer, stop=["ab"])
     assert s.push([a]) == "" and s.push([c]) == "ac" and s.flush() == ""
     assert TextStream(tokenizer).push([151900]) == ""   # a padded vocabulary row the tokenizer lacks: no text, as HF/vLLM
+    # min_tokens: a stop passed before the stream is armed does not end it; one that ends after does, from where
+    # it began (also when it began before)
+    s = TextStream(tokenizer, stop=["ab"])
+    assert s.push([a, b, c], armed=False) == "abc" and s.push([a], armed=True) == "" and s.push([b]) == ""
+    assert s.stopped
+    s = TextStream(tokenizer, stop=["ab"])
+    assert s.push([c, a], armed=False) == "c" and s.push([b], armed=True) == "" and s.stopped
+    s = TextStream(tokenizer, stop=["aa"])   # "aaaa": the stop ending at the armed token is the last two a's
+    assert s.push([a, a, a], armed=False) == "a" and s.push([a], armed=True) == "a" and s.stopped
+
+
+def test_min_tokens_through_the_server(server, router, tokenizer):
+    url, _ = server
+    req = {"model": MODEL, "prompt": "Numbers:", "max_tokens": 12, "temperature": 0}
+    ids = tokenizer.encode("Numbers:").tolist()
+    ref = router.generate(ids, SamplingParams(max_tokens=12, min_tokens=5), "ref")
+    stream = TextStream(tokenizer)
+    want = stream.push(ref.token_ids) + stream.flush()
+    got = post(url, "/v1/completions", {**req, "min_tokens": 5}).json()["choices"][0]
+    assert got["text"] == want
+    err = post(url, "/v1/completions", {**req, "min_tokens": 13}).json()["error"]
+    assert err["param"] == "min_tokens"
 
 
 def test_inprocess_backend_abort_before_start(router):

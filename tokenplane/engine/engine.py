@@ -57,6 +57,12 @@ class LLMEngine:
         self.greedy_screen = greedy_screen
         self._ids = itertools.count()
 
+    def _history(self, s: Sequence) -> tuple:
+        """A sequence's sampler.History: its prompt's token set, its output, the ids that end it."""
+        p = s.params
+        ends = p.stop_token_ids + (() if p.ignore_eos else self.scheduler.eos_token_ids)
+        return s.prompt_set, s.output_token_ids, ends
+
     @property
     def model_runner(self) -> ModelRunner:
         return self.runner
@@ -90,7 +96,7 @@ class LLMEngine:
             return []
         tokens = (out.tokens if isinstance(out, GreedyOutput)
                   else sample(out.logits, [s.params for s in seqs], [s.num_output_tokens for s in seqs],
-                              [(s.prompt_set, s.output_token_ids) if s.params.penalized else None for s in seqs]))
+                              [self._history(s) if s.params.needs_history else None for s in seqs]))
         finished = {s.seq_id for s in self.scheduler.postprocess(seqs, tokens)}
         reasons = {SequenceStatus.FINISHED_STOPPED: "stop", SequenceStatus.FINISHED_LENGTH: "length"}
         return [StepOutput(s.seq_id, t, s.seq_id in finished, reasons.get(s.status)) for s, t in zip(seqs, tokens)]

@@ -7,7 +7,8 @@ the sequential reference.
 
 The adjustments follow vLLM's sampler, in its order: logit_bias is added to the raw logits, then the penalties
 (repetition over the prompt's and the output's tokens: a positive logit divided by it, a negative one multiplied;
-frequency and presence over the output's tokens: minus frequency x count, minus presence once), then greedy takes
+frequency and presence over the output's tokens: minus frequency x count, minus presence once), the ids that end the
+request (stop ids and EOS) get -inf while fewer than min_tokens tokens were sampled, then greedy takes
 the argmax, or temperature, min-p (drop tokens below min_p x the top probability), top-k (keep the k largest, ties
 at the k-th kept) and top-p apply before the draw. Logprobs stay those of the raw distribution (as vLLM and OpenAI
 report them).
@@ -22,9 +23,9 @@ import torch
 
 MASK64 = (1 << 64) - 1
 MAX_LOGPROBS = 20
-# A request's (prompt ids, output ids so far); the prompt may be given as `token_set(prompt)`, which its holder
-# computes once instead of once a step (a long prompt's set costs milliseconds).
-History = tuple["Sequence[int] | torch.Tensor", Sequence[int]]
+# A request's (prompt ids, output ids so far[, the ids that end it: stop ids and EOS]); the prompt may be given as
+# `token_set(prompt)`, which its holder computes once instead of once a step (a long prompt's set costs milliseconds).
+History = tuple
 
 
 @dataclass(frozen=True)
@@ -42,6 +43,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logit_bias: tuple[tuple[int, float], ...] = ()   # (token id, bias added to its logit)
+    min_tokens: int = 0           # the ids that end the request (stop ids, EOS) are not sampled before this many
 
     def __post_init__(self) -> None:
         if self.temperature < 0:
@@ -66,6 +68,8 @@ class SamplingParams:
         if any(t < 0 or not -100.0 <= b <= 100.0 for t, b in bias):
             raise ValueError("logit_bias maps token ids >= 0 to biases in [-100, 100]")
         object.__setattr__(self, "logit_bias", bias)
+        if not 0 <= self.min_tokens <= self.max_tokens:
+            raise ValueError("min_tokens must be in [0, max_tokens]")
 
     @property
     def penalized(self) -> bool:
@@ -73,10 +77,20 @@ class SamplingParams:
         return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
 
     @property
+    def needs_history(self) -> bool:
+        """Whether sampling reads the request's tokens (`sample`'s histories): a penalty, or min_tokens."""
+        return self.penalized or self.min_tokens > 0
+
+    @property
+    def adjusts(self) -> bool:
+        """Whether the logits are changed before the argmax (a bias, a penalty, min_tokens)."""
+        return self.needs_history or bool(self.logit_bias)
+
+    @property
     def needs_logits(self) -> bool:
-        """Whether sampling reads the logits (a temperature, logprobs, a bias or a penalty, which move the argmax);
+        """Whether sampling reads the logits (a temperature, logprobs, or an adjustment, which moves the argmax);
         False: the raw greedy token is all a step must produce for this request (`ModelRunner.run_greedy`)."""
-        return self.temperature != 0.0 or self.logprobs is not None or self.penalized or bool(self.logit_bias)
+        return self.temperature != 0.0 or self.logprobs is not None or self.adjusts
 
 
 def token_logprobs(logits: torch.Tensor, token: int, k: int) -> tuple[float, list[tuple[int, float]]]:
@@ -125,9 +139,9 @@ def token_set(ids: Sequence[int]) -> torch.Tensor:
 
 
 def adjusted(logits: torch.Tensor, params: SamplingParams, history: History | None = None) -> torch.Tensor:
-    """One row's logits after logit_bias and the penalties (float64; the input itself when neither applies).
-    history: (prompt ids, output ids), needed when `params.penalized`."""
-    if not params.logit_bias and not params.penalized:
+    """One row's logits after logit_bias, the penalties and min_tokens (float64; the input itself when none applies).
+    history: (prompt ids, output ids[, ids that end the request]), needed when `params.needs_history`."""
+    if not params.adjusts:
         return logits
     out = logits.double().clone()
     v = out.numel()
@@ -139,7 +153,7 @@ def adjusted(logits: torch.Tensor, params: SamplingParams, history: History | No
     if params.penalized:
         if history is None:
             raise ValueError("a penalized request needs its prompt and output tokens")
-        prompt, output = history
+        prompt, output = history[0], history[1]
         gen = torch.as_tensor(list(output), dtype=torch.long)
         if params.repetition_penalty != 1.0:
             pset = prompt if isinstance(prompt, torch.Tensor) else token_set(prompt)
@@ -150,6 +164,12 @@ def adjusted(logits: torch.Tensor, params: SamplingParams, history: History | No
         if gen.numel() and (params.frequency_penalty != 0.0 or params.presence_penalty != 0.0):
             ids, counts = torch.unique(gen[gen < v], return_counts=True)
             out[ids] -= params.frequency_penalty * counts.double() + params.presence_penalty
+    if params.min_tokens:
+        if history is None:
+            raise ValueError("a request with min_tokens needs its output tokens and the ids that end it")
+        stops = [t for t in (history[2] if len(history) > 2 else ()) if 0 <= t < v]
+        if stops and len(history[1]) < params.min_tokens:
+            out[torch.tensor(stops, dtype=torch.long)] = float("-inf")
     return out
 
 
@@ -210,12 +230,12 @@ def greedy(logits: torch.Tensor) -> torch.Tensor:
 def sample(logits: torch.Tensor, params: list[SamplingParams], steps: list[int],
            histories: Sequence[History | None] | None = None) -> list[int]:
     """One token per row. logits [B, V]; steps[i] = index of the output token being drawn for row i; histories[i]:
-    row i's (prompt ids, output ids), read only for penalized rows (`SamplingParams.penalized`)."""
+    row i's History, read only for rows that need one (`SamplingParams.needs_history`)."""
     if logits.dim() != 2 or logits.shape[0] != len(params) or len(params) != len(steps):
         raise ValueError("logits must be [B, V] with one SamplingParams and one step per row")
     if histories is not None and len(histories) != len(params):
         raise ValueError("one history per row")
-    if all(p.temperature == 0.0 and not p.logit_bias and not p.penalized for p in params):
+    if all(p.temperature == 0.0 and not p.adjusts for p in params):
         return greedy(logits).tolist()
     return [sample_one(logits[i], p, s, None if histories is None else histories[i])
             for i, (p, s) in enumerate(zip(params, steps))]

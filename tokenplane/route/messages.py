@@ -306,7 +306,8 @@ def params_to_wire(p) -> dict[str, Any]:
             "presence_penalty": float(getattr(p, "presence_penalty", 0.0)),
             "frequency_penalty": float(getattr(p, "frequency_penalty", 0.0)),
             "repetition_penalty": float(getattr(p, "repetition_penalty", 1.0)),
-            "logit_bias": [[int(t), float(b)] for t, b in getattr(p, "logit_bias", ())]}
+            "logit_bias": [[int(t), float(b)] for t, b in getattr(p, "logit_bias", ())],
+            "min_tokens": int(getattr(p, "min_tokens", 0))}
 
 
 def params_from_wire(d: dict[str, Any]):
@@ -319,7 +320,8 @@ def params_from_wire(d: dict[str, Any]):
                           presence_penalty=float(d.get("presence_penalty", 0.0)),
                           frequency_penalty=float(d.get("frequency_penalty", 0.0)),
                           repetition_penalty=float(d.get("repetition_penalty", 1.0)),
-                          logit_bias=tuple((int(t), float(b)) for t, b in d.get("logit_bias", ())))
+                          logit_bias=tuple((int(t), float(b)) for t, b in d.get("logit_bias", ())),
+                          min_tokens=min(int(d.get("min_tokens", 0)), int(d.get("max_tokens", 16))))
 
 
 def stats_to_wire(s: RouteStats) -> dict[str, Any]:

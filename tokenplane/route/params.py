@@ -58,6 +58,9 @@ def validate_params(params: Any) -> None:
     k = getattr(params, "logprobs", None)
     if k is not None and (not _is_int(k) or not 0 <= k <= 20):
         raise RequestRejected(f"logprobs must be an integer in [0, 20], got {k!r}", param="logprobs")
+    mn = getattr(params, "min_tokens", 0)
+    if not _is_int(mn) or not 0 <= mn <= (mt if _is_int(mt) else MAX_TOKENS_MAX):
+        raise RequestRejected(f"min_tokens must be an integer in [0, max_tokens], got {mn!r}", param="min_tokens")
     top_k = getattr(params, "top_k", 0)
     if not _is_int(top_k) or top_k < -1:
         raise RequestRejected(f"top_k must be an integer >= -1, got {top_k!r}", param="top_k")

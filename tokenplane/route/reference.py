@@ -104,7 +104,7 @@ class SequentialRouter:
               view: RequestView | None = None) -> StepResult:
         from tokenplane.engine.sampler import sample
         logits, hidden = self._run(m, seq)
-        history = (view.prompt_ids, view.output_ids) if view is not None else None
+        history = (view.prompt_ids, view.output_ids, view.stop_token_ids) if view is not None else None
         token = sample(logits[None], [params], [position], [history])[0]
         return StepResult(rid, m, position, int(token), logits, hidden)
 

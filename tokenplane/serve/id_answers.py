@@ -83,8 +83,9 @@ class IdAnswer:
     stop_reason the string, as vLLM reports it."""
 
     def __init__(self, tokenizer: Any, stops: list[str], n_prompt: int, n_choices: int = 1,
-                 logprobs: int | None = None) -> None:
+                 logprobs: int | None = None, min_tokens: int = 0) -> None:
         self.tokenizer, self.stops, self.n_prompt = tokenizer, stops, n_prompt
+        self.min_tokens = min_tokens          # no stop string ends a choice before this many tokens (vLLM's)
         self.logprobs = logprobs              # the client's count, None: it asked for none
         self.offsets: dict[int, int] = {}     # per choice: characters of its token texts so far (text_offset)
         self.streams: dict[int, TextStream] = {}
@@ -127,8 +128,8 @@ class IdAnswer:
             if self.logprobs is not None and ids:
                 c["logprobs"] = self._logprobs(i, ids, lp)
             s = self._stream(i)
-            text = s.push(ids)
             self.tokens[i] = self.tokens.get(i, 0) + len(ids)
+            text = s.push(ids, armed=self.tokens[i] >= self.min_tokens)
             if s.stopped:
                 c["finish_reason"], c["stop_reason"] = "stop", s.matcher.matched()
                 self.cut = True

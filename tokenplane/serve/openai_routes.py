@@ -219,6 +219,9 @@ class OpenAIServer:
         max_tokens = asked if asked is not None else self.default_max_tokens
         if limit is not None:
             max_tokens = min(max_tokens, limit - n_prompt)
+        if sampling["min_tokens"] > max_tokens:
+            raise InvalidRequest(f"min_tokens ({sampling['min_tokens']}) must not exceed max_tokens ({max_tokens})",
+                                 param="min_tokens")
         out = []
         for i in range(req.n):
             seed = None if req.seed is None else (req.seed + i) % (1 << 63)   # the runtime's seed range
@@ -248,7 +251,7 @@ class OpenAIServer:
                     n += len(chunk.token_ids)
                     if lps is not None and chunk.logprobs:
                         lps.extend(zip(chunk.token_ids, chunk.logprobs))
-                    delta = text.push(chunk.token_ids)
+                    delta = text.push(chunk.token_ids, armed=n >= job.params.min_tokens)
                     backend_done = chunk.finish_reason is not None
                     if text.stopped:   # a stop string: the text ends before it, whatever the backend says
                         yield Event(delta, "stop", chunk.stats, n, lps)

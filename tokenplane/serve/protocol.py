@@ -97,7 +97,8 @@ def _check_text(value: str, where: str, info: ValidationInfo | None = None) -> s
     return value
 
 
-_INT_FIELDS = ("max_tokens", "max_completion_tokens", "n", "seed", "best_of", "top_logprobs", "logprobs")
+_INT_FIELDS = ("max_tokens", "max_completion_tokens", "n", "seed", "best_of", "top_logprobs", "logprobs", "top_k",
+               "min_tokens")
 
 
 class _Strict(BaseModel):
@@ -120,7 +121,8 @@ class _Strict(BaseModel):
 # upstream wires carry (the gRPC SamplingParams has no logit_bias).
 _SAMPLING_NEUTRAL: dict[str, tuple[Any, ...]] = {"presence_penalty": (None, 0), "frequency_penalty": (None, 0),
                                                  "top_k": (None, -1, 0), "min_p": (None, 0),
-                                                 "repetition_penalty": (None, 1), "logit_bias": (None, {})}
+                                                 "repetition_penalty": (None, 1), "logit_bias": (None, {}),
+                                                 "min_tokens": (None, 0)}
 FORWARDABLE_SAMPLING = frozenset(_SAMPLING_NEUTRAL) - {"logit_bias"}
 ENGINE_SAMPLING = frozenset(_SAMPLING_NEUTRAL)
 MAX_LOGIT_BIAS = 300    # entries (OpenAI's limit)
@@ -154,6 +156,7 @@ class _Common(_Strict):
     top_k: int | None = Field(None, ge=-1, le=1 << 20)
     min_p: float | None = Field(None, ge=0.0, le=1.0)
     repetition_penalty: float | None = Field(None, gt=0.0, le=2.0)
+    min_tokens: int | None = Field(None, ge=0, le=MAX_TOKENS_LIMIT)   # vLLM's: no stop id, EOS or stop string before
     tools: Any = Field(None, json_schema_extra={"enum": [None, []]})
     tool_choice: Any = Field(None, json_schema_extra={"enum": [None, "none"]})
     functions: Any = Field(None, json_schema_extra={"enum": [None, []]})
@@ -192,7 +195,8 @@ class _Common(_Strict):
         return {"top_k": self.top_k or 0, "min_p": self.min_p or 0.0,
                 "presence_penalty": self.presence_penalty or 0.0, "frequency_penalty": self.frequency_penalty or 0.0,
                 "repetition_penalty": 1.0 if self.repetition_penalty is None else self.repetition_penalty,
-                "logit_bias": tuple((int(k), float(b)) for k, b in (self.logit_bias or {}).items())}
+                "logit_bias": tuple((int(k), float(b)) for k, b in (self.logit_bias or {}).items()),
+                "min_tokens": self.min_tokens or 0}
 
     def unsupported(self, forwarded: frozenset[str] = frozenset()) -> list[str]:
         """Parameters set to something this server cannot do; `forwarded`: sampling parameters it passes on to an

@@ -326,8 +326,8 @@ class ProxyServer(OpenAIServer):
         if self.metrics is not None:
             self.metrics.prompt_tokens.inc(n_prompt)
         session = report.session if report is not None else None
-        answer = IdAnswer(self.tokenizer, req.stops, n_prompt, req.n,
-                          req.num_logprobs) if self.pool.answers_ids else None
+        answer = IdAnswer(self.tokenizer, req.stops, n_prompt, req.n, req.num_logprobs,
+                          req.min_tokens or 0) if self.pool.answers_ids else None
         calls: dict[int, ToolCallStream] | None = {} if chat and req.calls_tools else None
         if not req.stream:
             try:

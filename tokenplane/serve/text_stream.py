@@ -80,10 +80,11 @@ class StopMatcher:
         """Characters at the end of the text so far that could still begin a stop string."""
         return max(self._state, default=0)
 
-    def feed(self, text: str) -> int | None:
+    def feed(self, text: str, report: bool = True) -> int | None:
         """Advance over `text`; return the index in `text` just past the end of the earliest stop, or None.
         The earliest END is what ends the stream first; among stops ending there the longest is reported, so the
-        cut (end - len(stop)) is the leftmost start of a stop ending at that point."""
+        cut (end - len(stop)) is the leftmost start of a stop ending at that point. report=False: stops found are
+        passed over (min_tokens not reached yet), while a stop begun here can still end in later text."""
         if not self.stops:
             return None
         state, stops, fails = self._state, self.stops, self._fail
@@ -91,6 +92,8 @@ class StopMatcher:
             hit = False
             for j, s in enumerate(stops):
                 k = state[j]
+                if k == len(s):     # a stop passed over: continue from its longest proper border
+                    k = fails[j][k - 1]
                 while k and s[k] != c:
                     k = fails[j][k - 1]
                 if s[k] == c:
@@ -98,7 +101,7 @@ class StopMatcher:
                 if k == len(s):
                     hit = True
                 state[j] = k
-            if hit:
+            if hit and report:
                 return i + 1
         return None
 
@@ -125,20 +128,22 @@ class TextStream:
         self.pending = ""   # decoded text not yet returned (at most the matcher's held characters)
         self.stopped = False
 
-    def push(self, tokens: Sequence[int]) -> str:
+    def push(self, tokens: Sequence[int], armed: bool = True) -> str:
+        """Text of `tokens` that can be released. armed=False: stop strings are not applied yet (vLLM's min_tokens:
+        none ends the answer before that many tokens; one that ends after them does, wherever it began)."""
         if self.stopped:
             return ""
         new = "".join(self.decoder.decode(token_bytes(self.tokenizer, t)) for t in tokens if t not in self.skip)
-        return self._emit(new, final=False)
+        return self._emit(new, final=False, armed=armed)
 
     def flush(self) -> str:
         if self.stopped:
             return ""
         return self._emit(self.decoder.decode(b"", final=True), final=True)
 
-    def _emit(self, new: str, final: bool) -> str:
+    def _emit(self, new: str, final: bool, armed: bool = True) -> str:
         text = self.pending + new
-        end = self.matcher.feed(new)
+        end = self.matcher.feed(new, report=armed)
         if end is not None:
             cut = len(text) - len(new) + end - self.matcher.match_length()
             self.stopped, self.pending = True, ""
