@@ -235,6 +235,8 @@ def test_stop_string(server):
     body = post(url, "/v1/completions", {**req, "stop": [stop]}).json()
     assert body["choices"][0]["text"] == text[:text.find(stop)]
     assert body["choices"][0]["finish_reason"] == "stop"
+    kept = post(url, "/v1/completions", {**req, "stop": [stop], "include_stop_str_in_output": True}).json()
+    assert kept["choices"][0]["text"] == text[:text.find(stop) + len(stop)]
     with httpx.stream("POST", url + "/v1/completions", json={**req, "stop": stop, "stream": True}, timeout=60) as r:
         events = sse_events(r)
     assert "".join(e["choices"][0]["text"] for e in events[:-1]) == text[:text.find(stop)]
@@ -319,6 +321,11 @@ def test_text_stream_utf8_and_stop(tokenizer):
     assert s.push([c, a], armed=False) == "c" and s.push([b], armed=True) == "" and s.stopped
     s = TextStream(tokenizer, stop=["aa"])   # "aaaa": the stop ending at the armed token is the last two a's
     assert s.push([a, a, a], armed=False) == "a" and s.push([a], armed=True) == "a" and s.stopped
+    s = TextStream(tokenizer, stop=["ab"], include_stop=True)   # vLLM's include_stop_str_in_output
+    assert s.push([c, a]) == "c" and s.push([b, c]) == "ab" and s.stopped
+    end = tokenizer.specials["<|im_end|>"]
+    assert TextStream(tokenizer).push([a, end, b]) == "ab"
+    assert TextStream(tokenizer, skip_special=False).push([a, end, b]) == "a<|im_end|>b"
 
 
 def test_min_tokens_through_the_server(server, router, tokenizer):

@@ -172,12 +172,15 @@ def test_stop_string_ends_the_answer_and_the_upstream_request(tok):
         # non-streaming: gathered from the upstream's stream, cut at the same place
         whole = client.completions.create(model="tier", prompt="hello", stop="STOP", max_tokens=64)
         assert whole.choices[0].text == cut and whole.choices[0].finish_reason == "stop"
+        kept = client.completions.create(model="tier", prompt="hello", stop="STOP", max_tokens=64,
+                                         extra_body={"include_stop_str_in_output": True})
+        assert kept.choices[0].text == cut + "STOP"          # vLLM's option, applied where the tier cuts
         chat = client.chat.completions.create(model="tier", messages=[{"role": "user", "content": "hello"}])
         assert chat.choices[0].message.content == ANSWER and chat.usage is not None
         import time
         time.sleep(0.5)
     assert engine.completed[0] is False and engine.completed[1] is False   # closed on the stop string
-    assert engine.completed[2] is True
+    assert engine.completed[3] is True
 
 
 def expected_logprobs(tok, ids: list[int], tops: list[dict[int, float]]) -> dict[str, Any]:

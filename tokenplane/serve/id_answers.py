@@ -83,9 +83,11 @@ class IdAnswer:
     stop_reason the string, as vLLM reports it."""
 
     def __init__(self, tokenizer: Any, stops: list[str], n_prompt: int, n_choices: int = 1,
-                 logprobs: int | None = None, min_tokens: int = 0) -> None:
+                 logprobs: int | None = None, min_tokens: int = 0, include_stop: bool = False,
+                 skip_special: bool = True) -> None:
         self.tokenizer, self.stops, self.n_prompt = tokenizer, stops, n_prompt
         self.min_tokens = min_tokens          # no stop string ends a choice before this many tokens (vLLM's)
+        self.include_stop, self.skip_special = include_stop, skip_special   # vLLM's text options (TextStream)
         self.logprobs = logprobs              # the client's count, None: it asked for none
         self.offsets: dict[int, int] = {}     # per choice: characters of its token texts so far (text_offset)
         self.streams: dict[int, TextStream] = {}
@@ -99,7 +101,8 @@ class IdAnswer:
     def _stream(self, i: int) -> TextStream:
         s = self.streams.get(i)
         if s is None:
-            s = self.streams[i] = TextStream(self.tokenizer, self.stops)
+            s = self.streams[i] = TextStream(self.tokenizer, self.stops, skip_special=self.skip_special,
+                                             include_stop=self.include_stop)
         return s
 
     @property

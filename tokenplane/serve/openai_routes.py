@@ -57,6 +57,8 @@ class Job:
     params: Any            # tokenplane.engine.sampler.SamplingParams
     stop: list[str]
     tokenization: TokenizationReport | None = None
+    include_stop: bool = False    # the matched stop string ends the text (vLLM's include_stop_str_in_output)
+    skip_special: bool = True     # special tokens are not text (vLLM's skip_special_tokens)
 
 
 @dataclass
@@ -229,12 +231,13 @@ class OpenAIServer:
                                     stop_token_ids=(*extra_stop_ids, *(req.stop_token_ids or ())),
                                     ignore_eos=req.ignore_eos,
                                     logprobs=req.num_logprobs, **sampling)
-            out.append(Job(prompt_ids, params, req.stops, tokenization))
+            out.append(Job(prompt_ids, params, req.stops, tokenization, req.include_stop_str_in_output,
+                           req.skip_special_tokens))
         return out
 
     # -- generation ---------------------------------------------------------------------------------------------
     async def events(self, job: Job, request_id: str) -> AsyncGenerator[Event, None]:
-        text = TextStream(self.tokenizer, job.stop)
+        text = TextStream(self.tokenizer, job.stop, skip_special=job.skip_special, include_stop=job.include_stop)
         n = 0
         lps: list[tuple[int, TokenLogprob]] | None = [] if job.params.logprobs is not None else None
         t0 = time.perf_counter()

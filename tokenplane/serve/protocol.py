@@ -157,6 +157,9 @@ class _Common(_Strict):
     min_p: float | None = Field(None, ge=0.0, le=1.0)
     repetition_penalty: float | None = Field(None, gt=0.0, le=2.0)
     min_tokens: int | None = Field(None, ge=0, le=MAX_TOKENS_LIMIT)   # vLLM's: no stop id, EOS or stop string before
+    # vLLM's text options: the matched stop string kept at the end of the text; special tokens written as text
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
     tools: Any = Field(None, json_schema_extra={"enum": [None, []]})
     tool_choice: Any = Field(None, json_schema_extra={"enum": [None, "none"]})
     functions: Any = Field(None, json_schema_extra={"enum": [None, []]})

@@ -156,6 +156,9 @@ class ProxyServer(OpenAIServer):
                 body["logprobs"] = req.num_logprobs
         if not body.get("stop"):
             body.pop("stop", None)
+        for name, default in (("include_stop_str_in_output", False), ("skip_special_tokens", True)):
+            if body.get(name) == default:
+                body.pop(name)      # vLLM's defaults: sent only when the client asked otherwise
         if stop_ids:
             body["stop_token_ids"] = list(stop_ids)
         body["model"] = self.pool.model
@@ -326,8 +329,8 @@ class ProxyServer(OpenAIServer):
         if self.metrics is not None:
             self.metrics.prompt_tokens.inc(n_prompt)
         session = report.session if report is not None else None
-        answer = IdAnswer(self.tokenizer, req.stops, n_prompt, req.n, req.num_logprobs,
-                          req.min_tokens or 0) if self.pool.answers_ids else None
+        answer = IdAnswer(self.tokenizer, req.stops, n_prompt, req.n, req.num_logprobs, req.min_tokens or 0,
+                          req.include_stop_str_in_output, req.skip_special_tokens) if self.pool.answers_ids else None
         calls: dict[int, ToolCallStream] | None = {} if chat and req.calls_tools else None
         if not req.stream:
             try:

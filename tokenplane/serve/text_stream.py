@@ -120,8 +120,11 @@ class TextStream:
     text: they are skipped, as vLLM's skip_special_tokens does by default: the added tokens the tokenizer file marks
     special, not those it adds as ordinary text (qwen3's `<think>`, `<tool_call>`)."""
 
-    def __init__(self, tokenizer: _Detokenizer, stop: Sequence[str] = (), *, skip_special: bool = True) -> None:
+    def __init__(self, tokenizer: _Detokenizer, stop: Sequence[str] = (), *, skip_special: bool = True,
+                 include_stop: bool = False) -> None:
+        """include_stop: a stop string ends the text after itself (vLLM's include_stop_str_in_output)."""
         self.tokenizer = tokenizer
+        self.include_stop = include_stop
         self.skip = tokenizer.decode_skipped if skip_special else frozenset()
         self.decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
         self.matcher = StopMatcher(stop)
@@ -145,7 +148,7 @@ class TextStream:
         text = self.pending + new
         end = self.matcher.feed(new, report=armed)
         if end is not None:
-            cut = len(text) - len(new) + end - self.matcher.match_length()
+            cut = len(text) - len(new) + end - (0 if self.include_stop else self.matcher.match_length())
             self.stopped, self.pending = True, ""
             return text[:max(cut, 0)]
         hold = 0 if final else min(self.matcher.held, len(text))

@@ -37,7 +37,7 @@ log = logging.getLogger("tokenplane.serve")
 # everything else stays here.
 FORWARDED = ("max_tokens", "temperature", "top_p", "n", "seed", "stream", "stream_options", "stop", "logprobs",
              "ignore_eos", "stop_token_ids", "user", "presence_penalty", "frequency_penalty", "top_k", "min_p",
-             "repetition_penalty", "min_tokens")
+             "repetition_penalty", "min_tokens", "include_stop_str_in_output", "skip_special_tokens")
 
 
 def _point(key: str) -> int:
