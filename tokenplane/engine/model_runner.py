@@ -72,7 +72,9 @@ class ModelRunner:
         prefill_kernel (rows of several tokens): "cpu" (one compiled call per layer for all of them, reading the paged
         KV in place; CPU float32, head_dim a multiple of 16), "varlen" (per-sequence SDPA) or "auto" (cpu where it
         applies and the step runs on 1 torch thread, the setting it was measured faster at; varlen otherwise). Either
-        way rows too short to gain (cpu_prefill_attention.worth: q_len x group < 12) stay with SDPA."""
+        way rows too short to gain (cpu_prefill_attention.worth: q_len x group < 12) stay with SDPA.
+        max_num_batched_tokens: the step's token budget; given, every oneDNN-packed GEMM (CPU bf16) is built at
+        each row bucket up to it now, not on a serving step (layers.packed_rows; `warm_up_s` says how long)."""
         param = next(model.parameters())
         self.device = torch.device(device) if device is not None else param.device
         self.dtype = dtype if dtype is not None else param.dtype
