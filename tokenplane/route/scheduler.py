@@ -292,16 +292,15 @@ class Scheduler:
         else:
             logits = out.logits if len(rows) == len(batch) else out.logits[rows]
             params = [batch[i].params for i in rows]
+            histories = None
             if any(p.needs_history for p in params):
                 from tokenplane.engine.sampler import token_set
                 for i in rows:
                     if batch[i].params.needs_history and batch[i].prompt_set is None:
                         batch[i].prompt_set = token_set(batch[i].view.prompt_ids)
-                tokens = self.sample_fn(logits, params, positions,
-                                        [(batch[i].prompt_set, batch[i].view.output_ids, batch[i].view.stop_token_ids)
-                                         for i in rows])
-            else:
-                tokens = self.sample_fn(logits, params, positions)
+                histories = [(batch[i].prompt_set, batch[i].view.output_ids, batch[i].view.stop_token_ids)
+                             for i in rows]
+            tokens = self.sample_fn(logits, params, positions, histories)
             results = [StepResult(batch[i].request_id, self.model, positions[j], int(tokens[j]), out.logits[i],
                                   None if hidden is None else hidden[i]) for j, i in enumerate(rows)]
         try:

@@ -97,6 +97,18 @@ def _check_text(value: str, where: str, info: ValidationInfo | None = None) -> s
     return value
 
 
+def _integral_ids(v: Any) -> Any:
+    """A list's integral floats as ints (JSON Schema's integers include 3.0: token ids given as integral floats)."""
+    if isinstance(v, list):
+        return [int(t) if isinstance(t, float) and t.is_integer() and abs(t) < 2.0 ** 63 else t for t in v]
+    return v
+
+
+def _check_messages(messages: list[Any] | None, info: ValidationInfo) -> None:
+    for i, m in enumerate(messages or ()):
+        _check_text(m.text(), f"messages[{i}].content", info)
+
+
 _INT_FIELDS = ("max_tokens", "max_completion_tokens", "n", "seed", "best_of", "top_logprobs", "logprobs", "top_k",
                "min_tokens")
 
@@ -254,9 +266,7 @@ class CompletionRequest(_Common):
             if len(v) != 1:
                 raise ValueError("batched prompts are not supported; send one prompt per request (or use n)")
             v = v[0]
-        if isinstance(v, list):   # JSON Schema's integers include 3.0: token ids given as integral floats
-            v = [int(t) if isinstance(t, float) and t.is_integer() and abs(t) < 2.0 ** 63 else t for t in v]
-        return v
+        return _integral_ids(v)
 
     @field_validator("prompt")
     @classmethod
@@ -393,8 +403,7 @@ class ChatCompletionRequest(_Common):
     @field_validator("messages")
     @classmethod
     def _messages(cls, v: list[ChatMessage], info: ValidationInfo) -> list[ChatMessage]:
-        for i, m in enumerate(v):
-            _check_text(m.text(), f"messages[{i}].content", info)
+        _check_messages(v, info)
         return v
 
 
@@ -421,8 +430,7 @@ class TokenizeRequest(_Strict):
     @field_validator("messages")
     @classmethod
     def _messages(cls, v: list[ChatMessage] | None, info: ValidationInfo) -> list[ChatMessage] | None:
-        for i, m in enumerate(v or ()):
-            _check_text(m.text(), f"messages[{i}].content", info)
+        _check_messages(v, info)
         return v
 
     @model_validator(mode="after")
@@ -449,10 +457,7 @@ class DetokenizeRequest(_Strict):
     @field_validator("tokens", mode="before")
     @classmethod
     def _integral(cls, v: Any) -> Any:
-        """JSON Schema's integers include 3.0: token ids given as integral floats."""
-        if isinstance(v, list):
-            return [int(t) if isinstance(t, float) and t.is_integer() and abs(t) < 2.0 ** 63 else t for t in v]
-        return v
+        return _integral_ids(v)
 
     @property
     def num_logprobs(self) -> int | None:

@@ -37,7 +37,7 @@ from .id_answers import IdAnswer, gathered, upstream_fields
 from .ids_json import JSON_IDS, Chunks, IdsOrigin, RequestBodies
 from .openai_routes import ClientDisconnected, OpenAIServer
 from .protocol import FORWARDABLE_SAMPLING, ChatCompletionRequest, ChatMessage, CompletionRequest
-from .tool_calls import ToolCallStream
+from .tool_calls import ToolCallStream, calls_delta
 from .upstream import FORWARDED, UpstreamPool, error_from, sse_data
 
 _DISCONNECT_POLL_S = 0.25
@@ -339,7 +339,7 @@ class ProxyServer(OpenAIServer):
                 return JSONResponse({"error": {"message": "client disconnected", "type": "client_closed_request",
                                                "param": None, "code": None}}, status_code=499)
             self._answer_out(session)
-            return {**(self._to_chat(data, calls) if chat else data), **extra}
+            return {**(self._to_chat(data, calls is not None) if chat else data), **extra}
         url, resp = await self.pool.send(key, body)
         phases.mark("upstream_head")
         if resp.status_code != 200:
@@ -405,19 +405,16 @@ class ProxyServer(OpenAIServer):
                             for t, v, top in zip(lp["tokens"], lp["token_logprobs"], tops)]}
 
     @classmethod
-    def _to_chat(cls, data: dict[str, Any], calls: dict[int, ToolCallStream] | None = None) -> dict[str, Any]:
-        """calls: given when the answer may hold tool calls (tool_calls.py): parsed out of each choice's text."""
+    def _to_chat(cls, data: dict[str, Any], tools: bool = False) -> dict[str, Any]:
+        """tools: the answer may hold tool calls (tool_calls.py), parsed out of each choice's text."""
         choices = []
         for c in data.get("choices", []):
             msg: dict[str, Any] = {"role": "assistant", "content": c.get("text", "")}
             reason = c.get("finish_reason")
-            if calls is not None:
-                s = ToolCallStream()
-                content = s.feed(msg["content"])
-                tail, found = s.finish()
+            if tools:
+                content, found, reason = ToolCallStream().step(msg["content"], reason, True)
                 if found:
-                    msg.update(content=content + tail or None, tool_calls=found)
-                    reason = "tool_calls" if reason == "stop" else reason
+                    msg.update(content=content or None, tool_calls=found)
             choices.append({"index": c.get("index", 0), "message": msg,
                             "logprobs": cls._chat_logprobs(c.get("logprobs")), "finish_reason": reason})
         out = {"id": "chatcmpl-" + str(data.get("id", secrets.token_hex(12))).removeprefix("cmpl-"),
@@ -492,15 +489,10 @@ class ProxyServer(OpenAIServer):
             text, reason = c.get("text", ""), c.get("finish_reason")
             found: list[dict[str, Any]] = []
             if calls is not None:   # content streams until a tool call starts; the calls come with the end
-                s = calls.setdefault(i, ToolCallStream())
-                text = s.feed(text)
-                if reason is not None:
-                    tail, found = s.finish()
-                    text += tail
+                text, found, reason = calls.setdefault(i, ToolCallStream()).step(text, reason, reason is not None)
             delta: dict[str, Any] = {"content": text} if text else {}
             if found:
-                delta["tool_calls"] = [{"index": k, **call} for k, call in enumerate(found)]
-                reason = "tool_calls" if reason == "stop" else reason
+                delta["tool_calls"] = calls_delta(found)
             if i not in started:
                 started.add(i)
                 delta = {"role": "assistant", **delta}

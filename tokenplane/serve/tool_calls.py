@@ -136,6 +136,20 @@ class ToolCallStream:
         calls = parse_calls(self._calls)
         return ("", calls) if calls else (self._calls, [])
 
+    def step(self, delta: str, finish_reason: str | None, last: bool) -> tuple[str, list[dict[str, Any]], str | None]:
+        """One piece of a choice's answer: (the content it releases, the tool calls: found at the last piece only,
+        the finish_reason to report: "tool_calls" where the model stopped by itself after calls)."""
+        content = self.feed(delta)
+        if not last:
+            return content, [], finish_reason
+        tail, calls = self.finish()
+        return content + tail, calls, "tool_calls" if calls and finish_reason == "stop" else finish_reason
+
+
+def calls_delta(calls: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Tool calls as a streamed delta carries them (each with its index)."""
+    return [{"index": k, **c} for k, c in enumerate(calls)]
+
 
 class ToolChoices:
     """Wraps a server's chat choice builder (`choice(i, event, stream) -> dict`) for a request that may call
@@ -146,23 +160,18 @@ class ToolChoices:
         self.streams: dict[int, ToolCallStream] = {}
 
     def __call__(self, i: int, ev: Any, stream: bool = True) -> dict[str, Any]:
-        s = self.streams.setdefault(i, ToolCallStream())
-        content = s.feed(ev.delta)
-        calls: list[dict[str, Any]] = []
-        if ev.finish_reason is not None or not stream:
-            tail, calls = s.finish()
-            content += tail
+        content, calls, reason = self.streams.setdefault(i, ToolCallStream()).step(
+            ev.delta, ev.finish_reason, ev.finish_reason is not None or not stream)
         out = self.choice(i, self.event_type(content, ev.finish_reason, ev.stats, ev.completion_tokens,
                                              ev.logprobs), stream)
         if calls:
             if stream:
-                out["delta"]["tool_calls"] = [{"index": k, **c} for k, c in enumerate(calls)]
+                out["delta"]["tool_calls"] = calls_delta(calls)
             else:
-                out["message"]["tool_calls"] = calls
-                out["message"]["content"] = content or None
-            if ev.finish_reason == "stop":
-                out["finish_reason"] = "tool_calls"
+                out["message"].update(content=content or None, tool_calls=calls)
+        out["finish_reason"] = reason
         return out
 
 
-__all__ = ["ChatExtras", "ToolCallStream", "ToolChoices", "chat_extras", "parse_calls", "template_calls_tools"]
+__all__ = ["ChatExtras", "ToolCallStream", "ToolChoices", "calls_delta", "chat_extras", "parse_calls",
+           "template_calls_tools"]

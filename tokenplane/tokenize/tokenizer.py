@@ -331,19 +331,18 @@ class Tokenizer:
     @cached_property
     def _token_ids(self) -> dict[bytes, int]:
         """Token bytes -> id over the ordinary vocabulary (the lowest id where two tokens share bytes)."""
-        ids: dict[bytes, int] = {}
         table = self._token_table
-        if table is None:
-            for t in range(self.n_vocab):
-                if t not in self.specials.values():
-                    ids.setdefault(self.reference.decode_bytes([t]), t)
-            return ids
-        flat, off = table
-        raw = flat.tobytes()
+        if table is not None:
+            raw, off = table[0].tobytes(), table[1]
+            n = off.shape[0] - 1
+            token_bytes: Callable[[int], bytes] = lambda t: raw[off[t]:off[t + 1]]   # noqa: E731
+        else:
+            n, token_bytes = self.n_vocab, lambda t: self.reference.decode_bytes([t])
         special_ids = set(self.specials.values())
-        for t in range(off.shape[0] - 1):
+        ids: dict[bytes, int] = {}
+        for t in range(n):
             if t not in special_ids:
-                ids.setdefault(raw[off[t]:off[t + 1]], t)
+                ids.setdefault(token_bytes(t), t)
         return ids
 
     def encode_ordinary(self, text: str, *, path: EncodePath | str = "auto") -> np.ndarray:
