@@ -91,3 +91,35 @@ def streamed_chat(client, **kwargs) -> tuple[str, dict, str | None]:
                 calls[tc.index] = tc
             finish = c.finish_reason or finish
     return "".join(content), calls, finish
+
+
+class ReplyBackend:
+    """A backend that answers every request with `reply` (token ids, one chunk each: finish_reason "stop" when the
+    whole reply fits max_tokens, else "length") and records each prompt it was given."""
+    max_model_len = 1 << 20
+    vocab_size = 151_936
+
+    def __init__(self, reply: list[int], name: str = "fake") -> None:
+        self.reply, self.name = reply, name
+        self.prompts: list[list[int]] = []
+
+    async def start(self) -> None:
+        return None
+
+    async def generate(self, prompt_ids: Any, params: Any, request_id: str) -> Any:
+        from tokenplane.serve.backends import Chunk
+        self.prompts.append(list(prompt_ids))
+        n = min(len(self.reply), params.max_tokens)
+        for i, t in enumerate(self.reply[:n]):
+            last = i == n - 1
+            yield Chunk([t], ("stop" if n == len(self.reply) else "length") if last else None, {} if last else None)
+
+    def abort(self, request_id: str) -> None:
+        return None
+
+    def health(self) -> Any:
+        from tokenplane.serve.backends import BackendHealth, ModelStatus
+        return BackendHealth([ModelStatus(self.name, "ready")])
+
+    def close(self) -> None:
+        return None

@@ -6,44 +6,17 @@ the request body to the IDs the engine would decode from."""
 
 from __future__ import annotations
 
-from typing import Any
-
 import openai
 import pytest
 from realtext import conversations, traces_dir
-from servers import ThreadServer
+from servers import ReplyBackend, ThreadServer
 
 import tokenplane
 from tokenplane.serve.app import create_app
-from tokenplane.serve.backends import BackendHealth, Chunk, ModelStatus
 from tokenplane.serve.chat import template_for
 from tokenplane.serve.config import Limits
 
 MODEL = "recorder"
-
-
-class RecordingBackend:
-    max_model_len = 1 << 20
-    vocab_size = 151_936
-
-    def __init__(self) -> None:
-        self.prompts: list[list[int]] = []
-
-    async def start(self) -> None:
-        return None
-
-    async def generate(self, prompt_ids: Any, params: Any, request_id: str) -> Any:
-        self.prompts.append(list(prompt_ids))
-        yield Chunk([151645], "stop", {})
-
-    def abort(self, request_id: str) -> None:
-        return None
-
-    def health(self) -> BackendHealth:
-        return BackendHealth([ModelStatus("recorder", "ready")])
-
-    def close(self) -> None:
-        return None
 
 
 def trajectories(limit: int) -> list[list[dict[str, str]]]:
@@ -59,7 +32,7 @@ def tok():
 
 
 def test_real_trajectories_reuse_sessions_with_exact_ids(tok):
-    backend = RecordingBackend()
+    backend = ReplyBackend([151645], "recorder")
     app = create_app(backend, tok, model_name=MODEL, limits=Limits(max_prompt_chars=1 << 22))
     template = template_for(tok)
     convs = trajectories(20)

@@ -9,11 +9,10 @@ from typing import Any
 import httpx
 import openai
 import pytest
-from servers import ThreadServer, streamed_chat
+from servers import ReplyBackend, ThreadServer, streamed_chat
 
 import tokenplane
 from tokenplane.serve.app import create_app
-from tokenplane.serve.backends import BackendHealth, Chunk, ModelStatus
 from tokenplane.serve.chat import ChatTemplate, template_for
 from tokenplane.serve.protocol import ChatCompletionRequest
 from tokenplane.serve.tool_calls import ToolCallStream, chat_extras, parse_calls
@@ -104,37 +103,9 @@ def test_unparseable_calls_stay_content(bad):
         {"name": "f", "arguments": '{"a": 1}'}
 
 
-class Engine:
-    """A fake engine answering `reply` (token ids) and recording each prompt."""
-    max_model_len = 1 << 16
-    vocab_size = 151_936
-
-    def __init__(self, reply: list[int]) -> None:
-        self.reply, self.prompts = reply, []
-
-    async def start(self) -> None:
-        return None
-
-    async def generate(self, prompt_ids: Any, params: Any, request_id: str) -> Any:
-        self.prompts.append(list(prompt_ids))
-        n = min(len(self.reply), params.max_tokens)
-        for i, t in enumerate(self.reply[:n]):
-            last = i == n - 1
-            yield Chunk([t], ("stop" if n == len(self.reply) else "length") if last else None, {} if last else None)
-
-    def abort(self, request_id: str) -> None:
-        return None
-
-    def health(self) -> BackendHealth:
-        return BackendHealth([ModelStatus("fake", "ready")])
-
-    def close(self) -> None:
-        return None
-
-
 def test_server_tool_calls_through_the_official_client(tok):
     reply = tok.encode("I will look it up.\n" + CALL).tolist()
-    engine = Engine(reply)
+    engine = ReplyBackend(reply)
     with ThreadServer(create_app(engine, tok, model_name="m", close_backend=False)) as srv:
         client = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0, timeout=60)
         r = client.chat.completions.create(model="m", messages=HISTORY, tools=TOOLS, max_tokens=200)
@@ -189,7 +160,7 @@ def test_message_schema_states_the_tool_fields():
 
 
 def test_templates_without_tool_calls_refuse_tools(tok):
-    engine = Engine([1, 2])
+    engine = ReplyBackend([1, 2])
     plain = ChatTemplate(tok)   # ChatML without tools
     assert not plain.calls_tools
     with ThreadServer(create_app(engine, tok, model_name="m", close_backend=False, chat_template=plain)) as srv:
