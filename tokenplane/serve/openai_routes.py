@@ -215,9 +215,10 @@ class OpenAIServer:
                                      f"{n_prompt + asked} tokens ({n_prompt} in the prompt, {asked} in the "
                                      f"completion)", param="max_tokens", code="context_length_exceeded")
         sampling = req.sampling()
-        if vocab is not None and sampling["logit_bias"] and max(t for t, _ in sampling["logit_bias"]) >= vocab:
-            raise InvalidRequest(f"logit_bias token id {max(t for t, _ in sampling['logit_bias'])} is outside the "
-                                 f"model vocabulary ({vocab})", param="logit_bias", code="token_out_of_vocabulary")
+        biased = max((t for t, _ in sampling["logit_bias"]), default=-1)
+        if vocab is not None and biased >= vocab:
+            raise InvalidRequest(f"logit_bias token id {biased} is outside the model vocabulary ({vocab})",
+                                 param="logit_bias", code="token_out_of_vocabulary")
         max_tokens = asked if asked is not None else self.default_max_tokens
         if limit is not None:
             max_tokens = min(max_tokens, limit - n_prompt)
