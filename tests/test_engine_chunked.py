@@ -153,6 +153,55 @@ def test_bucketed_packed_linear_and_warm_up():
     assert ModelRunner(model, cfg, num_blocks=32, block_size=4).warm_up_s == 0
 
 
+@pytest.mark.parametrize("bias", [False, True])
+def test_fused_swiglu_matches_float64_and_takes_over_the_packed_copy(bias):
+    """bf16 SwiGLU on oneDNN (gate and up apart, silu and the product in the GEMMs' output stages): within bf16
+    rounding of float64 at bucket and padded row counts; the module keeps one packed copy of gate_up, not two; the
+    unpacked module's plain path gives the same answer within its own four roundings; warm-up builds its primitives."""
+    from tokenplane.engine.layers import SwiGLU, packed_rows, warm_packed
+
+    if not cpu_packing_supported(torch.bfloat16):
+        pytest.skip("this CPU's oneDNN does not pack bf16")
+    g = torch.Generator().manual_seed(1)
+    mlp = SwiGLU(64, 96, bias).to(torch.bfloat16)
+    with torch.no_grad():
+        mlp.gate_up_proj.weight.copy_(torch.randn(192, 64, generator=g) * 0.1)
+        mlp.down_proj.weight.copy_(torch.randn(64, 96, generator=g) * 0.1)
+        if bias:
+            mlp.gate_up_proj.bias.copy_(torch.randn(192, generator=g))
+            mlp.down_proj.bias.copy_(torch.randn(64, generator=g) * 0.1)
+    mlp.gate_up_proj.pack_cpu()
+    mlp.down_proj.pack_cpu()
+    mlp.pack_cpu()
+    assert mlp.cpu_gate is not None and mlp.cpu_up is not None and mlp.gate_up_proj.cpu_packed is None
+    w = mlp.gate_up_proj.weight.double()
+    b = mlp.gate_up_proj.bias.double() if bias else torch.zeros(192, dtype=torch.float64)
+    wd = mlp.down_proj.weight.double()
+    bd = mlp.down_proj.bias.double() if bias else torch.zeros(64, dtype=torch.float64)
+    for m in (1, 5, 16, 17, 40, 257):
+        x = torch.randn(m, 64, generator=g).bfloat16()
+        assert packed_rows(m) >= m
+        with torch.inference_mode():
+            y = mlp(x)
+        gu = x.double() @ w.T + b
+        h = torch.nn.functional.silu(gu[:, :96]) * gu[:, 96:]
+        ref = h @ wd.T + bd
+        assert y.shape == (m, 64)
+        # the down GEMM's input is h rounded once to bf16: its error, summed over 96 products, dominates
+        tol = 2 ** -7 * (h.abs() @ wd.abs().T) + 2 ** -7 * ref.abs() + 1e-3
+        assert ((y.double() - ref).abs() <= tol).all()
+    mlp.unpack_cpu()
+    mlp.gate_up_proj.unpack_cpu()
+    assert mlp.cpu_gate is None
+    with torch.inference_mode():
+        plain = mlp(x)
+    assert ((plain.double() - ref).abs() <= 2 * tol).all()
+    mlp.gate_up_proj.pack_cpu()
+    mlp.pack_cpu()
+    calls = warm_packed([], 40, [(mlp.cpu_gate, mlp.cpu_up, *mlp.cpu_biases, 64)])
+    assert calls == 2 * len({packed_rows(m) for m in range(1, 41)})
+
+
 @pytest.mark.parametrize("vocab", [151936, 49152, 1000, 300, 100])
 def test_greedy_equals_argmax_with_ties(vocab):
     from tokenplane.engine.sampler import greedy

@@ -69,10 +69,33 @@ def cpu_bucketed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tenso
     return cpu_packed_linear(padded, packed, bias)[:m]
 
 
-def warm_packed(layers: list[tuple[torch.Tensor, torch.Tensor | None, int]], max_rows: int) -> int:
+def cpu_swiglu(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, gate_bias: torch.Tensor | None,
+               up_bias: torch.Tensor | None) -> torch.Tensor:
+    """silu(x @ gate^T) * (x @ up^T) as two oneDNN-packed GEMMs whose output stages apply the activation: silu
+    (oneDNN's swish, alpha 1) on the gate's fp32 accumulator, then the up GEMM's accumulator times that gate. One
+    rounding to the model dtype per GEMM instead of four (transformers rounds the gate, the up, the silu and the
+    product), and no separate elementwise passes over the [rows, 2 x ffn] product: SmolLM2-135M bf16, 1 x 256-token
+    prefill, 1 thread, here: 114-122 -> 104-112 ms a step (silu and mul on the halves of one packed product spent
+    ~15 ms of it). Rows are padded to `packed_rows` buckets as in `cpu_bucketed_linear`."""
+    m = x.shape[0]
+    rows = packed_rows(m) if x.dim() == 2 else m
+    if rows != m:
+        padded = x.new_empty(rows, x.shape[1])
+        padded[:m] = x
+        padded[m:].zero_()
+        x = padded
+    g = torch.ops.mkldnn._linear_pointwise(x, gate, gate_bias, "swish", [], "")
+    h = torch.ops.mkldnn._linear_pointwise.binary(x, g, up, up_bias, "mul")
+    return h if rows == m else h[:m]
+
+
+def warm_packed(layers: list[tuple[torch.Tensor, torch.Tensor | None, int]], max_rows: int,
+                swiglus: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None, int]]
+                | None = None) -> int:
     """Runs each distinct packed GEMM (packed weight, bias, input width) once at every `packed_rows` bucket up to
-    `max_rows`, so that no serving step pays oneDNN's primitive creation (see `packed_rows`). One weight per shape
-    suffices: primitives are keyed by shapes, not values. Returns the number of calls."""
+    `max_rows`, and each `cpu_swiglu` pair (gate, up, biases, input width): its post-op primitives are keyed apart.
+    So no serving step pays oneDNN's primitive creation (see `packed_rows`). One weight per shape suffices:
+    primitives are keyed by shapes, not values. Returns the number of calls."""
     buckets = sorted({packed_rows(m) for m in range(1, max_rows + 1)})
     calls = 0
     for packed, bias, width in layers:
@@ -80,6 +103,11 @@ def warm_packed(layers: list[tuple[torch.Tensor, torch.Tensor | None, int]], max
         for rows in buckets:
             cpu_packed_linear(x[:rows], packed, bias)
             calls += 1
+    for gate, up, gate_bias, up_bias, width in swiglus or ():
+        x = torch.zeros(buckets[-1], width, dtype=gate.dtype)
+        for rows in buckets:
+            cpu_swiglu(x[:rows], gate, up, gate_bias, up_bias)
+            calls += 2
     return calls
 
 
@@ -216,7 +244,15 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> 
 
 
 class SwiGLU(nn.Module):
-    """gate_proj and up_proj packed into one GEMM (the loader splits HF's two tensors into it)."""
+    """gate_proj and up_proj packed into one GEMM (the loader splits HF's two tensors into it).
+
+    Where the CPU path packs the weights for oneDNN (bf16), `pack_cpu` packs the gate and up halves apart instead,
+    for `cpu_swiglu` (activation and product in the GEMMs' output stages): the same weights, packed once."""
+
+    # Plain attributes, not buffers (see Linear): oneDNN's packed gate / up halves and their biases.
+    cpu_gate: torch.Tensor | None = None
+    cpu_up: torch.Tensor | None = None
+    cpu_biases: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None)
 
     def __init__(self, hidden: int, ffn: int, bias: bool) -> None:
         super().__init__()
@@ -224,6 +260,24 @@ class SwiGLU(nn.Module):
         self.gate_up_proj = Linear(hidden, 2 * ffn, bias=bias)
         self.down_proj = Linear(ffn, hidden, bias=bias)
 
+    def pack_cpu(self) -> None:
+        """After `gate_up_proj.pack_cpu()`: where it took a oneDNN copy, replace it by the two halves."""
+        lin = self.gate_up_proj
+        if lin.cpu_packed is None:
+            self.unpack_cpu()
+            return
+        w, b, f = lin.weight.detach(), lin.bias, self.ffn
+        self.cpu_gate, self.cpu_up = cpu_pack(w[:f].contiguous()), cpu_pack(w[f:].contiguous())
+        self.cpu_biases = (None, None) if b is None else (b.detach()[:f].contiguous(), b.detach()[f:].contiguous())
+        lin.cpu_packed = None
+
+    def unpack_cpu(self) -> None:
+        self.cpu_gate = self.cpu_up = None
+        self.cpu_biases = (None, None)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate_w, up_w = self.cpu_gate, self.cpu_up
+        if gate_w is not None and up_w is not None and x.dtype == gate_w.dtype and x.device.type == "cpu":
+            return self.down_proj(cpu_swiglu(x, gate_w, up_w, *self.cpu_biases))
         gate, up = self.gate_up_proj(x).split(self.ffn, dim=-1)
         return self.down_proj(F.silu(gate).mul_(up))   # in place on silu's fresh output: same values, one buffer fewer

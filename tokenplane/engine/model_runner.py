@@ -23,7 +23,7 @@ from tokenplane.engine.attention import AttentionMetadata, SeqAttention, causal_
 from tokenplane.engine.block_manager import BlockManager
 from tokenplane.engine.config import ModelConfig
 from tokenplane.engine.cpu_malloc import retain_freed_memory
-from tokenplane.engine.layers import Linear, warm_packed
+from tokenplane.engine.layers import Linear, SwiGLU, warm_packed
 from tokenplane.engine.sampler import greedy
 from tokenplane.engine.sequence import Sequence
 
@@ -129,12 +129,18 @@ class ModelRunner:
         that sample (one per sequence)."""
         t0 = time.perf_counter()
         shapes: dict[tuple[int, int, bool], tuple[torch.Tensor, torch.Tensor | None, int]] = {}
+        swiglus: dict[tuple[int, int, bool], tuple[torch.Tensor, torch.Tensor, torch.Tensor | None,
+                                                   torch.Tensor | None, int]] = {}
         for m in self.model.modules():
             if isinstance(m, Linear) and m.cpu_packed is not None:
                 shapes.setdefault((m.in_features, m.out_features, m.bias is not None),
                                   (m.cpu_packed, m.bias, m.in_features))
+            elif isinstance(m, SwiGLU) and m.cpu_gate is not None and m.cpu_up is not None:
+                width = m.gate_up_proj.in_features
+                swiglus.setdefault((width, m.ffn, m.cpu_biases[0] is not None),
+                                   (m.cpu_gate, m.cpu_up, *m.cpu_biases, width))
         with torch.inference_mode():
-            warm_packed(list(shapes.values()), max_tokens)
+            warm_packed(list(shapes.values()), max_tokens, list(swiglus.values()))
             vocab = getattr(self.model, "vocab_projection", None)
             if vocab is not None and vocab.packed is not None:
                 warm_packed([(vocab.packed, None, vocab.weight.shape[1])], max_seqs)

@@ -175,6 +175,9 @@ class Qwen3ForCausalLM(nn.Module):
         for m in self.modules():
             if isinstance(m, Linear) and m is not self.lm_head:
                 m.pack_cpu()
+        for m in self.modules():
+            if isinstance(m, SwiGLU):
+                m.pack_cpu()   # after its gate_up_proj: takes over that oneDNN copy as two halves
         self.vocab_projection = VocabProjection(weight)
         self.greedy_screen = None
         return True
@@ -182,7 +185,7 @@ class Qwen3ForCausalLM(nn.Module):
     def unpack_cpu(self) -> None:
         cpu_decode_stack.invalidate(self.model)
         for m in self.modules():
-            if isinstance(m, Linear):
+            if isinstance(m, (Linear, SwiGLU)):
                 m.unpack_cpu()
         self.vocab_projection = None
         self.greedy_screen = None
