@@ -9,9 +9,9 @@ alone (benchmarks/peers/decode_breakdown.py). Compiled, it is one call per layer
 Numerics: the rope is transformers' x * cos + rotate_half(x) * sin as `layers.apply_rope` computes it (the sign folded
 into the sin), the same two rounded products and one sum per element with no fused multiply-add (numba does not
 contract without fastmath), so it is bit-identical to apply_rope. The norm sums the squares in another order than
-torch's mean and uses 1 / sqrt instead of rsqrt, so normed values can differ from `layers.rms_norm`'s in the last bit,
-as cpu_fused_norm's do. bfloat16 rounds where PyTorch's bf16 ops round (each norm step, each rope product and the
-sum; cpu_elements), so its rope is bit-identical to apply_rope in bf16 too.
+torch's mean (reassociated into vector lanes) and uses 1 / sqrt instead of rsqrt, so normed values can differ from
+`layers.rms_norm`'s in the last bit, as cpu_fused_norm's do. bfloat16 rounds where PyTorch's bf16 ops round (each
+norm step, each rope product and the sum; cpu_elements), so its rope is bit-identical to apply_rope in bf16 too.
 """
 from __future__ import annotations
 
@@ -26,10 +26,24 @@ from tokenplane.engine.cpu_elements import _cast, _load, _narrow, _round, _store
 DTYPES = (torch.float32, torch.float64, torch.bfloat16)
 
 
+@njit(cache=True, nogil=True, fastmath={"reassoc"})
+def _sum_squares(qkv, t, base, d, like):  # noqa: ANN001, ANN202
+    """sum of qkv[t, base + j]^2 over j < d in the compute type. Reassociation only (no contraction): LLVM sums in
+    vector lanes, then across them; the norm's order differs from torch's anyway (see the module docstring)."""
+    s = _cast(0.0, like)
+    for j in range(d):
+        v = _load(qkv[t, base + j])
+        s += v * v
+    return s
+
+
 @njit(cache=True, nogil=True)
 def _qkv_rope(qkv, heads, kv_heads, d, q_w, k_w, eps, use_norm, cos, sin, k_cache, v_cache, slots, q_out, buf):  # noqa: ANN001
     """qkv [T, (heads + 2 kv_heads) d]; q_w, k_w [d]; cos, sin [T, d] (sin with its first half negated);
-    k/v_cache [kv_heads, slots, d]; slots [T]; q_out [T, heads, d]; buf [d] in the compute type (cpu_elements)."""
+    k/v_cache [kv_heads, slots, d]; slots [T]; q_out [T, heads, d]; buf [d] in the compute type (cpu_elements).
+    No branch and no loop-carried sum inside the per-element loops (the norm's sum is `_sum_squares`, the rope's
+    two halves are two loops since rotate_half reads the other half), so LLVM vectorizes them: SmolLM2's shape,
+    256 rows, 1 thread, here: bf16 858 -> 641 us a layer, fp32 456 -> 305."""
     half = d // 2
     for t in range(qkv.shape[0]):
         slot = slots[t]
@@ -38,24 +52,28 @@ def _qkv_rope(qkv, heads, kv_heads, d, q_w, k_w, eps, use_norm, cos, sin, k_cach
             base = hh * d
             if use_norm:
                 w = q_w if hh < heads else k_w
-                s = _cast(0.0, like)
-                for j in range(d):
-                    v = _load(qkv[t, base + j])
-                    s += v * v
+                s = _sum_squares(qkv, t, base, d, like)
                 r = _narrow(_cast(1.0, like) / math.sqrt(s / d + _cast(eps, like)), like)
                 for j in range(d):
                     buf[j] = _round(_load(w[j]) * _round(_load(qkv[t, base + j]) * r, like), like)
             else:
                 for j in range(d):
                     buf[j] = _load(qkv[t, base + j])
-            for j in range(d):
-                jj = j + half if j < half else j - half
-                a = _round(buf[j] * _load(cos[t, j]), like)
-                b = _round(buf[jj] * _load(sin[t, j]), like)
-                if hh < heads:
-                    q_out[t, hh, j] = _store(a + b, like)
-                else:
-                    k_cache[hh - heads, slot, j] = _store(a + b, like)
+            if hh < heads:
+                for j in range(half):
+                    q_out[t, hh, j] = _store(_round(buf[j] * _load(cos[t, j]), like)
+                                             + _round(buf[j + half] * _load(sin[t, j]), like), like)
+                for j in range(half, d):
+                    q_out[t, hh, j] = _store(_round(buf[j] * _load(cos[t, j]), like)
+                                             + _round(buf[j - half] * _load(sin[t, j]), like), like)
+            else:
+                kh = hh - heads
+                for j in range(half):
+                    k_cache[kh, slot, j] = _store(_round(buf[j] * _load(cos[t, j]), like)
+                                                  + _round(buf[j + half] * _load(sin[t, j]), like), like)
+                for j in range(half, d):
+                    k_cache[kh, slot, j] = _store(_round(buf[j] * _load(cos[t, j]), like)
+                                                  + _round(buf[j - half] * _load(sin[t, j]), like), like)
         vbase = (heads + kv_heads) * d
         for hv in range(kv_heads):
             for j in range(d):
