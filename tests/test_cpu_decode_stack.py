@@ -14,13 +14,14 @@ from tokenplane.engine.layers import RotaryEmbedding, apply_rope, rms_norm
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
 @pytest.mark.parametrize("norm", [False, True])
-@pytest.mark.parametrize("T", [1, 5])
-def test_qkv_rope_write_matches_torch(dtype, norm, T):
-    h, kvh, d, slots_n = 6, 2, 16, 64
+@pytest.mark.parametrize("T,d", [(1, 16), (5, 16), (1, 64), (7, 64)])
+def test_qkv_rope_write_matches_torch(dtype, norm, T, d):
+    """head_dim 64: the 16-lane kernel on AVX-512 hosts (float32 / bf16), 16: the scalar one."""
+    h, kvh, slots_n = 6, 2, 64
     g = torch.Generator().manual_seed(T * 10 + norm)
     qkv = torch.randn(T, (h + 2 * kvh) * d, generator=g, dtype=dtype) * 2
     qw, kw = torch.randn(d, generator=g, dtype=dtype), torch.randn(d, generator=g, dtype=dtype)
-    positions = torch.tensor([3, 17, 40, 41, 1000][:T])
+    positions = torch.tensor([3, 17, 40, 41, 1000, 1001, 7000][:T])
     cos, sin = RotaryEmbedding(d, 10000.0, None)(positions, dtype)
     slots = torch.randperm(slots_n, generator=g)[:T]
     k_cache, v_cache = torch.zeros(kvh, slots_n, d, dtype=dtype), torch.zeros(kvh, slots_n, d, dtype=dtype)
@@ -47,6 +48,43 @@ def test_qkv_rope_write_matches_torch(dtype, norm, T):
         assert (got_k - qk[:, h:]).abs().max() <= tol * qk.abs().max()
     else:      # the rope alone is bit-identical to apply_rope
         assert torch.equal(q, qk[:, :h]) and torch.equal(got_k, qk[:, h:])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_qkv_rope_vector_kernel_equals_scalar(dtype, monkeypatch):
+    """The 16-lane kernel against the scalar one on the same inputs, NaN and infinities among them: the rope (no norm)
+    bit for bit, NaN bits included (torch's quiet NaN in bf16); with the norm, within its sum-order difference."""
+    from tokenplane.engine import cpu_qkv_rope
+
+    if not cpu_qkv_rope._vector_applies(dtype, 64):
+        pytest.skip("the 16-lane kernel needs an AVX-512 host")
+    h, kvh, d, T, n = 9, 3, 64, 33, 80
+    g = torch.Generator().manual_seed(5)
+    qkv = torch.randn(T, (h + 2 * kvh) * d, generator=g, dtype=dtype) * 3
+    qkv[2, 5] = float("nan")
+    qkv[3, 70] = float("inf")
+    qkv[4, d * h + 1] = float("-inf")
+    qkv[6, :] = 1e-30                       # subnormal-range squares in the norm
+    qw, kw = torch.randn(d, generator=g, dtype=dtype), torch.randn(d, generator=g, dtype=dtype)
+    cos, sin = RotaryEmbedding(d, 10000.0, None)(torch.arange(T) * 13 + 2, dtype)
+    slots = torch.randperm(n, generator=g)[:T]
+    outs = {}
+    for vector in (False, True):
+        monkeypatch.setattr(cpu_qkv_rope, "VECTOR", [vector])
+        for norm in (False, True):
+            kc, vc = torch.zeros(kvh, n, d, dtype=dtype), torch.zeros(kvh, n, d, dtype=dtype)
+            q = qkv_rope_write(qkv, h, kvh, d, qw if norm else None, kw if norm else None, 1e-6, cos, sin, kc, vc,
+                               slots)
+            outs[vector, norm] = (q, kc, vc)
+    bits = torch.int16 if dtype == torch.bfloat16 else torch.int32
+    for a, b in zip(outs[False, False], outs[True, False]):
+        assert torch.equal(a.view(bits), b.view(bits))
+    assert torch.equal(outs[False, True][2], outs[True, True][2])
+    for a, b in zip(outs[False, True][:2], outs[True, True][:2]):
+        finite = a.isfinite() & b.isfinite()
+        assert torch.equal(a.isnan(), b.isnan()) and torch.equal(a.isinf(), b.isinf())
+        tol = 2 ** -7 if dtype == torch.bfloat16 else 4e-6
+        assert (a[finite].double() - b[finite].double()).abs().max() <= tol * a[finite].double().abs().max()
 
 
 def test_qkv_rope_not_applicable():

@@ -141,6 +141,47 @@ def _load16_bf16(typingctx, flat, index):  # noqa: ANN001
 
 
 @intrinsic
+def _mul16(typingctx, a, b):  # noqa: ANN001
+    """a * b lane-wise on 16-float vectors, one rounding per lane (no contraction with a later add)."""
+    def codegen(context, builder, signature, args):  # noqa: ANN001
+        return builder.fmul(args[0], args[1])
+    return _vec16(_vec16, _vec16), codegen
+
+
+def _bf16_bits(builder, v):  # noqa: ANN001, ANN202
+    """The float32 bits of v rounded to bfloat16 (nearest even), NaN as torch's quiet NaN 0x7FC0: cpu_elements'
+    scalar `_store` on 16 lanes, kept in the top halves of 32-bit lanes."""
+    vi32 = ir.VectorType(_I32, 16)
+    u = builder.bitcast(v, vi32)
+    lsb = builder.and_(builder.lshr(u, ir.Constant(vi32, [16] * 16)), ir.Constant(vi32, [1] * 16))
+    r = builder.add(builder.add(u, ir.Constant(vi32, [0x7FFF] * 16)), lsb)
+    r = builder.and_(r, ir.Constant(vi32, [0xFFFF0000 - (1 << 32)] * 16))
+    nan = builder.fcmp_unordered("uno", v, v)
+    return builder.select(nan, ir.Constant(vi32, [0x7FC00000] * 16), r)
+
+
+@intrinsic
+def _round16_bf16(typingctx, v):  # noqa: ANN001
+    """v rounded to bfloat16 lane-wise, kept as float32 (cpu_elements' `_round` for bf16 elements on 16 lanes)."""
+    def codegen(context, builder, signature, args):  # noqa: ANN001
+        return builder.bitcast(_bf16_bits(builder, args[0]), ir.VectorType(ir.FloatType(), 16))
+    return _vec16(_vec16), codegen
+
+
+@intrinsic
+def _store16_bf16(typingctx, flat, index, value):  # noqa: ANN001
+    """flat[index : index + 16] = value rounded to bfloat16 bits (a uint16 array; cpu_elements' `_store`)."""
+    def codegen(context, builder, signature, args):  # noqa: ANN001
+        vi32 = ir.VectorType(_I32, 16)
+        top = builder.lshr(_bf16_bits(builder, args[2]), ir.Constant(vi32, [16] * 16))
+        half = builder.trunc(top, ir.VectorType(ir.IntType(16), 16))
+        p = _pointer(context, builder, signature.args[0], args[0], args[1])
+        builder.store(half, builder.bitcast(p, ir.VectorType(ir.IntType(16), 16).as_pointer()), align=2)
+        return context.get_dummy_value()
+    return types.void(flat, index, _vec16), codegen
+
+
+@intrinsic
 def _prefetch(typingctx, flat, index):  # noqa: ANN001
     """llvm.prefetch (read, high locality) of flat[index]."""
     def codegen(context, builder, signature, args):  # noqa: ANN001
