@@ -52,6 +52,16 @@ def _sum_squares(qkv, t, base, d, like):  # noqa: ANN001, ANN202
     return s
 
 
+@njit(inline="always")
+def _rope_row(out, buf, cos, sin, half, like):  # noqa: ANN001
+    """out[j] = buf[j] * cos[j] + rotate_half(buf)[j] * sin[j] over one head (1-D views), each product and the sum
+    rounded as PyTorch's ops round (`layers.apply_rope`'s values); the halves are two loops, so each vectorizes."""
+    for j in range(half):
+        out[j] = _store(_round(buf[j] * _load(cos[j]), like) + _round(buf[j + half] * _load(sin[j]), like), like)
+    for j in range(half, 2 * half):
+        out[j] = _store(_round(buf[j] * _load(cos[j]), like) + _round(buf[j - half] * _load(sin[j]), like), like)
+
+
 @njit(cache=True, nogil=True)
 def _qkv_rope(qkv, heads, kv_heads, d, q_w, k_w, eps, use_norm, cos, sin, k_cache, v_cache, slots, q_out, buf):  # noqa: ANN001
     """qkv [T, (heads + 2 kv_heads) d]; q_w, k_w [d]; cos, sin [T, d] (sin with its first half negated);
@@ -74,21 +84,7 @@ def _qkv_rope(qkv, heads, kv_heads, d, q_w, k_w, eps, use_norm, cos, sin, k_cach
             else:
                 for j in range(d):
                     buf[j] = _load(qkv[t, base + j])
-            if hh < heads:
-                for j in range(half):
-                    q_out[t, hh, j] = _store(_round(buf[j] * _load(cos[t, j]), like)
-                                             + _round(buf[j + half] * _load(sin[t, j]), like), like)
-                for j in range(half, d):
-                    q_out[t, hh, j] = _store(_round(buf[j] * _load(cos[t, j]), like)
-                                             + _round(buf[j - half] * _load(sin[t, j]), like), like)
-            else:
-                kh = hh - heads
-                for j in range(half):
-                    k_cache[kh, slot, j] = _store(_round(buf[j] * _load(cos[t, j]), like)
-                                                  + _round(buf[j + half] * _load(sin[t, j]), like), like)
-                for j in range(half, d):
-                    k_cache[kh, slot, j] = _store(_round(buf[j] * _load(cos[t, j]), like)
-                                                  + _round(buf[j - half] * _load(sin[t, j]), like), like)
+            _rope_row(q_out[t, hh] if hh < heads else k_cache[hh - heads, slot], buf, cos[t], sin[t], half, like)
         vbase = (heads + kv_heads) * d
         for hv in range(kv_heads):
             for j in range(d):
