@@ -57,16 +57,23 @@ def packed_rows(m: int) -> int:
     return -(-m // step) * step
 
 
-def cpu_bucketed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """cpu_packed_linear at `packed_rows` rows: a 2-D input is padded with zero rows and the product cut back."""
+def _padded_to_bucket(x: torch.Tensor) -> torch.Tensor:
+    """x with zero rows appended up to `packed_rows` (a 2-D input whose row count is not a bucket), else x."""
     m = x.shape[0]
     rows = packed_rows(m) if x.dim() == 2 else m
     if rows == m:
-        return cpu_packed_linear(x, packed, bias)
+        return x
     padded = x.new_empty(rows, x.shape[1])
     padded[:m] = x
     padded[m:].zero_()
-    return cpu_packed_linear(padded, packed, bias)[:m]
+    return padded
+
+
+def cpu_bucketed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """cpu_packed_linear at `packed_rows` rows: a 2-D input is padded with zero rows and the product cut back."""
+    m = x.shape[0]
+    y = cpu_packed_linear(_padded_to_bucket(x), packed, bias)
+    return y if y.shape[0] == m else y[:m]
 
 
 def cpu_swiglu(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, gate_bias: torch.Tensor | None,
@@ -78,15 +85,10 @@ def cpu_swiglu(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, gate_bias:
     prefill, 1 thread, here: 114-122 -> 104-112 ms a step (silu and mul on the halves of one packed product spent
     ~15 ms of it). Rows are padded to `packed_rows` buckets as in `cpu_bucketed_linear`."""
     m = x.shape[0]
-    rows = packed_rows(m) if x.dim() == 2 else m
-    if rows != m:
-        padded = x.new_empty(rows, x.shape[1])
-        padded[:m] = x
-        padded[m:].zero_()
-        x = padded
-    g = torch.ops.mkldnn._linear_pointwise(x, gate, gate_bias, "swish", [], "")
-    h = torch.ops.mkldnn._linear_pointwise.binary(x, g, up, up_bias, "mul")
-    return h if rows == m else h[:m]
+    xp = _padded_to_bucket(x)
+    g = torch.ops.mkldnn._linear_pointwise(xp, gate, gate_bias, "swish", [], "")
+    h = torch.ops.mkldnn._linear_pointwise.binary(xp, g, up, up_bias, "mul")
+    return h if h.shape[0] == m else h[:m]
 
 
 def warm_packed(layers: list[tuple[torch.Tensor, torch.Tensor | None, int]], max_rows: int,
