@@ -202,6 +202,35 @@ def test_fused_swiglu_matches_float64_and_takes_over_the_packed_copy(bias):
     assert calls == 2 * len({packed_rows(m) for m in range(1, 41)})
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_warm_kernels_reaches_the_compiled_kernels_and_leaves_the_pool_as_it_was(dtype):
+    """warm_kernels runs dummy steps through the prefill (wide and narrow), decode and greedy-screen paths, frees
+    every block it took, and changes no answer after it; a pool too small for it is left alone."""
+    from tokenplane.engine import cpu_prefill_attention
+
+    cfg, model = load_model("test-small", dtype=dtype, seed=3)
+    runner = ModelRunner(model, cfg, num_blocks=64, block_size=4)
+    free = runner.block_manager.num_free_blocks
+    assert runner.warm_kernels() > 0
+    assert runner.block_manager.num_free_blocks == free
+    group = cfg.num_attention_heads // cfg.num_key_value_heads
+    if dtype == torch.float32 and runner.uses_cpu_prefill():
+        wide = cpu_prefill_attention.WIDE[0] and cfg.head_dim % 32 == 0
+        assert cpu_prefill_attention._kernel(cfg.head_dim, group, wide).signatures
+    prompts = [prompt(9, 1), prompt(23, 2)]
+    outs = []
+    for warm in (False, True):
+        r = ModelRunner(model, cfg, num_blocks=64, block_size=4)
+        if warm:
+            r.warm_kernels()
+        seqs = [Sequence(f"s{i}", p) for i, p in enumerate(prompts)]
+        for s in seqs:
+            assert r.prepare(s)
+        outs.append(r.run(seqs).logits)
+    assert torch.equal(outs[0], outs[1])
+    assert ModelRunner(model, cfg, num_blocks=8, block_size=4).warm_kernels() == 0
+
+
 @pytest.mark.parametrize("vocab", [151936, 49152, 1000, 300, 100])
 def test_greedy_equals_argmax_with_ties(vocab):
     from tokenplane.engine.sampler import greedy

@@ -47,6 +47,7 @@ class LLMEngine:
                                   dtype=dtype, enforce_eager=enforce_eager, max_num_seqs=max_num_seqs,
                                   decode_kernel=decode_kernel, prefill_kernel=prefill_kernel,
                                   max_num_batched_tokens=max_num_batched_tokens)
+        self.runner.warm_kernels(greedy=greedy_screen)   # compile the CPU kernels now, not on the first requests
         limit = min(self.cfg.max_position_embeddings, num_blocks * block_size)
         eos = self.cfg.eos_token_id
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))

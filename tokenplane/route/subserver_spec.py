@@ -77,6 +77,9 @@ def build_runner(spec: SubServerSpec) -> tuple[Any, Any]:
     runner = ModelRunner(model, cfg, num_blocks=spec.num_blocks, block_size=spec.block_size,
                          device=spec.device, dtype=dtype, enforce_eager=spec.enforce_eager,
                          max_num_seqs=spec.max_num_seqs, max_num_batched_tokens=spec.max_num_batched_tokens)
+    # Compile the CPU kernels before serving (a model's first catch-up would otherwise stall it for seconds); greedy
+    # too: the algorithm, which can change at run time, decides whether steps take the greedy screen.
+    runner.warm_kernels(greedy=True)
     return runner, model
 
 
