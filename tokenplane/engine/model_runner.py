@@ -166,25 +166,28 @@ class ModelRunner:
                 for i, n in enumerate(lengths)]
         first, rest = seqs[0], seqs[1:]
 
-        def step(batch: list[Sequence], tokens: int, screen: bool) -> None:
+        def step(batch: list[Sequence], tokens: int, screen: bool) -> bool:
             for s in batch:
                 for _ in range(tokens):
                     s.append_token((s.token_ids[-1] * 17 + 5) % vocab)
-                if not self.prepare(s):
-                    raise RuntimeError("warm_kernels: out of blocks")
+                if not self.prepare(s):     # the pool refused (checked above; a guard, not an expected case)
+                    return False
             if screen:
                 self.run_greedy(batch)
             else:
                 self.run(batch)
+            return True
+        plan = [([first], 0, False),         # prefill (wide prefill kernel)
+                ([first], 6, False),         # catch-up chunk after cached context (narrow kernel)
+                ([first], 1, False),         # one decode row, full logits
+                (rest, 0, False),            # short prefills
+                (seqs, 1, False)]            # nine decode rows
+        if greedy:
+            plan += [([first], 1, True), (seqs, 1, True)]
         try:
-            step([first], 0, False)            # prefill (wide prefill kernel)
-            step([first], 6, False)            # catch-up chunk after cached context (narrow kernel)
-            step([first], 1, False)            # one decode row, full logits
-            step(rest, 0, False)               # short prefills
-            step(seqs, 1, False)               # nine decode rows
-            if greedy:
-                step([first], 1, True)
-                step(seqs, 1, True)
+            for batch, tokens, screen in plan:
+                if not step(batch, tokens, screen):
+                    break
         finally:
             for s in seqs:
                 self.free(s)
