@@ -97,7 +97,8 @@ def _vector_kernel(bf16: bool):  # noqa: ANN202
     `_vector_applies`): the same products, roundings and sums per element as the scalar kernel's rope, so the rope
     stays bit-identical to apply_rope; the norm's sum of squares is a 16-lane sum (another order again) and its
     scale is computed in float32 as torch's. LLVM's own vectorization of the scalar loops stays partial (bf16's
-    rounding and the 2-D indexing): SmolLM2's shape, 256 rows, no norm, 1 thread, here: 307 -> ~80 us a layer."""
+    rounding and the 2-D indexing): SmolLM2's shape, 256 rows, 1 thread, here, against the scalar kernel: bf16
+    303 -> 133 us a layer without the norm, 644 -> 270 with it; fp32 138 -> 75 and 267 -> 94."""
     load = _load16_bf16 if bf16 else _load16
     store_out = _store16_bf16 if bf16 else _store16
 
