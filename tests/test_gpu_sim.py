@@ -43,7 +43,7 @@ ADVERSARIAL = [
     "foo.bar(baz)\n\treturn x\r\n", "über Über ÜBER", "     1", "a1b2c3", "<|endoftext|> text", "\x00\x01 \x7f",
     "e\u0301x a\u0300B", "A\u0300B\u0301c", "it's's'sx", "!!\u0301abc", " \u2764\ufe0f x", "\u2764\ufe0fx",
     "a\u0301!", "\u0301AB \u0301ab", "!\u0301AB", "x\u0301'S", "\u0915\u094d\u0937\u093f \u0928\u092e\u0938\u094d\u0924\u0947",
-    "\u0e2a\u0e27\u0e31\u0e2a\u0e14\u0e35 1\u0301", "!\n/\u0301", "x\u2028y\u2029z\u0085", "\ufeffBOM", "\U0010ffff\U000e0001",
+    "\u0e2a\u0e27\u0e31\u0e2a\u0e14\u0e35 1\u0301", "!\n/\u0301", "tests/validators/\nx", "a/\n/\n", "a //\n-", "q/\r\n\r\n/", "/\n", "\n/\n", "a/\n/b", "x\u2028y\u2029z\u0085", "\ufeffBOM", "\U0010ffff\U000e0001",
     "\u1100\u1161\u11a8 \uf900x A\u030a\u212b 12\u0301 \u0958\u093c",   # NFC changes these (qwen3 normalizes on the host)
     # DeepSeek's stages: digit groups and CJK ranges cut segments; ASCII punctuation glues to ASCII letters
     "!abc !ab\u00e9c  !abc x!abc ..abc (Hello) #include<stdio.h> $x1 _ab", "\u4e2d\u6587abc\u65e5\u672c\u8a9e123x",

@@ -111,6 +111,11 @@ def bench_mode(model, cfg, mode: str, args, device: torch.device) -> list[dict]:
     return rows
 
 
+def write(path: Path, meta: dict, results: list[dict], t_start: float) -> None:
+    meta["wall_s"] = round(time.time() - t_start, 1)
+    path.write_text(json.dumps({"meta": meta, "results": results}, indent=1))
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--smoke", action="store_true", help="CPU smoke run: test presets, small batches, eager only")
@@ -147,8 +152,9 @@ def main(argv: list[str] | None = None) -> int:
             "block_size": args.block_size, "warmup": args.warmup, "repeats": args.repeats, "smoke": args.smoke,
             "note": "random weights; KV filled with random values; step = ModelRunner.run() of B one-token "
                     "sequences incl. host-side batch preparation, sampling excluded; padded decode attention"}
-    results = []
+    results: list[dict] = []
     t_start = time.time()
+    path = out_dir / ("engine_latency_smoke.json" if args.smoke else "engine_latency.json")
     for name in args.models:
         t0 = time.perf_counter()
         cfg, model = load_model(name, device=device, dtype=args.torch_dtype, seed=0)
@@ -160,13 +166,11 @@ def main(argv: list[str] | None = None) -> int:
                 continue
             for row in bench_mode(model, cfg, mode, args, device):
                 results.append({"model": name, "num_params": cfg.num_params, **row})
+                write(path, meta, results, t_start)  # a run cut short still returns what it measured
         del model
         if cuda:
             torch.cuda.empty_cache()
-    meta["wall_s"] = round(time.time() - t_start, 1)
-    name = "engine_latency_smoke.json" if args.smoke else "engine_latency.json"
-    path = out_dir / name
-    path.write_text(json.dumps({"meta": meta, "results": results}, indent=1))
+    write(path, meta, results, t_start)
     print(f"wrote {path} in {meta['wall_s']} s")
     return 0
 

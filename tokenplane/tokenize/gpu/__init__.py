@@ -7,10 +7,33 @@ at module import time, so `tokenplane` imports on CPU-only machines without numb
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:   # type names only: these modules sit above this one
     from ..tokenizer import Tokenizer
+
+
+def _numpy_names_for_numba() -> None:
+    """numba-cuda (0.2x) registers overloads for numpy functions that numpy 2.5 removed (np.row_stack, np.in1d,
+    np.trapz); without them `numba.cuda`'s typing registry fails to import on a real device. Distinct stand-ins
+    (not aliases, which would share an overload key with the function they alias) let it import."""
+    import numpy as np
+
+    def row_stack(tup: Any, *, dtype: Any = None, casting: Any = "same_kind") -> Any:
+        return np.vstack(tup, dtype=dtype, casting=casting)
+
+    def in1d(ar1: Any, ar2: Any, assume_unique: bool = False, invert: bool = False) -> Any:
+        return np.isin(np.ravel(ar1), ar2, assume_unique=assume_unique, invert=invert)
+
+    def trapz(y: Any, x: Any = None, dx: float = 1.0, axis: int = -1) -> Any:
+        return np.trapezoid(y, x=x, dx=dx, axis=axis)
+
+    for fn in (row_stack, in1d, trapz):
+        if not hasattr(np, fn.__name__):
+            setattr(np, fn.__name__, fn)
+
+
+_numpy_names_for_numba()
 
 
 def simulator_enabled() -> bool:

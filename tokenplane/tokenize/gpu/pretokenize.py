@@ -5,7 +5,7 @@ classes (L, N, W = \\s, O = anything else), maximal same-class runs, a few per-r
 characters of lookback. docs/gpu.md derives each rule from the regex alternatives. In short, for a character x in run
 [a, b) of class K:
 
-* absorbed: x is in S ({\\r, \\n}; o200k adds '/') and the last non-S character before it is O -> the `[\\r\\n]*`
+* absorbed: x is in S ({\\r, \\n}; o200k adds '/') and the last non-CR/LF character before it is O -> the `[\\r\\n]*`
   (o200k: `[\\r\\n/]*`) tail of the preceding punctuation piece; never a start. Absorbed characters form a prefix
   of their run; `reff` = first non-absorbed position of the run.
 * N: (x - a) % 3 == 0 (qwen3's `\\p{N}`: every digit).
@@ -217,7 +217,8 @@ def make_pretokenize() -> dict[str, Callable]:
             boundary = first or (family_class(classes, cp[x - 1], fam) & 3) != (k & 3)
             v_run[x] = x if boundary else -1
             v_doc[x] = x if first else -1
-            v_nons[x] = x if (first or not in_s(c, fam)) else -1
+            # 2x + first: the max-scan then gives both the last non-CR/LF position and whether it opens the document
+            v_nons[x] = 2 * x + (1 if first else 0) if (first or not (c == 10 or c == 13)) else -1
             v_nonc[x] = x if (boundary or (k & B_C) == 0) else -1
             reff[x] = BIG
             rlastnl[x] = -1
@@ -228,10 +229,17 @@ def make_pretokenize() -> dict[str, Callable]:
 
     @cuda.jit(device=True)
     def absorbed_at(cp, code, lastnons, fam, x):
+        # y = the last non-CR/LF character before x in its document. An O there ends in a punctuation run that
+        # `[\r\n]*` (o200k: `[\r\n/]*`) extends through x; an o200k '/' counts as that O too ("a/\n": '/' opens
+        # a punctuation piece, the newline is its tail)
         if not in_s(cp[x], fam):
             return False
-        y = lastnons[x]
-        return y != x and (code[y] & 3) == K_O and not in_s(cp[y], fam)
+        v = lastnons[x]
+        if v >> 1 == x:
+            if v & 1:
+                return False      # x opens its document
+            v = lastnons[x - 1]   # an o200k '/': look before it
+        return (code[v >> 1] & 3) == K_O
 
     @cuda.jit(device=True)
     def last_non_upper(code, rlastnonpu, r, x):
