@@ -251,3 +251,63 @@ def test_float32_vector_kernel_shapes_with_odd_accumulator_counts(d, group, widt
         ref, max_score = reference(q[i], kc, vc, table[i], n, bs, group, scale)
         tol = 2 * eps * (max_score + d + n) * vc.abs().max().item()
         assert np.abs(out[i, :kvh * group * d] - ref.numpy()).max() < tol
+
+
+@pytest.mark.parametrize("d,group,bs", [(64, 3, 16), (64, 1, 16), (32, 2, 8), (128, 4, 32), (64, 3, 32), (96, 2, 16)])
+def test_bfloat16_even_odd_kernel_matches_the_vector_form_and_sdpa(d, group, bs):
+    """cpu_decode_attention_bf16 (even/odd widening, 16-wide score reduction): within one bf16 rounding of the vector
+    form and of float64 SDPA, with contexts ending mid-block and mid-group of keys, falling / climbing / scattered
+    tables, and NaN in every slot past a row's context (the kernel scores those slots with their group and must drop
+    them) and in the rows it must not write."""
+    from tokenplane.engine import cpu_decode_attention_bf16, cpu_decode_attention_vec
+    from tokenplane.engine.cpu_decode_attention import kernel_for
+    from tokenplane.engine.cpu_elements import as_array
+
+    if not cpu_decode_attention_bf16.applies(d, group, bs):
+        pytest.skip("no AVX-512 on this host: bfloat16 runs the other kernels")
+    assert kernel_for(torch.bfloat16, d, group, bs) is cpu_decode_attention_bf16.kernel(d, group)
+    assert kernel_for(torch.bfloat16, d, group, bs, False) is not cpu_decode_attention_bf16.kernel(d, group)
+    kvh, num_blocks = 2, 160
+    g = torch.Generator().manual_seed(d + group + bs)
+    kc = torch.randn(kvh, num_blocks * bs, d, generator=g).bfloat16()
+    vc = torch.randn(kvh, num_blocks * bs, d, generator=g).bfloat16()
+    # the longest context climbs (read in table order), so scores written past a context would land on the next
+    # head's first scores after they were computed
+    lens = [300, 517, 33, 1, bs * 20, 250, bs + 3]
+    table = mixed_tables(lens, bs, 120, num_blocks, group)
+    used = {int(table[i, t // bs]) * bs + t % bs for i, n in enumerate(lens) for t in range(n)}
+    for i, n in enumerate(lens):   # poison the slots past each context in its last block (no other row's)
+        last = int(table[i, -(-n // bs) - 1])
+        for slot in range(last * bs + n % bs if n % bs else (last + 1) * bs, (last + 1) * bs):
+            if slot not in used:
+                kc[:, slot] = vc[:, slot] = float("nan")
+    T = len(lens) + 2
+    q = (torch.randn(T, kvh * group, d, generator=g) * 3).bfloat16()
+    rows = np.array([1, 0, 3, 2, 6, 5, 8], dtype=np.int64)
+    ctx = np.array(lens, dtype=np.int64)
+    scale = d ** -0.5
+    out = torch.full((T, kvh * group * d), float("nan")).bfloat16()
+    paged_decode(q, kc, vc, table, ctx, rows, out, bs, group, scale)
+    other = torch.full_like(out, float("nan"))
+    if cpu_decode_attention_vec.applies_bf16(d, group):
+        kernel_for(torch.bfloat16, d, group, bs, False)(as_array(q), as_array(kc), as_array(vc), table, ctx, rows,
+                                                         as_array(other), bs, scale, True, np.empty(0, np.float32))
+    ulp = 2.0 ** -7
+    for i, n in enumerate(lens):
+        r = rows[i]
+        ref, max_score = reference(q[r].double(), kc.double(), vc.double(), table[i], n, bs, group, scale)
+        a = out[r].double()
+        assert torch.isfinite(a).all(), i
+        if cpu_decode_attention_vec.applies_bf16(d, group):
+            b = other[r].double()
+            assert ((a - b).abs() <= ulp * torch.maximum(a.abs(), b.abs()) + 1e-6).all(), i
+        tol = ulp * ref.abs() + 4 * torch.finfo(torch.float32).eps * (max_score + d + n) * 4
+        assert ((a - ref).abs() <= tol).all(), i
+    assert torch.isnan(out[[4, 7]]).all()
+
+
+def test_bfloat16_even_odd_kernel_needs_blocks_its_key_groups_divide():
+    from tokenplane.engine import cpu_decode_attention_bf16 as k
+
+    assert [k.keys_per_group(g) for g in (1, 2, 3, 4)] == [16, 8, 4, 4]
+    assert not k.applies(64, 3, 6) and not k.applies(48, 2, 16) and not k.applies(64, 5, 16)

@@ -24,6 +24,7 @@ import numpy as np
 import torch
 from numba import njit
 
+from tokenplane.engine import cpu_decode_attention_bf16 as bf16
 from tokenplane.engine import cpu_decode_attention_vec as vec
 from tokenplane.engine.cpu_decode_paging import (
     CACHE_LINE,
@@ -131,12 +132,15 @@ def _kernel(D: int, G: int):  # noqa: ANN202
 
 
 @cache
-def kernel_for(dtype: torch.dtype, D: int, G: int):  # noqa: ANN201
-    """The compiled kernel for a cache of `dtype`, head size D and group G: float32 (and, on 16 lanes, bfloat16)
-    shapes that cpu_decode_attention_vec takes run its explicit-vector form, everything else `_kernel`."""
+def kernel_for(dtype: torch.dtype, D: int, G: int, block_size: int = 0, bf16_form: bool = True):  # noqa: ANN201
+    """The compiled kernel for a cache of `dtype`, head size D and group G: bfloat16 shapes that
+    cpu_decode_attention_bf16 takes (`block_size` given) run it unless `bf16_form` is off; float32 (and, on 16 lanes,
+    bfloat16) shapes that cpu_decode_attention_vec takes run its explicit-vector form, everything else `_kernel`."""
     if dtype == torch.float32:
         if vec.applies(D, G):
             return vec.kernel(D, G)
+    if dtype == torch.bfloat16 and bf16_form and block_size and bf16.applies(D, G, block_size):
+        return bf16.kernel(D, G)
     if dtype == torch.bfloat16 and vec.applies_bf16(D, G):
         return vec.kernel(D, G, 16, True)
     return _kernel(D, G)
@@ -156,9 +160,12 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     else:
         acc_like = _EMPTY[q.dtype]
     qa, ka, va, oa = (as_array(t) for t in (q, k_cache, v_cache, out))
-    kernel_for(q.dtype, int(k_cache.shape[2]), int(group))(qa, ka, va, block_tables, context_lens, rows, oa,
-                                                            block_size, scale, prefetch, acc_like)
+    kernel = kernel_for(q.dtype, int(k_cache.shape[2]), int(group), block_size, BF16_FORM[0])
+    kernel(qa, ka, va, block_tables, context_lens, rows, oa, block_size, scale, prefetch, acc_like)
 
 
+# bfloat16 caches take cpu_decode_attention_bf16 where it applies; [False] runs the vector form instead (benchmarks
+# compare the two on one code path)
+BF16_FORM = [True]
 _EMPTY = {torch.float32: np.empty(0, np.float32), torch.float64: np.empty(0, np.float64)}
 

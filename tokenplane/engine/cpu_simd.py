@@ -140,6 +140,57 @@ def _load16_bf16(typingctx, flat, index):  # noqa: ANN001
     return _vec16(flat, index), codegen
 
 
+def _bf16_pair_codegen(odd: bool):  # noqa: ANN202
+    def codegen(context, builder, signature, args):  # noqa: ANN001
+        vi32 = ir.VectorType(_I32, 16)
+        p = _pointer(context, builder, signature.args[0], args[0], args[1])
+        raw = builder.load(builder.bitcast(p, vi32.as_pointer()), align=2)
+        if odd:   # the high halves of the 32-bit lanes already sit where float32 wants them
+            wide = builder.and_(raw, ir.Constant(vi32, [-65536] * 16))
+        else:
+            wide = builder.shl(raw, ir.Constant(vi32, [16] * 16))
+        return builder.bitcast(wide, ir.VectorType(ir.FloatType(), 16))
+    return codegen
+
+
+@intrinsic
+def _load16_bf16_even(typingctx, flat, index):  # noqa: ANN001
+    """flat[index], flat[index + 2], ..., flat[index + 30] of a uint16 array of bfloat16 bits, as 16 float32 lanes:
+    one 64-byte load read as 16 32-bit lanes (little-endian: each lane's low half is the even element), shifted
+    left by 16. With `_load16_bf16_odd` at the same index (LLVM keeps one load) 32 elements widen in two lane-wise
+    operations and no shuffle, against `_load16_bf16`'s shuffle per 16; the caller works in that even/odd order."""
+    return _vec16(flat, index), _bf16_pair_codegen(False)
+
+
+@intrinsic
+def _load16_bf16_odd(typingctx, flat, index):  # noqa: ANN001
+    """flat[index + 1], flat[index + 3], ..., flat[index + 31] as 16 float32 lanes (the high halves, masked)."""
+    return _vec16(flat, index), _bf16_pair_codegen(True)
+
+
+@intrinsic
+def _sum16x16(typingctx, a0, a1, a2, a3, a4, a5, a6, a7, a8, a9, a10, a11, a12, a13, a14, a15):  # noqa: ANN001
+    """[sum(a0), sum(a1), ..., sum(a15)] as one 16-lane vector: a transposing tree of 15 adds and 30 two-source
+    shuffles (vpermt2ps), each level halving the lanes every input keeps. ~2 shuffles per sum, against ~4.7 for
+    pairs of `_fold16` + `_sum8x8`; each lane only ever adds partial sums of its own input."""
+    def codegen(context, builder, signature, args):  # noqa: ANN001
+        vi = ir.VectorType(_I32, 16)
+
+        def level(vs, width):  # noqa: ANN001, ANN202
+            # each input holds 16 / width inputs' partial sums in runs of `width` lanes; halve every run
+            half = width // 2
+            lo = [j for r in range(0, 32, width) for j in range(r, r + half)]
+            hi = [j + half for j in lo]
+            return [builder.fadd(builder.shuffle_vector(x, y, ir.Constant(vi, lo)),
+                                 builder.shuffle_vector(x, y, ir.Constant(vi, hi)))
+                    for x, y in zip(vs[0::2], vs[1::2])]
+        vs = list(args)
+        for width in (16, 8, 4, 2):
+            vs = level(vs, width)
+        return vs[0]
+    return _vec16(*([_vec16] * 16)), codegen
+
+
 @intrinsic
 def _mul16(typingctx, a, b):  # noqa: ANN001
     """a * b lane-wise on 16-float vectors, one rounding per lane (no contraction with a later add)."""
