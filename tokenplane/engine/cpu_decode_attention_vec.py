@@ -50,6 +50,8 @@ from tokenplane.engine.cpu_simd import (
     _load8,
     _load16,
     _load16_bf16,
+    _max8,
+    _max16,
     _splat8,
     _splat16,
     _store8,
@@ -120,8 +122,9 @@ def kernel(D: int, G: int, W: int = 0, bf16: bool = False):  # noqa: ANN202
     W = W or lanes(D)
     if bf16 and W != 16:
         raise ValueError("the bfloat16 form runs on 16 lanes only")
-    load, store, splat, zero, fma, fold = ((_load16, _store16, _splat16, _zero16, _fma16, _fold16) if W == 16 else
-                                           (_load8, _store8, _splat8, _zero8, _fma8, _fold8))
+    load, store, splat, zero, fma, fold, vmax = (
+        (_load16, _store16, _splat16, _zero16, _fma16, _fold16, _max16) if W == 16 else
+        (_load8, _store8, _splat8, _zero8, _fma8, _fold8, _max8))
     kload = _load16_bf16 if bf16 else load     # K and V rows (the caches' own dtype)
     ELEM = 2 if bf16 else 4                    # bytes per cache element
     KS = 8 // G                  # keys scored together: KS * G <= 8 accumulators
@@ -146,7 +149,7 @@ def kernel(D: int, G: int, W: int = 0, bf16: bool = False):  # noqa: ANN202
         scores = np.empty(G * max_ctx, dtype=np.float32)    # [G, max_ctx] flat: _splat8 reads it by index
         qbuf = np.empty(G * D, dtype=np.float32)
         acc = np.empty(G * D, dtype=np.float32)
-        tmp = np.empty(8, dtype=np.float32)
+        tmp = np.empty(16, dtype=np.float32)
         total = np.empty(G, dtype=np.float64)
         sc = np.float32(scale)
         for b in range(context_lens.shape[0]):
@@ -217,9 +220,19 @@ def kernel(D: int, G: int, W: int = 0, bf16: bool = False):  # noqa: ANN202
                 # softmax numerators and denominators per query head
                 for gi in range(G):
                     r0 = gi * max_ctx
-                    m = scores[r0]
-                    for i in range(1, ctx):
+                    # the maximum W lanes at a time: a scalar max is a chain of dependent compares (~5 ns a key)
+                    mv = splat(scores, r0)
+                    i = 0
+                    while i + W <= ctx:
+                        mv = vmax(mv, load(scores, r0 + i))
+                        i += W
+                    store(tmp, 0, mv)
+                    m = tmp[0]
+                    for j in range(1, W):
+                        m = max(m, tmp[j])
+                    while i < ctx:
                         m = max(m, scores[r0 + i])
+                        i += 1
                     tot = 0.0
                     for i in range(ctx):
                         e = _exp_nonpos(scores[r0 + i] - m)
