@@ -315,6 +315,18 @@ def test_engine_preemption_and_limits_keep_results():
     assert bm.num_free_blocks == bm.num_blocks
 
 
+def test_graph_block_bucket_pads_by_at_most_a_quarter():
+    """Decode graphs are captured per block-table width; the width a step replays covers its rows, never exceeds the
+    cap, pads by at most 25% past 8 blocks (none below), and takes few distinct values (graphs to capture)."""
+    from tokenplane.engine.model_runner import graph_block_bucket
+
+    widths = [graph_block_bucket(n, 4096) for n in range(1, 4097)]
+    assert all(w >= n and (w == n if n <= 8 else w <= 1.25 * n) for n, w in zip(range(1, 4097), widths))
+    assert widths == sorted(widths) and len(set(widths)) == 8 + 4 * 9
+    assert graph_block_bucket(100, 90) == 90 and graph_block_bucket(0, 64) == 1
+    assert [graph_block_bucket(n, 4096, 1) for n in (1, 3, 5, 9, 33)] == [1, 4, 8, 16, 64]
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_graph_decode_matches_eager():

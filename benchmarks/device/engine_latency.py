@@ -2,7 +2,8 @@
 
 Random-weight qwen3-0.6b and qwen3-8b shapes (bfloat16), KV cache filled with random values at a fixed context,
 decode step = ModelRunner.run() of B one-token sequences, timed with torch.cuda.synchronize() around each step.
-Modes: "eager" (padded decode attention, no graphs) and "graphs" (the same kernel captured per batch bucket). For each
+Modes: "eager" (padded decode attention, no graphs), "graphs" (the same kernel captured per batch bucket and
+block-table width, widths padding by at most 25%) and "graphs-pow2" (widths rounded up to powers of two). For each
 (model, batch) the script also checks the benchmarked path against eager per-sequence (varlen) attention on one step
 (max |logit difference|, argmax agreement), since CUDA graphs cannot be tested on the CPU machines.
 
@@ -79,12 +80,14 @@ def bench_mode(model, cfg, mode: str, args, device: torch.device) -> list[dict]:
     per_seq = -(-(args.context + extra) // args.block_size) + 1
     for batch in args.batches:
         runner = ModelRunner(model, cfg, num_blocks=batch * per_seq, block_size=args.block_size, device=device,
-                             dtype=args.torch_dtype, enforce_eager=(mode != "graphs"), max_num_seqs=max_b,
+                             dtype=args.torch_dtype, enforce_eager=(mode == "eager"), max_num_seqs=max_b,
                              decode_kernel="padded")
+        if mode == "graphs-pow2":
+            runner.graph_width_steps = 1   # the baseline: block-table widths rounded up to powers of two
         runner.kv_cache.normal_(0, 1)
         seqs = add_seqs(runner, batch, args.context, cfg.vocab_size)
         capture_s = None
-        if mode == "graphs":
+        if mode != "eager":
             t0 = time.perf_counter()
             runner.capture_graphs([batch], max_context=args.context + extra)
             sync(device)
@@ -126,7 +129,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--dtype", default=None, choices=["bfloat16", "float16", "float32"])
-    ap.add_argument("--modes", nargs="+", default=None, choices=["eager", "graphs"])
+    ap.add_argument("--modes", nargs="+", default=None, choices=["eager", "graphs", "graphs-pow2"])
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv)
     cuda = torch.cuda.is_available() and not args.smoke
@@ -140,7 +143,7 @@ def main(argv: list[str] | None = None) -> int:
             print("no CUDA device: run with --smoke on CPU", file=sys.stderr)
             return 2
         defaults = dict(models=["qwen3-0.6b", "qwen3-8b"], batches=[1, 2, 4, 8, 16, 32, 64, 128], context=512,
-                        repeats=30, dtype="bfloat16", modes=["eager", "graphs"])
+                        repeats=30, dtype="bfloat16", modes=["eager", "graphs", "graphs-pow2"])
     for k, v in defaults.items():
         if getattr(args, k) is None:
             setattr(args, k, v)
@@ -162,7 +165,7 @@ def main(argv: list[str] | None = None) -> int:
         load_s = time.perf_counter() - t0
         print(f"{name}: {cfg.num_params / 1e9:.2f} B params, init {load_s:.1f} s", flush=True)
         for mode in args.modes:
-            if mode == "graphs" and not cuda:
+            if mode != "eager" and not cuda:
                 continue
             for row in bench_mode(model, cfg, mode, args, device):
                 results.append({"model": name, "num_params": cfg.num_params, **row})
