@@ -32,10 +32,10 @@ from numba import njit
 from tokenplane.engine.cpu_decode_paging import (
     CACHE_LINE,
     _descending,
-    _exp_nonpos,
     _prefetch,
     _stream_block,
     _table_index,
+    softmax_numerators,
 )
 from tokenplane.engine.cpu_elements import _load, _store
 from tokenplane.engine.cpu_simd import (
@@ -44,7 +44,6 @@ from tokenplane.engine.cpu_simd import (
     _load16,
     _load16_bf16_even,
     _load16_bf16_odd,
-    _max16,
     _splat16,
     _store16,
     _sum16x16,
@@ -75,6 +74,7 @@ def kernel(D: int, G: int):  # noqa: ANN201
     CP = max(c for c in range(2, min(16 // G, chunks) + 1, 2) if chunks % c == 0)
     PART = 16 * CP
     NV = G * CP                  # value accumulators in use
+    softmax = softmax_numerators(16)
 
     @njit(cache=True, nogil=True, fastmath={"reassoc", "contract", "nsz", "arcp"})
     def _paged_decode_bf16(q, k_cache, v_cache, block_tables, context_lens, rows, out, block_size, scale,  # noqa: ANN001
@@ -178,26 +178,7 @@ def kernel(D: int, G: int):  # noqa: ANN201
                             if a % KS < m:
                                 scores[(a // KS) * max_ctx + t + o + a % KS] = tmp[a] * sc
                 for gi in range(G):
-                    r0 = gi * max_ctx
-                    # the maximum 16 lanes at a time: a scalar max is a chain of dependent compares (~5 ns a key)
-                    mv = _splat16(scores, r0)
-                    i = 0
-                    while i + 16 <= ctx:
-                        mv = _max16(mv, _load16(scores, r0 + i))
-                        i += 16
-                    _store16(tmp, 0, mv)
-                    mx = tmp[0]
-                    for j in range(1, 16):
-                        mx = max(mx, tmp[j])
-                    while i < ctx:
-                        mx = max(mx, scores[r0 + i])
-                        i += 1
-                    tot = 0.0
-                    for i in range(ctx):
-                        e = _exp_nonpos(scores[r0 + i] - mx)
-                        scores[r0 + i] = e
-                        tot += e
-                    total[gi] = tot
+                    total[gi] = softmax(scores, gi * max_ctx, ctx, tmp)
                 for i in range(G * D):
                     acc[i] = np.float32(0.0)
                 for bi in range(nblk):

@@ -37,10 +37,10 @@ from numba.extending import intrinsic
 from tokenplane.engine.cpu_decode_paging import (
     CACHE_LINE,
     _descending,
-    _exp_nonpos,
     _prefetch,
     _stream_block,
     _table_index,
+    softmax_numerators,
 )
 from tokenplane.engine.cpu_elements import _load, _store
 from tokenplane.engine.cpu_simd import (
@@ -126,6 +126,7 @@ def kernel(D: int, G: int, W: int = 0, bf16: bool = False):  # noqa: ANN202
         (_load16, _store16, _splat16, _zero16, _fma16, _fold16, _max16) if W == 16 else
         (_load8, _store8, _splat8, _zero8, _fma8, _fold8, _max8))
     kload = _load16_bf16 if bf16 else load     # K and V rows (the caches' own dtype)
+    softmax = softmax_numerators(W)
     ELEM = 2 if bf16 else 4                    # bytes per cache element
     KS = 8 // G                  # keys scored together: KS * G <= 8 accumulators
     chunks = D // W
@@ -219,26 +220,7 @@ def kernel(D: int, G: int, W: int = 0, bf16: bool = False):  # noqa: ANN202
                         o += 1
                 # softmax numerators and denominators per query head
                 for gi in range(G):
-                    r0 = gi * max_ctx
-                    # the maximum W lanes at a time: a scalar max is a chain of dependent compares (~5 ns a key)
-                    mv = splat(scores, r0)
-                    i = 0
-                    while i + W <= ctx:
-                        mv = vmax(mv, load(scores, r0 + i))
-                        i += W
-                    store(tmp, 0, mv)
-                    m = tmp[0]
-                    for j in range(1, W):
-                        m = max(m, tmp[j])
-                    while i < ctx:
-                        m = max(m, scores[r0 + i])
-                        i += 1
-                    tot = 0.0
-                    for i in range(ctx):
-                        e = _exp_nonpos(scores[r0 + i] - m)
-                        scores[r0 + i] = e
-                        tot += e
-                    total[gi] = tot
+                    total[gi] = softmax(scores, gi * max_ctx, ctx, tmp)
                 for i in range(G * D):
                     acc[i] = np.float32(0.0)
                 # values: per block and part of d, G x CP accumulators in registers over the block's keys

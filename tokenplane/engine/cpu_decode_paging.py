@@ -5,12 +5,15 @@ row's KV blocks are read (falling block tables in reverse) with where the read g
 from __future__ import annotations
 
 import math
+from functools import cache
 
 import numpy as np
 from llvmlite import ir
 from numba import njit, types
 from numba.core import cgutils
 from numba.extending import intrinsic, overload
+
+from tokenplane.engine.cpu_simd import _load8, _load16, _max8, _max16, _splat8, _splat16, _store8, _store16
 
 CACHE_LINE = 64
 
@@ -123,3 +126,33 @@ def _stream_block(kf, vf, block_tables, context_lens, b, h, kvh, slots, block_si
         rev = _descending(block_tables, b, nblk)
     pos = min(pos, nblk - 1)
     return kf, (h * slots + block_tables[b, _table_index(pos, nblk, rev)] * block_size) * d
+
+
+@cache
+def softmax_numerators(W: int):  # noqa: ANN201
+    """The vector kernels' softmax for one query head (W = 8 or 16 lanes): `fn(scores, r0, ctx, tmp)` turns
+    scores[r0 : r0 + ctx] into their exponents minus the maximum and returns their float64 sum (tmp: W floats of
+    scratch). The maximum is taken W lanes at a time: a scalar max is a chain of dependent compares (~5 ns a key)."""
+    load, vmax, splat, store = (_load16, _max16, _splat16, _store16) if W == 16 else (_load8, _max8, _splat8, _store8)
+
+    @njit(inline="always")
+    def softmax(scores, r0, ctx, tmp):  # noqa: ANN001, ANN202
+        mv = splat(scores, r0)
+        i = 0
+        while i + W <= ctx:
+            mv = vmax(mv, load(scores, r0 + i))
+            i += W
+        store(tmp, 0, mv)
+        m = tmp[0]
+        for j in range(1, W):
+            m = max(m, tmp[j])
+        while i < ctx:
+            m = max(m, scores[r0 + i])
+            i += 1
+        tot = 0.0
+        for i in range(ctx):
+            e = _exp_nonpos(scores[r0 + i] - m)
+            scores[r0 + i] = e
+            tot += e
+        return tot
+    return softmax
