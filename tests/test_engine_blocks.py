@@ -321,3 +321,30 @@ def test_min_tokens_bans_the_ending_ids_until_reached():
         SamplingParams(max_tokens=2, min_tokens=3)
     with pytest.raises(ValueError, match="ids that end it"):
         sample(row[None], [p], [0])
+
+
+def test_cache_blocks_hashes_only_new_blocks_and_rehashes_after_a_rewrite():
+    """cache_blocks starts at the sequence's hashed_tokens; a rewrite below it (a peer's tokens replacing ours, as
+    route.scheduler._sync_seq does: new token_ids and num_computed_tokens lowered to the common prefix) lowers the mark,
+    so the rewritten blocks are hashed again with their new tokens and the old content is no longer a hit."""
+    bm = BlockManager(16, 4)
+    a = Sequence("a", list(range(12)))
+    bm.allocate(a)
+    computed(bm, a)
+    assert a.hashed_tokens == 12
+    first = [bm.blocks[b].hash for b in a.block_table]
+    a.append_token(12)
+    bm.append_slots(a)
+    computed(bm, a)
+    assert a.hashed_tokens == 12 and [bm.blocks[b].hash for b in a.block_table[:3]] == first
+    a.token_ids = list(range(5)) + [99] * 8       # a rewrite from position 5
+    a.num_computed_tokens = 5
+    assert a.hashed_tokens == 5
+    computed(bm, a)
+    assert a.hashed_tokens == 12
+    hashes = [bm.blocks[b].hash for b in a.block_table[:3]]
+    assert hashes[0] == first[0] and hashes[1] != first[1] and hashes[2] != first[2]
+    old = Sequence("old", list(range(13)))          # the old tokens: only the untouched first block hits
+    assert bm.num_cached_prefix_tokens(old) == 4
+    new = Sequence("new", list(range(5)) + [99] * 8)
+    assert bm.num_cached_prefix_tokens(new) == 12

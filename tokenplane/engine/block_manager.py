@@ -98,10 +98,14 @@ class BlockManager:
         self.append_slots(seq)
 
     def cache_blocks(self, seq: Sequence) -> None:
-        """Hash the sequence's full blocks whose KV is computed (idempotent; cheap when nothing new is full)."""
+        """Hash the sequence's full blocks whose KV is computed, from its `hashed_tokens` on (blocks before it were
+        hashed with the tokens they still hold: anything that changes those tokens lowers num_computed_tokens, and
+        with it hashed_tokens). Idempotent; a step's call costs only its newly full blocks."""
         bs = self.block_size
-        parent = None
-        for i in range(min(seq.num_computed_tokens // bs, len(seq.block_table))):
+        full = min(seq.num_computed_tokens // bs, len(seq.block_table))
+        start = min(seq.hashed_tokens // bs, full)
+        parent = self.blocks[seq.block_table[start - 1]].hash if start else None
+        for i in range(start, full):
             block = self.blocks[seq.block_table[i]]
             tokens = tuple(seq.token_ids[i * bs:(i + 1) * bs])
             if block.hash is not None and block.token_ids == tokens:
@@ -114,6 +118,7 @@ class BlockManager:
             # An equal block cached by another sequence keeps the mapping; either copy serves a hit.
             self.hash_to_block.setdefault(h, block.block_id)
             parent = h
+        seq.hashed_tokens = full * bs
 
     # -- growth and release ---------------------------------------------------------------------------------------
     def can_append(self, seq: Sequence) -> bool:

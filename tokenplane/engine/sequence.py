@@ -31,12 +31,26 @@ class Sequence:
         self.seq_id = seq_id
         self.token_ids = list(token_ids)
         self.num_prompt_tokens = len(self.token_ids)
-        self.num_computed_tokens = 0   # tokens whose KV is in this model's cache
+        # leading tokens whose full blocks BlockManager.cache_blocks has hashed; lowered with num_computed_tokens,
+        # which every change to tokens below it lowers too (truncate, a peer's rewrite, free)
+        self.hashed_tokens = 0
+        self._num_computed_tokens = 0
         self.num_cached_tokens = 0     # of those, how many came from the prefix cache at allocation
         self.block_table: list[int] = []
         self.params = params if params is not None else SamplingParams()
         self.status = SequenceStatus.WAITING
         self._prompt_set: torch.Tensor | None = None
+
+    @property
+    def num_computed_tokens(self) -> int:
+        """Tokens whose KV is in this model's cache."""
+        return self._num_computed_tokens
+
+    @num_computed_tokens.setter
+    def num_computed_tokens(self, value: int) -> None:
+        self._num_computed_tokens = value
+        if value < self.hashed_tokens:
+            self.hashed_tokens = value
 
     @property
     def num_tokens(self) -> int:
