@@ -243,3 +243,21 @@ def test_smollm2_device_rules():
     flagged = {t for t, fb in zip(SMOLLM2_DEVICE, enc.last_doc_fallback) if fb}
     assert flagged == {"x\x04y", "!\x06!", "a\U00040000b"}
     assert gpu.supports(tokenplane.load("smollm2"))
+
+
+def test_numpy_names_numba_cuda_registers_are_provided_when_numpy_lacks_them(monkeypatch):
+    """numba-cuda 0.30 registers overloads for np.row_stack / np.in1d / np.trapz, which numpy 2.5 removed (on the
+    H200 image every kernel compile failed): the gpu package provides working stand-ins, and leaves numpy's own
+    functions alone where they exist."""
+    from tokenplane.tokenize import gpu
+
+    for name in ("row_stack", "in1d", "trapz"):
+        monkeypatch.delattr(np, name, raising=False)
+    gpu._numpy_names_for_numba()
+    a, b = np.arange(3.0), np.arange(3.0, 6.0)
+    assert (np.row_stack((a, b)) == np.vstack((a, b))).all()
+    assert np.in1d([[1, 7], [3, 9]], [3, 7]).tolist() == [False, True, True, False]
+    assert np.trapz([1.0, 2.0, 3.0]) == 4.0
+    kept = np.vstack
+    gpu._numpy_names_for_numba()
+    assert np.vstack is kept
