@@ -4,9 +4,10 @@
 Why a third form: the vector kernel's bf16 path widens 16 cache elements per zero-extending shuffle and ends every
 8 scores in a `_fold16` + `_sum8x8` tree (~4.7 shuffles per score, a third of the accumulators unused at GQA group
 3); on Sapphire Rapids 512-bit FMAs share ports 0 and 5 with those shuffles. Measured there (SmolLM2's 3 KV heads x
-group 3 x d 64, one row x 2100 tokens, 30 layers, 1 thread, caches L2-resident): the vector form 3.9 ms, this one
-3.0 ms; alone (16 rows, random block tables) 11.1 -> 8.5-10.2 ms at 290 tokens and 115 -> 100-102 ms at 2100.
-Scores as AVX512-BF16 dot products (`vdpbf16ps`) measured no faster (3.35 vs 3.04 ms) and are not used. Here:
+group 3 x d 64, one row x 2100 tokens, 30 layers, 1 thread, caches L2-resident): the vector form 3.9 ms (3.4 once
+it also took the softmax maximum 16 lanes at a time), this one 3.0-3.1 ms; alone (16 rows, random block tables)
+11.1 -> 8.5-10.2 ms at 290 tokens and 115 -> 100-102 ms at 2100. Scores as AVX512-BF16 dot products (`vdpbf16ps`)
+measured no faster (3.35 vs 3.04 ms) and are not used. Here:
   - widening: 32 elements are one 64-byte load read as 16 32-bit lanes; the even elements are the lanes shifted left
     by 16, the odd ones the lanes masked (`_load16_bf16_even/_odd`): one lane-wise op per 16, no shuffle. The
     kernel works in that order throughout: q is stored per 32-element chunk as its evens then its odds, the value
