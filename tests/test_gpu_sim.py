@@ -261,3 +261,24 @@ def test_numpy_names_numba_cuda_registers_are_provided_when_numpy_lacks_them(mon
     kept = np.vstack
     gpu._numpy_names_for_numba()
     assert np.vstack is kept
+
+
+def test_a_batch_over_one_pass_is_split_and_a_text_over_it_refused():
+    """A device pass holds at most MAX_PASS_BYTES (int32 positions, two per scan entry): a batch over it runs as
+    several passes with the same IDs, one text over it is refused with the tokenizer's size error."""
+    from tokenplane.tokenize.errors import TextTooLargeError
+    from tokenplane.tokenize.gpu import encoder as gpu_encoder
+
+    tok = tokenplane.load("o200k_base")
+    enc = encoder("o200k_base")
+    texts = ["tests/validators/\nx = 1", "über 12345 ok", "a" * 70, "", "b/\n/c " * 9, "end."]
+    assert sum(len(t.encode()) for t in texts) > 120
+    saved = gpu_encoder.MAX_PASS_BYTES[0]
+    gpu_encoder.MAX_PASS_BYTES[0] = 120
+    try:
+        got = enc.encode_batch(texts)
+        with pytest.raises(TextTooLargeError):
+            enc.encode("x" * 121)
+    finally:
+        gpu_encoder.MAX_PASS_BYTES[0] = saved
+    assert [g.tolist() for g in got] == [tok.reference.encode_ordinary(t).tolist() for t in texts]

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Callable
 
 import numpy as np
 
-from ..errors import InvalidTextError, PathUnavailableError
+from ..errors import InvalidTextError, PathUnavailableError, TextTooLargeError
 from .layout import (
     F_CL100K,
     F_DEEPSEEK,
@@ -41,6 +41,10 @@ from .layout import (
     N_TOKENS,
 )
 from .scan import OP_ADD, OP_MAX, launch_scan, make_scan
+
+# Bytes one device pass takes: positions are int32, and the pre-tokenizer's last-non-CR/LF scan packs 2 * position +
+# a document-start bit into one (so 2^30 - 1). A list [limit]: tests lower it.
+MAX_PASS_BYTES = [(1 << 30) - 1]
 
 if TYPE_CHECKING:   # type names only: these modules sit above this one
     from ..tokenizer import Tokenizer
@@ -299,6 +303,8 @@ class GpuEncoder:
     def _run_locked(self, blobs: list[bytes]) -> tuple[np.ndarray, np.ndarray]:
         lens = np.fromiter((len(x) for x in blobs), dtype=np.int64, count=len(blobs))
         nbytes = int(lens.sum())
+        if nbytes > MAX_PASS_BYTES[0]:
+            raise TextTooLargeError(f"{nbytes:,} bytes in one device pass; the limit is {MAX_PASS_BYTES[0]:,}")
         starts = np.concatenate(([0], np.cumsum(lens)))
         nonempty = np.flatnonzero(lens > 0)
         b = self._bucket(max(nbytes, 1), len(nonempty))
@@ -384,6 +390,18 @@ class GpuEncoder:
         blobs = [self._device_text(t).encode("utf-8") for t in texts]
         if not any(blobs):
             return [np.zeros(0, dtype=np.uint32) for _ in texts]
+        if len(texts) > 1 and sum(map(len, blobs)) > MAX_PASS_BYTES[0]:
+            # several passes, each under the limit (a single text over it is refused by the pass itself)
+            out: list[np.ndarray] = []
+            group: list[str] = []
+            size = 0
+            for t, blob in zip(texts, blobs):
+                if group and size + len(blob) > MAX_PASS_BYTES[0]:
+                    out += self.encode_batch(group)
+                    group, size = [], 0
+                group.append(t)
+                size += len(blob)
+            return out + self.encode_batch(group)
         with self._lock:
             ids, first = self._run(blobs)
             flagged = self.last_doc_fallback.copy()
