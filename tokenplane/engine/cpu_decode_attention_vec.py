@@ -50,8 +50,6 @@ from tokenplane.engine.cpu_simd import (
     _load8,
     _load16,
     _load16_bf16,
-    _max8,
-    _max16,
     _splat8,
     _splat16,
     _store8,
@@ -122,9 +120,8 @@ def kernel(D: int, G: int, W: int = 0, bf16: bool = False):  # noqa: ANN202
     W = W or lanes(D)
     if bf16 and W != 16:
         raise ValueError("the bfloat16 form runs on 16 lanes only")
-    load, store, splat, zero, fma, fold, vmax = (
-        (_load16, _store16, _splat16, _zero16, _fma16, _fold16, _max16) if W == 16 else
-        (_load8, _store8, _splat8, _zero8, _fma8, _fold8, _max8))
+    load, store, splat, zero, fma, fold = ((_load16, _store16, _splat16, _zero16, _fma16, _fold16) if W == 16 else
+                                           (_load8, _store8, _splat8, _zero8, _fma8, _fold8))
     kload = _load16_bf16 if bf16 else load     # K and V rows (the caches' own dtype)
     softmax = softmax_numerators(W)
     ELEM = 2 if bf16 else 4                    # bytes per cache element
