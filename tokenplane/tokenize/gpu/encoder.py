@@ -384,24 +384,23 @@ class GpuEncoder:
         return ids
 
     def encode_batch(self, texts: list[str]) -> list[np.ndarray]:
-        """One device pass over concatenated documents (runs are cut at document boundaries)."""
+        """One device pass over concatenated documents (runs are cut at document boundaries); a batch over
+        MAX_PASS_BYTES runs as several passes (a single text over it is refused by its pass)."""
         if not texts:
             return []
         blobs = [self._device_text(t).encode("utf-8") for t in texts]
+        out: list[np.ndarray] = []
+        start = size = 0
+        for i, blob in enumerate(blobs):
+            if i > start and size + len(blob) > MAX_PASS_BYTES[0]:
+                out += self._encode_pass(texts[start:i], blobs[start:i])
+                start, size = i, 0
+            size += len(blob)
+        return out + self._encode_pass(texts[start:], blobs[start:])
+
+    def _encode_pass(self, texts: list[str], blobs: list[bytes]) -> list[np.ndarray]:
         if not any(blobs):
             return [np.zeros(0, dtype=np.uint32) for _ in texts]
-        if len(texts) > 1 and sum(map(len, blobs)) > MAX_PASS_BYTES[0]:
-            # several passes, each under the limit (a single text over it is refused by the pass itself)
-            out: list[np.ndarray] = []
-            group: list[str] = []
-            size = 0
-            for t, blob in zip(texts, blobs):
-                if group and size + len(blob) > MAX_PASS_BYTES[0]:
-                    out += self.encode_batch(group)
-                    group, size = [], 0
-                group.append(t)
-                size += len(blob)
-            return out + self.encode_batch(group)
         with self._lock:
             ids, first = self._run(blobs)
             flagged = self.last_doc_fallback.copy()
