@@ -1,5 +1,12 @@
-"""Few-row linear over a bfloat16 panel copy of a float32 weight, float32 inputs and outputs: the stream of the
-greedy screen (greedy_screen.py), which reads the vocabulary matrix at half the fp32 bytes.
+"""Few-row linear over a bfloat16 panel copy of a weight: float32 inputs and outputs for the stream of the greedy
+screen (greedy_screen.py), which reads the vocabulary matrix at half the fp32 bytes; bfloat16 inputs and outputs for a
+bf16 model's decode-sized linears and SwiGLU (`linear_bf16_io`, `swiglu_bf16_io`, 1-8 rows, 1 thread).
+
+Why the bf16 decode path: at 1-8 rows a linear is a weight stream, and oneDNN's packed bf16 path (AMX) streams it at
+~10.5 GB/s on this machine's core against 13.6-14.9 GB/s here (SmolLM2-135M's four linear shapes x 30 layers, 1 / 4
+rows: 20.0 / 20.3 ms vs 14.2 / 15.6 ms a pass, measured side by side; at 16 rows the panels stream twice and oneDNN
+is ahead, 21.2 vs 28.7 ms). The sums are float32 as oneDNN's, rounded to bfloat16 once per output, so results differ
+from oneDNN's only where the summation order moves a value across a rounding boundary.
 
 Layout: cpu_small_gemm's panels ([ceil(N / 16), K, 16], zero-padded past N) holding bfloat16 bits (uint16), so a
 panel row (16 output columns) is one 32-byte load widened to 16 float32 lanes (cpu_simd._load16_bf16: exact). A pass
@@ -14,10 +21,17 @@ import torch
 from numba import njit
 
 from tokenplane.engine import cpu_small_gemm
-from tokenplane.engine.cpu_simd import _fma16, _load16_bf16, _prefetch, _splat16, _store16, _zero16
+from tokenplane.engine.cpu_elements import _load, _round, _store, as_array
+from tokenplane.engine.cpu_simd import HOST_AVX512, _fma16, _load16_bf16, _prefetch, _splat16, _store16, _zero16
 
 PANEL = cpu_small_gemm.PANEL
 PREFETCH = 2048       # bfloat16 elements ahead of the panel stream (4 KiB, as cpu_small_gemm's 1024 floats)
+# Rows the bf16 decode path takes: one pass of 8 rows streams each panel once; more rows stream it again.
+MAX_ROWS = 8
+# [False] keeps bf16 linears on oneDNN at every row count (benchmarks compare the two on one code path). The panel
+# copy is a second bf16 copy of each linear's weight beside oneDNN's.
+DECODE_PANELS = [True]
+_NO_BIAS = np.empty(0, np.float32)
 
 
 def pack_bf16(weight: torch.Tensor) -> np.ndarray:
@@ -160,4 +174,84 @@ def linear_bf16(x: torch.Tensor, wp: np.ndarray) -> np.ndarray:
     return out
 
 
-__all__ = ["PANEL", "linear_bf16", "pack_bf16"]
+def decode_panels_for(weight: torch.Tensor) -> np.ndarray | None:
+    """The panel copy a bf16 Linear keeps for `linear_bf16_io` (None where that path is off or would not pay: not
+    bf16, or a host without 16-lane vectors)."""
+    if not (DECODE_PANELS[0] and HOST_AVX512 and weight.dtype == torch.bfloat16 and weight.dim() == 2
+            and weight.device.type == "cpu"):
+        return None
+    return pack_bf16(weight.detach().float())
+
+
+def applies(x: torch.Tensor) -> bool:
+    """A CPU bfloat16 [rows, K] input of 1..MAX_ROWS rows, with 1 torch thread (the kernel is single-threaded)."""
+    return (x.dim() == 2 and 0 < x.shape[0] <= MAX_ROWS and x.dtype == torch.bfloat16 and x.device.type == "cpu"
+            and torch.get_num_threads() == 1)
+
+
+@njit(cache=True, nogil=True)
+def _sums(x, rows, k_dim, wp, panels, bias):  # noqa: ANN001, ANN202
+    """float32 [rows * panels * 16] = bf16 bits x [rows * k_dim] @ the panels^T (+ bias where given)."""
+    xf = np.empty(rows * k_dim, np.float32)
+    for i in range(rows * k_dim):
+        xf[i] = _load(x[i])
+    n_out = panels * PANEL
+    acc = np.empty(rows * n_out, np.float32)
+    gemv_bf16(xf, rows, k_dim, wp, panels, acc, n_out)
+    if bias.shape[0]:
+        for m in range(rows):
+            for j in range(bias.shape[0]):
+                acc[m * n_out + j] += bias[j]
+    return acc
+
+
+@njit(cache=True, nogil=True)
+def _linear_io(x, rows, k_dim, wp, panels, bias, out, n):  # noqa: ANN001
+    acc = _sums(x, rows, k_dim, wp, panels, bias)
+    n_out = panels * PANEL
+    like = out[0]
+    for m in range(rows):
+        for j in range(n):
+            out[m * n + j] = _store(acc[m * n_out + j], like)
+
+
+@njit(cache=True, nogil=True)
+def _swiglu_io(x, rows, k_dim, wp, panels, bias, out, ffn):  # noqa: ANN001
+    acc = _sums(x, rows, k_dim, wp, panels, bias)
+    n_out = panels * PANEL
+    like = out[0]
+    for m in range(rows):
+        for j in range(ffn):
+            g = acc[m * n_out + j]
+            # layers.cpu_swiglu's two oneDNN stages: swish on the gate's float32 sum, rounded to bf16; the up
+            # projection's float32 sum times that, rounded once more
+            s = _round(g / (np.float32(1.0) + np.exp(-g)), like)
+            out[m * ffn + j] = _store(acc[m * n_out + ffn + j] * s, like)
+
+
+def _bias_array(bias: torch.Tensor | None) -> np.ndarray:
+    return _NO_BIAS if bias is None else bias.detach().float().numpy()
+
+
+def linear_bf16_io(x: torch.Tensor, wp: np.ndarray, n: int, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [rows, K] bfloat16 (contiguous, CPU; `applies`) @ W^T (+ bias) for `decode_panels_for(W)`, W [n, K]:
+    bfloat16 [rows, n], float32 sums rounded once."""
+    rows, k = x.shape
+    out = torch.empty(rows, n, dtype=torch.bfloat16)
+    _linear_io(as_array(x.contiguous()).reshape(-1), rows, k, wp.reshape(-1), wp.shape[0], _bias_array(bias),
+               as_array(out).reshape(-1), n)
+    return out
+
+
+def swiglu_bf16_io(x: torch.Tensor, wp: np.ndarray, ffn: int, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """silu(x @ gate^T) * (x @ up^T) for `decode_panels_for` of the gate_up weight [2 * ffn, K] (gate rows first),
+    rounded as layers.cpu_swiglu rounds: bfloat16 [rows, ffn]."""
+    rows, k = x.shape
+    out = torch.empty(rows, ffn, dtype=torch.bfloat16)
+    _swiglu_io(as_array(x.contiguous()).reshape(-1), rows, k, wp.reshape(-1), wp.shape[0], _bias_array(bias),
+               as_array(out).reshape(-1), ffn)
+    return out
+
+
+__all__ = ["DECODE_PANELS", "MAX_ROWS", "PANEL", "applies", "decode_panels_for", "linear_bf16", "linear_bf16_io",
+           "pack_bf16", "swiglu_bf16_io"]

@@ -5,11 +5,12 @@ import functools
 import math
 from typing import Any
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tokenplane.engine import cpu_small_gemm
+from tokenplane.engine import cpu_bf16_gemv, cpu_small_gemm
 
 CPU_PACK_DTYPES = (torch.float32, torch.bfloat16)
 # Rows past cpu_small_gemm's limits (prefill), fp32: F.linear, transformers' own call, so the same summation order
@@ -123,6 +124,7 @@ class Linear(nn.Linear):
     # Plain attributes, not buffers: state_dict() stays the weights only.
     cpu_packed: torch.Tensor | None = None   # bf16: oneDNN's packed copy
     cpu_panels: torch.Tensor | None = None   # fp32: cpu_small_gemm's copy, for 1-256 row inputs (decode)
+    cpu_bf16_panels: np.ndarray | None = None   # bf16: cpu_bf16_gemv's copy, for 1-8 row inputs (decode)
 
     def reset_parameters(self) -> None:
         pass
@@ -140,14 +142,18 @@ class Linear(nn.Linear):
             self.cpu_panels, self.cpu_packed = cpu_small_gemm.pack(w), None
         else:
             self.cpu_panels, self.cpu_packed = None, cpu_pack(w)
+            self.cpu_bf16_panels = cpu_bf16_gemv.decode_panels_for(w)
 
     def unpack_cpu(self) -> None:
-        self.cpu_packed = self.cpu_panels = None
+        self.cpu_packed = self.cpu_panels = self.cpu_bf16_panels = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype == self.weight.dtype and x.device.type == "cpu":
             if self.cpu_panels is not None and cpu_small_gemm.applies(x):
                 return cpu_small_gemm.linear(x, self.cpu_panels, self.out_features, self.bias)
+            bp = self.cpu_bf16_panels
+            if bp is not None and cpu_bf16_gemv.applies(x):
+                return cpu_bf16_gemv.linear_bf16_io(x, bp, self.out_features, self.bias)
             p = self.cpu_packed
             if p is not None:
                 return cpu_bucketed_linear(x, p, self.bias)
@@ -280,6 +286,9 @@ class SwiGLU(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_w, up_w = self.cpu_gate, self.cpu_up
         if gate_w is not None and up_w is not None and x.dtype == gate_w.dtype and x.device.type == "cpu":
+            bp = self.gate_up_proj.cpu_bf16_panels
+            if bp is not None and cpu_bf16_gemv.applies(x):
+                return self.down_proj(cpu_bf16_gemv.swiglu_bf16_io(x, bp, self.ffn, self.gate_up_proj.bias))
             return self.down_proj(cpu_swiglu(x, gate_w, up_w, *self.cpu_biases))
         gate, up = self.gate_up_proj(x).split(self.ffn, dim=-1)
         return self.down_proj(F.silu(gate).mul_(up))   # in place on silu's fresh output: same values, one buffer fewer

@@ -1,0 +1,105 @@
+"""cpu_bf16_gemv's bfloat16 decode path (`linear_bf16_io`, `swiglu_bf16_io`) against float64 references and oneDNN's
+packed bf16 path, and its use by Linear / SwiGLU at 1-8 rows."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tokenplane.engine import cpu_bf16_gemv
+from tokenplane.engine.cpu_simd import HOST_AVX512
+from tokenplane.engine.layers import SwiGLU, cpu_pack, cpu_packing_supported, cpu_swiglu
+
+pytestmark = pytest.mark.skipif(not HOST_AVX512, reason="the bf16 decode panels need 16-lane vectors")
+
+SHAPES = [(960, 576), (40, 24), (17, 48), (100, 72)]    # N past a multiple of 16 / 32, K past one of 16
+
+
+def _ulp_bound(ref: torch.Tensor) -> torch.Tensor:
+    """One bf16 ulp of each value plus a float32-sum margin: a correctly rounded result of a float32 sum lies within
+    it."""
+    return ref.abs() * 2.0 ** -7 + 1e-6
+
+
+@pytest.mark.parametrize("n,k", SHAPES)
+@pytest.mark.parametrize("rows", [1, 2, 5, 8])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_linear_within_one_ulp_of_float64(one_thread, n, k, rows, with_bias):
+    g = torch.Generator().manual_seed(n * 100 + k + rows)
+    w = (torch.randn(n, k, generator=g) * 0.1).bfloat16()
+    b = (torch.randn(n, generator=g) * 0.1).bfloat16() if with_bias else None
+    x = torch.randn(rows, k, generator=g).bfloat16()
+    out = cpu_bf16_gemv.linear_bf16_io(x, cpu_bf16_gemv.decode_panels_for(w), n, b)
+    assert out.dtype == torch.bfloat16 and out.shape == (rows, n)
+    ref = x.double() @ w.double().T + (0 if b is None else b.double())
+    assert ((out.double() - ref).abs() <= _ulp_bound(ref)).all()
+
+
+@pytest.mark.skipif(not cpu_packing_supported(torch.bfloat16), reason="no oneDNN bf16 on this CPU")
+@pytest.mark.parametrize("rows", [1, 4, 8])
+def test_linear_and_swiglu_agree_with_onednn(one_thread, rows):
+    """Both sum in float32 and round once (SwiGLU: twice, as cpu_swiglu's two stages): outputs equal but for values
+    that the summation order moves across a rounding boundary."""
+    g = torch.Generator().manual_seed(rows)
+    w = (torch.randn(384, 256, generator=g) * 0.05).bfloat16()
+    x = torch.randn(rows, 256, generator=g).bfloat16()
+    out = cpu_bf16_gemv.linear_bf16_io(x, cpu_bf16_gemv.decode_panels_for(w), 384)
+    ref = torch.ops.mkldnn._linear_pointwise(x, cpu_pack(w), None, "none", [], "")
+    assert (out == ref).float().mean().item() >= 0.99
+    assert ((out.float() - ref.float()).abs() <= ref.float().abs() * 2.0 ** -7 + 1e-6).all()
+    f = 192
+    gate, up = w[:f].contiguous(), w[f:].contiguous()
+    h = cpu_bf16_gemv.swiglu_bf16_io(x, cpu_bf16_gemv.decode_panels_for(w), f)
+    h_ref = cpu_swiglu(x, cpu_pack(gate), cpu_pack(up), None, None)
+    assert (h == h_ref).float().mean().item() >= 0.99
+    assert ((h.float() - h_ref.float()).abs() <= h_ref.float().abs() * 2.0 ** -6 + 1e-5).all()
+
+
+def test_swiglu_matches_float64_silu_mul(one_thread):
+    g = torch.Generator().manual_seed(7)
+    f, k = 40, 32
+    w = (torch.randn(2 * f, k, generator=g) * 0.3).bfloat16()
+    b = (torch.randn(2 * f, generator=g) * 0.1).bfloat16()
+    x = torch.randn(3, k, generator=g).bfloat16()
+    h = cpu_bf16_gemv.swiglu_bf16_io(x, cpu_bf16_gemv.decode_panels_for(w), f, b)
+    s = x.double() @ w.double().T + b.double()
+    ref = torch.nn.functional.silu(s[:, :f]) * s[:, f:]
+    assert h.shape == (3, f)
+    assert ((h.double() - ref).abs() <= ref.abs() * 2.0 ** -6 + 1e-5).all()
+
+
+def test_modules_take_the_panels_at_1_to_8_rows_only(one_thread, monkeypatch):
+    torch.manual_seed(0)
+    mlp = SwiGLU(64, 96, bias=False).bfloat16()
+    for lin in (mlp.gate_up_proj, mlp.down_proj):
+        lin.weight.data.normal_(0, 0.1)
+    mlp.gate_up_proj.pack_cpu()
+    mlp.down_proj.pack_cpu()
+    mlp.pack_cpu()
+    calls = []
+    real_linear, real_swiglu = cpu_bf16_gemv.linear_bf16_io, cpu_bf16_gemv.swiglu_bf16_io
+    monkeypatch.setattr(cpu_bf16_gemv, "linear_bf16_io", lambda *a: calls.append("linear") or real_linear(*a))
+    monkeypatch.setattr(cpu_bf16_gemv, "swiglu_bf16_io", lambda *a: calls.append("swiglu") or real_swiglu(*a))
+    x8, x9 = torch.randn(8, 64).bfloat16(), torch.randn(9, 64).bfloat16()
+    y8 = mlp(x8)
+    assert calls == ["swiglu", "linear"]
+    calls.clear()
+    y9 = mlp(x9)
+    assert calls == []
+    gu = x8.double() @ mlp.gate_up_proj.weight.double().T
+    ref = (torch.nn.functional.silu(gu[:, :96]) * gu[:, 96:]) @ mlp.down_proj.weight.double().T
+    assert ((y8.double() - ref).abs() <= ref.abs().max() * 2.0 ** -5).all()
+    assert y9.shape == (9, 64)
+    mlp.gate_up_proj.unpack_cpu()
+    assert mlp.gate_up_proj.cpu_bf16_panels is None
+
+
+def test_switch_off_keeps_no_panel_copy():
+    w = torch.randn(32, 16).bfloat16()
+    cpu_bf16_gemv.DECODE_PANELS[0] = False
+    try:
+        assert cpu_bf16_gemv.decode_panels_for(w) is None
+    finally:
+        cpu_bf16_gemv.DECODE_PANELS[0] = True
+    assert cpu_bf16_gemv.decode_panels_for(w) is not None
+    assert cpu_bf16_gemv.decode_panels_for(w.float()) is None
+    assert not cpu_bf16_gemv.applies(torch.zeros(9, 16, dtype=torch.bfloat16))
