@@ -198,6 +198,46 @@ def test_decode_stack_linears_sum_in_f_linears_order(k):
         x = torch.randn(40, k)
         with torch.no_grad():
             ref = F.linear(x, lin.weight, lin.bias)
-        stacked = _linear_of(lin)
+        stacked = _linear_of(lin, False)
         for rows in (1, 2, 5, 16):
             assert torch.equal(torch.from_numpy(_matmul(x[:rows].numpy(), stacked)), ref[:rows])
+
+
+@pytest.mark.parametrize("preset", ["test-small", "test-llama"])
+def test_bf16_decode_stack_equals_model_path_bit_for_bit(preset, monkeypatch):
+    """bfloat16 decode steps of 1-8 rows run the compiled stack on the torch path's own kernels (cpu_bf16_gemv's
+    panels, the dtype's rope and attention kernels): logits equal bit for bit, interleaved block tables, positions
+    crossing the rope table's first size; 9 rows take the torch path."""
+    from tokenplane.engine import cpu_bf16_gemv
+    from tokenplane.engine.cpu_simd import HOST_AVX512
+
+    if not HOST_AVX512:
+        pytest.skip("the bf16 decode panels need 16-lane vectors")
+    torch.set_num_threads(1)
+    cfg, model = load_model(preset, dtype=torch.bfloat16, seed=2)
+    calls = []
+    forward = cpu_decode_stack.DecodeStack.forward
+    monkeypatch.setattr(cpu_decode_stack.DecodeStack, "forward", lambda *a: calls.append(a[1].shape[0]) or forward(*a))
+    sizes = (1, 3, 1, cpu_bf16_gemv.MAX_ROWS, cpu_bf16_gemv.MAX_ROWS + 1, 2) * 3
+    results = {}
+    for on in (False, True):
+        model.model.decode_stack = on
+        runner = ModelRunner(model, cfg, num_blocks=256, block_size=16)
+        seqs = [Sequence(f"s{i}", [(7 * i + 3 * t) % 500 + 1 for t in range(n)])
+                for i, n in enumerate((37, 250, 5, 16, 17, 90, 3, 64, 20))]
+        for s in seqs:
+            assert runner.prepare(s)
+        runner.run(seqs)
+        outs = []
+        for n in sizes:
+            batch = seqs[:n]
+            for s in batch:
+                s.append_token((n * 13 + s.num_tokens) % 500 + 1)
+                assert runner.prepare(s)
+            outs.append(runner.run(batch).logits)
+        results[on] = outs
+    model.model.decode_stack = True
+    assert stack_for(model.model) is not None and stack_for(model.model).bf16
+    assert calls == [n for n in sizes if n <= cpu_bf16_gemv.MAX_ROWS]
+    for a, b in zip(results[False], results[True]):
+        assert torch.equal(a, b)

@@ -206,7 +206,9 @@ def _sums(x, rows, k_dim, wp, panels, bias):  # noqa: ANN001, ANN202
 
 
 @njit(cache=True, nogil=True)
-def _linear_io(x, rows, k_dim, wp, panels, bias, out, n):  # noqa: ANN001
+def linear_io(x, rows, k_dim, wp, panels, bias, out, n):  # noqa: ANN001
+    """`linear_bf16_io` on flat arrays: out [rows * n] bf16 bits, x [rows * k_dim] bf16 bits, wp the flat panels,
+    bias float32 (empty: none)."""
     acc = _sums(x, rows, k_dim, wp, panels, bias)
     n_out = panels * PANEL
     like = out[0]
@@ -216,7 +218,8 @@ def _linear_io(x, rows, k_dim, wp, panels, bias, out, n):  # noqa: ANN001
 
 
 @njit(cache=True, nogil=True)
-def _swiglu_io(x, rows, k_dim, wp, panels, bias, out, ffn):  # noqa: ANN001
+def swiglu_io(x, rows, k_dim, wp, panels, bias, out, ffn):  # noqa: ANN001
+    """`swiglu_bf16_io` on flat arrays (as `linear_io`; out [rows * ffn])."""
     acc = _sums(x, rows, k_dim, wp, panels, bias)
     n_out = panels * PANEL
     like = out[0]
@@ -229,7 +232,8 @@ def _swiglu_io(x, rows, k_dim, wp, panels, bias, out, ffn):  # noqa: ANN001
             out[m * ffn + j] = _store(acc[m * n_out + ffn + j] * s, like)
 
 
-def _bias_array(bias: torch.Tensor | None) -> np.ndarray:
+def bias_array(bias: torch.Tensor | None) -> np.ndarray:
+    """A bias as the kernels take it: float32, empty for none."""
     return _NO_BIAS if bias is None else bias.detach().float().numpy()
 
 
@@ -238,7 +242,7 @@ def linear_bf16_io(x: torch.Tensor, wp: np.ndarray, n: int, bias: torch.Tensor |
     bfloat16 [rows, n], float32 sums rounded once."""
     rows, k = x.shape
     out = torch.empty(rows, n, dtype=torch.bfloat16)
-    _linear_io(as_array(x.contiguous()).reshape(-1), rows, k, wp.reshape(-1), wp.shape[0], _bias_array(bias),
+    linear_io(as_array(x.contiguous()).reshape(-1), rows, k, wp.reshape(-1), wp.shape[0], bias_array(bias),
                as_array(out).reshape(-1), n)
     return out
 
@@ -248,10 +252,10 @@ def swiglu_bf16_io(x: torch.Tensor, wp: np.ndarray, ffn: int, bias: torch.Tensor
     rounded as layers.cpu_swiglu rounds: bfloat16 [rows, ffn]."""
     rows, k = x.shape
     out = torch.empty(rows, ffn, dtype=torch.bfloat16)
-    _swiglu_io(as_array(x.contiguous()).reshape(-1), rows, k, wp.reshape(-1), wp.shape[0], _bias_array(bias),
+    swiglu_io(as_array(x.contiguous()).reshape(-1), rows, k, wp.reshape(-1), wp.shape[0], bias_array(bias),
                as_array(out).reshape(-1), ffn)
     return out
 
 
-__all__ = ["DECODE_PANELS", "MAX_ROWS", "PANEL", "applies", "decode_panels_for", "linear_bf16", "linear_bf16_io",
-           "pack_bf16", "swiglu_bf16_io"]
+__all__ = ["DECODE_PANELS", "MAX_ROWS", "PANEL", "applies", "bias_array", "decode_panels_for", "linear_bf16",
+           "linear_bf16_io", "linear_io", "pack_bf16", "swiglu_bf16_io", "swiglu_io"]

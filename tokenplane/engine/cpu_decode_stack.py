@@ -1,5 +1,5 @@
-"""The decoder stack of a decode step on CPU (float32, 1-16 one-token rows, 1 thread) as compiled kernels over numpy
-views, with no torch op between them.
+"""The decoder stack of a decode step on CPU (float32 at 1-16 one-token rows, bfloat16 at 1-8; 1 thread) as compiled
+kernels over numpy views, with no torch op between them.
 
 Why: at one row a layer's arithmetic is a few microseconds beside its weight stream, and the rest of its time is
 dispatch. The torch path (models/qwen3.py's fused-norm loop) runs the same compiled kernels (cpu_small_gemm,
@@ -8,9 +8,12 @@ views and slices, ~2-4 us apiece here: ~100-200 us a layer, several ms a step fo
 and caches' arrays are taken once (`DecodeStack`, rebuilt when the runner rebinds a cache or the weights are packed
 again) and each kernel is called on arrays directly.
 
-Numerics: the same kernels in the same order as the torch path, so the same values, except the SwiGLU activation:
-silu(g) * u as g / (1 + exp(-g)) * u, PyTorch's CPU formula, with libm's expf for the exponent instead of PyTorch's
-vectorized one (they can differ in the last bit).
+Numerics: the same kernels in the same order as the torch path, so the same values, except float32's SwiGLU
+activation: silu(g) * u as g / (1 + exp(-g)) * u, PyTorch's CPU formula, with libm's expf for the exponent instead of
+PyTorch's vectorized one (they can differ in the last bit). bfloat16 runs exactly the torch path's kernels
+(cpu_bf16_gemv's panels for the linears and the SwiGLU, cpu_qkv_rope's kernel for the dtype, the bf16 attention
+kernel), so its values are the torch path's bit for bit; there the saving is the torch path's ~7 wrapped calls a
+layer (SmolLM2-135M bf16, 1 row: measured in benchmarks/peers/decode_breakdown.py).
 """
 from __future__ import annotations
 
@@ -22,9 +25,10 @@ import torch
 from numba import njit
 from torch import nn
 
-from tokenplane.engine import cpu_small_gemm
+from tokenplane.engine import cpu_bf16_gemv, cpu_decode_attention, cpu_qkv_rope, cpu_small_gemm
 from tokenplane.engine.attention import AttentionMetadata
 from tokenplane.engine.cpu_decode_attention import kernel_for as decode_kernel
+from tokenplane.engine.cpu_elements import as_array
 from tokenplane.engine.cpu_fused_norm import _add_rms_norm
 from tokenplane.engine.cpu_qkv_rope import _qkv_rope
 
@@ -47,15 +51,19 @@ def _silu_mul(gu, ffn, out):  # noqa: ANN001
 
 @dataclass
 class _Linear:
-    panels: np.ndarray        # flat panel copy (cpu_small_gemm.pack)
+    panels: np.ndarray        # flat panel copy (cpu_small_gemm.pack; bfloat16: cpu_bf16_gemv's)
     n_panels: int
     k: int
     n: int                    # out_features
-    bias: np.ndarray | None
+    bias: np.ndarray | None   # float32 (bfloat16: cpu_bf16_gemv.bias_array, empty for none)
     kb: int                   # cpu_small_gemm.k_block(k)
 
 
-def _linear_of(m: nn.Module) -> _Linear:
+def _linear_of(m: nn.Module, bf16: bool) -> _Linear:
+    if bf16:
+        bp = m.cpu_bf16_panels
+        return _Linear(bp.reshape(-1), int(bp.shape[0]), int(bp.shape[1]), int(m.out_features),
+                       cpu_bf16_gemv.bias_array(m.bias), 0)
     p = m.cpu_panels
     return _Linear(p.numpy().reshape(-1), int(p.shape[0]), int(p.shape[1]), int(m.out_features),
                    None if m.bias is None else m.bias.detach().numpy(), cpu_small_gemm.k_block(int(p.shape[1])))
@@ -63,6 +71,11 @@ def _linear_of(m: nn.Module) -> _Linear:
 
 def _matmul(x: np.ndarray, lin: _Linear) -> np.ndarray:
     rows = x.shape[0]
+    if x.dtype == np.uint16:
+        out = np.empty((rows, lin.n), np.uint16)
+        cpu_bf16_gemv.linear_io(x.reshape(-1), rows, lin.k, lin.panels, lin.n_panels, lin.bias, out.reshape(-1),
+                                lin.n)
+        return out
     width = lin.n_panels * cpu_small_gemm.PANEL
     if lin.bias is None:
         out = np.empty((rows, width), np.float32)
@@ -97,8 +110,11 @@ class DecodeStack:
     """Arrays of one DecoderModel's packed weights and bound caches, and the step over them."""
 
     def __init__(self, model: nn.Module) -> None:
-        self.embed = model.embed_tokens.weight.detach().numpy()
-        self.final_norm = model.norm.weight.detach().numpy()
+        self.dtype = model.embed_tokens.weight.dtype
+        self.bf16 = bf16 = self.dtype == torch.bfloat16
+        self.max_rows = cpu_bf16_gemv.MAX_ROWS if bf16 else MAX_ROWS
+        self.embed = as_array(model.embed_tokens.weight.detach())
+        self.final_norm = as_array(model.norm.weight.detach())
         self.final_eps = float(model.norm.eps)
         attn0 = model.layers[0].self_attn
         self.heads, self.kv_heads, self.head_dim = attn0.num_heads, attn0.num_kv_heads, attn0.head_dim
@@ -111,20 +127,21 @@ class DecodeStack:
             sa = layer.self_attn
             qk = sa.qk_norm
             self.layers.append(_Layer(
-                qkv=_linear_of(sa.qkv_proj), o=_linear_of(sa.o_proj), gate_up=_linear_of(layer.mlp.gate_up_proj),
-                down=_linear_of(layer.mlp.down_proj),
-                in_norm=layer.input_layernorm.weight.detach().numpy(), in_eps=float(layer.input_layernorm.eps),
-                post_norm=layer.post_attention_layernorm.weight.detach().numpy(),
+                qkv=_linear_of(sa.qkv_proj, bf16), o=_linear_of(sa.o_proj, bf16),
+                gate_up=_linear_of(layer.mlp.gate_up_proj, bf16), down=_linear_of(layer.mlp.down_proj, bf16),
+                in_norm=as_array(layer.input_layernorm.weight.detach()), in_eps=float(layer.input_layernorm.eps),
+                post_norm=as_array(layer.post_attention_layernorm.weight.detach()),
                 post_eps=float(layer.post_attention_layernorm.eps),
-                q_norm=sa.q_norm.weight.detach().numpy() if qk else _F32_EMPTY,
-                k_norm=sa.k_norm.weight.detach().numpy() if qk else _F32_EMPTY,
+                q_norm=as_array(sa.q_norm.weight.detach()) if qk else np.empty(0, self.embed.dtype),
+                k_norm=as_array(sa.k_norm.weight.detach()) if qk else np.empty(0, self.embed.dtype),
                 qk_eps=float(sa.q_norm.eps) if qk else 0.0,
-                k_cache=sa.attn.k_cache.numpy(), v_cache=sa.attn.v_cache.numpy()))
+                k_cache=as_array(sa.attn.k_cache), v_cache=as_array(sa.attn.v_cache)))
         self.qk_norm = bool(attn0.qk_norm)
         self.rotary = model.rotary
         self._rope_len = 0
         self._cos = self._sin = _F32_EMPTY
-        self.attention = decode_kernel(torch.float32, self.head_dim, self.group)
+        # float32 keeps the scalar rope kernel it was built on; bfloat16 takes what the torch path takes
+        self.qkv_rope = cpu_qkv_rope.kernel_for(self.dtype, self.head_dim) if bf16 else _qkv_rope
         self._buf = np.empty(self.head_dim, np.float32)   # _qkv_rope's per-head scratch
 
     def _rope_rows(self, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -133,8 +150,8 @@ class DecodeStack:
         top = int(positions.max())
         if top >= self._rope_len:
             n = max(256, 2 * self._rope_len, top + 1)
-            cos, sin = self.rotary(torch.arange(n), torch.float32)
-            self._cos, self._sin = cos.reshape(n, -1).numpy(), sin.reshape(n, -1).numpy()
+            cos, sin = self.rotary(torch.arange(n), self.dtype)
+            self._cos, self._sin = as_array(cos.reshape(n, -1)), as_array(sin.reshape(n, -1))
             self._rope_len = n
         return self._cos[positions], self._sin[positions]
 
@@ -150,19 +167,26 @@ class DecodeStack:
         _add_rms_norm(x, x, first.in_norm, first.in_eps, h, False)
         ffn = self.ffn
         n = len(self.layers)
+        bf16 = self.bf16
+        dt = x.dtype
+        attention = decode_kernel(self.dtype, d, self.group, self.block_size, cpu_decode_attention.BF16_FORM[0])
         for i, L in enumerate(self.layers):
             qkv = _matmul(h, L.qkv)
-            q = np.empty((T, self.heads, d), np.float32)
-            _qkv_rope(qkv, self.heads, self.kv_heads, d, L.q_norm, L.k_norm, L.qk_eps, self.qk_norm, cos_a, sin_a,
-                      L.k_cache, L.v_cache, slots, q, self._buf)
-            o = np.empty((T, self.heads * d), np.float32)
-            self.attention(q, L.k_cache, L.v_cache, meta.decode_block_tables, meta.decode_context_lens,
-                           meta.decode_rows, o, self.block_size, self.scale, True, _F32_EMPTY)
+            q = np.empty((T, self.heads, d), dt)
+            self.qkv_rope(qkv, self.heads, self.kv_heads, d, L.q_norm, L.k_norm, L.qk_eps, self.qk_norm, cos_a,
+                          sin_a, L.k_cache, L.v_cache, slots, q, self._buf)
+            o = np.empty((T, self.heads * d), dt)
+            attention(q, L.k_cache, L.v_cache, meta.decode_block_tables, meta.decode_context_lens,
+                      meta.decode_rows, o, self.block_size, self.scale, True, _F32_EMPTY)
             a = _matmul(o, L.o)
             _add_rms_norm(a, x, L.post_norm, L.post_eps, h, True)
-            gu = _matmul(h, L.gate_up)
-            act = np.empty((T, ffn), np.float32)
-            _silu_mul(gu, ffn, act)
+            act = np.empty((T, ffn), dt)
+            gu = L.gate_up
+            if bf16:
+                cpu_bf16_gemv.swiglu_io(h.reshape(-1), T, gu.k, gu.panels, gu.n_panels, gu.bias, act.reshape(-1),
+                                        ffn)
+            else:
+                _silu_mul(_matmul(h, gu), ffn, act)
             m = _matmul(act, L.down)
             if i + 1 < n:
                 nxt = self.layers[i + 1]
@@ -170,22 +194,29 @@ class DecodeStack:
             else:
                 _add_rms_norm(m, a, self.final_norm, self.final_eps, h, True)
             x = m
+        if bf16:
+            return torch.from_numpy(h.view(np.int16)).view(torch.bfloat16)
         return torch.from_numpy(h)
 
 
 def _packed(model: nn.Module) -> bool:
+    """Every linear panel-packed (float32: cpu_small_gemm's copy; bfloat16: cpu_bf16_gemv's) and every cache bound,
+    all of the embedding's dtype."""
+    dtype = model.embed_tokens.weight.dtype
+    if dtype not in (torch.float32, torch.bfloat16) or model.norm.weight.dtype != dtype:
+        return False
+    panels = "cpu_panels" if dtype == torch.float32 else "cpu_bf16_panels"
     for layer in model.layers:
         sa, mlp = layer.self_attn, layer.mlp
-        if (sa.qkv_proj.cpu_panels is None or sa.o_proj.cpu_panels is None or mlp.gate_up_proj.cpu_panels is None
-                or mlp.down_proj.cpu_panels is None or sa.attn.k_cache is None or sa.attn.v_cache is None
-                or sa.attn.k_cache.dtype != torch.float32):
+        if (any(getattr(m, panels) is None for m in (sa.qkv_proj, sa.o_proj, mlp.gate_up_proj, mlp.down_proj))
+                or sa.attn.k_cache is None or sa.attn.v_cache is None or sa.attn.k_cache.dtype != dtype):
             return False
-    return model.embed_tokens.weight.dtype == torch.float32 and model.norm.weight.dtype == torch.float32
+    return True
 
 
 def stack_for(model: nn.Module) -> DecodeStack | None:
     """The model's DecodeStack, built on first use after `invalidate` (None where its linears are not all
-    panel-packed float32 or a cache is unbound)."""
+    panel-packed or a cache is unbound). Its `max_rows` is the most rows it takes."""
     st = model.__dict__.get("_decode_stack")
     if st is None:
         st = DecodeStack(model) if _packed(model) else False

@@ -174,6 +174,11 @@ def applies(qkv: torch.Tensor, k_cache: torch.Tensor | None) -> bool:
             and k_cache is not None and k_cache.dtype == qkv.dtype and k_cache.device.type == "cpu")
 
 
+def kernel_for(dtype: torch.dtype, head_dim: int):  # noqa: ANN201
+    """The compiled `_qkv_rope` (arrays in, as `qkv_rope_write` passes them) for this dtype and head size."""
+    return _vector_kernel(dtype == torch.bfloat16) if VECTOR[0] and _vector_applies(dtype, head_dim) else _qkv_rope
+
+
 def qkv_rope_write(qkv: torch.Tensor, heads: int, kv_heads: int, head_dim: int, q_norm: torch.Tensor | None,
                    k_norm: torch.Tensor | None, eps: float, cos: torch.Tensor, sin: torch.Tensor,
                    k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
@@ -186,11 +191,10 @@ def qkv_rope_write(qkv: torch.Tensor, heads: int, kv_heads: int, head_dim: int, 
     qw = as_array(q_norm.detach()) if norm else _EMPTY[qkv.dtype]   # type: ignore[union-attr]
     kw = as_array(k_norm.detach()) if norm else _EMPTY[qkv.dtype]   # type: ignore[union-attr]
     buf = np.empty(head_dim, np.float64 if qkv.dtype == torch.float64 else np.float32)
-    kernel = (_vector_kernel(qkv.dtype == torch.bfloat16) if VECTOR[0] and _vector_applies(qkv.dtype, head_dim)
-              else _qkv_rope)
-    kernel(as_array(qkv), heads, kv_heads, head_dim, qw, kw, eps, norm,
-              as_array(cos.reshape(T, head_dim).contiguous()), as_array(sin.reshape(T, head_dim).contiguous()),
-              as_array(k_cache), as_array(v_cache), slots.numpy(), as_array(q), buf)
+    kernel_for(qkv.dtype, head_dim)(as_array(qkv), heads, kv_heads, head_dim, qw, kw, eps, norm,
+                                    as_array(cos.reshape(T, head_dim).contiguous()),
+                                    as_array(sin.reshape(T, head_dim).contiguous()),
+                                    as_array(k_cache), as_array(v_cache), slots.numpy(), as_array(q), buf)
     return q
 
 

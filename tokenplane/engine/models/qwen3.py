@@ -98,7 +98,7 @@ class DecoderModel(nn.Module):
     # CPU fp32/fp64: residual adds fused into the next RMSNorm (cpu_fused_norm.py); a plain attribute so a benchmark
     # can compare both paths on one model.
     fused_norm = True
-    # CPU fp32 decode steps of 1-16 rows: the whole stack as compiled kernels over arrays (cpu_decode_stack.py)
+    # CPU decode steps of 1-16 rows (bf16: 1-8): the whole stack as compiled kernels over arrays (cpu_decode_stack.py)
     decode_stack = True
     prune_rows = True   # False: compute every row through the last layer, then select (the pre-pruning path)
 
@@ -112,7 +112,7 @@ class DecoderModel(nn.Module):
             return self.forward(input_ids, positions, meta)[rows]
         if rows is None and self.decode_stack and self.fused_norm and cpu_decode_stack.applies(input_ids, meta):
             stack = cpu_decode_stack.stack_for(self)
-            if stack is not None:
+            if stack is not None and input_ids.shape[0] <= stack.max_rows:
                 return stack.forward(input_ids, positions, meta)
         x = self.embed_tokens(input_ids)
         cos, sin = self.rotary(positions, x.dtype)
