@@ -74,10 +74,13 @@ def instrument(eng: LLMEngine) -> None:
                 TIMES[names[id(lin)]] += time.perf_counter() - t0
                 COUNTS[names[id(lin)]] += 1
         cds._matmul = kinded
-        cds._qkv_rope = timed("qk-norm+rope+kv write (fused)", cds._qkv_rope)
+        stack.qkv_rope = timed("qk-norm+rope+kv write (fused)", stack.qkv_rope)
         cds._add_rms_norm = timed("norm (fused add+rms)", cds._add_rms_norm)
         cds._silu_mul = timed("swiglu silu*mul (silu)", cds._silu_mul)
-        stack.attention = timed("attention kernel", stack.attention)
+        cds.cpu_bf16_gemv.swiglu_io = timed("gemm gate_up_proj + silu*mul (bf16 panels)",   # type: ignore[assignment]
+                                            cds.cpu_bf16_gemv.swiglu_io)
+        kernel_for = cds.decode_kernel
+        cds.decode_kernel = lambda *a: timed("attention kernel", kernel_for(*a))   # type: ignore[assignment]
         cds.DecodeStack.forward = timed("decoder stack (compiled path)", cds.DecodeStack.forward)
     model.compute_logits = timed("logits (compute_logits)", model.compute_logits)   # type: ignore[method-assign]
     qwen3.add_rms_norm_ = timed("norm (fused add+rms)", qwen3.add_rms_norm_)
@@ -115,6 +118,7 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=256)
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--batch", type=int, default=1, help="concurrent requests decoding together (N)")
+    ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     ap.add_argument("--bare", action="store_true", help="step times only (runs on any tree: no instrumentation)")
     ap.add_argument("--ab", action="store_true", help="also time steps with the model's decode_stack off, alternated")
     ap.add_argument("--gbps", type=float, default=0.0, help="0: measure the plain-sum bandwidth here")
@@ -124,7 +128,7 @@ def main() -> None:
     # P = 2048 the first of N gets ~N tokens before the last is prefilled. Room for those, so no request finishes
     # (and the batch shrinks) before the measured steps end.
     max_tokens = 4 * args.steps + 8 + n_req * max(1, -(-args.prompt_len // 2048))
-    eng = LLMEngine(args.model, dtype=torch.float32,
+    eng = LLMEngine(args.model, dtype=getattr(torch, args.dtype),
                     num_blocks=n_req * (-(-(args.prompt_len + max_tokens + 64) // 16) + 1) + 8,
                     block_size=16, max_num_seqs=n_req, max_num_batched_tokens=2048, enforce_eager=True, num_threads=1)
     gbps = args.gbps or (1.0 if args.bare else measure_bw())
