@@ -103,3 +103,23 @@ def test_switch_off_keeps_no_panel_copy():
     assert cpu_bf16_gemv.decode_panels_for(w) is not None
     assert cpu_bf16_gemv.decode_panels_for(w.float()) is None
     assert not cpu_bf16_gemv.applies(torch.zeros(9, 16, dtype=torch.bfloat16))
+
+
+def test_bf16_vocab_projection_takes_the_panels_at_1_to_8_rows(one_thread, monkeypatch):
+    from tokenplane.engine.layers import VocabProjection
+
+    g = torch.Generator().manual_seed(3)
+    w = (torch.randn(1000, 64, generator=g) * 0.1).bfloat16()
+    vp = VocabProjection(w)
+    assert vp.bf16_panels is not None
+    calls = []
+    real = cpu_bf16_gemv.linear_bf16_io
+    monkeypatch.setattr(cpu_bf16_gemv, "linear_bf16_io", lambda *a: calls.append(a[0].shape[0]) or real(*a))
+    for rows in (1, 8, 9):
+        h = torch.randn(rows, 64, generator=g).bfloat16()
+        out = vp(h)
+        ref = h.double() @ w.double().T
+        assert out.dtype == torch.bfloat16 and out.shape == (rows, 1000)
+        assert ((out.double() - ref).abs() <= _ulp_bound(ref)).all()
+    assert calls == [1, 8]
+    assert VocabProjection(w.float()).bf16_panels is None
