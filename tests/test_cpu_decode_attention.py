@@ -123,6 +123,36 @@ def test_float32_softmax_exp_is_within_3_ulp():
     assert apply(np.array([-2.0]))[0] == np.exp(-2.0)          # float64: libm's exp itself
 
 
+def test_16_lane_softmax_numerators_match_float64():
+    """softmax_numerators(16) (exponents on 16 lanes, float32 lane sums per 1,024 scores): every exponent within 3
+    ulp of exp in float64, the returned sum within 1e-6 relative, the maximum subtracted, a tail past the last 16
+    left to the scalar form; lengths around the vector and block edges."""
+    from numba import njit
+
+    from tokenplane.engine.cpu_decode_paging import softmax_numerators
+
+    softmax = softmax_numerators(16)
+
+    @njit
+    def run(scores, r0, ctx):  # noqa: ANN001, ANN202
+        tmp = np.empty(16, np.float32)
+        return softmax(scores, r0, ctx, tmp)
+
+    rng = np.random.default_rng(5)
+    for ctx in (1, 15, 16, 17, 1023, 1024, 1040, 3001):
+        for spread in (1.0, 30.0, 200.0):
+            x = (rng.standard_normal(ctx + 7) * spread).astype(np.float32)
+            work = x.copy()
+            tot = run(work, 3, ctx)
+            seg = x[3:3 + ctx]
+            shifted = (seg - seg.max()).astype(np.float64)     # the kernel's float32 difference, then exact exp
+            ref = np.exp(np.maximum(shifted, -87.0))
+            ulp = np.spacing(ref.astype(np.float32)).astype(np.float64)
+            assert (np.abs(work[3:3 + ctx] - ref) <= 3 * ulp).all()
+            assert abs(tot - work[3:3 + ctx].astype(np.float64).sum()) <= 1e-6 * tot
+            assert (work[:3] == x[:3]).all() and (work[3 + ctx:] == x[3 + ctx:]).all()
+
+
 def mixed_tables(lens: list[int], bs: int, scatter_from: int, num_blocks: int, seed: int) -> np.ndarray:
     """Block tables for contexts of `lens` tokens: falling runs (as the block manager hands out a finished sequence's
     blocks), climbing runs, and blocks scattered over [scatter_from, num_blocks), in turn."""

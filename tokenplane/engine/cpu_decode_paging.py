@@ -13,7 +13,19 @@ from numba import njit, types
 from numba.core import cgutils
 from numba.extending import intrinsic, overload
 
-from tokenplane.engine.cpu_simd import _load8, _load16, _max8, _max16, _splat8, _splat16, _store8, _store16
+from tokenplane.engine.cpu_simd import (
+    _add16,
+    _load8,
+    _load16,
+    _max8,
+    _max16,
+    _splat8,
+    _splat16,
+    _store8,
+    _store16,
+    _vec16,
+    _zero16,
+)
 
 CACHE_LINE = 64
 
@@ -74,6 +86,35 @@ def _exp_nonpos_impl(x):  # noqa: ANN001, ANN202
     return lambda x: math.exp(x)
 
 
+@intrinsic
+def _exp16_shifted(typingctx, flat, index, m):  # noqa: ANN001
+    """exp(flat[index : index + 16] - m) on 16 lanes (m a 16-lane vector, every value <= m): `_exp_nonpos`'s
+    reduction and polynomial as vector operations (the polynomial's steps as fused multiply-adds), ~16x fewer
+    instructions per score than the scalar form."""
+    def codegen(context, builder, signature, args):  # noqa: ANN001
+        f, i32 = ir.FloatType(), ir.IntType(32)
+        vt, vi = ir.VectorType(f, 16), ir.VectorType(i32, 16)
+        aryty = signature.args[0]
+        ary = context.make_array(aryty)(context, builder, args[0])
+        ptr = cgutils.get_item_pointer(context, builder, aryty, ary, [args[1]], wraparound=False)
+        x = builder.fsub(builder.load(builder.bitcast(ptr, vt.as_pointer()), align=4), args[2])
+
+        def splat(c: float):  # noqa: ANN202
+            return ir.Constant(vt, [float(np.float32(c))] * 16)
+        lo = splat(-87.0)
+        x = builder.select(builder.fcmp_ordered(">", x, lo), x, lo)
+        floor = cgutils.get_or_insert_function(builder.module, ir.FunctionType(vt, [vt]), "llvm.floor.v16f32")
+        fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(vt, [vt, vt, vt]), "llvm.fma.v16f32")
+        n = builder.call(floor, [builder.fadd(builder.fmul(x, splat(_LOG2E)), splat(0.5))])
+        r = builder.fsub(builder.fsub(x, builder.fmul(n, splat(_LN2_HI))), builder.fmul(n, splat(_LN2_LO)))
+        poly = splat(1.0 / 720)
+        for c in (1.0 / 120, 1.0 / 24, 1.0 / 6, 0.5, 1.0, 1.0):
+            poly = builder.call(fma, [poly, r, splat(c)])
+        bits = builder.shl(builder.add(builder.fptosi(n, vi), ir.Constant(vi, [127] * 16)), ir.Constant(vi, [23] * 16))
+        return builder.fmul(poly, builder.bitcast(bits, vt))
+    return _vec16(flat, index, _vec16), codegen
+
+
 @njit(inline="always")
 def _prefetch_block(flat, start, n, step):  # noqa: ANN001
     for i in range(0, n, step):
@@ -132,7 +173,9 @@ def _stream_block(kf, vf, block_tables, context_lens, b, h, kvh, slots, block_si
 def softmax_numerators(W: int):  # noqa: ANN201
     """The vector kernels' softmax for one query head (W = 8 or 16 lanes): `fn(scores, r0, ctx, tmp)` turns
     scores[r0 : r0 + ctx] into their exponents minus the maximum and returns their float64 sum (tmp: W floats of
-    scratch). The maximum is taken W lanes at a time: a scalar max is a chain of dependent compares (~5 ns a key)."""
+    scratch). The maximum is taken W lanes at a time: a scalar max is a chain of dependent compares (~5 ns a key).
+    At 16 lanes the exponents too (`_exp16_shifted`): LLVM's own vectorization of the scalar loop, with its float64
+    sum, ran ~0.9 ns a score here (SmolLM2's shape, 16 rows x 2048 tokens: ~8 of 79 ms in the softmax)."""
     load, vmax, splat, store = (_load16, _max16, _splat16, _store16) if W == 16 else (_load8, _max8, _splat8, _store8)
 
     @njit(inline="always")
@@ -150,9 +193,26 @@ def softmax_numerators(W: int):  # noqa: ANN201
             m = max(m, scores[r0 + i])
             i += 1
         tot = 0.0
-        for i in range(ctx):
+        i = 0
+        if W == 16:
+            # 16 lanes at a time; float32 lane sums over at most 1,024 scores each, then added in float64
+            tmp[0] = m
+            ms = _splat16(tmp, 0)
+            while i + 16 <= ctx:
+                end = min(ctx, i + 1024)
+                acc = _zero16()
+                while i + 16 <= end:
+                    e = _exp16_shifted(scores, r0 + i, ms)
+                    _store16(scores, r0 + i, e)
+                    acc = _add16(acc, e)
+                    i += 16
+                _store16(tmp, 0, acc)
+                for j in range(16):
+                    tot += tmp[j]
+        while i < ctx:
             e = _exp_nonpos(scores[r0 + i] - m)
             scores[r0 + i] = e
             tot += e
+            i += 1
         return tot
     return softmax
