@@ -144,21 +144,14 @@ def test_decode_stack_not_applicable():
     assert not applies(torch.zeros(19, dtype=torch.long), meta)
 
 
-def test_decode_stack_matches_model_path_at_9_to_16_rows(monkeypatch):
-    """Decode steps of 9-16 rows (the row counts of routing steps at concurrency 16) run the compiled stack, with
-    the torch path's logits within float rounding and the same greedy tokens; past MAX_ROWS the torch path runs."""
-    torch.set_num_threads(1)
-    cfg, model = load_model("test-small", dtype=torch.float32, seed=1)
-    top = cpu_decode_stack.MAX_ROWS
-    calls = []
-    forward = cpu_decode_stack.DecodeStack.forward
-    monkeypatch.setattr(cpu_decode_stack.DecodeStack, "forward", lambda *a: calls.append(a[1].shape[0]) or forward(*a))
-    sizes = (9, 12, top, top + 1, top, 13)
+def _logits_with_stack_off_and_on(model, cfg, prompt_lens, sizes, mult):  # noqa: ANN001, ANN202
+    """{False: logits, True: logits} of the same decode steps (the first `n` sequences for each n in sizes, one
+    token each) with model.model.decode_stack off and on, each on a fresh runner."""
     results = {}
     for on in (False, True):
         model.model.decode_stack = on
         runner = ModelRunner(model, cfg, num_blocks=256, block_size=16)
-        seqs = [Sequence(f"s{i}", [(11 * i + 3 * t) % 500 + 1 for t in range(9 + 5 * i)]) for i in range(top + 1)]
+        seqs = [Sequence(f"s{i}", [(mult * i + 3 * t) % 500 + 1 for t in range(n)]) for i, n in enumerate(prompt_lens)]
         for s in seqs:
             assert runner.prepare(s)
         runner.run(seqs)
@@ -171,6 +164,20 @@ def test_decode_stack_matches_model_path_at_9_to_16_rows(monkeypatch):
             outs.append(runner.run(batch).logits)
         results[on] = outs
     model.model.decode_stack = True
+    return results
+
+
+def test_decode_stack_matches_model_path_at_9_to_16_rows(monkeypatch):
+    """Decode steps of 9-16 rows (the row counts of routing steps at concurrency 16) run the compiled stack, with
+    the torch path's logits within float rounding and the same greedy tokens; past MAX_ROWS the torch path runs."""
+    torch.set_num_threads(1)
+    cfg, model = load_model("test-small", dtype=torch.float32, seed=1)
+    top = cpu_decode_stack.MAX_ROWS
+    calls = []
+    forward = cpu_decode_stack.DecodeStack.forward
+    monkeypatch.setattr(cpu_decode_stack.DecodeStack, "forward", lambda *a: calls.append(a[1].shape[0]) or forward(*a))
+    sizes = (9, 12, top, top + 1, top, 13)
+    results = _logits_with_stack_off_and_on(model, cfg, [9 + 5 * i for i in range(top + 1)], sizes, 11)
     assert calls == [n for n in sizes if n <= top]
     for a, b in zip(results[False], results[True]):
         assert (a - b).abs().max().item() <= 1e-5 * max(1.0, a.abs().max().item())
@@ -219,24 +226,7 @@ def test_bf16_decode_stack_equals_model_path_bit_for_bit(preset, monkeypatch):
     forward = cpu_decode_stack.DecodeStack.forward
     monkeypatch.setattr(cpu_decode_stack.DecodeStack, "forward", lambda *a: calls.append(a[1].shape[0]) or forward(*a))
     sizes = (1, 3, 1, cpu_bf16_gemv.MAX_ROWS, cpu_bf16_gemv.MAX_ROWS + 1, 2) * 3
-    results = {}
-    for on in (False, True):
-        model.model.decode_stack = on
-        runner = ModelRunner(model, cfg, num_blocks=256, block_size=16)
-        seqs = [Sequence(f"s{i}", [(7 * i + 3 * t) % 500 + 1 for t in range(n)])
-                for i, n in enumerate((37, 250, 5, 16, 17, 90, 3, 64, 20))]
-        for s in seqs:
-            assert runner.prepare(s)
-        runner.run(seqs)
-        outs = []
-        for n in sizes:
-            batch = seqs[:n]
-            for s in batch:
-                s.append_token((n * 13 + s.num_tokens) % 500 + 1)
-                assert runner.prepare(s)
-            outs.append(runner.run(batch).logits)
-        results[on] = outs
-    model.model.decode_stack = True
+    results = _logits_with_stack_off_and_on(model, cfg, [37, 250, 5, 16, 17, 90, 3, 64, 20], sizes, 7)
     assert stack_for(model.model) is not None and stack_for(model.model).bf16
     assert calls == [n for n in sizes if n <= cpu_bf16_gemv.MAX_ROWS]
     for a, b in zip(results[False], results[True]):
