@@ -17,7 +17,7 @@ measured no faster (3.35 vs 3.04 ms) and are not used. Here:
     scored into up to 16 accumulators and reduced by one `_sum16x16` tree (~2 shuffles per score);
   - values: G heads x CP chunks of d per part stay in registers over a block's keys (AVX-512 has 32), each key's
     probabilities broadcast once per part.
-The softmax is the other kernels' (same max, same exponent, same order of the denominator sum); the output is
+The softmax is cpu_decode_paging.softmax_numerators(16), as the 16-lane vector form's; the output is
 rounded to bfloat16 once. Keys past a row's context in its last block are scored with the rest of their group (the
 slots belong to the row's block, so the loads stay inside the cache) and their scores dropped.
 

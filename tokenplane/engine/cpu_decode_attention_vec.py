@@ -12,7 +12,9 @@ Here:
     their 8 sums: ~1 shuffle-add per score instead of ~6;
   - values: the accumulators of G heads x (8 / G) chunks of d stay in registers over a block's keys (d is walked in
     parts of 8 / G chunks, so the accumulators never exceed 8 of AVX2's 16 registers), spilled once per block.
-The softmax in between is the generic kernel's (same max, same exponent, same order of the denominator sum).
+The softmax in between is cpu_decode_paging.softmax_numerators: on 8 lanes the generic kernel's (same max, same
+exponent, same order of the denominator sum); on 16 lanes the same max, the exponent's polynomial on vectors and the
+denominator summed in float32 lanes per 1,024 scores.
 
 Numerics: the same formula as the generic kernel (scores q.k * scale in float32, max-subtracted exponent, value sum
 over keys in key order divided by the exponent sum); only the order of each d-term dot product differs (8 lanes of
