@@ -1,17 +1,20 @@
-"""cpu_bf16_gemv's bfloat16 decode path (`linear_bf16_io`, `swiglu_bf16_io`) against float64 references and oneDNN's
-packed bf16 path, and its use by Linear / SwiGLU at 1-8 rows."""
+"""cpu_bf16_gemv's bfloat16 decode path (`linear_bf16_io`, `swiglu_bf16_io`; AVX-512 panels, or AMX tiles where the
+host has them) against float64 references, oneDNN's packed bf16 path and each other, and its use by Linear / SwiGLU at
+1-MAX_ROWS rows."""
 from __future__ import annotations
 
 import pytest
 import torch
 
-from tokenplane.engine import cpu_bf16_gemv
+from tokenplane.engine import cpu_amx, cpu_bf16_gemv
 from tokenplane.engine.cpu_simd import HOST_AVX512
 from tokenplane.engine.layers import SwiGLU, cpu_pack, cpu_packing_supported, cpu_swiglu
 
 pytestmark = pytest.mark.skipif(not HOST_AVX512, reason="the bf16 decode panels need 16-lane vectors")
 
-SHAPES = [(960, 576), (40, 24), (17, 48), (100, 72)]    # N past a multiple of 16 / 32, K past one of 16
+# N past a multiple of 16 / 32, K past one of 16 (AVX-512 panels even on AMX hosts) or a multiple of 32 (AMX there)
+SHAPES = [(960, 576), (40, 24), (17, 48), (100, 72), (50, 96)]
+MAX = cpu_bf16_gemv.MAX_ROWS
 
 
 def _ulp_bound(ref: torch.Tensor) -> torch.Tensor:
@@ -21,7 +24,7 @@ def _ulp_bound(ref: torch.Tensor) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("n,k", SHAPES)
-@pytest.mark.parametrize("rows", [1, 2, 5, 8])
+@pytest.mark.parametrize("rows", [1, 2, 5, 8, 13, 16, 20])
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_linear_within_one_ulp_of_float64(one_thread, n, k, rows, with_bias):
     g = torch.Generator().manual_seed(n * 100 + k + rows)
@@ -35,7 +38,7 @@ def test_linear_within_one_ulp_of_float64(one_thread, n, k, rows, with_bias):
 
 
 @pytest.mark.skipif(not cpu_packing_supported(torch.bfloat16), reason="no oneDNN bf16 on this CPU")
-@pytest.mark.parametrize("rows", [1, 4, 8])
+@pytest.mark.parametrize("rows", [1, 4, 8, 16])
 def test_linear_and_swiglu_agree_with_onednn(one_thread, rows):
     """Both sum in float32 and round once (SwiGLU: twice, as cpu_swiglu's two stages): outputs equal but for values
     that the summation order moves across a rounding boundary."""
@@ -67,7 +70,7 @@ def test_swiglu_matches_float64_silu_mul(one_thread):
     assert ((h.double() - ref).abs() <= ref.abs() * 2.0 ** -6 + 1e-5).all()
 
 
-def test_modules_take_the_panels_at_1_to_8_rows_only(one_thread, monkeypatch):
+def test_modules_take_the_panels_at_1_to_max_rows_only(one_thread, monkeypatch):
     torch.manual_seed(0)
     mlp = SwiGLU(64, 96, bias=False).bfloat16()
     for lin in (mlp.gate_up_proj, mlp.down_proj):
@@ -79,7 +82,7 @@ def test_modules_take_the_panels_at_1_to_8_rows_only(one_thread, monkeypatch):
     real_linear, real_swiglu = cpu_bf16_gemv.linear_bf16_io, cpu_bf16_gemv.swiglu_bf16_io
     monkeypatch.setattr(cpu_bf16_gemv, "linear_bf16_io", lambda *a: calls.append("linear") or real_linear(*a))
     monkeypatch.setattr(cpu_bf16_gemv, "swiglu_bf16_io", lambda *a: calls.append("swiglu") or real_swiglu(*a))
-    x8, x9 = torch.randn(8, 64).bfloat16(), torch.randn(9, 64).bfloat16()
+    x8, x9 = torch.randn(MAX, 64).bfloat16(), torch.randn(MAX + 1, 64).bfloat16()
     y8 = mlp(x8)
     assert calls == ["swiglu", "linear"]
     calls.clear()
@@ -88,7 +91,7 @@ def test_modules_take_the_panels_at_1_to_8_rows_only(one_thread, monkeypatch):
     gu = x8.double() @ mlp.gate_up_proj.weight.double().T
     ref = (torch.nn.functional.silu(gu[:, :96]) * gu[:, 96:]) @ mlp.down_proj.weight.double().T
     assert ((y8.double() - ref).abs() <= ref.abs().max() * 2.0 ** -5).all()
-    assert y9.shape == (9, 64)
+    assert y9.shape == (MAX + 1, 64)
     mlp.gate_up_proj.unpack_cpu()
     assert mlp.gate_up_proj.cpu_bf16_panels is None
 
@@ -102,10 +105,10 @@ def test_switch_off_keeps_no_panel_copy():
         cpu_bf16_gemv.DECODE_PANELS[0] = True
     assert cpu_bf16_gemv.decode_panels_for(w) is not None
     assert cpu_bf16_gemv.decode_panels_for(w.float()) is None
-    assert not cpu_bf16_gemv.applies(torch.zeros(9, 16, dtype=torch.bfloat16))
+    assert not cpu_bf16_gemv.applies(torch.zeros(MAX + 1, 16, dtype=torch.bfloat16))
 
 
-def test_bf16_vocab_projection_takes_the_panels_at_1_to_8_rows(one_thread, monkeypatch):
+def test_bf16_vocab_projection_takes_the_panels_at_1_to_max_rows(one_thread, monkeypatch):
     from tokenplane.engine.layers import VocabProjection
 
     g = torch.Generator().manual_seed(3)
@@ -115,11 +118,51 @@ def test_bf16_vocab_projection_takes_the_panels_at_1_to_8_rows(one_thread, monke
     calls = []
     real = cpu_bf16_gemv.linear_bf16_io
     monkeypatch.setattr(cpu_bf16_gemv, "linear_bf16_io", lambda *a: calls.append(a[0].shape[0]) or real(*a))
-    for rows in (1, 8, 9):
+    for rows in (1, MAX, MAX + 1):
         h = torch.randn(rows, 64, generator=g).bfloat16()
         out = vp(h)
         ref = h.double() @ w.double().T
         assert out.dtype == torch.bfloat16 and out.shape == (rows, 1000)
         assert ((out.double() - ref).abs() <= _ulp_bound(ref)).all()
-    assert calls == [1, 8]
+    assert calls == [1, MAX]
     assert VocabProjection(w.float()).bf16_panels is None
+
+
+@pytest.mark.skipif(not cpu_amx.HOST_AMX, reason="no AMX tiles on this host")
+@pytest.mark.parametrize("rows", [1, 3, 16, 17, 40])
+def test_amx_sums_equal_avx512_panels_but_for_order(one_thread, rows):
+    """The AMX tiles and the AVX-512 panels both sum exact bf16 products in float32 (different orders): every sum
+    within float32 rounding of the float64 sum, and the two kernels' bf16 outputs equal for >= 99% of values."""
+    g = torch.Generator().manual_seed(rows)
+    n, k = 200, 96
+    w = (torch.randn(n, k, generator=g) * 0.1).bfloat16()
+    x = torch.randn(rows, k, generator=g).bfloat16()
+    amx_panels = cpu_bf16_gemv.decode_panels_for(w)
+    assert cpu_bf16_gemv.panel_shape(amx_panels) == (13, k, True)
+    avx_panels = cpu_bf16_gemv.pack_bf16(w.float())
+    assert cpu_bf16_gemv.panel_shape(avx_panels) == (13, k, False)
+    a = cpu_bf16_gemv.linear_bf16_io(x, amx_panels, n)
+    b = cpu_bf16_gemv.linear_bf16_io(x, avx_panels, n)
+    assert (a == b).float().mean().item() >= 0.99
+    sums = torch.empty(rows, 13 * 16)
+    cpu_amx.sums(x.view(torch.int16).numpy().view("uint16").reshape(-1), rows, k, amx_panels.reshape(-1), 13,
+                 sums.numpy().reshape(-1))
+    ref = x.double() @ w.double().T
+    gamma = k * 2.0 ** -24 / (1 - k * 2.0 ** -24)
+    bound = gamma * (x.double().abs() @ w.double().abs().T)
+    assert ((sums[:, :n].double() - ref).abs() <= bound + 1e-30).all()
+    assert (sums[:, n:] == 0).all()      # the padding columns
+
+
+@pytest.mark.skipif(not cpu_amx.HOST_AMX or not cpu_packing_supported(torch.bfloat16),
+                    reason="no AMX tiles or no oneDNN bf16 on this host")
+def test_onednn_runs_after_an_amx_kernel_released_the_tiles(one_thread):
+    """oneDNN's bf16 linears use the same tiles; a kernel here releases them, and oneDNN's result is unchanged."""
+    g = torch.Generator().manual_seed(11)
+    w = (torch.randn(256, 512, generator=g) * 0.05).bfloat16()
+    x = torch.randn(64, 512, generator=g).bfloat16()
+    packed = cpu_pack(w)
+    before = torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
+    cpu_bf16_gemv.linear_bf16_io(x[:5], cpu_bf16_gemv.decode_panels_for(w), 256)
+    after = torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
+    assert torch.equal(before, after)

@@ -16,18 +16,21 @@ the screen takes). The panels stream once for every 8 rows; prefetched ahead as 
 """
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import torch
 from numba import njit
 
-from tokenplane.engine import cpu_small_gemm
+from tokenplane.engine import cpu_amx, cpu_small_gemm
 from tokenplane.engine.cpu_elements import _load, _round, _store, as_array
 from tokenplane.engine.cpu_simd import HOST_AVX512, _fma16, _load16_bf16, _prefetch, _splat16, _store16, _zero16
 
 PANEL = cpu_small_gemm.PANEL
 PREFETCH = 2048       # bfloat16 elements ahead of the panel stream (4 KiB, as cpu_small_gemm's 1024 floats)
-# Rows the bf16 decode path takes: one pass of 8 rows streams each panel once; more rows stream it again.
-MAX_ROWS = 8
+# Rows the bf16 decode path takes: one pass of 8 rows (AVX-512) or 16 (AMX tiles) streams each panel once; more rows
+# stream it again.
+MAX_ROWS = 16 if cpu_amx.HOST_AMX else 8
 # [False] keeps bf16 linears on oneDNN at every row count (benchmarks compare the two on one code path). The panel
 # copy is a second bf16 copy of each linear's weight beside oneDNN's.
 DECODE_PANELS = [True]
@@ -175,18 +178,36 @@ def linear_bf16(x: torch.Tensor, wp: np.ndarray) -> np.ndarray:
 
 
 def decode_panels_for(weight: torch.Tensor) -> np.ndarray | None:
-    """The panel copy a bf16 Linear keeps for `linear_bf16_io` (None where that path is off or would not pay: not
-    bf16, or a host without 16-lane vectors)."""
+    """The copy a bf16 Linear keeps for `linear_bf16_io` (None where that path is off or would not pay: not bf16, or a
+    host without 16-lane vectors): AMX panels (cpu_amx.pack, 4-D) where the host has AMX and K allows, else the
+    AVX-512 panels (3-D)."""
     if not (DECODE_PANELS[0] and HOST_AVX512 and weight.dtype == torch.bfloat16 and weight.dim() == 2
             and weight.device.type == "cpu"):
         return None
+    if cpu_amx.HOST_AMX and cpu_amx.fits(int(weight.shape[1])):
+        return cpu_amx.pack(weight)
     return pack_bf16(weight.detach().float())
+
+
+def panel_shape(wp: np.ndarray) -> tuple[int, int, bool]:
+    """(panels, K, whether AMX panels) of a `decode_panels_for` copy."""
+    if wp.ndim == 4:
+        return int(wp.shape[0]), 2 * int(wp.shape[1]), True
+    return int(wp.shape[0]), int(wp.shape[1]), False
 
 
 def applies(x: torch.Tensor) -> bool:
     """A CPU bfloat16 [rows, K] input of 1..MAX_ROWS rows, with 1 torch thread (the kernel is single-threaded)."""
     return (x.dim() == 2 and 0 < x.shape[0] <= MAX_ROWS and x.dtype == torch.bfloat16 and x.device.type == "cpu"
             and torch.get_num_threads() == 1)
+
+
+@njit(cache=True, nogil=True)
+def _add_bias(acc, rows, n_out, bias):  # noqa: ANN001
+    if bias.shape[0]:
+        for m in range(rows):
+            for j in range(bias.shape[0]):
+                acc[m * n_out + j] += bias[j]
 
 
 @njit(cache=True, nogil=True)
@@ -198,19 +219,22 @@ def _sums(x, rows, k_dim, wp, panels, bias):  # noqa: ANN001, ANN202
     n_out = panels * PANEL
     acc = np.empty(rows * n_out, np.float32)
     gemv_bf16(xf, rows, k_dim, wp, panels, acc, n_out)
-    if bias.shape[0]:
-        for m in range(rows):
-            for j in range(bias.shape[0]):
-                acc[m * n_out + j] += bias[j]
+    _add_bias(acc, rows, n_out, bias)
     return acc
 
 
 @njit(cache=True, nogil=True)
-def linear_io(x, rows, k_dim, wp, panels, bias, out, n):  # noqa: ANN001
-    """`linear_bf16_io` on flat arrays: out [rows * n] bf16 bits, x [rows * k_dim] bf16 bits, wp the flat panels,
-    bias float32 (empty: none)."""
-    acc = _sums(x, rows, k_dim, wp, panels, bias)
+def _sums_amx(x, rows, k_dim, wp, panels, bias):  # noqa: ANN001, ANN202
+    """`_sums` on AMX panels (cpu_amx.pack). Compiled on first call only, so on hosts with AMX."""
     n_out = panels * PANEL
+    acc = np.empty(rows * n_out, np.float32)
+    cpu_amx.sums(x, rows, k_dim, wp, panels, acc)
+    _add_bias(acc, rows, n_out, bias)
+    return acc
+
+
+@njit(cache=True, nogil=True)
+def _linear_out(acc, rows, n_out, out, n):  # noqa: ANN001
     like = out[0]
     for m in range(rows):
         for j in range(n):
@@ -218,10 +242,7 @@ def linear_io(x, rows, k_dim, wp, panels, bias, out, n):  # noqa: ANN001
 
 
 @njit(cache=True, nogil=True)
-def swiglu_io(x, rows, k_dim, wp, panels, bias, out, ffn):  # noqa: ANN001
-    """`swiglu_bf16_io` on flat arrays (as `linear_io`; out [rows * ffn])."""
-    acc = _sums(x, rows, k_dim, wp, panels, bias)
-    n_out = panels * PANEL
+def _swiglu_out(acc, rows, n_out, out, ffn):  # noqa: ANN001
     like = out[0]
     for m in range(rows):
         for j in range(ffn):
@@ -232,6 +253,36 @@ def swiglu_io(x, rows, k_dim, wp, panels, bias, out, ffn):  # noqa: ANN001
             out[m * ffn + j] = _store(acc[m * n_out + ffn + j] * s, like)
 
 
+@njit(cache=True, nogil=True)
+def linear_io(x, rows, k_dim, wp, panels, bias, out, n):  # noqa: ANN001
+    """`linear_bf16_io` on flat arrays: out [rows * n] bf16 bits, x [rows * k_dim] bf16 bits, wp the flat panels,
+    bias float32 (empty: none)."""
+    _linear_out(_sums(x, rows, k_dim, wp, panels, bias), rows, panels * PANEL, out, n)
+
+
+@njit(cache=True, nogil=True)
+def swiglu_io(x, rows, k_dim, wp, panels, bias, out, ffn):  # noqa: ANN001
+    """`swiglu_bf16_io` on flat arrays (as `linear_io`; out [rows * ffn])."""
+    _swiglu_out(_sums(x, rows, k_dim, wp, panels, bias), rows, panels * PANEL, out, ffn)
+
+
+@njit(cache=True, nogil=True)
+def linear_io_amx(x, rows, k_dim, wp, panels, bias, out, n):  # noqa: ANN001
+    """`linear_io` on AMX panels."""
+    _linear_out(_sums_amx(x, rows, k_dim, wp, panels, bias), rows, panels * PANEL, out, n)
+
+
+@njit(cache=True, nogil=True)
+def swiglu_io_amx(x, rows, k_dim, wp, panels, bias, out, ffn):  # noqa: ANN001
+    """`swiglu_io` on AMX panels."""
+    _swiglu_out(_sums_amx(x, rows, k_dim, wp, panels, bias), rows, panels * PANEL, out, ffn)
+
+
+def io_kernels(amx: bool) -> tuple[Any, Any]:
+    """(linear_io, swiglu_io) for AVX-512 or AMX panels (`panel_shape`)."""
+    return (linear_io_amx, swiglu_io_amx) if amx else (linear_io, swiglu_io)
+
+
 def bias_array(bias: torch.Tensor | None) -> np.ndarray:
     """A bias as the kernels take it: float32, empty for none."""
     return _NO_BIAS if bias is None else bias.detach().float().numpy()
@@ -240,22 +291,25 @@ def bias_array(bias: torch.Tensor | None) -> np.ndarray:
 def linear_bf16_io(x: torch.Tensor, wp: np.ndarray, n: int, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [rows, K] bfloat16 (contiguous, CPU; `applies`) @ W^T (+ bias) for `decode_panels_for(W)`, W [n, K]:
     bfloat16 [rows, n], float32 sums rounded once."""
-    rows, k = x.shape
+    rows = x.shape[0]
+    panels, k, amx = panel_shape(wp)
     out = torch.empty(rows, n, dtype=torch.bfloat16)
-    linear_io(as_array(x.contiguous()).reshape(-1), rows, k, wp.reshape(-1), wp.shape[0], bias_array(bias),
-               as_array(out).reshape(-1), n)
+    io_kernels(amx)[0](as_array(x.contiguous()).reshape(-1), rows, k, wp.reshape(-1), panels, bias_array(bias),
+                       as_array(out).reshape(-1), n)
     return out
 
 
 def swiglu_bf16_io(x: torch.Tensor, wp: np.ndarray, ffn: int, bias: torch.Tensor | None = None) -> torch.Tensor:
     """silu(x @ gate^T) * (x @ up^T) for `decode_panels_for` of the gate_up weight [2 * ffn, K] (gate rows first),
     rounded as layers.cpu_swiglu rounds: bfloat16 [rows, ffn]."""
-    rows, k = x.shape
+    rows = x.shape[0]
+    panels, k, amx = panel_shape(wp)
     out = torch.empty(rows, ffn, dtype=torch.bfloat16)
-    swiglu_io(as_array(x.contiguous()).reshape(-1), rows, k, wp.reshape(-1), wp.shape[0], bias_array(bias),
-               as_array(out).reshape(-1), ffn)
+    io_kernels(amx)[1](as_array(x.contiguous()).reshape(-1), rows, k, wp.reshape(-1), panels, bias_array(bias),
+                       as_array(out).reshape(-1), ffn)
     return out
 
 
-__all__ = ["DECODE_PANELS", "MAX_ROWS", "PANEL", "applies", "bias_array", "decode_panels_for", "linear_bf16",
-           "linear_bf16_io", "linear_io", "pack_bf16", "swiglu_bf16_io", "swiglu_io"]
+__all__ = ["DECODE_PANELS", "MAX_ROWS", "PANEL", "applies", "bias_array", "decode_panels_for", "io_kernels",
+           "linear_bf16", "linear_bf16_io", "linear_io", "linear_io_amx", "pack_bf16", "panel_shape", "swiglu_bf16_io",
+           "swiglu_io", "swiglu_io_amx"]

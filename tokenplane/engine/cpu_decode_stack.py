@@ -57,13 +57,14 @@ class _Linear:
     n: int                    # out_features
     bias: np.ndarray | None   # float32 (bfloat16: cpu_bf16_gemv.bias_array, empty for none)
     kb: int                   # cpu_small_gemm.k_block(k)
+    amx: bool = False         # bfloat16: AMX panels (cpu_bf16_gemv.panel_shape)
 
 
 def _linear_of(m: nn.Module, bf16: bool) -> _Linear:
     if bf16:
         bp = m.cpu_bf16_panels
-        return _Linear(bp.reshape(-1), int(bp.shape[0]), int(bp.shape[1]), int(m.out_features),
-                       cpu_bf16_gemv.bias_array(m.bias), 0)
+        panels, k, amx = cpu_bf16_gemv.panel_shape(bp)
+        return _Linear(bp.reshape(-1), panels, k, int(m.out_features), cpu_bf16_gemv.bias_array(m.bias), 0, amx)
     p = m.cpu_panels
     return _Linear(p.numpy().reshape(-1), int(p.shape[0]), int(p.shape[1]), int(m.out_features),
                    None if m.bias is None else m.bias.detach().numpy(), cpu_small_gemm.k_block(int(p.shape[1])))
@@ -73,8 +74,8 @@ def _matmul(x: np.ndarray, lin: _Linear) -> np.ndarray:
     rows = x.shape[0]
     if x.dtype == np.uint16:
         out = np.empty((rows, lin.n), np.uint16)
-        cpu_bf16_gemv.linear_io(x.reshape(-1), rows, lin.k, lin.panels, lin.n_panels, lin.bias, out.reshape(-1),
-                                lin.n)
+        cpu_bf16_gemv.io_kernels(lin.amx)[0](x.reshape(-1), rows, lin.k, lin.panels, lin.n_panels, lin.bias,
+                                             out.reshape(-1), lin.n)
         return out
     width = lin.n_panels * cpu_small_gemm.PANEL
     if lin.bias is None:
@@ -183,8 +184,8 @@ class DecodeStack:
             act = np.empty((T, ffn), dt)
             gu = L.gate_up
             if bf16:
-                cpu_bf16_gemv.swiglu_io(h.reshape(-1), T, gu.k, gu.panels, gu.n_panels, gu.bias, act.reshape(-1),
-                                        ffn)
+                cpu_bf16_gemv.io_kernels(gu.amx)[1](h.reshape(-1), T, gu.k, gu.panels, gu.n_panels, gu.bias,
+                                                    act.reshape(-1), ffn)
             else:
                 _silu_mul(_matmul(h, gu), ffn, act)
             m = _matmul(act, L.down)

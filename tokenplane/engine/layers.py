@@ -124,7 +124,7 @@ class Linear(nn.Linear):
     # Plain attributes, not buffers: state_dict() stays the weights only.
     cpu_packed: torch.Tensor | None = None   # bf16: oneDNN's packed copy
     cpu_panels: torch.Tensor | None = None   # fp32: cpu_small_gemm's copy, for 1-256 row inputs (decode)
-    cpu_bf16_panels: np.ndarray | None = None   # bf16: cpu_bf16_gemv's copy, for 1-8 row inputs (decode)
+    cpu_bf16_panels: np.ndarray | None = None   # bf16: cpu_bf16_gemv's copy, for decode-sized inputs
 
     def reset_parameters(self) -> None:
         pass
