@@ -24,7 +24,7 @@ def _ulp_bound(ref: torch.Tensor) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("n,k", SHAPES)
-@pytest.mark.parametrize("rows", [1, 2, 5, 8, 13, 16, 20])
+@pytest.mark.parametrize("rows", [1, 2, 5, 8, 13, 16, 20, 33, 64])
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_linear_within_one_ulp_of_float64(one_thread, n, k, rows, with_bias):
     g = torch.Generator().manual_seed(n * 100 + k + rows)
@@ -129,7 +129,7 @@ def test_bf16_vocab_projection_takes_the_panels_at_1_to_max_rows(one_thread, mon
 
 
 @pytest.mark.skipif(not cpu_amx.HOST_AMX, reason="no AMX tiles on this host")
-@pytest.mark.parametrize("rows", [1, 3, 16, 17, 40])
+@pytest.mark.parametrize("rows", [1, 3, 16, 17, 32, 40, 70])
 def test_amx_sums_equal_avx512_panels_but_for_order(one_thread, rows):
     """The AMX tiles and the AVX-512 panels both sum exact bf16 products in float32 (different orders): every sum
     within float32 rounding of the float64 sum, and the two kernels' bf16 outputs equal for >= 99% of values."""

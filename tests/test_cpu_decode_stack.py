@@ -212,10 +212,9 @@ def test_decode_stack_linears_sum_in_f_linears_order(k):
 
 @pytest.mark.parametrize("preset", ["test-small", "test-llama"])
 def test_bf16_decode_stack_equals_model_path_bit_for_bit(preset, monkeypatch):
-    """bfloat16 decode steps of 1-MAX_ROWS rows (8 on AVX-512, 16 with AMX tiles) run the compiled stack on the torch
+    """bfloat16 decode steps of 1-8 rows (AVX-512 panels) or 1-16 (AMX tiles) run the compiled stack on the torch
     path's own kernels (cpu_bf16_gemv's panels, the dtype's rope and attention kernels): logits equal bit for bit,
-    interleaved block tables, positions crossing the rope table's first size; MAX_ROWS + 1 rows take the torch
-    path."""
+    interleaved block tables, positions crossing the rope table's first size; one row more takes the torch path."""
     from tokenplane.engine import cpu_bf16_gemv
     from tokenplane.engine.cpu_simd import HOST_AVX512
 
@@ -226,10 +225,11 @@ def test_bf16_decode_stack_equals_model_path_bit_for_bit(preset, monkeypatch):
     calls = []
     forward = cpu_decode_stack.DecodeStack.forward
     monkeypatch.setattr(cpu_decode_stack.DecodeStack, "forward", lambda *a: calls.append(a[1].shape[0]) or forward(*a))
-    sizes = (1, 3, 1, cpu_bf16_gemv.MAX_ROWS, cpu_bf16_gemv.MAX_ROWS + 1, 2) * 3
-    lens = [37, 250, 5, 16, 17, 90, 3, 64, 20, 41, 8, 130, 12, 77, 29, 55, 6][:cpu_bf16_gemv.MAX_ROWS + 1]
+    top = min(cpu_bf16_gemv.MAX_ROWS, cpu_decode_stack.MAX_ROWS)
+    sizes = (1, 3, 1, top, top + 1, 2) * 3
+    lens = [37, 250, 5, 16, 17, 90, 3, 64, 20, 41, 8, 130, 12, 77, 29, 55, 6][:top + 1]
     results = _logits_with_stack_off_and_on(model, cfg, lens, sizes, 7)
     assert stack_for(model.model) is not None and stack_for(model.model).bf16
-    assert calls == [n for n in sizes if n <= cpu_bf16_gemv.MAX_ROWS]
+    assert calls == [n for n in sizes if n <= top]
     for a, b in zip(results[False], results[True]):
         assert torch.equal(a, b)

@@ -1,11 +1,12 @@
 """bfloat16 products on Intel AMX tiles (TDPBF16PS) for numba kernels: the few-row linears of a bf16 model's decode.
 
-Why: at 1-16 rows a bf16 linear is a weight stream. oneDNN's bf16 linear (what vLLM's CPU backend and torch run)
-streams SmolLM2-135M's four linear shapes x 30 layers at ~6.7 GB/s on a Sapphire Rapids core, 1-32 rows alike
-(F.linear, 29.5-33 ms a pass); the AVX-512 panel kernel (cpu_bf16_gemv) reaches ~15 GB/s at 1-8 rows but is
-FMA-bound past 8 (28.7 ms at 16 rows). Tiles do 16 rows x 32 columns x 32 k in two instructions, so the stream
-stays the bound at every row count up to 16: 14.0-14.9 ms for the same pass at 1 / 4 / 8 / 16 rows, measured
-side by side (/tmp/exp40/amx/bench.py in stop 40's note).
+Why: at decode sizes a bf16 linear is a weight stream. oneDNN's packed bf16 linear (the engine's path past these
+rows; vLLM's CPU backend runs oneDNN too) streams SmolLM2-135M's four linear shapes x 30 layers in 21.2 ms at 1 row
+on a Sapphire Rapids core (~10 GB/s; F.linear: 29.5 ms), and the AVX-512 panels (cpu_bf16_gemv) are FMA-bound past
+8 rows. A pass here puts 32 rows in two A tiles against two B tiles of 32 columns, so the weight streams once at any
+row count: 14.7 / 15.1 / 18.3 / 25.2 / 61.6 ms at 1 / 16 / 32 / 64 / 256 rows against oneDNN's 21.2 / 22.0 / 24.9 /
+29.0 / 51.6, measured alternately in one process (benchmarks/peers/amx_linear_ab.py). Past 64 rows (prefill)
+oneDNN's blocking wins and keeps those.
 
 Layout (`pack`): the weight [N, K] in 16-column panels, each panel K/2 rows of 16 (k, k+1) pairs ("VNNI"): panel p
 row r = W[16p + j, 2r], W[16p + j, 2r + 1] for j = 0..15, 64 bytes; a B tile is 16 such rows (32 k x 16 columns,
@@ -44,7 +45,7 @@ _I8P = _I8.as_pointer()
 _SYS_ARCH_PRCTL = 158          # x86-64
 _ARCH_REQ_XCOMP_PERM = 0x1023
 _XFEATURE_XTILEDATA = 18
-TILE_ROWS = 16                 # rows of an A or C tile
+TILE_ROWS = 16                 # rows of an A or C tile (a pass takes two: 32 rows)
 TILE_K = 32                    # bf16 k values in an A tile row (64 bytes)
 PANEL = 16                     # output columns per panel (a C tile row)
 
@@ -135,58 +136,77 @@ def _tile_dot(c: int, a: int, b: int):  # noqa: ANN202
     return dot
 
 
-# tiles 0, 1: C (r rows x 16 float32); 2: A (r rows x 32 bf16); 3, 4: B (16 pair rows x 16 columns)
-_zero0, _zero1 = _tile_zero(0), _tile_zero(1)
-_load_a, _load_b0, _load_b1 = (_tile_memory(t, "llvm.x86.tileloadd64") for t in (2, 3, 4))
-_store_c0, _store_c1 = (_tile_memory(t, "llvm.x86.tilestored64") for t in (0, 1))
-_dot0, _dot1 = _tile_dot(0, 2, 3), _tile_dot(1, 2, 4)
+# A pass: rows m..m+ra of x in tile A0 (4), the next rb rows in A1 (5); two panels in B0, B1 (6, 7); C tiles
+# (rows x 16 float32): 0 = A0.B0, 1 = A0.B1, 2 = A1.B0, 3 = A1.B1. Each B tile loaded serves up to 32 rows.
+_zero = [_tile_zero(t) for t in range(4)]
+_zero0, _zero1, _zero2, _zero3 = _zero
+_load_a0, _load_a1, _load_b0, _load_b1 = (_tile_memory(t, "llvm.x86.tileloadd64") for t in (4, 5, 6, 7))
+_store0, _store1, _store2, _store3 = (_tile_memory(t, "llvm.x86.tilestored64") for t in range(4))
+_dot00, _dot01, _dot10, _dot11 = _tile_dot(0, 4, 6), _tile_dot(1, 4, 7), _tile_dot(2, 5, 6), _tile_dot(3, 5, 7)
 
 
 @njit(cache=True, nogil=True)
-def _configure(cfg, rows):  # noqa: ANN001
-    """Palette 1: tiles 0-2 `rows` rows, 3-4 16 rows, 64 bytes a row each."""
+def _configure(cfg, ra, rb):  # noqa: ANN001
+    """Palette 1 for a pass of ra + rb rows (rb = 0: tiles 2, 3 and 5 unused), 64 bytes a row."""
     for i in range(64):
         cfg[i] = 0
     cfg[0] = 1
-    for t in range(5):
-        cfg[16 + 2 * t] = 64
-        cfg[48 + t] = rows if t < 3 else 16
+    for t, r in ((0, ra), (1, ra), (2, rb), (3, rb), (4, ra), (5, rb), (6, 16), (7, 16)):
+        if r:
+            cfg[16 + 2 * t] = 64
+            cfg[48 + t] = r
 
 
 @njit(cache=True, nogil=True)
 def sums(x, rows, k_dim, wp, panels, out):  # noqa: ANN001
-    """out [rows, panels * 16] float32 (flat) = x [rows, k_dim] (bf16 bits, flat) @ the packed weight (`pack`, flat)^T,
-    16 rows a pass (each pass streams the weight once); k_dim a multiple of 32."""
+    """out [rows, panels * 16] float32 (flat) = x [rows, k_dim] (bf16 bits, flat) @ the packed weight (`pack`, flat)^T;
+    k_dim a multiple of 32. Panel pairs outside, passes of 32 rows inside: the weight streams once whatever the row
+    count, and a pair's 2 x K x 32 bytes stay in cache for its further passes."""
     n_out = panels * PANEL
     panel = k_dim * PANEL            # bf16 values per panel
+    xs = np.int64(2 * k_dim)
+    os_ = np.int64(4 * n_out)
     cfg = np.empty(64, np.uint8)
-    for m in range(0, rows, TILE_ROWS):
-        r = min(TILE_ROWS, rows - m)
-        _configure(cfg, r)
-        _tile_config(cfg)
-        xa = m * k_dim
-        for p in range(0, panels - 1, 2):
-            _zero0()
-            _zero1()
-            b = p * panel
+    shape = -1
+    for p in range(0, panels, 2):
+        two = p + 1 < panels
+        b = p * panel
+        for m in range(0, rows, 2 * TILE_ROWS):
+            ra = min(TILE_ROWS, rows - m)
+            rb = min(TILE_ROWS, rows - m - ra)
+            if ra * 32 + rb != shape:   # the last pass of a row count off a multiple of 32 has its own shape
+                shape = ra * 32 + rb
+                _configure(cfg, ra, rb)
+                _tile_config(cfg)
+            _zero0()    # only configured tiles: touching an unconfigured one faults (#UD)
+            if two:
+                _zero1()
+            if rb:
+                _zero2()
+                if two:
+                    _zero3()
+            xa = m * k_dim
             for k in range(0, k_dim, TILE_K):
-                _load_a(x, xa + k, np.int64(2 * k_dim))
+                _load_a0(x, xa + k, xs)
                 _load_b0(wp, b + k * PANEL, np.int64(64))
-                _dot0()
-                _load_b1(wp, b + panel + k * PANEL, np.int64(64))
-                _dot1()
-            _store_c0(out, m * n_out + p * PANEL, np.int64(4 * n_out))
-            _store_c1(out, m * n_out + (p + 1) * PANEL, np.int64(4 * n_out))
-        if panels % 2:
-            p = panels - 1
-            _zero0()
-            b = p * panel
-            for k in range(0, k_dim, TILE_K):
-                _load_a(x, xa + k, np.int64(2 * k_dim))
-                _load_b0(wp, b + k * PANEL, np.int64(64))
-                _dot0()
-            _store_c0(out, m * n_out + p * PANEL, np.int64(4 * n_out))
-        _tile_release()
+                _dot00()
+                if two:
+                    _load_b1(wp, b + panel + k * PANEL, np.int64(64))
+                    _dot01()
+                if rb:
+                    _load_a1(x, xa + TILE_ROWS * k_dim + k, xs)
+                    _dot10()
+                    if two:
+                        _dot11()
+            o = m * n_out + p * PANEL
+            _store0(out, o, os_)
+            if two:
+                _store1(out, o + PANEL, os_)
+            if rb:
+                _store2(out, o + TILE_ROWS * n_out, os_)
+                if two:
+                    _store3(out, o + TILE_ROWS * n_out + PANEL, os_)
+    _tile_release()
 
 
 def fits(k: int) -> bool:

@@ -28,9 +28,10 @@ from tokenplane.engine.cpu_simd import HOST_AVX512, _fma16, _load16_bf16, _prefe
 
 PANEL = cpu_small_gemm.PANEL
 PREFETCH = 2048       # bfloat16 elements ahead of the panel stream (4 KiB, as cpu_small_gemm's 1024 floats)
-# Rows the bf16 decode path takes: one pass of 8 rows (AVX-512) or 16 (AMX tiles) streams each panel once; more rows
-# stream it again.
-MAX_ROWS = 16 if cpu_amx.HOST_AMX else 8
+# Rows the bf16 decode path takes. AVX-512: one pass of 8 rows streams each panel once; more rows stream it again.
+# AMX: the weight streams once at any row count, ahead of oneDNN's packed linear up to 64 rows (SmolLM2's shapes x 30
+# layers, one core: 1.44x at 1-16 rows, 1.35x at 17-32, 1.09-1.15x at 48-64, 0.84x at 256: cpu_amx's docstring).
+MAX_ROWS = 64 if cpu_amx.HOST_AMX else 8
 # [False] keeps bf16 linears on oneDNN at every row count (benchmarks compare the two on one code path). The panel
 # copy is a second bf16 copy of each linear's weight beside oneDNN's.
 DECODE_PANELS = [True]

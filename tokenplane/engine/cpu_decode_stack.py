@@ -113,7 +113,7 @@ class DecodeStack:
     def __init__(self, model: nn.Module) -> None:
         self.dtype = model.embed_tokens.weight.dtype
         self.bf16 = bf16 = self.dtype == torch.bfloat16
-        self.max_rows = cpu_bf16_gemv.MAX_ROWS if bf16 else MAX_ROWS
+        self.max_rows = min(cpu_bf16_gemv.MAX_ROWS, MAX_ROWS) if bf16 else MAX_ROWS
         self.embed = as_array(model.embed_tokens.weight.detach())
         self.final_norm = as_array(model.norm.weight.detach())
         self.final_eps = float(model.norm.eps)
