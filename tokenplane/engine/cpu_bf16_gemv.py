@@ -23,6 +23,7 @@ import torch
 from numba import njit
 
 from tokenplane.engine import cpu_amx, cpu_small_gemm
+from tokenplane.engine.cpu_decode_paging import _exp16_shifted
 from tokenplane.engine.cpu_elements import _load, _round, _store, as_array
 from tokenplane.engine.cpu_simd import HOST_AVX512, _fma16, _load16_bf16, _prefetch, _splat16, _store16, _zero16
 
@@ -244,14 +245,30 @@ def _linear_out(acc, rows, n_out, out, n):  # noqa: ANN001
 
 @njit(cache=True, nogil=True)
 def _swiglu_out(acc, rows, n_out, out, ffn):  # noqa: ANN001
+    """out = bf16(up * bf16(swish(gate))) per row of the float32 sums (gate columns first). The exponents 16 at a time
+    (cpu_decode_paging._exp16_shifted of -|gate|, within 3 ulp of exp): libm's expf is a scalar call, 5.4 ns an
+    element here (16 ms of a 64-row SmolLM2 step), these loops ~2 together."""
     like = out[0]
+    width = (ffn + 15) // 16 * 16
+    t = np.zeros(width, np.float32)
+    e = np.empty(width, np.float32)
+    z = _zero16()
+    one = np.float32(1.0)
     for m in range(rows):
+        base = m * n_out
         for j in range(ffn):
-            g = acc[m * n_out + j]
-            # layers.cpu_swiglu's two oneDNN stages: swish on the gate's float32 sum, rounded to bf16; the up
-            # projection's float32 sum times that, rounded once more
-            s = _round(g / (np.float32(1.0) + np.exp(-g)), like)
-            out[m * ffn + j] = _store(acc[m * n_out + ffn + j] * s, like)
+            t[j] = -abs(acc[base + j])
+        for j in range(0, width, 16):
+            _store16(e, j, _exp16_shifted(t, j, z))
+        for j in range(ffn):
+            # layers.cpu_swiglu's two oneDNN stages: swish on the gate's float32 sum (g * sigmoid(g), sigmoid from
+            # e = exp(-|g|)), rounded to bf16; the up projection's float32 sum times that, rounded once more. Two
+            # loops: each vectorizes (one loop with both measured 3.5 ns an element, these 2.0 together)
+            g = acc[base + j]
+            num = one if g >= np.float32(0.0) else e[j]
+            e[j] = g * (num / (one + e[j]))
+        for j in range(ffn):
+            out[m * ffn + j] = _store(acc[base + ffn + j] * _round(e[j], like), like)
 
 
 @njit(cache=True, nogil=True)
