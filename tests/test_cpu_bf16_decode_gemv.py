@@ -166,3 +166,20 @@ def test_onednn_runs_after_an_amx_kernel_released_the_tiles(one_thread):
     cpu_bf16_gemv.linear_bf16_io(x[:5], cpu_bf16_gemv.decode_panels_for(w), 256)
     after = torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
     assert torch.equal(before, after)
+
+
+def test_swiglu_epilogue_over_wide_gate_values():
+    """The epilogue's swish (sigmoid from exp(-|g|), 16 lanes at a time) against float64 over gates from -60 to 60,
+    zeros and ties included, every row length off a multiple of 16: within the two bf16 roundings."""
+    g = torch.linspace(-60.0, 60.0, 3 * 37).reshape(3, 37)
+    g[0, :5] = 0.0
+    up = torch.randn(3, 37, generator=torch.Generator().manual_seed(5))
+    acc = torch.cat([g, up], dim=1).contiguous()
+    out = torch.empty(3, 37, dtype=torch.bfloat16)
+    cpu_bf16_gemv._swiglu_out(acc.numpy().reshape(-1), 3, 74, out.view(torch.int16).numpy().view("uint16").reshape(-1),
+                              37)
+    gd = g.double()
+    s = (gd * torch.sigmoid(gd)).bfloat16().double()
+    ref = up.double() * s
+    assert torch.isfinite(out.float()).all()
+    assert ((out.double() - ref).abs() <= ref.abs() * 2.0 ** -6 + 1e-30).all()
