@@ -57,16 +57,18 @@ def test_linear_and_swiglu_agree_with_onednn(one_thread, rows):
     assert ((h.float() - h_ref.float()).abs() <= h_ref.float().abs() * 2.0 ** -6 + 1e-5).all()
 
 
-def test_swiglu_matches_float64_silu_mul(one_thread):
-    g = torch.Generator().manual_seed(7)
-    f, k = 40, 32
+@pytest.mark.parametrize("f,k,rows", [(40, 32, 3), (48, 64, 20), (64, 96, 40), (40, 96, 5)])
+def test_swiglu_matches_float64_silu_mul(one_thread, f, k, rows):
+    """F a multiple of 16 and K of 32 take the AMX pass that pairs gate and up panels (where the host has AMX); the
+    others the sums first."""
+    g = torch.Generator().manual_seed(7 + f + rows)
     w = (torch.randn(2 * f, k, generator=g) * 0.3).bfloat16()
     b = (torch.randn(2 * f, generator=g) * 0.1).bfloat16()
-    x = torch.randn(3, k, generator=g).bfloat16()
+    x = torch.randn(rows, k, generator=g).bfloat16()
     h = cpu_bf16_gemv.swiglu_bf16_io(x, cpu_bf16_gemv.decode_panels_for(w), f, b)
     s = x.double() @ w.double().T + b.double()
     ref = torch.nn.functional.silu(s[:, :f]) * s[:, f:]
-    assert h.shape == (3, f)
+    assert h.shape == (rows, f)
     assert ((h.double() - ref).abs() <= ref.abs() * 2.0 ** -6 + 1e-5).all()
 
 
@@ -183,3 +185,21 @@ def test_swiglu_epilogue_over_wide_gate_values():
     ref = up.double() * s
     assert torch.isfinite(out.float()).all()
     assert ((out.double() - ref).abs() <= ref.abs() * 2.0 ** -6 + 1e-30).all()
+
+
+@pytest.mark.skipif(not cpu_amx.HOST_AMX, reason="no AMX tiles on this host")
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 7])
+def test_vector_stream_over_amx_panels_equals_the_avx512_panels(one_thread, rows):
+    """`gemv_vnni` reads the AMX copy (k pairs interleaved) with the AVX-512 panels' chain of fused multiply-adds over
+    k in order: the same float32 sums bit for bit, an odd panel count included."""
+    g = torch.Generator().manual_seed(40 + rows)
+    n, k = 208, 64
+    w = (torch.randn(n, k, generator=g) * 0.1).bfloat16()
+    x = torch.randn(rows, k, generator=g)
+    a = torch.empty(rows, n)
+    b = torch.empty(rows, n)
+    cpu_bf16_gemv.gemv_vnni(x.numpy().reshape(-1), rows, k, cpu_amx.pack(w).reshape(-1), n // 16, a.numpy().reshape(-1),
+                            n)
+    cpu_bf16_gemv.gemv_bf16(x.numpy().reshape(-1), rows, k, cpu_bf16_gemv.pack_bf16(w.float()).reshape(-1), n // 16,
+                            b.numpy().reshape(-1), n)
+    assert torch.equal(a, b)

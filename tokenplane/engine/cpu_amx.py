@@ -5,8 +5,12 @@ rows; vLLM's CPU backend runs oneDNN too) streams SmolLM2-135M's four linear sha
 on a Sapphire Rapids core (~10 GB/s; F.linear: 29.5 ms), and the AVX-512 panels (cpu_bf16_gemv) are FMA-bound past
 8 rows. A pass here puts 32 rows in two A tiles against two B tiles of 32 columns, so the weight streams once at any
 row count: 14.7 / 15.1 / 18.3 / 25.2 / 61.6 ms at 1 / 16 / 32 / 64 / 256 rows against oneDNN's 21.2 / 22.0 / 24.9 /
-29.0 / 51.6, measured alternately in one process (benchmarks/peers/amx_linear_ab.py). Past 64 rows (prefill)
-oneDNN's blocking wins and keeps those.
+29.0 / 51.6, measured alternately in one process (benchmarks/peers/amx_linear_ab.py). The pass's sums leave the tiles
+through an L1 scratch into the caller's form: float32 sums, a bf16 linear (bias, one rounding, 16 lanes at a time),
+or a SwiGLU (gate and up panels paired in one pass, the swish product written from it): writing float32 sums and
+converting them after cost 151936 x 512 at 32 rows 15.6 -> 19.1 ms against oneDNN's 16.4; written as bf16 from the
+scratch, 14.2. cpu_bf16_gemv takes this path up to 32 rows (oneDNN ahead from 64 on the vocabulary projections) and
+streams 1-4 rows through vectors over the same copy.
 
 Layout (`pack`): the weight [N, K] in 16-column panels, each panel K/2 rows of 16 (k, k+1) pairs ("VNNI"): panel p
 row r = W[16p + j, 2r], W[16p + j, 2r + 1] for j = 0..15, 64 bytes; a B tile is 16 such rows (32 k x 16 columns,
@@ -37,7 +41,10 @@ from numba import njit, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
+from tokenplane.engine.cpu_decode_paging import _exp16_shifted
+from tokenplane.engine.cpu_elements import _store
 from tokenplane.engine.cpu_malloc import huge_page_empty
+from tokenplane.engine.cpu_simd import _add16, _load16, _mul16, _round16_bf16, _store16, _store16_bf16, _zero16
 
 _I8 = ir.IntType(8)
 _I64 = ir.IntType(64)
@@ -157,20 +164,46 @@ def _configure(cfg, ra, rb):  # noqa: ANN001
             cfg[48 + t] = r
 
 
+SUMS, LINEAR, SWIGLU = 0, 1, 2     # what a pass writes (`_passes`)
+
+
 @njit(cache=True, nogil=True)
-def sums(x, rows, k_dim, wp, panels, out):  # noqa: ANN001
-    """out [rows, panels * 16] float32 (flat) = x [rows, k_dim] (bf16 bits, flat) @ the packed weight (`pack`, flat)^T;
-    k_dim a multiple of 32. Panel pairs outside, passes of 32 rows inside: the weight streams once whatever the row
-    count, and a pair's 2 x K x 32 bytes stay in cache for its further passes."""
-    n_out = panels * PANEL
+def _passes(x, rows, k_dim, wp, panels, mode, bias, out):  # noqa: ANN001
+    """The tile passes over x [rows, k_dim] (bf16 bits, flat) and the packed weight (`pack`, flat), k_dim a multiple
+    of 32. Panel pairs outside, passes of 32 rows inside: the weight streams once whatever the row count, and a pair's
+    2 x K x 32 bytes stay in cache for its further passes. Each pass's 32 x 32 float32 sums land in an L1 scratch
+    and go out by `mode`:
+      SUMS: out float32 [rows, panels * 16] = the sums (bias unused);
+      LINEAR: out bf16 bits [rows, n], n = bias.shape[0] = the sums + bias, rounded once (bias zeros for none);
+      SWIGLU: the weight is [2F, K] (gate rows, then up rows; F % 16 == 0) and a pass pairs gate panel i with up panel
+        i + F / 16; out bf16 bits [rows, F] = bf16(up * bf16(swish(gate))) (layers.cpu_swiglu's two rounding
+        points; swish from exp(-|gate|), 16 lanes at a time), bias [2F] added to both first."""
     panel = k_dim * PANEL            # bf16 values per panel
     xs = np.int64(2 * k_dim)
-    os_ = np.int64(4 * n_out)
+    ss = np.int64(4 * 2 * PANEL)     # scratch row stride: 32 float32
     cfg = np.empty(64, np.uint8)
+    scratch = np.empty(2 * TILE_ROWS * 2 * PANEL, np.float32)
+    t = np.zeros(2 * TILE_ROWS * PANEL, np.float32)
+    e = np.empty(2 * TILE_ROWS * PANEL, np.float32)
+    z = _zero16()
+    one = np.float32(1.0)
+    n = bias.shape[0]
+    half = panels // 2
+    if mode == SWIGLU:
+        n = half * PANEL
+    like = out[0]
     shape = -1
-    for p in range(0, panels, 2):
-        two = p + 1 < panels
-        b = p * panel
+    steps = half if mode == SWIGLU else (panels + 1) // 2
+    for q in range(steps):
+        if mode == SWIGLU:
+            p0 = q
+            p1 = q + half
+        else:
+            p0 = 2 * q
+            p1 = 2 * q + 1
+        two = p1 < panels
+        b0 = p0 * panel
+        b1 = p1 * panel
         for m in range(0, rows, 2 * TILE_ROWS):
             ra = min(TILE_ROWS, rows - m)
             rb = min(TILE_ROWS, rows - m - ra)
@@ -188,25 +221,89 @@ def sums(x, rows, k_dim, wp, panels, out):  # noqa: ANN001
             xa = m * k_dim
             for k in range(0, k_dim, TILE_K):
                 _load_a0(x, xa + k, xs)
-                _load_b0(wp, b + k * PANEL, np.int64(64))
+                _load_b0(wp, b0 + k * PANEL, np.int64(64))
                 _dot00()
                 if two:
-                    _load_b1(wp, b + panel + k * PANEL, np.int64(64))
+                    _load_b1(wp, b1 + k * PANEL, np.int64(64))
                     _dot01()
                 if rb:
                     _load_a1(x, xa + TILE_ROWS * k_dim + k, xs)
                     _dot10()
                     if two:
                         _dot11()
-            o = m * n_out + p * PANEL
-            _store0(out, o, os_)
+            _store0(scratch, 0, ss)
             if two:
-                _store1(out, o + PANEL, os_)
+                _store1(scratch, PANEL, ss)
             if rb:
-                _store2(out, o + TILE_ROWS * n_out, os_)
+                _store2(scratch, TILE_ROWS * 2 * PANEL, ss)
                 if two:
-                    _store3(out, o + TILE_ROWS * n_out + PANEL, os_)
+                    _store3(scratch, TILE_ROWS * 2 * PANEL + PANEL, ss)
+            r_all = ra + rb
+            if mode == SUMS:
+                n_out = panels * PANEL
+                for r in range(r_all):
+                    for c in range(PANEL):
+                        out[(m + r) * n_out + p0 * PANEL + c] = scratch[r * 2 * PANEL + c]
+                    if two:
+                        for c in range(PANEL):
+                            out[(m + r) * n_out + p1 * PANEL + c] = scratch[r * 2 * PANEL + PANEL + c]
+            elif mode == LINEAR:
+                w0 = min(PANEL, n - p0 * PANEL)
+                w1 = min(PANEL, n - p1 * PANEL) if two else 0
+                for r in range(r_all):
+                    o = (m + r) * n
+                    if w0 == PANEL:     # a whole panel: one vector of 16 (rounded as cpu_elements' `_store`)
+                        _store16_bf16(out, o + p0 * PANEL, _add16(_load16(scratch, r * 2 * PANEL),
+                                                                  _load16(bias, p0 * PANEL)))
+                    else:
+                        for c in range(w0):
+                            out[o + p0 * PANEL + c] = _store(scratch[r * 2 * PANEL + c] + bias[p0 * PANEL + c], like)
+                    if w1 == PANEL:
+                        _store16_bf16(out, o + p1 * PANEL, _add16(_load16(scratch, r * 2 * PANEL + PANEL),
+                                                                  _load16(bias, p1 * PANEL)))
+                    else:
+                        for c in range(w1):
+                            out[o + p1 * PANEL + c] = _store(scratch[r * 2 * PANEL + PANEL + c]
+                                                             + bias[p1 * PANEL + c], like)
+            else:
+                col = p0 * PANEL
+                bg = _load16(bias, col)
+                bu = _load16(bias, n + col)
+                for r in range(r_all):
+                    g = _add16(_load16(scratch, r * 2 * PANEL), bg)
+                    _store16(scratch, r * 2 * PANEL, g)
+                    _store16(scratch, r * 2 * PANEL + PANEL, _add16(_load16(scratch, r * 2 * PANEL + PANEL), bu))
+                    for c in range(PANEL):
+                        t[r * PANEL + c] = -abs(scratch[r * 2 * PANEL + c])
+                    _store16(e, r * PANEL, _exp16_shifted(t, r * PANEL, z))
+                for r in range(r_all):
+                    for c in range(PANEL):
+                        g = scratch[r * 2 * PANEL + c]
+                        num = one if g >= np.float32(0.0) else e[r * PANEL + c]
+                        e[r * PANEL + c] = g * (num / (one + e[r * PANEL + c]))
+                    # swish rounded to bf16, times up, rounded again (layers.cpu_swiglu's two oneDNN stages)
+                    _store16_bf16(out, (m + r) * n + col,
+                                  _mul16(_load16(scratch, r * 2 * PANEL + PANEL), _round16_bf16(_load16(e, r * PANEL))))
     _tile_release()
+
+
+@njit(cache=True, nogil=True)
+def sums(x, rows, k_dim, wp, panels, out):  # noqa: ANN001
+    """out [rows, panels * 16] float32 (flat) = x [rows, k_dim] (bf16 bits, flat) @ the packed weight^T."""
+    _passes(x, rows, k_dim, wp, panels, SUMS, np.empty(0, np.float32), out)
+
+
+@njit(cache=True, nogil=True)
+def linear(x, rows, k_dim, wp, panels, bias, out):  # noqa: ANN001
+    """out bf16 bits [rows, n] = x @ W^T + bias, n = bias.shape[0] (zeros for no bias), float32 sums rounded once."""
+    _passes(x, rows, k_dim, wp, panels, LINEAR, bias, out)
+
+
+@njit(cache=True, nogil=True)
+def swiglu(x, rows, k_dim, wp, panels, bias, out):  # noqa: ANN001
+    """out bf16 bits [rows, F] = bf16(up * bf16(swish(gate))) for a packed gate_up weight [2F, K], F % 16 == 0; bias
+    [2F] (zeros for no bias)."""
+    _passes(x, rows, k_dim, wp, panels, SWIGLU, bias, out)
 
 
 def fits(k: int) -> bool:
@@ -229,4 +326,5 @@ def pack(weight: torch.Tensor) -> np.ndarray:
     return out.numpy().view(np.uint16)
 
 
-__all__ = ["HOST_AMX", "PANEL", "TILE_K", "TILE_ROWS", "fits", "pack", "sums"]
+__all__ = ["HOST_AMX", "LINEAR", "PANEL", "SUMS", "SWIGLU", "TILE_K", "TILE_ROWS", "fits", "linear", "pack", "sums",
+           "swiglu"]

@@ -25,14 +25,29 @@ from numba import njit
 from tokenplane.engine import cpu_amx, cpu_small_gemm
 from tokenplane.engine.cpu_decode_paging import _exp16_shifted
 from tokenplane.engine.cpu_elements import _load, _round, _store, as_array
-from tokenplane.engine.cpu_simd import HOST_AVX512, _fma16, _load16_bf16, _prefetch, _splat16, _store16, _zero16
+from tokenplane.engine.cpu_simd import (
+    HOST_AVX512,
+    _fma16,
+    _load16_bf16,
+    _load16_bf16_even,
+    _load16_bf16_odd,
+    _prefetch,
+    _splat16,
+    _store16,
+    _zero16,
+)
 
 PANEL = cpu_small_gemm.PANEL
 PREFETCH = 2048       # bfloat16 elements ahead of the panel stream (4 KiB, as cpu_small_gemm's 1024 floats)
 # Rows the bf16 decode path takes. AVX-512: one pass of 8 rows streams each panel once; more rows stream it again.
-# AMX: the weight streams once at any row count, ahead of oneDNN's packed linear up to 64 rows (SmolLM2's shapes x 30
-# layers, one core: 1.44x at 1-16 rows, 1.35x at 17-32, 1.09-1.15x at 48-64, 0.84x at 256: cpu_amx's docstring).
-MAX_ROWS = 64 if cpu_amx.HOST_AMX else 8
+# AMX: the weight streams once at any row count; ahead of oneDNN's packed linear up to 32 rows on every shape measured
+# (benchmarks/peers/amx_linear_ab.py: SmolLM2's four linear shapes x 30 layers 1.44x at 1-16 rows, 1.35x at 17-32;
+# vocabulary projections 151936 x 512 and 49152 x 576 level to 1.9x at 8-32 rows) and behind it at 64 on the
+# vocabulary projections (the float32 sums of 64 x 151936 outputs: 25.9 vs 17.7 ms).
+MAX_ROWS = 32 if cpu_amx.HOST_AMX else 8
+# On AMX panels, rows up to here stream them through 16-lane vectors instead of the tiles (151936 x 512 at 1 / 4 rows:
+# 8.9 / 9.5 ms against the tiles' 11.2 / 10.8 here); the same sums as over the AVX-512 panels, bit for bit
+VNNI_STREAM_ROWS = 4
 # [False] keeps bf16 linears on oneDNN at every row count (benchmarks compare the two on one code path). The panel
 # copy is a second bf16 copy of each linear's weight beside oneDNN's.
 DECODE_PANELS = [True]
@@ -225,12 +240,102 @@ def _sums(x, rows, k_dim, wp, panels, bias):  # noqa: ANN001, ANN202
     return acc
 
 
+@njit(inline="always")
+def _vnni_pass(x, k_dim, m, r, wp, wb0, wb1, last, out, n_out, col):  # noqa: ANN001
+    """`_pass` over AMX panels (cpu_amx.pack: 64 bytes per k pair, 16 columns x (k, k + 1)), r = 1..4 rows: the even
+    and odd elements of a 64-byte load are k and k + 1 of 16 columns, so each output is the same chain of fused
+    multiply-adds over k in order as `_pass` over its panels (bit for bit the same sums)."""
+    x0 = m * k_dim
+    a00 = _zero16()
+    a01 = _zero16()
+    a10 = _zero16()
+    a11 = _zero16()
+    a20 = _zero16()
+    a21 = _zero16()
+    a30 = _zero16()
+    a31 = _zero16()
+    for k in range(0, k_dim, 2):
+        wi = wb0 + k * PANEL
+        _prefetch(wp, min(wi + PREFETCH, last))
+        e0 = _load16_bf16_even(wp, wi)
+        o0 = _load16_bf16_odd(wp, wi)
+        e1 = e0
+        o1 = o0
+        if wb1 >= 0:
+            wj = wb1 + k * PANEL
+            _prefetch(wp, min(wj + PREFETCH, last))
+            e1 = _load16_bf16_even(wp, wj)
+            o1 = _load16_bf16_odd(wp, wj)
+        b = _splat16(x, x0 + k)
+        c = _splat16(x, x0 + k + 1)
+        a00 = _fma16(c, o0, _fma16(b, e0, a00))
+        a01 = _fma16(c, o1, _fma16(b, e1, a01))
+        if r > 1:
+            b = _splat16(x, x0 + k_dim + k)
+            c = _splat16(x, x0 + k_dim + k + 1)
+            a10 = _fma16(c, o0, _fma16(b, e0, a10))
+            a11 = _fma16(c, o1, _fma16(b, e1, a11))
+        if r > 2:
+            b = _splat16(x, x0 + 2 * k_dim + k)
+            c = _splat16(x, x0 + 2 * k_dim + k + 1)
+            a20 = _fma16(c, o0, _fma16(b, e0, a20))
+            a21 = _fma16(c, o1, _fma16(b, e1, a21))
+        if r > 3:
+            b = _splat16(x, x0 + 3 * k_dim + k)
+            c = _splat16(x, x0 + 3 * k_dim + k + 1)
+            a30 = _fma16(c, o0, _fma16(b, e0, a30))
+            a31 = _fma16(c, o1, _fma16(b, e1, a31))
+    o = m * n_out + col
+    _store16(out, o, a00)
+    if wb1 >= 0:
+        _store16(out, o + PANEL, a01)
+    if r > 1:
+        _store16(out, o + n_out, a10)
+        if wb1 >= 0:
+            _store16(out, o + n_out + PANEL, a11)
+    if r > 2:
+        _store16(out, o + 2 * n_out, a20)
+        if wb1 >= 0:
+            _store16(out, o + 2 * n_out + PANEL, a21)
+    if r > 3:
+        _store16(out, o + 3 * n_out, a30)
+        if wb1 >= 0:
+            _store16(out, o + 3 * n_out + PANEL, a31)
+
+
+@njit(cache=True, nogil=True)
+def gemv_vnni(x, rows, k_dim, wp, panels, out, n_out):  # noqa: ANN001
+    """`gemv_bf16` over AMX panels (rows <= VNNI_STREAM_ROWS a pass)."""
+    last = panels * k_dim * PANEL - 1
+    for p in range(0, panels, 2):
+        wb0 = p * k_dim * PANEL
+        wb1 = wb0 + k_dim * PANEL if p + 1 < panels else -1
+        col = p * PANEL
+        m = 0
+        while rows - m >= 4:
+            _vnni_pass(x, k_dim, m, 4, wp, wb0, wb1, last, out, n_out, col)
+            m += 4
+        if rows - m == 3:
+            _vnni_pass(x, k_dim, m, 3, wp, wb0, wb1, last, out, n_out, col)
+        elif rows - m == 2:
+            _vnni_pass(x, k_dim, m, 2, wp, wb0, wb1, last, out, n_out, col)
+        elif rows - m == 1:
+            _vnni_pass(x, k_dim, m, 1, wp, wb0, wb1, last, out, n_out, col)
+
+
 @njit(cache=True, nogil=True)
 def _sums_amx(x, rows, k_dim, wp, panels, bias):  # noqa: ANN001, ANN202
-    """`_sums` on AMX panels (cpu_amx.pack). Compiled on first call only, so on hosts with AMX."""
+    """`_sums` on AMX panels (cpu_amx.pack): the tiles, or at up to VNNI_STREAM_ROWS rows the vector stream over the
+    same copy (`gemv_vnni`). Compiled on first call only, so on hosts with AMX."""
     n_out = panels * PANEL
     acc = np.empty(rows * n_out, np.float32)
-    cpu_amx.sums(x, rows, k_dim, wp, panels, acc)
+    if rows <= VNNI_STREAM_ROWS:
+        xf = np.empty(rows * k_dim, np.float32)
+        for i in range(rows * k_dim):
+            xf[i] = _load(x[i])
+        gemv_vnni(xf, rows, k_dim, wp, panels, acc, n_out)
+    else:
+        cpu_amx.sums(x, rows, k_dim, wp, panels, acc)
     _add_bias(acc, rows, n_out, bias)
     return acc
 
@@ -286,14 +391,22 @@ def swiglu_io(x, rows, k_dim, wp, panels, bias, out, ffn):  # noqa: ANN001
 
 @njit(cache=True, nogil=True)
 def linear_io_amx(x, rows, k_dim, wp, panels, bias, out, n):  # noqa: ANN001
-    """`linear_io` on AMX panels."""
-    _linear_out(_sums_amx(x, rows, k_dim, wp, panels, bias), rows, panels * PANEL, out, n)
+    """`linear_io` on AMX panels: past VNNI_STREAM_ROWS the tiles, the bias and the bf16 rounding applied to each tile
+    pass as it leaves them."""
+    if rows <= VNNI_STREAM_ROWS:
+        _linear_out(_sums_amx(x, rows, k_dim, wp, panels, bias), rows, panels * PANEL, out, n)
+    else:
+        cpu_amx.linear(x, rows, k_dim, wp, panels, bias if bias.shape[0] else np.zeros(n, np.float32), out)
 
 
 @njit(cache=True, nogil=True)
 def swiglu_io_amx(x, rows, k_dim, wp, panels, bias, out, ffn):  # noqa: ANN001
-    """`swiglu_io` on AMX panels."""
-    _swiglu_out(_sums_amx(x, rows, k_dim, wp, panels, bias), rows, panels * PANEL, out, ffn)
+    """`swiglu_io` on AMX panels: past VNNI_STREAM_ROWS (and for ffn a multiple of 16) gate and up panels paired in one
+    tile pass and the swish product written from it."""
+    if rows <= VNNI_STREAM_ROWS or ffn % PANEL:
+        _swiglu_out(_sums_amx(x, rows, k_dim, wp, panels, bias), rows, panels * PANEL, out, ffn)
+    else:
+        cpu_amx.swiglu(x, rows, k_dim, wp, panels, bias if bias.shape[0] else np.zeros(2 * ffn, np.float32), out)
 
 
 def io_kernels(amx: bool) -> tuple[Any, Any]:
