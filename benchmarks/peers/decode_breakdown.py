@@ -77,8 +77,11 @@ def instrument(eng: LLMEngine) -> None:
         stack.qkv_rope = timed("qk-norm+rope+kv write (fused)", stack.qkv_rope)
         cds._add_rms_norm = timed("norm (fused add+rms)", cds._add_rms_norm)
         cds._silu_mul = timed("swiglu silu*mul (silu)", cds._silu_mul)
-        cds.cpu_bf16_gemv.swiglu_io = timed("gemm gate_up_proj + silu*mul (bf16 panels)",   # type: ignore[assignment]
-                                            cds.cpu_bf16_gemv.swiglu_io)
+        # the stack takes the bf16 kernels from io_kernels (AVX-512 or AMX panels): time the SwiGLU of either
+        io_kernels = cds.cpu_bf16_gemv.io_kernels
+        swiglu_timed = {amx: timed("gemm gate_up_proj + silu*mul (bf16 panels)", io_kernels(amx)[1])
+                        for amx in (False, True)}
+        cds.cpu_bf16_gemv.io_kernels = lambda amx: (io_kernels(amx)[0], swiglu_timed[amx])   # type: ignore[assignment]
         kernel_for = cds.decode_kernel
         cds.decode_kernel = lambda *a: timed("attention kernel", kernel_for(*a))   # type: ignore[assignment]
         cds.DecodeStack.forward = timed("decoder stack (compiled path)", cds.DecodeStack.forward)

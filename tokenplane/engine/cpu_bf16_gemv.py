@@ -220,6 +220,15 @@ def applies(x: torch.Tensor) -> bool:
 
 
 @njit(cache=True, nogil=True)
+def _widen(x, n):  # noqa: ANN001, ANN202
+    """float32 of x[:n] (bf16 bits): the vector passes' input."""
+    xf = np.empty(n, np.float32)
+    for i in range(n):
+        xf[i] = _load(x[i])
+    return xf
+
+
+@njit(cache=True, nogil=True)
 def _add_bias(acc, rows, n_out, bias):  # noqa: ANN001
     if bias.shape[0]:
         for m in range(rows):
@@ -230,12 +239,9 @@ def _add_bias(acc, rows, n_out, bias):  # noqa: ANN001
 @njit(cache=True, nogil=True)
 def _sums(x, rows, k_dim, wp, panels, bias):  # noqa: ANN001, ANN202
     """float32 [rows * panels * 16] = bf16 bits x [rows * k_dim] @ the panels^T (+ bias where given)."""
-    xf = np.empty(rows * k_dim, np.float32)
-    for i in range(rows * k_dim):
-        xf[i] = _load(x[i])
     n_out = panels * PANEL
     acc = np.empty(rows * n_out, np.float32)
-    gemv_bf16(xf, rows, k_dim, wp, panels, acc, n_out)
+    gemv_bf16(_widen(x, rows * k_dim), rows, k_dim, wp, panels, acc, n_out)
     _add_bias(acc, rows, n_out, bias)
     return acc
 
@@ -330,10 +336,7 @@ def _sums_amx(x, rows, k_dim, wp, panels, bias):  # noqa: ANN001, ANN202
     n_out = panels * PANEL
     acc = np.empty(rows * n_out, np.float32)
     if rows <= VNNI_STREAM_ROWS:
-        xf = np.empty(rows * k_dim, np.float32)
-        for i in range(rows * k_dim):
-            xf[i] = _load(x[i])
-        gemv_vnni(xf, rows, k_dim, wp, panels, acc, n_out)
+        gemv_vnni(_widen(x, rows * k_dim), rows, k_dim, wp, panels, acc, n_out)
     else:
         cpu_amx.sums(x, rows, k_dim, wp, panels, acc)
     _add_bias(acc, rows, n_out, bias)
