@@ -29,6 +29,7 @@ benchmarks/results/.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import platform
@@ -36,6 +37,7 @@ import random
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -133,6 +135,22 @@ class Engines:
                 self.missing.append("toktier")
 
 
+def replay_appends(tok, session_path: str, context: str, chunks: list[str], before=None) -> tuple[Any, list[float]]:
+    """A new session synced to `context`, then each chunk appended and the full IDs taken as an array, timed per
+    step; `before()` runs untimed ahead of each step."""
+    session = tok.session(encode_path=session_path)
+    session.sync(context)
+    times = []
+    for chunk in chunks:
+        if before is not None:
+            before()
+        t0 = time.perf_counter()
+        session.append(chunk)
+        np.asarray(session.ids)
+        times.append(time.perf_counter() - t0)
+    return session, times
+
+
 def run_synthetic(args, tok, engines: Engines, pool: str, size_name: str, shape: str, rng: random.Random) -> dict:
     size = SIZES[size_name]
     offset = rng.randrange(0, max(1, len(pool) - size - 2_000_000))
@@ -207,26 +225,12 @@ def run_synthetic(args, tok, engines: Engines, pool: str, size_name: str, shape:
                 times[name].append(time.perf_counter() - t0)
     # The same appends with nothing between them: the interleaved steps above build and compare several
     # context-sized strings per step, which evicts the encoder's tables from the CPU caches at 1M-4M characters.
-    alone = tok.session(encode_path=args.session_path)
-    alone.sync(context)
-    times["tokenplane_alone"] = []
-    for chunk in chunks:
-        t0 = time.perf_counter()
-        alone.append(chunk)
-        np.asarray(alone.ids)
-        times["tokenplane_alone"].append(time.perf_counter() - t0)
+    alone, times["tokenplane_alone"] = replay_appends(tok, args.session_path, context, chunks)
     # The same appends with every cache level evicted before each by one fixed-size write (not timed).
-    flushed = tok.session(encode_path=args.session_path)
-    flushed.sync(context)
     sweep = np.ones(FLUSH_MB << 17, np.float64)
-    times["tokenplane_flushed"] = []
-    for chunk in chunks:
-        sweep += 1.0
-        t0 = time.perf_counter()
-        flushed.append(chunk)
-        np.asarray(flushed.ids)
-        times["tokenplane_flushed"].append(time.perf_counter() - t0)
-    del sweep
+    evict = functools.partial(np.add, sweep, 1.0, out=sweep)
+    flushed, times["tokenplane_flushed"] = replay_appends(tok, args.session_path, context, chunks, evict)
+    del sweep, evict
     # Exactness: every engine's final IDs vs one reference encode of the final text.
     ref = tok.encode(text, path="reference").astype(np.int64)
     exact = {"tokenplane": bool(np.array_equal(np.asarray(session.ids, dtype=np.int64), ref)),
