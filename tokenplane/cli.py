@@ -18,6 +18,9 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
     "warmup": ("tokenplane.tokenize.warmup", "main", "build the on-disk caches (tables, numba kernels) a fresh "
                "process's first encode reads, so it only loads them"),
     "serve": ("tokenplane.serve.cli", "main", "combined server: tokenize service + routed decoding (OpenAI API)"),
+    "vllm-plugin-path": ("tokenplane.serve.upstream_sessions", "plugin_path", "print the directory to put on a vLLM "
+                         "server's PYTHONPATH for `--middleware tokenplane_vllm_sessions.session_turns` (the session "
+                         "route `serve --upstream-sessions` talks to)"),
 }
 
 

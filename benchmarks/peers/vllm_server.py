@@ -101,7 +101,8 @@ class VLLMServer:
 
     def __init__(self, model: Path, *, max_model_len: int, kv_gib: int = 2, port: int | None = None,
                  prefix_caching: bool = True, max_num_batched_tokens: int = 8192, core: str | None = None,
-                 log: Path | None = None, extra: list[str] | None = None, grpc: bool = False) -> None:
+                 log: Path | None = None, extra: list[str] | None = None, grpc: bool = False,
+                 sessions: bool = False) -> None:
         self.port = port or free_port()
         self.grpc = grpc
         self.url = f"{'grpc' if grpc else 'http'}://127.0.0.1:{self.port}"
@@ -109,6 +110,9 @@ class VLLMServer:
                    OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", VLLM_LOGGING_LEVEL="WARNING",
                    TOKENIZERS_PARALLELISM="false")
         env.pop("PYTHONPATH", None)
+        if sessions:   # tokenplane's session route (serve/vllm_plugin), loaded as vLLM's own --middleware
+            env["PYTHONPATH"] = str(REPO / "tokenplane" / "serve" / "vllm_plugin")
+            extra = [*(extra or []), "--middleware", "tokenplane_vllm_sessions.session_turns"]
         if core is not None:
             env["VLLM_CPU_OMP_THREADS_BIND"] = core
         entry = "vllm.entrypoints.launchers.grpc_server" if grpc else "vllm.entrypoints.openai.api_server"

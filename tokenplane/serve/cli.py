@@ -50,6 +50,10 @@ def main_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--upstream-token-ids", action="store_true",
                         help="tier mode: the upstreams run without a tokenizer (vLLM/SGLang --skip-tokenizer-init) "
                              "and answer token IDs; the tier decodes them and matches stop strings itself")
+    parser.add_argument("--upstream-sessions", action="store_true",
+                        help="tier mode: the upstreams are vLLM servers started with tokenplane's middleware "
+                             "(`tokenplane vllm-plugin-path`); each chat turn sends only the token IDs the "
+                             "conversation's live upstream context lacks (implies --upstream-token-ids)")
     parser.add_argument("--tokenizer", default=None, help="tier mode: tokenizer family name or tokenizer.json path "
                         "(default: the config's)")
     parser.add_argument("--chat-template", default=None, metavar="TOKENIZER_CONFIG_JSON",
@@ -109,7 +113,8 @@ def _serve_tier(args: argparse.Namespace, cfg: ServeConfig, limits: Limits) -> i
     tokenizer, chat = resolve_tokenizer(cfg)
     if args.chat_template:
         chat = ChatTemplate.from_tokenizer_config(tokenizer, args.chat_template)
-    pool = UpstreamPool(args.upstream, model=args.upstream_model, answers_ids=args.upstream_token_ids)
+    pool = UpstreamPool(args.upstream, model=args.upstream_model, answers_ids=args.upstream_token_ids,
+                        sessions=args.upstream_sessions)
     # Without a config the tier serves under the upstream's model name; a config's served_model_name renames it.
     app = create_app(None, tokenizer, model_name=cfg.served_model_name if args.config else "", limits=limits,
                      chat_template=chat, upstream=pool)

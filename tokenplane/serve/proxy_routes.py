@@ -39,6 +39,8 @@ from .openai_routes import ClientDisconnected, OpenAIServer
 from .protocol import FORWARDABLE_SAMPLING, ChatCompletionRequest, ChatMessage, CompletionRequest
 from .tool_calls import ToolCallStream, calls_delta
 from .upstream import FORWARDED, UpstreamPool, error_from, sse_data
+from .upstream_sessions import MISMATCH, SessionTurns, Turn
+from .upstream_sessions import PATH as SESSION_PATH
 
 _DISCONNECT_POLL_S = 0.25
 _FINISH_S = 0.25        # how long the relay waits for an upstream stream to end after its [DONE]
@@ -106,9 +108,10 @@ class Phases:
 
 @dataclass(frozen=True)
 class _Forwarded:
-    """A prompt's length in tokens and the upstream body that carries it."""
+    """A prompt's length in tokens and the upstream body that carries it (`turn`: sent on an upstream session)."""
     n: int
     body: Chunks
+    turn: Turn | None = None
 
 
 def conversation_key(req: Any, text: str) -> str:
@@ -129,6 +132,7 @@ class ProxyServer(OpenAIServer):
         self.forwarded_sampling = FORWARDABLE_SAMPLING | ({"tools"} if self.chat.calls_tools else set())
         self.bodies = RequestBodies(codec=VARINT_IDS if pool.grpc is not None else JSON_IDS)
         self.deltas = BodyDeltas()   # resent chat bodies parsed in O(new part) (body_delta.py)
+        self.turns = SessionTurns() if pool.sessions else None   # upstream sessions (upstream_sessions.py)
         self._states = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenplane-bodies")
         self._answered: dict[str, threading.Event] = {}   # session -> set when its turn's answer is out
 
@@ -143,6 +147,8 @@ class ProxyServer(OpenAIServer):
         super().use_sessions(store)
         store.on_evict.append(self.bodies.forget)
         store.on_evict.append(self.deltas.forget)
+        if self.turns is not None:
+            store.on_evict.append(self.turns.forget)
 
     def _fields(self, req: Any, stop_ids: tuple[int, ...]) -> dict[str, Any]:
         """The upstream request's fields other than the prompt."""
@@ -222,8 +228,8 @@ class ProxyServer(OpenAIServer):
         self._states.shutdown(wait=False, cancel_futures=True)
         super().close()
 
-    def _prepared(self, req: Any, chat: bool, parsed: Parsed | None = None) -> tuple[int, TokenizationReport | None,
-                                                                                     Chunks]:
+    def _prepared(self, req: Any, chat: bool, parsed: Parsed | None = None
+                  ) -> tuple[int, TokenizationReport | None, Chunks, Turn | None]:
         """Worker-thread part of a request: its prompt IDs, checked against the context, and the upstream body
         (ids_json.py: the IDs' JSON reuses the session's previous body where the splice allows). A chat's body is
         written under its session's lock from the session's own IDs (conversations.Take): no copy of the context's
@@ -234,7 +240,11 @@ class ProxyServer(OpenAIServer):
         else:
             fields = self._fields(req, self.chat.stop_token_ids if chat else ())
         if chat:
+            turns = self.turns if self.turns is not None and req.n == 1 and req.num_logprobs is None else None
+
             def take(ids: Any, origin: IdsOrigin | None) -> _Forwarded:
+                if turns is not None and origin is not None:
+                    return _Forwarded(len(ids), *turns.chunks(fields, ids, origin))
                 return _Forwarded(len(ids), self.bodies.chunks(fields, ids, origin))
             fwd, report = self._chat_ids(req, parsed, take, fields) if parsed is not None \
                 else self.chat_ids(req, take=take)
@@ -249,7 +259,7 @@ class ProxyServer(OpenAIServer):
         if limit is not None and n >= limit:
             raise InvalidRequest(f"this model's maximum context length is {limit} tokens; the prompt has "
                                  f"{n} tokens", param="prompt", code="context_length_exceeded")
-        return n, report, fwd.body
+        return n, report, fwd.body, fwd.turn
 
     async def completions(self, request: Request) -> Any:
         phases = Phases()
@@ -257,13 +267,13 @@ class ProxyServer(OpenAIServer):
         phases.mark("received")
         if isinstance(req.prompt_value, str):
             self._check_chars(len(req.prompt_value))
-        n, report, body = await self.offload(self._prepared, req, False)
+        n, report, body, _ = await self.offload(self._prepared, req, False)
         phases.mark("prepared")
         text = req.prompt_value if isinstance(req.prompt_value, str) else ""
         return await self._forward(request, req, n, body, report, conversation_key(req, text), False, phases)
 
     def _chat_work(self, request: Request, raw: bytes, parsed: Parsed | None = None,
-                   fast_tried: bool = False) -> tuple[Any, int, TokenizationReport | None, Chunks]:
+                   fast_tried: bool = False) -> tuple[Any, int, TokenizationReport | None, Chunks, Turn | None]:
         """A chat body to its validated request and upstream body, on the loop or in one worker-thread hop (each hop
         is a thread hand-off and a loop wake-up). `parsed`: already parsed through a kept body; `fast_tried`: that
         was tried and missed (the full parse follows)."""
@@ -311,20 +321,21 @@ class ProxyServer(OpenAIServer):
         raw = await request.body()
         phases.mark("received")
         if len(raw) <= _INLINE_CHAT_BYTES:
-            req, n, report, body = self._chat_work(request, raw)
+            req, n, report, body, turn = self._chat_work(request, raw)
         else:
             parsed = self.deltas.fast(raw) if len(raw) <= _INLINE_DELTA_BYTES else None
             if parsed is not None and parsed.new_bytes <= _INLINE_CHAT_BYTES:
-                req, n, report, body = self._chat_work(request, raw, parsed)
+                req, n, report, body, turn = self._chat_work(request, raw, parsed)
             else:
-                req, n, report, body = await self.offload(self._chat_work, request, raw, parsed,
-                                                          parsed is None and len(raw) <= _INLINE_DELTA_BYTES)
+                req, n, report, body, turn = await self.offload(self._chat_work, request, raw, parsed,
+                                                                parsed is None and len(raw) <= _INLINE_DELTA_BYTES)
         phases.mark("prepared")
         first = req.messages[0].text()[:1024] if req.messages else ""
-        return await self._forward(request, req, n, body, report, conversation_key(req, first), True, phases)
+        return await self._forward(request, req, n, body, report, conversation_key(req, first), True, phases, turn)
 
     async def _forward(self, request: Request, req: Any, n_prompt: int, body: Chunks,
-                       report: TokenizationReport | None, key: str, chat: bool, phases: Phases) -> Any:
+                       report: TokenizationReport | None, key: str, chat: bool, phases: Phases,
+                       turn: Turn | None = None) -> Any:
         extra = {"tokenization": {**report.to_dict(), "phases_ms": phases.marks}} if report is not None else {}
         if self.metrics is not None:
             self.metrics.prompt_tokens.inc(n_prompt)
@@ -334,33 +345,62 @@ class ProxyServer(OpenAIServer):
         calls: dict[int, ToolCallStream] | None = {} if chat and req.calls_tools else None
         if not req.stream:
             try:
-                data = await self._until_disconnect(request, self._exchange(key, body, answer))
+                data = await self._until_disconnect(request, self._exchange(key, body, answer, turn, req))
             except ClientDisconnected:
                 return JSONResponse({"error": {"message": "client disconnected", "type": "client_closed_request",
                                                "param": None, "code": None}}, status_code=499)
             self._answer_out(session)
             return {**(self._to_chat(data, calls is not None) if chat else data), **extra}
-        url, resp = await self.pool.send(key, body)
+        url, resp, turn = await self._send(key, body, turn, req)
         phases.mark("upstream_head")
         if resp.status_code != 200:
+            if turn is not None:
+                turn.fail()
             raise await error_from(resp, url)
-        return EventStream(self._relay(resp, chat, extra, phases, session, answer, req.include_usage, calls))
+        return EventStream(self._relay(resp, chat, extra, phases, session, answer, req.include_usage, calls, turn))
 
-    async def _exchange(self, key: str, body: Chunks, answer: IdAnswer | None = None) -> dict[str, Any]:
+    async def _send(self, key: str, body: Chunks, turn: Turn | None, req: Any) -> tuple[str, Any, Turn | None]:
+        """The request to the conversation's upstream: on its session route for a session turn, and when the
+        upstream no longer holds the session (409: restarted, expired, another upstream), once more with the whole
+        prompt as a new session (the conversation's IDs prepared again from its token session)."""
+        if turn is None:
+            return (*await self.pool.send(key, body), None)
+        url, resp = await self.pool.send(key, body, SESSION_PATH)
+        if resp.status_code != 409 or turn.context == 0:
+            return url, resp, turn
+        err = await error_from(resp, url)
+        if err.code != MISMATCH:
+            turn.fail()
+            raise err
+        turn.fail()
+        assert self.turns is not None
+        self.turns.forget(turn.session)
+        _, _, body, turn = await self.offload(self._prepared, req, True)
+        url, resp = await self.pool.send(key, body, SESSION_PATH if turn is not None else "/v1/completions")
+        return url, resp, turn
+
+    async def _exchange(self, key: str, body: Chunks, answer: IdAnswer | None = None, turn: Turn | None = None,
+                        req: Any = None) -> dict[str, Any]:
         """A non-streaming answer; from an ID-only upstream, its stream gathered and decoded here (id_answers)."""
-        url, resp = await self.pool.send(key, body)
+        url, resp, turn = await self._send(key, body, turn, req)
+        done = False
         try:
             if resp.status_code != 200:
                 raise await error_from(resp, url)
             if answer is None:
                 return json.loads(await resp.aread())
-            return await gathered(answer, self._decoded(resp, answer))
+            out = await gathered(answer, self._decoded(resp, answer, turn))
+            done = True
+            return out
         finally:
             await resp.aclose()
+            if turn is not None and not done:
+                turn.fail()
 
     @staticmethod
-    async def _decoded(resp: Any, answer: IdAnswer) -> AsyncIterator[dict[str, Any]]:
+    async def _decoded(resp: Any, answer: IdAnswer, turn: Turn | None = None) -> AsyncIterator[dict[str, Any]]:
         stream = sse_data(resp)
+        finished = False
         try:
             async for payload in stream:
                 if payload == b"[DONE]":
@@ -370,9 +410,13 @@ class ProxyServer(OpenAIServer):
                     err = data["error"]
                     raise APIError(str(err.get("message") if isinstance(err, dict) else err), status=502,
                                    code="upstream_error")
+                if turn is not None and "tokenplane_session" in data:
+                    finished = turn.finish(data.pop("tokenplane_session"))
                 yield answer.convert(data)
         finally:
             await stream.aclose()
+            if turn is not None and not finished:
+                turn.fail()
 
     @staticmethod
     async def _until_disconnect(request: Request, work: Any) -> Any:
@@ -426,14 +470,15 @@ class ProxyServer(OpenAIServer):
 
     async def _relay(self, resp: Any, chat: bool, extra: dict[str, Any], phases: Phases,
                      session: str | None = None, answer: IdAnswer | None = None,
-                     client_usage: bool = True,
-                     calls: dict[int, ToolCallStream] | None = None) -> AsyncIterator[bytes]:
+                     client_usage: bool = True, calls: dict[int, ToolCallStream] | None = None,
+                     turn: Turn | None = None) -> AsyncIterator[bytes]:
         """The upstream's SSE chunks to the client (chat format for a chat). From an ID-only upstream each chunk's
         token IDs become text here, a stop string found here ends the answer (and closes the upstream request),
         and the usage chunk, always asked of it, reaches the client only if the client asked for it."""
         started: set[int] = set()
         first = True
         ended = False   # the upstream sent [DONE]: the rest of its stream is its terminator
+        finished = False   # a session turn's report came: the upstream session's context is known
         stream = sse_data(resp)
         try:
             async for payload in stream:
@@ -446,6 +491,8 @@ class ProxyServer(OpenAIServer):
                 if "error" in data:
                     yield b"data: " + payload + b"\n\n"
                     continue
+                if turn is not None and "tokenplane_session" in data:
+                    finished = turn.finish(data.pop("tokenplane_session"))
                 if answer is not None:
                     data = answer.convert(data)
                     if not data["choices"] and not (client_usage and data.get("usage")):
@@ -466,6 +513,8 @@ class ProxyServer(OpenAIServer):
             await stream.aclose()
             if not ended:   # failed, cancelled (the client left) or ended without [DONE]: closed unless complete
                 await resp.aclose()
+            if turn is not None and not finished:
+                turn.fail()
         yield b"data: [DONE]\n\n"
         self._answer_out(session)
         # Read the upstream's stream to its end so that its connection is kept for the next turn (a new connection

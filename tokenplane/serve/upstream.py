@@ -85,7 +85,8 @@ class UpstreamPool:
     upstream's state."""
 
     def __init__(self, urls: list[str], *, model: str | None = None, timeout_s: float = 600.0,
-                 connect_timeout_s: float = 5.0, cooldown_s: float = 10.0, answers_ids: bool = False) -> None:
+                 connect_timeout_s: float = 5.0, cooldown_s: float = 10.0, answers_ids: bool = False,
+                 sessions: bool = False) -> None:
         if not urls:
             raise ValueError("at least one upstream URL is needed")
         self.urls = [u.rstrip("/") for u in urls]
@@ -103,7 +104,12 @@ class UpstreamPool:
         self.grpc = GrpcUpstreams(connect_timeout_s, timeout_s) if kinds == {True} else None
         # The upstreams run without a tokenizer (vLLM/SGLang --skip-tokenizer-init, or gRPC): they answer token
         # IDs, which the tier decodes (id_answers.py).
-        self.answers_ids = answers_ids or self.grpc is not None
+        self.answers_ids = answers_ids or self.grpc is not None or sessions
+        # Upstream sessions (upstream_sessions.py): chat turns go to the session route of vLLM servers that run
+        # this project's middleware, as the IDs the upstream's live context lacks.
+        if sessions and self.grpc is not None:
+            raise ValueError("upstream sessions need http(s):// upstreams (vLLM with tokenplane's middleware)")
+        self.sessions = sessions
         # Sampling defaults the upstream would apply to a request that leaves them out (its model's
         # generation_config); vLLM's HTTP server applies its own, its gRPC servicer does not, so the tier does.
         self.sampling_defaults: dict[str, Any] = {}
@@ -163,10 +169,10 @@ class UpstreamPool:
         return [{"name": s.url, "state": "ready" if s.up(now) else "failed", "requests": s.requests,
                  "failures": s.failures, "last_error": s.last_error} for s in self.state.values()]
 
-    async def send(self, key: str, body: Body) -> tuple[str, UpstreamResponse]:
-        """POST /v1/completions (or a gRPC Generate call) to the conversation's upstream, failing over along the
-        ring when one cannot be reached. The response is opened as a stream (the caller reads or relays it and must
-        close it)."""
+    async def send(self, key: str, body: Body, path: str = "/v1/completions") -> tuple[str, UpstreamResponse]:
+        """POST `path` (or a gRPC Generate call) to the conversation's upstream, failing over along the ring when
+        one cannot be reached. The response is opened as a stream (the caller reads or relays it and must close
+        it)."""
         tried: list[str] = []
         for url in self.candidates(key):
             tried.append(url)
@@ -179,7 +185,7 @@ class UpstreamPool:
                 self.state[url].requests += 1
                 return url, answer
             try:
-                resp = await self.client.request("POST", url + "/v1/completions", body)
+                resp = await self.client.request("POST", url + path, body)
             except ConnectFailed as exc:
                 self.failed(url, f"ConnectFailed: {exc}")
                 continue
