@@ -25,7 +25,10 @@ characters: a first turn builds the context (its prefill time is recorded, bound
 
 With --tier-upstream-token-ids, (b), (b') and (c) go to a second vLLM on the same files started with
 --skip-tokenizer-init, the tier in front of it with --upstream-token-ids (it decodes the answer's IDs itself): vLLM
-then never detokenizes, which skips its O(context) detokenizer priming on each request.
+then never detokenizes, which skips its O(context) detokenizer priming on each request. With
+--tier-upstream-sessions that second vLLM also runs tokenplane's session middleware (serve/vllm_plugin) and the tier
+is started with --upstream-sessions: each turn (b) sends only the IDs the conversation's live upstream request lacks
+(the repeat (b') of the same chat has no new ID, so it opens a new upstream session with the whole prompt).
 
 Writes benchmarks/results/agent_ttft.{json,md,png} (or --out PREFIX), after every cell.
 """
@@ -86,7 +89,8 @@ def stream(client: httpx.Client, url: str, body: dict[str, Any], timeout: float,
     tok = last.get("tokenization") or {}
     return {"status": 200, "ttft_s": ttft if ttft is not None else e2e, "e2e_s": e2e,
             "prompt_tokens": (last.get("usage") or {}).get("prompt_tokens"), "tok_ms": tok.get("time_ms"),
-            "path": tok.get("path"), "reused": tok.get("reused_tokens")}
+            "path": tok.get("path"), "reused": tok.get("reused_tokens"),
+            "sent": (tok.get("upstream_session") or {}).get("sent_ids")}
 
 
 def grpc_stream(url: str, ids: list[int], timeout: float, gap_s: float = 0.0) -> dict[str, Any]:
@@ -270,6 +274,7 @@ def run_conversation(p: Paths, name: str, calls: list[list[dict[str, str]]], bui
                "ttft_tier_s": res["tier"]["ttft_s"], "ttft_tier_repeat_s": res["tier_repeat"]["ttft_s"],
                "ttft_ids_direct_s": res["ids_direct"]["ttft_s"], "tier_tok_ms": res["tier"]["tok_ms"],
                "tier_path": res["tier"]["path"], "tier_reused": res["tier"]["reused"],
+               "tier_sent_ids": res["tier"].get("sent"),
                "tier_repeat_tok_ms": res["tier_repeat"]["tok_ms"], "forwarding_ms": fwd_ms,
                "tier_added_ms": res["tier"]["tok_ms"] + fwd_ms, "vllm_tokenize_endpoint_ms": tok_s * 1e3,
                "hf_encode_ms": p.hf_encode_ms(text), "prompt_tokens_vllm": res["vllm"]["prompt_tokens"],
@@ -299,6 +304,9 @@ def summarize(cells: list[dict[str, Any]], rows: list[dict[str, Any]]) -> list[d
                         "context_chars", "prompt_tokens", "new_chars", "load"):
                 s[key + "_p50"] = pct([r[key] for r in sel], 0.5)
                 s[key + "_p90"] = pct([r[key] for r in sel], 0.9)
+            sent = [r.get("tier_sent_ids") for r in sel if r.get("tier_sent_ids") is not None]
+            if sent:
+                s["tier_sent_ids_p50"], s["tier_sent_ids_max"] = pct(sent, 0.5), max(sent)
             s["ttft_ratio_p50"] = s["ttft_vllm_s_p50"] / s["ttft_tier_s_p50"]
             s["ttft_ratio_per_turn_p50"] = pct([r["ttft_vllm_s"] / r["ttft_tier_s"] for r in sel], 0.5)
             s["ids_equal_prompt_tokens"] = all(r["prompt_tokens_vllm"] == r["prompt_tokens_tier"] == r["prompt_tokens"]
@@ -331,6 +339,18 @@ def write(res: dict[str, Any], prefix: Path) -> None:
                 "`--upstream-token-ids` (the tier turns the answer's IDs into text); (a) is the stock vLLM. Each "
                 f"request waits {m.get('gap_s')} s first: vLLM's CPU worker busy-loops 1 s after each message, and "
                 "two servers would steal each other's core.", ""] if m.get("tier_upstream_token_ids") else []),
+             *([f"Tier (b), (b') and (c) here: a second vLLM on the same files, its engine on core "
+                f"{m.get('tier_vllm_core')}, started with `--skip-tokenizer-init` and tokenplane's session "
+                "middleware (`--middleware tokenplane_vllm_sessions.session_turns`, serve/vllm_plugin), the tier in "
+                "front of it with `--upstream-sessions`: turn (b) sends only the IDs the conversation's live "
+                "upstream request lacks (IDs sent: P50 below). The repeat (b') has no new ID, so it opens a new "
+                "upstream session with the whole prompt: forwarding and tier added below are those of a whole-prompt "
+                "turn, not of (b). (a) is the stock vLLM. Each request waits "
+                f"{m.get('gap_s')} s first (vLLM's CPU worker busy-loops 1 s after each message).", "",
+                "| cell | IDs sent upstream by (b) P50 / max | prompt tokens P50 |", "|---|---:|---:|",
+                *[f"| {s['cell']} | {s.get('tier_sent_ids_p50', 'nan')} / {s.get('tier_sent_ids_max', 'nan')} | "
+                  f"{s.get('prompt_tokens_p50', 'nan')} |" for s in res["summary"]], ""]
+               if m.get("tier_upstream_sessions") else []),
              *([f"Tier (b), (b') and (c) here: a second vLLM on the same files, its engine on core "
                 f"{m.get('tier_vllm_core')}, serving its gRPC engine service (`vllm.entrypoints.launchers.grpc_server`"
                 ", smg `vllm_engine.proto`: token IDs in and out as protobuf varints); the tier in front of it with "
@@ -420,13 +440,16 @@ def main() -> int:
                     help="as --tier-upstream-token-ids, but the second vLLM is its gRPC engine service "
                          "(vllm.entrypoints.launchers.grpc_server; the tier's --upstream grpc://...): token IDs as "
                          "protobuf varints both ways, no JSON")
+    ap.add_argument("--tier-upstream-sessions", action="store_true",
+                    help="as --tier-upstream-token-ids, with tokenplane's session middleware in that vLLM and the "
+                         "tier's --upstream-sessions: each turn sends the IDs the live upstream context lacks")
     ap.add_argument("--tier-vllm-core", default="0",
                     help="core of that second vLLM's engine (not --core: see Paths.gap_s)")
     ap.add_argument("--gap-s", type=float, default=None,
                     help="idle seconds before each request (default 1.2 with a second vLLM, else 0; see Paths.gap_s)")
     ap.add_argument("--out", default=str(RESULTS / "agent_ttft"))
     args = ap.parse_args()
-    second = args.tier_upstream_token_ids or args.tier_grpc
+    second = args.tier_upstream_token_ids or args.tier_grpc or args.tier_upstream_sessions
     gap_s = args.gap_s if args.gap_s is not None else (1.2 if second else 0.0)
     deadline = time.monotonic() + args.deadline_s
     biggest = max(args.sizes or [0])
@@ -444,6 +467,7 @@ def main() -> int:
                                     "sliding_window": args.sliding_window,
                                     "tier_upstream_token_ids": args.tier_upstream_token_ids,
                                     "tier_grpc": args.tier_grpc,
+                                    "tier_upstream_sessions": args.tier_upstream_sessions,
                                     "tier_vllm_core": args.tier_vllm_core if second else None,
                                     "gap_s": gap_s},
                            "cells": [], "rows": [], "notes": []}
@@ -458,11 +482,12 @@ def main() -> int:
             behind = stack.enter_context(vllm_server.VLLMServer(
                 model, max_model_len=max_len, kv_gib=kv_gib, core=args.tier_vllm_core,
                 max_num_batched_tokens=args.max_num_batched_tokens, grpc=True))
-        elif args.tier_upstream_token_ids:
+        elif args.tier_upstream_token_ids or args.tier_upstream_sessions:
             behind = stack.enter_context(vllm_server.VLLMServer(
                 model, max_model_len=max_len, kv_gib=kv_gib, core=args.tier_vllm_core,
-                max_num_batched_tokens=args.max_num_batched_tokens, extra=["--skip-tokenizer-init"]))
-            tier_extra = ["--upstream-token-ids"]
+                max_num_batched_tokens=args.max_num_batched_tokens, extra=["--skip-tokenizer-init"],
+                sessions=args.tier_upstream_sessions))
+            tier_extra = ["--upstream-sessions" if args.tier_upstream_sessions else "--upstream-token-ids"]
         with vllm_server.TierServer(behind.url, model / "tokenizer_config.json", extra=tier_extra) as t:
             p = Paths(v.url, t.url, timeout=600.0, ids_url=behind.url, gap_s=gap_s)
             # the tier answers to its own served name (its /v1/models), not the upstream's

@@ -353,6 +353,8 @@ class ProxyServer(OpenAIServer):
             return {**(self._to_chat(data, calls is not None) if chat else data), **extra}
         url, resp, turn = await self._send(key, body, turn, req)
         phases.mark("upstream_head")
+        if turn is not None and "tokenization" in extra:   # what the upstream session was sent: the new IDs alone?
+            extra["tokenization"]["upstream_session"] = {"sent_ids": turn.sent, "context": turn.context}
         if resp.status_code != 200:
             if turn is not None:
                 turn.fail()
