@@ -26,6 +26,11 @@ parses the request with the official classes, as vLLM's servicer does, and answe
 the tier in front of it with `--upstream grpc://...`; direct = the very request bytes the tier sent, as a Generate
 call from this process (a kept channel).
 
+--sessions gives the stub the session route of tokenplane's vLLM middleware (serve/vllm_plugin: a stateless stand-in
+that parses the body and reports the session's new context as the middleware would for a one-token answer) and
+starts the tier with --upstream-sessions: each turn then forwards only the IDs the upstream session lacks, and direct
+sends those same bytes to the route.
+
 --null-proxy also times a pass-through proxy on the tier's own HTTP stack (uvicorn as `tokenplane serve` runs it,
 the tier's HTTP client or a grpc.aio channel upstream): it reads the chat request's body whole, sends the bytes the
 tier forwarded for that turn (handed to it before the clock starts) to the stub, and relays the answer. It renders,
@@ -61,6 +66,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 from serve_agent import append_sizes, load_trajectories, real_text  # noqa: E402
 
 STUB_MODEL = "stub"
+SESSION_PATH = "/tokenplane/v1/session_completions"   # serve/upstream_sessions.PATH
 PHASES = ("receive_ms", "prepare_ms", "upstream_ms", "relay_ms")
 
 
@@ -97,8 +103,26 @@ def run_stub(port: int) -> None:
     async def last_body(request: Request) -> Response:
         return Response(last["body"], media_type="application/json")
 
+    async def session_turn(request: Request) -> StreamingResponse:
+        raw = await request.body()
+        last["body"] = raw
+        body = orjson.loads(raw)
+        n, spec = len(body["prompt"]), body["tokenplane_session"]
+        report = {"id": spec["id"], "context": spec["context"] + n, "kept": []}   # one answer token: none kept
+
+        def chunk(choices: list[Any], **extra: Any) -> str:
+            return "data: " + json.dumps({"id": "cmpl-stub", "object": "text_completion", "created": 0,
+                                          "model": STUB_MODEL, "choices": choices, **extra}) + "\n\n"
+
+        async def gen() -> Any:
+            yield chunk([{"index": 0, "text": "", "token_ids": [1035], "finish_reason": "length"}])
+            yield chunk([], usage={"prompt_tokens": report["context"], "completion_tokens": 1,
+                               "total_tokens": report["context"] + 1}, tokenplane_session=report)
+            yield "data: [DONE]\n\n"
+        return StreamingResponse(gen(), media_type="text/event-stream")
+
     app = Starlette(routes=[Route("/v1/models", models), Route("/v1/completions", completions, methods=["POST"]),
-                            Route("/last", last_body)])
+                            Route(SESSION_PATH, session_turn, methods=["POST"]), Route("/last", last_body)])
     uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning", loop="asyncio", http="h11")
 
 
@@ -135,7 +159,7 @@ def run_grpc_stub(port: int) -> None:
     server.wait_for_termination()
 
 
-def run_null_proxy(port: int, upstream: str) -> None:
+def run_null_proxy(port: int, upstream: str, path: str = "/v1/completions") -> None:
     """A proxy that does no work of its own (see --null-proxy): PUT /next sets the upstream bytes of the next chat."""
     import uvicorn
     from starlette.applications import Starlette
@@ -171,7 +195,7 @@ def run_null_proxy(port: int, upstream: str) -> None:
                     yield b'data: {"choices": [{"index": 0, "delta": {"content": "ok"}}]}\n\n'
                 yield b"data: [DONE]\n\n"
             return StreamingResponse(relay_grpc(), media_type="text/event-stream")
-        resp = await client.request("POST", upstream + "/v1/completions", nxt["body"])
+        resp = await client.request("POST", upstream + path, nxt["body"])
 
         async def relay() -> Any:
             async for data in resp.chunks():
@@ -276,7 +300,7 @@ def chat_body(messages: list[dict[str, str]], key: str) -> bytes:
 
 
 def measure_turn(client: httpx.Client, tier: str, stub: str | GrpcStub, messages: list[dict[str, str]],
-                 key: str, null_proxy: str | None = None) -> dict[str, Any]:
+                 key: str, null_proxy: str | None = None, path: str = "/v1/completions") -> dict[str, Any]:
     """The turn through the tier (a real new turn: its session holds the previous one), then the bytes the tier
     forwarded straight to the stub. The order is fixed: the direct request needs the tier's output, and sending the
     turn through the tier twice would time a resend instead of a turn."""
@@ -287,7 +311,7 @@ def measure_turn(client: httpx.Client, tier: str, stub: str | GrpcStub, messages
         t_direct, n = stub.ttft(forwarded), stub.tokens(forwarded)
     else:
         forwarded = client.get(stub + "/last").content
-        t_direct, _ = ttft(client, stub + "/v1/completions", forwarded)
+        t_direct, _ = ttft(client, stub + path, forwarded)
         n = len(json.loads(forwarded)["prompt"])
     null = {}
     if null_proxy is not None:
@@ -335,6 +359,10 @@ def write(res: dict[str, Any], prefix: Path) -> None:
              f"{os.cpu_count()} CPUs (shared). "
              + ("Upstream: a gRPC stub of vLLM's engine service (the tier's `--upstream grpc://`); direct = the same "
                 "request bytes as a Generate call. " if res.get("grpc") else "")
+             + ("Upstream sessions (`--sessions`): the stub serves the session route of tokenplane's vLLM "
+                "middleware and the tier runs with `--upstream-sessions`, so each turn forwards only the IDs the "
+                "upstream session lacks (tokens P50 below counts those IDs); direct = the same bytes to that route. "
+                if res.get("sessions") else "")
              + "tier added = TTFT(chat through the tier) - TTFT(the bytes the tier "
              "forwarded, sent straight to the stub), paired per turn; tier tokenize = the response's "
              "`tokenization.time_ms` (render + session lookup + repair).", "",
@@ -395,6 +423,8 @@ def main() -> int:
     p.add_argument("--grpc-stub", type=int, default=None, help=argparse.SUPPRESS)
     p.add_argument("--grpc", action="store_true", help="a gRPC stub and the tier's grpc:// upstream (see above)")
     p.add_argument("--null-proxy", action="store_true", help="also time a pass-through proxy (see above)")
+    p.add_argument("--sessions", action="store_true", help="the tier on upstream sessions (see above)")
+    p.add_argument("--null-path", default="/v1/completions", help=argparse.SUPPRESS)
     p.add_argument("--null-proxy-port", type=int, default=None, help=argparse.SUPPRESS)
     p.add_argument("--null-upstream", default=None, help=argparse.SUPPRESS)
     p.add_argument("--sizes", type=int, nargs="*", default=[100_000, 1_000_000, 4_000_000])
@@ -413,7 +443,7 @@ def main() -> int:
         run_grpc_stub(args.grpc_stub)
         return 0
     if args.null_proxy_port is not None:
-        run_null_proxy(args.null_proxy_port, args.null_upstream)
+        run_null_proxy(args.null_proxy_port, args.null_upstream, args.null_path)
         return 0
     logs = Path(args.out).parent / "tier_overhead_logs"
     logs.mkdir(parents=True, exist_ok=True)
@@ -424,14 +454,14 @@ def main() -> int:
     def tier_cmd(port: int) -> list[str]:
         return [sys.executable, "-m", "tokenplane.cli", "serve", "--upstream", stub_url, "--tokenizer", args.tokenizer,
                 "--port", str(port), "--log-level", "warning", "--max-prompt-chars",
-                str(max(args.sizes + [0]) * 2 + 100_000)]
+                str(max(args.sizes + [0]) * 2 + 100_000), *(["--upstream-sessions"] if args.sessions else [])]
     tier = spawn(tier_cmd(tp), logs / "tier.log")
     null_url, null_proc = None, None
     if args.null_proxy:
         npt = free_port()
         null_url = f"http://127.0.0.1:{npt}"
-        null_proc = spawn([sys.executable, __file__, "--null-proxy-port", str(npt), "--null-upstream", stub_url],
-                          logs / "null_proxy.log")
+        null_proc = spawn([sys.executable, __file__, "--null-proxy-port", str(npt), "--null-upstream", stub_url,
+                           "--null-path", SESSION_PATH if args.sessions else "/v1/completions"], logs / "null_proxy.log")
     tiers = [("", tier_url, tier)]
     if args.baseline_tree:
         bp = free_port()
@@ -442,7 +472,8 @@ def main() -> int:
     res: dict[str, Any] = {"command": "python benchmarks/tier_overhead.py " + " ".join(sys.argv[1:]),
                            "started": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
                            "load_before": round(os.getloadavg()[0], 2), "tokenizer": args.tokenizer,
-                           "baseline_tree": args.baseline_tree, "grpc": args.grpc, "cells": [], "rows": []}
+                           "baseline_tree": args.baseline_tree, "grpc": args.grpc, "sessions": args.sessions,
+                           "cells": [], "rows": []}
     try:
         if isinstance(direct, GrpcStub):
             deadline = time.monotonic() + 60
@@ -475,7 +506,8 @@ def main() -> int:
                 for ti, messages in enumerate(calls[1:]):
                     order = tiers if ti % 2 == 0 else tiers[::-1]   # alternate which tier goes first
                     for label, url, _ in order:
-                        row = measure_turn(client, url, direct, messages, key, null_url if not label else None)
+                        row = measure_turn(client, url, direct, messages, key, null_url if not label else None,
+                                           SESSION_PATH if args.sessions else "/v1/completions")
                         rows[label].append({"workload": label + name, **row})
                         print(f"{label}{name}: {row['chars']:,} chars, tier {row['tier_ms']:.2f} direct "
                               f"{row['direct_ms']:.2f} added {row['added_ms']:.2f} tok {row['tok_ms']} "
