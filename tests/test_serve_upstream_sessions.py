@@ -85,15 +85,6 @@ def no_vllm(monkeypatch):
                                                                                max_tokens=sp.max_tokens))
 
 
-def session_upstream(engine: FakeEngine) -> Starlette:
-    async def models(request: Request) -> JSONResponse:
-        return JSONResponse({"object": "list", "data": [{"id": "engine", "object": "model", "max_model_len": 1 << 20}]})
-    app = Starlette(routes=[Route("/v1/models", models)],
-                    middleware=[Middleware(BaseHTTPMiddleware, dispatch=plugin.session_turns)])
-    app.state.engine_client = engine
-    return app
-
-
 class RecordingEngine:
     """A plain ID-only upstream (the tier without sessions): records each whole prompt, answers one word."""
 
@@ -116,6 +107,16 @@ class RecordingEngine:
             yield b"data: " + json.dumps(chunk).encode() + b"\n\n"
             yield b"data: [DONE]\n\n"
         return StreamingResponse(events(), media_type="text/event-stream")
+
+
+def session_upstream(engine: FakeEngine, plain: RecordingEngine | None = None) -> Starlette:
+    """The middleware in front of `engine`; its plain /v1/completions answered by `plain` (as vLLM's own route)."""
+    plain = plain or RecordingEngine(engine.words[0])
+    app = Starlette(routes=[Route("/v1/models", plain.models), Route("/v1/completions", plain.completions,
+                                                                     methods=["POST"])],
+                    middleware=[Middleware(BaseHTTPMiddleware, dispatch=plugin.session_turns)])
+    app.state.engine_client = engine
+    return app
 
 
 @pytest.fixture(scope="module")
@@ -171,7 +172,7 @@ def test_turns_send_only_the_new_ids_and_the_engine_sees_the_exact_prompt(tok, s
         turns = t.app.state.server.turns.stats()
     assert engine.contexts == expected          # every turn computed on the tier's exact IDs
     assert engine.requests == 1                 # one live upstream request for the whole conversation
-    assert turns == {"sessions": 1, "suffix_turns": 4, "full_turns": 1}
+    assert turns == {"sessions": 1, "suffix_turns": 4, "full_turns": 1, "plain_turns": 0}
     for a, b in zip(expected, expected[1:]):
         sent.append(len(b) - len(a))
     assert max(sent) < len(expected[-1]) // 2   # the turns after the first carried their new IDs only
@@ -197,6 +198,24 @@ def test_answers_kept_by_the_upstream_are_matched_against_the_rendered_history(t
                 chat(pc, msgs[:k], stream=True)
     assert turns["suffix_turns"] == 3 and turns["full_turns"] == 1
     assert engine.contexts == rec.prompts
+
+
+def test_a_resent_turn_goes_plain_and_keeps_the_upstream_session(tok):
+    """The same chat sent again (a client's retry) has no new ID for the session: it goes to the plain route (the
+    whole prompt, prefix-cached upstream), and the next turn still extends the live session."""
+    requests, expected = replay(tok, 3)
+    engine = FakeEngine(words(tok))
+    plain = RecordingEngine(words(tok)[0])
+    with ThreadServer(session_upstream(engine, plain)) as up, tier(tok, up.url, True) as t:
+        client = openai.OpenAI(base_url=t.url + "/v1", api_key="x")
+        chat(client, requests[0], stream=True)
+        chat(client, requests[1], stream=True)
+        chat(client, requests[1], stream=False)      # resent
+        chat(client, requests[2], stream=True)
+        turns = t.app.state.server.turns.stats()
+    assert engine.contexts == expected and engine.requests == 1
+    assert plain.prompts == [expected[1]]
+    assert turns == {"sessions": 1, "suffix_turns": 2, "full_turns": 1, "plain_turns": 1}
 
 
 def test_answers_the_history_renders_otherwise_open_a_new_session(tok):

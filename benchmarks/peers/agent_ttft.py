@@ -28,7 +28,8 @@ With --tier-upstream-token-ids, (b), (b') and (c) go to a second vLLM on the sam
 then never detokenizes, which skips its O(context) detokenizer priming on each request. With
 --tier-upstream-sessions that second vLLM also runs tokenplane's session middleware (serve/vllm_plugin) and the tier
 is started with --upstream-sessions: each turn (b) sends only the IDs the conversation's live upstream request lacks
-(the repeat (b') of the same chat has no new ID, so it opens a new upstream session with the whole prompt).
+(the repeat (b') of the same chat has no new ID: it goes to vLLM's plain /v1/completions with the whole prompt,
+prefix-cached, and leaves the upstream session for the next turn).
 
 Writes benchmarks/results/agent_ttft.{json,md,png} (or --out PREFIX), after every cell.
 """
@@ -343,9 +344,10 @@ def write(res: dict[str, Any], prefix: Path) -> None:
                 f"{m.get('tier_vllm_core')}, started with `--skip-tokenizer-init` and tokenplane's session "
                 "middleware (`--middleware tokenplane_vllm_sessions.session_turns`, serve/vllm_plugin), the tier in "
                 "front of it with `--upstream-sessions`: turn (b) sends only the IDs the conversation's live "
-                "upstream request lacks (IDs sent: P50 below). The repeat (b') has no new ID, so it opens a new "
-                "upstream session with the whole prompt: forwarding and tier added below are those of a whole-prompt "
-                "turn, not of (b). (a) is the stock vLLM. Each request waits "
+                "upstream request lacks (IDs sent: P50 below). The repeat (b') has no new ID: it goes to the plain "
+                "/v1/completions route with the whole prompt (prefix-cached), leaving the session for the next turn, "
+                "so forwarding and tier added below are those of a whole-prompt turn, not of (b) "
+                "(tier_overhead.py --sessions times (b)'s). (a) is the stock vLLM. Each request waits "
                 f"{m.get('gap_s')} s first (vLLM's CPU worker busy-loops 1 s after each message).", "",
                 "| cell | IDs sent upstream by (b) P50 / max | prompt tokens P50 |", "|---|---:|---:|",
                 *[f"| {s['cell']} | {s.get('tier_sent_ids_p50', 'nan')} / {s.get('tier_sent_ids_max', 'nan')} | "

@@ -243,8 +243,9 @@ class ProxyServer(OpenAIServer):
             turns = self.turns if self.turns is not None and req.n == 1 and req.num_logprobs is None else None
 
             def take(ids: Any, origin: IdsOrigin | None) -> _Forwarded:
-                if turns is not None and origin is not None:
-                    return _Forwarded(len(ids), *turns.chunks(fields, ids, origin))
+                got = turns.chunks(fields, ids, origin) if turns is not None and origin is not None else None
+                if got is not None:
+                    return _Forwarded(len(ids), *got)
                 return _Forwarded(len(ids), self.bodies.chunks(fields, ids, origin))
             fwd, report = self._chat_ids(req, parsed, take, fields) if parsed is not None \
                 else self.chat_ids(req, take=take)

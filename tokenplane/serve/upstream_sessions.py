@@ -74,22 +74,30 @@ class SessionTurns:
         self._lock = threading.Lock()
         self.suffix_turns = 0
         self.full_turns = 0
+        self.plain_turns = 0
 
     def forget(self, session: str) -> None:
         with self._lock:
             self._held.pop(session, None)
 
-    def chunks(self, fields: dict[str, Any], ids: Any, origin: IdsOrigin) -> tuple[Chunks, Turn]:
+    def chunks(self, fields: dict[str, Any], ids: Any, origin: IdsOrigin) -> tuple[Chunks, Turn] | None:
         """This turn's body for the session route: the suffix past the upstream's context where the IDs extend it,
-        else the whole prompt as a new upstream session (replacing the old one)."""
+        else the whole prompt as a new upstream session (replacing the old one). None where the IDs are the
+        upstream's context or a prefix of it (a resent or retried turn: nothing new to append), for the plain route,
+        which leaves the upstream session as it is for the next turn."""
         n = len(ids)
         with self._lock:
             held = self._held.get(origin.session)
             suffix_from = 0
-            if held is not None and not held.busy and origin.base_revision == held.revision \
-                    and origin.keep >= held.n_prompt and n > held.context \
-                    and (not held.kept or np.array_equal(np.asarray(ids[held.n_prompt:held.context]),
-                                                         np.asarray(held.kept, dtype=np.int64))):
+            extends = held is not None and not held.busy and origin.base_revision == held.revision \
+                and origin.keep >= held.n_prompt \
+                and (not held.kept or np.array_equal(np.asarray(ids[held.n_prompt:min(n, held.context)]),
+                                                     np.asarray(held.kept[:max(0, n - held.n_prompt)],
+                                                                dtype=np.int64)))
+            if extends and held is not None and n <= held.context:
+                self.plain_turns += 1
+                return None
+            if extends and held is not None:
                 suffix_from = held.context
                 spec: dict[str, Any] = {"id": held.sid, "context": held.context}
                 held.busy = True
@@ -126,7 +134,8 @@ class SessionTurns:
 
     def stats(self) -> dict[str, int]:
         with self._lock:
-            return {"sessions": len(self._held), "suffix_turns": self.suffix_turns, "full_turns": self.full_turns}
+            return {"sessions": len(self._held), "suffix_turns": self.suffix_turns, "full_turns": self.full_turns,
+                    "plain_turns": self.plain_turns}
 
 
 def plugin_path(args: argparse.Namespace) -> int:
