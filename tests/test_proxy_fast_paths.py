@@ -139,7 +139,7 @@ def test_validated_new_messages_equal_full_validation(server, monkeypatch, seed)
 
 
 def forwarded(server, raw: bytes, req: Request) -> tuple[list[int], object]:
-    _, _, report, chunks = server._chat_work(req, raw)
+    _, _, report, chunks, _ = server._chat_work(req, raw)
     server._states.submit(lambda: None).result()   # a body parsed in full is kept by the worker: wait for it
     body = json.loads(b"".join(chunks))
     # the other upstream fields (reused from the kept turn when its fields' bytes are this body's) as the full path
