@@ -586,3 +586,32 @@ def test_wide_lines_do_not_widen_the_narrow_text_between_them():
     assert size < 1.15 * len(text.encode()), (size, len(text.encode()), len(store.chunks))
     wide = sum(len(c) for c in store.chunks if not c.isascii() and max(c) > "\u00ff")
     assert wide < 0.2 * len(text)
+
+
+def test_appends_after_non_nfc_regions_take_the_fused_path_exactly(monkeypatch):
+    """qwen3 (NFC) with regions that differ from their NFC far from the end: appends of NFC-inert text run the fused
+    append on the normalized text (the map stands), others the general plan; every step equals the reference's
+    encode of the whole text, and the fused path did run."""
+    tok = tokenplane.load("qwen3")
+    fused = {"ran": 0}
+    real = Session._fast_append
+
+    def spy(self, *args, **kwargs):
+        got = real(self, *args, **kwargs)
+        fused["ran"] += got is not None
+        return got
+    monkeypatch.setattr(Session, "_fast_append", spy)
+    rng = random.Random(7)
+    text = "Cafe\u0301 ol\u0301e " + PROSE_HEAD + "A\u030a " * 3 + PROSE_HEAD[:700]
+    sess = tok.session()
+    sess.sync(text)
+    inert = ["plain words and 2024 ", "\n\n", "déjà vu, naïve ", "中文 ", "🙂 ", "x" * 300, "   ", "'s "]
+    for i in range(60):
+        chunk = "".join(rng.choice(inert) for _ in range(rng.randrange(1, 6)))
+        if i % 9 == 4:
+            chunk += "e\u0301 "                      # not inert: the general plan (a new region)
+        sess.append(chunk)
+        text += chunk
+        assert np.array_equal(sess.ids, tok.reference.encode_ordinary(text)), i
+        assert sess.text == text
+    assert len(sess._nmap) >= 3 and fused["ran"] >= 30

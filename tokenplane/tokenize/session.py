@@ -290,21 +290,36 @@ class Session:
 
     def _append_committed(self, text: str) -> Splice | None:
         """`append` of validated text as `_fast_append`: the fused call reads the stored text from 2 windows left
-        of the end (it declines, changing nothing, where its window would start further left) plus `text`."""
+        of the end (it declines, changing nothing, where its window would start further left) plus `text`.
+        NFC text with regions that differ from their NFC (a map): an NFC-inert `text` leaves the map as it is
+        (NFC(raw + text) == NFC(raw) + text, as in _plan_append), so the fused call reads the normalized text,
+        in normalized offsets."""
+        nmap = self._nmap
+        if nmap is not None and len(nmap):
+            if self._norm is not None or self._literals or not self._inert_text(text):
+                return None
+            norm = self._normtext
+            n0 = len(norm)
+            base = max(0, n0 - 2 * self._repairer.window)
+            return self._fast_append(text, norm.slice(base, n0) + text, base, None, n0)
         length = len(self._raw)
         base = max(0, length - 2 * self._repairer.window)
         return self._fast_append(text, self._raw.slice(base, length) + text, base, None)
 
-    def _fast_append(self, tail: str | None, new: str, base: int, adopt: str | None) -> Splice | None:
+    def _fast_append(self, tail: str | None, new: str, base: int, adopt: str | None,
+                     mapped_end: int | None = None) -> Splice | None:
         """An append in a few steps: one compiled call that repairs and writes the records
         (WindowRepair.append_commit), the text stored. The same result as `_append`'s plan and commit, whose general
         steps (plan values, a SplicedText, a RecordSplice, the text change as a value) it skips. `new`: the new text
         from `base` to its end; `tail`: the validated appended text, or None when `adopt`, the whole new ASCII
-        text, replaces the stored one. None, before anything changed, where it does not apply: allowed literals,
-        NFC text whose normalized form differs from the raw one, an appended tail that is not NFC-inert, or the
-        fused call declining; the general path then answers."""
+        text, replaces the stored one. `mapped_end`: the normalized text's length where it differs from the raw
+        one (an NFC map; `new` and `base` are then normalized, `tail` inert). None, before anything changed, where
+        it does not apply: allowed literals, NFC text whose normalized form differs from the raw one (unless
+        `mapped_end`), an appended tail that is not NFC-inert, or the fused call declining; the general path then
+        answers."""
         nmap = self._nmap
-        if self._norm is not None or (nmap is not None and len(nmap)) or self._literals:
+        mapped = nmap is not None and len(nmap) > 0
+        if self._norm is not None or mapped != (mapped_end is not None) or self._literals:
             return None
         if tail is not None and self._nfc and not self._inert_text(tail):
             return None
@@ -312,7 +327,8 @@ class Session:
         stats = self.stats
         stats.last_encode_s = 0.0
         # with no NFC region (or no normalizer) the normalized text is the raw one, so `new` is read as it is
-        keep = self._repairer.append_commit(self._rec, new, base, len(self._raw), self._path, stats)
+        keep = self._repairer.append_commit(self._rec, new, base,
+                                            len(self._raw) if mapped_end is None else mapped_end, self._path, stats)
         if keep is None:
             return None
         if adopt is not None:
