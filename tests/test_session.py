@@ -610,7 +610,10 @@ def test_appends_after_non_nfc_regions_take_the_fused_path_exactly(monkeypatch):
         chunk = "".join(rng.choice(inert) for _ in range(rng.randrange(1, 6)))
         if i % 9 == 4:
             chunk += "e\u0301 "                      # not inert: the general plan (a new region)
-        sess.append(chunk)
+        if i % 2:
+            sess.sync(text + chunk)                 # a resend: the same fused path for its appended tail
+        else:
+            sess.append(chunk)
         text += chunk
         assert np.array_equal(sess.ids, tok.reference.encode_ordinary(text)), i
         assert sess.text == text

@@ -283,6 +283,9 @@ class Session:
     def _sync_append(self, full_text: str, length: int) -> Splice | None:
         """A resend that appends to the stored text, the common sync of agent traffic: `_fast_append` reading the
         resent str in place (no slice of it unless its tail is not ASCII), which then becomes the stored text."""
+        nmap = self._nmap
+        if nmap is not None and len(nmap):   # NFC regions: the resent str is raw, the fused call reads normalized text
+            return self._append_committed(validate_text(full_text[length:], self.tokenizer.max_chars))
         if full_text.isascii():
             return self._fast_append(None, full_text, 0, full_text)
         tail = validate_text(full_text[length:], self.tokenizer.max_chars)     # lone surrogates refused here
