@@ -311,3 +311,20 @@ def test_the_session_route_refuses_what_it_cannot_answer():
 def test_sessions_are_refused_for_grpc_upstreams():
     with pytest.raises(ValueError, match="http"):
         UpstreamPool(["grpc://127.0.0.1:1"], sessions=True)
+
+
+def test_a_turn_whose_answer_never_started_is_reclaimed():
+    """A client that leaves before the response begins never runs the answer stream: the engine got nothing, and the
+    session, still taken, is closed once room is needed and it has waited past plugin._UNSTARTED_S."""
+    async def run() -> None:
+        engine = FakeEngine([11, 12])
+        sessions = plugin.Sessions(engine, max_sessions=1, idle_s=600)
+        stuck = sessions.take({"id": "a", "context": 0})
+        with pytest.raises(plugin.SessionError) as err:
+            sessions.take({"id": "b", "context": 0})
+        assert err.value.status == 429
+        stuck.last_used -= plugin._UNSTARTED_S + 1
+        sessions.take({"id": "b", "context": 0})
+        await asyncio.sleep(0)
+        assert list(sessions.open) == ["b"] and engine.aborted == [stuck.request_id] and engine.requests == 0
+    asyncio.run(run())

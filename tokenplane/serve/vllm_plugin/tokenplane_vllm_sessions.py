@@ -49,6 +49,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 PATH = "/tokenplane/v1/session_completions"
+_UNSTARTED_S = 30.0   # a taken session whose answer has not started for this long is reclaimed
 # fields the engine's streaming input refuses or this route does not answer: (name, values that mean "not asked")
 _REFUSED: tuple[tuple[str, tuple[Any, ...]], ...] = (
     ("n", (None, 1)), ("best_of", (None, 1)), ("prompt_logprobs", (None,)),
@@ -68,7 +69,8 @@ class _Session:
     inputs: asyncio.Queue[Any]
     outputs: AsyncIterator[Any] | None = None
     context: int = 0
-    busy: bool = False
+    busy: bool = False        # taken by a turn (from its request until its answer ends)
+    started: bool = False     # that turn's answer stream runs (the engine has its chunk)
     last_used: float = field(default_factory=time.monotonic)
 
 
@@ -98,6 +100,9 @@ class Sessions:
         now = time.monotonic()
         for sid in [k for k, s in self.open.items() if not s.busy and now - s.last_used > self.idle_s]:
             self.close(sid)
+        # a turn whose answer never started (its client left before the response began): nothing will release it
+        for sid in [k for k, s in self.open.items() if s.busy and not s.started and now - s.last_used > _UNSTARTED_S]:
+            self.close(sid, abort=True)
         while len(self.open) >= self.max_sessions:
             idle = next((k for k, s in self.open.items() if not s.busy), None)
             if idle is None:
@@ -127,7 +132,7 @@ class Sessions:
                 raise SessionError(f"session {sid} is {why}, not at {context} tokens")
             self.open.move_to_end(sid)
             s = found
-        s.busy = True
+        s.busy, s.started, s.last_used = True, False, time.monotonic()
         return s
 
 
@@ -226,17 +231,21 @@ async def session_turns(request: Any, call_next: Any) -> Any:
         if s.context == 0:
             sessions.close(s.id)
         return _error(f"{type(exc).__name__}: {exc}", 400, "invalid_request_error")
-    s.inputs.put_nowait(_chunk_input(ids, sp))
+    from starlette.responses import StreamingResponse
+    return StreamingResponse(_answer(sessions, s, _chunk_input(ids, sp), sp, len(ids), app),
+                             media_type="text/event-stream")
+
+
+async def _answer(sessions: Sessions, s: _Session, chunk: Any, sp: Any, n_new: int, app: Any) -> AsyncIterator[bytes]:
+    """The turn's answer. The chunk reaches the engine only once this stream runs: a response that never starts
+    (its client left first) gives the engine nothing to do, and its session is reclaimed (_make_room)."""
+    s.started = True
+    s.inputs.put_nowait(chunk)
     if s.outputs is None:
         async def inputs(q: asyncio.Queue[Any] = s.inputs) -> AsyncIterator[Any]:
             while (item := await q.get()) is not None:
                 yield item
         s.outputs = sessions.engine.generate(inputs(), sp, request_id=s.request_id).__aiter__()
-    from starlette.responses import StreamingResponse
-    return StreamingResponse(_answer(sessions, s, len(ids), app), media_type="text/event-stream")
-
-
-async def _answer(sessions: Sessions, s: _Session, n_new: int, app: Any) -> AsyncIterator[bytes]:
     before = s.context
     made: list[int] = []
     rid = f"cmpl-{s.request_id}-{before}"
