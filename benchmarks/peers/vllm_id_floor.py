@@ -1,6 +1,7 @@
 """vLLM's own time for a long cached prompt given as token IDs: its HTTP server (`--skip-tokenizer-init`, the prompt
-as a JSON array on /v1/completions) or its gRPC engine service (`launchers.grpc_server`, packed varints), one after
-the other on the same files. A first request prefills N random IDs; then each turn appends 400 new IDs and is timed to
+as a JSON array on /v1/completions), its gRPC engine service (`launchers.grpc_server`, packed varints), or (`--mode
+session`) tokenplane's session middleware in the HTTP server (serve/vllm_plugin: one live request, each turn sends
+only its new IDs), one after the other on the same files. A first request prefills N random IDs; then each turn appends 400 new IDs and is timed to
 its first answer (max_tokens 4, greedy), after a 1.2 s idle gap (vLLM's CPU worker busy-loops 1 s after each
 message). With --py-spy the server's processes are sampled during the turns (`py-spy record --subprocesses -f raw`)
 and the top frames are printed.
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import json
 import os
 import signal
 import socket
@@ -21,6 +23,7 @@ import subprocess
 import sys
 import time
 import uuid
+from pathlib import Path
 
 import httpx
 import numpy as np
@@ -35,7 +38,7 @@ def free_port() -> int:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="/tmp/tokenplane-peer-models/tiny-qwen3-long-sw4096")
-    ap.add_argument("--mode", choices=["http", "grpc"], required=True)
+    ap.add_argument("--mode", choices=["http", "grpc", "session"], required=True)
     ap.add_argument("--tokens", type=int, default=334_000)
     ap.add_argument("--turns", type=int, default=8)
     ap.add_argument("--core", default="0")
@@ -53,6 +56,9 @@ def main() -> int:
     else:
         cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", *common, "--skip-tokenizer-init",
                "--uvicorn-log-level", "warning"]
+    if args.mode == "session":
+        env["PYTHONPATH"] = str(Path(__file__).resolve().parents[2] / "tokenplane" / "serve" / "vllm_plugin")
+        cmd += ["--middleware", "tokenplane_vllm_sessions.session_turns"]
     proc = subprocess.Popen(cmd, stdout=open(f"/tmp/vllm_id_floor_{args.mode}.log", "w"), stderr=subprocess.STDOUT,
                             env=env, cwd="/tmp", start_new_session=True)
     rng = np.random.default_rng(0)
@@ -73,6 +79,26 @@ def main() -> int:
                     got = got or time.perf_counter() - t0
                 return got or 0.0
             up = lambda: first([1, 2, 3]) >= 0   # noqa: E731
+        elif args.mode == "session":
+            client = httpx.Client(timeout=900)
+            held = {"context": 0, "sent": 0}
+
+            def first(ids: list[int]) -> float:   # the IDs past what the session was sent
+                new = ids[held["sent"]:]
+                body = {"model": "m", "prompt": new, "max_tokens": 4, "temperature": 0,
+                        "tokenplane_session": {"id": "floor", "context": held["context"]}}
+                t0, got = time.perf_counter(), None
+                with client.stream("POST", f"http://127.0.0.1:{port}/tokenplane/v1/session_completions",
+                                   json=body) as r:
+                    for line in r.iter_lines():
+                        if line.startswith("data: {"):
+                            got = got or time.perf_counter() - t0
+                            report = json.loads(line[6:]).get("tokenplane_session")
+                            if report:
+                                held["context"] = report["context"]
+                held["sent"] = len(ids)
+                return got or 0.0
+            up = lambda: client.get(f"http://127.0.0.1:{port}/v1/models").status_code == 200   # noqa: E731
         else:
             client = httpx.Client(timeout=900)
 
@@ -114,7 +140,8 @@ def main() -> int:
                 stack, n = line.rstrip().rsplit(" ", 1)
                 for f in set(stack.split(";")[1:]):
                     if any(k in f for k in ("Request.", "Decoder.decode", "validate_token_ids", "Generate",
-                                            "execute_model", "process_inputs", "hash")):
+                                            "execute_model", "process_inputs", "hash", "schedule",
+                                            "session", "computed_blocks", "allocate", "NewRequestData")):
                         frames[f[:110]] += int(n)
             for f, n in frames.most_common(12):
                 print(f"{n / 200 / args.turns * 1e3:7.1f} ms/turn  {f}")

@@ -169,8 +169,13 @@ def _sampling(app: Any, body: dict[str, Any], n_total: int) -> Any:
     from vllm.entrypoints.serve.utils.api_utils import get_max_tokens
     from vllm.sampling_params import RequestOutputKind
     engine = app.state.engine_client
-    serving = getattr(app.state, "openai_serving_completion", None)
-    defaults = getattr(serving, "default_sampling_params", None) or engine.model_config.get_diff_sampling_param()
+    defaults = getattr(app.state, "tokenplane_sampling_defaults", None)
+    if defaults is None:   # the model's generation_config, as vLLM's completions route applies it (read once: ~4 ms)
+        serving = getattr(app.state, "openai_serving_completion", None)
+        defaults = getattr(serving, "default_sampling_params", None)
+        if defaults is None:
+            defaults = engine.model_config.get_diff_sampling_param()
+        app.state.tokenplane_sampling_defaults = defaults
     fields = {k: v for k, v in body.items() if k not in ("prompt", "tokenplane_session", "stream", "stream_options",
                                                          "return_tokens_as_token_ids", "return_token_ids")}
     req = CompletionRequest(**fields, prompt=[0])
