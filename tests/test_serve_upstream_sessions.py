@@ -68,7 +68,7 @@ class FakeEngine:
                 done = i == chunk.max_tokens - 1
                 if not done:
                     context.append(t)     # computed: the next token is sampled after it
-                await asyncio.sleep(0)
+                await asyncio.sleep(0.002 if chunk.max_tokens > 100 else 0)   # a long answer takes time
                 yield SimpleNamespace(outputs=[SimpleNamespace(token_ids=[t], finish_reason="length" if done else None,
                                                                stop_reason=None, logprobs=None)])
 
