@@ -54,9 +54,9 @@ class FakeEngine:
 
     def generate(self, inputs: Any, sp: Any, request_id: str) -> Any:
         self.requests += 1
-        return self._run(inputs)
+        return self._run(inputs, request_id)
 
-    async def _run(self, inputs: Any) -> Any:
+    async def _run(self, inputs: Any, request_id: str) -> Any:
         context: list[int] = []
         async for chunk in inputs:
             context += chunk.ids
@@ -69,6 +69,10 @@ class FakeEngine:
                 if not done:
                     context.append(t)     # computed: the next token is sampled after it
                 await asyncio.sleep(0.002 if chunk.max_tokens > 100 else 0)   # a long answer takes time
+                if request_id in self.aborted:   # vLLM ends an aborted request's stream with finish_reason "abort"
+                    yield SimpleNamespace(outputs=[SimpleNamespace(token_ids=[], finish_reason="abort",
+                                                                   stop_reason=None, logprobs=None)])
+                    return
                 yield SimpleNamespace(outputs=[SimpleNamespace(token_ids=[t], finish_reason="length" if done else None,
                                                                stop_reason=None, logprobs=None)])
 
@@ -328,3 +332,24 @@ def test_a_turn_whose_answer_never_started_is_reclaimed():
         await asyncio.sleep(0)
         assert list(sessions.open) == ["b"] and engine.aborted == [stuck.request_id] and engine.requests == 0
     asyncio.run(run())
+
+
+def test_a_turn_sent_while_the_previous_one_answers_gets_its_own_session(tok):
+    """The next turn arrives while the previous answer still streams (the session is taken): it opens a new upstream
+    session with the whole prompt and closes the old one, whose answer still streams to its end."""
+    requests, expected = replay(tok, 2)
+    engine = FakeEngine(words(tok))
+    with ThreadServer(session_upstream(engine)) as up, tier(tok, up.url, True) as t:
+        client = openai.OpenAI(base_url=t.url + "/v1", api_key="x")
+        with httpx.stream("POST", t.url + "/v1/chat/completions", timeout=60,
+                          json={"model": "tier", "messages": requests[0], "stream": True, "max_tokens": 200,
+                                "stream_options": {"include_usage": True}}) as r:
+            lines = r.iter_lines()
+            next(lines)
+            assert chat(client, requests[1], stream=False)
+            usage = [json.loads(x[6:])["usage"] for x in lines if x.startswith("data: {") and '"usage"' in x]
+        turns = t.app.state.server.turns.stats()
+        assert list(up.app.state.tokenplane_sessions.open) != [] and len(up.app.state.tokenplane_sessions.open) == 1
+    assert usage and usage[-1]["completion_tokens"] == 200          # the first answer was not cut
+    assert engine.contexts == expected and engine.requests == 2
+    assert turns["full_turns"] == 2

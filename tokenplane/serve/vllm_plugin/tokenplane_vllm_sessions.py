@@ -71,6 +71,7 @@ class _Session:
     context: int = 0
     busy: bool = False        # taken by a turn (from its request until its answer ends)
     started: bool = False     # that turn's answer stream runs (the engine has its chunk)
+    closing: bool = False     # closed while a turn was answering: that turn's stream drains the rest
     last_used: float = field(default_factory=time.monotonic)
 
 
@@ -93,7 +94,9 @@ class Sessions:
             asyncio.ensure_future(self.engine.abort(s.request_id))
         else:
             s.inputs.put_nowait(None)   # the input stream ends: the engine finishes the request (blocks cached)
-            if s.outputs is not None:
+            if s.busy:
+                s.closing = True        # one reader at a time: the answering turn reads to its end, then drains
+            elif s.outputs is not None:
                 asyncio.ensure_future(_drain(s.outputs))
 
     def _make_room(self) -> None:
@@ -274,6 +277,8 @@ async def _answer(sessions: Sessions, s: _Session, chunk: Any, sp: Any, n_new: i
                                          "finish_reason": o.finish_reason, "stop_reason": o.stop_reason}]})
         s.context = before + n_new + len(made) - 1
         s.busy = False
+        if s.closing:
+            asyncio.ensure_future(_drain(s.outputs))
         s.last_used = time.monotonic()
         prompt = before + n_new
         yield _sse({"id": rid, "object": "text_completion", "created": created, "model": model, "choices": [],
