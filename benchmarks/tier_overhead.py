@@ -85,14 +85,14 @@ def run_stub(port: int) -> None:
         return JSONResponse({"object": "list", "data": [{"id": STUB_MODEL, "object": "model",
                                                          "max_model_len": 1 << 24}]})
 
+    def chunk(choices: list[Any], **extra: Any) -> str:
+        return "data: " + json.dumps({"id": "cmpl-stub", "object": "text_completion", "created": 0,
+                                      "model": STUB_MODEL, "choices": choices, **extra}) + "\n\n"
+
     async def completions(request: Request) -> StreamingResponse:
         raw = await request.body()
         last["body"] = raw
         n = len(orjson.loads(raw)["prompt"])
-
-        def chunk(choices: list[Any], **extra: Any) -> str:
-            return "data: " + json.dumps({"id": "cmpl-stub", "object": "text_completion", "created": 0,
-                                          "model": STUB_MODEL, "choices": choices, **extra}) + "\n\n"
 
         async def gen() -> Any:
             yield chunk([{"index": 0, "text": "ok", "finish_reason": "length"}])
@@ -109,10 +109,6 @@ def run_stub(port: int) -> None:
         body = orjson.loads(raw)
         n, spec = len(body["prompt"]), body["tokenplane_session"]
         report = {"id": spec["id"], "context": spec["context"] + n, "kept": []}   # one answer token: none kept
-
-        def chunk(choices: list[Any], **extra: Any) -> str:
-            return "data: " + json.dumps({"id": "cmpl-stub", "object": "text_completion", "created": 0,
-                                          "model": STUB_MODEL, "choices": choices, **extra}) + "\n\n"
 
         async def gen() -> Any:
             yield chunk([{"index": 0, "text": "", "token_ids": [1035], "finish_reason": "length"}])

@@ -375,9 +375,8 @@ class ProxyServer(OpenAIServer):
         if err.code != MISMATCH:
             turn.fail()
             raise err
-        turn.fail()
         assert self.turns is not None
-        self.turns.forget(turn.session)
+        self.turns.forget(turn.session)     # the retry below opens a new upstream session
         _, _, body, turn = await self.offload(self._prepared, req, True)
         url, resp = await self.pool.send(key, body, SESSION_PATH if turn is not None else "/v1/completions")
         return url, resp, turn

@@ -25,9 +25,8 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import orjson
 
-from .ids_json import Chunks, IdsOrigin, ids_run
+from .ids_json import JSON_IDS, Chunks, IdsOrigin, ids_run
 
 PATH = "/tokenplane/v1/session_completions"
 PLUGIN_DIR = Path(__file__).resolve().parent / "vllm_plugin"   # holds tokenplane_vllm_sessions.py
@@ -54,12 +53,12 @@ class Turn:
     n_prompt: int
     context: int              # tokens the upstream held before this turn
     sent: int                 # IDs sent this turn
-    owner: Any = field(repr=False, default=None)
+    owner: SessionTurns = field(repr=False)
 
     def finish(self, report: Any) -> bool:
         """The answer completed and the upstream reported {"id", "context", "kept"}: the session's context is known
         again (True) if the report is consistent with what was sent, else it is dropped (False)."""
-        return bool(self.owner._finish(self, report))
+        return self.owner._finish(self, report)
 
     def fail(self) -> None:
         """The turn did not complete (error, cut on a stop string here, client gone): the next turn starts over."""
@@ -108,8 +107,9 @@ class SessionTurns:
                 self._held[origin.session] = held = new
                 self.full_turns += 1
         turn = Turn(origin.session, held.sid, origin.revision, n, suffix_from, n - suffix_from, self)
-        head = orjson.dumps({**{k: v for k, v in fields.items() if k != "logprobs"}, "tokenplane_session": spec})
-        return (head[:-1] + b',"prompt":[', ids_run(ids[suffix_from:]), b"]}"), turn
+        run = ids_run(ids[suffix_from:])
+        body = {**{k: v for k, v in fields.items() if k != "logprobs"}, "tokenplane_session": spec}
+        return JSON_IDS.frame(body, [run], len(run)), turn
 
     def _finish(self, turn: Turn, report: Any) -> bool:
         ok = isinstance(report, dict) and report.get("id") == turn.sid and isinstance(report.get("kept"), list) \

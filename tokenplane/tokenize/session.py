@@ -298,16 +298,11 @@ class Session:
         (NFC(raw + text) == NFC(raw) + text, as in _plan_append), so the fused call reads the normalized text,
         in normalized offsets."""
         nmap = self._nmap
-        if nmap is not None and len(nmap):
-            if self._norm is not None or self._literals or not self._inert_text(text):
-                return None
-            norm = self._normtext
-            n0 = len(norm)
-            base = max(0, n0 - 2 * self._repairer.window)
-            return self._fast_append(text, norm.slice(base, n0) + text, base, None, n0)
-        length = len(self._raw)
-        base = max(0, length - 2 * self._repairer.window)
-        return self._fast_append(text, self._raw.slice(base, length) + text, base, None)
+        mapped = nmap is not None and len(nmap) > 0
+        store = self._normtext if mapped else self._raw
+        end = len(store)
+        base = max(0, end - 2 * self._repairer.window)
+        return self._fast_append(text, store.slice(base, end) + text, base, None, end if mapped else None)
 
     def _fast_append(self, tail: str | None, new: str, base: int, adopt: str | None,
                      mapped_end: int | None = None) -> Splice | None:
