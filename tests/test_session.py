@@ -618,3 +618,12 @@ def test_appends_after_non_nfc_regions_take_the_fused_path_exactly(monkeypatch):
         assert np.array_equal(sess.ids, tok.reference.encode_ordinary(text)), i
         assert sess.text == text
     assert len(sess._nmap) >= 3 and fused["ran"] >= 30
+    # edits inside the appended part repair from the records the fused appends wrote (IDs and checkpoints)
+    for k in range(12):
+        a = rng.randrange(len(text) // 2, len(text) - 10)
+        repl = rng.choice(["X", "", "e\u0301", " 42 ", "中"])
+        b = a + rng.randrange(0, 8)
+        sess.edit(a, b, repl)
+        text = text[:a] + repl + text[b:]
+        assert sess.text == text
+        assert np.array_equal(sess.ids, tok.reference.encode_ordinary(text)), k
