@@ -30,7 +30,7 @@ from tokenplane.engine.cpu_decode_paging import (
     CACHE_LINE,
     _descending,
     _exp_nonpos,
-    _prefetch_block,
+    _prefetch,
     _stream_block,
     _table_index,
 )
@@ -84,12 +84,15 @@ def _kernel(D: int, G: int):  # noqa: ANN202
                     base = block_tables[b, ti] * block_size
                     t = ti * block_size
                     n = min(block_size, ctx - t)
-                    nxt_flat, nxt = _stream_block(k_flat, v_flat, block_tables, context_lens, b, h, kvh, slots,
-                                                  block_size, d, bi + 1, rev)
+                    nxt_v, nxt = _stream_block(block_tables, context_lens, b, h, kvh, slots, block_size, d, bi + 1, rev)
                     for o in range(n):
                         slot = base + o
                         if prefetch:
-                            _prefetch_block(nxt_flat, nxt + o * d, d, step)
+                            for i in range(0, d, step):
+                                if nxt_v:
+                                    _prefetch(v_flat, nxt + o * d + i)
+                                else:
+                                    _prefetch(k_flat, nxt + o * d + i)
                         for gi in range(G):
                             s = zero
                             for j in range(d):
@@ -113,12 +116,16 @@ def _kernel(D: int, G: int):  # noqa: ANN202
                     base = block_tables[b, ti] * block_size
                     t = ti * block_size
                     n = min(block_size, ctx - t)
-                    nxt_flat, nxt = _stream_block(k_flat, v_flat, block_tables, context_lens, b, h, kvh, slots,
-                                                  block_size, d, nblk + bi + 1, rev)
+                    nxt_v, nxt = _stream_block(block_tables, context_lens, b, h, kvh, slots,
+                                               block_size, d, nblk + bi + 1, rev)
                     for o in range(n):
                         slot = base + o
                         if prefetch:
-                            _prefetch_block(nxt_flat, nxt + o * d, d, step)
+                            for i in range(0, d, step):
+                                if nxt_v:
+                                    _prefetch(v_flat, nxt + o * d + i)
+                                else:
+                                    _prefetch(k_flat, nxt + o * d + i)
                         for gi in range(G):
                             p = scores[gi, t + o]
                             for j in range(d):

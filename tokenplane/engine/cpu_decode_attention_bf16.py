@@ -112,12 +112,14 @@ def kernel(D: int, G: int):  # noqa: ANN201
                     base = (h * slots + block_tables[b, ti] * block_size) * D
                     t = ti * block_size
                     n = min(block_size, ctx - t)
-                    nxt_flat, nxt = _stream_block(kf, vf, block_tables, context_lens, b, h, kvh, slots, block_size,
-                                                  D, bi + 1, rev)
+                    nxt_v, nxt = _stream_block(block_tables, context_lens, b, h, kvh, slots, block_size, D, bi + 1, rev)
                     for o in range(0, n, KS):
                         if prefetch:   # the next block's lines for as many keys, spread over this block
                             for i in range(0, KS * D, step):
-                                _prefetch(nxt_flat, nxt + o * D + i)
+                                if nxt_v:
+                                    _prefetch(vf, nxt + o * D + i)
+                                else:
+                                    _prefetch(kf, nxt + o * D + i)
                         kb = base + o * D
                         # accumulator a: head a // KS against key o + a % KS (constant indices: LLVM loads each
                         # q chunk and each 64 bytes of a key once per c and drops the accumulators not in use)
@@ -188,8 +190,8 @@ def kernel(D: int, G: int):  # noqa: ANN201
                     base = (h * slots + block_tables[b, ti] * block_size) * D
                     t = ti * block_size
                     n = min(block_size, ctx - t)
-                    nxt_flat, nxt = _stream_block(kf, vf, block_tables, context_lens, b, h, kvh, slots, block_size,
-                                                  D, nblk + bi + 1, rev)
+                    nxt_v, nxt = _stream_block(block_tables, context_lens, b, h, kvh, slots, block_size,
+                                               D, nblk + bi + 1, rev)
                     for part in range(0, D, PART):
                         # accumulator a: head a // CP, elements part + 16 * (a % CP) of the even/odd order; an even
                         # a % CP takes a 64-byte load's evens, the next one its odds
@@ -228,7 +230,10 @@ def kernel(D: int, G: int):  # noqa: ANN201
                         for o in range(n):
                             if prefetch and part == 0:
                                 for i in range(0, D, step):
-                                    _prefetch(nxt_flat, nxt + o * D + i)
+                                    if nxt_v:
+                                        _prefetch(vf, nxt + o * D + i)
+                                    else:
+                                        _prefetch(kf, nxt + o * D + i)
                             vb = base + o * D + part
                             pi = t + o
                             c0 = _fma16(_splat16(scores, (0 // CP) * max_ctx + pi), _vload(vf, vb, 0 % CP), c0)

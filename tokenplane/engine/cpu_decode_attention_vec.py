@@ -167,13 +167,15 @@ def kernel(D: int, G: int, W: int = 0, bf16: bool = False):  # noqa: ANN202
                     base = (h * slots + block_tables[b, ti] * block_size) * D
                     t = ti * block_size
                     n = min(block_size, ctx - t)
-                    nxt_flat, nxt = _stream_block(kf, vf, block_tables, context_lens, b, h, kvh, slots, block_size, D,
-                                                  bi + 1, rev)
+                    nxt_v, nxt = _stream_block(block_tables, context_lens, b, h, kvh, slots, block_size, D, bi + 1, rev)
                     o = 0
                     while o + KS <= n:
                         if prefetch:
                             for i in range(0, KS * D, step):
-                                _prefetch(nxt_flat, nxt + o * D + i)
+                                if nxt_v:
+                                    _prefetch(vf, nxt + o * D + i)
+                                else:
+                                    _prefetch(kf, nxt + o * D + i)
                         kb = base + o * D
                         a0 = zero()
                         a1 = zero()
@@ -209,7 +211,10 @@ def kernel(D: int, G: int, W: int = 0, bf16: bool = False):  # noqa: ANN202
                     while o < n:   # a block's last keys when fewer than KS remain
                         if prefetch:
                             for i in range(0, D, step):
-                                _prefetch(nxt_flat, nxt + o * D + i)
+                                if nxt_v:
+                                    _prefetch(vf, nxt + o * D + i)
+                                else:
+                                    _prefetch(kf, nxt + o * D + i)
                         kb = base + o * D
                         for gi in range(G):
                             s = np.float32(0.0)
@@ -228,8 +233,8 @@ def kernel(D: int, G: int, W: int = 0, bf16: bool = False):  # noqa: ANN202
                     base = (h * slots + block_tables[b, ti] * block_size) * D
                     t = ti * block_size
                     n = min(block_size, ctx - t)
-                    nxt_flat, nxt = _stream_block(kf, vf, block_tables, context_lens, b, h, kvh, slots, block_size, D,
-                                                  nblk + bi + 1, rev)
+                    nxt_v, nxt = _stream_block(block_tables, context_lens, b, h, kvh, slots, block_size, D,
+                                               nblk + bi + 1, rev)
                     for part in range(0, D, PART):
                         # accumulator a: head a // CP, chunk part + W * (a % CP)
                         c0 = load(acc, (0 // CP) * D + part + W * (0 % CP))
@@ -251,7 +256,10 @@ def kernel(D: int, G: int, W: int = 0, bf16: bool = False):  # noqa: ANN202
                         for o in range(n):
                             if prefetch and part == 0:
                                 for i in range(0, D, step):
-                                    _prefetch(nxt_flat, nxt + o * D + i)
+                                    if nxt_v:
+                                        _prefetch(vf, nxt + o * D + i)
+                                    else:
+                                        _prefetch(kf, nxt + o * D + i)
                             vb = base + o * D + part
                             pi = t + o
                             c0 = fma(splat(scores, (0 // CP) * max_ctx + pi), kload(vf, vb + W * (0 % CP)), c0)
