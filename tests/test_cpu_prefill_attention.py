@@ -124,9 +124,11 @@ def test_8_and_16_lane_passes_give_the_same_bits(group, lanes):
 
 
 def test_available_only_for_cpu_float32_and_head_dim_multiple_of_16():
+    """float32 here; bfloat16 only on AMX hosts (tests/test_cpu_prefill_attention_amx.py)."""
     cpu = torch.device("cpu")
     assert available(torch.float32, cpu, 64) and available(torch.float32, cpu, 16)
-    assert not available(torch.float64, cpu, 64) and not available(torch.bfloat16, cpu, 64)
+    assert not available(torch.float64, cpu, 64) and not available(torch.bfloat16, cpu, 16)
+    assert available(torch.bfloat16, cpu, 64) == cpu_prefill_attention.amx.HOST_AMX
     assert not available(torch.float32, cpu, 24) and not available(torch.float32, torch.device("cuda"), 64)
 
 

@@ -36,7 +36,9 @@ import numpy as np
 import torch
 from numba import njit
 
+from tokenplane.engine import cpu_prefill_attention_amx as amx
 from tokenplane.engine.cpu_decode_attention import _exp_nonpos
+from tokenplane.engine.cpu_elements import as_array
 from tokenplane.engine.cpu_simd import (
     HOST_AVX512,
     _fma8,
@@ -486,17 +488,26 @@ def _kernel(D: int, G: int, wide: bool = False):  # noqa: ANN202
 
 
 MIN_ROWS = 12      # q_len x group below this: SDPA's kernel is as fast or faster (a score pass computes 24 rows)
+AMX_MIN_ROWS = 384  # the same for bfloat16 on AMX tiles
 
 
-def available(dtype: torch.dtype, device: torch.device, head_dim: int) -> bool:
-    return device.type == "cpu" and dtype == torch.float32 and head_dim % 16 == 0
+def available(dtype: torch.dtype, device: torch.device, head_dim: int, group: int = 1, block_size: int = 16) -> bool:
+    """float32 here; bfloat16 on AMX tiles (cpu_prefill_attention_amx) where the host and the shapes allow."""
+    if device.type != "cpu":
+        return False
+    if dtype == torch.bfloat16:
+        return amx.applies(head_dim, group, block_size)
+    return dtype == torch.float32 and head_dim % 16 == 0
 
 
-def worth(q_len: int, group: int) -> bool:
-    """Whether a row of q_len tokens is faster here than in SDPA's flash kernel. Measured at 2048 tokens of context
-    (benchmarks/prefill_attention.py, one layer, kernel/SDPA CPU time): SmolLM2's 3 x 3 heads at q_len 2 / 4 / 8:
-    0.98 / 0.80 / 0.58; tiny-large's 4 x 2 at 2 / 4 / 8: 1.26 / 1.06 / 0.73; whole prompts of 256 tokens and up
-    0.57-0.8."""
+def worth(q_len: int, group: int, dtype: torch.dtype = torch.float32) -> bool:
+    """Whether a row of q_len tokens is faster here than in SDPA's flash kernel. float32, measured at 2048 tokens of
+    context (benchmarks/prefill_attention.py, one layer, kernel/SDPA CPU time): SmolLM2's 3 x 3 heads at q_len 2 / 4
+    / 8: 0.98 / 0.80 / 0.58; tiny-large's 4 x 2 at 2 / 4 / 8: 1.26 / 1.06 / 0.73; whole prompts of 256 tokens and up
+    0.57-0.8. bfloat16: the AMX kernel copies each KV head's V^T once per call, which a short chunk after a long
+    context does not repay; rows of AMX_MIN_ROWS and up."""
+    if dtype == torch.bfloat16:
+        return q_len * group >= AMX_MIN_ROWS
     return q_len * group >= MIN_ROWS
 
 
@@ -504,10 +515,16 @@ def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                   q_lens: np.ndarray, context_lens: np.ndarray, block_tables: np.ndarray, out: torch.Tensor,
                   block_size: int, group: int, scale: float) -> None:
     """Writes out[q_starts[b] + i] = causal attention of q[q_starts[b] + i] (absolute position
-    context_lens[b] - q_lens[b] + i) over keys 0 .. that position of sequence b, for every b and i. CPU float32;
+    context_lens[b] - q_lens[b] + i) over keys 0 .. that position of sequence b, for every b and i. CPU float32
+    (bfloat16: cpu_prefill_attention_amx, where `available`);
     q [T, >= kvh * group, d], k/v_cache [kvh, slots, d] contiguous (d a multiple of 16), out [T, heads * d];
     block_tables [B, >= blocks] int64, entries past a sequence's context never read."""
     kvh, slots, d = (int(x) for x in k_cache.shape)
+    if q.dtype == torch.bfloat16:
+        amx.kernel(d, int(group))(as_array(q).view(np.uint32), as_array(k_cache).reshape(-1),
+                                  as_array(v_cache).reshape(-1), kvh, slots, q_starts, q_lens, context_lens,
+                                  block_tables, block_size, as_array(out), scale)
+        return
     # 16 lanes pay once a tile holds more rows than one 8-lane pass (24): below, their 48-row pass computes twice
     # the padding (routing's catch-up chunks of 6-12 tokens at group 2: 1.2-1.3x slower than 8 lanes)
     wide = WIDE[0] and d % 32 == 0 and int(q_lens.max(initial=0)) * group > ROWS

@@ -83,9 +83,10 @@ class ModelRunner:
         "auto" (cpu where it applies, else varlen on CPU; padded on CUDA where it is what the graphs capture). A model
         serves one runner at a time: the runner binds its KV cache into the model's attention layers.
         prefill_kernel (rows of several tokens): "cpu" (one compiled call per layer for all of them, reading the paged
-        KV in place; CPU float32, head_dim a multiple of 16), "varlen" (per-sequence SDPA) or "auto" (cpu where it
-        applies and the step runs on 1 torch thread, the setting it was measured faster at; varlen otherwise). Either
-        way rows too short to gain (cpu_prefill_attention.worth: q_len x group < 12) stay with SDPA.
+        KV in place; CPU float32 with head_dim a multiple of 16, or bfloat16 on AMX tiles with head_dim a multiple of
+        32), "varlen" (per-sequence SDPA) or "auto" (cpu where it applies and the step runs on 1 torch thread, the
+        setting it was measured faster at; varlen otherwise). Either way rows too short to gain
+        (cpu_prefill_attention.worth) stay with SDPA.
         max_num_batched_tokens: the step's token budget; given, every oneDNN-packed GEMM (CPU bf16) is built at
         each row bucket up to it now, not on a serving step (layers.packed_rows; `warm_up_s` says how long)."""
         param = next(model.parameters())
@@ -101,9 +102,11 @@ class ModelRunner:
             raise ValueError(f"decode_kernel 'cpu' needs a CPU float32/float64 model, not {self.device} {self.dtype}")
         if prefill_kernel not in ("auto", "cpu", "varlen"):
             raise ValueError(f"prefill_kernel must be auto, cpu or varlen, not {prefill_kernel!r}")
-        prefill_ok = cpu_prefill_attention.available(self.dtype, self.device, cfg.head_dim)
+        prefill_ok = cpu_prefill_attention.available(self.dtype, self.device, cfg.head_dim,
+                                                     cfg.num_attention_heads // cfg.num_key_value_heads, block_size)
         if prefill_kernel == "cpu" and not prefill_ok:
-            raise ValueError(f"prefill_kernel 'cpu' needs a CPU float32 model with head_dim a multiple of 16, not "
+            raise ValueError(f"prefill_kernel 'cpu' needs a CPU float32 model with head_dim a multiple of 16 "
+                             f"(bfloat16: an AMX host and head_dim a multiple of 32), not "
                              f"{self.device} {self.dtype} head_dim {cfg.head_dim}")
         self.prefill_kernel = prefill_kernel if prefill_ok else "varlen"
         self.model, self.cfg = model, cfg
@@ -326,7 +329,7 @@ class ModelRunner:
                 decode_lens.append(end)
                 q_start += 1
                 continue
-            if q_len > 1 and cpu_prefill and cpu_prefill_attention.worth(q_len, self.group):
+            if q_len > 1 and cpu_prefill and cpu_prefill_attention.worth(q_len, self.group, self.dtype):
                 prefill.append((q_start, q_len, end, seq.block_table))
                 q_start += q_len
                 continue

@@ -1,0 +1,371 @@
+"""Causal bfloat16 prefill attention over the paged KV cache on AMX tiles (TDPBF16PS): multi-token rows, flash-style.
+
+Why: PyTorch's CPU flash SDPA spends half of a bf16 2048-token SmolLM2-135M prefill in attention (498 of 1020 ms,
+torch.profiler, 1 thread, Sapphire Rapids; ~290 GFLOP/s, where the linears around it run on AMX at ~1 TFLOP/s).
+Both products of attention are bf16 x bf16 -> float32 sums, which is what a tile multiply computes. Measured here
+(SmolLM2's 3 KV heads x group 3 x d 64, one layer, alternated in one process, medians): 2048 tokens 15.0-16.6 ms vs
+SDPA 19.5-20.0; 1024 tokens 4.8 vs 6.2; 256 tokens 0.45-0.55 vs 0.51-0.55. What bounds it is vector work, not the
+tiles: the softmax exponents (~1/3 of the time), then the value product's tile loads. A whole 2048-token prefill,
+previous tree and this one alternated (`PYTHONPATH=tree python /tmp/exp43/pf_engine.py`): SmolLM2 1078 / 1135 ->
+978 / 1002 ms, tiny-large (4 x 2 heads, d 64) 285 -> 229 ms.
+
+Layout: rows are a query tile (TQ = 16 // G positions x the G query heads of one KV head, row r = position r // G,
+head r % G, as cpu_prefill_attention's float32 tiles); everything is kept transposed so that the 16 rows are the 16
+lanes of a vector, and the online softmax's per-row max, rescale and sum are plain vector operations down a column:
+  S^T [16 keys x 16 rows]  = K tile (16 cache slots x 32 d, loaded in place: a 16-key tile is one run of a block)
+                             . Q^T (packed once per query tile in the pair layout a B tile wants)
+  O^T [16 d x 16 rows]    += V^T tile (16 d x 32 keys) . P^T (32 keys of probabilities, bf16, in pairs)
+V^T is one copy per (sequence, KV head), made once and read by every query tile; K, Q and P need no transpose.
+Keys are taken KB at a time: their scores land in an L1 block, the block's row max updates the running max once,
+the exponents are written back as bf16 pairs, and the block's O^T tiles are merged into the float32 accumulator with
+the rescale (so the tiles never hold a rescaled sum).
+
+Numerics (as PyTorch's flash kernel for bf16 inputs on CPU): scores are float32 sums of exact bf16 products (tile
+order), scaled in float32; exponents in float32 (cpu_decode_paging's vector exp) and summed in float32 for the row
+sum; the probabilities enter the value product rounded to bf16 (nearest even); the output is the float32 sum divided
+by the row sum, rounded to bf16 once. Keys after a row's position score -inf and weigh exactly 0.
+
+Applies (`applies`) on AMX hosts (cpu_amx.HOST_AMX) to head sizes a multiple of 32, groups of 1-16 query heads per
+KV head and block sizes a multiple of 16.
+"""
+from __future__ import annotations
+
+import math
+from functools import cache
+
+import numpy as np
+from llvmlite import ir
+from numba import njit, types
+from numba.core import cgutils
+from numba.extending import intrinsic
+
+from tokenplane.engine.cpu_amx import HOST_AMX, _tile_config, _tile_dot, _tile_memory, _tile_release, _tile_zero
+from tokenplane.engine.cpu_elements import _store
+from tokenplane.engine.cpu_simd import (
+    _I32,
+    _add16,
+    _load16,
+    _max16,
+    _mul16,
+    _pointer,
+    _prefetch,
+    _store16,
+    _vec16,
+    _zero16,
+)
+
+KB = 256                  # keys per softmax block (a multiple of 32)
+NEG_INF = np.float32(-np.inf)
+TILE_BYTES = 64           # every tile here: 16 rows of 64 bytes
+
+
+class _BFloat(ir.Type):
+    """LLVM's bfloat type (llvmlite's IR builder has none): `fptrunc` to it rounds to nearest even in one
+    instruction where the host has AVX512-BF16 (vcvtneps2bf16; every AMX host has it)."""
+
+    def _to_string(self) -> str:
+        return "bfloat"
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _BFloat)
+
+    def __hash__(self) -> int:
+        return hash("bfloat")
+
+
+@intrinsic
+def _store16_bf16_pairs(typingctx, flat, index, a, b):  # noqa: ANN001, ANN202
+    """flat[index + 2n] = bf16(a[n]), flat[index + 2n + 1] = bf16(b[n]) for n < 16 (a uint16 array; nearest even,
+    as torch's cast for these finite values): one row of a B tile of bf16 pairs, 64 bytes."""
+    def codegen(context, builder, signature, args):  # noqa: ANN001, ANN202
+        bt = ir.VectorType(_BFloat(), 16)
+        vi16 = ir.VectorType(ir.IntType(16), 16)
+        x = builder.bitcast(builder.fptrunc(args[2], bt), vi16)
+        y = builder.bitcast(builder.fptrunc(args[3], bt), vi16)
+        pair = builder.shuffle_vector(x, y, ir.Constant(ir.VectorType(_I32, 32), [v for n in range(16)
+                                                                                  for v in (n, n + 16)]))
+        p = _pointer(context, builder, signature.args[0], args[0], args[1])
+        builder.store(pair, builder.bitcast(p, ir.VectorType(ir.IntType(16), 32).as_pointer()), align=2)
+        return context.get_dummy_value()
+    return types.void(flat, index, _vec16, _vec16), codegen
+
+
+# 2^f on [-1/2, 1/2]: Taylor coefficients of e^(f ln 2), highest degree first (degree 6: relative error ~1.3e-7,
+# below float32's own rounding of the probabilities' bf16 copies by four orders)
+_EXP2 = tuple(math.log(2.0) ** k / math.factorial(k) for k in range(6, -1, -1))
+# Below 2^-126 the numerator is 0 (a -inf score, masked, weighs exactly 0): a result in float32's subnormal range
+# costs a microcode assist per instruction (measured: the kernel's exponents ran at half their speed alone when the
+# masked rows of each block underflowed); what this drops is < 1.2e-38 against a row sum >= 1
+_EXP2_FLOOR = -126.0
+
+
+@intrinsic
+def _exp2_scores(typingctx, flat, index, c, nmc):  # noqa: ANN001, ANN202
+    """2^(flat[index : index + 16] * c + nmc) on 16 lanes (c = scale / ln 2, nmc = -(row max) * c): the softmax
+    numerators exp(scale * (s - max)) in one fused multiply-add, a rounding to the nearest integer n, a degree-6
+    polynomial of 2^(t - n) and vscalefps for the 2^n (no integer exponent arithmetic); t <= -126 (-inf: masked)
+    gives 0."""
+    def codegen(context, builder, signature, args):  # noqa: ANN001, ANN202
+        vt = ir.VectorType(ir.FloatType(), 16)
+        p = _pointer(context, builder, signature.args[0], args[0], args[1])
+        x = builder.load(builder.bitcast(p, vt.as_pointer()), align=4)
+
+        def fn(name: str, n: int):  # noqa: ANN202
+            return cgutils.get_or_insert_function(builder.module, ir.FunctionType(vt, [vt] * n), name)
+
+        def splat(v: float):  # noqa: ANN202
+            return ir.Constant(vt, [float(np.float32(v))] * 16)
+        fma = fn("llvm.fma.v16f32", 3)
+        t = builder.call(fma, [x, args[2], args[3]])
+        keep = builder.fcmp_ordered(">", t, splat(_EXP2_FLOOR))
+        t = builder.select(keep, t, splat(_EXP2_FLOOR))
+        n = builder.call(fn("llvm.roundeven.v16f32", 1), [t])
+        f = builder.fsub(t, n)
+        poly = splat(_EXP2[0])
+        for k in _EXP2[1:]:
+            poly = builder.call(fma, [poly, f, splat(k)])
+        scalef = cgutils.get_or_insert_function(builder.module, ir.FunctionType(vt, [vt, vt, vt, ir.IntType(16), _I32]),
+                                                "llvm.x86.avx512.mask.scalef.ps.512")
+        r = builder.call(scalef, [poly, n, poly, ir.Constant(ir.IntType(16), -1), ir.Constant(_I32, 4)])
+        return builder.select(keep, r, splat(0.0))
+    return _vec16(flat, index, _vec16, _vec16), codegen
+
+
+# Tiles: C 0-3 (S^T of one key tile in 0; O^T panels 0-3), A 4 (K or V^T), B 6 (Q^T pairs or P^T pairs).
+_zero0, _zero1, _zero2, _zero3 = (_tile_zero(t) for t in range(4))
+_store0, _store1, _store2, _store3 = (_tile_memory(t, "llvm.x86.tilestored64") for t in range(4))
+_load_a = _tile_memory(4, "llvm.x86.tileloadd64")
+_load_b = _tile_memory(6, "llvm.x86.tileloadd64")
+_dot0, _dot1, _dot2, _dot3 = (_tile_dot(t, 4, 6) for t in range(4))
+
+
+@njit(cache=True, nogil=True)
+def _configure(cfg):  # noqa: ANN001
+    """Palette 1, tiles 0-7 all 16 rows x 64 bytes."""
+    for i in range(64):
+        cfg[i] = 0
+    cfg[0] = 1
+    for t in range(8):
+        cfg[16 + 2 * t] = TILE_BYTES
+        cfg[48 + t] = 16
+
+
+def applies(head_dim: int, group: int, block_size: int) -> bool:
+    return HOST_AMX and head_dim % 32 == 0 and 1 <= group <= 16 and block_size % 16 == 0
+
+
+@cache
+def kernel(D: int, G: int):  # noqa: ANN201
+    """The kernel for head size D (a multiple of 32) and group G (1-16), compile-time constants; q, the caches and
+    out hold bfloat16 bits (uint16), cpu_prefill_attention._kernel's signature otherwise."""
+    TQ = 16 // G              # positions per query tile
+    NC = D // 32              # 32-wide d chunks of the score product
+    NP = D // 16              # 16-wide d panels of the value product
+
+    @njit(cache=True, nogil=True, error_model="numpy", fastmath={"reassoc", "contract", "nsz", "arcp"})
+    def _prefill(q32, kf, vf, kvh, slots, q_starts, q_lens, ctx_lens, block_tables, block_size, out, scale):  # noqa: ANN001
+        max_ctx = 0
+        for b in range(ctx_lens.shape[0]):
+            max_ctx = max(max_ctx, ctx_lens[b])
+        # V^T rows padded to whole key chunks plus one more chunk, so that the 16 rows of a tile (one row stride
+        # apart) do not all fall in one L1 set
+        cpad = (max_ctx + 31) // 32 * 32 + 32
+        vt = np.zeros(D * cpad, dtype=np.uint16)
+        qb = np.zeros(NC * 256, dtype=np.uint32)         # Q^T pairs, one B tile per d chunk
+        s = np.empty(KB * 16, dtype=np.float32)          # a block's S^T
+        pb = np.empty(KB * 16, dtype=np.uint16)          # the block's P^T pairs, one B tile per 32 keys
+        ob = np.empty(D * 16, dtype=np.float32)          # the block's O^T
+        oacc = np.empty(D * 16, dtype=np.float32)
+        m = np.empty(16, dtype=np.float32)
+        lsum = np.empty(16, dtype=np.float32)
+        tmp = np.empty(16, dtype=np.float32)
+        cfg = np.empty(64, dtype=np.uint8)
+        for i in range(16):
+            tmp[i] = np.float32(scale / math.log(2.0))
+        cv = _load16(tmp, 0)
+        for i in range(16):
+            tmp[i] = np.float32(-scale / math.log(2.0))
+        ncv = _load16(tmp, 0)
+        _configure(cfg)
+        _tile_config(cfg)
+        like = out[0, 0]
+        for b in range(q_lens.shape[0]):
+            n_q = q_lens[b]
+            ctx = ctx_lens[b]
+            first = ctx - n_q
+            row0 = q_starts[b]
+            cp = (ctx + 31) // 32 * 32
+            for h in range(kvh):
+                # V^T of keys 0 .. ctx - 1 (zeros up to the chunk boundary: their probabilities are 0, but a zero
+                # weight times a stale NaN would not be)
+                for j in range(ctx):
+                    base = (h * slots + block_tables[b, j // block_size] * block_size + j % block_size) * D
+                    for d in range(D):
+                        vt[d * cpad + j] = vf[base + d]
+                for d in range(D):
+                    for j in range(ctx, cp):
+                        vt[d * cpad + j] = 0
+                for i0 in range(0, n_q, TQ):
+                    nq = min(TQ, n_q - i0)
+                    rv = nq * G
+                    # Q^T pairs (32-bit views: one pair of d values an element): B tile c, row k2 = the pair
+                    # 32c + 2 k2, 32c + 2 k2 + 1 of d, column n = query row n = position n // G, head n % G (zero
+                    # columns past the tile's rows)
+                    for i in range(nq):
+                        for g in range(G):
+                            n = i * G + g
+                            for c in range(NC):
+                                for k2 in range(16):
+                                    qb[c * 256 + k2 * 16 + n] = q32[row0 + i0 + i, h * G + g, 16 * c + k2]
+                    for n in range(rv, 16):
+                        for x in range(NC * 16):
+                            qb[x * 16 + n] = 0
+                    for r in range(16):
+                        m[r] = NEG_INF
+                        lsum[r] = 0.0
+                    for x in range(D * 16):
+                        oacc[x] = 0.0
+                    p0 = first + i0                      # the tile's first query position
+                    n_keys = p0 + nq                     # keys 0 .. its last position
+                    for j0 in range(0, n_keys, KB):
+                        nk = min(KB, n_keys - j0)
+                        nt = (nk + 15) // 16             # key tiles
+                        nch = (nk + 31) // 32            # key chunks of the value product
+                        # S^T, four key tiles at a time in C tiles 0-3 (independent products in flight), each Q^T
+                        # chunk loaded once per four
+                        for t0 in range(0, nt, 4):
+                            ntg = min(4, nt - t0)
+                            j = j0 + 16 * t0
+                            b0 = (h * slots + block_tables[b, j // block_size] * block_size + j % block_size) * D
+                            b1 = b2 = b3 = b0
+                            if ntg > 1:
+                                j += 16
+                                b1 = (h * slots + block_tables[b, j // block_size] * block_size + j % block_size) * D
+                            if ntg > 2:
+                                j += 16
+                                b2 = (h * slots + block_tables[b, j // block_size] * block_size + j % block_size) * D
+                            if ntg > 3:
+                                j += 16
+                                b3 = (h * slots + block_tables[b, j // block_size] * block_size + j % block_size) * D
+                            if t0 + 4 < nt:      # the next four key tiles into L1 while these compute
+                                jn = j0 + 16 * t0 + 64
+                                for _u in range(min(4, nt - t0 - 4)):
+                                    bn = (h * slots + block_tables[b, jn // block_size] * block_size
+                                          + jn % block_size) * D
+                                    for x in range(0, 16 * D, 32):
+                                        _prefetch(kf, bn + x)
+                                    jn += 16
+                            _zero0()
+                            if ntg > 1:
+                                _zero1()
+                            if ntg > 2:
+                                _zero2()
+                            if ntg > 3:
+                                _zero3()
+                            for c in range(NC):
+                                _load_b(qb, c * 256, np.int64(TILE_BYTES))
+                                _load_a(kf, b0 + 32 * c, np.int64(2 * D))
+                                _dot0()
+                                if ntg > 1:
+                                    _load_a(kf, b1 + 32 * c, np.int64(2 * D))
+                                    _dot1()
+                                if ntg > 2:
+                                    _load_a(kf, b2 + 32 * c, np.int64(2 * D))
+                                    _dot2()
+                                if ntg > 3:
+                                    _load_a(kf, b3 + 32 * c, np.int64(2 * D))
+                                    _dot3()
+                            _store0(s, t0 * 256, np.int64(TILE_BYTES))
+                            if ntg > 1:
+                                _store1(s, t0 * 256 + 256, np.int64(TILE_BYTES))
+                            if ntg > 2:
+                                _store2(s, t0 * 256 + 512, np.int64(TILE_BYTES))
+                            if ntg > 3:
+                                _store3(s, t0 * 256 + 768, np.int64(TILE_BYTES))
+                        # keys past the block's end and after a row's position score -inf (weigh exactly 0)
+                        for jj in range(nk, nch * 32):
+                            for r in range(16):
+                                s[jj * 16 + r] = NEG_INF
+                        for jj in range(max(0, p0 + 1 - j0), nk):
+                            cut = min(max((j0 + jj - p0) * G, 0), 16)   # rows r < cut are before key j0 + jj
+                            for r in range(cut):
+                                s[jj * 16 + r] = NEG_INF
+                        # the running max (of raw scores: the scale is positive); key 0 is in the first block and
+                        # visible to every row, so it is finite from the first block on
+                        mo = _load16(m, 0)
+                        mv = mo
+                        m1 = mo
+                        m2 = mo
+                        m3 = mo
+                        jj = 0
+                        while jj + 4 <= nk:       # four chains: one max waits on the one before (latency 4)
+                            mv = _max16(mv, _load16(s, jj * 16))
+                            m1 = _max16(m1, _load16(s, jj * 16 + 16))
+                            m2 = _max16(m2, _load16(s, jj * 16 + 32))
+                            m3 = _max16(m3, _load16(s, jj * 16 + 48))
+                            jj += 4
+                        while jj < nk:
+                            mv = _max16(mv, _load16(s, jj * 16))
+                            jj += 1
+                        mv = _max16(_max16(mv, m1), _max16(m2, m3))
+                        _store16(m, 0, mv)
+                        nmc = _mul16(mv, ncv)
+                        _store16(tmp, 0, mo)
+                        alpha = _exp2_scores(tmp, 0, cv, nmc)   # the rescale (0 after the first block's -inf)
+                        # numerators as bf16 pairs for the value product, their float32 sum for the row sum
+                        part = _zero16()
+                        for k in range(nch):
+                            for k2 in range(16):
+                                x = (32 * k + 2 * k2) * 16
+                                e0 = _exp2_scores(s, x, cv, nmc)
+                                e1 = _exp2_scores(s, x + 16, cv, nmc)
+                                part = _add16(part, _add16(e0, e1))
+                                _store16_bf16_pairs(pb, k * 512 + k2 * 32, e0, e1)
+                        _store16(lsum, 0, _add16(_mul16(_load16(lsum, 0), alpha), part))
+                        # O^T panels, four at a time
+                        for pg in range(0, NP, 4):
+                            npg = min(4, NP - pg)
+                            _zero0()
+                            if npg > 1:
+                                _zero1()
+                            if npg > 2:
+                                _zero2()
+                            if npg > 3:
+                                _zero3()
+                            for k in range(nch):
+                                _load_b(pb, k * 512, np.int64(TILE_BYTES))
+                                vj = j0 + 32 * k
+                                if k + 1 < nch:      # the next chunk's V^T rows of these panels into L1
+                                    for x in range(16 * npg):
+                                        _prefetch(vt, (16 * pg + x) * cpad + vj + 32)
+                                _load_a(vt, (16 * pg) * cpad + vj, np.int64(2 * cpad))
+                                _dot0()
+                                if npg > 1:
+                                    _load_a(vt, (16 * pg + 16) * cpad + vj, np.int64(2 * cpad))
+                                    _dot1()
+                                if npg > 2:
+                                    _load_a(vt, (16 * pg + 32) * cpad + vj, np.int64(2 * cpad))
+                                    _dot2()
+                                if npg > 3:
+                                    _load_a(vt, (16 * pg + 48) * cpad + vj, np.int64(2 * cpad))
+                                    _dot3()
+                            _store0(ob, (16 * pg) * 16, np.int64(TILE_BYTES))
+                            if npg > 1:
+                                _store1(ob, (16 * pg + 16) * 16, np.int64(TILE_BYTES))
+                            if npg > 2:
+                                _store2(ob, (16 * pg + 32) * 16, np.int64(TILE_BYTES))
+                            if npg > 3:
+                                _store3(ob, (16 * pg + 48) * 16, np.int64(TILE_BYTES))
+                        for d in range(D):
+                            _store16(oacc, d * 16, _add16(_mul16(_load16(oacc, d * 16), alpha), _load16(ob, d * 16)))
+                    for n in range(rv):
+                        inv = np.float32(1.0) / lsum[n]
+                        col = (h * G + n % G) * D
+                        orow = row0 + i0 + n // G
+                        for d in range(D):
+                            out[orow, col + d] = _store(oacc[d * 16 + n] * inv, like)
+        _tile_release()
+    return _prefill
+
+
+__all__ = ["KB", "applies", "kernel"]
