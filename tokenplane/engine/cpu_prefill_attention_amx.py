@@ -180,6 +180,7 @@ def kernel(D: int, G: int):  # noqa: ANN201
         lsum = np.empty(16, dtype=np.float32)
         tmp = np.empty(16, dtype=np.float32)
         cfg = np.empty(64, dtype=np.uint8)
+        kb = np.empty(32, dtype=np.int64)                # a V^T copy's source rows
         for i in range(16):
             tmp[i] = np.float32(scale / math.log(2.0))
         cv = _load16(tmp, 0)
@@ -198,10 +199,15 @@ def kernel(D: int, G: int):  # noqa: ANN201
             for h in range(kvh):
                 # V^T of keys 0 .. ctx - 1 (zeros up to the chunk boundary: their probabilities are 0, but a zero
                 # weight times a stale NaN would not be)
-                for j in range(ctx):
-                    base = (h * slots + block_tables[b, j // block_size] * block_size + j % block_size) * D
+                # 32 keys at a time, d outer: the 32 source rows stay in L1 while each d's 64 bytes are written
+                for jc in range(0, ctx, 32):
+                    nj = min(32, ctx - jc)
+                    for jj in range(nj):
+                        j = jc + jj
+                        kb[jj] = (h * slots + block_tables[b, j // block_size] * block_size + j % block_size) * D
                     for d in range(D):
-                        vt[d * cpad + j] = vf[base + d]
+                        for jj in range(nj):
+                            vt[d * cpad + jc + jj] = vf[kb[jj] + d]
                 for d in range(D):
                     for j in range(ctx, cp):
                         vt[d * cpad + j] = 0
@@ -211,12 +217,10 @@ def kernel(D: int, G: int):  # noqa: ANN201
                     # Q^T pairs (32-bit views: one pair of d values an element): B tile c, row k2 = the pair
                     # 32c + 2 k2, 32c + 2 k2 + 1 of d, column n = query row n = position n // G, head n % G (zero
                     # columns past the tile's rows)
-                    for i in range(nq):
-                        for g in range(G):
-                            n = i * G + g
-                            for c in range(NC):
-                                for k2 in range(16):
-                                    qb[c * 256 + k2 * 16 + n] = q32[row0 + i0 + i, h * G + g, 16 * c + k2]
+                    for x in range(NC * 16):     # x = 16 c + k2: one B tile row, 16 stores in a row
+                        for i in range(nq):
+                            for g in range(G):
+                                qb[x * 16 + i * G + g] = q32[row0 + i0 + i, h * G + g, x]
                     for n in range(rv, 16):
                         for x in range(NC * 16):
                             qb[x * 16 + n] = 0
