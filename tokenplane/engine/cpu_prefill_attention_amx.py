@@ -3,11 +3,12 @@
 Why: PyTorch's CPU flash SDPA spends half of a bf16 2048-token SmolLM2-135M prefill in attention (498 of 1020 ms,
 torch.profiler, 1 thread, Sapphire Rapids; ~290 GFLOP/s, where the linears around it run on AMX at ~1 TFLOP/s).
 Both products of attention are bf16 x bf16 -> float32 sums, which is what a tile multiply computes. Measured here
-(SmolLM2's 3 KV heads x group 3 x d 64, one layer, alternated in one process, medians): 2048 tokens 15.0-16.6 ms vs
-SDPA 19.5-20.0; 1024 tokens 4.8 vs 6.2; 256 tokens 0.45-0.55 vs 0.51-0.55. What bounds it is vector work, not the
-tiles: the softmax exponents (~1/3 of the time), then the value product's tile loads. A whole 2048-token prefill,
-previous tree and this one alternated (`PYTHONPATH=tree python /tmp/exp43/pf_engine.py`): SmolLM2 1078 / 1135 ->
-978 / 1002 ms, tiny-large (4 x 2 heads, d 64) 285 -> 229 ms.
+(SmolLM2's 3 KV heads x group 3 x d 64, one layer, alternated in one process, medians): 2048 tokens 13.6 ms vs
+SDPA 20.2; 1024 tokens 4.8 vs 6.2; 256 tokens 0.43 vs 0.53. What bounds it is vector work, not the tiles: the
+softmax exponents (~1/3 of the time), then the value product's tile loads. A whole 2048-token prefill with the first
+form of this kernel (14.8-16.6 ms a layer), previous tree and this one alternated: SmolLM2 1078 / 1135 -> 978 / 1002
+ms, tiny-large (4 x 2 heads, d 64) 285 -> 229 ms; benchmarks/peers/prefill_ab.py's both_sdpa_prefill variant runs
+the same tree with SDPA for these rows.
 
 Layout: rows are a query tile (TQ = 16 // G positions x the G query heads of one KV head, row r = position r // G,
 head r % G, as cpu_prefill_attention's float32 tiles); everything is kept transposed so that the 16 rows are the 16
@@ -15,7 +16,9 @@ lanes of a vector, and the online softmax's per-row max, rescale and sum are pla
   S^T [16 keys x 16 rows]  = K tile (16 cache slots x 32 d, loaded in place: a 16-key tile is one run of a block)
                              . Q^T (packed once per query tile in the pair layout a B tile wants)
   O^T [16 d x 16 rows]    += V^T tile (16 d x 32 keys) . P^T (32 keys of probabilities, bf16, in pairs)
-V^T is one copy per (sequence, KV head), made once and read by every query tile; K, Q and P need no transpose.
+V^T is one copy per (sequence, KV head), made once and read by every query tile; K, Q and P need no transpose. Two
+query tiles go through a pass together (C tiles 0-3 hold two key tiles or two d panels x the two), so each K and V^T
+tile loaded from L2 serves 32 rows: 2048 tokens 14.3 -> 13.6 ms a layer, 256 tokens 0.40 -> 0.43 (alternated).
 Keys are taken KB at a time: their scores land in an L1 block, the block's row max updates the running max once,
 the exponents are written back as bf16 pairs, and the block's O^T tiles are merged into the float32 accumulator with
 the rescale (so the tiles never hold a rescaled sum).
@@ -48,7 +51,6 @@ from tokenplane.engine.cpu_simd import (
     _max16,
     _mul16,
     _pointer,
-    _prefetch,
     _store16,
     _vec16,
     _zero16,
@@ -131,12 +133,14 @@ def _exp2_scores(typingctx, flat, index, c, nmc):  # noqa: ANN001, ANN202
     return _vec16(flat, index, _vec16, _vec16), codegen
 
 
-# Tiles: C 0-3 (S^T of one key tile in 0; O^T panels 0-3), A 4 (K or V^T), B 6 (Q^T pairs or P^T pairs).
+# Tiles: A 4, 5 (K or V^T: two key tiles, or two d panels), B 6, 7 (Q^T or P^T pairs of query tiles 0 and 1), C 0-3
+# = A4.B6, A4.B7, A5.B6, A5.B7.
 _zero0, _zero1, _zero2, _zero3 = (_tile_zero(t) for t in range(4))
 _store0, _store1, _store2, _store3 = (_tile_memory(t, "llvm.x86.tilestored64") for t in range(4))
-_load_a = _tile_memory(4, "llvm.x86.tileloadd64")
-_load_b = _tile_memory(6, "llvm.x86.tileloadd64")
-_dot0, _dot1, _dot2, _dot3 = (_tile_dot(t, 4, 6) for t in range(4))
+_load_a, _load_a1 = _tile_memory(4, "llvm.x86.tileloadd64"), _tile_memory(5, "llvm.x86.tileloadd64")
+_load_b, _load_b1 = _tile_memory(6, "llvm.x86.tileloadd64"), _tile_memory(7, "llvm.x86.tileloadd64")
+_dot0, _dot_a4b7_1 = _tile_dot(0, 4, 6), _tile_dot(1, 4, 7)
+_dot_a5b6_2, _dot_a5b7_3 = _tile_dot(2, 5, 6), _tile_dot(3, 5, 7)
 
 
 @njit(cache=True, nogil=True)
@@ -171,13 +175,14 @@ def kernel(D: int, G: int):  # noqa: ANN201
         # apart) do not all fall in one L1 set
         cpad = (max_ctx + 31) // 32 * 32 + 32
         vt = np.zeros(D * cpad, dtype=np.uint16)
-        qb = np.zeros(NC * 256, dtype=np.uint32)         # Q^T pairs, one B tile per d chunk
-        s = np.empty(KB * 16, dtype=np.float32)          # a block's S^T
-        pb = np.empty(KB * 16, dtype=np.uint16)          # the block's P^T pairs, one B tile per 32 keys
-        ob = np.empty(D * 16, dtype=np.float32)          # the block's O^T
-        oacc = np.empty(D * 16, dtype=np.float32)
-        m = np.empty(16, dtype=np.float32)
-        lsum = np.empty(16, dtype=np.float32)
+        qb = np.zeros(2 * NC * 256, dtype=np.uint32)     # Q^T pairs, a B tile per d chunk, per query tile
+        s = np.empty(2 * KB * 16, dtype=np.float32)      # a block's S^T, per query tile
+        pb = np.empty(2 * KB * 16, dtype=np.uint16)      # its P^T pairs, a B tile per 32 keys, per query tile
+        ob = np.empty(2 * D * 16, dtype=np.float32)      # the block's O^T, per query tile
+        oacc = np.empty(2 * D * 16, dtype=np.float32)
+        m = np.empty(32, dtype=np.float32)
+        lsum = np.empty(32, dtype=np.float32)
+        alph = np.empty(32, dtype=np.float32)
         tmp = np.empty(16, dtype=np.float32)
         cfg = np.empty(64, dtype=np.uint8)
         kb = np.empty(32, dtype=np.int64)                # a V^T copy's source rows
@@ -211,163 +216,138 @@ def kernel(D: int, G: int):  # noqa: ANN201
                 for d in range(D):
                     for j in range(ctx, cp):
                         vt[d * cpad + j] = 0
-                for i0 in range(0, n_q, TQ):
-                    nq = min(TQ, n_q - i0)
-                    rv = nq * G
-                    # Q^T pairs (32-bit views: one pair of d values an element): B tile c, row k2 = the pair
-                    # 32c + 2 k2, 32c + 2 k2 + 1 of d, column n = query row n = position n // G, head n % G (zero
-                    # columns past the tile's rows)
-                    for x in range(NC * 16):     # x = 16 c + k2: one B tile row, 16 stores in a row
-                        for i in range(nq):
-                            for g in range(G):
-                                qb[x * 16 + i * G + g] = q32[row0 + i0 + i, h * G + g, x]
-                    for n in range(rv, 16):
-                        for x in range(NC * 16):
-                            qb[x * 16 + n] = 0
-                    for r in range(16):
-                        m[r] = NEG_INF
-                        lsum[r] = 0.0
-                    for x in range(D * 16):
-                        oacc[x] = 0.0
-                    p0 = first + i0                      # the tile's first query position
-                    n_keys = p0 + nq                     # keys 0 .. its last position
+                # two query tiles a pass (u = 0, 1: positions i0 .. + TQ and the TQ after): each K tile and V^T
+                # tile loaded from L2 serves 32 rows (the S^T / O^T products of a tile pair in C tiles 0-3)
+                for i0 in range(0, n_q, 2 * TQ):
+                    nq0 = min(TQ, n_q - i0)
+                    nq1 = min(TQ, max(0, n_q - i0 - TQ))
+                    for u in range(2):
+                        nqu = nq0 if u == 0 else nq1
+                        # Q^T pairs (32-bit views: one pair of d values an element): B tile c of query tile u, row
+                        # k2 = the pair 32c + 2 k2 (+1) of d, column n = position n // G, head n % G (zero columns
+                        # past the tile's rows)
+                        for x in range(NC * 16):     # x = 16 c + k2: one B tile row, 16 stores in a row
+                            for i in range(nqu):
+                                for g in range(G):
+                                    qb[u * NC * 256 + x * 16 + i * G + g] = q32[row0 + i0 + u * TQ + i, h * G + g, x]
+                            for n in range(nqu * G, 16):
+                                qb[u * NC * 256 + x * 16 + n] = 0
+                        for r in range(16):
+                            m[u * 16 + r] = NEG_INF
+                            lsum[u * 16 + r] = 0.0
+                        for x in range(D * 16):
+                            oacc[u * D * 16 + x] = 0.0
+                    p0 = first + i0                      # the pair's first query position
+                    n_keys = p0 + nq0 + nq1              # keys 0 .. its last position
                     for j0 in range(0, n_keys, KB):
                         nk = min(KB, n_keys - j0)
                         nt = (nk + 15) // 16             # key tiles
                         nch = (nk + 31) // 32            # key chunks of the value product
-                        # S^T, four key tiles at a time in C tiles 0-3 (independent products in flight), each Q^T
-                        # chunk loaded once per four
-                        for t0 in range(0, nt, 4):
-                            ntg = min(4, nt - t0)
+                        # S^T: two key tiles x the two query tiles in C tiles 0-3
+                        for t0 in range(0, nt, 2):
+                            two = t0 + 1 < nt
                             j = j0 + 16 * t0
                             b0 = (h * slots + block_tables[b, j // block_size] * block_size + j % block_size) * D
-                            b1 = b2 = b3 = b0
-                            if ntg > 1:
+                            b1 = b0
+                            if two:
                                 j += 16
                                 b1 = (h * slots + block_tables[b, j // block_size] * block_size + j % block_size) * D
-                            if ntg > 2:
-                                j += 16
-                                b2 = (h * slots + block_tables[b, j // block_size] * block_size + j % block_size) * D
-                            if ntg > 3:
-                                j += 16
-                                b3 = (h * slots + block_tables[b, j // block_size] * block_size + j % block_size) * D
-                            if t0 + 4 < nt:      # the next four key tiles into L1 while these compute
-                                jn = j0 + 16 * t0 + 64
-                                for _u in range(min(4, nt - t0 - 4)):
-                                    bn = (h * slots + block_tables[b, jn // block_size] * block_size
-                                          + jn % block_size) * D
-                                    for x in range(0, 16 * D, 32):
-                                        _prefetch(kf, bn + x)
-                                    jn += 16
                             _zero0()
-                            if ntg > 1:
-                                _zero1()
-                            if ntg > 2:
+                            _zero1()
+                            if two:
                                 _zero2()
-                            if ntg > 3:
                                 _zero3()
                             for c in range(NC):
                                 _load_b(qb, c * 256, np.int64(TILE_BYTES))
+                                _load_b1(qb, NC * 256 + c * 256, np.int64(TILE_BYTES))
                                 _load_a(kf, b0 + 32 * c, np.int64(2 * D))
                                 _dot0()
-                                if ntg > 1:
-                                    _load_a(kf, b1 + 32 * c, np.int64(2 * D))
-                                    _dot1()
-                                if ntg > 2:
-                                    _load_a(kf, b2 + 32 * c, np.int64(2 * D))
-                                    _dot2()
-                                if ntg > 3:
-                                    _load_a(kf, b3 + 32 * c, np.int64(2 * D))
-                                    _dot3()
+                                _dot_a4b7_1()
+                                if two:
+                                    _load_a1(kf, b1 + 32 * c, np.int64(2 * D))
+                                    _dot_a5b6_2()
+                                    _dot_a5b7_3()
                             _store0(s, t0 * 256, np.int64(TILE_BYTES))
-                            if ntg > 1:
-                                _store1(s, t0 * 256 + 256, np.int64(TILE_BYTES))
-                            if ntg > 2:
-                                _store2(s, t0 * 256 + 512, np.int64(TILE_BYTES))
-                            if ntg > 3:
-                                _store3(s, t0 * 256 + 768, np.int64(TILE_BYTES))
-                        # keys past the block's end and after a row's position score -inf (weigh exactly 0)
-                        for jj in range(nk, nch * 32):
-                            for r in range(16):
-                                s[jj * 16 + r] = NEG_INF
-                        for jj in range(max(0, p0 + 1 - j0), nk):
-                            cut = min(max((j0 + jj - p0) * G, 0), 16)   # rows r < cut are before key j0 + jj
-                            for r in range(cut):
-                                s[jj * 16 + r] = NEG_INF
-                        # the running max (of raw scores: the scale is positive); key 0 is in the first block and
-                        # visible to every row, so it is finite from the first block on
-                        mo = _load16(m, 0)
-                        mv = mo
-                        m1 = mo
-                        m2 = mo
-                        m3 = mo
-                        jj = 0
-                        while jj + 4 <= nk:       # four chains: one max waits on the one before (latency 4)
-                            mv = _max16(mv, _load16(s, jj * 16))
-                            m1 = _max16(m1, _load16(s, jj * 16 + 16))
-                            m2 = _max16(m2, _load16(s, jj * 16 + 32))
-                            m3 = _max16(m3, _load16(s, jj * 16 + 48))
-                            jj += 4
-                        while jj < nk:
-                            mv = _max16(mv, _load16(s, jj * 16))
-                            jj += 1
-                        mv = _max16(_max16(mv, m1), _max16(m2, m3))
-                        _store16(m, 0, mv)
-                        nmc = _mul16(mv, ncv)
-                        _store16(tmp, 0, mo)
-                        alpha = _exp2_scores(tmp, 0, cv, nmc)   # the rescale (0 after the first block's -inf)
-                        # numerators as bf16 pairs for the value product, their float32 sum for the row sum
-                        part = _zero16()
-                        for k in range(nch):
-                            for k2 in range(16):
-                                x = (32 * k + 2 * k2) * 16
-                                e0 = _exp2_scores(s, x, cv, nmc)
-                                e1 = _exp2_scores(s, x + 16, cv, nmc)
-                                part = _add16(part, _add16(e0, e1))
-                                _store16_bf16_pairs(pb, k * 512 + k2 * 32, e0, e1)
-                        _store16(lsum, 0, _add16(_mul16(_load16(lsum, 0), alpha), part))
-                        # O^T panels, four at a time
-                        for pg in range(0, NP, 4):
-                            npg = min(4, NP - pg)
-                            _zero0()
-                            if npg > 1:
-                                _zero1()
-                            if npg > 2:
-                                _zero2()
-                            if npg > 3:
-                                _zero3()
+                            _store1(s, KB * 16 + t0 * 256, np.int64(TILE_BYTES))
+                            if two:
+                                _store2(s, t0 * 256 + 256, np.int64(TILE_BYTES))
+                                _store3(s, KB * 16 + t0 * 256 + 256, np.int64(TILE_BYTES))
+                        for u in range(2):
+                            so = u * KB * 16
+                            pu = p0 + u * TQ             # query tile u's first position
+                            # keys past the block's end and after a row's position score -inf (weigh exactly 0)
+                            for jj in range(nk, nch * 32):
+                                for r in range(16):
+                                    s[so + jj * 16 + r] = NEG_INF
+                            for jj in range(max(0, pu + 1 - j0), nk):
+                                cut = min(max((j0 + jj - pu) * G, 0), 16)   # rows r < cut: before key j0 + jj
+                                for r in range(cut):
+                                    s[so + jj * 16 + r] = NEG_INF
+                            # the running max (of raw scores: the scale is positive); key 0 is in the first block
+                            # and visible to every row, so it is finite from the first block on
+                            mo = _load16(m, u * 16)
+                            mv = mo
+                            m1 = mo
+                            m2 = mo
+                            m3 = mo
+                            jj = 0
+                            while jj + 4 <= nk:       # four chains: one max waits on the one before (latency 4)
+                                mv = _max16(mv, _load16(s, so + jj * 16))
+                                m1 = _max16(m1, _load16(s, so + jj * 16 + 16))
+                                m2 = _max16(m2, _load16(s, so + jj * 16 + 32))
+                                m3 = _max16(m3, _load16(s, so + jj * 16 + 48))
+                                jj += 4
+                            while jj < nk:
+                                mv = _max16(mv, _load16(s, so + jj * 16))
+                                jj += 1
+                            mv = _max16(_max16(mv, m1), _max16(m2, m3))
+                            _store16(m, u * 16, mv)
+                            nmc = _mul16(mv, ncv)
+                            _store16(tmp, 0, mo)
+                            _store16(alph, u * 16, _exp2_scores(tmp, 0, cv, nmc))   # the rescale (0 at first)
+                            # numerators as bf16 pairs for the value product, their float32 sum for the row sum
+                            part = _zero16()
                             for k in range(nch):
-                                _load_b(pb, k * 512, np.int64(TILE_BYTES))
+                                for k2 in range(16):
+                                    x = so + (32 * k + 2 * k2) * 16
+                                    e0 = _exp2_scores(s, x, cv, nmc)
+                                    e1 = _exp2_scores(s, x + 16, cv, nmc)
+                                    part = _add16(part, _add16(e0, e1))
+                                    _store16_bf16_pairs(pb, so + k * 512 + k2 * 32, e0, e1)
+                            _store16(lsum, u * 16, _add16(_mul16(_load16(lsum, u * 16), _load16(alph, u * 16)), part))
+                        # O^T: two d panels x the two query tiles in C tiles 0-3
+                        for pg in range(0, NP, 2):
+                            _zero0()
+                            _zero1()
+                            _zero2()
+                            _zero3()
+                            for k in range(nch):
                                 vj = j0 + 32 * k
-                                if k + 1 < nch:      # the next chunk's V^T rows of these panels into L1
-                                    for x in range(16 * npg):
-                                        _prefetch(vt, (16 * pg + x) * cpad + vj + 32)
+                                _load_b(pb, k * 512, np.int64(TILE_BYTES))
+                                _load_b1(pb, KB * 16 + k * 512, np.int64(TILE_BYTES))
                                 _load_a(vt, (16 * pg) * cpad + vj, np.int64(2 * cpad))
                                 _dot0()
-                                if npg > 1:
-                                    _load_a(vt, (16 * pg + 16) * cpad + vj, np.int64(2 * cpad))
-                                    _dot1()
-                                if npg > 2:
-                                    _load_a(vt, (16 * pg + 32) * cpad + vj, np.int64(2 * cpad))
-                                    _dot2()
-                                if npg > 3:
-                                    _load_a(vt, (16 * pg + 48) * cpad + vj, np.int64(2 * cpad))
-                                    _dot3()
+                                _dot_a4b7_1()
+                                _load_a1(vt, (16 * pg + 16) * cpad + vj, np.int64(2 * cpad))
+                                _dot_a5b6_2()
+                                _dot_a5b7_3()
                             _store0(ob, (16 * pg) * 16, np.int64(TILE_BYTES))
-                            if npg > 1:
-                                _store1(ob, (16 * pg + 16) * 16, np.int64(TILE_BYTES))
-                            if npg > 2:
-                                _store2(ob, (16 * pg + 32) * 16, np.int64(TILE_BYTES))
-                            if npg > 3:
-                                _store3(ob, (16 * pg + 48) * 16, np.int64(TILE_BYTES))
-                        for d in range(D):
-                            _store16(oacc, d * 16, _add16(_mul16(_load16(oacc, d * 16), alpha), _load16(ob, d * 16)))
-                    for n in range(rv):
-                        inv = np.float32(1.0) / lsum[n]
-                        col = (h * G + n % G) * D
-                        orow = row0 + i0 + n // G
-                        for d in range(D):
-                            out[orow, col + d] = _store(oacc[d * 16 + n] * inv, like)
+                            _store1(ob, D * 16 + (16 * pg) * 16, np.int64(TILE_BYTES))
+                            _store2(ob, (16 * pg + 16) * 16, np.int64(TILE_BYTES))
+                            _store3(ob, D * 16 + (16 * pg + 16) * 16, np.int64(TILE_BYTES))
+                        for u in range(2):
+                            alpha = _load16(alph, u * 16)
+                            for d in range(D):
+                                x = u * D * 16 + d * 16
+                                _store16(oacc, x, _add16(_mul16(_load16(oacc, x), alpha), _load16(ob, x)))
+                    for u in range(2):
+                        rv = (nq0 if u == 0 else nq1) * G
+                        for n in range(rv):
+                            inv = np.float32(1.0) / lsum[u * 16 + n]
+                            col = (h * G + n % G) * D
+                            orow = row0 + i0 + u * TQ + n // G
+                            for d in range(D):
+                                out[orow, col + d] = _store(oacc[u * D * 16 + d * 16 + n] * inv, like)
         _tile_release()
     return _prefill
 
