@@ -161,3 +161,27 @@ def test_runner_uses_the_kernel_for_long_bf16_rows(monkeypatch):
     assert calls == [([290], [290])] * cfg.num_hidden_layers     # the 10-token chunk: SDPA
     err, base = (got - ref).abs().max().item(), (sdpa - ref).abs().max().item()
     assert err <= 1.5 * base + 1e-2, (err, base)
+
+
+def test_warm_kernels_reaches_the_amx_kernel(monkeypatch):
+    """ModelRunner.warm_kernels' first prefill is long enough for the kernel, so its compile never lands on a
+    serving step."""
+    from tokenplane.engine.config import PRESETS
+    from tokenplane.engine.loader import load_model
+    from tokenplane.engine.model_runner import ModelRunner
+
+    rows = []
+    real = attention_module.paged_prefill
+
+    def counting(q, k_cache, v_cache, q_starts, q_lens, context_lens, *args):  # noqa: ANN001, ANN002
+        rows.append(int(q_lens.max()))
+        real(q, k_cache, v_cache, q_starts, q_lens, context_lens, *args)
+
+    cfg, model = load_model(dict(PRESETS["test-small"], head_dim=32), dtype=torch.bfloat16, seed=5)
+    runner = ModelRunner(model, cfg, num_blocks=64, block_size=16)
+    monkeypatch.setattr(attention_module, "paged_prefill", counting)
+    free = runner.block_manager.num_free_blocks
+    assert runner.warm_kernels() > 0
+    assert runner.block_manager.num_free_blocks == free
+    group = cfg.num_attention_heads // cfg.num_key_value_heads
+    assert rows and max(rows) * group >= AMX_MIN_ROWS

@@ -167,13 +167,17 @@ class ModelRunner:
         """Makes the compiled CPU kernels' first calls now instead of on a serving step: numba compiles each kernel
         signature on its first call (seconds each in a fresh install, cached on disk after; a routing run measured a
         first repeat at 7.7 s against 2.2-2.5 s once a model's catch-up kernels had compiled). Dummy sequences reach
-        every path a step takes: a prefill long enough for the wide prefill kernel, a catch-up chunk after cached
-        context, decode steps of 1 and of 9 rows, full logits and (greedy) the greedy screen's tokens; their blocks
-        are freed after. A pool too small for them is left as is (returns 0). Returns seconds; CPU only."""
+        every path a step takes: a prefill long enough for the wide prefill kernel (for bf16, the AMX one), a
+        catch-up chunk after cached context, decode steps of 1 and of 9 rows, full logits and (greedy) the greedy
+        screen's tokens; their blocks are freed after. A pool too small for them is left as is (returns 0). Returns
+        seconds; CPU only."""
         if self.device.type != "cpu":
             return 0.0
         bs, vocab = self.block_size, self.cfg.vocab_size
-        lengths = [64] + [4] * 8          # tokens each sequence reaches before the decode steps
+        first_len = 64
+        if self.dtype == torch.bfloat16 and self.prefill_kernel != "varlen":   # the AMX kernel's rows start higher
+            first_len = max(first_len, -(-cpu_prefill_attention.AMX_MIN_ROWS // self.group))
+        lengths = [first_len] + [4] * 8   # tokens each sequence reaches before the decode steps
         steps = 6 + 2 + 2                 # the catch-up chunk and the decode steps, on the first sequence
         need = (-(-(lengths[0] + steps) // bs) + sum(-(-(n + 2) // bs) for n in lengths[1:]))
         if need > self.block_manager.num_free_blocks:
