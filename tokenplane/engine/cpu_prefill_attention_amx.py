@@ -24,9 +24,10 @@ the exponents are written back as bf16 pairs, and the block's O^T tiles are merg
 the rescale (so the tiles never hold a rescaled sum).
 
 Numerics (as PyTorch's flash kernel for bf16 inputs on CPU): scores are float32 sums of exact bf16 products (tile
-order), scaled in float32; exponents in float32 (cpu_decode_paging's vector exp) and summed in float32 for the row
-sum; the probabilities enter the value product rounded to bf16 (nearest even); the output is the float32 sum divided
-by the row sum, rounded to bf16 once. Keys after a row's position score -inf and weigh exactly 0.
+order); the numerators exp(scale * (s - max)) in float32 as 2^(s * c - max * c), c = scale / ln 2 (`_exp2_scores`,
+relative error ~1.3e-7), summed in float32 for the row sum; the probabilities enter the value product rounded to
+bf16 (nearest even); the output is the float32 sum divided by the row sum, rounded to bf16 once. Keys after a row's
+position score -inf and weigh exactly 0.
 
 Applies (`applies`) on AMX hosts (cpu_amx.HOST_AMX) to head sizes a multiple of 32, groups of 1-16 query heads per
 KV head and block sizes a multiple of 16.
@@ -160,8 +161,9 @@ def applies(head_dim: int, group: int, block_size: int) -> bool:
 
 @cache
 def kernel(D: int, G: int):  # noqa: ANN201
-    """The kernel for head size D (a multiple of 32) and group G (1-16), compile-time constants; q, the caches and
-    out hold bfloat16 bits (uint16), cpu_prefill_attention._kernel's signature otherwise."""
+    """The kernel for head size D (a multiple of 32) and group G (1-16), compile-time constants, with
+    cpu_prefill_attention._kernel's signature: the caches and out hold bfloat16 bits (uint16), q32 is q's bits read
+    as uint32 (one pair of d values an element: q [T, heads, D] with its last axis contiguous)."""
     TQ = 16 // G              # positions per query tile
     NC = D // 32              # 32-wide d chunks of the score product
     NP = D // 16              # 16-wide d panels of the value product
@@ -203,8 +205,8 @@ def kernel(D: int, G: int):  # noqa: ANN201
             cp = (ctx + 31) // 32 * 32
             for h in range(kvh):
                 # V^T of keys 0 .. ctx - 1 (zeros up to the chunk boundary: their probabilities are 0, but a zero
-                # weight times a stale NaN would not be)
-                # 32 keys at a time, d outer: the 32 source rows stay in L1 while each d's 64 bytes are written
+                # weight times a stale NaN would not be), 32 keys at a time with d outer: the 32 source rows stay
+                # in L1 while each d's 64 bytes are written
                 for jc in range(0, ctx, 32):
                     nj = min(32, ctx - jc)
                     for jj in range(nj):
