@@ -30,7 +30,7 @@ from tokenplane.engine.cpu_decode_paging import (
     CACHE_LINE,
     _descending,
     _exp_nonpos,
-    _prefetch,
+    _prefetch_kv,
     _stream_block,
     _table_index,
 )
@@ -89,10 +89,7 @@ def _kernel(D: int, G: int):  # noqa: ANN202
                         slot = base + o
                         if prefetch:
                             for i in range(0, d, step):
-                                if nxt_v:
-                                    _prefetch(v_flat, nxt + o * d + i)
-                                else:
-                                    _prefetch(k_flat, nxt + o * d + i)
+                                _prefetch_kv(k_flat, v_flat, nxt_v, nxt + o * d + i)
                         for gi in range(G):
                             s = zero
                             for j in range(d):
@@ -122,10 +119,7 @@ def _kernel(D: int, G: int):  # noqa: ANN202
                         slot = base + o
                         if prefetch:
                             for i in range(0, d, step):
-                                if nxt_v:
-                                    _prefetch(v_flat, nxt + o * d + i)
-                                else:
-                                    _prefetch(k_flat, nxt + o * d + i)
+                                _prefetch_kv(k_flat, v_flat, nxt_v, nxt + o * d + i)
                         for gi in range(G):
                             p = scores[gi, t + o]
                             for j in range(d):

@@ -34,7 +34,7 @@ from numba import njit
 from tokenplane.engine.cpu_decode_paging import (
     CACHE_LINE,
     _descending,
-    _prefetch,
+    _prefetch_kv,
     _stream_block,
     _table_index,
     softmax_numerators,
@@ -116,10 +116,7 @@ def kernel(D: int, G: int):  # noqa: ANN201
                     for o in range(0, n, KS):
                         if prefetch:   # the next block's lines for as many keys, spread over this block
                             for i in range(0, KS * D, step):
-                                if nxt_v:
-                                    _prefetch(vf, nxt + o * D + i)
-                                else:
-                                    _prefetch(kf, nxt + o * D + i)
+                                _prefetch_kv(kf, vf, nxt_v, nxt + o * D + i)
                         kb = base + o * D
                         # accumulator a: head a // KS against key o + a % KS (constant indices: LLVM loads each
                         # q chunk and each 64 bytes of a key once per c and drops the accumulators not in use)
@@ -230,10 +227,7 @@ def kernel(D: int, G: int):  # noqa: ANN201
                         for o in range(n):
                             if prefetch and part == 0:
                                 for i in range(0, D, step):
-                                    if nxt_v:
-                                        _prefetch(vf, nxt + o * D + i)
-                                    else:
-                                        _prefetch(kf, nxt + o * D + i)
+                                    _prefetch_kv(kf, vf, nxt_v, nxt + o * D + i)
                             vb = base + o * D + part
                             pi = t + o
                             c0 = _fma16(_splat16(scores, (0 // CP) * max_ctx + pi), _vload(vf, vb, 0 % CP), c0)

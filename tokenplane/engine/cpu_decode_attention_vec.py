@@ -39,7 +39,7 @@ from numba.extending import intrinsic
 from tokenplane.engine.cpu_decode_paging import (
     CACHE_LINE,
     _descending,
-    _prefetch,
+    _prefetch_kv,
     _stream_block,
     _table_index,
     softmax_numerators,
@@ -172,10 +172,7 @@ def kernel(D: int, G: int, W: int = 0, bf16: bool = False):  # noqa: ANN202
                     while o + KS <= n:
                         if prefetch:
                             for i in range(0, KS * D, step):
-                                if nxt_v:
-                                    _prefetch(vf, nxt + o * D + i)
-                                else:
-                                    _prefetch(kf, nxt + o * D + i)
+                                _prefetch_kv(kf, vf, nxt_v, nxt + o * D + i)
                         kb = base + o * D
                         a0 = zero()
                         a1 = zero()
@@ -211,10 +208,7 @@ def kernel(D: int, G: int, W: int = 0, bf16: bool = False):  # noqa: ANN202
                     while o < n:   # a block's last keys when fewer than KS remain
                         if prefetch:
                             for i in range(0, D, step):
-                                if nxt_v:
-                                    _prefetch(vf, nxt + o * D + i)
-                                else:
-                                    _prefetch(kf, nxt + o * D + i)
+                                _prefetch_kv(kf, vf, nxt_v, nxt + o * D + i)
                         kb = base + o * D
                         for gi in range(G):
                             s = np.float32(0.0)
@@ -256,10 +250,7 @@ def kernel(D: int, G: int, W: int = 0, bf16: bool = False):  # noqa: ANN202
                         for o in range(n):
                             if prefetch and part == 0:
                                 for i in range(0, D, step):
-                                    if nxt_v:
-                                        _prefetch(vf, nxt + o * D + i)
-                                    else:
-                                        _prefetch(kf, nxt + o * D + i)
+                                    _prefetch_kv(kf, vf, nxt_v, nxt + o * D + i)
                             vb = base + o * D + part
                             pi = t + o
                             c0 = fma(splat(scores, (0 // CP) * max_ctx + pi), kload(vf, vb + W * (0 % CP)), c0)

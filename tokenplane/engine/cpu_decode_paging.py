@@ -19,6 +19,7 @@ from tokenplane.engine.cpu_simd import (
     _load16,
     _max8,
     _max16,
+    _pointer,
     _splat8,
     _splat16,
     _store8,
@@ -31,18 +32,20 @@ CACHE_LINE = 64
 
 
 @intrinsic
-def _prefetch(typingctx, flat, index):  # noqa: ANN001
-    """llvm.prefetch (read, high locality) of flat[index], a 1-D array: numba has no prefetch of its own."""
+def _prefetch_kv(typingctx, kf, vf, in_v, index):  # noqa: ANN001
+    """llvm.prefetch (read, high locality) of vf[index] if in_v else kf[index] (1-D arrays; `_stream_block`'s answer):
+    the cache is chosen by a select on the two addresses inside the intrinsic, because numba passing either array
+    through a Python-level branch or helper costs reference counting on every call (see `_stream_block`)."""
     def codegen(context, builder, signature, args):  # noqa: ANN001
-        aryty = signature.args[0]
-        ary = context.make_array(aryty)(context, builder, args[0])
-        ptr = cgutils.get_item_pointer(context, builder, aryty, ary, [args[1]], wraparound=False)
         i8p, i32 = ir.IntType(8).as_pointer(), ir.IntType(32)
+        pk = builder.bitcast(_pointer(context, builder, signature.args[0], args[0], args[3]), i8p)
+        pv = builder.bitcast(_pointer(context, builder, signature.args[1], args[1], args[3]), i8p)
         fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.VoidType(), [i8p, i32, i32, i32]),
                                             "llvm.prefetch.p0i8")
-        builder.call(fn, [builder.bitcast(ptr, i8p), ir.Constant(i32, 0), ir.Constant(i32, 3), ir.Constant(i32, 1)])
+        builder.call(fn, [builder.select(args[2], pv, pk), ir.Constant(i32, 0), ir.Constant(i32, 3),
+                          ir.Constant(i32, 1)])
         return context.get_dummy_value()
-    return types.void(flat, index), codegen
+    return types.void(kf, vf, in_v, index), codegen
 
 
 @intrinsic
@@ -147,10 +150,10 @@ def _table_index(i, nblk, rev):  # noqa: ANN001, ANN202
 def _stream_block(block_tables, context_lens, b, h, kvh, slots, block_size, d, pos, rev):  # noqa: ANN001, ANN202
     """Where the kernel reads `pos` blocks after the start of row b's head h (read order `rev`): its K blocks, then its
     V blocks, then the next head's (or the next row's first head's) K blocks. Returns (in V, flat offset): what to
-    prefetch. A flag, not the array: an array value crossing an inlined helper costs a reference count round trip
-    (NRT calls that spill every vector register) per block; the bf16 kernel's value pass, SmolLM2's shape with the
-    caches in L2, ran 20.5 -> 10.9 ms for 16 rows x 2080 tokens x 30 layers without it. Callers branch on the flag
-    where they prefetch (a helper taking the arrays measured 10x slower: per-call reference counts again)."""
+    prefetch, for `_prefetch_kv`. A flag, not the array: an array value crossing an inlined helper costs a reference
+    count round trip (NRT calls that spill every vector register) per block; the bf16 kernel's value pass, SmolLM2's
+    shape with the caches in L2, ran 20.5 -> 10.9 ms for 16 rows x 2080 tokens x 30 layers without it (an njit
+    helper taking the two arrays measured 10x slower still: reference counts on every call)."""
     nblk = (context_lens[b] + block_size - 1) // block_size
     if pos < nblk:
         return False, (h * slots + block_tables[b, _table_index(pos, nblk, rev)] * block_size) * d
