@@ -12,7 +12,7 @@ Kernels, chosen per batch by the runner:
   flash-style over query x key tiles, K/V read in place (cpu_prefill_attention.py). One layer, SmolLM2's 9/3 heads,
   2048 tokens: 76 vs 104 ms for SDPA's flash kernel (0.73x; 256 tokens 0.56x; benchmarks/results/prefill_attention.md);
   a whole 2048-token SmolLM2 prefill step 0.94x. Rows of few tokens (q_len x group < 12) stay with varlen. bfloat16
-  on AMX hosts: the same call on tiles (cpu_prefill_attention_amx.py; 2048 tokens ~0.8x of SDPA's time) for rows of
+  on AMX hosts: the same call on tiles (cpu_prefill_attention_amx.py; 2048 tokens ~0.7x of SDPA's time) for rows of
   q_len x group >= 384.
 - varlen: one SDPA call per sequence over its uncomputed tokens (prefill, decode, a peer's k tokens: same code), with
   4-D inputs so CPU runs PyTorch's flash kernel. A decode folds the query heads of a KV head into its query rows (GQA

@@ -94,7 +94,7 @@ def _store16_bf16_pairs(typingctx, flat, index, a, b):  # noqa: ANN001, ANN202
 
 
 # 2^f on [-1/2, 1/2]: Taylor coefficients of e^(f ln 2), highest degree first (degree 6: relative error ~1.3e-7,
-# below float32's own rounding of the probabilities' bf16 copies by four orders)
+# four orders below the bf16 rounding the probabilities take for the value product)
 _EXP2 = tuple(math.log(2.0) ** k / math.factorial(k) for k in range(6, -1, -1))
 # Below 2^-126 the numerator is 0 (a -inf score, masked, weighs exactly 0): a result in float32's subnormal range
 # costs a microcode assist per instruction (measured: the kernel's exponents ran at half their speed alone when the
