@@ -1,4 +1,4 @@
-"""One layer's prefill attention on CPU (fp32, 1 thread): tokenplane's paged kernel vs PyTorch's flash SDPA.
+"""One layer's prefill attention on CPU (fp32 or bf16, 1 thread): tokenplane's paged kernel vs PyTorch's flash SDPA.
 
 Per case: the compiled kernel (tokenplane/engine/cpu_prefill_attention.py) reading K/V in place from a paged cache
 through a block table, and the varlen path it replaces (attention.py: one SDPA call with 4-D inputs, enable_gqa, causal
@@ -9,6 +9,8 @@ P90 over `--repeats` calls each after one warm-up call. Shapes: the models' atte
 
     flock /tmp/bench.lock python benchmarks/prefill_attention.py            # ~2 min on this machine
     python benchmarks/prefill_attention.py --tokens 256 --repeats 3          # smoke
+    python benchmarks/prefill_attention.py --dtype bfloat16 --name prefill_attention_bf16
+                        # bf16 caches: the AMX kernel on an AMX host, else the 16-lane kernel's widening loads
 
 Writes benchmarks/results/prefill_attention.{json,md,png}.
 """
@@ -49,16 +51,17 @@ def percentile(xs: list[float], q: float) -> float:
     return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
 
 
-def case(model: str, q_len: int, context: int, repeats: int, block_size: int = 16) -> dict:
+def case(model: str, q_len: int, context: int, repeats: int, block_size: int = 16,
+         dtype: torch.dtype = torch.float32) -> dict:
     heads, kvh, d = SHAPES[model]
     group = heads // kvh
     g = torch.Generator().manual_seed(q_len * 7 + context)
     nblk = -(-context // block_size)
-    kc = torch.randn(kvh, nblk * block_size, d, generator=g)
-    vc = torch.randn(kvh, nblk * block_size, d, generator=g)
-    q = torch.randn(q_len, heads, d, generator=g)
+    kc = torch.randn(kvh, nblk * block_size, d, generator=g).to(dtype)
+    vc = torch.randn(kvh, nblk * block_size, d, generator=g).to(dtype)
+    q = torch.randn(q_len, heads, d, generator=g).to(dtype)
     scale = d ** -0.5
-    out = torch.empty(q_len, heads * d)
+    out = torch.empty(q_len, heads * d, dtype=dtype)
     table = np.arange(nblk, dtype=np.int64)[None]
     starts, lens, ctxs = (np.array([x], dtype=np.int64) for x in (0, q_len, context))
     mask = causal_mask(q_len, context, q.device) if q_len < context else None
@@ -80,9 +83,9 @@ def case(model: str, q_len: int, context: int, repeats: int, block_size: int = 1
         finally:
             cpu_prefill_attention.WIDE[0] = wide
 
-    diff = (kernel() - sdpa()).abs().max().item()   # also the warm-up call of each
+    diff = (kernel().float() - sdpa().float()).abs().max().item()   # also the warm-up call of each
     systems = [("kernel", kernel), ("sdpa", sdpa)]
-    if cpu_prefill_attention.WIDE[0] and d % 32 == 0:
+    if cpu_prefill_attention.WIDE[0] and d % 32 == 0 and dtype == torch.float32:
         wide_out = kernel().clone()
         systems.append(("kernel_8lane", kernel_8lane))
         lanes_equal = bool(torch.equal(kernel_8lane(), wide_out))
@@ -92,7 +95,7 @@ def case(model: str, q_len: int, context: int, repeats: int, block_size: int = 1
             w, c = time.perf_counter(), time.thread_time()
             fn()
             times[name].append((time.perf_counter() - w, time.thread_time() - c))
-    row: dict = {"model": model, "heads": heads, "kv_heads": kvh, "head_dim": d, "q_len": q_len, "context": context,
+    row: dict = {"model": model, "dtype": str(dtype).removeprefix("torch."), "heads": heads, "kv_heads": kvh, "head_dim": d, "q_len": q_len, "context": context,
                  "max_abs_diff": diff}
     for name, ts in times.items():
         wall = [t[0] * 1e3 for t in ts]
@@ -118,6 +121,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--out", type=Path, default=RESULTS)
     ap.add_argument("--name", default="prefill_attention")
+    ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
     load_before, t0 = os.getloadavg(), time.time()
@@ -125,25 +129,25 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for model in args.models:
         for q_len, ctx in spans:
-            row = case(model, q_len, ctx, args.repeats)
+            row = case(model, q_len, ctx, args.repeats, dtype=getattr(torch, args.dtype))
             rows.append(row)
             print(f"{model:13s} q {q_len:5d} ctx {ctx:5d}: kernel {row['kernel']['median_ms']:8.2f} ms "
                   f"sdpa {row['sdpa']['median_ms']:8.2f} ms  wall x{row['ratio_wall']:.2f} cpu x{row['ratio_cpu']:.2f}"
                   f"  {row['kernel_gflops_cpu']:.0f} GFLOP/s  diff {row['max_abs_diff']:.1e}", flush=True)
     meta = {"command": " ".join(["python", "benchmarks/prefill_attention.py", *(argv or sys.argv[1:])]),
-            "torch": torch.__version__, "machine": platform.processor() or platform.machine(), "threads": 1,
+            "torch": torch.__version__, "dtype": args.dtype, "machine": platform.processor() or platform.machine(), "threads": 1,
             "cpus": os.cpu_count(), "repeats": args.repeats, "loadavg_before": load_before,
             "loadavg_after": os.getloadavg(), "wall_s": round(time.time() - t0, 1)}
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / f"{args.name}.json").write_text(json.dumps({"meta": meta, "results": rows}, indent=1))
     write_md(args.out / f"{args.name}.md", rows, meta)
-    write_png(args.out / f"{args.name}.png", rows)
+    write_png(args.out / f"{args.name}.png", rows, args.dtype)
     print(f"wrote {args.out / args.name}.{{json,md,png}} in {meta['wall_s']} s")
     return 0
 
 
 def write_md(path: Path, rows: list[dict], meta: dict) -> None:
-    lines = ["# Prefill attention, one layer: paged CPU kernel vs PyTorch flash SDPA (fp32, 1 thread)", "",
+    lines = [f"# Prefill attention, one layer: paged CPU kernel vs PyTorch flash SDPA ({meta['dtype']}, 1 thread)", "",
              f"`{meta['command']}`; torch {meta['torch']}, {meta['cpus']} CPUs, load average "
              f"{meta['loadavg_before'][0]:.1f} before / {meta['loadavg_after'][0]:.1f} after (shared machine), "
              f"{meta['repeats']} alternated calls per side, {meta['wall_s']} s.", "",
@@ -163,7 +167,7 @@ def write_md(path: Path, rows: list[dict], meta: dict) -> None:
     path.write_text("\n".join(lines) + "\n")
 
 
-def write_png(path: Path, rows: list[dict]) -> None:
+def write_png(path: Path, rows: list[dict], dtype: str = "float32") -> None:
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -179,7 +183,7 @@ def write_png(path: Path, rows: list[dict]) -> None:
     ax.axhline(1.0, color="k", lw=0.8)
     ax.set_xticks(x, labels, fontsize=6)
     ax.set_ylabel("kernel / SDPA time (median)")
-    ax.set_title("prefill attention, one layer, fp32, 1 thread (q_len/context)")
+    ax.set_title(f"prefill attention, one layer, {dtype}, 1 thread (q_len/context)")
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=110)

@@ -123,13 +123,87 @@ def test_8_and_16_lane_passes_give_the_same_bits(group, lanes):
     assert torch.equal(outs[0], outs[1])
 
 
-def test_available_only_for_cpu_float32_and_head_dim_multiple_of_16():
-    """float32 here; bfloat16 only on AMX hosts (tests/test_cpu_prefill_attention_amx.py)."""
+def test_available_for_cpu_float32_and_bfloat16():
+    """float32 with head_dim a multiple of 16; bfloat16 with head_dim a multiple of 32 on AMX hosts
+    (tests/test_cpu_prefill_attention_amx.py) or on the 16-lane passes (AVX-512 hosts)."""
     cpu = torch.device("cpu")
     assert available(torch.float32, cpu, 64) and available(torch.float32, cpu, 16)
     assert not available(torch.float64, cpu, 64) and not available(torch.bfloat16, cpu, 16)
-    assert available(torch.bfloat16, cpu, 64) == cpu_prefill_attention.amx.HOST_AMX
+    assert available(torch.bfloat16, cpu, 64) == (cpu_prefill_attention.amx.HOST_AMX or cpu_prefill_attention.WIDE[0])
     assert not available(torch.float32, cpu, 24) and not available(torch.float32, torch.device("cuda"), 64)
+
+
+@pytest.fixture
+def no_amx(monkeypatch):
+    """bfloat16 through the 16-lane passes, as on an AVX-512 host without AMX tiles."""
+    monkeypatch.setattr(cpu_prefill_attention.amx, "applies", lambda *args: False)
+    monkeypatch.setattr(cpu_prefill_attention.amx, "HOST_AMX", False)
+
+
+@pytest.mark.parametrize("group,bs", [(1, 16), (3, 16), (2, 7)])
+def test_bf16_passes_are_the_float32_kernel_rounded_once(group, bs, no_amx, lanes):
+    """On bfloat16 caches the 16-lane passes widen each K/V element exactly as they load it and sum in float32, so
+    their output is the float32 kernel's on the widened values, rounded to bfloat16 once: equal bit for bit. Prompts
+    and chunks after cached context, scattered blocks, scores in the hundreds."""
+    lanes(True)
+    g = torch.Generator().manual_seed(group * 10 + bs)
+    kvh, d = 2, 64
+    num_blocks = -(-700 // bs) + 4
+    kc = torch.randn(kvh, num_blocks * bs, d, generator=g).bfloat16()
+    vc = torch.randn(kvh, num_blocks * bs, d, generator=g).bfloat16()
+    spans = [(150, 150), (37, 300), (1 + query_tile(group), 2 * TK + 5), (260, 700)]
+    rng = np.random.default_rng(group)
+    width = max(-(-n // bs) for _, n in spans)
+    table = np.stack([rng.permutation(num_blocks)[:width] for _ in spans]).astype(np.int64)
+    lens = np.array([a for a, _ in spans], dtype=np.int64)
+    starts = np.concatenate([[0], np.cumsum(lens)[:-1]]).astype(np.int64)
+    ctx = np.array([b for _, b in spans], dtype=np.int64)
+    qk = (torch.randn(int(lens.sum()), kvh * group + kvh, d, generator=g) * 30).bfloat16()
+    q = qk[:, :kvh * group]    # the first heads of a wider tensor, as the model passes it
+    got = torch.full((q.shape[0], kvh * group * d), float("nan"), dtype=torch.bfloat16)
+    paged_prefill(q, kc, vc, starts, lens, ctx, table, got, bs, group, d ** -0.5)
+    want = torch.zeros(q.shape[0], kvh * group * d)
+    paged_prefill(q.float(), kc.float(), vc.float(), starts, lens, ctx, table, want, bs, group, d ** -0.5)
+    assert torch.equal(got, want.bfloat16())
+
+
+def test_bf16_model_prefills_on_the_16_lane_passes(monkeypatch, no_amx):
+    """A bf16 model (head_dim 32) on a host without AMX: multi-token rows of 25 rows and up go to the kernel, and the
+    logits' error against a float64 run of the same weights stays the size of SDPA's bf16 error."""
+    from tokenplane.engine.config import PRESETS
+    from tokenplane.engine.loader import load_model
+    from tokenplane.engine.model_runner import ModelRunner
+    from tokenplane.engine.sequence import Sequence
+
+    config = dict(PRESETS["test-small"], head_dim=32)
+    calls = []
+    real = attention_module.paged_prefill
+
+    def counting(q, k_cache, v_cache, q_starts, q_lens, context_lens, *args):  # noqa: ANN001, ANN002
+        calls.append((q_lens.tolist(), context_lens.tolist()))
+        real(q, k_cache, v_cache, q_starts, q_lens, context_lens, *args)
+
+    prompt = [(11 * i + 3) % 500 for i in range(300)]
+
+    def logits(dtype, kernel):
+        cfg, model = load_model(config, dtype=torch.bfloat16, seed=5)
+        runner = ModelRunner(model.to(dtype), cfg, num_blocks=64, block_size=16, prefill_kernel=kernel)
+        s = Sequence("a", prompt)
+        assert runner.prepare(s)
+        first = runner.run([s], num_new_tokens=[290]).logits
+        second = runner.run([s]).logits     # the last 10 tokens over 290 cached ones
+        return cfg, runner, torch.cat([first, second]).double()
+
+    ref = logits(torch.float64, "varlen")[2]
+    sdpa = logits(torch.bfloat16, "varlen")[2]
+    monkeypatch.setattr(attention_module, "paged_prefill", counting)
+    cfg, runner, got = logits(torch.bfloat16, "auto")
+    assert runner.uses_cpu_prefill()
+    group = cfg.num_attention_heads // cfg.num_key_value_heads
+    assert calls == ([([290], [290])] * cfg.num_hidden_layers
+                     + ([([10], [300])] * cfg.num_hidden_layers if 10 * group >= 25 else []))
+    err, base = (got - ref).abs().max().item(), (sdpa - ref).abs().max().item()
+    assert err <= 1.5 * base + 1e-2, (err, base)
 
 
 def test_short_rows_stay_with_sdpa():

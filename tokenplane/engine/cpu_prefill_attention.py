@@ -45,12 +45,15 @@ from tokenplane.engine.cpu_simd import (
     _fma16,
     _load8,
     _load16,
+    _load16_kv,
     _max8,
     _max16,
     _splat8,
     _splat16,
+    _splat16_kv,
     _store8,
     _store16,
+    _store16_bf16,
     _zero8,
     _zero16,
 )
@@ -239,19 +242,19 @@ def _scores4w(kf, k0, k1, k2, k3, qt, rb, rp, d_dim, s, so, mt, track):  # noqa:
         q0 = _load16(qt, qi)
         q1 = _load16(qt, qi + 16)
         q2 = _load16(qt, qi + 32)
-        b = _splat16(kf, k0 + d)
+        b = _splat16_kv(kf, k0 + d)
         a00 = _fma16(b, q0, a00)
         a01 = _fma16(b, q1, a01)
         a02 = _fma16(b, q2, a02)
-        b = _splat16(kf, k1 + d)
+        b = _splat16_kv(kf, k1 + d)
         a10 = _fma16(b, q0, a10)
         a11 = _fma16(b, q1, a11)
         a12 = _fma16(b, q2, a12)
-        b = _splat16(kf, k2 + d)
+        b = _splat16_kv(kf, k2 + d)
         a20 = _fma16(b, q0, a20)
         a21 = _fma16(b, q1, a21)
         a22 = _fma16(b, q2, a22)
-        b = _splat16(kf, k3 + d)
+        b = _splat16_kv(kf, k3 + d)
         a30 = _fma16(b, q0, a30)
         a31 = _fma16(b, q1, a31)
         a32 = _fma16(b, q2, a32)
@@ -281,7 +284,7 @@ def _scores1w(kf, k0, qt, rb, rp, d_dim, s, so, mt, track):  # noqa: ANN001
     a02 = _zero16()
     for d in range(d_dim):
         qi = d * rp + rb
-        b = _splat16(kf, k0 + d)
+        b = _splat16_kv(kf, k0 + d)
         a00 = _fma16(b, _load16(qt, qi), a00)
         a01 = _fma16(b, _load16(qt, qi + 16), a01)
         a02 = _fma16(b, _load16(qt, qi + 32), a02)
@@ -317,8 +320,8 @@ def _values6w(vf, ofs, nk, p, rp, r, o, d_dim, c, alpha):  # noqa: ANN001
     a51 = _rescaled16(o, i0 + 5 * d_dim + 16, alpha, r + 5)
     for j in range(nk):
         vb = ofs[j] + c
-        v0 = _load16(vf, vb)
-        v1 = _load16(vf, vb + 16)
+        v0 = _load16_kv(vf, vb)
+        v1 = _load16_kv(vf, vb + 16)
         pj = j * rp + r
         b = _splat16(p, pj)
         a00 = _fma16(b, v0, a00)
@@ -353,9 +356,13 @@ def _values6w(vf, ofs, nk, p, rp, r, o, d_dim, c, alpha):  # noqa: ANN001
 
 
 @cache
-def _kernel(D: int, G: int, wide: bool = False):  # noqa: ANN202
+def _kernel(D: int, G: int, wide: bool = False, bf16: bool = False):  # noqa: ANN202
     """The kernel for head size D (a multiple of 16; of 32 when wide) and GQA group G, compile-time constants (the
-    tile loops unroll on them); wide: the 16-lane passes. numba caches each (D, G, wide) on disk."""
+    tile loops unroll on them); wide: the 16-lane passes; bf16 (wide only): the caches and out hold bfloat16 bits
+    (uint16), widened exactly as they are loaded, the sums in float32 as for a float32 cache, and each output row
+    rounded to bfloat16 once. numba caches each (D, G, wide, bf16) on disk."""
+    assert wide or not bf16
+    BF16 = bf16
     TQ = query_tile(G)
     W_ROWS = ROWS16 if wide else ROWS
     CW = 32 if wide else 16         # output columns a value pass covers
@@ -364,10 +371,11 @@ def _kernel(D: int, G: int, wide: bool = False):  # noqa: ANN202
     # error_model numpy: no zero-division checks in the loops (a row sum is >= 1: its max term is exp(0))
     @njit(cache=True, nogil=True, error_model="numpy", fastmath={"reassoc", "contract", "nsz", "arcp"})
     def _prefill(q, kf, vf, kvh, slots, q_starts, q_lens, ctx_lens, block_tables, block_size, out, scale):  # noqa: ANN001
-        """q [T, heads(+more), D] (only the first kvh * G heads are read); kf/vf: a layer's K/V cache flat
+        """q [T, heads(+more), D] float32 (only the first kvh * G heads are read); kf/vf: a layer's K/V cache flat
         ([kvh, slots, D]); per sequence b: q rows q_starts[b] .. + q_lens[b], context ctx_lens[b] (its tokens
-        included), blocks block_tables[b]; out [T, heads * D]."""
+        included), blocks block_tables[b]; out [T, heads * D] flat."""
         d_dim = D
+        n_cols = kvh * G * D
         qt = np.zeros(D * RP, dtype=np.float32)
         s = np.empty(TK * RP, dtype=np.float32)
         o = np.empty(RP * D, dtype=np.float32)
@@ -481,14 +489,21 @@ def _kernel(D: int, G: int, wide: bool = False):  # noqa: ANN202
                         for g in range(G):
                             r = i * G + g
                             inv = np.float32(1.0) / lsum[r]
-                            col = (h * G + g) * D
-                            for d in range(D):
-                                out[row0 + i0 + i, col + d] = o[r * D + d] * inv
+                            base = (row0 + i0 + i) * n_cols + (h * G + g) * D
+                            if BF16:
+                                part[r] = inv
+                                for d in range(0, D, 16):
+                                    _store16_bf16(out, base + d, _fma16(_load16(o, r * D + d), _splat16(part, r),
+                                                                        _zero16()))
+                            else:
+                                for d in range(D):
+                                    out[base + d] = o[r * D + d] * inv
     return _prefill
 
 
 MIN_ROWS = 12      # q_len x group below this: SDPA's kernel is as fast or faster (a score pass computes 24 rows)
 AMX_MIN_ROWS = 384  # the same for bfloat16 on AMX tiles
+BF16_MIN_ROWS = 25  # bfloat16 without AMX: the 16-lane passes (48 rows a score pass) only
 
 
 def available(dtype: torch.dtype, device: torch.device, head_dim: int, group: int = 1, block_size: int = 16) -> bool:
@@ -496,7 +511,7 @@ def available(dtype: torch.dtype, device: torch.device, head_dim: int, group: in
     if device.type != "cpu":
         return False
     if dtype == torch.bfloat16:
-        return amx.applies(head_dim, group, block_size)
+        return amx.applies(head_dim, group, block_size) or (WIDE[0] and head_dim % 32 == 0)
     return dtype == torch.float32 and head_dim % 16 == 0
 
 
@@ -506,9 +521,14 @@ def worth(q_len: int, group: int, dtype: torch.dtype = torch.float32) -> bool:
     / 8: 0.98 / 0.80 / 0.58; tiny-large's 4 x 2 at 2 / 4 / 8: 1.26 / 1.06 / 0.73; whole prompts of 256 tokens and up
     0.57-0.8. bfloat16: the AMX kernel copies each KV head's V^T once per call, which a short chunk after a long
     context does not repay; rows of AMX_MIN_ROWS and up."""
+    return q_len * group >= min_rows(dtype)
+
+
+def min_rows(dtype: torch.dtype) -> int:
+    """The fewest query rows (q_len x group) `worth` sends here."""
     if dtype == torch.bfloat16:
-        return q_len * group >= AMX_MIN_ROWS
-    return q_len * group >= MIN_ROWS
+        return AMX_MIN_ROWS if amx.HOST_AMX else BF16_MIN_ROWS
+    return MIN_ROWS
 
 
 def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, q_starts: np.ndarray,
@@ -520,6 +540,12 @@ def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     q [T, >= kvh * group, d], k/v_cache [kvh, slots, d] contiguous (d a multiple of 16), out [T, heads * d];
     block_tables [B, >= blocks] int64, entries past a sequence's context never read."""
     kvh, slots, d = (int(x) for x in k_cache.shape)
+    assert out.is_contiguous()
+    if q.dtype == torch.bfloat16 and not amx.applies(d, int(group), block_size):
+        _kernel(d, int(group), True, True)(q[:, :kvh * group].float().numpy(), as_array(k_cache).reshape(-1),
+                                           as_array(v_cache).reshape(-1), kvh, slots, q_starts, q_lens,
+                                           context_lens, block_tables, block_size, as_array(out).reshape(-1), scale)
+        return
     if q.dtype == torch.bfloat16:
         amx.kernel(d, int(group))(as_array(q).view(np.uint32), as_array(k_cache).reshape(-1),
                                   as_array(v_cache).reshape(-1), kvh, slots, q_starts, q_lens, context_lens,
@@ -530,4 +556,4 @@ def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     wide = WIDE[0] and d % 32 == 0 and int(q_lens.max(initial=0)) * group > ROWS
     kernel = _kernel(d, int(group), wide)
     kernel(q.numpy(), k_cache.numpy().reshape(-1), v_cache.numpy().reshape(-1), kvh, slots, q_starts, q_lens,
-           context_lens, block_tables, block_size, out.numpy(), scale)
+           context_lens, block_tables, block_size, out.numpy().reshape(-1), scale)

@@ -175,8 +175,8 @@ class ModelRunner:
             return 0.0
         bs, vocab = self.block_size, self.cfg.vocab_size
         first_len = 64
-        if self.dtype == torch.bfloat16 and self.prefill_kernel != "varlen":   # the AMX kernel's rows start higher
-            first_len = max(first_len, -(-cpu_prefill_attention.AMX_MIN_ROWS // self.group))
+        if self.prefill_kernel != "varlen":   # bf16 kernels' rows can start higher (the AMX one's at 384)
+            first_len = max(first_len, -(-cpu_prefill_attention.min_rows(self.dtype) // self.group))
         lengths = [first_len] + [4] * 8   # tokens each sequence reaches before the decode steps
         steps = 6 + 2 + 2                 # the catch-up chunk and the decode steps, on the first sequence
         need = (-(-(lengths[0] + steps) // bs) + sum(-(-(n + 2) // bs) for n in lengths[1:]))
