@@ -27,6 +27,12 @@ Vector code: cpu_simd's <8 x float> llvmlite intrinsics (numba has no vector typ
 multiple of 32) the same passes on <16 x float>: 48 rows a score pass and 32 columns a value pass, each lane's sum
 over d or keys in the same order, so the two widths' outputs are equal bit for bit (tests/test_cpu_prefill_attention
 .py). The softmax loops are plain loops that LLVM vectorizes.
+
+bfloat16 caches: on AMX hosts the tile kernel (cpu_prefill_attention_amx.py); elsewhere on AVX-512 the 16-lane passes
+read the bf16 cache through widening loads (a bf16 is the top half of a float32, so the widening is exact), q is
+widened before packing, every sum is the float32 kernel's, and each output row is rounded to bf16 once: the result is
+the float32 kernel's on the widened values, rounded, bit for bit. Unlike SDPA's bf16 flash kernel it never rounds the
+probabilities to bf16 before the value product.
 """
 from __future__ import annotations
 
@@ -507,7 +513,8 @@ BF16_MIN_ROWS = 25  # bfloat16 without AMX: the 16-lane passes (48 rows a score 
 
 
 def available(dtype: torch.dtype, device: torch.device, head_dim: int, group: int = 1, block_size: int = 16) -> bool:
-    """float32 here; bfloat16 on AMX tiles (cpu_prefill_attention_amx) where the host and the shapes allow."""
+    """float32 (head_dim a multiple of 16); bfloat16 (head_dim a multiple of 32) on AMX tiles
+    (cpu_prefill_attention_amx) where the host and the shapes allow, else on the 16-lane passes (AVX-512 hosts)."""
     if device.type != "cpu":
         return False
     if dtype == torch.bfloat16:
@@ -536,7 +543,7 @@ def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                   block_size: int, group: int, scale: float) -> None:
     """Writes out[q_starts[b] + i] = causal attention of q[q_starts[b] + i] (absolute position
     context_lens[b] - q_lens[b] + i) over keys 0 .. that position of sequence b, for every b and i. CPU float32
-    (bfloat16: cpu_prefill_attention_amx, where `available`);
+    (bfloat16: cpu_prefill_attention_amx where it applies, else the 16-lane passes on the bf16 cache);
     q [T, >= kvh * group, d], k/v_cache [kvh, slots, d] contiguous (d a multiple of 16), out [T, heads * d];
     block_tables [B, >= blocks] int64, entries past a sequence's context never read."""
     kvh, slots, d = (int(x) for x in k_cache.shape)

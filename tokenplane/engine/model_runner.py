@@ -83,9 +83,9 @@ class ModelRunner:
         "auto" (cpu where it applies, else varlen on CPU; padded on CUDA where it is what the graphs capture). A model
         serves one runner at a time: the runner binds its KV cache into the model's attention layers.
         prefill_kernel (rows of several tokens): "cpu" (one compiled call per layer for all of them, reading the paged
-        KV in place; CPU float32 with head_dim a multiple of 16, or bfloat16 on AMX tiles with head_dim a multiple of
-        32), "varlen" (per-sequence SDPA) or "auto" (cpu where it applies and the step runs on 1 torch thread, the
-        setting it was measured faster at; varlen otherwise). Either way rows too short to gain
+        KV in place; CPU float32 with head_dim a multiple of 16, or bfloat16 with head_dim a multiple of 32 on AMX
+        tiles or AVX-512 vectors), "varlen" (per-sequence SDPA) or "auto" (cpu where it applies and the step runs on
+        1 torch thread, the setting it was measured faster at; varlen otherwise). Either way rows too short to gain
         (cpu_prefill_attention.worth) stay with SDPA.
         max_num_batched_tokens: the step's token budget; given, every oneDNN-packed GEMM (CPU bf16) is built at
         each row bucket up to it now, not on a serving step (layers.packed_rows; `warm_up_s` says how long)."""
@@ -106,7 +106,7 @@ class ModelRunner:
                                                      cfg.num_attention_heads // cfg.num_key_value_heads, block_size)
         if prefill_kernel == "cpu" and not prefill_ok:
             raise ValueError(f"prefill_kernel 'cpu' needs a CPU float32 model with head_dim a multiple of 16 "
-                             f"(bfloat16: an AMX host and head_dim a multiple of 32), not "
+                             f"(bfloat16: an AMX or AVX-512 host and head_dim a multiple of 32), not "
                              f"{self.device} {self.dtype} head_dim {cfg.head_dim}")
         self.prefill_kernel = prefill_kernel if prefill_ok else "varlen"
         self.model, self.cfg = model, cfg
