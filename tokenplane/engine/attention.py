@@ -13,7 +13,8 @@ Kernels, chosen per batch by the runner:
   2048 tokens: 76 vs 104 ms for SDPA's flash kernel (0.73x; 256 tokens 0.56x; benchmarks/results/prefill_attention.md);
   a whole 2048-token SmolLM2 prefill step 0.94x. Rows of few tokens (q_len x group < 12) stay with varlen. bfloat16
   on AMX hosts: the same call on tiles (cpu_prefill_attention_amx.py; 2048 tokens ~0.7x of SDPA's time) for rows of
-  q_len x group >= 384.
+  q_len x group >= 384; on other AVX-512 hosts the 16-lane passes on the bf16 cache (widening loads, float32 sums;
+  Zen 4, 2048 tokens 0.71x of SDPA's bf16 time, 256 tokens 0.49x) for rows of q_len x group >= 25.
 - varlen: one SDPA call per sequence over its uncomputed tokens (prefill, decode, a peer's k tokens: same code), with
   4-D inputs so CPU runs PyTorch's flash kernel. A decode folds the query heads of a KV head into its query rows (GQA
   never copies K/V per query head); several tokens use enable_gqa, causal without a mask when they are the whole
