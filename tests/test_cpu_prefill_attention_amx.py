@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from prefill_runner import chunked_logits
 
 from tokenplane.engine import attention as attention_module
 from tokenplane.engine import cpu_prefill_attention_amx as amx
@@ -128,35 +129,10 @@ def test_available_and_worth_for_bf16():
 def test_runner_uses_the_kernel_for_long_bf16_rows(monkeypatch):
     """A bf16 model with head_dim 32: a prompt long enough goes to the kernel (a short chunk after it stays with SDPA),
     and the logits' error against a float64 run of the same weights is SDPA's size."""
-    from tokenplane.engine.config import PRESETS
-    from tokenplane.engine.loader import load_model
-    from tokenplane.engine.model_runner import ModelRunner
-    from tokenplane.engine.sequence import Sequence
-
-    config = dict(PRESETS["test-small"], head_dim=32)
-    calls = []
-    real = attention_module.paged_prefill
-
-    def counting(q, k_cache, v_cache, q_starts, q_lens, context_lens, *args):  # noqa: ANN001, ANN002
-        calls.append((q_lens.tolist(), context_lens.tolist()))
-        real(q, k_cache, v_cache, q_starts, q_lens, context_lens, *args)
-
-    prompt = [(11 * i + 3) % 500 for i in range(300)]
-
-    def logits(dtype, kernel):
-        cfg, model = load_model(config, dtype=torch.bfloat16, seed=5)
-        model = model.to(dtype)
-        runner = ModelRunner(model, cfg, num_blocks=64, block_size=16, prefill_kernel=kernel)
-        s = Sequence("a", prompt)
-        assert runner.prepare(s)
-        first = runner.run([s], num_new_tokens=[290]).logits
-        second = runner.run([s]).logits     # the last 10 tokens over 290 cached ones
-        return cfg, runner, torch.cat([first, second]).double()
-
-    ref = logits(torch.float64, "varlen")[2]
-    sdpa = logits(torch.bfloat16, "varlen")[2]
-    monkeypatch.setattr(attention_module, "paged_prefill", counting)
-    cfg, runner, got = logits(torch.bfloat16, "auto")
+    ref = chunked_logits(torch.float64, "varlen")[2]
+    sdpa = chunked_logits(torch.bfloat16, "varlen")[2]
+    calls: list = []
+    cfg, runner, got = chunked_logits(torch.bfloat16, "auto", monkeypatch, calls)
     assert runner.prefill_kernel == "auto" and runner.uses_cpu_prefill()
     assert calls == [([290], [290])] * cfg.num_hidden_layers     # the 10-token chunk: SDPA
     err, base = (got - ref).abs().max().item(), (sdpa - ref).abs().max().item()
