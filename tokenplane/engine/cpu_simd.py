@@ -140,42 +140,40 @@ def _load16_bf16(typingctx, flat, index):  # noqa: ANN001
     return _vec16(flat, index), codegen
 
 
-def _kv_element(context, builder, signature, args):  # noqa: ANN001, ANN202
-    """flat[index] as a float32 scalar: a float32 array's element, or a uint16 array's bfloat16 bits widened."""
-    s = builder.load(_pointer(context, builder, signature.args[0], args[0], args[1]), align=2)
-    if signature.args[0].dtype == types.float32:
-        return s
-    return builder.bitcast(builder.shl(builder.zext(s, _I32), ir.Constant(_I32, 16)), ir.FloatType())
+def _kv_typed(flat, index, splat: bool):  # noqa: ANN001, ANN202
+    """Typing and codegen of `_splat16_kv` (splat) and `_load16_kv`: a float32 array's elements as they are, a uint16
+    array's bfloat16 bits widened exactly (zero-extended and shifted left by 16); other arrays do not type."""
+    if flat.dtype not in (types.float32, types.uint16):
+        return None
+    bf16 = flat.dtype == types.uint16
+    vt = ir.VectorType(ir.FloatType(), 16)
+
+    def codegen(context, builder, signature, args):  # noqa: ANN001
+        p = _pointer(context, builder, signature.args[0], args[0], args[1])
+        if splat:
+            s = builder.load(p, align=2)
+            if bf16:
+                s = builder.bitcast(builder.shl(builder.zext(s, _I32), ir.Constant(_I32, 16)), ir.FloatType())
+            v = builder.insert_element(ir.Constant(vt, ir.Undefined), s, ir.Constant(_I32, 0))
+            return builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(_I32, 16), [0] * 16))
+        if not bf16:
+            return builder.load(builder.bitcast(p, vt.as_pointer()), align=4)
+        vi32 = ir.VectorType(_I32, 16)
+        raw = builder.load(builder.bitcast(p, ir.VectorType(ir.IntType(16), 16).as_pointer()), align=2)
+        return builder.bitcast(builder.shl(builder.zext(raw, vi32), ir.Constant(vi32, [16] * 16)), vt)
+    return _vec16(flat, index), codegen
 
 
 @intrinsic
 def _splat16_kv(typingctx, flat, index):  # noqa: ANN001
     """`_splat16` of a K/V cache element: float32, or bfloat16 bits in a uint16 array (widened exactly)."""
-    if flat.dtype not in (types.float32, types.uint16):
-        return None
-    def codegen(context, builder, signature, args):  # noqa: ANN001
-        vt = ir.VectorType(ir.FloatType(), 16)
-        v = builder.insert_element(ir.Constant(vt, ir.Undefined), _kv_element(context, builder, signature, args),
-                                   ir.Constant(_I32, 0))
-        return builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(_I32, 16), [0] * 16))
-    return _vec16(flat, index), codegen
+    return _kv_typed(flat, index, True)
 
 
 @intrinsic
 def _load16_kv(typingctx, flat, index):  # noqa: ANN001
     """`_load16` of K/V cache elements: float32, or bfloat16 bits in a uint16 array (as `_load16_bf16`)."""
-    if flat.dtype not in (types.float32, types.uint16):
-        return None
-    def codegen(context, builder, signature, args):  # noqa: ANN001
-        vt = ir.VectorType(ir.FloatType(), 16)
-        p = _pointer(context, builder, signature.args[0], args[0], args[1])
-        if signature.args[0].dtype == types.float32:
-            return builder.load(builder.bitcast(p, vt.as_pointer()), align=4)
-        vi16 = ir.VectorType(ir.IntType(16), 16)
-        vi32 = ir.VectorType(_I32, 16)
-        raw = builder.load(builder.bitcast(p, vi16.as_pointer()), align=2)
-        return builder.bitcast(builder.shl(builder.zext(raw, vi32), ir.Constant(vi32, [16] * 16)), vt)
-    return _vec16(flat, index), codegen
+    return _kv_typed(flat, index, False)
 
 
 def _bf16_pair_codegen(odd: bool):  # noqa: ANN202
