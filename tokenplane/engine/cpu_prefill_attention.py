@@ -509,7 +509,8 @@ def _kernel(D: int, G: int, wide: bool = False, bf16: bool = False):  # noqa: AN
 
 MIN_ROWS = 12      # q_len x group below this: SDPA's kernel is as fast or faster (a score pass computes 24 rows)
 AMX_MIN_ROWS = 384  # the same for bfloat16 on AMX tiles
-BF16_MIN_ROWS = 25  # bfloat16 without AMX: the 16-lane passes (48 rows a score pass) only
+BF16_MIN_ROWS = 25  # bfloat16 without AMX (16-lane passes only): Zen 4, 2048 cached tokens, 26 rows 0.95-0.97 of
+                    # SDPA's time, 24 rows 1.08-1.11 (results/prefill_attention_bf16_zen4_chunks.md)
 
 
 def available(dtype: torch.dtype, device: torch.device, head_dim: int, group: int = 1, block_size: int = 16) -> bool:
