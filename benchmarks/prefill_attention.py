@@ -95,8 +95,8 @@ def case(model: str, q_len: int, context: int, repeats: int, block_size: int = 1
             w, c = time.perf_counter(), time.thread_time()
             fn()
             times[name].append((time.perf_counter() - w, time.thread_time() - c))
-    row: dict = {"model": model, "dtype": str(dtype).removeprefix("torch."), "heads": heads, "kv_heads": kvh, "head_dim": d, "q_len": q_len, "context": context,
-                 "max_abs_diff": diff}
+    row: dict = {"model": model, "dtype": str(dtype).removeprefix("torch."), "heads": heads, "kv_heads": kvh,
+                 "head_dim": d, "q_len": q_len, "context": context, "max_abs_diff": diff}
     for name, ts in times.items():
         wall = [t[0] * 1e3 for t in ts]
         cpu = [t[1] * 1e3 for t in ts]
@@ -135,8 +135,8 @@ def main(argv: list[str] | None = None) -> int:
                   f"sdpa {row['sdpa']['median_ms']:8.2f} ms  wall x{row['ratio_wall']:.2f} cpu x{row['ratio_cpu']:.2f}"
                   f"  {row['kernel_gflops_cpu']:.0f} GFLOP/s  diff {row['max_abs_diff']:.1e}", flush=True)
     meta = {"command": " ".join(["python", "benchmarks/prefill_attention.py", *(argv or sys.argv[1:])]),
-            "torch": torch.__version__, "dtype": args.dtype, "machine": platform.processor() or platform.machine(), "threads": 1,
-            "cpus": os.cpu_count(), "repeats": args.repeats, "loadavg_before": load_before,
+            "torch": torch.__version__, "dtype": args.dtype, "machine": platform.processor() or platform.machine(),
+            "threads": 1, "cpus": os.cpu_count(), "repeats": args.repeats, "loadavg_before": load_before,
             "loadavg_after": os.getloadavg(), "wall_s": round(time.time() - t0, 1)}
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / f"{args.name}.json").write_text(json.dumps({"meta": meta, "results": rows}, indent=1))
@@ -147,7 +147,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def write_md(path: Path, rows: list[dict], meta: dict) -> None:
-    lines = [f"# Prefill attention, one layer: paged CPU kernel vs PyTorch flash SDPA ({meta['dtype']}, 1 thread)", "",
+    lines = [f"# Prefill attention, one layer: paged CPU kernel vs PyTorch flash SDPA ({meta['dtype']}, 1 thread)",
+             "",
              f"`{meta['command']}`; torch {meta['torch']}, {meta['cpus']} CPUs, load average "
              f"{meta['loadavg_before'][0]:.1f} before / {meta['loadavg_after'][0]:.1f} after (shared machine), "
              f"{meta['repeats']} alternated calls per side, {meta['wall_s']} s.", "",

@@ -183,6 +183,18 @@ def test_bf16_model_prefills_on_the_16_lane_passes(monkeypatch, no_amx):
     assert err <= 1.5 * base + 1e-2, (err, base)
 
 
+def test_bf16_threshold_is_the_kernel_that_runs(monkeypatch):
+    """bf16 rows go to the AMX kernel from AMX_MIN_ROWS, to the 16-lane passes from BF16_MIN_ROWS: on an AMX host
+    whose shapes the tiles do not take (a block size not a multiple of 16), the 16-lane threshold applies, as in
+    paged_prefill's dispatch."""
+    monkeypatch.setattr(cpu_prefill_attention.amx, "HOST_AMX", True)
+    bf16 = torch.bfloat16
+    assert cpu_prefill_attention.min_rows(bf16, 3, 64, 16) == cpu_prefill_attention.AMX_MIN_ROWS
+    assert cpu_prefill_attention.min_rows(bf16, 3, 64, 8) == cpu_prefill_attention.BF16_MIN_ROWS
+    assert worth(9, 3, bf16, 64, 8) and not worth(9, 3, bf16, 64, 16)
+    assert not worth(8, 3, bf16, 64, 8) and cpu_prefill_attention.min_rows(torch.float32, 3, 64, 8) == 12
+
+
 def test_short_rows_stay_with_sdpa():
     assert not worth(2, 2) and not worth(4, 2) and not worth(2, 3) and not worth(11, 1)
     assert worth(4, 3) and worth(8, 2) and worth(12, 1) and worth(2048, 3)

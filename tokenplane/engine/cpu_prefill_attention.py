@@ -497,7 +497,7 @@ def _kernel(D: int, G: int, wide: bool = False, bf16: bool = False):  # noqa: AN
                             inv = np.float32(1.0) / lsum[r]
                             base = (row0 + i0 + i) * n_cols + (h * G + g) * D
                             if BF16:
-                                part[r] = inv
+                                part[r] = inv         # this row's sum is spent: its slot feeds the splat
                                 for d in range(0, D, 16):
                                     _store16_bf16(out, base + d, _fma16(_load16(o, r * D + d), _splat16(part, r),
                                                                         _zero16()))
@@ -523,19 +523,22 @@ def available(dtype: torch.dtype, device: torch.device, head_dim: int, group: in
     return dtype == torch.float32 and head_dim % 16 == 0
 
 
-def worth(q_len: int, group: int, dtype: torch.dtype = torch.float32) -> bool:
+def worth(q_len: int, group: int, dtype: torch.dtype = torch.float32, head_dim: int = 32, block_size: int = 16
+          ) -> bool:
     """Whether a row of q_len tokens is faster here than in SDPA's flash kernel. float32, measured at 2048 tokens of
     context (benchmarks/prefill_attention.py, one layer, kernel/SDPA CPU time): SmolLM2's 3 x 3 heads at q_len 2 / 4
     / 8: 0.98 / 0.80 / 0.58; tiny-large's 4 x 2 at 2 / 4 / 8: 1.26 / 1.06 / 0.73; whole prompts of 256 tokens and up
     0.57-0.8. bfloat16: the AMX kernel copies each KV head's V^T once per call, which a short chunk after a long
-    context does not repay; rows of AMX_MIN_ROWS and up."""
-    return q_len * group >= min_rows(dtype)
+    context does not repay; rows of AMX_MIN_ROWS and up; the 16-lane passes, BF16_MIN_ROWS and up. head_dim and
+    block_size pick between those two as `paged_prefill` does."""
+    return q_len * group >= min_rows(dtype, group, head_dim, block_size)
 
 
-def min_rows(dtype: torch.dtype) -> int:
-    """The fewest query rows (q_len x group) `worth` sends here."""
+def min_rows(dtype: torch.dtype, group: int = 1, head_dim: int = 32, block_size: int = 16) -> int:
+    """The fewest query rows (q_len x group) `worth` sends here: for bfloat16, that of the kernel `paged_prefill` runs
+    for these shapes."""
     if dtype == torch.bfloat16:
-        return AMX_MIN_ROWS if amx.HOST_AMX else BF16_MIN_ROWS
+        return AMX_MIN_ROWS if amx.applies(head_dim, group, block_size) else BF16_MIN_ROWS
     return MIN_ROWS
 
 

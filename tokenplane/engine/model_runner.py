@@ -167,16 +167,17 @@ class ModelRunner:
         """Makes the compiled CPU kernels' first calls now instead of on a serving step: numba compiles each kernel
         signature on its first call (seconds each in a fresh install, cached on disk after; a routing run measured a
         first repeat at 7.7 s against 2.2-2.5 s once a model's catch-up kernels had compiled). Dummy sequences reach
-        every path a step takes: a prefill long enough for the wide prefill kernel (for bf16, the AMX one), a
-        catch-up chunk after cached context, decode steps of 1 and of 9 rows, full logits and (greedy) the greedy
-        screen's tokens; their blocks are freed after. A pool too small for them is left as is (returns 0). Returns
-        seconds; CPU only."""
+        every path a step takes: a prefill long enough for the wide prefill kernel (`min_rows`; bf16 on AMX: 384
+        rows), a catch-up chunk after cached context, decode steps of 1 and of 9 rows, full logits and (greedy) the
+        greedy screen's tokens; their blocks are freed after. A pool too small for them is left as is (returns 0).
+        Returns seconds; CPU only."""
         if self.device.type != "cpu":
             return 0.0
         bs, vocab = self.block_size, self.cfg.vocab_size
         first_len = 64
         if self.prefill_kernel != "varlen":   # bf16 kernels' rows can start higher (the AMX one's at 384)
-            first_len = max(first_len, -(-cpu_prefill_attention.min_rows(self.dtype) // self.group))
+            rows = cpu_prefill_attention.min_rows(self.dtype, self.group, self.cfg.head_dim, bs)
+            first_len = max(first_len, -(-rows // self.group))
         lengths = [first_len] + [4] * 8   # tokens each sequence reaches before the decode steps
         steps = 6 + 2 + 2                 # the catch-up chunk and the decode steps, on the first sequence
         need = (-(-(lengths[0] + steps) // bs) + sum(-(-(n + 2) // bs) for n in lengths[1:]))
@@ -333,7 +334,8 @@ class ModelRunner:
                 decode_lens.append(end)
                 q_start += 1
                 continue
-            if q_len > 1 and cpu_prefill and cpu_prefill_attention.worth(q_len, self.group, self.dtype):
+            if q_len > 1 and cpu_prefill and cpu_prefill_attention.worth(q_len, self.group, self.dtype,
+                                                                         self.cfg.head_dim, bs):
                 prefill.append((q_start, q_len, end, seq.block_table))
                 q_start += q_len
                 continue
