@@ -67,6 +67,40 @@ def test_8_and_16_lane_kernels_sum_alike(n, k):
         cpu_small_gemm._KERNEL[0] = kernel
 
 
+@pytest.mark.parametrize("n,k", [(1, 1), (17, 5), (200, 150), (3072, 512)])
+def test_one_pass_remainders_sum_alike_and_store_only_their_rows(n, k):
+    """The 16-lane kernel's remainder policies (cpu_small_gemm16.gemm_with: the passes of 6, 4, 2, 1 rows, or
+    passes of 12, 6, 4 rows over zero-padded inputs) give the 8-lane kernel's sums bit for bit, with and without
+    bias (acc), and write nothing past the rows asked for (sentinels after them stay)."""
+    from tokenplane.engine import cpu_small_gemm16 as g16
+
+    g = torch.Generator().manual_seed(3 * n + k)
+    w = torch.randn(n, k, generator=g) * 0.05
+    bias = torch.randn(n, generator=g)
+    panels = cpu_small_gemm.pack(w)
+    npan = panels.shape[0]
+    width = npan * cpu_small_gemm.PANEL
+    kb = cpu_small_gemm.k_block(k)
+    one_pass = np.array([0, 1, 2, 4, 4, 6, 6, 12, 12, 12, 12, 12], np.int64)   # every padded shape, 12 from 7 rows
+    for rows in [*range(1, 30), 35]:
+        x = torch.randn(rows, k, generator=g)
+        for with_bias in (False, True):
+            want = torch.zeros(rows, width) if with_bias else torch.empty(rows, width)
+            if with_bias:
+                want[:, :n] = bias
+            cpu_small_gemm._gemm(x.numpy().reshape(-1), rows, k, panels.numpy().reshape(-1), npan,
+                                 want.numpy().reshape(-1), width, kb, with_bias)
+            for cover in (g16.SPLIT, g16.PAD_ODD, one_pass):
+                out = torch.full((rows + 12, width), 7.0)
+                out[:rows] = 0.0
+                if with_bias:
+                    out[:rows, :n] = bias
+                g16.gemm_with(x.numpy().reshape(-1), rows, k, panels.numpy().reshape(-1), npan,
+                              out.numpy().reshape(-1), width, kb, with_bias, cover)
+                assert torch.equal(out[:rows], want), (rows, with_bias)
+                assert bool((out[rows:] == 7.0).all()), (rows, with_bias)
+
+
 @pytest.mark.parametrize("n,k", [(1, 1), (33, 7), (100, 130), (5000, 256), (4000, 576), (300, 1536)])
 def test_columns_are_the_kernels_values_bit_for_bit(n, k):
     """cpu_small_gemm.columns (a few output columns of one row from the unpacked weight: the greedy screen's exact

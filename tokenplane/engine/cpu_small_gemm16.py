@@ -6,7 +6,8 @@ F.linear pass it from ~8 rows on. Here one panel row (16 output columns) is one 
 panels (32 columns) of up to 12 rows: 24 accumulators of the 32 registers, 2 panel loads and 12 broadcasts for 24
 FMAs a k step. Measured on a Sapphire Rapids core (1 thread, best of 5; results/small_gemm16.md): 1.2-1.4x the
 8-lane kernel from 8 rows on, equal at 1-4 rows (a stream over the weight either way); ahead of F.linear up to 64
-rows and level with it at 256.
+rows and level with it at 256. Rows left over after the 12-row passes take passes of 6, 4, 2 and 1 rows, an odd
+count of 3, 5, 9 or 11 padded with zero rows to one pass fewer (PAD_ODD; the padded rows' outputs are not stored).
 
 Numerics: each output is the 8-lane kernel's sum in the same order (k blocks of `k_block(K)` steps, fused
 multiply-adds from zero in k order, each block's sum added to the output), so the two kernels' results are equal
@@ -14,6 +15,7 @@ bit for bit (tests/test_cpu_small_gemm.py), and equal to F.linear's wherever the
 """
 from __future__ import annotations
 
+import numpy as np
 from numba import njit
 
 from tokenplane.engine.cpu_simd import _add16, _fma16, _load16, _prefetch, _splat16, _store16, _zero16
@@ -32,7 +34,7 @@ def _acc16(out, index, value, first):  # noqa: ANN001
 
 
 @njit(inline="always")
-def _pass12(x, k_dim, m, wp, wb0, wb1, last, out, n_out, col, kb, acc):  # noqa: ANN001
+def _pass12(x, k_dim, m, wp, wb0, wb1, last, out, n_out, col, kb, acc, nv):  # noqa: ANN001
     """out[m : m + 12, col : col + 32] = x[m : m + 12] @ two panels (wb0, wb1; wb1 < 0: wb0 alone): 24
     accumulators, FMA-bound."""
     x0 = m * k_dim
@@ -125,34 +127,56 @@ def _pass12(x, k_dim, m, wp, wb0, wb1, last, out, n_out, col, kb, acc):  # noqa:
                 a110 = _fma16(_splat16(x, x0 + 11 * k_dim + k), w0, a110)
         first = k0 == 0 and not acc
         _acc16(out, o, a00, first)
-        _acc16(out, o + n_out, a10, first)
-        _acc16(out, o + 2 * n_out, a20, first)
-        _acc16(out, o + 3 * n_out, a30, first)
-        _acc16(out, o + 4 * n_out, a40, first)
-        _acc16(out, o + 5 * n_out, a50, first)
-        _acc16(out, o + 6 * n_out, a60, first)
-        _acc16(out, o + 7 * n_out, a70, first)
-        _acc16(out, o + 8 * n_out, a80, first)
-        _acc16(out, o + 9 * n_out, a90, first)
-        _acc16(out, o + 10 * n_out, a100, first)
-        _acc16(out, o + 11 * n_out, a110, first)
+        if nv > 1:
+            _acc16(out, o + n_out, a10, first)
+        if nv > 2:
+            _acc16(out, o + 2 * n_out, a20, first)
+        if nv > 3:
+            _acc16(out, o + 3 * n_out, a30, first)
+        if nv > 4:
+            _acc16(out, o + 4 * n_out, a40, first)
+        if nv > 5:
+            _acc16(out, o + 5 * n_out, a50, first)
+        if nv > 6:
+            _acc16(out, o + 6 * n_out, a60, first)
+        if nv > 7:
+            _acc16(out, o + 7 * n_out, a70, first)
+        if nv > 8:
+            _acc16(out, o + 8 * n_out, a80, first)
+        if nv > 9:
+            _acc16(out, o + 9 * n_out, a90, first)
+        if nv > 10:
+            _acc16(out, o + 10 * n_out, a100, first)
+        if nv > 11:
+            _acc16(out, o + 11 * n_out, a110, first)
         if wb1 >= 0:
             _acc16(out, o + PANEL, a01, first)
-            _acc16(out, o + n_out + PANEL, a11, first)
-            _acc16(out, o + 2 * n_out + PANEL, a21, first)
-            _acc16(out, o + 3 * n_out + PANEL, a31, first)
-            _acc16(out, o + 4 * n_out + PANEL, a41, first)
-            _acc16(out, o + 5 * n_out + PANEL, a51, first)
-            _acc16(out, o + 6 * n_out + PANEL, a61, first)
-            _acc16(out, o + 7 * n_out + PANEL, a71, first)
-            _acc16(out, o + 8 * n_out + PANEL, a81, first)
-            _acc16(out, o + 9 * n_out + PANEL, a91, first)
-            _acc16(out, o + 10 * n_out + PANEL, a101, first)
-            _acc16(out, o + 11 * n_out + PANEL, a111, first)
+            if nv > 1:
+                _acc16(out, o + n_out + PANEL, a11, first)
+            if nv > 2:
+                _acc16(out, o + 2 * n_out + PANEL, a21, first)
+            if nv > 3:
+                _acc16(out, o + 3 * n_out + PANEL, a31, first)
+            if nv > 4:
+                _acc16(out, o + 4 * n_out + PANEL, a41, first)
+            if nv > 5:
+                _acc16(out, o + 5 * n_out + PANEL, a51, first)
+            if nv > 6:
+                _acc16(out, o + 6 * n_out + PANEL, a61, first)
+            if nv > 7:
+                _acc16(out, o + 7 * n_out + PANEL, a71, first)
+            if nv > 8:
+                _acc16(out, o + 8 * n_out + PANEL, a81, first)
+            if nv > 9:
+                _acc16(out, o + 9 * n_out + PANEL, a91, first)
+            if nv > 10:
+                _acc16(out, o + 10 * n_out + PANEL, a101, first)
+            if nv > 11:
+                _acc16(out, o + 11 * n_out + PANEL, a111, first)
 
 
 @njit(inline="always")
-def _pass6(x, k_dim, m, wp, wb0, wb1, last, out, n_out, col, kb, acc):  # noqa: ANN001
+def _pass6(x, k_dim, m, wp, wb0, wb1, last, out, n_out, col, kb, acc, nv):  # noqa: ANN001
     """6 rows, as _pass12."""
     x0 = m * k_dim
     o = m * n_out + col
@@ -208,22 +232,32 @@ def _pass6(x, k_dim, m, wp, wb0, wb1, last, out, n_out, col, kb, acc):  # noqa: 
                 a50 = _fma16(_splat16(x, x0 + 5 * k_dim + k), w0, a50)
         first = k0 == 0 and not acc
         _acc16(out, o, a00, first)
-        _acc16(out, o + n_out, a10, first)
-        _acc16(out, o + 2 * n_out, a20, first)
-        _acc16(out, o + 3 * n_out, a30, first)
-        _acc16(out, o + 4 * n_out, a40, first)
-        _acc16(out, o + 5 * n_out, a50, first)
+        if nv > 1:
+            _acc16(out, o + n_out, a10, first)
+        if nv > 2:
+            _acc16(out, o + 2 * n_out, a20, first)
+        if nv > 3:
+            _acc16(out, o + 3 * n_out, a30, first)
+        if nv > 4:
+            _acc16(out, o + 4 * n_out, a40, first)
+        if nv > 5:
+            _acc16(out, o + 5 * n_out, a50, first)
         if wb1 >= 0:
             _acc16(out, o + PANEL, a01, first)
-            _acc16(out, o + n_out + PANEL, a11, first)
-            _acc16(out, o + 2 * n_out + PANEL, a21, first)
-            _acc16(out, o + 3 * n_out + PANEL, a31, first)
-            _acc16(out, o + 4 * n_out + PANEL, a41, first)
-            _acc16(out, o + 5 * n_out + PANEL, a51, first)
+            if nv > 1:
+                _acc16(out, o + n_out + PANEL, a11, first)
+            if nv > 2:
+                _acc16(out, o + 2 * n_out + PANEL, a21, first)
+            if nv > 3:
+                _acc16(out, o + 3 * n_out + PANEL, a31, first)
+            if nv > 4:
+                _acc16(out, o + 4 * n_out + PANEL, a41, first)
+            if nv > 5:
+                _acc16(out, o + 5 * n_out + PANEL, a51, first)
 
 
 @njit(inline="always")
-def _pass4(x, k_dim, m, wp, wb0, wb1, last, out, n_out, col, kb, acc):  # noqa: ANN001
+def _pass4(x, k_dim, m, wp, wb0, wb1, last, out, n_out, col, kb, acc, nv):  # noqa: ANN001
     """4 rows, as _pass12."""
     x0 = m * k_dim
     o = m * n_out + col
@@ -267,14 +301,20 @@ def _pass4(x, k_dim, m, wp, wb0, wb1, last, out, n_out, col, kb, acc):  # noqa: 
                 a30 = _fma16(_splat16(x, x0 + 3 * k_dim + k), w0, a30)
         first = k0 == 0 and not acc
         _acc16(out, o, a00, first)
-        _acc16(out, o + n_out, a10, first)
-        _acc16(out, o + 2 * n_out, a20, first)
-        _acc16(out, o + 3 * n_out, a30, first)
+        if nv > 1:
+            _acc16(out, o + n_out, a10, first)
+        if nv > 2:
+            _acc16(out, o + 2 * n_out, a20, first)
+        if nv > 3:
+            _acc16(out, o + 3 * n_out, a30, first)
         if wb1 >= 0:
             _acc16(out, o + PANEL, a01, first)
-            _acc16(out, o + n_out + PANEL, a11, first)
-            _acc16(out, o + 2 * n_out + PANEL, a21, first)
-            _acc16(out, o + 3 * n_out + PANEL, a31, first)
+            if nv > 1:
+                _acc16(out, o + n_out + PANEL, a11, first)
+            if nv > 2:
+                _acc16(out, o + 2 * n_out + PANEL, a21, first)
+            if nv > 3:
+                _acc16(out, o + 3 * n_out + PANEL, a31, first)
 
 
 @njit(inline="always")
@@ -348,26 +388,64 @@ def _pass1(x, k_dim, m, wp, wb0, wb1, last, out, n_out, col, kb, acc):  # noqa: 
 
 
 @njit(cache=True, nogil=True)
-def gemm(x, rows, k_dim, wp, panels, out, n_out, kb, acc):  # noqa: ANN001
-    """cpu_small_gemm._gemm's contract (x [rows, k_dim] flat float32, wp [panels, k_dim, 16] flat, out [rows, n_out]
-    flat, kb: k steps a register block sums, acc: add to out's values), two panels at a time."""
+def gemm_with(x, rows, k_dim, wp, panels, out, n_out, kb, acc, cover):  # noqa: ANN001
+    """`gemm` with the remainder policy given: cover[r] (r < 12 rows left after the 12-row passes) is r itself (the
+    passes of 6, 4, 2 and 1 rows in turn) or the row count 4, 6, 10 or 12 it is padded to: the passes of 12, 6 and 4
+    rows over a zero-padded copy of the r rows' inputs, storing only their r rows of output."""
     last = panels * k_dim * PANEL - 1
+    full = rows - rows % 12
+    r = rows - full
+    size = cover[r]
+    xs = x
+    if size != r:
+        xs = np.zeros(size * k_dim, np.float32)
+        xs[:r * k_dim] = x[full * k_dim:rows * k_dim]
+    tail = out[full * n_out:]
     for p in range(0, panels, 2):
         wb0 = p * k_dim * PANEL
         wb1 = wb0 + k_dim * PANEL if p + 1 < panels else -1
         col = p * PANEL
         m = 0
-        while rows - m >= 12:
-            _pass12(x, k_dim, m, wp, wb0, wb1, last, out, n_out, col, kb, acc)
+        while m < full:
+            _pass12(x, k_dim, m, wp, wb0, wb1, last, out, n_out, col, kb, acc, 12)
             m += 12
+        if size != r:      # sizes 4, 6, 10 (6 + 4) or 12 over the padded rows, storing the first r
+            if size == 12:
+                _pass12(xs, k_dim, 0, wp, wb0, wb1, last, tail, n_out, col, kb, acc, r)
+                continue
+            j = 0
+            if size >= 6:
+                _pass6(xs, k_dim, 0, wp, wb0, wb1, last, tail, n_out, col, kb, acc, min(r, 6))
+                j = 6
+            if size - j == 4:
+                _pass4(xs, k_dim, j, wp, wb0, wb1, last, tail, n_out, col, kb, acc, r - j)
+            continue
         if rows - m >= 6:
-            _pass6(x, k_dim, m, wp, wb0, wb1, last, out, n_out, col, kb, acc)
+            _pass6(x, k_dim, m, wp, wb0, wb1, last, out, n_out, col, kb, acc, 6)
             m += 6
         if rows - m >= 4:
-            _pass4(x, k_dim, m, wp, wb0, wb1, last, out, n_out, col, kb, acc)
+            _pass4(x, k_dim, m, wp, wb0, wb1, last, out, n_out, col, kb, acc, 4)
             m += 4
         if rows - m >= 2:
             _pass2(x, k_dim, m, wp, wb0, wb1, last, out, n_out, col, kb, acc)
             m += 2
         if rows - m == 1:
             _pass1(x, k_dim, m, wp, wb0, wb1, last, out, n_out, col, kb, acc)
+
+
+# Remainder policies (`gemm_with`'s cover): SPLIT runs every remainder through the passes of 6, 4, 2 and 1 rows;
+# PAD_ODD (`gemm`'s) pads 3, 5, 9 and 11 to 4, 6, 10 and 12 rows, one pass fewer. Each pass over a panel pair after
+# the first reads it from cache while the weight stream waits, and a one-row pass is bound by its two FMA chains'
+# latency; measured alternated (benchmarks/small_gemm_remainders.py, Zen 4, 1 thread): 1.13-1.22x at 3 / 5 / 11 rows
+# on the cold vocabulary shapes, 1.20-1.35x at 3 on warm layer shapes, none below 0.99x. Padding 7 and 8 to 12 (one
+# pass) measured 0.69-0.97x: the zero rows' FMAs cost more than the pass they save.
+SPLIT = np.arange(12, dtype=np.int64)
+PAD_ODD = np.array([0, 1, 2, 4, 4, 6, 6, 7, 8, 10, 10, 12], np.int64)
+
+
+@njit(cache=True, nogil=True)
+def gemm(x, rows, k_dim, wp, panels, out, n_out, kb, acc):  # noqa: ANN001
+    """cpu_small_gemm._gemm's contract (x [rows, k_dim] flat float32, wp [panels, k_dim, 16] flat, out [rows, n_out]
+    flat, kb: k steps a register block sums, acc: add to out's values), two panels at a time, remainders padded to
+    one pass fewer where that measured faster (PAD_ODD)."""
+    gemm_with(x, rows, k_dim, wp, panels, out, n_out, kb, acc, PAD_ODD)
