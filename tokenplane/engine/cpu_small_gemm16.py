@@ -436,9 +436,10 @@ def gemm_with(x, rows, k_dim, wp, panels, out, n_out, kb, acc, cover):  # noqa: 
 # Remainder policies (`gemm_with`'s cover): SPLIT runs every remainder through the passes of 6, 4, 2 and 1 rows;
 # PAD_ODD (`gemm`'s) pads 3, 5, 9 and 11 to 4, 6, 10 and 12 rows, one pass fewer. Each pass over a panel pair after
 # the first reads it from cache while the weight stream waits, and a one-row pass is bound by its two FMA chains'
-# latency; measured alternated (benchmarks/small_gemm_remainders.py, Zen 4, 1 thread): 1.13-1.22x at 3 / 5 / 11 rows
-# on the cold vocabulary shapes, 1.20-1.35x at 3 on warm layer shapes, none below 0.99x. Padding 7 and 8 to 12 (one
-# pass) measured 0.69-0.97x: the zero rows' FMAs cost more than the pass they save.
+# latency. Measured alternated (benchmarks/results/small_gemm_remainders.md, Zen 4, 1 thread, the same bits): at 3, 5,
+# 9, 11 rows 1.06-1.24x on the cold vocabulary shapes, 1.01-1.41x on warm layer shapes; the counts it leaves alone
+# 0.97-1.03x (noise). Padding 7 and 8 rows to one 12-row pass (ONE_PASS there) measured 0.69-0.97x: the zero rows'
+# FMAs cost more than the pass they save.
 SPLIT = np.arange(12, dtype=np.int64)
 PAD_ODD = np.array([0, 1, 2, 4, 4, 6, 6, 7, 8, 10, 10, 12], np.int64)
 
