@@ -39,6 +39,12 @@ from tokenplane.engine.cpu_simd import (
 
 PANEL = cpu_small_gemm.PANEL
 PREFETCH = 2048       # bfloat16 elements ahead of the panel stream (4 KiB, as cpu_small_gemm's 1024 floats)
+# Short panels (K <= SHORT_K: <= 18 KiB a panel) prefetch min(two panels, 24 KiB) ahead instead, in the next panel
+# pair: 4 KiB ahead of one stream of a pair lands in the other stream's panel, already on its way. Measured
+# alternated (gemv_bf16, cold, Zen 4, 1 / 4 / 8 rows): K = 256 1.33 / 1.25 / 1.16x, K = 512 1.13 / 1.07 / 1.08x,
+# K = 576 1.12 / 1.14 / 1.09x; on longer panels (K = 1024, 2048, 4096) farther prefetches measured 0.76-1.04x.
+SHORT_K = 576
+SHORT_PREFETCH = 12288
 # Rows the bf16 decode path takes. AVX-512: one pass of 8 rows streams each panel once; more rows stream it again.
 # AMX: the weight streams once at any row count; ahead of oneDNN's packed linear up to 32 rows on every shape measured
 # (benchmarks/peers/amx_linear_ab.py: SmolLM2's four linear shapes x 30 layers 1.44x at 1-16 rows, 1.35x at 17-32;
@@ -61,9 +67,9 @@ def pack_bf16(weight: torch.Tensor) -> np.ndarray:
 
 
 @njit(inline="always")
-def _pass(x, k_dim, m, r, wp, wb0, wb1, last, out, n_out, col):  # noqa: ANN001
+def _pass(x, k_dim, m, r, wp, wb0, wb1, last, out, n_out, col, pf):  # noqa: ANN001
     """out[m : m + r, col : col + 32] (r = 1..8 rows, a constant where inlined; wb1 < 0: one panel) = x[m : m + r] @
-    the panels: 2r accumulators."""
+    the panels: 2r accumulators; pf: prefetch distance (elements)."""
     x0 = m * k_dim
     a00 = _zero16()
     a01 = _zero16()
@@ -83,12 +89,12 @@ def _pass(x, k_dim, m, r, wp, wb0, wb1, last, out, n_out, col):  # noqa: ANN001
     a71 = _zero16()
     for k in range(k_dim):
         wi = wb0 + k * PANEL
-        _prefetch(wp, min(wi + PREFETCH, last))
+        _prefetch(wp, min(wi + pf, last))
         w0 = _load16_bf16(wp, wi)
         w1 = w0
         if wb1 >= 0:
             wj = wb1 + k * PANEL
-            _prefetch(wp, min(wj + PREFETCH, last))
+            _prefetch(wp, min(wj + pf, last))
             w1 = _load16_bf16(wp, wj)
         b = _splat16(x, x0 + k)
         a00 = _fma16(b, w0, a00)
@@ -156,9 +162,8 @@ def _pass(x, k_dim, m, r, wp, wb0, wb1, last, out, n_out, col):  # noqa: ANN001
 
 
 @njit(cache=True, nogil=True)
-def gemv_bf16(x, rows, k_dim, wp, panels, out, n_out):  # noqa: ANN001
-    """out[rows, n_out] (flat float32, n_out = panels * 16) = x [rows, k_dim] (flat float32) @ the bfloat16 panels
-    wp (flat uint16, `pack_bf16`)^T."""
+def gemv_bf16_with(x, rows, k_dim, wp, panels, out, n_out, pf):  # noqa: ANN001
+    """`gemv_bf16` prefetching pf elements ahead of each panel stream."""
     last = panels * k_dim * PANEL - 1
     for p in range(0, panels, 2):
         wb0 = p * k_dim * PANEL
@@ -166,22 +171,35 @@ def gemv_bf16(x, rows, k_dim, wp, panels, out, n_out):  # noqa: ANN001
         col = p * PANEL
         m = 0
         while rows - m >= 8:
-            _pass(x, k_dim, m, 8, wp, wb0, wb1, last, out, n_out, col)
+            _pass(x, k_dim, m, 8, wp, wb0, wb1, last, out, n_out, col, pf)
             m += 8
         if rows - m == 7:
-            _pass(x, k_dim, m, 7, wp, wb0, wb1, last, out, n_out, col)
+            _pass(x, k_dim, m, 7, wp, wb0, wb1, last, out, n_out, col, pf)
         elif rows - m == 6:
-            _pass(x, k_dim, m, 6, wp, wb0, wb1, last, out, n_out, col)
+            _pass(x, k_dim, m, 6, wp, wb0, wb1, last, out, n_out, col, pf)
         elif rows - m == 5:
-            _pass(x, k_dim, m, 5, wp, wb0, wb1, last, out, n_out, col)
+            _pass(x, k_dim, m, 5, wp, wb0, wb1, last, out, n_out, col, pf)
         elif rows - m == 4:
-            _pass(x, k_dim, m, 4, wp, wb0, wb1, last, out, n_out, col)
+            _pass(x, k_dim, m, 4, wp, wb0, wb1, last, out, n_out, col, pf)
         elif rows - m == 3:
-            _pass(x, k_dim, m, 3, wp, wb0, wb1, last, out, n_out, col)
+            _pass(x, k_dim, m, 3, wp, wb0, wb1, last, out, n_out, col, pf)
         elif rows - m == 2:
-            _pass(x, k_dim, m, 2, wp, wb0, wb1, last, out, n_out, col)
+            _pass(x, k_dim, m, 2, wp, wb0, wb1, last, out, n_out, col, pf)
         elif rows - m == 1:
-            _pass(x, k_dim, m, 1, wp, wb0, wb1, last, out, n_out, col)
+            _pass(x, k_dim, m, 1, wp, wb0, wb1, last, out, n_out, col, pf)
+
+
+@njit(cache=True, nogil=True)
+def prefetch_distance(k_dim):  # noqa: ANN001, ANN201
+    """Elements ahead of each panel stream `gemv_bf16` prefetches at inner size k_dim (SHORT_K above)."""
+    return min(2 * k_dim * PANEL, SHORT_PREFETCH) if k_dim <= SHORT_K else PREFETCH
+
+
+@njit(cache=True, nogil=True)
+def gemv_bf16(x, rows, k_dim, wp, panels, out, n_out):  # noqa: ANN001
+    """out[rows, n_out] (flat float32, n_out = panels * 16) = x [rows, k_dim] (flat float32) @ the bfloat16 panels
+    wp (flat uint16, `pack_bf16`)^T."""
+    gemv_bf16_with(x, rows, k_dim, wp, panels, out, n_out, prefetch_distance(k_dim))
 
 
 def linear_bf16(x: torch.Tensor, wp: np.ndarray) -> np.ndarray:
