@@ -34,6 +34,13 @@ def _acc16(out, index, value, first):  # noqa: ANN001
 
 
 @njit(inline="always")
+def _acc16_if(keep, out, index, value, first):  # noqa: ANN001
+    """_acc16 for a row that exists (keep), nothing for a padded one."""
+    if keep:
+        _acc16(out, index, value, first)
+
+
+@njit(inline="always")
 def _pass12(x, k_dim, m, wp, wb0, wb1, last, out, n_out, col, kb, acc, nv):  # noqa: ANN001
     """out[m : m + 12, col : col + 32] = x[m : m + 12] @ two panels (wb0, wb1; wb1 < 0: wb0 alone): 24
     accumulators, FMA-bound."""
@@ -127,52 +134,30 @@ def _pass12(x, k_dim, m, wp, wb0, wb1, last, out, n_out, col, kb, acc, nv):  # n
                 a110 = _fma16(_splat16(x, x0 + 11 * k_dim + k), w0, a110)
         first = k0 == 0 and not acc
         _acc16(out, o, a00, first)
-        if nv > 1:
-            _acc16(out, o + n_out, a10, first)
-        if nv > 2:
-            _acc16(out, o + 2 * n_out, a20, first)
-        if nv > 3:
-            _acc16(out, o + 3 * n_out, a30, first)
-        if nv > 4:
-            _acc16(out, o + 4 * n_out, a40, first)
-        if nv > 5:
-            _acc16(out, o + 5 * n_out, a50, first)
-        if nv > 6:
-            _acc16(out, o + 6 * n_out, a60, first)
-        if nv > 7:
-            _acc16(out, o + 7 * n_out, a70, first)
-        if nv > 8:
-            _acc16(out, o + 8 * n_out, a80, first)
-        if nv > 9:
-            _acc16(out, o + 9 * n_out, a90, first)
-        if nv > 10:
-            _acc16(out, o + 10 * n_out, a100, first)
-        if nv > 11:
-            _acc16(out, o + 11 * n_out, a110, first)
+        _acc16_if(nv > 1, out, o + n_out, a10, first)
+        _acc16_if(nv > 2, out, o + 2 * n_out, a20, first)
+        _acc16_if(nv > 3, out, o + 3 * n_out, a30, first)
+        _acc16_if(nv > 4, out, o + 4 * n_out, a40, first)
+        _acc16_if(nv > 5, out, o + 5 * n_out, a50, first)
+        _acc16_if(nv > 6, out, o + 6 * n_out, a60, first)
+        _acc16_if(nv > 7, out, o + 7 * n_out, a70, first)
+        _acc16_if(nv > 8, out, o + 8 * n_out, a80, first)
+        _acc16_if(nv > 9, out, o + 9 * n_out, a90, first)
+        _acc16_if(nv > 10, out, o + 10 * n_out, a100, first)
+        _acc16_if(nv > 11, out, o + 11 * n_out, a110, first)
         if wb1 >= 0:
             _acc16(out, o + PANEL, a01, first)
-            if nv > 1:
-                _acc16(out, o + n_out + PANEL, a11, first)
-            if nv > 2:
-                _acc16(out, o + 2 * n_out + PANEL, a21, first)
-            if nv > 3:
-                _acc16(out, o + 3 * n_out + PANEL, a31, first)
-            if nv > 4:
-                _acc16(out, o + 4 * n_out + PANEL, a41, first)
-            if nv > 5:
-                _acc16(out, o + 5 * n_out + PANEL, a51, first)
-            if nv > 6:
-                _acc16(out, o + 6 * n_out + PANEL, a61, first)
-            if nv > 7:
-                _acc16(out, o + 7 * n_out + PANEL, a71, first)
-            if nv > 8:
-                _acc16(out, o + 8 * n_out + PANEL, a81, first)
-            if nv > 9:
-                _acc16(out, o + 9 * n_out + PANEL, a91, first)
-            if nv > 10:
-                _acc16(out, o + 10 * n_out + PANEL, a101, first)
-            if nv > 11:
-                _acc16(out, o + 11 * n_out + PANEL, a111, first)
+            _acc16_if(nv > 1, out, o + n_out + PANEL, a11, first)
+            _acc16_if(nv > 2, out, o + 2 * n_out + PANEL, a21, first)
+            _acc16_if(nv > 3, out, o + 3 * n_out + PANEL, a31, first)
+            _acc16_if(nv > 4, out, o + 4 * n_out + PANEL, a41, first)
+            _acc16_if(nv > 5, out, o + 5 * n_out + PANEL, a51, first)
+            _acc16_if(nv > 6, out, o + 6 * n_out + PANEL, a61, first)
+            _acc16_if(nv > 7, out, o + 7 * n_out + PANEL, a71, first)
+            _acc16_if(nv > 8, out, o + 8 * n_out + PANEL, a81, first)
+            _acc16_if(nv > 9, out, o + 9 * n_out + PANEL, a91, first)
+            _acc16_if(nv > 10, out, o + 10 * n_out + PANEL, a101, first)
+            _acc16_if(nv > 11, out, o + 11 * n_out + PANEL, a111, first)
 
 
 @njit(inline="always")
@@ -232,28 +217,18 @@ def _pass6(x, k_dim, m, wp, wb0, wb1, last, out, n_out, col, kb, acc, nv):  # no
                 a50 = _fma16(_splat16(x, x0 + 5 * k_dim + k), w0, a50)
         first = k0 == 0 and not acc
         _acc16(out, o, a00, first)
-        if nv > 1:
-            _acc16(out, o + n_out, a10, first)
-        if nv > 2:
-            _acc16(out, o + 2 * n_out, a20, first)
-        if nv > 3:
-            _acc16(out, o + 3 * n_out, a30, first)
-        if nv > 4:
-            _acc16(out, o + 4 * n_out, a40, first)
-        if nv > 5:
-            _acc16(out, o + 5 * n_out, a50, first)
+        _acc16_if(nv > 1, out, o + n_out, a10, first)
+        _acc16_if(nv > 2, out, o + 2 * n_out, a20, first)
+        _acc16_if(nv > 3, out, o + 3 * n_out, a30, first)
+        _acc16_if(nv > 4, out, o + 4 * n_out, a40, first)
+        _acc16_if(nv > 5, out, o + 5 * n_out, a50, first)
         if wb1 >= 0:
             _acc16(out, o + PANEL, a01, first)
-            if nv > 1:
-                _acc16(out, o + n_out + PANEL, a11, first)
-            if nv > 2:
-                _acc16(out, o + 2 * n_out + PANEL, a21, first)
-            if nv > 3:
-                _acc16(out, o + 3 * n_out + PANEL, a31, first)
-            if nv > 4:
-                _acc16(out, o + 4 * n_out + PANEL, a41, first)
-            if nv > 5:
-                _acc16(out, o + 5 * n_out + PANEL, a51, first)
+            _acc16_if(nv > 1, out, o + n_out + PANEL, a11, first)
+            _acc16_if(nv > 2, out, o + 2 * n_out + PANEL, a21, first)
+            _acc16_if(nv > 3, out, o + 3 * n_out + PANEL, a31, first)
+            _acc16_if(nv > 4, out, o + 4 * n_out + PANEL, a41, first)
+            _acc16_if(nv > 5, out, o + 5 * n_out + PANEL, a51, first)
 
 
 @njit(inline="always")
@@ -301,20 +276,14 @@ def _pass4(x, k_dim, m, wp, wb0, wb1, last, out, n_out, col, kb, acc, nv):  # no
                 a30 = _fma16(_splat16(x, x0 + 3 * k_dim + k), w0, a30)
         first = k0 == 0 and not acc
         _acc16(out, o, a00, first)
-        if nv > 1:
-            _acc16(out, o + n_out, a10, first)
-        if nv > 2:
-            _acc16(out, o + 2 * n_out, a20, first)
-        if nv > 3:
-            _acc16(out, o + 3 * n_out, a30, first)
+        _acc16_if(nv > 1, out, o + n_out, a10, first)
+        _acc16_if(nv > 2, out, o + 2 * n_out, a20, first)
+        _acc16_if(nv > 3, out, o + 3 * n_out, a30, first)
         if wb1 >= 0:
             _acc16(out, o + PANEL, a01, first)
-            if nv > 1:
-                _acc16(out, o + n_out + PANEL, a11, first)
-            if nv > 2:
-                _acc16(out, o + 2 * n_out + PANEL, a21, first)
-            if nv > 3:
-                _acc16(out, o + 3 * n_out + PANEL, a31, first)
+            _acc16_if(nv > 1, out, o + n_out + PANEL, a11, first)
+            _acc16_if(nv > 2, out, o + 2 * n_out + PANEL, a21, first)
+            _acc16_if(nv > 3, out, o + 3 * n_out + PANEL, a31, first)
 
 
 @njit(inline="always")
