@@ -96,7 +96,7 @@ def test_one_pass_remainders_sum_alike_and_store_only_their_rows(n, k):
                 if with_bias:
                     out[:rows, :n] = bias
                 g16.gemm_with(x.numpy().reshape(-1), rows, k, panels.numpy().reshape(-1), npan,
-                              out.numpy().reshape(-1), width, kb, with_bias, cover)
+                              out.numpy().reshape(-1), width, kb, with_bias, cover, g16.prefetch_elements(k, 4))
                 assert torch.equal(out[:rows], want), (rows, with_bias)
                 assert bool((out[rows:] == 7.0).all()), (rows, with_bias)
 

@@ -36,15 +36,11 @@ from tokenplane.engine.cpu_simd import (
     _store16,
     _zero16,
 )
+from tokenplane.engine.cpu_small_gemm16 import prefetch_elements
 
 PANEL = cpu_small_gemm.PANEL
 PREFETCH = 2048       # bfloat16 elements ahead of the panel stream (4 KiB, as cpu_small_gemm's 1024 floats)
-# Short panels (K <= SHORT_K: <= 18 KiB a panel) prefetch min(two panels, 24 KiB) ahead instead, in the next panel
-# pair: 4 KiB ahead of one stream of a pair lands in the other stream's panel, already on its way. Measured
-# alternated (gemv_bf16, cold, Zen 4, 1 / 4 / 8 rows): K = 256 1.33 / 1.25 / 1.16x, K = 512 1.13 / 1.07 / 1.08x,
-# K = 576 1.12 / 1.14 / 1.09x; on longer panels (K = 1024, 2048, 4096) farther prefetches measured 0.76-1.04x.
-SHORT_K = 576
-SHORT_PREFETCH = 12288
+# Short panels prefetch into the next panel pair instead (cpu_small_gemm16.prefetch_elements, measured there).
 # Rows the bf16 decode path takes. AVX-512: one pass of 8 rows streams each panel once; more rows stream it again.
 # AMX: the weight streams once at any row count; ahead of oneDNN's packed linear up to 32 rows on every shape measured
 # (benchmarks/peers/amx_linear_ab.py: SmolLM2's four linear shapes x 30 layers 1.44x at 1-16 rows, 1.35x at 17-32;
@@ -190,16 +186,10 @@ def gemv_bf16_with(x, rows, k_dim, wp, panels, out, n_out, pf):  # noqa: ANN001
 
 
 @njit(cache=True, nogil=True)
-def prefetch_distance(k_dim):  # noqa: ANN001, ANN201
-    """Elements ahead of each panel stream `gemv_bf16` prefetches at inner size k_dim (SHORT_K above)."""
-    return min(2 * k_dim * PANEL, SHORT_PREFETCH) if k_dim <= SHORT_K else PREFETCH
-
-
-@njit(cache=True, nogil=True)
 def gemv_bf16(x, rows, k_dim, wp, panels, out, n_out):  # noqa: ANN001
     """out[rows, n_out] (flat float32, n_out = panels * 16) = x [rows, k_dim] (flat float32) @ the bfloat16 panels
     wp (flat uint16, `pack_bf16`)^T."""
-    gemv_bf16_with(x, rows, k_dim, wp, panels, out, n_out, prefetch_distance(k_dim))
+    gemv_bf16_with(x, rows, k_dim, wp, panels, out, n_out, prefetch_elements(k_dim, 2))
 
 
 def linear_bf16(x: torch.Tensor, wp: np.ndarray) -> np.ndarray:

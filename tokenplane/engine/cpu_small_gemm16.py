@@ -21,7 +21,23 @@ from numba import njit
 from tokenplane.engine.cpu_simd import _add16, _fma16, _load16, _prefetch, _splat16, _store16, _zero16
 
 PANEL = 16            # output columns per panel (cpu_small_gemm's layout): one 16-float vector
-PREFETCH = 1024       # floats ahead of each panel stream, as cpu_small_gemm
+PREFETCH = 1024       # floats ahead of each panel stream, as cpu_small_gemm (panels longer than SHORT_PANEL_BYTES)
+# A pass streams two panels side by side; where panels are short, 4 KiB ahead of the first stream lands in the second
+# stream's panel, already on its way, so short panels prefetch min(two panels, SHORT_PREFETCH_BYTES) ahead, into the
+# next pair. Measured alternated (cold, Zen 4, 1 thread, the same sums): 151936 x 256 fp32 at 1 / 2 / 4 / 6 / 12 rows
+# 1.23 / 1.26 / 1.17 / 1.04 / 1.02x, 151936 x 128 1.16-1.41x; bf16 panels (cpu_bf16_gemv) K = 256-576 1.07-1.36x;
+# longer panels measured 0.76-1.18x farther out, mixed, and keep 4 KiB.
+SHORT_PANEL_BYTES = 18 * 1024
+SHORT_PREFETCH_BYTES = 24 * 1024
+
+
+@njit(cache=True, nogil=True)
+def prefetch_elements(k_dim, itemsize):  # noqa: ANN001, ANN201
+    """Elements ahead of each panel stream for panels of k_dim x 16 items of `itemsize` bytes."""
+    panel = k_dim * PANEL * itemsize
+    if panel <= SHORT_PANEL_BYTES:
+        return min(2 * panel, SHORT_PREFETCH_BYTES) // itemsize
+    return 4096 // itemsize
 
 
 @njit(inline="always")
@@ -41,7 +57,7 @@ def _acc16_if(keep, out, index, value, first):  # noqa: ANN001
 
 
 @njit(inline="always")
-def _pass12(x, k_dim, m, wp, wb0, wb1, last, out, n_out, col, kb, acc, nv):  # noqa: ANN001
+def _pass12(x, k_dim, m, wp, wb0, wb1, last, out, n_out, col, kb, acc, nv, pf):  # noqa: ANN001
     """out[m : m + 12, col : col + 32] = x[m : m + 12] @ two panels (wb0, wb1; wb1 < 0: wb0 alone): 24
     accumulators, FMA-bound."""
     x0 = m * k_dim
@@ -75,8 +91,8 @@ def _pass12(x, k_dim, m, wp, wb0, wb1, last, out, n_out, col, kb, acc, nv):  # n
             for k in range(k0, min(k0 + kb, k_dim)):
                 wi = wb0 + k * PANEL
                 wj = wb1 + k * PANEL
-                _prefetch(wp, min(wi + PREFETCH, last))
-                _prefetch(wp, min(wj + PREFETCH, last))
+                _prefetch(wp, min(wi + pf, last))
+                _prefetch(wp, min(wj + pf, last))
                 w0 = _load16(wp, wi)
                 w1 = _load16(wp, wj)
                 b = _splat16(x, x0 + k)
@@ -118,7 +134,7 @@ def _pass12(x, k_dim, m, wp, wb0, wb1, last, out, n_out, col, kb, acc, nv):  # n
         else:    # the last panel of an odd count
             for k in range(k0, min(k0 + kb, k_dim)):
                 wi = wb0 + k * PANEL
-                _prefetch(wp, min(wi + PREFETCH, last))
+                _prefetch(wp, min(wi + pf, last))
                 w0 = _load16(wp, wi)
                 a00 = _fma16(_splat16(x, x0 + k), w0, a00)
                 a10 = _fma16(_splat16(x, x0 + k_dim + k), w0, a10)
@@ -161,7 +177,7 @@ def _pass12(x, k_dim, m, wp, wb0, wb1, last, out, n_out, col, kb, acc, nv):  # n
 
 
 @njit(inline="always")
-def _pass6(x, k_dim, m, wp, wb0, wb1, last, out, n_out, col, kb, acc, nv):  # noqa: ANN001
+def _pass6(x, k_dim, m, wp, wb0, wb1, last, out, n_out, col, kb, acc, nv, pf):  # noqa: ANN001
     """6 rows, as _pass12."""
     x0 = m * k_dim
     o = m * n_out + col
@@ -182,8 +198,8 @@ def _pass6(x, k_dim, m, wp, wb0, wb1, last, out, n_out, col, kb, acc, nv):  # no
             for k in range(k0, min(k0 + kb, k_dim)):
                 wi = wb0 + k * PANEL
                 wj = wb1 + k * PANEL
-                _prefetch(wp, min(wi + PREFETCH, last))
-                _prefetch(wp, min(wj + PREFETCH, last))
+                _prefetch(wp, min(wi + pf, last))
+                _prefetch(wp, min(wj + pf, last))
                 w0 = _load16(wp, wi)
                 w1 = _load16(wp, wj)
                 b = _splat16(x, x0 + k)
@@ -207,7 +223,7 @@ def _pass6(x, k_dim, m, wp, wb0, wb1, last, out, n_out, col, kb, acc, nv):  # no
         else:    # the last panel of an odd count
             for k in range(k0, min(k0 + kb, k_dim)):
                 wi = wb0 + k * PANEL
-                _prefetch(wp, min(wi + PREFETCH, last))
+                _prefetch(wp, min(wi + pf, last))
                 w0 = _load16(wp, wi)
                 a00 = _fma16(_splat16(x, x0 + k), w0, a00)
                 a10 = _fma16(_splat16(x, x0 + k_dim + k), w0, a10)
@@ -232,7 +248,7 @@ def _pass6(x, k_dim, m, wp, wb0, wb1, last, out, n_out, col, kb, acc, nv):  # no
 
 
 @njit(inline="always")
-def _pass4(x, k_dim, m, wp, wb0, wb1, last, out, n_out, col, kb, acc, nv):  # noqa: ANN001
+def _pass4(x, k_dim, m, wp, wb0, wb1, last, out, n_out, col, kb, acc, nv, pf):  # noqa: ANN001
     """4 rows, as _pass12."""
     x0 = m * k_dim
     o = m * n_out + col
@@ -249,8 +265,8 @@ def _pass4(x, k_dim, m, wp, wb0, wb1, last, out, n_out, col, kb, acc, nv):  # no
             for k in range(k0, min(k0 + kb, k_dim)):
                 wi = wb0 + k * PANEL
                 wj = wb1 + k * PANEL
-                _prefetch(wp, min(wi + PREFETCH, last))
-                _prefetch(wp, min(wj + PREFETCH, last))
+                _prefetch(wp, min(wi + pf, last))
+                _prefetch(wp, min(wj + pf, last))
                 w0 = _load16(wp, wi)
                 w1 = _load16(wp, wj)
                 b = _splat16(x, x0 + k)
@@ -268,7 +284,7 @@ def _pass4(x, k_dim, m, wp, wb0, wb1, last, out, n_out, col, kb, acc, nv):  # no
         else:    # the last panel of an odd count
             for k in range(k0, min(k0 + kb, k_dim)):
                 wi = wb0 + k * PANEL
-                _prefetch(wp, min(wi + PREFETCH, last))
+                _prefetch(wp, min(wi + pf, last))
                 w0 = _load16(wp, wi)
                 a00 = _fma16(_splat16(x, x0 + k), w0, a00)
                 a10 = _fma16(_splat16(x, x0 + k_dim + k), w0, a10)
@@ -287,7 +303,7 @@ def _pass4(x, k_dim, m, wp, wb0, wb1, last, out, n_out, col, kb, acc, nv):  # no
 
 
 @njit(inline="always")
-def _pass2(x, k_dim, m, wp, wb0, wb1, last, out, n_out, col, kb, acc):  # noqa: ANN001
+def _pass2(x, k_dim, m, wp, wb0, wb1, last, out, n_out, col, kb, acc, pf):  # noqa: ANN001
     """2 rows, as _pass12."""
     x0 = m * k_dim
     o = m * n_out + col
@@ -300,8 +316,8 @@ def _pass2(x, k_dim, m, wp, wb0, wb1, last, out, n_out, col, kb, acc):  # noqa: 
             for k in range(k0, min(k0 + kb, k_dim)):
                 wi = wb0 + k * PANEL
                 wj = wb1 + k * PANEL
-                _prefetch(wp, min(wi + PREFETCH, last))
-                _prefetch(wp, min(wj + PREFETCH, last))
+                _prefetch(wp, min(wi + pf, last))
+                _prefetch(wp, min(wj + pf, last))
                 w0 = _load16(wp, wi)
                 w1 = _load16(wp, wj)
                 b = _splat16(x, x0 + k)
@@ -313,7 +329,7 @@ def _pass2(x, k_dim, m, wp, wb0, wb1, last, out, n_out, col, kb, acc):  # noqa: 
         else:    # the last panel of an odd count
             for k in range(k0, min(k0 + kb, k_dim)):
                 wi = wb0 + k * PANEL
-                _prefetch(wp, min(wi + PREFETCH, last))
+                _prefetch(wp, min(wi + pf, last))
                 w0 = _load16(wp, wi)
                 a00 = _fma16(_splat16(x, x0 + k), w0, a00)
                 a10 = _fma16(_splat16(x, x0 + k_dim + k), w0, a10)
@@ -326,7 +342,7 @@ def _pass2(x, k_dim, m, wp, wb0, wb1, last, out, n_out, col, kb, acc):  # noqa: 
 
 
 @njit(inline="always")
-def _pass1(x, k_dim, m, wp, wb0, wb1, last, out, n_out, col, kb, acc):  # noqa: ANN001
+def _pass1(x, k_dim, m, wp, wb0, wb1, last, out, n_out, col, kb, acc, pf):  # noqa: ANN001
     """1 row, as _pass12 (a stream over the panels: memory-bound)."""
     x0 = m * k_dim
     o = m * n_out + col
@@ -337,8 +353,8 @@ def _pass1(x, k_dim, m, wp, wb0, wb1, last, out, n_out, col, kb, acc):  # noqa: 
             for k in range(k0, min(k0 + kb, k_dim)):
                 wi = wb0 + k * PANEL
                 wj = wb1 + k * PANEL
-                _prefetch(wp, min(wi + PREFETCH, last))
-                _prefetch(wp, min(wj + PREFETCH, last))
+                _prefetch(wp, min(wi + pf, last))
+                _prefetch(wp, min(wj + pf, last))
                 w0 = _load16(wp, wi)
                 w1 = _load16(wp, wj)
                 b = _splat16(x, x0 + k)
@@ -347,7 +363,7 @@ def _pass1(x, k_dim, m, wp, wb0, wb1, last, out, n_out, col, kb, acc):  # noqa: 
         else:    # the last panel of an odd count
             for k in range(k0, min(k0 + kb, k_dim)):
                 wi = wb0 + k * PANEL
-                _prefetch(wp, min(wi + PREFETCH, last))
+                _prefetch(wp, min(wi + pf, last))
                 w0 = _load16(wp, wi)
                 a00 = _fma16(_splat16(x, x0 + k), w0, a00)
         first = k0 == 0 and not acc
@@ -357,10 +373,11 @@ def _pass1(x, k_dim, m, wp, wb0, wb1, last, out, n_out, col, kb, acc):  # noqa: 
 
 
 @njit(cache=True, nogil=True)
-def gemm_with(x, rows, k_dim, wp, panels, out, n_out, kb, acc, cover):  # noqa: ANN001
+def gemm_with(x, rows, k_dim, wp, panels, out, n_out, kb, acc, cover, pf):  # noqa: ANN001
     """`gemm` with the remainder policy given: cover[r] (r < 12 rows left after the 12-row passes) is r itself (the
     passes of 6, 4, 2 and 1 rows in turn) or the row count 4, 6, 10 or 12 it is padded to: the passes of 12, 6 and 4
-    rows over a zero-padded copy of the r rows' inputs, storing only their r rows of output."""
+    rows over a zero-padded copy of the r rows' inputs, storing only their r rows of output; pf: floats prefetched
+    ahead of each panel stream (`prefetch_elements`)."""
     last = panels * k_dim * PANEL - 1
     full = rows - rows % 12
     r = rows - full
@@ -376,30 +393,30 @@ def gemm_with(x, rows, k_dim, wp, panels, out, n_out, kb, acc, cover):  # noqa: 
         col = p * PANEL
         m = 0
         while m < full:
-            _pass12(x, k_dim, m, wp, wb0, wb1, last, out, n_out, col, kb, acc, 12)
+            _pass12(x, k_dim, m, wp, wb0, wb1, last, out, n_out, col, kb, acc, 12, pf)
             m += 12
         if size != r:      # sizes 4, 6, 10 (6 + 4) or 12 over the padded rows, storing the first r
             if size == 12:
-                _pass12(xs, k_dim, 0, wp, wb0, wb1, last, tail, n_out, col, kb, acc, r)
+                _pass12(xs, k_dim, 0, wp, wb0, wb1, last, tail, n_out, col, kb, acc, r, pf)
                 continue
             j = 0
             if size >= 6:
-                _pass6(xs, k_dim, 0, wp, wb0, wb1, last, tail, n_out, col, kb, acc, min(r, 6))
+                _pass6(xs, k_dim, 0, wp, wb0, wb1, last, tail, n_out, col, kb, acc, min(r, 6), pf)
                 j = 6
             if size - j == 4:
-                _pass4(xs, k_dim, j, wp, wb0, wb1, last, tail, n_out, col, kb, acc, r - j)
+                _pass4(xs, k_dim, j, wp, wb0, wb1, last, tail, n_out, col, kb, acc, r - j, pf)
             continue
         if rows - m >= 6:
-            _pass6(x, k_dim, m, wp, wb0, wb1, last, out, n_out, col, kb, acc, 6)
+            _pass6(x, k_dim, m, wp, wb0, wb1, last, out, n_out, col, kb, acc, 6, pf)
             m += 6
         if rows - m >= 4:
-            _pass4(x, k_dim, m, wp, wb0, wb1, last, out, n_out, col, kb, acc, 4)
+            _pass4(x, k_dim, m, wp, wb0, wb1, last, out, n_out, col, kb, acc, 4, pf)
             m += 4
         if rows - m >= 2:
-            _pass2(x, k_dim, m, wp, wb0, wb1, last, out, n_out, col, kb, acc)
+            _pass2(x, k_dim, m, wp, wb0, wb1, last, out, n_out, col, kb, acc, pf)
             m += 2
         if rows - m == 1:
-            _pass1(x, k_dim, m, wp, wb0, wb1, last, out, n_out, col, kb, acc)
+            _pass1(x, k_dim, m, wp, wb0, wb1, last, out, n_out, col, kb, acc, pf)
 
 
 # Remainder policies (`gemm_with`'s cover): SPLIT runs every remainder through the passes of 6, 4, 2 and 1 rows;
@@ -418,4 +435,4 @@ def gemm(x, rows, k_dim, wp, panels, out, n_out, kb, acc):  # noqa: ANN001
     """cpu_small_gemm._gemm's contract (x [rows, k_dim] flat float32, wp [panels, k_dim, 16] flat, out [rows, n_out]
     flat, kb: k steps a register block sums, acc: add to out's values), two panels at a time, remainders padded to
     one pass fewer where that measured faster (PAD_ODD)."""
-    gemm_with(x, rows, k_dim, wp, panels, out, n_out, kb, acc, PAD_ODD)
+    gemm_with(x, rows, k_dim, wp, panels, out, n_out, kb, acc, PAD_ODD, prefetch_elements(k_dim, 4))
