@@ -39,8 +39,9 @@ from tokenplane.engine.cpu_simd import (
 from tokenplane.engine.cpu_small_gemm16 import prefetch_elements
 
 PANEL = cpu_small_gemm.PANEL
-PREFETCH = 2048       # bfloat16 elements ahead of the panel stream (4 KiB, as cpu_small_gemm's 1024 floats)
-# Short panels prefetch into the next panel pair instead (cpu_small_gemm16.prefetch_elements, measured there).
+PREFETCH = 2048       # bfloat16 elements ahead of the VNNI stream (AMX hosts; 4 KiB, as cpu_small_gemm's 1024 floats)
+# gemv_bf16's panels take cpu_small_gemm16.prefetch_elements instead (short panels prefetch into the next panel pair,
+# measured on Zen 4); the VNNI stream keeps 4 KiB, not measured on an AMX host since.
 # Rows the bf16 decode path takes. AVX-512: one pass of 8 rows streams each panel once; more rows stream it again.
 # AMX: the weight streams once at any row count; ahead of oneDNN's packed linear up to 32 rows on every shape measured
 # (benchmarks/peers/amx_linear_ab.py: SmolLM2's four linear shapes x 30 layers 1.44x at 1-16 rows, 1.35x at 17-32;

@@ -21,7 +21,7 @@ from numba import njit
 from tokenplane.engine.cpu_simd import _add16, _fma16, _load16, _prefetch, _splat16, _store16, _zero16
 
 PANEL = 16            # output columns per panel (cpu_small_gemm's layout): one 16-float vector
-PREFETCH = 1024       # floats ahead of each panel stream, as cpu_small_gemm (panels longer than SHORT_PANEL_BYTES)
+PREFETCH_BYTES = 4096  # ahead of each panel stream where panels are longer than SHORT_PANEL_BYTES (as cpu_small_gemm)
 # A pass streams two panels side by side; where panels are short, 4 KiB ahead of the first stream lands in the second
 # stream's panel, already on its way, so short panels prefetch min(two panels, SHORT_PREFETCH_BYTES) ahead, into the
 # next pair. Measured alternated (cold, Zen 4, 1 thread, the same sums): 151936 x 256 fp32 at 1 / 2 / 4 / 6 / 12 rows
@@ -37,7 +37,7 @@ def prefetch_elements(k_dim, itemsize):  # noqa: ANN001, ANN201
     panel = k_dim * PANEL * itemsize
     if panel <= SHORT_PANEL_BYTES:
         return min(2 * panel, SHORT_PREFETCH_BYTES) // itemsize
-    return 4096 // itemsize
+    return PREFETCH_BYTES // itemsize
 
 
 @njit(inline="always")
