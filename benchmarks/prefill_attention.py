@@ -75,13 +75,18 @@ def case(model: str, q_len: int, context: int, repeats: int, block_size: int = 1
                                            attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=True)
         return o[0].transpose(0, 1).reshape(q_len, -1)
 
-    def kernel_8lane() -> torch.Tensor:     # the 8-lane passes, on a host whose default is the 16-lane ones
-        wide = cpu_prefill_attention.WIDE[0]
-        cpu_prefill_attention.WIDE[0] = False
-        try:
-            return kernel()
-        finally:
-            cpu_prefill_attention.WIDE[0] = wide
+    def kernel_with(flag: list[bool]):  # noqa: ANN202 - the kernel with a one-item switch list turned off
+        def run() -> torch.Tensor:
+            saved = flag[0]
+            flag[0] = False
+            try:
+                return kernel()
+            finally:
+                flag[0] = saved
+        return run
+
+    kernel_8lane = kernel_with(cpu_prefill_attention.WIDE)      # the 8-lane passes where 16 lanes are the default
+    kernel_fma = kernel_with(cpu_prefill_attention.PAIRS)       # bf16: the FMA score pass instead of bf16 pairs
 
     diff = (kernel().float() - sdpa().float()).abs().max().item()   # also the warm-up call of each
     systems = [("kernel", kernel), ("sdpa", sdpa)]
@@ -89,6 +94,12 @@ def case(model: str, q_len: int, context: int, repeats: int, block_size: int = 1
         wide_out = kernel().clone()
         systems.append(("kernel_8lane", kernel_8lane))
         lanes_equal = bool(torch.equal(kernel_8lane(), wide_out))
+    pairs = (dtype == torch.bfloat16 and cpu_prefill_attention.PAIRS[0]
+             and not cpu_prefill_attention.amx.applies(d, group, block_size))
+    if pairs:
+        pairs_out = kernel().clone()
+        systems.append(("kernel_fma", kernel_fma))
+        same_as_fma = (kernel_fma() == pairs_out).float().mean().item()
     times: dict[str, list[tuple[float, float]]] = {name: [] for name, _ in systems}
     for _ in range(repeats):
         for name, fn in systems:
@@ -105,6 +116,9 @@ def case(model: str, q_len: int, context: int, repeats: int, block_size: int = 1
     if "kernel_8lane" in row:
         row["lanes_equal"] = lanes_equal
         row["ratio_16_over_8_cpu"] = row["kernel"]["cpu_median_ms"] / row["kernel_8lane"]["cpu_median_ms"]
+    if "kernel_fma" in row:
+        row["same_as_fma"] = same_as_fma      # fraction of output elements equal to the FMA score pass's
+        row["ratio_pairs_over_fma_cpu"] = row["kernel"]["cpu_median_ms"] / row["kernel_fma"]["cpu_median_ms"]
     row["ratio_wall"] = row["kernel"]["median_ms"] / row["sdpa"]["median_ms"]
     row["ratio_cpu"] = row["kernel"]["cpu_median_ms"] / row["sdpa"]["cpu_median_ms"]
     flops = 4 * heads * d * sum(context - q_len + i + 1 for i in range(q_len))   # causal: QK^T and PV, 2 flop a FMA
@@ -153,9 +167,11 @@ def write_md(path: Path, rows: list[dict], meta: dict) -> None:
              f"{meta['loadavg_before'][0]:.1f} before / {meta['loadavg_after'][0]:.1f} after (shared machine), "
              f"{meta['repeats']} alternated calls per side, {meta['wall_s']} s.", "",
              "ratio = kernel / SDPA (below 1: the kernel is faster). CPU = thread CPU time, less exposed to the other "
-             "jobs on the machine than wall time. GFLOP/s: causal QK^T + PV flops over the kernel's CPU-time median.",
+             "jobs on the machine than wall time. GFLOP/s: causal QK^T + PV flops over the kernel's CPU-time median. "
+             "Other pass, alternated with the kernel in the same loop: fp32, the 8-lane passes (outputs equal bit for "
+             "bit); bf16 without AMX, the FMA score pass instead of bf16 pairs (share of equal output elements).",
              "", "| model (heads/kv/d) | q_len | context | kernel ms (P90) | SDPA ms (P90) | ratio wall | ratio CPU "
-             "| kernel GFLOP/s | max abs diff | 8-lane kernel CPU ms | 16 / 8 lanes CPU | lanes equal |",
+             "| kernel GFLOP/s | max abs diff | other pass: kernel CPU ms | kernel / other pass CPU | outputs equal |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         k, s = r["kernel"], r["sdpa"]
@@ -163,8 +179,10 @@ def write_md(path: Path, rows: list[dict], meta: dict) -> None:
                      f"| {k['median_ms']:.2f} ({k['p90_ms']:.2f}) | {s['median_ms']:.2f} ({s['p90_ms']:.2f}) "
                      f"| {r['ratio_wall']:.2f} | {r['ratio_cpu']:.2f} | {r['kernel_gflops_cpu']:.0f} "
                      f"| {r['max_abs_diff']:.1e} | "
-                     + (f"{r['kernel_8lane']['cpu_median_ms']:.2f} | {r['ratio_16_over_8_cpu']:.2f} | {r['lanes_equal']} |"
-                        if "kernel_8lane" in r else "- | - | - |"))
+                     + (f"8-lane {r['kernel_8lane']['cpu_median_ms']:.2f} | {r['ratio_16_over_8_cpu']:.2f} | "
+                        f"{r['lanes_equal']} |" if "kernel_8lane" in r else
+                        f"FMA scores {r['kernel_fma']['cpu_median_ms']:.2f} | {r['ratio_pairs_over_fma_cpu']:.2f} | "
+                        f"{100 * r['same_as_fma']:.2f}% |" if "kernel_fma" in r else "- | - | - |"))
     path.write_text("\n".join(lines) + "\n")
 
 

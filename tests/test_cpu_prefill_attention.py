@@ -141,14 +141,14 @@ def no_amx(monkeypatch):
     monkeypatch.setattr(cpu_prefill_attention.amx, "HOST_AMX", False)
 
 
-@pytest.mark.parametrize("group,bs", [(1, 16), (3, 16), (2, 7)])
-def test_bf16_passes_are_the_float32_kernel_rounded_once(group, bs, no_amx, lanes):
-    """On bfloat16 caches the 16-lane passes widen each K/V element exactly as they load it and sum in float32, so
-    their output is the float32 kernel's on the widened values, rounded to bfloat16 once: equal bit for bit. Prompts
-    and chunks after cached context, scattered blocks, scores in the hundreds."""
-    lanes(True)
+def _bf16_case(group: int, bs: int, pairs: bool, monkeypatch
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(bf16 passes' output, float32 kernel's output on the widened values, float64 SDPA's) for prompts and chunks
+    after cached context, scattered blocks, head sizes 64 and 128, scores in the hundreds; pairs: the score pass on
+    bf16 pairs."""
+    monkeypatch.setattr(cpu_prefill_attention, "PAIRS", [pairs])
     g = torch.Generator().manual_seed(group * 10 + bs)
-    kvh, d = 2, 64
+    kvh, d = 2, 64 if group != 2 else 128
     num_blocks = -(-700 // bs) + 4
     kc = torch.randn(kvh, num_blocks * bs, d, generator=g).bfloat16()
     vc = torch.randn(kvh, num_blocks * bs, d, generator=g).bfloat16()
@@ -165,9 +165,57 @@ def test_bf16_passes_are_the_float32_kernel_rounded_once(group, bs, no_amx, lane
     paged_prefill(q, kc, vc, starts, lens, ctx, table, got, bs, group, d ** -0.5)
     want = torch.zeros(q.shape[0], kvh * group * d)
     paged_prefill(q.float(), kc.float(), vc.float(), starts, lens, ctx, table, want, bs, group, d ** -0.5)
+    ref = torch.cat([reference(q[a:a + n_q], kc, vc, table[i], int(n_q), int(n), bs, group, d ** -0.5)[0]
+                     for i, (a, n_q, n) in enumerate(zip(starts, lens, ctx))])
+    return got, want, ref
+
+
+@pytest.mark.parametrize("group,bs", [(1, 16), (3, 16), (2, 7)])
+def test_bf16_passes_are_the_float32_kernel_rounded_once(group, bs, no_amx, lanes, monkeypatch):
+    """On bfloat16 caches the 16-lane FMA passes widen each K/V element exactly as they load it and sum in float32,
+    so their output is the float32 kernel's on the widened values, rounded to bfloat16 once: equal bit for bit."""
+    lanes(True)
+    got, want, _ = _bf16_case(group, bs, False, monkeypatch)
     assert torch.equal(got, want.bfloat16())
 
 
+def test_bf16_pairs_fall_back_to_the_fma_passes_where_they_cannot_run(no_amx, lanes, monkeypatch):
+    """A numba / LLVM that cannot emit vdpbf16ps (the pair product's probe fails) leaves PAIRS on but runs the FMA
+    passes: the output is theirs bit for bit."""
+    lanes(True)
+    monkeypatch.setattr(cpu_prefill_attention.pairs, "works", lambda: False)
+    got, want, _ = _bf16_case(1, 16, True, monkeypatch)
+    assert torch.equal(got, want.bfloat16())
+
+
+@pytest.mark.skipif(not cpu_prefill_attention.HOST_AVX512_BF16, reason="needs AVX512-BF16 (vdpbf16ps)")
+def test_pair_product_probe_passes_on_an_avx512_bf16_host():
+    """The probe that guards the pair passes must not switch them off where they work (numba's LLVM 17 and up, whose
+    intrinsic signature cpu_simd._dpbf16x16 was written and checked against)."""
+    import llvmlite.binding as llvm
+    if llvm.llvm_version_info[0] < 17:
+        pytest.skip("the pre-17 operand types are not checked on a host here")
+    assert cpu_prefill_attention.pairs.works()
+
+
+@pytest.mark.skipif(not cpu_prefill_attention.HOST_AVX512_BF16, reason="needs AVX512-BF16 (vdpbf16ps)")
+@pytest.mark.parametrize("group,bs", [(1, 16), (3, 16), (2, 7)])
+def test_bf16_pair_scores_are_the_float32_kernel_within_rounding(group, bs, no_amx, lanes, monkeypatch):
+    """The score pass on bf16 pairs (vdpbf16ps: exact products, float32 sums in another order) moves the float32
+    scores by a few units in their last place: against float64 SDPA its output is as accurate as the FMA passes'
+    (the float32 kernel rounded once), and nearly every element rounds to the same bfloat16."""
+    lanes(True)
+    got, want, ref = _bf16_case(group, bs, True, monkeypatch)
+    assert not torch.isnan(got).any()
+    err = (got.double() - ref).abs()
+    base = (want.bfloat16().double() - ref).abs()
+    assert err.max() <= 1.25 * base.max(), (err.max().item(), base.max().item())
+    assert err.mean() <= 1.05 * base.mean(), (err.mean().item(), base.mean().item())
+    moved = (got != want.bfloat16()).float().mean().item()
+    assert moved < 0.02, moved
+
+
+@pytest.mark.skipif(not cpu_prefill_attention.WIDE[0], reason="bf16 prefill runs on the 16-lane passes or AMX only")
 def test_bf16_model_prefills_on_the_16_lane_passes(monkeypatch, no_amx):
     """A bf16 model (head_dim 32) on a host without AMX: multi-token rows of 25 rows and up go to the kernel, and the
     logits' error against a float64 run of the same weights stays the size of SDPA's bf16 error."""
@@ -177,16 +225,25 @@ def test_bf16_model_prefills_on_the_16_lane_passes(monkeypatch, no_amx):
     cfg, runner, got = chunked_logits(torch.bfloat16, "auto", monkeypatch, calls)
     assert runner.uses_cpu_prefill()
     group = cfg.num_attention_heads // cfg.num_key_value_heads
-    assert 10 * group < 25     # the 10-token chunk stays with SDPA
-    assert calls == [([290], [290])] * cfg.num_hidden_layers
+    # the 10-token chunk after 290 cached tokens goes to the kernel only where its rows reach the threshold
+    rows = cpu_prefill_attention.min_rows(torch.bfloat16, group, cfg.head_dim)
+    per_layer = [([290], [290])] + ([([10], [300])] if 10 * group >= rows else [])
+    assert sorted(calls) == sorted(per_layer * cfg.num_hidden_layers)
     err, base = (got - ref).abs().max().item(), (sdpa - ref).abs().max().item()
     assert err <= 1.5 * base + 1e-2, (err, base)
 
 
 def test_bf16_threshold_is_the_kernel_that_runs(monkeypatch):
-    """bf16 rows go to the AMX kernel from AMX_MIN_ROWS, to the 16-lane passes from BF16_MIN_ROWS: on an AMX host
-    whose shapes the tiles do not take (a block size not a multiple of 16), the 16-lane threshold applies, as in
-    paged_prefill's dispatch."""
+    """bf16 rows go to the AMX kernel from AMX_MIN_ROWS, to the 16-lane passes from BF16_MIN_ROWS (from
+    BF16_PAIRS_MIN_ROWS with the score pass on bf16 pairs): on an AMX host whose shapes the tiles do not take (a block
+    size not a multiple of 16), the 16-lane threshold applies, as in paged_prefill's dispatch."""
+    monkeypatch.setattr(cpu_prefill_attention, "PAIRS", [True])
+    if cpu_prefill_attention.pairs.works():
+        assert cpu_prefill_attention.min_rows(torch.bfloat16, 3, 64, 8) == cpu_prefill_attention.BF16_PAIRS_MIN_ROWS
+        assert worth(6, 3, torch.bfloat16, 64, 8) and not worth(5, 3, torch.bfloat16, 64, 8)
+    monkeypatch.setattr(cpu_prefill_attention.pairs, "works", lambda: False)   # a host that cannot run them
+    assert cpu_prefill_attention.min_rows(torch.bfloat16, 3, 64, 8) == cpu_prefill_attention.BF16_MIN_ROWS
+    monkeypatch.setattr(cpu_prefill_attention, "PAIRS", [False])
     monkeypatch.setattr(cpu_prefill_attention.amx, "HOST_AMX", True)
     bf16 = torch.bfloat16
     assert cpu_prefill_attention.min_rows(bf16, 3, 64, 16) == cpu_prefill_attention.AMX_MIN_ROWS

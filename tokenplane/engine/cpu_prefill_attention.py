@@ -26,13 +26,14 @@ test (tests/test_cpu_prefill_attention.py) bounds the difference against float64
 Vector code: cpu_simd's <8 x float> llvmlite intrinsics (numba has no vector type), or on an AVX-512 host (head size a
 multiple of 32) the same passes on <16 x float>: 48 rows a score pass and 32 columns a value pass, each lane's sum
 over d or keys in the same order, so the two widths' outputs are equal bit for bit (tests/test_cpu_prefill_attention
-.py). The softmax loops are plain loops that LLVM vectorizes.
+.py). The passes live in cpu_prefill_passes.py; the softmax loops are plain loops that LLVM vectorizes.
 
 bfloat16 caches: on AMX hosts the tile kernel (cpu_prefill_attention_amx.py); elsewhere on AVX-512 the 16-lane passes
-read the bf16 cache through widening loads (a bf16 is the top half of a float32, so the widening is exact), q is
-widened before packing, every sum is the float32 kernel's, and each output row is rounded to bf16 once: the result is
-the float32 kernel's on the widened values, rounded, bit for bit. Unlike SDPA's bf16 flash kernel it never rounds the
-probabilities to bf16 before the value product.
+read the bf16 cache through widening loads (a bf16 is the top half of a float32, so the widening is exact; V once per
+key tile), q is widened before packing, every sum is the float32 kernel's, and each output row is rounded to bf16
+once: the result is the float32 kernel's on the widened values, rounded, bit for bit. Where the host has AVX512-BF16
+(`PAIRS`), the score product instead runs on bf16 pairs (cpu_prefill_scores_bf16.py: exact products, float32 sums in
+another order). Unlike SDPA's bf16 flash kernel it never rounds the probabilities to bf16 before the value product.
 """
 from __future__ import annotations
 
@@ -43,24 +44,19 @@ import torch
 from numba import njit
 
 from tokenplane.engine import cpu_prefill_attention_amx as amx
+from tokenplane.engine import cpu_prefill_scores_bf16 as pairs
 from tokenplane.engine.cpu_decode_attention import _exp_nonpos
 from tokenplane.engine.cpu_elements import as_array
+from tokenplane.engine.cpu_prefill_passes import _scores1, _scores1w, _scores4, _scores4w, _values6, _values6w
 from tokenplane.engine.cpu_simd import (
     HOST_AVX512,
-    _fma8,
+    HOST_AVX512_BF16,
     _fma16,
-    _load8,
     _load16,
     _load16_kv,
-    _max8,
-    _max16,
-    _splat8,
     _splat16,
-    _splat16_kv,
-    _store8,
     _store16,
     _store16_bf16,
-    _zero8,
     _zero16,
 )
 
@@ -71,6 +67,9 @@ ROWS16 = 48        # the same on 16-float vectors (AVX-512 hosts)
 # Whether `paged_prefill` runs the 16-lane passes (head sizes a multiple of 32 on an AVX-512 host; the same sums in
 # the same order as the 8-lane ones, twice the lanes an instruction). A one-item list, so tests can run both.
 WIDE = [HOST_AVX512]
+# Whether bf16 caches without AMX take the score pass on bf16 pairs (cpu_prefill_scores_bf16: vdpbf16ps) instead of
+# widening K to float32 for the FMA pass; a one-item list, so tests can run both.
+PAIRS = [HOST_AVX512_BF16]
 ROW_TARGET = 48    # query rows per tile (see query_tile)
 NEG_INF = np.float32(-np.inf)
 
@@ -81,294 +80,18 @@ def query_tile(group: int) -> int:
     return max(1, ROW_TARGET // group)
 
 
-@njit(inline="always")
-def _track_max(mt, i, a, b, c, d):  # noqa: ANN001
-    """mt[i : i + 8] = max(mt[i : i + 8], a, b, c, d)."""
-    _store8(mt, i, _max8(_max8(_max8(a, b), _max8(c, d)), _load8(mt, i)))
-
-
-@njit(inline="always")
-def _scores4(kf, k0, k1, k2, k3, qt, rb, rp, d_dim, s, so, mt, track):  # noqa: ANN001
-    """s[so + i * rp + rb : +24] = K row at kf[k_i] . qt[:, rb : rb + 24] for the 4 keys i (so = first key's row);
-    with track, also mt[rb : rb + 24] = max(mt, those scores) while they are in registers. 12 accumulators: two FMA
-    pipes x 4 cycles of latency need 8 in flight, and the loads (3 vectors, 4 broadcasts) stay under the FMAs."""
-    a00 = _zero8()
-    a01 = _zero8()
-    a02 = _zero8()
-    a10 = _zero8()
-    a11 = _zero8()
-    a12 = _zero8()
-    a20 = _zero8()
-    a21 = _zero8()
-    a22 = _zero8()
-    a30 = _zero8()
-    a31 = _zero8()
-    a32 = _zero8()
-    for d in range(d_dim):
-        qi = d * rp + rb
-        q0 = _load8(qt, qi)
-        q1 = _load8(qt, qi + 8)
-        q2 = _load8(qt, qi + 16)
-        b = _splat8(kf, k0 + d)
-        a00 = _fma8(b, q0, a00)
-        a01 = _fma8(b, q1, a01)
-        a02 = _fma8(b, q2, a02)
-        b = _splat8(kf, k1 + d)
-        a10 = _fma8(b, q0, a10)
-        a11 = _fma8(b, q1, a11)
-        a12 = _fma8(b, q2, a12)
-        b = _splat8(kf, k2 + d)
-        a20 = _fma8(b, q0, a20)
-        a21 = _fma8(b, q1, a21)
-        a22 = _fma8(b, q2, a22)
-        b = _splat8(kf, k3 + d)
-        a30 = _fma8(b, q0, a30)
-        a31 = _fma8(b, q1, a31)
-        a32 = _fma8(b, q2, a32)
-    o = so + rb
-    _store8(s, o, a00)
-    _store8(s, o + 8, a01)
-    _store8(s, o + 16, a02)
-    _store8(s, o + rp, a10)
-    _store8(s, o + rp + 8, a11)
-    _store8(s, o + rp + 16, a12)
-    _store8(s, o + 2 * rp, a20)
-    _store8(s, o + 2 * rp + 8, a21)
-    _store8(s, o + 2 * rp + 16, a22)
-    _store8(s, o + 3 * rp, a30)
-    _store8(s, o + 3 * rp + 8, a31)
-    _store8(s, o + 3 * rp + 16, a32)
-    if track:
-        _track_max(mt, rb, a00, a10, a20, a30)
-        _track_max(mt, rb + 8, a01, a11, a21, a31)
-        _track_max(mt, rb + 16, a02, a12, a22, a32)
-
-
-@njit(inline="always")
-def _scores1(kf, k0, qt, rb, rp, d_dim, s, so, mt, track):  # noqa: ANN001
-    a00 = _zero8()
-    a01 = _zero8()
-    a02 = _zero8()
-    for d in range(d_dim):
-        qi = d * rp + rb
-        b = _splat8(kf, k0 + d)
-        a00 = _fma8(b, _load8(qt, qi), a00)
-        a01 = _fma8(b, _load8(qt, qi + 8), a01)
-        a02 = _fma8(b, _load8(qt, qi + 16), a02)
-    _store8(s, so + rb, a00)
-    _store8(s, so + rb + 8, a01)
-    _store8(s, so + rb + 16, a02)
-    if track:
-        _track_max(mt, rb, a00, a00, a00, a00)
-        _track_max(mt, rb + 8, a01, a01, a01, a01)
-        _track_max(mt, rb + 16, a02, a02, a02, a02)
-
-
-@njit(inline="always")
-def _rescaled(o, i, alpha, r):  # noqa: ANN001
-    return _fma8(_load8(o, i), _splat8(alpha, r), _zero8())
-
-
-@njit(inline="always")
-def _values6(vf, ofs, nk, p, rp, r, o, d_dim, c, alpha):  # noqa: ANN001
-    """o[r..r+5, c:c+16] = o * alpha[row] + sum_j p[j, row] * V[j, c:c+16] (V row j at vf[ofs[j]]): 12 accumulators,
-    2 vector loads and 6 broadcasts a key."""
-    i0 = r * d_dim + c
-    a00 = _rescaled(o, i0, alpha, r)
-    a01 = _rescaled(o, i0 + 8, alpha, r)
-    a10 = _rescaled(o, i0 + d_dim, alpha, r + 1)
-    a11 = _rescaled(o, i0 + d_dim + 8, alpha, r + 1)
-    a20 = _rescaled(o, i0 + 2 * d_dim, alpha, r + 2)
-    a21 = _rescaled(o, i0 + 2 * d_dim + 8, alpha, r + 2)
-    a30 = _rescaled(o, i0 + 3 * d_dim, alpha, r + 3)
-    a31 = _rescaled(o, i0 + 3 * d_dim + 8, alpha, r + 3)
-    a40 = _rescaled(o, i0 + 4 * d_dim, alpha, r + 4)
-    a41 = _rescaled(o, i0 + 4 * d_dim + 8, alpha, r + 4)
-    a50 = _rescaled(o, i0 + 5 * d_dim, alpha, r + 5)
-    a51 = _rescaled(o, i0 + 5 * d_dim + 8, alpha, r + 5)
-    for j in range(nk):
-        vb = ofs[j] + c
-        v0 = _load8(vf, vb)
-        v1 = _load8(vf, vb + 8)
-        pj = j * rp + r
-        b = _splat8(p, pj)
-        a00 = _fma8(b, v0, a00)
-        a01 = _fma8(b, v1, a01)
-        b = _splat8(p, pj + 1)
-        a10 = _fma8(b, v0, a10)
-        a11 = _fma8(b, v1, a11)
-        b = _splat8(p, pj + 2)
-        a20 = _fma8(b, v0, a20)
-        a21 = _fma8(b, v1, a21)
-        b = _splat8(p, pj + 3)
-        a30 = _fma8(b, v0, a30)
-        a31 = _fma8(b, v1, a31)
-        b = _splat8(p, pj + 4)
-        a40 = _fma8(b, v0, a40)
-        a41 = _fma8(b, v1, a41)
-        b = _splat8(p, pj + 5)
-        a50 = _fma8(b, v0, a50)
-        a51 = _fma8(b, v1, a51)
-    _store8(o, i0, a00)
-    _store8(o, i0 + 8, a01)
-    _store8(o, i0 + d_dim, a10)
-    _store8(o, i0 + d_dim + 8, a11)
-    _store8(o, i0 + 2 * d_dim, a20)
-    _store8(o, i0 + 2 * d_dim + 8, a21)
-    _store8(o, i0 + 3 * d_dim, a30)
-    _store8(o, i0 + 3 * d_dim + 8, a31)
-    _store8(o, i0 + 4 * d_dim, a40)
-    _store8(o, i0 + 4 * d_dim + 8, a41)
-    _store8(o, i0 + 5 * d_dim, a50)
-    _store8(o, i0 + 5 * d_dim + 8, a51)
-
-
-@njit(inline="always")
-def _track_max16(mt, i, a, b, c, d):  # noqa: ANN001
-    _store16(mt, i, _max16(_max16(_max16(a, b), _max16(c, d)), _load16(mt, i)))
-
-
-@njit(inline="always")
-def _scores4w(kf, k0, k1, k2, k3, qt, rb, rp, d_dim, s, so, mt, track):  # noqa: ANN001
-    """_scores4 on 16-float vectors: 4 keys x 48 rows, 12 accumulators."""
-    a00 = _zero16()
-    a01 = _zero16()
-    a02 = _zero16()
-    a10 = _zero16()
-    a11 = _zero16()
-    a12 = _zero16()
-    a20 = _zero16()
-    a21 = _zero16()
-    a22 = _zero16()
-    a30 = _zero16()
-    a31 = _zero16()
-    a32 = _zero16()
-    for d in range(d_dim):
-        qi = d * rp + rb
-        q0 = _load16(qt, qi)
-        q1 = _load16(qt, qi + 16)
-        q2 = _load16(qt, qi + 32)
-        b = _splat16_kv(kf, k0 + d)
-        a00 = _fma16(b, q0, a00)
-        a01 = _fma16(b, q1, a01)
-        a02 = _fma16(b, q2, a02)
-        b = _splat16_kv(kf, k1 + d)
-        a10 = _fma16(b, q0, a10)
-        a11 = _fma16(b, q1, a11)
-        a12 = _fma16(b, q2, a12)
-        b = _splat16_kv(kf, k2 + d)
-        a20 = _fma16(b, q0, a20)
-        a21 = _fma16(b, q1, a21)
-        a22 = _fma16(b, q2, a22)
-        b = _splat16_kv(kf, k3 + d)
-        a30 = _fma16(b, q0, a30)
-        a31 = _fma16(b, q1, a31)
-        a32 = _fma16(b, q2, a32)
-    o = so + rb
-    _store16(s, o, a00)
-    _store16(s, o + 16, a01)
-    _store16(s, o + 32, a02)
-    _store16(s, o + rp, a10)
-    _store16(s, o + rp + 16, a11)
-    _store16(s, o + rp + 32, a12)
-    _store16(s, o + 2 * rp, a20)
-    _store16(s, o + 2 * rp + 16, a21)
-    _store16(s, o + 2 * rp + 32, a22)
-    _store16(s, o + 3 * rp, a30)
-    _store16(s, o + 3 * rp + 16, a31)
-    _store16(s, o + 3 * rp + 32, a32)
-    if track:
-        _track_max16(mt, rb, a00, a10, a20, a30)
-        _track_max16(mt, rb + 16, a01, a11, a21, a31)
-        _track_max16(mt, rb + 32, a02, a12, a22, a32)
-
-
-@njit(inline="always")
-def _scores1w(kf, k0, qt, rb, rp, d_dim, s, so, mt, track):  # noqa: ANN001
-    a00 = _zero16()
-    a01 = _zero16()
-    a02 = _zero16()
-    for d in range(d_dim):
-        qi = d * rp + rb
-        b = _splat16_kv(kf, k0 + d)
-        a00 = _fma16(b, _load16(qt, qi), a00)
-        a01 = _fma16(b, _load16(qt, qi + 16), a01)
-        a02 = _fma16(b, _load16(qt, qi + 32), a02)
-    _store16(s, so + rb, a00)
-    _store16(s, so + rb + 16, a01)
-    _store16(s, so + rb + 32, a02)
-    if track:
-        _track_max16(mt, rb, a00, a00, a00, a00)
-        _track_max16(mt, rb + 16, a01, a01, a01, a01)
-        _track_max16(mt, rb + 32, a02, a02, a02, a02)
-
-
-@njit(inline="always")
-def _rescaled16(o, i, alpha, r):  # noqa: ANN001
-    return _fma16(_load16(o, i), _splat16(alpha, r), _zero16())
-
-
-@njit(inline="always")
-def _values6w(vf, ofs, nk, p, rp, r, o, d_dim, c, alpha):  # noqa: ANN001
-    """_values6 on 16-float vectors: 6 rows x 32 columns, 12 accumulators."""
-    i0 = r * d_dim + c
-    a00 = _rescaled16(o, i0, alpha, r)
-    a01 = _rescaled16(o, i0 + 16, alpha, r)
-    a10 = _rescaled16(o, i0 + d_dim, alpha, r + 1)
-    a11 = _rescaled16(o, i0 + d_dim + 16, alpha, r + 1)
-    a20 = _rescaled16(o, i0 + 2 * d_dim, alpha, r + 2)
-    a21 = _rescaled16(o, i0 + 2 * d_dim + 16, alpha, r + 2)
-    a30 = _rescaled16(o, i0 + 3 * d_dim, alpha, r + 3)
-    a31 = _rescaled16(o, i0 + 3 * d_dim + 16, alpha, r + 3)
-    a40 = _rescaled16(o, i0 + 4 * d_dim, alpha, r + 4)
-    a41 = _rescaled16(o, i0 + 4 * d_dim + 16, alpha, r + 4)
-    a50 = _rescaled16(o, i0 + 5 * d_dim, alpha, r + 5)
-    a51 = _rescaled16(o, i0 + 5 * d_dim + 16, alpha, r + 5)
-    for j in range(nk):
-        vb = ofs[j] + c
-        v0 = _load16_kv(vf, vb)
-        v1 = _load16_kv(vf, vb + 16)
-        pj = j * rp + r
-        b = _splat16(p, pj)
-        a00 = _fma16(b, v0, a00)
-        a01 = _fma16(b, v1, a01)
-        b = _splat16(p, pj + 1)
-        a10 = _fma16(b, v0, a10)
-        a11 = _fma16(b, v1, a11)
-        b = _splat16(p, pj + 2)
-        a20 = _fma16(b, v0, a20)
-        a21 = _fma16(b, v1, a21)
-        b = _splat16(p, pj + 3)
-        a30 = _fma16(b, v0, a30)
-        a31 = _fma16(b, v1, a31)
-        b = _splat16(p, pj + 4)
-        a40 = _fma16(b, v0, a40)
-        a41 = _fma16(b, v1, a41)
-        b = _splat16(p, pj + 5)
-        a50 = _fma16(b, v0, a50)
-        a51 = _fma16(b, v1, a51)
-    _store16(o, i0, a00)
-    _store16(o, i0 + 16, a01)
-    _store16(o, i0 + d_dim, a10)
-    _store16(o, i0 + d_dim + 16, a11)
-    _store16(o, i0 + 2 * d_dim, a20)
-    _store16(o, i0 + 2 * d_dim + 16, a21)
-    _store16(o, i0 + 3 * d_dim, a30)
-    _store16(o, i0 + 3 * d_dim + 16, a31)
-    _store16(o, i0 + 4 * d_dim, a40)
-    _store16(o, i0 + 4 * d_dim + 16, a41)
-    _store16(o, i0 + 5 * d_dim, a50)
-    _store16(o, i0 + 5 * d_dim + 16, a51)
-
-
 @cache
-def _kernel(D: int, G: int, wide: bool = False, bf16: bool = False):  # noqa: ANN202
+def _kernel(D: int, G: int, wide: bool = False, bf16: bool = False, bf16_pairs: bool = False):  # noqa: ANN202
     """The kernel for head size D (a multiple of 16; of 32 when wide) and GQA group G, compile-time constants (the
     tile loops unroll on them); wide: the 16-lane passes; bf16 (wide only): the caches and out hold bfloat16 bits
     (uint16), widened exactly as they are loaded, the sums in float32 as for a float32 cache, and each output row
-    rounded to bfloat16 once. numba caches each (D, G, wide, bf16) on disk."""
+    rounded to bfloat16 once; bf16_pairs (bf16 only): q is its bf16 bits as uint32 pairs [T, heads, D / 2] and the
+    scores are cpu_prefill_scores_bf16's (vdpbf16ps), the value pass as for bf16. numba caches each variant on disk."""
     assert wide or not bf16
+    assert bf16 or not bf16_pairs
     BF16 = bf16
+    PAIRED = bf16_pairs
+    HALF = D // 2
     TQ = query_tile(G)
     W_ROWS = ROWS16 if wide else ROWS
     CW = 32 if wide else 16         # output columns a value pass covers
@@ -383,6 +106,10 @@ def _kernel(D: int, G: int, wide: bool = False, bf16: bool = False):  # noqa: AN
         d_dim = D
         n_cols = kvh * G * D
         qt = np.zeros(D * RP, dtype=np.float32)
+        qpi = np.zeros(HALF * RP if PAIRED else 0, dtype=np.uint32)   # PAIRED: q's bf16 pairs, transposed [D / 2, RP]
+        qp = qpi.view(np.float32)
+        kw = kf.view(np.float32)                        # PAIRED: the K cache as bf16 pairs (one 32-bit word each)
+        scv = np.full(16, scale, dtype=np.float32)
         s = np.empty(TK * RP, dtype=np.float32)
         o = np.empty(RP * D, dtype=np.float32)
         m = np.empty(RP, dtype=np.float32)
@@ -391,6 +118,11 @@ def _kernel(D: int, G: int, wide: bool = False, bf16: bool = False):  # noqa: AN
         part = np.empty(RP, dtype=np.float32)
         alpha = np.empty(RP, dtype=np.float32)
         ofs = np.empty(TK, dtype=np.int64)
+        # BF16: the key tile's V rows widened to float32 once, so the value passes (8 row groups a tile) read float32
+        # instead of each widening the same elements (Zen 4, one tile: 96 -> 115 GFLOP/s; widening is exact, so the
+        # sums are the same numbers in the same order)
+        vw = np.empty(TK * D if BF16 else 0, dtype=np.float32)
+        ofs_w = np.arange(TK if BF16 else 0) * D
         sc = np.float32(scale)
         for b in range(q_lens.shape[0]):
             n_q = q_lens[b]
@@ -403,14 +135,24 @@ def _kernel(D: int, G: int, wide: bool = False, bf16: bool = False):  # noqa: AN
                     nq = min(TQ, n_q - i0)
                     rv = nq * G
                     ru = -(-rv // W_ROWS) * W_ROWS     # rows computed: a short last tile (or chunk) skips the rest
-                    for i in range(nq):
-                        for g in range(G):
-                            r = i * G + g
-                            for d in range(D):
-                                qt[d * RP + r] = q[row0 + i0 + i, h * G + g, d] * sc
-                    for d in range(D):
-                        for r in range(rv, RP):
-                            qt[d * RP + r] = 0.0
+                    if PAIRED:
+                        for i in range(nq):
+                            for g in range(G):
+                                r = i * G + g
+                                for d2 in range(HALF):
+                                    qpi[d2 * RP + r] = q[row0 + i0 + i, h * G + g, d2]
+                        for d2 in range(HALF):
+                            for r in range(rv, RP):
+                                qpi[d2 * RP + r] = 0
+                    else:
+                        for i in range(nq):
+                            for g in range(G):
+                                r = i * G + g
+                                for d in range(D):
+                                    qt[d * RP + r] = q[row0 + i0 + i, h * G + g, d] * sc
+                        for d in range(D):
+                            for r in range(rv, RP):
+                                qt[d * RP + r] = 0.0
                     for r in range(RP):
                         m[r] = NEG_INF
                         lsum[r] = 0.0
@@ -439,7 +181,10 @@ def _kernel(D: int, G: int, wide: bool = False, bf16: bool = False):  # noqa: AN
                         for rb in range(0, ru, W_ROWS):
                             j = 0
                             while j + 4 <= nk:
-                                if wide:
+                                if PAIRED:
+                                    pairs.scores4(kw, ofs[j] >> 1, ofs[j + 1] >> 1, ofs[j + 2] >> 1, ofs[j + 3] >> 1,
+                                                  qp, rb, RP, HALF, s, j * RP, mt, not diagonal, _load16(scv, 0))
+                                elif wide:
                                     _scores4w(kf, ofs[j], ofs[j + 1], ofs[j + 2], ofs[j + 3], qt, rb, RP, d_dim, s,
                                               j * RP, mt, not diagonal)
                                 else:
@@ -447,7 +192,10 @@ def _kernel(D: int, G: int, wide: bool = False, bf16: bool = False):  # noqa: AN
                                              j * RP, mt, not diagonal)
                                 j += 4
                             while j < nk:
-                                if wide:
+                                if PAIRED:
+                                    pairs.scores1(kw, ofs[j] >> 1, qp, rb, RP, HALF, s, j * RP, mt, not diagonal,
+                                                  _load16(scv, 0))
+                                elif wide:
                                     _scores1w(kf, ofs[j], qt, rb, RP, d_dim, s, j * RP, mt, not diagonal)
                                 else:
                                     _scores1(kf, ofs[j], qt, rb, RP, d_dim, s, j * RP, mt, not diagonal)
@@ -485,9 +233,15 @@ def _kernel(D: int, G: int, wide: bool = False, bf16: bool = False):  # noqa: AN
                                     part[r] += e
                         for r in range(ru):
                             lsum[r] = lsum[r] * alpha[r] + part[r]
+                        if BF16:
+                            for j in range(nk):
+                                for c in range(0, D, 16):
+                                    _store16(vw, j * D + c, _load16_kv(vf, ofs[j] + c))
                         for r in range(0, ru, 6):
                             for c in range(0, D, CW):
-                                if wide:
+                                if BF16:
+                                    _values6w(vw, ofs_w, nk, s, RP, r, o, d_dim, c, alpha)
+                                elif wide:
                                     _values6w(vf, ofs, nk, s, RP, r, o, d_dim, c, alpha)
                                 else:
                                     _values6(vf, ofs, nk, s, RP, r, o, d_dim, c, alpha)
@@ -511,6 +265,9 @@ MIN_ROWS = 12      # q_len x group below this: SDPA's kernel is as fast or faste
 AMX_MIN_ROWS = 384  # the same for bfloat16 on AMX tiles
 BF16_MIN_ROWS = 25  # bfloat16 without AMX (16-lane passes only): Zen 4, 2048 cached tokens, 26 rows 0.95-0.97 of
                     # SDPA's time, 24 rows 1.08-1.11 (results/prefill_attention_bf16_zen4_chunks.md)
+BF16_PAIRS_MIN_ROWS = 17  # the same with the score pass on bf16 pairs (PAIRS): Zen 4, 2048 cached tokens, 18 rows
+                          # 0.75-0.86 of SDPA's time, 16 rows 0.95-1.01, 12 rows 1.04-1.07
+                          # (results/prefill_attention_bf16_pairs_zen4.md)
 
 
 def available(dtype: torch.dtype, device: torch.device, head_dim: int, group: int = 1, block_size: int = 16) -> bool:
@@ -534,11 +291,20 @@ def worth(q_len: int, group: int, dtype: torch.dtype = torch.float32, head_dim: 
     return q_len * group >= min_rows(dtype, group, head_dim, block_size)
 
 
+def _bf16_kernel(head_dim: int, group: int, block_size: int) -> str:
+    """Which kernel a bfloat16 prefill runs for these shapes on this host: "amx" (tiles), "pairs" (the score pass on
+    bf16 pairs, where the host computes them right) or "fma" (the 16-lane passes on widened elements)."""
+    if amx.applies(head_dim, group, block_size):
+        return "amx"
+    return "pairs" if PAIRS[0] and pairs.works() else "fma"
+
+
 def min_rows(dtype: torch.dtype, group: int = 1, head_dim: int = 32, block_size: int = 16) -> int:
     """The fewest query rows (q_len x group) `worth` sends here: for bfloat16, that of the kernel `paged_prefill` runs
     for these shapes."""
     if dtype == torch.bfloat16:
-        return AMX_MIN_ROWS if amx.applies(head_dim, group, block_size) else BF16_MIN_ROWS
+        return {"amx": AMX_MIN_ROWS, "pairs": BF16_PAIRS_MIN_ROWS, "fma": BF16_MIN_ROWS}[
+            _bf16_kernel(head_dim, group, block_size)]
     return MIN_ROWS
 
 
@@ -552,15 +318,20 @@ def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     block_tables [B, >= blocks] int64, entries past a sequence's context never read."""
     kvh, slots, d = (int(x) for x in k_cache.shape)
     assert out.is_contiguous()
-    if q.dtype == torch.bfloat16 and not amx.applies(d, int(group), block_size):
-        _kernel(d, int(group), True, True)(q[:, :kvh * group].float().numpy(), as_array(k_cache).reshape(-1),
-                                           as_array(v_cache).reshape(-1), kvh, slots, q_starts, q_lens,
-                                           context_lens, block_tables, block_size, as_array(out).reshape(-1), scale)
-        return
     if q.dtype == torch.bfloat16:
-        amx.kernel(d, int(group))(as_array(q).view(np.uint32), as_array(k_cache).reshape(-1),
-                                  as_array(v_cache).reshape(-1), kvh, slots, q_starts, q_lens, context_lens,
-                                  block_tables, block_size, as_array(out), scale)
+        kc, vc = as_array(k_cache).reshape(-1), as_array(v_cache).reshape(-1)
+        which = _bf16_kernel(d, int(group), block_size)
+        if which == "amx":
+            amx.kernel(d, int(group))(as_array(q).view(np.uint32), kc, vc, kvh, slots, q_starts, q_lens,
+                                      context_lens, block_tables, block_size, as_array(out), scale)
+        elif which == "pairs":
+            _kernel(d, int(group), True, True, True)(as_array(q).view(np.uint32), kc, vc, kvh, slots, q_starts,
+                                                     q_lens, context_lens, block_tables, block_size,
+                                                     as_array(out).reshape(-1), scale)
+        else:
+            _kernel(d, int(group), True, True)(q[:, :kvh * group].float().numpy(), kc, vc, kvh, slots, q_starts,
+                                               q_lens, context_lens, block_tables, block_size,
+                                               as_array(out).reshape(-1), scale)
         return
     # 16 lanes pay once a tile holds more rows than one 8-lane pass (24): below, their 48-row pass computes twice
     # the padding (routing's catch-up chunks of 6-12 tokens at group 2: 1.2-1.3x slower than 8 lanes)

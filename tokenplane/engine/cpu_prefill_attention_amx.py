@@ -48,6 +48,7 @@ from tokenplane.engine.cpu_elements import _store
 from tokenplane.engine.cpu_simd import (
     _I32,
     _add16,
+    _BFloat,
     _load16,
     _max16,
     _mul16,
@@ -60,20 +61,6 @@ from tokenplane.engine.cpu_simd import (
 KB = 256                  # keys per softmax block (a multiple of 32)
 NEG_INF = np.float32(-np.inf)
 TILE_BYTES = 64           # every tile here: 16 rows of 64 bytes
-
-
-class _BFloat(ir.Type):
-    """LLVM's bfloat type (llvmlite's IR builder has none): `fptrunc` to it rounds to nearest even in one
-    instruction where the host has AVX512-BF16 (vcvtneps2bf16; every AMX host has it)."""
-
-    def _to_string(self) -> str:
-        return "bfloat"
-
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, _BFloat)
-
-    def __hash__(self) -> int:
-        return hash("bfloat")
 
 
 @intrinsic

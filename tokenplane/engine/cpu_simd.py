@@ -16,17 +16,18 @@ from numba.core import cgutils
 from numba.extending import intrinsic, models, register_model
 
 
-def _host_avx512() -> bool:
-    """AVX-512F on the host (numba compiles for the host CPU); TOKENPLANE_SIMD_WIDTH=8 turns the 16-lane kernels off."""
-    if os.environ.get("TOKENPLANE_SIMD_WIDTH") == "8":
-        return False
+def _host_has(feature: str) -> bool:
+    """Whether the host CPU has `feature` (LLVM's name for it; numba compiles for the host CPU)."""
     try:
-        return bool(llvm.get_host_cpu_features().get("avx512f", False))
+        return bool(llvm.get_host_cpu_features().get(feature, False))
     except RuntimeError:    # pragma: no cover - a host LLVM cannot describe
         return False
 
 
-HOST_AVX512 = _host_avx512()
+# AVX-512F: the 16-lane kernels (TOKENPLANE_SIMD_WIDTH=8 turns them off); AVX512-BF16 on such a host: the vdpbf16ps
+# kernels (TOKENPLANE_DPBF16=0 turns them off)
+HOST_AVX512 = os.environ.get("TOKENPLANE_SIMD_WIDTH") != "8" and _host_has("avx512f")
+HOST_AVX512_BF16 = HOST_AVX512 and os.environ.get("TOKENPLANE_DPBF16") != "0" and _host_has("avx512bf16")
 
 _I32 = ir.IntType(32)
 
@@ -138,6 +139,39 @@ def _load16_bf16(typingctx, flat, index):  # noqa: ANN001
         wide = builder.shl(builder.zext(raw, vi32), ir.Constant(vi32, [16] * 16))
         return builder.bitcast(wide, ir.VectorType(ir.FloatType(), 16))
     return _vec16(flat, index), codegen
+
+
+class _BFloat(ir.types.Type):
+    """LLVM's `bfloat` scalar, which llvmlite's IR builder lacks: the vdpbf16ps intrinsic's operand lanes (a bitcast
+    of 16 x 32-bit lanes) and, in cpu_prefill_attention_amx, an `fptrunc` target (nearest even in one instruction
+    where the host has AVX512-BF16: vcvtneps2bf16)."""
+
+    def _to_string(self) -> str:
+        return "bfloat"
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _BFloat)
+
+    def __hash__(self) -> int:
+        return hash("bfloat")
+
+
+@intrinsic
+def _dpbf16x16(typingctx, acc, a, b):  # noqa: ANN001
+    """acc + pairwise bfloat16 dot products (vdpbf16ps, AVX512-BF16; `HOST_AVX512_BF16`): each 32-bit lane of a and
+    b holds two bfloat16 (their bits, as a 16-float vector loaded from a view of bf16 pairs), and lane j of the
+    result is acc[j] + a[2j] b[2j] + a[2j+1] b[2j+1]: the products are exact in float32 (8-bit significands), the
+    sums rounded to float32; bfloat16 denormals (below 1.2e-38) are read as zero. Twice the multiply-adds of one
+    16-lane FMA at the same issue rate."""
+    vt = ir.VectorType(ir.FloatType(), 16)
+    # LLVM 17 retyped the intrinsic's operands from <16 x i32> to <32 x bfloat> (numba >= 0.60 ships LLVM 14 up)
+    bv = ir.VectorType(_BFloat(), 32) if llvm.llvm_version_info[0] >= 17 else ir.VectorType(_I32, 16)
+
+    def codegen(context, builder, signature, args):  # noqa: ANN001
+        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(vt, [vt, bv, bv]),
+                                            "llvm.x86.avx512bf16.dpbf16ps.512")
+        return builder.call(fn, [args[0], builder.bitcast(args[1], bv), builder.bitcast(args[2], bv)])
+    return _vec16(_vec16, _vec16, _vec16), codegen
 
 
 def _kv_typed(flat, index, splat: bool):  # noqa: ANN001, ANN202
