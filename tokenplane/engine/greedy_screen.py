@@ -44,6 +44,7 @@ import torch
 from numba import njit
 
 from tokenplane.engine import cpu_bf16_gemv, cpu_small_gemm
+from tokenplane.engine.cpu_simd import HOST_AVX512
 from tokenplane.engine.layers import cpu_pack, cpu_packed_linear, cpu_packing_supported
 
 U32 = 2.0 ** -24
@@ -51,7 +52,11 @@ BF16_OUT = 2.0 ** -7 / (1 - 2.0 ** -7)   # relative error of a bf16 output, for 
 DENORMAL = 2.0 ** -100   # covers flush-to-zero of denormal inputs, products and outputs (each < 2**-126 x the operands)
 MAX_ROWS = cpu_small_gemm.VOCAB_MAX_ROWS   # as far as the fp32 panel kernel (the values reproduced) is the path
 STREAM_MAX_ROWS = 4      # the stream ahead of oneDNN's bf16 matmul up to here (module docstring's shapes, 1 thread)
-STREAM_ONLY_MAX_ROWS = 16  # without oneDNN bf16, the stream's rows ahead of the fp32 stream (measured at stop 33)
+# Without oneDNN bf16 the stream is the screen's only first pass; past these rows the full fp32 panel projection is
+# faster. On 8-lane (AVX2) hosts the stream's passes of more than 4 rows outgrow the 16 vector registers: Zen 3, 1
+# thread, the screen / fp32 panel CPU time was 0.69-0.81 at 4-5 rows and 1.18-1.28 at 6, 1.97-2.04 at 16, on all
+# three vocabulary shapes (benchmarks/results/vocab_screen_rows_zen3.md); AVX-512 hosts keep 16.
+STREAM_ONLY_MAX_ROWS = 16 if HOST_AVX512 else 5
 MAX_CANDIDATE_SHARE = 8  # more candidates than 1/8 of the vocabulary: the screen gains too little, project in full
 OVERFLOW = 1e30          # |h| |w_i| past this could overflow a float32 partial sum: project in full
 BLOCK = 128              # vocabulary entries per block maximum
