@@ -1,12 +1,17 @@
-"""The 16-lane panel kernel's remainder policies side by side (cpu_small_gemm16.gemm_with): SPLIT (the rows left after
-the 12-row passes through passes of 6, 4, 2 and 1 rows) against PAD_ODD (`gemm`'s: 3, 5, 9, 11 padded with zero rows
-to one pass fewer) and, for the record, ONE_PASS (every remainder padded to a single 4-, 6- or 12-row pass).
+"""The panel kernels' remainder policies side by side. 16 lanes (cpu_small_gemm16.gemm_with): SPLIT (the rows left
+after the 12-row passes through passes of 6, 4, 2 and 1 rows) against PAD_ODD (`gemm`'s: 3, 5, 9, 11 padded with zero
+rows to one pass fewer) and, for the record, ONE_PASS (every remainder padded to a single 4-, 6- or 12-row pass).
+`--lanes 8` (cpu_small_gemm.gemm_with, the AVX2 kernel): SPLIT (the rows left after the 6-row passes through passes of
+4, 2 and 1 rows) against PAD_ODD (3 and 5 padded to one 4- or 6-row pass) and ONE_PASS (every remainder of 3 and up
+padded to one 6-row pass).
 
 One process, 1 thread, the policies alternated call by call (order flipped every repeat); vocabulary shapes one cold
 call each (a 64 MB sweep first, as in a decode step that streams the matrix), layer shapes a loop of warm calls.
 Process CPU time, medians (P90 in the JSON). Each cell also checks the policies' outputs are equal bit for bit.
 
     flock /tmp/bench.lock taskset -c 1 python benchmarks/small_gemm_remainders.py --out benchmarks/results/small_gemm_remainders
+    flock /tmp/bench.lock taskset -c 1 python benchmarks/small_gemm_remainders.py --lanes 8 \
+        --out benchmarks/results/small_gemm_remainders_8lane
 """
 from __future__ import annotations
 
@@ -26,6 +31,16 @@ VOCAB_SHAPES = [(151936, 256), (151936, 512), (49152, 576)]
 LAYER_SHAPES = [(1536, 512), (512, 1536), (3072, 576), (1536, 256)]
 POLICIES = {"split": g16.SPLIT, "pad_odd": g16.PAD_ODD,
             "one_pass": np.array([0, 1, 2, 4, 4, 6, 6, 12, 12, 12, 12, 12], np.int64)}
+POLICIES_8 = {"split": cpu_small_gemm.SPLIT, "pad_odd": cpu_small_gemm.PAD_ODD,
+              "one_pass": np.array([0, 1, 2, 6, 6, 6], np.int64)}
+LANES = [16]     # the kernel measured (--lanes)
+
+
+def run(x, rows, k, wp, npan, out, kb, policy):  # noqa: ANN001
+    if LANES[0] == 16:
+        g16.gemm_with(x, rows, k, wp, npan, out, npan * 16, kb, False, POLICIES[policy])
+    else:
+        cpu_small_gemm.gemm_with(x, rows, k, wp, npan, out, npan * 16, kb, False, POLICIES_8[policy])
 
 
 def cell(n: int, k: int, rows: int, cold: bool, repeats: int, inner: int, sweep: np.ndarray) -> dict:
@@ -43,7 +58,7 @@ def cell(n: int, k: int, rows: int, cold: bool, repeats: int, inner: int, sweep:
                 sweep.sum()
             t = time.process_time()
             for _ in range(inner):
-                g16.gemm_with(x, rows, k, wp, npan, outs[p], npan * 16, kb, False, POLICIES[p])
+                run(x, rows, k, wp, npan, outs[p], kb, p)
             times[p].append((time.process_time() - t) / inner * 1e3)
     equal = all(np.array_equal(outs["split"], outs[p]) for p in POLICIES)
     rec = {"n": n, "k": k, "rows": rows, "cold": cold, "equal": equal}
@@ -61,7 +76,9 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=9)
     ap.add_argument("--inner", type=int, default=30, help="calls per timing on the (warm) layer shapes")
     ap.add_argument("--out", default="benchmarks/results/small_gemm_remainders")
+    ap.add_argument("--lanes", type=int, choices=[8, 16], default=16)
     args = ap.parse_args()
+    LANES[0] = args.lanes
     torch.set_num_threads(1)
     rows = [int(r) for r in args.rows.split(",")]
     sweep = np.ones(16 << 20, np.float32)
@@ -81,7 +98,7 @@ def main() -> None:
     res = {"started": started, "load_before": load0, "load_after": os.getloadavg(), "command": cmd, "cells": cells}
     with open(args.out + ".json", "w") as f:
         json.dump(res, f, indent=1)
-    lines = ["# 16-lane panel kernel: remainder policies (fp32, 1 thread)", "",
+    lines = [f"# {args.lanes}-lane panel kernel: remainder policies (fp32, 1 thread)", "",
              f"{started}; load {load0[0]:.1f} -> {res['load_after'][0]:.1f}; `{cmd}`; medians of {args.repeats} "
              "alternated timings, process CPU ms; vocabulary shapes one cold call (64 MB sweep first), layer shapes a "
              f"loop of {args.inner} warm calls. Ratio = split / policy (> 1: the policy is faster).", "",
@@ -108,7 +125,7 @@ def main() -> None:
     ax.axhline(1.0, color="grey", lw=0.8)
     ax.set_xlabel("rows")
     ax.set_ylabel("split time / pad_odd time")
-    ax.set_title("16-lane panel kernel: padding odd remainders (>1 = faster)")
+    ax.set_title(f"{args.lanes}-lane panel kernel: padding odd remainders (>1 = faster)")
     ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(args.out + ".png", dpi=110)

@@ -101,6 +101,36 @@ def test_one_pass_remainders_sum_alike_and_store_only_their_rows(n, k):
                 assert bool((out[rows:] == 7.0).all()), (rows, with_bias)
 
 
+@pytest.mark.parametrize("n,k", [(1, 1), (17, 5), (200, 150), (3072, 512)])
+def test_8_lane_padded_remainders_sum_alike_and_store_only_their_rows(n, k):
+    """The 8-lane kernel's remainder policies (cpu_small_gemm.gemm_with: 3 and 5 rows left after the 6-row passes as
+    one 4- or 6-row pass over zero-padded inputs, or through the passes of 4, 2 and 1 rows) give the same sums bit
+    for bit, with and without bias, and write nothing past the rows asked for (sentinels after them stay)."""
+    g = torch.Generator().manual_seed(5 * n + k)
+    w = torch.randn(n, k, generator=g) * 0.05
+    bias = torch.randn(n, generator=g)
+    panels = cpu_small_gemm.pack(w)
+    npan = panels.shape[0]
+    width = npan * cpu_small_gemm.PANEL
+    kb = cpu_small_gemm.k_block(k)
+    for rows in [*range(1, 24), 29]:
+        x = torch.randn(rows, k, generator=g)
+        for with_bias in (False, True):
+            outs = []
+            for cover in (cpu_small_gemm.SPLIT, cpu_small_gemm.PAD_ODD):
+                out = torch.full((rows + 6, width), 7.0)
+                out[:rows] = 0.0
+                if with_bias:
+                    out[:rows, :n] = bias
+                cpu_small_gemm.gemm_with(x.numpy().reshape(-1), rows, k, panels.numpy().reshape(-1), npan,
+                                         out.numpy().reshape(-1), width, kb, with_bias, cover)
+                assert bool((out[rows:] == 7.0).all()), (rows, with_bias)
+                outs.append(out[:rows])
+            assert torch.equal(outs[0], outs[1]), (rows, with_bias)
+            want = x.double() @ w.double().t() + (bias.double() if with_bias else 0.0)
+            assert (outs[1][:, :n].double() - want).abs().max().item() < 1e-3 * (1 + k ** 0.5)
+
+
 @pytest.mark.parametrize("n,k", [(1, 1), (33, 7), (100, 130), (5000, 256), (4000, 576), (300, 1536)])
 def test_columns_are_the_kernels_values_bit_for_bit(n, k):
     """cpu_small_gemm.columns (a few output columns of one row from the unpacked weight: the greedy screen's exact

@@ -70,9 +70,17 @@ def _acc8(out, index, value, first):  # noqa: ANN001
 
 
 @njit(inline="always")
-def _pass6(x, k_dim, m, wp, wbase, last, out, n_out, col, kb, acc):  # noqa: ANN001
+def _acc8_if(keep, out, index, value, first):  # noqa: ANN001
+    """_acc8 for a row that exists (keep), nothing for a zero row padding a remainder."""
+    if keep:
+        _acc8(out, index, value, first)
+
+
+@njit(inline="always")
+def _pass6(x, k_dim, m, wp, wbase, last, out, n_out, col, kb, acc, nv):  # noqa: ANN001
     """out[m : m + 6, col : col + 16] = x[m : m + 6] @ panel: 12 accumulators, 2 panel loads and 6 broadcasts for 12
-    FMAs a k step (FMA-bound on AVX2's 16 vector registers; the 4-row pass is load-bound)."""
+    FMAs a k step (FMA-bound on AVX2's 16 vector registers; the 4-row pass is load-bound); only the first nv rows'
+    outputs are stored (the rest pad a remainder)."""
     x0 = m * k_dim
     o = m * n_out + col
     for k0 in range(0, k_dim, kb):
@@ -114,21 +122,22 @@ def _pass6(x, k_dim, m, wp, wbase, last, out, n_out, col, kb, acc):  # noqa: ANN
         first = k0 == 0 and not acc
         _acc8(out, o, a00, first)
         _acc8(out, o + 8, a01, first)
-        _acc8(out, o + n_out, a10, first)
-        _acc8(out, o + n_out + 8, a11, first)
-        _acc8(out, o + 2 * n_out, a20, first)
-        _acc8(out, o + 2 * n_out + 8, a21, first)
-        _acc8(out, o + 3 * n_out, a30, first)
-        _acc8(out, o + 3 * n_out + 8, a31, first)
-        _acc8(out, o + 4 * n_out, a40, first)
-        _acc8(out, o + 4 * n_out + 8, a41, first)
-        _acc8(out, o + 5 * n_out, a50, first)
-        _acc8(out, o + 5 * n_out + 8, a51, first)
+        _acc8_if(nv > 1, out, o + n_out, a10, first)
+        _acc8_if(nv > 1, out, o + n_out + 8, a11, first)
+        _acc8_if(nv > 2, out, o + 2 * n_out, a20, first)
+        _acc8_if(nv > 2, out, o + 2 * n_out + 8, a21, first)
+        _acc8_if(nv > 3, out, o + 3 * n_out, a30, first)
+        _acc8_if(nv > 3, out, o + 3 * n_out + 8, a31, first)
+        _acc8_if(nv > 4, out, o + 4 * n_out, a40, first)
+        _acc8_if(nv > 4, out, o + 4 * n_out + 8, a41, first)
+        _acc8_if(nv > 5, out, o + 5 * n_out, a50, first)
+        _acc8_if(nv > 5, out, o + 5 * n_out + 8, a51, first)
 
 
 @njit(inline="always")
-def _pass4(x, k_dim, m, wp, wbase, last, out, n_out, col, kb, acc):  # noqa: ANN001
-    """out[m : m + 4, col : col + 16] = x[m : m + 4] @ panel, the panel starting at wp[wbase]."""
+def _pass4(x, k_dim, m, wp, wbase, last, out, n_out, col, kb, acc, nv):  # noqa: ANN001
+    """out[m : m + 4, col : col + 16] = x[m : m + 4] @ panel, the panel starting at wp[wbase]; the first nv rows'
+    outputs stored."""
     x0 = m * k_dim
     o = m * n_out + col
     for k0 in range(0, k_dim, kb):
@@ -160,12 +169,12 @@ def _pass4(x, k_dim, m, wp, wbase, last, out, n_out, col, kb, acc):  # noqa: ANN
         first = k0 == 0 and not acc
         _acc8(out, o, a00, first)
         _acc8(out, o + 8, a01, first)
-        _acc8(out, o + n_out, a10, first)
-        _acc8(out, o + n_out + 8, a11, first)
-        _acc8(out, o + 2 * n_out, a20, first)
-        _acc8(out, o + 2 * n_out + 8, a21, first)
-        _acc8(out, o + 3 * n_out, a30, first)
-        _acc8(out, o + 3 * n_out + 8, a31, first)
+        _acc8_if(nv > 1, out, o + n_out, a10, first)
+        _acc8_if(nv > 1, out, o + n_out + 8, a11, first)
+        _acc8_if(nv > 2, out, o + 2 * n_out, a20, first)
+        _acc8_if(nv > 2, out, o + 2 * n_out + 8, a21, first)
+        _acc8_if(nv > 3, out, o + 3 * n_out, a30, first)
+        _acc8_if(nv > 3, out, o + 3 * n_out + 8, a31, first)
 
 
 @njit(inline="always")
@@ -213,26 +222,57 @@ def _pass1(x, k_dim, m, wp, wbase, last, out, n_out, col, kb, acc):  # noqa: ANN
 
 
 @njit(cache=True, nogil=True)
-def _gemm(x, rows, k_dim, wp, panels, out, n_out, kb, acc):  # noqa: ANN001
-    """x [rows, k_dim] flat float32, wp [panels, k_dim, 16] flat, out [rows, n_out] flat (n_out = panels * 16); kb: k
-    steps a register block sums before it is added to the output (`k_block`); acc: add every block to out's values
-    (the bias, as F.linear starts from it) instead of storing the first."""
+def gemm_with(x, rows, k_dim, wp, panels, out, n_out, kb, acc, cover):  # noqa: ANN001
+    """`_gemm` with the remainder policy given: cover[r] (r < 6 rows left after the 6-row passes) is r itself (the
+    passes of 4, 2 and 1 rows in turn) or the row count 4 or 6 it is padded to: one pass over a zero-padded copy of
+    the r rows' inputs, storing only their r rows of output."""
     last = panels * k_dim * PANEL - 1
+    full = rows - rows % 6
+    r = rows - full
+    size = cover[r]
+    xs = x
+    if size != r:
+        xs = np.zeros(size * k_dim, np.float32)
+        xs[:r * k_dim] = x[full * k_dim:rows * k_dim]
+    tail = out[full * n_out:]
     for p in range(panels):
         wbase = p * k_dim * PANEL
         col = p * PANEL
         m = 0
-        while rows - m >= 6:
-            _pass6(x, k_dim, m, wp, wbase, last, out, n_out, col, kb, acc)
+        while m < full:
+            _pass6(x, k_dim, m, wp, wbase, last, out, n_out, col, kb, acc, 6)
             m += 6
-        while rows - m >= 4:
-            _pass4(x, k_dim, m, wp, wbase, last, out, n_out, col, kb, acc)
+        if size != r:       # one pass of 6 or 4 rows over the padded rows, storing the first r
+            if size == 6:
+                _pass6(xs, k_dim, 0, wp, wbase, last, tail, n_out, col, kb, acc, r)
+            else:
+                _pass4(xs, k_dim, 0, wp, wbase, last, tail, n_out, col, kb, acc, r)
+            continue
+        if rows - m >= 4:
+            _pass4(x, k_dim, m, wp, wbase, last, out, n_out, col, kb, acc, 4)
             m += 4
         if rows - m >= 2:
             _pass2(x, k_dim, m, wp, wbase, last, out, n_out, col, kb, acc)
             m += 2
         if rows - m == 1:
             _pass1(x, k_dim, m, wp, wbase, last, out, n_out, col, kb, acc)
+
+
+# Remainder policies (`gemm_with`'s cover, rows left after the 6-row passes): SPLIT runs them through the passes of
+# 4, 2 and 1 rows; PAD_ODD (`_gemm`'s) pads 3 to one 4-row pass and 5 to one 6-row pass. A pass after the first over
+# a panel reads it from cache, but the 1- and 2-row passes are bound by their FMA chains' latency (2 and 4 chains
+# of 4 cycles a k step), so 3 = 2 + 1 and 5 = 4 + 1 rows cost a second pass that the zero rows of one wider pass do
+# not (benchmarks/results/small_gemm_remainders_8lane_zen3.md: Zen 3, 1 thread, the same bits).
+SPLIT = np.arange(6, dtype=np.int64)
+PAD_ODD = np.array([0, 1, 2, 4, 4, 6], np.int64)
+
+
+@njit(cache=True, nogil=True)
+def _gemm(x, rows, k_dim, wp, panels, out, n_out, kb, acc):  # noqa: ANN001
+    """x [rows, k_dim] flat float32, wp [panels, k_dim, 16] flat, out [rows, n_out] flat (n_out = panels * 16); kb: k
+    steps a register block sums before it is added to the output (`k_block`); acc: add every block to out's values
+    (the bias, as F.linear starts from it) instead of storing the first. Remainders of 3 and 5 rows padded (PAD_ODD)."""
+    gemm_with(x, rows, k_dim, wp, panels, out, n_out, kb, acc, PAD_ODD)
 
 
 # The kernel `linear` runs: the 16-lane one where the host has AVX-512 (cpu_small_gemm16.py; same layout, same sums
@@ -345,5 +385,5 @@ def linear(x: torch.Tensor, panels: torch.Tensor, out_features: int, bias: torch
     return out
 
 
-__all__ = ["MAX_ROWS", "PANEL", "VOCAB_MAX_ROWS", "applies", "available", "columns", "k_block", "kernel", "linear",
-           "pack", "probe_k_block"]
+__all__ = ["MAX_ROWS", "PAD_ODD", "PANEL", "SPLIT", "VOCAB_MAX_ROWS", "applies", "available", "columns", "gemm_with",
+           "k_block", "kernel", "linear", "pack", "probe_k_block"]
