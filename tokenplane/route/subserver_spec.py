@@ -80,7 +80,19 @@ def build_runner(spec: SubServerSpec) -> tuple[Any, Any]:
     # Compile the CPU kernels before serving (a model's first catch-up would otherwise stall it for seconds); greedy
     # too: the algorithm, which can change at run time, decides whether steps take the greedy screen.
     runner.warm_kernels(greedy=True)
+    warm_signal_kernels()
     return runner, model
+
+
+def warm_signal_kernels() -> None:
+    """Compile (or load from numba's cache) the routers' own CPU kernels that read a step's logits, so the first
+    request of a logit-reading algorithm (R-Stitch's entropy) does not pay it inside a step: measured on this
+    machine, 1.5 s to compile on a fresh install, 0.4 s to load from the cache in each new process."""
+    import torch
+
+    from tokenplane.route.entropy import entropy
+
+    entropy(torch.zeros(4))
 
 
 def build_algorithm(spec: SubServerSpec):
