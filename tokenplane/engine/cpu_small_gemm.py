@@ -227,14 +227,7 @@ def gemm_with(x, rows, k_dim, wp, panels, out, n_out, kb, acc, cover):  # noqa: 
     passes of 4, 2 and 1 rows in turn) or the row count 4 or 6 it is padded to: one pass over a zero-padded copy of
     the r rows' inputs, storing only their r rows of output."""
     last = panels * k_dim * PANEL - 1
-    full = rows - rows % 6
-    r = rows - full
-    size = cover[r]
-    xs = x
-    if size != r:
-        xs = np.zeros(size * k_dim, np.float32)
-        xs[:r * k_dim] = x[full * k_dim:rows * k_dim]
-    tail = out[full * n_out:]
+    full, r, size, xs, tail = cpu_small_gemm16.padded_remainder(x, rows, k_dim, out, n_out, 6, cover)
     for p in range(panels):
         wbase = p * k_dim * PANEL
         col = p * PANEL

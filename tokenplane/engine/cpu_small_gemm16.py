@@ -372,6 +372,21 @@ def _pass1(x, k_dim, m, wp, wb0, wb1, last, out, n_out, col, kb, acc, pf):  # no
             _acc16(out, o + PANEL, a01, first)
 
 
+@njit(inline="always")
+def padded_remainder(x, rows, k_dim, out, n_out, step, cover):  # noqa: ANN001
+    """The remainder of a pass schedule (both widths' `gemm_with`): (rows the step-row passes cover, the r rows left,
+    the row count cover[r] they run as, those rows' inputs (x itself, or a zero-padded copy of the r rows where
+    cover[r] != r), out from the first remainder row)."""
+    full = rows - rows % step
+    r = rows - full
+    size = cover[r]
+    xs = x
+    if size != r:
+        xs = np.zeros(size * k_dim, np.float32)
+        xs[:r * k_dim] = x[full * k_dim:rows * k_dim]
+    return full, r, size, xs, out[full * n_out:]
+
+
 @njit(cache=True, nogil=True)
 def gemm_with(x, rows, k_dim, wp, panels, out, n_out, kb, acc, cover, pf):  # noqa: ANN001
     """`gemm` with the remainder policy given: cover[r] (r < 12 rows left after the 12-row passes) is r itself (the
@@ -379,14 +394,7 @@ def gemm_with(x, rows, k_dim, wp, panels, out, n_out, kb, acc, cover, pf):  # no
     rows over a zero-padded copy of the r rows' inputs, storing only their r rows of output; pf: floats prefetched
     ahead of each panel stream (`prefetch_elements`)."""
     last = panels * k_dim * PANEL - 1
-    full = rows - rows % 12
-    r = rows - full
-    size = cover[r]
-    xs = x
-    if size != r:
-        xs = np.zeros(size * k_dim, np.float32)
-        xs[:r * k_dim] = x[full * k_dim:rows * k_dim]
-    tail = out[full * n_out:]
+    full, r, size, xs, tail = padded_remainder(x, rows, k_dim, out, n_out, 12, cover)
     for p in range(0, panels, 2):
         wb0 = p * k_dim * PANEL
         wb1 = wb0 + k_dim * PANEL if p + 1 < panels else -1
