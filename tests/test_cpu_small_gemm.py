@@ -67,6 +67,16 @@ def test_8_and_16_lane_kernels_sum_alike(n, k):
         cpu_small_gemm._KERNEL[0] = kernel
 
 
+def _remainder_case(n: int, k: int, seed: int):
+    """(generator, weight, bias, panels, panel count, padded width, k block) of a remainder-policy test."""
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(n, k, generator=g) * 0.05
+    bias = torch.randn(n, generator=g)
+    panels = cpu_small_gemm.pack(w)
+    npan = panels.shape[0]
+    return g, w, bias, panels, npan, npan * cpu_small_gemm.PANEL, cpu_small_gemm.k_block(k)
+
+
 @pytest.mark.parametrize("n,k", [(1, 1), (17, 5), (200, 150), (3072, 512)])
 def test_one_pass_remainders_sum_alike_and_store_only_their_rows(n, k):
     """The 16-lane kernel's remainder policies (cpu_small_gemm16.gemm_with: the passes of 6, 4, 2, 1 rows, or
@@ -74,13 +84,7 @@ def test_one_pass_remainders_sum_alike_and_store_only_their_rows(n, k):
     bias (acc), and write nothing past the rows asked for (sentinels after them stay)."""
     from tokenplane.engine import cpu_small_gemm16 as g16
 
-    g = torch.Generator().manual_seed(3 * n + k)
-    w = torch.randn(n, k, generator=g) * 0.05
-    bias = torch.randn(n, generator=g)
-    panels = cpu_small_gemm.pack(w)
-    npan = panels.shape[0]
-    width = npan * cpu_small_gemm.PANEL
-    kb = cpu_small_gemm.k_block(k)
+    g, w, bias, panels, npan, width, kb = _remainder_case(n, k, 3 * n + k)
     one_pass = np.array([0, 1, 2, 4, 4, 6, 6, 12, 12, 12, 12, 12], np.int64)   # every padded shape, 12 from 7 rows
     for rows in [*range(1, 30), 35]:
         x = torch.randn(rows, k, generator=g)
@@ -106,13 +110,7 @@ def test_8_lane_padded_remainders_sum_alike_and_store_only_their_rows(n, k):
     """The 8-lane kernel's remainder policies (cpu_small_gemm.gemm_with: 3 and 5 rows left after the 6-row passes as
     one 4- or 6-row pass over zero-padded inputs, or through the passes of 4, 2 and 1 rows) give the same sums bit
     for bit, with and without bias, and write nothing past the rows asked for (sentinels after them stay)."""
-    g = torch.Generator().manual_seed(5 * n + k)
-    w = torch.randn(n, k, generator=g) * 0.05
-    bias = torch.randn(n, generator=g)
-    panels = cpu_small_gemm.pack(w)
-    npan = panels.shape[0]
-    width = npan * cpu_small_gemm.PANEL
-    kb = cpu_small_gemm.k_block(k)
+    g, w, bias, panels, npan, width, kb = _remainder_case(n, k, 5 * n + k)
     for rows in [*range(1, 24), 29]:
         x = torch.randn(rows, k, generator=g)
         for with_bias in (False, True):
