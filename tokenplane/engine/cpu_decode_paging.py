@@ -24,6 +24,7 @@ from tokenplane.engine.cpu_simd import (
     _splat16,
     _store8,
     _store16,
+    _vec8,
     _vec16,
     _zero16,
 )
@@ -91,33 +92,44 @@ def _exp_nonpos_impl(x):  # noqa: ANN001, ANN202
     return lambda x: math.exp(x)
 
 
-@intrinsic
-def _exp16_shifted(typingctx, flat, index, m):  # noqa: ANN001
-    """exp(flat[index : index + 16] - m) on 16 lanes (m a 16-lane vector, every value <= m): `_exp_nonpos`'s
-    reduction and polynomial as vector operations (the polynomial's steps as fused multiply-adds), ~16x fewer
-    instructions per score than the scalar form."""
-    def codegen(context, builder, signature, args):  # noqa: ANN001
-        f, i32 = ir.FloatType(), ir.IntType(32)
-        vt, vi = ir.VectorType(f, 16), ir.VectorType(i32, 16)
-        aryty = signature.args[0]
-        ary = context.make_array(aryty)(context, builder, args[0])
-        ptr = cgutils.get_item_pointer(context, builder, aryty, ary, [args[1]], wraparound=False)
-        x = builder.fsub(builder.load(builder.bitcast(ptr, vt.as_pointer()), align=4), args[2])
+def exp_nonpos_ir(builder: ir.IRBuilder, x: ir.Value, lanes: int) -> ir.Value:
+    """`_exp_nonpos` of a `lanes`-float vector x (every lane <= 0) as vector operations (the polynomial's steps as
+    fused multiply-adds): the same bits as `_exp_nonpos` lane by lane, and at any width."""
+    f, i32 = ir.FloatType(), ir.IntType(32)
+    vt, vi = ir.VectorType(f, lanes), ir.VectorType(i32, lanes)
 
-        def splat(c: float):  # noqa: ANN202
-            return ir.Constant(vt, [float(np.float32(c))] * 16)
-        lo = splat(-87.0)
-        x = builder.select(builder.fcmp_ordered(">", x, lo), x, lo)
-        floor = cgutils.get_or_insert_function(builder.module, ir.FunctionType(vt, [vt]), "llvm.floor.v16f32")
-        fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(vt, [vt, vt, vt]), "llvm.fma.v16f32")
-        n = builder.call(floor, [builder.fadd(builder.fmul(x, splat(_LOG2E)), splat(0.5))])
-        r = builder.fsub(builder.fsub(x, builder.fmul(n, splat(_LN2_HI))), builder.fmul(n, splat(_LN2_LO)))
-        poly = splat(_EXP_TAYLOR[0])
-        for c in _EXP_TAYLOR[1:]:
-            poly = builder.call(fma, [poly, r, splat(c)])
-        bits = builder.shl(builder.add(builder.fptosi(n, vi), ir.Constant(vi, [127] * 16)), ir.Constant(vi, [23] * 16))
-        return builder.fmul(poly, builder.bitcast(bits, vt))
-    return _vec16(flat, index, _vec16), codegen
+    def splat(c: float) -> ir.Constant:
+        return ir.Constant(vt, [float(np.float32(c))] * lanes)
+    lo = splat(-87.0)
+    x = builder.select(builder.fcmp_ordered(">", x, lo), x, lo)
+    floor = cgutils.get_or_insert_function(builder.module, ir.FunctionType(vt, [vt]), f"llvm.floor.v{lanes}f32")
+    fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(vt, [vt, vt, vt]), f"llvm.fma.v{lanes}f32")
+    n = builder.call(floor, [builder.fadd(builder.fmul(x, splat(_LOG2E)), splat(0.5))])
+    r = builder.fsub(builder.fsub(x, builder.fmul(n, splat(_LN2_HI))), builder.fmul(n, splat(_LN2_LO)))
+    poly = splat(_EXP_TAYLOR[0])
+    for c in _EXP_TAYLOR[1:]:
+        poly = builder.call(fma, [poly, r, splat(c)])
+    bits = builder.shl(builder.add(builder.fptosi(n, vi), ir.Constant(vi, [127] * lanes)),
+                       ir.Constant(vi, [23] * lanes))
+    return builder.fmul(poly, builder.bitcast(bits, vt))
+
+
+def _exp_shifted(lanes: int, vec: types.Type):  # noqa: ANN202
+    """exp(flat[index : index + lanes] - m) on `lanes`-float vectors (m a vector, every value <= m), by
+    `exp_nonpos_ir`: ~lanes x fewer instructions per score than the scalar form."""
+    @intrinsic
+    def exp_shifted(typingctx, flat, index, m):  # noqa: ANN001
+        def codegen(context, builder, signature, args):  # noqa: ANN001
+            vt = ir.VectorType(ir.FloatType(), lanes)
+            ptr = _pointer(context, builder, signature.args[0], args[0], args[1])
+            x = builder.fsub(builder.load(builder.bitcast(ptr, vt.as_pointer()), align=4), args[2])
+            return exp_nonpos_ir(builder, x, lanes)
+        return vec(flat, index, vec), codegen
+    return exp_shifted
+
+
+_exp8_shifted = _exp_shifted(8, _vec8)
+_exp16_shifted = _exp_shifted(16, _vec16)
 
 
 @njit(inline="always")

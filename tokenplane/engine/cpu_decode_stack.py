@@ -8,21 +8,19 @@ views and slices, ~2-4 us apiece here: ~100-200 us a layer, several ms a step fo
 and caches' arrays are taken once (`DecodeStack`, rebuilt when the runner rebinds a cache or the weights are packed
 again) and each kernel is called on arrays directly.
 
-Numerics: the same kernels in the same order as the torch path, so the same values, except float32's SwiGLU
-activation: silu(g) * u as g / (1 + exp(-g)) * u, PyTorch's CPU formula, with libm's expf for the exponent instead of
-PyTorch's vectorized one (they can differ in the last bit). bfloat16 runs exactly the torch path's kernels
+Numerics: the same kernels in the same order as the torch path (float32's SwiGLU activation too: cpu_swiglu, which
+the model path runs on one thread), so the same values; on more threads the model path takes PyTorch's silu, a few
+ulp apart. bfloat16 runs exactly the torch path's kernels
 (cpu_bf16_gemv's panels for the linears and the SwiGLU, cpu_qkv_rope's kernel for the dtype, the bf16 attention
 kernel), so its values are the torch path's bit for bit; there the saving is the torch path's ~7 wrapped calls a
 layer (SmolLM2-135M bf16, one-row decode step timed in the engine: 24.7 -> 18.5-19.3 ms at 256 tokens of context).
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import numpy as np
 import torch
-from numba import njit
 from torch import nn
 
 from tokenplane.engine import cpu_bf16_gemv, cpu_decode_attention, cpu_qkv_rope, cpu_small_gemm
@@ -31,22 +29,12 @@ from tokenplane.engine.cpu_decode_attention import kernel_for as decode_kernel
 from tokenplane.engine.cpu_elements import as_array
 from tokenplane.engine.cpu_fused_norm import _add_rms_norm
 from tokenplane.engine.cpu_qkv_rope import _qkv_rope
+from tokenplane.engine.cpu_swiglu import silu_mul_flat
 
 _F32_EMPTY = np.empty(0, np.float32)
 # Rows the compiled stack takes (its tests cover 1-16); larger decode batches run the torch path, whose GEMMs are the
-# same cpu_small_gemm kernel up to cpu_small_gemm.MAX_ROWS. Its SwiGLU calls libm's scalar expf, which torch's
-# vectorized silu outruns at tens of rows.
+# same cpu_small_gemm kernel up to cpu_small_gemm.MAX_ROWS.
 MAX_ROWS = 16
-
-
-@njit(cache=True, nogil=True)
-def _silu_mul(gu, ffn, out):  # noqa: ANN001
-    """out[t] = silu(gu[t, :ffn]) * gu[t, ffn:2 ffn]."""
-    one = gu.dtype.type(1)
-    for t in range(out.shape[0]):
-        for j in range(ffn):
-            g = gu[t, j]
-            out[t, j] = (g / (one + math.exp(-g))) * gu[t, ffn + j]
 
 
 @dataclass
@@ -187,7 +175,7 @@ class DecodeStack:
                 cpu_bf16_gemv.io_kernels(gu.amx)[1](h.reshape(-1), T, gu.k, gu.panels, gu.n_panels, gu.bias,
                                                     act.reshape(-1), ffn)
             else:
-                _silu_mul(_matmul(h, gu), ffn, act)
+                silu_mul_flat(_matmul(h, gu).reshape(-1), T, 2 * ffn, ffn, act.reshape(-1))
             m = _matmul(act, L.down)
             if i + 1 < n:
                 nxt = self.layers[i + 1]

@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tokenplane.engine import cpu_bf16_gemv, cpu_small_gemm
+from tokenplane.engine.cpu_swiglu import silu_mul_flat
 
 CPU_PACK_DTYPES = (torch.float32, torch.bfloat16)
 # Rows past cpu_small_gemm's limits (prefill), fp32: F.linear, transformers' own call, so the same summation order
@@ -294,5 +295,14 @@ class SwiGLU(nn.Module):
             if bp is not None and cpu_bf16_gemv.applies(x):
                 return self.down_proj(cpu_bf16_gemv.swiglu_bf16_io(x, bp, self.ffn, self.gate_up_proj.bias))
             return self.down_proj(cpu_swiglu(x, gate_w, up_w, *self.cpu_biases))
-        gate, up = self.gate_up_proj(x).split(self.ffn, dim=-1)
+        gu = self.gate_up_proj(x)
+        if gu.dtype == torch.float32 and gu.device.type == "cpu" and torch.get_num_threads() == 1:
+            # cpu_swiglu: one vectorized pass, ~1.6x torch's silu and product on one core (and the decode stack's
+            # values); torch's silu spreads over the threads where there are more
+            rows = gu.numel() // (2 * self.ffn)
+            act = torch.empty(*gu.shape[:-1], self.ffn, dtype=gu.dtype)
+            silu_mul_flat(gu.detach().contiguous().numpy().reshape(-1), rows, 2 * self.ffn, self.ffn,
+                          act.numpy().reshape(-1))
+            return self.down_proj(act)
+        gate, up = gu.split(self.ffn, dim=-1)
         return self.down_proj(F.silu(gate).mul_(up))   # in place on silu's fresh output: same values, one buffer fewer
