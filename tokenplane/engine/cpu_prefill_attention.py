@@ -18,7 +18,8 @@ a row's position are masked to exp = 0 exactly. A chunk after cached context (q_
 with its positions offset by context_len - q_len.
 
 Numerics: float32 throughout, fused multiply-adds; q is multiplied by the scale when packed (SDPA scales the product
-instead), exp is cpu_decode_attention's vectorizable exp (at most 3 ulp), the softmax is online (per key tile: new
+instead), exp is cpu_decode_paging's exponent (at most 3 ulp; the scores' as vector operations at the pass width,
+the same bits at both), the softmax is online (per key tile: new
 row max, old sums and outputs rescaled by exp(old max - new max)), and the output is divided by the row sum at the
 end, as in flash attention. Results differ from SDPA's in the last bits (other summation order); the differential
 test (tests/test_cpu_prefill_attention.py) bounds the difference against float64.
@@ -26,7 +27,8 @@ test (tests/test_cpu_prefill_attention.py) bounds the difference against float64
 Vector code: cpu_simd's <8 x float> llvmlite intrinsics (numba has no vector type), or on an AVX-512 host (head size a
 multiple of 32) the same passes on <16 x float>: 48 rows a score pass and 32 columns a value pass, each lane's sum
 over d or keys in the same order, so the two widths' outputs are equal bit for bit (tests/test_cpu_prefill_attention
-.py). The passes live in cpu_prefill_passes.py; the softmax loops are plain loops that LLVM vectorizes.
+.py). The passes live in cpu_prefill_passes.py; the scores' exponent and sum run a row block at a time as vector
+operations, the other softmax loops are plain loops that LLVM vectorizes.
 
 bfloat16 caches: on AMX hosts the tile kernel (cpu_prefill_attention_amx.py); elsewhere on AVX-512 the 16-lane passes
 read the bf16 cache through widening loads (a bf16 is the top half of a float32, so the widening is exact; V once per
@@ -239,9 +241,10 @@ def _kernel(D: int, G: int, wide: bool = False, bf16: bool = False, bf16_pairs: 
                                     part[r] += s[j * RP + r]
                         else:
                             # a row block's scores key by key with their sum in a register: the exponent as vector
-                            # operations (cpu_decode_paging._exp_shifted, the same bits at both widths); the same
-                            # sum as a scalar loop over part[r] in key order, ~1.7x faster than LLVM's vectorization
-                            # of that loop (8 lanes, SmolLM2 P = 2048: ~8 of a layer's ~67 ms)
+                            # operations (cpu_decode_paging._exp_shifted, the same bits at both widths) and the same
+                            # sums, in key order, as the scalar loop over part[r], which LLVM vectorized at 0.5-0.7 ns
+                            # a score against 0.3 here (8 lanes, Zen 3); SmolLM2's P = 2048 layer, paired in one
+                            # process: 69.0 -> 66.0 ms
                             for rb in range(0, ru, LW):
                                 if wide:
                                     mv16 = _load16(mt, rb)

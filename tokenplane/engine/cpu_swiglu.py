@@ -4,7 +4,8 @@ Why a kernel: torch's silu on the gate half (a strided view) and the in-place pr
 element on one core here (SmolLM2-135M, 2,048-token prefill: 146 ms of a 7.0 s prefill), and the compiled decode
 stack's scalar loop called libm's expf (~5 ns an element). Here one pass of vector operations per row: e = exp(-|g|)
 (cpu_decode_paging.exp_nonpos_ir, within 3 ulp of exp), silu(g) = g / (1 + e) for g >= 0 and g * e / (1 + e) below
-(no exponent ever overflows), times up.
+(no exponent ever overflows), times up: 0.74 ns an element with the rows in cache, 0.86-0.93 at 2,048 x 1,536 (the
+product streams from memory), against torch's 1.2 / 1.4-1.5 in the same runs (Zen 3, one core).
 
 Numerics: PyTorch's CPU silu is g / (1 + exp(-g)) with a 1-ulp exponent; this one is within a few ulp of the product
 in float64 (tests/test_cpu_swiglu.py); gates below -87 give g * e^-87 * up (the exponent's floor, under 1e-33 of
