@@ -47,23 +47,29 @@ from numba import njit
 
 from tokenplane.engine import cpu_prefill_attention_amx as amx
 from tokenplane.engine import cpu_prefill_scores_bf16 as pairs
-from tokenplane.engine.cpu_decode_paging import _exp8_shifted, _exp16_shifted, _exp_nonpos
+from tokenplane.engine.cpu_decode_paging import _exp_nonpos
 from tokenplane.engine.cpu_elements import as_array
-from tokenplane.engine.cpu_prefill_passes import _scores1, _scores1w, _scores4, _scores4w, _values6, _values6w
+from tokenplane.engine.cpu_prefill_passes import (
+    _exp_rows8,
+    _exp_rows16,
+    _exp_sum_rows8,
+    _exp_sum_rows16,
+    _scores1,
+    _scores1w,
+    _scores4,
+    _scores4w,
+    _values6,
+    _values6w,
+)
 from tokenplane.engine.cpu_simd import (
     HOST_AVX512,
     HOST_AVX512_BF16,
-    _add8,
-    _add16,
     _fma16,
-    _load8,
     _load16,
     _load16_kv,
     _splat16,
-    _store8,
     _store16,
     _store16_bf16,
-    _zero8,
     _zero16,
 )
 
@@ -225,13 +231,9 @@ def _kernel(D: int, G: int, wide: bool = False, bf16: bool = False, bf16_pairs: 
                         if diagonal:
                             for rb in range(0, ru, LW):
                                 if wide:
-                                    mv16 = _load16(mt, rb)
-                                    for j in range(nk):
-                                        _store16(s, j * RP + rb, _exp16_shifted(s, j * RP + rb, mv16))
+                                    _exp_rows16(s, RP, rb, nk, mt)
                                 else:
-                                    mv8 = _load8(mt, rb)
-                                    for j in range(nk):
-                                        _store8(s, j * RP + rb, _exp8_shifted(s, j * RP + rb, mv8))
+                                    _exp_rows8(s, RP, rb, nk, mt)
                             for j in range(nk):
                                 cut = min(max((j0 + j - p0) * G, 0), rv)
                                 for r in range(cut):
@@ -240,28 +242,11 @@ def _kernel(D: int, G: int, wide: bool = False, bf16: bool = False, bf16_pairs: 
                                 for r in range(ru):
                                     part[r] += s[j * RP + r]
                         else:
-                            # a row block's scores key by key with their sum in a register: the exponent as vector
-                            # operations (cpu_decode_paging._exp_shifted, the same bits at both widths) and the same
-                            # sums, in key order, as the scalar loop over part[r], which LLVM vectorized at 0.5-0.7 ns
-                            # a score against 0.3 here (8 lanes, Zen 3); SmolLM2's P = 2048 layer, paired in one
-                            # process: 69.0 -> 66.0 ms
-                            for rb in range(0, ru, LW):
+                            for rb in range(0, ru, LW):   # the exponents and their sums (cpu_prefill_passes)
                                 if wide:
-                                    mv16 = _load16(mt, rb)
-                                    acc16 = _zero16()
-                                    for j in range(nk):
-                                        e16 = _exp16_shifted(s, j * RP + rb, mv16)
-                                        _store16(s, j * RP + rb, e16)
-                                        acc16 = _add16(acc16, e16)
-                                    _store16(part, rb, acc16)
+                                    _exp_sum_rows16(s, RP, rb, nk, mt, part)
                                 else:
-                                    mv8 = _load8(mt, rb)
-                                    acc8 = _zero8()
-                                    for j in range(nk):
-                                        e8 = _exp8_shifted(s, j * RP + rb, mv8)
-                                        _store8(s, j * RP + rb, e8)
-                                        acc8 = _add8(acc8, e8)
-                                    _store8(part, rb, acc8)
+                                    _exp_sum_rows8(s, RP, rb, nk, mt, part)
                         for r in range(ru):
                             lsum[r] = lsum[r] * alpha[r] + part[r]
                         if BF16:
