@@ -8,7 +8,7 @@ views and slices, ~2-4 us apiece here: ~100-200 us a layer, several ms a step fo
 and caches' arrays are taken once (`DecodeStack`, rebuilt when the runner rebinds a cache or the weights are packed
 again) and each kernel is called on arrays directly.
 
-Numerics: the same kernels in the same order as the torch path (float32's SwiGLU activation too: cpu_swiglu, which
+Numerics: the same kernels in the same order as the torch path (float32's SwiGLU activation too: cpu_silu_mul, which
 the model path runs on one thread), so the same values; on more threads the model path takes PyTorch's silu, a few
 ulp apart. bfloat16 runs exactly the torch path's kernels
 (cpu_bf16_gemv's panels for the linears and the SwiGLU, cpu_qkv_rope's kernel for the dtype, the bf16 attention
@@ -29,7 +29,7 @@ from tokenplane.engine.cpu_decode_attention import kernel_for as decode_kernel
 from tokenplane.engine.cpu_elements import as_array
 from tokenplane.engine.cpu_fused_norm import _add_rms_norm
 from tokenplane.engine.cpu_qkv_rope import _qkv_rope
-from tokenplane.engine.cpu_swiglu import silu_mul_flat
+from tokenplane.engine.cpu_silu_mul import silu_mul_flat
 
 _F32_EMPTY = np.empty(0, np.float32)
 # Rows the compiled stack takes (its tests cover 1-16); larger decode batches run the torch path, whose GEMMs are the

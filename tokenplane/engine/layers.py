@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tokenplane.engine import cpu_bf16_gemv, cpu_small_gemm
-from tokenplane.engine.cpu_swiglu import silu_mul_flat
+from tokenplane.engine.cpu_silu_mul import silu_mul_flat
 
 CPU_PACK_DTYPES = (torch.float32, torch.bfloat16)
 # Rows past cpu_small_gemm's limits (prefill), fp32: F.linear, transformers' own call, so the same summation order
@@ -297,7 +297,7 @@ class SwiGLU(nn.Module):
             return self.down_proj(cpu_swiglu(x, gate_w, up_w, *self.cpu_biases))
         gu = self.gate_up_proj(x)
         if gu.dtype == torch.float32 and gu.device.type == "cpu" and torch.get_num_threads() == 1:
-            # cpu_swiglu: one vectorized pass, ~1.6x torch's silu and product on one core (and the decode stack's
+            # cpu_silu_mul: one vectorized pass, ~1.6x torch's silu and product on one core (and the decode stack's
             # values); torch's silu spreads over the threads where there are more
             rows = gu.numel() // (2 * self.ffn)
             act = torch.empty(*gu.shape[:-1], self.ffn, dtype=gu.dtype)

@@ -1,12 +1,12 @@
-"""cpu_swiglu (SwiGLU's silu(gate) * up on float32 rows) against float64, its lanes against its scalar tail, and its
-use by the model path (one thread) and the compiled decode stack."""
+"""cpu_silu_mul (SwiGLU's silu(gate) * up on float32 rows) against float64, its whole vectors against its padded row
+tails, and its use by the model path (one thread) and the compiled decode stack."""
 from __future__ import annotations
 
 import numpy as np
 import pytest
 import torch
 
-from tokenplane.engine.cpu_swiglu import silu_mul_flat
+from tokenplane.engine.cpu_silu_mul import silu_mul_flat
 from tokenplane.engine.layers import SwiGLU
 
 
@@ -45,8 +45,8 @@ def test_extremes():
     assert out[7].item() == 2 * 20.0 and out[9].item() == 2 * 1e4
 
 
-def test_vector_lanes_equal_the_scalar_tail():
-    """Every element alone: the same values computed by whole vectors (ffn 64) and by the scalar tail (rows of 7,
+def test_whole_vectors_equal_the_padded_tail():
+    """Every element alone: the same values computed by whole vectors (ffn 448) and as row tails (rows of 7,
     below any vector width) are the same bits."""
     g = torch.Generator().manual_seed(7)
     vals = torch.randn(2, 7 * 64, generator=g) * 10

@@ -8,7 +8,7 @@ stack's scalar loop called libm's expf (~5 ns an element). Here one pass of vect
 product streams from memory), against torch's 1.2 / 1.4-1.5 in the same runs (Zen 3, one core).
 
 Numerics: PyTorch's CPU silu is g / (1 + exp(-g)) with a 1-ulp exponent; this one is within a few ulp of the product
-in float64 (tests/test_cpu_swiglu.py); gates below -87 give g * e^-87 * up (the exponent's floor, under 1e-33 of
+in float64 (tests/test_cpu_silu_mul.py); gates below -87 give g * e^-87 * up (the exponent's floor, under 1e-33 of
 |g * up|) where torch's silu gives less. Every lane is computed alone (a row's tail as one zero-padded vector), so 8
 and 16 lanes give the same bits, and the compiled decode stack and the model path (one body for every row count)
 agree bit for bit.
