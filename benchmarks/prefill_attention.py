@@ -12,11 +12,17 @@ P90 over `--repeats` calls each after one warm-up call. Shapes: the models' atte
     python benchmarks/prefill_attention.py --dtype bfloat16 --name prefill_attention_bf16
                         # bf16 caches: the AMX kernel on an AMX host, else the 16-lane kernel's widening loads
 
+    python benchmarks/prefill_attention.py --baseline-tree /tmp/old --models smollm2-135m --tokens 256 2048
+                        # also another tree's kernel (its cpu_prefill_attention.py loaded beside this one's, the
+                        # helpers it imports from this tree), alternated in the same loop: a before/after of a kernel
+                        # change in one process, with its outputs compared bit for bit
+
 Writes benchmarks/results/prefill_attention.{json,md,png}.
 """
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import platform
@@ -24,6 +30,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -51,8 +58,18 @@ def percentile(xs: list[float], q: float) -> float:
     return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
 
 
+def baseline_module(tree: Path) -> Any:
+    """Another tree's cpu_prefill_attention.py as a module of its own (its imports resolve in this tree)."""
+    spec = importlib.util.spec_from_file_location("baseline_prefill_attention",
+                                                  tree / "tokenplane" / "engine" / "cpu_prefill_attention.py")
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
 def case(model: str, q_len: int, context: int, repeats: int, block_size: int = 16,
-         dtype: torch.dtype = torch.float32) -> dict:
+         dtype: torch.dtype = torch.float32, baseline: Any = None) -> dict:
     heads, kvh, d = SHAPES[model]
     group = heads // kvh
     g = torch.Generator().manual_seed(q_len * 7 + context)
@@ -90,6 +107,14 @@ def case(model: str, q_len: int, context: int, repeats: int, block_size: int = 1
 
     diff = (kernel().float() - sdpa().float()).abs().max().item()   # also the warm-up call of each
     systems = [("kernel", kernel), ("sdpa", sdpa)]
+    if baseline is not None:
+        out_b = torch.empty_like(out)
+
+        def base() -> torch.Tensor:
+            baseline.paged_prefill(q, kc, vc, starts, lens, ctxs, table, out_b, block_size, group, scale)
+            return out_b
+        baseline_equal = bool(torch.equal(base(), kernel()))
+        systems.append(("baseline", base))
     if cpu_prefill_attention.WIDE[0] and d % 32 == 0 and dtype == torch.float32:
         wide_out = kernel().clone()
         systems.append(("kernel_8lane", kernel_8lane))
@@ -119,6 +144,10 @@ def case(model: str, q_len: int, context: int, repeats: int, block_size: int = 1
     if "kernel_fma" in row:
         row["same_as_fma"] = same_as_fma      # fraction of output elements equal to the FMA score pass's
         row["ratio_pairs_over_fma_cpu"] = row["kernel"]["cpu_median_ms"] / row["kernel_fma"]["cpu_median_ms"]
+    if "baseline" in row:
+        paired = sorted(b[1] / k[1] for b, k in zip(times["baseline"], times["kernel"]))
+        row["baseline_equal"] = baseline_equal
+        row["baseline_over_kernel_cpu"] = {"median": statistics.median(paired), "min": paired[0], "max": paired[-1]}
     row["ratio_wall"] = row["kernel"]["median_ms"] / row["sdpa"]["median_ms"]
     row["ratio_cpu"] = row["kernel"]["cpu_median_ms"] / row["sdpa"]["cpu_median_ms"]
     flops = 4 * heads * d * sum(context - q_len + i + 1 for i in range(q_len))   # causal: QK^T and PV, 2 flop a FMA
@@ -136,22 +165,27 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, default=RESULTS)
     ap.add_argument("--name", default="prefill_attention")
     ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    ap.add_argument("--baseline-tree", type=Path, help="another checkout whose kernel runs alongside (before/after)")
     args = ap.parse_args(argv)
+    baseline = baseline_module(args.baseline_tree) if args.baseline_tree else None
     torch.set_num_threads(1)
     load_before, t0 = os.getloadavg(), time.time()
     spans = [(n, n) for n in args.tokens] + [tuple(int(x) for x in c.split(":")) for c in args.chunks]
     rows = []
     for model in args.models:
         for q_len, ctx in spans:
-            row = case(model, q_len, ctx, args.repeats, dtype=getattr(torch, args.dtype))
+            row = case(model, q_len, ctx, args.repeats, dtype=getattr(torch, args.dtype), baseline=baseline)
             rows.append(row)
             print(f"{model:13s} q {q_len:5d} ctx {ctx:5d}: kernel {row['kernel']['median_ms']:8.2f} ms "
                   f"sdpa {row['sdpa']['median_ms']:8.2f} ms  wall x{row['ratio_wall']:.2f} cpu x{row['ratio_cpu']:.2f}"
-                  f"  {row['kernel_gflops_cpu']:.0f} GFLOP/s  diff {row['max_abs_diff']:.1e}", flush=True)
+                  f"  {row['kernel_gflops_cpu']:.0f} GFLOP/s  diff {row['max_abs_diff']:.1e}"
+                  + (f"  baseline/kernel CPU x{row['baseline_over_kernel_cpu']['median']:.3f} equal "
+                     f"{row['baseline_equal']}" if baseline else ""), flush=True)
     meta = {"command": " ".join(["python", "benchmarks/prefill_attention.py", *(argv or sys.argv[1:])]),
             "torch": torch.__version__, "dtype": args.dtype, "machine": platform.processor() or platform.machine(),
             "threads": 1, "cpus": os.cpu_count(), "repeats": args.repeats, "loadavg_before": load_before,
-            "loadavg_after": os.getloadavg(), "wall_s": round(time.time() - t0, 1)}
+            "loadavg_after": os.getloadavg(), "wall_s": round(time.time() - t0, 1),
+            "baseline_tree": str(args.baseline_tree) if args.baseline_tree else None}
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / f"{args.name}.json").write_text(json.dumps({"meta": meta, "results": rows}, indent=1))
     write_md(args.out / f"{args.name}.md", rows, meta)
@@ -183,6 +217,16 @@ def write_md(path: Path, rows: list[dict], meta: dict) -> None:
                         f"{r['lanes_equal']} |" if "kernel_8lane" in r else
                         f"FMA scores {r['kernel_fma']['cpu_median_ms']:.2f} | {r['ratio_pairs_over_fma_cpu']:.2f} | "
                         f"{100 * r['same_as_fma']:.2f}% |" if "kernel_fma" in r else "- | - | - |"))
+    if any("baseline" in r for r in rows):
+        lines += ["", f"Baseline: the kernel of `{meta['baseline_tree']}`, alternated call by call with this tree's; "
+                  "ratio = baseline CPU time / this kernel's, per pair (median [min-max]).", "",
+                  "| model | q_len | context | baseline CPU ms | kernel CPU ms | baseline / kernel | outputs equal |",
+                  "|---|---|---|---|---|---|---|"]
+        for r in rows:
+            b = r["baseline_over_kernel_cpu"]
+            lines.append(f"| {r['model']} | {r['q_len']} | {r['context']} | {r['baseline']['cpu_median_ms']:.2f} "
+                         f"| {r['kernel']['cpu_median_ms']:.2f} | {b['median']:.3f} [{b['min']:.3f}-{b['max']:.3f}] "
+                         f"| {r['baseline_equal']} |")
     path.write_text("\n".join(lines) + "\n")
 
 
