@@ -70,10 +70,12 @@ def _acc8(out, index, value, first):  # noqa: ANN001
 
 
 @njit(inline="always")
-def _acc8_if(keep, out, index, value, first):  # noqa: ANN001
-    """_acc8 for a row that exists (keep), nothing for a zero row padding a remainder."""
+def _acc_row(keep, out, index, lo, hi, first):  # noqa: ANN001
+    """One output row's 16 panel columns (lo: the first 8, hi: the next 8) by `_acc8`, for a row that exists (keep);
+    nothing for a zero row padding a remainder."""
     if keep:
-        _acc8(out, index, value, first)
+        _acc8(out, index, lo, first)
+        _acc8(out, index + 8, hi, first)
 
 
 @njit(inline="always")
@@ -120,18 +122,12 @@ def _pass6(x, k_dim, m, wp, wbase, last, out, n_out, col, kb, acc, nv):  # noqa:
             a50 = _fma8(b, w0, a50)
             a51 = _fma8(b, w1, a51)
         first = k0 == 0 and not acc
-        _acc8(out, o, a00, first)
-        _acc8(out, o + 8, a01, first)
-        _acc8_if(nv > 1, out, o + n_out, a10, first)
-        _acc8_if(nv > 1, out, o + n_out + 8, a11, first)
-        _acc8_if(nv > 2, out, o + 2 * n_out, a20, first)
-        _acc8_if(nv > 2, out, o + 2 * n_out + 8, a21, first)
-        _acc8_if(nv > 3, out, o + 3 * n_out, a30, first)
-        _acc8_if(nv > 3, out, o + 3 * n_out + 8, a31, first)
-        _acc8_if(nv > 4, out, o + 4 * n_out, a40, first)
-        _acc8_if(nv > 4, out, o + 4 * n_out + 8, a41, first)
-        _acc8_if(nv > 5, out, o + 5 * n_out, a50, first)
-        _acc8_if(nv > 5, out, o + 5 * n_out + 8, a51, first)
+        _acc_row(True, out, o, a00, a01, first)
+        _acc_row(nv > 1, out, o + n_out, a10, a11, first)
+        _acc_row(nv > 2, out, o + 2 * n_out, a20, a21, first)
+        _acc_row(nv > 3, out, o + 3 * n_out, a30, a31, first)
+        _acc_row(nv > 4, out, o + 4 * n_out, a40, a41, first)
+        _acc_row(nv > 5, out, o + 5 * n_out, a50, a51, first)
 
 
 @njit(inline="always")
@@ -167,14 +163,10 @@ def _pass4(x, k_dim, m, wp, wbase, last, out, n_out, col, kb, acc, nv):  # noqa:
             a30 = _fma8(b, w0, a30)
             a31 = _fma8(b, w1, a31)
         first = k0 == 0 and not acc
-        _acc8(out, o, a00, first)
-        _acc8(out, o + 8, a01, first)
-        _acc8_if(nv > 1, out, o + n_out, a10, first)
-        _acc8_if(nv > 1, out, o + n_out + 8, a11, first)
-        _acc8_if(nv > 2, out, o + 2 * n_out, a20, first)
-        _acc8_if(nv > 2, out, o + 2 * n_out + 8, a21, first)
-        _acc8_if(nv > 3, out, o + 3 * n_out, a30, first)
-        _acc8_if(nv > 3, out, o + 3 * n_out + 8, a31, first)
+        _acc_row(True, out, o, a00, a01, first)
+        _acc_row(nv > 1, out, o + n_out, a10, a11, first)
+        _acc_row(nv > 2, out, o + 2 * n_out, a20, a21, first)
+        _acc_row(nv > 3, out, o + 3 * n_out, a30, a31, first)
 
 
 @njit(inline="always")
@@ -198,10 +190,8 @@ def _pass2(x, k_dim, m, wp, wbase, last, out, n_out, col, kb, acc):  # noqa: ANN
             a10 = _fma8(b, w0, a10)
             a11 = _fma8(b, w1, a11)
         first = k0 == 0 and not acc
-        _acc8(out, o, a00, first)
-        _acc8(out, o + 8, a01, first)
-        _acc8(out, o + n_out, a10, first)
-        _acc8(out, o + n_out + 8, a11, first)
+        _acc_row(True, out, o, a00, a01, first)
+        _acc_row(True, out, o + n_out, a10, a11, first)
 
 
 @njit(inline="always")
@@ -217,8 +207,7 @@ def _pass1(x, k_dim, m, wp, wbase, last, out, n_out, col, kb, acc):  # noqa: ANN
             a00 = _fma8(_splat8(x, x0 + k), _load8(wp, wi), a00)
             a01 = _fma8(_splat8(x, x0 + k), _load8(wp, wi + 8), a01)
         first = k0 == 0 and not acc
-        _acc8(out, o, a00, first)
-        _acc8(out, o + 8, a01, first)
+        _acc_row(True, out, o, a00, a01, first)
 
 
 @njit(cache=True, nogil=True)
