@@ -102,25 +102,39 @@ def _whitespace_run_loop(c, starts, a, b, absorbed, at_end, keep_whole):
         starts[b - 1] = True
 
 
-def _run_end_impl(k64, kind, b, n, k):
-    """The end of the run of kind `k` that continues at b (< n): the first j >= b with kind[j] != k, or n. Eight
-    kinds at a time from the aligned words `k64` (kind's first len // 8 * 8 bytes as uint64) while two whole words
-    hold them, a byte loop after: a run's end costs one mispredicted exit a run instead of one a character's loop
-    iteration (prose runs are 1-8 characters). Kinds are 0..3, so a byte of kind ^ k is nonzero exactly where its
-    high bit is set after adding 0x7F (no carry crosses a byte)."""
-    rep = np.uint64(k) * np.uint64(0x0101010101010101)
-    last = (k64.shape[0] - 1) << 3          # the aligned pair (q, q + 1) exists while b < last
-    while b < last:
-        q = b >> 3
-        r = np.uint64((b & 7) * 8)
-        w = (k64[q] >> r) | ((k64[q + 1] << np.uint64(1)) << (np.uint64(63) - r))
-        diff = ((w ^ rep) + np.uint64(0x7F7F7F7F7F7F7F7F)) & np.uint64(0x8080808080808080)
-        if diff != np.uint64(0):
-            return min(b + (np.int64(_trailing_zeros(diff)) >> 3), n)
-        b += 8
-    while b < n and kind[b] == k:
-        b += 1
-    return b
+def _run_bits_impl(kind, n):
+    """uint64 bitmap of run starts: bit i set where kind[i] != kind[i - 1] (0 < i < n), and bit n. Built eight kinds
+    at a time from whole words with no dependence between words: kinds are 0..127 (the gpt4 and smollm2 tables hold
+    0..3), so a byte of kind ^ previous kind is nonzero exactly where its high bit is set after adding 0x7F (no carry
+    crosses a byte), and a multiply gathers the eight high bits into one byte (each lands on its own bit: no two
+    products share a position)."""
+    rb = np.zeros((n >> 6) + 1, np.uint64)
+    n8 = n >> 3
+    k64 = kind[:n8 << 3].view(np.uint64)
+    low = np.uint64(0x7F7F7F7F7F7F7F7F)
+    high = np.uint64(0x8080808080808080)
+    gather = np.uint64(0x0102040810204080)
+    for g in range(n8):
+        w = k64[g]
+        carry = k64[g - 1] >> np.uint64(56) if g > 0 else w & np.uint64(0xFF)
+        nz = ((w ^ ((w << np.uint64(8)) | carry)) + low) & high
+        rb[g >> 3] |= (((nz >> np.uint64(7)) * gather) >> np.uint64(56)) << np.uint64(8 * (g & 7))
+    for i in range(max(n8 << 3, 1), n):
+        if kind[i] != kind[i - 1]:
+            rb[i >> 6] |= np.uint64(1) << np.uint64(i & 63)
+    rb[n >> 6] |= np.uint64(1) << np.uint64(n & 63)
+    return rb
+
+
+def _next_run_impl(rb, wi, cur):
+    """(the next run start after the last one taken, word index, remaining bits of that word): run ends are taken
+    in order from the bitmap, so finding one does not wait on the kinds' loads (the loop's run scan was one serial
+    load-compare chain per run)."""
+    while cur == np.uint64(0):
+        wi += 1
+        cur = rb[wi]
+    b = (wi << 6) + np.int64(_trailing_zeros(cur))
+    return b, wi, cur & (cur - np.uint64(1))
 
 
 def _gather(table, cps):
@@ -133,20 +147,23 @@ def _gather(table, cps):
 
 
 _whitespace_run_loop = njit(cache=True, nogil=True, inline="always")(_whitespace_run_loop)
-_run_end = njit(cache=True, nogil=True, inline="always")(_run_end_impl)
+_run_bits = njit(cache=True, nogil=True, inline="always")(_run_bits_impl)
+_next_run = njit(cache=True, nogil=True, inline="always")(_next_run_impl)
 _gather = njit(cache=True, nogil=True)(_gather)
 
 
 def _gpt4_loop_impl(c, kind, digits, whole_at_end, starts):
     """The run-level cl100k-lineage rules as one loop over runs (same rules as `_starts_gpt4`, numba-compiled)."""
     n = c.shape[0]
-    k64 = kind[:(n >> 3) << 3].view(np.uint64)
+    rb = _run_bits(kind, n)
+    wi = 0
+    cur = rb[0]
     a = 0
     prev_kind = -1
     prev_len = 0
     while a < n:
         k = kind[a]
-        b = _run_end(k64, kind, a + 1, n, k) if a + 1 < n else n
+        b, wi, cur = _next_run(rb, wi, cur)
         pc = c[a - 1] if a > 0 else -1
         p2 = c[a - 2] if a > 1 else -1
         if k == 2 and b == a + 1 and c[a] == 32 and b < n and kind[b] == 0:
@@ -155,7 +172,7 @@ def _gpt4_loop_impl(c, kind, digits, whole_at_end, starts):
             # space); -25% loop time on English, -12% on code (one core, CPU time)
             starts[a] = True
             a = b
-            b = _run_end(k64, kind, a + 1, n, 0) if a + 1 < n else n
+            b, wi, cur = _next_run(rb, wi, cur)
             prev_kind = 0
             prev_len = b - a
             a = b
@@ -483,14 +500,15 @@ def _smollm2_loop_impl(c, kind, starts):
     a whitespace run that ends the segment is one piece, and a lone `'` that starts a match takes the contraction
     letters (s t m d / re ve ll, lowercase) of the letter run after it."""
     n = c.shape[0]
+    rb = _run_bits(kind, n)
+    wi = 0
+    cur = rb[0]
     a = 0
     glue = False          # the previous run ends in a space that starts the piece holding this run's first char
     apos_start = False    # the previous run is a lone "'" that starts a match attempt (a contraction may follow)
     while a < n:
         k = kind[a]
-        b = a + 1
-        while b < n and kind[b] == k:
-            b += 1
+        b, wi, cur = _next_run(rb, wi, cur)
         next_glue = False
         next_apos = False
         if k == 1:
