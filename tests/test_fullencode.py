@@ -105,3 +105,39 @@ def test_a_wrong_map_entry_is_caught(name):
     assert enc.encode(text, parallel=False).tolist() != ref
     enc.bpe.clear_caches()
     assert enc.encode(text, parallel=False).tolist() == ref
+
+
+@pytest.mark.parametrize("name", ["cl100k_base", "qwen3", "smollm2"])
+def test_small_whole_map_answers_as_the_whole_lookup(name):
+    """piecemap.whole_map: for every vocabulary token of 2-8 bytes and for short byte strings that are no token (or
+    a token outside the whole-piece set), the same answer as bpe._whole_lookup, which it replaces in the walk."""
+    from tokenplane.tokenize.cpu import bpe as bpe_mod
+    from tokenplane.tokenize.cpu.piecemap import _home, _word8, whole_map
+
+    enc = CpuEncoder(tokenplane.load(name), workers=1)
+    bpe = enc.bpe
+    assert np.array_equal(bpe.wmap, whole_map(bpe.tok_flat, bpe.tok_off, bpe.whole_ids, bpe.wkeys, bpe.wids))
+    rng = random.Random(name)
+    n = bpe.tok_off.shape[0] - 1
+    samples = [bytes(bpe.tok_flat[bpe.tok_off[t]:bpe.tok_off[t + 1]]) for t in range(n)]
+    samples = [s for s in samples if 2 <= len(s) <= 8]
+    samples += [bytes(rng.randrange(256) for _ in range(rng.randint(2, 8))) for _ in range(20_000)]
+    samples += [s[:-1] + b"\x00" for s in samples[:5000]]
+    mask = bpe.wmap.shape[0] - 1
+    hits = 0
+    for piece in samples:
+        m = len(piece)
+        buf = np.zeros(32, np.uint8)
+        buf[:m] = np.frombuffer(piece, np.uint8)
+        want = bpe_mod._whole_lookup(bpe.wkeys, bpe.wids, bpe.tok_flat, bpe.tok_off, buf, 0, m,
+                                     np.uint64(bpe_mod._fnv(buf, 0, m)))    # typed as the kernel's
+        key = np.uint64(_word8(buf.view(np.uint64), 0, m))
+        s, got = _home(key, m, mask), -1
+        while bpe.wmap[s, 1] != 0:
+            if bpe.wmap[s, 0] == key and int(bpe.wmap[s, 1]) & 15 == m:
+                got = int(bpe.wmap[s, 1]) >> 8
+                break
+            s = (s + 1) & mask
+        assert got == want, (piece, got, want)
+        hits += want >= 0
+    assert hits > 10_000

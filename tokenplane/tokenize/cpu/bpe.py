@@ -539,6 +539,7 @@ class BPE:
         self.whole_ids = tables.whole_ids       # the device tables' whole-piece lookup holds the same set
         self.n_whole = int(tables.whole_ids.shape[0])
         self.wkeys, self.wids = tables.wkeys, tables.wids
+        self.wmap = tables.wmap                 # the same lookup for small pieces, keyed as the piece map (piecemap.py)
         self._local = threading.local()
         self._caches: list[PieceCache] = []     # every thread's cache, so clear_caches can reach them
 

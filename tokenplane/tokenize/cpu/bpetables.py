@@ -26,10 +26,11 @@ import numpy as np
 from ..reference import HFReference, ReferenceEngine, _bytes_to_unicode
 from ..spec.artifacts import cache_dir
 from .bpe import _build_pairs, _build_whole, _self_encoding
+from .piecemap import whole_map
 
-TABLE_VERSION = 1       # bump when what a table holds or how it is built changes: old folders are then ignored
+TABLE_VERSION = 2       # bump when what a table holds or how it is built changes: old folders are then ignored
 _ARRAYS = ("tok_flat", "tok_off", "byte_ids", "pkeys", "pranks", "pnews", "ptab", "whole_ids", "wkeys", "wids",
-           "missing")
+           "wmap", "missing")
 
 
 @dataclass(frozen=True)
@@ -48,6 +49,7 @@ class BpeTables:
     whole_ids: np.ndarray       # int64: tokens a whole piece may map to directly
     wkeys: np.ndarray           # uint64: FNV hash table over whole_ids
     wids: np.ndarray            # int32
+    wmap: np.ndarray            # uint64[cap, 2]: the same lookup for tokens of <= 8 bytes, keyed as the piece map
     missing: np.ndarray | None  # bool[256]: bytes the reference drops (None: the vocabulary has all 256)
 
 
@@ -123,8 +125,9 @@ def build(reference: ReferenceEngine, content_hash: str) -> BpeTables:
         # merge back to exactly that token encodes to it, so one lookup replaces the merge rounds (most words).
         multi = multi[_self_encoding(tok_flat, tok_off, multi, byte_ids, ptab, True)]
     wkeys, wids = _build_whole(tok_flat, tok_off, multi, _pow2(len(multi)))
+    wmap = whole_map(tok_flat, tok_off, multi, wkeys, wids)
     return BpeTables(fam.name, content_hash, len(tokens), int(left.shape[0]), tok_flat, tok_off, byte_ids,
-                     pkeys, pranks, pnews, ptab, multi, wkeys, wids,
+                     pkeys, pranks, pnews, ptab, multi, wkeys, wids, wmap,
                      None if missing is None else np.asarray(missing, dtype=bool))
 
 

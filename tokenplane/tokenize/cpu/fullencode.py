@@ -58,7 +58,7 @@ def _declined(status):
 
 @njit(cache=True, nogil=True)
 def _finish(cps, n, starts, buf, bounds, has_missing, missing, byte_ids, ptab, batch, whole, wkeys, wids, tok_flat,
-            tok_off, slots, arena, state):
+            tok_off, wmap, slots, arena, state):
     """UTF-8 + piece bounds (strbuf's one pass, into the scratch `buf` and `bounds` when long enough), then the piece
     map walk."""
     if cps.shape[0] > n and not starts[n]:    # the lookahead character must start a piece (a stable cut)
@@ -73,39 +73,39 @@ def _finish(cps, n, starts, buf, bounds, has_missing, missing, byte_ids, ptab, b
     for k in range(size, size + 16):
         buf[k] = 0
     return _walk(buf, bounds, nb, has_missing, missing, byte_ids, ptab, batch, whole, wkeys, wids, tok_flat, tok_off,
-                 slots, arena, state)
+                 wmap, slots, arena, state)
 
 
 # Arguments: the text, the block [a, b), its lookahead | scratch: code points, classes, starts, UTF-8, piece bounds |
 # the family's tables | missing bytes, the BPE tables, the thread's piece map.
 def _full_gpt4_impl(s, a, b, extra, cps, kind, starts, buf, bounds, kind_table, digits, whole_at_end, has_missing,
-                    missing, byte_ids, ptab, batch, whole, wkeys, wids, tok_flat, tok_off, slots, arena, state):
+                    missing, byte_ids, ptab, batch, whole, wkeys, wids, tok_flat, tok_off, wmap, slots, arena, state):
     cps, kind, starts, bad = _block_start(s, a, b, extra, cps, kind, starts, kind_table)
     if bad >= 0:
         return _declined(SURROGATE)
     pt._gpt4_loop(cps.view(np.int32), kind, digits, whole_at_end, starts)
     return _finish(cps, b - a, starts, buf, bounds, has_missing, missing, byte_ids, ptab, batch, whole, wkeys, wids,
-                   tok_flat, tok_off, slots, arena, state)
+                   tok_flat, tok_off, wmap, slots, arena, state)
 
 
 def _full_deepseek_impl(s, a, b, extra, cps, feat, starts, buf, bounds, feat_table, has_missing, missing, byte_ids,
-                        ptab, batch, whole, wkeys, wids, tok_flat, tok_off, slots, arena, state):
+                        ptab, batch, whole, wkeys, wids, tok_flat, tok_off, wmap, slots, arena, state):
     cps, feat, starts, bad = _block_start(s, a, b, extra, cps, feat, starts, feat_table)
     if bad >= 0:
         return _declined(SURROGATE)
     pt._deepseek_loop(cps.view(np.int32), feat, starts)
     return _finish(cps, b - a, starts, buf, bounds, has_missing, missing, byte_ids, ptab, batch, whole, wkeys, wids,
-                   tok_flat, tok_off, slots, arena, state)
+                   tok_flat, tok_off, wmap, slots, arena, state)
 
 
 def _full_smollm2_impl(s, a, b, extra, cps, kind, starts, buf, bounds, kind_table, has_missing, missing, byte_ids,
-                       ptab, batch, whole, wkeys, wids, tok_flat, tok_off, slots, arena, state):
+                       ptab, batch, whole, wkeys, wids, tok_flat, tok_off, wmap, slots, arena, state):
     cps, kind, starts, bad = _block_start(s, a, b, extra, cps, kind, starts, kind_table)
     if bad >= 0:
         return _declined(SURROGATE)
     pt._smollm2_loop(cps.view(np.int32), kind, starts)
     return _finish(cps, b - a, starts, buf, bounds, has_missing, missing, byte_ids, ptab, batch, whole, wkeys, wids,
-                   tok_flat, tok_off, slots, arena, state)
+                   tok_flat, tok_off, wmap, slots, arena, state)
 
 
 _full_gpt4 = njit(cache=True, nogil=True)(_full_gpt4_impl)
@@ -139,7 +139,7 @@ def full_encoder(bpe: bpe_mod.BPE, family: str) -> FullFn:
     loop, fam_args = pt.loop_tables(family)
     missing = bpe.missing if bpe.missing is not None else _NO_MISSING
     fn = k.bind(f"full_{loop}", 9, *fam_args, bpe.missing is not None, missing, bpe.byte_ids, bpe.ptab, bpe.batch,
-                bpe.whole, bpe.wkeys, bpe.wids, bpe.tok_flat, bpe.tok_off, pm.slots, pm.arena, pm.state)
+                bpe.whole, bpe.wkeys, bpe.wids, bpe.tok_flat, bpe.tok_off, bpe.wmap, pm.slots, pm.arena, pm.state)
     pm.bound[family] = (k, bpe.batch, bpe.whole, fn)
     return fn
 
@@ -158,7 +158,7 @@ def walk_encoder(bpe: bpe_mod.BPE) -> FullFn:
         return entry[3]
     missing = bpe.missing if bpe.missing is not None else _NO_MISSING
     fn = k.bind("full_walk", 5, bpe.missing is not None, missing, bpe.byte_ids, bpe.ptab, bpe.batch, bpe.whole,
-                bpe.wkeys, bpe.wids, bpe.tok_flat, bpe.tok_off, pm.slots, pm.arena, pm.state)
+                bpe.wkeys, bpe.wids, bpe.tok_flat, bpe.tok_off, bpe.wmap, pm.slots, pm.arena, pm.state)
     pm.bound["walk"] = (k, bpe.batch, bpe.whole, fn)
     return fn
 

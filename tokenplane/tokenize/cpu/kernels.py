@@ -67,10 +67,11 @@ WINDOW_HEAD = (S, I, I, A("int64", 2), I)
 WINDOW_TAIL = (A("uint16"), B, A("boolean"), *BPE_ARGS)
 WINDOW_RET = "Tuple((uint32[::1], int64[::1], int64[::1], int64))"
 # the fused full-encode block kernels (fullencode.py): text, a, b, lookahead, scratch (code points, classes, starts,
-# UTF-8, bounds) | family tables | missing bytes, BPE tables, the thread's piece map (piecemap.py: slots, arena, state)
+# UTF-8, bounds) | family tables | missing bytes, BPE tables, the small whole-token map (piecemap.whole_map), the
+# thread's piece map (piecemap.py: slots, arena, state)
 FULL_HEAD = (S, I, I, S, A("uint32"))
 FULL_SCRATCH = (A("boolean"), A("uint8"), A("int64"))
-FULL_TAIL = (B, A("boolean"), *BPE_ARGS[:8], A("uint64", 2), A("uint32"), A("int64"))
+FULL_TAIL = (B, A("boolean"), *BPE_ARGS[:8], A("uint64", 2), A("uint64", 2), A("uint32"), A("int64"))
 FULL_RET = "Tuple((int32[::1], int64))"
 # the fused append window (tokenize/appendwin.py): text, base, d, w, the records (no tc), commit flag | NFC flag and
 # inert table, the splice search's tables and limits | family tables | the window tail

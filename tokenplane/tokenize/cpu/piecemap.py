@@ -89,9 +89,24 @@ def _word4(b64, a, m):
     return np.uint32(_word8(b64, a, m))
 
 
+@njit(cache=True, nogil=True, inline="always")
+def _whole_small(wmap, key, m):
+    """The token whose bytes are the small piece (key: its bytes as one word, m: its length), or -1: one probe
+    sequence in `wmap` (whole_map), laid out as the piece map's inline slots."""
+    mask = wmap.shape[0] - 1
+    s = _home(key, m, mask)
+    while True:
+        meta = wmap[s, 1]
+        if meta == 0:
+            return -1
+        if wmap[s, 0] == key and (meta & np.uint64(15)) == np.uint64(m):
+            return np.int64(meta >> np.uint64(8))
+        s = (s + 1) & mask
+
+
 @njit(cache=True, nogil=True)
 def _walk(buf, bounds, nb, has_missing, missing, byte_ids, ptab, batch, whole, wkeys, wids, tok_flat, tok_off,
-          slots, arena, state):
+          wmap, slots, arena, state):
     """(IDs of the pieces buf[bounds[j]:bounds[j+1]], j < nb - 1, status OK or DROPPED: a byte the vocabulary
     lacks). buf: the UTF-8, with at least 16 bytes after the last piece."""
     size = bounds[nb - 1]
@@ -180,6 +195,8 @@ def _walk(buf, bounds, nb, has_missing, missing, byte_ids, ptab, batch, whole, w
         t = -1
         if m == 1:
             t = byte_ids[buf[a]]
+        elif whole and small:
+            t = _whole_small(wmap, key, m)
         elif whole:
             t = bpe_mod._whole_lookup(wkeys, wids, tok_flat, tok_off, buf, a, b, bpe_mod._fnv(buf, a, b))
         if t >= 0:
@@ -222,4 +239,42 @@ def _walk(buf, bounds, nb, has_missing, missing, byte_ids, ptab, batch, whole, w
     return out[:o], OK
 
 
-__all__ = ["CUT_REJECTED", "DROPPED", "OK", "PieceMap", "SURROGATE"]
+@njit(cache=True, nogil=True)
+def _build_whole_map(tok_flat, tok_off, whole_ids, wkeys, wids, cap):
+    wmap = np.zeros((cap, 2), np.uint64)
+    mask = cap - 1
+    buf = np.zeros(24, np.uint8)       # one token of <= 8 bytes and the 16 bytes _word8 may read past it
+    b64 = buf.view(np.uint64)
+    for t in whole_ids:
+        s0 = tok_off[t]
+        m = tok_off[t + 1] - s0
+        if m > 8:
+            continue
+        buf[:] = 0
+        for j in range(m):
+            buf[j] = tok_flat[s0 + j]
+        # the answer of the lookup it replaces, so a piece equal to two tokens' bytes gets the same one
+        got = bpe_mod._whole_lookup(wkeys, wids, tok_flat, tok_off, buf, 0, m, bpe_mod._fnv(buf, 0, m))
+        key = _word8(b64, 0, m)
+        s = _home(key, m, mask)
+        while wmap[s, 1] != 0 and not (wmap[s, 0] == key and (wmap[s, 1] & np.uint64(15)) == np.uint64(m)):
+            s = (s + 1) & mask
+        wmap[s, 0] = key
+        wmap[s, 1] = np.uint64(m) | (np.uint64(got) << np.uint64(8))
+    return wmap
+
+
+def whole_map(tok_flat: np.ndarray, tok_off: np.ndarray, whole_ids: np.ndarray, wkeys: np.ndarray,
+              wids: np.ndarray) -> np.ndarray:
+    """uint64[cap, 2]: the whole-piece lookup of bpe.py (`_whole_lookup` over `wkeys`) for tokens of 2-8 bytes, keyed
+    as the piece map keys a small piece (its bytes as one word, its length): a piece the map misses finds its token
+    in one probe sequence of one table, where `_whole_lookup` reads four arrays one after another (hash slot, ID,
+    offsets, bytes). On a warm 1M-character encode's misses (cl100k english, qwen3 code; one core, alternated in
+    one process) the walk took 1.13-1.15x less time."""
+    lengths = tok_off[whole_ids + 1] - tok_off[whole_ids]
+    n_small = int(np.count_nonzero(lengths <= 8))
+    cap = 1 << max(4, int(2 * n_small - 1).bit_length())
+    return _build_whole_map(tok_flat, tok_off, np.ascontiguousarray(whole_ids, dtype=np.int64), wkeys, wids, cap)
+
+
+__all__ = ["CUT_REJECTED", "DROPPED", "OK", "PieceMap", "SURROGATE", "whole_map"]
