@@ -84,6 +84,16 @@ def _long_hash(b64, a, m):
 
 
 @njit(cache=True, nogil=True, inline="always")
+def _long_hash2(w0, w1, m):
+    """`_long_hash` of a piece of 9-16 bytes whose two words are w0, w1 (zero past byte m)."""
+    h = np.uint64(m) * np.uint64(_K)
+    h = (h ^ w0) * np.uint64(_K)
+    h ^= h >> np.uint64(29)
+    h = (h ^ w1) * np.uint64(_K)
+    return h ^ (h >> np.uint64(29))
+
+
+@njit(cache=True, nogil=True, inline="always")
 def _word4(b64, a, m):
     """Bytes a..a+m-1 (m <= 4) as one uint32, zero above the piece: the arena's form of a long piece's bytes."""
     return np.uint32(_word8(b64, a, m))
@@ -140,9 +150,31 @@ def _walk(buf, bounds, nb, has_missing, missing, byte_ids, ptab, batch, whole, w
                 out[o + 1] = np.int32(meta >> np.uint64(32))
                 o += 1 + np.int64((meta >> np.uint64(4)) & np.uint64(1))
                 continue
-        # -- lookup
+        elif m <= 16:
+            # -- the same for a piece of 9-16 bytes with up to 4 IDs in the arena: its two words hashed, its 3-4
+            # arena words compared and 4 ID words copied with no loop whose trip count depends on the piece
+            w0 = _word8(b64, a, 8)
+            w1 = _word8(b64, a + 8, m - 8)
+            key = _long_hash2(w0, w1, m)
+            s = _home(key, m, mask)
+            meta = slots[s, 1]
+            cnt = np.int64((meta >> np.uint64(16)) & np.uint64(0xFF))
+            if slots[s, 0] == key and (meta >> np.uint64(63)) == 1 and np.int64(meta & np.uint64(0xFFFF)) == m \
+                    and cnt <= 4:
+                off = np.int64(meta >> np.uint64(24)) & np.int64(0x7FFFFFFFFF)
+                x = off + cnt
+                last = arena[min(x + 3, arena.shape[0] - 1)]       # the fourth word exists when m > 12
+                if (arena[x] == np.uint32(w0) and arena[x + 1] == np.uint32(w0 >> np.uint64(32))
+                        and arena[x + 2] == np.uint32(w1) and (m <= 12 or last == np.uint32(w1 >> np.uint64(32)))):
+                    out[o] = arena[off]
+                    out[o + 1] = arena[off + 1]      # within the entry: its IDs, then at least 3 words of bytes
+                    out[o + 2] = arena[off + 2]
+                    out[o + 3] = arena[off + 3]
+                    o += cnt
+                    continue
         else:
             key = _long_hash(b64, a, m)
+        # -- lookup
         s = _home(key, m, mask)
         hit = False
         while True:
