@@ -47,6 +47,44 @@ def test_utf8_and_bounds_equal_encode(text):
         assert bounds.tolist() == piece_byte_bounds(cps[:n], starts[:n]).tolist()
 
 
+def _mostly_ascii_texts():
+    rng = random.Random(11)
+    wide = ["\u00e9", "\u20ac", "\u65e5", "\U0001F44D", "\U0010FFFF", "\u0080", "\u07ff", "\u0800", "\uffff"]
+    out = []
+    for n in (1, 7, 8, 9, 15, 16, 17, 63, 64, 65, 1000, 4099):
+        base = [rng.choice("abc xyz\n\t.,") for _ in range(n)]
+        out.append("".join(base))
+        for density in (1, 3, 40):            # wide characters per 1000
+            t = list(base)
+            for i in range(n):
+                if rng.random() * 1000 < density:
+                    t[i] = rng.choice(wide)
+            out.append("".join(t))
+        out.append(rng.choice(wide) + "".join(base) + rng.choice(wide))     # at both ends
+        out.append("".join(base) + "\u65e5" * 50)                           # a dense tail after an ASCII head
+    return out
+
+
+@pytest.mark.parametrize("form", ["_utf8_by_runs", "_utf8_one_pass", "_utf8_and_bounds"])
+def test_utf8_forms_equal_encode(form):
+    """Both forms of the UTF-8 + bounds pass (by ASCII runs for mostly-ASCII text, one pass for dense text; the
+    public kernel picks one from a sample) equal CPython's encoder and the bounds reference on any text."""
+    fn = getattr(strbuf, form)
+    rng = random.Random(form)
+    for text in _mostly_ascii_texts() + _texts():
+        n = len(text)
+        cps = strbuf.codepoints(text, extra="z")
+        starts = np.array([rng.random() < 0.3 for _ in range(n + 1)], dtype=bool)
+        if n:
+            starts[0] = True
+        buf = np.zeros(4 * n + 16, np.uint8)
+        bounds = np.zeros(n + 1, np.int64)
+        k, size = fn(cps, n, starts, buf, bounds)
+        assert buf[:size].tobytes() == text.encode("utf-8"), repr(text[:80])
+        if n:
+            assert bounds[:k].tolist() == piece_byte_bounds(cps[:n], starts[:n]).tolist(), repr(text[:80])
+
+
 @pytest.mark.parametrize("step", [1, 2, 7, 1000])
 def test_sampled_utf8_sizes(step):
     text = "".join(KINDS) * 20
