@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import random
 
+import numpy as np
 import pytest
 from realtext import corpus_texts
 
 import tokenplane
-from tokenplane.tokenize.cpu import nfc
+from tokenplane.tokenize.cpu import nfc, strbuf
 
 # Characters where NFC acts: marks of many combining classes (incl. 240 and 232, the probe marks), Hangul L/V/T
 # jamo and syllables, compatibility ideographs (singletons), composition exclusions, kana voicing marks, Indic
@@ -50,8 +51,8 @@ def test_adversarial_equals_reference(qwen3):
         n = rng.choice([1, 5, 40, 300, nfc.SMALL_TEXT, 600, 2000, 5000, nfc.PRECHECK_TEXT + 10])
         dense = rng.random()      # from mostly-ASCII with rare tricky characters to all tricky
         chars = [rng.choice(TRICKY) if rng.random() < dense else rng.choice("abc xyz\n") for _ in range(n)]
-        if trial % 7 == 0:        # every separator candidate present: the per-region fallback
-            chars += [chr(c) for c in range(9)]
+        if trial % 7 == 0:        # every separator candidate inside a region (each widened onto the control left of
+            chars += [chr(c) + "\u0301" for c in range(9)]     # its mark): the per-region fallback
         text = "".join(chars)
         assert nfc.normalize(text, hf) == hf(text), trial
 
@@ -62,6 +63,20 @@ def test_regions_cover_every_change(qwen3):
     spans = nfc.regions(nfc_codepoints(text), nfc.inert_table())
     assert spans.shape[0] == 6 and spans[0].tolist() == [300, 302]   # widened one left: the 'e' it composes with
     assert nfc.normalize(text, hf) == hf(text)
+
+
+def test_text_regions_equal_regions():
+    """The str scan (strbuf.false_at over the str's own buffer, every PEP 393 kind) finds the same spans as the
+    code point gather."""
+    rng = random.Random(5)
+    pool = list(TRICKY) + list("abc xyz\n\u00e9\u00ff\u4e00\U0001F44D")
+    texts = ["", "abc", "caf\u00e9", "e\u0301", "\u00ff" * 40 + "\u0301", "\U0001F44D\u0301x"]
+    texts += ["".join(rng.choice(pool) for _ in range(rng.randint(1, 3000))) for _ in range(60)]
+    for text in texts:
+        assert nfc.text_regions(text).tolist() == nfc.regions(nfc_codepoints(text), nfc.inert_table()).tolist()
+        cps = nfc_codepoints(text)
+        want = np.flatnonzero(~nfc.inert_table()[cps]) if len(text) else np.zeros(0, np.int64)
+        assert strbuf.false_at(text, nfc.inert_table()).tolist() == want.tolist()
 
 
 def nfc_codepoints(text):
