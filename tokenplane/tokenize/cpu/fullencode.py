@@ -3,8 +3,8 @@
 The staged block encode (parallel.CpuEncoder._encode_range before this module) made four kernel calls and three
 text-sized arrays between them: code points, the class gather + pre-tokenizer loop, the whole block's UTF-8 and
 piece bounds, then BPE over bpe.py's direct-mapped piece tiers. Here one call per pre-tokenizer family runs the same
-code point reader and the same family loop, then piecemap._walk: each piece's UTF-8 is made in a small buffer and
-looked up in the thread's open-addressing piece map (a miss runs bpe.py's merge kernels). Same pieces, same BPE of
+code point reader and the same family loop, the block's UTF-8 and piece bounds (strbuf), then piecemap._walk: each
+piece looked up in the thread's open-addressing piece map (a miss runs bpe.py's merge kernels). Same pieces, same BPE of
 each piece: the same IDs (tests/test_fullencode.py checks fused == staged == reference on real and adversarial text).
 
 What the common case does not cover answers a nonzero status and the caller runs the staged path: a lone surrogate

@@ -92,7 +92,8 @@ def _utf8_by_runs(cps, n, starts, buf, bounds):
     # (1) UTF-8 by runs of ASCII characters, each a narrowing copy, noting where each wider character lies and how
     # many bytes it and those before it add; (2) the character offset of every piece start, one branch-free store a
     # character; (3) those offsets moved to bytes by the bytes the wider characters before them add. The one-pass
-    # form below did both at ~1.5 ns a character (1M characters of english or code: 1.45 ms, three passes ~0.65).
+    # form below did both at ~1.5 ns a character (1M characters of english or code: 1.45-1.55 ms, three passes
+    # 0.8-0.95 ms, alternated in one process).
     # Text with more than one wide character in 16 (CJK; decided on a sample) goes through the one-pass form.
     wide_pos = np.empty(64, np.int64)
     wide_add = np.empty(64, np.int64)       # bytes added by the wide characters up to and including this one
