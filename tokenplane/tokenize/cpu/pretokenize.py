@@ -102,12 +102,13 @@ def _whitespace_run_loop(c, starts, a, b, absorbed, at_end, keep_whole):
         starts[b - 1] = True
 
 
-def _run_bits_impl(kind, n):
-    """uint64 bitmap of run starts: bit i set where kind[i] != kind[i - 1] (0 < i < n), and bit n. Built eight kinds
-    at a time from whole words with no dependence between words: kinds are 0..127 (the gpt4 and smollm2 tables hold
-    0..3), so a byte of kind ^ previous kind is nonzero exactly where its high bit is set after adding 0x7F (no carry
-    crosses a byte), and a multiply gathers the eight high bits into one byte (each lands on its own bit: no two
-    products share a position)."""
+def _run_bits_impl(kind, n, segments):
+    """uint64 bitmap of run starts: bit i set where a run starts at i (0 < i < n), and bit n. A run is a stretch of
+    one kind; with `segments` (the DeepSeek loop, `kind` = its feature bytes) it is one kind (feat & 7) inside one
+    stage-1/2 segment (`_ds_seg_head`: a CJK-range edge, bit 8, between two non-digits; digit runs, kind 4, are edges
+    already). Built eight characters at a time from whole words, no dependence between words: a byte's flag is
+    nonzero exactly where its high bit is set after adding 0x7F (the flags are < 0x80: no carry crosses a byte), and
+    a multiply gathers the eight high bits into one byte (each lands on its own bit: no two products share one)."""
     rb = np.zeros((n >> 6) + 1, np.uint64)
     n8 = n >> 3
     k64 = kind[:n8 << 3].view(np.uint64)
@@ -117,10 +118,17 @@ def _run_bits_impl(kind, n):
     for g in range(n8):
         w = k64[g]
         carry = k64[g - 1] >> np.uint64(56) if g > 0 else w & np.uint64(0xFF)
-        nz = ((w ^ ((w << np.uint64(8)) | carry)) + low) & high
+        x = w ^ ((w << np.uint64(8)) | carry)        # each byte: its kind ^ the previous character's
+        if segments:
+            edge = ((x & np.uint64(0x0707070707070707)) + low) & high
+            cjk = ((x & np.uint64(0x0808080808080808)) + low) & high
+            not_digit = (((w & np.uint64(0x0707070707070707)) ^ np.uint64(0x0404040404040404)) + low) & high
+            nz = edge | (cjk & not_digit)
+        else:
+            nz = (x + low) & high
         rb[g >> 3] |= (((nz >> np.uint64(7)) * gather) >> np.uint64(56)) << np.uint64(8 * (g & 7))
     for i in range(max(n8 << 3, 1), n):
-        if kind[i] != kind[i - 1]:
+        if (_ds_seg_head(kind, i) or (kind[i] & 7) != (kind[i - 1] & 7)) if segments else kind[i] != kind[i - 1]:
             rb[i >> 6] |= np.uint64(1) << np.uint64(i & 63)
     rb[n >> 6] |= np.uint64(1) << np.uint64(n & 63)
     return rb
@@ -155,7 +163,7 @@ _gather = njit(cache=True, nogil=True)(_gather)
 def _gpt4_loop_impl(c, kind, digits, whole_at_end, starts):
     """The run-level cl100k-lineage rules as one loop over runs (same rules as `_starts_gpt4`, numba-compiled)."""
     n = c.shape[0]
-    rb = _run_bits(kind, n)
+    rb = _run_bits(kind, n, False)
     wi = 0
     cur = rb[0]
     a = 0
@@ -411,15 +419,16 @@ def _ds_seg_head(feat, i):
 def _deepseek_loop_impl(c, feat, starts):
     """The run-level DeepSeek rules (`_starts_deepseek`) as one loop over runs that never cross a segment."""
     n = c.shape[0]
+    rb = _run_bits(feat, n, True)
+    wi = 0
+    cur = rb[0]
     a = 0
     prev_kind = -1
     prev_len = 0
     seg_start = 0
     while a < n:
         k = feat[a] & 7
-        b = a + 1
-        while b < n and (feat[b] & 7) == k and not _ds_seg_head(feat, b):
-            b += 1
+        b, wi, cur = _next_run(rb, wi, cur)
         head = _ds_seg_head(feat, a)
         if head:
             seg_start = a
@@ -429,9 +438,7 @@ def _deepseek_loop_impl(c, feat, starts):
             # the same segment after it, whatever came before the space; -20..-27% loop time on english / code (the
             # same step measured no gain in the smollm2 loop, whose runs carry less per-run work)
             starts[a] = True
-            e = b + 1
-            while e < n and (feat[e] & 7) == 0 and not _ds_seg_head(feat, e):
-                e += 1
+            e, wi, cur = _next_run(rb, wi, cur)
             prev_kind = 0
             prev_len = e - b
             a = e
@@ -500,7 +507,7 @@ def _smollm2_loop_impl(c, kind, starts):
     a whitespace run that ends the segment is one piece, and a lone `'` that starts a match takes the contraction
     letters (s t m d / re ve ll, lowercase) of the letter run after it."""
     n = c.shape[0]
-    rb = _run_bits(kind, n)
+    rb = _run_bits(kind, n, False)
     wi = 0
     cur = rb[0]
     a = 0
