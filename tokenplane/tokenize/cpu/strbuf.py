@@ -144,25 +144,7 @@ def _utf8_one_pass(cps, n, starts, buf, bounds):
     for i in range(n):
         bounds[min(k, last)] = pos
         k += 1 if starts[i] else 0
-        c = cps[i]
-        if c < 0x80:
-            buf[pos] = c
-            pos += 1
-        elif c < 0x800:
-            buf[pos] = 0xC0 | (c >> 6)
-            buf[pos + 1] = 0x80 | (c & 0x3F)
-            pos += 2
-        elif c < 0x10000:
-            buf[pos] = 0xE0 | (c >> 12)
-            buf[pos + 1] = 0x80 | ((c >> 6) & 0x3F)
-            buf[pos + 2] = 0x80 | (c & 0x3F)
-            pos += 3
-        else:
-            buf[pos] = 0xF0 | (c >> 18)
-            buf[pos + 1] = 0x80 | ((c >> 12) & 0x3F)
-            buf[pos + 2] = 0x80 | ((c >> 6) & 0x3F)
-            buf[pos + 3] = 0x80 | (c & 0x3F)
-            pos += 4
+        pos = _put_utf8(buf, pos, cps[i])
     bounds[k] = pos
     return k + 1, pos
 
