@@ -77,7 +77,7 @@ def build_map(raw: str, normalize: Callable[[str], str]) -> tuple[str, NfcMap]:
     code point and ends at the text end or before one, so NFC(raw) is the concatenation of the spans' NFCs)."""
     if raw.isascii():
         return raw, NfcMap()
-    spans = nfc.text_regions(raw).tolist()
+    spans = nfc.regions(raw).tolist()
     out, prev, shift = [], 0, 0
     ra: list[int] = []
     rb: list[int] = []

@@ -91,7 +91,6 @@ EXPORTS: dict[str, tuple[str, str, str, tuple[Any, ...]]] = {
     # pretokenize: per-code-point feature gathers (one per table dtype) and the family loops
     "gather_i8": ("pretokenize", "_gather", "int8[::1]", (A("int8"), A("uint32"))),
     "gather_u8": ("pretokenize", "_gather", "uint8[::1]", (A("uint8"), A("uint32"))),
-    "gather_b": ("pretokenize", "_gather", "boolean[::1]", (A("boolean"), A("uint32"))),
     "gpt4_loop": ("pretokenize", "_gpt4_loop", "void", (A("int32"), A("int8"), I, B, A("boolean"))),
     "o200k_loop": ("pretokenize", "_o200k_loop", "int64", (A("int32"), A("uint8"), A("boolean"), A("int64"))),
     "deepseek_loop": ("pretokenize", "_deepseek_loop", "void", (A("int32"), A("uint8"), A("boolean"))),

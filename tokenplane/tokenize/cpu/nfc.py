@@ -32,7 +32,6 @@ from typing import Callable
 import numpy as np
 
 from ..spec.artifacts import cached_array
-from . import kernels
 from .strbuf import false_at  # GIL-free: chunk threads of the parallel encoder normalize their own chunks
 
 N_CODEPOINTS = 0x110000
@@ -112,16 +111,11 @@ def all_inert(text: str) -> bool:
     return bool(inert_table()[cps].all())
 
 
-def regions(cps: np.ndarray, inert: np.ndarray) -> np.ndarray:
-    """int64[k, 2] character spans that may change under NFC; every span starts at 0 or at an inert code point
-    and ends at the text end or before an inert one, so the text between spans is already NFC."""
-    return _spans(np.flatnonzero(~kernels.get().gather_b(inert, cps)))
-
-
-def text_regions(text: str) -> np.ndarray:
-    """`regions` of a str, its non-inert characters found by one scan of the str's own buffer (strbuf.false_at):
-    no text-sized code point and flag arrays, whose first touch cost ~1.5 ms of a 1M-character encode's NFC check
-    (qwen3 english, where no region exists)."""
+def regions(text: str) -> np.ndarray:
+    """int64[k, 2] character spans of text that may change under NFC; every span starts at 0 or at an inert code
+    point and ends at the text end or before an inert one, so the text between spans is already NFC. The non-inert
+    characters are found by one scan of the str's own buffer (strbuf.false_at): no text-sized code point and flag
+    arrays, whose first touch cost ~1.5 ms of a 1M-character encode's NFC check (qwen3 english, no region)."""
     return _spans(false_at(text, inert_table()))
 
 
@@ -146,7 +140,7 @@ def normalize(text: str, reference_nfc: Callable[[str], str]) -> str:
     if len(text) < SMALL_TEXT:
         return reference_nfc(text)
 
-    spans = text_regions(text)
+    spans = regions(text)
     if spans.shape[0] == 0:
         return text
     bounds = spans.tolist()

@@ -171,41 +171,42 @@ def _put_utf8(buf, pos, c):
 
 
 def _false_at_impl(s, table):
-    # Positions i where table[ord(s[i])] is False, read from the str's own buffer (no code point copy): one loop per
-    # PEP 393 kind (as _codepoints); a counting pass first, then the positions when there are any (an array grown
-    # inside the loop kept the loop from compiling tight: ~5 ns a character against ~0.3).
-    n = len(s)
-    count = _false_count(s, table, n)
-    out = np.empty(count, np.int64)
-    if count == 0:
-        return out
-    k = 0
-    kind = s._kind
-    for i in range(n):
-        if kind == 1:
-            c = np.int64(_deref_uint8(s._data, i))
-        elif kind == 2:
-            c = np.int64(_deref_uint16(s._data, i))
-        else:
-            c = np.int64(_deref_uint32(s._data, i))
-        if not table[c]:
-            out[k] = i
-            k += 1
-    return out
+    # Positions i where table[ord(s[i])] is False, read from the str's own buffer (no code point copy). They are rare
+    # where this is used (NFC's non-inert characters of real text): one scan into a small array, and a second into
+    # one of the exact size only when the first overflowed (an array grown inside the loop kept it from compiling
+    # tight: ~5 ns a character against ~0.3).
+    out = np.empty(64, np.int64)
+    count = _false_scan(s, table, out)
+    if count > out.shape[0]:
+        out = np.empty(count, np.int64)
+        _false_scan(s, table, out)
+    return out[:count]
 
 
-def _false_count(s, table, n):
+def _false_scan(s, table, out):
+    # The count of such positions; the first out.shape[0] of them into out. One loop per PEP 393 kind (as
+    # _codepoints).
     k = 0
+    cap = out.shape[0]
     kind = s._kind
     if kind == 1:
-        for i in range(n):
-            k += not table[_deref_uint8(s._data, i)]
+        for i in range(len(s)):
+            if not table[_deref_uint8(s._data, i)]:
+                if k < cap:
+                    out[k] = i
+                k += 1
     elif kind == 2:
-        for i in range(n):
-            k += not table[_deref_uint16(s._data, i)]
+        for i in range(len(s)):
+            if not table[_deref_uint16(s._data, i)]:
+                if k < cap:
+                    out[k] = i
+                k += 1
     else:
-        for i in range(n):
-            k += not table[_deref_uint32(s._data, i)]
+        for i in range(len(s)):
+            if not table[_deref_uint32(s._data, i)]:
+                if k < cap:
+                    out[k] = i
+                k += 1
     return k
 
 
@@ -219,7 +220,7 @@ def _sampled_sizes_impl(s, step, out):
 
 _codepoints = njit(cache=True, nogil=True)(_codepoints_impl)
 _sampled_sizes = njit(cache=True, nogil=True)(_sampled_sizes_impl)
-_false_count = njit(cache=True, nogil=True)(_false_count)
+_false_scan = njit(cache=True, nogil=True)(_false_scan)
 _false_at = njit(cache=True, nogil=True)(_false_at_impl)
 _put_utf8 = njit(cache=True, nogil=True, inline="always")(_put_utf8)
 _ascii_end = njit(cache=True, nogil=True, inline="always")(_ascii_end)
