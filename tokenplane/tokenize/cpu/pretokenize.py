@@ -26,11 +26,11 @@ from ..errors import UnsupportedFamily
 from ..spec import charclass
 from ..spec.families import FAMILIES, Family
 from . import kernels
-from .lazyjit import njit, numba_global  # numba itself only when a JIT kernel runs (lazyjit.py)
+from .lazyjit import njit  # numba itself only when a JIT kernel runs (lazyjit.py)
 from .o200k_rescan import _o200k_rescan_local
+from .runbits import _next_run, _run_bits
 
 _B = charclass.BIT
-_trailing_zeros = numba_global("numba.cpython.unsafe.numbers", "trailing_zeros")
 _L, _N, _S, _M, _P, _SY = _B["L"], _B["N"], _B["s"], _B["M"], _B["P"], _B["S"]
 _LU, _LT, _LL = _B["Lu"], _B["Lt"], _B["Ll"]
 _CP_SHAPE = (charclass.N_CODEPOINTS,)    # per-code-point tables (cached on disk: charclass.derived_table)
@@ -102,49 +102,6 @@ def _whitespace_run_loop(c, starts, a, b, absorbed, at_end, keep_whole):
         starts[b - 1] = True
 
 
-def _run_bits_impl(kind, n, segments):
-    """uint64 bitmap of run starts: bit i set where a run starts at i (0 < i < n), and bit n. A run is a stretch of
-    one kind; with `segments` (the DeepSeek loop, `kind` = its feature bytes) it is one kind (feat & 7) inside one
-    stage-1/2 segment (`_ds_seg_head`: a CJK-range edge, bit 8, between two non-digits; digit runs, kind 4, are edges
-    already). Built eight characters at a time from whole words, no dependence between words: a byte's flag is
-    nonzero exactly where its high bit is set after adding 0x7F (the flags are < 0x80: no carry crosses a byte), and
-    a multiply gathers the eight high bits into one byte (each lands on its own bit: no two products share one)."""
-    rb = np.zeros((n >> 6) + 1, np.uint64)
-    n8 = n >> 3
-    k64 = kind[:n8 << 3].view(np.uint64)
-    low = np.uint64(0x7F7F7F7F7F7F7F7F)
-    high = np.uint64(0x8080808080808080)
-    gather = np.uint64(0x0102040810204080)
-    for g in range(n8):
-        w = k64[g]
-        carry = k64[g - 1] >> np.uint64(56) if g > 0 else w & np.uint64(0xFF)
-        x = w ^ ((w << np.uint64(8)) | carry)        # each byte: its kind ^ the previous character's
-        if segments:
-            edge = ((x & np.uint64(0x0707070707070707)) + low) & high
-            cjk = ((x & np.uint64(0x0808080808080808)) + low) & high
-            not_digit = (((w & np.uint64(0x0707070707070707)) ^ np.uint64(0x0404040404040404)) + low) & high
-            nz = edge | (cjk & not_digit)
-        else:
-            nz = (x + low) & high
-        rb[g >> 3] |= (((nz >> np.uint64(7)) * gather) >> np.uint64(56)) << np.uint64(8 * (g & 7))
-    for i in range(max(n8 << 3, 1), n):
-        if (_ds_seg_head(kind, i) or (kind[i] & 7) != (kind[i - 1] & 7)) if segments else kind[i] != kind[i - 1]:
-            rb[i >> 6] |= np.uint64(1) << np.uint64(i & 63)
-    rb[n >> 6] |= np.uint64(1) << np.uint64(n & 63)
-    return rb
-
-
-def _next_run_impl(rb, wi, cur):
-    """(the next run start after the last one taken, word index, remaining bits of that word): run ends are taken
-    in order from the bitmap, so finding one does not wait on the kinds' loads (the loop's run scan was one serial
-    load-compare chain per run)."""
-    while cur == np.uint64(0):
-        wi += 1
-        cur = rb[wi]
-    b = (wi << 6) + np.int64(_trailing_zeros(cur))
-    return b, wi, cur & (cur - np.uint64(1))
-
-
 def _gather(table, cps):
     """table[cps] as a compiled loop: numpy's fancy index holds the GIL and costs ~3x this on 4M characters, and
     it runs once per chunk thread."""
@@ -155,8 +112,6 @@ def _gather(table, cps):
 
 
 _whitespace_run_loop = njit(cache=True, nogil=True, inline="always")(_whitespace_run_loop)
-_run_bits = njit(cache=True, nogil=True, inline="always")(_run_bits_impl)
-_next_run = njit(cache=True, nogil=True, inline="always")(_next_run_impl)
 _gather = njit(cache=True, nogil=True)(_gather)
 
 
