@@ -25,10 +25,10 @@ import numpy as np
 
 from ..reference import HFReference, ReferenceEngine, _bytes_to_unicode
 from ..spec.artifacts import cache_dir
-from .bpe import _build_pairs, _build_whole, _self_encoding
+from .bpe import _build_pairs, _build_whole, _self_encoding, pair_records
 from .piecemap import whole_map
 
-TABLE_VERSION = 2       # bump when what a table holds or how it is built changes: old folders are then ignored
+TABLE_VERSION = 3       # bump when what a table holds or how it is built changes: old folders are then ignored
 _ARRAYS = ("tok_flat", "tok_off", "byte_ids", "pkeys", "pranks", "pnews", "ptab", "whole_ids", "wkeys", "wids",
            "wmap", "missing")
 
@@ -45,7 +45,7 @@ class BpeTables:
     pkeys: np.ndarray           # uint64 pair keys (left << 32 | right), open addressing
     pranks: np.ndarray          # int32
     pnews: np.ndarray           # int32
-    ptab: np.ndarray            # uint64[cap, 2]: (key, rank << 32 | merged id), the kernels' one-line record
+    ptab: np.ndarray            # uint64[2, cap]: the same pairs as the kernels read them (bpe.pair_records)
     whole_ids: np.ndarray       # int64: tokens a whole piece may map to directly
     wkeys: np.ndarray           # uint64: FNV hash table over whole_ids
     wids: np.ndarray            # int32
@@ -117,8 +117,7 @@ def build(reference: ReferenceEngine, content_hash: str) -> BpeTables:
         raise ValueError(f"{fam.name}: {256 - len(byte_map)} single bytes have no token")
     byte_ids = np.array([byte_map.get(b, -1) for b in range(256)], dtype=np.int32)
     pkeys, pranks, pnews = _build_pairs(left, right, rank, new, _pow2(len(left)))
-    ptab = np.stack([pkeys, (pranks.astype(np.uint32).astype(np.uint64) << np.uint64(32))
-                     | pnews.astype(np.uint32).astype(np.uint64)], axis=1)
+    ptab = pair_records(pkeys, pranks, pnews)
     multi = np.flatnonzero(lengths[:n_ord] >= 2).astype(np.int64)
     if not ignore_merges:
         # Merges decide, but a piece's BPE depends on its bytes alone: a piece equal to a token whose own bytes
