@@ -224,6 +224,41 @@ def test_heap_merge_equals_rounds_on_long_pieces(name):
         assert out1[:n1].tolist() == out2[:n2].tolist(), (name, text)
 
 
+@pytest.mark.parametrize("name", ["cl100k_base", "qwen3", "smollm2"])
+def test_pair_table_forms_merge_alike(name):
+    """The one-row pair table (merged IDs order the pairs: tiktoken, HF vocabularies numbered in merge order) and
+    the two-row form (ranks in the record, merged IDs beside; what any other vocabulary gets) give the same IDs,
+    through the rounds kernel and the heap (the other tests check the one-row form against the reference); and a
+    one-row table is refused where the merged IDs do not follow the ranks."""
+    b = encoder(name).bpe
+    assert b.ptab.shape[0] == 1         # every family here qualifies for one row
+    two = bpe_mod.pair_records(b.pkeys, b.pranks, b.pnews, one_row=False)
+    assert two.shape[0] == 2 and np.array_equal(two[0] & np.uint64(bpe_mod._PAIR_IDS),
+                                                b.ptab[0] & np.uint64(bpe_mod._PAIR_IDS))
+    rng = random.Random(name)
+    pieces = ["".join(rng.choice(ALPHABET) for _ in range(rng.randint(2, 60))) for _ in range(400)]
+    pieces += [w for doc in _corpus_docs(200_000) for w in doc.split(" ")[:300] if len(w.encode()) >= 2]
+    for piece in pieces:
+        buf = np.frombuffer(piece.encode("utf-8"), dtype=np.uint8)
+        m = buf.shape[0]
+        got = []
+        for tab in (b.ptab, two):
+            scratch = [np.empty(m, dtype=np.int32) for _ in range(3)]
+            out = np.empty(m, dtype=np.int32)
+            n = bpe_mod._merge_piece(buf, 0, m, b.byte_ids, tab, True, *scratch, out, 0)
+            got.append(out[:n].tolist())
+            n = bpe_mod._merge_piece_heap(buf, 0, m, b.byte_ids, tab, *scratch, np.empty(m, dtype=np.int32),
+                                          np.empty(m, dtype=np.int32), np.empty(3 * m, dtype=np.int64), out, 0)
+            got.append(out[:n].tolist())
+        assert got[0] == got[1] == got[2] == got[3], (name, piece)
+    shuffled = b.pnews.copy()
+    used = np.flatnonzero(b.pkeys != bpe_mod.EMPTY)
+    shuffled[used[:2]] = shuffled[used[1::-1]]      # two pairs' merged IDs swapped: no longer in rank order
+    with pytest.raises(ValueError, match="second row"):
+        bpe_mod.pair_records(b.pkeys, b.pranks, shuffled, one_row=True)
+    assert bpe_mod.pair_records(b.pkeys, b.pranks, shuffled).shape[0] == 2
+
+
 @pytest.mark.parametrize("name", ["cl100k_base", "qwen3"])
 def test_long_piece_cache_hits_are_exact(name):
     """The long tier (pieces over CACHE_BYTES up to LONG_BYTES) returns what merging returns, under collisions and

@@ -135,29 +135,53 @@ PAIR_BITS = 21       # a pair record holds two IDs and a rank of this many bits 
 _PAIR_IDS = (1 << (2 * PAIR_BITS)) - 1
 
 
-def pair_records(pkeys: np.ndarray, pranks: np.ndarray, pnews: np.ndarray) -> np.ndarray:
-    """The kernels' pair table, uint64[2, cap], from the (key, rank, merged ID) table `_build_pairs` makes, slot for
-    slot: row 0 holds each pair as one word, left << 42 - 21 | right | rank << 42 (all ones: empty), row 1 the merged
-    ID. A probe reads row 0 only, 8 bytes a slot instead of 16 (a lookup touches one line of a table half the size:
-    the pair lookups of the BPE of new pieces are cache misses); the merged ID is read when a pair is merged."""
+def pair_records(pkeys: np.ndarray, pranks: np.ndarray, pnews: np.ndarray, one_row: bool | None = None) -> np.ndarray:
+    """The kernels' pair table from the (key, rank, merged ID) table `_build_pairs` makes, slot for slot: row 0 holds
+    each pair as one word, left << 21 | right | order << 42 (all ones: empty), so a probe reads 8 bytes a slot
+    instead of 16 (the pair lookups of the BPE of new pieces are cache misses: half the table, fewer of them).
+
+    order: the merged ID itself where that orders the pairs as their ranks do, i.e. where a rank is its merged ID
+    (tiktoken) or merged IDs strictly increase with the rank (HF vocabularies numbered in merge order: qwen3,
+    deepseek_v4, smollm2); the table is then that one row, uint64[1, cap], and a merge reads nothing more. Otherwise
+    the order is the rank and row 1 of uint64[2, cap] holds the merged ID, read when a pair merges (`one_row`
+    False: this form whatever the IDs, for tests)."""
     used = pkeys != EMPTY
     left = pkeys >> np.uint64(32)
     right = pkeys & np.uint64(0xFFFFFFFF)
+    ranks = pranks[used].astype(np.int64)
+    news = pnews[used].astype(np.int64)
+    by_rank = np.argsort(ranks, kind="stable")
+    follows = bool(np.array_equal(ranks, news)) or bool(
+        np.all(np.diff(ranks[by_rank]) > 0) and np.all(np.diff(news[by_rank]) > 0))
+    if one_row and not follows:
+        raise ValueError("merged IDs do not order the pairs as their ranks: the table needs its second row")
+    one_row = follows if one_row is None else one_row
+    order = pnews if one_row else pranks
     limit = (1 << PAIR_BITS) - 1
     if used.any() and (int(left[used].max()) >= limit or int(right[used].max()) >= limit
-                       or int(pranks[used].max()) >= limit):
+                       or int(order[used].max()) >= limit):
         raise ValueError(f"pair records hold IDs and ranks below {limit}")
-    rec = (left << np.uint64(PAIR_BITS)) | right | (pranks.astype(np.uint64) << np.uint64(2 * PAIR_BITS))
-    out = np.empty((2, pkeys.shape[0]), np.uint64)
+    rec = (left << np.uint64(PAIR_BITS)) | right | (order.astype(np.uint64) << np.uint64(2 * PAIR_BITS))
+    out = np.empty((1 if one_row else 2, pkeys.shape[0]), np.uint64)
     out[0] = np.where(used, rec, EMPTY)
-    out[1] = np.where(used, pnews.astype(np.int64), -1).astype(np.uint64)
+    if not one_row:
+        out[1] = np.where(used, pnews.astype(np.int64), -1).astype(np.uint64)
     return out
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _merged(ptab, order, slot):
+    """The merged ID of the pair found at `slot` with `order` (`pair_records`)."""
+    if ptab.shape[0] == 1:
+        return np.int32(order)
+    return np.int32(ptab[1, slot])
 
 
 @njit(cache=True, nogil=True)
 def _pair_rank(ptab, a, b):
-    """(rank, slot) of the pair (a, b), or (INF, -1); ptab[1, slot] is its merged ID (`pair_records`). The probe
-    sequence is `_build_pairs`' (the home of left << 32 | right), each probe one 8-byte word of row 0."""
+    """(order, slot) of the pair (a, b), or (INF, -1): its rank or what orders pairs as their ranks do, and where
+    `_merged` finds its merged ID (`pair_records`). The probe sequence is `_build_pairs`' (the home of
+    left << 32 | right), each probe one 8-byte word of row 0."""
     mask = ptab.shape[1] - 1
     key = (np.uint64(a) << np.uint64(32)) | np.uint64(b)
     want = (np.uint64(a) << np.uint64(PAIR_BITS)) | np.uint64(b)
@@ -175,7 +199,7 @@ def _pair_rank(ptab, a, b):
 def _merge_piece(buf, a, b, byte_ids, ptab, batch, sym, rk, nw, out, o):
     """BPE of buf[a:b] appended to out[o:]; returns the new o. sym/rk/nw: scratch of length >= b - a.
 
-    rk[i]/nw[i]: rank and pair-table slot of the pair (sym[i], sym[i+1]) (its product: ptab[1, nw[i]]). A round merges the leftmost occurrence of the
+    rk[i]/nw[i]: order and pair-table slot of the pair (sym[i], sym[i+1]) (`_pair_rank`). A round merges the leftmost occurrence of the
     minimum rank, then keeps merging later occurrences left to right for as long as the pairs the merges create
     rank strictly above the minimum: exactly then the next single leftmost merge would be that occurrence too.
     """
@@ -200,7 +224,7 @@ def _merge_piece(buf, a, b, byte_ids, ptab, batch, sym, rk, nw, out, o):
         done = False
         while i < k:
             if not done and i < k - 1 and rk[i] == best:
-                t = np.int32(ptab[1, nw[i]])
+                t = _merged(ptab, best, nw[i])
                 sym[w] = t
                 low = INF
                 if w > 0:       # the pair on the left now ends in the merged token: re-probe it
@@ -269,7 +293,7 @@ def _heap_pop(heap, n):
 def _merge_piece_heap(buf, a, b, byte_ids, ptab, sym, nxt, prv, prk, pnw, heap, out, o):
     """The same BPE as `_merge_piece` in O(m log m) for long pieces (CJK runs, long identifiers), where the
     rounds' rescans are quadratic. A min-heap of (rank, position) yields the leftmost minimum-rank pair; prk[p]/pnw[p]
-    hold the rank and pair-table slot of the pair now starting at p (INF when none), and an entry is live iff its position
+    hold the order and pair-table slot of the pair now starting at p (INF when none), and an entry is live iff its position
     still holds a symbol and prk of it equals the entry's rank (every current pair was pushed with its current rank,
     so the smallest live entry is the leftmost minimum; the check reads prk instead of probing the pair table
     again). Merges absorb the right symbol into the left one."""
@@ -296,7 +320,7 @@ def _merge_piece_heap(buf, a, b, byte_ids, ptab, sym, nxt, prv, prk, pnw, heap, 
         if sym[p] < 0 or prk[p] != r:
             continue
         q = nxt[p]
-        t = np.int32(ptab[1, pnw[p]])
+        t = _merged(ptab, r, pnw[p])
         sym[p] = t
         sym[q] = -1
         nq = nxt[q]
