@@ -199,9 +199,10 @@ def _pair_rank(ptab, a, b):
 def _merge_piece(buf, a, b, byte_ids, ptab, batch, sym, rk, nw, out, o):
     """BPE of buf[a:b] appended to out[o:]; returns the new o. sym/rk/nw: scratch of length >= b - a.
 
-    rk[i]/nw[i]: order and pair-table slot of the pair (sym[i], sym[i+1]) (`_pair_rank`). A round merges the leftmost occurrence of the
-    minimum rank, then keeps merging later occurrences left to right for as long as the pairs the merges create
-    rank strictly above the minimum: exactly then the next single leftmost merge would be that occurrence too.
+    rk[i]/nw[i]: order and pair-table slot of the pair (sym[i], sym[i+1]) (`_pair_rank`). A round merges the
+    leftmost occurrence of the minimum rank, then keeps merging later occurrences left to right for as long as the
+    pairs the merges create rank strictly above the minimum: exactly then the next single leftmost merge would be
+    that occurrence too.
     """
     INF = np.int32(0x7FFFFFFF)
     m = b - a
@@ -293,10 +294,10 @@ def _heap_pop(heap, n):
 def _merge_piece_heap(buf, a, b, byte_ids, ptab, sym, nxt, prv, prk, pnw, heap, out, o):
     """The same BPE as `_merge_piece` in O(m log m) for long pieces (CJK runs, long identifiers), where the
     rounds' rescans are quadratic. A min-heap of (rank, position) yields the leftmost minimum-rank pair; prk[p]/pnw[p]
-    hold the order and pair-table slot of the pair now starting at p (INF when none), and an entry is live iff its position
-    still holds a symbol and prk of it equals the entry's rank (every current pair was pushed with its current rank,
-    so the smallest live entry is the leftmost minimum; the check reads prk instead of probing the pair table
-    again). Merges absorb the right symbol into the left one."""
+    hold the order and pair-table slot of the pair now starting at p (INF when none), and an entry is live iff its
+    position still holds a symbol and prk of it equals the entry's rank (every current pair was pushed with its
+    current rank, so the smallest live entry is the leftmost minimum; the check reads prk instead of probing the
+    pair table again). Merges absorb the right symbol into the left one."""
     INF = np.int64(0x7FFFFFFF)
     m = b - a
     for i in range(m):
