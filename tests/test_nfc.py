@@ -68,7 +68,8 @@ def test_regions_cover_every_change(qwen3):
 def test_regions_scan_equals_a_code_point_gather():
     """The str scan (strbuf.false_at over the str's own buffer, every PEP 393 kind, texts with more non-inert
     characters than its first array holds) finds the same positions, and so the same spans, as a numpy gather of the
-    inert table over the code points."""
+    inert table over the code points; `all_inert`, the same scan, agrees with the gather too (a lone surrogate kept
+    as its code unit: not inert)."""
     rng = random.Random(5)
     pool = list(TRICKY) + list("abc xyz\n\u00e9\u00ff\u4e00\U0001F44D")
     texts = ["", "abc", "caf\u00e9", "e\u0301", "\u00ff" * 40 + "\u0301", "\U0001F44D\u0301x", "\u0301" * 64,
@@ -79,6 +80,10 @@ def test_regions_scan_equals_a_code_point_gather():
         want = np.flatnonzero(~nfc.inert_table()[cps]) if len(text) else np.zeros(0, np.int64)
         assert strbuf.false_at(text, nfc.inert_table()).tolist() == want.tolist()
         assert nfc.regions(text).tolist() == nfc._spans(want).tolist()
+        assert nfc.all_inert(text) == (want.size == 0)
+    for text in ("abc\ud800", "\udfff", "x" * 100 + "\ud83d"):       # lone surrogates
+        units = np.frombuffer(text.encode("utf-32-le", "surrogatepass"), dtype=np.uint32)
+        assert not nfc.inert_table()[units].all() and not nfc.all_inert(text)
 
 
 def nfc_codepoints(text):
