@@ -150,9 +150,10 @@ def pair_records(pkeys: np.ndarray, pranks: np.ndarray, pnews: np.ndarray, one_r
     right = pkeys & np.uint64(0xFFFFFFFF)
     ranks = pranks[used].astype(np.int64)
     news = pnews[used].astype(np.int64)
-    by_rank = np.argsort(ranks, kind="stable")
-    follows = bool(np.array_equal(ranks, news)) or bool(
-        np.all(np.diff(ranks[by_rank]) > 0) and np.all(np.diff(news[by_rank]) > 0))
+    follows = bool(np.array_equal(ranks, news))
+    if not follows:
+        by_rank = np.argsort(ranks, kind="stable")
+        follows = bool(np.all(np.diff(ranks[by_rank]) > 0) and np.all(np.diff(news[by_rank]) > 0))
     if one_row and not follows:
         raise ValueError("merged IDs do not order the pairs as their ranks: the table needs its second row")
     one_row = follows if one_row is None else one_row
