@@ -37,7 +37,10 @@ def test_entropy_matches_float64(dtype: torch.dtype) -> None:
         x = x.to(dtype)
         want = _f64_entropy(x)
         got = entropy(x)
-        assert abs(got - want) <= 1e-11 * max(1.0, abs(want)), (name, got, want)
+        # float32 rows: float32 exponentials (within 4e-9 normalized here, far inside the logits' own rounding);
+        # float64 rows: float64 exponentials
+        tol = 2e-7 if dtype == torch.float32 else 1e-11
+        assert abs(got - want) <= tol * max(1.0, abs(want)), (name, got, want)
         assert normalized_entropy(x) == got / math.log(x.shape[0])
 
 
@@ -45,7 +48,9 @@ def test_entropy_closed_forms() -> None:
     assert math.isclose(entropy(torch.zeros(16)), math.log(16), rel_tol=1e-14)
     assert normalized_entropy(torch.tensor([0.0, 50.0, 0.0, 0.0], dtype=torch.float64)) < 1e-15
     p = torch.softmax(torch.tensor([1.0, 2.0, 3.0], dtype=torch.float64), -1)
-    assert math.isclose(entropy(torch.tensor([1.0, 2.0, 3.0])), float(-(p * p.log()).sum()), rel_tol=1e-12)
+    want = float(-(p * p.log()).sum())
+    assert math.isclose(entropy(torch.tensor([1.0, 2.0, 3.0], dtype=torch.float64)), want, rel_tol=1e-12)
+    assert math.isclose(entropy(torch.tensor([1.0, 2.0, 3.0])), want, rel_tol=1e-7)
     assert math.isnan(entropy(torch.tensor([0.0, math.nan, 1.0])))
     assert math.isnan(entropy(torch.tensor([0.0, math.inf, 1.0])))
     assert math.isnan(entropy(torch.full((4,), -math.inf)))

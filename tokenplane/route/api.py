@@ -80,8 +80,8 @@ class StepResult:
         return torch.log_softmax(self.logits, dim=-1)
 
     def entropy(self) -> float:
-        """Shannon entropy of the next-token distribution, in nats (entropy.py: one float64 pass, the same bits for
-        a row whatever batch, process or thread count computed its logits' entropy)."""
+        """Shannon entropy of the next-token distribution, in nats (entropy.py: one compiled pass with float64 sums,
+        the same bits for a row whatever batch, process or thread count computed its logits' entropy)."""
         from .entropy import entropy
         return entropy(self.logits)
 
