@@ -5,7 +5,7 @@ vocabulary (~0.4-0.8 ms per row at V = 151,936 on one core). A one-pass kernel (
 with float64 sums; here, not in tokenplane) is far more accurate, but a decision may use a value that differs from the
 reference only where it is certainly on the same side of the threshold: farther than the reference's own float32
 error. (Session 28 replaced the signal itself instead: StepResult.normalized_entropy is now route/entropy.py's
-float64 pass, row "runtime", used by the reference router and the runtime alike.) This measures:
+compiled pass (float64 sums), row "runtime", used by the reference router and the runtime alike.) This measures:
   1. per-row cost: reference, the same ops with the product in place (bit-identical), the one-pass kernel;
   2. the reference's error against float64 on random rows (scales 0.01-100) and on structured rows (k tied maxima over
      a flat tail: the float32 sums' rounding errors all point the same way), and the kernel's;
@@ -91,7 +91,7 @@ def reference(x: torch.Tensor) -> float:
 
 
 def runtime(x: torch.Tensor) -> float:
-    """StepResult.normalized_entropy today: tokenplane/route/entropy.py's compiled float64 pass."""
+    """StepResult.normalized_entropy today: tokenplane/route/entropy.py's compiled pass (float32 exponentials for float32 logits, float64 sums)."""
     from tokenplane.route.api import StepResult
     return StepResult("r", 0, 0, 0, x).normalized_entropy()
 
