@@ -59,44 +59,7 @@ def _exp_block(x, start, n, m, d, p, kf):  # noqa: ANN001
                 + r8 * ((_C8 + r * _C9) + r2 * _C10))
 
 
-@njit(cache=True, nogil=True)
-def _scale_block(n, pbits, kbits):  # noqa: ANN001
-    """p *= 2^n by adding n to the exponent field (n << 52 in two's complement: the magic's own bits shift out)."""
-    for j in range(n):
-        pbits[j] += kbits[j] << 52
-
-
-@njit(cache=True, nogil=True, fastmath={"reassoc", "contract"})
-def _sum_block(n, p, d):  # noqa: ANN001
-    s = 0.0
-    t = 0.0
-    for j in range(n):
-        s += p[j]
-        t += p[j] * d[j]
-    return s, t
-
-
-@njit(cache=True, nogil=True)
-def _entropy(x, m):  # noqa: ANN001
-    d = np.empty(_BLOCK, np.float64)
-    p = np.empty(_BLOCK, np.float64)
-    kf = np.empty(_BLOCK, np.float64)
-    pbits = p.view(np.int64)
-    kbits = kf.view(np.int64)
-    s = 0.0
-    t = 0.0
-    size = x.shape[0]
-    for start in range(0, size, _BLOCK):
-        n = min(_BLOCK, size - start)
-        _exp_block(x, start, n, m, d, p, kf)
-        _scale_block(n, pbits, kbits)
-        bs, bt = _sum_block(n, p, d)
-        s += bs
-        t += bt
-    return math.log(s) - t / s
-
-
-# float32 rows: the same three block passes in float32 (8 lanes on AVX2), the sums in float64
+# float32 rows: the exponentials in float32 (8 lanes on AVX2); the sums in float64 either way (_sum_block)
 _MAGIC32 = np.float32(12582912.0)         # 1.5 * 2**23: adding it rounds a float32 to an integer in the low mantissa
 _LOG2E32 = np.float32(_LOG2E)
 _LN2HI32 = np.float32(0.693359375)        # ln 2 = _LN2HI32 + _LN2LO32 (Cephes' split: n * _LN2HI32 is exact)
@@ -122,14 +85,16 @@ def _exp_block32(x, start, n, m, d, p, kf):  # noqa: ANN001
 
 
 @njit(cache=True, nogil=True)
-def _scale_block32(n, pbits, kbits):  # noqa: ANN001
-    """p *= 2^n through the exponent field (n << 23 in int32: the magic's own bits shift out)."""
+def _scale_block(n, pbits, kbits, shift):  # noqa: ANN001
+    """p *= 2^n by adding n to the exponent field (n << 52 for float64, << 23 for float32, in two's complement: the
+    magic's own bits shift out)."""
     for j in range(n):
-        pbits[j] += kbits[j] << 23
+        pbits[j] += kbits[j] << shift
 
 
 @njit(cache=True, nogil=True, fastmath={"reassoc", "contract"})
-def _sum_block32(n, p, d):  # noqa: ANN001
+def _sum_block(n, p, d):  # noqa: ANN001
+    """(sum p, sum p * d) in float64, whatever p's and d's float width."""
     s = 0.0
     t = 0.0
     for j in range(n):
@@ -140,23 +105,34 @@ def _sum_block32(n, p, d):  # noqa: ANN001
 
 
 @njit(cache=True, nogil=True)
-def _entropy32(x, m):  # noqa: ANN001
-    d = np.empty(_BLOCK, np.float32)
-    p = np.empty(_BLOCK, np.float32)
-    kf = np.empty(_BLOCK, np.float32)
-    pbits = p.view(np.int32)
-    kbits = kf.view(np.int32)
+def _blocks(x, m, d, p, kf, pbits, kbits, shift):  # noqa: ANN001
+    """log S - T / S over x in blocks of _BLOCK entries; shift 23: float32 scratch and exponentials, 52: float64."""
     s = 0.0
     t = 0.0
     size = x.shape[0]
     for start in range(0, size, _BLOCK):
         n = min(_BLOCK, size - start)
-        _exp_block32(x, start, n, m, d, p, kf)
-        _scale_block32(n, pbits, kbits)
-        bs, bt = _sum_block32(n, p, d)
+        if shift == 23:
+            _exp_block32(x, start, n, m, d, p, kf)
+        else:
+            _exp_block(x, start, n, m, d, p, kf)
+        _scale_block(n, pbits, kbits, shift)
+        bs, bt = _sum_block(n, p, d)
         s += bs
         t += bt
     return math.log(s) - t / s
+
+
+@njit(cache=True, nogil=True)
+def _entropy(x, m):  # noqa: ANN001
+    d, p, kf = np.empty(_BLOCK, np.float64), np.empty(_BLOCK, np.float64), np.empty(_BLOCK, np.float64)
+    return _blocks(x, m, d, p, kf, p.view(np.int64), kf.view(np.int64), 52)
+
+
+@njit(cache=True, nogil=True)
+def _entropy32(x, m):  # noqa: ANN001
+    d, p, kf = np.empty(_BLOCK, np.float32), np.empty(_BLOCK, np.float32), np.empty(_BLOCK, np.float32)
+    return _blocks(x, m, d, p, kf, p.view(np.int32), kf.view(np.int32), 23)
 
 
 def entropy(logits: torch.Tensor) -> float:
