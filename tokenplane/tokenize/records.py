@@ -4,9 +4,9 @@ A token's end in the normalized text is the previous end plus the characters its
 `char_len[id]`, a property of the vocabulary, specials included), so a per-token ends array (4 bytes/token) is
 redundant. What is kept beside the IDs (uint32, 4 bytes/token, grown by a fraction) is:
 
-- a checkpoint per block of 64 tokens: `ck[j]` = end of the tokens before index 64*j (0.125 bytes/token), so any
-  end is a checkpoint plus at most 63 table lookups and a search by position is a binary search over the
-  checkpoints then a scan of one block;
+- a checkpoint per block of 128 tokens: `ck[j]` = end of the tokens before index 128*j (0.0625 bytes/token), so
+  any end is a checkpoint plus at most 127 table lookups (~0.1 us, a few per edit) and a search by position is a
+  binary search over the checkpoints then a scan of one block;
 - the exceptions, (index, extra characters) for tokens whose end moves by more than their own characters: a
   vocabulary without a token for some byte (smollm2) drops that byte's character from the token stream, so the next
   token's end also covers it. Empty for every other family and for most text; O(such tokens) when present.
@@ -34,10 +34,10 @@ import numpy as np
 from .cpu import kernels
 from .cpu.lazyjit import njit  # numba itself only when a JIT kernel runs (lazyjit.py); AOT: kernels.py
 
-SHIFT = 6                   # 64 tokens per checkpoint
+SHIFT = 7                   # 128 tokens per checkpoint
 MIN_CAPACITY = 64           # records allocated for an empty session
-GROWTH = 32                 # capacity grows to n + n / GROWTH + 16 (at most ~3% slack; a reallocation copies the
-MAX_SLACK = 1 << 16         # IDs, amortized 32 x 4 bytes per appended token) and at most 64K records beyond n;
+GROWTH = 64                 # capacity grows to n + n / GROWTH + 16 (at most ~1.6% slack; a reallocation copies the
+MAX_SLACK = 1 << 16         # IDs, amortized 64 x 4 bytes per appended token) and at most 64K records beyond n;
                             # a first fill (no records yet) is sized exactly: nothing has been appended to it yet
 
 
@@ -124,15 +124,15 @@ def _fill_checkpoints(ids, ck, tc, ex_i, ex_v, j0, j1):
 @njit(cache=True)
 def _moved_checkpoints(ids, ck, tc, ex_i, ex_v, n_old, shift, delta, j_first, out):
     """Checkpoints of the moved right part, from the old records before the move: new block j's checkpoint is the
-    end of old record j*64 - 1 - shift, plus the length change. That record sits at the same offset in every old
-    block, so each costs min(offset + 1, 63 - offset) table lookups from the nearer old checkpoint (1-2 for the
+    end of old record j*128 - 1 - shift, plus the length change. That record sits at the same offset in every old
+    block, so each costs min(offset + 1, 127 - offset) table lookups from the nearer old checkpoint (1-2 for the
     typical edit that changes the count by a few tokens), not a scan of the moved records."""
     old_last = (n_old - 1) >> SHIFT
     for k in range(out.shape[0]):
         x = ((j_first + k) << SHIFT) - 1 - shift
         b = x >> SHIFT
         r = x - (b << SHIFT)
-        if ex_i.shape[0] == 0 and r >= 32 and b + 1 <= old_last:
+        if ex_i.shape[0] == 0 and r >= (1 << (SHIFT - 1)) and b + 1 <= old_last:
             s = np.int64(ck[b + 1])
             for t in range(x + 1, (b + 1) << SHIFT):
                 s -= tc[ids[t]]
