@@ -195,6 +195,36 @@ def test_fused_window_refuses_a_lone_surrogate(aot, use):
             segments.encode_segments(enc.bpe, "cl100k_base", "ab\ud800c", [(0, 4)], tc=tok.vocab_facts.token_chars)
 
 
+def test_cross_kind_prefix_compare_equals_startswith(aot):
+    """The text store's cross-kind compare (textstore._match_at: one loop per pair of str widths) on both kernel
+    sets, every pair of PEP 393 kinds, a mismatch planted at and around its 4,096-character block edges or nowhere:
+    equal to str.startswith (1: same kind, the caller's memcmp answers)."""
+    rng = random.Random(11)
+    narrow, wide, astral = ["a", " ", "\u00e9", "\x00", "\u00ff"], ["\u0100", "\u4e2d", "\uffff"], ["\U0001F642", "\U0010ffff"]
+    pools = {1: narrow, 2: narrow + wide, 4: narrow + wide + astral}
+    top = {1: "\u00ff", 2: "\uffff", 4: "\U0010ffff"}
+
+    def make(kind: int, n: int) -> str:
+        body = "".join(rng.choice(pools[kind]) for _ in range(n))
+        return body + top[kind] if n else ""
+
+    for k in (aot, kernels.jit_kernels()):
+        for ck in (1, 2, 4):
+            for tk in (1, 2, 4):
+                for n in (0, 5, 4095, 4097, 9000):
+                    chunk = make(ck, n)
+                    head = make(tk, rng.randint(0, 3))
+                    for where in (None, 0, 4095, 4096, 4097, len(chunk) - 1):
+                        text = head + chunk + make(tk, 2)
+                        if where is not None and 0 <= where < len(chunk):
+                            p = len(head) + where
+                            text = text[:p] + ("b" if text[p] != "b" else "c") + text[p + 1:]
+                        for off in (len(head), max(0, len(head) - 1), len(text)):
+                            r = k.text_match_at(chunk, text, off)
+                            want = text.startswith(chunk, off)
+                            assert (want if r == 1 else r == 2) == want, (k.kind, ck, tk, n, where, off, r)
+
+
 def test_guard_sends_mismatched_arguments_to_the_jit_kernel(aot):
     """A compiled kernel trusts dtypes and layout; the guard must route anything else to numba (no crash)."""
     table = (np.arange(256) % 100).astype(np.int8)

@@ -14,10 +14,14 @@ import sys
 from dataclasses import dataclass
 from typing import Protocol
 
+import numpy as np
+
 from .cpu import kernels
 from .cpu.lazyjit import njit, numba_global  # numba itself only when a JIT kernel runs; AOT: kernels.py
 
-_get_code_point = numba_global("numba.cpython.unicode", "_get_code_point")
+_deref_uint8 = numba_global("numba.cpython.unicode", "deref_uint8")
+_deref_uint16 = numba_global("numba.cpython.unicode", "deref_uint16")
+_deref_uint32 = numba_global("numba.cpython.unicode", "deref_uint32")
 
 CHUNK_MERGE = 1 << 16      # appends smaller than this merge into the last text chunk (bounded copy)
 WIDTH_RUN = 1024           # narrow gaps shorter than this stay inside a wide run (fewer, larger chunks: a prefix
@@ -72,20 +76,41 @@ def width_runs(s: str) -> list[str]:
 def _match_at(chunk, text, off):
     """1: the strs have the same kind (the caller's `startswith` is one memcmp); otherwise 2 if text[off:] starts
     with chunk, 0 if not. CPython compares strs of different kinds one character at a time through a kind switch
-    (~0.3 ns/char); this blocked compare of the two buffers runs ~2.5x faster."""
-    if chunk._kind == text._kind:
+    (~0.3 ns/char). Here a chunk of a wider kind than the text never matches (a compact str is stored at the width
+    of its widest character), and a narrower one is compared in blocks, one loop per pair of widths whose
+    accumulator is truncated to the wider width each step: numba widens `a ^ b` of small unsigned integers to 64
+    bits, and LLVM vectorizes such a loop four lanes at a time (~0.13 ns/char for 1 vs 2 bytes) where the truncated
+    one takes sixteen (~0.06)."""
+    ck = chunk._kind
+    tk = text._kind
+    if ck == tk:
         return 1
     n = len(chunk)
-    if off + n > len(text):
+    if ck > tk or off + n > len(text):
         return 0
+    cd = chunk._data
+    td = text._data
     i = 0
     while i < n:
-        e = min(n, i + 1024)
-        acc = 0
-        for j in range(i, e):
-            acc |= _get_code_point(chunk, j) ^ _get_code_point(text, off + j)
-        if acc:
-            return 0
+        e = min(n, i + 4096)
+        if tk == 2:     # chunk of 1 byte a character
+            acc16 = np.uint16(0)
+            for j in range(i, e):
+                acc16 = np.uint16(acc16 | np.uint16(np.uint16(_deref_uint8(cd, j)) ^ _deref_uint16(td, off + j)))
+            if acc16:
+                return 0
+        elif ck == 1:   # 1 against 4 bytes
+            acc = np.uint32(0)
+            for j in range(i, e):
+                acc = np.uint32(acc | np.uint32(np.uint32(_deref_uint8(cd, j)) ^ _deref_uint32(td, off + j)))
+            if acc:
+                return 0
+        else:           # 2 against 4 bytes
+            acc = np.uint32(0)
+            for j in range(i, e):
+                acc = np.uint32(acc | np.uint32(np.uint32(_deref_uint16(cd, j)) ^ _deref_uint32(td, off + j)))
+            if acc:
+                return 0
         i = e
     return 2
 
