@@ -29,7 +29,12 @@ import math
 
 import numpy as np
 import torch
-from numba import njit
+from llvmlite import ir
+from numba import njit, types
+from numba.core import cgutils
+from numba.extending import intrinsic, models, register_model
+
+from tokenplane.engine.cpu_simd import _pointer
 
 _BLOCK = 1024                        # entries per block: the three float64 scratch rows stay in L1
 _MAGIC = 6755399441055744.0          # 1.5 * 2**52: adding it rounds a double to an integer kept in the low mantissa
@@ -69,70 +74,146 @@ _D2, _D3, _D4, _D5, _D6, _D7 = (np.float32(1.0 / math.factorial(k)) for k in ran
 _ONE32 = np.float32(1.0)
 
 
-@njit(cache=True, nogil=True, fastmath={"contract"})
-def _exp_block32(x, start, n, m, d, p, kf):  # noqa: ANN001
-    """_exp_block in float32: d = max(x - m, _FLOOR32), p = p(r), kf holds n in its low mantissa bits."""
-    for j in range(n):
-        dj = max(x[start + j] - m, _FLOOR32)
-        d[j] = dj
-        k = dj * _LOG2E32 + _MAGIC32
-        kf[j] = k
-        t = k - _MAGIC32
-        r = dj - t * _LN2HI32 - t * _LN2LO32
-        r2 = r * r
-        r4 = r2 * r2
-        p[j] = ((_ONE32 + r) + r2 * (_D2 + r * _D3)) + r4 * ((_D4 + r * _D5) + r2 * (_D6 + r * _D7))
+_VF = ir.VectorType(ir.FloatType(), 8)
+_VD = ir.VectorType(ir.DoubleType(), 8)
+_VI = ir.VectorType(ir.IntType(32), 8)
+
+
+class _Vec8d(types.Type):
+    """Eight float64 lanes held as one LLVM vector value (two ymm registers on AVX2, one zmm on AVX-512)."""
+
+    def __init__(self) -> None:
+        super().__init__(name="Vec8f64")
+
+
+_vec8d = _Vec8d()
+
+
+@register_model(_Vec8d)
+class _Vec8dModel(models.PrimitiveModel):
+    def __init__(self, dmm, fe_type) -> None:  # noqa: ANN001
+        super().__init__(dmm, fe_type, _VD)
+
+
+def _splat(value: float, vt: ir.VectorType) -> ir.Constant:
+    return ir.Constant(vt, [value] * vt.count)
+
+
+@intrinsic
+def _zero8d(typingctx):  # noqa: ANN001
+    def codegen(context, builder, signature, args):  # noqa: ANN001
+        return _splat(0.0, _VD)
+    return _vec8d(), codegen
+
+
+@intrinsic
+def _exp_sum8(typingctx, flat, index, m, s, t):  # noqa: ANN001
+    """(s + p, t + p * d) lane-wise for the 8 float32 logits flat[index : index + 8]: d = max(x - m, _FLOOR32),
+    p = exp(d) = 2^n * p(r) (n rounded by adding _MAGIC32 in a fused multiply-add, r by Cody-Waite's split of ln 2,
+    p of degree 7 by Estrin's scheme, n added to p's exponent field), p and d widened to float64 for the sums (one
+    add and one fused multiply-add a lane)."""
+    def codegen(context, builder, signature, args):  # noqa: ANN001
+        def fma(a, b, c, vt=_VF):  # noqa: ANN001, ANN202
+            fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(vt, [vt, vt, vt]),
+                                                "llvm.fma.v8f32" if vt is _VF else "llvm.fma.v8f64")
+            return builder.call(fn, [a, b, c])
+        ptr = builder.bitcast(_pointer(context, builder, signature.args[0], args[0], args[1]), _VF.as_pointer())
+        x = builder.load(ptr, align=4)
+        mv = builder.insert_element(ir.Constant(_VF, ir.Undefined), args[2], ir.Constant(ir.IntType(32), 0))
+        mv = builder.shuffle_vector(mv, mv, ir.Constant(_VI, [0] * 8))
+        d = builder.fsub(x, mv)
+        floor = _splat(float(_FLOOR32), _VF)
+        d = builder.select(builder.fcmp_ordered(">", d, floor), d, floor)   # -inf (masked) -> the floor
+        k = fma(d, _splat(float(_LOG2E32), _VF), _splat(float(_MAGIC32), _VF))
+        n = builder.fsub(k, _splat(float(_MAGIC32), _VF))
+        neg = builder.fneg(n)
+        r = fma(neg, _splat(float(_LN2HI32), _VF), d)
+        r = fma(neg, _splat(float(_LN2LO32), _VF), r)
+        r2 = builder.fmul(r, r)
+        r4 = builder.fmul(r2, r2)
+        lo = fma(r2, fma(r, _splat(float(_D3), _VF), _splat(float(_D2), _VF)),
+                 builder.fadd(r, _splat(1.0, _VF)))
+        hi = fma(r2, fma(r, _splat(float(_D7), _VF), _splat(float(_D6), _VF)),
+                 fma(r, _splat(float(_D5), _VF), _splat(float(_D4), _VF)))
+        p = fma(r4, hi, lo)
+        bits = builder.add(builder.bitcast(p, _VI), builder.shl(builder.bitcast(k, _VI), ir.Constant(_VI, [23] * 8)))
+        pd = builder.fpext(builder.bitcast(bits, _VF), _VD)
+        s = builder.fadd(args[3], pd)
+        t = fma(pd, builder.fpext(d, _VD), args[4], _VD)
+        return context.make_tuple(builder, signature.return_type, (s, t))
+    return types.UniTuple(_vec8d, 2)(flat, index, m, _vec8d, _vec8d), codegen
+
+
+@intrinsic
+def _hsum8d(typingctx, v):  # noqa: ANN001
+    """The 8 lanes' sum in one fixed order: (l0 + l4) + (l2 + l6)) + ((l1 + l5) + (l3 + l7))."""
+    def codegen(context, builder, signature, args):  # noqa: ANN001
+        v4 = ir.VectorType(ir.DoubleType(), 4)
+        v2 = ir.VectorType(ir.DoubleType(), 2)
+        a = builder.fadd(builder.shuffle_vector(args[0], args[0], ir.Constant(ir.VectorType(ir.IntType(32), 4),
+                                                                              [0, 1, 2, 3])),
+                         builder.shuffle_vector(args[0], args[0], ir.Constant(ir.VectorType(ir.IntType(32), 4),
+                                                                              [4, 5, 6, 7])))
+        b = builder.fadd(builder.shuffle_vector(a, a, ir.Constant(ir.VectorType(ir.IntType(32), 2), [0, 1])),
+                         builder.shuffle_vector(a, a, ir.Constant(ir.VectorType(ir.IntType(32), 2), [2, 3])))
+        del v4, v2
+        return builder.fadd(builder.extract_element(b, ir.Constant(ir.IntType(32), 0)),
+                            builder.extract_element(b, ir.Constant(ir.IntType(32), 1)))
+    return types.float64(_vec8d), codegen
 
 
 @njit(cache=True, nogil=True)
-def _scale_block(n, pbits, kbits, shift):  # noqa: ANN001
-    """p *= 2^n by adding n to the exponent field (n << 52 for float64, << 23 for float32, in two's complement: the
-    magic's own bits shift out)."""
+def _entropy32(x, m):  # noqa: ANN001
+    """log S - T / S of a float32 row, 8 lanes at a time (`_exp_sum8`); the last n % 8 logits through the same lane
+    code from an 8-entry copy padded with -inf, which counts exp(-87) a pad: below float64's resolution of S >= 1."""
+    n = x.shape[0]
+    full = n - n % 8
+    s = _zero8d()
+    t = _zero8d()
+    for j in range(0, full, 8):
+        s, t = _exp_sum8(x, j, m, s, t)
+    if full < n:
+        tail = np.full(8, -np.inf, np.float32)
+        tail[:n - full] = x[full:]
+        s, t = _exp_sum8(tail, 0, m, s, t)
+    ss = _hsum8d(s)
+    return math.log(ss) - _hsum8d(t) / ss
+
+
+@njit(cache=True, nogil=True)
+def _scale_block(n, pbits, kbits):  # noqa: ANN001
+    """p *= 2^n by adding n << 52 to the exponent field (in two's complement: the magic's own bits shift out)."""
     for j in range(n):
-        pbits[j] += kbits[j] << shift
+        pbits[j] += kbits[j] << 52
 
 
 @njit(cache=True, nogil=True, fastmath={"reassoc", "contract"})
 def _sum_block(n, p, d):  # noqa: ANN001
-    """(sum p, sum p * d) in float64, whatever p's and d's float width."""
+    """(sum p, sum p * d)."""
     s = 0.0
     t = 0.0
     for j in range(n):
-        pj = np.float64(p[j])
-        s += pj
-        t += pj * np.float64(d[j])
+        s += p[j]
+        t += p[j] * d[j]
     return s, t
 
 
 @njit(cache=True, nogil=True)
-def _blocks(x, m, d, p, kf, pbits, kbits, shift):  # noqa: ANN001
-    """log S - T / S over x in blocks of _BLOCK entries; shift 23: float32 scratch and exponentials, 52: float64."""
+def _entropy(x, m):  # noqa: ANN001
+    """log S - T / S of a float64 row, in blocks of _BLOCK entries."""
+    d, p, kf = np.empty(_BLOCK, np.float64), np.empty(_BLOCK, np.float64), np.empty(_BLOCK, np.float64)
+    pbits, kbits = p.view(np.int64), kf.view(np.int64)
     s = 0.0
     t = 0.0
     size = x.shape[0]
     for start in range(0, size, _BLOCK):
         n = min(_BLOCK, size - start)
-        if shift == 23:
-            _exp_block32(x, start, n, m, d, p, kf)
-        else:
-            _exp_block(x, start, n, m, d, p, kf)
-        _scale_block(n, pbits, kbits, shift)
+        _exp_block(x, start, n, m, d, p, kf)
+        _scale_block(n, pbits, kbits)
         bs, bt = _sum_block(n, p, d)
         s += bs
         t += bt
     return math.log(s) - t / s
-
-
-@njit(cache=True, nogil=True)
-def _entropy(x, m):  # noqa: ANN001
-    d, p, kf = np.empty(_BLOCK, np.float64), np.empty(_BLOCK, np.float64), np.empty(_BLOCK, np.float64)
-    return _blocks(x, m, d, p, kf, p.view(np.int64), kf.view(np.int64), 52)
-
-
-@njit(cache=True, nogil=True)
-def _entropy32(x, m):  # noqa: ANN001
-    d, p, kf = np.empty(_BLOCK, np.float32), np.empty(_BLOCK, np.float32), np.empty(_BLOCK, np.float32)
-    return _blocks(x, m, d, p, kf, p.view(np.int32), kf.view(np.int32), 23)
 
 
 def entropy(logits: torch.Tensor) -> float:
