@@ -225,6 +225,32 @@ def test_cross_kind_prefix_compare_equals_startswith(aot):
                             assert (want if r == 1 else r == 2) == want, (k.kind, ck, tk, n, where, off, r)
 
 
+def test_packed_run_compare_equals_startswith(aot):
+    """A packed wide run's prefix check (packedrun._match_at: low bytes and the count of wide characters in one pass,
+    then the exceptions) on both kernel sets: resent text of 2 and 4 bytes a character, a change planted at an
+    exception, at a narrow character (low byte, high byte only, widened) or nowhere, at and around block edges."""
+    from tokenplane.tokenize.packedrun import pack
+
+    rng = random.Random(12)
+    body = [rng.choice("abc de\u00e9\u00ff") if rng.random() > 0.03 else rng.choice("\u0159\u010d\u4e2d")
+            for _ in range(9000)]
+    run_text = "".join(body)
+    run = pack(run_text, 2)
+    assert run is not None
+    for k in (aot, kernels.jit_kernels()):
+        for tail in ("", "x", "\U0001F642"):
+            text = "\u0159 " + run_text + tail
+            for where in (None, 0, 4095, 4096, 4097, 8999, *rng.sample(range(9000), 20)):
+                for new in ("b", "\u0100", "\u01e9", "\U0001F642"):
+                    changed = text
+                    if where is not None:
+                        p = 2 + where
+                        changed = text[:p] + (new if text[p] != new else "c") + text[p + 1:]
+                    for off in (2, 1, 3):
+                        got = bool(k.packed_match_at(run.low, run.exc, changed, off))
+                        assert got == changed.startswith(run_text, off), (k.kind, tail, where, new, off)
+
+
 def test_guard_sends_mismatched_arguments_to_the_jit_kernel(aot):
     """A compiled kernel trusts dtypes and layout; the guard must route anything else to numba (no crash)."""
     table = (np.arange(256) % 100).astype(np.int8)

@@ -17,7 +17,8 @@ from typing import Protocol
 import numpy as np
 
 from .cpu import kernels
-from .cpu.lazyjit import njit, numba_global  # numba itself only when a JIT kernel runs; AOT: kernels.py
+from .cpu.lazyjit import njit, numba_global
+from .packedrun import PackedRun, pack  # numba itself only when a JIT kernel runs; AOT: kernels.py
 
 _deref_uint8 = numba_global("numba.cpython.unicode", "deref_uint8")
 _deref_uint16 = numba_global("numba.cpython.unicode", "deref_uint16")
@@ -187,13 +188,25 @@ def common_suffix_len(a: str, b: str, b_end: int | None = None) -> int:
     return k + lo
 
 
+Chunk = str | PackedRun
+
+
+def _str(c: Chunk) -> str:
+    return c if isinstance(c, str) else str(c)
+
+
+def _starts_with(text: str, c: Chunk, off: int) -> bool:
+    return starts_with_at(text, c, off) if isinstance(c, str) else c.match_at(text, off)
+
+
 class TextStore:
-    """Text as a list of chunks with start offsets; appends are O(len(chunk)), `joined` compacts lazily."""
+    """Text as a list of chunks with start offsets; appends are O(len(chunk)), `joined` compacts lazily. A wide run
+    that the store has moved past (a chunk appended after it) is kept packed (packedrun.py) where that saves space."""
 
     __slots__ = ("chunks", "starts", "length")
 
-    def __init__(self, chunks: list[str] | None = None):
-        self.chunks = [c for c in (chunks or []) if c]
+    def __init__(self, chunks: list[Chunk] | None = None):
+        self.chunks: list[Chunk] = [c for c in (chunks or []) if len(c)]
         self._reindex()
 
     def _reindex(self) -> None:
@@ -237,10 +250,13 @@ class TextStore:
         store already holds more chunks than its budget (one per 8K characters, plus 64): the Python-level
         per-chunk work of a prefix check stays bounded while text of mixed widths keeps each run at its own."""
         chunks = self.chunks
-        if chunks and len(chunks[-1]) + len(s) <= CHUNK_MERGE and (
-                char_width(chunks[-1]) == char_width(s) or len(chunks) > 64 + self.length // 8192):
-            chunks[-1] += s
+        last = chunks[-1] if chunks else None
+        if isinstance(last, str) and len(last) + len(s) <= CHUNK_MERGE and (
+                char_width(last) == char_width(s) or len(chunks) > 64 + self.length // 8192):
+            chunks[-1] = last + s
         else:
+            if isinstance(last, str) and (w := char_width(last)) > 1 and not last.isascii():
+                chunks[-1] = pack(last, w) or last      # sealed: nothing merges into it any more
             self.starts.append(self.length)
             chunks.append(s)
         self.length += len(s)
@@ -256,7 +272,7 @@ class TextStore:
         if i == j:
             o = self.starts[i]
             return self.chunks[i][a - o:b - o]
-        return "".join([self.chunks[i][a - self.starts[i]:], *self.chunks[i + 1:j],
+        return "".join([self.chunks[i][a - self.starts[i]:], *map(_str, self.chunks[i + 1:j]),
                         self.chunks[j][:b - self.starts[j]]])
 
     def char(self, pos: int) -> str:
@@ -313,22 +329,22 @@ class TextStore:
         """The whole text. Kept as the store's one chunk when that costs no width (all chunks ASCII); otherwise
         joined per call: one wide character would make a kept copy of the whole text 2-4 bytes/character."""
         if len(self.chunks) > 1:
-            text = "".join(self.chunks)
+            text = "".join(map(_str, self.chunks))
             if not text.isascii():
                 return text
             self.chunks = [text]
             self.starts = [0]
-        return self.chunks[0] if self.chunks else ""
+        return _str(self.chunks[0]) if self.chunks else ""
 
     def is_prefix_of(self, text: str) -> bool:
         if len(self.chunks) == 1 and text.isascii():    # an adopted resend (`adopt`): one memcmp
-            return text.startswith(self.chunks[0])
-        return self.length <= len(text) and all(starts_with_at(text, c, o) for c, o in zip(self.chunks, self.starts))
+            return text.startswith(_str(self.chunks[0]))
+        return self.length <= len(text) and all(_starts_with(text, c, o) for c, o in zip(self.chunks, self.starts))
 
     def common_prefix(self, text: str) -> int:
         for c, o in zip(self.chunks, self.starts):
-            if not starts_with_at(text, c, o):
-                return o + common_prefix_len(c, text, o) if o <= len(text) else len(text)
+            if not _starts_with(text, c, o):
+                return o + common_prefix_len(_str(c), text, o) if o <= len(text) else len(text)
         return min(self.length, len(text))
 
     def common_suffix(self, text: str, limit: int) -> int:
@@ -336,7 +352,7 @@ class TextStore:
         shift, k = len(text) - self.length, 0
         for c, o in zip(reversed(self.chunks), reversed(self.starts)):
             lo = max(o, self.length - limit)
-            seg = c if lo == o else c[lo - o:]
+            seg = _str(c) if lo == o else c[lo - o:]
             end = o + len(c) + shift
             if text.endswith(seg, 0, end):
                 k += len(seg)
@@ -384,7 +400,7 @@ class TextStore:
         for c in self.chunks:
             if id(c) not in seen:
                 seen.add(id(c))
-                total += sys.getsizeof(c)
+                total += sys.getsizeof(c) if isinstance(c, str) else c.nbytes
         return total
 
 

@@ -46,7 +46,7 @@ _HERE = Path(__file__).resolve().parent
 # The modules whose source decides the compiled code: the kernels, this table of signatures, the lazy decorator.
 SOURCES = ("strbuf.py", "pretokenize.py", "runbits.py", "bpe.py", "boundary.py", "segments.py", "window.py",
            "piecemap.py", "fullencode.py", "../appendwin.py", "../records.py", "../splice.py", "../textstore.py",
-           "lazyjit.py", "kernels.py", "aotbuild.py")
+           "../packedrun.py", "lazyjit.py", "kernels.py", "aotbuild.py")
 
 # -- the export table: name -> (module, attribute, return type, argument types) ------------------------------------
 # Argument types: "str" (a Python str, numba unicode_type), "int64", "boolean", or (dtype, ndim) for a C-contiguous
@@ -147,6 +147,7 @@ EXPORTS: dict[str, tuple[str, str, str, tuple[Any, ...]]] = {
                        A("boolean"), I, B, I, I, I, I)),
     "splice_clean_before": ("..splice", "_clean_before", "UniTuple(int64, 2)", (*REC, I, A("boolean"), I, I)),
     "text_match_at": ("..textstore", "_match_at", "int64", (S, S, I)),
+    "packed_match_at": ("..packedrun", "_match_at", "int64", (A("uint8"), A("uint32"), S, I)),
 }
 HOLDS_GIL = frozenset({"scan_first_stable"})
 
