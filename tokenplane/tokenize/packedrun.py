@@ -44,23 +44,29 @@ def _match_at(low, exc, text, off):
     count = 0
     i = 0
     while i < n:
-        e = min(n, i + 4096)
+        m = min(n - i, 4096)
+        lw = low[i:i + m]       # a slice indexed from 0: no negative-index fix-up in the loop, which vectorizes
+        base = off + i
         acc = np.uint32(0)
         wide = np.uint32(0)
-        if tk == 2:
-            for j in range(i, e):
-                c = np.uint32(_deref_uint16(td, off + j))
-                acc = np.uint32(acc | np.uint32((c & np.uint32(255)) ^ np.uint32(low[j])))
-                wide = np.uint32(wide + np.uint32(c > np.uint32(255)))
+        if tk == 2:     # 16-bit lanes (a block's count fits): sixteen characters a vector on AVX2
+            acc16 = np.uint16(0)
+            wide16 = np.uint16(0)
+            for j in range(m):
+                c16 = _deref_uint16(td, base + j)
+                acc16 = np.uint16(acc16 | np.uint16((c16 & np.uint16(255)) ^ np.uint16(lw[j])))
+                wide16 = np.uint16(wide16 + np.uint16(c16 >> np.uint16(8) != 0))
+            acc = np.uint32(acc16)
+            wide = np.uint32(wide16)
         else:
-            for j in range(i, e):
-                c = _deref_uint32(td, off + j)
-                acc = np.uint32(acc | np.uint32((c & np.uint32(255)) ^ np.uint32(low[j])))
-                wide = np.uint32(wide + np.uint32(c > np.uint32(255)))
+            for j in range(m):
+                c = _deref_uint32(td, base + j)
+                acc = np.uint32(acc | np.uint32((c & np.uint32(255)) ^ np.uint32(lw[j])))
+                wide = np.uint32(wide + np.uint32(c >> np.uint32(8) != 0))
         if acc:
             return 0
         count += wide
-        i = e
+        i += m
     if count != k:
         return 0
     for x in range(k):
@@ -112,8 +118,8 @@ class PackedRun:
         return sys.getsizeof(self) + sys.getsizeof(self.low) + sys.getsizeof(self.exc)
 
     def match_at(self, text: str, off: int) -> bool:
-        """text.startswith(str(self), off), on the str's own buffer."""
-        return bool(kernels.get().packed_match_at(self.low, self.exc, text, off))
+        """text.startswith(str(self), off) for off >= 0, on the str's own buffer."""
+        return off >= 0 and bool(kernels.get().packed_match_at(self.low, self.exc, text, off))
 
 
 def pack(s: str, width: int) -> PackedRun | None:

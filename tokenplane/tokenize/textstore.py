@@ -3,7 +3,9 @@
 A str stores every character at the width of its widest one, and an append to one big str copies it; the store keeps
 a list of chunks with start offsets instead, so an append is O(len(appended)) and a large context is kept as chunks
 of at most 64K characters, cut between narrow runs (ASCII and Latin-1: one byte per character) and wide runs
-(`width_runs`), each at its own width: mostly-Latin text with a few wide characters costs about its UTF-8 size.
+(`width_runs`), each at its own width: mostly-Latin text with a few wide characters costs about its UTF-8 size. A wide
+run whose wide characters are sparse (Czech, code with a few symbols) is packed once the store moves past it
+(packedrun.py: a byte a character plus 8 per wide one, against 2 or 4 a character as a str).
 Changes are values (`Append`, `Replace`, `SetText`) computed before anything is mutated and applied at commit.
 """
 
@@ -17,8 +19,8 @@ from typing import Protocol
 import numpy as np
 
 from .cpu import kernels
-from .cpu.lazyjit import njit, numba_global
-from .packedrun import PackedRun, pack  # numba itself only when a JIT kernel runs; AOT: kernels.py
+from .cpu.lazyjit import njit, numba_global  # numba itself only when a JIT kernel runs; AOT: kernels.py
+from .packedrun import PackedRun, pack
 
 _deref_uint8 = numba_global("numba.cpython.unicode", "deref_uint8")
 _deref_uint16 = numba_global("numba.cpython.unicode", "deref_uint16")
@@ -352,13 +354,19 @@ class TextStore:
         shift, k = len(text) - self.length, 0
         for c, o in zip(reversed(self.chunks), reversed(self.starts)):
             lo = max(o, self.length - limit)
-            seg = _str(c) if lo == o else c[lo - o:]
             end = o + len(c) + shift
-            if text.endswith(seg, 0, end):
-                k += len(seg)
-                if lo > o:
-                    break
-                continue
+            if lo == o and isinstance(c, PackedRun):    # a whole packed run: its compiled check, no str rebuilt
+                if o + shift >= 0 and c.match_at(text, o + shift):
+                    k += len(c)
+                    continue
+                seg = str(c)
+            else:
+                seg = _str(c) if lo == o else c[lo - o:]
+                if text.endswith(seg, 0, end):
+                    k += len(seg)
+                    if lo > o:
+                        break
+                    continue
             k += common_suffix_len(seg, text, end)
             break
         return min(k, limit)
