@@ -29,6 +29,7 @@ _deref_uint32 = numba_global("numba.cpython.unicode", "deref_uint32")
 
 MIN_SAVING = 1024       # bytes a packed run must save over its str (the arrays' headers cost ~250 bytes)
 _EMPTY = np.zeros(0, np.uint32)
+_SAMPLE = 2048          # leading characters `pack` reads first to decline dense text cheaply
 
 
 @njit(cache=True)
@@ -124,6 +125,10 @@ class PackedRun:
 
 def pack(s: str, width: int) -> PackedRun | None:
     """`s` (of `width` bytes a character, 2 or 4) as a PackedRun when that saves MIN_SAVING bytes or more."""
+    if len(s) > 4 * _SAMPLE:    # dense text (CJK, Cyrillic) declines on a sample, not a pass over 64K characters
+        head = np.frombuffer(s[:_SAMPLE].encode("utf-32-le", "surrogatepass"), np.uint32)
+        if int(np.count_nonzero(head > 255)) * 8 >= _SAMPLE * (width - 1):   # a sample at no saving
+            return None
     cps = np.frombuffer(s.encode("utf-32-le", "surrogatepass"), np.uint32)
     where = np.flatnonzero(cps > 255)
     k = len(where)
