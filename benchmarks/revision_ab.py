@@ -21,10 +21,12 @@ import json
 import os
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from worktrees import worktrees  # noqa: E402
 
 _CHILD = r"""
 import json, sys, time
@@ -99,37 +101,28 @@ def main() -> None:
     ap.add_argument("--out", help="also write the rows as JSON and Markdown to OUT.json / OUT.md")
     args = ap.parse_args()
     load_start = os.getloadavg()
-    with tempfile.TemporaryDirectory() as tmp:
-        trees = []
-        for k, rev in enumerate(args.revs):
-            tree = Path(tmp) / f"rev{k}"
-            subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--detach", "-q", str(tree), rev], check=True)
-            trees.append(tree)
-        try:
-            def run(tree: Path, family: str, kind: str) -> float:
-                env = dict(os.environ, PYTHONPATH=str(tree))
-                out = subprocess.run([sys.executable, "-c", _CHILD, str(tree), family, kind, args.corpus,
-                                      str(args.reps), args.mode], env=env, cwd=tree, check=True, capture_output=True,
-                                     text=True)   # cwd: `-c` puts it first on sys.path
-                return float(out.stdout.strip().splitlines()[-1])
-            for case in args.cases:     # one untimed pass per tree: numba compiles into each tree's cache
-                for tree in trees:
-                    run(tree, *case.split(":"))
-            rows = []
-            for case in args.cases:
-                family, kind = case.split(":")
-                pairs = [(run(trees[0], family, kind), run(trees[1], family, kind)) for _ in range(args.rounds)]
-                rows.append({"case": case, "speedup" if args.mode == "parallel" else "mb_s": pairs})
-                print(f"{case:>20}: " + ", ".join(f"{a:.2f} -> {b:.2f}" for a, b in pairs), flush=True)
-            record = {"revs": args.revs, "mode": args.mode, "reps": args.reps, "rounds": args.rounds, "rows": rows,
-                      "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]), "load_end": os.getloadavg(),
-                      "load_start": load_start}
-            print(json.dumps(record))
-            if args.out:
-                _write(Path(args.out), record)
-        finally:
+    with worktrees(ROOT, args.revs) as trees:
+        def run(tree: Path, family: str, kind: str) -> float:
+            env = dict(os.environ, PYTHONPATH=str(tree))
+            out = subprocess.run([sys.executable, "-c", _CHILD, str(tree), family, kind, args.corpus,
+                                  str(args.reps), args.mode], env=env, cwd=tree, check=True, capture_output=True,
+                                 text=True)   # cwd: `-c` puts it first on sys.path
+            return float(out.stdout.strip().splitlines()[-1])
+        for case in args.cases:     # one untimed pass per tree: numba compiles into each tree's cache
             for tree in trees:
-                subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(tree)], check=False)
+                run(tree, *case.split(":"))
+        rows = []
+        for case in args.cases:
+            family, kind = case.split(":")
+            pairs = [(run(trees[0], family, kind), run(trees[1], family, kind)) for _ in range(args.rounds)]
+            rows.append({"case": case, "speedup" if args.mode == "parallel" else "mb_s": pairs})
+            print(f"{case:>20}: " + ", ".join(f"{a:.2f} -> {b:.2f}" for a, b in pairs), flush=True)
+    record = {"revs": args.revs, "mode": args.mode, "reps": args.reps, "rounds": args.rounds, "rows": rows,
+              "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]), "load_end": os.getloadavg(),
+              "load_start": load_start}
+    print(json.dumps(record))
+    if args.out:
+        _write(Path(args.out), record)
 
 
 def _write(out: Path, record: dict) -> None:

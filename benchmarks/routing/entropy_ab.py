@@ -18,10 +18,12 @@ import os
 import statistics
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from worktrees import worktrees  # noqa: E402
 
 _CHILD = r"""
 import json, math, statistics, sys, time
@@ -63,31 +65,22 @@ def main() -> None:
     args = ap.parse_args()
     load_start = os.getloadavg()
     pin = ["taskset", "-c", "1"] if hasattr(os, "sched_getaffinity") and 1 in os.sched_getaffinity(0) else []
-    with tempfile.TemporaryDirectory() as tmp:
-        trees = []
-        for k, rev in enumerate(args.revs):
-            tree = Path(tmp) / f"rev{k}"
-            subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--detach", "-q", str(tree), rev], check=True)
-            trees.append(tree)
-        try:
-            def run(tree: Path, reps: int) -> dict:
-                env = dict(os.environ, PYTHONPATH=str(tree))
-                out = subprocess.run([*pin, sys.executable, "-c", _CHILD, str(tree), str(reps)], env=env, cwd=tree,
-                                     check=True, capture_output=True, text=True)
-                return json.loads(out.stdout.strip().splitlines()[-1])
-            for tree in trees:      # numba compiles into each tree's cache first
-                run(tree, 1)
-            rounds = []
-            for r in range(args.rounds):
-                got: dict[int, dict] = {}
-                for k in ((0, 1) if r % 2 == 0 else (1, 0)):
-                    got[k] = run(trees[k], args.reps)
-                rounds.append([got[0], got[1]])
-                print(f"round {r}: " + ", ".join(f"{s} {got[0][s]['median_ns']:.3f} -> {got[1][s]['median_ns']:.3f}"
-                                                 for s in got[0]), flush=True)
-        finally:
-            for tree in trees:
-                subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(tree)], check=False)
+    with worktrees(ROOT, args.revs) as trees:
+        def run(tree: Path, reps: int) -> dict:
+            env = dict(os.environ, PYTHONPATH=str(tree))
+            out = subprocess.run([*pin, sys.executable, "-c", _CHILD, str(tree), str(reps)], env=env, cwd=tree,
+                                 check=True, capture_output=True, text=True)
+            return json.loads(out.stdout.strip().splitlines()[-1])
+        for tree in trees:      # numba compiles into each tree's cache first
+            run(tree, 1)
+        rounds = []
+        for r in range(args.rounds):
+            got: dict[int, dict] = {}
+            for k in ((0, 1) if r % 2 == 0 else (1, 0)):
+                got[k] = run(trees[k], args.reps)
+            rounds.append([got[0], got[1]])
+            print(f"round {r}: " + ", ".join(f"{s} {got[0][s]['median_ns']:.3f} -> {got[1][s]['median_ns']:.3f}"
+                                             for s in got[0]), flush=True)
     record = {"revs": args.revs, "rounds": rounds, "reps": args.reps, "load_start": load_start,
               "load_end": os.getloadavg(), "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]])}
     print(json.dumps(record))
