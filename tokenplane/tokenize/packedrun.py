@@ -23,12 +23,10 @@ import numpy as np
 from .cpu import kernels
 from .cpu.lazyjit import njit, numba_global
 
-_deref_uint8 = numba_global("numba.cpython.unicode", "deref_uint8")
 _deref_uint16 = numba_global("numba.cpython.unicode", "deref_uint16")
 _deref_uint32 = numba_global("numba.cpython.unicode", "deref_uint32")
 
 MIN_SAVING = 1024       # bytes a packed run must save over its str (the arrays' headers cost ~250 bytes)
-_EMPTY = np.zeros(0, np.uint32)
 _SAMPLE = 2048          # leading characters `pack` reads first to decline dense text cheaply
 
 
@@ -82,10 +80,10 @@ class PackedRun:
     """An immutable run of text: `low` (uint8, one byte a character) and `exc` (uint32: the positions of the
     characters above U+00FF, then their code points). Sliced and converted like the str it stands for."""
 
-    __slots__ = ("low", "exc", "wide")
+    __slots__ = ("low", "exc", "width")
 
-    def __init__(self, low: np.ndarray, exc: np.ndarray, wide: int):
-        self.low, self.exc, self.wide = low, exc, wide      # wide: 2 or 4, the str's width (how to rebuild it)
+    def __init__(self, low: np.ndarray, exc: np.ndarray, width: int):
+        self.low, self.exc, self.width = low, exc, width    # 2 or 4: the str's width (how to rebuild it)
 
     def __len__(self) -> int:
         return int(self.low.shape[0])
@@ -110,9 +108,9 @@ class PackedRun:
         lo, hi = np.searchsorted(pos, a), np.searchsorted(pos, b)
         if lo == hi:
             return self.low[a:b].tobytes().decode("latin-1")
-        units = self.low[a:b].astype(np.uint16 if self.wide == 2 else np.uint32)
+        units = self.low[a:b].astype(np.uint16 if self.width == 2 else np.uint32)
         units[pos[lo:hi].astype(np.int64) - a] = self.exc[k + lo:k + hi]
-        return units.tobytes().decode("utf-16-le" if self.wide == 2 else "utf-32-le")
+        return units.tobytes().decode("utf-16-le" if self.width == 2 else "utf-32-le")
 
     @property
     def nbytes(self) -> int:
@@ -134,10 +132,12 @@ def pack(s: str, width: int) -> PackedRun | None:
     k = len(where)
     if not k or len(s) * (width - 1) - 8 * k < MIN_SAVING:
         return None
-    if width == 2 and bool(((cps[where] >= 0xD800) & (cps[where] < 0xE000)).any()):
+    wide = cps[where]
+    if bool(((wide >= 0xD800) & (wide < 0xE000)).any()):
         return None     # a lone surrogate (refused at the session's input) would not survive the UTF-16 rebuild
-    exc = np.concatenate([where.astype(np.uint32), cps[where]]) if k else _EMPTY
-    return PackedRun(cps.astype(np.uint8), exc, width)
+    # the width from the characters themselves (`width` is a size hint: a str caching its UTF-8 reads wider)
+    return PackedRun(cps.astype(np.uint8), np.concatenate([where.astype(np.uint32), wide]),
+                     4 if int(wide.max()) > 0xFFFF else 2)
 
 
 __all__ = ["MIN_SAVING", "PackedRun", "pack"]
