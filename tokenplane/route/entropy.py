@@ -149,17 +149,12 @@ def _exp_sum8(typingctx, flat, index, m, s, t):  # noqa: ANN001
 
 @intrinsic
 def _hsum8d(typingctx, v):  # noqa: ANN001
-    """The 8 lanes' sum in one fixed order: (l0 + l4) + (l2 + l6)) + ((l1 + l5) + (l3 + l7))."""
+    """The 8 lanes' sum in one fixed order: ((l0 + l4) + (l2 + l6)) + ((l1 + l5) + (l3 + l7))."""
     def codegen(context, builder, signature, args):  # noqa: ANN001
-        v4 = ir.VectorType(ir.DoubleType(), 4)
-        v2 = ir.VectorType(ir.DoubleType(), 2)
-        a = builder.fadd(builder.shuffle_vector(args[0], args[0], ir.Constant(ir.VectorType(ir.IntType(32), 4),
-                                                                              [0, 1, 2, 3])),
-                         builder.shuffle_vector(args[0], args[0], ir.Constant(ir.VectorType(ir.IntType(32), 4),
-                                                                              [4, 5, 6, 7])))
-        b = builder.fadd(builder.shuffle_vector(a, a, ir.Constant(ir.VectorType(ir.IntType(32), 2), [0, 1])),
-                         builder.shuffle_vector(a, a, ir.Constant(ir.VectorType(ir.IntType(32), 2), [2, 3])))
-        del v4, v2
+        def half(w, lanes):  # noqa: ANN001, ANN202
+            return builder.shuffle_vector(w, w, ir.Constant(ir.VectorType(ir.IntType(32), len(lanes)), lanes))
+        a = builder.fadd(half(args[0], [0, 1, 2, 3]), half(args[0], [4, 5, 6, 7]))
+        b = builder.fadd(half(a, [0, 1]), half(a, [2, 3]))
         return builder.fadd(builder.extract_element(b, ir.Constant(ir.IntType(32), 0)),
                             builder.extract_element(b, ir.Constant(ir.IntType(32), 1)))
     return types.float64(_vec8d), codegen
