@@ -257,7 +257,7 @@ class TextStore:
                 char_width(last) == char_width(s) or len(chunks) > 64 + self.length // 8192):
             chunks[-1] = last + s
         else:
-            if isinstance(last, str) and (w := char_width(last)) > 1 and not last.isascii():
+            if isinstance(last, str) and (w := char_width(last)) > 1:
                 chunks[-1] = pack(last, w) or last      # sealed: nothing merges into it any more
             self.starts.append(self.length)
             chunks.append(s)
