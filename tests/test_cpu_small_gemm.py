@@ -106,27 +106,40 @@ def test_one_pass_remainders_sum_alike_and_store_only_their_rows(n, k):
 
 
 @pytest.mark.parametrize("n,k", [(1, 1), (17, 5), (200, 150), (3072, 512)])
-def test_8_lane_padded_remainders_sum_alike_and_store_only_their_rows(n, k):
-    """The 8-lane kernel's remainder policies (cpu_small_gemm.gemm_with: 3 and 5 rows left after the 6-row passes as
-    one 4- or 6-row pass over zero-padded inputs, or through the passes of 4, 2 and 1 rows) give the same sums bit
-    for bit, with and without bias, and write nothing past the rows asked for (sentinels after them stay)."""
+def test_8_lane_pass_plans_sum_alike_and_store_only_their_rows(n, k):
+    """The 8-lane kernel's pass plans (cpu_small_gemm.gemm_with: SPLIT, the rows after the 6-row passes through passes
+    of 4, 2 and 1 rows; FIT, the rows left as one pass of their count, 9 as 5 + 4) give the same sums bit for bit, with
+    and without bias, and write nothing past the rows asked for (sentinels after them stay)."""
     g, w, bias, panels, npan, width, kb = _remainder_case(n, k, 5 * n + k)
-    for rows in [*range(1, 24), 29]:
+    for rows in [*range(1, 24), 25, 29, 31]:
         x = torch.randn(rows, k, generator=g)
         for with_bias in (False, True):
             outs = []
-            for cover in (cpu_small_gemm.SPLIT, cpu_small_gemm.PAD_ODD):
+            for plan in (cpu_small_gemm.SPLIT, cpu_small_gemm.FIT):
                 out = torch.full((rows + 6, width), 7.0)
                 out[:rows] = 0.0
                 if with_bias:
                     out[:rows, :n] = bias
                 cpu_small_gemm.gemm_with(x.numpy().reshape(-1), rows, k, panels.numpy().reshape(-1), npan,
-                                         out.numpy().reshape(-1), width, kb, with_bias, cover)
+                                         out.numpy().reshape(-1), width, kb, with_bias, plan)
                 assert bool((out[rows:] == 7.0).all()), (rows, with_bias)
                 outs.append(out[:rows])
             assert torch.equal(outs[0], outs[1]), (rows, with_bias)
             want = x.double() @ w.double().t() + (bias.double() if with_bias else 0.0)
             assert (outs[1][:, :n].double() - want).abs().max().item() < 1e-3 * (1 + k ** 0.5)
+
+
+def test_fit_plan_covers_every_row_count_with_6_row_passes_first():
+    """FIT's schedule (`_tail_rows` + the plan's tail): every row count covered exactly, 6-row passes first, then one
+    pass of the rows left, but 5 + 4 for 9 rows left after at least one 6-row pass."""
+    for rows in range(1, 80):
+        t = int(cpu_small_gemm._tail_rows(rows, cpu_small_gemm.FIT))
+        tail = [int(v) for v in cpu_small_gemm.FIT[t] if v]
+        assert (rows - t) % 6 == 0 and rows - t >= 0 and sum(tail) == t, rows
+        want = [rows % 6] if rows % 6 else []
+        if rows % 6 == 3 and rows >= 9:
+            want = [5, 4]
+        assert tail == want, (rows, tail)
 
 
 @pytest.mark.parametrize("n,k", [(1, 1), (33, 7), (100, 130), (5000, 256), (4000, 576), (300, 1536)])

@@ -18,9 +18,9 @@ rows, 3 vocabulary and 8 layer shapes, 1.02x at the least, 960 x 576 at 256 rows
 (layers) and VOCAB_MAX_ROWS (vocabulary) of 256; larger inputs (prefill) take F.linear.
 
 Layout: weight [N, K] -> panels [ceil(N / 16), K, 16] (16 output columns, contiguous along k), zero-padded past N.
-A pass over one panel computes 6, 4, 2 or 1 rows x 16 columns into 12, 8, 4 or 2 vector registers (<8 x float>,
-emitted through llvmlite because numba has no vector type), so the panel is read from memory once and from L1/L2 for
-every further pass.
+A pass over one panel computes 1-6 rows x 16 columns into 2-12 vector registers (<8 x float>, emitted through
+llvmlite because numba has no vector type), so the panel is read from memory once and from L1/L2 for every further
+pass; which passes cover a row count is the pass plan's (FIT: 6-row passes, then one pass of the rows left).
 
 Numerics: every output is sum_k x[m, k] * w[n, k] in float32: blocks of `k_block(K)` k steps accumulated in
 registers with fused multiply-adds from zero, each block's sum then added to the output (to the bias where there is
@@ -69,192 +69,116 @@ def _acc8(out, index, value, first):  # noqa: ANN001
         _store8(out, index, _add8(_load8(out, index), value))
 
 
-@njit(inline="always")
-def _acc_row(keep, out, index, lo, hi, first):  # noqa: ANN001
-    """One output row's 16 panel columns (lo: the first 8, hi: the next 8) by `_acc8`, for a row that exists (keep);
-    nothing for a zero row padding a remainder."""
-    if keep:
-        _acc8(out, index, lo, first)
-        _acc8(out, index + 8, hi, first)
+def _pass_src(rows: int) -> str:
+    """Source of `_pass{rows}`: out[m : m + rows, col : col + 16] = x[m : m + rows] @ the panel at wp[wbase]; 2 * rows
+    accumulators (<8 x float>), 2 panel loads and `rows` broadcasts for 2 * rows FMAs a k step. Written out per row
+    count (numba keeps no vector in an array), generated so the six passes cannot drift apart: each row's lanes sum
+    the same products in the same order in every pass."""
+    acc = [f"a{r}{h}" for r in range(rows) for h in (0, 1)]
+    body = [f"def _pass{rows}(x, k_dim, m, wp, wbase, last, out, n_out, col, kb, acc):",
+            "    x0 = m * k_dim",
+            "    o = m * n_out + col",
+            "    for k0 in range(0, k_dim, kb):",
+            *(f"        {a} = _zero8()" for a in acc),
+            "        for k in range(k0, min(k0 + kb, k_dim)):",
+            "            wi = wbase + k * PANEL",
+            "            _prefetch(wp, min(wi + PREFETCH, last))",
+            "            w0 = _load8(wp, wi)",
+            "            w1 = _load8(wp, wi + 8)"]
+    for r in range(rows):
+        body += [f"            b = _splat8(x, x0 + {r} * k_dim + k)",
+                 f"            a{r}0 = _fma8(b, w0, a{r}0)",
+                 f"            a{r}1 = _fma8(b, w1, a{r}1)"]
+    body.append("        first = k0 == 0 and not acc")
+    for r in range(rows):
+        body += [f"        _acc8(out, o + {r} * n_out, a{r}0, first)",
+                 f"        _acc8(out, o + {r} * n_out + 8, a{r}1, first)"]
+    return "\n".join(body) + "\n"
 
 
-@njit(inline="always")
-def _pass6(x, k_dim, m, wp, wbase, last, out, n_out, col, kb, acc, nv):  # noqa: ANN001
-    """out[m : m + 6, col : col + 16] = x[m : m + 6] @ panel: 12 accumulators, 2 panel loads and 6 broadcasts for 12
-    FMAs a k step (FMA-bound on AVX2's 16 vector registers; the 4-row pass is load-bound); only the first nv rows'
-    outputs are stored (the rest pad a remainder)."""
-    x0 = m * k_dim
-    o = m * n_out + col
-    for k0 in range(0, k_dim, kb):
-        a00 = _zero8()
-        a01 = _zero8()
-        a10 = _zero8()
-        a11 = _zero8()
-        a20 = _zero8()
-        a21 = _zero8()
-        a30 = _zero8()
-        a31 = _zero8()
-        a40 = _zero8()
-        a41 = _zero8()
-        a50 = _zero8()
-        a51 = _zero8()
-        for k in range(k0, min(k0 + kb, k_dim)):
-            wi = wbase + k * PANEL
-            _prefetch(wp, min(wi + PREFETCH, last))
-            w0 = _load8(wp, wi)
-            w1 = _load8(wp, wi + 8)
-            b = _splat8(x, x0 + k)
-            a00 = _fma8(b, w0, a00)
-            a01 = _fma8(b, w1, a01)
-            b = _splat8(x, x0 + k_dim + k)
-            a10 = _fma8(b, w0, a10)
-            a11 = _fma8(b, w1, a11)
-            b = _splat8(x, x0 + 2 * k_dim + k)
-            a20 = _fma8(b, w0, a20)
-            a21 = _fma8(b, w1, a21)
-            b = _splat8(x, x0 + 3 * k_dim + k)
-            a30 = _fma8(b, w0, a30)
-            a31 = _fma8(b, w1, a31)
-            b = _splat8(x, x0 + 4 * k_dim + k)
-            a40 = _fma8(b, w0, a40)
-            a41 = _fma8(b, w1, a41)
-            b = _splat8(x, x0 + 5 * k_dim + k)
-            a50 = _fma8(b, w0, a50)
-            a51 = _fma8(b, w1, a51)
-        first = k0 == 0 and not acc
-        _acc_row(True, out, o, a00, a01, first)
-        _acc_row(nv > 1, out, o + n_out, a10, a11, first)
-        _acc_row(nv > 2, out, o + 2 * n_out, a20, a21, first)
-        _acc_row(nv > 3, out, o + 3 * n_out, a30, a31, first)
-        _acc_row(nv > 4, out, o + 4 * n_out, a40, a41, first)
-        _acc_row(nv > 5, out, o + 5 * n_out, a50, a51, first)
+def _make_pass(rows: int) -> Callable[..., None]:
+    env = {"PANEL": PANEL, "PREFETCH": PREFETCH, "_zero8": _zero8, "_prefetch": _prefetch, "_load8": _load8,
+           "_splat8": _splat8, "_fma8": _fma8, "_acc8": _acc8}
+    exec(compile(_pass_src(rows), f"<cpu_small_gemm._pass{rows}>", "exec"), env)
+    return njit(inline="always")(env[f"_pass{rows}"])
 
 
-@njit(inline="always")
-def _pass4(x, k_dim, m, wp, wbase, last, out, n_out, col, kb, acc, nv):  # noqa: ANN001
-    """out[m : m + 4, col : col + 16] = x[m : m + 4] @ panel, the panel starting at wp[wbase]; the first nv rows'
-    outputs stored."""
-    x0 = m * k_dim
-    o = m * n_out + col
-    for k0 in range(0, k_dim, kb):
-        a00 = _zero8()
-        a01 = _zero8()
-        a10 = _zero8()
-        a11 = _zero8()
-        a20 = _zero8()
-        a21 = _zero8()
-        a30 = _zero8()
-        a31 = _zero8()
-        for k in range(k0, min(k0 + kb, k_dim)):
-            wi = wbase + k * PANEL
-            _prefetch(wp, min(wi + PREFETCH, last))
-            w0 = _load8(wp, wi)
-            w1 = _load8(wp, wi + 8)
-            b = _splat8(x, x0 + k)
-            a00 = _fma8(b, w0, a00)
-            a01 = _fma8(b, w1, a01)
-            b = _splat8(x, x0 + k_dim + k)
-            a10 = _fma8(b, w0, a10)
-            a11 = _fma8(b, w1, a11)
-            b = _splat8(x, x0 + 2 * k_dim + k)
-            a20 = _fma8(b, w0, a20)
-            a21 = _fma8(b, w1, a21)
-            b = _splat8(x, x0 + 3 * k_dim + k)
-            a30 = _fma8(b, w0, a30)
-            a31 = _fma8(b, w1, a31)
-        first = k0 == 0 and not acc
-        _acc_row(True, out, o, a00, a01, first)
-        _acc_row(nv > 1, out, o + n_out, a10, a11, first)
-        _acc_row(nv > 2, out, o + 2 * n_out, a20, a21, first)
-        _acc_row(nv > 3, out, o + 3 * n_out, a30, a31, first)
-
-
-@njit(inline="always")
-def _pass2(x, k_dim, m, wp, wbase, last, out, n_out, col, kb, acc):  # noqa: ANN001
-    x0 = m * k_dim
-    o = m * n_out + col
-    for k0 in range(0, k_dim, kb):
-        a00 = _zero8()
-        a01 = _zero8()
-        a10 = _zero8()
-        a11 = _zero8()
-        for k in range(k0, min(k0 + kb, k_dim)):
-            wi = wbase + k * PANEL
-            _prefetch(wp, min(wi + PREFETCH, last))
-            w0 = _load8(wp, wi)
-            w1 = _load8(wp, wi + 8)
-            b = _splat8(x, x0 + k)
-            a00 = _fma8(b, w0, a00)
-            a01 = _fma8(b, w1, a01)
-            b = _splat8(x, x0 + k_dim + k)
-            a10 = _fma8(b, w0, a10)
-            a11 = _fma8(b, w1, a11)
-        first = k0 == 0 and not acc
-        _acc_row(True, out, o, a00, a01, first)
-        _acc_row(True, out, o + n_out, a10, a11, first)
-
-
-@njit(inline="always")
-def _pass1(x, k_dim, m, wp, wbase, last, out, n_out, col, kb, acc):  # noqa: ANN001
-    x0 = m * k_dim
-    o = m * n_out + col
-    for k0 in range(0, k_dim, kb):
-        a00 = _zero8()
-        a01 = _zero8()
-        for k in range(k0, min(k0 + kb, k_dim)):
-            wi = wbase + k * PANEL
-            _prefetch(wp, min(wi + PREFETCH, last))
-            a00 = _fma8(_splat8(x, x0 + k), _load8(wp, wi), a00)
-            a01 = _fma8(_splat8(x, x0 + k), _load8(wp, wi + 8), a01)
-        first = k0 == 0 and not acc
-        _acc_row(True, out, o, a00, a01, first)
+_pass1, _pass2, _pass3, _pass4, _pass5, _pass6 = (_make_pass(r) for r in range(1, 7))
 
 
 @njit(cache=True, nogil=True)
-def gemm_with(x, rows, k_dim, wp, panels, out, n_out, kb, acc, cover):  # noqa: ANN001
-    """`_gemm` with the remainder policy given: cover[r] (r < 6 rows left after the 6-row passes) is r itself (the
-    passes of 4, 2 and 1 rows in turn) or the row count 4 or 6 it is padded to: one pass over a zero-padded copy of
-    the r rows' inputs, storing only their r rows of output."""
+def _tail_rows(rows, plan):  # noqa: ANN001
+    """Rows left to the plan's tail passes: the largest t <= rows, t = rows mod 6 (mod 6), that `plan` lists (t < 6
+    always is); the rows before them run as 6-row passes."""
+    t = rows % 6
+    c = t
+    while c + 6 < plan.shape[0] and c + 6 <= rows:
+        c += 6
+        if plan[c, 0] > 0:
+            t = c
+    return t
+
+
+@njit(cache=True, nogil=True)
+def gemm_with(x, rows, k_dim, wp, panels, out, n_out, kb, acc, plan):  # noqa: ANN001
+    """`_gemm` with the pass plan given: 6-row passes, then the passes plan[t] lists (sizes 1-6, 0 past the last) for
+    the t = `_tail_rows` rows left, in turn, over each panel."""
     last = panels * k_dim * PANEL - 1
-    full, r, size, xs, tail = cpu_small_gemm16.padded_remainder(x, rows, k_dim, out, n_out, 6, cover)
+    t = _tail_rows(rows, plan)
+    full = rows - t
     for p in range(panels):
         wbase = p * k_dim * PANEL
         col = p * PANEL
         m = 0
         while m < full:
-            _pass6(x, k_dim, m, wp, wbase, last, out, n_out, col, kb, acc, 6)
+            _pass6(x, k_dim, m, wp, wbase, last, out, n_out, col, kb, acc)
             m += 6
-        if size != r:       # one pass of 6 or 4 rows over the padded rows, storing the first r
+        for j in range(plan.shape[1]):
+            size = plan[t, j]
+            if size == 0:
+                break
             if size == 6:
-                _pass6(xs, k_dim, 0, wp, wbase, last, tail, n_out, col, kb, acc, r)
+                _pass6(x, k_dim, m, wp, wbase, last, out, n_out, col, kb, acc)
+            elif size == 5:
+                _pass5(x, k_dim, m, wp, wbase, last, out, n_out, col, kb, acc)
+            elif size == 4:
+                _pass4(x, k_dim, m, wp, wbase, last, out, n_out, col, kb, acc)
+            elif size == 3:
+                _pass3(x, k_dim, m, wp, wbase, last, out, n_out, col, kb, acc)
+            elif size == 2:
+                _pass2(x, k_dim, m, wp, wbase, last, out, n_out, col, kb, acc)
             else:
-                _pass4(xs, k_dim, 0, wp, wbase, last, tail, n_out, col, kb, acc, r)
-            continue
-        if rows - m >= 4:
-            _pass4(x, k_dim, m, wp, wbase, last, out, n_out, col, kb, acc, 4)
-            m += 4
-        if rows - m >= 2:
-            _pass2(x, k_dim, m, wp, wbase, last, out, n_out, col, kb, acc)
-            m += 2
-        if rows - m == 1:
-            _pass1(x, k_dim, m, wp, wbase, last, out, n_out, col, kb, acc)
+                _pass1(x, k_dim, m, wp, wbase, last, out, n_out, col, kb, acc)
+            m += size
 
 
-# Remainder policies (`gemm_with`'s cover, rows left after the 6-row passes): SPLIT runs them through the passes of
-# 4, 2 and 1 rows; PAD_ODD (`_gemm`'s) pads 3 to one 4-row pass and 5 to one 6-row pass. A pass after the first over
-# a panel reads it from cache, but the 1- and 2-row passes are bound by their FMA chains' latency (2 and 4 chains
-# of 4 cycles a k step), so 3 = 2 + 1 and 5 = 4 + 1 rows cost a second pass that the zero rows of one wider pass do
-# not (benchmarks/results/small_gemm_remainders_8lane_zen3.md: Zen 3, 1 thread, the same bits).
-SPLIT = np.arange(6, dtype=np.int64)
-PAD_ODD = np.array([0, 1, 2, 4, 4, 6], np.int64)
+def _plan(tails: dict[int, tuple[int, ...]]) -> np.ndarray:
+    """A pass plan: row t lists the passes of a tail of t rows (t < 14), zero rows for tails the plan does not use."""
+    plan = np.zeros((14, 3), np.int64)
+    for t, sizes in tails.items():
+        assert sum(sizes) == t and all(1 <= s <= 6 for s in sizes)
+        plan[t, :len(sizes)] = sizes
+    return plan
+
+
+# Pass plans. A pass over a panel after the first reads it from L1 and costs max(rows, 4) cycles a k step on AVX2
+# (2 * rows FMAs on two pipes, or below 4 rows the 4-cycle latency of 2 * rows FMA chains); the first pass streams the
+# panel from memory, and where the weight is cold (a vocabulary matrix, every step) a 6-row first pass hides that
+# stream best. SPLIT (the rows after the 6-row passes through passes of 4, 2 and 1 rows) pays 4 + 4 for 5 rows left
+# and 4 + 4 for 3; FIT runs what the 6-row passes leave as one pass of its own count (1-5 rows) and 15 rows as
+# 6 + 5 + 4 (9 = 5 + 4). Passes of 4-6 rows only (8 = 4 + 4, 13 = 5 + 4 + 4) were faster on warm layer weights
+# (1.07-1.16x at 7, 8, 13, 14 rows) but slower on cold vocabulary matrices (0.86-0.96x at 7, 8, 13), so they are not
+# taken (benchmarks/results/small_gemm_plans_8lane_zen3.md).
+SPLIT = _plan({1: (1,), 2: (2,), 3: (2, 1), 4: (4,), 5: (4, 1)})
+FIT = _plan({1: (1,), 2: (2,), 3: (3,), 4: (4,), 5: (5,), 9: (5, 4)})
 
 
 @njit(cache=True, nogil=True)
 def _gemm(x, rows, k_dim, wp, panels, out, n_out, kb, acc):  # noqa: ANN001
     """x [rows, k_dim] flat float32, wp [panels, k_dim, 16] flat, out [rows, n_out] flat (n_out = panels * 16); kb: k
     steps a register block sums before it is added to the output (`k_block`); acc: add every block to out's values
-    (the bias, as F.linear starts from it) instead of storing the first. Remainders of 3 and 5 rows padded (PAD_ODD)."""
-    gemm_with(x, rows, k_dim, wp, panels, out, n_out, kb, acc, PAD_ODD)
+    (the bias, as F.linear starts from it) instead of storing the first. Passes as FIT plans them."""
+    gemm_with(x, rows, k_dim, wp, panels, out, n_out, kb, acc, FIT)
 
 
 # The kernel `linear` runs: the 16-lane one where the host has AVX-512 (cpu_small_gemm16.py; same layout, same sums
@@ -367,5 +291,5 @@ def linear(x: torch.Tensor, panels: torch.Tensor, out_features: int, bias: torch
     return out
 
 
-__all__ = ["MAX_ROWS", "PAD_ODD", "PANEL", "SPLIT", "VOCAB_MAX_ROWS", "applies", "available", "columns", "gemm_with",
+__all__ = ["FIT", "MAX_ROWS", "PANEL", "SPLIT", "VOCAB_MAX_ROWS", "applies", "available", "columns", "gemm_with",
            "k_block", "kernel", "linear", "pack", "probe_k_block"]
