@@ -56,7 +56,8 @@ STREAM_MAX_ROWS = 4      # the stream ahead of oneDNN's bf16 matmul up to here (
 # faster. On 8-lane (AVX2) hosts the stream's passes of more than 4 rows outgrow the 16 vector registers: Zen 3, 1
 # thread, the screen / fp32 panel CPU time was 0.69-0.81 at 4-5 rows and 1.18-1.28 at 6, 1.97-2.04 at 16, on all
 # three vocabulary shapes (benchmarks/results/vocab_screen_rows_zen3.md); with the panel kernel's 5-row remainder
-# padded, 0.95-0.98 at 5 and 1.28-1.87 at 6 (vocab_screen_rows_zen3_padded.md). AVX-512 hosts keep 16.
+# padded, 0.95-0.98 at 5 and 1.28-1.87 at 6 (vocab_screen_rows_zen3_padded.md); with its 5-row pass (FIT),
+# 0.89-0.99 at 5 and 1.34-1.46 at 6 (vocab_screen_rows_zen3_plans.md). AVX-512 hosts keep 16.
 STREAM_ONLY_MAX_ROWS = 16 if HOST_AVX512 else 5
 MAX_CANDIDATE_SHARE = 8  # more candidates than 1/8 of the vocabulary: the screen gains too little, project in full
 OVERFLOW = 1e30          # |h| |w_i| past this could overflow a float32 partial sum: project in full
