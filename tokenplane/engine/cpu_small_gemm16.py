@@ -374,7 +374,7 @@ def _pass1(x, k_dim, m, wp, wb0, wb1, last, out, n_out, col, kb, acc, pf):  # no
 
 @njit(inline="always")
 def padded_remainder(x, rows, k_dim, out, n_out, step, cover):  # noqa: ANN001
-    """The remainder of a pass schedule (both widths' `gemm_with`): (rows the step-row passes cover, the r rows left,
+    """The remainder of `gemm_with`'s pass schedule: (rows the step-row passes cover, the r rows left,
     the row count cover[r] they run as, those rows' inputs (x itself, or a zero-padded copy of the r rows where
     cover[r] != r), out from the first remainder row)."""
     full = rows - rows % step

@@ -74,7 +74,6 @@ _LN2HI32 = np.float32(0.693359375)        # ln 2 = _LN2HI32 + _LN2LO32 (Cephes' 
 _LN2LO32 = np.float32(-2.12194440e-4)
 _FLOOR32 = np.float32(-87.0)              # exp(-87) ~ 1.6e-38: 2^n stays a normal float32
 _D2, _D3, _D4, _D5, _D6, _D7 = (np.float32(1.0 / math.factorial(k)) for k in range(2, 8))
-_ONE32 = np.float32(1.0)
 
 
 _VF = ir.VectorType(ir.FloatType(), 8)
