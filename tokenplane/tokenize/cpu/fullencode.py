@@ -3,8 +3,9 @@
 The staged block encode (parallel.CpuEncoder._encode_range before this module) made four kernel calls and three
 text-sized arrays between them: code points, the class gather + pre-tokenizer loop, the whole block's UTF-8 and
 piece bounds, then BPE over bpe.py's direct-mapped piece tiers. Here one call per pre-tokenizer family runs the same
-code point reader and the same family loop, the block's UTF-8 and piece bounds (strbuf), then piecemap._walk: each
-piece looked up in the thread's open-addressing piece map (a miss runs bpe.py's merge kernels). Same pieces, same BPE of
+code point reader and the family's pre-tokenizer (the cl100k lineage: gpt4bits.py's bit-parallel form of the run
+loop, with the starts as a bitmap; the others: their run loops), the block's UTF-8 and piece bounds (strbuf), then
+piecemap._walk: each piece looked up in the thread's open-addressing piece map (a miss runs bpe.py's merge kernels). Same pieces, same BPE of
 each piece: the same IDs (tests/test_fullencode.py checks fused == staged == reference on real and adversarial text).
 
 What the common case does not cover answers a nonzero status and the caller runs the staged path: a lone surrogate
@@ -15,12 +16,12 @@ pre-tokenizer (with the Python rescan of its rare shapes) feeds the second half 
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Any, Callable
 
 import numpy as np
 
 from . import bpe as bpe_mod
-from . import kernels, strbuf
+from . import gpt4bits, kernels, strbuf
 from . import pretokenize as pt
 from .lazyjit import njit  # numba itself only when a JIT kernel runs (lazyjit.py)
 from .piecemap import CUT_REJECTED, DROPPED, OK, SURROGATE, PieceMap, _walk
@@ -52,6 +53,31 @@ def _block_start(s, a, b, extra, cps, kind, starts, table):
 
 
 @njit(cache=True, nogil=True)
+def _block_start_bits(s, a, b, extra, cps, feat, starts, table):
+    """_block_start for the bit-parallel pre-tokenizer (gpt4bits.py): code points, their feature bytes followed by
+    gpt4bits.PAD zero bytes, and a start bitmap of (total >> 6) + 2 words (a view of the bool scratch `starts` when
+    it is long enough), the index of a lone surrogate or -1."""
+    n = b - a
+    total = n + len(extra)
+    words = (total >> 6) + 2
+    cps = cps[:total] if cps.shape[0] >= total else np.empty(total, np.uint32)
+    feat = feat[:total + gpt4bits.PAD] if feat.shape[0] >= total + gpt4bits.PAD else np.empty(total + gpt4bits.PAD,
+                                                                                               np.uint8)
+    sb = starts[:8 * words].view(np.uint64) if starts.shape[0] >= 8 * words else np.empty(words, np.uint64)
+    bad = strbuf._codepoints(s, a, b, cps) if n > 0 else -1
+    if len(extra) > 0 and bad < 0:
+        got = strbuf._codepoints(extra, 0, len(extra), cps[n:])
+        if got >= 0:
+            bad = n + got
+    if bad < 0:
+        for i in range(total):
+            feat[i] = table[cps[i]]
+        for i in range(total, total + gpt4bits.PAD):
+            feat[i] = 0
+    return cps, feat, sb, bad
+
+
+@njit(cache=True, nogil=True)
 def _declined(status):
     return np.empty(0, np.int32), status
 
@@ -76,16 +102,36 @@ def _finish(cps, n, starts, buf, bounds, has_missing, missing, byte_ids, ptab, b
                  wmap, slots, arena, state)
 
 
+@njit(cache=True, nogil=True)
+def _finish_bits(cps, n, sb, buf, bounds, has_missing, missing, byte_ids, ptab, batch, whole, wkeys, wids, tok_flat,
+                 tok_off, wmap, slots, arena, state):
+    """_finish with the piece starts as a bitmap."""
+    if cps.shape[0] > n and ((sb[n >> 6] >> np.uint64(n & 63)) & np.uint64(1)) == 0:    # (a stable cut)
+        return _declined(CUT_REJECTED)
+    if n == 0:
+        return _declined(OK)
+    if buf.shape[0] < 4 * n + 16:
+        buf = np.empty(4 * n + 16, np.uint8)
+    if bounds.shape[0] < n + 1:
+        bounds = np.empty(n + 1, np.int64)
+    nb, size = strbuf._utf8_and_bounds_bits(cps, n, sb, buf, bounds)
+    for k in range(size, size + 16):
+        buf[k] = 0
+    return _walk(buf, bounds, nb, has_missing, missing, byte_ids, ptab, batch, whole, wkeys, wids, tok_flat, tok_off,
+                 wmap, slots, arena, state)
+
+
 # Arguments: the text, the block [a, b), its lookahead | scratch: code points, classes, starts, UTF-8, piece bounds |
 # the family's tables | missing bytes, the BPE tables, the thread's piece map.
-def _full_gpt4_impl(s, a, b, extra, cps, kind, starts, buf, bounds, kind_table, digits, whole_at_end, has_missing,
+def _full_gpt4_impl(s, a, b, extra, cps, feat, starts, buf, bounds, feat_table, digits, whole_at_end, has_missing,
                     missing, byte_ids, ptab, batch, whole, wkeys, wids, tok_flat, tok_off, wmap, slots, arena, state):
-    cps, kind, starts, bad = _block_start(s, a, b, extra, cps, kind, starts, kind_table)
+    # the bit-parallel pre-tokenizer (gpt4bits.py: the same starts as pretokenize._gpt4_loop)
+    cps, feat, sb, bad = _block_start_bits(s, a, b, extra, cps, feat, starts, feat_table)
     if bad >= 0:
         return _declined(SURROGATE)
-    pt._gpt4_loop(cps.view(np.int32), kind, digits, whole_at_end, starts)
-    return _finish(cps, b - a, starts, buf, bounds, has_missing, missing, byte_ids, ptab, batch, whole, wkeys, wids,
-                   tok_flat, tok_off, wmap, slots, arena, state)
+    gpt4bits._gpt4_bits(cps.view(np.int32), feat, digits, whole_at_end, sb)
+    return _finish_bits(cps, b - a, sb, buf, bounds, has_missing, missing, byte_ids, ptab, batch, whole, wkeys, wids,
+                        tok_flat, tok_off, wmap, slots, arena, state)
 
 
 def _full_deepseek_impl(s, a, b, extra, cps, feat, starts, buf, bounds, feat_table, has_missing, missing, byte_ids,
@@ -113,6 +159,15 @@ _full_deepseek = njit(cache=True, nogil=True)(_full_deepseek_impl)
 _full_smollm2 = njit(cache=True, nogil=True)(_full_smollm2_impl)
 
 
+def block_tables(family: str) -> tuple[str, tuple[Any, ...]]:
+    """pretokenize.loop_tables for the fused block kernels: the gpt4 loop's kind table replaced by gpt4bits'
+    feature table (the fused gpt4 kernel runs the bit-parallel form)."""
+    loop, fam_args = pt.loop_tables(family)
+    if loop == "gpt4":
+        return loop, (gpt4bits.feature_table(pt._family(family).engine), *fam_args[1:])
+    return loop, fam_args
+
+
 def has_full_kernel(family: str) -> bool:
     """o200k has no fused block kernel: most 1M-character blocks of real text hold one of its rare shapes (english
     and CJK of the benchmark corpus did), whose rescan is Python, so a fused call would pre-tokenize such a block
@@ -136,7 +191,7 @@ def full_encoder(bpe: bpe_mod.BPE, family: str) -> FullFn:
     entry = pm.bound.get(family)
     if entry is not None and entry[0] is k and entry[1] == bpe.batch and entry[2] == bpe.whole:
         return entry[3]
-    loop, fam_args = pt.loop_tables(family)
+    loop, fam_args = block_tables(family)
     missing = bpe.missing if bpe.missing is not None else _NO_MISSING
     fn = k.bind(f"full_{loop}", 9, *fam_args, bpe.missing is not None, missing, bpe.byte_ids, bpe.ptab, bpe.batch,
                 bpe.whole, bpe.wkeys, bpe.wids, bpe.tok_flat, bpe.tok_off, bpe.wmap, pm.slots, pm.arena, pm.state)
@@ -167,9 +222,9 @@ def scratch_args(family: str, chars: int = 0) -> tuple[np.ndarray, ...]:
     """Scratch arrays for `full_encoder`'s kernel that hold a block of `chars` characters plus a lookahead
     (none given: empty ones, which the kernel replaces by arrays of the block's size)."""
     n = chars + 2 if chars else 0
-    dtype = pt.loop_tables(family)[1][0].dtype
-    return (np.empty(n, np.uint32), np.empty(n, dtype), np.empty(n, np.bool_), np.empty(4 * n + 16, np.uint8),
-            np.empty(n + 1, np.int64))
+    dtype = block_tables(family)[1][0].dtype
+    return (np.empty(n, np.uint32), np.empty(n + gpt4bits.PAD if n else 0, dtype), np.empty(n, np.bool_),
+            np.empty(4 * n + 16, np.uint8), np.empty(n + 1, np.int64))
 
 
 __all__ = ["CUT_REJECTED", "DROPPED", "OK", "SURROGATE", "full_encoder", "has_full_kernel", "scratch_args",

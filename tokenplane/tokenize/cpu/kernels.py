@@ -44,9 +44,9 @@ MODULE_NAME = "tokenplane_kernels"      # the extension's PyInit_ name: fixed, t
 KEY_VERSION = 1                         # bump when what goes into the module changes outside the hashed sources
 _HERE = Path(__file__).resolve().parent
 # The modules whose source decides the compiled code: the kernels, this table of signatures, the lazy decorator.
-SOURCES = ("strbuf.py", "pretokenize.py", "runbits.py", "bpe.py", "boundary.py", "segments.py", "window.py",
-           "piecemap.py", "fullencode.py", "../appendwin.py", "../records.py", "../splice.py", "../textstore.py",
-           "../packedrun.py", "lazyjit.py", "kernels.py", "aotbuild.py")
+SOURCES = ("strbuf.py", "pretokenize.py", "runbits.py", "gpt4bits.py", "simdbits.py", "bpe.py", "boundary.py",
+           "segments.py", "window.py", "piecemap.py", "fullencode.py", "../appendwin.py", "../records.py",
+           "../splice.py", "../textstore.py", "../packedrun.py", "lazyjit.py", "kernels.py", "aotbuild.py")
 
 # -- the export table: name -> (module, attribute, return type, argument types) ------------------------------------
 # Argument types: "str" (a Python str, numba unicode_type), "int64", "boolean", or (dtype, ndim) for a C-contiguous
@@ -126,7 +126,7 @@ EXPORTS: dict[str, tuple[str, str, str, tuple[Any, ...]]] = {
                        (*APPEND_HEAD, *APPEND_MID, A("int8"), *WINDOW_TAIL, *APPEND_OUT)),
     # the fused full-encode block (fullencode.py): one call per block of a full encode
     "full_gpt4": ("fullencode", "_full_gpt4", FULL_RET,
-                  (*FULL_HEAD, A("int8"), *FULL_SCRATCH, A("int8"), I, B, *FULL_TAIL)),
+                  (*FULL_HEAD, A("uint8"), *FULL_SCRATCH, A("uint8"), I, B, *FULL_TAIL)),
     "full_deepseek": ("fullencode", "_full_deepseek", FULL_RET,
                       (*FULL_HEAD, A("uint8"), *FULL_SCRATCH, A("uint8"), *FULL_TAIL)),
     "full_smollm2": ("fullencode", "_full_smollm2", FULL_RET,

@@ -23,6 +23,7 @@ _get_code_point = numba_global("numba.cpython.unicode", "_get_code_point")
 _deref_uint8 = numba_global("numba.cpython.unicode", "deref_uint8")
 _deref_uint16 = numba_global("numba.cpython.unicode", "deref_uint16")
 _deref_uint32 = numba_global("numba.cpython.unicode", "deref_uint32")
+_trailing_zeros = numba_global("numba.cpython.unsafe.numbers", "trailing_zeros")
 
 
 def _codepoints_impl(s, a, b, out):
@@ -77,13 +78,29 @@ def _narrow(src, dst):
 
 
 def _utf8_and_bounds_impl(cps, n, starts, buf, bounds):
-    step = max(1, n >> 11)          # a sample of up to 2K characters decides the form
+    if _mostly_wide(cps, n):
+        return _utf8_one_pass(cps, n, starts, buf, bounds)
+    return _utf8_by_runs(cps, n, starts, buf, bounds)
+
+
+def _utf8_and_bounds_bits_impl(cps, n, sb, buf, bounds):
+    # the same with the piece starts as a bitmap (bit i of word i >> 6: gpt4bits.py)
+    if _mostly_wide(cps, n):
+        return _utf8_one_pass_bits(cps, n, sb, buf, bounds)
+    pos, wide_pos, wide_add, nw = _utf8_ascii_runs(cps, n, buf)
+    k = _bit_positions(sb, n, bounds)
+    _chars_to_bytes(bounds, k, wide_pos, wide_add, nw)
+    bounds[k] = pos
+    return k + 1, pos
+
+
+def _mostly_wide(cps, n):
+    """More than one character in 16 at or above U+0080, judged on a sample of up to 2K characters."""
+    step = max(1, n >> 11)
     wide = 0
     for i in range(0, n, step):
         wide += cps[i] >= 0x80
-    if wide * 16 > (n + step - 1) // step:
-        return _utf8_one_pass(cps, n, starts, buf, bounds)
-    return _utf8_by_runs(cps, n, starts, buf, bounds)
+    return wide * 16 > (n + step - 1) // step
 
 
 def _utf8_by_runs(cps, n, starts, buf, bounds):
@@ -95,6 +112,19 @@ def _utf8_by_runs(cps, n, starts, buf, bounds):
     # form below did both at ~1.5 ns a character (1M characters of english or code: 1.45-1.55 ms, three passes
     # 0.8-0.95 ms, alternated in one process).
     # Text with more than one wide character in 16 (CJK; decided on a sample) goes through the one-pass form.
+    pos, wide_pos, wide_add, nw = _utf8_ascii_runs(cps, n, buf)
+    s8 = starts[:n].view(np.uint8)
+    k = 0
+    for i in range(n):
+        bounds[k] = i
+        k += np.int64(s8[i])
+    _chars_to_bytes(bounds, k, wide_pos, wide_add, nw)
+    bounds[k] = pos
+    return k + 1, pos
+
+
+def _utf8_ascii_runs(cps, n, buf):
+    """Pass (1) of _utf8_by_runs: (bytes written, positions of the wide characters, bytes added up to each, count)."""
     wide_pos = np.empty(64, np.int64)
     wide_add = np.empty(64, np.int64)       # bytes added by the wide characters up to and including this one
     nw = 0
@@ -118,11 +148,11 @@ def _utf8_by_runs(cps, n, starts, buf, bounds):
         nw += 1
         pos = end
         i = j + 1
-    s8 = starts[:n].view(np.uint8)
-    k = 0
-    for i in range(n):
-        bounds[k] = i
-        k += np.int64(s8[i])
+    return pos, wide_pos, wide_add, nw
+
+
+def _chars_to_bytes(bounds, k, wide_pos, wide_add, nw):
+    """Pass (3): bounds[:k] (character offsets, increasing) moved to byte offsets."""
     q = 0
     shift = 0
     for t in range(k):
@@ -131,8 +161,22 @@ def _utf8_by_runs(cps, n, starts, buf, bounds):
             shift = wide_add[q]
             q += 1
         bounds[t] = x + shift
-    bounds[k] = pos
-    return k + 1, pos
+
+
+def _bit_positions(sb, n, bounds):
+    """Pass (2) from a bitmap: the positions < n of its set bits into bounds, in order; their count."""
+    k = 0
+    for g in range((n + 63) >> 6):
+        w = sb[g]
+        rest = n - (g << 6)
+        if rest < 64:
+            w &= (np.uint64(1) << np.uint64(rest)) - np.uint64(1)
+        base = g << 6
+        while w != np.uint64(0):
+            bounds[k] = base + np.int64(_trailing_zeros(w))
+            k += 1
+            w &= w - np.uint64(1)
+    return k
 
 
 def _utf8_one_pass(cps, n, starts, buf, bounds):
@@ -144,6 +188,18 @@ def _utf8_one_pass(cps, n, starts, buf, bounds):
     for i in range(n):
         bounds[min(k, last)] = pos
         k += 1 if starts[i] else 0
+        pos = _put_utf8(buf, pos, cps[i])
+    bounds[k] = pos
+    return k + 1, pos
+
+
+def _utf8_one_pass_bits(cps, n, sb, buf, bounds):
+    k = 0
+    pos = 0
+    last = bounds.shape[0] - 1
+    for i in range(n):
+        bounds[min(k, last)] = pos
+        k += np.int64((sb[i >> 6] >> np.uint64(i & 63)) & np.uint64(1))
         pos = _put_utf8(buf, pos, cps[i])
     bounds[k] = pos
     return k + 1, pos
@@ -225,9 +281,15 @@ _false_at = njit(cache=True, nogil=True)(_false_at_impl)
 _put_utf8 = njit(cache=True, nogil=True, inline="always")(_put_utf8)
 _ascii_end = njit(cache=True, nogil=True, inline="always")(_ascii_end)
 _narrow = njit(cache=True, nogil=True)(_narrow)
+_mostly_wide = njit(cache=True, nogil=True)(_mostly_wide)
+_utf8_ascii_runs = njit(cache=True, nogil=True)(_utf8_ascii_runs)
+_chars_to_bytes = njit(cache=True, nogil=True)(_chars_to_bytes)
+_bit_positions = njit(cache=True, nogil=True)(_bit_positions)
 _utf8_one_pass = njit(cache=True, nogil=True)(_utf8_one_pass)
+_utf8_one_pass_bits = njit(cache=True, nogil=True)(_utf8_one_pass_bits)
 _utf8_by_runs = njit(cache=True, nogil=True)(_utf8_by_runs)
 _utf8_and_bounds = njit(cache=True, nogil=True)(_utf8_and_bounds_impl)
+_utf8_and_bounds_bits = njit(cache=True, nogil=True)(_utf8_and_bounds_bits_impl)
 
 
 def codepoints(s: str, a: int = 0, b: int | None = None, extra: str = "",

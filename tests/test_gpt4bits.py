@@ -1,0 +1,121 @@
+"""The bit-parallel cl100k-lineage pre-tokenizer (cpu/gpt4bits.py) against the run loop it replaces in the fused
+encode (pretokenize._gpt4_loop, itself checked against the reference tokenizers in test_pretokenize.py): the same
+piece starts on random text over the characters every rule distinguishes, on runs placed across the 64-character
+word edges, and on real text; the bitmap UTF-8 + bounds pass against the bool one; and the comparison is shown to
+catch a wrong feature table."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+from test_pretokenize import ALPHABET, FRAGMENTS, _corpus_docs
+
+from tokenplane.tokenize.cpu import gpt4bits, pretokenize, strbuf
+
+FAMILIES = ["cl100k_base", "llama3", "qwen3"]
+
+
+def _cps(text: str) -> np.ndarray:
+    return np.frombuffer(text.encode("utf-32-le"), dtype=np.uint32)
+
+
+def _loop_starts(name: str, cps: np.ndarray) -> np.ndarray:
+    _, (kind_table, digits, whole) = pretokenize.loop_tables(name)
+    starts = np.zeros(cps.shape[0], dtype=np.bool_)
+    pretokenize._gpt4_loop(cps.view(np.int32), kind_table[cps], digits, whole, starts)
+    return starts
+
+
+def _bits_starts(name: str, cps: np.ndarray, feat_table: np.ndarray | None = None) -> np.ndarray:
+    _, (kind_table, digits, whole) = pretokenize.loop_tables(name)
+    if feat_table is None:
+        feat_table = gpt4bits.feature_table(pretokenize._family(name).engine)
+    n = cps.shape[0]
+    feat = np.zeros(n + gpt4bits.PAD, dtype=np.uint8)
+    feat[:n] = feat_table[cps]
+    sb = np.full((n >> 6) + 1, 0xFFFF, dtype=np.uint64)     # garbage: the kernel clears it
+    gpt4bits._gpt4_bits(cps.view(np.int32), feat, digits, whole, sb)
+    bits = np.unpackbits(sb.view(np.uint8), bitorder="little")
+    assert not bits[n:].any()                                 # nothing past the text
+    return bits[:n].astype(np.bool_)
+
+
+def _assert_same(name: str, text: str) -> None:
+    cps = _cps(text)
+    ref = _loop_starts(name, cps)
+    got = _bits_starts(name, cps)
+    if not np.array_equal(got, ref):
+        i = int(np.flatnonzero(got != ref)[0])
+        raise AssertionError(f"{name}: starts differ at {i} ({text[max(0, i - 12):i + 12]!r}): loop {ref[i]}, "
+                             f"bits {got[i]}")
+
+
+def _random_texts(seed: str, count: int) -> list[str]:
+    rng = random.Random(seed)
+    units = ALPHABET + FRAGMENTS
+    out = []
+    for _ in range(count):
+        parts = []
+        for _ in range(rng.choice([1, 2, 5, 20, 60])):
+            u = rng.choice(units)
+            parts.append(u * rng.choice([1, 1, 1, 2, 3, 7, 40, 70]))
+        out.append("".join(parts))
+    return out
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_bits_equal_loop_on_random_text(name):
+    for text in _random_texts(name + "bits", 1500):
+        _assert_same(name, text)
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_bits_equal_loop_across_word_edges(name):
+    # every rule's context (one or two characters left, the run's own characters, the one right) placed so that it
+    # straddles bit 63 / 64 of the masks, and runs longer than a word
+    shapes = [" 's", "x'sy", "x'LLy", "x're", " .x", "..x", "\n.x", "\t(x", "a b", "a  b", "a\n b", ")\n x", "a\r\n",
+              ".\n", "x \n\n  y", "1234567", "a12345b", " 12", "x" + " " * 70 + "y", "x" + "\n" * 65 + "y",
+              "7" * 130 + "x", "'" * 3 + "s", ".'ve", " 've", "x\u00a0y", "x  ", "x \n"]
+    for shape in shapes:
+        for offset in range(54, 74):
+            for fill in ("a", " ", ".", "1"):
+                _assert_same(name, fill * offset + shape)
+                _assert_same(name, fill * offset + shape + fill * 3)
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_bits_equal_loop_on_real_text(name):
+    for doc in _corpus_docs(60_000):
+        _assert_same(name, doc)
+
+
+def test_a_wrong_feature_table_is_caught():
+    name = "cl100k_base"
+    table = gpt4bits.feature_table(pretokenize._family(name).engine).copy()
+    table[0x27] &= ~np.uint8(gpt4bits.FAP)      # the apostrophe no longer marked: contractions are missed
+    cps = _cps("we'll say it's x'sy")
+    assert not np.array_equal(_bits_starts(name, cps, table), _loop_starts(name, cps))
+    assert np.array_equal(_bits_starts(name, cps), _loop_starts(name, cps))
+
+
+@pytest.mark.parametrize("wide", [False, True])
+def test_bitmap_bounds_equal_bool_bounds(wide):
+    rng = random.Random(f"bounds{wide}")
+    pool = "abc xyz\n" if not wide else "日本語 ab é👍"
+    for n in (1, 2, 63, 64, 65, 127, 128, 129, 1000, 5000):
+        text = "".join(rng.choice(pool) for _ in range(n))
+        cps = _cps(text)
+        starts = np.array([i == 0 or rng.random() < 0.3 for i in range(n)], dtype=np.bool_)
+        sb = np.zeros((n >> 6) + 2, dtype=np.uint64)
+        packed = np.packbits(starts, bitorder="little")
+        sb.view(np.uint8)[:packed.shape[0]] = packed
+        sb[-1] |= np.uint64(1) << np.uint64(63)                       # a bit past n: ignored
+        buf_a, bounds_a = np.zeros(4 * n + 16, np.uint8), np.zeros(n + 1, np.int64)
+        buf_b, bounds_b = np.zeros(4 * n + 16, np.uint8), np.zeros(n + 1, np.int64)
+        k_a, size_a = strbuf._utf8_and_bounds(cps, n, starts, buf_a, bounds_a)
+        k_b, size_b = strbuf._utf8_and_bounds_bits(cps, n, sb, buf_b, bounds_b)
+        assert (k_a, size_a) == (k_b, size_b)
+        assert np.array_equal(bounds_a[:k_a], bounds_b[:k_b])
+        assert bytes(buf_b[:size_b]) == text.encode("utf-8")

@@ -1,0 +1,33 @@
+"""64 characters' flags as one word: the compare-and-movemask step of the bit-parallel pre-tokenizer (gpt4bits.py).
+
+This module imports numba (an `@intrinsic` is made by numba's extension API), so kernel modules do not import it:
+they name `bits64` through `lazyjit.numba_global`, which resolves it when the kernels materialize.
+"""
+
+from __future__ import annotations
+
+from llvmlite import ir
+from numba import types
+from numba.core import cgutils
+from numba.extending import intrinsic
+
+_BYTES = ir.VectorType(ir.IntType(8), 64)
+
+
+@intrinsic
+def bits64(typingctx, arr, index, flag):  # noqa: ANN001
+    """uint64 whose bit i is (arr[index + i] & flag) != 0 for i < 64 (arr: a C-contiguous uint8 array with 64 bytes
+    readable from index; no bounds check). One 64-byte load, an AND and a compare with zero lane-wise, and the 64
+    lane results as one integer: LLVM lowers it to vpand / vpcmpeqb / vpmovmskb on AVX2 (two of each), one
+    vptestmb on AVX-512BW."""
+    def codegen(context, builder, signature, args):  # noqa: ANN001
+        aryty = signature.args[0]
+        ary = context.make_array(aryty)(context, builder, args[0])
+        ptr = cgutils.get_item_pointer(context, builder, aryty, ary, [args[1]], wraparound=False)
+        v = builder.load(builder.bitcast(ptr, _BYTES.as_pointer()), align=1)
+        f = builder.trunc(args[2], ir.IntType(8))
+        fv = builder.insert_element(ir.Constant(_BYTES, ir.Undefined), f, ir.Constant(ir.IntType(32), 0))
+        fv = builder.shuffle_vector(fv, fv, ir.Constant(ir.VectorType(ir.IntType(32), 64), [0] * 64))
+        hit = builder.icmp_unsigned("!=", builder.and_(v, fv), ir.Constant(_BYTES, [0] * 64))
+        return builder.bitcast(hit, ir.IntType(64))
+    return types.uint64(arr, index, flag), codegen
