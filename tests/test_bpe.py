@@ -204,7 +204,7 @@ def test_corpus_full(name):
 
 
 @pytest.mark.parametrize("name", ["cl100k_base", "o200k_base", "qwen3", "deepseek_v4"])
-def test_heap_merge_equals_rounds_on_long_pieces(name):
+def test_heap_and_scan_merges_equal_rounds_on_long_pieces(name):
     b = encoder(name).bpe
     rng = np.random.default_rng(5)
     alphabets = ["的一是不了人我在有他这中大来上国个到说们为子和你地出道也时年", "abcdefghij", "ab", "\u0301e",
@@ -222,13 +222,15 @@ def test_heap_merge_equals_rounds_on_long_pieces(name):
                                        np.empty(m, dtype=np.int32), np.empty(m, dtype=np.int32),
                                        np.empty(3 * m, dtype=np.int64), out2, 0)
         assert out1[:n1].tolist() == out2[:n2].tolist(), (name, text)
+        n3 = bpe_mod._merge_piece_scan(buf, 0, m, b.byte_ids, b.ptab, *scratch, out2, 0)
+        assert out1[:n1].tolist() == out2[:n3].tolist(), (name, text)
 
 
 @pytest.mark.parametrize("name", ["cl100k_base", "qwen3", "smollm2"])
 def test_pair_table_forms_merge_alike(name):
     """The one-row pair table (merged IDs order the pairs: tiktoken, HF vocabularies numbered in merge order) and
     the two-row form (ranks in the record, merged IDs beside; what any other vocabulary gets) give the same IDs,
-    through the rounds kernel and the heap (the other tests check the one-row form against the reference); and a
+    through the rounds, heap and scan kernels (the other tests check the one-row form against the reference); and a
     one-row table is refused where the merged IDs do not follow the ranks."""
     b = encoder(name).bpe
     assert b.ptab.shape[0] == 1         # every family here qualifies for one row
@@ -250,7 +252,9 @@ def test_pair_table_forms_merge_alike(name):
             n = bpe_mod._merge_piece_heap(buf, 0, m, b.byte_ids, tab, *scratch, np.empty(m, dtype=np.int32),
                                           np.empty(m, dtype=np.int32), np.empty(3 * m, dtype=np.int64), out, 0)
             got.append(out[:n].tolist())
-        assert got[0] == got[1] == got[2] == got[3], (name, piece)
+            n = bpe_mod._merge_piece_scan(buf, 0, m, b.byte_ids, tab, *scratch, out, 0)
+            got.append(out[:n].tolist())
+        assert all(g == got[0] for g in got), (name, piece)
     shuffled = b.pnews.copy()
     used = np.flatnonzero(b.pkeys != bpe_mod.EMPTY)
     shuffled[used[:2]] = shuffled[used[1::-1]]      # two pairs' merged IDs swapped: no longer in rank order

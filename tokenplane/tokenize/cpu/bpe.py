@@ -261,6 +261,53 @@ def _merge_piece(buf, a, b, byte_ids, ptab, batch, sym, rk, nw, out, o):
 
 
 @njit(cache=True, nogil=True)
+def _merge_piece_scan(buf, a, b, byte_ids, ptab, sym, rk, nw, out, o):
+    """The same BPE as `_merge_piece` (the leftmost occurrence of the lowest-ranked pair merged, one merge a step),
+    for short pieces: each step takes the first minimum in one pass of conditional moves (no branch on the ranks'
+    order), merges there, shifts the pairs right of it down one and re-probes its two neighbours. Measured on the
+    pieces a warm 1M-character encode misses (one core, hot tables, ns a piece, against the rounds kernel): cl100k
+    english 2-8 bytes 179 vs 226, 9-16 bytes 394 vs 455; CJK 197 vs 211 and 478 vs 549; qwen3 alike; the heap
+    kernel stays faster above 16 bytes (1,184 vs 1,338 at 17-32)."""
+    inf = np.int32(0x7FFFFFFF)
+    m = b - a
+    for i in range(m):
+        sym[i] = byte_ids[buf[a + i]]
+    for i in range(m - 1):
+        r, t = _pair_rank(ptab, sym[i], sym[i + 1])
+        rk[i] = r
+        nw[i] = t
+    k = m
+    while k > 1:
+        best = inf
+        at = 0
+        for i in range(k - 1):
+            r = rk[i]
+            lower = r < best
+            at = i if lower else at
+            best = r if lower else best
+        if best == inf:
+            break
+        t = _merged(ptab, best, nw[at])
+        sym[at] = t
+        for i in range(at + 1, k - 1):
+            sym[i] = sym[i + 1]
+            rk[i] = rk[i + 1]
+            nw[i] = nw[i + 1]
+        k -= 1
+        if at > 0:
+            r, u = _pair_rank(ptab, sym[at - 1], t)
+            rk[at - 1] = r
+            nw[at - 1] = u
+        if at < k - 1:
+            r, u = _pair_rank(ptab, t, sym[at + 1])
+            rk[at] = r
+            nw[at] = u
+    for i in range(k):
+        out[o + i] = sym[i]
+    return o + k
+
+
+@njit(cache=True, nogil=True)
 def _heap_push(heap, n, key):
     i = n
     heap[i] = key

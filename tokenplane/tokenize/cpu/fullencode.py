@@ -5,8 +5,9 @@ text-sized arrays between them: code points, the class gather + pre-tokenizer lo
 piece bounds, then BPE over bpe.py's direct-mapped piece tiers. Here one call per pre-tokenizer family runs the same
 code point reader and the family's pre-tokenizer (the cl100k lineage: gpt4bits.py's bit-parallel form of the run
 loop, with the starts as a bitmap; the others: their run loops), the block's UTF-8 and piece bounds (strbuf), then
-piecemap._walk: each piece looked up in the thread's open-addressing piece map (a miss runs bpe.py's merge kernels). Same pieces, same BPE of
-each piece: the same IDs (tests/test_fullencode.py checks fused == staged == reference on real and adversarial text).
+piecemap._walk: each piece looked up in the thread's open-addressing piece map (a miss runs bpe.py's merge
+kernels). Same pieces, same BPE of each piece: the same IDs (tests/test_fullencode.py checks fused == staged ==
+reference on real and adversarial text).
 
 What the common case does not cover answers a nonzero status and the caller runs the staged path: a lone surrogate
 (the staged path raises), a byte the vocabulary lacks (DroppedBytes -> the reference), and a chunk cut that is not a

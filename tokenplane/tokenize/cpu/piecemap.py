@@ -15,7 +15,8 @@ text: 2,048 direct-mapped long slots for ~24K distinct CJK runs); a miss re-runs
   output): on 1M characters every piece of which was in the map, 2.2-2.6 ms against 2.8-3.3 before for english and
   code (1.25x, one core, alternated in one process); single-byte pieces are kept in the map like any other;
 * a long piece's hash and its byte compare read whole words of the text's UTF-8 where it lies (no copy of the piece);
-* a miss runs bpe.py's own merge kernels (whole-piece lookup, rounds, heap) on the piece's bytes: the same IDs.
+* a miss runs bpe.py's own merge kernels (whole-piece lookup, then the scan kernel up to HEAP_MIN_BYTES, the heap
+  above) on the piece's bytes: the same IDs.
 """
 
 from __future__ import annotations
@@ -34,7 +35,8 @@ ARENA_WORDS = 1 << 21        # 8 MB of IDs and bytes of pieces that do not fit a
 MAX_BYTES = 1024             # longer pieces (long whitespace or symbol runs) are merged each time, not kept
 # Pieces longer than this merge through bpe.py's heap kernel (same IDs): on the multi-token pieces a warm 1M-character
 # encode misses (one core, hot tables), the heap took 2,161 vs 2,450 ns for 17-32 bytes and 2,970 vs 3,864 ns for
-# 33-48 bytes (qwen3 CJK runs), and the rounds kernel was faster below 9 bytes (bpe.HEAP_MIN_BYTES is 48 there).
+# 33-48 bytes (qwen3 CJK runs); up to 16 bytes bpe._merge_piece_scan is the fastest (its docstring; bpe.HEAP_MIN_BYTES
+# is 48 in the staged path, which keeps the rounds kernel).
 HEAP_MIN_BYTES = 16
 _K = 0x9E3779B97F4A7C15
 
@@ -234,10 +236,12 @@ def _walk(buf, bounds, nb, has_missing, missing, byte_ids, ptab, batch, whole, w
         if t >= 0:
             out[o] = t
             o += 1
-        elif m > HEAP_MIN_BYTES and batch:
+        elif not batch:     # the plain one-merge-a-round schedule (kept to measure against)
+            o = bpe_mod._merge_piece(buf, a, b, byte_ids, ptab, batch, sym, rk, nw, out, o)
+        elif m > HEAP_MIN_BYTES:
             o = bpe_mod._merge_piece_heap(buf, a, b, byte_ids, ptab, sym, rk, nw, prk, pnw, heap, out, o)
         else:
-            o = bpe_mod._merge_piece(buf, a, b, byte_ids, ptab, batch, sym, rk, nw, out, o)
+            o = bpe_mod._merge_piece_scan(buf, a, b, byte_ids, ptab, sym, rk, nw, out, o)
         # -- insert (the slot found empty above, unless the map is emptied first)
         cnt = o - o0
         inline = small and cnt <= 2
