@@ -5,8 +5,9 @@ region), in this process, pinned to one CPU, times each stage of the CPU path wi
 
   codepoints   the str's code points (strbuf)
   classes      the family table's class of each code point (the gather)
-  pretokenize  the family's pre-tokenizer loop (o200k: plus the Python rescan of its rare shapes, shown apart)
-  utf8+bounds  UTF-8 of the block and the byte offset of every piece (strbuf)
+  pretokenize  the family's pre-tokenizer as the fused encode runs it (cl100k lineage: gpt4bits' bitmap form, JIT;
+               others: their run loops; o200k: plus the Python rescan of its rare shapes, shown apart)
+  utf8+bounds  UTF-8 of the block and the byte offset of every piece (strbuf, from the bool starts)
   walk hits    the piece-map walk when every piece is in the map (the 'repeat' case)
   encode       CpuEncoder.encode of the document, warm (new encoder, warm-up region first) and repeat
   misses       encode warm - encode repeat: the BPE of the pieces the warm-up region did not hold (whole-vocabulary
@@ -45,7 +46,7 @@ def _cpu(fn, runs: int) -> float:
 
 def profile(family: str, doc: str, warm: str, runs: int) -> dict[str, float]:
     import tokenplane
-    from tokenplane.tokenize.cpu import fullencode, kernels
+    from tokenplane.tokenize.cpu import fullencode, gpt4bits, kernels
     from tokenplane.tokenize.cpu import pretokenize as pt
     from tokenplane.tokenize.cpu.o200k_rescan import _o200k_rescan_local
     from tokenplane.tokenize.cpu.parallel import CpuEncoder
@@ -73,12 +74,20 @@ def profile(family: str, doc: str, warm: str, runs: int) -> dict[str, float]:
     c = cps.view(np.int32)
     nrare = 0
 
+    if loop == "gpt4":      # the fused encode's form: gpt4bits (JIT: it is compiled into the fused AOT export only)
+        feat_table = fullencode.block_tables(family)[1][0]
+        feat = np.zeros(n + gpt4bits.PAD, np.uint8)
+        feat[:n] = feat_table[cps]
+        bitmap = np.empty((n >> 6) + 1, np.uint64)
+        gpt4bits._gpt4_bits(c, feat, fam_args[1], fam_args[2], bitmap)
+
     def pretok() -> None:
         nonlocal nrare
+        if loop == "gpt4":      # (the kernel clears its bitmap)
+            gpt4bits._gpt4_bits(c, feat, fam_args[1], fam_args[2], bitmap)
+            return
         starts[:] = False
-        if loop == "gpt4":
-            k.gpt4_loop(c, kind, fam_args[1], fam_args[2], starts)
-        elif loop == "o200k":
+        if loop == "o200k":
             nrare = k.o200k_loop(c, kind, starts, rare)
         elif loop == "deepseek":
             k.deepseek_loop(c, kind, starts)
@@ -86,6 +95,8 @@ def profile(family: str, doc: str, warm: str, runs: int) -> dict[str, float]:
             k.smollm2_loop(c, kind, starts)
 
     pretok()
+    if loop == "gpt4":
+        starts[:] = np.unpackbits(bitmap.view(np.uint8), bitorder="little")[:n].astype(np.bool_)
     if nrare:
         _o200k_rescan_local(cps, pt._table(tok.family.engine), c, np.sort(rare[:nrare]), starts)
     rescued = starts.copy()
