@@ -22,7 +22,7 @@ import bisect
 import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 import numpy as np
 
@@ -228,7 +228,8 @@ class CpuEncoder:
     def cuts(self, text: str, n_chunks: int, inert: np.ndarray | None = None) -> list[int]:
         """Stable positions at or after byte-balanced targets (k = 1..n_chunks-1), strictly increasing; fewer if
         none is near (see `_cut_at_or_after` for `inert`)."""
-        return list(_LazyCuts(self, text, self._targets(text, self._chunk_fractions(len(text), n_chunks)), inert))
+        fractions = self._chunk_fractions(len(text), n_chunks)
+        return list(_LazyCuts(self, text, lambda: self._targets(text, fractions), inert))
 
     def _pool_get(self) -> ThreadPoolExecutor:
         with self._pool_lock:
@@ -261,7 +262,9 @@ class CpuEncoder:
                 return self._encode_norm(norm_of(s) if normalize else s)
             except DroppedBytes:
                 return self._reference(s)
-        cuts = _LazyCuts(self, s, self._targets(s, fractions), self._nfc_inert if normalize else None)
+        # the byte-profile targets are computed by the first thread to pull a chunk: the helpers are woken first, so
+        # their wake-up (~80 us on this VM) overlaps the profile and the first cut search instead of following them
+        cuts = _LazyCuts(self, s, lambda: self._targets(s, fractions), self._nfc_inert if normalize else None)
         results: list[np.ndarray] = []
         lock = threading.Lock()
 
@@ -321,8 +324,10 @@ class _CutRejected(RuntimeError):
 class _LazyCuts:
     """Chunk spans in order, each right cut found when the chunk is pulled (the caller holds the queue lock)."""
 
-    def __init__(self, enc: CpuEncoder, text: str, targets: list[int], inert: np.ndarray | None):
-        self.enc, self.text, self.targets, self.inert = enc, text, targets, inert
+    def __init__(self, enc: CpuEncoder, text: str, targets: Callable[[], list[int]], inert: np.ndarray | None):
+        self.enc, self.text, self.inert = enc, text, inert
+        self._targets_of = targets
+        self.targets: list[int] | None = None      # made on the first pull
         self.k = 0          # next target to resolve
         self.left = 0       # start of the next span
         self.count = 0
@@ -334,12 +339,15 @@ class _LazyCuts:
         n = len(self.text)
         if self.left >= n:
             return None
+        targets = self.targets
+        if targets is None:
+            targets = self.targets = self._targets_of()
         right = n
-        while self.k < len(self.targets):
-            target = max(self.targets[self.k], self.left + 1)
+        while self.k < len(targets):
+            target = max(targets[self.k], self.left + 1)
             self.k += 1
             if target >= n:
-                self.k = len(self.targets)
+                self.k = len(targets)
                 break
             cut = self.enc._cut_at_or_after(self.text, target, self.inert)
             if cut is not None:
