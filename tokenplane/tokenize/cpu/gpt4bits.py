@@ -180,5 +180,5 @@ def _gpt4_bits_impl(c, feat, digits, whole_at_end, sb):
 
 _set_bit = njit(cache=True, nogil=True, inline="always")(_set_bit)
 _fold = njit(cache=True, nogil=True, inline="always")(_fold)
-_scalar_run = njit(cache=True, nogil=True)(_scalar_run)
+_scalar_run = njit(cache=True, nogil=True, inline="always")(_scalar_run)     # (no array refcounts a run)
 _gpt4_bits = njit(cache=True, nogil=True)(_gpt4_bits_impl)
