@@ -5,7 +5,7 @@ region), in this process, pinned to one CPU, times each stage of the CPU path wi
 
   codepoints   the str's code points (strbuf)
   classes      the family table's class of each code point (the gather)
-  pretokenize  the family's pre-tokenizer as the fused encode runs it (cl100k lineage: gpt4bits' bitmap form, JIT;
+  pretokenize  the family's pre-tokenizer as the fused encode runs it (cl100k lineage, smollm2: startbits' bitmap form, JIT;
                others: their run loops; o200k: plus the Python rescan of its rare shapes, shown apart)
   utf8+bounds  UTF-8 of the block and the byte offset of every piece (strbuf, from the bool starts)
   walk hits    the piece-map walk when every piece is in the map (the 'repeat' case)
@@ -46,7 +46,7 @@ def _cpu(fn, runs: int) -> float:
 
 def profile(family: str, doc: str, warm: str, runs: int) -> dict[str, float]:
     import tokenplane
-    from tokenplane.tokenize.cpu import fullencode, gpt4bits, kernels
+    from tokenplane.tokenize.cpu import fullencode, kernels, startbits
     from tokenplane.tokenize.cpu import pretokenize as pt
     from tokenplane.tokenize.cpu.o200k_rescan import _o200k_rescan_local
     from tokenplane.tokenize.cpu.parallel import CpuEncoder
@@ -74,17 +74,25 @@ def profile(family: str, doc: str, warm: str, runs: int) -> dict[str, float]:
     c = cps.view(np.int32)
     nrare = 0
 
-    if loop == "gpt4":      # the fused encode's form: gpt4bits (JIT: it is compiled into the fused AOT export only)
+    bits = loop in ("gpt4", "smollm2")
+
+    def bits_kernel() -> None:
+        if loop == "gpt4":
+            startbits._gpt4_bits(c, feat, fam_args[1], fam_args[2], bitmap)
+        else:
+            startbits._smollm2_bits(c, feat, bitmap)
+
+    if bits:        # the fused encode's form: startbits (JIT: it is compiled into the fused AOT exports only)
         feat_table = fullencode.block_tables(family)[1][0]
-        feat = np.zeros(n + gpt4bits.PAD, np.uint8)
+        feat = np.zeros(n + startbits.PAD, np.uint8)
         feat[:n] = feat_table[cps]
         bitmap = np.empty((n >> 6) + 1, np.uint64)
-        gpt4bits._gpt4_bits(c, feat, fam_args[1], fam_args[2], bitmap)
+        bits_kernel()
 
     def pretok() -> None:
         nonlocal nrare
-        if loop == "gpt4":      # (the kernel clears its bitmap)
-            gpt4bits._gpt4_bits(c, feat, fam_args[1], fam_args[2], bitmap)
+        if bits:        # (the kernel clears its bitmap)
+            bits_kernel()
             return
         starts[:] = False
         if loop == "o200k":
@@ -95,7 +103,7 @@ def profile(family: str, doc: str, warm: str, runs: int) -> dict[str, float]:
             k.smollm2_loop(c, kind, starts)
 
     pretok()
-    if loop == "gpt4":
+    if bits:
         starts[:] = np.unpackbits(bitmap.view(np.uint8), bitorder="little")[:n].astype(np.bool_)
     if nrare:
         _o200k_rescan_local(cps, pt._table(tok.family.engine), c, np.sort(rare[:nrare]), starts)

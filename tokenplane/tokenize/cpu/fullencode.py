@@ -3,10 +3,10 @@
 The staged block encode (parallel.CpuEncoder._encode_range before this module) made four kernel calls and three
 text-sized arrays between them: code points, the class gather + pre-tokenizer loop, the whole block's UTF-8 and
 piece bounds, then BPE over bpe.py's direct-mapped piece tiers. Here one call per pre-tokenizer family runs the same
-code point reader and the family's pre-tokenizer (the cl100k lineage: gpt4bits.py's bit-parallel form of the run
-loop, with the starts as a bitmap; the others: their run loops), the block's UTF-8 and piece bounds (strbuf), then
-piecemap._walk: each piece looked up in the thread's open-addressing piece map (a miss runs bpe.py's merge
-kernels). Same pieces, same BPE of each piece: the same IDs (tests/test_fullencode.py checks fused == staged ==
+code point reader and the family's pre-tokenizer (the cl100k lineage and smollm2: startbits.py's bit-parallel
+forms of the run loops, with the starts as a bitmap; DeepSeek: its run loop), the block's UTF-8 and piece bounds
+(strbuf), then piecemap._walk: each piece looked up in the thread's open-addressing piece map (a miss runs bpe.py's
+merge kernels). Same pieces, same BPE of each piece: the same IDs (tests/test_fullencode.py checks fused == staged ==
 reference on real and adversarial text).
 
 What the common case does not cover answers a nonzero status and the caller runs the staged path: a lone surrogate
@@ -22,7 +22,7 @@ from typing import Any, Callable
 import numpy as np
 
 from . import bpe as bpe_mod
-from . import gpt4bits, kernels, strbuf
+from . import kernels, startbits, strbuf
 from . import pretokenize as pt
 from .lazyjit import njit  # numba itself only when a JIT kernel runs (lazyjit.py)
 from .piecemap import CUT_REJECTED, DROPPED, OK, SURROGATE, PieceMap, _walk
@@ -55,14 +55,14 @@ def _block_start(s, a, b, extra, cps, kind, starts, table):
 
 @njit(cache=True, nogil=True)
 def _block_start_bits(s, a, b, extra, cps, feat, starts, table):
-    """_block_start for the bit-parallel pre-tokenizer (gpt4bits.py): code points, their feature bytes followed by
-    gpt4bits.PAD zero bytes, and a start bitmap of (total >> 6) + 2 words (a view of the bool scratch `starts` when
+    """_block_start for the bit-parallel pre-tokenizer (startbits.py): code points, their feature bytes followed by
+    startbits.PAD zero bytes, and a start bitmap of (total >> 6) + 2 words (a view of the bool scratch `starts` when
     it is long enough), the index of a lone surrogate or -1."""
     n = b - a
     total = n + len(extra)
     words = (total >> 6) + 2
     cps = cps[:total] if cps.shape[0] >= total else np.empty(total, np.uint32)
-    feat = feat[:total + gpt4bits.PAD] if feat.shape[0] >= total + gpt4bits.PAD else np.empty(total + gpt4bits.PAD,
+    feat = feat[:total + startbits.PAD] if feat.shape[0] >= total + startbits.PAD else np.empty(total + startbits.PAD,
                                                                                                np.uint8)
     sb = starts[:8 * words].view(np.uint64) if starts.shape[0] >= 8 * words else np.empty(words, np.uint64)
     bad = strbuf._codepoints(s, a, b, cps) if n > 0 else -1
@@ -73,7 +73,7 @@ def _block_start_bits(s, a, b, extra, cps, feat, starts, table):
     if bad < 0:
         for i in range(total):
             feat[i] = table[cps[i]]
-        for i in range(total, total + gpt4bits.PAD):
+        for i in range(total, total + startbits.PAD):
             feat[i] = 0
     return cps, feat, sb, bad
 
@@ -126,11 +126,11 @@ def _finish_bits(cps, n, sb, buf, bounds, has_missing, missing, byte_ids, ptab, 
 # the family's tables | missing bytes, the BPE tables, the thread's piece map.
 def _full_gpt4_impl(s, a, b, extra, cps, feat, starts, buf, bounds, feat_table, digits, whole_at_end, has_missing,
                     missing, byte_ids, ptab, batch, whole, wkeys, wids, tok_flat, tok_off, wmap, slots, arena, state):
-    # the bit-parallel pre-tokenizer (gpt4bits.py: the same starts as pretokenize._gpt4_loop)
+    # the bit-parallel pre-tokenizer (startbits.py: the same starts as pretokenize._gpt4_loop)
     cps, feat, sb, bad = _block_start_bits(s, a, b, extra, cps, feat, starts, feat_table)
     if bad >= 0:
         return _declined(SURROGATE)
-    gpt4bits._gpt4_bits(cps.view(np.int32), feat, digits, whole_at_end, sb)
+    startbits._gpt4_bits(cps.view(np.int32), feat, digits, whole_at_end, sb)
     return _finish_bits(cps, b - a, sb, buf, bounds, has_missing, missing, byte_ids, ptab, batch, whole, wkeys, wids,
                         tok_flat, tok_off, wmap, slots, arena, state)
 
@@ -145,14 +145,15 @@ def _full_deepseek_impl(s, a, b, extra, cps, feat, starts, buf, bounds, feat_tab
                    tok_flat, tok_off, wmap, slots, arena, state)
 
 
-def _full_smollm2_impl(s, a, b, extra, cps, kind, starts, buf, bounds, kind_table, has_missing, missing, byte_ids,
+def _full_smollm2_impl(s, a, b, extra, cps, feat, starts, buf, bounds, feat_table, has_missing, missing, byte_ids,
                        ptab, batch, whole, wkeys, wids, tok_flat, tok_off, wmap, slots, arena, state):
-    cps, kind, starts, bad = _block_start(s, a, b, extra, cps, kind, starts, kind_table)
+    # the bit-parallel pre-tokenizer (startbits.py: the same starts as pretokenize._smollm2_loop)
+    cps, feat, sb, bad = _block_start_bits(s, a, b, extra, cps, feat, starts, feat_table)
     if bad >= 0:
         return _declined(SURROGATE)
-    pt._smollm2_loop(cps.view(np.int32), kind, starts)
-    return _finish(cps, b - a, starts, buf, bounds, has_missing, missing, byte_ids, ptab, batch, whole, wkeys, wids,
-                   tok_flat, tok_off, wmap, slots, arena, state)
+    startbits._smollm2_bits(cps.view(np.int32), feat, sb)
+    return _finish_bits(cps, b - a, sb, buf, bounds, has_missing, missing, byte_ids, ptab, batch, whole, wkeys, wids,
+                        tok_flat, tok_off, wmap, slots, arena, state)
 
 
 _full_gpt4 = njit(cache=True, nogil=True)(_full_gpt4_impl)
@@ -161,11 +162,13 @@ _full_smollm2 = njit(cache=True, nogil=True)(_full_smollm2_impl)
 
 
 def block_tables(family: str) -> tuple[str, tuple[Any, ...]]:
-    """pretokenize.loop_tables for the fused block kernels: the gpt4 loop's kind table replaced by gpt4bits'
-    feature table (the fused gpt4 kernel runs the bit-parallel form)."""
+    """pretokenize.loop_tables for the fused block kernels: the gpt4 and smollm2 loops' kind tables replaced by
+    startbits' feature tables (those fused kernels run the bit-parallel forms)."""
     loop, fam_args = pt.loop_tables(family)
     if loop == "gpt4":
-        return loop, (gpt4bits.feature_table(pt._family(family).engine), *fam_args[1:])
+        return loop, (startbits.gpt4_feature_table(pt._family(family).engine), *fam_args[1:])
+    if loop == "smollm2":
+        return loop, (startbits.smollm2_feature_table(pt._family(family).engine),)
     return loop, fam_args
 
 
@@ -224,7 +227,7 @@ def scratch_args(family: str, chars: int = 0) -> tuple[np.ndarray, ...]:
     (none given: empty ones, which the kernel replaces by arrays of the block's size)."""
     n = chars + 2 if chars else 0
     dtype = block_tables(family)[1][0].dtype
-    return (np.empty(n, np.uint32), np.empty(n + gpt4bits.PAD if n else 0, dtype), np.empty(n, np.bool_),
+    return (np.empty(n, np.uint32), np.empty(n + startbits.PAD if n else 0, dtype), np.empty(n, np.bool_),
             np.empty(4 * n + 16, np.uint8), np.empty(n + 1, np.int64))
 
 

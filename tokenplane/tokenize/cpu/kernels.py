@@ -44,7 +44,7 @@ MODULE_NAME = "tokenplane_kernels"      # the extension's PyInit_ name: fixed, t
 KEY_VERSION = 1                         # bump when what goes into the module changes outside the hashed sources
 _HERE = Path(__file__).resolve().parent
 # The modules whose source decides the compiled code: the kernels, this table of signatures, the lazy decorator.
-SOURCES = ("strbuf.py", "pretokenize.py", "runbits.py", "gpt4bits.py", "simdbits.py", "bpe.py", "boundary.py",
+SOURCES = ("strbuf.py", "pretokenize.py", "runbits.py", "startbits.py", "simdbits.py", "bpe.py", "boundary.py",
            "segments.py", "window.py", "piecemap.py", "fullencode.py", "../appendwin.py", "../records.py",
            "../splice.py", "../textstore.py", "../packedrun.py", "lazyjit.py", "kernels.py", "aotbuild.py")
 
@@ -130,7 +130,7 @@ EXPORTS: dict[str, tuple[str, str, str, tuple[Any, ...]]] = {
     "full_deepseek": ("fullencode", "_full_deepseek", FULL_RET,
                       (*FULL_HEAD, A("uint8"), *FULL_SCRATCH, A("uint8"), *FULL_TAIL)),
     "full_smollm2": ("fullencode", "_full_smollm2", FULL_RET,
-                     (*FULL_HEAD, A("int8"), *FULL_SCRATCH, A("int8"), *FULL_TAIL)),
+                     (*FULL_HEAD, A("uint8"), *FULL_SCRATCH, A("uint8"), *FULL_TAIL)),
     "full_walk": ("fullencode", "_finish", FULL_RET, (A("uint32"), I, *FULL_SCRATCH, *FULL_TAIL)),
     # session records (..records: IDs, checkpoints ck, token characters tc, end exceptions ex_i / ex_v)
     "rec_end_at": ("..records", "end_at", "int64", (*REC, I)),

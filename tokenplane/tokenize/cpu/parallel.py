@@ -28,7 +28,7 @@ import numpy as np
 
 from . import boundary, bpetables, fullencode, nfc, pretokenize, strbuf
 from .bpe import BPE, DroppedBytes
-from .gpt4bits import PAD
+from .startbits import PAD
 
 if TYPE_CHECKING:   # type names only: these modules sit above this one
     from ..tokenizer import Tokenizer
@@ -60,7 +60,7 @@ class _Scratch:
         n = max(chars, 4096) + 2
         self.chars = n
         self.cps = np.empty(n, dtype=np.uint32)
-        self.kind = np.empty(n + PAD, dtype=np.uint8)     # the fused kernel's classes (+ gpt4bits' zero padding)
+        self.kind = np.empty(n + PAD, dtype=np.uint8)     # the fused kernel's classes (+ startbits' zero padding)
         self.starts = np.empty(n, dtype=np.bool_)
         self.buf = np.empty(4 * n + 16, dtype=np.uint8)   # + the walk's padding (fullencode._finish)
         self.bounds = np.empty(n + 1, dtype=np.int64)

@@ -1,4 +1,4 @@
-"""64 characters' flags as one word: the compare-and-movemask step of the bit-parallel pre-tokenizer (gpt4bits.py).
+"""64 characters' flags as one word: the compare-and-movemask step of the bit-parallel pre-tokenizer (startbits.py).
 
 This module imports numba (an `@intrinsic` is made by numba's extension API), so kernel modules do not import it:
 they name `bits64` through `lazyjit.numba_global`, which resolves it when the kernels materialize.

@@ -84,7 +84,7 @@ def _utf8_and_bounds_impl(cps, n, starts, buf, bounds):
 
 
 def _utf8_and_bounds_bits_impl(cps, n, sb, buf, bounds):
-    # the same with the piece starts as a bitmap (bit i of word i >> 6: gpt4bits.py)
+    # the same with the piece starts as a bitmap (bit i of word i >> 6: startbits.py)
     if _mostly_wide(cps, n):
         return _utf8_one_pass_bits(cps, n, sb, buf, bounds)
     pos, wide_pos, wide_add, nw = _utf8_ascii_runs(cps, n, buf)

@@ -1,5 +1,6 @@
-"""The bit-parallel cl100k-lineage pre-tokenizer (cpu/gpt4bits.py) against the run loop it replaces in the fused
-encode (pretokenize._gpt4_loop, itself checked against the reference tokenizers in test_pretokenize.py): the same
+"""The bit-parallel pre-tokenizers (cpu/startbits.py: the cl100k lineage and smollm2) against the run loops they
+replace in the fused encode (pretokenize._gpt4_loop and _smollm2_loop, themselves checked against the reference
+tokenizers in test_pretokenize.py): the same
 piece starts on random text over the characters every rule distinguishes, on runs placed across the 64-character
 word edges, and on real text; the bitmap UTF-8 + bounds pass against the bool one; and the comparison is shown to
 catch a wrong feature table."""
@@ -12,9 +13,9 @@ import numpy as np
 import pytest
 from test_pretokenize import ALPHABET, FRAGMENTS, _corpus_docs
 
-from tokenplane.tokenize.cpu import gpt4bits, pretokenize, strbuf
+from tokenplane.tokenize.cpu import pretokenize, startbits, strbuf
 
-FAMILIES = ["cl100k_base", "llama3", "qwen3"]
+FAMILIES = ["cl100k_base", "llama3", "qwen3", "smollm2"]
 
 
 def _cps(text: str) -> np.ndarray:
@@ -22,21 +23,29 @@ def _cps(text: str) -> np.ndarray:
 
 
 def _loop_starts(name: str, cps: np.ndarray) -> np.ndarray:
-    _, (kind_table, digits, whole) = pretokenize.loop_tables(name)
+    loop, args = pretokenize.loop_tables(name)
     starts = np.zeros(cps.shape[0], dtype=np.bool_)
-    pretokenize._gpt4_loop(cps.view(np.int32), kind_table[cps], digits, whole, starts)
+    if loop == "smollm2":
+        pretokenize._smollm2_loop(cps.view(np.int32), args[0][cps], starts)
+    else:
+        pretokenize._gpt4_loop(cps.view(np.int32), args[0][cps], args[1], args[2], starts)
     return starts
 
 
 def _bits_starts(name: str, cps: np.ndarray, feat_table: np.ndarray | None = None) -> np.ndarray:
-    _, (kind_table, digits, whole) = pretokenize.loop_tables(name)
+    loop, args = pretokenize.loop_tables(name)
+    engine = pretokenize._family(name).engine
     if feat_table is None:
-        feat_table = gpt4bits.feature_table(pretokenize._family(name).engine)
+        feat_table = (startbits.smollm2_feature_table(engine) if loop == "smollm2"
+                      else startbits.gpt4_feature_table(engine))
     n = cps.shape[0]
-    feat = np.zeros(n + gpt4bits.PAD, dtype=np.uint8)
+    feat = np.zeros(n + startbits.PAD, dtype=np.uint8)
     feat[:n] = feat_table[cps]
     sb = np.full((n >> 6) + 1, 0xFFFF, dtype=np.uint64)     # garbage: the kernel clears it
-    gpt4bits._gpt4_bits(cps.view(np.int32), feat, digits, whole, sb)
+    if loop == "smollm2":
+        startbits._smollm2_bits(cps.view(np.int32), feat, sb)
+    else:
+        startbits._gpt4_bits(cps.view(np.int32), feat, args[1], args[2], sb)
     bits = np.unpackbits(sb.view(np.uint8), bitorder="little")
     assert not bits[n:].any()                                 # nothing past the text
     return bits[:n].astype(np.bool_)
@@ -91,10 +100,12 @@ def test_bits_equal_loop_on_real_text(name):
         _assert_same(name, doc)
 
 
-def test_a_wrong_feature_table_is_caught():
-    name = "cl100k_base"
-    table = gpt4bits.feature_table(pretokenize._family(name).engine).copy()
-    table[0x27] &= ~np.uint8(gpt4bits.FAP)      # the apostrophe no longer marked: contractions are missed
+@pytest.mark.parametrize("name", ["cl100k_base", "smollm2"])
+def test_a_wrong_feature_table_is_caught(name):
+    engine = pretokenize._family(name).engine
+    good = startbits.smollm2_feature_table(engine) if name == "smollm2" else startbits.gpt4_feature_table(engine)
+    table = good.copy()
+    table[0x27] &= ~np.uint8(startbits.FAP)      # the apostrophe no longer marked: contractions are missed
     cps = _cps("we'll say it's x'sy")
     assert not np.array_equal(_bits_starts(name, cps, table), _loop_starts(name, cps))
     assert np.array_equal(_bits_starts(name, cps), _loop_starts(name, cps))

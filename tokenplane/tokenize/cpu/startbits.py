@@ -1,4 +1,4 @@
-"""The cl100k-lineage pre-tokenizer (cl100k_base, llama3, qwen3) 64 characters at a time, as bit masks.
+"""Pre-tokenizers 64 characters at a time, as bit masks: the cl100k lineage (cl100k_base, llama3, qwen3) and smollm2.
 
 pretokenize._gpt4_loop walks the text run by run (a run: a maximal stretch of one kind, letter L, digit N,
 whitespace W, other O) and decides each run's piece starts from the run's kind, the one or two characters left of it
@@ -25,7 +25,7 @@ rs(X) = X & ~p(X), the loop's rules are (docs/pretokenizer.md derives them from 
 
 The masks carry across words through the previous word's flags (for p, p2) and the next word's W (for q); the text's
 first character has nothing left of it (as the loop's prev_kind = -1). Equality with the loop is tested on random
-strings over the characters every rule distinguishes and on real text (tests/test_gpt4bits.py); the loop itself is
+strings over the characters every rule distinguishes and on real text (tests/test_startbits.py); the loop itself is
 checked against the reference tokenizers.
 
 Measured on 1M-character documents of the benchmark corpus, one core, this stage alone against the loop (with its
@@ -41,7 +41,7 @@ import numpy as np
 
 from ..spec import charclass
 from .lazyjit import njit, numba_global  # numba itself only when a JIT kernel runs (lazyjit.py)
-from .pretokenize import _cp_kind_gpt4
+from .pretokenize import _cp_kind_gpt4, _cp_kind_smollm2
 
 _bits64 = numba_global("tokenplane.tokenize.cpu.simdbits", "bits64")
 _trailing_zeros = numba_global("numba.cpython.unsafe.numbers", "trailing_zeros")
@@ -52,7 +52,7 @@ PAD = 64        # zero feature bytes the kernel may read past the text (one 64-c
 
 
 @cache
-def feature_table(engine: str) -> np.ndarray:
+def gpt4_feature_table(engine: str) -> np.ndarray:
     """uint8 per code point: 1 << run kind (pretokenize's gpt4 kind table: L, N, W, O) | FSP for U+0020 | FNL for
     CR and LF | FAP for the apostrophe. Cached on disk like the kind table it is made from."""
     def build() -> np.ndarray:
@@ -62,6 +62,19 @@ def feature_table(engine: str) -> np.ndarray:
         feat[0x27] |= FAP
         return feat
     return charclass.derived_table("feat-gpt4", engine, (charclass.N_CODEPOINTS,), np.uint8, build, __file__)
+
+
+@cache
+def smollm2_feature_table(engine: str) -> np.ndarray:
+    """uint8 per code point for smollm2: 1 << its run kind (pretokenize's smollm2 kinds: L, Digits-numeric, W,
+    other) | FSP for U+0020 | FAP for the apostrophe."""
+    def build() -> np.ndarray:
+        feat = np.left_shift(1, _cp_kind_smollm2(engine).astype(np.int64)).astype(np.uint8)
+        feat[0x20] |= FSP
+        feat[0x27] |= FAP
+        return feat
+    return charclass.derived_table("feat-smollm2", engine, (charclass.N_CODEPOINTS,), np.uint8, build, __file__,
+                                   numeric=True)
 
 
 def _set_bit(sb, p):
@@ -120,7 +133,7 @@ def _scalar_run(c, feat, n, a, digits, whole_at_end, sb):
 
 def _gpt4_bits_impl(c, feat, digits, whole_at_end, sb):
     """Piece starts of the n = len(c) code points c into the bitmap sb (bit i of word i >> 6; at least (n >> 6) + 1
-    words, cleared here), the same starts as pretokenize._gpt4_loop. feat: the feature bytes of c (feature_table)
+    words, cleared here), the same starts as pretokenize._gpt4_loop. feat: the feature bytes of c (gpt4_feature_table)
     followed by at least PAD zero bytes."""
     n = c.shape[0]
     words = (n + 63) >> 6
@@ -178,7 +191,71 @@ def _gpt4_bits_impl(c, feat, digits, whole_at_end, sb):
         lp, np_, wp, op, spp, nlp, app = lw, nw, ww, ow, sp, nl, ap
 
 
+def _smollm2_bits_impl(c, feat, sb):
+    """pretokenize._smollm2_loop's starts as a bitmap (same contract as _gpt4_bits_impl). Its rules in masks: every
+    numeric character starts a piece (N); a whitespace run starts one (rs(W)), and when two or more long and followed
+    by a letter or other character its last character starts the next (W & p(W) & q(L | O)); a letter or other run
+    starts one unless a space is left of it (the space glues to it: p(SP)); a letter run right after a lone
+    apostrophe that no space glues (p(AP) & ~p2(O) & ~p2(SP)) takes the loop's scalar contraction code (lowercase
+    s t m d / re ve ll)."""
+    n = c.shape[0]
+    words = (n + 63) >> 6
+    for g in range(sb.shape[0]):
+        sb[g] = 0
+    one = np.uint64(1)
+    two = np.uint64(2)
+    s62 = np.uint64(62)
+    s63 = np.uint64(63)
+    zero = np.uint64(0)
+    lp = zero      # the previous word's flags
+    wp = zero
+    op = zero
+    spp = zero
+    app = zero
+    lonext = _bits64(feat, 0, FL | FO)
+    for g in range(words):
+        base = g << 6
+        lw = _bits64(feat, base, FL)
+        nw = _bits64(feat, base, FN)
+        ww = _bits64(feat, base, FW)
+        ow = _bits64(feat, base, FO)
+        sp = _bits64(feat, base, FSP)
+        ap = _bits64(feat, base, FAP)
+        lo = lonext
+        lonext = _bits64(feat, base + 64, FL | FO) if g + 1 < words else zero
+        p_w = (ww << one) | (wp >> s63)
+        p_o = (ow << one) | (op >> s63)
+        p_l = (lw << one) | (lp >> s63)
+        p_sp = (sp << one) | (spp >> s63)
+        p_ap = (ap << one) | (app >> s63)
+        p2_o = (ow << two) | (op >> s62)
+        p2_sp = (sp << two) | (spp >> s62)
+        q_lo = (lo >> one) | (lonext << s63)
+        rs_l = lw & ~p_l
+        rs_o = ow & ~p_o
+        apos = rs_l & p_ap & ~p2_o & ~p2_sp
+        st = nw | (ww & ~p_w) | (ww & p_w & q_lo) | ((rs_l | rs_o) & ~p_sp & ~apos)
+        sb[g] |= st
+        while apos != zero:
+            a = base + np.int64(_trailing_zeros(apos))
+            apos &= apos - one
+            b = a + 1
+            while b < n and (feat[b] & FL):
+                b += 1
+            f0 = c[a]
+            f1 = c[a + 1] if a + 1 < b else -1
+            x = a
+            if f0 == 115 or f0 == 116 or f0 == 109 or f0 == 100:          # 's 't 'm 'd
+                x = a + 1
+            elif (f0 == 114 and f1 == 101) or (f0 == 118 and f1 == 101) or (f0 == 108 and f1 == 108):
+                x = a + 2                                                  # 're 've 'll
+            if x == a or x < b:
+                _set_bit(sb, x)
+        lp, wp, op, spp, app = lw, ww, ow, sp, ap
+
+
 _set_bit = njit(cache=True, nogil=True, inline="always")(_set_bit)
 _fold = njit(cache=True, nogil=True, inline="always")(_fold)
 _scalar_run = njit(cache=True, nogil=True, inline="always")(_scalar_run)     # (no array refcounts a run)
 _gpt4_bits = njit(cache=True, nogil=True)(_gpt4_bits_impl)
+_smollm2_bits = njit(cache=True, nogil=True)(_smollm2_bits_impl)
