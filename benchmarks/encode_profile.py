@@ -5,8 +5,8 @@ region), in this process, pinned to one CPU, times each stage of the CPU path wi
 
   codepoints   the str's code points (strbuf)
   classes      the family table's class of each code point (the gather)
-  pretokenize  the family's pre-tokenizer as the fused encode runs it (cl100k lineage, smollm2: startbits' bitmap form, JIT;
-               others: their run loops; o200k: plus the Python rescan of its rare shapes, shown apart)
+  pretokenize  the family's pre-tokenizer as the fused encode runs it (startbits' bitmap forms, JIT; o200k: its run
+               loop, plus the Python rescan of its rare shapes, shown apart)
   utf8+bounds  UTF-8 of the block and the byte offset of every piece (strbuf, from the bool starts)
   walk hits    the piece-map walk when every piece is in the map (the 'repeat' case)
   encode       CpuEncoder.encode of the document, warm (new encoder, warm-up region first) and repeat
@@ -74,11 +74,13 @@ def profile(family: str, doc: str, warm: str, runs: int) -> dict[str, float]:
     c = cps.view(np.int32)
     nrare = 0
 
-    bits = loop in ("gpt4", "smollm2")
+    bits = loop in ("gpt4", "smollm2", "deepseek")
 
     def bits_kernel() -> None:
         if loop == "gpt4":
             startbits._gpt4_bits(c, feat, fam_args[1], fam_args[2], bitmap)
+        elif loop == "deepseek":
+            startbits._deepseek_bits(c, feat, bitmap)
         else:
             startbits._smollm2_bits(c, feat, bitmap)
 

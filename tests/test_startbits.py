@@ -15,7 +15,7 @@ from test_pretokenize import ALPHABET, FRAGMENTS, _corpus_docs
 
 from tokenplane.tokenize.cpu import pretokenize, startbits, strbuf
 
-FAMILIES = ["cl100k_base", "llama3", "qwen3", "smollm2"]
+FAMILIES = ["cl100k_base", "llama3", "qwen3", "smollm2", "deepseek_v4"]
 
 
 def _cps(text: str) -> np.ndarray:
@@ -27,6 +27,8 @@ def _loop_starts(name: str, cps: np.ndarray) -> np.ndarray:
     starts = np.zeros(cps.shape[0], dtype=np.bool_)
     if loop == "smollm2":
         pretokenize._smollm2_loop(cps.view(np.int32), args[0][cps], starts)
+    elif loop == "deepseek":
+        pretokenize._deepseek_loop(cps.view(np.int32), args[0][cps], starts)
     else:
         pretokenize._gpt4_loop(cps.view(np.int32), args[0][cps], args[1], args[2], starts)
     return starts
@@ -36,14 +38,16 @@ def _bits_starts(name: str, cps: np.ndarray, feat_table: np.ndarray | None = Non
     loop, args = pretokenize.loop_tables(name)
     engine = pretokenize._family(name).engine
     if feat_table is None:
-        feat_table = (startbits.smollm2_feature_table(engine) if loop == "smollm2"
-                      else startbits.gpt4_feature_table(engine))
+        feat_table = {"smollm2": startbits.smollm2_feature_table, "deepseek": startbits.deepseek_feature_table,
+                      "gpt4": startbits.gpt4_feature_table}[loop](engine)
     n = cps.shape[0]
     feat = np.zeros(n + startbits.PAD, dtype=np.uint8)
     feat[:n] = feat_table[cps]
     sb = np.full((n >> 6) + 1, 0xFFFF, dtype=np.uint64)     # garbage: the kernel clears it
     if loop == "smollm2":
         startbits._smollm2_bits(cps.view(np.int32), feat, sb)
+    elif loop == "deepseek":
+        startbits._deepseek_bits(cps.view(np.int32), feat, sb)
     else:
         startbits._gpt4_bits(cps.view(np.int32), feat, args[1], args[2], sb)
     bits = np.unpackbits(sb.view(np.uint8), bitorder="little")

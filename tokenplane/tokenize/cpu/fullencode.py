@@ -3,11 +3,10 @@
 The staged block encode (parallel.CpuEncoder._encode_range before this module) made four kernel calls and three
 text-sized arrays between them: code points, the class gather + pre-tokenizer loop, the whole block's UTF-8 and
 piece bounds, then BPE over bpe.py's direct-mapped piece tiers. Here one call per pre-tokenizer family runs the same
-code point reader and the family's pre-tokenizer (the cl100k lineage and smollm2: startbits.py's bit-parallel
-forms of the run loops, with the starts as a bitmap; DeepSeek: its run loop), the block's UTF-8 and piece bounds
-(strbuf), then piecemap._walk: each piece looked up in the thread's open-addressing piece map (a miss runs bpe.py's
-merge kernels). Same pieces, same BPE of each piece: the same IDs (tests/test_fullencode.py checks fused == staged ==
-reference on real and adversarial text).
+code point reader and the family's pre-tokenizer (startbits.py's bit-parallel forms of the run loops, with the
+starts as a bitmap), the block's UTF-8 and piece bounds (strbuf), then piecemap._walk: each piece looked up in the
+thread's open-addressing piece map (a miss runs bpe.py's merge kernels). Same pieces, same BPE of each piece: the
+same IDs (tests/test_fullencode.py checks fused == staged == reference on real and adversarial text).
 
 What the common case does not cover answers a nonzero status and the caller runs the staged path: a lone surrogate
 (the staged path raises), a byte the vocabulary lacks (DroppedBytes -> the reference), and a chunk cut that is not a
@@ -32,32 +31,11 @@ _NO_MISSING = np.zeros(256, np.bool_)
 
 
 @njit(cache=True, nogil=True)
-def _block_start(s, a, b, extra, cps, kind, starts, table):
-    """Code points of s[a:b] + extra into `cps`, the table's class of each into `kind`, a cleared start mask (the
-    caller's scratch arrays, each replaced by a new one when too short), the index of a lone surrogate or -1 (then
-    the classes are not gathered)."""
-    n = b - a
-    total = n + len(extra)
-    cps = cps[:total] if cps.shape[0] >= total else np.empty(total, np.uint32)
-    kind = kind[:total] if kind.shape[0] >= total else np.empty(total, kind.dtype)
-    starts = starts[:total] if starts.shape[0] >= total else np.empty(total, np.bool_)
-    starts[:] = False
-    bad = strbuf._codepoints(s, a, b, cps) if n > 0 else -1
-    if len(extra) > 0 and bad < 0:
-        got = strbuf._codepoints(extra, 0, len(extra), cps[n:])
-        if got >= 0:
-            bad = n + got
-    if bad < 0:
-        for i in range(total):
-            kind[i] = table[cps[i]]
-    return cps, kind, starts, bad
-
-
-@njit(cache=True, nogil=True)
 def _block_start_bits(s, a, b, extra, cps, feat, starts, table):
-    """_block_start for the bit-parallel pre-tokenizer (startbits.py): code points, their feature bytes followed by
-    startbits.PAD zero bytes, and a start bitmap of (total >> 6) + 2 words (a view of the bool scratch `starts` when
-    it is long enough), the index of a lone surrogate or -1."""
+    """Code points of s[a:b] + extra into `cps`, their feature bytes (startbits' table) followed by startbits.PAD
+    zero bytes into `feat`, and a start bitmap of (total >> 6) + 2 words (a view of the bool scratch `starts`; each
+    scratch array replaced by a new one when too short); the index of a lone surrogate or -1 (then the features are
+    not gathered)."""
     n = b - a
     total = n + len(extra)
     words = (total >> 6) + 2
@@ -137,12 +115,13 @@ def _full_gpt4_impl(s, a, b, extra, cps, feat, starts, buf, bounds, feat_table, 
 
 def _full_deepseek_impl(s, a, b, extra, cps, feat, starts, buf, bounds, feat_table, has_missing, missing, byte_ids,
                         ptab, batch, whole, wkeys, wids, tok_flat, tok_off, wmap, slots, arena, state):
-    cps, feat, starts, bad = _block_start(s, a, b, extra, cps, feat, starts, feat_table)
+    # the bit-parallel pre-tokenizer (startbits.py: the same starts as pretokenize._deepseek_loop)
+    cps, feat, sb, bad = _block_start_bits(s, a, b, extra, cps, feat, starts, feat_table)
     if bad >= 0:
         return _declined(SURROGATE)
-    pt._deepseek_loop(cps.view(np.int32), feat, starts)
-    return _finish(cps, b - a, starts, buf, bounds, has_missing, missing, byte_ids, ptab, batch, whole, wkeys, wids,
-                   tok_flat, tok_off, wmap, slots, arena, state)
+    startbits._deepseek_bits(cps.view(np.int32), feat, sb)
+    return _finish_bits(cps, b - a, sb, buf, bounds, has_missing, missing, byte_ids, ptab, batch, whole, wkeys, wids,
+                        tok_flat, tok_off, wmap, slots, arena, state)
 
 
 def _full_smollm2_impl(s, a, b, extra, cps, feat, starts, buf, bounds, feat_table, has_missing, missing, byte_ids,
@@ -162,13 +141,15 @@ _full_smollm2 = njit(cache=True, nogil=True)(_full_smollm2_impl)
 
 
 def block_tables(family: str) -> tuple[str, tuple[Any, ...]]:
-    """pretokenize.loop_tables for the fused block kernels: the gpt4 and smollm2 loops' kind tables replaced by
-    startbits' feature tables (those fused kernels run the bit-parallel forms)."""
+    """pretokenize.loop_tables for the fused block kernels: each loop's kind table replaced by startbits' feature
+    table (every fused kernel runs the bit-parallel form of its family's loop)."""
     loop, fam_args = pt.loop_tables(family)
     if loop == "gpt4":
         return loop, (startbits.gpt4_feature_table(pt._family(family).engine), *fam_args[1:])
     if loop == "smollm2":
         return loop, (startbits.smollm2_feature_table(pt._family(family).engine),)
+    if loop == "deepseek":
+        return loop, (startbits.deepseek_feature_table(pt._family(family).engine),)
     return loop, fam_args
 
 

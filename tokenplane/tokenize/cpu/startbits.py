@@ -1,4 +1,5 @@
-"""Pre-tokenizers 64 characters at a time, as bit masks: the cl100k lineage (cl100k_base, llama3, qwen3) and smollm2.
+"""Pre-tokenizers 64 characters at a time, as bit masks: the cl100k lineage (cl100k_base, llama3, qwen3), smollm2 and
+DeepSeek V4.
 
 pretokenize._gpt4_loop walks the text run by run (a run: a maximal stretch of one kind, letter L, digit N,
 whitespace W, other O) and decides each run's piece starts from the run's kind, the one or two characters left of it
@@ -41,7 +42,7 @@ import numpy as np
 
 from ..spec import charclass
 from .lazyjit import njit, numba_global  # numba itself only when a JIT kernel runs (lazyjit.py)
-from .pretokenize import _cp_kind_gpt4, _cp_kind_smollm2
+from .pretokenize import _cp_feat_deepseek, _cp_kind_gpt4, _cp_kind_smollm2
 
 _bits64 = numba_global("tokenplane.tokenize.cpu.simdbits", "bits64")
 _trailing_zeros = numba_global("numba.cpython.unsafe.numbers", "trailing_zeros")
@@ -75,6 +76,27 @@ def smollm2_feature_table(engine: str) -> np.ndarray:
         return feat
     return charclass.derived_table("feat-smollm2", engine, (charclass.N_CODEPOINTS,), np.uint8, build, __file__,
                                    numeric=True)
+
+
+# DeepSeek's feature bits: its five run kinds one-hot, the CJK ranges of its stage 2, and two flags whose meaning
+# depends on the kind (a letter / punctuation flag is only set on ASCII letters / punctuation, so on whitespace the
+# same bits mark CR/LF and the space)
+DL, DPS, DW, DO, DN, DCJK, DAL, DAP = 1, 2, 4, 8, 16, 32, 64, 128
+
+
+@cache
+def deepseek_feature_table(engine: str) -> np.ndarray:
+    """uint8 per code point for DeepSeek V4: one-hot kind (pretokenize's feat-deepseek kinds: letter/mark, punctuation
+    or symbol, whitespace, other, digit) | DCJK | DAL on ASCII letters and on CR/LF | DAP on ASCII punctuation and on
+    the space."""
+    def build() -> np.ndarray:
+        f = _cp_feat_deepseek(engine).astype(np.int64)
+        out = np.left_shift(1, f & 7).astype(np.int64)
+        out |= np.where(f & 8, DCJK, 0) | np.where(f & 16, DAL, 0) | np.where(f & 32, DAP, 0)
+        out[[0x0A, 0x0D]] |= DAL
+        out[0x20] |= DAP
+        return out.astype(np.uint8)
+    return charclass.derived_table("feat-deepseek-bits", engine, (charclass.N_CODEPOINTS,), np.uint8, build, __file__)
 
 
 def _set_bit(sb, p):
@@ -254,8 +276,150 @@ def _smollm2_bits_impl(c, feat, sb):
         lp, wp, op, spp, app = lw, ww, ow, sp, ap
 
 
+def _deepseek_scalar(c, feat, n, a, sb):
+    """The starts of the run at a the masks leave to pretokenize._deepseek_loop's code: a whitespace run of 2+
+    characters, a digit run longer than three, a letter run glued to a lone ASCII punctuation mark (its ASCII letters
+    go with the mark; the rest starts a piece)."""
+    f = feat[a]
+    if f & DW:
+        b = a + 1
+        while b < n and (feat[b] & DW):
+            b += 1
+        head = a == 0 or (feat[a - 1] & DN) != 0 or (feat[a - 1] & DCJK) != 0    # (whitespace is neither)
+        s0 = a
+        if not head and (feat[a - 1] & DPS):      # the punctuation piece before absorbs the leading CR/LF
+            while s0 < b and (c[s0] == 10 or c[s0] == 13):
+                s0 += 1
+        at_end = b == n or (feat[b] & DN) != 0 or (feat[b] & DCJK) != 0
+        last_nl = -1
+        for j in range(b - 1, a - 1, -1):
+            if c[j] == 10 or c[j] == 13:
+                last_nl = j
+                break
+        if head or s0 < b:
+            _set_bit(sb, a if head else s0)
+        if last_nl >= a and last_nl + 1 < b and last_nl + 1 > s0:
+            _set_bit(sb, last_nl + 1)
+        if not at_end and b - 1 > s0 and c[b - 1] != 10 and c[b - 1] != 13:
+            _set_bit(sb, b - 1)
+    elif f & DN:
+        b = a + 1
+        while b < n and (feat[b] & DN):
+            b += 1
+        for j in range(a + 3, b, 3):
+            _set_bit(sb, j)
+    else:
+        b = a + 1
+        while b < n and (feat[b] & DL) and ((feat[b] & DCJK) == (feat[a] & DCJK)):
+            b += 1
+        j = a
+        while j < b and (feat[j] & DAL):
+            j += 1
+        if j < b:
+            _set_bit(sb, j)
+
+
+def _deepseek_bits_impl(c, feat, sb):
+    """pretokenize._deepseek_loop's starts as a bitmap (same contract as _gpt4_bits_impl). A segment head (h: the
+    first character, a digit-run edge, or a CJK-range edge between non-digits) starts a piece; inside a segment, with
+    p/p2/q as in the module docstring: punctuation starts unless a space is left of it; a letter run starts unless a
+    whitespace other than CR/LF or an other character is left of it, or one ASCII punctuation mark with no space
+    before it precedes it and it starts with an ASCII letter (then the scalar code finds where its ASCII letters end);
+    an other run starts, and its last character starts the letter run after it; a one-character whitespace run
+    starts, except a CR/LF right after punctuation; longer whitespace runs and digit runs take the scalar code."""
+    n = c.shape[0]
+    words = (n + 63) >> 6
+    for g in range(sb.shape[0]):
+        sb[g] = 0
+    one = np.uint64(1)
+    two = np.uint64(2)
+    s62 = np.uint64(62)
+    s63 = np.uint64(63)
+    zero = np.uint64(0)
+    lp = zero      # the previous word's flags
+    psp = zero
+    wp = zero
+    op = zero
+    np_ = zero
+    cjkp = zero
+    alp = zero
+    app = zero
+    hp = zero
+    wn = _bits64(feat, 0, DW)
+    ln = _bits64(feat, 0, DL)
+    nn = _bits64(feat, 0, DN)
+    cjkn = _bits64(feat, 0, DCJK)
+    for g in range(words):
+        base = g << 6
+        lw = ln
+        ww = wn
+        nw = nn
+        cjk = cjkn
+        ps = _bits64(feat, base, DPS)
+        ow = _bits64(feat, base, DO)
+        al = _bits64(feat, base, DAL)
+        ap = _bits64(feat, base, DAP)
+        if g + 1 < words:
+            wn = _bits64(feat, base + 64, DW)
+            ln = _bits64(feat, base + 64, DL)
+            nn = _bits64(feat, base + 64, DN)
+            cjkn = _bits64(feat, base + 64, DCJK)
+        else:
+            wn = zero
+            ln = zero
+            nn = zero
+            cjkn = zero
+        p_l = (lw << one) | (lp >> s63)
+        p_ps = (ps << one) | (psp >> s63)
+        p_w = (ww << one) | (wp >> s63)
+        p_o = (ow << one) | (op >> s63)
+        p_n = (nw << one) | (np_ >> s63)
+        p_cjk = (cjk << one) | (cjkp >> s63)
+        p_al = (al << one) | (alp >> s63)
+        p_ap = (ap << one) | (app >> s63)
+        p2_ps = (ps << two) | (psp >> s62)
+        p2_w = (ww << two) | (wp >> s62)
+        p2_ap = (ap << two) | (app >> s62)
+        # segment heads: bit 0 of the text always; a digit edge; a CJK edge between non-digits
+        h = (nw ^ p_n) | (~nw & ~p_n & (cjk ^ p_cjk))
+        if g == 0:
+            h |= one
+        p_h = (h << one) | (hp >> s63)
+        # the next word's first head bit, for q(h)
+        h_next = ((nn ^ (nw >> s63)) | (~nn & ~(nw >> s63) & (cjkn ^ (cjk >> s63)))) & one
+        q_h = (h >> one) | (h_next << s63)
+        q_l = (lw >> one) | (ln << s63)
+        q_w = (ww >> one) | (wn << s63)
+        nl = ww & al
+        p_sp = p_w & p_ap
+        p_nl = p_w & p_al
+        p2_sp = p2_w & p2_ap
+        same = ~h
+        rs_l = lw & ~p_l
+        rs_ps = ps & ~p_ps
+        rs_w = ww & ~p_w
+        rs_o = ow & ~p_o
+        rs_n = nw & ~p_n
+        glued = same & ((p_w & ~p_nl) | p_o)
+        single_ps = p_ps & (~p2_ps | p_h)
+        punct_glue = rs_l & same & single_ps & ~(p2_sp & ~p_h) & p_ap & al
+        w1 = rs_w & ~q_w
+        st = h | (rs_ps & ~(p_sp & same)) | (rs_l & ~glued & ~punct_glue) | rs_o | (ow & q_l & ~q_h)
+        st |= w1 & ~(same & p_ps & nl)
+        if n - base < 64:       # a digit or CJK edge right after the text's last character is no start
+            st &= (one << np.uint64(n - base)) - one
+        sb[g] |= st
+        fix = (rs_w & q_w) | (rs_n & ~(~nw >> one)) | punct_glue
+        while fix != zero:
+            _deepseek_scalar(c, feat, n, base + np.int64(_trailing_zeros(fix)), sb)
+            fix &= fix - one
+        lp, psp, wp, op, np_, cjkp, alp, app, hp = lw, ps, ww, ow, nw, cjk, al, ap, h
+
+
 _set_bit = njit(cache=True, nogil=True, inline="always")(_set_bit)
 _fold = njit(cache=True, nogil=True, inline="always")(_fold)
 _scalar_run = njit(cache=True, nogil=True, inline="always")(_scalar_run)     # (no array refcounts a run)
 _gpt4_bits = njit(cache=True, nogil=True)(_gpt4_bits_impl)
 _smollm2_bits = njit(cache=True, nogil=True)(_smollm2_bits_impl)
+_deepseek_scalar = njit(cache=True, nogil=True, inline="always")(_deepseek_scalar)
+_deepseek_bits = njit(cache=True, nogil=True)(_deepseek_bits_impl)
