@@ -61,6 +61,23 @@ def _declined(status):
     return np.empty(0, np.int32), status
 
 
+@njit(cache=True, nogil=True, inline="always")
+def _sized(buf, bounds, n):
+    """The scratch UTF-8 and bounds arrays, each replaced by a new one when too short for n characters (+ 16 bytes
+    of padding: the walk reads a small piece's two words)."""
+    if buf.shape[0] < 4 * n + 16:
+        buf = np.empty(4 * n + 16, np.uint8)
+    if bounds.shape[0] < n + 1:
+        bounds = np.empty(n + 1, np.int64)
+    return buf, bounds
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _pad(buf, size):
+    for k in range(size, size + 16):
+        buf[k] = 0
+
+
 @njit(cache=True, nogil=True)
 def _finish(cps, n, starts, buf, bounds, has_missing, missing, byte_ids, ptab, batch, whole, wkeys, wids, tok_flat,
             tok_off, wmap, slots, arena, state):
@@ -70,13 +87,9 @@ def _finish(cps, n, starts, buf, bounds, has_missing, missing, byte_ids, ptab, b
         return _declined(CUT_REJECTED)
     if n == 0:
         return _declined(OK)
-    if buf.shape[0] < 4 * n + 16:             # 16 bytes of padding: the walk reads a small piece's two words
-        buf = np.empty(4 * n + 16, np.uint8)
-    if bounds.shape[0] < n + 1:
-        bounds = np.empty(n + 1, np.int64)
+    buf, bounds = _sized(buf, bounds, n)
     nb, size = strbuf._utf8_and_bounds(cps, n, starts, buf, bounds)
-    for k in range(size, size + 16):
-        buf[k] = 0
+    _pad(buf, size)
     return _walk(buf, bounds, nb, has_missing, missing, byte_ids, ptab, batch, whole, wkeys, wids, tok_flat, tok_off,
                  wmap, slots, arena, state)
 
@@ -89,13 +102,9 @@ def _finish_bits(cps, n, sb, buf, bounds, has_missing, missing, byte_ids, ptab, 
         return _declined(CUT_REJECTED)
     if n == 0:
         return _declined(OK)
-    if buf.shape[0] < 4 * n + 16:
-        buf = np.empty(4 * n + 16, np.uint8)
-    if bounds.shape[0] < n + 1:
-        bounds = np.empty(n + 1, np.int64)
+    buf, bounds = _sized(buf, bounds, n)
     nb, size = strbuf._utf8_and_bounds_bits(cps, n, sb, buf, bounds)
-    for k in range(size, size + 16):
-        buf[k] = 0
+    _pad(buf, size)
     return _walk(buf, bounds, nb, has_missing, missing, byte_ids, ptab, batch, whole, wkeys, wids, tok_flat, tok_off,
                  wmap, slots, arena, state)
 

@@ -80,11 +80,12 @@ def _cp_kind_gpt4(engine: str) -> np.ndarray:
                                    __file__)
 
 
-def _whitespace_run_loop(c, starts, a, b, absorbed, at_end, keep_whole):
-    """Loop form of `_whitespace_run_starts` for one whitespace run [a, b), shared by the three numba loops: CR/LF
-    absorbed by the previous punctuation piece are skipped, a piece starts after the last CR/LF (unless the whole run
-    is one piece: cl100k's `\\s++$` at the end of text), and before the last character when a non-space follows
-    (`\\s+(?!\\S)`)."""
+def _whitespace_run_cuts(c, a, b, absorbed, at_end, keep_whole):
+    """The piece starts inside one whitespace run [a, b), as (first, after the last CR/LF, last), -1 where there is
+    none (the loop form of the oracles' `_whitespace_run_starts`, shared by the run loops here and the bitmap forms
+    in startbits.py): CR/LF absorbed by the previous punctuation piece are skipped, a piece starts after the last
+    CR/LF (unless the whole run is one piece: cl100k's `\\s++$` at the end of text), and before the last character
+    when a non-space follows (`\\s+(?!\\S)`)."""
     s0 = a
     if absorbed:
         while s0 < b and (c[s0] == 10 or c[s0] == 13):
@@ -94,12 +95,21 @@ def _whitespace_run_loop(c, starts, a, b, absorbed, at_end, keep_whole):
         if c[j] == 10 or c[j] == 13:
             last_nl = j
             break
-    if s0 < b:
-        starts[s0] = True
-    if last_nl >= a and last_nl + 1 < b and last_nl + 1 > s0 and not keep_whole:
-        starts[last_nl + 1] = True
-    if not at_end and b - 1 > s0 and c[b - 1] != 10 and c[b - 1] != 13:
-        starts[b - 1] = True
+    first = s0 if s0 < b else -1
+    mid = last_nl + 1 if last_nl >= a and last_nl + 1 < b and last_nl + 1 > s0 and not keep_whole else -1
+    last = b - 1 if not at_end and b - 1 > s0 and c[b - 1] != 10 and c[b - 1] != 13 else -1
+    return first, mid, last
+
+
+def _whitespace_run_loop(c, starts, a, b, absorbed, at_end, keep_whole):
+    """`_whitespace_run_cuts` written into a bool start mask."""
+    first, mid, last = _whitespace_run_cuts(c, a, b, absorbed, at_end, keep_whole)
+    if first >= 0:
+        starts[first] = True
+    if mid >= 0:
+        starts[mid] = True
+    if last >= 0:
+        starts[last] = True
 
 
 def _gather(table, cps):
@@ -111,6 +121,7 @@ def _gather(table, cps):
     return out
 
 
+_whitespace_run_cuts = njit(cache=True, nogil=True, inline="always")(_whitespace_run_cuts)
 _whitespace_run_loop = njit(cache=True, nogil=True, inline="always")(_whitespace_run_loop)
 _gather = njit(cache=True, nogil=True)(_gather)
 

@@ -42,7 +42,7 @@ import numpy as np
 
 from ..spec import charclass
 from .lazyjit import njit, numba_global  # numba itself only when a JIT kernel runs (lazyjit.py)
-from .pretokenize import _cp_feat_deepseek, _cp_kind_gpt4, _cp_kind_smollm2
+from .pretokenize import _cp_feat_deepseek, _cp_kind_gpt4, _cp_kind_smollm2, _whitespace_run_cuts
 
 _bits64 = numba_global("tokenplane.tokenize.cpu.simdbits", "bits64")
 _trailing_zeros = numba_global("numba.cpython.unsafe.numbers", "trailing_zeros")
@@ -103,53 +103,84 @@ def _set_bit(sb, p):
     sb[p >> 6] |= np.uint64(1) << np.uint64(p & 63)
 
 
+def _set_cuts(sb, first, mid, last):
+    """pretokenize._whitespace_run_cuts' positions (-1: none) into the bitmap."""
+    if first >= 0:
+        _set_bit(sb, first)
+    if mid >= 0:
+        _set_bit(sb, mid)
+    if last >= 0:
+        _set_bit(sb, last)
+
+
+def _prev(x, xp):
+    """The flags of the character left of each position: x shifted up one, the previous word's top bit carried in."""
+    return (x << np.uint64(1)) | (xp >> np.uint64(63))
+
+
+def _prev2(x, xp):
+    """The flags two characters left."""
+    return (x << np.uint64(2)) | (xp >> np.uint64(62))
+
+
+def _next(x, xn):
+    """The flags of the character right of each position: x shifted down one, the next word's bottom bit carried in."""
+    return (x >> np.uint64(1)) | (xn << np.uint64(63))
+
+
+def _clear(sb):
+    for g in range(sb.shape[0]):
+        sb[g] = 0
+
+
+def _run_end(feat, n, a, flag):
+    """The end of the run of `flag` characters that starts at a."""
+    b = a + 1
+    while b < n and (feat[b] & flag):
+        b += 1
+    return b
+
+
+def _digit_groups(sb, a, b, size):
+    """Starts every `size` digits from the digit run's start (`\\p{N}{1,3}`)."""
+    for j in range(a + size, b, size):
+        _set_bit(sb, j)
+
+
 def _fold(x):
     """The contraction letters' case-insensitive form (ASCII upper to lower, U+017F LONG S to s)."""
     return x + 32 if 65 <= x <= 90 else (115 if x == 0x17F else x)
 
 
-def _scalar_run(c, feat, n, a, digits, whole_at_end, sb):
+def _contraction_end(c, a, b, fold):
+    """Where a contraction that starts with the apostrophe left of a ends inside the letter run [a, b): a + 1 after s
+    t m d, a + 2 after re ve ll (`fold`: case-insensitively, `ſ` as s), a when there is none."""
+    f0 = _fold(c[a]) if fold else c[a]
+    f1 = -1
+    if a + 1 < b:
+        f1 = _fold(c[a + 1]) if fold else c[a + 1]
+    if f0 == 115 or f0 == 116 or f0 == 109 or f0 == 100:
+        return a + 1
+    if (f0 == 114 and f1 == 101) or (f0 == 118 and f1 == 101) or (f0 == 108 and f1 == 108):
+        return a + 2
+    return a
+
+
+def _gpt4_scalar(c, feat, n, a, digits, whole_at_end, sb):
     """The starts of the run at a that the masks leave to the loop's code (a whitespace run of 2+ characters, a
     digit run in groups of three, a letter run after a lone apostrophe)."""
     f = feat[a]
-    if f & FW:      # pretokenize._whitespace_run_loop
-        b = a + 1
-        while b < n and (feat[b] & FW):
-            b += 1
-        s0 = a
-        if a > 0 and (feat[a - 1] & FO):    # the previous piece, an other run, absorbs the leading CR/LF
-            while s0 < b and (c[s0] == 10 or c[s0] == 13):
-                s0 += 1
-        last_nl = -1
-        for j in range(b - 1, a - 1, -1):
-            if c[j] == 10 or c[j] == 13:
-                last_nl = j
-                break
-        at_end = b == n
-        if s0 < b:
-            _set_bit(sb, s0)
-        if last_nl >= a and last_nl + 1 < b and last_nl + 1 > s0 and not (whole_at_end and at_end):
-            _set_bit(sb, last_nl + 1)
-        if not at_end and b - 1 > s0 and c[b - 1] != 10 and c[b - 1] != 13:
-            _set_bit(sb, b - 1)
+    if f & FW:
+        b = _run_end(feat, n, a, FW)
+        absorbed = a > 0 and (feat[a - 1] & FO) != 0     # the other run before absorbs the leading CR/LF
+        first, mid, last = _whitespace_run_cuts(c, a, b, absorbed, b == n, whole_at_end and b == n)
+        _set_cuts(sb, first, mid, last)
     elif f & FN:
-        b = a + 1
-        while b < n and (feat[b] & FN):
-            b += 1
-        for j in range(a + digits, b, digits):
-            _set_bit(sb, j)
+        _digit_groups(sb, a, _run_end(feat, n, a, FN), digits)
     else:           # a letter run after a lone apostrophe: a contraction ends inside it
-        b = a + 1
-        while b < n and (feat[b] & FL):
-            b += 1
-        f0 = _fold(c[a])
-        f1 = _fold(c[a + 1]) if a + 1 < b else -1
-        cut = 0
-        if f0 == 115 or f0 == 100 or f0 == 109 or f0 == 116:
-            cut = a + 1
-        elif (f0 == 108 and f1 == 108) or (f0 == 118 and f1 == 101) or (f0 == 114 and f1 == 101):
-            cut = a + 2
-        if 0 < cut < b:
+        b = _run_end(feat, n, a, FL)
+        cut = _contraction_end(c, a, b, True)
+        if a < cut < b:
             _set_bit(sb, cut)
 
 
@@ -159,20 +190,10 @@ def _gpt4_bits_impl(c, feat, digits, whole_at_end, sb):
     followed by at least PAD zero bytes."""
     n = c.shape[0]
     words = (n + 63) >> 6
-    for g in range(sb.shape[0]):
-        sb[g] = 0
+    _clear(sb)
     one = np.uint64(1)
-    two = np.uint64(2)
-    s62 = np.uint64(62)
-    s63 = np.uint64(63)
     zero = np.uint64(0)
-    lp = zero      # the previous word's flags
-    np_ = zero
-    wp = zero
-    op = zero
-    spp = zero
-    nlp = zero
-    app = zero
+    lp = np_ = wp = op = spp = nlp = app = zero     # the previous word's flags
     wnext = _bits64(feat, 0, FW)
     for g in range(words):
         base = g << 6
@@ -184,23 +205,17 @@ def _gpt4_bits_impl(c, feat, digits, whole_at_end, sb):
         nl = _bits64(feat, base, FNL)
         ap = _bits64(feat, base, FAP)
         wnext = _bits64(feat, base + 64, FW) if g + 1 < words else zero
-        p_l = (lw << one) | (lp >> s63)
-        p_n = (nw << one) | (np_ >> s63)
-        p_w = (ww << one) | (wp >> s63)
-        p_o = (ow << one) | (op >> s63)
-        p_sp = (sp << one) | (spp >> s63)
-        p_nl = (nl << one) | (nlp >> s63)
-        p_ap = (ap << one) | (app >> s63)
-        p2_o = (ow << two) | (op >> s62)
-        p2_sp = (sp << two) | (spp >> s62)
-        q_w = (ww >> one) | (wnext << s63)
-        rs_l = lw & ~p_l
-        rs_n = nw & ~p_n
+        p_w = _prev(ww, wp)
+        p_o = _prev(ow, op)
+        p_sp = _prev(sp, spp)
+        q_w = _next(ww, wnext)
+        rs_l = lw & ~_prev(lw, lp)
+        rs_n = nw & ~_prev(nw, np_)
         rs_w = ww & ~p_w
         rs_o = ow & ~p_o
-        opre = p_o & ~p2_o & ~p2_sp
-        st = (rs_o & ~p_sp) | (rs_l & ~(p_w & ~p_nl) & ~opre) | (rs_w & ~q_w & ~(p_o & nl))
-        fix = (rs_w & q_w) | (rs_l & opre & p_ap)
+        opre = p_o & ~_prev2(ow, op) & ~_prev2(sp, spp)
+        st = (rs_o & ~p_sp) | (rs_l & ~(p_w & ~_prev(nl, nlp)) & ~opre) | (rs_w & ~q_w & ~(p_o & nl))
+        fix = (rs_w & q_w) | (rs_l & opre & _prev(ap, app))
         if digits == 1:
             st |= nw
         else:
@@ -208,7 +223,7 @@ def _gpt4_bits_impl(c, feat, digits, whole_at_end, sb):
             fix |= rs_n & ~(~nw >> one)     # runs of two or more digits (or running into the next word)
         sb[g] |= st
         while fix != zero:
-            _scalar_run(c, feat, n, base + np.int64(_trailing_zeros(fix)), digits, whole_at_end, sb)
+            _gpt4_scalar(c, feat, n, base + np.int64(_trailing_zeros(fix)), digits, whole_at_end, sb)
             fix &= fix - one
         lp, np_, wp, op, spp, nlp, app = lw, nw, ww, ow, sp, nl, ap
 
@@ -222,18 +237,10 @@ def _smollm2_bits_impl(c, feat, sb):
     s t m d / re ve ll)."""
     n = c.shape[0]
     words = (n + 63) >> 6
-    for g in range(sb.shape[0]):
-        sb[g] = 0
+    _clear(sb)
     one = np.uint64(1)
-    two = np.uint64(2)
-    s62 = np.uint64(62)
-    s63 = np.uint64(63)
     zero = np.uint64(0)
-    lp = zero      # the previous word's flags
-    wp = zero
-    op = zero
-    spp = zero
-    app = zero
+    lp = wp = op = spp = app = zero     # the previous word's flags
     lonext = _bits64(feat, 0, FL | FO)
     for g in range(words):
         base = g << 6
@@ -245,32 +252,17 @@ def _smollm2_bits_impl(c, feat, sb):
         ap = _bits64(feat, base, FAP)
         lo = lonext
         lonext = _bits64(feat, base + 64, FL | FO) if g + 1 < words else zero
-        p_w = (ww << one) | (wp >> s63)
-        p_o = (ow << one) | (op >> s63)
-        p_l = (lw << one) | (lp >> s63)
-        p_sp = (sp << one) | (spp >> s63)
-        p_ap = (ap << one) | (app >> s63)
-        p2_o = (ow << two) | (op >> s62)
-        p2_sp = (sp << two) | (spp >> s62)
-        q_lo = (lo >> one) | (lonext << s63)
-        rs_l = lw & ~p_l
-        rs_o = ow & ~p_o
-        apos = rs_l & p_ap & ~p2_o & ~p2_sp
-        st = nw | (ww & ~p_w) | (ww & p_w & q_lo) | ((rs_l | rs_o) & ~p_sp & ~apos)
+        p_w = _prev(ww, wp)
+        rs_l = lw & ~_prev(lw, lp)
+        rs_o = ow & ~_prev(ow, op)
+        apos = rs_l & _prev(ap, app) & ~_prev2(ow, op) & ~_prev2(sp, spp)
+        st = nw | (ww & ~p_w) | (ww & p_w & _next(lo, lonext)) | ((rs_l | rs_o) & ~_prev(sp, spp) & ~apos)
         sb[g] |= st
         while apos != zero:
             a = base + np.int64(_trailing_zeros(apos))
             apos &= apos - one
-            b = a + 1
-            while b < n and (feat[b] & FL):
-                b += 1
-            f0 = c[a]
-            f1 = c[a + 1] if a + 1 < b else -1
-            x = a
-            if f0 == 115 or f0 == 116 or f0 == 109 or f0 == 100:          # 's 't 'm 'd
-                x = a + 1
-            elif (f0 == 114 and f1 == 101) or (f0 == 118 and f1 == 101) or (f0 == 108 and f1 == 108):
-                x = a + 2                                                  # 're 've 'll
+            b = _run_end(feat, n, a, FL)
+            x = _contraction_end(c, a, b, False)
             if x == a or x < b:
                 _set_bit(sb, x)
         lp, wp, op, spp, app = lw, ww, ow, sp, ap
@@ -282,32 +274,14 @@ def _deepseek_scalar(c, feat, n, a, sb):
     go with the mark; the rest starts a piece)."""
     f = feat[a]
     if f & DW:
-        b = a + 1
-        while b < n and (feat[b] & DW):
-            b += 1
-        head = a == 0 or (feat[a - 1] & DN) != 0 or (feat[a - 1] & DCJK) != 0    # (whitespace is neither)
-        s0 = a
-        if not head and (feat[a - 1] & DPS):      # the punctuation piece before absorbs the leading CR/LF
-            while s0 < b and (c[s0] == 10 or c[s0] == 13):
-                s0 += 1
-        at_end = b == n or (feat[b] & DN) != 0 or (feat[b] & DCJK) != 0
-        last_nl = -1
-        for j in range(b - 1, a - 1, -1):
-            if c[j] == 10 or c[j] == 13:
-                last_nl = j
-                break
-        if head or s0 < b:
-            _set_bit(sb, a if head else s0)
-        if last_nl >= a and last_nl + 1 < b and last_nl + 1 > s0:
-            _set_bit(sb, last_nl + 1)
-        if not at_end and b - 1 > s0 and c[b - 1] != 10 and c[b - 1] != 13:
-            _set_bit(sb, b - 1)
+        b = _run_end(feat, n, a, DW)
+        head = a == 0 or (feat[a - 1] & (DN | DCJK)) != 0        # (whitespace is neither digit nor CJK)
+        absorbed = not head and (feat[a - 1] & DPS) != 0        # the punctuation piece before absorbs CR/LF
+        at_end = b == n or (feat[b] & (DN | DCJK)) != 0          # the segment ends with the run
+        first, mid, last = _whitespace_run_cuts(c, a, b, absorbed, at_end, False)
+        _set_cuts(sb, first, mid, last)
     elif f & DN:
-        b = a + 1
-        while b < n and (feat[b] & DN):
-            b += 1
-        for j in range(a + 3, b, 3):
-            _set_bit(sb, j)
+        _digit_groups(sb, a, _run_end(feat, n, a, DN), 3)
     else:
         b = a + 1
         while b < n and (feat[b] & DL) and ((feat[b] & DCJK) == (feat[a] & DCJK)):
@@ -329,32 +303,17 @@ def _deepseek_bits_impl(c, feat, sb):
     starts, except a CR/LF right after punctuation; longer whitespace runs and digit runs take the scalar code."""
     n = c.shape[0]
     words = (n + 63) >> 6
-    for g in range(sb.shape[0]):
-        sb[g] = 0
+    _clear(sb)
     one = np.uint64(1)
-    two = np.uint64(2)
-    s62 = np.uint64(62)
-    s63 = np.uint64(63)
     zero = np.uint64(0)
-    lp = zero      # the previous word's flags
-    psp = zero
-    wp = zero
-    op = zero
-    np_ = zero
-    cjkp = zero
-    alp = zero
-    app = zero
-    hp = zero
+    lp = psp = wp = op = np_ = cjkp = alp = app = hp = zero     # the previous word's flags
     wn = _bits64(feat, 0, DW)
     ln = _bits64(feat, 0, DL)
     nn = _bits64(feat, 0, DN)
     cjkn = _bits64(feat, 0, DCJK)
     for g in range(words):
         base = g << 6
-        lw = ln
-        ww = wn
-        nw = nn
-        cjk = cjkn
+        lw, ww, nw, cjk = ln, wn, nn, cjkn
         ps = _bits64(feat, base, DPS)
         ow = _bits64(feat, base, DO)
         al = _bits64(feat, base, DAL)
@@ -365,51 +324,36 @@ def _deepseek_bits_impl(c, feat, sb):
             nn = _bits64(feat, base + 64, DN)
             cjkn = _bits64(feat, base + 64, DCJK)
         else:
-            wn = zero
-            ln = zero
-            nn = zero
-            cjkn = zero
-        p_l = (lw << one) | (lp >> s63)
-        p_ps = (ps << one) | (psp >> s63)
-        p_w = (ww << one) | (wp >> s63)
-        p_o = (ow << one) | (op >> s63)
-        p_n = (nw << one) | (np_ >> s63)
-        p_cjk = (cjk << one) | (cjkp >> s63)
-        p_al = (al << one) | (alp >> s63)
-        p_ap = (ap << one) | (app >> s63)
-        p2_ps = (ps << two) | (psp >> s62)
-        p2_w = (ww << two) | (wp >> s62)
-        p2_ap = (ap << two) | (app >> s62)
-        # segment heads: bit 0 of the text always; a digit edge; a CJK edge between non-digits
-        h = (nw ^ p_n) | (~nw & ~p_n & (cjk ^ p_cjk))
+            wn = ln = nn = cjkn = zero
+        p_ps = _prev(ps, psp)
+        p_w = _prev(ww, wp)
+        p_o = _prev(ow, op)
+        p_n = _prev(nw, np_)
+        p_ap = _prev(ap, app)
+        # segment heads: the text's first character; a digit edge; a CJK edge between non-digits
+        h = (nw ^ p_n) | (~nw & ~p_n & (cjk ^ _prev(cjk, cjkp)))
         if g == 0:
             h |= one
-        p_h = (h << one) | (hp >> s63)
-        # the next word's first head bit, for q(h)
-        h_next = ((nn ^ (nw >> s63)) | (~nn & ~(nw >> s63) & (cjkn ^ (cjk >> s63)))) & one
-        q_h = (h >> one) | (h_next << s63)
-        q_l = (lw >> one) | (ln << s63)
-        q_w = (ww >> one) | (wn << s63)
-        nl = ww & al
+        p_h = _prev(h, hp)
+        nw63 = nw >> np.uint64(63)
+        h_next = ((nn ^ nw63) | (~nn & ~nw63 & (cjkn ^ (cjk >> np.uint64(63))))) & one   # the next word's bit 0
+        q_h = _next(h, h_next)
+        nl = ww & al            # (on whitespace the ASCII-letter bit marks CR/LF, the punctuation bit the space)
         p_sp = p_w & p_ap
-        p_nl = p_w & p_al
-        p2_sp = p2_w & p2_ap
+        p_nl = p_w & _prev(al, alp)
+        p2_sp = _prev2(ww, wp) & _prev2(ap, app)
         same = ~h
-        rs_l = lw & ~p_l
-        rs_ps = ps & ~p_ps
+        rs_l = lw & ~_prev(lw, lp)
         rs_w = ww & ~p_w
-        rs_o = ow & ~p_o
-        rs_n = nw & ~p_n
         glued = same & ((p_w & ~p_nl) | p_o)
-        single_ps = p_ps & (~p2_ps | p_h)
+        single_ps = p_ps & (~_prev2(ps, psp) | p_h)
         punct_glue = rs_l & same & single_ps & ~(p2_sp & ~p_h) & p_ap & al
-        w1 = rs_w & ~q_w
-        st = h | (rs_ps & ~(p_sp & same)) | (rs_l & ~glued & ~punct_glue) | rs_o | (ow & q_l & ~q_h)
-        st |= w1 & ~(same & p_ps & nl)
+        st = h | (ps & ~p_ps & ~(p_sp & same)) | (rs_l & ~glued & ~punct_glue) | (ow & ~p_o)
+        st |= (ow & _next(lw, ln) & ~q_h) | (rs_w & ~_next(ww, wn) & ~(same & p_ps & nl))
         if n - base < 64:       # a digit or CJK edge right after the text's last character is no start
             st &= (one << np.uint64(n - base)) - one
         sb[g] |= st
-        fix = (rs_w & q_w) | (rs_n & ~(~nw >> one)) | punct_glue
+        fix = (rs_w & _next(ww, wn)) | (nw & ~p_n & ~(~nw >> one)) | punct_glue
         while fix != zero:
             _deepseek_scalar(c, feat, n, base + np.int64(_trailing_zeros(fix)), sb)
             fix &= fix - one
@@ -417,9 +361,17 @@ def _deepseek_bits_impl(c, feat, sb):
 
 
 _set_bit = njit(cache=True, nogil=True, inline="always")(_set_bit)
+_set_cuts = njit(cache=True, nogil=True, inline="always")(_set_cuts)
+_prev = njit(cache=True, nogil=True, inline="always")(_prev)
+_prev2 = njit(cache=True, nogil=True, inline="always")(_prev2)
+_next = njit(cache=True, nogil=True, inline="always")(_next)
+_clear = njit(cache=True, nogil=True, inline="always")(_clear)
+_run_end = njit(cache=True, nogil=True, inline="always")(_run_end)
+_digit_groups = njit(cache=True, nogil=True, inline="always")(_digit_groups)
 _fold = njit(cache=True, nogil=True, inline="always")(_fold)
-_scalar_run = njit(cache=True, nogil=True, inline="always")(_scalar_run)     # (no array refcounts a run)
+_contraction_end = njit(cache=True, nogil=True, inline="always")(_contraction_end)
+_gpt4_scalar = njit(cache=True, nogil=True, inline="always")(_gpt4_scalar)     # inlined: no array refcounts a run
+_deepseek_scalar = njit(cache=True, nogil=True, inline="always")(_deepseek_scalar)
 _gpt4_bits = njit(cache=True, nogil=True)(_gpt4_bits_impl)
 _smollm2_bits = njit(cache=True, nogil=True)(_smollm2_bits_impl)
-_deepseek_scalar = njit(cache=True, nogil=True, inline="always")(_deepseek_scalar)
 _deepseek_bits = njit(cache=True, nogil=True)(_deepseek_bits_impl)
