@@ -34,8 +34,8 @@ say which of their rules are masks and which stay scalar); every family with a f
 form (o200k has none: its staged loop and rescan stay).
 
 Measured on 1M-character documents of the benchmark corpus, one core, this stage alone against the loop (with its
-start mask cleared), alternated in one process: English 0.74 vs 2.72 ms (3.7x), code 1.14 vs 3.31 (2.9x), CJK 0.47
-vs 3.91 (8.3x) for cl100k; qwen3 3.0-8.6x; smollm2 9.1-12.6x (english 0.18 vs 1.63 ms); DeepSeek 1.9-3.6x.
+start mask cleared), alternated in one process (benchmarks/pretokenizer_bits.py): cl100k english 0.82 vs 2.37 ms
+(2.9x), code 2.5x, CJK 7.2x; qwen3 2.8-9.0x; smollm2 9.6-13.0x (english 0.17 vs 1.63 ms); DeepSeek 1.9-3.7x.
 """
 
 from __future__ import annotations
