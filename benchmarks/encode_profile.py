@@ -74,21 +74,17 @@ def profile(family: str, doc: str, warm: str, runs: int) -> dict[str, float]:
     c = cps.view(np.int32)
     nrare = 0
 
-    bits = loop in ("gpt4", "smollm2", "deepseek")
-
-    def bits_kernel() -> None:
-        if loop == "gpt4":
-            startbits._gpt4_bits(c, feat, fam_args[1], fam_args[2], bitmap)
-        elif loop == "deepseek":
-            startbits._deepseek_bits(c, feat, bitmap)
-        else:
-            startbits._smollm2_bits(c, feat, bitmap)
-
-    if bits:        # the fused encode's form: startbits (JIT: it is compiled into the fused AOT exports only)
-        feat_table = fullencode.block_tables(family)[1][0]
+    form = startbits.bitmap_form(family)
+    bits = form is not None
+    if form is not None:    # the fused encode's form (JIT: it is compiled into the fused AOT exports only)
+        feat_table, run_bits = form
         feat = np.zeros(n + startbits.PAD, np.uint8)
         feat[:n] = feat_table[cps]
         bitmap = np.empty((n >> 6) + 1, np.uint64)
+
+        def bits_kernel() -> None:
+            run_bits(c, feat, bitmap)
+
         bits_kernel()
 
     def pretok() -> None:

@@ -31,14 +31,15 @@ def _cell(family: str, text: str, rounds: int) -> dict[str, float]:
     from tokenplane.tokenize.cpu import startbits
 
     loop, args = pt.loop_tables(family)
-    engine = pt._family(family).engine
+    form = startbits.bitmap_form(family)
+    if form is None:
+        raise SystemExit(f"{family}: no bitmap pre-tokenizer")
+    table, run_bitmap = form
     cps = np.frombuffer(text.encode("utf-32-le"), dtype=np.uint32)
     n = cps.shape[0]
     c = cps.view(np.int32)
     kind = args[0][cps]
     starts = np.zeros(n, dtype=np.bool_)
-    table = {"gpt4": startbits.gpt4_feature_table, "smollm2": startbits.smollm2_feature_table,
-             "deepseek": startbits.deepseek_feature_table}[loop](engine)
     feat = np.zeros(n + startbits.PAD, dtype=np.uint8)
     feat[:n] = table[cps]
     bitmap = np.empty((n >> 6) + 1, dtype=np.uint64)
@@ -53,12 +54,7 @@ def _cell(family: str, text: str, rounds: int) -> dict[str, float]:
             pt._deepseek_loop(c, kind, starts)
 
     def run_bits() -> None:
-        if loop == "gpt4":
-            startbits._gpt4_bits(c, feat, args[1], args[2], bitmap)
-        elif loop == "smollm2":
-            startbits._smollm2_bits(c, feat, bitmap)
-        else:
-            startbits._deepseek_bits(c, feat, bitmap)
+        run_bitmap(c, feat, bitmap)
 
     run_loop()
     run_bits()

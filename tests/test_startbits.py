@@ -23,33 +23,19 @@ def _cps(text: str) -> np.ndarray:
 
 
 def _loop_starts(name: str, cps: np.ndarray) -> np.ndarray:
-    loop, args = pretokenize.loop_tables(name)
-    starts = np.zeros(cps.shape[0], dtype=np.bool_)
-    if loop == "smollm2":
-        pretokenize._smollm2_loop(cps.view(np.int32), args[0][cps], starts)
-    elif loop == "deepseek":
-        pretokenize._deepseek_loop(cps.view(np.int32), args[0][cps], starts)
-    else:
-        pretokenize._gpt4_loop(cps.view(np.int32), args[0][cps], args[1], args[2], starts)
-    return starts
+    return pretokenize.piece_starts(name, cps)      # the run loop (o200k aside, these families run no rescan)
 
 
 def _bits_starts(name: str, cps: np.ndarray, feat_table: np.ndarray | None = None) -> np.ndarray:
-    loop, args = pretokenize.loop_tables(name)
-    engine = pretokenize._family(name).engine
-    if feat_table is None:
-        feat_table = {"smollm2": startbits.smollm2_feature_table, "deepseek": startbits.deepseek_feature_table,
-                      "gpt4": startbits.gpt4_feature_table}[loop](engine)
+    form = startbits.bitmap_form(name)
+    assert form is not None
+    table, run = form
+    table = table if feat_table is None else feat_table
     n = cps.shape[0]
     feat = np.zeros(n + startbits.PAD, dtype=np.uint8)
-    feat[:n] = feat_table[cps]
+    feat[:n] = table[cps]
     sb = np.full((n >> 6) + 1, 0xFFFF, dtype=np.uint64)     # garbage: the kernel clears it
-    if loop == "smollm2":
-        startbits._smollm2_bits(cps.view(np.int32), feat, sb)
-    elif loop == "deepseek":
-        startbits._deepseek_bits(cps.view(np.int32), feat, sb)
-    else:
-        startbits._gpt4_bits(cps.view(np.int32), feat, args[1], args[2], sb)
+    run(cps.view(np.int32), feat, sb)
     bits = np.unpackbits(sb.view(np.uint8), bitorder="little")
     assert not bits[n:].any()                                 # nothing past the text
     return bits[:n].astype(np.bool_)
@@ -106,9 +92,9 @@ def test_bits_equal_loop_on_real_text(name):
 
 @pytest.mark.parametrize("name", ["cl100k_base", "smollm2"])
 def test_a_wrong_feature_table_is_caught(name):
-    engine = pretokenize._family(name).engine
-    good = startbits.smollm2_feature_table(engine) if name == "smollm2" else startbits.gpt4_feature_table(engine)
-    table = good.copy()
+    form = startbits.bitmap_form(name)
+    assert form is not None
+    table = form[0].copy()
     table[0x27] &= ~np.uint8(startbits.FAP)      # the apostrophe no longer marked: contractions are missed
     cps = _cps("we'll say it's x'sy")
     assert not np.array_equal(_bits_starts(name, cps, table), _loop_starts(name, cps))

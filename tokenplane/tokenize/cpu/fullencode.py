@@ -150,16 +150,13 @@ _full_smollm2 = njit(cache=True, nogil=True)(_full_smollm2_impl)
 
 
 def block_tables(family: str) -> tuple[str, tuple[Any, ...]]:
-    """pretokenize.loop_tables for the fused block kernels: each loop's kind table replaced by startbits' feature
-    table (every fused kernel runs the bit-parallel form of its family's loop)."""
+    """pretokenize.loop_tables for the fused block kernels: each loop's kind table replaced by the feature table of
+    its bitmap form (startbits.bitmap_form; every fused kernel runs that form)."""
     loop, fam_args = pt.loop_tables(family)
-    if loop == "gpt4":
-        return loop, (startbits.gpt4_feature_table(pt._family(family).engine), *fam_args[1:])
-    if loop == "smollm2":
-        return loop, (startbits.smollm2_feature_table(pt._family(family).engine),)
-    if loop == "deepseek":
-        return loop, (startbits.deepseek_feature_table(pt._family(family).engine),)
-    return loop, fam_args
+    form = startbits.bitmap_form(family)
+    if form is None:
+        return loop, fam_args
+    return loop, (form[0], *fam_args[1:])
 
 
 def has_full_kernel(family: str) -> bool:

@@ -96,8 +96,6 @@ class CpuEncoder:
         self.block_chars = BLOCK_CHARS
         self.fused = True       # False: the staged chain only (kept to measure against and as the tests' oracle)
         self._full_kernel = fullencode.has_full_kernel(tok.family.name)
-        dtype = fullencode.scratch_args(tok.family.name)[1].dtype
-        self._kind_dtype = None if dtype == np.uint8 else dtype
         self.stats = {"serial": 0, "parallel": 0, "chunks": 0, "cut_rejected": 0}
         # Plain NFC (qwen3): chunks are cut in raw text and normalized by their own threads (encode_parallel).
         self._nfc_inert = None
@@ -124,8 +122,7 @@ class CpuEncoder:
             return np.zeros(0, dtype=np.uint32)
         sc = self._scratch(n + len(lookahead))
         if self.fused and self._full_kernel:
-            kind = sc.kind if self._kind_dtype is None else sc.kind.view(self._kind_dtype)
-            ids, status = fullencode.full_encoder(self.bpe, self.family.name)(s, a, b, lookahead, sc.cps, kind,
+            ids, status = fullencode.full_encoder(self.bpe, self.family.name)(s, a, b, lookahead, sc.cps, sc.kind,
                                                                               sc.starts, sc.buf, sc.bounds)
             if status == fullencode.OK:
                 return ids.view(np.uint32)

@@ -41,12 +41,13 @@ start mask cleared), alternated in one process (benchmarks/pretokenizer_bits.py)
 from __future__ import annotations
 
 from functools import cache
+from typing import Callable
 
 import numpy as np
 
 from ..spec import charclass
 from .lazyjit import njit, numba_global  # numba itself only when a JIT kernel runs (lazyjit.py)
-from .pretokenize import _cp_feat_deepseek, _cp_kind_gpt4, _cp_kind_smollm2, _whitespace_run_cuts
+from .pretokenize import _cp_feat_deepseek, _cp_kind_gpt4, _cp_kind_smollm2, _family, _whitespace_run_cuts, loop_tables
 
 _bits64 = numba_global("tokenplane.tokenize.cpu.simdbits", "bits64")
 _trailing_zeros = numba_global("numba.cpython.unsafe.numbers", "trailing_zeros")
@@ -379,3 +380,22 @@ _deepseek_scalar = njit(cache=True, nogil=True, inline="always")(_deepseek_scala
 _gpt4_bits = njit(cache=True, nogil=True)(_gpt4_bits_impl)
 _smollm2_bits = njit(cache=True, nogil=True)(_smollm2_bits_impl)
 _deepseek_bits = njit(cache=True, nogil=True)(_deepseek_bits_impl)
+
+
+BitsFn = Callable[[np.ndarray, np.ndarray, np.ndarray], None]
+
+
+def bitmap_form(family: str) -> tuple[np.ndarray, BitsFn] | None:
+    """(feature table, fn(code points as int32, their feature bytes + PAD zeros, bitmap)) of the family's bitmap
+    pre-tokenizer with its flags bound, or None (o200k: no bitmap form). The fused kernels call the kernels
+    directly; this is the one place that says which table and kernel each loop's bitmap form is."""
+    loop, args = loop_tables(family)
+    engine = _family(family).engine
+    if loop == "gpt4":
+        digits, whole_at_end = args[1], args[2]
+        return gpt4_feature_table(engine), lambda c, feat, sb: _gpt4_bits(c, feat, digits, whole_at_end, sb)
+    if loop == "smollm2":
+        return smollm2_feature_table(engine), lambda c, feat, sb: _smollm2_bits(c, feat, sb)
+    if loop == "deepseek":
+        return deepseek_feature_table(engine), lambda c, feat, sb: _deepseek_bits(c, feat, sb)
+    return None
