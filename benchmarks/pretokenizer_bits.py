@@ -1,10 +1,10 @@
-"""The bitmap pre-tokenizers (tokenize/cpu/startbits.py) against the run loops they replace in the fused encode
-(pretokenize._gpt4_loop, _smollm2_loop, _deepseek_loop), the stage alone, one core.
+"""The bitmap pre-tokenizers (tokenize/cpu/startbits.py) against the run loops they replace in the full encode
+(pretokenize._gpt4_loop, _smollm2_loop, _deepseek_loop, _o200k_loop), the stage alone, one core.
 
 For each family and category of benchmarks/full_encode.py (same corpus, same 1M-character documents), in this
 process, pinned to one CPU: the run loop (its bool start mask cleared first, as the fused path did) and the bitmap
 kernel (which clears its bitmap) on the same code points, alternated `--rounds` times; every bitmap is checked equal
-to the loop's starts before timing. Medians and P90 of wall time; both forms run through the numba JIT (the bitmap
+to the loop's starts before timing (o200k: its rare positions too; the rescan around them is not timed). Medians and P90 of wall time; both forms run through the numba JIT (the bitmap
 kernels are compiled into the fused AOT exports only). Writes JSON + Markdown + PNG.
 
   PYTHONPATH=. flock /tmp/bench.lock python benchmarks/pretokenizer_bits.py --corpus /tmp/corpus \\
@@ -44,23 +44,30 @@ def _cell(family: str, text: str, rounds: int) -> dict[str, float]:
     feat[:n] = table[cps]
     bitmap = np.empty((n >> 6) + 1, dtype=np.uint64)
 
+    rare = np.empty(n + 1, dtype=np.int64)
+    found: list[np.ndarray | None] = [None, None]     # o200k's rare positions: the loop's, the bitmap form's
+
     def run_loop() -> None:
         starts[:] = False
         if loop == "gpt4":
             pt._gpt4_loop(c, kind, args[1], args[2], starts)
         elif loop == "smollm2":
             pt._smollm2_loop(c, kind, starts)
+        elif loop == "o200k":
+            found[0] = np.sort(rare[:pt._o200k_loop(c, kind, starts, rare)])
         else:
             pt._deepseek_loop(c, kind, starts)
 
     def run_bits() -> None:
-        run_bitmap(c, feat, bitmap)
+        found[1] = run_bitmap(c, feat, bitmap)
 
     run_loop()
     run_bits()
     got = np.unpackbits(bitmap.view(np.uint8), bitorder="little")[:n].astype(np.bool_)
     if not np.array_equal(got, starts):
         raise AssertionError(f"{family}: bitmap starts differ from the loop's at {int(np.flatnonzero(got != starts)[0])}")
+    if loop == "o200k" and not np.array_equal(found[0], found[1]):
+        raise AssertionError(f"{family}: the bitmap form's rare positions differ from the loop's")
     times: dict[str, list[float]] = {"loop": [], "bits": []}
     for r in range(rounds):
         for name, fn in ((("loop", run_loop), ("bits", run_bits)) if r % 2 else (("bits", run_bits), ("loop", run_loop))):

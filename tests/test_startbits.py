@@ -1,9 +1,8 @@
-"""The bit-parallel pre-tokenizers (cpu/startbits.py: the cl100k lineage and smollm2) against the run loops they
-replace in the fused encode (pretokenize._gpt4_loop and _smollm2_loop, themselves checked against the reference
-tokenizers in test_pretokenize.py): the same
-piece starts on random text over the characters every rule distinguishes, on runs placed across the 64-character
-word edges, and on real text; the bitmap UTF-8 + bounds pass against the bool one; and the comparison is shown to
-catch a wrong feature table."""
+"""The bit-parallel pre-tokenizers (cpu/startbits.py: the cl100k lineage, smollm2, DeepSeek V4, o200k) against the run
+loops they replace in the full encode (pretokenize's loops, themselves checked against the reference tokenizers in
+test_pretokenize.py): the same piece starts (and for o200k the same rare positions) on random text over the characters
+every rule distinguishes, on runs placed across the 64-character word edges, and on real text; the bitmap UTF-8 +
+bounds pass against the bool one; and the comparison is shown to catch a wrong feature table."""
 
 from __future__ import annotations
 
@@ -15,18 +14,26 @@ from test_pretokenize import ALPHABET, FRAGMENTS, _corpus_docs
 
 from tokenplane.tokenize.cpu import pretokenize, startbits, strbuf
 
-FAMILIES = ["cl100k_base", "llama3", "qwen3", "smollm2", "deepseek_v4"]
+FAMILIES = ["cl100k_base", "llama3", "qwen3", "smollm2", "deepseek_v4", "o200k_base"]
 
 
 def _cps(text: str) -> np.ndarray:
     return np.frombuffer(text.encode("utf-32-le"), dtype=np.uint32)
 
 
-def _loop_starts(name: str, cps: np.ndarray) -> np.ndarray:
-    return pretokenize.piece_starts(name, cps)      # the run loop (o200k aside, these families run no rescan)
+def _loop_starts(name: str, cps: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:
+    """The run loop's starts, and for o200k its rare positions (before the rescan, which both forms share)."""
+    if name != "o200k_base":
+        return pretokenize.piece_starts(name, cps), None       # these families run no rescan
+    table = pretokenize.loop_tables(name)[1][0]
+    starts = np.zeros(cps.shape[0], dtype=np.bool_)
+    rare = np.empty(cps.shape[0] + 1, dtype=np.int64)
+    count = pretokenize._o200k_loop(cps.view(np.int32), table[cps], starts, rare)
+    return starts, np.sort(rare[:count])
 
 
-def _bits_starts(name: str, cps: np.ndarray, feat_table: np.ndarray | None = None) -> np.ndarray:
+def _bits_starts(name: str, cps: np.ndarray, feat_table: np.ndarray | None = None
+                 ) -> tuple[np.ndarray, np.ndarray | None]:
     form = startbits.bitmap_form(name)
     assert form is not None
     table, run = form
@@ -35,20 +42,22 @@ def _bits_starts(name: str, cps: np.ndarray, feat_table: np.ndarray | None = Non
     feat = np.zeros(n + startbits.PAD, dtype=np.uint8)
     feat[:n] = table[cps]
     sb = np.full((n >> 6) + 1, 0xFFFF, dtype=np.uint64)     # garbage: the kernel clears it
-    run(cps.view(np.int32), feat, sb)
+    rare = run(cps.view(np.int32), feat, sb)
     bits = np.unpackbits(sb.view(np.uint8), bitorder="little")
     assert not bits[n:].any()                                 # nothing past the text
-    return bits[:n].astype(np.bool_)
+    return bits[:n].astype(np.bool_), rare
 
 
 def _assert_same(name: str, text: str) -> None:
     cps = _cps(text)
-    ref = _loop_starts(name, cps)
-    got = _bits_starts(name, cps)
+    ref, ref_rare = _loop_starts(name, cps)
+    got, got_rare = _bits_starts(name, cps)
     if not np.array_equal(got, ref):
         i = int(np.flatnonzero(got != ref)[0])
         raise AssertionError(f"{name}: starts differ at {i} ({text[max(0, i - 12):i + 12]!r}): loop {ref[i]}, "
                              f"bits {got[i]}")
+    if ref_rare is not None:
+        assert got_rare is not None and np.array_equal(got_rare, ref_rare), (text[:80], ref_rare, got_rare)
 
 
 def _random_texts(seed: str, count: int) -> list[str]:
@@ -76,7 +85,9 @@ def test_bits_equal_loop_across_word_edges(name):
     # straddles bit 63 / 64 of the masks, and runs longer than a word
     shapes = [" 's", "x'sy", "x'LLy", "x're", " .x", "..x", "\n.x", "\t(x", "a b", "a  b", "a\n b", ")\n x", "a\r\n",
               ".\n", "x \n\n  y", "1234567", "a12345b", " 12", "x" + " " * 70 + "y", "x" + "\n" * 65 + "y",
-              "7" * 130 + "x", "'" * 3 + "s", ".'ve", " 've", "x\u00a0y", "x  ", "x \n"]
+              "7" * 130 + "x", "'" * 3 + "s", ".'ve", " 've", "x\u00a0y", "x  ", "x \n",
+              # o200k's case rule, contraction chains and rare shapes
+              "aB", "ab\u0301Cd", "HTTPServer", "x'sY", "a'b'c's", "don't's", "x'rEad", ".\u0301a", ";\n/x", "é\u0301Z"]
     for shape in shapes:
         for offset in range(54, 74):
             for fill in ("a", " ", ".", "1"):
@@ -97,8 +108,18 @@ def test_a_wrong_feature_table_is_caught(name):
     table = form[0].copy()
     table[0x27] &= ~np.uint8(startbits.FAP)      # the apostrophe no longer marked: contractions are missed
     cps = _cps("we'll say it's x'sy")
-    assert not np.array_equal(_bits_starts(name, cps, table), _loop_starts(name, cps))
-    assert np.array_equal(_bits_starts(name, cps), _loop_starts(name, cps))
+    assert not np.array_equal(_bits_starts(name, cps, table)[0], _loop_starts(name, cps)[0])
+    assert np.array_equal(_bits_starts(name, cps)[0], _loop_starts(name, cps)[0])
+
+
+def test_o200k_wrong_case_flags_are_caught():
+    form = startbits.bitmap_form("o200k_base")
+    assert form is not None
+    table = form[0].copy()
+    table[ord("B")] &= ~np.uint8(startbits.OU)      # 'B' no longer upper-case: the camelCase start is missed
+    cps = _cps("camelBack and aBc")
+    assert not np.array_equal(_bits_starts("o200k_base", cps, table)[0], _loop_starts("o200k_base", cps)[0])
+    assert np.array_equal(_bits_starts("o200k_base", cps)[0], _loop_starts("o200k_base", cps)[0])
 
 
 @pytest.mark.parametrize("wide", [False, True])

@@ -144,6 +144,21 @@ def _full_smollm2_impl(s, a, b, extra, cps, feat, starts, buf, bounds, feat_tabl
                         tok_flat, tok_off, wmap, slots, arena, state)
 
 
+@njit(cache=True, nogil=True)
+def _o200k_block(s, a, b, extra, cps, feat, starts, feat_table):
+    """The first half of an o200k block (its rare shapes' rescan is Python, so the block takes two calls): code
+    points, feature bytes and the bitmap pre-tokenizer (startbits._o200k_bits); returns (count of rare positions,
+    or -1 at a lone surrogate; the code points; the start bitmap; the rare positions). The caller rescans around
+    the rare positions (o200k_rescan.BitStarts) and finishes with `_finish_bits` (walk_bits_encoder)."""
+    cps, feat, sb, bad = _block_start_bits(s, a, b, extra, cps, feat, starts, feat_table)
+    total = cps.shape[0]
+    rare = np.empty(total + 64, np.int64)
+    if bad >= 0:
+        return -1, cps, sb, rare[:0]
+    nr = startbits._o200k_bits(cps.view(np.int32), feat, sb, rare)
+    return nr, cps, sb, rare[:nr]
+
+
 _full_gpt4 = njit(cache=True, nogil=True)(_full_gpt4_impl)
 _full_deepseek = njit(cache=True, nogil=True)(_full_deepseek_impl)
 _full_smollm2 = njit(cache=True, nogil=True)(_full_smollm2_impl)
@@ -160,10 +175,17 @@ def block_tables(family: str) -> tuple[str, tuple[Any, ...]]:
 
 
 def has_full_kernel(family: str) -> bool:
-    """o200k has no fused block kernel: most 1M-character blocks of real text hold one of its rare shapes (english
-    and CJK of the benchmark corpus did), whose rescan is Python, so a fused call would pre-tokenize such a block
-    twice. Its encoder runs the staged pre-tokenizer and then `walk_encoder`."""
+    """o200k has no one-call block kernel: most 1M-character blocks of real text hold one of its rare shapes (english
+    and CJK of the benchmark corpus did), whose rescan is Python. Its blocks take `o200k_block` (the bitmap
+    pre-tokenizer), the rescan, then `walk_bits_encoder`."""
     return pt.loop_tables(family)[0] != "o200k"
+
+
+def o200k_block(family: str) -> Callable[..., tuple[int, np.ndarray, np.ndarray, np.ndarray]]:
+    """fn(text, a, b, extra, cps, feat, starts) -> `_o200k_block`'s (rare count or -1, code points, start bitmap,
+    rare positions) with o200k's feature table bound (scratch as `full_encoder`'s, the bool one holding the
+    bitmap)."""
+    return kernels.get().bind("o200k_block", 7, startbits.o200k_feature_table(pt._family(family).engine))
 
 
 def full_encoder(bpe: bpe_mod.BPE, family: str) -> FullFn:
@@ -209,6 +231,23 @@ def walk_encoder(bpe: bpe_mod.BPE) -> FullFn:
     return fn
 
 
+def walk_bits_encoder(bpe: bpe_mod.BPE) -> FullFn:
+    """`walk_encoder` for piece starts given as a bitmap (`_finish_bits`): fn(cps, n, sb, buf, bounds)."""
+    k = kernels.get()
+    c = bpe.thread_cache()
+    pm = c.pmap
+    if pm is None:
+        pm = c.pmap = PieceMap()
+    entry = pm.bound.get("walk_bits")
+    if entry is not None and entry[0] is k and entry[1] == bpe.batch and entry[2] == bpe.whole:
+        return entry[3]
+    missing = bpe.missing if bpe.missing is not None else _NO_MISSING
+    fn = k.bind("full_walk_bits", 5, bpe.missing is not None, missing, bpe.byte_ids, bpe.ptab, bpe.batch,
+                bpe.whole, bpe.wkeys, bpe.wids, bpe.tok_flat, bpe.tok_off, bpe.wmap, pm.slots, pm.arena, pm.state)
+    pm.bound["walk_bits"] = (k, bpe.batch, bpe.whole, fn)
+    return fn
+
+
 def scratch_args(family: str, chars: int = 0) -> tuple[np.ndarray, ...]:
     """Scratch arrays for `full_encoder`'s kernel that hold a block of `chars` characters plus a lookahead
     (none given: empty ones, which the kernel replaces by arrays of the block's size)."""
@@ -218,5 +257,5 @@ def scratch_args(family: str, chars: int = 0) -> tuple[np.ndarray, ...]:
             np.empty(4 * n + 16, np.uint8), np.empty(n + 1, np.int64))
 
 
-__all__ = ["CUT_REJECTED", "DROPPED", "OK", "SURROGATE", "full_encoder", "has_full_kernel", "scratch_args",
-           "walk_encoder"]
+__all__ = ["CUT_REJECTED", "DROPPED", "OK", "SURROGATE", "full_encoder", "has_full_kernel", "o200k_block",
+           "scratch_args", "walk_bits_encoder", "walk_encoder"]

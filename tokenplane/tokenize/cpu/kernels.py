@@ -132,6 +132,10 @@ EXPORTS: dict[str, tuple[str, str, str, tuple[Any, ...]]] = {
     "full_smollm2": ("fullencode", "_full_smollm2", FULL_RET,
                      (*FULL_HEAD, A("uint8"), *FULL_SCRATCH, A("uint8"), *FULL_TAIL)),
     "full_walk": ("fullencode", "_finish", FULL_RET, (A("uint32"), I, *FULL_SCRATCH, *FULL_TAIL)),
+    "full_walk_bits": ("fullencode", "_finish_bits", FULL_RET,
+                       (A("uint32"), I, A("uint64"), A("uint8"), A("int64"), *FULL_TAIL)),
+    "o200k_block": ("fullencode", "_o200k_block", "Tuple((int64, uint32[::1], uint64[::1], int64[::1]))",
+                    (*FULL_HEAD, A("uint8"), A("boolean"), A("uint8"))),
     # session records (..records: IDs, checkpoints ck, token characters tc, end exceptions ex_i / ex_v)
     "rec_end_at": ("..records", "end_at", "int64", (*REC, I)),
     "rec_locate": ("..records", "locate", "UniTuple(int64, 2)", (*REC, I, I)),

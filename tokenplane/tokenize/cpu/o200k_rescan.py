@@ -202,6 +202,24 @@ def _sync_after(cps, c, table, r: int) -> int:
         w *= 4
 
 
+class BitStarts:
+    """A start bitmap (bit i of word i >> 6, as startbits writes it) as the rescan writes starts: `[a:b] = False`
+    clears a window, `[positions] = True` sets the starts found in it."""
+
+    def __init__(self, sb: np.ndarray):
+        self.sb = sb
+
+    def __setitem__(self, key: slice | list[int], value: bool) -> None:
+        pos = np.arange(key.start, key.stop, dtype=np.int64) if isinstance(key, slice) else np.asarray(key, np.int64)
+        if pos.size == 0:
+            return
+        bits = np.left_shift(np.uint64(1), (pos & 63).astype(np.uint64))
+        if value:
+            np.bitwise_or.at(self.sb, pos >> 6, bits)
+        else:
+            np.bitwise_and.at(self.sb, pos >> 6, ~bits)
+
+
 def _o200k_rescan_local(cps, table, c, rare, starts) -> None:
     """`_o200k_rescan` (same windows, same matcher) with each window's synchronizing positions found near its rare
     position instead of over the whole text: the whole-text passes cost ~15 ms per 1M characters whenever a text

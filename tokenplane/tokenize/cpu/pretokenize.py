@@ -219,14 +219,17 @@ def _cp_kind_o200k(engine: str) -> np.ndarray:
 def _o200k_loop_impl(c, feat, starts, rare):
     """The run-level o200k rules as one loop over runs (same rules as `_starts_o200k`); returns how many rare
     positions (mark after punctuation, '/' after CR/LF) it wrote to `rare` for the scalar rescan."""
+    return _o200k_runs(c, feat, starts, rare, 0, 0, c.shape[0], -1, 0, -1, False)
+
+
+def _o200k_runs_impl(c, feat, starts, rare, nrare, a, stop, prev_kind, prev_len, pprev_kind, prev_tail_full):
+    """`_o200k_loop_impl` over the runs from a (a run start) until one ends at or past `stop`, from the state the
+    runs before a leave: the previous run's kind and length, the kind of the one before it (-1: none), whether the
+    last word run was entirely a contraction tail; rare positions appended to rare[nrare:]; returns the new count.
+    startbits' o200k bitmap kernel runs it over the stretches its masks do not decide. `feat` may carry more bits
+    than the kind table's (it reads bits 0-4 only)."""
     n = c.shape[0]
-    nrare = 0
-    a = 0
-    prev_kind = -1
-    prev_len = 0
-    pprev_kind = -1          # kind of the run before the previous one
-    prev_tail_full = False   # previous word run was entirely a contraction tail
-    while a < n:
+    while a < stop:
         k = feat[a] & 3
         b = a + 1
         inner = 0                # feature bits of the run's characters after its first
@@ -325,6 +328,7 @@ def _o200k_loop_impl(c, feat, starts, rare):
     return nrare
 
 
+_o200k_runs = njit(cache=True, nogil=True)(_o200k_runs_impl)
 _o200k_loop = njit(cache=True, nogil=True)(_o200k_loop_impl)
 
 
