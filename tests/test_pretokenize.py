@@ -111,10 +111,11 @@ def test_o200k_slash_after_newline_every_short_context():
 
 
 def test_o200k_local_rescan_equals_whole_text_rescan():
-    """The production rescan finds each rare position's synchronizing positions in growing windows around it; on
-    texts whose rare positions sit far from any synchronizing position (long lines without digits: the windows must
-    grow past 256 and 1024 characters), near the ends, and close together, it writes the same starts as the
-    whole-text form, and the pieces equal the reference."""
+    """The local rescans find each rare position's synchronizing positions near it (the staged path's in growing
+    numpy windows, the full encode's compiled one by a scan); on texts whose rare positions sit far from any
+    synchronizing position (long lines without digits: the windows must grow past 256 and 1024 characters), near the
+    ends, and close together, both write the same starts as the whole-text form, and the pieces equal the
+    reference."""
     from tokenplane.tokenize.cpu import kernels
 
     rng = random.Random(5)
@@ -139,8 +140,45 @@ def test_o200k_local_rescan_equals_whole_text_rescan():
         o200k_rescan._o200k_rescan(cps, table[cps], c, np.sort(rare[:nr]), whole)
         o200k_rescan._o200k_rescan_local(cps, table, c, np.sort(rare[:nr]), local)
         assert np.array_equal(whole, local), repr(text[:120])
+        # the compiled rescan (the full encode's) on the same starts as a bitmap
+        sb = np.zeros((len(cps) >> 6) + 1, dtype=np.uint64)
+        packed = np.packbits(starts, bitorder="little")
+        sb.view(np.uint8)[:packed.shape[0]] = packed
+        assert o200k_rescan._rescan_bits(cps, table, np.sort(rare[:nr]), sb) == 0
+        bits = np.unpackbits(sb.view(np.uint8), bitorder="little")[:len(cps)].astype(np.bool_)
+        assert np.array_equal(bits, local), repr(text[:120])
         if trial % 8 == 0:
             _check("o200k_base", text)
+
+
+def test_o200k_compiled_rescan_equals_python_rescan_on_random_text():
+    """o200k_rescan._rescan_bits (numba, on a bitmap) against the Python matcher's local rescan, on random text over
+    the pre-tokenizer alphabet with the rare shapes mixed in (a mark after punctuation, '/' after CR/LF after
+    punctuation), each rare position's windows and merges included."""
+    rng = random.Random(23)
+    table = pretokenize._table("tiktoken")
+    kind = pretokenize._cp_kind_o200k("tiktoken")
+    units = ALPHABET + FRAGMENTS + [".\n/", "!\u0301", ";\r\n/", "(\u0301\u0301", "/\n/", "\u0301", "7"]
+    checked = 0
+    for _ in range(1500):
+        text = "".join(rng.choice(units) * rng.choice([1, 1, 2, 5]) for _ in range(rng.randint(1, 40)))
+        cps = pretokenize.codepoints(text)
+        c = cps.view(np.int32)
+        starts = np.zeros(len(cps), dtype=np.bool_)
+        rare = np.empty(len(cps) + 1, dtype=np.int64)
+        nr = pretokenize._o200k_loop(c, kind[cps], starts, rare)
+        if nr == 0:
+            continue
+        checked += 1
+        local = starts.copy()
+        o200k_rescan._o200k_rescan_local(cps, table, c, np.sort(rare[:nr]), local)
+        sb = np.zeros((len(cps) >> 6) + 1, dtype=np.uint64)
+        packed = np.packbits(starts, bitorder="little")
+        sb.view(np.uint8)[:packed.shape[0]] = packed
+        assert o200k_rescan._rescan_bits(cps, table, np.sort(rare[:nr]), sb) == 0
+        bits = np.unpackbits(sb.view(np.uint8), bitorder="little")[:len(cps)].astype(np.bool_)
+        assert np.array_equal(bits, local), repr(text[:120])
+    assert checked > 300
 
 
 @pytest.mark.parametrize("name", FAMILIES)

@@ -10,8 +10,9 @@ same IDs (tests/test_fullencode.py checks fused == staged == reference on real a
 
 What the common case does not cover answers a nonzero status and the caller runs the staged path: a lone surrogate
 (the staged path raises), a byte the vocabulary lacks (DroppedBytes -> the reference), and a chunk cut that is not a
-piece start (CUT_REJECTED: the caller re-encodes serially). o200k has no fused kernel (`has_full_kernel`): its staged
-pre-tokenizer (with the Python rescan of its rare shapes) feeds the second half alone (`walk_encoder`).
+piece start (CUT_REJECTED: the caller re-encodes serially). o200k's block kernel also rescans the windows around its
+rare shapes in numba (o200k_rescan._rescan_bits, checked against the Python matcher). `walk_encoder` is the second
+half alone, for starts the caller computed (the encoder's `full_kernel` flag off: the staged pre-tokenizer).
 """
 
 from __future__ import annotations
@@ -21,10 +22,10 @@ from typing import Any, Callable
 import numpy as np
 
 from . import bpe as bpe_mod
-from . import kernels, startbits, strbuf
+from . import kernels, o200k_rescan, startbits, strbuf
 from . import pretokenize as pt
 from .lazyjit import njit  # numba itself only when a JIT kernel runs (lazyjit.py)
-from .piecemap import CUT_REJECTED, DROPPED, OK, SURROGATE, PieceMap, _walk
+from .piecemap import CUT_REJECTED, DROPPED, OK, OVERRUN, SURROGATE, PieceMap, _walk
 
 FullFn = Callable[..., tuple[np.ndarray, int]]
 _NO_MISSING = np.zeros(256, np.bool_)
@@ -144,24 +145,26 @@ def _full_smollm2_impl(s, a, b, extra, cps, feat, starts, buf, bounds, feat_tabl
                         tok_flat, tok_off, wmap, slots, arena, state)
 
 
-@njit(cache=True, nogil=True)
-def _o200k_block(s, a, b, extra, cps, feat, starts, feat_table):
-    """The first half of an o200k block (its rare shapes' rescan is Python, so the block takes two calls): code
-    points, feature bytes and the bitmap pre-tokenizer (startbits._o200k_bits); returns (count of rare positions,
-    or -1 at a lone surrogate; the code points; the start bitmap; the rare positions). The caller rescans around
-    the rare positions (o200k_rescan.BitStarts) and finishes with `_finish_bits` (walk_bits_encoder)."""
+def _full_o200k_impl(s, a, b, extra, cps, feat, starts, buf, bounds, feat_table, cls_table, has_missing, missing,
+                     byte_ids, ptab, batch, whole, wkeys, wids, tok_flat, tok_off, wmap, slots, arena, state):
+    # the bit-parallel pre-tokenizer (startbits.py: the same starts and rare positions as pretokenize._o200k_loop),
+    # then the rescan of the windows around the rare positions (o200k_rescan._rescan_bits; cls_table: the class
+    # table its matcher reads)
     cps, feat, sb, bad = _block_start_bits(s, a, b, extra, cps, feat, starts, feat_table)
-    total = cps.shape[0]
-    rare = np.empty(total + 64, np.int64)
     if bad >= 0:
-        return -1, cps, sb, rare[:0]
+        return _declined(SURROGATE)
+    rare = np.empty(cps.shape[0] + 64, np.int64)
     nr = startbits._o200k_bits(cps.view(np.int32), feat, sb, rare)
-    return nr, cps, sb, rare[:nr]
+    if nr > 0 and o200k_rescan._rescan_bits(cps, cls_table, np.sort(rare[:nr]), sb) < 0:
+        return _declined(OVERRUN)
+    return _finish_bits(cps, b - a, sb, buf, bounds, has_missing, missing, byte_ids, ptab, batch, whole, wkeys, wids,
+                        tok_flat, tok_off, wmap, slots, arena, state)
 
 
 _full_gpt4 = njit(cache=True, nogil=True)(_full_gpt4_impl)
 _full_deepseek = njit(cache=True, nogil=True)(_full_deepseek_impl)
 _full_smollm2 = njit(cache=True, nogil=True)(_full_smollm2_impl)
+_full_o200k = njit(cache=True, nogil=True)(_full_o200k_impl)
 
 
 def block_tables(family: str) -> tuple[str, tuple[Any, ...]]:
@@ -171,21 +174,15 @@ def block_tables(family: str) -> tuple[str, tuple[Any, ...]]:
     form = startbits.bitmap_form(family)
     if form is None:
         return loop, fam_args
+    if loop == "o200k":     # + the class table of the rare shapes' matcher
+        return loop, (form[0], *fam_args[1:], pt._table(pt._family(family).engine))
     return loop, (form[0], *fam_args[1:])
 
 
 def has_full_kernel(family: str) -> bool:
-    """o200k has no one-call block kernel: most 1M-character blocks of real text hold one of its rare shapes (english
-    and CJK of the benchmark corpus did), whose rescan is Python. Its blocks take `o200k_block` (the bitmap
-    pre-tokenizer), the rescan, then `walk_bits_encoder`."""
-    return pt.loop_tables(family)[0] != "o200k"
-
-
-def o200k_block(family: str) -> Callable[..., tuple[int, np.ndarray, np.ndarray, np.ndarray]]:
-    """fn(text, a, b, extra, cps, feat, starts) -> `_o200k_block`'s (rare count or -1, code points, start bitmap,
-    rare positions) with o200k's feature table bound (scratch as `full_encoder`'s, the bool one holding the
-    bitmap)."""
-    return kernels.get().bind("o200k_block", 7, startbits.o200k_feature_table(pt._family(family).engine))
+    """Whether `family` has a fused block kernel (every supported family does; the encoder's flag of the same name
+    switches it off to measure against the staged pre-tokenizer + `walk_encoder`)."""
+    return pt.loop_tables(family)[0] in ("gpt4", "o200k", "deepseek", "smollm2")
 
 
 def full_encoder(bpe: bpe_mod.BPE, family: str) -> FullFn:
@@ -231,23 +228,6 @@ def walk_encoder(bpe: bpe_mod.BPE) -> FullFn:
     return fn
 
 
-def walk_bits_encoder(bpe: bpe_mod.BPE) -> FullFn:
-    """`walk_encoder` for piece starts given as a bitmap (`_finish_bits`): fn(cps, n, sb, buf, bounds)."""
-    k = kernels.get()
-    c = bpe.thread_cache()
-    pm = c.pmap
-    if pm is None:
-        pm = c.pmap = PieceMap()
-    entry = pm.bound.get("walk_bits")
-    if entry is not None and entry[0] is k and entry[1] == bpe.batch and entry[2] == bpe.whole:
-        return entry[3]
-    missing = bpe.missing if bpe.missing is not None else _NO_MISSING
-    fn = k.bind("full_walk_bits", 5, bpe.missing is not None, missing, bpe.byte_ids, bpe.ptab, bpe.batch,
-                bpe.whole, bpe.wkeys, bpe.wids, bpe.tok_flat, bpe.tok_off, bpe.wmap, pm.slots, pm.arena, pm.state)
-    pm.bound["walk_bits"] = (k, bpe.batch, bpe.whole, fn)
-    return fn
-
-
 def scratch_args(family: str, chars: int = 0) -> tuple[np.ndarray, ...]:
     """Scratch arrays for `full_encoder`'s kernel that hold a block of `chars` characters plus a lookahead
     (none given: empty ones, which the kernel replaces by arrays of the block's size)."""
@@ -257,5 +237,5 @@ def scratch_args(family: str, chars: int = 0) -> tuple[np.ndarray, ...]:
             np.empty(4 * n + 16, np.uint8), np.empty(n + 1, np.int64))
 
 
-__all__ = ["CUT_REJECTED", "DROPPED", "OK", "SURROGATE", "full_encoder", "has_full_kernel", "o200k_block",
-           "scratch_args", "walk_bits_encoder", "walk_encoder"]
+__all__ = ["CUT_REJECTED", "DROPPED", "OK", "OVERRUN", "SURROGATE", "full_encoder", "has_full_kernel", "scratch_args",
+           "walk_encoder"]

@@ -44,9 +44,10 @@ MODULE_NAME = "tokenplane_kernels"      # the extension's PyInit_ name: fixed, t
 KEY_VERSION = 1                         # bump when what goes into the module changes outside the hashed sources
 _HERE = Path(__file__).resolve().parent
 # The modules whose source decides the compiled code: the kernels, this table of signatures, the lazy decorator.
-SOURCES = ("strbuf.py", "pretokenize.py", "runbits.py", "startbits.py", "simdbits.py", "bpe.py", "boundary.py",
-           "segments.py", "window.py", "piecemap.py", "fullencode.py", "../appendwin.py", "../records.py",
-           "../splice.py", "../textstore.py", "../packedrun.py", "lazyjit.py", "kernels.py", "aotbuild.py")
+SOURCES = ("strbuf.py", "pretokenize.py", "o200k_rescan.py", "runbits.py", "startbits.py", "simdbits.py", "bpe.py",
+           "boundary.py", "segments.py", "window.py", "piecemap.py", "fullencode.py", "../appendwin.py",
+           "../records.py", "../splice.py", "../textstore.py", "../packedrun.py", "lazyjit.py", "kernels.py",
+           "aotbuild.py")
 
 # -- the export table: name -> (module, attribute, return type, argument types) ------------------------------------
 # Argument types: "str" (a Python str, numba unicode_type), "int64", "boolean", or (dtype, ndim) for a C-contiguous
@@ -132,10 +133,8 @@ EXPORTS: dict[str, tuple[str, str, str, tuple[Any, ...]]] = {
     "full_smollm2": ("fullencode", "_full_smollm2", FULL_RET,
                      (*FULL_HEAD, A("uint8"), *FULL_SCRATCH, A("uint8"), *FULL_TAIL)),
     "full_walk": ("fullencode", "_finish", FULL_RET, (A("uint32"), I, *FULL_SCRATCH, *FULL_TAIL)),
-    "full_walk_bits": ("fullencode", "_finish_bits", FULL_RET,
-                       (A("uint32"), I, A("uint64"), A("uint8"), A("int64"), *FULL_TAIL)),
-    "o200k_block": ("fullencode", "_o200k_block", "Tuple((int64, uint32[::1], uint64[::1], int64[::1]))",
-                    (*FULL_HEAD, A("uint8"), A("boolean"), A("uint8"))),
+    "full_o200k": ("fullencode", "_full_o200k", FULL_RET,
+                   (*FULL_HEAD, A("uint8"), *FULL_SCRATCH, A("uint8"), A("uint16"), *FULL_TAIL)),
     # session records (..records: IDs, checkpoints ck, token characters tc, end exceptions ex_i / ex_v)
     "rec_end_at": ("..records", "end_at", "int64", (*REC, I)),
     "rec_locate": ("..records", "locate", "UniTuple(int64, 2)", (*REC, I, I)),

@@ -5,8 +5,10 @@ punctuation (which the punctuation alternative can swallow) and `/` right after 
 into). The o200k loop writes those positions to `rare`; around each, the pieces are recomputed by `_o200k_scan` (the
 regex emulated alternative by alternative) between two synchronizing positions, where a piece starts whatever the
 left context is: after CR/LF before a non-whitespace non-'/' character, at digit-run edges, and at the text's ends.
-`_o200k_rescan_local` finds those positions near each rare position (the path the encoder takes); `_o200k_rescan`
-computes them over the whole text (the test oracle it is checked against).
+`_o200k_rescan_local` finds those positions near each rare position (the staged path); `_o200k_rescan` computes
+them over the whole text (the test oracle it is checked against). `_rescan_bits` is `_o200k_rescan_local` compiled,
+on a start bitmap: the full encode's block kernel (fullencode._full_o200k) runs it without leaving numba; the
+Python matcher is its oracle (tests/test_o200k_rescan.py).
 """
 
 from __future__ import annotations
@@ -14,11 +16,14 @@ from __future__ import annotations
 import numpy as np
 
 from ..spec import charclass
+from .lazyjit import njit  # numba itself only when a JIT kernel runs (lazyjit.py)
 
 _B = charclass.BIT
 _L, _N, _S, _M = _B["L"], _B["N"], _B["s"], _B["M"]
 _LU, _LT, _LL = _B["Lu"], _B["Lt"], _B["Ll"]
 CR, LF, SPACE, APOS, SLASH = 13, 10, 32, 39, 47
+_UPPERISH = _LU | _LT | _B["Lm"] | _B["Lo"] | _M        # [\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]
+_LOWERISH = _LL | _B["Lm"] | _B["Lo"] | _M              # [\p{Ll}\p{Lm}\p{Lo}\p{M}]
 
 
 def _merge_windows(lo: np.ndarray, hi: np.ndarray):
@@ -202,24 +207,6 @@ def _sync_after(cps, c, table, r: int) -> int:
         w *= 4
 
 
-class BitStarts:
-    """A start bitmap (bit i of word i >> 6, as startbits writes it) as the rescan writes starts: `[a:b] = False`
-    clears a window, `[positions] = True` sets the starts found in it."""
-
-    def __init__(self, sb: np.ndarray):
-        self.sb = sb
-
-    def __setitem__(self, key: slice | list[int], value: bool) -> None:
-        pos = np.arange(key.start, key.stop, dtype=np.int64) if isinstance(key, slice) else np.asarray(key, np.int64)
-        if pos.size == 0:
-            return
-        bits = np.left_shift(np.uint64(1), (pos & 63).astype(np.uint64))
-        if value:
-            np.bitwise_or.at(self.sb, pos >> 6, bits)
-        else:
-            np.bitwise_and.at(self.sb, pos >> 6, ~bits)
-
-
 def _o200k_rescan_local(cps, table, c, rare, starts) -> None:
     """`_o200k_rescan` (same windows, same matcher) with each window's synchronizing positions found near its rare
     position instead of over the whole text: the whole-text passes cost ~15 ms per 1M characters whenever a text
@@ -231,3 +218,135 @@ def _o200k_rescan_local(cps, table, c, rare, starts) -> None:
     for a, b in _merge_windows(lo, hi):
         starts[a:b] = False
         starts[_o200k_scan(cps, cls, a, b)] = True     # type: ignore[arg-type]  # indexable like the array
+
+
+# -- compiled: the same windows and matcher on a start bitmap (fullencode._full_o200k) -----------------------------
+def _fold(x):
+    return x + 32 if 65 <= x <= 90 else (115 if x == 0x17F else x)
+
+
+def _contraction(cps, n, e):
+    """`_o200k_scan`'s contraction(e): the end of `(?i:'s|'t|'re|'ve|'m|'ll|'d)` at e, or e."""
+    if e + 1 < n and cps[e] == APOS:
+        f1 = _fold(np.int64(cps[e + 1]))
+        if f1 == 115 or f1 == 116 or f1 == 109 or f1 == 100:
+            return e + 2
+        if e + 2 < n:
+            f2 = _fold(np.int64(cps[e + 2]))
+            if (f1 == 114 and f2 == 101) or (f1 == 118 and f2 == 101) or (f1 == 108 and f2 == 108):
+                return e + 3
+    return e
+
+
+def _word(cps, table, n, alt, x):
+    """`_o200k_scan`'s word(alt, x): the end of word alternative 1 (`U* L+`) or 2 (`U+ L*`) at x, or -1."""
+    if x >= n:
+        return -1
+    y = x
+    while y < n and (table[cps[y]] & _UPPERISH) != 0:
+        y += 1
+    if alt == 1:
+        if y < n and (table[cps[y]] & _LOWERISH) != 0:
+            z = y
+            while z < n and (table[cps[z]] & _LOWERISH) != 0:
+                z += 1
+            return z
+        for j in range(y - 1, x - 1, -1):
+            if (table[cps[j]] & _LOWERISH) != 0:
+                return j + 1
+        return -1
+    if y == x:
+        return -1
+    while y < n and (table[cps[y]] & _LOWERISH) != 0:
+        y += 1
+    return y
+
+
+def _match(cps, table, n, p):
+    """`_o200k_scan`'s match(p): the end of the piece that starts at p."""
+    k = table[cps[p]]
+    ch = cps[p]
+    prefix_ok = ch != CR and ch != LF and (k & (_L | _N)) == 0
+    for alt in range(1, 3):
+        pre = 1 if prefix_ok else 0
+        while pre >= 0:
+            e = _word(cps, table, n, alt, p + pre)
+            if e > p + pre:
+                return _contraction(cps, n, e)
+            pre -= 1
+    if (k & _N) != 0:
+        e = p
+        while e < n and e - p < 3 and (table[cps[e]] & _N) != 0:
+            e += 1
+        return e
+    sp = 1 if ch == SPACE else 0
+    while sp >= 0:
+        x = p + sp
+        e = x
+        while e < n and (table[cps[e]] & (_S | _L | _N)) == 0:
+            e += 1
+        if e > x:
+            while e < n and (cps[e] == CR or cps[e] == LF or cps[e] == SLASH):
+                e += 1
+            return e
+        sp -= 1
+    y = p
+    while y < n and (table[cps[y]] & _S) != 0:
+        y += 1
+    for j in range(y - 1, p - 1, -1):
+        if cps[j] == CR or cps[j] == LF:
+            return j + 1
+    if y == n:
+        return y
+    if y - 1 > p:
+        return y - 1
+    return y
+
+
+def _is_sync(cps, table, n, p):
+    """Whether p is a synchronizing position (`_sync_mask`; the text's ends count)."""
+    if p <= 0 or p >= n:
+        return True
+    q = cps[p - 1]
+    if (q == CR or q == LF) and (table[cps[p]] & _S) == 0 and cps[p] != SLASH:
+        return True
+    return ((table[cps[p]] & _N) != 0) != ((table[cps[p - 1]] & _N) != 0)
+
+
+def _rescan_bits_impl(cps, table, rare, sb):
+    """`_o200k_rescan_local` on the start bitmap sb: for each rare position r (sorted), the window from the last
+    synchronizing position <= r to the first > r, overlapping windows merged, its bits replaced by the matcher's
+    starts. Returns 0, or -1 where the matcher overran a window's end (`_o200k_scan` raises there)."""
+    n = cps.shape[0]
+    one = np.uint64(1)
+    i = 0
+    while i < rare.shape[0]:
+        a = rare[i]
+        while not _is_sync(cps, table, n, a):
+            a -= 1
+        b = rare[i] + 1
+        while not _is_sync(cps, table, n, b):
+            b += 1
+        i += 1
+        while i < rare.shape[0] and rare[i] < b:      # the next window starts inside this one (its lo < b)
+            b = max(b, rare[i] + 1)
+            while not _is_sync(cps, table, n, b):
+                b += 1
+            i += 1
+        for j in range(a, b):
+            sb[j >> 6] &= ~(one << np.uint64(j & 63))
+        p = a
+        while p < b:
+            sb[p >> 6] |= one << np.uint64(p & 63)
+            p = _match(cps, table, n, p)
+        if p != b:
+            return -1
+    return 0
+
+
+_fold = njit(cache=True, nogil=True, inline="always")(_fold)
+_contraction = njit(cache=True, nogil=True, inline="always")(_contraction)
+_word = njit(cache=True, nogil=True, inline="always")(_word)
+_match = njit(cache=True, nogil=True)(_match)
+_is_sync = njit(cache=True, nogil=True, inline="always")(_is_sync)
+_rescan_bits = njit(cache=True, nogil=True)(_rescan_bits_impl)

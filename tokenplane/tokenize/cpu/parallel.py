@@ -22,13 +22,12 @@ import bisect
 import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Callable
 
 import numpy as np
 
-from . import boundary, bpetables, fullencode, kernels, nfc, pretokenize, strbuf
+from . import boundary, bpetables, fullencode, nfc, pretokenize, strbuf
 from .bpe import BPE, DroppedBytes
-from .o200k_rescan import BitStarts, _o200k_rescan_local
 from .startbits import PAD
 
 if TYPE_CHECKING:   # type names only: these modules sit above this one
@@ -96,9 +95,9 @@ class CpuEncoder:
         self._local = threading.local()
         self.block_chars = BLOCK_CHARS
         self.fused = True       # False: the staged chain only (kept to measure against and as the tests' oracle)
-        self._full_kernel = fullencode.has_full_kernel(tok.family.name)
-        self._o200k_fn: tuple[kernels.Kernels, Callable[..., Any]] | None = None    # o200k's first half, bound
-        self.o200k_bits = True  # False: o200k's run loop and bool starts (kept to measure against)
+        # False: the staged pre-tokenizer (run loops, o200k's Python rescan), then the piece-map walk (kept to measure
+        # the fused block kernels against)
+        self.full_kernel = fullencode.has_full_kernel(tok.family.name)
         self.stats = {"serial": 0, "parallel": 0, "chunks": 0, "cut_rejected": 0}
         # Plain NFC (qwen3): chunks are cut in raw text and normalized by their own threads (encode_parallel).
         self._nfc_inert = None
@@ -118,13 +117,12 @@ class CpuEncoder:
     def _encode_range(self, s: str, a: int, b: int, lookahead: str = "") -> np.ndarray:
         """IDs of s[a:b] (already normalized); `lookahead`: the character right of a chunk cut, read by the
         pre-tokenizer but not encoded. One GIL-free fused call (fullencode.py); what it declines (a lone surrogate,
-        a byte the vocabulary lacks) runs the staged chain below; o200k runs the staged pre-tokenizer, then the
-        fused call's second half."""
+        a byte the vocabulary lacks) runs the staged chain below."""
         n = b - a
         if n <= 0:
             return np.zeros(0, dtype=np.uint32)
         sc = self._scratch(n + len(lookahead))
-        if self.fused and self._full_kernel:
+        if self.fused and self.full_kernel:
             ids, status = fullencode.full_encoder(self.bpe, self.family.name)(s, a, b, lookahead, sc.cps, sc.kind,
                                                                               sc.starts, sc.buf, sc.bounds)
             if status == fullencode.OK:
@@ -132,38 +130,16 @@ class CpuEncoder:
             if status == fullencode.CUT_REJECTED:
                 raise _CutRejected(b)
             self.stats["fused_declined"] = self.stats.get("fused_declined", 0) + 1
-        if self.fused and not self._full_kernel and self.o200k_bits:
-            ids = self._encode_o200k(s, a, b, lookahead, sc)
-            if ids is not None:
-                return ids
         cps = strbuf.codepoints(s, a, b, lookahead, sc.cps)
         starts = pretokenize.piece_starts(self.family, cps, sc.starts)
         if lookahead and not starts[n]:
             raise _CutRejected(b)
-        if self.fused:      # o200k (its rare shapes' rescan is Python): the pieces still go through the piece map
+        if self.fused:      # (full_kernel off): the pieces still go through the piece map
             ids, status = fullencode.walk_encoder(self.bpe)(cps, n, starts, sc.buf, sc.bounds)
             if status == fullencode.OK:
                 return ids.view(np.uint32)
         buf, bounds = strbuf.utf8_and_bounds(cps, n, starts, sc.buf, sc.bounds)
         return self.bpe.encode_bytes(buf, bounds).view(np.uint32)
-
-    def _encode_o200k(self, s: str, a: int, b: int, lookahead: str, sc: _Scratch) -> np.ndarray | None:
-        """An o200k block: the bitmap pre-tokenizer (GIL-free), the Python rescan around its rare positions, the
-        bitmap walk (GIL-free); None where the staged chain must run (a lone surrogate, a byte the vocabulary
-        lacks)."""
-        k = kernels.get()
-        if self._o200k_fn is None or self._o200k_fn[0] is not k:
-            self._o200k_fn = (k, fullencode.o200k_block(self.family.name))
-        nr, cps, sb, rare = self._o200k_fn[1](s, a, b, lookahead, sc.cps, sc.kind, sc.starts)
-        if nr < 0:
-            return None
-        if nr:
-            _o200k_rescan_local(cps, pretokenize._table(self.family.engine), cps.view(np.int32), np.sort(rare),
-                                BitStarts(sb))
-        ids, status = fullencode.walk_bits_encoder(self.bpe)(cps, b - a, sb, sc.buf, sc.bounds)
-        if status == fullencode.CUT_REJECTED:
-            raise _CutRejected(b)
-        return ids.view(np.uint32) if status == fullencode.OK else None
 
     def _encode_blocks(self, s: str, a: int, b: int, lookahead: str = "") -> np.ndarray:
         """IDs of s[a:b] (normalized), block by block: blocks of ~block_chars cut at stable positions (the chunk

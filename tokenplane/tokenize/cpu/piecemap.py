@@ -28,7 +28,9 @@ import numpy as np
 from . import bpe as bpe_mod
 from .lazyjit import njit  # numba itself only when a JIT kernel runs (lazyjit.py)
 
-OK, SURROGATE, DROPPED, CUT_REJECTED = 0, 1, 2, 3   # status of a fused call (fullencode.py)
+# status of a fused call (fullencode.py); OVERRUN: o200k's rare-shape matcher overran a window (a bug: the staged
+# chain then raises it)
+OK, SURROGATE, DROPPED, CUT_REJECTED, OVERRUN = 0, 1, 2, 3, 4
 SLOTS = 1 << 17              # 2 MB of slots per thread
 MAX_LOAD = (SLOTS * 5) // 8  # entries before the map is emptied (linear probing stays short below ~0.6)
 ARENA_WORDS = 1 << 21        # 8 MB of IDs and bytes of pieces that do not fit a slot
