@@ -5,8 +5,8 @@ region), in this process, pinned to one CPU, times each stage of the CPU path wi
 
   codepoints   the str's code points (strbuf)
   classes      the family table's class of each code point (the gather)
-  pretokenize  the family's pre-tokenizer as the fused encode runs it (startbits' bitmap forms, JIT; o200k: its run
-               loop, plus the Python rescan of its rare shapes, shown apart)
+  pretokenize  the family's pre-tokenizer as the fused encode runs it (startbits' bitmap forms, JIT; o200k: plus the
+               compiled rescan of its rare shapes, shown apart)
   utf8+bounds  UTF-8 of the block and the byte offset of every piece (strbuf, from the bool starts)
   walk hits    the piece-map walk when every piece is in the map (the 'repeat' case)
   encode       CpuEncoder.encode of the document, warm (new encoder, warm-up region first) and repeat
@@ -46,7 +46,7 @@ def _cpu(fn, runs: int) -> float:
 
 def profile(family: str, doc: str, warm: str, runs: int) -> dict[str, float]:
     import tokenplane
-    from tokenplane.tokenize.cpu import fullencode, kernels, startbits
+    from tokenplane.tokenize.cpu import fullencode, kernels, o200k_rescan, startbits
     from tokenplane.tokenize.cpu import pretokenize as pt
     from tokenplane.tokenize.cpu.o200k_rescan import _o200k_rescan_local
     from tokenplane.tokenize.cpu.parallel import CpuEncoder
@@ -76,6 +76,7 @@ def profile(family: str, doc: str, warm: str, runs: int) -> dict[str, float]:
 
     form = startbits.bitmap_form(family)
     bits = form is not None
+    found = None
     if form is not None:    # the fused encode's form (JIT: it is compiled into the fused AOT exports only)
         feat_table, run_bits = form
         feat = np.zeros(n + startbits.PAD, np.uint8)
@@ -83,7 +84,8 @@ def profile(family: str, doc: str, warm: str, runs: int) -> dict[str, float]:
         bitmap = np.empty((n >> 6) + 1, np.uint64)
 
         def bits_kernel() -> None:
-            run_bits(c, feat, bitmap)
+            nonlocal found
+            found = run_bits(c, feat, bitmap)       # (o200k: its rare positions, sorted)
 
         bits_kernel()
 
@@ -101,9 +103,13 @@ def profile(family: str, doc: str, warm: str, runs: int) -> dict[str, float]:
             k.smollm2_loop(c, kind, starts)
 
     pretok()
+    if found is not None and found.shape[0]:    # o200k's rare shapes: the compiled rescan, as the fused call runs it
+        nrare = int(found.shape[0])
+        rare[:nrare] = found
+        o200k_rescan._rescan_bits(cps, pt._table(tok.family.engine), found, bitmap)
     if bits:
         starts[:] = np.unpackbits(bitmap.view(np.uint8), bitorder="little")[:n].astype(np.bool_)
-    if nrare:
+    elif nrare:
         _o200k_rescan_local(cps, pt._table(tok.family.engine), c, np.sort(rare[:nrare]), starts)
     rescued = starts.copy()
     buf = np.empty(4 * n + 16, np.uint8)
@@ -130,8 +136,10 @@ def profile(family: str, doc: str, warm: str, runs: int) -> dict[str, float]:
     stages = (("codepoints", lambda: k.codepoints(doc, 0, n, cps)),
               ("classes", lambda: gather(table, cps)),
               ("pretokenize", pretok),
-              ("rescan", lambda: _o200k_rescan_local(cps, pt._table(tok.family.engine), c, np.sort(rare[:nrare]),
-                                                     starts.copy()) if nrare else None),
+              ("rescan", lambda: (o200k_rescan._rescan_bits(cps, pt._table(tok.family.engine), found, bitmap.copy())
+                                  if bits else _o200k_rescan_local(cps, pt._table(tok.family.engine), c,
+                                                                   np.sort(rare[:nrare]), starts.copy()))
+               if nrare else None),
               ("utf8+bounds", lambda: k.utf8_and_bounds(cps, n, rescued, buf, bounds)),
               ("walk+utf8 hits", lambda: walk(cps, n, rescued, buf, bounds)),
               ("encode repeat", lambda: enc.encode(raw, parallel=False)))
