@@ -31,11 +31,12 @@ checked against the reference tokenizers.
 
 smollm2, DeepSeek V4 and o200k get the same treatment from their own loops (`_smollm2_bits_impl`,
 `_deepseek_bits_impl`, `_o200k_bits_impl` say which of their rules are masks and which stay scalar); every full
-encode runs its family's bitmap form (o200k's in two calls around the Python rescan of its rare shapes).
+encode runs its family's bitmap form (o200k's followed, in the same call, by the rescan of its rare shapes).
 
 Measured on 1M-character documents of the benchmark corpus, one core, this stage alone against the loop (with its
 start mask cleared), alternated in one process (benchmarks/pretokenizer_bits.py): cl100k english 0.82 vs 2.37 ms
-(2.9x), code 2.5x, CJK 7.2x; qwen3 2.8-9.0x; smollm2 9.6-13.0x (english 0.17 vs 1.63 ms); DeepSeek 1.9-3.7x.
+(2.9x), code 2.5x, CJK 7.2x; qwen3 2.8-9.0x; smollm2 9.6-13.0x (english 0.17 vs 1.63 ms); DeepSeek 1.9-3.7x; o200k
+3.4-5.4x (pretokenizer_bits_zen3_o200k.md).
 """
 
 from __future__ import annotations
