@@ -95,6 +95,31 @@ def cells(corpus: Path, sizes: list[str], warmup_chars: int):
                 yield cat, size_name, docs, tiled, warm_docs
 
 
+def stage_setup(description: str, families: str, rounds: int) -> tuple[argparse.Namespace, list[tuple[str, ...]]]:
+    """The set-up of the one-core A/B benchmarks that run on these cells' 1M-character documents
+    (pretokenizer_bits.py, full_kernel_ab.py): their arguments (corpus, families, categories, rounds, the CPU this
+    process is pinned to, out) and the (family, category, document, warm-up region) of each cell."""
+    p = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--corpus", default=os.path.join(os.environ.get("TMPDIR", "/tmp"), "tokenplane_corpus"))
+    p.add_argument("--families", default=families)
+    p.add_argument("--categories", default="english,code,cjk")
+    p.add_argument("--rounds", type=int, default=rounds)
+    p.add_argument("--cpu", type=int, default=1)
+    p.add_argument("--out", default=None, help="path prefix for .json / .md / .png")
+    args = p.parse_args()
+    if hasattr(os, "sched_setaffinity"):
+        os.sched_setaffinity(0, {args.cpu})
+    docs = {cat: (d[0], w[0]) for cat, size, d, _, w in cells(Path(args.corpus), ["1M"], 1_000_000)}
+    cats = [c for c in args.categories.split(",") if c in docs]
+    return args, [(fam, cat, *docs[cat]) for fam in args.families.split(",") for cat in cats]
+
+
+def stage_meta(args: argparse.Namespace, started: str, load0: tuple[float, float, float], rows: list[dict]) -> dict:
+    """The JSON record of a stage_setup benchmark: command, start, load averages, CPU, rounds, rows."""
+    return {"command": "python " + " ".join(sys.argv), "started": started, "load_start": load0,
+            "load_end": os.getloadavg(), "cpu": args.cpu, "rounds": args.rounds, "rows": rows}
+
+
 # -- engines (worker side) -------------------------------------------------------------------------------------
 def our_factories(family: str, threads: int | None):
     """name -> factory() -> encode(texts) -> list of id sequences, for the engines of this environment."""

@@ -15,7 +15,6 @@ every output checked against the reference IDs. Writes JSON + Markdown + PNG.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import statistics
@@ -71,34 +70,20 @@ def _cell(family: str, doc: str, warm: str, rounds: int) -> dict[str, float]:
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--corpus", default=os.path.join(os.environ.get("TMPDIR", "/tmp"), "tokenplane_corpus"))
-    p.add_argument("--families", default="o200k_base")
-    p.add_argument("--categories", default="english,code,cjk")
-    p.add_argument("--rounds", type=int, default=15)
-    p.add_argument("--cpu", type=int, default=1)
-    p.add_argument("--out", default=None, help="path prefix for .json / .md / .png")
-    args = p.parse_args()
-    if hasattr(os, "sched_setaffinity"):
-        os.sched_setaffinity(0, {args.cpu})
-    from full_encode import cells
+    from full_encode import stage_meta, stage_setup
 
     from tokenplane.tokenize.cpu import kernels
 
-    docs = {cat: (d[0], w[0]) for cat, size, d, _, w in cells(Path(args.corpus), ["1M"], 1_000_000)}
-    cats = [c for c in args.categories.split(",") if c in docs]
+    args, jobs = stage_setup(__doc__ or "", "o200k_base", 15)
     load0 = os.getloadavg()
     started = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     rows = []
-    for family in args.families.split(","):
-        for cat in cats:
-            r = _cell(family, docs[cat][0], docs[cat][1], args.rounds)
-            rows.append({"family": family, "category": cat, **r})
-            print(f"{family} {cat}: warm staged {r['staged_warm_ms']:.2f} fused {r['fused_warm_ms']:.2f} ms "
-                  f"({r['warm_ratio']:.2f}x), repeat {r['repeat_ratio']:.2f}x", flush=True)
-    meta = {"command": "python " + " ".join(sys.argv), "started": started, "load_start": load0,
-            "load_end": os.getloadavg(), "cpu": args.cpu, "rounds": args.rounds, "kernels": kernels.get().kind,
-            "rows": rows}
+    for family, cat, doc, warm in jobs:
+        r = _cell(family, doc, warm, args.rounds)
+        rows.append({"family": family, "category": cat, **r})
+        print(f"{family} {cat}: warm staged {r['staged_warm_ms']:.2f} fused {r['fused_warm_ms']:.2f} ms "
+              f"({r['warm_ratio']:.2f}x), repeat {r['repeat_ratio']:.2f}x", flush=True)
+    meta = {**stage_meta(args, started, load0, rows), "kernels": kernels.get().kind}
     lines = ["# Fused block kernel vs the staged chain (CpuEncoder.full_kernel), one core, one process", "",
              f"Command: `{meta['command']}`; started {started}; load average {load0[0]:.2f} {load0[1]:.2f} "
              f"{load0[2]:.2f} (start), {meta['load_end'][0]:.2f} (end); CPU {args.cpu}; kernels {meta['kernels']}; "

@@ -13,7 +13,6 @@ kernels are compiled into the fused AOT exports only). Writes JSON + Markdown + 
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import statistics
@@ -83,31 +82,18 @@ def _cell(family: str, text: str, rounds: int) -> dict[str, float]:
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--corpus", default=os.path.join(os.environ.get("TMPDIR", "/tmp"), "tokenplane_corpus"))
-    p.add_argument("--families", default="cl100k_base,llama3,qwen3,smollm2,deepseek_v4")
-    p.add_argument("--categories", default="english,code,cjk")
-    p.add_argument("--rounds", type=int, default=21)
-    p.add_argument("--cpu", type=int, default=1)
-    p.add_argument("--out", default=None, help="path prefix for .json / .md / .png")
-    args = p.parse_args()
-    if hasattr(os, "sched_setaffinity"):
-        os.sched_setaffinity(0, {args.cpu})
-    from full_encode import cells
+    from full_encode import stage_meta, stage_setup
 
-    docs = {cat: d[0] for cat, size, d, _, w in cells(Path(args.corpus), ["1M"], 1_000_000)}
-    cats = [c for c in args.categories.split(",") if c in docs]
+    args, jobs = stage_setup(__doc__ or "", "cl100k_base,llama3,qwen3,smollm2,deepseek_v4,o200k_base", 21)
     load0 = os.getloadavg()
     started = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     rows = []
-    for family in args.families.split(","):
-        for cat in cats:
-            r = _cell(family, docs[cat], args.rounds)
-            rows.append({"family": family, "category": cat, **r})
-            print(f"{family} {cat}: loop {r['loop_ms']:.3f} ms, bits {r['bits_ms']:.3f} ms, {r['speedup']:.2f}x",
-                  flush=True)
-    meta = {"command": "python " + " ".join(sys.argv), "started": started, "load_start": load0,
-            "load_end": os.getloadavg(), "cpu": args.cpu, "rounds": args.rounds, "rows": rows}
+    for family, cat, doc, _ in jobs:
+        r = _cell(family, doc, args.rounds)
+        rows.append({"family": family, "category": cat, **r})
+        print(f"{family} {cat}: loop {r['loop_ms']:.3f} ms, bits {r['bits_ms']:.3f} ms, {r['speedup']:.2f}x",
+              flush=True)
+    meta = stage_meta(args, started, load0, rows)
     lines = ["# Bitmap pre-tokenizers vs the run loops (the stage alone, one core)", "",
              f"Command: `{meta['command']}`; started {started}; load average {load0[0]:.2f} {load0[1]:.2f} "
              f"{load0[2]:.2f} (start), {meta['load_end'][0]:.2f} (end); CPU {args.cpu}; {args.rounds} alternated "

@@ -110,6 +110,15 @@ def test_o200k_slash_after_newline_every_short_context():
         _check("o200k_base", "".join(rng.choice(chars + ["A", "é", "!"]) for _ in range(rng.randint(6, 24))))
 
 
+def _compiled_rescan(cps: np.ndarray, table: np.ndarray, rare: np.ndarray, starts: np.ndarray) -> np.ndarray:
+    """o200k_rescan._rescan_bits (the full encode's) on `starts` packed into a bitmap; the starts it leaves, as bools."""
+    sb = np.zeros((len(cps) >> 6) + 1, dtype=np.uint64)
+    packed = np.packbits(starts, bitorder="little")
+    sb.view(np.uint8)[:packed.shape[0]] = packed
+    assert o200k_rescan._rescan_bits(cps, table, rare, sb) == 0
+    return np.unpackbits(sb.view(np.uint8), bitorder="little")[:len(cps)].astype(np.bool_)
+
+
 def test_o200k_local_rescan_equals_whole_text_rescan():
     """The local rescans find each rare position's synchronizing positions near it (the staged path's in growing
     numpy windows, the full encode's compiled one by a scan); on texts whose rare positions sit far from any
@@ -141,12 +150,7 @@ def test_o200k_local_rescan_equals_whole_text_rescan():
         o200k_rescan._o200k_rescan_local(cps, table, c, np.sort(rare[:nr]), local)
         assert np.array_equal(whole, local), repr(text[:120])
         # the compiled rescan (the full encode's) on the same starts as a bitmap
-        sb = np.zeros((len(cps) >> 6) + 1, dtype=np.uint64)
-        packed = np.packbits(starts, bitorder="little")
-        sb.view(np.uint8)[:packed.shape[0]] = packed
-        assert o200k_rescan._rescan_bits(cps, table, np.sort(rare[:nr]), sb) == 0
-        bits = np.unpackbits(sb.view(np.uint8), bitorder="little")[:len(cps)].astype(np.bool_)
-        assert np.array_equal(bits, local), repr(text[:120])
+        assert np.array_equal(_compiled_rescan(cps, table, np.sort(rare[:nr]), starts), local), repr(text[:120])
         if trial % 8 == 0:
             _check("o200k_base", text)
 
@@ -172,12 +176,7 @@ def test_o200k_compiled_rescan_equals_python_rescan_on_random_text():
         checked += 1
         local = starts.copy()
         o200k_rescan._o200k_rescan_local(cps, table, c, np.sort(rare[:nr]), local)
-        sb = np.zeros((len(cps) >> 6) + 1, dtype=np.uint64)
-        packed = np.packbits(starts, bitorder="little")
-        sb.view(np.uint8)[:packed.shape[0]] = packed
-        assert o200k_rescan._rescan_bits(cps, table, np.sort(rare[:nr]), sb) == 0
-        bits = np.unpackbits(sb.view(np.uint8), bitorder="little")[:len(cps)].astype(np.bool_)
-        assert np.array_equal(bits, local), repr(text[:120])
+        assert np.array_equal(_compiled_rescan(cps, table, np.sort(rare[:nr]), starts), local), repr(text[:120])
     assert checked > 300
 
 
