@@ -4,7 +4,7 @@ For each family and category of benchmarks/full_encode.py (same corpus, same 1M-
 region), in this process, pinned to one CPU, times each stage of the CPU path with the process's kernel set:
 
   codepoints   the str's code points (strbuf)
-  classes      the family table's class of each code point (the gather)
+  classes      the feature byte of each code point (the gather of the family's bitmap-form table)
   pretokenize  the family's pre-tokenizer as the fused encode runs it (startbits' bitmap forms, JIT; o200k: plus the
                compiled rescan of its rare shapes, shown apart)
   utf8+bounds  UTF-8 of the block and the byte offset of every piece (strbuf, from the bool starts)
@@ -48,7 +48,6 @@ def profile(family: str, doc: str, warm: str, runs: int) -> dict[str, float]:
     import tokenplane
     from tokenplane.tokenize.cpu import fullencode, kernels, o200k_rescan, startbits
     from tokenplane.tokenize.cpu import pretokenize as pt
-    from tokenplane.tokenize.cpu.o200k_rescan import _o200k_rescan_local
     from tokenplane.tokenize.cpu.parallel import CpuEncoder
     from tokenplane.tokenize.spec.artifacts import artifact_bytes
     from tokenplane.tokenize.tokenizer import Tokenizer
@@ -63,55 +62,20 @@ def profile(family: str, doc: str, warm: str, runs: int) -> dict[str, float]:
 
     n = len(doc)
     nbytes = len(doc.encode("utf-8"))
-    loop, fam_args = pt.loop_tables(family)
-    table = fam_args[0]
-    gather = k.gather_i8 if table.dtype == np.int8 else k.gather_u8
     cps = np.empty(n, np.uint32)
     k.codepoints(doc, 0, n, cps)
-    kind = gather(table, cps)
-    starts = np.zeros(n, np.bool_)
-    rare = np.empty(n, np.int64)
     c = cps.view(np.int32)
-    nrare = 0
-
-    form = startbits.bitmap_form(family)
-    bits = form is not None
-    found = None
-    if form is not None:    # the fused encode's form (JIT: it is compiled into the fused AOT exports only)
-        feat_table, run_bits = form
-        feat = np.zeros(n + startbits.PAD, np.uint8)
-        feat[:n] = feat_table[cps]
-        bitmap = np.empty((n >> 6) + 1, np.uint64)
-
-        def bits_kernel() -> None:
-            nonlocal found
-            found = run_bits(c, feat, bitmap)       # (o200k: its rare positions, sorted)
-
-        bits_kernel()
-
-    def pretok() -> None:
-        nonlocal nrare
-        if bits:        # (the kernel clears its bitmap)
-            bits_kernel()
-            return
-        starts[:] = False
-        if loop == "o200k":
-            nrare = k.o200k_loop(c, kind, starts, rare)
-        elif loop == "deepseek":
-            k.deepseek_loop(c, kind, starts)
-        else:
-            k.smollm2_loop(c, kind, starts)
-
-    pretok()
-    if found is not None and found.shape[0]:    # o200k's rare shapes: the compiled rescan, as the fused call runs it
-        nrare = int(found.shape[0])
-        rare[:nrare] = found
-        o200k_rescan._rescan_bits(cps, pt._table(tok.family.engine), found, bitmap)
-    if bits:
-        starts[:] = np.unpackbits(bitmap.view(np.uint8), bitorder="little")[:n].astype(np.bool_)
-    elif nrare:
-        _o200k_rescan_local(cps, pt._table(tok.family.engine), c, np.sort(rare[:nrare]), starts)
-    rescued = starts.copy()
+    # the fused encode's pre-tokenizer (JIT: it is compiled into the fused AOT exports only)
+    feat_table, run_bits = startbits.bitmap_form(family)
+    feat = np.zeros(n + startbits.PAD, np.uint8)
+    feat[:n] = feat_table[cps]
+    bitmap = np.empty((n >> 6) + 1, np.uint64)
+    cls_table = pt._table(tok.family.engine)
+    found = run_bits(c, feat, bitmap)       # (o200k: its rare positions, sorted; every other family: None)
+    nrare = 0 if found is None else int(found.shape[0])
+    if nrare:       # o200k's rare shapes: the compiled rescan, as the fused call runs it
+        o200k_rescan._rescan_bits(cps, cls_table, found, bitmap)
+    rescued = np.unpackbits(bitmap.view(np.uint8), bitorder="little")[:n].astype(np.bool_)
     buf = np.empty(4 * n + 16, np.uint8)
     bounds = np.empty(n + 1, np.int64)
 
@@ -134,12 +98,9 @@ def profile(family: str, doc: str, warm: str, runs: int) -> dict[str, float]:
     enc_warm: list[float] = []
     samples: dict[str, list[float]] = {}
     stages = (("codepoints", lambda: k.codepoints(doc, 0, n, cps)),
-              ("classes", lambda: gather(table, cps)),
-              ("pretokenize", pretok),
-              ("rescan", lambda: (o200k_rescan._rescan_bits(cps, pt._table(tok.family.engine), found, bitmap.copy())
-                                  if bits else _o200k_rescan_local(cps, pt._table(tok.family.engine), c,
-                                                                   np.sort(rare[:nrare]), starts.copy()))
-               if nrare else None),
+              ("classes", lambda: k.gather_u8(feat_table, cps)),
+              ("pretokenize", lambda: run_bits(c, feat, bitmap)),      # (the kernel clears its bitmap)
+              ("rescan", lambda: o200k_rescan._rescan_bits(cps, cls_table, found, bitmap.copy()) if nrare else None),
               ("utf8+bounds", lambda: k.utf8_and_bounds(cps, n, rescued, buf, bounds)),
               ("walk+utf8 hits", lambda: walk(cps, n, rescued, buf, bounds)),
               ("encode repeat", lambda: enc.encode(raw, parallel=False)))

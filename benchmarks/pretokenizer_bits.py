@@ -30,10 +30,7 @@ def _cell(family: str, text: str, rounds: int) -> dict[str, float]:
     from tokenplane.tokenize.cpu import startbits
 
     loop, args = pt.loop_tables(family)
-    form = startbits.bitmap_form(family)
-    if form is None:
-        raise SystemExit(f"{family}: no bitmap pre-tokenizer")
-    table, run_bitmap = form
+    table, run_bitmap = startbits.bitmap_form(family)
     cps = np.frombuffer(text.encode("utf-32-le"), dtype=np.uint32)
     n = cps.shape[0]
     c = cps.view(np.int32)

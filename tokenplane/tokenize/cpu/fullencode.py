@@ -171,18 +171,10 @@ def block_tables(family: str) -> tuple[str, tuple[Any, ...]]:
     """pretokenize.loop_tables for the fused block kernels: each loop's kind table replaced by the feature table of
     its bitmap form (startbits.bitmap_form; every fused kernel runs that form)."""
     loop, fam_args = pt.loop_tables(family)
-    form = startbits.bitmap_form(family)
-    if form is None:
-        return loop, fam_args
+    feat_table = startbits.bitmap_form(family)[0]
     if loop == "o200k":     # + the class table of the rare shapes' matcher
-        return loop, (form[0], *fam_args[1:], pt._table(pt._family(family).engine))
-    return loop, (form[0], *fam_args[1:])
-
-
-def has_full_kernel(family: str) -> bool:
-    """Whether `family` has a fused block kernel (every supported family does; the encoder's flag of the same name
-    switches it off to measure against the staged pre-tokenizer + `walk_encoder`)."""
-    return pt.loop_tables(family)[0] in ("gpt4", "o200k", "deepseek", "smollm2")
+        return loop, (feat_table, *fam_args[1:], pt._table(pt._family(family).engine))
+    return loop, (feat_table, *fam_args[1:])
 
 
 def full_encoder(bpe: bpe_mod.BPE, family: str) -> FullFn:
@@ -237,5 +229,4 @@ def scratch_args(family: str, chars: int = 0) -> tuple[np.ndarray, ...]:
             np.empty(4 * n + 16, np.uint8), np.empty(n + 1, np.int64))
 
 
-__all__ = ["CUT_REJECTED", "DROPPED", "OK", "OVERRUN", "SURROGATE", "full_encoder", "has_full_kernel", "scratch_args",
-           "walk_encoder"]
+__all__ = ["CUT_REJECTED", "DROPPED", "OK", "OVERRUN", "SURROGATE", "full_encoder", "scratch_args", "walk_encoder"]

@@ -60,7 +60,7 @@ class _Scratch:
         n = max(chars, 4096) + 2
         self.chars = n
         self.cps = np.empty(n, dtype=np.uint32)
-        self.kind = np.empty(n + PAD, dtype=np.uint8)     # the fused kernel's classes (+ startbits' zero padding)
+        self.kind = np.empty(n + PAD, dtype=np.uint8)     # the fused kernel's feature bytes (+ startbits' padding)
         self.starts = np.empty(n, dtype=np.bool_)
         self.buf = np.empty(4 * n + 16, dtype=np.uint8)   # + the walk's padding (fullencode._finish)
         self.bounds = np.empty(n + 1, dtype=np.int64)
@@ -96,8 +96,8 @@ class CpuEncoder:
         self.block_chars = BLOCK_CHARS
         self.fused = True       # False: the staged chain only (kept to measure against and as the tests' oracle)
         # False: the staged pre-tokenizer (run loops, o200k's Python rescan), then the piece-map walk (kept to measure
-        # the fused block kernels against)
-        self.full_kernel = fullencode.has_full_kernel(tok.family.name)
+        # the fused block kernels against; every supported family has one)
+        self.full_kernel = True
         self.stats = {"serial": 0, "parallel": 0, "chunks": 0, "cut_rejected": 0}
         # Plain NFC (qwen3): chunks are cut in raw text and normalized by their own threads (encode_parallel).
         self._nfc_inert = None

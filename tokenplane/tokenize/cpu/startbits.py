@@ -199,6 +199,21 @@ def _contraction_end(c, a, b, fold):
     return a
 
 
+def _cl100k_starts(lw, ww, ow, sp, nl, q_w, lp, wp, op, spp, nlp):
+    """The cl100k masks of the module docstring for other runs, letter runs and one-character whitespace runs, from
+    this word's flags (letter, whitespace, other, space, CR/LF), the next character's whitespace flag and the
+    previous word's flags; shared by the gpt4 and o200k kernels (o200k's word runs start as cl100k's letter runs).
+    Returns (starts, rs(L), rs(W), rs(O), opre)."""
+    p_w = _prev(ww, wp)
+    p_o = _prev(ow, op)
+    rs_l = lw & ~_prev(lw, lp)
+    rs_w = ww & ~p_w
+    rs_o = ow & ~p_o
+    opre = p_o & ~_prev2(ow, op) & ~_prev2(sp, spp)
+    st = (rs_o & ~_prev(sp, spp)) | (rs_l & ~(p_w & ~_prev(nl, nlp)) & ~opre) | (rs_w & ~q_w & ~(p_o & nl))
+    return st, rs_l, rs_w, rs_o, opre
+
+
 def _gpt4_scalar(c, feat, n, a, digits, whole_at_end, sb):
     """The starts of the run at a that the masks leave to the loop's code (a whitespace run of 2+ characters, a
     digit run in groups of three, a letter run after a lone apostrophe)."""
@@ -238,16 +253,9 @@ def _gpt4_bits_impl(c, feat, digits, whole_at_end, sb):
         nl = _bits64(feat, base, FNL)
         ap = _bits64(feat, base, FAP)
         wnext = _bits64(feat, base + 64, FW) if g + 1 < words else zero
-        p_w = _prev(ww, wp)
-        p_o = _prev(ow, op)
-        p_sp = _prev(sp, spp)
         q_w = _next(ww, wnext)
-        rs_l = lw & ~_prev(lw, lp)
+        st, rs_l, rs_w, _, opre = _cl100k_starts(lw, ww, ow, sp, nl, q_w, lp, wp, op, spp, nlp)
         rs_n = nw & ~_prev(nw, np_)
-        rs_w = ww & ~p_w
-        rs_o = ow & ~p_o
-        opre = p_o & ~_prev2(ow, op) & ~_prev2(sp, spp)
-        st = (rs_o & ~p_sp) | (rs_l & ~(p_w & ~_prev(nl, nlp)) & ~opre) | (rs_w & ~q_w & ~(p_o & nl))
         fix = (rs_w & q_w) | (rs_l & opre & _prev(ap, app))
         if digits == 1:
             st |= nw
@@ -481,21 +489,12 @@ def _o200k_bits_impl(c, feat, sb, rare):
         low = _bits64(feat, base, OLOW)
         mk = _bits64(feat, base, OM)
         bw = lw & ~up & ~low
-        p_w = _prev(ww, wp)
-        p_o = _prev(ow, op)
-        p_sp = _prev(sp, spp)
-        p_nl = _prev(nl, nlp)
         q_w = _next(ww, ~k0n & k1n)
-        rs_l = lw & ~_prev(lw, lp)
+        st, rs_l, rs_w, rs_o, _ = _cl100k_starts(lw, ww, ow, sp, nl, q_w, lp, wp, op, spp, nlp)
         rs_n = nw & ~_prev(nw, np_)
-        rs_w = ww & ~p_w
-        rs_o = ow & ~p_o
-        p2_o = _prev2(ow, op)
-        opre = p_o & ~p2_o & ~_prev2(sp, spp)
-        st = (rs_o & ~p_sp) | (rs_l & ~(p_w & ~p_nl) & ~opre) | (rs_w & ~q_w & ~(p_o & nl)) | rs_n
-        st |= up & _prev(low, lowp)
-        fix = (rs_w & q_w) | (rs_n & ~(~nw >> one)) | (rs_o & p_nl)
-        fix |= (rs_l & _prev(ap, app) & ~p2_o & _prev2(lw, lp)) | (up & _prev(bw, bp))
+        st |= rs_n | (up & _prev(low, lowp))
+        fix = (rs_w & q_w) | (rs_n & ~(~nw >> one)) | (rs_o & _prev(nl, nlp))
+        fix |= (rs_l & _prev(ap, app) & ~_prev2(ow, op) & _prev2(lw, lp)) | (up & _prev(bw, bp))
         if owned > base:        # a region of the loop's reached into this word
             st &= zero if owned - base >= 64 else ~((one << np.uint64(owned - base)) - one)
         sb[g] |= st
@@ -523,7 +522,7 @@ def _o200k_bits_impl(c, feat, sb, rare):
                 if tmp.shape[0] < n:
                     tmp = np.empty(n, np.bool_)
                 owned = _o200k_region(c, feat, n, h, sb, tmp, rare, nrare)
-        marks = rs_l & mk & p_o
+        marks = rs_l & mk & _prev(ow, op)
         while marks != zero:
             rare[nrare] = base + np.int64(_trailing_zeros(marks))
             nrare += 1
@@ -542,6 +541,7 @@ _run_end = njit(cache=True, nogil=True, inline="always")(_run_end)
 _digit_groups = njit(cache=True, nogil=True, inline="always")(_digit_groups)
 _fold = njit(cache=True, nogil=True, inline="always")(_fold)
 _contraction_end = njit(cache=True, nogil=True, inline="always")(_contraction_end)
+_cl100k_starts = njit(cache=True, nogil=True, inline="always")(_cl100k_starts)
 _gpt4_scalar = njit(cache=True, nogil=True, inline="always")(_gpt4_scalar)     # inlined: no array refcounts a run
 _deepseek_scalar = njit(cache=True, nogil=True, inline="always")(_deepseek_scalar)
 _gpt4_bits = njit(cache=True, nogil=True)(_gpt4_bits_impl)
@@ -560,7 +560,7 @@ def _o200k_run(c: np.ndarray, feat: np.ndarray, sb: np.ndarray) -> np.ndarray:
     return np.sort(rare[:_o200k_bits(c, feat, sb, rare)])
 
 
-def bitmap_form(family: str) -> tuple[np.ndarray, BitsFn] | None:
+def bitmap_form(family: str) -> tuple[np.ndarray, BitsFn]:
     """(feature table, fn(code points as int32, their feature bytes + PAD zeros, bitmap)) of the family's bitmap
     pre-tokenizer with its flags bound; for o200k fn also returns the rare positions its rescan must visit (sorted),
     as pretokenize._o200k_loop finds them. The fused kernels call the kernels directly; this is the one place that
@@ -576,4 +576,4 @@ def bitmap_form(family: str) -> tuple[np.ndarray, BitsFn] | None:
         return smollm2_feature_table(engine), lambda c, feat, sb: _smollm2_bits(c, feat, sb)
     if loop == "deepseek":
         return deepseek_feature_table(engine), lambda c, feat, sb: _deepseek_bits(c, feat, sb)
-    return None     # (every family has one; None for a loop added without one)
+    raise ValueError(f"{family}: its pre-tokenizer loop {loop!r} has no bitmap form")
