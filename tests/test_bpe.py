@@ -11,6 +11,7 @@ from test_pretokenize import ALPHABET, FRAGMENTS, _corpus_docs, _text_strategy
 
 import tokenplane
 from tokenplane.tokenize.cpu import bpe as bpe_mod
+from tokenplane.tokenize.cpu import merge as merge_mod
 from tokenplane.tokenize.cpu.parallel import CpuEncoder
 
 FAMILIES = ["cl100k_base", "o200k_base", "llama3", "qwen3", "deepseek_v4", "smollm2"]
@@ -217,12 +218,12 @@ def test_heap_and_scan_merges_equal_rounds_on_long_pieces(name):
         scratch = [np.empty(m, dtype=np.int32) for _ in range(3)]
         out1 = np.empty(m, dtype=np.int32)
         out2 = np.empty(m, dtype=np.int32)
-        n1 = bpe_mod._merge_piece(buf, 0, m, b.byte_ids, b.ptab, True, *scratch, out1, 0)
-        n2 = bpe_mod._merge_piece_heap(buf, 0, m, b.byte_ids, b.ptab, *scratch,
+        n1 = merge_mod._merge_piece(buf, 0, m, b.byte_ids, b.ptab, True, *scratch, out1, 0)
+        n2 = merge_mod._merge_piece_heap(buf, 0, m, b.byte_ids, b.ptab, *scratch,
                                        np.empty(m, dtype=np.int32), np.empty(m, dtype=np.int32),
                                        np.empty(3 * m, dtype=np.int64), out2, 0)
         assert out1[:n1].tolist() == out2[:n2].tolist(), (name, text)
-        n3 = bpe_mod._merge_piece_scan(buf, 0, m, b.byte_ids, b.ptab, *scratch, out2, 0)
+        n3 = merge_mod._merge_piece_scan(buf, 0, m, b.byte_ids, b.ptab, *scratch, out2, 0)
         assert out1[:n1].tolist() == out2[:n3].tolist(), (name, text)
 
 
@@ -234,9 +235,9 @@ def test_pair_table_forms_merge_alike(name):
     one-row table is refused where the merged IDs do not follow the ranks."""
     b = encoder(name).bpe
     assert b.ptab.shape[0] == 1         # every family here qualifies for one row
-    two = bpe_mod.pair_records(b.pkeys, b.pranks, b.pnews, one_row=False)
-    assert two.shape[0] == 2 and np.array_equal(two[0] & np.uint64(bpe_mod._PAIR_IDS),
-                                                b.ptab[0] & np.uint64(bpe_mod._PAIR_IDS))
+    two = merge_mod.pair_records(b.pkeys, b.pranks, b.pnews, one_row=False)
+    assert two.shape[0] == 2 and np.array_equal(two[0] & np.uint64(merge_mod._PAIR_IDS),
+                                                b.ptab[0] & np.uint64(merge_mod._PAIR_IDS))
     rng = random.Random(name)
     pieces = ["".join(rng.choice(ALPHABET) for _ in range(rng.randint(2, 60))) for _ in range(400)]
     pieces += [w for doc in _corpus_docs(200_000) for w in doc.split(" ")[:300] if len(w.encode()) >= 2]
@@ -247,20 +248,20 @@ def test_pair_table_forms_merge_alike(name):
         for tab in (b.ptab, two):
             scratch = [np.empty(m, dtype=np.int32) for _ in range(3)]
             out = np.empty(m, dtype=np.int32)
-            n = bpe_mod._merge_piece(buf, 0, m, b.byte_ids, tab, True, *scratch, out, 0)
+            n = merge_mod._merge_piece(buf, 0, m, b.byte_ids, tab, True, *scratch, out, 0)
             got.append(out[:n].tolist())
-            n = bpe_mod._merge_piece_heap(buf, 0, m, b.byte_ids, tab, *scratch, np.empty(m, dtype=np.int32),
+            n = merge_mod._merge_piece_heap(buf, 0, m, b.byte_ids, tab, *scratch, np.empty(m, dtype=np.int32),
                                           np.empty(m, dtype=np.int32), np.empty(3 * m, dtype=np.int64), out, 0)
             got.append(out[:n].tolist())
-            n = bpe_mod._merge_piece_scan(buf, 0, m, b.byte_ids, tab, *scratch, out, 0)
+            n = merge_mod._merge_piece_scan(buf, 0, m, b.byte_ids, tab, *scratch, out, 0)
             got.append(out[:n].tolist())
         assert all(g == got[0] for g in got), (name, piece)
     shuffled = b.pnews.copy()
-    used = np.flatnonzero(b.pkeys != bpe_mod.EMPTY)
+    used = np.flatnonzero(b.pkeys != merge_mod.EMPTY)
     shuffled[used[:2]] = shuffled[used[1::-1]]      # two pairs' merged IDs swapped: no longer in rank order
     with pytest.raises(ValueError, match="second row"):
-        bpe_mod.pair_records(b.pkeys, b.pranks, shuffled, one_row=True)
-    assert bpe_mod.pair_records(b.pkeys, b.pranks, shuffled).shape[0] == 2
+        merge_mod.pair_records(b.pkeys, b.pranks, shuffled, one_row=True)
+    assert merge_mod.pair_records(b.pkeys, b.pranks, shuffled).shape[0] == 2
 
 
 @pytest.mark.parametrize("name", ["cl100k_base", "qwen3"])

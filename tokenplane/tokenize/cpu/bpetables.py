@@ -25,7 +25,8 @@ import numpy as np
 
 from ..reference import HFReference, ReferenceEngine, _bytes_to_unicode
 from ..spec.artifacts import cache_dir
-from .bpe import _build_pairs, _build_whole, _self_encoding, pair_records
+from .bpe import _build_pairs, _build_whole
+from .merge import _self_encoding, pair_records
 from .piecemap import whole_map
 
 TABLE_VERSION = 4       # bump when what a table holds or how it is built changes: old folders are then ignored
@@ -45,7 +46,7 @@ class BpeTables:
     pkeys: np.ndarray           # uint64 pair keys (left << 32 | right), open addressing
     pranks: np.ndarray          # int32
     pnews: np.ndarray           # int32
-    ptab: np.ndarray            # uint64[1 or 2, cap]: the same pairs as the kernels read them (bpe.pair_records)
+    ptab: np.ndarray            # uint64[1 or 2, cap]: the same pairs as the kernels read them (merge.pair_records)
     whole_ids: np.ndarray       # int64: tokens a whole piece may map to directly
     wkeys: np.ndarray           # uint64: FNV hash table over whole_ids
     wids: np.ndarray            # int32

@@ -2,7 +2,7 @@
 
 A fresh process spends ~0.45 s importing numba and loading its cached kernels before the first useful instruction
 (benchmarks/results/cold_start.md, `numba-floor`). aotbuild.py compiles the same kernel functions (the `_impl` /
-`py_func` of strbuf, pretokenize, bpe, boundary, segments, and the session kernels of records, splice and
+`py_func` of strbuf, pretokenize, bpe, merge, boundary, segments, and the session kernels of records, splice and
 textstore) with explicit signatures into one extension module (numba.pycc), stored in the on-disk cache under a key
 of everything that decides its code: the kernel sources, the numba / numpy / Python versions and the machine (the
 module is compiled for the host CPU). Loading it is a dlopen (~1 ms) and needs numpy only; this module never imports
@@ -45,7 +45,7 @@ KEY_VERSION = 1                         # bump when what goes into the module ch
 _HERE = Path(__file__).resolve().parent
 # The modules whose source decides the compiled code: the kernels, this table of signatures, the lazy decorator.
 SOURCES = ("strbuf.py", "pretokenize.py", "o200k_rescan.py", "runbits.py", "startbits.py", "simdbits.py", "bpe.py",
-           "boundary.py", "segments.py", "window.py", "piecemap.py", "fullencode.py", "../appendwin.py",
+           "merge.py", "boundary.py", "segments.py", "window.py", "piecemap.py", "fullencode.py", "../appendwin.py",
            "../records.py", "../splice.py", "../textstore.py", "../packedrun.py", "lazyjit.py", "kernels.py",
            "aotbuild.py")
 

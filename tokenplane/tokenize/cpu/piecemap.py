@@ -26,6 +26,7 @@ from typing import Any
 import numpy as np
 
 from . import bpe as bpe_mod
+from . import merge as merge_mod
 from .lazyjit import njit  # numba itself only when a JIT kernel runs (lazyjit.py)
 
 # status of a fused call (fullencode.py); OVERRUN: o200k's rare-shape matcher overran a window (a bug: the staged
@@ -37,7 +38,7 @@ ARENA_WORDS = 1 << 21        # 8 MB of IDs and bytes of pieces that do not fit a
 MAX_BYTES = 1024             # longer pieces (long whitespace or symbol runs) are merged each time, not kept
 # Pieces longer than this merge through bpe.py's heap kernel (same IDs): on the multi-token pieces a warm 1M-character
 # encode misses (one core, hot tables), the heap took 2,161 vs 2,450 ns for 17-32 bytes and 2,970 vs 3,864 ns for
-# 33-48 bytes (qwen3 CJK runs); up to 16 bytes bpe._merge_piece_scan is the fastest (its docstring; bpe.HEAP_MIN_BYTES
+# 33-48 bytes (qwen3 CJK runs); up to 16 bytes merge._merge_piece_scan is the fastest (its docstring; bpe.HEAP_MIN_BYTES
 # is 48 in the staged path, which keeps the rounds kernel).
 HEAP_MIN_BYTES = 16
 _K = 0x9E3779B97F4A7C15
@@ -239,11 +240,11 @@ def _walk(buf, bounds, nb, has_missing, missing, byte_ids, ptab, batch, whole, w
             out[o] = t
             o += 1
         elif not batch:     # the plain one-merge-a-round schedule (kept to measure against)
-            o = bpe_mod._merge_piece(buf, a, b, byte_ids, ptab, batch, sym, rk, nw, out, o)
+            o = merge_mod._merge_piece(buf, a, b, byte_ids, ptab, batch, sym, rk, nw, out, o)
         elif m > HEAP_MIN_BYTES:
-            o = bpe_mod._merge_piece_heap(buf, a, b, byte_ids, ptab, sym, rk, nw, prk, pnw, heap, out, o)
+            o = merge_mod._merge_piece_heap(buf, a, b, byte_ids, ptab, sym, rk, nw, prk, pnw, heap, out, o)
         else:
-            o = bpe_mod._merge_piece_scan(buf, a, b, byte_ids, ptab, sym, rk, nw, out, o)
+            o = merge_mod._merge_piece_scan(buf, a, b, byte_ids, ptab, sym, rk, nw, out, o)
         # -- insert (the slot found empty above, unless the map is emptied first)
         cnt = o - o0
         inline = small and cnt <= 2
