@@ -83,9 +83,9 @@ def test_fused_equals_general_repair_on_adversarial_appends(name, statuses, monk
     general, _ = _replay(tok, steps, fused=False, monkeypatch=monkeypatch)
     fused, _ = _replay(tok, steps, fused=True, monkeypatch=monkeypatch)
     assert fused == general
-    # o200k's window kernel declines text with its rare shapes (cpu/window.py), and qwen3's windows here hold
-    # combining marks (not inert): this alphabet is full of both, so those two mostly take the general repair
-    assert statuses and (name in ("o200k_base", "qwen3") or set(appendwin.ACCEPTED) & set(statuses))
+    # qwen3's windows here hold combining marks (not NFC-inert): this alphabet is full of them, so qwen3 mostly takes
+    # the general repair; o200k's rare shapes are rescanned inside the fused call (cpu/window.py)
+    assert statuses and (name == "qwen3" or set(appendwin.ACCEPTED) & set(statuses))
 
 
 @pytest.mark.parametrize("name", ["qwen3", "smollm2"])

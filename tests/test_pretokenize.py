@@ -156,7 +156,8 @@ def test_o200k_local_rescan_equals_whole_text_rescan():
 
 
 def test_o200k_compiled_rescan_equals_python_rescan_on_random_text():
-    """o200k_rescan._rescan_bits (numba, on a bitmap) against the Python matcher's local rescan, on random text over
+    """o200k_rescan._rescan_bits (numba, on a bitmap; and _rescan_mask, the session windows' bool-mask form) against
+    the Python matcher's local rescan, on random text over
     the pre-tokenizer alphabet with the rare shapes mixed in (a mark after punctuation, '/' after CR/LF after
     punctuation), each rare position's windows and merges included."""
     rng = random.Random(23)
@@ -177,6 +178,9 @@ def test_o200k_compiled_rescan_equals_python_rescan_on_random_text():
         local = starts.copy()
         o200k_rescan._o200k_rescan_local(cps, table, c, np.sort(rare[:nr]), local)
         assert np.array_equal(_compiled_rescan(cps, table, np.sort(rare[:nr]), starts), local), repr(text[:120])
+        mask = starts.copy()      # the session windows' form (bool mask in, bool mask out)
+        assert o200k_rescan._rescan_mask(cps, table, np.sort(rare[:nr]), mask) == 0
+        assert np.array_equal(mask, local), repr(text[:120])
     assert checked > 300
 
 

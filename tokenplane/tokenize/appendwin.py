@@ -139,15 +139,16 @@ def _append_gpt4_impl(text, base, d, w, ids, ck, ex_i, ex_v, n, commit, nfc, ine
 
 
 def _append_o200k_impl(text, base, d, w, ids, ck, ex_i, ex_v, n, commit, nfc, inert, cont, sig, pair,
-                       use_stable, max_chars, max_stable, max_cand, table, tc, has_missing, missing, byte_ids, ptab,
-                       batch, whole, wkeys, wids, tok_flat, tok_off, tiny, short, long_keys, long_len, long_ids,
-                       long_n, out_ids, out_ends):
+                       use_stable, max_chars, max_stable, max_cand, table, cls_table, tc, has_missing, missing,
+                       byte_ids, ptab, batch, whole, wkeys, wids, tok_flat, tok_off, tiny, short, long_keys, long_len,
+                       long_ids, long_n, out_ids, out_ends):
     s, status = _pre(text, base, d, w, nfc, inert, ids, ck, tc, ex_i, ex_v, n, cont)
     if status != OK:
         return _declined(status)
     f_ids, f_ends, _, st = window._window_o200k(
-        text, s - base, len(text), np.zeros((0, 2), np.int64), base, table, tc, has_missing, missing, byte_ids, ptab,
-        batch, whole, wkeys, wids, tok_flat, tok_off, tiny, short, long_keys, long_len, long_ids, long_n)
+        text, s - base, len(text), np.zeros((0, 2), np.int64), base, table, cls_table, tc, has_missing, missing,
+        byte_ids, ptab, batch, whole, wkeys, wids, tok_flat, tok_off, tiny, short, long_keys, long_len, long_ids,
+        long_n)
     if st != window.OK:
         return _declined(WINDOW_DECLINED)
     return _finish(text, base, s, d, f_ids, f_ends, ids, ck, tc, ex_i, ex_v, n, commit, cont, sig, pair,

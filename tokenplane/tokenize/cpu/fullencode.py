@@ -171,10 +171,7 @@ def block_tables(family: str) -> tuple[str, tuple[Any, ...]]:
     """pretokenize.loop_tables for the fused block kernels: each loop's kind table replaced by the feature table of
     its bitmap form (startbits.bitmap_form; every fused kernel runs that form)."""
     loop, fam_args = pt.loop_tables(family)
-    feat_table = startbits.bitmap_form(family)[0]
-    if loop == "o200k":     # + the class table of the rare shapes' matcher
-        return loop, (feat_table, *fam_args[1:], pt._table(pt._family(family).engine))
-    return loop, (feat_table, *fam_args[1:])
+    return loop, (startbits.bitmap_form(family)[0], *fam_args[1:])     # (o200k: its class table follows)
 
 
 def full_encoder(bpe: bpe_mod.BPE, family: str) -> FullFn:

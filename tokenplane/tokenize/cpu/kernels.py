@@ -113,14 +113,14 @@ EXPORTS: dict[str, tuple[str, str, str, tuple[Any, ...]]] = {
                    (A("uint32"), A("int64"), A("int64"), A("uint32"), A("int64"), A("uint32"), A("int64"))),
     # the fused window encode (window.py): one call per session repair window
     "window_gpt4": ("window", "_window_gpt4", WINDOW_RET, (*WINDOW_HEAD, A("int8"), I, B, *WINDOW_TAIL)),
-    "window_o200k": ("window", "_window_o200k", WINDOW_RET, (*WINDOW_HEAD, A("uint8"), *WINDOW_TAIL)),
+    "window_o200k": ("window", "_window_o200k", WINDOW_RET, (*WINDOW_HEAD, A("uint8"), A("uint16"), *WINDOW_TAIL)),
     "window_deepseek": ("window", "_window_deepseek", WINDOW_RET, (*WINDOW_HEAD, A("uint8"), *WINDOW_TAIL)),
     "window_smollm2": ("window", "_window_smollm2", WINDOW_RET, (*WINDOW_HEAD, A("int8"), *WINDOW_TAIL)),
     # the fused first window of an append (../appendwin.py): start, encode, splice search, kept-token compare
     "append_gpt4": ("..appendwin", "_append_gpt4", APPEND_RET,
                     (*APPEND_HEAD, *APPEND_MID, A("int8"), I, B, *WINDOW_TAIL, *APPEND_OUT)),
     "append_o200k": ("..appendwin", "_append_o200k", APPEND_RET,
-                     (*APPEND_HEAD, *APPEND_MID, A("uint8"), *WINDOW_TAIL, *APPEND_OUT)),
+                     (*APPEND_HEAD, *APPEND_MID, A("uint8"), A("uint16"), *WINDOW_TAIL, *APPEND_OUT)),
     "append_deepseek": ("..appendwin", "_append_deepseek", APPEND_RET,
                         (*APPEND_HEAD, *APPEND_MID, A("uint8"), *WINDOW_TAIL, *APPEND_OUT)),
     "append_smollm2": ("..appendwin", "_append_smollm2", APPEND_RET,

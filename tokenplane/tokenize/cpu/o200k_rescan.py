@@ -7,8 +7,9 @@ regex emulated alternative by alternative) between two synchronizing positions, 
 left context is: after CR/LF before a non-whitespace non-'/' character, at digit-run edges, and at the text's ends.
 `_o200k_rescan_local` finds those positions near each rare position (the staged path); `_o200k_rescan` computes
 them over the whole text (the test oracle it is checked against). `_rescan_bits` is `_o200k_rescan_local` compiled,
-on a start bitmap: the full encode's block kernel (fullencode._full_o200k) runs it without leaving numba; the
-Python matcher is its oracle (tests/test_o200k_rescan.py).
+on a start bitmap: the full encode's block kernel (fullencode._full_o200k) runs it without leaving numba, and a
+session window's spans through `_rescan_mask` (window._window_o200k, the append kernel); the Python matcher is its
+oracle (tests/test_pretokenize.py).
 """
 
 from __future__ import annotations
@@ -344,9 +345,26 @@ def _rescan_bits_impl(cps, table, rare, sb):
     return 0
 
 
+def _rescan_mask_impl(cps, table, rare, starts):
+    """`_rescan_bits` on a bool start mask (a session window's span): the mask as a bitmap, the rescan, the bits back
+    into the mask. Returns what `_rescan_bits` returns."""
+    n = cps.shape[0]
+    sb = np.zeros((n >> 6) + 2, np.uint64)
+    one = np.uint64(1)
+    for j in range(n):
+        if starts[j]:
+            sb[j >> 6] |= one << np.uint64(j & 63)
+    if _rescan_bits(cps, table, rare, sb) < 0:
+        return -1
+    for j in range(n):
+        starts[j] = ((sb[j >> 6] >> np.uint64(j & 63)) & one) != 0
+    return 0
+
+
 _fold = njit(cache=True, nogil=True, inline="always")(_fold)
 _contraction = njit(cache=True, nogil=True, inline="always")(_contraction)
 _word = njit(cache=True, nogil=True, inline="always")(_word)
 _match = njit(cache=True, nogil=True)(_match)
 _is_sync = njit(cache=True, nogil=True, inline="always")(_is_sync)
 _rescan_bits = njit(cache=True, nogil=True)(_rescan_bits_impl)
+_rescan_mask = njit(cache=True, nogil=True)(_rescan_mask_impl)

@@ -537,8 +537,8 @@ def loop_tables(family: Family | str) -> tuple[str, tuple[Any, ...]]:
     if fam.name in _GPT4:
         digits, whole = _GPT4[fam.name]
         return "gpt4", (_cp_kind_gpt4(fam.engine), digits, whole)
-    if fam.name == "o200k_base":
-        return "o200k", (_cp_kind_o200k(fam.engine),)
+    if fam.name == "o200k_base":    # + the class table of the rare shapes' matcher (o200k_rescan.py)
+        return "o200k", (_cp_kind_o200k(fam.engine), _table(fam.engine))
     if fam.name == "deepseek_v4":
         return "deepseek", (_cp_feat_deepseek(fam.engine),)
     if fam.name == "smollm2":

@@ -12,7 +12,8 @@ the same BPE kernel with the calling thread's piece cache. Token ends: each toke
 characters its bytes start (the vocabulary's `token_chars`), which is what the staged path's byte walk computes for
 valid UTF-8 (a token ending inside a character covers it; the token holding the rest starts no character).
 Whatever the common case does not cover answers a nonzero status and the caller runs the staged path: a lone
-surrogate (it raises there), a byte the vocabulary lacks, o200k's rare shapes (its rescan is Python).
+surrogate (it raises there), a byte the vocabulary lacks, an o200k window whose rare-shape matcher overran (the
+staged path raises; o200k's rare shapes are rescanned here by the compiled matcher, o200k_rescan._rescan_mask).
 tests/test_aot_kernels.py checks fused == staged == reference, AOT and JIT, for every family.
 """
 
@@ -23,7 +24,7 @@ from typing import Callable
 import numpy as np
 
 from . import bpe as bpe_mod
-from . import kernels, strbuf
+from . import kernels, o200k_rescan, strbuf
 from . import pretokenize as pt
 from .lazyjit import njit  # numba itself only when a JIT kernel runs (lazyjit.py)
 
@@ -125,8 +126,11 @@ def _window_gpt4_impl(s, lo, hi, spans, shift, kind_table, digits, whole_at_end,
                           whole, wkeys, wids, tok_flat, tok_off, tiny, short, long_keys, long_len, long_ids, long_n)
 
 
-def _window_o200k_impl(s, lo, hi, spans, shift, feat_table, tc, has_missing, missing, byte_ids, ptab, batch, whole,
-                       wkeys, wids, tok_flat, tok_off, tiny, short, long_keys, long_len, long_ids, long_n):
+def _window_o200k_impl(s, lo, hi, spans, shift, feat_table, cls_table, tc, has_missing, missing, byte_ids, ptab,
+                       batch, whole, wkeys, wids, tok_flat, tok_off, tiny, short, long_keys, long_len, long_ids,
+                       long_n):
+    # the run loop on each span, then the compiled rescan of the windows around its rare shapes (cls_table: the
+    # matcher's class table); RARE only where the matcher overran a window (the staged path raises there)
     cps, offsets, feat, starts, bad = _window_start(s, lo, hi, spans, feat_table)
     if bad >= 0:
         return _declined(SURROGATE)
@@ -134,7 +138,8 @@ def _window_o200k_impl(s, lo, hi, spans, shift, feat_table, tc, has_missing, mis
     rare = np.empty(cps.shape[0], np.int64)
     for j in range(offsets.shape[0] - 1):
         a, b = offsets[j], offsets[j + 1]
-        if pt._o200k_loop(c[a:b], feat[a:b], starts[a:b], rare[a:b]) > 0:
+        nr = pt._o200k_loop(c[a:b], feat[a:b], starts[a:b], rare[a:b])
+        if nr > 0 and o200k_rescan._rescan_mask(cps[a:b], cls_table, np.sort(rare[a:a + nr]), starts[a:b]) < 0:
             return _declined(RARE)
     return _window_finish(cps, offsets, starts, lo, spans, shift, tc, has_missing, missing, byte_ids, ptab, batch,
                           whole, wkeys, wids, tok_flat, tok_off, tiny, short, long_keys, long_len, long_ids, long_n)
