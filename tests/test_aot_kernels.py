@@ -400,6 +400,27 @@ def test_key_changes_with_the_kernel_sources(monkeypatch):
     assert kernels.cache_key() != key
 
 
+def test_jit_kernels_cache_under_the_sources_key(monkeypatch):
+    """numba checks a cached kernel against its own file only, while a kernel compiles in what it calls from other
+    files: the JIT kernels' caches live under the key of every kernel source (lazyjit._keyed_cache), so a change in
+    merge.py cannot leave piecemap.py's cached walk running the old merge code. Kernels made before and after
+    materialization alike; numba's own setting is restored for everyone else's kernels."""
+    from numba import njit
+    from numba.core import config
+
+    from tokenplane.tokenize.cpu import lazyjit, merge, piecemap
+
+    lazyjit.materialize()
+    keyed = str(kernels.numba_cache_dir())
+    assert kernels.cache_key() in keyed
+    for fn in (piecemap._walk, merge._merge_piece_scan):
+        assert fn._cache._cache_path.startswith(keyed + os.sep)
+    late = lazyjit.njit(cache=True)(lambda x: x + 1)
+    assert late._cache._cache_path.startswith(keyed + os.sep)
+    assert not njit(cache=True)(lambda x: x + 1)._cache._cache_path.startswith(keyed)
+    assert config.CACHE_DIR != keyed
+
+
 _CHILD = """
 import json, sys
 import tokenplane

@@ -218,6 +218,13 @@ def aot_root() -> Path:
     return Path(env) if env else cache_dir() / "aot"
 
 
+def numba_cache_dir() -> Path:
+    """The JIT kernels' numba cache for this key (lazyjit._keyed_cache): TOKENPLANE_NUMBA_CACHE_DIR, else `numba/`
+    in the tokenplane cache, then the key."""
+    env = os.environ.get("TOKENPLANE_NUMBA_CACHE_DIR")
+    return (Path(env) if env else cache_dir() / "numba") / cache_key()
+
+
 def module_folder(root: Path | None = None) -> Path:
     return (root or aot_root()) / cache_key()
 

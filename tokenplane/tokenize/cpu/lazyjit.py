@@ -13,10 +13,11 @@ callee from its module globals at compile time), and Python callers that kept th
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import sys
 import threading
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 _lock = threading.RLock()
 _materialized = False
@@ -66,11 +67,31 @@ def njit(**options: Any) -> Callable[[Callable[..., Any]], Any]:
         with _lock:
             if _materialized:
                 from numba import njit as real_njit
-                return real_njit(**options)(func)
+                with _keyed_cache():
+                    return real_njit(**options)(func)
             k = LazyKernel(func, options)
             _kernels.append(k)
             return k
     return wrap
+
+
+@contextlib.contextmanager
+def _keyed_cache() -> Iterator[None]:
+    """numba's on-disk cache in a folder keyed like the AOT module (kernels.cache_key: every kernel source, the numba,
+    numpy and Python versions, the machine) while the dispatchers are made. numba validates a cached kernel by its
+    own file's timestamp only, and a kernel compiles in the kernels it calls from other files: with the default
+    `__pycache__` caches, changing merge.py left piecemap.py's cached walk running the old merge code (wrong IDs,
+    seen while developing). Under a key of all the sources, any change starts an empty cache."""
+    from numba.core import config
+
+    from .kernels import numba_cache_dir
+
+    before = config.CACHE_DIR  # type: ignore[attr-defined]  # (numba's config attributes are made at run time)
+    config.CACHE_DIR = str(numba_cache_dir())  # type: ignore[attr-defined]
+    try:
+        yield
+    finally:
+        config.CACHE_DIR = before  # type: ignore[attr-defined]
 
 
 def numba_global(module: str, name: str) -> Any:
@@ -94,8 +115,9 @@ def materialize() -> None:
         skip_blas_probe()
         from numba import njit as real_njit
 
-        for k in _kernels:
-            k.real = real_njit(**k.options)(k.py_func)
+        with _keyed_cache():
+            for k in _kernels:
+                k.real = real_njit(**k.options)(k.py_func)
         real_of = {id(k): k.real for k in _kernels}
         real_of.update({id(p): p.resolve() for p in _placeholders})
         for name, mod in list(sys.modules.items()):
