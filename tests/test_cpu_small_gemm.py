@@ -252,3 +252,23 @@ def test_pack_is_the_panel_layout_on_2mib_pages_when_large():
         if panels.numel() * 4 >= 2 << 20:
             assert panels.data_ptr() % (2 << 20) == 0
     assert huge_page_empty(10).numel() == 10
+
+
+def test_engine_kernels_cache_under_the_sources_key():
+    """numba checks a cached kernel against its own file only, while the engine's kernels compile in cpu_simd's
+    intrinsics from another file: their caches live under a key of every engine source (engine/numbacache.py), so
+    a change to cpu_simd.py cannot leave this module's cached kernels on the old intrinsics; numba's own setting is
+    restored for other code's kernels."""
+    import os
+
+    from numba import njit
+    from numba.core import config
+
+    from tokenplane.engine import cpu_small_gemm16, numbacache
+    from tokenplane.route import entropy
+
+    keyed = str(numbacache.cache_dir())
+    for fn in (cpu_small_gemm16.prefetch_elements, entropy._entropy32):
+        assert fn._cache._cache_path.startswith(keyed + os.sep)
+    assert not njit(cache=True)(lambda x: x + 1)._cache._cache_path.startswith(keyed)
+    assert config.CACHE_DIR != keyed

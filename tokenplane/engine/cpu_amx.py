@@ -38,7 +38,7 @@ import llvmlite.binding as llvm
 import numpy as np
 import torch
 from llvmlite import ir
-from numba import njit, types
+from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
@@ -46,6 +46,7 @@ from tokenplane.engine.cpu_decode_paging import _exp16_shifted
 from tokenplane.engine.cpu_elements import _store
 from tokenplane.engine.cpu_malloc import huge_page_empty
 from tokenplane.engine.cpu_simd import _add16, _load16, _mul16, _round16_bf16, _store16, _store16_bf16, _zero16
+from tokenplane.engine.numbacache import njit
 
 _I8 = ir.IntType(8)
 _I64 = ir.IntType(64)

@@ -20,7 +20,6 @@ from typing import Any
 
 import numpy as np
 import torch
-from numba import njit
 
 from tokenplane.engine import cpu_amx, cpu_small_gemm
 from tokenplane.engine.cpu_decode_paging import _exp16_shifted
@@ -37,6 +36,7 @@ from tokenplane.engine.cpu_simd import (
     _zero16,
 )
 from tokenplane.engine.cpu_small_gemm16 import prefetch_elements
+from tokenplane.engine.numbacache import njit
 
 PANEL = cpu_small_gemm.PANEL
 PREFETCH = 2048       # bfloat16 elements ahead of the VNNI stream (AMX hosts; 4 KiB, as cpu_small_gemm's 1024 floats)

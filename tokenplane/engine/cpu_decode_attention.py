@@ -22,7 +22,6 @@ from functools import cache
 
 import numpy as np
 import torch
-from numba import njit
 
 from tokenplane.engine import cpu_decode_attention_bf16 as bf16
 from tokenplane.engine import cpu_decode_attention_vec as vec
@@ -35,6 +34,7 @@ from tokenplane.engine.cpu_decode_paging import (
     _table_index,
 )
 from tokenplane.engine.cpu_elements import _load, _store, as_array
+from tokenplane.engine.numbacache import njit
 
 DTYPES = (torch.float32, torch.float64, torch.bfloat16)
 

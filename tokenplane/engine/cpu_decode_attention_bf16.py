@@ -29,7 +29,6 @@ from __future__ import annotations
 from functools import cache
 
 import numpy as np
-from numba import njit
 
 from tokenplane.engine.cpu_decode_paging import (
     CACHE_LINE,
@@ -51,6 +50,7 @@ from tokenplane.engine.cpu_simd import (
     _sum16x16,
     _zero16,
 )
+from tokenplane.engine.numbacache import njit
 
 
 def keys_per_group(G: int) -> int:

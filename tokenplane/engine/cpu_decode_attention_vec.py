@@ -33,7 +33,6 @@ from functools import cache
 
 import numpy as np
 from llvmlite import ir
-from numba import njit
 from numba.extending import intrinsic
 
 from tokenplane.engine.cpu_decode_paging import (
@@ -61,6 +60,7 @@ from tokenplane.engine.cpu_simd import (
     _zero8,
     _zero16,
 )
+from tokenplane.engine.numbacache import njit
 
 _I32 = ir.IntType(32)
 

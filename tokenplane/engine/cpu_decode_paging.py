@@ -9,7 +9,7 @@ from functools import cache
 
 import numpy as np
 from llvmlite import ir
-from numba import njit, types
+from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic, overload
 
@@ -28,6 +28,7 @@ from tokenplane.engine.cpu_simd import (
     _vec16,
     _zero16,
 )
+from tokenplane.engine.numbacache import njit
 
 CACHE_LINE = 64
 

@@ -14,9 +14,9 @@ from __future__ import annotations
 import math
 
 import torch
-from numba import njit
 
 from tokenplane.engine.cpu_elements import _cast, _load, _narrow, _round, _store, as_array
+from tokenplane.engine.numbacache import njit
 
 DTYPES = (torch.float32, torch.float64, torch.bfloat16)
 

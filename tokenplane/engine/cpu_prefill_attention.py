@@ -43,7 +43,6 @@ from functools import cache
 
 import numpy as np
 import torch
-from numba import njit
 
 from tokenplane.engine import cpu_prefill_attention_amx as amx
 from tokenplane.engine import cpu_prefill_scores_bf16 as pairs
@@ -72,6 +71,7 @@ from tokenplane.engine.cpu_simd import (
     _store16_bf16,
     _zero16,
 )
+from tokenplane.engine.numbacache import njit
 
 TK = 64            # keys per tile
 ROWS = 24          # query rows per score pass (three vectors) and a multiple of the 6 rows of a value pass; R is

@@ -39,7 +39,7 @@ from functools import cache
 
 import numpy as np
 from llvmlite import ir
-from numba import njit, types
+from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
@@ -57,6 +57,7 @@ from tokenplane.engine.cpu_simd import (
     _vec16,
     _zero16,
 )
+from tokenplane.engine.numbacache import njit
 
 KB = 256                  # keys per softmax block (a multiple of 32)
 NEG_INF = np.float32(-np.inf)

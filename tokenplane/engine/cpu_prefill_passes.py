@@ -14,8 +14,6 @@ columns] = alpha * o + sum over the tile's keys of p[key, row] (broadcast) . V[k
 """
 from __future__ import annotations
 
-from numba import njit
-
 from tokenplane.engine.cpu_decode_paging import _exp8_shifted, _exp16_shifted
 from tokenplane.engine.cpu_simd import (
     _add8,
@@ -35,6 +33,7 @@ from tokenplane.engine.cpu_simd import (
     _zero8,
     _zero16,
 )
+from tokenplane.engine.numbacache import njit
 
 
 @njit(inline="always")

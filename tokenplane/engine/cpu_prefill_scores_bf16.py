@@ -19,7 +19,6 @@ from __future__ import annotations
 from functools import cache
 
 import numpy as np
-from numba import njit
 
 from tokenplane.engine.cpu_prefill_passes import _track_max16
 from tokenplane.engine.cpu_simd import (
@@ -31,6 +30,7 @@ from tokenplane.engine.cpu_simd import (
     _store16,
     _zero16,
 )
+from tokenplane.engine.numbacache import njit
 
 
 @njit(inline="always")

@@ -20,7 +20,6 @@ from functools import cache
 
 import numpy as np
 import torch
-from numba import njit
 
 from tokenplane.engine.cpu_elements import _cast, _load, _narrow, _round, _store, as_array
 from tokenplane.engine.cpu_simd import (
@@ -36,6 +35,7 @@ from tokenplane.engine.cpu_simd import (
     _store16_bf16,
     _zero16,
 )
+from tokenplane.engine.numbacache import njit
 
 DTYPES = (torch.float32, torch.float64, torch.bfloat16)
 VECTOR = [True]   # the 16-lane kernel where it applies; a list so tests and benchmarks can compare both kernels

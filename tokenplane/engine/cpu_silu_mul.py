@@ -17,12 +17,13 @@ from __future__ import annotations
 
 import numpy as np
 from llvmlite import ir
-from numba import njit, types
+from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
 from tokenplane.engine.cpu_decode_paging import exp_nonpos_ir
 from tokenplane.engine.cpu_simd import HOST_AVX512, _pointer, _store8, _store16, _vec8, _vec16
+from tokenplane.engine.numbacache import njit
 
 WIDE = HOST_AVX512   # 16 lanes on AVX-512 hosts (elementwise: the same bits as 8)
 

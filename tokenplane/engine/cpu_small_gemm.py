@@ -47,11 +47,11 @@ from collections.abc import Callable
 import numpy as np
 import torch
 import torch.nn.functional as F
-from numba import njit
 
 from tokenplane.engine import cpu_small_gemm16
 from tokenplane.engine.cpu_malloc import huge_page_empty
 from tokenplane.engine.cpu_simd import HOST_AVX512, _add8, _fma1, _fma8, _load8, _prefetch, _splat8, _store8, _zero8
+from tokenplane.engine.numbacache import njit
 
 PANEL = 16            # output columns per panel: two 8-float vectors (one 16-float vector in cpu_small_gemm16)
 MAX_ROWS = 256        # layers: ahead of F.linear (the fallback) up to 256 rows on every measured shape (docstring)

@@ -16,9 +16,9 @@ bit for bit (tests/test_cpu_small_gemm.py), and equal to F.linear's wherever the
 from __future__ import annotations
 
 import numpy as np
-from numba import njit
 
 from tokenplane.engine.cpu_simd import _add16, _fma16, _load16, _prefetch, _splat16, _store16, _zero16
+from tokenplane.engine.numbacache import njit
 
 PANEL = 16            # output columns per panel (cpu_small_gemm's layout): one 16-float vector
 PREFETCH_BYTES = 4096  # ahead of each panel stream where panels are longer than SHORT_PANEL_BYTES (as cpu_small_gemm)

@@ -41,11 +41,11 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-from numba import njit
 
 from tokenplane.engine import cpu_bf16_gemv, cpu_small_gemm
 from tokenplane.engine.cpu_simd import HOST_AVX512
 from tokenplane.engine.layers import cpu_pack, cpu_packed_linear, cpu_packing_supported
+from tokenplane.engine.numbacache import njit
 
 U32 = 2.0 ** -24
 BF16_OUT = 2.0 ** -7 / (1 - 2.0 ** -7)   # relative error of a bf16 output, for round-to-nearest and truncation alike

@@ -33,11 +33,12 @@ import math
 import numpy as np
 import torch
 from llvmlite import ir
-from numba import njit, types
+from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic, models, register_model
 
 from tokenplane.engine.cpu_simd import _pointer
+from tokenplane.engine.numbacache import njit
 
 _BLOCK = 1024                        # entries per block: the three float64 scratch rows stay in L1
 _MAGIC = 6755399441055744.0          # 1.5 * 2**52: adding it rounds a double to an integer kept in the low mantissa
