@@ -1,29 +1,25 @@
 """`numba.njit` for the engine's (and the router's entropy) kernels, cached under a key of their sources.
 
-numba validates a cached kernel against its own file's timestamp only, while a kernel compiles in the intrinsics and
-kernels it calls from other files (cpu_simd's vector intrinsics in every CPU kernel, the routing entropy's pointer
-helper): a change to one file, or an upgrade that changes it, would leave the others' cached kernels running code
-built from the old one. Here every engine kernel's cache lives in a folder keyed by all the engine's sources, the
-router's entropy.py and the numba, numpy and Python versions (`cache_dir`), so any change starts an empty cache. The
-tokenizer's kernels do the same under their own key (tokenize/cpu/lazyjit.py). numba's setting is restored after
-each decoration, so kernels of other code keep numba's default.
+The engine's kernels compile in cpu_simd's vector intrinsics and the routing entropy its pointer helper, from other
+files than their own, which numba's timestamp check of a cached kernel does not see (../kernel_cache.py). Here every
+engine kernel's cache lives in a folder keyed by all the engine's sources, the router's entropy.py and the numba,
+numpy and Python versions (`cache_dir`), so any change starts an empty cache.
 """
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import os
 import platform
 import sys
 from functools import cache
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 import numba
 import numpy as np
-from numba.core import config
 
+from ..kernel_cache import cached_under
 from .artifacts import cache_dir as tokenplane_cache
 
 _PACKAGE = Path(__file__).resolve().parents[1]
@@ -40,14 +36,8 @@ def cache_dir() -> Path:
     return (Path(env) if env else tokenplane_cache() / "numba") / f"engine-{h.hexdigest()[:24]}"
 
 
-@contextlib.contextmanager
-def _keyed() -> Iterator[None]:
-    before = config.CACHE_DIR  # type: ignore[attr-defined]  # (numba's config attributes are made at run time)
-    config.CACHE_DIR = str(cache_dir())  # type: ignore[attr-defined]
-    try:
-        yield
-    finally:
-        config.CACHE_DIR = before  # type: ignore[attr-defined]
+def _keyed() -> Any:
+    return cached_under(cache_dir())
 
 
 def njit(*args: Any, **options: Any) -> Any:

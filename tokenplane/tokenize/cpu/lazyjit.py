@@ -13,11 +13,10 @@ callee from its module globals at compile time), and Python callers that kept th
 
 from __future__ import annotations
 
-import contextlib
 import importlib
 import sys
 import threading
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 _lock = threading.RLock()
 _materialized = False
@@ -75,23 +74,13 @@ def njit(**options: Any) -> Callable[[Callable[..., Any]], Any]:
     return wrap
 
 
-@contextlib.contextmanager
-def _keyed_cache() -> Iterator[None]:
+def _keyed_cache() -> Any:
     """numba's on-disk cache in a folder keyed like the AOT module (kernels.cache_key: every kernel source, the numba,
-    numpy and Python versions, the machine) while the dispatchers are made. numba validates a cached kernel by its
-    own file's timestamp only, and a kernel compiles in the kernels it calls from other files: with the default
-    `__pycache__` caches, changing merge.py left piecemap.py's cached walk running the old merge code (wrong IDs,
-    seen while developing). Under a key of all the sources, any change starts an empty cache."""
-    from numba.core import config
-
+    numpy and Python versions, the machine) while the dispatchers are made (why: ../../kernel_cache.py)."""
+    from ...kernel_cache import cached_under
     from .kernels import numba_cache_dir
 
-    before = config.CACHE_DIR  # type: ignore[attr-defined]  # (numba's config attributes are made at run time)
-    config.CACHE_DIR = str(numba_cache_dir())  # type: ignore[attr-defined]
-    try:
-        yield
-    finally:
-        config.CACHE_DIR = before  # type: ignore[attr-defined]
+    return cached_under(numba_cache_dir())
 
 
 def numba_global(module: str, name: str) -> Any:
