@@ -19,6 +19,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from test_pretokenize import ALPHABET, FRAGMENTS, _corpus_docs
+from test_startbits import _cps, _loop_starts
 
 import tokenplane
 from tokenplane.tokenize import appendwin
@@ -136,15 +137,7 @@ def _window_texts(name: str) -> list[str]:
 
 def _has_rare(norm: str, spans: list[tuple[int, int]]) -> bool:
     """Whether o200k's run loop finds a rare shape in one of the spans (what its rescan must visit)."""
-    from tokenplane.tokenize.cpu import pretokenize
-    table = pretokenize.loop_tables("o200k_base")[1][0]
-    for a, b in spans:
-        cps = np.frombuffer(norm[a:b].encode("utf-32-le", "surrogatepass"), dtype=np.uint32)
-        rare = np.empty(cps.shape[0] + 1, np.int64)
-        if cps.shape[0] and pretokenize._o200k_loop(cps.view(np.int32), table[cps], np.zeros(cps.shape[0], np.bool_),
-                                                     rare) > 0:
-            return True
-    return False
+    return any(len(_loop_starts("o200k_base", _cps(norm[a:b]))[1]) for a, b in spans if b > a)
 
 
 @pytest.mark.parametrize("name", FAMILIES)
@@ -182,15 +175,14 @@ def test_fused_window_equals_staged_jit_and_reference(name, aot, use):
             assert a_st == window.OK, (a_st, repr(norm[:200]))     # o200k's rare shapes included
             if name == "o200k_base" and _has_rare(norm, spans):
                 rare += 1
-            if True:
-                assert np.array_equal(a_ids, j_ids) and np.array_equal(a_ends, j_ends)
-                assert np.array_equal(a_counts, j_counts)
-                assert a_ids.dtype == np.uint32 and a_ends.dtype == np.int64
-                assert np.array_equal(a_ids, staged[0]) and np.array_equal(a_ends, staged[1] + shift)
-                assert a_counts.tolist() == staged[2].tolist()
-                assert a_ids.tolist() == [t for ids, _ in want for t in ids.tolist()], repr(norm[:200])
-                assert a_ends.tolist() == [e + a + shift for (a, _), (_, ends) in zip(spans, want)
-                                           for e in ends.tolist()]
+            assert np.array_equal(a_ids, j_ids) and np.array_equal(a_ends, j_ends)
+            assert np.array_equal(a_counts, j_counts)
+            assert a_ids.dtype == np.uint32 and a_ends.dtype == np.int64
+            assert np.array_equal(a_ids, staged[0]) and np.array_equal(a_ends, staged[1] + shift)
+            assert a_counts.tolist() == staged[2].tolist()
+            assert a_ids.tolist() == [t for ids, _ in want for t in ids.tolist()], repr(norm[:200])
+            assert a_ends.tolist() == [e + a + shift for (a, _), (_, ends) in zip(spans, want)
+                                       for e in ends.tolist()]
             both = segments.encode_segments(enc.bpe, name, norm, spans, tc=tc, shift=shift)
             assert both is not None
             assert np.array_equal(both[0], staged[0]) and np.array_equal(both[1], staged[1] + shift)

@@ -12,6 +12,7 @@ import hashlib
 import os
 import platform
 import sys
+from contextlib import AbstractContextManager
 from functools import cache
 from pathlib import Path
 from typing import Any, Callable
@@ -36,7 +37,7 @@ def cache_dir() -> Path:
     return (Path(env) if env else tokenplane_cache() / "numba") / f"engine-{h.hexdigest()[:24]}"
 
 
-def _keyed() -> Any:
+def _keyed() -> AbstractContextManager[None]:
     return cached_under(cache_dir())
 
 

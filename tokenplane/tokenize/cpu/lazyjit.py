@@ -16,6 +16,7 @@ from __future__ import annotations
 import importlib
 import sys
 import threading
+from contextlib import AbstractContextManager
 from typing import Any, Callable
 
 _lock = threading.RLock()
@@ -74,7 +75,7 @@ def njit(**options: Any) -> Callable[[Callable[..., Any]], Any]:
     return wrap
 
 
-def _keyed_cache() -> Any:
+def _keyed_cache() -> AbstractContextManager[None]:
     """numba's on-disk cache in a folder keyed like the AOT module (kernels.cache_key: every kernel source, the numba,
     numpy and Python versions, the machine) while the dispatchers are made (why: ../../kernel_cache.py)."""
     from ...kernel_cache import cached_under
