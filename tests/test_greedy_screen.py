@@ -314,3 +314,20 @@ def test_trained_model_greedy_outputs_equal_with_and_without_the_screen(one_thre
         outs.append(eng.generate(prompts, params))
     assert outs[0] == outs[1]
     assert len(seen) >= 23 and sum(seen) >= len(seen) - 1      # the prefill step may project in full
+
+
+def test_onednn_pass_only_where_the_cpu_multiplies_bf16_natively(monkeypatch):
+    """oneDNN packs bf16 on any AVX-512 CPU but emulates its products without AVX512-BF16 or AMX (2.5-4.8x slower
+    than the stream there: benchmarks/results/vocab_screen_rows_xeon.md), so the screen takes it only with them."""
+    w = torch.randn(512, 64, generator=torch.Generator().manual_seed(5))
+    panels = cpu_small_gemm.pack(w)
+    monkeypatch.setattr(greedy_screen, "NATIVE_BF16", False)
+    assert GreedyScreen(w, panels).onednn is False
+    monkeypatch.setattr(greedy_screen, "NATIVE_BF16", True)
+    assert GreedyScreen(w, panels).onednn is ONEDNN_BF16
+    h = torch.randn(12, 64, generator=torch.Generator().manual_seed(6)) * 4
+    monkeypatch.setattr(greedy_screen, "NATIVE_BF16", False)
+    screen = GreedyScreen(w, panels)
+    monkeypatch.setattr(screen, "_onednn", None)       # any call to the oneDNN pass fails the test
+    assert screen.argmax(h[:greedy_screen.STREAM_ONLY_MAX_ROWS]) == _full_argmax(
+        h[:greedy_screen.STREAM_ONLY_MAX_ROWS], panels, 512)

@@ -8,7 +8,7 @@ This module finds each row's argmax without computing the fp32 logits:
 1. approximate logits over a bfloat16 copy of the matrix, by one of two passes (`STREAM_MAX_ROWS`):
    - stream (1-4 rows): h @ bf16(W)^T with float32 h and float32 sums over a bf16 panel copy (cpu_bf16_gemv: half
      the bytes of the fp32 stream);
-   - oneDNN (more rows, where the CPU has bf16 instructions; AMX on Sapphire Rapids): bf16(h) @ bf16(W)^T with
+   - oneDNN (more rows, where the CPU has bf16 dot products: AVX512-BF16, AMX): bf16(h) @ bf16(W)^T with
      float32 accumulation and bf16 output (oneDNN's packed bf16 matmul: 151936 x 512 at 64 rows in ~21 ms here,
      against ~86 ms for the stream and ~110 for the fp32 panel kernel);
 2. a bound with |approx[r, i] - logits[r, i]| <= bound for every vocabulary row i, where `logits` is what the fp32
@@ -42,8 +42,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from tokenplane.engine import cpu_bf16_gemv, cpu_small_gemm
-from tokenplane.engine.cpu_simd import HOST_AVX512
+from tokenplane.engine import cpu_amx, cpu_bf16_gemv, cpu_small_gemm
+from tokenplane.engine.cpu_simd import HOST_AVX512, HOST_AVX512_BF16
 from tokenplane.engine.layers import cpu_pack, cpu_packed_linear, cpu_packing_supported
 from tokenplane.engine.numbacache import njit
 
@@ -52,6 +52,13 @@ BF16_OUT = 2.0 ** -7 / (1 - 2.0 ** -7)   # relative error of a bf16 output, for 
 DENORMAL = 2.0 ** -100   # covers flush-to-zero of denormal inputs, products and outputs (each < 2**-126 x the operands)
 MAX_ROWS = cpu_small_gemm.VOCAB_MAX_ROWS   # as far as the fp32 panel kernel (the values reproduced) is the path
 STREAM_MAX_ROWS = 4      # the stream ahead of oneDNN's bf16 matmul up to here (module docstring's shapes, 1 thread)
+# oneDNN packs bf16 wherever the CPU converts bf16 (AVX-512), but multiplies it natively only with AVX512-BF16 or
+# AMX; without them (Ice Lake, Cascade Lake) it widens to fp32, and its pass was the slowest of all on an Ice Lake
+# server core (151936 x 256, 1 thread, CPU ms at 5 / 8 / 12 / 16 rows: screen through oneDNN 36.0 / 41.1 / 49.9 /
+# 55.7, through the stream 10.0 / 10.8 / 13.0 / 13.6, no screen (fp32 panels) 15.2 / 17.9 / 13.2 / 16.6; 2.5-4.8x the
+# stream from 2 rows on, all three shapes: benchmarks/results/vocab_screen_rows_xeon.md). There the stream screens
+# every row count up to its own limit.
+NATIVE_BF16 = HOST_AVX512_BF16 or cpu_amx.HOST_AMX
 # Without oneDNN bf16 the stream is the screen's only first pass; past these rows the full fp32 panel projection is
 # faster. On 8-lane (AVX2) hosts the stream's passes of more than 4 rows outgrow the 16 vector registers: Zen 3, 1
 # thread, the screen / fp32 panel CPU time was 0.69-0.81 at 4-5 rows and 1.18-1.28 at 6, 1.97-2.04 at 16, on all
@@ -227,7 +234,7 @@ class GreedyScreen:
         self.weight = w
         self.bf16 = cpu_bf16_gemv.pack_bf16(w)
         self.packed: torch.Tensor | None = None
-        self.onednn = cpu_packing_supported(torch.bfloat16)
+        self.onednn = NATIVE_BF16 and cpu_packing_supported(torch.bfloat16)
         self.n_w, self.n_wb, self.n_d = weight_norms(w)
         g = self.k * U32
         self.gamma = g / (1 - g)
