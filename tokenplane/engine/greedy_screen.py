@@ -42,8 +42,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from tokenplane.engine import cpu_amx, cpu_bf16_gemv, cpu_small_gemm
-from tokenplane.engine.cpu_simd import HOST_AVX512, HOST_AVX512_BF16
+from tokenplane.engine import cpu_bf16_gemv, cpu_small_gemm
+from tokenplane.engine.cpu_simd import HOST_AVX512, _host_has
 from tokenplane.engine.layers import cpu_pack, cpu_packed_linear, cpu_packing_supported
 from tokenplane.engine.numbacache import njit
 
@@ -58,7 +58,7 @@ STREAM_MAX_ROWS = 4      # the stream ahead of oneDNN's bf16 matmul up to here (
 # 55.7, through the stream 10.0 / 10.8 / 13.0 / 13.6, no screen (fp32 panels) 15.2 / 17.9 / 13.2 / 16.6; 2.5-4.8x the
 # stream from 2 rows on, all three shapes: benchmarks/results/vocab_screen_rows_xeon.md). There the stream screens
 # every row count up to its own limit.
-NATIVE_BF16 = HOST_AVX512_BF16 or cpu_amx.HOST_AMX
+NATIVE_BF16 = _host_has("avx512bf16") or _host_has("amx-bf16")   # the CPU's, whatever our kernels' switches
 # Without oneDNN bf16 the stream is the screen's only first pass; past these rows the full fp32 panel projection is
 # faster. On 8-lane (AVX2) hosts the stream's passes of more than 4 rows outgrow the 16 vector registers: Zen 3, 1
 # thread, the screen / fp32 panel CPU time was 0.69-0.81 at 4-5 rows and 1.18-1.28 at 6, 1.97-2.04 at 16, on all
