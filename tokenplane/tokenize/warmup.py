@@ -7,7 +7,8 @@ the pre-tokenizer and the cut search derive (charclass.derived_table), and every
 sessions, serial and chunk-parallel (compiled once per machine into numba's cache: the JIT fallback when the AOT
 module is absent or stale). Nothing depends on it having run: each cache is built on demand when absent, at the
 cost of that first process (the AOT module by a detached build, cpu/kernels.py). The README's set-up runs it after
-`pip install`.
+`pip install`. Last, the kernel caches earlier versions of the sources left behind are removed, but the most recent
+few (../kernel_cache.py's `prune`; `--keep-caches`).
 """
 
 from __future__ import annotations
@@ -77,8 +78,33 @@ def warm(names: list[str]) -> list[tuple[str, float, str]]:
     return out
 
 
+def prune_caches(keep_recent: int) -> tuple[float, str]:
+    """(seconds, outcome) of removing the tokenizer's and the engine's kernel caches of other source versions but the
+    `keep_recent` most recent of each kind (kernel_cache.prune); the engine's are kept when it is not installed."""
+    from .. import kernel_cache
+    from .cpu import kernels
+
+    t0 = time.perf_counter()
+    current = {kernels.cache_key()}
+    roots = {kernels.aot_root(), kernels.numba_cache_dir().parent}
+    try:
+        from ..engine.numbacache import cache_dir as engine_cache_dir
+    except ImportError:     # no engine extra (torch) here: its key is unknown, so none of its folders is touched
+        for root in roots:
+            current |= {p.name for p in root.glob("engine-*")}
+    else:
+        current.add(engine_cache_dir().name)
+        roots.add(engine_cache_dir().parent)
+    removed = [r for root in sorted(roots) for r in kernel_cache.prune(root, current, keep_recent)]
+    mb = sum(size for _, size in removed) / 1e6
+    return time.perf_counter() - t0, f"removed {len(removed)} folders of other source versions ({mb:.0f} MB)"
+
+
 def main_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--families", default="all", help="comma list of registered tokenizers, or all")
+    p.add_argument("--keep-caches", type=int, default=None, metavar="N",
+                   help="kernel caches of other source versions to keep, most recent first (default: "
+                        "kernel_cache.KEEP_RECENT; -1 keeps them all)")
 
 
 def main(args: argparse.Namespace) -> int:
@@ -92,4 +118,9 @@ def main(args: argparse.Namespace) -> int:
         print(f"{label:12s} {seconds:6.2f} s  {outcome}")
     for name, seconds, outcome in warm(names):
         print(f"{name:12s} {seconds:6.2f} s  {outcome}")
+    if args.keep_caches is None or args.keep_caches >= 0:
+        from ..kernel_cache import KEEP_RECENT
+
+        seconds, outcome = prune_caches(KEEP_RECENT if args.keep_caches is None else args.keep_caches)
+        print(f"{'old caches':12s} {seconds:6.2f} s  {outcome}")
     return 0
