@@ -102,9 +102,11 @@ def prune_caches(keep_recent: int) -> tuple[float, str]:
 
 def main_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--families", default="all", help="comma list of registered tokenizers, or all")
-    p.add_argument("--keep-caches", type=int, default=None, metavar="N",
-                   help="kernel caches of other source versions to keep, most recent first (default: "
-                        "kernel_cache.KEEP_RECENT; -1 keeps them all)")
+    from ..kernel_cache import KEEP_RECENT
+
+    p.add_argument("--keep-caches", type=int, default=KEEP_RECENT, metavar="N",
+                   help=f"kernel caches of other source versions to keep, most recent first (default {KEEP_RECENT}; "
+                        "-1 keeps them all)")
 
 
 def main(args: argparse.Namespace) -> int:
@@ -118,9 +120,7 @@ def main(args: argparse.Namespace) -> int:
         print(f"{label:12s} {seconds:6.2f} s  {outcome}")
     for name, seconds, outcome in warm(names):
         print(f"{name:12s} {seconds:6.2f} s  {outcome}")
-    if args.keep_caches is None or args.keep_caches >= 0:
-        from ..kernel_cache import KEEP_RECENT
-
-        seconds, outcome = prune_caches(KEEP_RECENT if args.keep_caches is None else args.keep_caches)
+    if args.keep_caches >= 0:
+        seconds, outcome = prune_caches(args.keep_caches)
         print(f"{'old caches':12s} {seconds:6.2f} s  {outcome}")
     return 0
