@@ -102,7 +102,7 @@ def test_adopted_text_and_its_limit():
     store.append("hello ")
     text = "hello world " * 10
     store.adopt(text)
-    assert store.chunks == [text] and store.chunks[0] is text and len(store) == len(text)
+    assert store.chunks == (text,) and store.chunks[0] is text and len(store) == len(text)
     assert store.is_prefix_of(text + "more") and not store.is_prefix_of("hellO" + text[5:])
     store.replace(3, 5, "XY")
     assert store.joined() == "helXY" + text[5:]

@@ -20,63 +20,83 @@ from .textstore import TextStore
 
 
 class NfcMap:
-    __slots__ = ("ra", "rb", "na", "nb", "texts")
+    __slots__ = ("pos", "texts")
 
-    # a value (tuples, never edited: `replace` makes a new map): sessions share the empty one's tuples, and a
-    # tuple of a few regions is half the size of an over-allocated list (issue 17: small sessions' bytes/token)
+    # a value, never edited (`replace` makes a new map), and flat: one tuple of every region's four offsets,
+    # ra..., rb..., na..., nb... (a tuple per column, or a list, costs a small session ~150 bytes more: issue 17's
+    # bytes/token of a 1.5K-token session); the columns are searched in place (bisect's lo/hi)
     def __init__(self, ra: Sequence[int] = (), rb: Sequence[int] = (), na: Sequence[int] = (),
                  nb: Sequence[int] = (), texts: Sequence[str] = ()):
-        self.ra, self.rb = tuple(ra), tuple(rb)
-        self.na, self.nb = tuple(na), tuple(nb)
-        self.texts = tuple(texts)          # texts[k] == normalized[na[k]:nb[k]]
+        self.pos = (*ra, *rb, *na, *nb)
+        self.texts = tuple(texts)          # texts[k] == normalized[na(k):nb(k)]
 
     def nbytes(self) -> int:
-        return sum(sys.getsizeof(t) for t in self.texts) + 4 * 8 * len(self.ra)
+        return sum(sys.getsizeof(t) for t in self.texts) + 8 * len(self.pos)
 
     def __len__(self) -> int:
-        return len(self.ra)
+        return len(self.texts)
+
+    def ra(self, k: int) -> int:
+        return self.pos[k]
+
+    def rb(self, k: int) -> int:
+        return self.pos[len(self.texts) + k]
+
+    def na(self, k: int) -> int:
+        return self.pos[2 * len(self.texts) + k]
+
+    def nb(self, k: int) -> int:
+        return self.pos[3 * len(self.texts) + k]
+
+    def column(self, c: int) -> tuple[int, ...]:
+        """Column c (0 ra, 1 rb, 2 na, 3 nb) of every region, as a tuple."""
+        n = len(self.texts)
+        return self.pos[c * n:(c + 1) * n]
+
+    def search(self, c: int, x: int, right: bool) -> int:
+        """bisect_right (right) or bisect_left of x in column c."""
+        n = len(self.texts)
+        find = bisect.bisect_right if right else bisect.bisect_left
+        return find(self.pos, x, c * n, (c + 1) * n) - c * n
 
     def widen(self, lo: int, hi: int) -> tuple[int, int]:
         """[lo, hi] grown so that neither end lies strictly inside a region."""
-        k = bisect.bisect_right(self.ra, lo) - 1
-        if k >= 0 and lo < self.rb[k]:
-            lo = self.ra[k]
-        k = bisect.bisect_left(self.rb, hi)
-        if k < len(self.rb) and self.ra[k] < hi:
-            hi = self.rb[k]
+        k = self.search(0, lo, True) - 1
+        if k >= 0 and lo < self.rb(k):
+            lo = self.ra(k)
+        k = self.search(1, hi, False)
+        if k < len(self) and self.ra(k) < hi:
+            hi = self.rb(k)
         return lo, hi
 
     def to_norm(self, q: int) -> int:
         """Normalized offset of raw offset q (q not strictly inside a region)."""
-        k = bisect.bisect_right(self.rb, q) - 1
-        return q if k < 0 else q + self.nb[k] - self.rb[k]
+        k = self.search(1, q, True) - 1
+        return q if k < 0 else q + self.nb(k) - self.rb(k)
 
     def replace(self, lo: int, hi: int, n_lo: int, n_hi: int, raw_len: int, norm_len: int, inner: NfcMap) -> NfcMap:
         """The map after raw[lo:hi] (split points, widened) became a text of raw_len characters whose NFC has
         norm_len characters and replaces normalized[n_lo:n_hi]; `inner`: the new text's own map (build_map)."""
-        i = bisect.bisect_right(self.rb, lo)          # regions ending at or before lo stay
-        j = bisect.bisect_left(self.ra, hi)           # regions starting at or after hi shift
+        i = self.search(1, lo, True)          # regions ending at or before lo stay
+        j = self.search(0, hi, False)         # regions starting at or after hi shift
         dr, dn = raw_len - (hi - lo), norm_len - (n_hi - n_lo)
-        if not inner.ra and i == j and (j == len(self.ra) or dr == dn == 0):
-            return self     # no region added, removed or moved (an ASCII append): the same value, no list copies
-        ra, rb, na, nb = list(self.ra[:i]), list(self.rb[:i]), list(self.na[:i]), list(self.nb[:i])
-        texts = self.texts[:i] + inner.texts + self.texts[j:]
-        ra += [x + lo for x in inner.ra]
-        rb += [x + lo for x in inner.rb]
-        na += [x + n_lo for x in inner.na]
-        nb += [x + n_lo for x in inner.nb]
-        ra += [x + dr for x in self.ra[j:]]
-        rb += [x + dr for x in self.rb[j:]]
-        na += [x + dn for x in self.na[j:]]
-        nb += [x + dn for x in self.nb[j:]]
-        return NfcMap(ra, rb, na, nb, texts)
+        if not len(inner) and i == j and (j == len(self) or dr == dn == 0):
+            return self     # no region added, removed or moved (an ASCII append): the same value, no copies
+        cols = []
+        for c, (at, shift) in enumerate(((lo, dr), (lo, dr), (n_lo, dn), (n_lo, dn))):
+            mine = self.column(c)
+            cols.append([*mine[:i], *(x + at for x in inner.column(c)), *(x + shift for x in mine[j:])])
+        return NfcMap(*cols, self.texts[:i] + inner.texts + self.texts[j:])
+
+
+EMPTY_MAP = NfcMap()      # a session whose text is its own NFC (a value: `replace` never edits it)
 
 
 def build_map(raw: str, normalize: Callable[[str], str]) -> tuple[str, NfcMap]:
     """NFC of `raw` and its map, from the spans that can change (cpu/nfc.regions: each starts at 0 or at an inert
     code point and ends at the text end or before one, so NFC(raw) is the concatenation of the spans' NFCs)."""
     if raw.isascii():
-        return raw, NfcMap()
+        return raw, EMPTY_MAP
     spans = nfc.regions(raw).tolist()
     out, prev, shift = [], 0, 0
     ra: list[int] = []
@@ -106,7 +126,7 @@ class MappedText:
 
     def __init__(self, raw: TextStore, nmap: NfcMap):
         self.raw, self.map = raw, nmap
-        self.length = len(raw) + (nmap.nb[-1] - nmap.rb[-1] if len(nmap) else 0)
+        self.length = len(raw) + (nmap.nb(len(nmap) - 1) - nmap.rb(len(nmap) - 1) if len(nmap) else 0)
 
     def __len__(self) -> int:
         return self.length
@@ -114,15 +134,15 @@ class MappedText:
     def slice(self, a: int, b: int) -> str:
         a, b = max(a, 0), min(b, self.length)
         m, out, pos = self.map, [], a
-        k = bisect.bisect_right(m.nb, a)          # first region ending after a
+        k = m.search(3, a, True)                  # first region ending after a
         while pos < b:
-            if k < len(m.na) and m.na[k] <= pos:  # inside region k
-                e = min(b, m.nb[k])
-                out.append(m.texts[k][pos - m.na[k]:e - m.na[k]])
+            if k < len(m) and m.na(k) <= pos:     # inside region k
+                e, na = min(b, m.nb(k)), m.na(k)
+                out.append(m.texts[k][pos - na:e - na])
                 k += 1
             else:
-                e = min(b, m.na[k]) if k < len(m.na) else b
-                off = m.nb[k - 1] - m.rb[k - 1] if k > 0 else 0
+                e = min(b, m.na(k)) if k < len(m) else b
+                off = m.nb(k - 1) - m.rb(k - 1) if k > 0 else 0
                 out.append(self.raw.slice(pos - off, e - off))
             pos = e
         return out[0] if len(out) == 1 else "".join(out)

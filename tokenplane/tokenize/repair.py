@@ -88,8 +88,8 @@ class WindowRepair:
     instance serves every session with the same policy (Tokenizer.window_repair). What varies per session (its
     records, text, encoder path, counters) comes with each call."""
 
-    __slots__ = ("tokenizer", "rule", "window", "max_widenings", "nfc", "literals", "is_special", "search",
-                 "token_chars", "fused", "family", "_inert")
+    __slots__ = ("tokenizer", "allowed_special", "rule", "window", "max_widenings", "nfc", "literals", "mapped",
+                 "maxlit", "is_special", "search", "token_chars", "fused", "family", "_inert")
 
     def __init__(self, tokenizer: Tokenizer, allowed_special: frozenset[str], rule: boundary.BoundaryRule | None, *,
                  window: int, max_widenings: int):
@@ -97,7 +97,12 @@ class WindowRepair:
         self.rule = rule
         self.window, self.max_widenings = window, max_widenings
         self.nfc = tokenizer.family.normalizer is not None
-        self.literals = bool(allowed_special)
+        self.allowed_special = allowed_special
+        self.literals = bool(allowed_special)     # sessions track special-token literals only when some are allowed
+        # Raw <-> normalized offsets (nfcmap.py) keep NFC edits local; sessions with allowed literals normalize
+        # between literals and renormalize on edits instead (documented O(N) case).
+        self.mapped = self.nfc and not self.literals and tokenizer.plain_nfc
+        self.maxlit = max((len(s) for s in tokenizer.specials), default=1)
         self.is_special = tokenizer.special_mask(allowed_special)
         self.search = tokenizer.splice_search(rule)
         self.token_chars = tokenizer.vocab_facts.token_chars

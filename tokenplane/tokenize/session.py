@@ -27,7 +27,7 @@ import numpy as np
 
 from .cpu import boundary, nfc
 from .errors import SessionError, StaleRevisionError, TextTooLargeError, validate_text  # noqa: F401
-from .nfcmap import MappedText, NfcMap, build_map
+from .nfcmap import EMPTY_MAP, MappedText, NfcMap, build_map
 from .records import Records
 from .repair import RecordSplice, SessionStats, Specials, no_specials
 from .textstore import (
@@ -43,6 +43,7 @@ from .textstore import (
 )
 
 if TYPE_CHECKING:   # type names only: tokenizer.py imports this module, never the other way round
+    from .cpu.boundary import BoundaryRule
     from .reference import ReferenceEngine
     from .tokenizer import Tokenizer
 
@@ -69,6 +70,8 @@ class Splice:
 # -- repair plan --------------------------------------------------------------------------------------------------
 # A literal entry: (raw_start, raw_end, norm_start, norm_end, id), id = -1 for a literal that is not allowed.
 LiteralEntry = tuple[int, int, int, int, int]
+Literals = list[LiteralEntry] | tuple[LiteralEntry, ...]
+NO_LITERALS: tuple[LiteralEntry, ...] = ()     # shared by every session without literal matches (a list is 56 bytes)
 
 
 @dataclass(frozen=True)
@@ -77,7 +80,11 @@ class ReplaceLiteralsFrom:
     keep: int
     added: list[LiteralEntry]
 
-    def apply(self, entries: list[LiteralEntry]) -> list[LiteralEntry]:
+    def apply(self, entries: Literals) -> Literals:
+        if not self.keep and not self.added:
+            return NO_LITERALS
+        if isinstance(entries, tuple):      # the shared empty entries of a session that had none
+            entries = list(entries)
         del entries[self.keep:]
         entries.extend(self.added)
         return entries
@@ -87,8 +94,8 @@ class ReplaceLiteralsFrom:
 class SetLiterals:
     entries: list[LiteralEntry]
 
-    def apply(self, entries: list[LiteralEntry]) -> list[LiteralEntry]:
-        return self.entries
+    def apply(self, entries: Literals) -> Literals:
+        return self.entries or NO_LITERALS
 
 
 @dataclass
@@ -106,8 +113,7 @@ class Session:
 
     # slots: thousands of small sessions live in one server, and an instance dict costs ~0.6 KB each (issue 17:
     # a 1.5K-token session's fixed overhead is what keeps it above 8 bytes/token)
-    __slots__ = ("tokenizer", "allowed_special", "_nfc", "rule", "_literals", "_mapped", "_maxlit", "_repairer",
-                 "_path", "_raw", "_norm", "_nmap", "_lits", "_rec", "revision", "stats", "__weakref__")
+    __slots__ = ("_repairer", "_path", "_raw", "_norm", "_nmap", "_lits", "_rec", "revision", "stats", "__weakref__")
 
     def __init__(self, tokenizer: Tokenizer, *, text: str | bytes = "",
                  allowed_special: Collection[str] | Literal["all"] = (), window: int | None = None,
@@ -116,23 +122,17 @@ class Session:
             window = max(DEFAULT_WINDOW, 2 * tokenizer.max_token_chars)
         if not isinstance(window, int) or window < 1 or not isinstance(max_widenings, int) or max_widenings < 0:
             raise SessionError("window must be a positive int and max_widenings a non-negative int")
-        self.tokenizer = tokenizer
-        self.allowed_special = tokenizer.resolve_allowed(allowed_special)
-        self._nfc = tokenizer.family.normalizer is not None
+        allowed = tokenizer.resolve_allowed(allowed_special)
         # certify=False disables the fast path (baseline flag on the same code path: every call encodes fully).
-        self.rule = boundary.rule_for(tokenizer.family) if certify else None
-        if self._nfc and any(not s.isascii() for s in self.allowed_special):
-            self.rule = None     # split points for NFC assume ASCII literals (docs/boundaries.md)
-        self._literals = bool(self.allowed_special)    # track special-token literals (only when some are allowed)
-        # Raw <-> normalized offsets (nfcmap.py) keep NFC edits local; sessions with allowed literals normalize
-        # between literals and renormalize on edits instead (documented O(N) case).
-        self._mapped = self._nfc and not self._literals and tokenizer.plain_nfc
-        self._maxlit = max((len(s) for s in tokenizer.specials), default=1)
+        rule = boundary.rule_for(tokenizer.family) if certify else None
+        if tokenizer.family.normalizer is not None and any(not s.isascii() for s in allowed):
+            rule = None     # split points for NFC assume ASCII literals (docs/boundaries.md)
         # Which encoder fills windows: the reference engine, or a registered exact path of the tokenizer ("auto",
         # "cpu", "gpu"; same contract: reference IDs). Ends are derived from token byte lengths either way. The
         # default "auto" answers from the reference until the CPU path is built, then from the CPU path (for qwen3,
-        # HF's encode of a 2K-char window costs ~12 ms; the CPU path ~0.3 ms).
-        self._repairer = tokenizer.window_repair(self.allowed_special, self.rule, window, max_widenings)
+        # HF's encode of a 2K-char window costs ~12 ms; the CPU path ~0.3 ms). The repairer also holds what these
+        # options imply (the tokenizer, the literal and NFC modes), shared by every session with the same options.
+        self._repairer = tokenizer.window_repair(allowed, rule, window, max_widenings)
         self._path = encode_path
         self._clear()
         if text:
@@ -142,12 +142,25 @@ class Session:
         """The state of an empty session at revision 0."""
         self._raw = TextStore()
         self._norm: TextStore | None = None          # None while the normalized text equals the raw text
-        self._nmap: NfcMap | None = NfcMap() if self._mapped else None
+        self._nmap: NfcMap | None = EMPTY_MAP if self._repairer.mapped else None
         # Literal (special-token string) matches of the allowed-special scan, raw coordinates, sorted.
-        self._lits: list[LiteralEntry] = []
+        self._lits: Literals = NO_LITERALS
         self._rec = Records(self.tokenizer.vocab_facts.token_chars)
         self.revision = 0
         self.stats = SessionStats()
+
+    @property
+    def tokenizer(self) -> Tokenizer:
+        return self._repairer.tokenizer
+
+    @property
+    def allowed_special(self) -> frozenset[str]:
+        return self._repairer.allowed_special
+
+    @property
+    def rule(self) -> BoundaryRule | None:
+        """The stable-boundary rule that certifies windows (None: certify=False, or NFC with non-ASCII literals)."""
+        return self._repairer.rule
 
     @property
     def reference(self) -> ReferenceEngine:
@@ -317,9 +330,9 @@ class Session:
         answers."""
         nmap = self._nmap
         mapped = nmap is not None and len(nmap) > 0
-        if self._norm is not None or mapped != (mapped_end is not None) or self._literals:
+        if self._norm is not None or mapped != (mapped_end is not None) or self._repairer.literals:
             return None
-        if tail is not None and self._nfc and not self._inert_text(tail):
+        if tail is not None and self._repairer.nfc and not self._inert_text(tail):
             return None
         t0 = time.perf_counter()
         stats = self.stats
@@ -370,7 +383,7 @@ class Session:
     # -- planning -------------------------------------------------------------------------------------------------
     def _plan_append(self, text: str, whole: str | None = None) -> _Plan:
         L0 = len(self._raw)
-        if not self._nfc and not self._literals and self._norm is None:
+        if not self._repairer.nfc and not self._repairer.literals and self._norm is None:
             # the common append (no normalizer, no allowed literals: normalized text == raw text): the general plan
             # below with every literal and NFC step empty, without building them
             plan = _Plan(raw_change=Append(text), norm_change=None, lits=None)
@@ -391,8 +404,8 @@ class Session:
         struct_raw = L0                         # first raw position whose segmentation may differ
         found: list[tuple[int, int, int]] = []
         keep_lits = len(self._lits)
-        if self._literals:
-            lo = max(0, L0 - self._maxlit + 1)
+        if self._repairer.literals:
+            lo = max(0, L0 - self._repairer.maxlit + 1)
             keep_lits = bisect.bisect_left(self._lits, (lo,))
             restart = max(lo, self._lits[keep_lits - 1][1] if keep_lits else 0)
             found = self._scan(self._raw.slice(restart, L0) + text, restart)
@@ -401,11 +414,11 @@ class Session:
             if old_tail != new_head:
                 diff = [x[0] for x in old_tail if x not in new_head] + [x[0] for x in new_head if x not in old_tail]
                 struct_raw = min(diff)
-        if self._nfc and struct_raw < L0:
+        if self._repairer.nfc and struct_raw < L0:
             return self._plan_rebuild(self._raw.joined() + text, Append(text))
         # The normalized middle `mid` replaces norm[d0:N0]; allowed literals get normalized coordinates.
         new_map = None
-        if not self._nfc:
+        if not self._repairer.nfc:
             d0, mid, struct = N0, text, struct_raw
             keep_from, added = keep_lits, [(a, b, a, b, sid) for a, b, sid in found]
         elif self._nmap is not None:
@@ -445,15 +458,15 @@ class Session:
         if new_map is not None:
             raw_is_norm = not len(new_map)
         else:
-            raw_is_norm = self._norm is None and (not self._nfc or mid == norm.slice(d0, N0) + text)
+            raw_is_norm = self._norm is None and (not self._repairer.nfc or mid == norm.slice(d0, N0) + text)
         plan = _Plan(raw_change=Append(text),
                      norm_change=None if raw_is_norm else Replace(d0, N0, mid),
-                     lits=ReplaceLiteralsFrom(keep_from, added) if self._literals else None, nmap=new_map)
+                     lits=ReplaceLiteralsFrom(keep_from, added) if self._repairer.literals else None, nmap=new_map)
         added_sp = [(e[2], e[3], e[4]) for e in added if e[4] >= 0]
 
         def specials(lo: int, hi: int) -> list[tuple[int, int, int]]:
             """Allowed literals inside [lo, hi) in normalized coordinates: O(literals in range), not O(session)."""
-            if not self._literals:
+            if not self._repairer.literals:
                 return []
             out = []
             for e in reversed(self._lits[:keep_from]) if keep_from else ():
@@ -475,12 +488,12 @@ class Session:
 
     def _plan_edit(self, start: int, end: int, replacement: str) -> _Plan:
         raw_len = len(self._raw)
-        if self._literals or (self._nfc and self._nmap is None and self._norm is not None):
+        if self._repairer.literals or (self._repairer.nfc and self._nmap is None and self._norm is not None):
             new_raw = self._raw.slice(0, start) + replacement + self._raw.slice(end, raw_len)
             return self._plan_rebuild(new_raw, SetText(new_raw))
         raw, norm = self._raw, self._normtext
         new_map = None
-        if not self._nfc:
+        if not self._repairer.nfc:
             d0, e_old, mid = start, end, replacement
             raw_is_norm = True
         else:
@@ -489,7 +502,7 @@ class Session:
             if lo is None or hi is None:
                 new_raw = raw.slice(0, start) + replacement + raw.slice(end, raw_len)
                 return self._plan_rebuild(new_raw, SetText(new_raw))
-            nmap = self._nmap if self._nmap is not None else NfcMap()
+            nmap = self._nmap if self._nmap is not None else EMPTY_MAP
             lo, hi = nmap.widen(lo, hi)
             d0, e_old = nmap.to_norm(lo), nmap.to_norm(hi)
             raw_mid = raw.slice(lo, start) + replacement + raw.slice(end, hi)
@@ -513,23 +526,23 @@ class Session:
         """Full renormalization / literal rescan of the new raw text, then the same certified repair on the diff.
         O(N) in the text (documented: edits with allowed specials, edits of NFC text whose raw form is not NFC)."""
         self.stats.renormalizations += 1
-        lits = self._scan(new_raw, 0) if self._literals else []
+        lits = self._scan(new_raw, 0) if self._repairer.literals else []
         pieces, entries, pos, raw_pos = [], [], 0, 0
         for a, b, sid in lits:
             if sid < 0:
                 entries.append((a, b, -1, -1, -1))
                 continue
-            seg = self.tokenizer.normalize(new_raw[raw_pos:a]) if self._nfc else new_raw[raw_pos:a]
+            seg = self.tokenizer.normalize(new_raw[raw_pos:a]) if self._repairer.nfc else new_raw[raw_pos:a]
             lit = new_raw[a:b]
             pieces += [seg, lit]
             entries.append((a, b, pos + len(seg), pos + len(seg) + len(lit), sid))
             pos += len(seg) + len(lit)
             raw_pos = b
         new_map = None
-        if self._mapped:       # no literals: one span, normalized region by region with its map
+        if self._repairer.mapped:       # no literals: one span, normalized region by region with its map
             new_norm, new_map = build_map(new_raw, self.tokenizer.normalize)
         else:
-            pieces.append(self.tokenizer.normalize(new_raw[raw_pos:]) if self._nfc else new_raw[raw_pos:])
+            pieces.append(self.tokenizer.normalize(new_raw[raw_pos:]) if self._repairer.nfc else new_raw[raw_pos:])
             new_norm = "".join(pieces)
         old_norm = self._normtext.joined()
         old_sp = [(e[2], e[3], e[4]) for e in self._lits if e[4] >= 0]
@@ -558,7 +571,7 @@ class Session:
         e_old = e_new - delta
         raw_is_norm = new_norm == new_raw
         plan = _Plan(raw_change=raw_change, norm_change=None if raw_is_norm else SetText(new_norm),
-                     lits=SetLiterals(entries) if self._literals else None, nmap=new_map)
+                     lits=SetLiterals(entries) if self._repairer.literals else None, nmap=new_map)
         new = SplicedText(TextStore([old_norm]), d, new_norm[d:e_new], e_old)
         self._repair(plan, new, d, e_new, lambda lo, hi: [x for x in new_sp if x[1] > lo and x[0] < hi])
         return plan
@@ -575,7 +588,7 @@ class Session:
         self._rec.splice(rs.keep, rs.mid_ids, rs.mid_ends, rs.right_from, rs.delta)
         # text: the normalized store splits off the raw one (sharing its chunks) the first time they differ
         norm = None
-        if plan.norm_change is not None and not self._mapped:   # mapped: the map holds the normalized regions
+        if plan.norm_change is not None and not self._repairer.mapped:   # mapped: the map holds the normalized regions
             norm = self._norm if self._norm is not None else self._raw.copy()
         self._raw = self._raw.apply(plan.raw_change)
         self._norm = norm.apply(plan.norm_change) if norm is not None and plan.norm_change is not None else None

@@ -14,7 +14,7 @@ from __future__ import annotations
 import bisect
 import sys
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Iterable, Protocol
 
 import numpy as np
 
@@ -31,6 +31,7 @@ WIDTH_RUN = 1024           # narrow gaps shorter than this stay inside a wide ru
                            # check costs ~0.5 us per chunk, ~3 us for one of another kind than the resent text)
 WIDTH_FINE = 64            # granularity of a wide run's edges
 ADOPT_MAX = 2 * CHUNK_MERGE     # an ASCII resent text up to this long is kept as the store's one chunk (`adopt`)
+_ONE_START = (0,)           # the offsets of every one-chunk store
 
 # A compact non-ASCII str is this header plus (len + 1) * kind bytes, kind = 1, 2 or 4 bytes per character.
 _HEADER = sys.getsizeof("\u00e9") - 2
@@ -202,39 +203,48 @@ def _starts_with(text: str, c: Chunk, off: int) -> bool:
 
 
 class TextStore:
-    """Text as a list of chunks with start offsets; appends are O(len(chunk)), `joined` compacts lazily. A wide run
-    that the store has moved past (a chunk appended after it) is kept packed (packedrun.py) where that saves space."""
+    """Text as chunks with start offsets; appends are O(len(chunk) + chunks), `joined` compacts lazily. A wide run
+    that the store has moved past (a chunk appended after it) is kept packed (packedrun.py) where that saves space.
+    The chunk and offset sequences are tuples, replaced on every change, never edited: a tuple is exactly its size
+    (a list over-allocates), a one-chunk store shares one offsets tuple with every other, and `copy` shares both
+    (a server holds thousands of small sessions: issue 17's bytes/token of a 1.5K-token session)."""
 
     __slots__ = ("chunks", "starts", "length")
 
-    def __init__(self, chunks: list[Chunk] | None = None):
-        self.chunks: list[Chunk] = [c for c in (chunks or []) if len(c)]
-        self._reindex()
+    def __init__(self, chunks: Iterable[Chunk] = ()):
+        self._set([c for c in chunks if len(c)])
 
-    def _reindex(self) -> None:
-        self.starts, n = [], 0
-        for c in self.chunks:
-            self.starts.append(n)
+    def _set(self, chunks: list[Chunk]) -> None:
+        starts, n = [], 0
+        for c in chunks:
+            starts.append(n)
             n += len(c)
+        self.chunks: tuple[Chunk, ...] = tuple(chunks)
+        self.starts: tuple[int, ...] = _ONE_START if len(starts) == 1 else tuple(starts)
         self.length = n
 
     def __len__(self) -> int:
         return self.length
 
     def copy(self) -> TextStore:
-        return TextStore(list(self.chunks))
+        other = TextStore()
+        other.chunks, other.starts, other.length = self.chunks, self.starts, self.length
+        return other
 
     def append(self, s: str) -> None:
         if not s:
             return
+        chunks, starts = list(self.chunks), list(self.starts)
         if len(s) > 4 * CHUNK_MERGE:
             # large texts are kept as chunks of at most 64K characters (a bounded copy per later merge)
             for i in range(0, len(s), CHUNK_MERGE):
                 for run in width_runs(s[i:i + CHUNK_MERGE]):
-                    self._add(run)
-            return
-        for run in width_runs(s):
-            self._add(run)
+                    self._add(chunks, starts, run)
+        else:
+            for run in width_runs(s):
+                self._add(chunks, starts, run)
+        self.chunks = tuple(chunks)
+        self.starts = _ONE_START if len(starts) == 1 else tuple(starts)
 
     def adopt(self, text: str) -> None:
         """Become `text`, an ASCII str this store's text is a prefix of (sync's resent text): kept as it is, one chunk
@@ -243,15 +253,14 @@ class TextStore:
         if len(text) > ADOPT_MAX:
             self.append(text[self.length:])
             return
-        self.chunks = [text]
-        self.starts = [0]
+        self.chunks = (text,)
+        self.starts = _ONE_START
         self.length = len(text)
 
-    def _add(self, s: str) -> None:
+    def _add(self, chunks: list[Chunk], starts: list[int], s: str) -> None:
         """Merge into the last chunk when both are of one width (a merge never widens narrow text), unless the
         store already holds more chunks than its budget (one per 8K characters, plus 64): the Python-level
         per-chunk work of a prefix check stays bounded while text of mixed widths keeps each run at its own."""
-        chunks = self.chunks
         last = chunks[-1] if chunks else None
         if isinstance(last, str) and len(last) + len(s) <= CHUNK_MERGE and (
                 char_width(last) == char_width(s) or len(chunks) > 64 + self.length // 8192):
@@ -259,7 +268,7 @@ class TextStore:
         else:
             if isinstance(last, str) and (w := char_width(last)) > 1:
                 chunks[-1] = pack(last, w) or last      # sealed: nothing merges into it any more
-            self.starts.append(self.length)
+            starts.append(self.length)
             chunks.append(s)
         self.length += len(s)
 
@@ -287,12 +296,8 @@ class TextStore:
             i = self._locate(a) if a < self.length else len(self.chunks)
             if i < len(self.chunks):
                 head = self.chunks[i][:a - self.starts[i]]
-                del self.chunks[i:], self.starts[i:]
-                self.length = a - len(head)
-                if head:
-                    self.starts.append(self.length)
-                    self.chunks.append(head)
-                    self.length = a
+                kept, self.length = list(self.chunks[:i]), self.starts[i]
+                self._set(kept + [head] if head else kept)
             self.append(s)
             return
         # the chunks holding a and b are cut and rejoined around s: one chunk again when they are of one width and
@@ -310,11 +315,10 @@ class TextStore:
             starts.append(o)
             o += len(c)
         delta = len(s) - (b - a)
-        self.chunks[i:j + 1] = pieces
-        self.starts[i:j + 1] = starts
-        if delta:
-            k = i + len(pieces)
-            self.starts[k:] = [x + delta for x in self.starts[k:]]
+        self.chunks = (*self.chunks[:i], *pieces, *self.chunks[j + 1:])
+        new_starts = (*self.starts[:i], *starts, *((x + delta for x in self.starts[j + 1:]) if delta
+                                                     else self.starts[j + 1:]))
+        self.starts = _ONE_START if len(new_starts) == 1 else new_starts
         self.length += delta
 
     def apply(self, change: TextChange) -> TextStore:
@@ -334,8 +338,8 @@ class TextStore:
             text = "".join(map(_str, self.chunks))
             if not text.isascii():
                 return text
-            self.chunks = [text]
-            self.starts = [0]
+            self.chunks = (text,)
+            self.starts = _ONE_START
         return _str(self.chunks[0]) if self.chunks else ""
 
     def is_prefix_of(self, text: str) -> bool:
