@@ -4,8 +4,8 @@ A token's end in the normalized text is the previous end plus the characters its
 `char_len[id]`, a property of the vocabulary, specials included), so a per-token ends array (4 bytes/token) is
 redundant. What is kept beside the IDs (uint32, 4 bytes/token, grown by a fraction) is:
 
-- a checkpoint per block of 128 tokens: `ck[j]` = end of the tokens before index 128*j (0.0625 bytes/token), so
-  any end is a checkpoint plus at most 127 table lookups (~0.1 us, a few per edit) and a search by position is a
+- a checkpoint per block of 256 tokens: `ck[j]` = end of the tokens before index 256*j (0.03125 bytes/token), so
+  any end is a checkpoint plus at most 255 table lookups (~0.2 us, a few per edit) and a search by position is a
   binary search over the checkpoints then a scan of one block;
 - the exceptions, (index, extra characters) for tokens whose end moves by more than their own characters: a
   vocabulary without a token for some byte (smollm2) drops that byte's character from the token stream, so the next
@@ -34,7 +34,9 @@ import numpy as np
 from .cpu import kernels
 from .cpu.lazyjit import njit  # numba itself only when a JIT kernel runs (lazyjit.py); AOT: kernels.py
 
-SHIFT = 7                   # 128 tokens per checkpoint
+SHIFT = 8                   # 256 tokens per checkpoint: an edit's moved checkpoints (one cache miss each, 5.5K for
+                            # an edit mid-way in 1.4M tokens) cost 0.15-0.21 ms cold against 0.21-0.25 at 128, and
+                            # a position search +0.1 us (benchmarks/results/checkpoint_block_xeon.md)
 MIN_CAPACITY = 64           # records allocated for an empty session
 GROWTH = 64                 # capacity grows to n + n / GROWTH + 16 (at most ~1.6% slack; a reallocation copies the
 MAX_SLACK = 1 << 16         # IDs, amortized 64 x 4 bytes per appended token) and at most 64K records beyond n;
@@ -124,8 +126,8 @@ def _fill_checkpoints(ids, ck, tc, ex_i, ex_v, j0, j1):
 @njit(cache=True)
 def _moved_checkpoints(ids, ck, tc, ex_i, ex_v, n_old, shift, delta, j_first, out):
     """Checkpoints of the moved right part, from the old records before the move: new block j's checkpoint is the
-    end of old record j*128 - 1 - shift, plus the length change. That record sits at the same offset in every old
-    block, so each costs min(offset + 1, 127 - offset) table lookups from the nearer old checkpoint (1-2 for the
+    end of old record j*256 - 1 - shift, plus the length change. That record sits at the same offset in every old
+    block, so each costs min(offset + 1, 255 - offset) table lookups from the nearer old checkpoint (1-2 for the
     typical edit that changes the count by a few tokens), not a scan of the moved records."""
     old_last = (n_old - 1) >> SHIFT
     for k in range(out.shape[0]):
