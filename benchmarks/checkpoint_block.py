@@ -31,7 +31,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 from worktrees import worktrees  # noqa: E402
 
 _CHILD = r"""
-import json, random, sys, time
+import json, random, statistics, sys, time
 import numpy as np
 import tokenplane
 from tokenplane.tokenize import records
@@ -94,7 +94,9 @@ def main() -> None:
         def run(tree: Path, reps: int) -> dict:
             env = dict(os.environ, PYTHONPATH=str(tree), TOKENPLANE_AOT="0")
             out = subprocess.run([sys.executable, "-c", _CHILD, str(tree), args.corpus, str(reps)], env=env,
-                                 cwd=tree, check=True, capture_output=True, text=True)
+                                 cwd=tree, capture_output=True, text=True)
+            if out.returncode:
+                raise SystemExit(f"{tree}: the child failed:\n{out.stderr[-3000:]}")
             return json.loads(out.stdout.strip().splitlines()[-1])
         for tree in trees:      # one untimed pass per tree: numba compiles into each tree's cache
             run(tree, 2)
