@@ -10,7 +10,8 @@ for the other's sources) and prints, as medians over `--reps`:
   20-80% position that adds one token, after a 64 MB write evicted the caches; `moved_warm_ms`: the same call again;
 - `locate_us`: one position search at a random character offset;
 - `edit_ms`: a real session edit (20 characters replaced by 20 others at 20-80% of a 4M-character qwen3 context,
-  then the IDs read), the records' whole cost in place, with its exactness checked against the reference at the end.
+  then the IDs read), the records' whole cost in place, with its exactness checked against the reference at the end;
+  it runs after the eviction and the calls above, so it is a cold edit (session_repair.py times warm ones).
 
     python benchmarks/checkpoint_block.py --revs f36cb0f HEAD --rounds 4 --out benchmarks/results/checkpoint_block
 """
@@ -90,6 +91,8 @@ def main() -> None:
     ap.add_argument("--out", help="write OUT.json, OUT.md and OUT.png")
     args = ap.parse_args()
     load_start = os.getloadavg()
+    args.revs = [subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", rev], check=True, capture_output=True,
+                                text=True).stdout.strip() for rev in args.revs]
     with worktrees(ROOT, args.revs) as trees:
         def run(tree: Path, reps: int) -> dict:
             env = dict(os.environ, PYTHONPATH=str(tree), TOKENPLANE_AOT="0")

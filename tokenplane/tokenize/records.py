@@ -34,9 +34,9 @@ import numpy as np
 from .cpu import kernels
 from .cpu.lazyjit import njit  # numba itself only when a JIT kernel runs (lazyjit.py); AOT: kernels.py
 
-SHIFT = 8                   # 256 tokens per checkpoint: an edit's moved checkpoints (one cache miss each, 5.5K for
-                            # an edit mid-way in 1.4M tokens) cost 0.15-0.21 ms cold against 0.21-0.25 at 128, and
-                            # a position search +0.1 us (benchmarks/results/checkpoint_block_xeon.md)
+SHIFT = 8                   # 256 tokens per checkpoint: an edit's moved checkpoints (a cache miss each) cost 0.70x
+                            # (cold) and 0.48x (warm) of 128's, a cold 4M-character edit 0.77x, a position search
+                            # the same within noise (benchmarks/results/checkpoint_block_xeon.md)
 MIN_CAPACITY = 64           # records allocated for an empty session
 GROWTH = 64                 # capacity grows to n + n / GROWTH + 16 (at most ~1.6% slack; a reallocation copies the
 MAX_SLACK = 1 << 16         # IDs, amortized 64 x 4 bytes per appended token) and at most 64K records beyond n;
