@@ -627,3 +627,33 @@ def test_appends_after_non_nfc_regions_take_the_fused_path_exactly(monkeypatch):
         text = text[:a] + repl + text[b:]
         assert sess.text == text
         assert np.array_equal(sess.ids, tok.reference.encode_ordinary(text)), k
+
+
+def test_sessions_share_what_they_do_not_own(toks):
+    """A server holds thousands of small sessions, so what every session with the same options would hold alike is one
+    shared object: the repair policy (and with it the tokenizer, the allowed specials and the rule), the empty literal
+    entries, the offsets of a one-chunk text, the empty NFC map. Each session still answers for its own options."""
+    from tokenplane.tokenize.cpu import boundary
+    from tokenplane.tokenize.nfcmap import EMPTY_MAP
+    from tokenplane.tokenize.session import NO_LITERALS
+
+    tok = toks["qwen3"]
+    plain = PROSE.encode("ascii", "ignore").decode()
+    a, b = tok.session(text=plain[:900]), tok.session(text=plain[:700])
+    assert a._repairer is b._repairer and a.tokenizer is tok and a.rule == boundary.rule_for(tok.family)
+    assert a._lits is NO_LITERALS and b._lits is NO_LITERALS
+    assert a._nmap is EMPTY_MAP and b._nmap is EMPTY_MAP            # ASCII text is its own NFC
+    assert len(a._raw.chunks) == 1 and a._raw.starts is b._raw.starts
+    copy = a._raw.copy()
+    assert copy.chunks is a._raw.chunks and copy.starts is a._raw.starts and len(copy) == len(a._raw)
+    a.append(" caf\u00e9 e\u0301")                                   # a region that is not NFC: a map of its own
+    assert a._nmap is not EMPTY_MAP and len(a._nmap) == 1 and b._nmap is EMPTY_MAP
+    _check(a, tok)
+    c = tok.session(allowed_special="all", certify=False)
+    assert c._repairer is not a._repairer and c.rule is None and c.allowed_special == frozenset(tok.specials)
+    c.append(PROSE[:200] + "<|im_start|>" + PROSE[:50])
+    assert c._lits is not NO_LITERALS and len(c._lits) == 1
+    _check(c, tok, "all")
+    c.edit(0, len(c.text), "no literal now")                           # the entries return to the shared empty one
+    assert c._lits is NO_LITERALS
+    _check(c, tok, "all")
