@@ -1,6 +1,6 @@
 """Chunk-parallel CPU encode vs serial, same encoder, same text, interleaved (issue 3 target: >= 1.7x on 2 cores at
 >= 1M chars). Text: the real-text corpus from ../shared/tools/build_corpus.py. Every output is checked against the
-reference before timing. Writes benchmarks/results/parallel_speedup.{json,md,png}.
+reference before timing. Writes benchmarks/results/parallel_speedup.{json,md,png} (`--out` elsewhere).
 
     python benchmarks/parallel_speedup.py --corpus /tmp/corpus --families cl100k_base,o200k_base --repeats 5
 """
@@ -105,7 +105,9 @@ def main() -> None:
                     "repeats of one text (cache hits a fresh request would not get)")
     ap.add_argument("--warmup-ms", default="60,0", help="untimed parallel encodes after each idle gate, per row set "
                     "(0: the pair starts from an idle machine)")
+    ap.add_argument("--out", default=str(RESULTS / "parallel_speedup"), help="writes OUT.json, OUT.md and OUT.png")
     args = ap.parse_args()
+    out = Path(args.out)
     docs = [json.loads(line)["text"] for line in open(Path(args.corpus) / "mixed.jsonl", encoding="utf-8")]
     text = "".join(docs)
     rows = measure(args.families.split(","), [int(n) for n in args.sizes.split(",")], args.cache.split(","),
@@ -114,8 +116,8 @@ def main() -> None:
              if v is not False]
     meta = {"command": "python benchmarks/parallel_speedup.py " + " ".join(flags), "loadavg_end": os.getloadavg(),
             "rows": rows}
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "parallel_speedup.json").write_text(json.dumps(meta, indent=1))
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.with_suffix(".json").write_text(json.dumps(meta, indent=1))
     lines = ["# Chunk-parallel vs serial CPU encode (same encoder, interleaved, exact)", "",
              f"Command: `{meta['command']}`; load average at end {meta['loadavg_end']}.", "",
              "Each repetition is one serial and one parallel encode, interleaved (order alternating); every cell gets "
@@ -133,7 +135,7 @@ def main() -> None:
               f"{r['serial_mb_s']:.1f} | {r['parallel_mb_s']:.1f} | "
               f"{r['speedup_median']:.2f}x | {r['speedup_p10']:.2f}x | {r['speedup_p90']:.2f}x | "
               f"{r['repeats_not_quiet']}/{r['repeats']} |" for r in rows]
-    (RESULTS / "parallel_speedup.md").write_text("\n".join(lines) + "\n")
+    out.with_suffix(".md").write_text("\n".join(lines) + "\n")
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -148,7 +150,7 @@ def main() -> None:
                                          for r in rows], fontsize=5, rotation=90)
         ax.set_ylabel("speedup vs serial")
         fig.tight_layout()
-        fig.savefig(RESULTS / "parallel_speedup.png", dpi=120)
+        fig.savefig(out.with_suffix(".png"), dpi=120)
     except ImportError:
         pass
     print("\n".join(lines))
