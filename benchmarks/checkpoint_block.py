@@ -8,6 +8,7 @@ for the other's sources) and prints, as medians over `--reps`:
 
 - `moved_cold_ms`: the moved checkpoints of a 1.42M-record array (qwen3 IDs of real text) for an edit at a random
   20-80% position that adds one token, after a 64 MB write evicted the caches; `moved_warm_ms`: the same call again;
+- `moved_exceptions_ms`: the same call (warm) on the same records with 200 end exceptions spread over them;
 - `locate_us`: one position search at a random character offset;
 - `edit_ms`: a real session edit (20 characters replaced by 20 others at 20-80% of a 4M-character qwen3 context,
   then the IDs read), the records' whole cost in place, with its exactness checked against the reference at the end;
@@ -51,9 +52,17 @@ ends = np.cumsum(tc[ids].astype(np.int64))
 ck = np.zeros((n >> S) + 2, np.int64)
 ck[1:((n - 1) >> S) + 1] = ends[(np.arange(1, ((n - 1) >> S) + 1) << S) - 1]
 none = np.zeros(0, np.int64)
+# the same records with 200 exceptions (smollm2 on text holding a byte it lacks, e.g. a stray control character)
+ex_i = np.sort(np.random.default_rng(0).choice(n, 200, replace=False)).astype(np.int64)
+ex_v = np.ones(200, np.int64)
+steps = tc[ids].astype(np.int64)
+steps[ex_i] += ex_v
+ends_x = np.cumsum(steps)
+ck_x = np.zeros_like(ck)
+ck_x[1:((n - 1) >> S) + 1] = ends_x[(np.arange(1, ((n - 1) >> S) + 1) << S) - 1]
 sweep = np.ones(8 << 20)
 rng = random.Random(1)
-cold, warm, locate, edit = [], [], [], []
+cold, warm, locate, edit, exc = [], [], [], [], []
 for _ in range(reps):
     keep = rng.randrange(n // 5, 4 * n // 5)
     j_first = (keep >> S) + 1
@@ -63,6 +72,8 @@ for _ in range(reps):
     cold.append(time.perf_counter() - t)
     t = time.perf_counter(); k.rec_moved_checkpoints(ids, ck, tc, none, none, n, 1, 3, j_first, out)
     warm.append(time.perf_counter() - t)
+    t = time.perf_counter(); k.rec_moved_checkpoints(ids, ck_x, tc, ex_i, ex_v, n, 1, 3, j_first, out)
+    exc.append(time.perf_counter() - t)
     xs = [rng.randrange(0, int(ends[-1])) for _ in range(100)]
     t = time.perf_counter()
     for x in xs:
@@ -76,10 +87,10 @@ for _ in range(reps):
 exact = bool(np.array_equal(np.asarray(session.ids, np.int64), tok.encode(session.text).astype(np.int64)))
 med = lambda v: statistics.median(v)
 print(json.dumps({"shift": S, "moved_cold_ms": med(cold) * 1e3, "moved_warm_ms": med(warm) * 1e3,
-                  "locate_us": med(locate) * 1e6, "edit_ms": med(edit) * 1e3, "exact": exact}))
+                  "locate_us": med(locate) * 1e6, "moved_exceptions_ms": med(exc) * 1e3, "edit_ms": med(edit) * 1e3, "exact": exact}))
 """
 
-METRICS = ("moved_cold_ms", "moved_warm_ms", "locate_us", "edit_ms")
+METRICS = ("moved_cold_ms", "moved_warm_ms", "moved_exceptions_ms", "locate_us", "edit_ms")
 
 
 def main() -> None:
@@ -128,6 +139,8 @@ def write(out: Path, record: dict) -> None:
              "| metric | A median of rounds | B median of rounds | B / A | rounds (A -> B) |",
              "|---|---:|---:|---:|---|"]
     for m in METRICS:
+        if any(m not in side for r in record["rounds"] for side in r):
+            continue        # a record made before the metric existed
         va = [r[0][m] for r in record["rounds"]]
         vb = [r[1][m] for r in record["rounds"]]
         ma, mb = statistics.median(va), statistics.median(vb)
@@ -145,6 +158,8 @@ def write(out: Path, record: dict) -> None:
         return
     fig, axes = plt.subplots(1, len(METRICS), figsize=(3.2 * len(METRICS), 3))
     for ax, m in zip(axes, METRICS):
+        if any(m not in side for r in record["rounds"] for side in r):
+            continue
         for side, label in ((0, f"A {1 << sa}"), (1, f"B {1 << sb}")):
             ax.plot(range(1, len(record["rounds"]) + 1), [r[side][m] for r in record["rounds"]], "o-", label=label)
         ax.set_title(m)

@@ -1,6 +1,6 @@
 """Records (records.py) against a plain (id, end) list: every splice shape, the append kernel and the general path.
 
-The records derive each token's end from its ID's character count, checkpoints every 64 tokens and exceptions
+The records derive each token's end from its ID's character count, checkpoints every 2**SHIFT tokens and exceptions
 (tokens whose end moves by more than their own characters). A reference list of (id, end) pairs is spliced the
 same way; after every splice the IDs, every derived end, the checkpoints (read through `end` and `locate`) and the
 exceptions must match it.

@@ -128,15 +128,20 @@ def _moved_checkpoints(ids, ck, tc, ex_i, ex_v, n_old, shift, delta, j_first, ou
     """Checkpoints of the moved right part, from the old records before the move: new block j's checkpoint is the
     end of old record j*256 - 1 - shift, plus the length change. That record sits at the same offset in every old
     block, so each costs min(offset + 1, 255 - offset) table lookups from the nearer old checkpoint (1-2 for the
-    typical edit that changes the count by a few tokens), not a scan of the moved records."""
+    typical edit that changes the count by a few tokens), not a scan of the moved records. Counting back from the
+    next checkpoint needs no exception between the record and the block end (exceptions are sorted: one cursor)."""
     old_last = (n_old - 1) >> SHIFT
+    e = 0
     for k in range(out.shape[0]):
         x = ((j_first + k) << SHIFT) - 1 - shift
         b = x >> SHIFT
         r = x - (b << SHIFT)
-        if ex_i.shape[0] == 0 and r >= (1 << (SHIFT - 1)) and b + 1 <= old_last:
+        stop = (b + 1) << SHIFT
+        while e < ex_i.shape[0] and ex_i[e] <= x:
+            e += 1
+        if r >= (1 << (SHIFT - 1)) and b + 1 <= old_last and (e == ex_i.shape[0] or ex_i[e] >= stop):
             s = np.int64(ck[b + 1])
-            for t in range(x + 1, (b + 1) << SHIFT):
+            for t in range(x + 1, stop):
                 s -= tc[ids[t]]
         else:
             s = end_at(ids, ck, tc, ex_i, ex_v, x)
