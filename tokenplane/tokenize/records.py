@@ -131,15 +131,19 @@ def _moved_checkpoints(ids, ck, tc, ex_i, ex_v, n_old, shift, delta, j_first, ou
     typical edit that changes the count by a few tokens), not a scan of the moved records. Counting back from the
     next checkpoint needs no exception between the record and the block end (exceptions are sorted: one cursor)."""
     old_last = (n_old - 1) >> SHIFT
+    n_ex = ex_i.shape[0]
     e = 0
     for k in range(out.shape[0]):
         x = ((j_first + k) << SHIFT) - 1 - shift
         b = x >> SHIFT
         r = x - (b << SHIFT)
         stop = (b + 1) << SHIFT
-        while e < ex_i.shape[0] and ex_i[e] <= x:
-            e += 1
-        if r >= (1 << (SHIFT - 1)) and b + 1 <= old_last and (e == ex_i.shape[0] or ex_i[e] >= stop):
+        back = r >= (1 << (SHIFT - 1)) and b + 1 <= old_last
+        if back and n_ex:
+            while e < n_ex and ex_i[e] <= x:
+                e += 1
+            back = e == n_ex or ex_i[e] >= stop
+        if back:
             s = np.int64(ck[b + 1])
             for t in range(x + 1, stop):
                 s -= tc[ids[t]]
