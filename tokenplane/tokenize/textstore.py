@@ -31,7 +31,7 @@ WIDTH_RUN = 1024           # narrow gaps shorter than this stay inside a wide ru
                            # check costs ~0.5 us per chunk, ~3 us for one of another kind than the resent text)
 WIDTH_FINE = 64            # granularity of a wide run's edges
 ADOPT_MAX = 2 * CHUNK_MERGE     # an ASCII resent text up to this long is kept as the store's one chunk (`adopt`)
-_ONE_START = (0,)           # the offsets of every one-chunk store
+_ONE_START = (0,)           # the offsets of every one-chunk store (`_offsets`)
 
 # A compact non-ASCII str is this header plus (len + 1) * kind bytes, kind = 1, 2 or 4 bytes per character.
 _HEADER = sys.getsizeof("\u00e9") - 2
@@ -202,6 +202,11 @@ def _starts_with(text: str, c: Chunk, off: int) -> bool:
     return starts_with_at(text, c, off) if isinstance(c, str) else c.match_at(text, off)
 
 
+def _offsets(starts: list[int] | tuple[int, ...]) -> tuple[int, ...]:
+    """Chunk offsets as the store keeps them: one shared tuple for every one-chunk store."""
+    return _ONE_START if len(starts) == 1 else tuple(starts)
+
+
 class TextStore:
     """Text as chunks with start offsets; appends are O(len(chunk) + chunks), `joined` compacts lazily. A wide run
     that the store has moved past (a chunk appended after it) is kept packed (packedrun.py) where that saves space.
@@ -220,7 +225,7 @@ class TextStore:
             starts.append(n)
             n += len(c)
         self.chunks: tuple[Chunk, ...] = tuple(chunks)
-        self.starts: tuple[int, ...] = _ONE_START if len(starts) == 1 else tuple(starts)
+        self.starts: tuple[int, ...] = _offsets(starts)
         self.length = n
 
     def __len__(self) -> int:
@@ -244,7 +249,7 @@ class TextStore:
             for run in width_runs(s):
                 self._add(chunks, starts, run)
         self.chunks = tuple(chunks)
-        self.starts = _ONE_START if len(starts) == 1 else tuple(starts)
+        self.starts = _offsets(starts)
 
     def adopt(self, text: str) -> None:
         """Become `text`, an ASCII str this store's text is a prefix of (sync's resent text): kept as it is, one chunk
@@ -296,8 +301,7 @@ class TextStore:
             i = self._locate(a) if a < self.length else len(self.chunks)
             if i < len(self.chunks):
                 head = self.chunks[i][:a - self.starts[i]]
-                kept, self.length = list(self.chunks[:i]), self.starts[i]
-                self._set(kept + [head] if head else kept)
+                self._set([*self.chunks[:i], head] if head else list(self.chunks[:i]))
             self.append(s)
             return
         # the chunks holding a and b are cut and rejoined around s: one chunk again when they are of one width and
@@ -316,9 +320,8 @@ class TextStore:
             o += len(c)
         delta = len(s) - (b - a)
         self.chunks = (*self.chunks[:i], *pieces, *self.chunks[j + 1:])
-        new_starts = (*self.starts[:i], *starts, *((x + delta for x in self.starts[j + 1:]) if delta
-                                                     else self.starts[j + 1:]))
-        self.starts = _ONE_START if len(new_starts) == 1 else new_starts
+        self.starts = _offsets((*self.starts[:i], *starts, *((x + delta for x in self.starts[j + 1:]) if delta
+                                                              else self.starts[j + 1:])))
         self.length += delta
 
     def apply(self, change: TextChange) -> TextStore:
