@@ -18,8 +18,10 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from . import kernels
-from .lazyjit import njit  # numba itself only when a JIT kernel runs (lazyjit.py)
+from .lazyjit import njit, numba_global  # numba itself only when a JIT kernel runs (lazyjit.py)
 from .merge import _merge_piece, _merge_piece_heap, _pair_home
+
+_borrowed = numba_global("tokenplane.tokenize.cpu.borrow", "borrowed")
 
 if TYPE_CHECKING:   # type name only: bpetables builds its tables with this module's kernels
     from .bpetables import BpeTables
@@ -201,6 +203,13 @@ def _encode_pieces(buf, bounds, byte_ids, ptab, batch, whole, wkeys, wids, tok_f
     long_keys.shape[1] bytes (CJK runs and long identifiers, which cost the most to merge and recur in agent context).
     A cached entry is the piece's exact bytes and its IDs, and the BPE of a piece depends on nothing but its bytes, so
     a hit is exact by construction."""
+    # the merge kernels get borrowed views (borrow.py: no refcount atomics a miss); `out` is returned, so only views
+    # of it are passed
+    buf, bounds, byte_ids, ptab, wkeys, wids = _borrowed(buf), _borrowed(bounds), _borrowed(byte_ids), \
+        _borrowed(ptab), _borrowed(wkeys), _borrowed(wids)
+    tok_flat, tok_off, tiny, short = _borrowed(tok_flat), _borrowed(tok_off), _borrowed(tiny), _borrowed(short)
+    long_keys, long_len, long_ids, long_n = _borrowed(long_keys), _borrowed(long_len), _borrowed(long_ids), \
+        _borrowed(long_n)
     n_pieces = bounds.shape[0] - 1
     out = np.empty(buf.shape[0], dtype=np.int32)
     longest = 1
@@ -262,9 +271,11 @@ def _encode_pieces(buf, bounds, byte_ids, ptab, batch, whole, wkeys, wids, tok_f
             out[o] = t
             o += 1
         elif m > HEAP_MIN_BYTES and batch:
-            o = _merge_piece_heap(buf, a, b, byte_ids, ptab, sym, rk, nw, prk, pnw, heap, out, o)
+            o = _merge_piece_heap(buf, a, b, byte_ids, ptab, _borrowed(sym), _borrowed(rk), _borrowed(nw),
+                                  _borrowed(prk), _borrowed(pnw), _borrowed(heap), _borrowed(out), o)
         else:
-            o = _merge_piece(buf, a, b, byte_ids, ptab, batch, sym, rk, nw, out, o)
+            o = _merge_piece(buf, a, b, byte_ids, ptab, batch, _borrowed(sym), _borrowed(rk), _borrowed(nw),
+                             _borrowed(out), o)
         if tslot >= 0 and o - o0 <= 2:
             rec = np.uint64(m) | (np.uint64(out[o0]) << np.uint64(8))
             if o - o0 == 2:

@@ -27,7 +27,9 @@ import numpy as np
 
 from . import bpe as bpe_mod
 from . import merge as merge_mod
-from .lazyjit import njit  # numba itself only when a JIT kernel runs (lazyjit.py)
+from .lazyjit import njit, numba_global  # numba itself only when a JIT kernel runs (lazyjit.py)
+
+_borrowed = numba_global("tokenplane.tokenize.cpu.borrow", "borrowed")
 
 # status of a fused call (fullencode.py); OVERRUN: o200k's rare-shape matcher overran a window (a bug: the staged
 # chain then raises it)
@@ -124,6 +126,14 @@ def _walk(buf, bounds, nb, has_missing, missing, byte_ids, ptab, batch, whole, w
           wmap, slots, arena, state):
     """(IDs of the pieces buf[bounds[j]:bounds[j+1]], j < nb - 1, status OK or DROPPED: a byte the vocabulary
     lacks). buf: the UTF-8, with at least 16 bytes after the last piece."""
+    # every array a miss passes to the merge kernels as a borrowed view (borrow.py): a call's refcounts on nine
+    # arrays cost ~150 ns of atomics a miss otherwise; `out` itself is what the walk returns, so only views of it
+    # are passed
+    buf, bounds, missing, byte_ids, ptab = _borrowed(buf), _borrowed(bounds), _borrowed(missing), \
+        _borrowed(byte_ids), _borrowed(ptab)
+    wkeys, wids, tok_flat, tok_off, wmap = _borrowed(wkeys), _borrowed(wids), _borrowed(tok_flat), \
+        _borrowed(tok_off), _borrowed(wmap)
+    slots, arena, state = _borrowed(slots), _borrowed(arena), _borrowed(state)
     size = bounds[nb - 1]
     out = np.empty(size + 16, np.int32)         # a piece yields at most one ID per byte
     scratch = 64
@@ -240,11 +250,14 @@ def _walk(buf, bounds, nb, has_missing, missing, byte_ids, ptab, batch, whole, w
             out[o] = t
             o += 1
         elif not batch:     # the plain one-merge-a-round schedule (kept to measure against)
-            o = merge_mod._merge_piece(buf, a, b, byte_ids, ptab, batch, sym, rk, nw, out, o)
+            o = merge_mod._merge_piece(buf, a, b, byte_ids, ptab, batch, _borrowed(sym), _borrowed(rk),
+                                       _borrowed(nw), _borrowed(out), o)
         elif m > HEAP_MIN_BYTES:
-            o = merge_mod._merge_piece_heap(buf, a, b, byte_ids, ptab, sym, rk, nw, prk, pnw, heap, out, o)
+            o = merge_mod._merge_piece_heap(buf, a, b, byte_ids, ptab, _borrowed(sym), _borrowed(rk), _borrowed(nw),
+                                            _borrowed(prk), _borrowed(pnw), _borrowed(heap), _borrowed(out), o)
         else:
-            o = merge_mod._merge_piece_scan(buf, a, b, byte_ids, ptab, sym, rk, nw, out, o)
+            o = merge_mod._merge_piece_scan(buf, a, b, byte_ids, ptab, _borrowed(sym), _borrowed(rk), _borrowed(nw),
+                                            _borrowed(out), o)
         # -- insert (the slot found empty above, unless the map is emptied first)
         cnt = o - o0
         inline = small and cnt <= 2

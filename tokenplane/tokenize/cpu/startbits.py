@@ -60,6 +60,7 @@ from .pretokenize import (
 )
 
 _bits64 = numba_global("tokenplane.tokenize.cpu.simdbits", "bits64")
+_borrowed = numba_global("tokenplane.tokenize.cpu.borrow", "borrowed")
 _trailing_zeros = numba_global("numba.cpython.unsafe.numbers", "trailing_zeros")
 
 # feature bits of a code point: its run kind (one of the first four), then the three characters the rules name
@@ -236,6 +237,7 @@ def _gpt4_bits_impl(c, feat, digits, whole_at_end, sb):
     """Piece starts of the n = len(c) code points c into the bitmap sb (bit i of word i >> 6; at least (n >> 6) + 1
     words, cleared here), the same starts as pretokenize._gpt4_loop. feat: the feature bytes of c (gpt4_feature_table)
     followed by at least PAD zero bytes."""
+    c, feat, sb = _borrowed(c), _borrowed(feat), _borrowed(sb)     # (borrow.py: no refcounts per scalar call)
     n = c.shape[0]
     words = (n + 63) >> 6
     _clear(sb)
@@ -276,6 +278,7 @@ def _smollm2_bits_impl(c, feat, sb):
     starts one unless a space is left of it (the space glues to it: p(SP)); a letter run right after a lone
     apostrophe that no space glues (p(AP) & ~p2(O) & ~p2(SP)) takes the loop's scalar contraction code (lowercase
     s t m d / re ve ll)."""
+    c, feat, sb = _borrowed(c), _borrowed(feat), _borrowed(sb)     # (borrow.py: no refcounts per scalar call)
     n = c.shape[0]
     words = (n + 63) >> 6
     _clear(sb)
@@ -342,6 +345,7 @@ def _deepseek_bits_impl(c, feat, sb):
     before it precedes it and it starts with an ASCII letter (then the scalar code finds where its ASCII letters end);
     an other run starts, and its last character starts the letter run after it; a one-character whitespace run
     starts, except a CR/LF right after punctuation; longer whitespace runs and digit runs take the scalar code."""
+    c, feat, sb = _borrowed(c), _borrowed(feat), _borrowed(sb)     # (borrow.py: no refcounts per scalar call)
     n = c.shape[0]
     words = (n + 63) >> 6
     _clear(sb)
@@ -458,6 +462,7 @@ def _o200k_bits_impl(c, feat, sb, rare):
     character (the case rule then looks past it); whitespace runs of 2+ and digit runs go through the scalar cuts as
     in cl100k; rare positions: a word run starting with a mark right after an other run (a mask), and '/' starting
     an other run after CR/LF that follows an other character or a mark (checked at each other run after CR/LF)."""
+    c, feat, sb, rare = _borrowed(c), _borrowed(feat), _borrowed(sb), _borrowed(rare)     # (borrow.py)
     n = c.shape[0]
     words = (n + 63) >> 6
     _clear(sb)
@@ -521,7 +526,7 @@ def _o200k_bits_impl(c, feat, sb, rare):
             else:
                 if tmp.shape[0] < n:
                     tmp = np.empty(n, np.bool_)
-                owned = _o200k_region(c, feat, n, h, sb, tmp, rare, nrare)
+                owned = _o200k_region(c, feat, n, h, sb, _borrowed(tmp), rare, nrare)
         marks = rs_l & mk & _prev(ow, op)
         while marks != zero:
             rare[nrare] = base + np.int64(_trailing_zeros(marks))
@@ -542,7 +547,7 @@ _digit_groups = njit(cache=True, nogil=True, inline="always")(_digit_groups)
 _fold = njit(cache=True, nogil=True, inline="always")(_fold)
 _contraction_end = njit(cache=True, nogil=True, inline="always")(_contraction_end)
 _cl100k_starts = njit(cache=True, nogil=True, inline="always")(_cl100k_starts)
-_gpt4_scalar = njit(cache=True, nogil=True, inline="always")(_gpt4_scalar)     # inlined: no array refcounts a run
+_gpt4_scalar = njit(cache=True, nogil=True, inline="always")(_gpt4_scalar)
 _deepseek_scalar = njit(cache=True, nogil=True, inline="always")(_deepseek_scalar)
 _gpt4_bits = njit(cache=True, nogil=True)(_gpt4_bits_impl)
 _smollm2_bits = njit(cache=True, nogil=True)(_smollm2_bits_impl)

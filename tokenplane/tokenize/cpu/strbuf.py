@@ -24,6 +24,7 @@ _deref_uint8 = numba_global("numba.cpython.unicode", "deref_uint8")
 _deref_uint16 = numba_global("numba.cpython.unicode", "deref_uint16")
 _deref_uint32 = numba_global("numba.cpython.unicode", "deref_uint32")
 _trailing_zeros = numba_global("numba.cpython.unsafe.numbers", "trailing_zeros")
+_borrowed = numba_global("tokenplane.tokenize.cpu.borrow", "borrowed")
 
 
 def _codepoints_impl(s, a, b, out):
@@ -125,6 +126,7 @@ def _utf8_by_runs(cps, n, starts, buf, bounds):
 
 def _utf8_ascii_runs(cps, n, buf):
     """Pass (1) of _utf8_by_runs: (bytes written, positions of the wide characters, bytes added up to each, count)."""
+    cps, buf = _borrowed(cps), _borrowed(buf)     # borrow.py: the slices of each run carry no refcounts
     wide_pos = np.empty(64, np.int64)
     wide_add = np.empty(64, np.int64)       # bytes added by the wide characters up to and including this one
     nw = 0
