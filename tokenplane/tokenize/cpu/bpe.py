@@ -203,15 +203,16 @@ def _encode_pieces(buf, bounds, byte_ids, ptab, batch, whole, wkeys, wids, tok_f
     long_keys.shape[1] bytes (CJK runs and long identifiers, which cost the most to merge and recur in agent context).
     A cached entry is the piece's exact bytes and its IDs, and the BPE of a piece depends on nothing but its bytes, so
     a hit is exact by construction."""
-    # the merge kernels get borrowed views (borrow.py: no refcount atomics a miss); `out` is returned, so only views
-    # of it are passed
+    # every array the loop hands to a helper or a merge kernel is a borrowed view (borrow.py: no refcount atomics a
+    # piece); the IDs' own array is what returns
     buf, bounds, byte_ids, ptab, wkeys, wids = _borrowed(buf), _borrowed(bounds), _borrowed(byte_ids), \
         _borrowed(ptab), _borrowed(wkeys), _borrowed(wids)
     tok_flat, tok_off, tiny, short = _borrowed(tok_flat), _borrowed(tok_off), _borrowed(tiny), _borrowed(short)
     long_keys, long_len, long_ids, long_n = _borrowed(long_keys), _borrowed(long_len), _borrowed(long_ids), \
         _borrowed(long_n)
     n_pieces = bounds.shape[0] - 1
-    out = np.empty(buf.shape[0], dtype=np.int32)
+    ids = np.empty(buf.shape[0], dtype=np.int32)
+    out = _borrowed(ids)
     longest = 1
     for j in range(n_pieces):
         if bounds[j + 1] - bounds[j] > longest:
@@ -272,10 +273,9 @@ def _encode_pieces(buf, bounds, byte_ids, ptab, batch, whole, wkeys, wids, tok_f
             o += 1
         elif m > HEAP_MIN_BYTES and batch:
             o = _merge_piece_heap(buf, a, b, byte_ids, ptab, _borrowed(sym), _borrowed(rk), _borrowed(nw),
-                                  _borrowed(prk), _borrowed(pnw), _borrowed(heap), _borrowed(out), o)
+                                  _borrowed(prk), _borrowed(pnw), _borrowed(heap), out, o)
         else:
-            o = _merge_piece(buf, a, b, byte_ids, ptab, batch, _borrowed(sym), _borrowed(rk), _borrowed(nw),
-                             _borrowed(out), o)
+            o = _merge_piece(buf, a, b, byte_ids, ptab, batch, _borrowed(sym), _borrowed(rk), _borrowed(nw), out, o)
         if tslot >= 0 and o - o0 <= 2:
             rec = np.uint64(m) | (np.uint64(out[o0]) << np.uint64(8))
             if o - o0 == 2:
@@ -286,7 +286,7 @@ def _encode_pieces(buf, bounds, byte_ids, ptab, batch, whole, wkeys, wids, tok_f
             _short_put(short, slot, buf, a, m, out, o0, o)
         elif tier == 1:
             _cache_put(long_keys, long_len, long_ids, long_n, slot, buf, a, m, out, o0, o)
-    return out[:o]
+    return ids[:o]
 
 
 class PieceCache:

@@ -26,9 +26,11 @@ from ..errors import UnsupportedFamily
 from ..spec import charclass
 from ..spec.families import FAMILIES, Family
 from . import kernels
-from .lazyjit import njit  # numba itself only when a JIT kernel runs (lazyjit.py)
+from .lazyjit import njit, numba_global  # numba itself only when a JIT kernel runs (lazyjit.py)
 from .o200k_rescan import _o200k_rescan_local
 from .runbits import _next_run, _run_bits
+
+_borrowed = numba_global("tokenplane.tokenize.cpu.borrow", "borrowed")
 
 _B = charclass.BIT
 _L, _N, _S, _M, _P, _SY = _B["L"], _B["N"], _B["s"], _B["M"], _B["P"], _B["S"]
@@ -128,6 +130,7 @@ _gather = njit(cache=True, nogil=True)(_gather)
 
 def _gpt4_loop_impl(c, kind, digits, whole_at_end, starts):
     """The run-level cl100k-lineage rules as one loop over runs (same rules as `_starts_gpt4`, numba-compiled)."""
+    c, kind, starts = _borrowed(c), _borrowed(kind), _borrowed(starts)     # (borrow.py)
     n = c.shape[0]
     rb = _run_bits(kind, n, False)
     wi = 0
@@ -228,6 +231,7 @@ def _o200k_runs_impl(c, feat, starts, rare, nrare, a, stop, prev_kind, prev_len,
     last word run was entirely a contraction tail; rare positions appended to rare[nrare:]; returns the new count.
     startbits' o200k bitmap kernel runs it over the stretches its masks do not decide. `feat` may carry more bits
     than the kind table's (it reads bits 0-4 only)."""
+    c, feat, starts, rare = _borrowed(c), _borrowed(feat), _borrowed(starts), _borrowed(rare)     # (borrow.py)
     n = c.shape[0]
     while a < stop:
         k = feat[a] & 3
@@ -388,6 +392,7 @@ def _ds_seg_head(feat, i):
 
 def _deepseek_loop_impl(c, feat, starts):
     """The run-level DeepSeek rules (`_starts_deepseek`) as one loop over runs that never cross a segment."""
+    c, feat, starts = _borrowed(c), _borrowed(feat), _borrowed(starts)     # (borrow.py)
     n = c.shape[0]
     rb = _run_bits(feat, n, True)
     wi = 0
@@ -476,6 +481,7 @@ def _smollm2_loop_impl(c, kind, starts):
     after it, a whitespace run before a letter/other run leaves its last character to the next piece (`\\s+(?!\\S)`),
     a whitespace run that ends the segment is one piece, and a lone `'` that starts a match takes the contraction
     letters (s t m d / re ve ll, lowercase) of the letter run after it."""
+    c, kind, starts = _borrowed(c), _borrowed(kind), _borrowed(starts)     # (borrow.py)
     n = c.shape[0]
     rb = _run_bits(kind, n, False)
     wi = 0
