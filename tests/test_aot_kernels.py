@@ -88,6 +88,24 @@ def test_aot_equals_jit_and_reference(name, aot, use):
     assert kernels.guard_fallbacks == before, "an argument of the default path missed its AOT signature"
 
 
+@pytest.mark.parametrize("name", FAMILIES)
+def test_batch_of_texts_equals_jit_and_reference(name, aot, use):
+    """fullbatch.py: many texts in one call, each its own encode, AOT == JIT == the reference text by text."""
+    tok = tokenplane.load(name)
+    enc = CpuEncoder(tok, workers=1)
+    before = dict(kernels.guard_fallbacks)
+    texts = [tok.normalize(t) for t in _texts(name, 60) if t]
+    joined = "".join(texts)
+    ends = np.cumsum([len(t) for t in texts])
+    spans = np.stack([ends - [len(t) for t in texts], ends], axis=1).astype(np.int64)
+    a, j = _both(enc, aot, use, lambda: enc.encode_texts(joined, spans))
+    assert a is not None and j is not None      # (no text here holds a byte smollm2's vocabulary lacks)
+    assert np.array_equal(a[0], j[0]) and np.array_equal(a[1], j[1])
+    parts = np.split(a[0], np.cumsum(a[1])[:-1])
+    assert all(p.tolist() == tok.reference.encode_ordinary(t).tolist() for p, t in zip(parts, texts))
+    assert kernels.guard_fallbacks == before, "an argument of the batch path missed its AOT signature"
+
+
 @pytest.mark.parametrize("name", ["cl100k_base", "o200k_base", "qwen3", "deepseek_v4", "smollm2"])
 def test_segments_between_specials_equal_jit_and_reference(name, aot, use):
     """Many segments in one BPE call (allowed specials, session repair windows): IDs, token ends and counts."""

@@ -74,7 +74,7 @@ def test_batch_api_equals_one_by_one(name):
     on several threads (enough text to leave the serial path), and the reference's."""
     from realtext import corpus_texts
 
-    from tokenplane.tokenize.tokenizer import BATCH_SERIAL_CHARS
+    from tokenplane.tokenize.batch import BATCH_SERIAL_CHARS
 
     tok = tokenplane.load(name)
     texts = corpus_texts("mixed")[:40] + corpus_texts("nonen")[:20] + ["", TEXT, "x"]
@@ -115,3 +115,34 @@ def test_single_token_lookups(name):
         tok.encode_single_token("definitely not one token at all")
     with pytest.raises(ValueError):
         tok.decode_single_token_bytes(tok.n_vocab + 10)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_batch_of_short_texts_goes_in_few_calls(name, monkeypatch):
+    """Short texts of a batch are encoded many to one kernel call (tokenize/batch.py): each text's IDs are still
+    its own encode's, whatever its neighbours (text ends that would merge with the next text's start, NFC-sensitive
+    characters, empty texts, bytes), and the group's call count is far below the text count."""
+    from tokenplane.tokenize.cpu.parallel import CpuEncoder
+
+    tok = tokenplane.load(name)
+    base = ["hello", " world", "", "x", "123", "4567", "  ", "\n\n", "cafe\u0301", "\u00e9t\u00e9", "日本語", "語の",
+            "don't", "'s", "a\u0300", b"bytes \xc3\xa9", "\u0301start", "end\u0301", "\r\n", "tab\t", "\U0001F44D", "ctl\x04"]
+    texts = [t + (t[:0] if i % 3 == 0 else (str(i) if isinstance(t, str) else str(i).encode()))
+             for i, t in ((i, base[i % len(base)]) for i in range(400))]
+    calls = []
+    real = CpuEncoder.encode_texts
+
+    def counted(self, *args, **kwargs):
+        calls.append(1)
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(CpuEncoder, "encode_texts", counted)
+    for threads in (1, 2):
+        calls.clear()
+        got = tok.encode_batch(texts, num_threads=threads)
+        assert all(np.array_equal(g, tok.encode(t)) for g, t in zip(got, texts))
+        assert all(g.dtype == np.uint32 for g in got)
+        assert 1 <= len(calls) <= 4
+    with pytest.raises(InvalidTextError) as ei:
+        tok.encode_batch(texts[:5] + ["bad \ud800"] + texts[5:10], num_threads=1)
+    assert ei.value.index == 5

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Callable, Collection, Iterable, Literal, Mappi
 
 import numpy as np
 
+from . import batch
 from .cpu import nfc
 from .cpu.segments import with_literals
 from .errors import InvalidTextError, PathUnavailableError, TextTooLargeError, validate_text  # noqa: F401
@@ -31,7 +32,6 @@ if TYPE_CHECKING:   # sessions (and the numba kernels they run) are imported on 
     from .splice import SpliceSearch
 
 DEFAULT_MAX_CHARS = 64 * 1024 * 1024
-BATCH_SERIAL_CHARS = 64 * 1024      # below this much text in all, encode_batch runs on the calling thread
 EncodePath = Literal["auto", "reference", "cpu", "gpu"]
 Encoder = Callable[[str], np.ndarray]
 EncoderFactory = Callable[["Tokenizer"], Mapping[str, Encoder]]
@@ -260,39 +260,11 @@ class Tokenizer:
     def encode_batch(self, texts: Sequence[str | bytes], *, allowed_special: AllowedSpecial = (),
                      path: EncodePath = "auto", num_threads: int = 8) -> list[np.ndarray]:
         """`encode` of each text, in order (tiktoken's encode_batch; IDs as uint32 arrays, like `encode`), on up to
-        `num_threads` threads: the CPU path's kernels release the GIL and keep their caches per thread. An invalid
-        text raises its error with the text's index (`InvalidTextError.index`); nothing is returned then."""
-        items = list(texts)
-        allowed = self.resolve_allowed(allowed_special)
-
-        def one(i: int) -> np.ndarray:
-            try:
-                return self.encode(items[i], allowed_special=allowed, path=path)
-            except (InvalidTextError, TextTooLargeError) as exc:
-                exc.index = i
-                exc.add_note(f"(text {i} of the batch)")
-                raise
-
-        workers = max(1, min(int(num_threads), len(items)))
-        if workers == 1 or sum(len(t) for t in items) < BATCH_SERIAL_CHARS:
-            return [one(i) for i in range(len(items))]
-        # Texts go out in `workers` interleaved strides: the calling thread takes the first (its piece caches are
-        # the warmest: a serial caller's), long-lived pool threads the others (each keeps its caches warm from batch
-        # to batch; fresh threads start empty, and measured slower on two threads than one).
-        def stride(w: int) -> list[np.ndarray]:
-            return [one(i) for i in range(w, len(items), workers)]
-
-        pool = self._batch_pool(workers - 1)
-        futures = [pool.submit(stride, w) for w in range(1, workers)]
-        try:
-            parts = [stride(0)]
-        finally:
-            done = [f.result() for f in futures]    # every stride ends (or raises) before this call returns
-        parts += done
-        out: list[np.ndarray] = [np.empty(0, np.uint32)] * len(items)
-        for w, part in enumerate(parts):
-            out[w::workers] = part
-        return out
+        `num_threads` threads: the CPU path's kernels release the GIL and keep their caches per thread; short texts
+        go many to one kernel call (batch.py). An invalid text raises its error with the text's index
+        (`InvalidTextError.index`); nothing is returned then."""
+        return batch.encode_batch(self, list(texts), self.resolve_allowed(allowed_special), path,
+                                  max(1, int(num_threads)), self._batch_pool)
 
     def _batch_pool(self, workers: int) -> ThreadPoolExecutor:
         with self._reference_lock:

@@ -46,8 +46,8 @@ _HERE = Path(__file__).resolve().parent
 # The modules whose source decides the compiled code: the kernels, this table of signatures, the lazy decorator.
 SOURCES = ("strbuf.py", "pretokenize.py", "o200k_rescan.py", "runbits.py", "startbits.py", "simdbits.py", "borrow.py",
            "bpe.py", "merge.py", "boundary.py", "segments.py", "window.py", "piecemap.py", "fullencode.py",
-           "../appendwin.py", "../records.py", "../splice.py", "../textstore.py", "../packedrun.py", "lazyjit.py",
-           "kernels.py", "aotbuild.py")
+           "fullbatch.py", "../appendwin.py", "../records.py", "../splice.py", "../textstore.py", "../packedrun.py",
+           "lazyjit.py", "kernels.py", "aotbuild.py")
 
 # -- the export table: name -> (module, attribute, return type, argument types) ------------------------------------
 # Argument types: "str" (a Python str, numba unicode_type), "int64", "boolean", or (dtype, ndim) for a C-contiguous
@@ -74,6 +74,8 @@ FULL_HEAD = (S, I, I, S, A("uint32"))
 FULL_SCRATCH = (A("boolean"), A("uint8"), A("int64"))
 FULL_TAIL = (B, A("boolean"), *BPE_ARGS[:8], A("uint64", 2), A("uint64", 2), A("uint32"), A("int64"))
 FULL_RET = "Tuple((int32[::1], int64))"
+BATCH_HEAD = (S, A("int64", 2), A("uint32"))
+BATCH_RET = "Tuple((int32[::1], int64[::1], int64))"
 # the fused append window (tokenize/appendwin.py): text, base, d, w, the records (no tc), commit flag | NFC flag and
 # inert table, the splice search's tables and limits | family tables | the window tail
 APPEND_HEAD = (S, I, I, I, A("uint32"), A("int64"), A("int64"), A("int64"), I, B)
@@ -135,6 +137,15 @@ EXPORTS: dict[str, tuple[str, str, str, tuple[Any, ...]]] = {
     "full_walk": ("fullencode", "_finish", FULL_RET, (A("uint32"), I, *FULL_SCRATCH, *FULL_TAIL)),
     "full_o200k": ("fullencode", "_full_o200k", FULL_RET,
                    (*FULL_HEAD, A("uint8"), *FULL_SCRATCH, A("uint8"), A("uint16"), *FULL_TAIL)),
+    # many short texts in one call (fullbatch.py): text, spans | scratch | family tables | the block kernels' tail
+    "batch_gpt4": ("fullbatch", "_batch_gpt4", BATCH_RET,
+                   (*BATCH_HEAD, A("uint8"), *FULL_SCRATCH, A("uint8"), I, B, *FULL_TAIL)),
+    "batch_deepseek": ("fullbatch", "_batch_deepseek", BATCH_RET,
+                       (*BATCH_HEAD, A("uint8"), *FULL_SCRATCH, A("uint8"), *FULL_TAIL)),
+    "batch_smollm2": ("fullbatch", "_batch_smollm2", BATCH_RET,
+                      (*BATCH_HEAD, A("uint8"), *FULL_SCRATCH, A("uint8"), *FULL_TAIL)),
+    "batch_o200k": ("fullbatch", "_batch_o200k", BATCH_RET,
+                    (*BATCH_HEAD, A("uint8"), *FULL_SCRATCH, A("uint8"), A("uint16"), *FULL_TAIL)),
     # session records (..records: IDs, checkpoints ck, token characters tc, end exceptions ex_i / ex_v)
     "rec_end_at": ("..records", "end_at", "int64", (*REC, I)),
     "rec_locate": ("..records", "locate", "UniTuple(int64, 2)", (*REC, I, I)),

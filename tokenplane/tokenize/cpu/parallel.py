@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Callable
 
 import numpy as np
 
-from . import boundary, bpetables, fullencode, nfc, pretokenize, strbuf
+from . import boundary, bpetables, fullbatch, fullencode, nfc, pretokenize, strbuf
 from .bpe import BPE, DroppedBytes
 from .startbits import PAD
 
@@ -140,6 +140,17 @@ class CpuEncoder:
                 return ids.view(np.uint32)
         buf, bounds = strbuf.utf8_and_bounds(cps, n, starts, sc.buf, sc.bounds)
         return self.bpe.encode_bytes(buf, bounds).view(np.uint32)
+
+    def encode_texts(self, s: str, spans: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
+        """IDs of each span s[a:b] (s normalized; spans int64[k, 2], each under a block) encoded as a text of its
+        own, back to back (uint32), and each span's count, in one call (fullbatch.py); None where the fused kernels
+        decline one of them (a byte the vocabulary lacks) or are switched off: encode the texts one by one."""
+        if not (self.fused and self.full_kernel) or not len(spans):
+            return None
+        sc = self._scratch(int((spans[:, 1] - spans[:, 0]).max()) + 1)
+        ids, counts, status = fullbatch.batch_encoder(self.bpe, self.family.name)(s, spans, sc.cps, sc.kind,
+                                                                                  sc.starts, sc.buf, sc.bounds)
+        return (ids.view(np.uint32), counts) if status == fullencode.OK else None
 
     def _encode_blocks(self, s: str, a: int, b: int, lookahead: str = "") -> np.ndarray:
         """IDs of s[a:b] (normalized), block by block: blocks of ~block_chars cut at stable positions (the chunk
