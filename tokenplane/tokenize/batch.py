@@ -1,14 +1,14 @@
 """`Tokenizer.encode_batch`: many texts, in order, each one's IDs equal to its own `encode`.
 
-Short texts are what a batch of chat messages, tool results or documents to count is made of, and one `encode` of a
-200-character text spends ~10 us around a ~1 us encode: the Python layers of the call and the kernel's unboxing of
-~25 array arguments. A batch without allowed special tokens therefore joins its short texts (each up to
-GROUP_TEXT_CHARS) into groups of under `segments.MAX_CHARS` characters and encodes each group with one fused segments
-call (cpu/segments.py, the same call that encodes a chat's text between its special tokens): each text is a segment
-of its own (its first character starts a piece, and no piece crosses into the next text), so its IDs are those of
-its own encode; the call returns the IDs of every text back to back and how many each produced. What the call
-declines (a byte the vocabulary lacks, a path that is not the CPU encoder) goes text by text through `encode`.
-Groups and longer texts are the batch's units of work, spread over the calling thread and pool threads in strides.
+Short texts are what a batch of chat messages, tool results or snippets to count is made of, and one `encode` of a
+~110-character text takes ~10 us around ~1.5 us of encoding: the Python layers of the call, the guard, and the AOT
+kernel's unboxing of ~25 array arguments. A batch without allowed special tokens therefore joins its short texts
+(each up to GROUP_TEXT_CHARS) into groups of under `segments.MAX_CHARS` characters, validates each group's joined
+text once (naming the failing text only when it fails), and encodes each group with one call of cpu/fullbatch.py:
+the family's fused block kernel on each text as a text of its own, so each text's IDs are its own encode's. What
+that call declines (a byte the vocabulary lacks, a path that is not the CPU encoder) goes text by text through
+`encode`. Groups and longer texts are the batch's units of work, spread over the calling thread and pool threads in
+strides (docs/pretokenizer.md, "Batches of short texts", has the figures).
 """
 
 from __future__ import annotations
