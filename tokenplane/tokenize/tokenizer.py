@@ -220,6 +220,8 @@ class Tokenizer:
         """IDs (uint32) equal to the reference encode of `text`; no BOS/EOS. Special-token strings are ordinary
         text unless listed in `allowed_special` (like tiktoken)."""
         text = validate_text(text, self.max_chars)
+        if not allowed_special:     # no literal is allowed to split it: the text is one ordinary segment
+            return self.encode_ordinary(text, path=path) if text else np.zeros(0, dtype=np.uint32)
         allowed = self.resolve_allowed(allowed_special)
         segments = self._matcher.split(text, allowed)
         if len(segments) > 2:

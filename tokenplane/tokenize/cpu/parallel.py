@@ -183,7 +183,10 @@ class CpuEncoder:
             return self.encode_parallel(text)
         self.stats["serial"] += 1
         try:
-            return self._encode_norm(self.tok.normalize(text))
+            norm = self.tok.normalize(text)
+            if len(norm) <= self.block_chars:     # one block (what _encode_blocks would run), no cut to reject
+                return self._encode_range(norm, 0, len(norm))
+            return self._encode_norm(norm)
         except DroppedBytes:
             return self._reference(text)
 
