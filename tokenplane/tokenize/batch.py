@@ -63,10 +63,10 @@ def encode_batch(tok: Tokenizer, items: Sequence[str | bytes], allowed: frozense
         if tok.family.normalizer is not None and not joined.isascii():
             texts = [tok.normalize(t) for t in texts]       # text by text, as each one's own encode normalizes it
             joined = "".join(texts)
-        ends = np.cumsum(np.fromiter(map(len, texts), dtype=np.int64, count=len(texts)))
-        spans = np.stack((ends - np.fromiter(map(len, texts), dtype=np.int64, count=len(texts)), ends), axis=1)
-        longest = int((spans[:, 1] - spans[:, 0]).max()) if len(spans) else 0
-        cpu = segment_encoder(tok.path(path), longest)
+        lengths = np.fromiter(map(len, texts), dtype=np.int64, count=len(texts))
+        ends = np.cumsum(lengths)
+        spans = np.stack((ends - lengths, ends), axis=1)
+        cpu = segment_encoder(tok.path(path), int(lengths.max()))
         got = None if cpu is None else cpu.encode_texts(joined, spans)
         if got is None:
             for i in members:

@@ -17,10 +17,9 @@ from typing import Any, Callable
 import numpy as np
 
 from . import bpe as bpe_mod
-from . import kernels
-from .fullencode import _NO_MISSING, _full_deepseek, _full_gpt4, _full_o200k, _full_smollm2, block_tables
+from .fullencode import _full_deepseek, _full_gpt4, _full_o200k, _full_smollm2, block_tables, bound_kernel
 from .lazyjit import njit, numba_global  # numba itself only when a JIT kernel runs (lazyjit.py)
-from .piecemap import OK, PieceMap
+from .piecemap import OK
 
 _borrowed = numba_global("tokenplane.tokenize.cpu.borrow", "borrowed")
 BatchFn = Callable[..., tuple[np.ndarray, np.ndarray, int]]
@@ -47,77 +46,19 @@ def _start(spans):
     return np.zeros(spans.shape[0], np.int64), np.empty(total + 16, np.int32)
 
 
-# Arguments: the texts as one str, their spans | scratch (code points, features, starts, UTF-8, bounds) | the family's
-# tables | missing bytes, the BPE tables, the thread's piece map. The arrays go to the block kernel as borrowed views
-# (borrow.py): a call per text would otherwise count ~20 references in and out.
-def _batch_gpt4_impl(s, spans, cps, feat, starts, buf, bounds, feat_table, digits, whole_at_end, has_missing,
-                     missing, byte_ids, ptab, batch, whole, wkeys, wids, tok_flat, tok_off, wmap, slots, arena, state):
-    cps, feat, starts, buf, bounds, feat_table = _borrowed(cps), _borrowed(feat), _borrowed(starts), \
-        _borrowed(buf), _borrowed(bounds), _borrowed(feat_table)
-    missing, byte_ids, ptab, wkeys, wids, tok_flat = _borrowed(missing), _borrowed(byte_ids), _borrowed(ptab), \
-        _borrowed(wkeys), _borrowed(wids), _borrowed(tok_flat)
-    tok_off, wmap, slots, arena, state = _borrowed(tok_off), _borrowed(wmap), _borrowed(slots), _borrowed(arena), \
-        _borrowed(state)
-    counts, out = _start(spans)
-    end = s[:0]     # no lookahead: a span ends its text (an empty str of the text's type, not a literal)
-    o = 0
-    for j in range(spans.shape[0]):
-        ids, status = _full_gpt4(s, spans[j, 0], spans[j, 1], end, cps, feat, starts, buf, bounds, feat_table, digits,
-                                 whole_at_end, has_missing, missing, byte_ids, ptab, batch, whole, wkeys, wids,
-                                 tok_flat, tok_off, wmap, slots, arena, state)
-        if status != OK:
-            return out[:0], counts, status
-        out, o = _take(out, o, ids)
-        counts[j] = ids.shape[0]
-    return out[:o], counts, OK
+# The four families' block kernels differ in their family arguments only: one batch kernel takes their union
+# (`form` picks the kernel; gpt4 reads the digit group and whole-run flags, o200k the class table of its rare
+# shapes, the others neither) so one export serves every family.
+FORMS = {"gpt4": 0, "deepseek": 1, "smollm2": 2, "o200k": 3}
+_NO_CLASSES = np.zeros(0, np.uint16)
 
 
-def _batch_deepseek_impl(s, spans, cps, feat, starts, buf, bounds, feat_table, has_missing, missing, byte_ids, ptab,
-                         batch, whole, wkeys, wids, tok_flat, tok_off, wmap, slots, arena, state):
-    cps, feat, starts, buf, bounds, feat_table = _borrowed(cps), _borrowed(feat), _borrowed(starts), \
-        _borrowed(buf), _borrowed(bounds), _borrowed(feat_table)
-    missing, byte_ids, ptab, wkeys, wids, tok_flat = _borrowed(missing), _borrowed(byte_ids), _borrowed(ptab), \
-        _borrowed(wkeys), _borrowed(wids), _borrowed(tok_flat)
-    tok_off, wmap, slots, arena, state = _borrowed(tok_off), _borrowed(wmap), _borrowed(slots), _borrowed(arena), \
-        _borrowed(state)
-    counts, out = _start(spans)
-    end = s[:0]     # no lookahead: a span ends its text (an empty str of the text's type, not a literal)
-    o = 0
-    for j in range(spans.shape[0]):
-        ids, status = _full_deepseek(s, spans[j, 0], spans[j, 1], end, cps, feat, starts, buf, bounds, feat_table,
-                                     has_missing, missing, byte_ids, ptab, batch, whole, wkeys, wids, tok_flat,
-                                     tok_off, wmap, slots, arena, state)
-        if status != OK:
-            return out[:0], counts, status
-        out, o = _take(out, o, ids)
-        counts[j] = ids.shape[0]
-    return out[:o], counts, OK
-
-
-def _batch_smollm2_impl(s, spans, cps, feat, starts, buf, bounds, feat_table, has_missing, missing, byte_ids, ptab,
-                        batch, whole, wkeys, wids, tok_flat, tok_off, wmap, slots, arena, state):
-    cps, feat, starts, buf, bounds, feat_table = _borrowed(cps), _borrowed(feat), _borrowed(starts), \
-        _borrowed(buf), _borrowed(bounds), _borrowed(feat_table)
-    missing, byte_ids, ptab, wkeys, wids, tok_flat = _borrowed(missing), _borrowed(byte_ids), _borrowed(ptab), \
-        _borrowed(wkeys), _borrowed(wids), _borrowed(tok_flat)
-    tok_off, wmap, slots, arena, state = _borrowed(tok_off), _borrowed(wmap), _borrowed(slots), _borrowed(arena), \
-        _borrowed(state)
-    counts, out = _start(spans)
-    end = s[:0]     # no lookahead: a span ends its text (an empty str of the text's type, not a literal)
-    o = 0
-    for j in range(spans.shape[0]):
-        ids, status = _full_smollm2(s, spans[j, 0], spans[j, 1], end, cps, feat, starts, buf, bounds, feat_table,
-                                    has_missing, missing, byte_ids, ptab, batch, whole, wkeys, wids, tok_flat,
-                                    tok_off, wmap, slots, arena, state)
-        if status != OK:
-            return out[:0], counts, status
-        out, o = _take(out, o, ids)
-        counts[j] = ids.shape[0]
-    return out[:o], counts, OK
-
-
-def _batch_o200k_impl(s, spans, cps, feat, starts, buf, bounds, feat_table, cls_table, has_missing, missing,
-                      byte_ids, ptab, batch, whole, wkeys, wids, tok_flat, tok_off, wmap, slots, arena, state):
+# Arguments: the texts as one str, their spans | scratch (code points, features, starts, UTF-8, bounds) | the form
+# and the union of the families' tables | missing bytes, the BPE tables, the thread's piece map. The arrays go to the
+# block kernel as borrowed views (borrow.py): a call per text would otherwise count ~20 references in and out.
+def _batch_impl(s, spans, cps, feat, starts, buf, bounds, form, feat_table, cls_table, digits, whole_at_end,
+                has_missing, missing, byte_ids, ptab, batch, whole, wkeys, wids, tok_flat, tok_off, wmap, slots, arena,
+                state):
     cps, feat, starts, buf, bounds, feat_table = _borrowed(cps), _borrowed(feat), _borrowed(starts), \
         _borrowed(buf), _borrowed(bounds), _borrowed(feat_table)
     cls_table, missing, byte_ids, ptab, wkeys = _borrowed(cls_table), _borrowed(missing), _borrowed(byte_ids), \
@@ -129,9 +70,23 @@ def _batch_o200k_impl(s, spans, cps, feat, starts, buf, bounds, feat_table, cls_
     end = s[:0]     # no lookahead: a span ends its text (an empty str of the text's type, not a literal)
     o = 0
     for j in range(spans.shape[0]):
-        ids, status = _full_o200k(s, spans[j, 0], spans[j, 1], end, cps, feat, starts, buf, bounds, feat_table,
-                                  cls_table, has_missing, missing, byte_ids, ptab, batch, whole, wkeys, wids,
-                                  tok_flat, tok_off, wmap, slots, arena, state)
+        a, b = spans[j, 0], spans[j, 1]
+        if form == 0:
+            ids, status = _full_gpt4(s, a, b, end, cps, feat, starts, buf, bounds, feat_table, digits, whole_at_end,
+                                     has_missing, missing, byte_ids, ptab, batch, whole, wkeys, wids, tok_flat,
+                                     tok_off, wmap, slots, arena, state)
+        elif form == 1:
+            ids, status = _full_deepseek(s, a, b, end, cps, feat, starts, buf, bounds, feat_table, has_missing,
+                                         missing, byte_ids, ptab, batch, whole, wkeys, wids, tok_flat, tok_off, wmap,
+                                         slots, arena, state)
+        elif form == 2:
+            ids, status = _full_smollm2(s, a, b, end, cps, feat, starts, buf, bounds, feat_table, has_missing,
+                                        missing, byte_ids, ptab, batch, whole, wkeys, wids, tok_flat, tok_off, wmap,
+                                        slots, arena, state)
+        else:
+            ids, status = _full_o200k(s, a, b, end, cps, feat, starts, buf, bounds, feat_table, cls_table,
+                                      has_missing, missing, byte_ids, ptab, batch, whole, wkeys, wids, tok_flat,
+                                      tok_off, wmap, slots, arena, state)
         if status != OK:
             return out[:0], counts, status
         out, o = _take(out, o, ids)
@@ -139,31 +94,24 @@ def _batch_o200k_impl(s, spans, cps, feat, starts, buf, bounds, feat_table, cls_
     return out[:o], counts, OK
 
 
-_batch_gpt4 = njit(cache=True, nogil=True)(_batch_gpt4_impl)
-_batch_deepseek = njit(cache=True, nogil=True)(_batch_deepseek_impl)
-_batch_smollm2 = njit(cache=True, nogil=True)(_batch_smollm2_impl)
-_batch_o200k = njit(cache=True, nogil=True)(_batch_o200k_impl)
+_batch = njit(cache=True, nogil=True)(_batch_impl)
+
+
+def _union(family: str) -> tuple[str, tuple[Any, ...]]:
+    """The batch export and its family arguments: the form, then the union of the block kernels' tables."""
+    loop, fam_args = block_tables(family)
+    if loop == "gpt4":
+        feat_table, digits, whole_at_end = fam_args
+        return "batch", (FORMS[loop], feat_table, _NO_CLASSES, digits, whole_at_end)
+    cls_table = fam_args[1] if loop == "o200k" else _NO_CLASSES
+    return "batch", (FORMS[loop], fam_args[0], cls_table, 0, False)
 
 
 def batch_encoder(bpe: bpe_mod.BPE, family: str) -> BatchFn:
-    """The batch kernel of `family` with `bpe`'s tables and the calling thread's piece map bound (as
-    fullencode.full_encoder binds the block kernel): fn(text, spans int64[k, 2], cps, kind, starts, buf, bounds) ->
-    (IDs int32 of every span back to back, int64 count per span, status)."""
-    k = kernels.get()
-    c = bpe.thread_cache()
-    pm = c.pmap
-    if pm is None:
-        pm = c.pmap = PieceMap()
-    key = "batch:" + family
-    entry = pm.bound.get(key)
-    if entry is not None and entry[0] is k and entry[1] == bpe.batch and entry[2] == bpe.whole:
-        return entry[3]
-    loop, fam_args = block_tables(family)
-    missing = bpe.missing if bpe.missing is not None else _NO_MISSING
-    fn: Any = k.bind(f"batch_{loop}", 7, *fam_args, bpe.missing is not None, missing, bpe.byte_ids, bpe.ptab,
-                     bpe.batch, bpe.whole, bpe.wkeys, bpe.wids, bpe.tok_flat, bpe.tok_off, bpe.wmap, pm.slots,
-                     pm.arena, pm.state)
-    pm.bound[key] = (k, bpe.batch, bpe.whole, fn)
+    """The batch kernel for `family` with `bpe`'s tables and the calling thread's piece map bound
+    (fullencode.bound_kernel): fn(text, spans int64[k, 2], cps, kind, starts, buf, bounds) -> (IDs int32 of every
+    span back to back, int64 count per span, status)."""
+    fn: BatchFn = bound_kernel(bpe, "batch:" + family, 7, lambda: _union(family))
     return fn
 
 

@@ -174,47 +174,45 @@ def block_tables(family: str) -> tuple[str, tuple[Any, ...]]:
     return loop, (startbits.bitmap_form(family)[0], *fam_args[1:])     # (o200k: its class table follows)
 
 
-def full_encoder(bpe: bpe_mod.BPE, family: str) -> FullFn:
-    """The fused block kernel of `family` with `bpe`'s tables and the calling thread's piece map bound:
-    fn(text, a, b, extra, cps, kind, starts, buf, bounds) -> (IDs int32 of text[a:b], status); `extra`: characters
-    right of the block (a cut's lookahead, "" at the text's end) that the pre-tokenizer reads and that must start a
-    piece; then scratch arrays (uint32, the family table's dtype, bool, uint8, int64; `scratch_args` makes them),
-    each replaced inside by a new one when too short. The map lives on the
-    thread's bpe.PieceCache (bpe.clear_caches empties it too); bound again when the kernel set or the encoder's
-    schedule flags change (tests switch them)."""
+def bound_kernel(bpe: bpe_mod.BPE, key: str, n_head: int, export: Callable[[], tuple[str, tuple[Any, ...]]]) -> Any:
+    """The export `export()` names (made only when the binding is, with the family arguments it returns) with
+    everything after its first `n_head` arguments bound: those family arguments, then the missing bytes, `bpe`'s
+    tables and the calling thread's piece map. The binding is kept on that map under `key`, and made again when the
+    kernel set or the encoder's schedule flags change (tests switch them)."""
     k = kernels.get()
     c = bpe.thread_cache()
     pm = c.pmap
     if pm is None:
         pm = c.pmap = PieceMap()
-    entry = pm.bound.get(family)
+    entry = pm.bound.get(key)
     if entry is not None and entry[0] is k and entry[1] == bpe.batch and entry[2] == bpe.whole:
         return entry[3]
-    loop, fam_args = block_tables(family)
+    name, family_args = export()
     missing = bpe.missing if bpe.missing is not None else _NO_MISSING
-    fn = k.bind(f"full_{loop}", 9, *fam_args, bpe.missing is not None, missing, bpe.byte_ids, bpe.ptab, bpe.batch,
+    fn = k.bind(name, n_head, *family_args, bpe.missing is not None, missing, bpe.byte_ids, bpe.ptab, bpe.batch,
                 bpe.whole, bpe.wkeys, bpe.wids, bpe.tok_flat, bpe.tok_off, bpe.wmap, pm.slots, pm.arena, pm.state)
-    pm.bound[family] = (k, bpe.batch, bpe.whole, fn)
+    pm.bound[key] = (k, bpe.batch, bpe.whole, fn)
     return fn
+
+
+def full_encoder(bpe: bpe_mod.BPE, family: str) -> FullFn:
+    """The fused block kernel of `family` with `bpe`'s tables and the calling thread's piece map bound
+    (`bound_kernel`): fn(text, a, b, extra, cps, kind, starts, buf, bounds) -> (IDs int32 of text[a:b], status);
+    `extra`: characters right of the block (a cut's lookahead, "" at the text's end) that the pre-tokenizer reads and
+    that must start a piece; then scratch arrays (uint32, the family table's dtype, bool, uint8, int64;
+    `scratch_args` makes them), each replaced inside by a new one when too short. The map lives on the thread's
+    bpe.PieceCache (bpe.clear_caches empties it too)."""
+    def export() -> tuple[str, tuple[Any, ...]]:
+        loop, fam_args = block_tables(family)
+        return f"full_{loop}", fam_args
+    return bound_kernel(bpe, family, 9, export)
 
 
 def walk_encoder(bpe: bpe_mod.BPE) -> FullFn:
     """The second half of the block kernel alone, with the same bindings as `full_encoder`: fn(cps, n, starts, buf,
     bounds) -> (IDs int32, status) for code points whose piece starts the caller computed (o200k's rare shapes:
     pretokenize.piece_starts runs its rescan), then UTF-8 + bounds and the walk through the thread's piece map."""
-    k = kernels.get()
-    c = bpe.thread_cache()
-    pm = c.pmap
-    if pm is None:
-        pm = c.pmap = PieceMap()
-    entry = pm.bound.get("walk")
-    if entry is not None and entry[0] is k and entry[1] == bpe.batch and entry[2] == bpe.whole:
-        return entry[3]
-    missing = bpe.missing if bpe.missing is not None else _NO_MISSING
-    fn = k.bind("full_walk", 5, bpe.missing is not None, missing, bpe.byte_ids, bpe.ptab, bpe.batch, bpe.whole,
-                bpe.wkeys, bpe.wids, bpe.tok_flat, bpe.tok_off, bpe.wmap, pm.slots, pm.arena, pm.state)
-    pm.bound["walk"] = (k, bpe.batch, bpe.whole, fn)
-    return fn
+    return bound_kernel(bpe, "walk", 5, lambda: ("full_walk", ()))
 
 
 def scratch_args(family: str, chars: int = 0) -> tuple[np.ndarray, ...]:
@@ -226,4 +224,5 @@ def scratch_args(family: str, chars: int = 0) -> tuple[np.ndarray, ...]:
             np.empty(4 * n + 16, np.uint8), np.empty(n + 1, np.int64))
 
 
-__all__ = ["CUT_REJECTED", "DROPPED", "OK", "OVERRUN", "SURROGATE", "full_encoder", "scratch_args", "walk_encoder"]
+__all__ = ["CUT_REJECTED", "DROPPED", "OK", "OVERRUN", "SURROGATE", "bound_kernel", "full_encoder", "scratch_args",
+           "walk_encoder"]

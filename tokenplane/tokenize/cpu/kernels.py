@@ -137,15 +137,10 @@ EXPORTS: dict[str, tuple[str, str, str, tuple[Any, ...]]] = {
     "full_walk": ("fullencode", "_finish", FULL_RET, (A("uint32"), I, *FULL_SCRATCH, *FULL_TAIL)),
     "full_o200k": ("fullencode", "_full_o200k", FULL_RET,
                    (*FULL_HEAD, A("uint8"), *FULL_SCRATCH, A("uint8"), A("uint16"), *FULL_TAIL)),
-    # many short texts in one call (fullbatch.py): text, spans | scratch | family tables | the block kernels' tail
-    "batch_gpt4": ("fullbatch", "_batch_gpt4", BATCH_RET,
-                   (*BATCH_HEAD, A("uint8"), *FULL_SCRATCH, A("uint8"), I, B, *FULL_TAIL)),
-    "batch_deepseek": ("fullbatch", "_batch_deepseek", BATCH_RET,
-                       (*BATCH_HEAD, A("uint8"), *FULL_SCRATCH, A("uint8"), *FULL_TAIL)),
-    "batch_smollm2": ("fullbatch", "_batch_smollm2", BATCH_RET,
-                      (*BATCH_HEAD, A("uint8"), *FULL_SCRATCH, A("uint8"), *FULL_TAIL)),
-    "batch_o200k": ("fullbatch", "_batch_o200k", BATCH_RET,
-                    (*BATCH_HEAD, A("uint8"), *FULL_SCRATCH, A("uint8"), A("uint16"), *FULL_TAIL)),
+    # many short texts in one call (fullbatch.py): text, spans | scratch | form and the union of the family tables
+    # (feature table, o200k's class table, gpt4's two flags) | the block kernels' tail
+    "batch": ("fullbatch", "_batch", BATCH_RET,
+              (*BATCH_HEAD, A("uint8"), *FULL_SCRATCH, I, A("uint8"), A("uint16"), I, B, *FULL_TAIL)),
     # session records (..records: IDs, checkpoints ck, token characters tc, end exceptions ex_i / ex_v)
     "rec_end_at": ("..records", "end_at", "int64", (*REC, I)),
     "rec_locate": ("..records", "locate", "UniTuple(int64, 2)", (*REC, I, I)),

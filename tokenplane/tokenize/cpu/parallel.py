@@ -156,7 +156,7 @@ class CpuEncoder:
         """IDs of s[a:b] (normalized), block by block: blocks of ~block_chars cut at stable positions (the chunk
         cuts of the module docstring: the concatenation is the IDs of the whole range; a cut the left block's own
         pre-tokenization does not start a piece at raises _CutRejected, and the caller encodes in one go)."""
-        if self.rule is None or b - a <= self.block_chars + self.block_chars // 2:
+        if self._one_block(b - a):
             return self._encode_range(s, a, b, lookahead)
         parts = []
         while a < b:
@@ -169,7 +169,13 @@ class CpuEncoder:
             a = right
         return np.concatenate(parts)
 
+    def _one_block(self, chars: int) -> bool:
+        """Whether `chars` characters encode as one block (no cut to search for or to reject)."""
+        return self.rule is None or chars <= self.block_chars + self.block_chars // 2
+
     def _encode_norm(self, norm: str) -> np.ndarray:
+        if self._one_block(len(norm)):      # (the common case: one block, straight to its kernel)
+            return self._encode_range(norm, 0, len(norm))
         try:
             return self._encode_blocks(norm, 0, len(norm))
         except _CutRejected:
@@ -183,10 +189,7 @@ class CpuEncoder:
             return self.encode_parallel(text)
         self.stats["serial"] += 1
         try:
-            norm = self.tok.normalize(text)
-            if len(norm) <= self.block_chars:     # one block (what _encode_blocks would run), no cut to reject
-                return self._encode_range(norm, 0, len(norm))
-            return self._encode_norm(norm)
+            return self._encode_norm(self.tok.normalize(text))
         except DroppedBytes:
             return self._reference(text)
 
