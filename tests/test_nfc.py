@@ -57,6 +57,25 @@ def test_adversarial_equals_reference(qwen3):
         assert nfc.normalize(text, hf) == hf(text), trial
 
 
+def test_many_texts_each_equal_its_own_reference(qwen3):
+    """normalize_many (one scan of the joined texts, then only the texts that hold a non-inert code point): each
+    text's own NFC, whatever its neighbours; a mark at a text's start never composes with the text before it."""
+    hf = qwen3._normalizer.normalize_str
+    rng = random.Random(12)
+    for trial in range(60):
+        texts = []
+        for _ in range(rng.choice([1, 3, 40])):
+            n = rng.choice([0, 1, 3, 20, 200])
+            dense = rng.choice([0.0, 0.05, 0.5])
+            texts.append("".join(rng.choice(TRICKY) if rng.random() < dense else rng.choice("abc e\n")
+                                 for _ in range(n)))
+        texts += ["e", "\u0301x", "\u1100", "\u1161\u11a8", "plain"]
+        got = nfc.normalize_many(texts, "".join(texts), hf)
+        assert got == [hf(t) for t in texts], trial
+    plain = ["abc", "d\u00e9f", "\u4e00"]
+    assert nfc.normalize_many(plain, "".join(plain), hf) is plain      # all inert: the same list, no copy
+
+
 def test_regions_cover_every_change(qwen3):
     hf = qwen3._normalizer.normalize_str
     text = ("x" * 300 + "e\u0301" + "y" * 300 + "\u1100\u1161\u11a8" + "z" * 300) * 3

@@ -61,8 +61,9 @@ def encode_batch(tok: Tokenizer, items: Sequence[str | bytes], allowed: frozense
                     raise _indexed(i, exc) from None
             raise
         if tok.family.normalizer is not None and not joined.isascii():
-            texts = [tok.normalize(t) for t in texts]       # text by text, as each one's own encode normalizes it
-            joined = "".join(texts)
+            normal = tok.normalize_texts(texts, joined)     # text by text, as each one's own encode normalizes it
+            if normal is not texts:
+                texts, joined = normal, "".join(normal)
         lengths = np.fromiter(map(len, texts), dtype=np.int64, count=len(texts))
         ends = np.cumsum(lengths)
         spans = np.stack((ends - lengths, ends), axis=1)
@@ -78,21 +79,28 @@ def encode_batch(tok: Tokenizer, items: Sequence[str | bytes], allowed: frozense
 
     units: list[Callable[[], None]] = []
     members: list[int] = []
-    size = 0
+    size = total = 0
+    limit = -1 if allowed else min(GROUP_TEXT_CHARS, tok.max_chars)     # (allowed specials: every text alone)
     for i, text in enumerate(items):
-        if allowed or not isinstance(text, str) or len(text) > min(GROUP_TEXT_CHARS, tok.max_chars):
+        if not isinstance(text, str):
+            units.append(partial(one, i))
+            total += len(text) if isinstance(text, (bytes, bytearray, memoryview)) else 0
+            continue
+        n = len(text)
+        total += n
+        if n > limit:
             units.append(partial(one, i))
             continue
-        if members and size + len(text) >= SEGMENT_SPAN_CHARS:
+        if size + n >= SEGMENT_SPAN_CHARS:
             units.append(partial(group, members))
             members, size = [], 0
         members.append(i)
-        size += len(text)
+        size += n
     if members:
         units.append(partial(group, members))
 
     workers = max(1, min(workers, len(units)))
-    if workers == 1 or sum(len(t) for t in items) < BATCH_SERIAL_CHARS:
+    if workers == 1 or total < BATCH_SERIAL_CHARS:
         for unit in units:
             unit()
         return out

@@ -346,6 +346,14 @@ class Tokenizer:
             return nfc.normalize(text, _hf_nfc())
         return self.reference.normalize(text)
 
+    def normalize_texts(self, texts: list[str], joined: str) -> list[str]:
+        """`normalize` of each text; `joined`: their concatenation (plain NFC scans it once, cpu/nfc.py)."""
+        if self._normalizer == "none":
+            return texts
+        if self.plain_nfc:
+            return nfc.normalize_many(texts, joined, _hf_nfc())
+        return [self.reference.normalize(t) for t in texts]
+
     def decode_bytes(self, ids: Iterable[int]) -> bytes:
         table = self._token_table
         if table is None:

@@ -1,4 +1,4 @@
-"""A borrowed view of an array inside a kernel: the same data, shape and strides, no reference count.
+"""A borrowed view of an array or a str inside a kernel: the same data, shape and strides, no reference count.
 
 numba counts references to every array variable. A kernel that passes its arrays to another kernel (or to an
 inlined helper) once per element (the pre-tokenizer's scalar fix-ups, the BPE merge of each new piece) pays an
@@ -21,13 +21,19 @@ from numba.extending import intrinsic
 
 @intrinsic
 def borrowed(typingctx, arr):  # noqa: ANN001
-    """arr as a view without an owner (see the module docstring: never return or keep it)."""
-    if not isinstance(arr, types.Array):
-        return None
-
-    def codegen(context, builder, signature, args):  # noqa: ANN001
-        view = context.make_array(signature.args[0])(context, builder, value=args[0])
-        view.meminfo = cgutils.get_null_value(view.meminfo.type)
-        view.parent = cgutils.get_null_value(view.parent.type)
-        return view._getvalue()
-    return arr(arr), codegen
+    """arr (an array, or a str) as a view without an owner (see the module docstring: never return or keep it)."""
+    if isinstance(arr, types.Array):
+        def codegen(context, builder, signature, args):  # noqa: ANN001
+            view = context.make_array(signature.args[0])(context, builder, value=args[0])
+            view.meminfo = cgutils.get_null_value(view.meminfo.type)
+            view.parent = cgutils.get_null_value(view.parent.type)
+            return view._getvalue()
+        return arr(arr), codegen
+    if arr == types.unicode_type:
+        # a str's meminfo holds the Python object it was unboxed from: the same atomics per call it is passed in
+        def codegen_str(context, builder, signature, args):  # noqa: ANN001
+            view = cgutils.create_struct_proxy(signature.args[0])(context, builder, value=args[0])
+            view.meminfo = cgutils.get_null_value(view.meminfo.type)
+            return view._getvalue()
+        return arr(arr), codegen_str
+    return None

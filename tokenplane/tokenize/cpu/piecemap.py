@@ -126,28 +126,34 @@ def _walk(buf, bounds, nb, has_missing, missing, byte_ids, ptab, batch, whole, w
           wmap, slots, arena, state):
     """(IDs of the pieces buf[bounds[j]:bounds[j+1]], j < nb - 1, status OK or DROPPED: a byte the vocabulary
     lacks). buf: the UTF-8, with at least 16 bytes after the last piece."""
+    out = np.empty(bounds[nb - 1] + 16, np.int32)        # a piece yields at most one ID per byte
+    o, status = _walk_into(buf, bounds, nb, out, 0, np.empty(5 * 64, np.int32), np.empty(3 * 64, np.int64),
+                           has_missing, missing, byte_ids, ptab, batch, whole, wkeys, wids, tok_flat, tok_off, wmap,
+                           slots, arena, state)
+    return (out[:o] if status == OK else out[:0]), status
+
+
+@njit(cache=True, nogil=True)
+def _walk_into(buf, bounds, nb, out, o, ms, heap, has_missing, missing, byte_ids, ptab, batch, whole, wkeys, wids,
+               tok_flat, tok_off, wmap, slots, arena, state):
+    """`_walk` writing the IDs into out from o on (out: at least o + bounds[nb - 1] + 16 entries); ms (int32, 5 x
+    k) and heap (int64, >= 3 x k): the merge kernels' scratch for pieces up to k bytes (a longer one gets its own).
+    (o after the last ID, OK), or (o, DROPPED). Allocates nothing while every piece fits the scratch: a batch of
+    short texts calls it once a text (fullbatch.py)."""
     # every array a miss passes to the merge kernels as a borrowed view (borrow.py): a call's refcounts on nine
-    # arrays cost ~150 ns of atomics a miss otherwise; `out` itself is what the walk returns, so only views of it
-    # are passed
+    # arrays cost ~150 ns of atomics a miss otherwise (out and the scratch are the caller's, alive for the call)
     buf, bounds, missing, byte_ids, ptab = _borrowed(buf), _borrowed(bounds), _borrowed(missing), \
         _borrowed(byte_ids), _borrowed(ptab)
     wkeys, wids, tok_flat, tok_off, wmap = _borrowed(wkeys), _borrowed(wids), _borrowed(tok_flat), \
         _borrowed(tok_off), _borrowed(wmap)
-    slots, arena, state = _borrowed(slots), _borrowed(arena), _borrowed(state)
-    size = bounds[nb - 1]
-    out = np.empty(size + 16, np.int32)         # a piece yields at most one ID per byte
-    scratch = 64
-    sym = np.empty(scratch, np.int32)
-    rk = np.empty(scratch, np.int32)
-    nw = np.empty(scratch, np.int32)
-    heap = np.empty(3 * scratch, np.int64)
-    prk = np.empty(scratch, np.int32)
-    pnw = np.empty(scratch, np.int32)
+    slots, arena, state, out = _borrowed(slots), _borrowed(arena), _borrowed(state), _borrowed(out)
+    scratch = ms.shape[0] // 5
+    sym, rk, nw, prk, pnw = _split5(_borrowed(ms), scratch)
+    heap = _borrowed(heap)
     mask = slots.shape[0] - 1
     idmask = np.uint64((1 << bpe_mod.ID_BITS) - 1)
     b64 = buf[:(buf.shape[0] >> 3) << 3].view(np.uint64)
     inline_of = np.uint64((1 << 63) | 15)      # a slot's "kept in the arena" bit and length field
-    o = 0
     for j in range(nb - 1):
         a = bounds[j]
         b = bounds[j + 1]
@@ -229,15 +235,11 @@ def _walk(buf, bounds, nb, has_missing, missing, byte_ids, ptab, batch, whole, w
         if has_missing:
             for k in range(a, b):
                 if missing[buf[k]]:
-                    return out[:0], DROPPED
-        if m > scratch:
+                    return o, DROPPED
+        if m > scratch:     # (the grown scratch lives to the end of this call)
             scratch = 2 * m
-            sym = np.empty(scratch, np.int32)
-            rk = np.empty(scratch, np.int32)
-            nw = np.empty(scratch, np.int32)
+            sym, rk, nw, prk, pnw = _split5(np.empty(5 * scratch, np.int32), scratch)
             heap = np.empty(3 * scratch, np.int64)
-            prk = np.empty(scratch, np.int32)
-            pnw = np.empty(scratch, np.int32)
         o0 = o
         t = -1
         if m == 1:
@@ -288,7 +290,13 @@ def _walk(buf, bounds, nb, has_missing, missing, byte_ids, ptab, batch, whole, w
         slots[s, 0] = key
         slots[s, 1] = meta
         state[0] += 1
-    return out[:o], OK
+    return o, OK
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _split5(ms, k):
+    """Five int32 scratch arrays of k entries, views of one array of 5 x k."""
+    return ms[:k], ms[k:2 * k], ms[2 * k:3 * k], ms[3 * k:4 * k], ms[4 * k:5 * k]
 
 
 @njit(cache=True, nogil=True)
