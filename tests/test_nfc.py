@@ -69,11 +69,20 @@ def test_many_texts_each_equal_its_own_reference(qwen3):
             dense = rng.choice([0.0, 0.05, 0.5])
             texts.append("".join(rng.choice(TRICKY) if rng.random() < dense else rng.choice("abc e\n")
                                  for _ in range(n)))
-        texts += ["e", "\u0301x", "\u1100", "\u1161\u11a8", "plain"]
-        got = nfc.normalize_many(texts, "".join(texts), hf)
+        texts += ["e", "\u0301x", "\u1100", "\u1161\u11a8", "plain", "y" * 600 + "e\u0301" + "z" * 100, "\u0300"]
+        checked: list[int] = []
+        got = nfc.normalize_many(texts, "".join(texts), hf, checked.append)
         assert got == [hf(t) for t in texts], trial
+        assert set(checked) >= {i for i, t in enumerate(texts) if nfc.false_at(t, nfc.inert_table()).size}
     plain = ["abc", "d\u00e9f", "\u4e00"]
     assert nfc.normalize_many(plain, "".join(plain), hf) is plain      # all inert: the same list, no copy
+    with_surrogate = ["fine", "bad \ud800", "e\u0301"]
+
+    def refuse(i: int) -> None:
+        if "\ud800" in with_surrogate[i]:
+            raise ValueError(i)
+    with pytest.raises(ValueError, match="1"):     # a lone surrogate is never inert: its text is checked first
+        nfc.normalize_many(with_surrogate, "".join(with_surrogate), hf, refuse)
 
 
 def test_regions_cover_every_change(qwen3):

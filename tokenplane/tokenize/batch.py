@@ -49,19 +49,19 @@ def encode_batch(tok: Tokenizer, items: Sequence[str | bytes], allowed: frozense
             raise _indexed(i, exc) from None
 
     def group(members: list[int]) -> None:
-        texts = [str(items[i]) for i in members]    # (str already, each within GROUP_TEXT_CHARS and max_chars)
+        texts = [items[i] for i in members]     # (strs, each within GROUP_TEXT_CHARS and max_chars)
         joined = "".join(texts)
-        try:
-            validate_text(joined, len(joined))      # one check for the group; the failing text named below
-        except InvalidTextError:
-            for i in members:
-                try:
-                    validate_text(items[i], tok.max_chars)
-                except InvalidTextError as exc:
-                    raise _indexed(i, exc) from None
-            raise
+        # A lone surrogate: the kernel's code point reader declines the group, whose texts then go one by one
+        # through `encode` (which names the failing text). Only a normalizer must not see one: it checks each
+        # text that could hold one first (plain NFC: those with a non-inert code point, which a surrogate is).
         if tok.family.normalizer is not None and not joined.isascii():
-            normal = tok.normalize_texts(texts, joined)     # text by text, as each one's own encode normalizes it
+            def check(k: int) -> None:
+                try:
+                    validate_text(texts[k], tok.max_chars)
+                except InvalidTextError as exc:
+                    raise _indexed(members[k], exc) from None
+
+            normal = tok.normalize_texts(texts, joined, check)  # each text as its own encode normalizes it
             if normal is not texts:
                 texts, joined = normal, "".join(normal)
         lengths = np.fromiter(map(len, texts), dtype=np.int64, count=len(texts))

@@ -346,12 +346,15 @@ class Tokenizer:
             return nfc.normalize(text, _hf_nfc())
         return self.reference.normalize(text)
 
-    def normalize_texts(self, texts: list[str], joined: str) -> list[str]:
-        """`normalize` of each text; `joined`: their concatenation (plain NFC scans it once, cpu/nfc.py)."""
+    def normalize_texts(self, texts: list[str], joined: str, check: Callable[[int], None]) -> list[str]:
+        """`normalize` of each text; `joined`: their concatenation (plain NFC scans it once, cpu/nfc.py).
+        `check(i)` validates text i: called before any text that could hold a lone surrogate is normalized."""
         if self._normalizer == "none":
             return texts
         if self.plain_nfc:
-            return nfc.normalize_many(texts, joined, _hf_nfc())
+            return nfc.normalize_many(texts, joined, _hf_nfc(), check)
+        for i in range(len(texts)):
+            check(i)
         return [self.reference.normalize(t) for t in texts]
 
     def decode_bytes(self, ids: Iterable[int]) -> bytes:
