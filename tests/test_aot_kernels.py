@@ -23,7 +23,7 @@ from test_startbits import _cps, _loop_starts
 
 import tokenplane
 from tokenplane.tokenize import appendwin
-from tokenplane.tokenize.cpu import aotbuild, kernels, segments, window
+from tokenplane.tokenize.cpu import aotbuild, fullencode, kernels, segments, window
 from tokenplane.tokenize.cpu.parallel import CpuEncoder
 from tokenplane.tokenize.errors import InvalidTextError
 
@@ -401,6 +401,42 @@ def test_session_kernels_equal_jit_and_reference(name, aot, use, appendwin_statu
         assert set(appendwin.ACCEPTED) & set(statuses[n_before:])
     assert splices[0] == splices[1]
     assert kernels.guard_fallbacks == before, "a session argument missed its AOT signature"
+
+
+@pytest.mark.parametrize("name", ["cl100k_base", "o200k_base", "qwen3", "deepseek_v4", "smollm2"])
+def test_bound_kernels_run_packed_and_return_arrays_of_their_own(name, aot_root, use):
+    """Every kernel the encoder binds runs the module's packed form (packed.py: the tail as one handle, the head
+    borrowed), whose returned arrays must be its own: a view of an argument would have no owner. Each packed call
+    is checked for it, its result compared with the unpacked export's on the same arguments, and the IDs with
+    the reference (full encode, a batch, session appends and edits)."""
+    tok = tokenplane.load(name)
+    seen: dict[str, int] = {}
+    k = kernels.aot_kernels(kernels.module_folder(aot_root))      # (its own: the wrappers below stay in it)
+    for base in kernels.PACKED:
+        packed = k._raw[kernels.packed_name(base)]
+
+        def checked(*args, _packed=packed, _base=base):
+            got = _packed(*args)
+            arrays = [a for a in (got if isinstance(got, tuple) else (got,)) if isinstance(a, np.ndarray)]
+            for r in arrays:
+                assert r.size == 0 or not any(np.shares_memory(r, a) for a in args if isinstance(a, np.ndarray))
+            seen[_base] = seen.get(_base, 0) + 1
+            return got
+        k._raw[kernels.packed_name(base)] = checked
+    use(k)
+    enc = CpuEncoder(tok, workers=1)
+    texts = [t for t in _texts(name, 20) if t]
+    for text in texts[:30]:
+        assert enc.encode(text, parallel=False).tolist() == tok.reference.encode_ordinary(text).tolist()
+    got = tok.encode_batch(texts, num_threads=1)
+    assert all(g.tolist() == tok.encode(t, path="reference").tolist() for g, t in zip(got, texts))
+    session = tok.session(encode_path="cpu")
+    for text in _session_steps(name):
+        session.sync(text)
+        assert session.ids.tolist() == tok.encode(text, path="reference").tolist()
+    loop = fullencode.block_tables(name)[0]
+    assert seen.get(f"full_{loop}", 0) > 0 and seen.get("batch", 0) > 0
+    assert seen.get(f"append_{loop}", 0) + seen.get(f"window_{loop}", 0) > 0
 
 
 def test_key_changes_with_the_kernel_sources(monkeypatch):

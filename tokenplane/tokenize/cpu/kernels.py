@@ -46,8 +46,8 @@ _HERE = Path(__file__).resolve().parent
 # The modules whose source decides the compiled code: the kernels, this table of signatures, the lazy decorator.
 SOURCES = ("strbuf.py", "pretokenize.py", "o200k_rescan.py", "runbits.py", "startbits.py", "simdbits.py", "borrow.py",
            "bpe.py", "merge.py", "boundary.py", "segments.py", "window.py", "piecemap.py", "fullencode.py",
-           "fullbatch.py", "../appendwin.py", "../records.py", "../splice.py", "../textstore.py", "../packedrun.py",
-           "lazyjit.py", "kernels.py", "aotbuild.py")
+           "fullbatch.py", "packed.py", "../appendwin.py", "../records.py", "../splice.py", "../textstore.py",
+           "../packedrun.py", "lazyjit.py", "kernels.py", "aotbuild.py")
 
 # -- the export table: name -> (module, attribute, return type, argument types) ------------------------------------
 # Argument types: "str" (a Python str, numba unicode_type), "int64", "boolean", or (dtype, ndim) for a C-contiguous
@@ -159,11 +159,30 @@ EXPORTS: dict[str, tuple[str, str, str, tuple[Any, ...]]] = {
     "packed_match_at": ("..packedrun", "_match_at", "int64", (A("uint8"), A("uint32"), S, I)),
 }
 HOLDS_GIL = frozenset({"scan_first_stable"})
+# Exports the encoder binds (Kernels.bind) with their head argument count: the AOT module also exports each as
+# `<name>_packed` (packed.py: the bound tail as one int64 array of addresses and shapes, unboxed as one argument).
+PACKED = {**{f"full_{loop}": 9 for loop in ("gpt4", "deepseek", "smollm2", "o200k")}, "full_walk": 5, "batch": 7,
+          **{f"window_{loop}": 5 for loop in ("gpt4", "o200k", "deepseek", "smollm2")},
+          **{f"append_{loop}": 10 for loop in ("gpt4", "o200k", "deepseek", "smollm2")}}
+
+
+def packed_name(name: str) -> str:
+    return f"{name}_packed"
+
+
+def module_exports() -> list[str]:
+    """Every export of the AOT module: EXPORTS and the packed forms of PACKED."""
+    return [*EXPORTS, *(packed_name(n) for n in PACKED)]
 
 
 def numba_signature(name: str) -> str:
-    """The numba signature string of one export (aotbuild.py compiles with it)."""
-    _, _, ret, args = EXPORTS[name]
+    """The numba signature string of one export of the module (aotbuild.py compiles with it)."""
+    packed = {packed_name(n): n for n in PACKED}.get(name)
+    if packed is not None:
+        _, _, ret, args = EXPORTS[packed]
+        args = (*args[:PACKED[packed]], A("int64"))
+    else:
+        _, _, ret, args = EXPORTS[name]
 
     def one(t: Any) -> str:
         if t == S:
@@ -263,7 +282,7 @@ def load_module(folder: Path) -> ModuleType:
         raise AotUnavailable(f"no readable record in {folder}: {exc}") from None
     if meta.get("key") != cache_key() or meta.get("fields") != key_fields():
         raise AotUnavailable(f"record in {folder} is for another key")
-    if sorted(meta.get("exports", [])) != sorted(EXPORTS):
+    if sorted(meta.get("exports", [])) != sorted(module_exports()):
         raise AotUnavailable("record lists other exports")
     try:
         if file_digest(so) != meta.get("sha256"):
@@ -278,7 +297,7 @@ def load_module(folder: Path) -> ModuleType:
         spec.loader.exec_module(mod)
     except ImportError as exc:
         raise AotUnavailable(f"import of {so} failed: {exc}") from None
-    missing = [n for n in EXPORTS if not callable(getattr(mod, n, None))]
+    missing = [n for n in module_exports() if not callable(getattr(mod, n, None))]
     if missing:
         raise AotUnavailable(f"{so.name} lacks {missing}")
     return mod
@@ -309,22 +328,26 @@ def _checks(types: tuple[Any, ...], names: list[str], env: dict[str, Any]) -> st
     return " and ".join(tests) or "True"
 
 
-def _guarded(name: str, fn: Callable[..., Any], bound: tuple[Any, ...] = ()) -> Callable[..., Any]:
+def _guarded(name: str, fn: Callable[..., Any], bound: tuple[Any, ...] = (),
+             keep: tuple[Any, ...] | None = None) -> Callable[..., Any]:
     """fn with its arguments checked against the export's signature; a mismatch goes to the JIT kernel. `bound`:
-    trailing arguments already checked (Kernels.bind), passed after the caller's.
+    trailing arguments already checked (Kernels.bind), passed after the caller's; `keep`: the arguments they stand
+    for (a packed tail's arrays: kept alive with the call, and what a mismatch passes to the JIT kernel).
 
     The check is generated as straight-line code per export (a session's sync makes ~10 kernel calls, and a
     generic loop over the signature cost ~2.5 us per call)."""
-    types = EXPORTS[name][3][:len(EXPORTS[name][3]) - len(bound)]
+    keep = bound if keep is None else keep
+    types = EXPORTS[name][3][:len(EXPORTS[name][3]) - len(keep)]
     names = [f"a{i}" for i in range(len(types))]
-    env: dict[str, Any] = {"fn": fn, "ndarray": np.ndarray, "mismatch": _mismatch, "name": name, "bound": bound}
+    env: dict[str, Any] = {"fn": fn, "ndarray": np.ndarray, "mismatch": _mismatch, "name": name, "bound": bound,
+                           "keep": keep}
     body = _checks(types, names, env)
     args = ", ".join(names)
     tail = ", *bound" if bound else ""
     src = (f"def call({args}):\n"
            f"    if {body}:\n"
            f"        return fn({args}{tail})\n"
-           f"    return mismatch(name, ({args}{',' if len(names) == 1 else ''}){' + bound' if bound else ''})\n")
+           f"    return mismatch(name, ({args}{',' if len(names) == 1 else ''}){' + keep' if keep else ''})\n")
     exec(compile(src, f"<kernel guard {name}>", "exec"), env)
     call = env["call"]
     call.__name__ = name
@@ -363,6 +386,9 @@ class Kernels:
             raise TypeError(f"{name}: {n_head} head arguments + {len(tail)} bound != its signature")
         raw = self._raw.get(name)
         if raw is not None and _args_match(EXPORTS[name][3][n_head:], tail):
+            packed = self._raw.get(packed_name(name))
+            if packed is not None and PACKED.get(name) == n_head:
+                return _guarded(name, packed, (pack_tail(tail),), keep=tail)
             return _guarded(name, raw, tail)
         if raw is not None:
             guard_fallbacks[name] = guard_fallbacks.get(name, 0) + 1
@@ -381,10 +407,23 @@ def jit_kernels(note: str = "") -> Kernels:
     return Kernels("jit", {name: _jit_kernel(name) for name in EXPORTS}, note)
 
 
+def pack_tail(tail: tuple[Any, ...]) -> np.ndarray:
+    """The handle of a bound tail (packed.py): (address, shape 0, shape 1) per array, (value, 0, 0) per scalar. The
+    arrays must outlive every call made with it (the binding keeps them)."""
+    h = np.zeros(3 * len(tail), dtype=np.int64)
+    for k, v in enumerate(tail):
+        if isinstance(v, np.ndarray):
+            h[3 * k] = v.ctypes.data
+            h[3 * k + 1:3 * k + 1 + v.ndim] = v.shape
+        else:
+            h[3 * k] = int(v)
+    return h
+
+
 def aot_kernels(folder: Path) -> Kernels:
     mod = load_module(folder)
-    raw = {name: getattr(mod, name) for name in EXPORTS}
-    return Kernels("aot", {name: _guarded(name, fn) for name, fn in raw.items()}, str(folder), raw)
+    raw = {name: getattr(mod, name) for name in module_exports()}
+    return Kernels("aot", {name: _guarded(name, raw[name]) for name in EXPORTS}, str(folder), raw)
 
 
 _lock = threading.Lock()
