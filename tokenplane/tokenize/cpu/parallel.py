@@ -22,11 +22,11 @@ import bisect
 import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
 
-from . import boundary, bpetables, fullbatch, fullencode, nfc, pretokenize, strbuf
+from . import boundary, bpetables, fullbatch, fullencode, kernels, nfc, pretokenize, strbuf
 from .bpe import BPE, DroppedBytes
 from .startbits import PAD
 
@@ -54,6 +54,7 @@ class _Scratch:
 
     def __init__(self) -> None:
         self.chars = -1
+        self.full: tuple[Any, bool, bool, fullencode.FullFn] | None = None   # CpuEncoder._full_kernel's binding
         self.grow(0)
 
     def grow(self, chars: int) -> None:
@@ -114,6 +115,15 @@ class CpuEncoder:
             sc.grow(chars)
         return sc
 
+    def _full_kernel(self, sc: _Scratch) -> fullencode.FullFn:
+        """This thread's bound block kernel (fullencode.full_encoder), kept on its scratch: the binding's own checks
+        (kernel set, schedule flags) without the lookups of the thread's piece map on every call."""
+        k, bpe = kernels.get(), self.bpe
+        entry = sc.full
+        if entry is None or entry[0] is not k or entry[1] != bpe.batch or entry[2] != bpe.whole:
+            entry = sc.full = (k, bpe.batch, bpe.whole, fullencode.full_encoder(bpe, self.family.name))
+        return entry[3]
+
     def _encode_range(self, s: str, a: int, b: int, lookahead: str = "") -> np.ndarray:
         """IDs of s[a:b] (already normalized); `lookahead`: the character right of a chunk cut, read by the
         pre-tokenizer but not encoded. One GIL-free fused call (fullencode.py); what it declines (a lone surrogate,
@@ -123,8 +133,7 @@ class CpuEncoder:
             return np.zeros(0, dtype=np.uint32)
         sc = self._scratch(n + len(lookahead))
         if self.fused and self.full_kernel:
-            ids, status = fullencode.full_encoder(self.bpe, self.family.name)(s, a, b, lookahead, sc.cps, sc.kind,
-                                                                              sc.starts, sc.buf, sc.bounds)
+            ids, status = self._full_kernel(sc)(s, a, b, lookahead, sc.cps, sc.kind, sc.starts, sc.buf, sc.bounds)
             if status == fullencode.OK:
                 return ids.view(np.uint32)
             if status == fullencode.CUT_REJECTED:
@@ -189,7 +198,10 @@ class CpuEncoder:
             return self.encode_parallel(text)
         self.stats["serial"] += 1
         try:
-            return self._encode_norm(self.tok.normalize(text))
+            norm = self.tok.normalize(text)
+            if len(norm) <= self.block_chars:       # (one block: straight to its kernel, _encode_norm's first case)
+                return self._encode_range(norm, 0, len(norm))
+            return self._encode_norm(norm)
         except DroppedBytes:
             return self._reference(text)
 
