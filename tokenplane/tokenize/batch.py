@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Callable, Sequence
 
 import numpy as np
 
+from .cpu.parallel import default_workers
 from .cpu.segments import MAX_CHARS as SEGMENT_SPAN_CHARS
 from .errors import InvalidTextError, TextTooLargeError, validate_text
 from .router import segment_encoder
@@ -101,7 +102,7 @@ def encode_batch(tok: Tokenizer, items: Sequence[str | bytes], allowed: frozense
     if members:
         units.append(partial(group, members))
 
-    workers = max(1, min(workers, len(units)))
+    workers = max(1, min(workers, len(units), default_workers()))     # (more threads than cores only queue)
     if workers == 1 or total < BATCH_SERIAL_CHARS:
         for unit in units:
             unit()
