@@ -291,6 +291,24 @@ def test_guard_sends_mismatched_arguments_to_the_jit_kernel(aot):
     assert aot.codepoints("a\ud800c", 0, 3, out) == 1              # the lone surrogate is reported, as by JIT
 
 
+def test_packed_binding_sends_mismatched_arguments_to_the_jit_kernel(aot, use):
+    """A bound kernel runs its packed form (packed.py), its head still guarded: a head argument of another layout
+    goes, with the whole bound tail, to the JIT kernel and gets the same IDs."""
+    use(aot)
+    tok = tokenplane.load("cl100k_base")
+    enc = CpuEncoder(tok, workers=1)
+    text = "It's 2024: 12345 tokens, they'll see. " * 3
+    want = tok.reference.encode_ordinary(text).tolist()
+    assert enc.encode(text, parallel=False).tolist() == want
+    fn = enc._full_kernel(enc._scratch(len(text)))
+    sc = enc._scratch(len(text))
+    n = kernels.guard_fallbacks.get("full_gpt4", 0)
+    strided = np.empty(2 * sc.bounds.shape[0], np.int64)[::2]      # not contiguous
+    ids, status = fn(text, 0, len(text), "", sc.cps, sc.kind, sc.starts, sc.buf, strided)
+    assert status == 0 and ids.tolist() == want
+    assert kernels.guard_fallbacks["full_gpt4"] == n + 1
+
+
 def _copy(aot_root: Path, root: Path) -> Path:
     dest = kernels.module_folder(root)
     shutil.copytree(kernels.module_folder(aot_root), dest)

@@ -43,11 +43,26 @@ def _kernels():
     def borrowed_slice_copy(a):
         return borrowed(a)[1:3].copy()      # a copy of a view is owned: safe to return
 
-    return plain, borrowing, borrowed_slice_copy
+    @numba.njit
+    def count(s, c):
+        n = 0
+        for i in range(len(s)):
+            n += s[i] == c
+        return n
+
+    @numba.njit
+    def borrowed_str_count(s, c, rounds):
+        b = borrowed(s)
+        n = 0
+        for _ in range(rounds):
+            n += count(b, c)
+        return n
+
+    return plain, borrowing, borrowed_slice_copy, borrowed_str_count
 
 
 def test_borrowed_view_writes_through_and_leaves_refcounts_alone():
-    plain, borrowing, borrowed_slice_copy = _kernels()
+    plain, borrowing, borrowed_slice_copy, _ = _kernels()
     a = np.zeros(8, np.int64)
     before = sys.getrefcount(a)
     assert borrowing(a, 1000) == 1000 and plain(a, 1000) == 2000
@@ -58,6 +73,18 @@ def test_borrowed_view_writes_through_and_leaves_refcounts_alone():
     assert out.flags.owndata or out.base is not None
     a[:] = 7
     assert list(out) == [250, 250]        # the copy is its own memory
+
+
+def test_borrowed_str_reads_the_same_text_and_leaves_its_refcount_alone():
+    *_, borrowed_str_count = _kernels()
+    borrowed_str_count("compiled", "c", 1)     # (the compiling call's arguments are kept by numba)
+    for text in ("a" * 50 + "b", "mixed é and 日本 text é", "\U0001F44D é \U0001F44D"):
+        text = (text + "x")[:-1]        # an object of its own (not an interned literal)
+        before = sys.getrefcount(text)
+        want = text.count("é") if "é" in text else text.count("a")
+        assert borrowed_str_count(text, "é" if "é" in text else "a", 7) == 7 * want
+        after = sys.getrefcount(text)
+        assert after == before
 
 
 @pytest.mark.parametrize("name", ["cl100k_base", "o200k_base", "qwen3", "deepseek_v4", "smollm2"])
