@@ -292,8 +292,8 @@ def test_guard_sends_mismatched_arguments_to_the_jit_kernel(aot):
 
 
 def test_packed_binding_sends_mismatched_arguments_to_the_jit_kernel(aot, use):
-    """A bound kernel runs its packed form (packed.py), its head still guarded: a head argument of another layout
-    goes, with the whole bound tail, to the JIT kernel and gets the same IDs."""
+    """A bound kernel runs its packed form (packed.py), its head still guarded: a head argument of another type
+    (a str subclass) goes, with the whole bound tail, to the JIT kernel and gets the same IDs."""
     use(aot)
     tok = tokenplane.load("cl100k_base")
     enc = CpuEncoder(tok, workers=1)
@@ -301,10 +301,11 @@ def test_packed_binding_sends_mismatched_arguments_to_the_jit_kernel(aot, use):
     want = tok.reference.encode_ordinary(text).tolist()
     assert enc.encode(text, parallel=False).tolist() == want
     fn = enc._full_kernel(enc._scratch(len(text)))
-    sc = enc._scratch(len(text))
+
+    class Text(str):
+        pass
     n = kernels.guard_fallbacks.get("full_gpt4", 0)
-    strided = np.empty(2 * sc.bounds.shape[0], np.int64)[::2]      # not contiguous
-    ids, status = fn(text, 0, len(text), "", sc.cps, sc.kind, sc.starts, sc.buf, strided)
+    ids, status = fn(Text(text), 0, len(text), "")
     assert status == 0 and ids.tolist() == want
     assert kernels.guard_fallbacks["full_gpt4"] == n + 1
 
@@ -422,22 +423,32 @@ def test_session_kernels_equal_jit_and_reference(name, aot, use, appendwin_statu
 
 
 @pytest.mark.parametrize("name", ["cl100k_base", "o200k_base", "qwen3", "deepseek_v4", "smollm2"])
-def test_bound_kernels_run_packed_and_return_arrays_of_their_own(name, aot_root, use):
+def test_bound_kernels_run_packed_and_return_arrays_of_their_own(name, aot_root, use, monkeypatch):
     """Every kernel the encoder binds runs the module's packed form (packed.py: the tail as one handle, the head
     borrowed), whose returned arrays must be its own: a view of an argument would have no owner. Each packed call
     is checked for it, its result compared with the unpacked export's on the same arguments, and the IDs with
     the reference (full encode, a batch, session appends and edits)."""
     tok = tokenplane.load(name)
     seen: dict[str, int] = {}
+    tails: dict[int, tuple] = {}        # each handle's bound arguments (the scratch arrays bound in it included)
+    real_pack = kernels.pack_tail
+
+    def pack(tail):
+        h = real_pack(tail)
+        tails[id(h)] = (h, tail)
+        return h
+    monkeypatch.setattr(kernels, "pack_tail", pack)
     k = kernels.aot_kernels(kernels.module_folder(aot_root))      # (its own: the wrappers below stay in it)
     for base in kernels.PACKED:
         packed = k._raw[kernels.packed_name(base)]
 
         def checked(*args, _packed=packed, _base=base):
             got = _packed(*args)
+            bound = tails[id(args[-1])][1]
             arrays = [a for a in (got if isinstance(got, tuple) else (got,)) if isinstance(a, np.ndarray)]
             for r in arrays:
-                assert r.size == 0 or not any(np.shares_memory(r, a) for a in args if isinstance(a, np.ndarray))
+                assert r.size == 0 or not any(np.shares_memory(r, a) for a in (*args, *bound)
+                                              if isinstance(a, np.ndarray))
             seen[_base] = seen.get(_base, 0) + 1
             return got
         k._raw[kernels.packed_name(base)] = checked

@@ -174,24 +174,26 @@ def block_tables(family: str) -> tuple[str, tuple[Any, ...]]:
     return loop, (startbits.bitmap_form(family)[0], *fam_args[1:])     # (o200k: its class table follows)
 
 
-def bound_kernel(bpe: bpe_mod.BPE, key: str, n_head: int, export: Callable[[], tuple[str, tuple[Any, ...]]]) -> Any:
+def bound_kernel(bpe: bpe_mod.BPE, key: str | None, n_head: int,
+                 export: Callable[[], tuple[str, tuple[Any, ...]]]) -> Any:
     """The export `export()` names (made only when the binding is, with the family arguments it returns) with
     everything after its first `n_head` arguments bound: those family arguments, then the missing bytes, `bpe`'s
-    tables and the calling thread's piece map. The binding is kept on that map under `key`, and made again when the
-    kernel set or the encoder's schedule flags change (tests switch them)."""
+    tables and the calling thread's piece map. The binding is kept on that map under `key` (None: not kept, the
+    caller keeps it), and made again when the kernel set or the encoder's schedule flags change (tests switch them)."""
     k = kernels.get()
     c = bpe.thread_cache()
     pm = c.pmap
     if pm is None:
         pm = c.pmap = PieceMap()
-    entry = pm.bound.get(key)
+    entry = pm.bound.get(key) if key is not None else None
     if entry is not None and entry[0] is k and entry[1] == bpe.batch and entry[2] == bpe.whole:
         return entry[3]
     name, family_args = export()
     missing = bpe.missing if bpe.missing is not None else _NO_MISSING
     fn = k.bind(name, n_head, *family_args, bpe.missing is not None, missing, bpe.byte_ids, bpe.ptab, bpe.batch,
                 bpe.whole, bpe.wkeys, bpe.wids, bpe.tok_flat, bpe.tok_off, bpe.wmap, pm.slots, pm.arena, pm.state)
-    pm.bound[key] = (k, bpe.batch, bpe.whole, fn)
+    if key is not None:
+        pm.bound[key] = (k, bpe.batch, bpe.whole, fn)
     return fn
 
 
@@ -206,6 +208,17 @@ def full_encoder(bpe: bpe_mod.BPE, family: str) -> FullFn:
         loop, fam_args = block_tables(family)
         return f"full_{loop}", fam_args
     return bound_kernel(bpe, family, 9, export)
+
+
+def scratch_bound_encoder(bpe: bpe_mod.BPE, family: str, scratch: tuple[np.ndarray, ...]) -> Any:
+    """`full_encoder` with the calling thread's scratch arrays bound too (cps, kind, starts, buf, bounds, as
+    `scratch_args` makes them): fn(text, a, b, extra) -> (IDs, status). The caller keeps the binding and makes a new
+    one when it replaces an array (the kernel still replaces a too-short one inside, for that call). Every argument
+    an array is then bound: the packed export (packed.py) unboxes none per call."""
+    def export() -> tuple[str, tuple[Any, ...]]:
+        loop, fam_args = block_tables(family)
+        return f"full_{loop}", (*scratch, *fam_args)
+    return bound_kernel(bpe, None, 4, export)
 
 
 def walk_encoder(bpe: bpe_mod.BPE) -> FullFn:
@@ -225,4 +238,4 @@ def scratch_args(family: str, chars: int = 0) -> tuple[np.ndarray, ...]:
 
 
 __all__ = ["CUT_REJECTED", "DROPPED", "OK", "OVERRUN", "SURROGATE", "bound_kernel", "full_encoder", "scratch_args",
-           "walk_encoder"]
+           "scratch_bound_encoder", "walk_encoder"]

@@ -161,7 +161,7 @@ EXPORTS: dict[str, tuple[str, str, str, tuple[Any, ...]]] = {
 HOLDS_GIL = frozenset({"scan_first_stable"})
 # Exports the encoder binds (Kernels.bind) with their head argument count: the AOT module also exports each as
 # `<name>_packed` (packed.py: the bound tail as one int64 array of addresses and shapes, unboxed as one argument).
-PACKED = {**{f"full_{loop}": 9 for loop in ("gpt4", "deepseek", "smollm2", "o200k")}, "full_walk": 5, "batch": 7,
+PACKED = {**{f"full_{loop}": 4 for loop in ("gpt4", "deepseek", "smollm2", "o200k")}, "full_walk": 5, "batch": 7,
           **{f"window_{loop}": 5 for loop in ("gpt4", "o200k", "deepseek", "smollm2")},
           **{f"append_{loop}": 10 for loop in ("gpt4", "o200k", "deepseek", "smollm2")}}
 

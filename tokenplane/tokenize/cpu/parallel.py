@@ -54,7 +54,7 @@ class _Scratch:
 
     def __init__(self) -> None:
         self.chars = -1
-        self.full: tuple[Any, bool, bool, fullencode.FullFn] | None = None   # CpuEncoder._full_kernel's binding
+        self.full: tuple[Any, bool, bool, Any] | None = None    # CpuEncoder._full_kernel's binding of these arrays
         self.grow(0)
 
     def grow(self, chars: int) -> None:
@@ -65,6 +65,7 @@ class _Scratch:
         self.starts = np.empty(n, dtype=np.bool_)
         self.buf = np.empty(4 * n + 16, dtype=np.uint8)   # + the walk's padding (fullencode._finish)
         self.bounds = np.empty(n + 1, dtype=np.int64)
+        self.full = None        # (bound to the arrays replaced here)
 
 
 def default_workers() -> int:
@@ -115,13 +116,16 @@ class CpuEncoder:
             sc.grow(chars)
         return sc
 
-    def _full_kernel(self, sc: _Scratch) -> fullencode.FullFn:
-        """This thread's bound block kernel (fullencode.full_encoder), kept on its scratch: the binding's own checks
-        (kernel set, schedule flags) without the lookups of the thread's piece map on every call."""
+    def _full_kernel(self, sc: _Scratch) -> Callable[[str, int, int, str], tuple[np.ndarray, int]]:
+        """This thread's block kernel with its scratch bound too (fullencode.scratch_bound_encoder), kept on the
+        scratch (grow drops it): the binding's own checks (kernel set, schedule flags) without the lookups of the
+        thread's piece map, and no array to check or unbox, on every call."""
         k, bpe = kernels.get(), self.bpe
         entry = sc.full
         if entry is None or entry[0] is not k or entry[1] != bpe.batch or entry[2] != bpe.whole:
-            entry = sc.full = (k, bpe.batch, bpe.whole, fullencode.full_encoder(bpe, self.family.name))
+            fn = fullencode.scratch_bound_encoder(bpe, self.family.name, (sc.cps, sc.kind, sc.starts, sc.buf,
+                                                                          sc.bounds))
+            entry = sc.full = (k, bpe.batch, bpe.whole, fn)
         return entry[3]
 
     def _encode_range(self, s: str, a: int, b: int, lookahead: str = "") -> np.ndarray:
@@ -133,7 +137,7 @@ class CpuEncoder:
             return np.zeros(0, dtype=np.uint32)
         sc = self._scratch(n + len(lookahead))
         if self.fused and self.full_kernel:
-            ids, status = self._full_kernel(sc)(s, a, b, lookahead, sc.cps, sc.kind, sc.starts, sc.buf, sc.bounds)
+            ids, status = self._full_kernel(sc)(s, a, b, lookahead)
             if status == fullencode.OK:
                 return ids.view(np.uint32)
             if status == fullencode.CUT_REJECTED:
