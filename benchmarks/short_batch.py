@@ -4,7 +4,9 @@ The texts are cut from the real-text corpus (benchmarks/full_encode.py's pools, 
 `--category cjk`), a new set of texts for every round. Per round, alternating: tokenplane in this process
 (`encode_batch` on 1 and 2 threads, and one `encode` per text), tiktoken's `encode_ordinary_batch` where the family
 is a tiktoken one, then gigatoken (`encode_batch_list`, `encode` per text) and fastokens (`encode_batch`) in the
-peer environment (`--peer-python`, a child process given the same texts). Every engine's IDs are compared with the
+peer environment (`--peer-python`, a child process given the same texts). The peers' batch calls run on their
+default thread pools (rayon: every core), their per-text loops on one thread: compare a batch call with tokenplane's
+batch on as many threads, a one-thread figure with their per-text loop. Every engine's IDs are compared with the
 reference engine's; µs per text: median and P90 over rounds (each round the best of `--reps` passes). Writes
 OUT.json / OUT.md / OUT.png.
 
@@ -162,7 +164,8 @@ def main() -> None:
              f"Machine: {meta['machine']}, {meta['cpus']} CPUs; load average {' '.join(f'{x:.2f}' for x in load0)} "
              f"(start), {' '.join(f'{x:.2f}' for x in meta['load_end'])} (end); started {started}, "
              f"{meta['wall_s']:.0f} s. {args.texts:,} texts a round, new ones every round; each engine's figure a "
-             "round is the best of its passes; median [P90] over rounds; ✗: IDs differ from the reference.", "",
+             "round is the best of its passes; median [P90] over rounds; ✗: IDs differ from the reference. The "
+             "peers' batch calls use their default thread pools (every core); their per-text loops one thread.", "",
              "| family | engine | µs per text | exact |", "|---|---|---:|---|"]
     for r in rows:
         if "error" in r:
