@@ -174,26 +174,36 @@ def block_tables(family: str) -> tuple[str, tuple[Any, ...]]:
     return loop, (startbits.bitmap_form(family)[0], *fam_args[1:])     # (o200k: its class table follows)
 
 
+def binding(bpe: bpe_mod.BPE, fn: Any) -> tuple[Any, bool, bool, Any]:
+    """A kept binding: the kernel set and `bpe`'s schedule flags it was made under, then the bound kernel."""
+    return kernels.get(), bpe.batch, bpe.whole, fn
+
+
+def still_bound(entry: tuple[Any, bool, bool, Any] | None, bpe: bpe_mod.BPE) -> bool:
+    """Whether a kept `binding` is still the one to call (same kernel set, same schedule flags: tests switch them)."""
+    return entry is not None and entry[0] is kernels.get() and entry[1] == bpe.batch and entry[2] == bpe.whole
+
+
 def bound_kernel(bpe: bpe_mod.BPE, key: str | None, n_head: int,
                  export: Callable[[], tuple[str, tuple[Any, ...]]]) -> Any:
     """The export `export()` names (made only when the binding is, with the family arguments it returns) with
     everything after its first `n_head` arguments bound: those family arguments, then the missing bytes, `bpe`'s
     tables and the calling thread's piece map. The binding is kept on that map under `key` (None: not kept, the
     caller keeps it), and made again when the kernel set or the encoder's schedule flags change (tests switch them)."""
-    k = kernels.get()
     c = bpe.thread_cache()
     pm = c.pmap
     if pm is None:
         pm = c.pmap = PieceMap()
     entry = pm.bound.get(key) if key is not None else None
-    if entry is not None and entry[0] is k and entry[1] == bpe.batch and entry[2] == bpe.whole:
+    if still_bound(entry, bpe):
         return entry[3]
     name, family_args = export()
     missing = bpe.missing if bpe.missing is not None else _NO_MISSING
-    fn = k.bind(name, n_head, *family_args, bpe.missing is not None, missing, bpe.byte_ids, bpe.ptab, bpe.batch,
-                bpe.whole, bpe.wkeys, bpe.wids, bpe.tok_flat, bpe.tok_off, bpe.wmap, pm.slots, pm.arena, pm.state)
+    fn = kernels.get().bind(name, n_head, *family_args, bpe.missing is not None, missing, bpe.byte_ids, bpe.ptab,
+                            bpe.batch, bpe.whole, bpe.wkeys, bpe.wids, bpe.tok_flat, bpe.tok_off, bpe.wmap, pm.slots,
+                            pm.arena, pm.state)
     if key is not None:
-        pm.bound[key] = (k, bpe.batch, bpe.whole, fn)
+        pm.bound[key] = binding(bpe, fn)
     return fn
 
 

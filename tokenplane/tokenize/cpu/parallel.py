@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
 
-from . import boundary, bpetables, fullbatch, fullencode, kernels, nfc, pretokenize, strbuf
+from . import boundary, bpetables, fullbatch, fullencode, nfc, pretokenize, strbuf
 from .bpe import BPE, DroppedBytes
 from .startbits import PAD
 
@@ -120,12 +120,11 @@ class CpuEncoder:
         """This thread's block kernel with its scratch bound too (fullencode.scratch_bound_encoder), kept on the
         scratch (grow drops it): the binding's own checks (kernel set, schedule flags) without the lookups of the
         thread's piece map, and no array to check or unbox, on every call."""
-        k, bpe = kernels.get(), self.bpe
         entry = sc.full
-        if entry is None or entry[0] is not k or entry[1] != bpe.batch or entry[2] != bpe.whole:
-            fn = fullencode.scratch_bound_encoder(bpe, self.family.name, (sc.cps, sc.kind, sc.starts, sc.buf,
-                                                                          sc.bounds))
-            entry = sc.full = (k, bpe.batch, bpe.whole, fn)
+        if not fullencode.still_bound(entry, self.bpe):
+            fn = fullencode.scratch_bound_encoder(self.bpe, self.family.name, (sc.cps, sc.kind, sc.starts, sc.buf,
+                                                                               sc.bounds))
+            entry = sc.full = fullencode.binding(self.bpe, fn)
         return entry[3]
 
     def _encode_range(self, s: str, a: int, b: int, lookahead: str = "") -> np.ndarray:
@@ -202,10 +201,7 @@ class CpuEncoder:
             return self.encode_parallel(text)
         self.stats["serial"] += 1
         try:
-            norm = self.tok.normalize(text)
-            if len(norm) <= self.block_chars:       # (one block: straight to its kernel, _encode_norm's first case)
-                return self._encode_range(norm, 0, len(norm))
-            return self._encode_norm(norm)
+            return self._encode_norm(self.tok.normalize(text))
         except DroppedBytes:
             return self._reference(text)
 
