@@ -41,15 +41,18 @@ def test_tables(name):
     assert n_missing == (21 if name == "smollm2" else 0)
     kept = b.byte_ids[b.byte_ids >= 0].tolist()
     assert b.byte_ids.shape == (256,) and len(set(kept)) == len(kept) == 256 - n_missing
-    assert b.n_pairs > (40_000 if name == "smollm2" else 100_000)
     # tiktoken checks the whole piece against every token; the HF configs shipped here have ignore_merges false,
     # so only tokens whose own bytes merge back to themselves may answer a piece in one lookup
     ref = encoder(name).tok.reference
     n_multi = int(np.count_nonzero(ref.token_lengths[:ref.n_ordinary] >= 2))
     if encoder(name).tok.family.engine == "tiktoken":
         assert b.n_whole == n_multi
+        assert 0.9 * n_multi < b.n_pairs <= n_multi
     else:
         assert 0.9 * n_multi < b.n_whole <= n_multi
+        assert b.n_pairs == b.n_whole       # one pair per self-encoding token (bpetables._own_pairs)
+    assert b.n_pairs == int(np.count_nonzero(b.pkeys != merge_mod.EMPTY))
+    assert b.n_pairs <= 0.8 * b.ptab.shape[1]
 
 
 @pytest.mark.parametrize("name", ["qwen3", "deepseek_v4"])
@@ -109,6 +112,50 @@ def test_every_vocab_token_alone(name):
             continue
         _check(name, s)
         _check(name, f" {s} {s}{s}")
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_own_pairs_merge_as_every_pair(name):
+    """The kernels' table keeps one pair per self-encoding token (bpetables._own_pairs); the table of every pair
+    (every split of a token into two tokens, or every HF merge) merges every piece to the same IDs: each token's own
+    bytes, pieces of real text, random byte strings, repeats, in all three merge kernels."""
+    from tokenplane.tokenize.cpu import bpetables
+
+    enc = encoder(name)
+    b, ref = enc.bpe, enc.tok.reference
+    if enc.tok.family.engine == "tiktoken":
+        every = bpetables._tiktoken_pairs(ref.token_bytes, ref.n_ordinary)
+    else:
+        every = bpetables._hf_pairs(ref.model_config())
+    full = merge_mod.pair_records(*bpe_mod._build_pairs(*every, bpetables._pow2(len(every[0]))))
+    assert len(every[0]) >= b.n_pairs
+    rng = random.Random(name + "own")
+    toks = ref.token_bytes[:ref.n_ordinary]
+    pieces = [toks[t] for t in rng.sample(range(len(toks)), 3000)]
+    text = " ".join(_corpus_docs(4000)).encode()
+    for _ in range(3000):
+        a = rng.randrange(max(1, len(text) - 40))
+        pieces.append(text[a:a + rng.randint(2, 40)])
+    pieces += [bytes(rng.randrange(256) for _ in range(rng.randint(2, 24))) for _ in range(1000)]
+    pieces += [x * n for x in (b"a", b"ab", b" ", b"0", "é".encode(), "的".encode()) for n in (2, 3, 9, 17, 64)]
+    keep = b.byte_ids >= 0
+    pieces = [p for p in pieces if all(keep[c] for c in p)]
+    k = max(map(len, pieces))
+    sym, rk, nw, prk, pnw = (np.empty(k, np.int32) for _ in range(5))
+    heap = np.empty(3 * k, np.int64)
+    for p in pieces:
+        buf = np.frombuffer(p + bytes(16), dtype=np.uint8)
+        got = []
+        for table in (b.ptab, full):
+            out = np.empty(k, np.int32)
+            n1 = merge_mod._merge_piece_scan(buf, 0, len(p), b.byte_ids, table, sym, rk, nw, out, 0)
+            out2 = np.empty(k, np.int32)
+            n2 = merge_mod._merge_piece_heap(buf, 0, len(p), b.byte_ids, table, sym, rk, nw, prk, pnw, heap, out2, 0)
+            out3 = np.empty(k, np.int32)
+            n3 = merge_mod._merge_piece(buf, 0, len(p), b.byte_ids, table, True, sym, rk, nw, out3, 0)
+            assert out[:n1].tolist() == out2[:n2].tolist() == out3[:n3].tolist()
+            got.append(out[:n1].tolist())
+        assert got[0] == got[1], (name, p)
 
 
 def test_single_merge_schedule_equals_batched():

@@ -1,10 +1,12 @@
 """Byte-pair encoding of pre-tokenized pieces, with merge ranks in an open-addressing hash table.
 
 One table serves both flavours: a key is the pair of symbol IDs (left, right), the value is (rank, merged ID).
-* tiktoken families: every split of a vocabulary token into two vocabulary tokens is a pair; its rank is the rank
-  (= ID) of the concatenation, so pairs with equal concatenations tie, exactly as tiktoken's `byte_pair_merge` sees it.
-  A piece that is itself a vocabulary entry is one ID (tiktoken checks the whole piece first: `ignore_merges`).
+* tiktoken families: a split of a vocabulary token into two vocabulary tokens is a pair; its rank is the rank
+  (= ID) of the concatenation, as tiktoken's `byte_pair_merge` ranks a pair of parts. A piece that is itself a
+  vocabulary entry is one ID (tiktoken checks the whole piece first: `ignore_merges`).
 * HF families (qwen3, deepseek_v4): `model.merges` in order, rank = merge index; `ignore_merges` as configured.
+* Of those, the table keeps one pair per self-encoding token, the one that can ever merge into it
+  (bpetables._own_pairs: the same IDs, a table a half to a quarter the size).
 
 This module builds the tables, keeps the per-thread piece caches of the staged path and the session windows
 (`_encode_pieces`) and holds `BPE`, one tokenizer's encoder; merge.py holds the merge kernels a cache miss runs.
@@ -68,6 +70,20 @@ def _build_pairs(left, right, rank, new, cap):
         ranks[i] = rank[j]
         news[i] = new[j]
     return keys, ranks, news
+
+
+@njit(cache=True, nogil=True)
+def _pair_entries(keys, ranks, news, left, right):
+    """(rank, merged ID) of each pair (left[j], right[j]) in a `_build_pairs` table (-1, -1 where absent)."""
+    r = np.full(left.shape[0], -1, dtype=np.int32)
+    n = np.full(left.shape[0], -1, dtype=np.int32)
+    for j in range(left.shape[0]):
+        key = (np.uint64(left[j]) << np.uint64(32)) | np.uint64(right[j])
+        i = _pair_slot(keys, key)
+        if keys[i] == key:
+            r[j] = ranks[i]
+            n[j] = news[i]
+    return r, n
 
 
 @njit(cache=True, nogil=True)

@@ -25,11 +25,11 @@ import numpy as np
 
 from ..reference import HFReference, ReferenceEngine, _bytes_to_unicode
 from ..spec.artifacts import cache_dir
-from .bpe import _build_pairs, _build_whole
-from .merge import _self_encoding, pair_records
+from .bpe import _build_pairs, _build_whole, _pair_entries
+from .merge import _last_merges, pair_records
 from .piecemap import whole_map
 
-TABLE_VERSION = 4       # bump when what a table holds or how it is built changes: old folders are then ignored
+TABLE_VERSION = 6       # bump when what a table holds or how it is built changes: old folders are then ignored
 _ARRAYS = ("tok_flat", "tok_off", "byte_ids", "pkeys", "pranks", "pnews", "ptab", "whole_ids", "wkeys", "wids",
            "wmap", "missing")
 
@@ -87,6 +87,35 @@ def _hf_pairs(model: dict):
     return as32(left), as32(right), as32(rank), as32(new)
 
 
+def _table_cap(n: int) -> int:
+    """Slots of a pair table of n pairs: a power of two, filled to at most 0.8 (linear probing; a probe sequence
+    stays within a cache line or two at that load, and the table stays small enough to sit in cache)."""
+    return 1 << max(4, int(-(-5 * n // 4) - 1).bit_length())
+
+
+def _own_pairs(left, right, rank, new, tok_flat, tok_off, multi, byte_ids):
+    """The pair table the kernels need: (keys, ranks, merged IDs, own) where own[j] says token multi[j] is
+    self-encoding (the BPE of its own bytes yields it alone).
+
+    Of all pairs that concatenate to a token, only one per self-encoding token can ever merge: the last merge of
+    the BPE of the token's own bytes. In any BPE run every part is a self-encoding token and the merges inside its
+    span are exactly those of its own bytes' BPE (nothing outside the span changes the pairs inside it while the span's
+    ends stay part boundaries, so the leftmost minimum inside is merged next in both runs). So a pair that merges
+    into T is T's own last merge, and a pair not kept is never the leftmost minimum where it is looked up: dropping
+    it leaves every choice, and so the IDs, unchanged. cl100k has 233K pairs (every split of a token into two
+    tokens) and 100K own pairs: a 1 MB table instead of 4 MB, where a merge probes it once or twice a step."""
+    if not np.isin(new, multi).all():
+        raise ValueError("a pair merges into a token outside the ordinary multi-byte vocabulary")
+    keys, ranks, news = _build_pairs(left, right, rank, new, _pow2(len(left)))
+    lo, hi = _last_merges(tok_flat, tok_off, multi, byte_ids, pair_records(keys, ranks, news))
+    own = lo >= 0
+    lo, hi = lo[own], hi[own]
+    r, n = _pair_entries(keys, ranks, news, lo, hi)
+    if not np.array_equal(n, multi[own]):
+        raise ValueError("a token's last merge is not a pair of the table")
+    return (*_build_pairs(lo, hi, r, n, _table_cap(len(lo))), own)
+
+
 def build(reference: ReferenceEngine, content_hash: str) -> BpeTables:
     """The tables of the tokenizer whose reference engine this is (no cache involved)."""
     fam = reference.family
@@ -117,16 +146,16 @@ def build(reference: ReferenceEngine, content_hash: str) -> BpeTables:
     if len(byte_map) != 256 and (missing is None or int(missing.sum()) != 256 - len(byte_map)):
         raise ValueError(f"{fam.name}: {256 - len(byte_map)} single bytes have no token")
     byte_ids = np.array([byte_map.get(b, -1) for b in range(256)], dtype=np.int32)
-    pkeys, pranks, pnews = _build_pairs(left, right, rank, new, _pow2(len(left)))
-    ptab = pair_records(pkeys, pranks, pnews)
     multi = np.flatnonzero(lengths[:n_ord] >= 2).astype(np.int64)
+    pkeys, pranks, pnews, own = _own_pairs(left, right, rank, new, tok_flat, tok_off, multi, byte_ids)
+    ptab = pair_records(pkeys, pranks, pnews)
     if not ignore_merges:
         # Merges decide, but a piece's BPE depends on its bytes alone: a piece equal to a token whose own bytes
         # merge back to exactly that token encodes to it, so one lookup replaces the merge rounds (most words).
-        multi = multi[_self_encoding(tok_flat, tok_off, multi, byte_ids, ptab, True)]
+        multi = multi[own]
     wkeys, wids = _build_whole(tok_flat, tok_off, multi, _pow2(len(multi)))
     wmap = whole_map(tok_flat, tok_off, multi, wkeys, wids)
-    return BpeTables(fam.name, content_hash, len(tokens), int(left.shape[0]), tok_flat, tok_off, byte_ids,
+    return BpeTables(fam.name, content_hash, len(tokens), int(np.count_nonzero(own)), tok_flat, tok_off, byte_ids,
                      pkeys, pranks, pnews, ptab, multi, wkeys, wids, wmap,
                      None if missing is None else np.asarray(missing, dtype=bool))
 

@@ -299,20 +299,43 @@ def _merge_piece_heap(buf, a, b, byte_ids, ptab, sym, nxt, prv, prk, pnw, heap, 
 
 
 @njit(cache=True, nogil=True)
-def _self_encoding(tok_flat, tok_off, ids, byte_ids, ptab, batch):
-    """keep[j]: merging the bytes of token ids[j] yields exactly that one token."""
-    longest = 1
+def _last_merges(tok_flat, tok_off, ids, byte_ids, ptab):
+    """(left, right): the two tokens the BPE of token ids[j]'s own bytes merges last, where that BPE yields exactly
+    ids[j] (a self-encoding token); -1, -1 where it does not. Token bytes as the piece, the scan kernel's schedule."""
+    longest = 2
     for t in ids:
-        if tok_off[t + 1] - tok_off[t] > longest:
-            longest = tok_off[t + 1] - tok_off[t]
+        longest = max(longest, tok_off[t + 1] - tok_off[t])
     sym = np.empty(longest, dtype=np.int32)
     rk = np.empty(longest, dtype=np.int32)
     nw = np.empty(longest, dtype=np.int32)
-    out = np.empty(longest, dtype=np.int32)
-    keep = np.zeros(ids.shape[0], dtype=np.bool_)
+    left = np.full(ids.shape[0], -1, dtype=np.int32)
+    right = np.full(ids.shape[0], -1, dtype=np.int32)
+    inf = np.int32(0x7FFFFFFF)
     for j in range(ids.shape[0]):
-        t = ids[j]
-        o = _merge_piece(tok_flat, tok_off[t], tok_off[t + 1], byte_ids, ptab, batch, sym, rk, nw,
-                         out, 0)
-        keep[j] = o == 1 and out[0] == t
-    return keep
+        a = tok_off[ids[j]]
+        k = tok_off[ids[j] + 1] - a
+        _init_pairs(tok_flat, a, k, byte_ids, ptab, sym, rk, nw)
+        while k > 1:
+            at = 0
+            for i in range(1, k - 1):
+                if rk[i] < rk[at]:
+                    at = i
+            if rk[at] == inf:
+                break
+            if k == 2:
+                left[j] = sym[0]
+                right[j] = sym[1]
+            t = _merged(ptab, rk[at], nw[at])
+            sym[at] = t
+            for i in range(at + 1, k - 1):
+                sym[i] = sym[i + 1]
+                rk[i] = rk[i + 1]
+                nw[i] = nw[i + 1]
+            k -= 1
+            if at > 0:
+                rk[at - 1], nw[at - 1] = _pair_rank(ptab, sym[at - 1], t)
+            if at < k - 1:
+                rk[at], nw[at] = _pair_rank(ptab, t, sym[at + 1])
+        if k != 1 or sym[0] != ids[j]:
+            left[j] = right[j] = -1
+    return left, right

@@ -31,7 +31,7 @@ from ..spec.families import Family
 if TYPE_CHECKING:   # type names only: these modules sit above this one
     from ..tokenizer import Tokenizer
 
-TABLE_VERSION = 2       # 2: an HF whole-piece lookup holds only self-encoding tokens
+TABLE_VERSION = 3       # 2: an HF whole-piece lookup holds only self-encoding tokens; 3: own pairs only
 EMPTY = -1
 PAIR_SHIFT = 20          # key = left << 20 | right; vocabularies up to 2**20 ids
 FNV_OFFSET = 2166136261
