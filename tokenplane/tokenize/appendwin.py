@@ -25,7 +25,7 @@ import numpy as np
 
 from . import records, splice
 from .cpu import bpe as bpe_mod
-from .cpu import kernels, window
+from .cpu import kernels, piecemap, window
 from .cpu import pretokenize as pt
 from .cpu.lazyjit import njit, numba_global  # numba itself only when a JIT kernel runs (lazyjit.py)
 
@@ -123,15 +123,15 @@ def _pre(text, base, d, w, nfc, inert, ids, ck, tc, ex_i, ex_v, n, cont):
 
 def _append_gpt4_impl(text, base, d, w, ids, ck, ex_i, ex_v, n, commit, nfc, inert, cont, sig, pair, use_stable,
                       max_chars, max_stable, max_cand, kind_table, digits, whole_at_end, tc, has_missing, missing,
-                      byte_ids, ptab, batch, whole, wkeys, wids, tok_flat, tok_off, tiny, short, long_keys, long_len,
-                      long_ids, long_n, out_ids, out_ends):
+                      byte_ids, ptab, batch, whole, wkeys, wids, tok_flat, tok_off, wmap, slots, arena, state,
+                      out_ids, out_ends):
     s, status = _pre(text, base, d, w, nfc, inert, ids, ck, tc, ex_i, ex_v, n, cont)
     if status != OK:
         return _declined(status)
     f_ids, f_ends, _, st = window._window_gpt4(
         text, s - base, len(text), np.zeros((0, 2), np.int64), base, kind_table, digits, whole_at_end, tc,
-        has_missing, missing, byte_ids, ptab, batch, whole, wkeys, wids, tok_flat, tok_off, tiny, short, long_keys,
-        long_len, long_ids, long_n)
+        has_missing, missing, byte_ids, ptab, batch, whole, wkeys, wids, tok_flat, tok_off, wmap, slots, arena,
+        state)
     if st != window.OK:
         return _declined(WINDOW_DECLINED)
     return _finish(text, base, s, d, f_ids, f_ends, ids, ck, tc, ex_i, ex_v, n, commit, cont, sig, pair,
@@ -140,15 +140,14 @@ def _append_gpt4_impl(text, base, d, w, ids, ck, ex_i, ex_v, n, commit, nfc, ine
 
 def _append_o200k_impl(text, base, d, w, ids, ck, ex_i, ex_v, n, commit, nfc, inert, cont, sig, pair,
                        use_stable, max_chars, max_stable, max_cand, table, cls_table, tc, has_missing, missing,
-                       byte_ids, ptab, batch, whole, wkeys, wids, tok_flat, tok_off, tiny, short, long_keys, long_len,
-                       long_ids, long_n, out_ids, out_ends):
+                       byte_ids, ptab, batch, whole, wkeys, wids, tok_flat, tok_off, wmap, slots, arena, state,
+                      out_ids, out_ends):
     s, status = _pre(text, base, d, w, nfc, inert, ids, ck, tc, ex_i, ex_v, n, cont)
     if status != OK:
         return _declined(status)
     f_ids, f_ends, _, st = window._window_o200k(
         text, s - base, len(text), np.zeros((0, 2), np.int64), base, table, cls_table, tc, has_missing, missing,
-        byte_ids, ptab, batch, whole, wkeys, wids, tok_flat, tok_off, tiny, short, long_keys, long_len, long_ids,
-        long_n)
+        byte_ids, ptab, batch, whole, wkeys, wids, tok_flat, tok_off, wmap, slots, arena, state)
     if st != window.OK:
         return _declined(WINDOW_DECLINED)
     return _finish(text, base, s, d, f_ids, f_ends, ids, ck, tc, ex_i, ex_v, n, commit, cont, sig, pair,
@@ -157,14 +156,13 @@ def _append_o200k_impl(text, base, d, w, ids, ck, ex_i, ex_v, n, commit, nfc, in
 
 def _append_deepseek_impl(text, base, d, w, ids, ck, ex_i, ex_v, n, commit, nfc, inert, cont, sig, pair,
                           use_stable, max_chars, max_stable, max_cand, table, tc, has_missing, missing, byte_ids, ptab,
-                          batch, whole, wkeys, wids, tok_flat, tok_off, tiny, short, long_keys, long_len, long_ids,
-                          long_n, out_ids, out_ends):
+                          batch, whole, wkeys, wids, tok_flat, tok_off, wmap, slots, arena, state, out_ids, out_ends):
     s, status = _pre(text, base, d, w, nfc, inert, ids, ck, tc, ex_i, ex_v, n, cont)
     if status != OK:
         return _declined(status)
     f_ids, f_ends, _, st = window._window_deepseek(
         text, s - base, len(text), np.zeros((0, 2), np.int64), base, table, tc, has_missing, missing, byte_ids, ptab,
-        batch, whole, wkeys, wids, tok_flat, tok_off, tiny, short, long_keys, long_len, long_ids, long_n)
+        batch, whole, wkeys, wids, tok_flat, tok_off, wmap, slots, arena, state)
     if st != window.OK:
         return _declined(WINDOW_DECLINED)
     return _finish(text, base, s, d, f_ids, f_ends, ids, ck, tc, ex_i, ex_v, n, commit, cont, sig, pair,
@@ -173,14 +171,13 @@ def _append_deepseek_impl(text, base, d, w, ids, ck, ex_i, ex_v, n, commit, nfc,
 
 def _append_smollm2_impl(text, base, d, w, ids, ck, ex_i, ex_v, n, commit, nfc, inert, cont, sig, pair,
                          use_stable, max_chars, max_stable, max_cand, table, tc, has_missing, missing, byte_ids, ptab,
-                         batch, whole, wkeys, wids, tok_flat, tok_off, tiny, short, long_keys, long_len, long_ids,
-                         long_n, out_ids, out_ends):
+                         batch, whole, wkeys, wids, tok_flat, tok_off, wmap, slots, arena, state, out_ids, out_ends):
     s, status = _pre(text, base, d, w, nfc, inert, ids, ck, tc, ex_i, ex_v, n, cont)
     if status != OK:
         return _declined(status)
     f_ids, f_ends, _, st = window._window_smollm2(
         text, s - base, len(text), np.zeros((0, 2), np.int64), base, table, tc, has_missing, missing, byte_ids, ptab,
-        batch, whole, wkeys, wids, tok_flat, tok_off, tiny, short, long_keys, long_len, long_ids, long_n)
+        batch, whole, wkeys, wids, tok_flat, tok_off, wmap, slots, arena, state)
     if st != window.OK:
         return _declined(WINDOW_DECLINED)
     return _finish(text, base, s, d, f_ids, f_ends, ids, ck, tc, ex_i, ex_v, n, commit, cont, sig, pair,
@@ -197,7 +194,6 @@ _append_smollm2 = njit(cache=True, nogil=True)(_append_smollm2_impl)
 # array through numba's serialized type (~2.5 us each on this VM), as much as the splice search itself.
 AppendFn = Callable[[str, int, int, int, np.ndarray, np.ndarray, np.ndarray, np.ndarray, int, bool],
                     tuple[int, np.ndarray, np.ndarray]]
-_NO_MISSING = np.zeros(256, np.bool_)
 _NO_INERT = np.zeros(1, np.bool_)
 MIN_SCRATCH = 4096          # records; grown to what a window needs (a declined call says how many)
 
@@ -235,7 +231,7 @@ class _Bound:
 def append_encoder(bpe: bpe_mod.BPE, family: str, tc: np.ndarray, search: splice.SpliceSearch,
                    inert: np.ndarray | None) -> _Bound:
     """The fused append-window kernel of `family` with `bpe`'s tables, `tc`, the splice search's tables and the NFC
-    inert table (None: the family has no normalizer) bound, and the calling thread's piece cache and scratch. Kept
+    inert table (None: the family has no normalizer) bound, and the calling thread's piece map and scratch. Kept
     on that cache beside window.py's binding; bound again when any of them (or the process's kernel set) changes."""
     c = bpe.thread_cache()
     e = c.bound.get("append:" + family)
@@ -243,12 +239,9 @@ def append_encoder(bpe: bpe_mod.BPE, family: str, tc: np.ndarray, search: splice
             and e.tc is tc and e.search is search and e.inert is inert):
         return e
     loop, fam_args = pt.loop_tables(family)
-    missing = bpe.missing if bpe.missing is not None else _NO_MISSING
     tail = (inert is not None, inert if inert is not None else _NO_INERT, search.cont, search.sig, search.pair,
             search.use_stable, search.max_token_chars, splice.MAX_STABLE, splice.MAX_CANDIDATES, *fam_args,
-            np.ascontiguousarray(tc, np.uint16), bpe.missing is not None, missing, bpe.byte_ids, bpe.ptab, bpe.batch,
-            bpe.whole, bpe.wkeys, bpe.wids, bpe.tok_flat, bpe.tok_off, c.tiny, c.short, c.long_keys, c.long_length,
-            c.long_ids, c.long_n)
+            np.ascontiguousarray(tc, np.uint16), *piecemap.walk_tail(bpe))
     e = c.bound["append:" + family] = _Bound(bpe, tc, search, inert, loop, tail)
     return e
 

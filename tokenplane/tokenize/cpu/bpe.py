@@ -45,6 +45,14 @@ ID_BITS = 24               # a tiny record packs two IDs of 24 bits: every vocab
 
 
 # -- hash tables ----------------------------------------------------------------------------------------------------
+def table_cap(n: int) -> int:
+    """Slots of an open-addressing table of n entries (the pair table, the whole-piece tables): a power of two, filled
+    to at most 0.8. Linear probing keeps a probe sequence within a cache line or two at that load, and a table this
+    small stays in cache more often: this machine's latency is ~5-7 ns to 1 MB, ~27 ns at 2 MB, ~105 ns from 4 MB on
+    (a pointer chase), and a merge or a whole-piece lookup is a chain of such loads."""
+    return 1 << max(4, int(-(-5 * n // 4) - 1).bit_length())
+
+
 @njit(cache=True, nogil=True)
 def _pair_slot(keys, key):
     mask = keys.shape[0] - 1

@@ -25,11 +25,11 @@ import numpy as np
 
 from ..reference import HFReference, ReferenceEngine, _bytes_to_unicode
 from ..spec.artifacts import cache_dir
-from .bpe import _build_pairs, _build_whole, _pair_entries
+from .bpe import _build_pairs, _build_whole, _pair_entries, table_cap
 from .merge import _last_merges, pair_records
 from .piecemap import whole_map
 
-TABLE_VERSION = 6       # bump when what a table holds or how it is built changes: old folders are then ignored
+TABLE_VERSION = 7       # bump when what a table holds or how it is built changes: old folders are then ignored
 _ARRAYS = ("tok_flat", "tok_off", "byte_ids", "pkeys", "pranks", "pnews", "ptab", "whole_ids", "wkeys", "wids",
            "wmap", "missing")
 
@@ -87,12 +87,6 @@ def _hf_pairs(model: dict):
     return as32(left), as32(right), as32(rank), as32(new)
 
 
-def _table_cap(n: int) -> int:
-    """Slots of a pair table of n pairs: a power of two, filled to at most 0.8 (linear probing; a probe sequence
-    stays within a cache line or two at that load, and the table stays small enough to sit in cache)."""
-    return 1 << max(4, int(-(-5 * n // 4) - 1).bit_length())
-
-
 def _own_pairs(left, right, rank, new, tok_flat, tok_off, multi, byte_ids):
     """The pair table the kernels need: (keys, ranks, merged IDs, own) where own[j] says token multi[j] is
     self-encoding (the BPE of its own bytes yields it alone).
@@ -113,7 +107,7 @@ def _own_pairs(left, right, rank, new, tok_flat, tok_off, multi, byte_ids):
     r, n = _pair_entries(keys, ranks, news, lo, hi)
     if not np.array_equal(n, multi[own]):
         raise ValueError("a token's last merge is not a pair of the table")
-    return (*_build_pairs(lo, hi, r, n, _table_cap(len(lo))), own)
+    return (*_build_pairs(lo, hi, r, n, table_cap(len(lo))), own)
 
 
 def build(reference: ReferenceEngine, content_hash: str) -> BpeTables:
@@ -153,7 +147,7 @@ def build(reference: ReferenceEngine, content_hash: str) -> BpeTables:
         # Merges decide, but a piece's BPE depends on its bytes alone: a piece equal to a token whose own bytes
         # merge back to exactly that token encodes to it, so one lookup replaces the merge rounds (most words).
         multi = multi[own]
-    wkeys, wids = _build_whole(tok_flat, tok_off, multi, _pow2(len(multi)))
+    wkeys, wids = _build_whole(tok_flat, tok_off, multi, table_cap(len(multi)))
     wmap = whole_map(tok_flat, tok_off, multi, wkeys, wids)
     return BpeTables(fam.name, content_hash, len(tokens), int(np.count_nonzero(own)), tok_flat, tok_off, byte_ids,
                      pkeys, pranks, pnews, ptab, multi, wkeys, wids, wmap,

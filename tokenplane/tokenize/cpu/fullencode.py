@@ -25,10 +25,9 @@ from . import bpe as bpe_mod
 from . import kernels, o200k_rescan, startbits, strbuf
 from . import pretokenize as pt
 from .lazyjit import njit  # numba itself only when a JIT kernel runs (lazyjit.py)
-from .piecemap import CUT_REJECTED, DROPPED, OK, OVERRUN, SURROGATE, PieceMap, _walk
+from .piecemap import CUT_REJECTED, DROPPED, OK, OVERRUN, SURROGATE, _walk, thread_map, walk_tail
 
 FullFn = Callable[..., tuple[np.ndarray, int]]
-_NO_MISSING = np.zeros(256, np.bool_)
 
 
 @njit(cache=True, nogil=True)
@@ -190,18 +189,12 @@ def bound_kernel(bpe: bpe_mod.BPE, key: str | None, n_head: int,
     everything after its first `n_head` arguments bound: those family arguments, then the missing bytes, `bpe`'s
     tables and the calling thread's piece map. The binding is kept on that map under `key` (None: not kept, the
     caller keeps it), and made again when the kernel set or the encoder's schedule flags change (tests switch them)."""
-    c = bpe.thread_cache()
-    pm = c.pmap
-    if pm is None:
-        pm = c.pmap = PieceMap()
+    pm = thread_map(bpe)
     entry = pm.bound.get(key) if key is not None else None
     if still_bound(entry, bpe):
         return entry[3]
     name, family_args = export()
-    missing = bpe.missing if bpe.missing is not None else _NO_MISSING
-    fn = kernels.get().bind(name, n_head, *family_args, bpe.missing is not None, missing, bpe.byte_ids, bpe.ptab,
-                            bpe.batch, bpe.whole, bpe.wkeys, bpe.wids, bpe.tok_flat, bpe.tok_off, bpe.wmap, pm.slots,
-                            pm.arena, pm.state)
+    fn = kernels.get().bind(name, n_head, *family_args, *walk_tail(bpe))
     if key is not None:
         pm.bound[key] = binding(bpe, fn)
     return fn

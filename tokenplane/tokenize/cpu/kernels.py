@@ -63,9 +63,8 @@ REC = (A("uint32"), A("int64"), A("uint16"), A("int64"), A("int64"))    # record
 # the BPE tables and one thread's piece cache, in encode_pieces' order (after its buf and bounds)
 BPE_ARGS = (A("int32"), A("uint64", 2), B, B, A("uint64"), A("int32"), A("uint8"), A("int64"), A("uint64", 2),
             A("uint32", 2), A("uint8", 2), A("int32"), A("int32", 2), A("int32"))
-# the fused window kernels (window.py): text, lo, hi, spans, shift | family tables | token_chars, missing bytes, BPE
+# the fused window kernels (window.py): text, lo, hi, spans, shift | family tables | WINDOW_TAIL
 WINDOW_HEAD = (S, I, I, A("int64", 2), I)
-WINDOW_TAIL = (A("uint16"), B, A("boolean"), *BPE_ARGS)
 WINDOW_RET = "Tuple((uint32[::1], int64[::1], int64[::1], int64))"
 # the fused full-encode block kernels (fullencode.py): text, a, b, lookahead, scratch (code points, classes, starts,
 # UTF-8, bounds) | family tables | missing bytes, BPE tables, the small whole-token map (piecemap.whole_map), the
@@ -74,6 +73,8 @@ FULL_HEAD = (S, I, I, S, A("uint32"))
 FULL_SCRATCH = (A("boolean"), A("uint8"), A("int64"))
 FULL_TAIL = (B, A("boolean"), *BPE_ARGS[:8], A("uint64", 2), A("uint64", 2), A("uint32"), A("int64"))
 FULL_RET = "Tuple((int32[::1], int64))"
+# a window's tail: token_chars, then the walk's (piecemap.walk_tail: the thread's piece map, as a full encode)
+WINDOW_TAIL = (A("uint16"), *FULL_TAIL)
 BATCH_HEAD = (S, A("int64", 2), A("uint32"))
 BATCH_RET = "Tuple((int32[::1], int64[::1], int64))"
 # the fused append window (tokenize/appendwin.py): text, base, d, w, the records (no tc), commit flag | NFC flag and

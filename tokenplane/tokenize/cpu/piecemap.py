@@ -332,9 +332,30 @@ def whole_map(tok_flat: np.ndarray, tok_off: np.ndarray, whole_ids: np.ndarray, 
     offsets, bytes). On a warm 1M-character encode's misses (cl100k english, qwen3 code; one core, alternated in
     one process) the walk took 1.13-1.15x less time."""
     lengths = tok_off[whole_ids + 1] - tok_off[whole_ids]
-    n_small = int(np.count_nonzero(lengths <= 8))
-    cap = 1 << max(4, int(2 * n_small - 1).bit_length())
+    cap = bpe_mod.table_cap(int(np.count_nonzero(lengths <= 8)))
     return _build_whole_map(tok_flat, tok_off, np.ascontiguousarray(whole_ids, dtype=np.int64), wkeys, wids, cap)
 
 
-__all__ = ["CUT_REJECTED", "DROPPED", "OK", "PieceMap", "SURROGATE", "whole_map"]
+_NO_MISSING = np.zeros(256, np.bool_)
+
+
+def thread_map(bpe: bpe_mod.BPE) -> PieceMap:
+    """The calling thread's piece map for `bpe` (made on first use, kept on its thread cache): the one cache of
+    pieces every compiled encode of that thread walks (full encodes, batches, session windows and appends), so a
+    session's windows find the pieces its full encode saw."""
+    c = bpe.thread_cache()
+    if c.pmap is None:
+        c.pmap = PieceMap()
+    return c.pmap
+
+
+def walk_tail(bpe: bpe_mod.BPE) -> tuple[Any, ...]:
+    """What a kernel that walks the calling thread's map takes after its own arguments (kernels.FULL_TAIL): the
+    missing bytes, `bpe`'s tables, the small whole-token map and the map's arrays."""
+    pm = thread_map(bpe)
+    missing = bpe.missing if bpe.missing is not None else _NO_MISSING
+    return (bpe.missing is not None, missing, bpe.byte_ids, bpe.ptab, bpe.batch, bpe.whole, bpe.wkeys, bpe.wids,
+            bpe.tok_flat, bpe.tok_off, bpe.wmap, pm.slots, pm.arena, pm.state)
+
+
+__all__ = ["CUT_REJECTED", "DROPPED", "OK", "PieceMap", "SURROGATE", "thread_map", "walk_tail", "whole_map"]

@@ -7,8 +7,9 @@ much as the kernels themselves (benchmarks/session_repair.py, per-call fixed cos
 to back inside one compiled function per pre-tokenizer family, with their constant tables bound once per thread
 (kernels.bind: the guard then checks only the per-call arguments).
 
-A pure restructuring: the same code points, the same pre-tokenizer loops on each span alone, the same piece bounds,
-the same BPE kernel with the calling thread's piece cache. Token ends: each token moves the character count by the
+The same code points, the same pre-tokenizer loops on each span alone, the same piece bounds; the pieces go
+through the calling thread's piece map (piecemap.py), the cache its full encodes fill, so a session's windows find
+the pieces its `sync` of the whole context saw (the staged path keeps bpe.py's piece tiers). Token ends: each token moves the character count by the
 characters its bytes start (the vocabulary's `token_chars`), which is what the staged path's byte walk computes for
 valid UTF-8 (a token ending inside a character covers it; the token holding the rest starts no character).
 Whatever the common case does not cover answers a nonzero status and the caller runs the staged path: a lone
@@ -24,7 +25,7 @@ from typing import Callable
 import numpy as np
 
 from . import bpe as bpe_mod
-from . import kernels, o200k_rescan, strbuf
+from . import kernels, o200k_rescan, piecemap, strbuf
 from . import pretokenize as pt
 from .lazyjit import njit  # numba itself only when a JIT kernel runs (lazyjit.py)
 
@@ -77,20 +78,23 @@ def _declined(status):
 
 @njit(cache=True, nogil=True)
 def _window_finish(cps, offsets, starts, lo, spans, shift, tc, has_missing, missing, byte_ids, ptab, batch, whole,
-                   wkeys, wids, tok_flat, tok_off, tiny, short, long_keys, long_len, long_ids, long_n):
-    """UTF-8 + piece bounds, BPE, then each token's end (absolute: + shift) and the tokens per span."""
+                   wkeys, wids, tok_flat, tok_off, wmap, slots, arena, state):
+    """UTF-8 + piece bounds, the piece map walk (the thread's map: piecemap.py), then each token's end (absolute:
+    + shift) and the tokens per span."""
     n = cps.shape[0]
     k = offsets.shape[0] - 1
     for j in range(k):
         starts[offsets[j]] = True      # a segment is a text of its own: its first character starts a piece
-    buf = np.empty(4 * n, np.uint8)
+    buf = np.empty(4 * n + 16, np.uint8)
     bounds = np.empty(n + 1, np.int64)
     nb, size = strbuf._utf8_and_bounds(cps, n, starts, buf, bounds)
+    for z in range(size, size + 16):    # the walk reads a small piece's two words
+        buf[z] = 0
     counts = np.zeros(k, np.int64)
-    if has_missing and bpe_mod._any_of(buf[:size], missing):
+    raw, status = piecemap._walk(buf, bounds, nb, has_missing, missing, byte_ids, ptab, batch, whole, wkeys, wids,
+                                 tok_flat, tok_off, wmap, slots, arena, state)
+    if status != piecemap.OK:       # DROPPED: a byte the vocabulary lacks
         return np.empty(0, np.uint32), np.empty(0, np.int64), counts, DROPPED
-    raw = bpe_mod._encode_pieces(buf[:size], bounds[:nb], byte_ids, ptab, batch, whole, wkeys, wids, tok_flat,
-                                 tok_off, tiny, short, long_keys, long_len, long_ids, long_n)
     m = raw.shape[0]
     ids = np.empty(m, np.uint32)
     ends = np.empty(m, np.int64)
@@ -113,8 +117,7 @@ def _window_finish(cps, offsets, starts, lo, spans, shift, tc, has_missing, miss
 
 
 def _window_gpt4_impl(s, lo, hi, spans, shift, kind_table, digits, whole_at_end, tc, has_missing, missing, byte_ids,
-                      ptab, batch, whole, wkeys, wids, tok_flat, tok_off, tiny, short, long_keys, long_len, long_ids,
-                      long_n):
+                      ptab, batch, whole, wkeys, wids, tok_flat, tok_off, wmap, slots, arena, state):
     cps, offsets, kind, starts, bad = _window_start(s, lo, hi, spans, kind_table)
     if bad >= 0:
         return _declined(SURROGATE)
@@ -123,12 +126,11 @@ def _window_gpt4_impl(s, lo, hi, spans, shift, kind_table, digits, whole_at_end,
         a, b = offsets[j], offsets[j + 1]
         pt._gpt4_loop(c[a:b], kind[a:b], digits, whole_at_end, starts[a:b])
     return _window_finish(cps, offsets, starts, lo, spans, shift, tc, has_missing, missing, byte_ids, ptab, batch,
-                          whole, wkeys, wids, tok_flat, tok_off, tiny, short, long_keys, long_len, long_ids, long_n)
+                          whole, wkeys, wids, tok_flat, tok_off, wmap, slots, arena, state)
 
 
 def _window_o200k_impl(s, lo, hi, spans, shift, feat_table, cls_table, tc, has_missing, missing, byte_ids, ptab,
-                       batch, whole, wkeys, wids, tok_flat, tok_off, tiny, short, long_keys, long_len, long_ids,
-                       long_n):
+                       batch, whole, wkeys, wids, tok_flat, tok_off, wmap, slots, arena, state):
     # the run loop on each span, then the compiled rescan of the windows around its rare shapes (cls_table: the
     # matcher's class table); RARE only where the matcher overran a window (the staged path raises there)
     cps, offsets, feat, starts, bad = _window_start(s, lo, hi, spans, feat_table)
@@ -142,11 +144,11 @@ def _window_o200k_impl(s, lo, hi, spans, shift, feat_table, cls_table, tc, has_m
         if nr > 0 and o200k_rescan._rescan_mask(cps[a:b], cls_table, np.sort(rare[a:a + nr]), starts[a:b]) < 0:
             return _declined(RARE)
     return _window_finish(cps, offsets, starts, lo, spans, shift, tc, has_missing, missing, byte_ids, ptab, batch,
-                          whole, wkeys, wids, tok_flat, tok_off, tiny, short, long_keys, long_len, long_ids, long_n)
+                          whole, wkeys, wids, tok_flat, tok_off, wmap, slots, arena, state)
 
 
 def _window_deepseek_impl(s, lo, hi, spans, shift, feat_table, tc, has_missing, missing, byte_ids, ptab, batch,
-                          whole, wkeys, wids, tok_flat, tok_off, tiny, short, long_keys, long_len, long_ids, long_n):
+                          whole, wkeys, wids, tok_flat, tok_off, wmap, slots, arena, state):
     cps, offsets, feat, starts, bad = _window_start(s, lo, hi, spans, feat_table)
     if bad >= 0:
         return _declined(SURROGATE)
@@ -155,11 +157,11 @@ def _window_deepseek_impl(s, lo, hi, spans, shift, feat_table, tc, has_missing, 
         a, b = offsets[j], offsets[j + 1]
         pt._deepseek_loop(c[a:b], feat[a:b], starts[a:b])
     return _window_finish(cps, offsets, starts, lo, spans, shift, tc, has_missing, missing, byte_ids, ptab, batch,
-                          whole, wkeys, wids, tok_flat, tok_off, tiny, short, long_keys, long_len, long_ids, long_n)
+                          whole, wkeys, wids, tok_flat, tok_off, wmap, slots, arena, state)
 
 
 def _window_smollm2_impl(s, lo, hi, spans, shift, kind_table, tc, has_missing, missing, byte_ids, ptab, batch,
-                         whole, wkeys, wids, tok_flat, tok_off, tiny, short, long_keys, long_len, long_ids, long_n):
+                         whole, wkeys, wids, tok_flat, tok_off, wmap, slots, arena, state):
     cps, offsets, kind, starts, bad = _window_start(s, lo, hi, spans, kind_table)
     if bad >= 0:
         return _declined(SURROGATE)
@@ -168,7 +170,7 @@ def _window_smollm2_impl(s, lo, hi, spans, shift, kind_table, tc, has_missing, m
         a, b = offsets[j], offsets[j + 1]
         pt._smollm2_loop(c[a:b], kind[a:b], starts[a:b])
     return _window_finish(cps, offsets, starts, lo, spans, shift, tc, has_missing, missing, byte_ids, ptab, batch,
-                          whole, wkeys, wids, tok_flat, tok_off, tiny, short, long_keys, long_len, long_ids, long_n)
+                          whole, wkeys, wids, tok_flat, tok_off, wmap, slots, arena, state)
 
 
 _window_gpt4 = njit(cache=True, nogil=True)(_window_gpt4_impl)
@@ -178,24 +180,20 @@ _window_smollm2 = njit(cache=True, nogil=True)(_window_smollm2_impl)
 
 # -- binding: the constant tables of one (encoder, family, thread) fixed once -----------------------------------------
 WindowFn = Callable[[str, int, int, np.ndarray, int], tuple[np.ndarray, np.ndarray, np.ndarray, int]]
-_NO_MISSING = np.zeros(256, np.bool_)
 
 
 def window_encoder(bpe: bpe_mod.BPE, family: str, tc: np.ndarray) -> WindowFn:
     """The fused window kernel of `family` with `bpe`'s tables, `tc` (token_chars) and the calling thread's piece
-    cache bound: fn(text, lo, hi, spans, shift) -> (ids uint32, ends int64 (+ shift), tokens per span, status).
-    Kept on that cache; bound again when the process's kernel set or the encoder's schedule
-    flags change (tests switch them)."""
+    map bound: fn(text, lo, hi, spans, shift) -> (ids uint32, ends int64 (+ shift), tokens per span, status).
+    Kept on the thread's cache; bound again when the process's kernel set or the encoder's schedule flags change
+    (tests switch them)."""
     k = kernels.get()
     c = bpe.thread_cache()
     entry = c.bound.get(family)
     if entry is not None and entry[0] is k and entry[1] == bpe.batch and entry[2] == bpe.whole and entry[3] is tc:
         return entry[4]
     loop, fam_args = pt.loop_tables(family)
-    missing = bpe.missing if bpe.missing is not None else _NO_MISSING
-    fn = k.bind(f"window_{loop}", 5, *fam_args, np.ascontiguousarray(tc, np.uint16), bpe.missing is not None, missing,
-                bpe.byte_ids, bpe.ptab, bpe.batch, bpe.whole, bpe.wkeys, bpe.wids, bpe.tok_flat, bpe.tok_off, c.tiny,
-                c.short, c.long_keys, c.long_length, c.long_ids, c.long_n)
+    fn = k.bind(f"window_{loop}", 5, *fam_args, np.ascontiguousarray(tc, np.uint16), *piecemap.walk_tail(bpe))
     c.bound[family] = (k, bpe.batch, bpe.whole, tc, fn)
     return fn
 
