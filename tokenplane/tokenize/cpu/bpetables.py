@@ -29,7 +29,7 @@ from .bpe import _build_pairs, _build_whole, _pair_entries, table_cap
 from .merge import _last_merges, pair_records
 from .piecemap import whole_map
 
-TABLE_VERSION = 7       # bump when what a table holds or how it is built changes: old folders are then ignored
+TABLE_VERSION = 8       # bump when what a table holds or how it is built changes: old folders are then ignored
 _ARRAYS = ("tok_flat", "tok_off", "byte_ids", "pkeys", "pranks", "pnews", "ptab", "whole_ids", "wkeys", "wids",
            "wmap", "missing")
 
@@ -52,10 +52,6 @@ class BpeTables:
     wids: np.ndarray            # int32
     wmap: np.ndarray            # uint64[cap, 2]: the same lookup for tokens of <= 8 bytes, keyed as the piece map
     missing: np.ndarray | None  # bool[256]: bytes the reference drops (None: the vocabulary has all 256)
-
-
-def _pow2(n: int) -> int:
-    return 1 << max(4, int(2 * n - 1).bit_length())
 
 
 def _tiktoken_pairs(token_bytes: list[bytes], n_ordinary: int):
@@ -97,10 +93,10 @@ def _own_pairs(left, right, rank, new, tok_flat, tok_off, multi, byte_ids):
     ends stay part boundaries, so the leftmost minimum inside is merged next in both runs). So a pair that merges
     into T is T's own last merge, and a pair not kept is never the leftmost minimum where it is looked up: dropping
     it leaves every choice, and so the IDs, unchanged. cl100k has 233K pairs (every split of a token into two
-    tokens) and 100K own pairs: a 1 MB table instead of 4 MB, where a merge probes it once or twice a step."""
+    tokens) and 100K own pairs: a 2 MB table instead of 4, which a merge probes once or twice a step."""
     if not np.isin(new, multi).all():
         raise ValueError("a pair merges into a token outside the ordinary multi-byte vocabulary")
-    keys, ranks, news = _build_pairs(left, right, rank, new, _pow2(len(left)))
+    keys, ranks, news = _build_pairs(left, right, rank, new, table_cap(len(left)))
     lo, hi = _last_merges(tok_flat, tok_off, multi, byte_ids, pair_records(keys, ranks, news))
     own = lo >= 0
     lo, hi = lo[own], hi[own]

@@ -9,9 +9,10 @@ to back inside one compiled function per pre-tokenizer family, with their consta
 
 The same code points, the same pre-tokenizer loops on each span alone, the same piece bounds; the pieces go
 through the calling thread's piece map (piecemap.py), the cache its full encodes fill, so a session's windows find
-the pieces its `sync` of the whole context saw (the staged path keeps bpe.py's piece tiers). Token ends: each token moves the character count by the
-characters its bytes start (the vocabulary's `token_chars`), which is what the staged path's byte walk computes for
-valid UTF-8 (a token ending inside a character covers it; the token holding the rest starts no character).
+the pieces its `sync` of the whole context saw (the staged path keeps bpe.py's piece tiers). Token ends: each
+token moves the character count by the characters its bytes start (the vocabulary's `token_chars`), which is what
+the staged path's byte walk computes for valid UTF-8 (a token ending inside a character covers it; the token
+holding the rest starts no character).
 Whatever the common case does not cover answers a nonzero status and the caller runs the staged path: a lone
 surrogate (it raises there), a byte the vocabulary lacks, an o200k window whose rare-shape matcher overran (the
 staged path raises; o200k's rare shapes are rescanned here by the compiled matcher, o200k_rescan._rescan_mask).
