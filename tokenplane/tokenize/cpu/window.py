@@ -28,6 +28,7 @@ import numpy as np
 from . import bpe as bpe_mod
 from . import kernels, o200k_rescan, piecemap, strbuf
 from . import pretokenize as pt
+from .fullencode import _pad, binding, still_bound
 from .lazyjit import njit  # numba itself only when a JIT kernel runs (lazyjit.py)
 
 OK, SURROGATE, DROPPED, RARE = 0, 1, 2, 3      # status of a fused call: anything but OK -> the staged path
@@ -89,8 +90,7 @@ def _window_finish(cps, offsets, starts, lo, spans, shift, tc, has_missing, miss
     buf = np.empty(4 * n + 16, np.uint8)
     bounds = np.empty(n + 1, np.int64)
     nb, size = strbuf._utf8_and_bounds(cps, n, starts, buf, bounds)
-    for z in range(size, size + 16):    # the walk reads a small piece's two words
-        buf[z] = 0
+    _pad(buf, size)     # (the walk reads a small piece's two words)
     counts = np.zeros(k, np.int64)
     raw, status = piecemap._walk(buf, bounds, nb, has_missing, missing, byte_ids, ptab, batch, whole, wkeys, wids,
                                  tok_flat, tok_off, wmap, slots, arena, state)
@@ -188,14 +188,14 @@ def window_encoder(bpe: bpe_mod.BPE, family: str, tc: np.ndarray) -> WindowFn:
     map bound: fn(text, lo, hi, spans, shift) -> (ids uint32, ends int64 (+ shift), tokens per span, status).
     Kept on the thread's cache; bound again when the process's kernel set or the encoder's schedule flags change
     (tests switch them)."""
-    k = kernels.get()
     c = bpe.thread_cache()
-    entry = c.bound.get(family)
-    if entry is not None and entry[0] is k and entry[1] == bpe.batch and entry[2] == bpe.whole and entry[3] is tc:
-        return entry[4]
+    entry = c.bound.get(family)     # (tc, fullencode.binding)
+    if entry is not None and entry[0] is tc and still_bound(entry[1], bpe):
+        return entry[1][3]
     loop, fam_args = pt.loop_tables(family)
-    fn = k.bind(f"window_{loop}", 5, *fam_args, np.ascontiguousarray(tc, np.uint16), *piecemap.walk_tail(bpe))
-    c.bound[family] = (k, bpe.batch, bpe.whole, tc, fn)
+    fn = kernels.get().bind(f"window_{loop}", 5, *fam_args, np.ascontiguousarray(tc, np.uint16),
+                            *piecemap.walk_tail(bpe))
+    c.bound[family] = (tc, binding(bpe, fn))
     return fn
 
 
