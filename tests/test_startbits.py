@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from test_pretokenize import ALPHABET, FRAGMENTS, _corpus_docs
 
-from tokenplane.tokenize.cpu import pretokenize, startbits, strbuf
+from tokenplane.tokenize.cpu import o200kbits, pretokenize, startbits, strbuf
 
 FAMILIES = ["cl100k_base", "llama3", "qwen3", "smollm2", "deepseek_v4", "o200k_base"]
 
@@ -96,6 +96,33 @@ def test_bits_equal_loop_across_word_edges(name):
 
 
 @pytest.mark.parametrize("name", FAMILIES)
+def test_bits_equal_loop_on_whitespace_and_digit_runs(name):
+    # the runs maskbits.py reads from the masks: whitespace runs mixing spaces, tabs, CR, LF and U+3000, and digit runs,
+    # of 2 to 70 characters (a run of 64 or more takes the scalar code), after a letter, punctuation (which absorbs
+    # leading CR/LF), a digit, a CJK character or nothing, before a letter, a digit, a CJK character, punctuation or
+    # the text's end, starting anywhere in a word
+    rng = random.Random(name + "runs")
+    for _ in range(1500):
+        length = rng.choice([2, 3, 4, 5, 6, 8, 13, 31, 57, 62, 63, 64, 65, 70])
+        units = " \t\r\n\u3000" if rng.random() < 0.75 else "0123456789\u0663"
+        run = "".join(rng.choice(units) for _ in range(length))
+        before = rng.choice(["a", ".", ")", "1", "\u65e5", "", "'"])
+        after = rng.choice(["b", "2", "\u672c", "", ".", " x", "\n"])
+        text = rng.choice("a .1") * rng.randrange(0, 72) + before + run + after
+        _assert_same(name, text)
+    # DeepSeek's letter run glued to one ASCII punctuation mark: its ASCII letters go with the mark, the first other
+    # letter (a mark, a non-ASCII letter) starts a piece, a CJK character ends the run
+    for _ in range(1500):
+        length = rng.choice([1, 2, 3, 5, 9, 31, 62, 63, 64, 65, 70])
+        letters = "".join(rng.choice("abcXYZ\u00e9\u00df\u0301\u65e5") for _ in range(length))
+        text = rng.choice("a .1") * rng.randrange(0, 72) + rng.choice([".", "(", "_", " .", "..", ""]) + letters
+        _assert_same(name, text + rng.choice(["", " ", "1", "."]))
+    for offset in range(40, 66):      # glued runs of ASCII letters ending on each side of a word's edge
+        for tail in ("", "\u00e9", "x\u00e9"):
+            _assert_same(name, "1" * offset + "." + "ab" * 10 + tail + " y")
+
+
+@pytest.mark.parametrize("name", FAMILIES)
 def test_bits_equal_loop_on_real_text(name):
     for doc in _corpus_docs(60_000):
         _assert_same(name, doc)
@@ -116,7 +143,7 @@ def test_o200k_wrong_case_flags_are_caught():
     form = startbits.bitmap_form("o200k_base")
     assert form is not None
     table = form[0].copy()
-    table[ord("B")] &= ~np.uint8(startbits.OU)      # 'B' no longer upper-case: the camelCase start is missed
+    table[ord("B")] &= ~np.uint8(o200kbits.OU)      # 'B' no longer upper-case: the camelCase start is missed
     cps = _cps("camelBack and aBc")
     assert not np.array_equal(_bits_starts("o200k_base", cps, table)[0], _loop_starts("o200k_base", cps)[0])
     assert np.array_equal(_bits_starts("o200k_base", cps)[0], _loop_starts("o200k_base", cps)[0])

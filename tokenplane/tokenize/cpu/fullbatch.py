@@ -20,7 +20,7 @@ from typing import Any, Callable
 import numpy as np
 
 from . import bpe as bpe_mod
-from . import o200k_rescan, startbits, strbuf
+from . import deepseekbits, o200k_rescan, o200kbits, startbits, strbuf
 from .fullencode import _block_start_bits, _pad, _sized, block_tables, bound_kernel
 from .lazyjit import njit, numba_global  # numba itself only when a JIT kernel runs (lazyjit.py)
 from .piecemap import OK, OVERRUN, SURROGATE, _walk_into
@@ -56,11 +56,11 @@ def _starts(form, cps, feat, sb, digits, whole_at_end, cls_table, rare):
     if form == 0:
         startbits._gpt4_bits(c, feat, digits, whole_at_end, sb)
     elif form == 1:
-        startbits._deepseek_bits(c, feat, sb)
+        deepseekbits._deepseek_bits(c, feat, sb)
     elif form == 2:
         startbits._smollm2_bits(c, feat, sb)
     else:
-        nr = startbits._o200k_bits(c, feat, sb, rare)
+        nr = o200kbits._o200k_bits(c, feat, sb, rare)
         if nr > 0 and o200k_rescan._rescan_bits(cps, cls_table, np.sort(rare[:nr]), sb) < 0:
             return OVERRUN
     return OK

@@ -22,7 +22,7 @@ from typing import Any, Callable
 import numpy as np
 
 from . import bpe as bpe_mod
-from . import kernels, o200k_rescan, startbits, strbuf
+from . import deepseekbits, kernels, o200k_rescan, o200kbits, startbits, strbuf
 from . import pretokenize as pt
 from .lazyjit import njit  # numba itself only when a JIT kernel runs (lazyjit.py)
 from .piecemap import CUT_REJECTED, DROPPED, OK, OVERRUN, SURROGATE, _walk, thread_map, walk_tail
@@ -128,7 +128,7 @@ def _full_deepseek_impl(s, a, b, extra, cps, feat, starts, buf, bounds, feat_tab
     cps, feat, sb, bad = _block_start_bits(s, a, b, extra, cps, feat, starts, feat_table)
     if bad >= 0:
         return _declined(SURROGATE)
-    startbits._deepseek_bits(cps.view(np.int32), feat, sb)
+    deepseekbits._deepseek_bits(cps.view(np.int32), feat, sb)
     return _finish_bits(cps, b - a, sb, buf, bounds, has_missing, missing, byte_ids, ptab, batch, whole, wkeys, wids,
                         tok_flat, tok_off, wmap, slots, arena, state)
 
@@ -153,7 +153,7 @@ def _full_o200k_impl(s, a, b, extra, cps, feat, starts, buf, bounds, feat_table,
     if bad >= 0:
         return _declined(SURROGATE)
     rare = np.empty(cps.shape[0] + 64, np.int64)
-    nr = startbits._o200k_bits(cps.view(np.int32), feat, sb, rare)
+    nr = o200kbits._o200k_bits(cps.view(np.int32), feat, sb, rare)
     if nr > 0 and o200k_rescan._rescan_bits(cps, cls_table, np.sort(rare[:nr]), sb) < 0:
         return _declined(OVERRUN)
     return _finish_bits(cps, b - a, sb, buf, bounds, has_missing, missing, byte_ids, ptab, batch, whole, wkeys, wids,
