@@ -139,31 +139,38 @@ def _o200k_bits_impl(c, feat, sb, rare):
         st, rs_l, rs_w, rs_o, _ = _cl100k_starts(lw, ww, ow, sp, nl, q_w, lp, wp, op, spp, nlp)
         rs_n = nw & ~_prev(nw, np_)
         st |= rs_n | (up & _prev(low, lowp))
-        fix = (rs_w & q_w) | (rs_n & ~(~nw >> one)) | (rs_o & _prev(nl, nlp))
-        fix |= (rs_l & _prev(ap, app) & ~_prev2(ow, op) & _prev2(lw, lp)) | (up & _prev(bw, bp))
         if owned > base:        # a region of the loop's reached into this word
             st &= zero if owned - base >= 64 else ~((one << np.uint64(owned - base)) - one)
         sb[g] |= st
+        # whitespace and digit runs of 2+ from the masks while short (maskbits.py), each kind in its own loop; no
+        # region of the loop's holds either (a region is word runs and apostrophes), so they need no `owned` test
+        fix = rs_w & q_w
+        while fix != zero:
+            i = np.int64(_trailing_zeros(fix))
+            fix &= fix - one
+            h = base + i
+            length, crlf = _ws_run(feat, base, i, ww, ~k0n & k1n, nl, ONL)
+            absorbed = h > 0 and (feat[h - 1] & 3) == 3
+            if length > 0:
+                _ws_cuts(sb, h, length, crlf, absorbed, h + length == n, False)
+            else:
+                b = _kind_end(feat, n, h, 2)
+                first, mid, last = _whitespace_run_cuts(c, h, b, absorbed, b == n, False)
+                _set_cuts(sb, first, mid, last)
+        fix = rs_n & ~(~nw >> one)
+        while fix != zero:
+            i = np.int64(_trailing_zeros(fix))
+            fix &= fix - one
+            if not _digit_run(sb, base + i, i, nw, 3):
+                _digit_groups(sb, base + i, _kind_end(feat, n, base + i, 1), 3)
+        fix = (rs_o & _prev(nl, nlp)) | (rs_l & _prev(ap, app) & ~_prev2(ow, op) & _prev2(lw, lp))
+        fix |= up & _prev(bw, bp)
         while fix != zero:
             h = base + np.int64(_trailing_zeros(fix))
             fix &= fix - one
             if h < owned:
                 continue
-            kind = feat[h] & 3
-            i = h - base
-            if kind == 2:       # (short runs from the masks: maskbits.py)
-                length, crlf = _ws_run(feat, base, i, ww, ~k0n & k1n, nl, ONL)
-                absorbed = h > 0 and (feat[h - 1] & 3) == 3
-                if length > 0:
-                    _ws_cuts(sb, h, length, crlf, absorbed, h + length == n, False)
-                else:
-                    b = _kind_end(feat, n, h, 2)
-                    first, mid, last = _whitespace_run_cuts(c, h, b, absorbed, b == n, False)
-                    _set_cuts(sb, first, mid, last)
-            elif kind == 1:
-                if not _digit_run(sb, h, i, nw, 3):
-                    _digit_groups(sb, h, _kind_end(feat, n, h, 1), 3)
-            elif kind == 3:
+            if (feat[h] & 3) == 3:
                 if c[h] == 47:      # `[\r\n/]*` may chain the CR/LF run into this '/': rare if it ends an other run
                     j = h - 1
                     while j >= 0 and (c[j] == 10 or c[j] == 13):
