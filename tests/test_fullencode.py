@@ -69,6 +69,36 @@ def test_fused_equals_staged_and_reference(name, kind, monkeypatch):
     assert enc.stats["cut_rejected"] == 0
 
 
+@pytest.mark.parametrize("name", ["cl100k_base", "o200k_base", "deepseek_v4", "smollm2"])
+def test_in_place_code_units_equal_the_copy(name):
+    # 1- and 2-byte strs are read in place (fullencode._in_place, 8- and 16-bit code units); the same block of the same
+    # text with an astral character appended after it (a 4-byte str) takes the 32-bit copy: same IDs, same status,
+    # whole texts and cuts (a lookahead from the same str), Latin-1 and BMP characters among ASCII runs of every length
+    tok = tokenplane.load(name)
+    fn = fullencode.full_encoder(CpuEncoder(tok, workers=1).bpe, name)
+    sc = fullencode.scratch_args(name)
+    rng = random.Random(name + "inplace")
+    latin1 = list("abcXYZ \n\t.,'s019") + ["\u00e9", "\u00df", "\u00a0", "\u0085", "\u00ff"]
+    for units in (latin1, latin1 + ["\u65e5\u672c", "\u0301", "\u03a9", "\u2014", "\u3000"]):
+        for _ in range(250):
+            text = "".join(rng.choice(units) * rng.choice([1, 1, 2, 9, 40]) for _ in range(rng.randint(1, 60)))
+            wide = text + "\U0001F600"
+            ids, status = fn(text, 0, len(text), "", *sc)
+            assert status == fullencode.OK and ids.tolist() == tok.reference.encode_ordinary(text).tolist(), text
+            assert fn(wide, 0, len(text), "", *sc)[0].tolist() == ids.tolist()
+            if len(text) < 2:
+                continue
+            k = rng.randint(1, len(text) - 1)      # (a cut inside the text: both lookaheads are text[k])
+            got, got4 = fn(text, 0, k, text[k:k + 1], *sc), fn(wide, 0, k, wide[k:k + 1], *sc)
+            assert got[1] == got4[1] and got[0].tolist() == got4[0].tolist(), (text, k)
+            if got[1] == fullencode.OK:        # an accepted cut: the two blocks are the whole text's IDs
+                rest = fn(text, k, len(text), "", *sc)[0].tolist()
+                assert got[0].tolist() + rest == ids.tolist(), (text, k)
+    for text in ("ab\ud800c\u00e9", "\u65e5\udfff", "x" * 70 + "\ud800"):      # a lone surrogate in a 2-byte str
+        assert fn(text, 0, len(text), "", *sc)[1] == fullencode.SURROGATE
+    assert fn("ab\u65e5c\ud800", 0, 4, "\ud800", *sc)[1] == fullencode.SURROGATE     # ... in the lookahead
+
+
 def test_fused_declines_what_it_does_not_cover():
     tok = tokenplane.load("cl100k_base")
     enc = CpuEncoder(tok, workers=1)

@@ -24,10 +24,13 @@ import numpy as np
 from . import bpe as bpe_mod
 from . import deepseekbits, kernels, o200k_rescan, o200kbits, startbits, strbuf
 from . import pretokenize as pt
-from .lazyjit import njit  # numba itself only when a JIT kernel runs (lazyjit.py)
+from .lazyjit import njit, numba_global  # numba itself only when a JIT kernel runs (lazyjit.py)
 from .piecemap import CUT_REJECTED, DROPPED, OK, OVERRUN, SURROGATE, _walk, thread_map, walk_tail
 
 FullFn = Callable[..., tuple[np.ndarray, int]]
+_get_code_point = numba_global("numba.cpython.unicode", "_get_code_point")
+_str_units8 = numba_global("tokenplane.tokenize.cpu.borrow", "str_units8")
+_str_units16 = numba_global("tokenplane.tokenize.cpu.borrow", "str_units16")
 
 
 @njit(cache=True, nogil=True)
@@ -109,11 +112,71 @@ def _finish_bits(cps, n, sb, buf, bounds, has_missing, missing, byte_ids, ptab, 
                  wmap, slots, arena, state)
 
 
+@njit(cache=True, nogil=True)
+def _in_place(s, a, b, extra):
+    """s's PEP 393 kind (1 or 2) when the block s[a:b] + extra is s[a:b + len(extra)] itself (the lookahead of a cut
+    is the same str's next character; the text's end has none) and not empty: its code points are then read from s's
+    own buffer, 8 or 16 bits a character, instead of copied out as 32-bit ones (on 1M characters that copy is 4 MB
+    written and read twice, which also pushes the piece map out of the cache). 0 otherwise (the copying path)."""
+    kind = s._kind
+    if kind == 4 or b <= a or b + len(extra) > len(s):
+        return 0
+    for j in range(len(extra)):
+        if _get_code_point(s, b + j) != _get_code_point(extra, j):
+            return 0
+    return kind
+
+
+@njit(cache=True, nogil=True)
+def _surrogate16(c):
+    """Whether the 16-bit code units c hold a lone surrogate (an OR reduction: vectorizes)."""
+    bad = False
+    for i in range(c.shape[0]):
+        bad |= (np.uint32(c[i]) - np.uint32(0xD800)) < np.uint32(0x800)
+    return bad
+
+
+@njit(cache=True, nogil=True)
+def _unit_features(c, feat, starts, table):
+    """_block_start_bits for code units already in place (8 or 16 bits): their feature bytes + startbits.PAD zeros
+    and the bitmap's words, each scratch array replaced by a new one when too short."""
+    total = c.shape[0]
+    words = (total >> 6) + 2
+    feat = feat[:total + startbits.PAD] if feat.shape[0] >= total + startbits.PAD else np.empty(total + startbits.PAD,
+                                                                                               np.uint8)
+    sb = starts[:8 * words].view(np.uint64) if starts.shape[0] >= 8 * words else np.empty(words, np.uint64)
+    for i in range(total):
+        feat[i] = table[c[i]]
+    for i in range(total, total + startbits.PAD):
+        feat[i] = 0
+    return feat, sb
+
+
 # Arguments: the text, the block [a, b), its lookahead | scratch: code points, classes, starts, UTF-8, piece bounds |
-# the family's tables | missing bytes, the BPE tables, the thread's piece map.
+# the family's tables | missing bytes, the BPE tables, the thread's piece map. Each family's kernel runs on the str's
+# own code units where `_in_place` allows (`_X_on`, specialized for 8 and 16 bits), else on a 32-bit copy.
+def _gpt4_on(c, n, feat, starts, buf, bounds, feat_table, digits, whole_at_end, has_missing, missing, byte_ids, ptab,
+             batch, whole, wkeys, wids, tok_flat, tok_off, wmap, slots, arena, state):
+    feat, sb = _unit_features(c, feat, starts, feat_table)
+    startbits._gpt4_bits(c, feat, digits, whole_at_end, sb)
+    return _finish_bits(c, n, sb, buf, bounds, has_missing, missing, byte_ids, ptab, batch, whole, wkeys, wids,
+                        tok_flat, tok_off, wmap, slots, arena, state)
+
+
 def _full_gpt4_impl(s, a, b, extra, cps, feat, starts, buf, bounds, feat_table, digits, whole_at_end, has_missing,
                     missing, byte_ids, ptab, batch, whole, wkeys, wids, tok_flat, tok_off, wmap, slots, arena, state):
     # the bit-parallel pre-tokenizer (startbits.py: the same starts as pretokenize._gpt4_loop)
+    kind = _in_place(s, a, b, extra)
+    if kind == 1:
+        return _gpt4_on(_str_units8(s)[a:b + len(extra)], b - a, feat, starts, buf, bounds, feat_table, digits,
+                        whole_at_end, has_missing, missing, byte_ids, ptab, batch, whole, wkeys, wids, tok_flat,
+                        tok_off, wmap, slots, arena, state)
+    if kind == 2:
+        c = _str_units16(s)[a:b + len(extra)]
+        if _surrogate16(c):
+            return _declined(SURROGATE)
+        return _gpt4_on(c, b - a, feat, starts, buf, bounds, feat_table, digits, whole_at_end, has_missing, missing,
+                        byte_ids, ptab, batch, whole, wkeys, wids, tok_flat, tok_off, wmap, slots, arena, state)
     cps, feat, sb, bad = _block_start_bits(s, a, b, extra, cps, feat, starts, feat_table)
     if bad >= 0:
         return _declined(SURROGATE)
@@ -122,9 +185,28 @@ def _full_gpt4_impl(s, a, b, extra, cps, feat, starts, buf, bounds, feat_table, 
                         tok_flat, tok_off, wmap, slots, arena, state)
 
 
+def _deepseek_on(c, n, feat, starts, buf, bounds, feat_table, has_missing, missing, byte_ids, ptab, batch, whole,
+                 wkeys, wids, tok_flat, tok_off, wmap, slots, arena, state):
+    feat, sb = _unit_features(c, feat, starts, feat_table)
+    deepseekbits._deepseek_bits(c, feat, sb)
+    return _finish_bits(c, n, sb, buf, bounds, has_missing, missing, byte_ids, ptab, batch, whole, wkeys, wids,
+                        tok_flat, tok_off, wmap, slots, arena, state)
+
+
 def _full_deepseek_impl(s, a, b, extra, cps, feat, starts, buf, bounds, feat_table, has_missing, missing, byte_ids,
                         ptab, batch, whole, wkeys, wids, tok_flat, tok_off, wmap, slots, arena, state):
-    # the bit-parallel pre-tokenizer (startbits.py: the same starts as pretokenize._deepseek_loop)
+    # the bit-parallel pre-tokenizer (deepseekbits.py: the same starts as pretokenize._deepseek_loop)
+    kind = _in_place(s, a, b, extra)
+    if kind == 1:
+        return _deepseek_on(_str_units8(s)[a:b + len(extra)], b - a, feat, starts, buf, bounds, feat_table,
+                            has_missing, missing, byte_ids, ptab, batch, whole, wkeys, wids, tok_flat, tok_off, wmap,
+                            slots, arena, state)
+    if kind == 2:
+        c = _str_units16(s)[a:b + len(extra)]
+        if _surrogate16(c):
+            return _declined(SURROGATE)
+        return _deepseek_on(c, b - a, feat, starts, buf, bounds, feat_table, has_missing, missing, byte_ids, ptab,
+                            batch, whole, wkeys, wids, tok_flat, tok_off, wmap, slots, arena, state)
     cps, feat, sb, bad = _block_start_bits(s, a, b, extra, cps, feat, starts, feat_table)
     if bad >= 0:
         return _declined(SURROGATE)
@@ -133,9 +215,28 @@ def _full_deepseek_impl(s, a, b, extra, cps, feat, starts, buf, bounds, feat_tab
                         tok_flat, tok_off, wmap, slots, arena, state)
 
 
+def _smollm2_on(c, n, feat, starts, buf, bounds, feat_table, has_missing, missing, byte_ids, ptab, batch, whole,
+                wkeys, wids, tok_flat, tok_off, wmap, slots, arena, state):
+    feat, sb = _unit_features(c, feat, starts, feat_table)
+    startbits._smollm2_bits(c, feat, sb)
+    return _finish_bits(c, n, sb, buf, bounds, has_missing, missing, byte_ids, ptab, batch, whole, wkeys, wids,
+                        tok_flat, tok_off, wmap, slots, arena, state)
+
+
 def _full_smollm2_impl(s, a, b, extra, cps, feat, starts, buf, bounds, feat_table, has_missing, missing, byte_ids,
                        ptab, batch, whole, wkeys, wids, tok_flat, tok_off, wmap, slots, arena, state):
     # the bit-parallel pre-tokenizer (startbits.py: the same starts as pretokenize._smollm2_loop)
+    kind = _in_place(s, a, b, extra)
+    if kind == 1:
+        return _smollm2_on(_str_units8(s)[a:b + len(extra)], b - a, feat, starts, buf, bounds, feat_table,
+                           has_missing, missing, byte_ids, ptab, batch, whole, wkeys, wids, tok_flat, tok_off, wmap,
+                           slots, arena, state)
+    if kind == 2:
+        c = _str_units16(s)[a:b + len(extra)]
+        if _surrogate16(c):
+            return _declined(SURROGATE)
+        return _smollm2_on(c, b - a, feat, starts, buf, bounds, feat_table, has_missing, missing, byte_ids, ptab,
+                           batch, whole, wkeys, wids, tok_flat, tok_off, wmap, slots, arena, state)
     cps, feat, sb, bad = _block_start_bits(s, a, b, extra, cps, feat, starts, feat_table)
     if bad >= 0:
         return _declined(SURROGATE)
@@ -144,11 +245,35 @@ def _full_smollm2_impl(s, a, b, extra, cps, feat, starts, buf, bounds, feat_tabl
                         tok_flat, tok_off, wmap, slots, arena, state)
 
 
-def _full_o200k_impl(s, a, b, extra, cps, feat, starts, buf, bounds, feat_table, cls_table, has_missing, missing,
-                     byte_ids, ptab, batch, whole, wkeys, wids, tok_flat, tok_off, wmap, slots, arena, state):
-    # the bit-parallel pre-tokenizer (startbits.py: the same starts and rare positions as pretokenize._o200k_loop),
+def _o200k_on(c, n, feat, starts, buf, bounds, feat_table, cls_table, has_missing, missing, byte_ids, ptab, batch,
+              whole, wkeys, wids, tok_flat, tok_off, wmap, slots, arena, state):
     # then the rescan of the windows around the rare positions (o200k_rescan._rescan_bits; cls_table: the class
     # table its matcher reads)
+    feat, sb = _unit_features(c, feat, starts, feat_table)
+    rare = np.empty(c.shape[0] + 64, np.int64)
+    nr = o200kbits._o200k_bits(c, feat, sb, rare)
+    if nr > 0 and o200k_rescan._rescan_bits(c, cls_table, np.sort(rare[:nr]), sb) < 0:
+        return _declined(OVERRUN)
+    return _finish_bits(c, n, sb, buf, bounds, has_missing, missing, byte_ids, ptab, batch, whole, wkeys, wids,
+                        tok_flat, tok_off, wmap, slots, arena, state)
+
+
+def _full_o200k_impl(s, a, b, extra, cps, feat, starts, buf, bounds, feat_table, cls_table, has_missing, missing,
+                     byte_ids, ptab, batch, whole, wkeys, wids, tok_flat, tok_off, wmap, slots, arena, state):
+    # the bit-parallel pre-tokenizer (o200kbits.py: the same starts and rare positions as pretokenize._o200k_loop),
+    # then the rescan of the windows around the rare positions (o200k_rescan._rescan_bits; cls_table: the class
+    # table its matcher reads)
+    kind = _in_place(s, a, b, extra)
+    if kind == 1:
+        return _o200k_on(_str_units8(s)[a:b + len(extra)], b - a, feat, starts, buf, bounds, feat_table, cls_table,
+                         has_missing, missing, byte_ids, ptab, batch, whole, wkeys, wids, tok_flat, tok_off, wmap,
+                         slots, arena, state)
+    if kind == 2:
+        c = _str_units16(s)[a:b + len(extra)]
+        if _surrogate16(c):
+            return _declined(SURROGATE)
+        return _o200k_on(c, b - a, feat, starts, buf, bounds, feat_table, cls_table, has_missing, missing, byte_ids,
+                         ptab, batch, whole, wkeys, wids, tok_flat, tok_off, wmap, slots, arena, state)
     cps, feat, sb, bad = _block_start_bits(s, a, b, extra, cps, feat, starts, feat_table)
     if bad >= 0:
         return _declined(SURROGATE)
@@ -160,6 +285,10 @@ def _full_o200k_impl(s, a, b, extra, cps, feat, starts, buf, bounds, feat_table,
                         tok_flat, tok_off, wmap, slots, arena, state)
 
 
+_gpt4_on = njit(cache=True, nogil=True)(_gpt4_on)
+_deepseek_on = njit(cache=True, nogil=True)(_deepseek_on)
+_smollm2_on = njit(cache=True, nogil=True)(_smollm2_on)
+_o200k_on = njit(cache=True, nogil=True)(_o200k_on)
 _full_gpt4 = njit(cache=True, nogil=True)(_full_gpt4_impl)
 _full_deepseek = njit(cache=True, nogil=True)(_full_deepseek_impl)
 _full_smollm2 = njit(cache=True, nogil=True)(_full_smollm2_impl)

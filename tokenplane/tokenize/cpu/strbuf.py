@@ -55,21 +55,28 @@ def _codepoints_impl(s, a, b, out):
 
 
 def _ascii_end(cps, c64, i, n):
-    """The first j >= i with cps[j] >= 0x80, or n; eight characters a step as four words of two (c64: cps as
-    uint64, whole pairs) once j is even."""
+    """The first j >= i with cps[j] >= 0x80, or n; four words of c64 (cps as uint64 words, whole words: `_words`) a
+    step once j is word-aligned. cps: 32-, 16- or 8-bit code units (a str's own buffer, fullencode.py)."""
+    per = 8 // cps.itemsize        # code units a word
+    wide = np.uint64(0xFFFFFF80FFFFFF80 if per == 2 else (0xFF80FF80FF80FF80 if per == 4 else 0x8080808080808080))
     j = i
-    if j & 1 and j < n and cps[j] < 0x80:
+    while j % per != 0 and j < n and cps[j] < 0x80:
         j += 1
-    wide = np.uint64(0xFFFFFF80FFFFFF80)
-    if not j & 1:
-        while j + 8 <= n:
-            q = j >> 1
+    if j % per == 0:
+        while j + 4 * per <= n:
+            q = j // per
             if (c64[q] | c64[q + 1] | c64[q + 2] | c64[q + 3]) & wide:
                 break
-            j += 8
+            j += 4 * per
     while j < n and cps[j] < 0x80:
         j += 1
     return j
+
+
+def _words(cps, n):
+    """cps[:n] as whole uint64 words (the tail that fills no word left out)."""
+    per = 8 // cps.itemsize
+    return cps[:(n // per) * per].view(np.uint64)
 
 
 def _narrow(src, dst):
@@ -148,7 +155,7 @@ def _utf8_ascii_runs(cps, n, buf):
     wide_pos = np.empty(64, np.int64)
     wide_add = np.empty(64, np.int64)       # bytes added by the wide characters up to and including this one
     nw = 0
-    c64 = cps[:(n >> 1) << 1].view(np.uint64)
+    c64 = _words(cps, n)
     pos = 0
     added = 0
     i = 0
@@ -300,6 +307,7 @@ _false_scan = njit(cache=True, nogil=True)(_false_scan)
 _false_at = njit(cache=True, nogil=True)(_false_at_impl)
 _put_utf8 = njit(cache=True, nogil=True, inline="always")(_put_utf8)
 _ascii_end = njit(cache=True, nogil=True, inline="always")(_ascii_end)
+_words = njit(cache=True, nogil=True, inline="always")(_words)
 _narrow = njit(cache=True, nogil=True)(_narrow)
 _mostly_wide = njit(cache=True, nogil=True)(_mostly_wide)
 _all_ascii = njit(cache=True, nogil=True)(_all_ascii)
