@@ -68,7 +68,7 @@ def _starts(form, cps, feat, sb, digits, whole_at_end, cls_table, rare):
 
 # Arguments: the texts as one str, their spans | scratch (code points, features, starts, UTF-8, bounds), each long
 # enough for the longest span | the form and the union of the families' tables | missing bytes, the BPE tables, the
-# thread's piece map. Each text runs the stages of its family's block kernel (fullencode._full_* then _finish_bits)
+# thread's piece map. Each text runs the stages of its family's block kernel (fullencode._full_* then _pieces_bits)
 # with its IDs written straight into the batch's output and one merge scratch for the whole batch: the block kernel
 # allocates its output and scratch per call (~0.5 us of a short text). Arrays reach the stages as borrowed views
 # (borrow.py): a call per text would otherwise count ~20 references in and out.

@@ -98,16 +98,26 @@ def _finish(cps, n, starts, buf, bounds, has_missing, missing, byte_ids, ptab, b
 
 
 @njit(cache=True, nogil=True)
-def _finish_bits(cps, n, sb, buf, bounds, has_missing, missing, byte_ids, ptab, batch, whole, wkeys, wids, tok_flat,
-                 tok_off, wmap, slots, arena, state):
-    """_finish with the piece starts as a bitmap."""
+def _pieces_bits(cps, n, sb, buf, bounds):
+    """`_finish`'s first half with the piece starts as a bitmap: (UTF-8, piece bounds, their count, status); a count
+    of 0 for an empty block or a rejected cut."""
     if cps.shape[0] > n and ((sb[n >> 6] >> np.uint64(n & 63)) & np.uint64(1)) == 0:    # (a stable cut)
-        return _declined(CUT_REJECTED)
+        return buf, bounds, 0, CUT_REJECTED
     if n == 0:
-        return _declined(OK)
+        return buf, bounds, 0, OK
     buf, bounds = _sized(buf, bounds, n)
     nb, size = strbuf._utf8_and_bounds_bits(cps, n, sb, buf, bounds)
     _pad(buf, size)
+    return buf, bounds, nb, OK
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _walked(buf, bounds, nb, status, has_missing, missing, byte_ids, ptab, batch, whole, wkeys, wids, tok_flat,
+            tok_off, wmap, slots, arena, state):
+    """The piece map walk of `_pieces_bits`' pieces (one call site per family kernel: the walk is compiled once, not
+    once per code unit width)."""
+    if nb == 0:
+        return _declined(status)
     return _walk(buf, bounds, nb, has_missing, missing, byte_ids, ptab, batch, whole, wkeys, wids, tok_flat, tok_off,
                  wmap, slots, arena, state)
 
@@ -153,14 +163,13 @@ def _unit_features(c, feat, starts, table):
 
 
 # Arguments: the text, the block [a, b), its lookahead | scratch: code points, classes, starts, UTF-8, piece bounds |
-# the family's tables | missing bytes, the BPE tables, the thread's piece map. Each family's kernel runs on the str's
-# own code units where `_in_place` allows (`_X_on`, specialized for 8 and 16 bits), else on a 32-bit copy.
-def _gpt4_on(c, n, feat, starts, buf, bounds, feat_table, digits, whole_at_end, has_missing, missing, byte_ids, ptab,
-             batch, whole, wkeys, wids, tok_flat, tok_off, wmap, slots, arena, state):
+# the family's tables | missing bytes, the BPE tables, the thread's piece map. Each family's pre-tokenizer runs on the
+# str's own code units where `_in_place` allows (`_X_front`, specialized for 8 and 16 bits), else on a 32-bit copy;
+# either way the pieces then go through one walk.
+def _gpt4_front(c, n, feat, starts, buf, bounds, feat_table, digits, whole_at_end):
     feat, sb = _unit_features(c, feat, starts, feat_table)
     startbits._gpt4_bits(c, feat, digits, whole_at_end, sb)
-    return _finish_bits(c, n, sb, buf, bounds, has_missing, missing, byte_ids, ptab, batch, whole, wkeys, wids,
-                        tok_flat, tok_off, wmap, slots, arena, state)
+    return _pieces_bits(c, n, sb, buf, bounds)
 
 
 def _full_gpt4_impl(s, a, b, extra, cps, feat, starts, buf, bounds, feat_table, digits, whole_at_end, has_missing,
@@ -168,29 +177,27 @@ def _full_gpt4_impl(s, a, b, extra, cps, feat, starts, buf, bounds, feat_table, 
     # the bit-parallel pre-tokenizer (startbits.py: the same starts as pretokenize._gpt4_loop)
     kind = _in_place(s, a, b, extra)
     if kind == 1:
-        return _gpt4_on(_str_units8(s)[a:b + len(extra)], b - a, feat, starts, buf, bounds, feat_table, digits,
-                        whole_at_end, has_missing, missing, byte_ids, ptab, batch, whole, wkeys, wids, tok_flat,
-                        tok_off, wmap, slots, arena, state)
-    if kind == 2:
+        buf, bounds, nb, status = _gpt4_front(_str_units8(s)[a:b + len(extra)], b - a, feat, starts, buf, bounds,
+                                              feat_table, digits, whole_at_end)
+    elif kind == 2:
         c = _str_units16(s)[a:b + len(extra)]
         if _surrogate16(c):
             return _declined(SURROGATE)
-        return _gpt4_on(c, b - a, feat, starts, buf, bounds, feat_table, digits, whole_at_end, has_missing, missing,
-                        byte_ids, ptab, batch, whole, wkeys, wids, tok_flat, tok_off, wmap, slots, arena, state)
-    cps, feat, sb, bad = _block_start_bits(s, a, b, extra, cps, feat, starts, feat_table)
-    if bad >= 0:
-        return _declined(SURROGATE)
-    startbits._gpt4_bits(cps.view(np.int32), feat, digits, whole_at_end, sb)
-    return _finish_bits(cps, b - a, sb, buf, bounds, has_missing, missing, byte_ids, ptab, batch, whole, wkeys, wids,
-                        tok_flat, tok_off, wmap, slots, arena, state)
+        buf, bounds, nb, status = _gpt4_front(c, b - a, feat, starts, buf, bounds, feat_table, digits, whole_at_end)
+    else:
+        cps, feat, sb, bad = _block_start_bits(s, a, b, extra, cps, feat, starts, feat_table)
+        if bad >= 0:
+            return _declined(SURROGATE)
+        startbits._gpt4_bits(cps.view(np.int32), feat, digits, whole_at_end, sb)
+        buf, bounds, nb, status = _pieces_bits(cps, b - a, sb, buf, bounds)
+    return _walked(buf, bounds, nb, status, has_missing, missing, byte_ids, ptab, batch, whole, wkeys, wids, tok_flat,
+                   tok_off, wmap, slots, arena, state)
 
 
-def _deepseek_on(c, n, feat, starts, buf, bounds, feat_table, has_missing, missing, byte_ids, ptab, batch, whole,
-                 wkeys, wids, tok_flat, tok_off, wmap, slots, arena, state):
+def _deepseek_front(c, n, feat, starts, buf, bounds, feat_table):
     feat, sb = _unit_features(c, feat, starts, feat_table)
     deepseekbits._deepseek_bits(c, feat, sb)
-    return _finish_bits(c, n, sb, buf, bounds, has_missing, missing, byte_ids, ptab, batch, whole, wkeys, wids,
-                        tok_flat, tok_off, wmap, slots, arena, state)
+    return _pieces_bits(c, n, sb, buf, bounds)
 
 
 def _full_deepseek_impl(s, a, b, extra, cps, feat, starts, buf, bounds, feat_table, has_missing, missing, byte_ids,
@@ -198,29 +205,27 @@ def _full_deepseek_impl(s, a, b, extra, cps, feat, starts, buf, bounds, feat_tab
     # the bit-parallel pre-tokenizer (deepseekbits.py: the same starts as pretokenize._deepseek_loop)
     kind = _in_place(s, a, b, extra)
     if kind == 1:
-        return _deepseek_on(_str_units8(s)[a:b + len(extra)], b - a, feat, starts, buf, bounds, feat_table,
-                            has_missing, missing, byte_ids, ptab, batch, whole, wkeys, wids, tok_flat, tok_off, wmap,
-                            slots, arena, state)
-    if kind == 2:
+        buf, bounds, nb, status = _deepseek_front(_str_units8(s)[a:b + len(extra)], b - a, feat, starts, buf, bounds,
+                                                  feat_table)
+    elif kind == 2:
         c = _str_units16(s)[a:b + len(extra)]
         if _surrogate16(c):
             return _declined(SURROGATE)
-        return _deepseek_on(c, b - a, feat, starts, buf, bounds, feat_table, has_missing, missing, byte_ids, ptab,
-                            batch, whole, wkeys, wids, tok_flat, tok_off, wmap, slots, arena, state)
-    cps, feat, sb, bad = _block_start_bits(s, a, b, extra, cps, feat, starts, feat_table)
-    if bad >= 0:
-        return _declined(SURROGATE)
-    deepseekbits._deepseek_bits(cps.view(np.int32), feat, sb)
-    return _finish_bits(cps, b - a, sb, buf, bounds, has_missing, missing, byte_ids, ptab, batch, whole, wkeys, wids,
-                        tok_flat, tok_off, wmap, slots, arena, state)
+        buf, bounds, nb, status = _deepseek_front(c, b - a, feat, starts, buf, bounds, feat_table)
+    else:
+        cps, feat, sb, bad = _block_start_bits(s, a, b, extra, cps, feat, starts, feat_table)
+        if bad >= 0:
+            return _declined(SURROGATE)
+        deepseekbits._deepseek_bits(cps.view(np.int32), feat, sb)
+        buf, bounds, nb, status = _pieces_bits(cps, b - a, sb, buf, bounds)
+    return _walked(buf, bounds, nb, status, has_missing, missing, byte_ids, ptab, batch, whole, wkeys, wids, tok_flat,
+                   tok_off, wmap, slots, arena, state)
 
 
-def _smollm2_on(c, n, feat, starts, buf, bounds, feat_table, has_missing, missing, byte_ids, ptab, batch, whole,
-                wkeys, wids, tok_flat, tok_off, wmap, slots, arena, state):
+def _smollm2_front(c, n, feat, starts, buf, bounds, feat_table):
     feat, sb = _unit_features(c, feat, starts, feat_table)
     startbits._smollm2_bits(c, feat, sb)
-    return _finish_bits(c, n, sb, buf, bounds, has_missing, missing, byte_ids, ptab, batch, whole, wkeys, wids,
-                        tok_flat, tok_off, wmap, slots, arena, state)
+    return _pieces_bits(c, n, sb, buf, bounds)
 
 
 def _full_smollm2_impl(s, a, b, extra, cps, feat, starts, buf, bounds, feat_table, has_missing, missing, byte_ids,
@@ -228,34 +233,30 @@ def _full_smollm2_impl(s, a, b, extra, cps, feat, starts, buf, bounds, feat_tabl
     # the bit-parallel pre-tokenizer (startbits.py: the same starts as pretokenize._smollm2_loop)
     kind = _in_place(s, a, b, extra)
     if kind == 1:
-        return _smollm2_on(_str_units8(s)[a:b + len(extra)], b - a, feat, starts, buf, bounds, feat_table,
-                           has_missing, missing, byte_ids, ptab, batch, whole, wkeys, wids, tok_flat, tok_off, wmap,
-                           slots, arena, state)
-    if kind == 2:
+        buf, bounds, nb, status = _smollm2_front(_str_units8(s)[a:b + len(extra)], b - a, feat, starts, buf, bounds,
+                                                 feat_table)
+    elif kind == 2:
         c = _str_units16(s)[a:b + len(extra)]
         if _surrogate16(c):
             return _declined(SURROGATE)
-        return _smollm2_on(c, b - a, feat, starts, buf, bounds, feat_table, has_missing, missing, byte_ids, ptab,
-                           batch, whole, wkeys, wids, tok_flat, tok_off, wmap, slots, arena, state)
-    cps, feat, sb, bad = _block_start_bits(s, a, b, extra, cps, feat, starts, feat_table)
-    if bad >= 0:
-        return _declined(SURROGATE)
-    startbits._smollm2_bits(cps.view(np.int32), feat, sb)
-    return _finish_bits(cps, b - a, sb, buf, bounds, has_missing, missing, byte_ids, ptab, batch, whole, wkeys, wids,
-                        tok_flat, tok_off, wmap, slots, arena, state)
+        buf, bounds, nb, status = _smollm2_front(c, b - a, feat, starts, buf, bounds, feat_table)
+    else:
+        cps, feat, sb, bad = _block_start_bits(s, a, b, extra, cps, feat, starts, feat_table)
+        if bad >= 0:
+            return _declined(SURROGATE)
+        startbits._smollm2_bits(cps.view(np.int32), feat, sb)
+        buf, bounds, nb, status = _pieces_bits(cps, b - a, sb, buf, bounds)
+    return _walked(buf, bounds, nb, status, has_missing, missing, byte_ids, ptab, batch, whole, wkeys, wids, tok_flat,
+                   tok_off, wmap, slots, arena, state)
 
 
-def _o200k_on(c, n, feat, starts, buf, bounds, feat_table, cls_table, has_missing, missing, byte_ids, ptab, batch,
-              whole, wkeys, wids, tok_flat, tok_off, wmap, slots, arena, state):
-    # then the rescan of the windows around the rare positions (o200k_rescan._rescan_bits; cls_table: the class
-    # table its matcher reads)
+def _o200k_front(c, n, feat, starts, buf, bounds, feat_table, cls_table):
     feat, sb = _unit_features(c, feat, starts, feat_table)
     rare = np.empty(c.shape[0] + 64, np.int64)
     nr = o200kbits._o200k_bits(c, feat, sb, rare)
     if nr > 0 and o200k_rescan._rescan_bits(c, cls_table, np.sort(rare[:nr]), sb) < 0:
-        return _declined(OVERRUN)
-    return _finish_bits(c, n, sb, buf, bounds, has_missing, missing, byte_ids, ptab, batch, whole, wkeys, wids,
-                        tok_flat, tok_off, wmap, slots, arena, state)
+        return buf, bounds, 0, OVERRUN
+    return _pieces_bits(c, n, sb, buf, bounds)
 
 
 def _full_o200k_impl(s, a, b, extra, cps, feat, starts, buf, bounds, feat_table, cls_table, has_missing, missing,
@@ -265,30 +266,30 @@ def _full_o200k_impl(s, a, b, extra, cps, feat, starts, buf, bounds, feat_table,
     # table its matcher reads)
     kind = _in_place(s, a, b, extra)
     if kind == 1:
-        return _o200k_on(_str_units8(s)[a:b + len(extra)], b - a, feat, starts, buf, bounds, feat_table, cls_table,
-                         has_missing, missing, byte_ids, ptab, batch, whole, wkeys, wids, tok_flat, tok_off, wmap,
-                         slots, arena, state)
-    if kind == 2:
+        buf, bounds, nb, status = _o200k_front(_str_units8(s)[a:b + len(extra)], b - a, feat, starts, buf, bounds,
+                                               feat_table, cls_table)
+    elif kind == 2:
         c = _str_units16(s)[a:b + len(extra)]
         if _surrogate16(c):
             return _declined(SURROGATE)
-        return _o200k_on(c, b - a, feat, starts, buf, bounds, feat_table, cls_table, has_missing, missing, byte_ids,
-                         ptab, batch, whole, wkeys, wids, tok_flat, tok_off, wmap, slots, arena, state)
-    cps, feat, sb, bad = _block_start_bits(s, a, b, extra, cps, feat, starts, feat_table)
-    if bad >= 0:
-        return _declined(SURROGATE)
-    rare = np.empty(cps.shape[0] + 64, np.int64)
-    nr = o200kbits._o200k_bits(cps.view(np.int32), feat, sb, rare)
-    if nr > 0 and o200k_rescan._rescan_bits(cps, cls_table, np.sort(rare[:nr]), sb) < 0:
-        return _declined(OVERRUN)
-    return _finish_bits(cps, b - a, sb, buf, bounds, has_missing, missing, byte_ids, ptab, batch, whole, wkeys, wids,
-                        tok_flat, tok_off, wmap, slots, arena, state)
+        buf, bounds, nb, status = _o200k_front(c, b - a, feat, starts, buf, bounds, feat_table, cls_table)
+    else:
+        cps, feat, sb, bad = _block_start_bits(s, a, b, extra, cps, feat, starts, feat_table)
+        if bad >= 0:
+            return _declined(SURROGATE)
+        rare = np.empty(cps.shape[0] + 64, np.int64)
+        nr = o200kbits._o200k_bits(cps.view(np.int32), feat, sb, rare)
+        if nr > 0 and o200k_rescan._rescan_bits(cps, cls_table, np.sort(rare[:nr]), sb) < 0:
+            return _declined(OVERRUN)
+        buf, bounds, nb, status = _pieces_bits(cps, b - a, sb, buf, bounds)
+    return _walked(buf, bounds, nb, status, has_missing, missing, byte_ids, ptab, batch, whole, wkeys, wids, tok_flat,
+                   tok_off, wmap, slots, arena, state)
 
 
-_gpt4_on = njit(cache=True, nogil=True)(_gpt4_on)
-_deepseek_on = njit(cache=True, nogil=True)(_deepseek_on)
-_smollm2_on = njit(cache=True, nogil=True)(_smollm2_on)
-_o200k_on = njit(cache=True, nogil=True)(_o200k_on)
+_gpt4_front = njit(cache=True, nogil=True)(_gpt4_front)
+_deepseek_front = njit(cache=True, nogil=True)(_deepseek_front)
+_smollm2_front = njit(cache=True, nogil=True)(_smollm2_front)
+_o200k_front = njit(cache=True, nogil=True)(_o200k_front)
 _full_gpt4 = njit(cache=True, nogil=True)(_full_gpt4_impl)
 _full_deepseek = njit(cache=True, nogil=True)(_full_deepseek_impl)
 _full_smollm2 = njit(cache=True, nogil=True)(_full_smollm2_impl)
