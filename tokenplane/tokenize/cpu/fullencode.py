@@ -165,7 +165,9 @@ def _unit_features(c, feat, starts, table):
 # Arguments: the text, the block [a, b), its lookahead | scratch: code points, classes, starts, UTF-8, piece bounds |
 # the family's tables | missing bytes, the BPE tables, the thread's piece map. Each family's pre-tokenizer runs on the
 # str's own code units where `_in_place` allows (`_X_front`, specialized for 8 and 16 bits), else on a 32-bit copy;
-# either way the pieces then go through one walk.
+# either way the pieces then go through one walk. The four kernels repeat that dispatch: one generic kernel taking
+# the family's starts as a function argument computes the same, but numba cannot cache a kernel that takes another
+# kernel as an argument (a "dynamic global"), which the JIT fallback's cache and the AOT build rely on.
 def _gpt4_front(c, n, feat, starts, buf, bounds, feat_table, digits, whole_at_end):
     feat, sb = _unit_features(c, feat, starts, feat_table)
     startbits._gpt4_bits(c, feat, digits, whole_at_end, sb)
