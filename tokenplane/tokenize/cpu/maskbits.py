@@ -16,9 +16,10 @@ masks the kernel already holds: its length is the trailing ones of the whitespac
 characters one shifted word, its first non-CR/LF character a trailing-zero count and its last CR/LF a leading-zero
 count, and the three cuts are bits selected into one word (`_ws_cuts`). The cuts are the same function of the same
 characters (tests/test_startbits.py compares the kernels with the loops); a longer run still takes the loop's code.
-The kernel alone on 1M characters (cl100k; scratch timing, medians of 25, alternated revisions): english 0.62 ->
-0.40 ms, code 1.02 -> 0.43; DeepSeek (with its glued letters, deepseekbits.py) english 0.96 -> 0.51, code 1.78 ->
-0.63; o200k english 1.39 -> 1.20, code 1.59 -> 1.32.
+The kernel alone on 1M characters (scratch timing, medians of 25, old and new revisions in alternated processes):
+cl100k english 0.62 -> 0.40 ms, code 1.02 -> 0.43; DeepSeek (with its glued letters, deepseekbits.py) english
+0.96 -> 0.51, code 1.78 -> 0.63; o200k (its fix-ups in one loop per kind, o200kbits.py) english 1.36-1.46 -> 0.62,
+code 1.70 -> 0.62-0.66.
 """
 
 from __future__ import annotations
