@@ -81,8 +81,9 @@ def test_longest_allowed_stop_strings_cost_little(server):
     url, _ = server
     stops = ["ab" * 512, "ba" * 512, "x" * 1024, "y" * 1024]
     # the module's first decode compiles the engine's and router's numba kernels (a fresh clone has no numba cache:
-    # 20-30 s on a loaded 2-core machine), which is not what this test times
-    r = post(url, "/v1/completions", {"prompt": "x", "max_tokens": 2, "temperature": 0})
+    # 20-30 s on a loaded 2-core machine, over 60 s while the other test worker compiles kernels of its own), which
+    # is not what this test times; a timed-out first request would stay live and fail every test after it
+    r = post(url, "/v1/completions", {"prompt": "x", "max_tokens": 2, "temperature": 0}, timeout=300)
     assert r.status_code == 200, r.text
     t0 = time.perf_counter()
     r = post(url, "/v1/completions", {"prompt": "x", "max_tokens": 24, "temperature": 0, "stop": stops})
