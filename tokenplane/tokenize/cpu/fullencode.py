@@ -34,28 +34,35 @@ _str_units16 = numba_global("tokenplane.tokenize.cpu.borrow", "str_units16")
 
 
 @njit(cache=True, nogil=True)
-def _block_start_bits(s, a, b, extra, cps, feat, starts, table):
-    """Code points of s[a:b] + extra into `cps`, their feature bytes (startbits' table) followed by startbits.PAD
-    zero bytes into `feat`, and a start bitmap of (total >> 6) + 2 words (a view of the bool scratch `starts`; each
-    scratch array replaced by a new one when too short); the index of a lone surrogate or -1 (then the features are
-    not gathered)."""
-    n = b - a
-    total = n + len(extra)
+def _unit_features(c, feat, starts, table):
+    """The feature bytes of code units c (8, 16 or 32 bits) followed by startbits.PAD zeros, and the start bitmap's
+    (len(c) >> 6) + 2 words (a view of the bool scratch `starts`), each scratch array replaced when too short."""
+    total = c.shape[0]
     words = (total >> 6) + 2
-    cps = cps[:total] if cps.shape[0] >= total else np.empty(total, np.uint32)
     feat = feat[:total + startbits.PAD] if feat.shape[0] >= total + startbits.PAD else np.empty(total + startbits.PAD,
                                                                                                np.uint8)
     sb = starts[:8 * words].view(np.uint64) if starts.shape[0] >= 8 * words else np.empty(words, np.uint64)
+    for i in range(total):
+        feat[i] = table[c[i]]
+    for i in range(total, total + startbits.PAD):
+        feat[i] = 0
+    return feat, sb
+
+
+@njit(cache=True, nogil=True)
+def _block_start_bits(s, a, b, extra, cps, feat, starts, table):
+    """Code points of s[a:b] + extra into `cps` (replaced by a new array when too short) and `_unit_features` of them;
+    the index of a lone surrogate or -1 (then the features are not gathered)."""
+    n = b - a
+    total = n + len(extra)
+    cps = cps[:total] if cps.shape[0] >= total else np.empty(total, np.uint32)
     bad = strbuf._codepoints(s, a, b, cps) if n > 0 else -1
     if len(extra) > 0 and bad < 0:
         got = strbuf._codepoints(extra, 0, len(extra), cps[n:])
         if got >= 0:
             bad = n + got
-    if bad < 0:
-        for i in range(total):
-            feat[i] = table[cps[i]]
-        for i in range(total, total + startbits.PAD):
-            feat[i] = 0
+    # (after a surrogate the lookahead's code points were not read: no features then, the caller declines)
+    feat, sb = _unit_features(cps if bad < 0 else cps[:0], feat, starts, table)
     return cps, feat, sb, bad
 
 
@@ -144,22 +151,6 @@ def _surrogate16(c):
     for i in range(c.shape[0]):
         bad |= (np.uint32(c[i]) - np.uint32(0xD800)) < np.uint32(0x800)
     return bad
-
-
-@njit(cache=True, nogil=True)
-def _unit_features(c, feat, starts, table):
-    """_block_start_bits for code units already in place (8 or 16 bits): their feature bytes + startbits.PAD zeros
-    and the bitmap's words, each scratch array replaced by a new one when too short."""
-    total = c.shape[0]
-    words = (total >> 6) + 2
-    feat = feat[:total + startbits.PAD] if feat.shape[0] >= total + startbits.PAD else np.empty(total + startbits.PAD,
-                                                                                               np.uint8)
-    sb = starts[:8 * words].view(np.uint64) if starts.shape[0] >= 8 * words else np.empty(words, np.uint64)
-    for i in range(total):
-        feat[i] = table[c[i]]
-    for i in range(total, total + startbits.PAD):
-        feat[i] = 0
-    return feat, sb
 
 
 # Arguments: the text, the block [a, b), its lookahead | scratch: code points, classes, starts, UTF-8, piece bounds |
