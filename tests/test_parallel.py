@@ -240,3 +240,40 @@ def test_empty_sequence_normalizer_is_identity():
     for _ in range(100):
         text = "".join(rng.choice(ALPHABET + FRAGMENTS + NFC_FRAGMENTS) for _ in range(rng.randint(1, 80)))
         assert hf.normalizer.normalize_str(text) == text == tok.reference.normalize(text)
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_short_encode_path_equals_reference_and_declines_what_it_cannot_answer(name):
+    """`Tokenizer.encode` sends a short str on "auto" straight to the CPU path's block kernel (Router.short ->
+    CpuEncoder.encode_short). Its answers equal the reference on random and adversarial short texts, it is taken
+    (counted as a CPU call; the checked path would answer too, so the counts tell them apart), and it declines,
+    leaving the checked path's answer or error, where it cannot answer: a lone surrogate, a non-ASCII text of a
+    normalizing family, a text over SHORT_CHARS, the fused kernels off."""
+    from tokenplane.tokenize.cpu.parallel import SHORT_CHARS
+    tok = tokenplane.load(name)
+    router = tok.path("auto")
+    tok.encode("warm the thread's kernel binding")
+    enc = router.cpu.get()
+    rng = random.Random(name + "short")
+    texts = ["", "a", " ", "Hello world", "don't 123456 x\n\n", "x" * SHORT_CHARS, "y " * (SHORT_CHARS // 2 + 1)]
+    texts += ["".join(rng.choice(ALPHABET + FRAGMENTS) for _ in range(rng.randint(1, 60))) for _ in range(150)]
+    normalizes = tok.normalizer_kind != "none"
+    for text in texts:
+        expect_short = len(text) <= SHORT_CHARS and (not normalizes or text.isascii())
+        got_short = enc.encode_short(text)
+        assert (got_short is not None) == expect_short, repr(text[:80])
+        before = router.stats["cpu"]
+        ids = tok.encode(text)
+        assert ids.dtype == np.uint32 and ids.tolist() == tok.encode(text, path="reference").tolist(), repr(text)
+        assert router.stats["cpu"] == before + 1, repr(text[:80])    # ("" too, on the short path)
+        if got_short is not None:
+            assert got_short.tolist() == ids.tolist()
+    with pytest.raises(tokenplane.InvalidTextError):
+        tok.encode("abc\ud800def")
+    assert enc.encode_short("abc\ud800def") is None
+    enc.full_kernel = False
+    try:
+        assert enc.encode_short("plain ascii") is None
+        assert tok.encode("plain ascii").tolist() == tok.encode("plain ascii", path="reference").tolist()
+    finally:
+        enc.full_kernel = True

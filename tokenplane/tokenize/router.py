@@ -45,13 +45,16 @@ class _Lazy:
     def __init__(self, build: Callable[[], Encoder]):
         self._build = build
         self._fn: Encoder | None = None
+        self.short: Callable[[str], np.ndarray | None] | None = None     # the built encoder's encode_short, if any
         self._lock = threading.Lock()
 
     def get(self) -> Encoder:
         if self._fn is None:
             with self._lock:
                 if self._fn is None:
-                    self._fn = self._build()
+                    fn = self._build()
+                    self.short = getattr(fn, "encode_short", None)
+                    self._fn = fn
         return self._fn
 
     def __call__(self, text: str) -> np.ndarray:
@@ -101,6 +104,19 @@ class Router:
                     self._gpu = self._gpu_factory(self.tok)
                     self._gpu_checked = True
         return self._gpu
+
+    def short(self, text: str) -> np.ndarray | None:
+        """`self(text)` for a text the built CPU path takes in one block call (CpuEncoder.encode_short; the GPU
+        never takes a text that short), counted as a CPU call; None where that path does not answer: the caller then
+        calls the router."""
+        cpu = self.cpu
+        fn = cpu.short if type(cpu) is _Lazy else None
+        if fn is None or len(text) > self.gpu_min_chars:
+            return None
+        ids = fn(text)
+        if ids is not None:
+            self.stats["cpu"] += 1
+        return ids
 
     def __call__(self, text: str) -> np.ndarray:
         # A first call builds the CPU path here (_Lazy), never answering from the reference meanwhile: with the

@@ -111,6 +111,7 @@ class Tokenizer:
         meta = cached_meta(family, data, self.content_hash)
         self._n_vocab = meta.n_vocab
         self._normalizer = meta.normalizer
+        self.normalizer_kind = meta.normalizer      # "none" (identity), "nfc" (exactly HF's NFC) or "other"
         self.plain_nfc = meta.normalizer == "nfc"   # exactly HF's NFC (qwen3): the fast NFC may stand in for it
         self.specials: dict[str, int] = dict(meta.specials)
         self.decode_skipped: frozenset[int] = meta.skipped   # dropped by a skip_special_tokens decode
@@ -120,6 +121,8 @@ class Tokenizer:
         self._splice_searches: dict[object, SpliceSearch] = {}
         self._window_repairs: dict[tuple[object, ...], WindowRepair] = {}
         self._paths: dict[str, Encoder] = dict(encoders(self)) if encoders is not None else {}
+        # the "auto" router's short-text call (Router.short), when that path is a router
+        self._short: Callable[[str], np.ndarray | None] | None = getattr(self._paths.get("auto"), "short", None)
 
     @property
     def reference(self) -> ReferenceEngine:
@@ -219,6 +222,13 @@ class Tokenizer:
                path: EncodePath = "auto") -> np.ndarray:
         """IDs (uint32) equal to the reference encode of `text`; no BOS/EOS. Special-token strings are ordinary
         text unless listed in `allowed_special` (like tiktoken)."""
+        if path == "auto" and not allowed_special and type(text) is str and len(text) <= self.max_chars:
+            # a short str straight to the CPU path's block kernel (router.Router.short), which finds a lone
+            # surrogate itself; whatever it declines takes the checked path below
+            short = self._short
+            ids = short(text) if short is not None else None
+            if ids is not None:
+                return ids
         text = validate_text(text, self.max_chars)
         if not allowed_special:     # no literal is allowed to split it: the text is one ordinary segment
             return self.encode_ordinary(text, path=path) if text else np.zeros(0, dtype=np.uint32)
