@@ -55,6 +55,35 @@ def test_tables(name):
     assert b.n_pairs <= 0.5 * b.ptab.shape[1]
 
 
+@pytest.mark.parametrize("name", FAMILIES)
+def test_pair_filter_passes_every_pair_and_rejects_most_others(name):
+    """The filter after row 0 of the pair table (merge.FILTER_SHIFT) holds every pair of the table: `_pair_rank` finds
+    each one, with its order (a pair the filter dropped would be merged no more: wrong IDs). Pairs of token IDs that
+    are no pair: `_pair_rank` answers none, and the filter alone turns away most of them (at most 10% pass; an
+    all-ones filter, the bug this catches, passes all)."""
+    b = encoder(name).bpe
+    cap, words = merge_mod._filter_split(b.ptab.shape[1])
+    assert b.ptab.shape[1] == merge_mod.table_width(cap) and cap & (cap - 1) == 0 and words == cap >> 4
+    used = b.pkeys != merge_mod.EMPTY
+    left = (b.pkeys[used] >> np.uint64(32)).astype(np.int64)
+    right = (b.pkeys[used] & np.uint64(0xFFFFFFFF)).astype(np.int64)
+    order = b.pnews[used] if b.ptab.shape[0] == 1 else b.pranks[used]
+    for a, c, o in zip(left.tolist(), right.tolist(), order.tolist()):
+        got, slot = merge_mod._pair_rank(b.ptab, a, c)
+        assert slot >= 0 and got == o, (a, c)
+    rng = np.random.default_rng(7)
+    present = set(zip(left.tolist(), right.tolist()))
+    trials = [(int(a), int(c)) for a, c in rng.integers(0, b.n_vocab, (20_000, 2))
+              if (int(a), int(c)) not in present]
+    passed = 0
+    for a, c in trials:
+        assert merge_mod._pair_rank(b.ptab, a, c)[1] == -1
+        h = (((a << 32) | c) * 0x9E3779B97F4A7C15) & 0xFFFFFFFFFFFFFFFF
+        at, bits = merge_mod._filter_probe(np.uint64(h), words)
+        passed += (int(b.ptab[0, cap + at]) & int(bits)) == int(bits)
+    assert passed <= 0.1 * len(trials), passed / len(trials)
+
+
 @pytest.mark.parametrize("name", ["qwen3", "deepseek_v4"])
 def test_whole_lookup_only_for_self_encoding_tokens(name):
     enc = encoder(name)
