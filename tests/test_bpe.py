@@ -62,7 +62,7 @@ def test_pair_filter_passes_every_pair_and_rejects_most_others(name):
     are no pair: `_pair_rank` answers none, and the filter alone turns away most of them (at most 10% pass; an
     all-ones filter, the bug this catches, passes all)."""
     b = encoder(name).bpe
-    cap, words = merge_mod._filter_split(b.ptab.shape[1])
+    cap, words = merge_mod._filter_split(b.ptab.shape[1], merge_mod.FILTER_SHIFT)
     assert b.ptab.shape[1] == merge_mod.table_width(cap) and cap & (cap - 1) == 0 and words == cap >> 4
     used = b.pkeys != merge_mod.EMPTY
     left = (b.pkeys[used] >> np.uint64(32)).astype(np.int64)
@@ -82,6 +82,50 @@ def test_pair_filter_passes_every_pair_and_rejects_most_others(name):
         at, bits = merge_mod._filter_probe(np.uint64(h), words)
         passed += (int(b.ptab[0, cap + at]) & int(bits)) == int(bits)
     assert passed <= 0.1 * len(trials), passed / len(trials)
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_whole_token_filters_pass_every_token_and_reject_most_pieces(name):
+    """The whole-token hash table's filter (wkeys after its slots) and the small whole map's (piecemap.whole_map):
+    every token of the whole-piece set is still found, by `_whole_lookup` and, for 2-8 bytes, by `_whole_small`;
+    byte strings that are no token are refused, and most of them (at least 90%) by the filters alone."""
+    from tokenplane.tokenize.cpu import piecemap
+    b = encoder(name).bpe
+    cap, words = merge_mod._filter_split(b.wkeys.shape[0], merge_mod.FILTER_SHIFT)
+    assert b.wkeys.shape[0] == merge_mod.table_width(cap) and b.wids.shape[0] == cap
+    wcap, rows = merge_mod._filter_split(b.wmap.shape[0], piecemap.WMAP_FILTER_SHIFT)
+    buf = np.zeros(4096, np.uint8)
+    tokens = set()
+    for t in b.whole_ids.tolist():
+        piece = bytes(b.tok_flat[b.tok_off[t]:b.tok_off[t + 1]])
+        tokens.add(piece)
+        m = len(piece)
+        buf[:m + 16] = 0
+        buf[:m] = np.frombuffer(piece, np.uint8)
+        got = bpe_mod._whole_lookup(b.wkeys, b.wids, b.tok_flat, b.tok_off, buf, 0, m,
+                                    np.uint64(bpe_mod._fnv(buf, 0, m)))      # typed as the kernels pass it
+        assert got >= 0 and bytes(b.tok_flat[b.tok_off[got]:b.tok_off[got + 1]]) == piece, (t, piece)
+        if m <= 8:
+            key = np.uint64(piecemap._word8(buf.view(np.uint64), 0, m))
+            assert piecemap._whole_small(b.wmap, key, m) == got, (t, piece)
+    rng = random.Random(name + "filters")
+    others = [bytes(rng.randrange(256) for _ in range(rng.randint(2, 24))) for _ in range(20_000)]
+    others = [p for p in others if p not in tokens]
+    long_pass = small_pass = small_n = 0
+    for piece in others:
+        m = len(piece)
+        buf[:m + 16] = 0
+        buf[:m] = np.frombuffer(piece, np.uint8)
+        h = np.uint64(bpe_mod._fnv(buf, 0, m))
+        assert bpe_mod._whole_lookup(b.wkeys, b.wids, b.tok_flat, b.tok_off, buf, 0, m, h) == -1
+        long_pass += merge_mod._filter_has(b.wkeys, cap, words, np.uint64((int(h) * 0x9E3779B97F4A7C15) % 2**64))
+        if m <= 8:
+            key = np.uint64(piecemap._word8(buf.view(np.uint64), 0, m))
+            assert piecemap._whole_small(b.wmap, key, m) == -1
+            small_n += 1
+            small_pass += piecemap._wmap_filter_has(b.wmap, wcap, rows,
+                                                    np.uint64(((int(key) + m) * 0x9E3779B97F4A7C15) % 2**64))
+    assert long_pass <= 0.1 * len(others) and small_pass <= 0.1 * small_n, (long_pass, small_pass, small_n)
 
 
 @pytest.mark.parametrize("name", ["qwen3", "deepseek_v4"])

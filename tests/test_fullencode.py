@@ -142,7 +142,8 @@ def test_small_whole_map_answers_as_the_whole_lookup(name):
     """piecemap.whole_map: for every vocabulary token of 2-8 bytes and for short byte strings that are no token (or
     a token outside the whole-piece set), the same answer as bpe._whole_lookup, which it replaces in the walk."""
     from tokenplane.tokenize.cpu import bpe as bpe_mod
-    from tokenplane.tokenize.cpu.piecemap import _home, _word8, whole_map
+    from tokenplane.tokenize.cpu import merge as merge_mod
+    from tokenplane.tokenize.cpu.piecemap import WMAP_FILTER_SHIFT, _home, _whole_small, _word8, whole_map
 
     enc = CpuEncoder(tokenplane.load(name), workers=1)
     bpe = enc.bpe
@@ -153,7 +154,9 @@ def test_small_whole_map_answers_as_the_whole_lookup(name):
     samples = [s for s in samples if 2 <= len(s) <= 8]
     samples += [bytes(rng.randrange(256) for _ in range(rng.randint(2, 8))) for _ in range(20_000)]
     samples += [s[:-1] + b"\x00" for s in samples[:5000]]
-    mask = bpe.wmap.shape[0] - 1
+    cap = int(merge_mod._filter_split(bpe.wmap.shape[0], WMAP_FILTER_SHIFT)[0])
+    mask = cap - 1
+    assert bpe.wmap.shape[0] == merge_mod.table_width(cap, WMAP_FILTER_SHIFT)
     hits = 0
     for piece in samples:
         m = len(piece)
@@ -162,12 +165,13 @@ def test_small_whole_map_answers_as_the_whole_lookup(name):
         want = bpe_mod._whole_lookup(bpe.wkeys, bpe.wids, bpe.tok_flat, bpe.tok_off, buf, 0, m,
                                      np.uint64(bpe_mod._fnv(buf, 0, m)))    # typed as the kernel's
         key = np.uint64(_word8(buf.view(np.uint64), 0, m))
-        s, got = _home(key, m, mask), -1
+        got = _whole_small(bpe.wmap, key, m)        # (its filter first, then the probe sequence)
+        s, probed = _home(key, m, mask), -1         # the probe sequence alone: what the filter must never cut short
         while bpe.wmap[s, 1] != 0:
             if bpe.wmap[s, 0] == key and int(bpe.wmap[s, 1]) & 15 == m:
-                got = int(bpe.wmap[s, 1]) >> 8
+                probed = int(bpe.wmap[s, 1]) >> 8
                 break
             s = (s + 1) & mask
-        assert got == want, (piece, got, want)
+        assert got == probed == want, (piece, got, probed, want)
         hits += want >= 0
     assert hits > 10_000

@@ -21,7 +21,7 @@ import numpy as np
 
 from . import kernels
 from .lazyjit import njit, numba_global  # numba itself only when a JIT kernel runs (lazyjit.py)
-from .merge import _merge_piece, _merge_piece_heap, _pair_home
+from .merge import FILTER_SHIFT, _filter_has, _filter_probe, _filter_split, _merge_piece, _merge_piece_heap, _pair_home
 
 _borrowed = numba_global("tokenplane.tokenize.cpu.borrow", "borrowed")
 
@@ -104,10 +104,15 @@ def _fnv(buf, a, b):
 
 @njit(cache=True, nogil=True)
 def _whole_lookup(wkeys, wids, tok_flat, tok_off, buf, a, b, h):
-    """ID of the vocabulary token equal to buf[a:b], or -1 (h: _fnv(buf, a, b), which the caller has)."""
-    mask = wkeys.shape[0] - 1
+    """ID of the vocabulary token equal to buf[a:b], or -1 (h: _fnv(buf, a, b), which the caller has). wkeys: the
+    hash slots, then a filter of them (merge.FILTER_SHIFT, as the pair table's): most pieces that reach this lookup
+    are no token, and the filter answers them without a probe of the table to an empty slot."""
+    cap, words = _filter_split(wkeys.shape[0], FILTER_SHIFT)
+    mask = cap - 1
     if h == np.uint64(0xFFFFFFFFFFFFFFFF):
         h = np.uint64(0)
+    if not _filter_has(wkeys, cap, words, h * np.uint64(0x9E3779B97F4A7C15)):
+        return -1
     i = np.int64((h * np.uint64(0x9E3779B97F4A7C15)) >> np.uint64(29)) & mask
     while True:
         k = wkeys[i]
@@ -128,8 +133,11 @@ def _whole_lookup(wkeys, wids, tok_flat, tok_off, buf, a, b, h):
 
 
 @njit(cache=True, nogil=True)
-def _build_whole(tok_flat, tok_off, ids, cap):
-    wkeys = np.full(cap, np.uint64(0xFFFFFFFFFFFFFFFF), dtype=np.uint64)
+def _build_whole(tok_flat, tok_off, ids, cap, width):
+    """The whole-token hash table of `ids`: (wkeys, wids), wkeys = `cap` slots of FNV hashes followed by their filter
+    (width = merge.table_width(cap))."""
+    wkeys = np.full(width, np.uint64(0xFFFFFFFFFFFFFFFF), dtype=np.uint64)
+    wkeys[cap:] = 0
     wids = np.full(cap, -1, dtype=np.int32)
     mask = cap - 1
     for t in ids:
@@ -141,6 +149,8 @@ def _build_whole(tok_flat, tok_off, ids, cap):
             i = (i + 1) & mask
         wkeys[i] = h
         wids[i] = t
+        at, bits = _filter_probe(h * np.uint64(0x9E3779B97F4A7C15), width - cap)
+        wkeys[cap + at] |= bits
     return wkeys, wids
 
 

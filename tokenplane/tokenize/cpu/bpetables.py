@@ -26,10 +26,10 @@ import numpy as np
 from ..reference import HFReference, ReferenceEngine, _bytes_to_unicode
 from ..spec.artifacts import cache_dir
 from .bpe import _build_pairs, _build_whole, _pair_entries, table_cap
-from .merge import _last_merges, pair_records
+from .merge import _last_merges, pair_records, table_width
 from .piecemap import whole_map
 
-TABLE_VERSION = 9       # bump when what a table holds or how it is built changes: old folders are then ignored
+TABLE_VERSION = 10      # bump when what a table holds or how it is built changes: old folders are then ignored
 _ARRAYS = ("tok_flat", "tok_off", "byte_ids", "pkeys", "pranks", "pnews", "ptab", "whole_ids", "wkeys", "wids",
            "wmap", "missing")
 
@@ -48,9 +48,10 @@ class BpeTables:
     pnews: np.ndarray           # int32
     ptab: np.ndarray            # uint64[1 or 2, cap]: the same pairs as the kernels read them (merge.pair_records)
     whole_ids: np.ndarray       # int64: tokens a whole piece may map to directly
-    wkeys: np.ndarray           # uint64: FNV hash table over whole_ids
+    wkeys: np.ndarray           # uint64: FNV hash table over whole_ids, then its filter (merge.table_width)
     wids: np.ndarray            # int32
-    wmap: np.ndarray            # uint64[cap, 2]: the same lookup for tokens of <= 8 bytes, keyed as the piece map
+    wmap: np.ndarray            # uint64[cap + filter rows, 2]: the same lookup for tokens of <= 8 bytes, keyed as
+                                #   the piece map, then its filter (piecemap.whole_map)
     missing: np.ndarray | None  # bool[256]: bytes the reference drops (None: the vocabulary has all 256)
 
 
@@ -143,7 +144,8 @@ def build(reference: ReferenceEngine, content_hash: str) -> BpeTables:
         # Merges decide, but a piece's BPE depends on its bytes alone: a piece equal to a token whose own bytes
         # merge back to exactly that token encodes to it, so one lookup replaces the merge rounds (most words).
         multi = multi[own]
-    wkeys, wids = _build_whole(tok_flat, tok_off, multi, table_cap(len(multi)))
+    cap = table_cap(len(multi))
+    wkeys, wids = _build_whole(tok_flat, tok_off, multi, cap, table_width(cap))
     wmap = whole_map(tok_flat, tok_off, multi, wkeys, wids)
     return BpeTables(fam.name, content_hash, len(tokens), int(np.count_nonzero(own)), tok_flat, tok_off, byte_ids,
                      pkeys, pranks, pnews, ptab, multi, wkeys, wids, wmap,

@@ -38,17 +38,18 @@ _PAIR_IDS = (1 << (2 * PAIR_BITS)) - 1
 FILTER_SHIFT = 4
 
 
-def table_width(cap: int) -> int:
-    """Words of a row of the pair table with `cap` slots: the slots, then the filter's cap >> FILTER_SHIFT words."""
-    return cap + (cap >> FILTER_SHIFT)
+def table_width(cap: int, shift: int = FILTER_SHIFT) -> int:
+    """Length of a table of `cap` slots followed by its filter of cap >> shift entries (the pair table's row 0 and
+    bpe.py's whole-token hash table: words; piecemap.whole_map: rows of two words)."""
+    return cap + (cap >> shift)
 
 
 @njit(cache=True, nogil=True, inline="always")
-def _filter_split(width):
-    """(cap, filter words) of a pair-table row of `width` words (`table_width`: width = cap + cap / 2**FILTER_SHIFT,
-    so the filter has width // (2**FILTER_SHIFT + 1) words; both are powers of two)."""
-    words = width // ((1 << FILTER_SHIFT) + 1)
-    return width - words, words
+def _filter_split(width, shift):
+    """(cap, filter entries) of a table of length `width` = `table_width(cap, shift)`: the filter has
+    width // (2**shift + 1) entries; both are powers of two."""
+    extra = width // ((1 << shift) + 1)
+    return width - extra, extra
 
 
 @njit(cache=True, nogil=True, inline="always")
@@ -68,6 +69,13 @@ def _fill_filter(row, cap, keys):
     for key in keys:
         at, bits = _filter_probe(key * np.uint64(0x9E3779B97F4A7C15), words)
         row[cap + at] |= bits
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _filter_has(row, cap, words, h):
+    """Whether the filter of `words` words after row[:cap] may hold the key that hashes to h (False: it does not)."""
+    at, bits = _filter_probe(h, words)
+    return (row[cap + at] & bits) == bits
 
 
 def pair_records(pkeys: np.ndarray, pranks: np.ndarray, pnews: np.ndarray, one_row: bool | None = None) -> np.ndarray:
@@ -121,11 +129,10 @@ def _pair_rank(ptab, a, b):
     """(order, slot) of the pair (a, b), or (INF, -1): its rank or what orders pairs as their ranks do, and where
     `_merged` finds its merged ID (`pair_records`). The filter first (FILTER_SHIFT: a pair it lacks is in no slot),
     then the probe sequence of `_build_pairs` (the home of left << 32 | right), each probe one 8-byte word of row 0."""
-    cap, words = _filter_split(ptab.shape[1])
+    cap, words = _filter_split(ptab.shape[1], FILTER_SHIFT)
     mask = cap - 1
     key = (np.uint64(a) << np.uint64(32)) | np.uint64(b)
-    at, bits = _filter_probe(key * np.uint64(0x9E3779B97F4A7C15), words)
-    if (ptab[0, cap + at] & bits) != bits:
+    if not _filter_has(ptab[0], cap, words, key * np.uint64(0x9E3779B97F4A7C15)):
         return np.int32(0x7FFFFFFF), np.int32(-1)
     want = (np.uint64(a) << np.uint64(PAIR_BITS)) | np.uint64(b)
     i = _pair_home(key, mask)

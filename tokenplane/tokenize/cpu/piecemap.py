@@ -44,6 +44,8 @@ MAX_BYTES = 1024             # longer pieces (long whitespace or symbol runs) ar
 # is 48 in the staged path, which keeps the rounds kernel).
 HEAP_MIN_BYTES = 16
 _K = 0x9E3779B97F4A7C15
+# whole_map's filter: cap >> 5 rows after its slots, 2 words a row (1/16 of the slots' words, as the pair filter)
+WMAP_FILTER_SHIFT = 5
 
 
 class PieceMap:
@@ -109,8 +111,12 @@ def _word4(b64, a, m):
 @njit(cache=True, nogil=True, inline="always")
 def _whole_small(wmap, key, m):
     """The token whose bytes are the small piece (key: its bytes as one word, m: its length), or -1: one probe
-    sequence in `wmap` (whole_map), laid out as the piece map's inline slots."""
-    mask = wmap.shape[0] - 1
+    sequence in `wmap` (whole_map), laid out as the piece map's inline slots, after its filter (most small pieces
+    the walk misses and that are no token are answered by the filter without a probe to an empty slot)."""
+    cap, rows = merge_mod._filter_split(wmap.shape[0], WMAP_FILTER_SHIFT)
+    if not _wmap_filter_has(wmap, cap, rows, (key + np.uint64(m)) * np.uint64(_K)):
+        return -1
+    mask = cap - 1
     s = _home(key, m, mask)
     while True:
         meta = wmap[s, 1]
@@ -299,10 +305,19 @@ def _split5(ms, k):
     return ms[:k], ms[k:2 * k], ms[2 * k:3 * k], ms[3 * k:4 * k], ms[4 * k:5 * k]
 
 
+@njit(cache=True, nogil=True, inline="always")
+def _wmap_filter_has(wmap, cap, rows, h):
+    """Whether the filter in rows [cap, cap + rows) of wmap (2 * rows words, as merge._filter_probe indexes them) may
+    hold the piece whose key hashes to h."""
+    at, bits = merge_mod._filter_probe(h, 2 * rows)
+    return (wmap[cap + (at >> 1), at & 1] & bits) == bits
+
+
 @njit(cache=True, nogil=True)
-def _build_whole_map(tok_flat, tok_off, whole_ids, wkeys, wids, cap):
-    wmap = np.zeros((cap, 2), np.uint64)
+def _build_whole_map(tok_flat, tok_off, whole_ids, wkeys, wids, cap, width):
+    wmap = np.zeros((width, 2), np.uint64)
     mask = cap - 1
+    rows = width - cap
     buf = np.zeros(24, np.uint8)       # one token of <= 8 bytes and the 16 bytes _word8 may read past it
     b64 = buf.view(np.uint64)
     for t in whole_ids:
@@ -321,19 +336,22 @@ def _build_whole_map(tok_flat, tok_off, whole_ids, wkeys, wids, cap):
             s = (s + 1) & mask
         wmap[s, 0] = key
         wmap[s, 1] = np.uint64(m) | (np.uint64(got) << np.uint64(8))
+        at, bits = merge_mod._filter_probe((key + np.uint64(m)) * np.uint64(_K), 2 * rows)
+        wmap[cap + (at >> 1), at & 1] |= bits
     return wmap
 
 
 def whole_map(tok_flat: np.ndarray, tok_off: np.ndarray, whole_ids: np.ndarray, wkeys: np.ndarray,
               wids: np.ndarray) -> np.ndarray:
-    """uint64[cap, 2]: the whole-piece lookup of bpe.py (`_whole_lookup` over `wkeys`) for tokens of 2-8 bytes, keyed
-    as the piece map keys a small piece (its bytes as one word, its length): a piece the map misses finds its token
-    in one probe sequence of one table, where `_whole_lookup` reads four arrays one after another (hash slot, ID,
-    offsets, bytes). On a warm 1M-character encode's misses (cl100k english, qwen3 code; one core, alternated in
-    one process) the walk took 1.13-1.15x less time."""
+    """uint64[merge.table_width(cap, WMAP_FILTER_SHIFT), 2]: the whole-piece lookup of bpe.py (`_whole_lookup` over
+    `wkeys`) for tokens of 2-8 bytes, keyed as the piece map keys a small piece (its bytes as one word, its length),
+    then its filter: a piece the map misses finds its token in one probe sequence of one table, where `_whole_lookup`
+    reads four arrays one after another (hash slot, ID, offsets, bytes). On a warm 1M-character encode's misses
+    (cl100k english, qwen3 code; one core, alternated in one process) the walk took 1.13-1.15x less time."""
     lengths = tok_off[whole_ids + 1] - tok_off[whole_ids]
     cap = bpe_mod.table_cap(int(np.count_nonzero(lengths <= 8)))
-    return _build_whole_map(tok_flat, tok_off, np.ascontiguousarray(whole_ids, dtype=np.int64), wkeys, wids, cap)
+    return _build_whole_map(tok_flat, tok_off, np.ascontiguousarray(whole_ids, dtype=np.int64), wkeys, wids, cap,
+                            merge_mod.table_width(cap, WMAP_FILTER_SHIFT))
 
 
 _NO_MISSING = np.zeros(256, np.bool_)
