@@ -33,8 +33,9 @@ _PAIR_IDS = (1 << (2 * PAIR_BITS)) - 1
 # The pair filter: row 0 of the table is followed by cap >> FILTER_SHIFT words, a blocked Bloom filter of the table's
 # pairs (two bits of one word per pair). Most lookups of a merge find no pair (every pair left at the end of a piece,
 # and most re-probes next to a merge), and a probe of the table (2-4 MB, beyond L2) to its empty slot is a cache miss;
-# the filter (128-256 KB, 1/16 of the table) answers most of them. On the merges of a warm 1M-character encode's new
-# pieces (cl100k, JIT kernels, fresh processes alternated): CJK 38-39 -> 31-32 ms, english 9.6-10.9 -> 9.1-9.8 ms.
+# the filter (128-256 KB, 1/16 of the table) answers most of them (2-5% of absent pairs pass it). Warm 1M-character
+# encodes, benchmarks/revision_ab.py --mode warm (revision_ab_xeon_stop64_filter_warm.md): CJK 1.14-1.23x, mixed
+# text 1.03-1.08x. bpe.py's and piecemap.py's whole-token tables carry the same kind of filter.
 FILTER_SHIFT = 4
 
 
@@ -54,9 +55,9 @@ def _filter_split(width, shift):
 
 @njit(cache=True, nogil=True, inline="always")
 def _filter_probe(h, words):
-    """(word index, bits) of a pair whose key hashes to h (key * the multiplier of `_pair_home`) in a filter of
-    `words` words. Bits 32-63 of h mix both IDs (the lower 32 depend on the right ID alone): the word from bits 40-57,
-    the two bits from bits 34-39 and 58-63."""
+    """(word index, bits) of the key that hashes to h (the key times the multiplier of `_pair_home`) in a filter of
+    `words` words. For a pair, bits 32-63 of h mix both IDs (the lower 32 depend on the right ID alone): the word
+    comes from bits 40 and up, the two bits from bits 34-39 and 58-63."""
     at = np.int64((h >> np.uint64(40)) & np.uint64(words - 1))
     bits = (np.uint64(1) << ((h >> np.uint64(34)) & np.uint64(63))) | (np.uint64(1) << (h >> np.uint64(58)))
     return at, bits

@@ -218,9 +218,8 @@ class CpuEncoder:
         """`encode` of a text of up to SHORT_CHARS characters, as one call of the thread's bound block kernel with no
         layer between (a chat message: `encode`'s layers cost ~2.5 us against the kernel's ~1.7 on a 70-character
         text); None where it does not answer, and `encode` then does, with its checks, errors and fallbacks: a longer
-        text, a non-ASCII text of a normalizing family, the fused kernels switched off, no binding
-        yet on this thread, or a status the kernel declines (a lone surrogate, a byte the vocabulary lacks). Not
-        counted in `stats`."""
+        text, a non-ASCII text of a normalizing family, the fused kernels switched off, no binding yet on this thread,
+        or a status the kernel declines (a lone surrogate, a byte the vocabulary lacks). Not counted in `stats`."""
         sc = getattr(self._local, "scratch", None)
         if sc is None or len(text) > SHORT_CHARS or not (self.fused and self.full_kernel):
             return None
