@@ -35,7 +35,7 @@ _PAIR_IDS = (1 << (2 * PAIR_BITS)) - 1
 # and most re-probes next to a merge), and a probe of the table (2-4 MB, beyond L2) to its empty slot is a cache miss;
 # the filter (128-256 KB, 1/16 of the table) answers most of them (2-5% of absent pairs pass it). Warm 1M-character
 # encodes, benchmarks/revision_ab.py --mode warm (revision_ab_xeon_stop64_filter_warm.md): CJK 1.14-1.23x, mixed
-# text 1.03-1.08x. bpe.py's and piecemap.py's whole-token tables carry the same kind of filter.
+# text 1.02-1.09x. bpe.py's and piecemap.py's whole-token tables carry the same kind of filter.
 FILTER_SHIFT = 4
 
 
