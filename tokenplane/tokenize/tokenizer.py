@@ -110,7 +110,6 @@ class Tokenizer:
         self._pool_workers = 0
         meta = cached_meta(family, data, self.content_hash)
         self._n_vocab = meta.n_vocab
-        self._normalizer = meta.normalizer
         self.normalizer_kind = meta.normalizer      # "none" (identity), "nfc" (exactly HF's NFC) or "other"
         self.plain_nfc = meta.normalizer == "nfc"   # exactly HF's NFC (qwen3): the fast NFC may stand in for it
         self.specials: dict[str, int] = dict(meta.specials)
@@ -350,7 +349,7 @@ class Tokenizer:
         {"type": "NFC"} deserializes to), so the reference engine need not be built; the shadow verifier's
         reference never takes this path. No normalizer (tiktoken, deepseek_v4's empty Sequence): the identity,
         as in the reference."""
-        if self._normalizer == "none":
+        if self.normalizer_kind == "none":
             return text
         if self.plain_nfc:
             return nfc.normalize(text, _hf_nfc())
@@ -359,7 +358,7 @@ class Tokenizer:
     def normalize_texts(self, texts: list[str], joined: str, check: Callable[[int], None]) -> list[str]:
         """`normalize` of each text; `joined`: their concatenation (plain NFC scans it once, cpu/nfc.py).
         `check(i)` validates text i: called before any text that could hold a lone surrogate is normalized."""
-        if self._normalizer == "none":
+        if self.normalizer_kind == "none":
             return texts
         if self.plain_nfc:
             return nfc.normalize_many(texts, joined, _hf_nfc(), check)

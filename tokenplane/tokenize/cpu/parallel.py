@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
 
-from . import boundary, bpetables, fullbatch, fullencode, kernels, nfc, pretokenize, strbuf
+from . import boundary, bpetables, fullbatch, fullencode, nfc, pretokenize, strbuf
 from .bpe import BPE, DroppedBytes
 from .startbits import PAD
 
@@ -109,9 +109,6 @@ class CpuEncoder:
         self.stats = {"serial": 0, "parallel": 0, "chunks": 0, "cut_rejected": 0}
         # Plain NFC (qwen3): chunks are cut in raw text and normalized by their own threads (encode_parallel).
         self._nfc_inert = None
-        # which texts encode_short takes as they are: all (no normalizer), ASCII ones (an ASCII text is its own NFC)
-        # or none (another normalizer is not assumed to leave ASCII alone)
-        self._short_texts = {"none": "all", "nfc": "ascii"}.get(tok.normalizer_kind, "none")
         if tok.plain_nfc:
             self._nfc_inert = nfc.inert_table()
 
@@ -223,11 +220,14 @@ class CpuEncoder:
         sc = getattr(self._local, "scratch", None)
         if sc is None or len(text) > SHORT_CHARS or not (self.fused and self.full_kernel):
             return None
-        if self._short_texts != "all" and (self._short_texts == "none" or not text.isascii()):
+        # texts taken as they are: all of them without a normalizer; with NFC the ASCII ones (an ASCII text is its own
+        # NFC); none under another normalizer (not assumed to leave ASCII alone)
+        norm = self.tok.normalizer_kind
+        if norm != "none" and (norm != "nfc" or not text.isascii()):
             return None
-        entry, bpe = sc.full, self.bpe
-        if entry is None or entry[0] is not kernels.get() or entry[1] != bpe.batch or entry[2] != bpe.whole:
-            return None     # (fullencode.still_bound, inline: a call costs ~0.1 us here)
+        entry = sc.full
+        if not fullencode.still_bound(entry, self.bpe):
+            return None
         ids, status = entry[3](text, 0, len(text), "")
         return ids.view(_U32) if status == fullencode.OK else None
 
