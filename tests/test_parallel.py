@@ -207,24 +207,32 @@ def test_qwen3_raw_cuts_normalize_per_chunk():
 
 
 def test_qwen3_serial_blocks_normalize_in_raw_coordinates():
-    """A long non-ASCII qwen3 text encodes serially block by block, each block cut in the raw text where NFC cannot
-    act and normalized on its own (no whole-text NFC str): with small blocks (many cuts) over text NFC changes,
-    the IDs equal the reference, the path is the raw-block one, and no cut is rejected."""
+    """A long non-ASCII qwen3 text that NFC changes encodes serially block by block, each block cut in the raw text
+    where NFC cannot act; a block with no changed region is encoded from the text's own buffer, any other is
+    normalized on its own (no whole-text NFC str). With small blocks (many cuts) over text NFC changes, the IDs
+    equal the reference, both kinds of block occur, and no cut is rejected."""
     enc = CpuEncoder(tokenplane.load("qwen3"), workers=1)
     enc.block_chars = 300
     rng = random.Random("qwen3-raw-blocks")
-    calls = []
-    raw_blocks = enc._encode_raw_blocks
-    enc._encode_raw_blocks = lambda text: calls.append(len(text)) or raw_blocks(text)
+    calls, kinds = [], {"raw": 0, "normalized": 0}
+    raw_blocks, blocks = enc._encode_raw_blocks, enc._encode_blocks
+
+    def count_blocks(s, a, b, lookahead=""):
+        kinds["raw" if len(s) > b - a else "normalized"] += 1
+        return blocks(s, a, b, lookahead)
+
+    enc._encode_raw_blocks = lambda text, changes: calls.append(len(changes)) or raw_blocks(text, changes)
+    enc._encode_blocks = count_blocks
     changed = 0
     for i in range(60):
         text = "".join(rng.choice(ALPHABET + FRAGMENTS + NFC_FRAGMENTS * 3) for _ in range(rng.randint(500, 4000)))
-        if i % 3 == 0:      # mostly NFC already, with a changed region here and there
-            text = "".join(_corpus_docs(6_000))[:rng.randint(2_000, 6_000)] + text[:40]
+        if i % 3 == 0:      # mostly NFC already, with a changed region at the end
+            text = "".join(_corpus_docs(6_000))[:rng.randint(2_000, 6_000)] + "\u00e9" + text[:40]
         changed += enc.tok.reference.normalize(text) != text
         assert enc.encode(text, parallel=False).tolist() == enc.tok.reference.encode_ordinary(text).tolist(), \
             repr(text[:200])
-    assert len(calls) == 60 and changed > 30 and enc.stats["cut_rejected"] == 0
+    assert len(calls) == changed > 30 and enc.stats["cut_rejected"] == 0
+    assert kinds["raw"] > 20 and kinds["normalized"] > 60
 
 
 def test_nfc_cut_needs_inert_neighbours():

@@ -355,6 +355,13 @@ class Tokenizer:
             return nfc.normalize(text, _hf_nfc())
         return self.reference.normalize(text)
 
+    def nfc_changes(self, text: str) -> list[tuple[int, int, str]]:
+        """Plain NFC families only: the regions of text `normalize` changes, as (start, end, normalized) in order
+        (cpu/nfc.py `changes`); `normalize(text)` is text with each replaced."""
+        if not self.plain_nfc:
+            raise ValueError(f"{self.family.name} has no plain NFC normalizer")
+        return nfc.changes(text, _hf_nfc())
+
     def normalize_texts(self, texts: list[str], joined: str, check: Callable[[int], None]) -> list[str]:
         """`normalize` of each text; `joined`: their concatenation (plain NFC scans it once, cpu/nfc.py).
         `check(i)` validates text i: called before any text that could hold a lone surrogate is normalized."""

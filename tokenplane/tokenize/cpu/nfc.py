@@ -178,36 +178,44 @@ def normalize_many(texts: list[str], joined: str, reference_nfc: Callable[[str],
     return out
 
 
-def normalize(text: str, reference_nfc: Callable[[str], str]) -> str:
-    """NFC(text) computed as `reference_nfc` would on the whole text, calling it only on the regions that can
-    change (see the module docstring)."""
+def changes(text: str, reference_nfc: Callable[[str], str]) -> list[tuple[int, int, str]]:
+    """The regions of text that NFC changes, in order, as (start, end, NFC of text[start:end]): NFC(text), as
+    `reference_nfc` computes it on the whole text, is text with each region replaced. The reference normalizer is
+    called only on the regions that can change (see the module docstring)."""
     if text.isascii():
-        return text
+        return []
     if len(text) < PRECHECK_TEXT and all_inert(text):
-        return text
+        return []
     if len(text) < SMALL_TEXT:
-        return reference_nfc(text)
-
+        done = reference_nfc(text)
+        return [] if done == text else [(0, len(text), done)]
     spans = regions(text)
     if spans.shape[0] == 0:
-        return text
+        return []
     bounds = spans.tolist()
     dirty = [text[a:b] for a, b in bounds]
     # only the regions are joined: a separator that none of them holds will do (no scan of the whole text)
     sep = next((s for s in "\x00\x01\x02\x03\x04\x05\x06\x07\x08" if not any(s in d for d in dirty)), None)
     if sep is None:
-        done = [reference_nfc(d) for d in dirty]
+        done_list = [reference_nfc(d) for d in dirty]
     else:
         # sep is inert and every region starts at an inert code point (or at 0, only the first), so one call over
         # the joined regions equals one call per region; NFC never produces a control character.
-        done = reference_nfc(sep.join(dirty)).split(sep)
-        if len(done) != len(dirty):   # pragma: no cover - would mean the normalizer produced sep
-            done = [reference_nfc(d) for d in dirty]
-    if done == dirty:       # regions that NFC leaves as they are (real text's usual case): no copy of the text
+        done_list = reference_nfc(sep.join(dirty)).split(sep)
+        if len(done_list) != len(dirty):   # pragma: no cover - would mean the normalizer produced sep
+            done_list = [reference_nfc(d) for d in dirty]
+    return [(a, b, d) for (a, b), d, old in zip(bounds, done_list, dirty) if d != old]
+
+
+def normalize(text: str, reference_nfc: Callable[[str], str]) -> str:
+    """NFC(text) computed as `reference_nfc` would on the whole text, calling it only on the regions that can
+    change (see the module docstring); the same str when nothing changes (real text's usual case: no copy)."""
+    found = changes(text, reference_nfc)
+    if not found:
         return text
     out: list[str] = []
     prev = 0
-    for (a, b), d in zip(bounds, done):
+    for a, b, d in found:
         out.append(text[prev:a])
         out.append(d)
         prev = b

@@ -200,14 +200,16 @@ class CpuEncoder:
             self.stats["cut_rejected"] += 1
             return self._encode_range(norm, 0, len(norm))
 
-    def _encode_raw_blocks(self, text: str) -> np.ndarray:
-        """Serial encode of a long raw text of a plain-NFC family (qwen3): blocks cut in raw coordinates where NFC
-        cannot act (`_cut_at_or_after` with the inert table, as the parallel chunks), each block sliced out and
-        normalized on its own, then encoded. Normalizing the whole text first scanned its one buffer at the width
-        of its widest character and, when any region changed, built a second whole-text str: 10-12 ms of a 4M-char
-        qwen3 code text's 62-76 ms (one UCS-4 str, 7 changed regions), where the blocks' slices (each at its own
-        width) took 52 ms in all, the kernels reading narrower buffers too (scratch `w4b.py`, one core, warm)."""
+    def _encode_raw_blocks(self, text: str, changes: list[tuple[int, int, str]]) -> np.ndarray:
+        """Serial encode of a long raw text of a plain-NFC family (qwen3) that NFC changes (`changes`: its changed
+        regions, Tokenizer.nfc_changes): blocks cut in raw coordinates where NFC cannot act (`_cut_at_or_after` with
+        the inert table, as the parallel chunks); a block that holds no changed region is its own NFC and is encoded
+        from the text's own buffer, any other block is sliced out and normalized on its own. A whole-text NFC
+        built a second whole-text str: 10-12 ms of a 4M-char qwen3 code text's 62-76 ms (a UCS-4 str, 7 changed
+        regions; scratch `w4b.py`, one core, warm). Slicing every block instead cost english text ~10% (a fresh
+        block-sized str each, its pages faulted on first touch)."""
         inert = self._nfc_inert
+        ends = [e for _, e, _ in changes]
         n = len(text)
         parts = []
         a = 0
@@ -217,9 +219,13 @@ class CpuEncoder:
                 cut = self._cut_at_or_after(text, a + self.block_chars, inert)
                 if cut is not None:
                     right = cut
-            block = self.tok.normalize(text[a:right])
-            # text[right] is inert, its own NFC: the lookahead the left block's pre-tokenizer reads
-            parts.append(self._encode_blocks(block, 0, len(block), text[right:right + 1]))
+            lookahead = text[right:right + 1]     # inert: its own NFC, read by the left block's pre-tokenizer
+            k = bisect.bisect_right(ends, a)      # the first changed region that ends after a
+            if k < len(changes) and changes[k][0] < right:
+                block = self.tok.normalize(text[a:right])
+                parts.append(self._encode_blocks(block, 0, len(block), lookahead))
+            else:
+                parts.append(self._encode_blocks(text, a, right, lookahead))
             a = right
         return parts[0] if len(parts) == 1 else np.concatenate(parts)
 
@@ -231,8 +237,11 @@ class CpuEncoder:
         self.stats["serial"] += 1
         try:
             if self._nfc_inert is not None and not self._one_block(len(text)) and not text.isascii():
+                changes = self.tok.nfc_changes(text)
+                if not changes:
+                    return self._encode_norm(text)
                 try:
-                    return self._encode_raw_blocks(text)
+                    return self._encode_raw_blocks(text, changes)
                 except _CutRejected:
                     self.stats["cut_rejected"] += 1
             return self._encode_norm(self.tok.normalize(text))
