@@ -8,6 +8,7 @@ from test_pretokenize import ALPHABET, FRAGMENTS, _corpus_docs
 
 import tokenplane
 from tokenplane.tokenize import router as router_mod
+from tokenplane.tokenize.cpu import parallel as parallel_mod
 from tokenplane.tokenize.cpu.parallel import CpuEncoder
 from tokenplane.tokenize.registry import build
 from tokenplane.tokenize.spec.families import Family
@@ -206,33 +207,45 @@ def test_qwen3_raw_cuts_normalize_per_chunk():
     assert enc.stats["cut_rejected"] == before and changed > 100
 
 
-def test_qwen3_serial_blocks_normalize_in_raw_coordinates():
+def test_qwen3_serial_blocks_normalize_in_raw_coordinates(monkeypatch):
     """A long non-ASCII qwen3 text that NFC changes encodes serially block by block, each block cut in the raw text
     where NFC cannot act; a block with no changed region is encoded from the text's own buffer, any other is
-    normalized on its own (no whole-text NFC str). With small blocks (many cuts) over text NFC changes, the IDs
-    equal the reference, both kinds of block occur, and no cut is rejected."""
+    built from its text and changed regions, or normalized anew when a region crosses its cut (no whole-text NFC
+    str). With small blocks (many cuts) over text NFC changes, the IDs equal the reference, every kind of block
+    occurs, and no cut is rejected."""
     enc = CpuEncoder(tokenplane.load("qwen3"), workers=1)
     enc.block_chars = 300
     rng = random.Random("qwen3-raw-blocks")
-    calls, kinds = [], {"raw": 0, "normalized": 0}
+    calls, kinds = [], {"raw": 0, "normalized": 0, "spliced": 0, "crossed": 0}
     raw_blocks, blocks = enc._encode_raw_blocks, enc._encode_blocks
 
     def count_blocks(s, a, b, lookahead=""):
         kinds["raw" if len(s) > b - a else "normalized"] += 1
         return blocks(s, a, b, lookahead)
 
+    def count_spliced(*args):
+        block = spliced(*args)
+        kinds["spliced" if block is not None else "crossed"] += 1
+        return block
+
+    spliced = parallel_mod._spliced
+    monkeypatch.setattr(parallel_mod, "_spliced", count_spliced)
     enc._encode_raw_blocks = lambda text, changes: calls.append(len(changes)) or raw_blocks(text, changes)
     enc._encode_blocks = count_blocks
     changed = 0
     for i in range(60):
         text = "".join(rng.choice(ALPHABET + FRAGMENTS + NFC_FRAGMENTS * 3) for _ in range(rng.randint(500, 4000)))
-        if i % 3 == 0:      # mostly NFC already, with a changed region at the end
+        if i % 2 == 0:      # mostly NFC already, with a few changed regions
             text = "".join(_corpus_docs(6_000))[:rng.randint(2_000, 6_000)] + "\u00e9" + text[:40]
+            for _ in range(3):
+                p = rng.randrange(len(text))
+                text = text[:p] + rng.choice(NFC_FRAGMENTS) + text[p:]
         changed += enc.tok.reference.normalize(text) != text
         assert enc.encode(text, parallel=False).tolist() == enc.tok.reference.encode_ordinary(text).tolist(), \
             repr(text[:200])
     assert len(calls) == changed > 30 and enc.stats["cut_rejected"] == 0
-    assert kinds["raw"] > 20 and kinds["normalized"] > 60
+    assert kinds["raw"] > 20 and kinds["normalized"] == kinds["spliced"] + kinds["crossed"]
+    assert kinds["spliced"] > 30 and kinds["crossed"] > 30, kinds
 
 
 def test_nfc_cut_needs_inert_neighbours():

@@ -204,10 +204,9 @@ class CpuEncoder:
         """Serial encode of a long raw text of a plain-NFC family (qwen3) that NFC changes (`changes`: its changed
         regions, Tokenizer.nfc_changes): blocks cut in raw coordinates where NFC cannot act (`_cut_at_or_after` with
         the inert table, as the parallel chunks); a block that holds no changed region is its own NFC and is encoded
-        from the text's own buffer, any other block is sliced out and normalized on its own. A whole-text NFC
-        built a second whole-text str: 10-12 ms of a 4M-char qwen3 code text's 62-76 ms (a UCS-4 str, 7 changed
-        regions; scratch `w4b.py`, one core, warm). Slicing every block instead cost english text ~10% (a fresh
-        block-sized str each, its pages faulted on first touch)."""
+        from the text's own buffer, any other is built from its text and changed regions (`_spliced`). A whole-text
+        NFC built a second whole-text str: 10-12 ms of a 4M-char qwen3 code text's 62-76 ms (a UCS-4 str, 7 changed
+        regions; scratch `w4b.py`, one core, warm); normalizing every block's slice anew scanned the text twice."""
         inert = self._nfc_inert
         ends = [e for _, e, _ in changes]
         n = len(text)
@@ -222,7 +221,9 @@ class CpuEncoder:
             lookahead = text[right:right + 1]     # inert: its own NFC, read by the left block's pre-tokenizer
             k = bisect.bisect_right(ends, a)      # the first changed region that ends after a
             if k < len(changes) and changes[k][0] < right:
-                block = self.tok.normalize(text[a:right])
+                block = _spliced(text, a, right, changes, k)
+                if block is None:
+                    block = self.tok.normalize(text[a:right])
                 parts.append(self._encode_blocks(block, 0, len(block), lookahead))
             else:
                 parts.append(self._encode_blocks(text, a, right, lookahead))
@@ -405,6 +406,24 @@ class CpuEncoder:
             if self._pool is not None:
                 self._pool.shutdown(wait=False)
                 self._pool = None
+
+
+def _spliced(text: str, a: int, b: int, changes: list[tuple[int, int, str]], k: int) -> str | None:
+    """NFC of text[a:b] (a and b cuts where NFC cannot act) from the text's changed regions, changes[k] the first
+    that ends after a: the text between them and their normalized forms, with no second scan. None when a region
+    crosses a or b (one merged across inert characters, a cut among them): normalize the block anew."""
+    out: list[str] = []
+    prev = a
+    while k < len(changes) and changes[k][0] < b:
+        x, y, d = changes[k]
+        if x < a or y > b:
+            return None
+        out.append(text[prev:x])
+        out.append(d)
+        prev = y
+        k += 1
+    out.append(text[prev:b])
+    return "".join(out)
 
 
 class _CutRejected(RuntimeError):
