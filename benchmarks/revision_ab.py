@@ -7,8 +7,9 @@ MB/s (best, not median: interference only ever slows a CPU-bound loop down). `--
 median over `--reps` pairs of serial time / chunk-parallel time (all cores, cold caches, order alternating, 60 ms of
 untimed parallel encodes before each pair, as benchmarks/parallel_speedup.py). `--mode warm` times full_encode.py's
 warm cell instead (each pass a new instance that first encoded the pool's last 1M characters, then the text), and
-`--mode repeat` that instance's second pass over the same text; `--out` writes JSON + Markdown. Used for the BPE
-layout figures in docs/pretokenizer.md:
+`--mode repeat` that instance's second pass over the same text; a case `family:category@size` (e.g.
+`qwen3:code@4M`) takes full_encode.py's cell itself (its document, its warm-up region). `--out` writes JSON +
+Markdown. Used for the BPE layout figures in docs/pretokenizer.md:
 
     python benchmarks/revision_ab.py --revs a27fdcd HEAD --cases cl100k_base:mixed qwen3:cjk cl100k_base:cjk4 \\
         --rounds 3 --corpus /tmp/corpus
@@ -34,16 +35,27 @@ import tokenplane
 from tokenplane.tokenize.cpu.parallel import CpuEncoder
 root, family, kind, corpus, reps = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4], int(sys.argv[5])
 assert tokenplane.__file__.startswith(root), tokenplane.__file__
-if kind.startswith("mixed"):
+warm = None
+if "@" in kind:     # category@size: full_encode.py's cell (its document and its warm-up region), from this tree
+    from pathlib import Path
+    sys.path.insert(0, root + "/benchmarks")
+    import full_encode
+    category, size_name = kind.split("@")
+    cell = next(c for c in full_encode.cells(Path(corpus), [size_name], 1_000_000) if c[0] == category)
+    assert len(cell[2]) == 1 and len(cell[4]) == 1, "one document and one warm-up region"
+    text, warm = cell[2][0], cell[4][0]
+elif kind.startswith("mixed"):
     pool = "".join(json.loads(l)["text"] for l in open(corpus + "/mixed.jsonl", encoding="utf-8"))
 else:
     docs = [json.loads(l) for l in open(corpus + "/nonen.jsonl", encoding="utf-8")]
     pool = "".join(d["text"] for d in docs if d["kind"] in ("man-cjk", "cpython-cjkencodings", "mo-nonlatin"))
-size = 4_000_000 if kind.endswith("4") else 1_000_000
-text = (pool * (1 + size // max(1, len(pool))))[:size]
+if warm is None:
+    size = 4_000_000 if kind.endswith("4") else 1_000_000
+    text = (pool * (1 + size // max(1, len(pool))))[:size]
 mode = sys.argv[6]
 if mode in ("warm", "repeat"):   # full_encode.py's warm cell: new instances warmed on 1M other characters
-    warm = pool[-1_000_000:] if len(pool) >= size + 1_000_000 else None
+    if warm is None:
+        warm = pool[-1_000_000:] if len(pool) >= size + 1_000_000 else None
     assert warm is not None, "the pool is too short for a disjoint warm-up region"
     best = float("inf")
     for _ in range(reps):
@@ -89,7 +101,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--revs", nargs=2, required=True, help="two git revisions (A B)")
     ap.add_argument("--cases", nargs="+", default=["cl100k_base:mixed", "qwen3:cjk"],
-                    help="family:text with text one of mixed, cjk (1M characters) or mixed4, cjk4 (4M, tiled)")
+                    help="family:text with text one of mixed, cjk (1M characters), mixed4, cjk4 (4M, tiled), or "
+                         "category@size: full_encode.py's cell (e.g. code@4M: its document and warm-up region)")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--reps", type=int, default=15)
     ap.add_argument("--corpus", default=os.environ.get("TOKENPLANE_CORPUS", "/tmp/corpus"))
