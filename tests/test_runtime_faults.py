@@ -185,3 +185,60 @@ def test_sigkilled_model_fails_fast_reports_health_and_recovers(rt, caplog):
     assert h.pid != victim and h.restarts >= 1 and h.down_since is None
     outs = rt.run_batch([[1, 2, 3], [4, 5, 6, 7]], SamplingParams(max_tokens=6), request_ids=["after0", "after1"])
     assert [len(o.token_ids) for o in outs] == [6, 6]
+
+
+def _slow_sources(load_s: float) -> list[dict]:
+    return [dict(src, load_s=load_s) for src in SOURCES]
+
+
+def test_slow_load_that_heartbeats_is_waited_for():
+    """A model whose load outlasts every silence limit (a busy machine reading weights and compiling kernels) is
+    not failed while its heartbeat thread, started before the load, keeps beating: the runtime starts and serves."""
+    cfg = RuntimeConfig(models=_slow_sources(3.0), runner="latency-model", algorithm="r_stitch", algorithm_kwargs=ALG,
+                        num_blocks=64, mode="immediate_async", heartbeat_s=0.1, heartbeat_timeout_s=1.0,
+                        step_timeout_s=None)
+    t0 = time.monotonic()
+    runtime = Runtime(cfg)
+    try:
+        assert time.monotonic() - t0 > 3.0
+        assert all(st.start_s > 3.0 for st in runtime._models)
+        out = asyncio.run(runtime.complete([1, 2, 3], SamplingParams(max_tokens=4)))
+        assert len(out.token_ids) == 4
+    finally:
+        runtime.shutdown()
+
+
+def test_frozen_load_is_failed_after_startup_timeout():
+    """A model that stops heartbeating while it loads (here: SIGSTOPped) is killed after heartbeat_timeout_s of
+    silence (startup_timeout_s when no heartbeat had come yet), and the runtime's start fails with the reason, long
+    before the load would have ended."""
+    import multiprocessing
+
+    cfg = RuntimeConfig(models=_slow_sources(60.0), runner="latency-model", algorithm="r_stitch",
+                        algorithm_kwargs=ALG, num_blocks=64, mode="immediate_async", heartbeat_s=0.1,
+                        heartbeat_timeout_s=1.0, startup_timeout_s=10.0, step_timeout_s=None)
+    stopped: list[int] = []
+    before = {p.pid for p in multiprocessing.active_children()}     # (the module's runtime has models too)
+
+    def freeze() -> None:
+        end = time.monotonic() + 30
+        while time.monotonic() < end and not stopped:
+            kids = [p for p in multiprocessing.active_children()
+                    if p.name == "tokenplane-model1" and p.pid not in before]
+            if kids and kids[0].pid and time.monotonic() > t0 + 4.0:     # (loading by then: a 60 s load)
+                os.kill(kids[0].pid, signal.SIGSTOP)
+                stopped.append(kids[0].pid)
+            time.sleep(0.05)
+
+    import threading
+
+    t0 = time.monotonic()
+    th = threading.Thread(target=freeze, daemon=True)
+    th.start()
+    with pytest.raises(RuntimeError) as ei:
+        Runtime(cfg)
+    elapsed = time.monotonic() - t0
+    th.join(5)
+    assert stopped, "the sub-server was never frozen"
+    assert "model 1" in str(ei.value) and "no heartbeat" in str(ei.value), str(ei.value)
+    assert elapsed < 30, elapsed

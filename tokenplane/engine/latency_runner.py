@@ -283,11 +283,15 @@ class LatencyModelRunner:
                  hidden_size: int = 64, seed: int = 0, shared_seed: int = 1234, noise: float = 0.1,
                  table_rows: int = 97, num_blocks: int = 4096, block_size: int = 16,
                  clock: str = "hybrid", spin_s: float = 2.5e-4, time_scale: float = 1.0,
-                 dtype: torch.dtype = torch.float32) -> None:
+                 dtype: torch.dtype = torch.float32, load_s: float = 0.0) -> None:
+        """`load_s`: seconds the runner takes to build, as a model's load (weights read, kernels compiled) would:
+        the runtime's startup is tested against a slow load with it."""
         if clock not in ("hybrid", "sleep", "spin"):
             raise ValueError(f"clock must be 'hybrid', 'sleep' or 'spin', got {clock!r}")
         if vocab_size < 2 or hidden_size < 1 or table_rows < 1:
             raise ValueError("vocab_size >= 2, hidden_size >= 1 and table_rows >= 1 are required")
+        if load_s > 0:
+            time.sleep(float(load_s))
         self.latency = latency
         self.vocab_size, self.hidden_size = int(vocab_size), int(hidden_size)
         self.clock, self.spin_s, self.time_scale = clock, float(spin_s), float(time_scale)

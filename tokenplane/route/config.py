@@ -41,7 +41,11 @@ class RuntimeConfig:
     heartbeat_s: float = 0.5
     heartbeat_timeout_s: float = 15.0                  # silence of a sub-server's heartbeat THREAD before a kill
     step_timeout_s: float | None = 120.0               # one step longer than this is a hung step: kill (None: never)
+    # A (re)starting sub-server is killed when its first heartbeat has not come this long after its spawn (the
+    # interpreter's start and imports: its heartbeat thread starts before the model loads), or, after one, on a
+    # silence of heartbeat_timeout_s. A slow load that keeps heartbeating is waited for, up to startup_limit_s.
     startup_timeout_s: float = 180.0
+    startup_limit_s: float = 1800.0
     request_timeout_s: float = 600.0
     max_delay_s: float = 0.2                           # delayed_async backstop: max wait below threshold
     grant_timeout_s: float = 30.0

@@ -100,9 +100,11 @@ class Runtime:
             for m in range(self.num_models):
                 self._sup.spawn(m)
             self._io.thread.start()
-            if not self._io.all_ready.wait(config.startup_timeout_s):
+            # the supervisor's watch fails a silent loader (RuntimeConfig.startup_timeout_s) or one past
+            # startup_limit_s; this wait is the backstop
+            if not self._io.all_ready.wait(config.startup_limit_s + config.startup_timeout_s):
                 raise RuntimeError(self._sup.startup_error
-                                   or f"sub-servers not ready after {config.startup_timeout_s} s")
+                                   or f"sub-servers not ready after {config.startup_limit_s} s")
             if self._sup.startup_error:
                 raise RuntimeError(self._sup.startup_error)
         except BaseException:
@@ -365,7 +367,7 @@ class Runtime:
                 st.attempts = 0
                 st.restarts += 1
                 self._sup.spawn(m)
-        deadline = time.monotonic() + (timeout or self.config.startup_timeout_s)
+        deadline = time.monotonic() + (timeout or self.config.startup_limit_s)
         while time.monotonic() < deadline:
             if st.ready and st.proc is not old:
                 return

@@ -93,6 +93,15 @@ class SubServer:
         self.step_time = 0.0     # inside runner.run (the modeled / real forward)
         self.step_wall = 0.0     # a whole step: schedule + run + sample/route + sends
         self.idle_time = 0.0     # blocked in inbox.wait with nothing to run
+        # Liveness is the heartbeat thread's job, so it does not depend on how long a step takes; it reads only
+        # these two plain attributes (assignments are atomic), written by the loop. It starts before the model loads:
+        # a load slowed by a busy machine (minutes to read weights and compile kernels) is told from a frozen one by
+        # its heartbeats (Supervisor.watch), not by a fixed deadline.
+        self.step_started: float | None = None   # time.monotonic() when the current step began
+        self.load = (0, 0, 0, 0, 0)     # waiting, running, pending, used, total blocks (0 total: loading)
+        self._hb_stop = threading.Event()
+        self._hb = threading.Thread(target=self._heartbeat_loop, name=f"heartbeat-{self.model}", daemon=True)
+        self._hb.start()
 
         import torch
         torch.set_num_threads(int(spec.threads))
@@ -114,13 +123,7 @@ class SubServer:
         self.inbox = Inbox({"client": self.client_sock, "peer": self.peer_sock})
         cfg = getattr(self.runner, "cfg", None)
         max_len = getattr(cfg, "max_position_embeddings", None)
-        # Liveness is the heartbeat thread's job, so it does not depend on how long a step takes; it reads only
-        # these two plain attributes (assignments are atomic), written by the loop.
-        self.step_started: float | None = None   # time.monotonic() when the current step began
-        self.load = (0, 0, 0, 0, self.runner.block_manager.num_blocks)   # waiting, running, pending, used, total
-        self._hb_stop = threading.Event()
-        self._hb = threading.Thread(target=self._heartbeat_loop, name=f"heartbeat-{self.model}", daemon=True)
-        self._hb.start()
+        self.load = (0, 0, 0, 0, self.runner.block_manager.num_blocks)
         bm = self.runner.block_manager
         send(self.out.front, Ready(self.model, os.getpid(), client_addr, peer_addr, bm.num_blocks, bm.block_size,
                                    eos_token_ids(cfg), None if max_len is None else int(max_len)))

@@ -66,6 +66,7 @@ class ModelProc:
     pid: int | None = None
     spawned_at: float = 0.0         # time.monotonic() of the latest spawn
     last_heartbeat: float = 0.0
+    heard: bool = False         # a heartbeat of this generation has come (its thread runs from before the load)
     step_started: float | None = None
     info: Ready | None = None
     attempts: int = 0               # consecutive spawns that died before Ready
@@ -115,6 +116,7 @@ class Supervisor:
         st.proc.start()
         st.pid = st.proc.pid
         st.spawned_at = st.last_heartbeat = time.monotonic()
+        st.heard = False
         st.step_started = None
         st.kill_reason = None
 
@@ -152,6 +154,7 @@ class Supervisor:
     def on_heartbeat(self, hb: Heartbeat) -> None:
         st = self.models[hb.model]
         if hb.pid == st.pid:
+            st.heard = True
             st.last_heartbeat = time.monotonic()
             st.step_started = hb.step_started
             st.heartbeat = hb
@@ -167,10 +170,18 @@ class Supervisor:
                 self._on_exit(m, code)
                 continue
             if not st.ready:
-                # loading: no heartbeat thread yet. The first start is bounded by Runtime.__init__; a restart here.
-                if st.state == ModelState.RESTARTING and now - st.spawned_at > cfg.startup_timeout_s:
-                    self.kill(m, f"not ready {now - st.spawned_at:.0f} s after its restart (startup_timeout_s "
-                                 f"{cfg.startup_timeout_s})")
+                # loading (a first start or a restart): its heartbeat thread runs from before the model loads, so a
+                # slow load is waited for while it beats. Killed: no first heartbeat within startup_timeout_s (the
+                # interpreter's start and imports), silence after one as long as a serving model's, or the limit.
+                silent = now - st.last_heartbeat
+                limit, name = ((cfg.heartbeat_timeout_s, "heartbeat_timeout_s") if st.heard
+                               else (cfg.startup_timeout_s, "startup_timeout_s"))
+                if silent > limit:
+                    self.kill(m, f"no heartbeat for {silent:.1f} s while loading, {now - st.spawned_at:.0f} s "
+                                 f"after its start ({name} {limit})")
+                elif now - st.spawned_at > cfg.startup_limit_s:
+                    self.kill(m, f"not ready {now - st.spawned_at:.0f} s after its start (startup_limit_s "
+                                 f"{cfg.startup_limit_s})")
                 continue
             if now - st.last_heartbeat > cfg.heartbeat_timeout_s:
                 self.kill(m, f"no heartbeat for {now - st.last_heartbeat:.1f} s (heartbeat_timeout_s "
@@ -190,7 +201,7 @@ class Supervisor:
         msg = f"sub-server for model {m} (pid {st.pid}) {why}"
         st.proc = None
         if not self.started:
-            self.startup_error = self.startup_error or f"model {m} exited during startup (code {code})"
+            self.startup_error = self.startup_error or f"model {m} exited during startup: {why}"
             st.state, st.last_error = ModelState.FAILED, msg
             log.error("%s", msg)
             return
