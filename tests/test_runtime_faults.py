@@ -242,3 +242,24 @@ def test_frozen_load_is_failed_after_startup_timeout():
     assert stopped, "the sub-server was never frozen"
     assert "model 1" in str(ei.value) and "no heartbeat" in str(ei.value), str(ei.value)
     assert elapsed < 30, elapsed
+
+
+def test_load_that_raises_fails_the_start_with_its_error():
+    """A model whose load raises (here: a latency-model source without its latency) fails the runtime's start with
+    that error, promptly: the sub-server's heartbeat thread, running since before the load, does not keep the
+    failed process alive."""
+    import multiprocessing
+
+    before = {p.pid for p in multiprocessing.active_children()}
+    cfg = RuntimeConfig(models=[SOURCES[0], {"seed": 1}], runner="latency-model", algorithm="r_stitch",
+                        algorithm_kwargs=ALG, num_blocks=64, mode="immediate_async", heartbeat_s=0.1,
+                        heartbeat_timeout_s=1.0, step_timeout_s=None)
+    t0 = time.monotonic()
+    with pytest.raises(RuntimeError) as ei:
+        Runtime(cfg)
+    assert "model 1 failed to start" in str(ei.value) and "latency" in str(ei.value), str(ei.value)
+    assert time.monotonic() - t0 < 60
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and [p for p in multiprocessing.active_children() if p.pid not in before]:
+        time.sleep(0.05)
+    assert not [p for p in multiprocessing.active_children() if p.pid not in before]
