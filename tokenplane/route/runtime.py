@@ -102,9 +102,9 @@ class Runtime:
             self._io.thread.start()
             # the supervisor's watch fails a silent loader (RuntimeConfig.startup_timeout_s) or one past
             # startup_limit_s; this wait is the backstop
-            if not self._io.all_ready.wait(config.startup_limit_s + config.startup_timeout_s):
-                raise RuntimeError(self._sup.startup_error
-                                   or f"sub-servers not ready after {config.startup_limit_s} s")
+            backstop = config.startup_limit_s + config.startup_timeout_s
+            if not self._io.all_ready.wait(backstop):
+                raise RuntimeError(self._sup.startup_error or f"sub-servers not ready after {backstop} s")
             if self._sup.startup_error:
                 raise RuntimeError(self._sup.startup_error)
         except BaseException:

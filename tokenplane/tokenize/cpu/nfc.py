@@ -213,11 +213,25 @@ def normalize(text: str, reference_nfc: Callable[[str], str]) -> str:
     found = changes(text, reference_nfc)
     if not found:
         return text
+    out = splice(text, 0, len(text), found)
+    assert out is not None      # (no region crosses the text's own ends)
+    return out
+
+
+def splice(text: str, a: int, b: int, found: list[tuple[int, int, str]], k: int = 0) -> str | None:
+    """NFC of text[a:b] from `changes(text)` (`found`; found[k] the first region that ends after a): the text between
+    the regions and their normalized forms, with no second scan. a and b must be positions NFC cannot act across
+    (the text's ends, or cuts with inert characters around them: parallel.py); None when a region crosses a or b
+    (one merged across inert characters with such a cut among them): the caller normalizes text[a:b] anew."""
     out: list[str] = []
-    prev = 0
-    for a, b, d in found:
-        out.append(text[prev:a])
+    prev = a
+    while k < len(found) and found[k][0] < b:
+        x, y, d = found[k]
+        if x < a or y > b:
+            return None
+        out.append(text[prev:x])
         out.append(d)
-        prev = b
-    out.append(text[prev:])
+        prev = y
+        k += 1
+    out.append(text[prev:b])
     return "".join(out)

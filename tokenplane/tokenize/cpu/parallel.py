@@ -22,7 +22,7 @@ import bisect
 import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 import numpy as np
 
@@ -176,16 +176,20 @@ class CpuEncoder:
         pre-tokenization does not start a piece at raises _CutRejected, and the caller encodes in one go)."""
         if self._one_block(b - a):
             return self._encode_range(s, a, b, lookahead)
-        parts = []
+        return np.concatenate([self._encode_range(s, x, y, s[y:y + 1] if y < b else lookahead)
+                               for x, y in self._block_spans(s, a, b, None)])
+
+    def _block_spans(self, s: str, a: int, b: int, inert: np.ndarray | None) -> Iterator[tuple[int, int]]:
+        """The blocks of s[a:b]: ~block_chars each, cut at the first stable position past each block's target (with
+        `inert`, one NFC cannot act across either: `_cut_at_or_after`); the rest of the range where none is near."""
         while a < b:
             right = b
             if b - a > self.block_chars + self.block_chars // 2:
-                cut = self._cut_at_or_after(s, a + self.block_chars, None)
+                cut = self._cut_at_or_after(s, a + self.block_chars, inert)
                 if cut is not None and cut < b:
                     right = cut
-            parts.append(self._encode_range(s, a, right, s[right:right + 1] if right < b else lookahead))
+            yield a, right
             a = right
-        return np.concatenate(parts)
 
     def _one_block(self, chars: int) -> bool:
         """Whether `chars` characters encode as one block (no cut to search for or to reject)."""
@@ -204,30 +208,21 @@ class CpuEncoder:
         """Serial encode of a long raw text of a plain-NFC family (qwen3) that NFC changes (`changes`: its changed
         regions, Tokenizer.nfc_changes): blocks cut in raw coordinates where NFC cannot act (`_cut_at_or_after` with
         the inert table, as the parallel chunks); a block that holds no changed region is its own NFC and is encoded
-        from the text's own buffer, any other is built from its text and changed regions (`_spliced`). A whole-text
+        from the text's own buffer, any other is built from its text and changed regions (`nfc.splice`). A whole-text
         NFC built a second whole-text str: 10-12 ms of a 4M-char qwen3 code text's 62-76 ms (a UCS-4 str, 7 changed
         regions; scratch `w4b.py`, one core, warm); normalizing every block's slice anew scanned the text twice."""
-        inert = self._nfc_inert
         ends = [e for _, e, _ in changes]
-        n = len(text)
         parts = []
-        a = 0
-        while a < n:
-            right = n
-            if n - a > self.block_chars + self.block_chars // 2:
-                cut = self._cut_at_or_after(text, a + self.block_chars, inert)
-                if cut is not None:
-                    right = cut
+        for a, right in self._block_spans(text, 0, len(text), self._nfc_inert):
             lookahead = text[right:right + 1]     # inert: its own NFC, read by the left block's pre-tokenizer
             k = bisect.bisect_right(ends, a)      # the first changed region that ends after a
             if k < len(changes) and changes[k][0] < right:
-                block = _spliced(text, a, right, changes, k)
+                block = nfc.splice(text, a, right, changes, k)
                 if block is None:
                     block = self.tok.normalize(text[a:right])
                 parts.append(self._encode_blocks(block, 0, len(block), lookahead))
             else:
                 parts.append(self._encode_blocks(text, a, right, lookahead))
-            a = right
         return parts[0] if len(parts) == 1 else np.concatenate(parts)
 
     def encode(self, text: str, *, parallel: bool | None = None) -> np.ndarray:
@@ -406,24 +401,6 @@ class CpuEncoder:
             if self._pool is not None:
                 self._pool.shutdown(wait=False)
                 self._pool = None
-
-
-def _spliced(text: str, a: int, b: int, changes: list[tuple[int, int, str]], k: int) -> str | None:
-    """NFC of text[a:b] (a and b cuts where NFC cannot act) from the text's changed regions, changes[k] the first
-    that ends after a: the text between them and their normalized forms, with no second scan. None when a region
-    crosses a or b (one merged across inert characters, a cut among them): normalize the block anew."""
-    out: list[str] = []
-    prev = a
-    while k < len(changes) and changes[k][0] < b:
-        x, y, d = changes[k]
-        if x < a or y > b:
-            return None
-        out.append(text[prev:x])
-        out.append(d)
-        prev = y
-        k += 1
-    out.append(text[prev:b])
-    return "".join(out)
 
 
 class _CutRejected(RuntimeError):
