@@ -339,7 +339,11 @@ class CpuEncoder:
         """The calling thread and workers - 1 pool threads pull chunks from one queue: the caller works instead of
         waiting (measured: handing both halves of 1M characters to the pool and waiting gave 1.36-1.46x where the
         caller taking one gave 1.60-1.68x). Whoever pulls a chunk first finds its right cut (_LazyCuts), so the cut
-        search overlaps the other threads' GIL-free encoding instead of running in front of them."""
+        search overlaps the other threads' GIL-free encoding instead of running in front of them. Only the first
+        chunk's span (the byte profile and one cut) is found before the helpers are woken: a helper woken first
+        wanted the GIL at every nogil call of that search, and each hand-off cost ~30 us (the first chunk began
+        ~110 us into a 1M-character encode; alternated with the former order in one process, 24 pairs a cell:
+        1.02-1.16x on seven 1M-character cells, 1.01x on three of 4M)."""
         norm_of = self.tok.normalize
         fractions = self._chunk_fractions(len(s), n_chunks)
         if not fractions:
@@ -348,20 +352,23 @@ class CpuEncoder:
                 return self._encode_norm(norm_of(s) if normalize else s)
             except DroppedBytes:
                 return self._reference(s)
-        # the byte-profile targets are computed by the first thread to pull a chunk: the helpers are woken first, so
-        # their wake-up (~80 us on this VM) overlaps the profile and the first cut search instead of following them
         cuts = _LazyCuts(self, s, lambda: self._targets(s, fractions), self._nfc_inert if normalize else None)
         results: list[np.ndarray] = []
         lock = threading.Lock()
+        first = cuts.next_span()        # (the helpers are not woken yet: no lock to take)
+        if first is not None:
+            results.append(None)
 
-        def drain() -> None:
+        def drain(span: tuple[int, int, int] | None = None) -> None:
             while True:
-                with lock:
-                    span = cuts.next_span()
-                    if span is None:
-                        return
-                    i, a, b = span
-                    results.append(None)
+                if span is None:
+                    with lock:
+                        span = cuts.next_span()
+                        if span is None:
+                            return
+                        results.append(None)
+                i, a, b = span
+                span = None
                 try:
                     if normalize:
                         chunk = norm_of(s[a:b])
@@ -376,7 +383,7 @@ class CpuEncoder:
         helpers = [self._pool_get().submit(drain) for _ in range(min(self.workers, len(fractions) + 1) - 1)]
         try:
             try:
-                drain()
+                drain(first)
             finally:
                 for h in helpers:       # wait for every helper; a helper's _CutRejected surfaces here
                     h.result()
