@@ -12,6 +12,13 @@ interleaved in rotating order on the same text:
   tokenplane_flushed  the same appends on a fourth session, each after a write of FLUSH_MB MB that evicts every
                    cache level: a cold append whose eviction is the same at every size (the interleaved steps evict
                    in proportion to the context, so their 4M / 100K ratio mixes the append's cost with theirs)
+  tokenplane_same  (flat1400 only) the same number of appends, but of one fixed text for every size, each replay
+                   starting from one piece-map state (the thread's piece caches emptied after the context's sync,
+                   then one fixed text encoded): the context's length is then the only thing that differs between
+                   sizes, so its 4M / 100K ratio is the append's own growth with the context. The columns above
+                   append the text that follows each context and start from whatever its sync left in the piece
+                   map, so their ratios also carry how many new pieces each size's appended text happens to hold.
+  tokenplane_same_flushed  the same, each append after the FLUSH_MB sweep
   tokenplane_sync  a second session: Session.sync(whole text) (the server's path: the client resends everything)
   memcmp           raw compare of the whole resent text with an equal copy (`text == copy`: one memcmp of the
                    str buffer), the floor of any prefix check
@@ -135,11 +142,14 @@ class Engines:
                 self.missing.append("toktier")
 
 
-def replay_appends(tok, session_path: str, context: str, chunks: list[str], before=None) -> tuple[Any, list[float]]:
+def replay_appends(tok, session_path: str, context: str, chunks: list[str], before=None,
+                   start=None) -> tuple[Any, list[float]]:
     """A new session synced to `context`, then each chunk appended and the full IDs taken as an array, timed per
-    step; `before()` runs untimed ahead of each step."""
+    step; `before()` runs untimed ahead of each step, `start()` once after the sync."""
     session = tok.session(encode_path=session_path)
     session.sync(context)
+    if start is not None:
+        start()
     times = []
     for chunk in chunks:
         if before is not None:
@@ -151,7 +161,27 @@ def replay_appends(tok, session_path: str, context: str, chunks: list[str], befo
     return session, times
 
 
-def run_synthetic(args, tok, engines: Engines, pool: str, size_name: str, shape: str, rng: random.Random) -> dict:
+class SameAppends:
+    """One family's fixed appended text (`steps` chunks of 1,400 characters from a fixed place in the pool) and the
+    piece-map state each `tokenplane_same` replay starts from (see the module docstring)."""
+
+    def __init__(self, tok, session_path: str, pool: str, steps: int):
+        from tokenplane.tokenize.router import segment_encoder
+
+        at = len(pool) // 2
+        self.chunks = [pool[at + 1400 * i:at + 1400 * (i + 1)] for i in range(steps)]
+        self.warm_text = pool[at - 500_000:at]
+        self.encoder = segment_encoder(tok.path(session_path), 1400)     # the CPU encoder the windows run on
+        self.tok = tok
+
+    def reset(self) -> None:
+        if self.encoder is not None:
+            self.encoder.bpe.clear_caches()
+            self.encoder.encode(self.warm_text)
+
+
+def run_synthetic(args, tok, engines: Engines, pool: str, size_name: str, shape: str, rng: random.Random,
+                  fixed: SameAppends | None = None) -> dict:
     size = SIZES[size_name]
     offset = rng.randrange(0, max(1, len(pool) - size - 2_000_000))
     seed = NFC_SEED if tok.family.normalizer is not None else ""
@@ -230,6 +260,12 @@ def run_synthetic(args, tok, engines: Engines, pool: str, size_name: str, shape:
     sweep = np.ones(FLUSH_MB << 17, np.float64)
     evict = functools.partial(np.add, sweep, 1.0, out=sweep)
     flushed, times["tokenplane_flushed"] = replay_appends(tok, args.session_path, context, chunks, evict)
+    same_sessions = {}
+    if fixed is not None and shape == "flat1400":
+        same_sessions["tokenplane_same"], times["tokenplane_same"] = replay_appends(
+            tok, args.session_path, context, fixed.chunks, start=fixed.reset)
+        same_sessions["tokenplane_same_flushed"], times["tokenplane_same_flushed"] = replay_appends(
+            tok, args.session_path, context, fixed.chunks, evict, start=fixed.reset)
     del sweep, evict
     # Exactness: every engine's final IDs vs one reference encode of the final text.
     ref = tok.encode(text, path="reference").astype(np.int64)
@@ -237,6 +273,10 @@ def run_synthetic(args, tok, engines: Engines, pool: str, size_name: str, shape:
              "tokenplane_sync": bool(np.array_equal(np.asarray(resent.ids, dtype=np.int64), ref)),
              "tokenplane_alone": bool(np.array_equal(np.asarray(alone.ids, dtype=np.int64), ref)),
              "tokenplane_flushed": bool(np.array_equal(np.asarray(flushed.ids, dtype=np.int64), ref))}
+    if fixed is not None and same_sessions:
+        same_ref = tok.encode(context + "".join(fixed.chunks), path="reference").astype(np.int64)
+        for name, sess in same_sessions.items():
+            exact[name] = bool(np.array_equal(np.asarray(sess.ids, dtype=np.int64), same_ref))
     for name, fn in engines.full.items():
         if name != "reference":
             exact[name] = bool(np.array_equal(np.asarray(fn(text), dtype=np.int64), ref))
@@ -292,7 +332,8 @@ def markdown(full: dict) -> str:
     return "\n".join(head) + "\n" + "\n".join(markdown_family(fam, res) for fam, res in full["families"].items())
 
 
-ENGINES = ["tokenplane", "tokenplane_alone", "tokenplane_flushed", "tokenplane_sync", "memcmp", "reference", "fastokens", "gigatoken", "toktier"]
+ENGINES = ["tokenplane", "tokenplane_alone", "tokenplane_flushed", "tokenplane_same", "tokenplane_same_flushed",
+           "tokenplane_sync", "memcmp", "reference", "fastokens", "gigatoken", "toktier"]
 
 
 def _cell(v: dict) -> str:
@@ -381,8 +422,11 @@ def targets(res: dict) -> dict:
             ratio = p50["4M"] / p50["100K"]
             out["append flat: P50(4M) / P50(100K) <= 1.2"] = f"{_met(ratio <= 1.2)}: {ratio:.2f}"
         sweep = f"appends after a {FLUSH_MB} MB cache sweep"
+        same = "appends of one fixed text from one piece-map state"
         for column, label, short in (("tokenplane_alone", "appends alone (no interleaved full-text work)",
-                                      "appends alone"), ("tokenplane_flushed", sweep, sweep)):
+                                      "appends alone"), ("tokenplane_flushed", sweep, sweep),
+                                     ("tokenplane_same", same, same),
+                                     ("tokenplane_same_flushed", f"{same}, after the sweep", f"{same}, after the sweep")):
             col = {k: r["latency_ms"][column]["p50"] for k, r in flat.items() if column in r["latency_ms"]}
             if not col:
                 continue
@@ -507,9 +551,10 @@ def main() -> int:
         res: dict = {"synthetic": [], "session_path": args.session_path, "peers_missing": engines.missing}
         seed = NFC_SEED if tok.family.normalizer is not None else ""
         res["small_memory"] = memory(tok, seed + pool[:6000], [], args.session_path)
+        same = SameAppends(tok, args.session_path, pool, args.steps)
         for size_name in args.sizes.split(","):
             for shape in args.shapes.split(","):
-                res["synthetic"].append(run_synthetic(args, tok, engines, pool, size_name, shape, rng))
+                res["synthetic"].append(run_synthetic(args, tok, engines, pool, size_name, shape, rng, same))
         if not args.no_traces and family in trace_families:
             res["traces"] = run_traces(args, tok, engines)
         res["targets"] = targets(res)
