@@ -172,12 +172,13 @@ class SameAppends:
         self.chunks = [pool[at + 1400 * i:at + 1400 * (i + 1)] for i in range(steps)]
         self.warm_text = pool[at - 500_000:at]
         self.encoder = segment_encoder(tok.path(session_path), 1400)     # the CPU encoder the windows run on
-        self.tok = tok
 
     def reset(self) -> None:
         if self.encoder is not None:
             self.encoder.bpe.clear_caches()
-            self.encoder.encode(self.warm_text)
+            # on this thread alone (the one the session's windows run on): a chunk-parallel encode would share the
+            # text between the threads' maps as its timing falls
+            self.encoder.encode(self.warm_text, parallel=False)
 
 
 def run_synthetic(args, tok, engines: Engines, pool: str, size_name: str, shape: str, rng: random.Random,
