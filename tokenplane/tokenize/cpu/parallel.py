@@ -359,31 +359,33 @@ class CpuEncoder:
         if first is not None:
             results.append(None)
 
-        def drain(span: tuple[int, int, int] | None = None) -> None:
+        def encode_span(i: int, a: int, b: int) -> None:
+            try:
+                if normalize:
+                    chunk = norm_of(s[a:b])
+                    results[i] = self._encode_blocks(chunk, 0, len(chunk), s[b:b + 1])
+                else:
+                    results[i] = self._encode_blocks(s, a, b, s[b:b + 1])
+            except BaseException:
+                with lock:
+                    cuts.stop()     # the text is encoded serially: no thread should start another chunk
+                raise
+
+        def drain() -> None:
             while True:
-                if span is None:
-                    with lock:
-                        span = cuts.next_span()
-                        if span is None:
-                            return
-                        results.append(None)
-                i, a, b = span
-                span = None
-                try:
-                    if normalize:
-                        chunk = norm_of(s[a:b])
-                        results[i] = self._encode_blocks(chunk, 0, len(chunk), s[b:b + 1])
-                    else:
-                        results[i] = self._encode_blocks(s, a, b, s[b:b + 1])
-                except BaseException:
-                    with lock:
-                        cuts.stop()     # the text is encoded serially: no thread should start another chunk
-                    raise
+                with lock:
+                    span = cuts.next_span()
+                    if span is None:
+                        return
+                    results.append(None)
+                encode_span(*span)
 
         helpers = [self._pool_get().submit(drain) for _ in range(min(self.workers, len(fractions) + 1) - 1)]
         try:
             try:
-                drain(first)
+                if first is not None:
+                    encode_span(*first)
+                drain()
             finally:
                 for h in helpers:       # wait for every helper; a helper's _CutRejected surfaces here
                     h.result()
