@@ -50,8 +50,9 @@ def trace_sync(tok, directory: Path, count: int, session_path: str, ref_trajecto
             rot = k % len(order)
             for name in order[rot:] + order[:rot]:
                 if name != "tokenplane":
+                    own = (prompt + "\x00")[:-1]   # a new str: no UTF-8 form another peer made CPython cache in it
                     t0 = time.perf_counter()
-                    peers[name](prompt)
+                    peers[name](own)
                     if k:
                         peer_times[name].append(time.perf_counter() - t0)
                     continue
