@@ -13,7 +13,7 @@ import pytest
 from test_pretokenize import ALPHABET, FRAGMENTS, _corpus_docs
 
 import tokenplane
-from tokenplane.tokenize.cpu import fullencode, kernels
+from tokenplane.tokenize.cpu import fullencode, kernels, piecemap
 from tokenplane.tokenize.cpu.parallel import CpuEncoder
 from tokenplane.tokenize.cpu.piecemap import PieceMap
 
@@ -52,6 +52,8 @@ def test_fused_equals_staged_and_reference(name, kind, monkeypatch):
     enc = CpuEncoder(tok, workers=2)
     small = CpuEncoder(tok, workers=1)
     small.bpe.thread_cache().pmap = PieceMap(slots=256, arena_words=512, max_load=150)   # emptied again and again
+    seeded = CpuEncoder(tok, workers=1)     # seeded with the small whole tokens, refilled from them again and again
+    seeded.bpe.thread_cache().pmap = _small_seeded(seeded)
     rng = random.Random(name)
     texts = _texts(name)
     for text in texts:
@@ -59,14 +61,57 @@ def test_fused_equals_staged_and_reference(name, kind, monkeypatch):
         assert enc.encode(text, parallel=False).tolist() == ref, repr(text[:200])
         assert enc.encode(text, parallel=False).tolist() == ref, repr(text[:200])   # now from the map
         assert small.encode(text, parallel=False).tolist() == ref, repr(text[:200])
+        assert seeded.encode(text, parallel=False).tolist() == ref, repr(text[:200])
         assert _staged(enc, text) == ref, repr(text[:200])
         if len(text) > 40:       # chunks: the fused call reads the cut's lookahead character
             assert enc.encode_parallel(text, n_chunks=rng.randint(2, 9)).tolist() == ref, repr(text[:200])
     assert small.bpe.thread_cache().pmap.state[3] > 0       # the small map was emptied and refilled
+    assert seeded.bpe.thread_cache().pmap.state[3] > 0
+    _assert_chains_whole(seeded.bpe.thread_cache().pmap)
     declined = enc.stats.get("fused_declined", 0)
     if name != "smollm2":     # smollm2's missing bytes go staged
         assert declined == 0
     assert enc.stats["cut_rejected"] == 0
+
+
+def _small_seeded(enc: CpuEncoder) -> PieceMap:
+    """A map seeded with the tokenizer's small whole tokens that holds only 150 pieces more before it is emptied."""
+    pm = PieceMap(seed=enc.bpe.wmap)
+    pm.state[2] = pm.state[4] + 150
+    return pm
+
+
+def _assert_chains_whole(pm: PieceMap) -> None:
+    """Every entry is reachable by its lookup: no empty slot between its home slot and where it lies (a swap of a
+    displaced hit with its home slot's entry, or an insertion after a seeded refill, that broke a chain fails)."""
+    slots = pm.slots
+    mask = slots.shape[0] - 1
+    full = slots[:, 1] != 0
+    for s in np.flatnonzero(full):
+        key, meta = int(slots[s, 0]), int(slots[s, 1])
+        m = meta & 0xFFFF if meta >> 63 else meta & 15
+        home = int(piecemap._home(np.uint64(key), m, mask))
+        span = (s - home) & mask
+        assert all(full[(home + d) & mask] for d in range(span + 1)), (s, home)
+
+
+@pytest.mark.parametrize("name", ["cl100k_base", "qwen3", "smollm2"])
+def test_seeded_map_hits_every_small_token_and_keeps_its_chains(name):
+    """A seeded map answers every small whole token from its seed (a piece of <= 8 bytes it lacks skips the whole
+    lookup), and repeated encodes that move displaced pieces to their home slots keep every entry reachable."""
+    tok = tokenplane.load(name)
+    enc = CpuEncoder(tok, workers=1)
+    pm = piecemap.thread_map(enc.bpe)
+    assert pm.state[4] > 0 and pm.state[0] == pm.state[4]
+    text = "".join(_corpus_docs(4000))[:40_000]
+    ref = tok.reference.encode_ordinary(text).tolist()
+    for _ in range(3):
+        assert enc.encode(text, parallel=False).tolist() == ref
+    _assert_chains_whole(pm)
+    seeded = pm.state[4]
+    enc.bpe.clear_caches()
+    assert pm.state[0] == seeded and np.array_equal(pm.slots, pm.seed)
+    assert enc.encode(text, parallel=False).tolist() == ref
 
 
 @pytest.mark.parametrize("name", ["cl100k_base", "o200k_base", "deepseek_v4", "smollm2"])

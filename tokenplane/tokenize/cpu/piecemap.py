@@ -5,8 +5,16 @@ three direct-mapped tiers. Measured on 1M characters of real text (one core, war
 every piece had been seen, and the CJK tiers thrashed (76K of 275K pieces missed on a second pass over the same
 text: 2,048 direct-mapped long slots for ~24K distinct CJK runs); a miss re-runs BPE (~0.9-1.7 us a piece). Here:
 
-* one table of 16-byte slots, linear probing, no conflict misses until it holds MAX_LOAD of its slots (then it is
+* one table of 16-byte slots, linear probing, no conflict misses until it holds LOAD of its slots (then it is
   emptied and refilled; distinct pieces of 2M characters of real text: 13-47K);
+* seeded with every whole token of <= 8 bytes: the map starts as a copy of the slots of the tokenizer's small
+  whole-token map (`whole_map`, keyed and laid out as this map), so a new piece that is one token is a hit, and a
+  small piece the map lacks is known to be none (no whole-token lookup before its merges). ~55% of the new pieces of
+  a warm english encode are one token, and each cost a failed probe, a lookup in a table the walk otherwise leaves
+  cold, and an insertion;
+* a piece found past its home slot swaps places with the home slot's entry: a seeded map is ~30% full before the
+  text's own pieces arrive, so they often land past their home slot, out of the branch-free path below (seeded
+  without the swap: all-hit encodes 0.87-0.91x on cl100k, CJK's long pieces the most);
 * a piece of <= 8 bytes with <= 2 IDs is one slot: its bytes as one word (the exact key) and its IDs packed in the
   other word; any other piece (<= MAX_BYTES) keeps its IDs and its bytes in an append-only arena, and its slot holds
   a 64-bit hash of the bytes, the length, the ID count and the arena offset; a hit compares the bytes, so a hit is
@@ -34,8 +42,8 @@ _borrowed = numba_global("tokenplane.tokenize.cpu.borrow", "borrowed")
 # status of a fused call (fullencode.py); OVERRUN: o200k's rare-shape matcher overran a window (a bug: the staged
 # chain then raises it)
 OK, SURROGATE, DROPPED, CUT_REJECTED, OVERRUN = 0, 1, 2, 3, 4
-SLOTS = 1 << 17              # 2 MB of slots per thread
-MAX_LOAD = (SLOTS * 5) // 8  # entries before the map is emptied (linear probing stays short below ~0.6)
+SLOTS = 1 << 17              # 2 MB of slots per thread (an unseeded map; a seeded one has its seed's slots)
+LOAD = 5 / 8                 # entries before the map is emptied (linear probing stays short below ~0.6)
 ARENA_WORDS = 1 << 21        # 8 MB of IDs and bytes of pieces that do not fit a slot
 MAX_BYTES = 1024             # longer pieces (long whitespace or symbol runs) are merged each time, not kept
 # Pieces longer than this merge through bpe.py's heap kernel (same IDs): on the multi-token pieces a warm 1M-character
@@ -49,18 +57,43 @@ WMAP_FILTER_SHIFT = 5
 
 
 class PieceMap:
-    """One thread's map (never shared: the kernels write it without locks; bpe.PieceCache.pmap holds it)."""
+    """One thread's map (never shared: the kernels write it without locks; bpe.PieceCache.pmap holds it).
 
-    def __init__(self, slots: int = SLOTS, arena_words: int = ARENA_WORDS, max_load: int = MAX_LOAD):
-        self.slots = np.zeros((slots, 2), dtype=np.uint64)      # word 1 == 0: empty slot
+    `seed`: the tokenizer's small whole-token map (`whole_map`); the map then starts as a copy of its slots (same
+    keys, same home slots, same inline entries a miss would insert) and is refilled from it when emptied, so a
+    piece of <= 8 bytes that the map lacks is known to be no whole token (state[4]: the seeded entries, 0 when
+    unseeded)."""
+
+    def __init__(self, slots: int = SLOTS, arena_words: int = ARENA_WORDS, max_load: int | None = None,
+                 seed: np.ndarray | None = None):
+        self.seed = None
+        nseed = 0
+        if seed is not None:
+            cap, _ = _cap_of(seed.shape[0])
+            self.seed = seed[:cap]
+            self.slots = self.seed.copy()
+            nseed = int(np.count_nonzero(self.slots[:, 1]))
+            slots = cap
+        else:
+            self.slots = np.zeros((slots, 2), dtype=np.uint64)      # word 1 == 0: empty slot
         self.arena = np.zeros(arena_words, dtype=np.uint32)
-        # entries, arena words used, the entry limit, times emptied
-        self.state = np.array([0, 0, max_load, 0], dtype=np.int64)
+        limit = max_load if max_load is not None else int(slots * LOAD)
+        # entries, arena words used, the entry limit, times emptied, seeded entries
+        self.state = np.array([nseed, 0, limit, 0, nseed], dtype=np.int64)
         self.bound: dict[str, Any] = {}     # fullencode kernels with these arrays bound, by family
 
     def clear(self) -> None:
-        self.slots[:, 1] = 0
-        self.state[:2] = 0
+        if self.seed is not None:
+            np.copyto(self.slots, self.seed)
+        else:
+            self.slots[:, 1] = 0
+        self.state[0] = self.state[4]
+        self.state[1] = 0
+
+
+def _cap_of(width: int) -> tuple[int, int]:
+    cap = 1 << (int(width).bit_length() - 1)
+    return cap, width - cap
 
 
 @njit(cache=True, nogil=True, inline="always")
@@ -202,7 +235,8 @@ def _walk_into(buf, bounds, nb, out, o, ms, heap, has_missing, missing, byte_ids
         else:
             key = _long_hash(b64, a, m)
         # -- lookup
-        s = _home(key, m, mask)
+        h0 = _home(key, m, mask)
+        s = h0
         hit = False
         while True:
             meta = slots[s, 1]
@@ -236,6 +270,15 @@ def _walk_into(buf, bounds, nb, out, o, ms, heap, has_missing, missing, byte_ids
                         break
             s = (s + 1) & mask
         if hit:
+            if s != h0:
+                # a piece found past its home slot trades places with the home slot's entry, so its next occurrence
+                # takes the branch-free path; the other entry stays reachable (every slot from its own home to s is
+                # full: its chain ran to the home slot, the piece's from there to s)
+                k0, m0 = slots[h0, 0], slots[h0, 1]
+                slots[h0, 0] = slots[s, 0]
+                slots[h0, 1] = slots[s, 1]
+                slots[s, 0] = k0
+                slots[s, 1] = m0
             continue
         # -- miss: bpe.py's kernels on the piece's bytes
         if has_missing:
@@ -251,7 +294,8 @@ def _walk_into(buf, bounds, nb, out, o, ms, heap, has_missing, missing, byte_ids
         if m == 1:
             t = byte_ids[buf[a]]
         elif whole and small:
-            t = _whole_small(wmap, key, m)
+            if state[4] == 0:       # (a seeded map holds every small whole token: this piece is none)
+                t = _whole_small(wmap, key, m)
         elif whole:
             t = bpe_mod._whole_lookup(wkeys, wids, tok_flat, tok_off, buf, a, b, bpe_mod._fnv(buf, a, b))
         if t >= 0:
@@ -273,12 +317,19 @@ def _walk_into(buf, bounds, nb, out, o, ms, heap, has_missing, missing, byte_ids
         if m > MAX_BYTES or cnt > 255:
             continue
         if state[0] >= state[2] or state[1] + need > arena.shape[0]:
-            for z in range(slots.shape[0]):
-                slots[z, 1] = 0
-            state[0] = 0
+            if state[4] > 0:
+                for z in range(slots.shape[0]):
+                    slots[z, 0] = wmap[z, 0]
+                    slots[z, 1] = wmap[z, 1]
+            else:
+                for z in range(slots.shape[0]):
+                    slots[z, 1] = 0
+            state[0] = state[4]
             state[1] = 0
             state[3] += 1
             s = _home(key, m, mask)
+            while slots[s, 1] != 0:     # (a refilled seed may hold the home slot; the piece itself is no seed)
+                s = (s + 1) & mask
         if inline:
             meta = np.uint64(m) | (np.uint64(out[o0]) << np.uint64(8))
             if cnt == 2:
@@ -363,7 +414,7 @@ def thread_map(bpe: bpe_mod.BPE) -> PieceMap:
     session's windows find the pieces its full encode saw."""
     c = bpe.thread_cache()
     if c.pmap is None:
-        c.pmap = PieceMap()
+        c.pmap = PieceMap(seed=bpe.wmap if bpe.whole else None)
     return c.pmap
 
 
