@@ -75,8 +75,8 @@ def test_fused_equals_staged_and_reference(name, kind, monkeypatch):
 
 
 def _small_seeded(enc: CpuEncoder) -> PieceMap:
-    """A map seeded with the tokenizer's small whole tokens that holds only 150 pieces more before it is emptied."""
-    pm = PieceMap(seed=enc.bpe.wmap)
+    """A map seeded with the tokenizer's whole tokens that holds only 150 pieces more before it is emptied."""
+    pm = PieceMap(seed=enc.bpe.wmap, seed_arena=enc.bpe.warena)
     pm.state[2] = pm.state[4] + 150
     return pm
 
@@ -103,6 +103,13 @@ def test_seeded_map_hits_every_small_token_and_keeps_its_chains(name):
     enc = CpuEncoder(tok, workers=1)
     pm = piecemap.thread_map(enc.bpe)
     assert pm.state[4] > 0 and pm.state[0] == pm.state[4]
+    long_checked = 0
+    for word in (" the", " and", " information", " understanding", " implementation", " international"):
+        if len(tok.reference.encode_ordinary(word)) == 1:      # one token: a hit from the seed, nothing inserted
+            assert enc.encode(word * 3, parallel=False).tolist() == tok.reference.encode_ordinary(word * 3).tolist()
+            assert pm.state[0] == pm.state[4], word
+            long_checked += len(word.encode()) > 8
+    assert long_checked
     text = "".join(_corpus_docs(4000))[:40_000]
     ref = tok.reference.encode_ordinary(text).tolist()
     for _ in range(3):

@@ -29,9 +29,9 @@ from .bpe import _build_pairs, _build_whole, _pair_entries, table_cap
 from .merge import _last_merges, pair_records, table_width
 from .piecemap import whole_map
 
-TABLE_VERSION = 10      # bump when what a table holds or how it is built changes: old folders are then ignored
+TABLE_VERSION = 11      # bump when what a table holds or how it is built changes: old folders are then ignored
 _ARRAYS = ("tok_flat", "tok_off", "byte_ids", "pkeys", "pranks", "pnews", "ptab", "whole_ids", "wkeys", "wids",
-           "wmap", "missing")
+           "wmap", "warena", "missing")
 
 
 @dataclass(frozen=True)
@@ -51,7 +51,8 @@ class BpeTables:
     wkeys: np.ndarray           # uint64: FNV hash table over whole_ids, then its filter (merge.table_width)
     wids: np.ndarray            # int32
     wmap: np.ndarray            # uint64[cap + filter rows, 2]: the same lookup for tokens of <= 8 bytes, keyed as
-                                #   the piece map, then its filter (piecemap.whole_map)
+                                #   the piece map, then its filter; also a piece map's seed (piecemap.whole_map)
+    warena: np.ndarray          # uint32: the seed's arena entries (tokens of 9-16 bytes)
     missing: np.ndarray | None  # bool[256]: bytes the reference drops (None: the vocabulary has all 256)
 
 
@@ -146,9 +147,9 @@ def build(reference: ReferenceEngine, content_hash: str) -> BpeTables:
         multi = multi[own]
     cap = table_cap(len(multi))
     wkeys, wids = _build_whole(tok_flat, tok_off, multi, cap, table_width(cap))
-    wmap = whole_map(tok_flat, tok_off, multi, wkeys, wids)
+    wmap, warena = whole_map(tok_flat, tok_off, multi, wkeys, wids)
     return BpeTables(fam.name, content_hash, len(tokens), int(np.count_nonzero(own)), tok_flat, tok_off, byte_ids,
-                     pkeys, pranks, pnews, ptab, multi, wkeys, wids, wmap,
+                     pkeys, pranks, pnews, ptab, multi, wkeys, wids, wmap, warena,
                      None if missing is None else np.asarray(missing, dtype=bool))
 
 

@@ -7,11 +7,11 @@ text: 2,048 direct-mapped long slots for ~24K distinct CJK runs); a miss re-runs
 
 * one table of 16-byte slots, linear probing, no conflict misses until it holds LOAD of its slots (then it is
   emptied and refilled; distinct pieces of 2M characters of real text: 13-47K);
-* seeded with every whole token of <= 8 bytes: the map starts as a copy of the slots of the tokenizer's small
-  whole-token map (`whole_map`, keyed and laid out as this map), so a new piece that is one token is a hit, and a
-  small piece the map lacks is known to be none (no whole-token lookup before its merges). ~55% of the new pieces of
-  a warm english encode are one token, and each cost a failed probe, a lookup in a table the walk otherwise leaves
-  cold, and an insertion;
+* seeded with every whole token of <= SEED_MAX_BYTES bytes: the map starts as a copy of the slots (and arena
+  entries) of the tokenizer's whole-token map (`whole_map`, keyed and laid out as this map), so a new piece that is
+  one token is a hit, and a piece that short which the map lacks is known to be none (no whole-token lookup before
+  its merges). ~55% of the new pieces of a warm english encode are one token, and each cost a failed probe, a lookup
+  in a table the walk otherwise leaves cold, and an insertion;
 * a piece found past its home slot swaps places with the home slot's entry: a seeded map is ~30% full before the
   text's own pieces arrive, so they often land past their home slot, out of the branch-free path below (seeded
   without the swap: all-hit encodes 0.87-0.91x on cl100k, CJK's long pieces the most);
@@ -43,6 +43,7 @@ _borrowed = numba_global("tokenplane.tokenize.cpu.borrow", "borrowed")
 # chain then raises it)
 OK, SURROGATE, DROPPED, CUT_REJECTED, OVERRUN = 0, 1, 2, 3, 4
 SLOTS = 1 << 17              # 2 MB of slots per thread (an unseeded map; a seeded one has its seed's slots)
+SEED_MAX_BYTES = 16          # a seeded map holds every whole token up to this length (no lookup for such a miss)
 LOAD = 5 / 8                 # entries before the map is emptied (linear probing stays short below ~0.6)
 ARENA_WORDS = 1 << 21        # 8 MB of IDs and bytes of pieces that do not fit a slot
 MAX_BYTES = 1024             # longer pieces (long whitespace or symbol runs) are merged each time, not kept
@@ -59,36 +60,42 @@ WMAP_FILTER_SHIFT = 5
 class PieceMap:
     """One thread's map (never shared: the kernels write it without locks; bpe.PieceCache.pmap holds it).
 
-    `seed`: the tokenizer's small whole-token map (`whole_map`); the map then starts as a copy of its slots (same
-    keys, same home slots, same inline entries a miss would insert) and is refilled from it when emptied, so a
-    piece of <= 8 bytes that the map lacks is known to be no whole token (state[4]: the seeded entries, 0 when
-    unseeded)."""
+    `seed`, `seed_arena`: the tokenizer's `whole_map`; the map then starts as a copy of its slots and its arena as a
+    copy of `seed_arena` (same keys, home slots and entries a miss would insert), and is refilled from them when
+    emptied, so a piece of <= SEED_MAX_BYTES bytes that the map lacks is known to be no whole token. state[4]: the
+    seeded entries (0: unseeded), state[5]: the arena words the seed's entries take (never overwritten)."""
 
     def __init__(self, slots: int = SLOTS, arena_words: int = ARENA_WORDS, max_load: int | None = None,
-                 seed: np.ndarray | None = None):
-        self.seed = None
-        nseed = 0
+                 seed: np.ndarray | None = None, seed_arena: np.ndarray | None = None):
+        self.seed = self.seed_arena = None
+        nseed = nwords = 0
+        self.arena = np.zeros(arena_words, dtype=np.uint32)
         if seed is not None:
             cap, _ = _cap_of(seed.shape[0])
             self.seed = seed[:cap]
             self.slots = self.seed.copy()
             nseed = int(np.count_nonzero(self.slots[:, 1]))
+            if seed_arena is None:
+                raise ValueError("a seeded piece map needs the seed's arena (whole_map's warena)")
+            self.seed_arena = seed_arena
+            nwords = int(seed_arena.shape[0])
+            self.arena[:nwords] = seed_arena
             slots = cap
         else:
             self.slots = np.zeros((slots, 2), dtype=np.uint64)      # word 1 == 0: empty slot
-        self.arena = np.zeros(arena_words, dtype=np.uint32)
         limit = max_load if max_load is not None else int(slots * LOAD)
-        # entries, arena words used, the entry limit, times emptied, seeded entries
-        self.state = np.array([nseed, 0, limit, 0, nseed], dtype=np.int64)
+        # entries, arena words used, the entry limit, times emptied, seeded entries, seeded arena words
+        self.state = np.array([nseed, nwords, limit, 0, nseed, nwords], dtype=np.int64)
         self.bound: dict[str, Any] = {}     # fullencode kernels with these arrays bound, by family
 
     def clear(self) -> None:
         if self.seed is not None:
             np.copyto(self.slots, self.seed)
+            self.arena[:self.state[5]] = self.seed_arena
         else:
             self.slots[:, 1] = 0
         self.state[0] = self.state[4]
-        self.state[1] = 0
+        self.state[1] = self.state[5]
 
 
 def _cap_of(width: int) -> tuple[int, int]:
@@ -294,9 +301,9 @@ def _walk_into(buf, bounds, nb, out, o, ms, heap, has_missing, missing, byte_ids
         if m == 1:
             t = byte_ids[buf[a]]
         elif whole and small:
-            if state[4] == 0:       # (a seeded map holds every small whole token: this piece is none)
+            if state[4] == 0:       # (a seeded map holds every whole token this short: this piece is none)
                 t = _whole_small(wmap, key, m)
-        elif whole:
+        elif whole and (state[4] == 0 or m > SEED_MAX_BYTES):
             t = bpe_mod._whole_lookup(wkeys, wids, tok_flat, tok_off, buf, a, b, bpe_mod._fnv(buf, a, b))
         if t >= 0:
             out[o] = t
@@ -325,7 +332,7 @@ def _walk_into(buf, bounds, nb, out, o, ms, heap, has_missing, missing, byte_ids
                 for z in range(slots.shape[0]):
                     slots[z, 1] = 0
             state[0] = state[4]
-            state[1] = 0
+            state[1] = state[5]
             state[3] += 1
             s = _home(key, m, mask)
             while slots[s, 1] != 0:     # (a refilled seed may hold the home slot; the piece itself is no seed)
@@ -369,38 +376,62 @@ def _build_whole_map(tok_flat, tok_off, whole_ids, wkeys, wids, cap, width):
     wmap = np.zeros((width, 2), np.uint64)
     mask = cap - 1
     rows = width - cap
-    buf = np.zeros(24, np.uint8)       # one token of <= 8 bytes and the 16 bytes _word8 may read past it
+    words = 0
+    for t in whole_ids:
+        m = tok_off[t + 1] - tok_off[t]
+        if 8 < m <= SEED_MAX_BYTES:
+            words += 1 + ((m + 3) >> 2)
+    warena = np.zeros(words, np.uint32)
+    used = 0
+    buf = np.zeros(32, np.uint8)       # one token of <= 16 bytes and the 16 bytes _word8 may read past it
     b64 = buf.view(np.uint64)
     for t in whole_ids:
         s0 = tok_off[t]
         m = tok_off[t + 1] - s0
-        if m > 8:
+        if m > SEED_MAX_BYTES:
             continue
         buf[:] = 0
         for j in range(m):
             buf[j] = tok_flat[s0 + j]
         # the answer of the lookup it replaces, so a piece equal to two tokens' bytes gets the same one
         got = bpe_mod._whole_lookup(wkeys, wids, tok_flat, tok_off, buf, 0, m, bpe_mod._fnv(buf, 0, m))
-        key = _word8(b64, 0, m)
-        s = _home(key, m, mask)
-        while wmap[s, 1] != 0 and not (wmap[s, 0] == key and (wmap[s, 1] & np.uint64(15)) == np.uint64(m)):
-            s = (s + 1) & mask
-        wmap[s, 0] = key
-        wmap[s, 1] = np.uint64(m) | (np.uint64(got) << np.uint64(8))
-        at, bits = merge_mod._filter_probe((key + np.uint64(m)) * np.uint64(_K), 2 * rows)
-        wmap[cap + (at >> 1), at & 1] |= bits
-    return wmap
+        if m <= 8:
+            key = _word8(b64, 0, m)
+            s = _home(key, m, mask)
+            while wmap[s, 1] != 0 and not (wmap[s, 0] == key and (wmap[s, 1] & np.uint64(15)) == np.uint64(m)):
+                s = (s + 1) & mask
+            wmap[s, 0] = key
+            wmap[s, 1] = np.uint64(m) | (np.uint64(got) << np.uint64(8))
+            at, bits = merge_mod._filter_probe((key + np.uint64(m)) * np.uint64(_K), 2 * rows)
+            wmap[cap + (at >> 1), at & 1] |= bits
+        elif got == t:      # (one entry for tokens with equal bytes: the one the lookup answers)
+            # a piece map's arena entry, as the walk inserts a 9-16-byte piece of one ID: the ID, then its bytes
+            key = _long_hash2(_word8(b64, 0, 8), _word8(b64, 8, m - 8), m)
+            s = _home(key, m, mask)
+            while wmap[s, 1] != 0:
+                s = (s + 1) & mask
+            warena[used] = np.uint32(got)
+            for w in range((m + 3) >> 2):
+                warena[used + 1 + w] = _word4(b64, 4 * w, min(4, m - 4 * w))
+            wmap[s, 0] = key
+            wmap[s, 1] = (np.uint64(1) << np.uint64(63)) | np.uint64(m) | (np.uint64(1) << np.uint64(16)) | (
+                np.uint64(used) << np.uint64(24))
+            used += 1 + ((m + 3) >> 2)
+    return wmap, warena[:used]
 
 
 def whole_map(tok_flat: np.ndarray, tok_off: np.ndarray, whole_ids: np.ndarray, wkeys: np.ndarray,
-              wids: np.ndarray) -> np.ndarray:
-    """uint64[merge.table_width(cap, WMAP_FILTER_SHIFT), 2]: the whole-piece lookup of bpe.py (`_whole_lookup` over
-    `wkeys`) for tokens of 2-8 bytes, keyed as the piece map keys a small piece (its bytes as one word, its length),
-    then its filter: a piece the map misses finds its token in one probe sequence of one table, where `_whole_lookup`
-    reads four arrays one after another (hash slot, ID, offsets, bytes). On a warm 1M-character encode's misses
-    (cl100k english, qwen3 code; one core, alternated in one process) the walk took 1.13-1.15x less time."""
+              wids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(wmap, warena). wmap: uint64[merge.table_width(cap, WMAP_FILTER_SHIFT), 2]: the whole-piece lookup of bpe.py
+    (`_whole_lookup` over `wkeys`) for tokens of 2-8 bytes, keyed as the piece map keys a small piece (its bytes as
+    one word, its length), then its filter: a piece the map misses finds its token in one probe sequence of one table,
+    where `_whole_lookup` reads four arrays one after another (hash slot, ID, offsets, bytes). On a warm 1M-character
+    encode's misses (cl100k english, qwen3 code; one core, alternated in one process) the walk took 1.13-1.15x less
+    time. Its slots also hold the tokens of 9-SEED_MAX_BYTES bytes as a piece map holds such a piece (hash key, an
+    arena entry in `warena`: the ID, then the bytes); `_whole_small` never matches them (their length field is
+    above 8), and a seeded piece map (`PieceMap`) starts as a copy of both."""
     lengths = tok_off[whole_ids + 1] - tok_off[whole_ids]
-    cap = bpe_mod.table_cap(int(np.count_nonzero(lengths <= 8)))
+    cap = bpe_mod.table_cap(int(np.count_nonzero(lengths <= SEED_MAX_BYTES)))
     return _build_whole_map(tok_flat, tok_off, np.ascontiguousarray(whole_ids, dtype=np.int64), wkeys, wids, cap,
                             merge_mod.table_width(cap, WMAP_FILTER_SHIFT))
 
@@ -414,7 +445,7 @@ def thread_map(bpe: bpe_mod.BPE) -> PieceMap:
     session's windows find the pieces its full encode saw."""
     c = bpe.thread_cache()
     if c.pmap is None:
-        c.pmap = PieceMap(seed=bpe.wmap if bpe.whole else None)
+        c.pmap = PieceMap(seed=bpe.wmap, seed_arena=bpe.warena) if bpe.whole else PieceMap()
     return c.pmap
 
 
