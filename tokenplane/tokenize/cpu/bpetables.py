@@ -29,7 +29,7 @@ from .bpe import _build_pairs, _build_whole, _pair_entries, table_cap
 from .merge import _last_merges, pair_records, table_width
 from .piecemap import whole_map
 
-TABLE_VERSION = 11      # bump when what a table holds or how it is built changes: old folders are then ignored
+TABLE_VERSION = 12      # bump when what a table holds or how it is built changes: old folders are then ignored
 _ARRAYS = ("tok_flat", "tok_off", "byte_ids", "pkeys", "pranks", "pnews", "ptab", "whole_ids", "wkeys", "wids",
            "wmap", "warena", "missing")
 

@@ -43,10 +43,11 @@ _borrowed = numba_global("tokenplane.tokenize.cpu.borrow", "borrowed")
 # chain then raises it)
 OK, SURROGATE, DROPPED, CUT_REJECTED, OVERRUN = 0, 1, 2, 3, 4
 SLOTS = 1 << 17              # 2 MB of slots per thread (an unseeded map; a seeded one has its seed's slots)
-SEED_MAX_BYTES = 16          # a seeded map holds every whole token up to this length (no lookup for such a miss)
 LOAD = 5 / 8                 # entries before the map is emptied (linear probing stays short below ~0.6)
 ARENA_WORDS = 1 << 21        # 8 MB of IDs and bytes of pieces that do not fit a slot
 MAX_BYTES = 1024             # longer pieces (long whitespace or symbol runs) are merged each time, not kept
+SEED_MAX_BYTES = MAX_BYTES   # a seeded map holds every whole token up to this length (no lookup for such a miss)
+SEED_LOAD = 0.4              # whole_map's slots, sized so the seed fills at most this part of a seeded map
 # Pieces longer than this merge through bpe.py's heap kernel (same IDs): on the multi-token pieces a warm 1M-character
 # encode misses (one core, hot tables), the heap took 2,161 vs 2,450 ns for 17-32 bytes and 2,970 vs 3,864 ns for
 # 33-48 bytes (qwen3 CJK runs); up to 16 bytes merge._merge_piece_scan is the fastest (its docstring; bpe.HEAP_MIN_BYTES
@@ -383,7 +384,10 @@ def _build_whole_map(tok_flat, tok_off, whole_ids, wkeys, wids, cap, width):
             words += 1 + ((m + 3) >> 2)
     warena = np.zeros(words, np.uint32)
     used = 0
-    buf = np.zeros(32, np.uint8)       # one token of <= 16 bytes and the 16 bytes _word8 may read past it
+    longest = 0
+    for t in whole_ids:
+        longest = max(longest, tok_off[t + 1] - tok_off[t])
+    buf = np.zeros(((longest + 7) & ~7) + 16, np.uint8)     # one token and the 16 bytes _word8 may read past it
     b64 = buf.view(np.uint64)
     for t in whole_ids:
         s0 = tok_off[t]
@@ -405,8 +409,8 @@ def _build_whole_map(tok_flat, tok_off, whole_ids, wkeys, wids, cap, width):
             at, bits = merge_mod._filter_probe((key + np.uint64(m)) * np.uint64(_K), 2 * rows)
             wmap[cap + (at >> 1), at & 1] |= bits
         elif got == t:      # (one entry for tokens with equal bytes: the one the lookup answers)
-            # a piece map's arena entry, as the walk inserts a 9-16-byte piece of one ID: the ID, then its bytes
-            key = _long_hash2(_word8(b64, 0, 8), _word8(b64, 8, m - 8), m)
+            # a piece map's arena entry, as the walk inserts a longer piece of one ID: the ID, then its bytes
+            key = _long_hash2(_word8(b64, 0, 8), _word8(b64, 8, m - 8), m) if m <= 16 else _long_hash(b64, 0, m)
             s = _home(key, m, mask)
             while wmap[s, 1] != 0:
                 s = (s + 1) & mask
@@ -427,11 +431,12 @@ def whole_map(tok_flat: np.ndarray, tok_off: np.ndarray, whole_ids: np.ndarray, 
     one word, its length), then its filter: a piece the map misses finds its token in one probe sequence of one table,
     where `_whole_lookup` reads four arrays one after another (hash slot, ID, offsets, bytes). On a warm 1M-character
     encode's misses (cl100k english, qwen3 code; one core, alternated in one process) the walk took 1.13-1.15x less
-    time. Its slots also hold the tokens of 9-SEED_MAX_BYTES bytes as a piece map holds such a piece (hash key, an
-    arena entry in `warena`: the ID, then the bytes); `_whole_small` never matches them (their length field is
-    above 8), and a seeded piece map (`PieceMap`) starts as a copy of both."""
+    time. Its slots also hold the longer tokens (up to SEED_MAX_BYTES) as a piece map holds such a piece (hash key,
+    an arena entry in `warena`: the ID, then the bytes); `_whole_small` never matches them (their length field is
+    above 8), and a seeded piece map (`PieceMap`) starts as a copy of both, so its slots are as many as keep the
+    seed under SEED_LOAD of them (room for the text's own pieces, and short probe sequences)."""
     lengths = tok_off[whole_ids + 1] - tok_off[whole_ids]
-    cap = bpe_mod.table_cap(int(np.count_nonzero(lengths <= SEED_MAX_BYTES)))
+    cap = 1 << max(4, int(np.ceil(np.count_nonzero(lengths <= SEED_MAX_BYTES) / SEED_LOAD)) - 1).bit_length()
     return _build_whole_map(tok_flat, tok_off, np.ascontiguousarray(whole_ids, dtype=np.int64), wkeys, wids, cap,
                             merge_mod.table_width(cap, WMAP_FILTER_SHIFT))
 
