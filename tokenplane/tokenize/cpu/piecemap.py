@@ -38,6 +38,7 @@ from . import merge as merge_mod
 from .lazyjit import njit, numba_global  # numba itself only when a JIT kernel runs (lazyjit.py)
 
 _borrowed = numba_global("tokenplane.tokenize.cpu.borrow", "borrowed")
+_load_u64 = numba_global("tokenplane.tokenize.cpu.unaligned", "load_u64")
 
 # status of a fused call (fullencode.py); OVERRUN: o200k's rare-shape matcher overran a window (a bug: the staged
 # chain then raises it)
@@ -123,6 +124,13 @@ def _word8(b64, a, m):
 
 
 @njit(cache=True, nogil=True, inline="always")
+def _bytes8(buf, a, m):
+    """`_word8` of the same bytes read from the byte buffer itself (at least 8 bytes readable from a): one unaligned
+    load, masked."""
+    return _load_u64(buf, a) & (np.uint64(0xFFFFFFFFFFFFFFFF) >> np.uint64(64 - 8 * m))
+
+
+@njit(cache=True, nogil=True, inline="always")
 def _long_hash(b64, a, m):
     """A 64-bit hash of the m bytes at a (m > 8), its length mixed in: read as whole words (zero past byte m) straight
     from the buffer, no copy of the piece."""
@@ -201,19 +209,20 @@ def _walk_into(buf, bounds, nb, out, o, ms, heap, has_missing, missing, byte_ids
     idmask = np.uint64((1 << bpe_mod.ID_BITS) - 1)
     b64 = buf[:(buf.shape[0] >> 3) << 3].view(np.uint64)
     inline_of = np.uint64((1 << 63) | 15)      # a slot's "kept in the arena" bit and length field
+    flat = slots.reshape(2 * slots.shape[0])    # the fast paths index words (a shift, not a stride multiply)
     for j in range(nb - 1):
         a = bounds[j]
         b = bounds[j + 1]
         m = b - a
         small = m <= 8
         if small:
-            key = _word8(b64, a, m)
+            key = _bytes8(buf, a, m)
             # -- the common case without a data-dependent branch: the piece sits in its home slot, inline (its key
             # is its bytes: equal key and length are the piece); both ID words are stored, the count decides how far
             # the output advances (out has 16 spare entries)
             s = _home(key, m, mask)
-            meta = slots[s, 1]
-            if slots[s, 0] == key and (meta & inline_of) == np.uint64(m):
+            meta = flat[2 * s + 1]
+            if flat[2 * s] == key and (meta & inline_of) == np.uint64(m):
                 out[o] = np.int32((meta >> np.uint64(8)) & idmask)
                 out[o + 1] = np.int32(meta >> np.uint64(32))
                 o += 1 + np.int64((meta >> np.uint64(4)) & np.uint64(1))
@@ -221,13 +230,13 @@ def _walk_into(buf, bounds, nb, out, o, ms, heap, has_missing, missing, byte_ids
         elif m <= 16:
             # -- the same for a piece of 9-16 bytes with up to 4 IDs in the arena: its two words hashed, its 3-4
             # arena words compared and 4 ID words copied with no loop whose trip count depends on the piece
-            w0 = _word8(b64, a, 8)
-            w1 = _word8(b64, a + 8, m - 8)
+            w0 = _load_u64(buf, a)
+            w1 = _bytes8(buf, a + 8, m - 8)
             key = _long_hash2(w0, w1, m)
             s = _home(key, m, mask)
-            meta = slots[s, 1]
+            meta = flat[2 * s + 1]
             cnt = np.int64((meta >> np.uint64(16)) & np.uint64(0xFF))
-            if slots[s, 0] == key and (meta >> np.uint64(63)) == 1 and np.int64(meta & np.uint64(0xFFFF)) == m \
+            if flat[2 * s] == key and (meta >> np.uint64(63)) == 1 and np.int64(meta & np.uint64(0xFFFF)) == m \
                     and cnt <= 4:
                 off = np.int64(meta >> np.uint64(24)) & np.int64(0x7FFFFFFFFF)
                 x = off + cnt
