@@ -199,7 +199,8 @@ def test_small_whole_map_answers_as_the_whole_lookup(name):
 
     enc = CpuEncoder(tokenplane.load(name), workers=1)
     bpe = enc.bpe
-    assert np.array_equal(bpe.wmap, whole_map(bpe.tok_flat, bpe.tok_off, bpe.whole_ids, bpe.wkeys, bpe.wids))
+    wmap, warena = whole_map(bpe.tok_flat, bpe.tok_off, bpe.whole_ids, bpe.wkeys, bpe.wids)
+    assert np.array_equal(bpe.wmap, wmap) and np.array_equal(bpe.warena, warena)
     rng = random.Random(name)
     n = bpe.tok_off.shape[0] - 1
     samples = [bytes(bpe.tok_flat[bpe.tok_off[t]:bpe.tok_off[t + 1]]) for t in range(n)]
@@ -227,3 +228,43 @@ def test_small_whole_map_answers_as_the_whole_lookup(name):
         assert got == probed == want, (piece, got, probed, want)
         hits += want >= 0
     assert hits > 10_000
+
+
+@pytest.mark.parametrize("name", ["cl100k_base", "qwen3", "smollm2"])
+def test_whole_map_seeds_every_longer_token_as_the_walk_inserts_it(name):
+    """Every whole token of more than 8 bytes is in whole_map's slots as the walk would insert that piece after a
+    miss (its hash key and length, an arena entry holding the whole lookup's ID, then the bytes), so a seeded map
+    that lacks a piece may skip the lookup."""
+    from tokenplane.tokenize.cpu import bpe as bpe_mod
+    from tokenplane.tokenize.cpu.piecemap import _home, _long_hash, _long_hash2, _word4, _word8
+
+    bpe = CpuEncoder(tokenplane.load(name), workers=1).bpe
+    cap = 1 << (bpe.wmap.shape[0].bit_length() - 1)
+    mask = cap - 1
+    checked = 0
+    for t in bpe.whole_ids:
+        piece = bytes(bpe.tok_flat[bpe.tok_off[t]:bpe.tok_off[t + 1]])
+        m = len(piece)
+        if m <= 8:
+            continue
+        buf = np.zeros(m + 24, np.uint8)
+        buf[:m] = np.frombuffer(piece, np.uint8)
+        b64 = buf[:(buf.shape[0] >> 3) << 3].view(np.uint64)
+        # (the words as uint64: a Python int would type the hash's arithmetic as signed)
+        key = (_long_hash2(np.uint64(_word8(b64, 0, 8)), np.uint64(_word8(b64, 8, m - 8)), m) if m <= 16
+               else _long_hash(b64, 0, m))
+        s = _home(np.uint64(key), m, mask)
+        while True:
+            meta = int(bpe.wmap[s, 1])
+            assert meta != 0, piece          # reached an empty slot: not seeded
+            if int(bpe.wmap[s, 0]) == int(key) and meta >> 63 and meta & 0xFFFF == m:
+                break
+            s = (s + 1) & mask
+        off, cnt = (meta >> 24) & 0x7FFFFFFFFF, (meta >> 16) & 0xFF
+        want = bpe_mod._whole_lookup(bpe.wkeys, bpe.wids, bpe.tok_flat, bpe.tok_off, buf, 0, m,
+                                     np.uint64(bpe_mod._fnv(buf, 0, m)))
+        assert cnt == 1 and int(bpe.warena[off]) == want, piece
+        words = [int(_word4(b64, 4 * w, min(4, m - 4 * w))) for w in range((m + 3) >> 2)]
+        assert [int(x) for x in bpe.warena[off + 1:off + 1 + len(words)]] == words, piece
+        checked += 1
+    assert checked > 10_000
