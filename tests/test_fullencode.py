@@ -146,9 +146,15 @@ def test_in_place_code_units_equal_the_copy(name):
             if got[1] == fullencode.OK:        # an accepted cut: the two blocks are the whole text's IDs
                 rest = fn(text, k, len(text), "", *sc)[0].tolist()
                 assert got[0].tolist() + rest == ids.tolist(), (text, k)
+            # a 4-byte str is read in place too; a lookahead that is not the str's own next character takes the copy
+            own, copied = fn(wide + text[k], 0, len(wide), text[k], *sc), fn(wide, 0, len(wide), text[k], *sc)
+            assert own[1] == copied[1] and own[0].tolist() == copied[0].tolist(), (text, k)
     for text in ("ab\ud800c\u00e9", "\u65e5\udfff", "x" * 70 + "\ud800"):      # a lone surrogate in a 2-byte str
         assert fn(text, 0, len(text), "", *sc)[1] == fullencode.SURROGATE
     assert fn("ab\u65e5c\ud800", 0, 4, "\ud800", *sc)[1] == fullencode.SURROGATE     # ... in the lookahead
+    for text in ("ab\ud800c\U0001F600", "\U0001F600" * 70 + "\udfff", "\udbff\U0001F600"):   # ... in a 4-byte str
+        assert fn(text, 0, len(text), "", *sc)[1] == fullencode.SURROGATE
+        assert fn(text, 0, len(text), "x", *sc)[1] == fullencode.SURROGATE      # (the copy: another lookahead)
 
 
 def test_fused_declines_what_it_does_not_cover():

@@ -64,6 +64,7 @@ def _units(dtype: Any) -> Any:
 
 
 # s's code units as an array without an owner (valid while s lives; never return or keep it): only for a str of the
-# matching PEP 393 kind (s._kind == 1 or 2), which the caller checks
+# matching PEP 393 kind (s._kind == 1, 2 or 4), which the caller checks
 str_units8 = _units(types.uint8)
 str_units16 = _units(types.uint16)
+str_units32 = _units(types.uint32)

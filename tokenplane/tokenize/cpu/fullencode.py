@@ -31,6 +31,7 @@ FullFn = Callable[..., tuple[np.ndarray, int]]
 _get_code_point = numba_global("numba.cpython.unicode", "_get_code_point")
 _str_units8 = numba_global("tokenplane.tokenize.cpu.borrow", "str_units8")
 _str_units16 = numba_global("tokenplane.tokenize.cpu.borrow", "str_units16")
+_str_units32 = numba_global("tokenplane.tokenize.cpu.borrow", "str_units32")
 
 
 @njit(cache=True, nogil=True)
@@ -55,6 +56,13 @@ def _block_start_bits(s, a, b, extra, cps, feat, starts, table):
     the index of a lone surrogate or -1 (then the features are not gathered)."""
     n = b - a
     total = n + len(extra)
+    if s._kind == 4 and n > 0 and _tail_is(s, b, extra):
+        # a 4-byte str's code units are its code points: read in place, not copied (4 bytes a character written and
+        # read again; one astral character in a text makes the whole str 4 bytes a character)
+        c = _str_units32(s)[a:b + len(extra)]
+        bad = _surrogate_at(c)
+        feat, sb = _unit_features(c if bad < 0 else c[:0], feat, starts, table)
+        return c, feat, sb, bad
     cps = cps[:total] if cps.shape[0] >= total else np.empty(total, np.uint32)
     bad = strbuf._codepoints(s, a, b, cps) if n > 0 else -1
     if len(extra) > 0 and bad < 0:
@@ -136,12 +144,33 @@ def _in_place(s, a, b, extra):
     own buffer, 8 or 16 bits a character, instead of copied out as 32-bit ones (on 1M characters that copy is 4 MB
     written and read twice, which also pushes the piece map out of the cache). 0 otherwise (the copying path)."""
     kind = s._kind
-    if kind == 4 or b <= a or b + len(extra) > len(s):
+    if kind == 4 or b <= a or not _tail_is(s, b, extra):
         return 0
+    return kind
+
+
+@njit(cache=True, nogil=True)
+def _tail_is(s, b, extra):
+    """Whether s continues at b with the characters of extra (a cut's lookahead read from the same str)."""
+    if b + len(extra) > len(s):
+        return False
     for j in range(len(extra)):
         if _get_code_point(s, b + j) != _get_code_point(extra, j):
-            return 0
-    return kind
+            return False
+    return True
+
+
+@njit(cache=True, nogil=True)
+def _surrogate_at(c):
+    """Index of the first lone surrogate among the 32-bit code points c, or -1 (an OR reduction first: vectorizes)."""
+    bad = False
+    for i in range(c.shape[0]):
+        bad |= (c[i] - np.uint32(0xD800)) < np.uint32(0x800)
+    if bad:
+        for i in range(c.shape[0]):
+            if (c[i] - np.uint32(0xD800)) < np.uint32(0x800):
+                return i
+    return -1
 
 
 @njit(cache=True, nogil=True)
