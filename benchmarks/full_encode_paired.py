@@ -32,6 +32,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from full_encode import FAMILIES, OURS_SERIAL, cells, fresh_copies, our_factories, peer_factories  # noqa: E402
+from record_files import write_record  # noqa: E402
 
 PEERS = ("gigatoken", "fastokens")
 
@@ -180,12 +181,7 @@ def main() -> int:
             "cpu": args.cpu, "started": started, "wall_s": time.time() - t_start,
             "load_start": " ".join(f"{x:.2f}" for x in load0),
             "load_end": " ".join(f"{x:.2f}" for x in os.getloadavg()), "tokenplane": tokenplane.__file__}
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
-    out.with_suffix(".md").write_text(markdown(rows, meta))
-    plot(rows, out.with_suffix(".png"))
-    print(markdown(rows, meta))
+    print(write_record(Path(args.out), meta, rows, markdown, plot))
     return 0
 
 

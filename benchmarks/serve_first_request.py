@@ -14,7 +14,6 @@ Writes benchmarks/results/serve_first_request.{json,md,png} (--out PREFIX to cha
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import shutil
@@ -27,6 +26,9 @@ import time
 from pathlib import Path
 
 import httpx
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from record_files import write_record  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 CHAT = {"model": "smollm2-135m-instruct", "max_tokens": 8, "temperature": 0,
@@ -150,12 +152,7 @@ def main() -> int:
     rows = [{"rev": rev, "start": start, "answer": s[-1]["answer"],
              **{k: [x[k] for x in s] for k in ("ready_s", "first_chat_s", "second_chat_s")}}
             for (rev, start), s in samples.items()]
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
-    out.with_suffix(".md").write_text(markdown(rows, meta))
-    plot(rows, out.with_suffix(".png"))
-    print(markdown(rows, meta))
+    print(write_record(Path(args.out), meta, rows, markdown, plot))
     return 0
 
 
