@@ -97,6 +97,23 @@ def test_growth_in_place_and_by_copy():
     assert view.tolist() == ids.tolist() and rec.ids.tolist() == ids.tolist() and rec.end(299) == 300
 
 
+def test_prefix_check_across_widths_and_long_chunks():
+    """is_prefix_of on a store of narrow and wide chunks, long enough for the compiled cross-width compare, against
+    a resent text of another width: a match, and a change at every kind of place is seen."""
+    store = textstore.TextStore()
+    parts = ["a" * 3000, "\u20ac" * 100 + "b" * 2000, "c\u00e9" * 800, "\U0001F600x" * 300]
+    for part in parts:
+        store.append(part)
+    text = "".join(parts)
+    assert len(store.chunks) > 2
+    for resent in (text, text + "tail\u20ac", text + "\U0001F601"):
+        assert store.is_prefix_of(resent)
+    for pos in (0, 1500, 2999, 3000, 3050, 4500, 5200, 6500, len(text) - 1):
+        changed = text[:pos] + ("Z" if text[pos] != "Z" else "Y") + text[pos + 1:]
+        assert not store.is_prefix_of(changed + "more"), pos
+    assert not store.is_prefix_of(text[:-1])
+
+
 def test_adopted_text_and_its_limit():
     store = textstore.TextStore()
     store.append("hello ")

@@ -346,9 +346,28 @@ class TextStore:
         return _str(self.chunks[0]) if self.chunks else ""
 
     def is_prefix_of(self, text: str) -> bool:
-        if len(self.chunks) == 1 and text.isascii():    # an adopted resend (`adopt`): one memcmp
-            return text.startswith(_str(self.chunks[0]))
-        return self.length <= len(text) and all(_starts_with(text, c, o) for c, o in zip(self.chunks, self.starts))
+        chunks = self.chunks
+        if len(chunks) == 1 and text.isascii():    # an adopted resend (`adopt`): one memcmp
+            return text.startswith(_str(chunks[0]))
+        if self.length > len(text):
+            return False
+        # `starts_with_at` per chunk, its width tests hoisted: a 1M-character english context is ~60 chunks (width
+        # runs), and the calls and width reads per chunk cost as much as comparing the text itself (sync's prefix
+        # check 0.098 ms against 0.053 for one memcmp of the same str)
+        narrow_text = text.isascii()
+        tw = 0 if narrow_text else char_width(text)
+        for c, o in zip(chunks, self.starts):
+            if isinstance(c, PackedRun):
+                if not c.match_at(text, o):
+                    return False
+            elif narrow_text or len(c) < 1024 or char_width(c) == tw:
+                if not text.startswith(c, o):
+                    return False
+            else:
+                r = kernels.get().text_match_at(c, text, o)
+                if not (text.startswith(c, o) if r == 1 else r == 2):
+                    return False
+        return True
 
     def common_prefix(self, text: str) -> int:
         for c, o in zip(self.chunks, self.starts):
