@@ -15,6 +15,7 @@ import tracemalloc
 from pathlib import Path
 
 import numpy as np
+from full_encode import fresh_copies  # benchmarks/ is on the path of session_repair.py, which imports this
 
 
 def pct(values, q):
@@ -50,7 +51,7 @@ def trace_sync(tok, directory: Path, count: int, session_path: str, ref_trajecto
             rot = k % len(order)
             for name in order[rot:] + order[:rot]:
                 if name != "tokenplane":
-                    own = (prompt + "\x00")[:-1]   # a new str: no UTF-8 form another peer made CPython cache in it
+                    own, = fresh_copies([prompt])   # no UTF-8 form another peer made CPython cache in it
                     t0 = time.perf_counter()
                     peers[name](own)
                     if k:

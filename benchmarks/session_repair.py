@@ -52,7 +52,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from full_encode import TOKTIER_FAMILIES, ensure_corpus, load_toktier  # noqa: E402
+from full_encode import TOKTIER_FAMILIES, ensure_corpus, fresh_copies, load_toktier  # noqa: E402
 from session_costs import edits, memory, ms, trace_sync  # noqa: E402
 
 SIZES = {"100K": 100_000, "1M": 1_000_000, "4M": 4_000_000}
@@ -251,7 +251,7 @@ def run_synthetic(args, tok, engines: Engines, pool: str, size_name: str, shape:
             elif name == "reference" and k % ref_every != 0:
                 continue
             else:
-                own = (text + "\x00")[:-1]     # a new str: no UTF-8 form cached in it by the peer before (full_encode.py)
+                own, = fresh_copies([text])     # no UTF-8 form cached in it by another peer before
                 t0 = time.perf_counter()
                 engines.full[name](own)
                 times[name].append(time.perf_counter() - t0)

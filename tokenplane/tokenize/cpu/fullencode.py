@@ -162,24 +162,18 @@ def _tail_is(s, b, extra):
 
 @njit(cache=True, nogil=True)
 def _surrogate_at(c):
-    """Index of the first lone surrogate among the 32-bit code points c, or -1 (an OR reduction first: vectorizes)."""
+    """Index of the first lone surrogate among the 16- or 32-bit code units c, or -1 (an OR reduction first:
+    vectorizes; the index is looked for only when there is one)."""
     bad = False
     for i in range(c.shape[0]):
-        bad |= (c[i] - np.uint32(0xD800)) < np.uint32(0x800)
+        bad |= (np.uint32(c[i]) - np.uint32(0xD800)) < np.uint32(0x800)
     if bad:
         for i in range(c.shape[0]):
-            if (c[i] - np.uint32(0xD800)) < np.uint32(0x800):
+            if (np.uint32(c[i]) - np.uint32(0xD800)) < np.uint32(0x800):
                 return i
     return -1
 
 
-@njit(cache=True, nogil=True)
-def _surrogate16(c):
-    """Whether the 16-bit code units c hold a lone surrogate (an OR reduction: vectorizes)."""
-    bad = False
-    for i in range(c.shape[0]):
-        bad |= (np.uint32(c[i]) - np.uint32(0xD800)) < np.uint32(0x800)
-    return bad
 
 
 # Arguments: the text, the block [a, b), its lookahead | scratch: code points, classes, starts, UTF-8, piece bounds |
@@ -203,7 +197,7 @@ def _full_gpt4_impl(s, a, b, extra, cps, feat, starts, buf, bounds, feat_table, 
                                               feat_table, digits, whole_at_end)
     elif kind == 2:
         c = _str_units16(s)[a:b + len(extra)]
-        if _surrogate16(c):
+        if _surrogate_at(c) >= 0:
             return _declined(SURROGATE)
         buf, bounds, nb, status = _gpt4_front(c, b - a, feat, starts, buf, bounds, feat_table, digits, whole_at_end)
     else:
@@ -231,7 +225,7 @@ def _full_deepseek_impl(s, a, b, extra, cps, feat, starts, buf, bounds, feat_tab
                                                   feat_table)
     elif kind == 2:
         c = _str_units16(s)[a:b + len(extra)]
-        if _surrogate16(c):
+        if _surrogate_at(c) >= 0:
             return _declined(SURROGATE)
         buf, bounds, nb, status = _deepseek_front(c, b - a, feat, starts, buf, bounds, feat_table)
     else:
@@ -259,7 +253,7 @@ def _full_smollm2_impl(s, a, b, extra, cps, feat, starts, buf, bounds, feat_tabl
                                                  feat_table)
     elif kind == 2:
         c = _str_units16(s)[a:b + len(extra)]
-        if _surrogate16(c):
+        if _surrogate_at(c) >= 0:
             return _declined(SURROGATE)
         buf, bounds, nb, status = _smollm2_front(c, b - a, feat, starts, buf, bounds, feat_table)
     else:
@@ -292,7 +286,7 @@ def _full_o200k_impl(s, a, b, extra, cps, feat, starts, buf, bounds, feat_table,
                                                feat_table, cls_table)
     elif kind == 2:
         c = _str_units16(s)[a:b + len(extra)]
-        if _surrogate16(c):
+        if _surrogate_at(c) >= 0:
             return _declined(SURROGATE)
         buf, bounds, nb, status = _o200k_front(c, b - a, feat, starts, buf, bounds, feat_table, cls_table)
     else:

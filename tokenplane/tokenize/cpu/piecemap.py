@@ -73,7 +73,7 @@ class PieceMap:
         nseed = nwords = 0
         self.arena = np.zeros(arena_words, dtype=np.uint32)
         if seed is not None:
-            cap, _ = _cap_of(seed.shape[0])
+            cap = 1 << (seed.shape[0].bit_length() - 1)     # (its slots; the rows after them are whole_map's filter)
             self.seed = seed[:cap]
             self.slots = self.seed.copy()
             nseed = int(np.count_nonzero(self.slots[:, 1]))
@@ -98,11 +98,6 @@ class PieceMap:
             self.slots[:, 1] = 0
         self.state[0] = self.state[4]
         self.state[1] = self.state[5]
-
-
-def _cap_of(width: int) -> tuple[int, int]:
-    cap = 1 << (int(width).bit_length() - 1)
-    return cap, width - cap
 
 
 @njit(cache=True, nogil=True, inline="always")
@@ -386,16 +381,14 @@ def _build_whole_map(tok_flat, tok_off, whole_ids, wkeys, wids, cap, width):
     wmap = np.zeros((width, 2), np.uint64)
     mask = cap - 1
     rows = width - cap
-    words = 0
+    words = longest = 0
     for t in whole_ids:
         m = tok_off[t + 1] - tok_off[t]
+        longest = max(longest, m)
         if 8 < m <= SEED_MAX_BYTES:
             words += 1 + ((m + 3) >> 2)
     warena = np.zeros(words, np.uint32)
     used = 0
-    longest = 0
-    for t in whole_ids:
-        longest = max(longest, tok_off[t + 1] - tok_off[t])
     buf = np.zeros(((longest + 7) & ~7) + 16, np.uint8)     # one token and the 16 bytes _word8 may read past it
     b64 = buf.view(np.uint64)
     for t in whole_ids:
