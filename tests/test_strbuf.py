@@ -85,6 +85,60 @@ def test_utf8_forms_equal_encode(form):
             assert bounds[:k].tolist() == piece_byte_bounds(cps[:n], starts[:n]).tolist(), repr(text[:80])
 
 
+def _edge_texts():
+    """Wide characters at the edges of the 64-character steps of _utf8_ascii_runs (first, last, both, in runs) and
+    texts whose ASCII tail is 63-129 characters long (the last 64 to 127 are written one at a time)."""
+    rng = random.Random(13)
+    out = []
+    for wide in ("\u00e9", "\u65e5", "\U0001F44D"):
+        for n in (127, 128, 129, 191, 192, 193, 255, 256, 257, 640):
+            for spots in ([0], [63], [64], [63, 64], [n - 129], [n - 128], [n - 65], [n - 64], [n - 1],
+                          list(range(60, 70)), list(range(0, n, 5)), [rng.randrange(n) for _ in range(4)]):
+                t = [rng.choice("ab cd\n.") for _ in range(n)]
+                for i in spots:
+                    if 0 <= i < n:
+                        t[i] = wide
+                out.append("".join(t))
+    return out
+
+
+def _units(text, width):
+    """text's code units at `width` bits, as a str of that PEP 393 kind holds them (None: it needs wider units)."""
+    if width == 8:
+        return np.frombuffer(text.encode("latin-1"), np.uint8) if max(text, default="a") <= "\xff" else None
+    if width == 16:
+        return np.frombuffer(text.encode("utf-16-le"), np.uint16) if max(text, default="a") <= "\uffff" else None
+    return np.frombuffer(text.encode("utf-32-le"), np.uint32)
+
+
+@pytest.mark.parametrize("width", [8, 16, 32])
+def test_utf8_bits_form_equal_encode(width):
+    """The bitmap form (the fused encode's: a str's own 8-, 16- or 32-bit units, piece starts as a bitmap) equals
+    CPython's encoder and the bounds reference, wide characters at every edge of its 64-character steps included."""
+    rng = random.Random(width)
+    for text in _edge_texts() + _mostly_ascii_texts() + _texts():
+        c = _units(text + "z", width)
+        if c is None:
+            continue
+        n = len(text)
+        starts = np.array([rng.random() < 0.3 for _ in range(n + 1)], dtype=bool)
+        if n:
+            starts[0] = True
+        sb = np.zeros((n >> 6) + 2, np.uint64)
+        sb.view(np.uint8)[:len(np.packbits(starts, bitorder="little"))] = np.packbits(starts, bitorder="little")
+        buf = np.full(4 * n + 16, 0xAA, np.uint8)
+        bounds = np.zeros(n + 1, np.int64)
+        k, size = strbuf._utf8_and_bounds_bits(c, n, sb, buf, bounds)
+        assert buf[:size].tobytes() == text.encode("utf-8"), repr(text[:80])
+        if n:
+            cps = strbuf.codepoints(text)
+            assert bounds[:k].tolist() == piece_byte_bounds(cps, starts[:n]).tolist(), repr(text[:80])
+        # the runs pass alone (the bitmap form takes the one-pass writer for dense text)
+        pos, wide_pos, wide_add, nw = strbuf._utf8_ascii_runs(c, n, buf)
+        assert buf[:pos].tobytes() == text.encode("utf-8"), repr(text[:80])
+        assert wide_pos[:nw].tolist() == [i for i, ch in enumerate(text) if ch >= "\x80"]
+
+
 @pytest.mark.parametrize("step", [1, 2, 7, 1000])
 def test_sampled_utf8_sizes(step):
     text = "".join(KINDS) * 20

@@ -31,3 +31,26 @@ def bits64(typingctx, arr, index, flag):  # noqa: ANN001
         hit = builder.icmp_unsigned("!=", builder.and_(v, fv), ir.Constant(_BYTES, [0] * 64))
         return builder.bitcast(hit, ir.IntType(64))
     return types.uint64(arr, index, flag), codegen
+
+
+@intrinsic
+def narrow64(typingctx, src, index, dst, pos):  # noqa: ANN001
+    """src[index:index + 64] (8-, 16- or 32-bit code units) written as bytes (each unit's low 8 bits) to
+    dst[pos:pos + 64] (uint8), and a uint64 whose bit i is src[index + i] >= 0x80 (both arrays C-contiguous with those
+    64 elements in them; no bounds check). One vector load, a lane-wise narrowing store and one compare: the ASCII
+    runs of a str's own code units become their UTF-8 64 characters at a time (strbuf._utf8_ascii_runs)."""
+    width = src.dtype.bitwidth
+
+    def codegen(context, builder, signature, args):  # noqa: ANN001
+        sty, dty = signature.args[0], signature.args[2]
+        sary = context.make_array(sty)(context, builder, args[0])
+        dary = context.make_array(dty)(context, builder, args[2])
+        sptr = cgutils.get_item_pointer(context, builder, sty, sary, [args[1]], wraparound=False)
+        dptr = cgutils.get_item_pointer(context, builder, dty, dary, [args[3]], wraparound=False)
+        vty = ir.VectorType(ir.IntType(width), 64)
+        v = builder.load(builder.bitcast(sptr, vty.as_pointer()), align=1)
+        narrow = v if width == 8 else builder.trunc(v, _BYTES)
+        builder.store(narrow, builder.bitcast(dptr, _BYTES.as_pointer()), align=1)
+        wide = builder.icmp_unsigned(">=", v, ir.Constant(vty, [0x80] * 64))
+        return builder.bitcast(wide, ir.IntType(64))
+    return types.uint64(src, index, dst, pos), codegen
