@@ -149,10 +149,13 @@ def test_in_place_code_units_equal_the_copy(name):
             # a 4-byte str is read in place too; a lookahead that is not the str's own next character takes the copy
             own, copied = fn(wide + text[k], 0, len(wide), text[k], *sc), fn(wide, 0, len(wide), text[k], *sc)
             assert own[1] == copied[1] and own[0].tolist() == copied[0].tolist(), (text, k)
-    for text in ("ab\ud800c\u00e9", "\u65e5\udfff", "x" * 70 + "\ud800"):      # a lone surrogate in a 2-byte str
+    # a lone surrogate in a 2-byte str: in the last partial 64, inside a 64-unit step, on a step's edges
+    for text in ("ab\ud800c\u00e9", "\u65e5\udfff", "x" * 70 + "\ud800", "x" * 100 + "\ud800" + "y" * 100,
+                 "x" * 63 + "\udc00" + "y" * 130, "x" * 64 + "\udbff" + "y" * 130):
         assert fn(text, 0, len(text), "", *sc)[1] == fullencode.SURROGATE
     assert fn("ab\u65e5c\ud800", 0, 4, "\ud800", *sc)[1] == fullencode.SURROGATE     # ... in the lookahead
-    for text in ("ab\ud800c\U0001F600", "\U0001F600" * 70 + "\udfff", "\udbff\U0001F600"):   # ... in a 4-byte str
+    for text in ("ab\ud800c\U0001F600", "\U0001F600" * 70 + "\udfff", "\udbff\U0001F600",    # ... in a 4-byte str
+                 "\U0001F600" + "x" * 130 + "\udfff" + "x" * 140):
         assert fn(text, 0, len(text), "", *sc)[1] == fullencode.SURROGATE
         assert fn(text, 0, len(text), "x", *sc)[1] == fullencode.SURROGATE      # (the copy: another lookahead)
 

@@ -54,3 +54,74 @@ def narrow64(typingctx, src, index, dst, pos):  # noqa: ANN001
         wide = builder.icmp_unsigned(">=", v, ir.Constant(vty, [0x80] * 64))
         return builder.bitcast(wide, ir.IntType(64))
     return types.uint64(src, index, dst, pos), codegen
+
+
+def _host_has(feature: str) -> bool:
+    from llvmlite import binding
+    try:
+        return bool(binding.get_host_cpu_features().get(feature, False))
+    except Exception:  # noqa: BLE001 - a host whose features LLVM cannot read: the portable form
+        return False
+
+
+# vpermi2b: a 128-entry byte table looked up for 64 bytes in one instruction (AVX-512 VBMI: Ice Lake, Zen 4 and
+# later). The kernels are compiled for the host CPU (numba's JIT; aotbuild.py's target_cpu), so the host decides.
+VBMI = _host_has("avx512vbmi")
+
+
+@intrinsic
+def features64(typingctx, src, index, table, dst):  # noqa: ANN001
+    """dst[index + i] = table[src[index + i] & 0x7F] for i < 64 (src: 8-, 16- or 32-bit code units; table: uint8 with
+    at least 128 entries; dst: uint8; no bounds check), and a uint64 whose bit i is src[index + i] >= 0x80: the
+    caller writes those lanes again from the whole table. With VBMI one vpermi2b does the 64 lookups; otherwise
+    LLVM gets 64 scalar loads."""
+    width = src.dtype.bitwidth
+
+    def codegen(context, builder, signature, args):  # noqa: ANN001
+        sty, tty, dty = signature.args[0], signature.args[2], signature.args[3]
+        sary = context.make_array(sty)(context, builder, args[0])
+        tary = context.make_array(tty)(context, builder, args[2])
+        dary = context.make_array(dty)(context, builder, args[3])
+        sptr = cgutils.get_item_pointer(context, builder, sty, sary, [args[1]], wraparound=False)
+        dptr = cgutils.get_item_pointer(context, builder, dty, dary, [args[1]], wraparound=False)
+        vty = ir.VectorType(ir.IntType(width), 64)
+        v = builder.load(builder.bitcast(sptr, vty.as_pointer()), align=1)
+        idx = builder.and_(v if width == 8 else builder.trunc(v, _BYTES), ir.Constant(_BYTES, [0x7F] * 64))
+        tptr = builder.bitcast(tary.data, _BYTES.as_pointer())
+        if VBMI:
+            lo = builder.load(tptr, align=1)
+            hi = builder.load(builder.gep(tptr, [ir.Constant(ir.IntType(64), 1)]), align=1)
+            fnty = ir.FunctionType(_BYTES, [_BYTES, _BYTES, _BYTES])
+            fn = cgutils.get_or_insert_function(builder.module, fnty, "llvm.x86.avx512.vpermi2var.qi.512")
+            out = builder.call(fn, [lo, idx, hi])
+        else:
+            base = builder.bitcast(tary.data, ir.IntType(8).as_pointer())
+            out = ir.Constant(_BYTES, ir.Undefined)
+            for lane in range(64):
+                k = builder.extract_element(idx, ir.Constant(ir.IntType(32), lane))
+                x = builder.load(builder.gep(base, [builder.zext(k, ir.IntType(64))]))
+                out = builder.insert_element(out, x, ir.Constant(ir.IntType(32), lane))
+        builder.store(out, builder.bitcast(dptr, _BYTES.as_pointer()), align=1)
+        wide = builder.icmp_unsigned(">=", v, ir.Constant(vty, [0x80] * 64))
+        return builder.bitcast(wide, ir.IntType(64))
+    return types.uint64(src, index, table, dst), codegen
+
+
+@intrinsic
+def surrogates64(typingctx, src, index):  # noqa: ANN001
+    """uint64 whose bit i is 0xD800 <= src[index + i] < 0xE000 (code units; 64 readable from index; 8-bit units
+    hold none: 0)."""
+    width = src.dtype.bitwidth
+
+    def codegen(context, builder, signature, args):  # noqa: ANN001
+        if width == 8:
+            return ir.Constant(ir.IntType(64), 0)
+        sty = signature.args[0]
+        sary = context.make_array(sty)(context, builder, args[0])
+        sptr = cgutils.get_item_pointer(context, builder, sty, sary, [args[1]], wraparound=False)
+        vty = ir.VectorType(ir.IntType(width), 64)
+        v = builder.load(builder.bitcast(sptr, vty.as_pointer()), align=1)
+        off = builder.sub(v, ir.Constant(vty, [0xD800] * 64))
+        hit = builder.icmp_unsigned("<", off, ir.Constant(vty, [0x800] * 64))
+        return builder.bitcast(hit, ir.IntType(64))
+    return types.uint64(src, index), codegen
