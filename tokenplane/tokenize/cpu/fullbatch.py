@@ -20,8 +20,8 @@ from typing import Any, Callable
 import numpy as np
 
 from . import bpe as bpe_mod
-from . import deepseekbits, o200k_rescan, o200kbits, startbits, strbuf
-from .fullencode import _block_start_bits, _pad, _sized, block_tables, bound_kernel
+from . import deepseekbits, o200k_rescan, o200kbits, startbits
+from .fullencode import _block_start_bits, _pieces_utf8, block_tables, bound_kernel
 from .lazyjit import njit, numba_global  # numba itself only when a JIT kernel runs (lazyjit.py)
 from .piecemap import OK, OVERRUN, SURROGATE, _walk_into
 
@@ -68,7 +68,7 @@ def _starts(form, cps, feat, sb, digits, whole_at_end, cls_table, rare):
 
 # Arguments: the texts as one str, their spans | scratch (code points, features, starts, UTF-8, bounds), each long
 # enough for the longest span | the form and the union of the families' tables | missing bytes, the BPE tables, the
-# thread's piece map. Each text runs the stages of its family's block kernel (fullencode._full_* then _pieces_bits)
+# thread's piece map. Each text runs the stages of its family's block kernel (fullencode._full_* then _pieces_utf8)
 # with its IDs written straight into the batch's output and one merge scratch for the whole batch: the block kernel
 # allocates its output and scratch per call (~0.5 us of a short text). Arrays reach the stages as borrowed views
 # (borrow.py): a call per text would otherwise count ~20 references in and out.
@@ -94,14 +94,14 @@ def _batch_impl(s, spans, cps, feat, starts, buf, bounds, form, feat_table, cls_
         n = b - a
         if n == 0:
             continue
-        c, f, sb, bad = _block_start_bits(s, a, b, end, cps, feat, starts, feat_table)
+        c, f, sb, bad, bf, bd, size, wide_pos, wide_add, nw = _block_start_bits(s, a, b, end, cps, feat, starts,
+                                                                                feat_table, buf, bounds)
         if bad >= 0:
             return out[:0], counts, SURROGATE
         if _starts(form, c, f, sb, digits, whole_at_end, cls_table, _borrowed(rare)) != OK:
             return out[:0], counts, OVERRUN
-        bf, bd = _sized(buf, bounds, n)
-        nb, size = strbuf._utf8_and_bounds_bits(c, n, sb, bf, bd)
-        _pad(bf, size)
+        bf, bd, nb, _ = _pieces_utf8(c, n, sb, bf, bd, size, wide_pos, wide_add, nw)
+        size = bd[nb - 1]
         if o + size + 16 > out.shape[0]:
             grown = np.empty(max(2 * out.shape[0], o + size + 16), np.int32)
             grown[:o] = out[:o]

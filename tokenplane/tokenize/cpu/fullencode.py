@@ -34,7 +34,19 @@ _str_units16 = numba_global("tokenplane.tokenize.cpu.borrow", "str_units16")
 _str_units32 = numba_global("tokenplane.tokenize.cpu.borrow", "str_units32")
 _features64 = numba_global("tokenplane.tokenize.cpu.simdbits", "features64")
 _surrogates64 = numba_global("tokenplane.tokenize.cpu.simdbits", "surrogates64")
+_features_narrow64 = numba_global("tokenplane.tokenize.cpu.simdbits", "features_narrow64")
 _trailing_zeros = numba_global("numba.cpython.unsafe.numbers", "trailing_zeros")
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _feature_scratch(total, feat, starts):
+    """The feature bytes' scratch for `total` units + startbits.PAD, and the start bitmap's (total >> 6) + 2 words (a
+    view of the bool scratch `starts`), each replaced when too short."""
+    words = (total >> 6) + 2
+    feat = feat[:total + startbits.PAD] if feat.shape[0] >= total + startbits.PAD else np.empty(total + startbits.PAD,
+                                                                                               np.uint8)
+    sb = starts[:8 * words].view(np.uint64) if starts.shape[0] >= 8 * words else np.empty(words, np.uint64)
+    return feat, sb
 
 
 @njit(cache=True, nogil=True)
@@ -46,10 +58,7 @@ def _unit_features(c, feat, starts, table):
     (simdbits.surrogates64) and written again a unit at a time from the whole table. One table load a unit ran
     ~0.3 ms on 1M characters of any width, and 16- and 32-bit text took a surrogate scan of its own before it."""
     total = c.shape[0]
-    words = (total >> 6) + 2
-    feat = feat[:total + startbits.PAD] if feat.shape[0] >= total + startbits.PAD else np.empty(total + startbits.PAD,
-                                                                                               np.uint8)
-    sb = starts[:8 * words].view(np.uint64) if starts.shape[0] >= 8 * words else np.empty(words, np.uint64)
+    feat, sb = _feature_scratch(total, feat, starts)
     full = total & ~63
     for i in range(0, full, 64):
         if _features64(c, i, table, feat) != 0:
@@ -68,26 +77,100 @@ def _unit_features(c, feat, starts, table):
 
 
 @njit(cache=True, nogil=True)
-def _block_start_bits(s, a, b, extra, cps, feat, starts, table):
-    """Code points of s[a:b] + extra into `cps` (replaced by a new array when too short) and `_unit_features` of them;
-    the index of a lone surrogate or -1 (then the features are not all written)."""
+def _features_utf8(c, n, feat, starts, table, buf, bounds):
+    """`_unit_features` of c and, in the same pass, the UTF-8 of c[:n] into `buf` as strbuf._utf8_ascii_runs writes
+    it: (feat, starts bitmap, surrogate index or -1, buf, bounds (both `_sized` for n), UTF-8 size, wide positions,
+    bytes added, count). Text that is mostly wide characters (strbuf._mostly_wide: CJK) gets its features alone and
+    size -1: strbuf's one-pass writer places its UTF-8 and piece bounds together after the pre-tokenizer. One read of
+    the text where there were two: a 1M-character block of a 4-byte str is 4 MB."""
+    buf, bounds = _sized(buf, bounds, n)
+    wide_pos = np.empty(64, np.int64)
+    wide_add = np.empty(64, np.int64)
+    if n < 64 or strbuf._mostly_wide(c, n):
+        feat, sb, bad = _unit_features(c, feat, starts, table)
+        return feat, sb, bad, buf, bounds, -1, wide_pos, wide_add, 0
+    total = c.shape[0]
+    feat, sb = _feature_scratch(total, feat, starts)
+    nw = 0
+    pos = 0
+    full = n & ~63
+    for i in range(0, full, 64):
+        if _features_narrow64(c, i, table, feat, buf, pos) == 0:
+            pos += 64
+            continue
+        m = _surrogates64(c, i)
+        if m != 0:
+            return feat, sb, i + np.int64(_trailing_zeros(m)), buf, bounds, -1, wide_pos, wide_add, 0
+        for j in range(i, i + 64):
+            x = c[j]
+            feat[j] = table[x]
+            if x < 0x80:
+                buf[pos] = np.uint8(x)
+                pos += 1
+            else:
+                pos, wide_pos, wide_add, nw = strbuf._put_wide(buf, pos, x, j, wide_pos, wide_add, nw)
+    for j in range(full, total):    # (the last partial 64 and the lookahead: its features only)
+        x = c[j]
+        feat[j] = table[x]
+        if (np.uint32(x) - np.uint32(0xD800)) < np.uint32(0x800):
+            return feat, sb, j, buf, bounds, -1, wide_pos, wide_add, 0
+        if j < n:
+            if x < 0x80:
+                buf[pos] = np.uint8(x)
+                pos += 1
+            else:
+                pos, wide_pos, wide_add, nw = strbuf._put_wide(buf, pos, x, j, wide_pos, wide_add, nw)
+    for j in range(total, total + startbits.PAD):
+        feat[j] = 0
+    return feat, sb, -1, buf, bounds, pos, wide_pos, wide_add, nw
+
+
+@njit(cache=True, nogil=True)
+def _pieces_utf8(c, n, sb, buf, bounds, size, wide_pos, wide_add, nw):
+    """`_finish`'s first half after `_features_utf8`, with the piece starts as a bitmap: (UTF-8, piece bounds, their
+    count, status), a count of 0 for an empty block or a rejected cut. The bounds come in bytes from the bitmap and the
+    wide characters noted (strbuf._bit_byte_positions), or, where the UTF-8 was left to it (size -1), from strbuf's
+    one-pass writer."""
+    if c.shape[0] > n and ((sb[n >> 6] >> np.uint64(n & 63)) & np.uint64(1)) == 0:    # (a stable cut)
+        return buf, bounds, 0, CUT_REJECTED
+    if n == 0:
+        return buf, bounds, 0, OK
+    if size < 0:
+        nb, size = strbuf._utf8_one_pass_bits(c, n, sb, buf, bounds)
+    else:
+        nb = strbuf._bit_byte_positions(sb, n, bounds, wide_pos, wide_add, nw)
+        bounds[nb] = size
+        nb += 1
+    _pad(buf, size)
+    return buf, bounds, nb, OK
+
+
+@njit(cache=True, nogil=True)
+def _block_start_bits(s, a, b, extra, cps, feat, starts, table, buf, bounds):
+    """Code points of s[a:b] + extra into `cps` (replaced by a new array when too short) and `_features_utf8` of them:
+    (code points, then that call's nine results); the surrogate index is that of the code points (the features and
+    UTF-8 are then not all written)."""
     n = b - a
     total = n + len(extra)
     if s._kind == 4 and n > 0 and _tail_is(s, b, extra):
         # a 4-byte str's code units are its code points: read in place, not copied (4 bytes a character written and
         # read again; one astral character in a text makes the whole str 4 bytes a character)
         c = _str_units32(s)[a:b + len(extra)]
-        feat, sb, bad = _unit_features(c, feat, starts, table)
-        return c, feat, sb, bad
+        feat, sb, bad, buf, bounds, size, wide_pos, wide_add, nw = _features_utf8(c, n, feat, starts, table, buf,
+                                                                                  bounds)
+        return c, feat, sb, bad, buf, bounds, size, wide_pos, wide_add, nw
     cps = cps[:total] if cps.shape[0] >= total else np.empty(total, np.uint32)
     bad = strbuf._codepoints(s, a, b, cps) if n > 0 else -1
     if len(extra) > 0 and bad < 0:
         got = strbuf._codepoints(extra, 0, len(extra), cps[n:])
         if got >= 0:
             bad = n + got
-    # (after a surrogate the lookahead's code points were not read: no features then, the caller declines)
-    feat, sb, _ = _unit_features(cps if bad < 0 else cps[:0], feat, starts, table)
-    return cps, feat, sb, bad
+    if bad >= 0:    # (after a surrogate the lookahead's code points were not read: nothing more, the caller declines)
+        feat, sb, _, buf, bounds, size, wide_pos, wide_add, nw = _features_utf8(cps[:0], 0, feat, starts, table, buf,
+                                                                                bounds)
+        return cps, feat, sb, bad, buf, bounds, size, wide_pos, wide_add, nw
+    feat, sb, bad, buf, bounds, size, wide_pos, wide_add, nw = _features_utf8(cps, n, feat, starts, table, buf, bounds)
+    return cps, feat, sb, bad, buf, bounds, size, wide_pos, wide_add, nw
 
 
 @njit(cache=True, nogil=True)
@@ -128,24 +211,10 @@ def _finish(cps, n, starts, buf, bounds, has_missing, missing, byte_ids, ptab, b
                  wmap, slots, arena, state)
 
 
-@njit(cache=True, nogil=True)
-def _pieces_bits(cps, n, sb, buf, bounds):
-    """`_finish`'s first half with the piece starts as a bitmap: (UTF-8, piece bounds, their count, status); a count
-    of 0 for an empty block or a rejected cut."""
-    if cps.shape[0] > n and ((sb[n >> 6] >> np.uint64(n & 63)) & np.uint64(1)) == 0:    # (a stable cut)
-        return buf, bounds, 0, CUT_REJECTED
-    if n == 0:
-        return buf, bounds, 0, OK
-    buf, bounds = _sized(buf, bounds, n)
-    nb, size = strbuf._utf8_and_bounds_bits(cps, n, sb, buf, bounds)
-    _pad(buf, size)
-    return buf, bounds, nb, OK
-
-
 @njit(cache=True, nogil=True, inline="always")
 def _walked(buf, bounds, nb, status, has_missing, missing, byte_ids, ptab, batch, whole, wkeys, wids, tok_flat,
             tok_off, wmap, slots, arena, state):
-    """The piece map walk of `_pieces_bits`' pieces (one call site per family kernel: the walk is compiled once, not
+    """The piece map walk of `_pieces_utf8`'s pieces (one call site per family kernel: the walk is compiled once, not
     once per code unit width)."""
     if nb == 0:
         return _declined(status)
@@ -183,11 +252,12 @@ def _tail_is(s, b, extra):
 # the family's starts as a function argument computes the same, but numba cannot cache a kernel that takes another
 # kernel as an argument (a "dynamic global"), which the JIT fallback's cache and the AOT build rely on.
 def _gpt4_front(c, n, feat, starts, buf, bounds, feat_table, digits, whole_at_end):
-    feat, sb, bad = _unit_features(c, feat, starts, feat_table)
+    feat, sb, bad, buf, bounds, size, wide_pos, wide_add, nw = _features_utf8(c, n, feat, starts, feat_table, buf,
+                                                                              bounds)
     if bad >= 0:
         return buf, bounds, 0, SURROGATE
     startbits._gpt4_bits(c, feat, digits, whole_at_end, sb)
-    return _pieces_bits(c, n, sb, buf, bounds)
+    return _pieces_utf8(c, n, sb, buf, bounds, size, wide_pos, wide_add, nw)
 
 
 def _full_gpt4_impl(s, a, b, extra, cps, feat, starts, buf, bounds, feat_table, digits, whole_at_end, has_missing,
@@ -201,21 +271,23 @@ def _full_gpt4_impl(s, a, b, extra, cps, feat, starts, buf, bounds, feat_table, 
         c = _str_units16(s)[a:b + len(extra)]
         buf, bounds, nb, status = _gpt4_front(c, b - a, feat, starts, buf, bounds, feat_table, digits, whole_at_end)
     else:
-        cps, feat, sb, bad = _block_start_bits(s, a, b, extra, cps, feat, starts, feat_table)
+        cps, feat, sb, bad, buf, bounds, size, wide_pos, wide_add, nw = _block_start_bits(
+            s, a, b, extra, cps, feat, starts, feat_table, buf, bounds)
         if bad >= 0:
             return _declined(SURROGATE)
         startbits._gpt4_bits(cps.view(np.int32), feat, digits, whole_at_end, sb)
-        buf, bounds, nb, status = _pieces_bits(cps, b - a, sb, buf, bounds)
+        buf, bounds, nb, status = _pieces_utf8(cps, b - a, sb, buf, bounds, size, wide_pos, wide_add, nw)
     return _walked(buf, bounds, nb, status, has_missing, missing, byte_ids, ptab, batch, whole, wkeys, wids, tok_flat,
                    tok_off, wmap, slots, arena, state)
 
 
 def _deepseek_front(c, n, feat, starts, buf, bounds, feat_table):
-    feat, sb, bad = _unit_features(c, feat, starts, feat_table)
+    feat, sb, bad, buf, bounds, size, wide_pos, wide_add, nw = _features_utf8(c, n, feat, starts, feat_table, buf,
+                                                                              bounds)
     if bad >= 0:
         return buf, bounds, 0, SURROGATE
     deepseekbits._deepseek_bits(c, feat, sb)
-    return _pieces_bits(c, n, sb, buf, bounds)
+    return _pieces_utf8(c, n, sb, buf, bounds, size, wide_pos, wide_add, nw)
 
 
 def _full_deepseek_impl(s, a, b, extra, cps, feat, starts, buf, bounds, feat_table, has_missing, missing, byte_ids,
@@ -229,21 +301,23 @@ def _full_deepseek_impl(s, a, b, extra, cps, feat, starts, buf, bounds, feat_tab
         c = _str_units16(s)[a:b + len(extra)]
         buf, bounds, nb, status = _deepseek_front(c, b - a, feat, starts, buf, bounds, feat_table)
     else:
-        cps, feat, sb, bad = _block_start_bits(s, a, b, extra, cps, feat, starts, feat_table)
+        cps, feat, sb, bad, buf, bounds, size, wide_pos, wide_add, nw = _block_start_bits(
+            s, a, b, extra, cps, feat, starts, feat_table, buf, bounds)
         if bad >= 0:
             return _declined(SURROGATE)
         deepseekbits._deepseek_bits(cps.view(np.int32), feat, sb)
-        buf, bounds, nb, status = _pieces_bits(cps, b - a, sb, buf, bounds)
+        buf, bounds, nb, status = _pieces_utf8(cps, b - a, sb, buf, bounds, size, wide_pos, wide_add, nw)
     return _walked(buf, bounds, nb, status, has_missing, missing, byte_ids, ptab, batch, whole, wkeys, wids, tok_flat,
                    tok_off, wmap, slots, arena, state)
 
 
 def _smollm2_front(c, n, feat, starts, buf, bounds, feat_table):
-    feat, sb, bad = _unit_features(c, feat, starts, feat_table)
+    feat, sb, bad, buf, bounds, size, wide_pos, wide_add, nw = _features_utf8(c, n, feat, starts, feat_table, buf,
+                                                                              bounds)
     if bad >= 0:
         return buf, bounds, 0, SURROGATE
     startbits._smollm2_bits(c, feat, sb)
-    return _pieces_bits(c, n, sb, buf, bounds)
+    return _pieces_utf8(c, n, sb, buf, bounds, size, wide_pos, wide_add, nw)
 
 
 def _full_smollm2_impl(s, a, b, extra, cps, feat, starts, buf, bounds, feat_table, has_missing, missing, byte_ids,
@@ -257,24 +331,26 @@ def _full_smollm2_impl(s, a, b, extra, cps, feat, starts, buf, bounds, feat_tabl
         c = _str_units16(s)[a:b + len(extra)]
         buf, bounds, nb, status = _smollm2_front(c, b - a, feat, starts, buf, bounds, feat_table)
     else:
-        cps, feat, sb, bad = _block_start_bits(s, a, b, extra, cps, feat, starts, feat_table)
+        cps, feat, sb, bad, buf, bounds, size, wide_pos, wide_add, nw = _block_start_bits(
+            s, a, b, extra, cps, feat, starts, feat_table, buf, bounds)
         if bad >= 0:
             return _declined(SURROGATE)
         startbits._smollm2_bits(cps.view(np.int32), feat, sb)
-        buf, bounds, nb, status = _pieces_bits(cps, b - a, sb, buf, bounds)
+        buf, bounds, nb, status = _pieces_utf8(cps, b - a, sb, buf, bounds, size, wide_pos, wide_add, nw)
     return _walked(buf, bounds, nb, status, has_missing, missing, byte_ids, ptab, batch, whole, wkeys, wids, tok_flat,
                    tok_off, wmap, slots, arena, state)
 
 
 def _o200k_front(c, n, feat, starts, buf, bounds, feat_table, cls_table):
-    feat, sb, bad = _unit_features(c, feat, starts, feat_table)
+    feat, sb, bad, buf, bounds, size, wide_pos, wide_add, nw = _features_utf8(c, n, feat, starts, feat_table, buf,
+                                                                              bounds)
     if bad >= 0:
         return buf, bounds, 0, SURROGATE
     rare = np.empty(c.shape[0] + 64, np.int64)
     nr = o200kbits._o200k_bits(c, feat, sb, rare)
     if nr > 0 and o200k_rescan._rescan_bits(c, cls_table, np.sort(rare[:nr]), sb) < 0:
         return buf, bounds, 0, OVERRUN
-    return _pieces_bits(c, n, sb, buf, bounds)
+    return _pieces_utf8(c, n, sb, buf, bounds, size, wide_pos, wide_add, nw)
 
 
 def _full_o200k_impl(s, a, b, extra, cps, feat, starts, buf, bounds, feat_table, cls_table, has_missing, missing,
@@ -290,14 +366,15 @@ def _full_o200k_impl(s, a, b, extra, cps, feat, starts, buf, bounds, feat_table,
         c = _str_units16(s)[a:b + len(extra)]
         buf, bounds, nb, status = _o200k_front(c, b - a, feat, starts, buf, bounds, feat_table, cls_table)
     else:
-        cps, feat, sb, bad = _block_start_bits(s, a, b, extra, cps, feat, starts, feat_table)
+        cps, feat, sb, bad, buf, bounds, size, wide_pos, wide_add, nw = _block_start_bits(
+            s, a, b, extra, cps, feat, starts, feat_table, buf, bounds)
         if bad >= 0:
             return _declined(SURROGATE)
         rare = np.empty(cps.shape[0] + 64, np.int64)
         nr = o200kbits._o200k_bits(cps.view(np.int32), feat, sb, rare)
         if nr > 0 and o200k_rescan._rescan_bits(cps, cls_table, np.sort(rare[:nr]), sb) < 0:
             return _declined(OVERRUN)
-        buf, bounds, nb, status = _pieces_bits(cps, b - a, sb, buf, bounds)
+        buf, bounds, nb, status = _pieces_utf8(cps, b - a, sb, buf, bounds, size, wide_pos, wide_add, nw)
     return _walked(buf, bounds, nb, status, has_missing, missing, byte_ids, ptab, batch, whole, wkeys, wids, tok_flat,
                    tok_off, wmap, slots, arena, state)
 

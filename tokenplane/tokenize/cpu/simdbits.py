@@ -69,42 +69,61 @@ def _host_has(feature: str) -> bool:
 VBMI = _host_has("avx512vbmi")
 
 
+def _lookup128(builder, idx, table_data):  # noqa: ANN001, ANN202
+    """table[idx[i]] for the 64 lanes of idx (< 128): one vpermi2b with VBMI, else 64 scalar loads."""
+    tptr = builder.bitcast(table_data, _BYTES.as_pointer())
+    if VBMI:
+        lo = builder.load(tptr, align=1)
+        hi = builder.load(builder.gep(tptr, [ir.Constant(ir.IntType(64), 1)]), align=1)
+        fnty = ir.FunctionType(_BYTES, [_BYTES, _BYTES, _BYTES])
+        fn = cgutils.get_or_insert_function(builder.module, fnty, "llvm.x86.avx512.vpermi2var.qi.512")
+        return builder.call(fn, [lo, idx, hi])
+    base = builder.bitcast(table_data, ir.IntType(8).as_pointer())
+    out = ir.Constant(_BYTES, ir.Undefined)
+    for lane in range(64):
+        k = builder.extract_element(idx, ir.Constant(ir.IntType(32), lane))
+        x = builder.load(builder.gep(base, [builder.zext(k, ir.IntType(64))]))
+        out = builder.insert_element(out, x, ir.Constant(ir.IntType(32), lane))
+    return out
+
+
+def _features_codegen(width: int, narrow: bool):  # noqa: ANN202
+    def codegen(context, builder, signature, args):  # noqa: ANN001
+        sty, tty, fty = signature.args[0], signature.args[2], signature.args[3]
+        sary = context.make_array(sty)(context, builder, args[0])
+        tary = context.make_array(tty)(context, builder, args[2])
+        fary = context.make_array(fty)(context, builder, args[3])
+        sptr = cgutils.get_item_pointer(context, builder, sty, sary, [args[1]], wraparound=False)
+        fptr = cgutils.get_item_pointer(context, builder, fty, fary, [args[1]], wraparound=False)
+        vty = ir.VectorType(ir.IntType(width), 64)
+        v = builder.load(builder.bitcast(sptr, vty.as_pointer()), align=1)
+        low = v if width == 8 else builder.trunc(v, _BYTES)
+        out = _lookup128(builder, builder.and_(low, ir.Constant(_BYTES, [0x7F] * 64)), tary.data)
+        builder.store(out, builder.bitcast(fptr, _BYTES.as_pointer()), align=1)
+        if narrow:
+            bty = signature.args[4]
+            bary = context.make_array(bty)(context, builder, args[4])
+            bptr = cgutils.get_item_pointer(context, builder, bty, bary, [args[5]], wraparound=False)
+            builder.store(low, builder.bitcast(bptr, _BYTES.as_pointer()), align=1)
+        wide = builder.icmp_unsigned(">=", v, ir.Constant(vty, [0x80] * 64))
+        return builder.bitcast(wide, ir.IntType(64))
+    return codegen
+
+
 @intrinsic
 def features64(typingctx, src, index, table, dst):  # noqa: ANN001
     """dst[index + i] = table[src[index + i] & 0x7F] for i < 64 (src: 8-, 16- or 32-bit code units; table: uint8 with
     at least 128 entries; dst: uint8; no bounds check), and a uint64 whose bit i is src[index + i] >= 0x80: the
     caller writes those lanes again from the whole table. With VBMI one vpermi2b does the 64 lookups; otherwise
     LLVM gets 64 scalar loads."""
-    width = src.dtype.bitwidth
+    return types.uint64(src, index, table, dst), _features_codegen(src.dtype.bitwidth, False)
 
-    def codegen(context, builder, signature, args):  # noqa: ANN001
-        sty, tty, dty = signature.args[0], signature.args[2], signature.args[3]
-        sary = context.make_array(sty)(context, builder, args[0])
-        tary = context.make_array(tty)(context, builder, args[2])
-        dary = context.make_array(dty)(context, builder, args[3])
-        sptr = cgutils.get_item_pointer(context, builder, sty, sary, [args[1]], wraparound=False)
-        dptr = cgutils.get_item_pointer(context, builder, dty, dary, [args[1]], wraparound=False)
-        vty = ir.VectorType(ir.IntType(width), 64)
-        v = builder.load(builder.bitcast(sptr, vty.as_pointer()), align=1)
-        idx = builder.and_(v if width == 8 else builder.trunc(v, _BYTES), ir.Constant(_BYTES, [0x7F] * 64))
-        tptr = builder.bitcast(tary.data, _BYTES.as_pointer())
-        if VBMI:
-            lo = builder.load(tptr, align=1)
-            hi = builder.load(builder.gep(tptr, [ir.Constant(ir.IntType(64), 1)]), align=1)
-            fnty = ir.FunctionType(_BYTES, [_BYTES, _BYTES, _BYTES])
-            fn = cgutils.get_or_insert_function(builder.module, fnty, "llvm.x86.avx512.vpermi2var.qi.512")
-            out = builder.call(fn, [lo, idx, hi])
-        else:
-            base = builder.bitcast(tary.data, ir.IntType(8).as_pointer())
-            out = ir.Constant(_BYTES, ir.Undefined)
-            for lane in range(64):
-                k = builder.extract_element(idx, ir.Constant(ir.IntType(32), lane))
-                x = builder.load(builder.gep(base, [builder.zext(k, ir.IntType(64))]))
-                out = builder.insert_element(out, x, ir.Constant(ir.IntType(32), lane))
-        builder.store(out, builder.bitcast(dptr, _BYTES.as_pointer()), align=1)
-        wide = builder.icmp_unsigned(">=", v, ir.Constant(vty, [0x80] * 64))
-        return builder.bitcast(wide, ir.IntType(64))
-    return types.uint64(src, index, table, dst), codegen
+
+@intrinsic
+def features_narrow64(typingctx, src, index, table, dst, buf, pos):  # noqa: ANN001
+    """`features64`, and the same 64 units narrowed to bytes at buf[pos:pos + 64] as `narrow64` writes them (one load
+    of the units for both)."""
+    return types.uint64(src, index, table, dst, buf, pos), _features_codegen(src.dtype.bitwidth, True)
 
 
 @intrinsic

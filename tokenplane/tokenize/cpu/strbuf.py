@@ -137,7 +137,6 @@ def _utf8_ascii_runs(cps, n, buf):
     wide_add = np.empty(64, np.int64)       # bytes added by the wide characters up to and including this one
     nw = 0
     pos = 0
-    added = 0
     i = 0
     while True:
         i, pos, m = _ascii_blocks(cps, i, n - 128, buf, pos)
@@ -152,15 +151,7 @@ def _utf8_ascii_runs(cps, n, buf):
             if j != i:
                 _narrow64(cps, j, buf, pos)
             pos += w - j
-            if nw == wide_pos.shape[0]:
-                wide_pos = np.concatenate((wide_pos, np.empty(nw, np.int64)))
-                wide_add = np.concatenate((wide_add, np.empty(nw, np.int64)))
-            end = _put_utf8(buf, pos, cps[w])
-            added += end - pos - 1
-            wide_pos[nw] = w
-            wide_add[nw] = added
-            nw += 1
-            pos = end
+            pos, wide_pos, wide_add, nw = _put_wide(buf, pos, cps[w], w, wide_pos, wide_add, nw)
             j = w + 1
         if j < i + 64:
             _narrow64(cps, j, buf, pos)
@@ -172,16 +163,21 @@ def _utf8_ascii_runs(cps, n, buf):
             buf[pos] = np.uint8(x)
             pos += 1
             continue
-        if nw == wide_pos.shape[0]:
-            wide_pos = np.concatenate((wide_pos, np.empty(nw, np.int64)))
-            wide_add = np.concatenate((wide_add, np.empty(nw, np.int64)))
-        end = _put_utf8(buf, pos, x)
-        added += end - pos - 1
-        wide_pos[nw] = j
-        wide_add[nw] = added
-        nw += 1
-        pos = end
+        pos, wide_pos, wide_add, nw = _put_wide(buf, pos, x, j, wide_pos, wide_add, nw)
     return pos, wide_pos, wide_add, nw
+
+
+def _put_wide(buf, pos, x, j, wide_pos, wide_add, nw):
+    """The UTF-8 of the wide character x (at character j) at buf[pos], noted as the nw-th wide character with the
+    bytes added up to it (wide_add: the running total; both arrays doubled when full): (pos after it, the arrays,
+    nw + 1)."""
+    if nw == wide_pos.shape[0]:
+        wide_pos = np.concatenate((wide_pos, np.empty(nw, np.int64)))
+        wide_add = np.concatenate((wide_add, np.empty(nw, np.int64)))
+    end = _put_utf8(buf, pos, x)
+    wide_pos[nw] = j
+    wide_add[nw] = end - pos - 1 + (wide_add[nw - 1] if nw > 0 else 0)
+    return end, wide_pos, wide_add, nw + 1
 
 
 def _chars_to_bytes(bounds, k, wide_pos, wide_add, nw):
@@ -345,6 +341,7 @@ _sampled_sizes = njit(cache=True, nogil=True)(_sampled_sizes_impl)
 _false_scan = njit(cache=True, nogil=True)(_false_scan)
 _false_at = njit(cache=True, nogil=True)(_false_at_impl)
 _put_utf8 = njit(cache=True, nogil=True, inline="always")(_put_utf8)
+_put_wide = njit(cache=True, nogil=True, inline="always")(_put_wide)
 _narrow = njit(cache=True, nogil=True)(_narrow)
 _ascii_blocks = njit(cache=True, nogil=True)(_ascii_blocks)
 _mostly_wide = njit(cache=True, nogil=True)(_mostly_wide)
