@@ -109,6 +109,19 @@ def test_regions_scan_equals_a_code_point_gather():
         assert strbuf.false_at(text, nfc.inert_table()).tolist() == want.tolist()
         assert nfc.regions(text).tolist() == nfc._spans(want).tolist()
         assert nfc.all_inert(text) == (want.size == 0)
+    # mostly ASCII (the scan skips 64 ASCII units a step) with marks on the steps' edges, in each kind; and a table
+    # that marks an ASCII letter (no step is skipped then)
+    marked = nfc.inert_table().copy()
+    marked[ord("q")] = False
+    for tail in ("", "\u00e9", "\u4e00", "\U0001F44D"):
+        for spots in ([0], [63], [64], [63, 64], [127, 128], [190], [199]):
+            chars = [rng.choice("abq xyz\n") for _ in range(200)]
+            for i in spots:
+                chars[i] = "\u0301"
+            text = "".join(chars) + tail
+            cps = nfc_codepoints(text)
+            for table in (nfc.inert_table(), marked):
+                assert strbuf.false_at(text, table).tolist() == np.flatnonzero(~table[cps]).tolist()
     for text in ("abc\ud800", "\udfff", "x" * 100 + "\ud83d"):       # lone surrogates
         units = np.frombuffer(text.encode("utf-32-le", "surrogatepass"), dtype=np.uint32)
         assert not nfc.inert_table()[units].all() and not nfc.all_inert(text)

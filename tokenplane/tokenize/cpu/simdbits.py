@@ -144,3 +144,19 @@ def surrogates64(typingctx, src, index):  # noqa: ANN001
         hit = builder.icmp_unsigned("<", off, ir.Constant(vty, [0x800] * 64))
         return builder.bitcast(hit, ir.IntType(64))
     return types.uint64(src, index), codegen
+
+
+@intrinsic
+def wide64(typingctx, src, index):  # noqa: ANN001
+    """uint64 whose bit i is src[index + i] >= 0x80 (code units of any width; 64 readable from index)."""
+    width = src.dtype.bitwidth
+
+    def codegen(context, builder, signature, args):  # noqa: ANN001
+        sty = signature.args[0]
+        sary = context.make_array(sty)(context, builder, args[0])
+        sptr = cgutils.get_item_pointer(context, builder, sty, sary, [args[1]], wraparound=False)
+        vty = ir.VectorType(ir.IntType(width), 64)
+        v = builder.load(builder.bitcast(sptr, vty.as_pointer()), align=1)
+        wide = builder.icmp_unsigned(">=", v, ir.Constant(vty, [0x80] * 64))
+        return builder.bitcast(wide, ir.IntType(64))
+    return types.uint64(src, index), codegen
