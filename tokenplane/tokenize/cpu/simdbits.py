@@ -1,4 +1,5 @@
-"""64 characters' flags as one word: the compare-and-movemask step of the bit-parallel pre-tokenizer (startbits.py).
+"""64 characters at a time as vector steps: the compare-and-movemask step of the bit-parallel pre-tokenizer
+(startbits.py), and the 64-unit steps of the feature bytes, UTF-8 and scans over a str's own code units.
 
 This module imports numba (an `@intrinsic` is made by numba's extension API), so kernel modules do not import it:
 they name `bits64` through `lazyjit.numba_global`, which resolves it when the kernels materialize.
@@ -33,6 +34,28 @@ def bits64(typingctx, arr, index, flag):  # noqa: ANN001
     return types.uint64(arr, index, flag), codegen
 
 
+def _units64(context, builder, aryty, ary, index, width):  # noqa: ANN001, ANN202
+    """The 64 code units of the array value `ary` from `index` as one <64 x iW> vector (no bounds check)."""
+    arr = context.make_array(aryty)(context, builder, ary)
+    ptr = cgutils.get_item_pointer(context, builder, aryty, arr, [index], wraparound=False)
+    return builder.load(builder.bitcast(ptr, ir.VectorType(ir.IntType(width), 64).as_pointer()), align=1)
+
+
+def _store64(context, builder, aryty, ary, index, vec):  # noqa: ANN001, ANN202
+    """The 64 bytes `vec` stored at ary[index] (a uint8 array value; no bounds check)."""
+    arr = context.make_array(aryty)(context, builder, ary)
+    ptr = cgutils.get_item_pointer(context, builder, aryty, arr, [index], wraparound=False)
+    builder.store(vec, builder.bitcast(ptr, _BYTES.as_pointer()), align=1)
+
+
+def _mask(builder, hit):  # noqa: ANN001, ANN202
+    return builder.bitcast(hit, ir.IntType(64))
+
+
+def _at_least(builder, v, width, value):  # noqa: ANN001, ANN202
+    return builder.icmp_unsigned(">=", v, ir.Constant(ir.VectorType(ir.IntType(width), 64), [value] * 64))
+
+
 @intrinsic
 def narrow64(typingctx, src, index, dst, pos):  # noqa: ANN001
     """src[index:index + 64] (8-, 16- or 32-bit code units) written as bytes (each unit's low 8 bits) to
@@ -42,17 +65,9 @@ def narrow64(typingctx, src, index, dst, pos):  # noqa: ANN001
     width = src.dtype.bitwidth
 
     def codegen(context, builder, signature, args):  # noqa: ANN001
-        sty, dty = signature.args[0], signature.args[2]
-        sary = context.make_array(sty)(context, builder, args[0])
-        dary = context.make_array(dty)(context, builder, args[2])
-        sptr = cgutils.get_item_pointer(context, builder, sty, sary, [args[1]], wraparound=False)
-        dptr = cgutils.get_item_pointer(context, builder, dty, dary, [args[3]], wraparound=False)
-        vty = ir.VectorType(ir.IntType(width), 64)
-        v = builder.load(builder.bitcast(sptr, vty.as_pointer()), align=1)
-        narrow = v if width == 8 else builder.trunc(v, _BYTES)
-        builder.store(narrow, builder.bitcast(dptr, _BYTES.as_pointer()), align=1)
-        wide = builder.icmp_unsigned(">=", v, ir.Constant(vty, [0x80] * 64))
-        return builder.bitcast(wide, ir.IntType(64))
+        v = _units64(context, builder, signature.args[0], args[0], args[1], width)
+        _store64(context, builder, signature.args[2], args[2], args[3], v if width == 8 else builder.trunc(v, _BYTES))
+        return _mask(builder, _at_least(builder, v, width, 0x80))
     return types.uint64(src, index, dst, pos), codegen
 
 
@@ -89,24 +104,14 @@ def _lookup128(builder, idx, table_data):  # noqa: ANN001, ANN202
 
 def _features_codegen(width: int, narrow: bool):  # noqa: ANN202
     def codegen(context, builder, signature, args):  # noqa: ANN001
-        sty, tty, fty = signature.args[0], signature.args[2], signature.args[3]
-        sary = context.make_array(sty)(context, builder, args[0])
-        tary = context.make_array(tty)(context, builder, args[2])
-        fary = context.make_array(fty)(context, builder, args[3])
-        sptr = cgutils.get_item_pointer(context, builder, sty, sary, [args[1]], wraparound=False)
-        fptr = cgutils.get_item_pointer(context, builder, fty, fary, [args[1]], wraparound=False)
-        vty = ir.VectorType(ir.IntType(width), 64)
-        v = builder.load(builder.bitcast(sptr, vty.as_pointer()), align=1)
+        v = _units64(context, builder, signature.args[0], args[0], args[1], width)
         low = v if width == 8 else builder.trunc(v, _BYTES)
-        out = _lookup128(builder, builder.and_(low, ir.Constant(_BYTES, [0x7F] * 64)), tary.data)
-        builder.store(out, builder.bitcast(fptr, _BYTES.as_pointer()), align=1)
+        table = context.make_array(signature.args[2])(context, builder, args[2])
+        out = _lookup128(builder, builder.and_(low, ir.Constant(_BYTES, [0x7F] * 64)), table.data)
+        _store64(context, builder, signature.args[3], args[3], args[1], out)
         if narrow:
-            bty = signature.args[4]
-            bary = context.make_array(bty)(context, builder, args[4])
-            bptr = cgutils.get_item_pointer(context, builder, bty, bary, [args[5]], wraparound=False)
-            builder.store(low, builder.bitcast(bptr, _BYTES.as_pointer()), align=1)
-        wide = builder.icmp_unsigned(">=", v, ir.Constant(vty, [0x80] * 64))
-        return builder.bitcast(wide, ir.IntType(64))
+            _store64(context, builder, signature.args[4], args[4], args[5], low)
+        return _mask(builder, _at_least(builder, v, width, 0x80))
     return codegen
 
 
@@ -135,14 +140,10 @@ def surrogates64(typingctx, src, index):  # noqa: ANN001
     def codegen(context, builder, signature, args):  # noqa: ANN001
         if width == 8:
             return ir.Constant(ir.IntType(64), 0)
-        sty = signature.args[0]
-        sary = context.make_array(sty)(context, builder, args[0])
-        sptr = cgutils.get_item_pointer(context, builder, sty, sary, [args[1]], wraparound=False)
         vty = ir.VectorType(ir.IntType(width), 64)
-        v = builder.load(builder.bitcast(sptr, vty.as_pointer()), align=1)
+        v = _units64(context, builder, signature.args[0], args[0], args[1], width)
         off = builder.sub(v, ir.Constant(vty, [0xD800] * 64))
-        hit = builder.icmp_unsigned("<", off, ir.Constant(vty, [0x800] * 64))
-        return builder.bitcast(hit, ir.IntType(64))
+        return _mask(builder, builder.icmp_unsigned("<", off, ir.Constant(vty, [0x800] * 64)))
     return types.uint64(src, index), codegen
 
 
@@ -152,11 +153,6 @@ def wide64(typingctx, src, index):  # noqa: ANN001
     width = src.dtype.bitwidth
 
     def codegen(context, builder, signature, args):  # noqa: ANN001
-        sty = signature.args[0]
-        sary = context.make_array(sty)(context, builder, args[0])
-        sptr = cgutils.get_item_pointer(context, builder, sty, sary, [args[1]], wraparound=False)
-        vty = ir.VectorType(ir.IntType(width), 64)
-        v = builder.load(builder.bitcast(sptr, vty.as_pointer()), align=1)
-        wide = builder.icmp_unsigned(">=", v, ir.Constant(vty, [0x80] * 64))
-        return builder.bitcast(wide, ir.IntType(64))
+        v = _units64(context, builder, signature.args[0], args[0], args[1], width)
+        return _mask(builder, _at_least(builder, v, width, 0x80))
     return types.uint64(src, index), codegen

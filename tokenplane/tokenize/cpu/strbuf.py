@@ -196,22 +196,6 @@ def _chars_to_bytes(bounds, k, wide_pos, wide_add, nw):
         bounds[t] = x + shift
 
 
-def _bit_positions(sb, n, bounds):
-    """Pass (2) from a bitmap: the positions < n of its set bits into bounds, in order; their count."""
-    k = 0
-    for g in range((n + 63) >> 6):
-        w = sb[g]
-        rest = n - (g << 6)
-        if rest < 64:
-            w &= (np.uint64(1) << np.uint64(rest)) - np.uint64(1)
-        base = g << 6
-        while w != np.uint64(0):
-            bounds[k] = base + np.int64(_trailing_zeros(w))
-            k += 1
-            w &= w - np.uint64(1)
-    return k
-
-
 def _bit_byte_positions(sb, n, bounds, wide_pos, wide_add, nw):
     """Passes (2) and (3) from a bitmap: the positions < n of its set bits moved to bytes (each plus the bytes that the
     wide characters left of it add: wide_add[q] past wide_pos[q]) into bounds, in order; their count. A word whose
@@ -365,7 +349,6 @@ _ascii_blocks = njit(cache=True, nogil=True)(_ascii_blocks)
 _mostly_wide = njit(cache=True, nogil=True)(_mostly_wide)
 _utf8_ascii_runs = njit(cache=True, nogil=True)(_utf8_ascii_runs)
 _chars_to_bytes = njit(cache=True, nogil=True)(_chars_to_bytes)
-_bit_positions = njit(cache=True, nogil=True)(_bit_positions)
 _bit_byte_positions = njit(cache=True, nogil=True)(_bit_byte_positions)
 _utf8_one_pass = njit(cache=True, nogil=True)(_utf8_one_pass)
 _utf8_one_pass_bits = njit(cache=True, nogil=True)(_utf8_one_pass_bits)
