@@ -127,12 +127,15 @@ def test_utf8_bits_form_equal_encode(width):
         sb = np.zeros((n >> 6) + 2, np.uint64)
         sb.view(np.uint8)[:len(np.packbits(starts, bitorder="little"))] = np.packbits(starts, bitorder="little")
         buf = np.full(4 * n + 16, 0xAA, np.uint8)
-        bounds = np.zeros(n + 1, np.int64)
-        k, size = strbuf._utf8_and_bounds_bits(c, n, sb, buf, bounds)
-        assert buf[:size].tobytes() == text.encode("utf-8"), repr(text[:80])
-        if n:
-            cps = strbuf.codepoints(text)
-            assert bounds[:k].tolist() == piece_byte_bounds(cps, starts[:n]).tolist(), repr(text[:80])
+        # bounds of the exact size (the last words' starts one at a time) and with room to spare (as a thread's
+        # scratch: every word's starts through the byte tables)
+        for spare in (0, 64):
+            bounds = np.zeros(n + 1 + spare, np.int64)
+            k, size = strbuf._utf8_and_bounds_bits(c, n, sb, buf, bounds)
+            assert buf[:size].tobytes() == text.encode("utf-8"), repr(text[:80])
+            if n:
+                cps = strbuf.codepoints(text)
+                assert bounds[:k].tolist() == piece_byte_bounds(cps, starts[:n]).tolist(), repr(text[:80])
         # the runs pass alone (the bitmap form takes the one-pass writer for dense text)
         pos, wide_pos, wide_add, nw = strbuf._utf8_ascii_runs(c, n, buf)
         assert buf[:pos].tobytes() == text.encode("utf-8"), repr(text[:80])

@@ -26,10 +26,21 @@ _deref_uint32 = numba_global("numba.cpython.unicode", "deref_uint32")
 _trailing_zeros = numba_global("numba.cpython.unsafe.numbers", "trailing_zeros")
 _borrowed = numba_global("tokenplane.tokenize.cpu.borrow", "borrowed")
 _narrow64 = numba_global("tokenplane.tokenize.cpu.simdbits", "narrow64")
+_positions8 = numba_global("tokenplane.tokenize.cpu.simdbits", "positions8")
 _wide64 = numba_global("tokenplane.tokenize.cpu.simdbits", "wide64")
 _str_units8 = numba_global("tokenplane.tokenize.cpu.borrow", "str_units8")
 _str_units16 = numba_global("tokenplane.tokenize.cpu.borrow", "str_units16")
 _str_units32 = numba_global("tokenplane.tokenize.cpu.borrow", "str_units32")
+
+# the positions of the set bits of each byte value (8 a row, padded with 0) and their counts: _bit_byte_positions'
+# tables (numba compiles them in as constants)
+BYTE_POSITIONS = np.zeros(256 * 8, np.int8)
+BYTE_COUNTS = np.zeros(256, np.int64)
+for _b in range(256):
+    _set = [_i for _i in range(8) if (_b >> _i) & 1]
+    BYTE_POSITIONS[8 * _b:8 * _b + len(_set)] = _set
+    BYTE_COUNTS[_b] = len(_set)
+del _b, _set
 
 
 def _codepoints_impl(s, a, b, out):
@@ -199,11 +210,14 @@ def _chars_to_bytes(bounds, k, wide_pos, wide_add, nw):
 def _bit_byte_positions(sb, n, bounds, wide_pos, wide_add, nw):
     """Passes (2) and (3) from a bitmap: the positions < n of its set bits moved to bytes (each plus the bytes that the
     wide characters left of it add: wide_add[q] past wide_pos[q]) into bounds, in order; their count. A word whose
-    positions all lie at or before the next wide character takes one add a bit (every word, for ASCII text)."""
+    positions all lie at or before the next wide character (every word, for ASCII text) is written a byte at a time:
+    simdbits.positions8 stores the byte's positions from BYTE_POSITIONS and k moves by its bit count, no branch a bit
+    (the loop that exits after each bit ran 0.21-0.22 ms on 1M characters of english or code, this 0.12)."""
     k = 0
     q = 0
     shift = 0
     nxt = wide_pos[0] if nw > 0 else n      # positions up to here take `shift`
+    room = bounds.shape[0] - 64             # a word's eight 8-entry stores fit from here down
     for g in range((n + 63) >> 6):
         w = sb[g]
         rest = n - (g << 6)
@@ -212,6 +226,12 @@ def _bit_byte_positions(sb, n, bounds, wide_pos, wide_add, nw):
         base = g << 6
         if base + 63 <= nxt:
             at = base + shift
+            if k <= room:
+                for r in range(8):      # (a byte at a time from tables: ~14 starts a word in english or code)
+                    byte = np.int64((w >> np.uint64(8 * r)) & np.uint64(0xFF))
+                    _positions8(bounds, k, BYTE_POSITIONS, byte, at + 8 * r)
+                    k += BYTE_COUNTS[byte]
+                continue
             while w != np.uint64(0):
                 bounds[k] = at + np.int64(_trailing_zeros(w))
                 k += 1
