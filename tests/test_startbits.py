@@ -11,6 +11,7 @@ import random
 import numpy as np
 import pytest
 from test_pretokenize import ALPHABET, FRAGMENTS, _corpus_docs
+from test_strbuf import bits_form_utf8
 
 from tokenplane.tokenize.cpu import o200kbits, pretokenize, startbits, strbuf
 
@@ -164,7 +165,7 @@ def test_bitmap_bounds_equal_bool_bounds(wide):
         buf_a, bounds_a = np.zeros(4 * n + 16, np.uint8), np.zeros(n + 1, np.int64)
         buf_b, bounds_b = np.zeros(4 * n + 16, np.uint8), np.zeros(n + 1, np.int64)
         k_a, size_a = strbuf._utf8_and_bounds(cps, n, starts, buf_a, bounds_a)
-        k_b, size_b = strbuf._utf8_and_bounds_bits(cps, n, sb, buf_b, bounds_b)
+        k_b, size_b = bits_form_utf8(cps, n, sb, buf_b, bounds_b)
         assert (k_a, size_a) == (k_b, size_b)
         assert np.array_equal(bounds_a[:k_a], bounds_b[:k_b])
         assert bytes(buf_b[:size_b]) == text.encode("utf-8")

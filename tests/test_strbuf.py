@@ -5,7 +5,7 @@ import random
 import numpy as np
 import pytest
 
-from tokenplane.tokenize.cpu import strbuf
+from tokenplane.tokenize.cpu import fullencode, strbuf
 from tokenplane.tokenize.cpu.bpe import piece_byte_bounds
 
 # one string per PEP 393 kind: ASCII, Latin-1, UCS-2, UCS-4 (and mixtures the slices below cut into)
@@ -111,9 +111,25 @@ def _units(text, width):
     return np.frombuffer(text.encode("utf-32-le"), np.uint32)
 
 
+_NO_FEATURES = np.zeros(0x110000, np.uint8)      # (the UTF-8 and bounds do not depend on the feature bytes)
+
+
+def bits_form_utf8(c, n, sb, buf, bounds):
+    """The fused encode's UTF-8 and piece bounds of c[:n] (fullencode._features_utf8, then _pieces_utf8 with the
+    piece starts `sb`; a lookahead unit past n is taken as a stable cut): (bound count, UTF-8 size)."""
+    _, _, bad, buf2, bounds2, size, wide_pos, wide_add, nw = fullencode._features_utf8(
+        c, n, np.empty(0, np.uint8), np.empty(0, np.bool_), _NO_FEATURES, buf, bounds)
+    assert bad < 0 and buf2.ctypes.data == buf.ctypes.data and bounds2.ctypes.data == bounds.ctypes.data
+    if c.shape[0] > n:
+        sb[n >> 6] |= np.uint64(1) << np.uint64(n & 63)
+    _, _, k, status = fullencode._pieces_utf8(c, n, sb, buf, bounds, size, wide_pos, wide_add, nw)
+    assert status == fullencode.OK
+    return k, (bounds[k - 1] if k else 0)
+
+
 @pytest.mark.parametrize("width", [8, 16, 32])
 def test_utf8_bits_form_equal_encode(width):
-    """The bitmap form (the fused encode's: a str's own 8-, 16- or 32-bit units, piece starts as a bitmap) equals
+    """The fused encode's UTF-8 and bounds (a str's own 8-, 16- or 32-bit units, piece starts as a bitmap) equal
     CPython's encoder and the bounds reference, wide characters at every edge of its 64-character steps included."""
     rng = random.Random(width)
     for text in _edge_texts() + _mostly_ascii_texts() + _texts():
@@ -131,7 +147,7 @@ def test_utf8_bits_form_equal_encode(width):
         # scratch: every word's starts through the byte tables)
         for spare in (0, 64):
             bounds = np.zeros(n + 1 + spare, np.int64)
-            k, size = strbuf._utf8_and_bounds_bits(c, n, sb, buf, bounds)
+            k, size = bits_form_utf8(c, n, sb, buf, bounds)
             assert buf[:size].tobytes() == text.encode("utf-8"), repr(text[:80])
             if n:
                 cps = strbuf.codepoints(text)

@@ -70,12 +70,6 @@ def _codepoints_impl(s, a, b, out):
     return -1
 
 
-def _narrow(src, dst):
-    # its own function: as one, LLVM vectorizes the copy (inline in the caller's loop it ran ~4x slower)
-    for t in range(src.shape[0]):
-        dst[t] = np.uint8(src[t])
-
-
 def _ascii_blocks(cps, i, last, buf, pos):
     """cps[i:] narrowed into buf[pos:] 64 characters at a time while i <= last and they are ASCII: (i, pos, the wide
     mask of cps[i:i + 64]) at the first 64 that holds a wide character (written as bytes, pos not moved past them),
@@ -93,17 +87,6 @@ def _utf8_and_bounds_impl(cps, n, starts, buf, bounds):
     if _mostly_wide(cps, n):
         return _utf8_one_pass(cps, n, starts, buf, bounds)
     return _utf8_by_runs(cps, n, starts, buf, bounds)
-
-
-def _utf8_and_bounds_bits_impl(cps, n, sb, buf, bounds):
-    # the same with the piece starts as a bitmap (bit i of word i >> 6: startbits.py); passes (2) and (3) of
-    # _utf8_by_runs in one (`_bit_byte_positions`)
-    if _mostly_wide(cps, n):
-        return _utf8_one_pass_bits(cps, n, sb, buf, bounds)
-    pos, wide_pos, wide_add, nw = _utf8_ascii_runs(cps, n, buf)
-    k = _bit_byte_positions(sb, n, bounds, wide_pos, wide_add, nw)
-    bounds[k] = pos
-    return k + 1, pos
 
 
 def _mostly_wide(cps, n):
@@ -173,13 +156,17 @@ def _utf8_ascii_runs(cps, n, buf):
             pos += i + 64 - j
         i += 64
     for j in range(i, n):      # (the text's last 64 to 127 characters, or all of a short text: one at a time)
-        x = cps[j]
-        if x < 0x80:
-            buf[pos] = np.uint8(x)
-            pos += 1
-            continue
-        pos, wide_pos, wide_add, nw = _put_wide(buf, pos, x, j, wide_pos, wide_add, nw)
+        pos, wide_pos, wide_add, nw = _put_char(buf, pos, cps[j], j, wide_pos, wide_add, nw)
     return pos, wide_pos, wide_add, nw
+
+
+def _put_char(buf, pos, x, j, wide_pos, wide_add, nw):
+    """The UTF-8 of character x (at character j) at buf[pos], a wide one noted as `_put_wide` notes it: (pos after
+    it, the arrays, the count)."""
+    if x < 0x80:
+        buf[pos] = np.uint8(x)
+        return pos + 1, wide_pos, wide_add, nw
+    return _put_wide(buf, pos, x, j, wide_pos, wide_add, nw)
 
 
 def _put_wide(buf, pos, x, j, wide_pos, wide_add, nw):
@@ -323,25 +310,24 @@ def _false_units(c, table, out):
     # 64 units a step where the table holds every ASCII code point (NFC's inert table does): a step without a unit
     # >= 0x80 (simdbits.wide64) has no position to note; 4M characters of a 4-byte str (python source with one astral
     # character) scanned one unit at a time took ~1 ms.
-    k = 0
-    cap = out.shape[0]
     n = c.shape[0]
     ascii_true = True
     for x in range(128):
         ascii_true &= table[x]
+    k = 0
     i = 0
     if ascii_true:
         while i + 64 <= n:
-            if _wide64(c, i) == 0:
-                i += 64
-                continue
-            for j in range(i, i + 64):
-                if not table[c[j]]:
-                    if k < cap:
-                        out[k] = j
-                    k += 1
+            if _wide64(c, i) != 0:
+                k = _note_false(c, i, i + 64, table, out, k)
             i += 64
-    for j in range(i, n):
+    return _note_false(c, i, n, table, out, k)
+
+
+def _note_false(c, a, b, table, out, k):
+    # the positions j in [a, b) where table[c[j]] is False, from the k-th on: the first out.shape[0] into out; the new k
+    cap = out.shape[0]
+    for j in range(a, b):
         if not table[c[j]]:
             if k < cap:
                 out[k] = j
@@ -361,10 +347,11 @@ _codepoints = njit(cache=True, nogil=True)(_codepoints_impl)
 _sampled_sizes = njit(cache=True, nogil=True)(_sampled_sizes_impl)
 _false_scan = njit(cache=True, nogil=True)(_false_scan)
 _false_units = njit(cache=True, nogil=True)(_false_units)
+_note_false = njit(cache=True, nogil=True, inline="always")(_note_false)
 _false_at = njit(cache=True, nogil=True)(_false_at_impl)
 _put_utf8 = njit(cache=True, nogil=True, inline="always")(_put_utf8)
 _put_wide = njit(cache=True, nogil=True, inline="always")(_put_wide)
-_narrow = njit(cache=True, nogil=True)(_narrow)
+_put_char = njit(cache=True, nogil=True, inline="always")(_put_char)
 _ascii_blocks = njit(cache=True, nogil=True)(_ascii_blocks)
 _mostly_wide = njit(cache=True, nogil=True)(_mostly_wide)
 _utf8_ascii_runs = njit(cache=True, nogil=True)(_utf8_ascii_runs)
@@ -374,7 +361,6 @@ _utf8_one_pass = njit(cache=True, nogil=True)(_utf8_one_pass)
 _utf8_one_pass_bits = njit(cache=True, nogil=True)(_utf8_one_pass_bits)
 _utf8_by_runs = njit(cache=True, nogil=True)(_utf8_by_runs)
 _utf8_and_bounds = njit(cache=True, nogil=True)(_utf8_and_bounds_impl)
-_utf8_and_bounds_bits = njit(cache=True, nogil=True)(_utf8_and_bounds_bits_impl)
 
 
 def codepoints(s: str, a: int = 0, b: int | None = None, extra: str = "",
