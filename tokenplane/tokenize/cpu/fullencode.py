@@ -101,17 +101,25 @@ def _features_utf8(c, n, feat, starts, table, buf, bounds):
         m = _surrogates64(c, i)
         if m != 0:
             return feat, sb, i + np.int64(_trailing_zeros(m)), buf, bounds, -1, wide_pos, wide_add, 0
-        for j in range(i, i + 64):
+        for j in range(i, i + 64):     # (the ASCII branch written out: see strbuf._utf8_ascii_runs' tail)
             x = c[j]
             feat[j] = table[x]
-            pos, wide_pos, wide_add, nw = strbuf._put_char(buf, pos, x, j, wide_pos, wide_add, nw)
+            if x < 0x80:
+                buf[pos] = np.uint8(x)
+                pos += 1
+            else:
+                pos, wide_pos, wide_add, nw = strbuf._put_wide(buf, pos, x, j, wide_pos, wide_add, nw)
     for j in range(full, total):    # (the last partial 64 and the lookahead: its features only)
         x = c[j]
         feat[j] = table[x]
         if (np.uint32(x) - np.uint32(0xD800)) < np.uint32(0x800):
             return feat, sb, j, buf, bounds, -1, wide_pos, wide_add, 0
         if j < n:
-            pos, wide_pos, wide_add, nw = strbuf._put_char(buf, pos, x, j, wide_pos, wide_add, nw)
+            if x < 0x80:
+                buf[pos] = np.uint8(x)
+                pos += 1
+            else:
+                pos, wide_pos, wide_add, nw = strbuf._put_wide(buf, pos, x, j, wide_pos, wide_add, nw)
     for j in range(total, total + startbits.PAD):
         feat[j] = 0
     return feat, sb, -1, buf, bounds, pos, wide_pos, wide_add, nw
