@@ -49,7 +49,7 @@ def encoder(mod: Any, family: str, bpe: Any) -> Any:
     pm = PieceMap()
     missing = bpe.missing if bpe.missing is not None else np.zeros(256, np.bool_)
     tail = (bpe.missing is not None, missing, bpe.byte_ids, bpe.ptab, bpe.batch, bpe.whole, bpe.wkeys, bpe.wids,
-            bpe.tok_flat, bpe.tok_off, pm.slots, pm.arena, pm.state)
+            bpe.tok_flat, bpe.tok_off, bpe.wmap, bpe.btda, bpe.btrec, pm.slots, pm.arena, pm.state, pm.valid)
     loop, fam_args = pt.loop_tables(family)
     engine = FAMILIES[family].engine
 

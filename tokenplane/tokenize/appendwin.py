@@ -123,15 +123,15 @@ def _pre(text, base, d, w, nfc, inert, ids, ck, tc, ex_i, ex_v, n, cont):
 
 def _append_gpt4_impl(text, base, d, w, ids, ck, ex_i, ex_v, n, commit, nfc, inert, cont, sig, pair, use_stable,
                       max_chars, max_stable, max_cand, kind_table, digits, whole_at_end, tc, has_missing, missing,
-                      byte_ids, ptab, batch, whole, wkeys, wids, tok_flat, tok_off, wmap, slots, arena, state,
-                      out_ids, out_ends):
+                      byte_ids, ptab, batch, whole, wkeys, wids, tok_flat, tok_off, wmap, btda, btrec, slots, arena,
+                      state, valid, out_ids, out_ends):
     s, status = _pre(text, base, d, w, nfc, inert, ids, ck, tc, ex_i, ex_v, n, cont)
     if status != OK:
         return _declined(status)
     f_ids, f_ends, _, st = window._window_gpt4(
         text, s - base, len(text), np.zeros((0, 2), np.int64), base, kind_table, digits, whole_at_end, tc,
-        has_missing, missing, byte_ids, ptab, batch, whole, wkeys, wids, tok_flat, tok_off, wmap, slots, arena,
-        state)
+        has_missing, missing, byte_ids, ptab, batch, whole, wkeys, wids, tok_flat, tok_off, wmap, btda, btrec, slots,
+        arena, state, valid)
     if st != window.OK:
         return _declined(WINDOW_DECLINED)
     return _finish(text, base, s, d, f_ids, f_ends, ids, ck, tc, ex_i, ex_v, n, commit, cont, sig, pair,
@@ -140,14 +140,14 @@ def _append_gpt4_impl(text, base, d, w, ids, ck, ex_i, ex_v, n, commit, nfc, ine
 
 def _append_o200k_impl(text, base, d, w, ids, ck, ex_i, ex_v, n, commit, nfc, inert, cont, sig, pair,
                        use_stable, max_chars, max_stable, max_cand, table, cls_table, tc, has_missing, missing,
-                       byte_ids, ptab, batch, whole, wkeys, wids, tok_flat, tok_off, wmap, slots, arena, state,
-                      out_ids, out_ends):
+                       byte_ids, ptab, batch, whole, wkeys, wids, tok_flat, tok_off, wmap, btda, btrec, slots, arena,
+                       state, valid, out_ids, out_ends):
     s, status = _pre(text, base, d, w, nfc, inert, ids, ck, tc, ex_i, ex_v, n, cont)
     if status != OK:
         return _declined(status)
     f_ids, f_ends, _, st = window._window_o200k(
         text, s - base, len(text), np.zeros((0, 2), np.int64), base, table, cls_table, tc, has_missing, missing,
-        byte_ids, ptab, batch, whole, wkeys, wids, tok_flat, tok_off, wmap, slots, arena, state)
+        byte_ids, ptab, batch, whole, wkeys, wids, tok_flat, tok_off, wmap, btda, btrec, slots, arena, state, valid)
     if st != window.OK:
         return _declined(WINDOW_DECLINED)
     return _finish(text, base, s, d, f_ids, f_ends, ids, ck, tc, ex_i, ex_v, n, commit, cont, sig, pair,
@@ -156,13 +156,14 @@ def _append_o200k_impl(text, base, d, w, ids, ck, ex_i, ex_v, n, commit, nfc, in
 
 def _append_deepseek_impl(text, base, d, w, ids, ck, ex_i, ex_v, n, commit, nfc, inert, cont, sig, pair,
                           use_stable, max_chars, max_stable, max_cand, table, tc, has_missing, missing, byte_ids, ptab,
-                          batch, whole, wkeys, wids, tok_flat, tok_off, wmap, slots, arena, state, out_ids, out_ends):
+                          batch, whole, wkeys, wids, tok_flat, tok_off, wmap, btda, btrec, slots, arena, state, valid,
+                          out_ids, out_ends):
     s, status = _pre(text, base, d, w, nfc, inert, ids, ck, tc, ex_i, ex_v, n, cont)
     if status != OK:
         return _declined(status)
     f_ids, f_ends, _, st = window._window_deepseek(
         text, s - base, len(text), np.zeros((0, 2), np.int64), base, table, tc, has_missing, missing, byte_ids, ptab,
-        batch, whole, wkeys, wids, tok_flat, tok_off, wmap, slots, arena, state)
+        batch, whole, wkeys, wids, tok_flat, tok_off, wmap, btda, btrec, slots, arena, state, valid)
     if st != window.OK:
         return _declined(WINDOW_DECLINED)
     return _finish(text, base, s, d, f_ids, f_ends, ids, ck, tc, ex_i, ex_v, n, commit, cont, sig, pair,
@@ -171,13 +172,14 @@ def _append_deepseek_impl(text, base, d, w, ids, ck, ex_i, ex_v, n, commit, nfc,
 
 def _append_smollm2_impl(text, base, d, w, ids, ck, ex_i, ex_v, n, commit, nfc, inert, cont, sig, pair,
                          use_stable, max_chars, max_stable, max_cand, table, tc, has_missing, missing, byte_ids, ptab,
-                         batch, whole, wkeys, wids, tok_flat, tok_off, wmap, slots, arena, state, out_ids, out_ends):
+                         batch, whole, wkeys, wids, tok_flat, tok_off, wmap, btda, btrec, slots, arena, state, valid,
+                         out_ids, out_ends):
     s, status = _pre(text, base, d, w, nfc, inert, ids, ck, tc, ex_i, ex_v, n, cont)
     if status != OK:
         return _declined(status)
     f_ids, f_ends, _, st = window._window_smollm2(
         text, s - base, len(text), np.zeros((0, 2), np.int64), base, table, tc, has_missing, missing, byte_ids, ptab,
-        batch, whole, wkeys, wids, tok_flat, tok_off, wmap, slots, arena, state)
+        batch, whole, wkeys, wids, tok_flat, tok_off, wmap, btda, btrec, slots, arena, state, valid)
     if st != window.OK:
         return _declined(WINDOW_DECLINED)
     return _finish(text, base, s, d, f_ids, f_ends, ids, ck, tc, ex_i, ex_v, n, commit, cont, sig, pair,

@@ -381,6 +381,7 @@ class BPE:
         self.wkeys, self.wids = tables.wkeys, tables.wids
         self.wmap = tables.wmap                 # the same lookup for small pieces, keyed as the piece map (piecemap.py)
         self.warena = tables.warena             # with wmap, a piece map's seed
+        self.btda, self.btrec = tables.btda, tables.btrec   # backtrack.py's tables (empty: merge kernels only)
         self._local = threading.local()
         self._caches: list[PieceCache] = []     # every thread's cache, so clear_caches can reach them
 

@@ -25,13 +25,14 @@ import numpy as np
 
 from ..reference import HFReference, ReferenceEngine, _bytes_to_unicode
 from ..spec.artifacts import cache_dir
+from . import backtrack
 from .bpe import _build_pairs, _build_whole, _pair_entries, table_cap
 from .merge import _last_merges, pair_records, table_width
 from .piecemap import whole_map
 
-TABLE_VERSION = 12      # bump when what a table holds or how it is built changes: old folders are then ignored
+TABLE_VERSION = 13      # bump when what a table holds or how it is built changes: old folders are then ignored
 _ARRAYS = ("tok_flat", "tok_off", "byte_ids", "pkeys", "pranks", "pnews", "ptab", "whole_ids", "wkeys", "wids",
-           "wmap", "warena", "missing")
+           "wmap", "warena", "btda", "btrec", "missing")
 
 
 @dataclass(frozen=True)
@@ -53,6 +54,9 @@ class BpeTables:
     wmap: np.ndarray            # uint64[cap + filter rows, 2]: the same lookup for tokens of <= 8 bytes, keyed as
                                 #   the piece map, then its filter; also a piece map's seed (piecemap.whole_map)
     warena: np.ndarray          # uint32: the seed's arena entries (tokens of 9-16 bytes)
+    btda: np.ndarray            # uint64: backtrack.py's double-array trie of the self-encoding tokens (empty: the
+                                #   orders are not monotone and new pieces keep merge.py's kernels)
+    btrec: np.ndarray           # int64[n_vocab, 2] (or [0, 2]): backtrack.py's per-token order, parts, prefix
     missing: np.ndarray | None  # bool[256]: bytes the reference drops (None: the vocabulary has all 256)
 
 
@@ -148,8 +152,9 @@ def build(reference: ReferenceEngine, content_hash: str) -> BpeTables:
     cap = table_cap(len(multi))
     wkeys, wids = _build_whole(tok_flat, tok_off, multi, cap, table_width(cap))
     wmap, warena = whole_map(tok_flat, tok_off, multi, wkeys, wids)
+    btda, btrec = backtrack.build(tok_flat, tok_off, byte_ids, ptab)
     return BpeTables(fam.name, content_hash, len(tokens), int(np.count_nonzero(own)), tok_flat, tok_off, byte_ids,
-                     pkeys, pranks, pnews, ptab, multi, wkeys, wids, wmap, warena,
+                     pkeys, pranks, pnews, ptab, multi, wkeys, wids, wmap, warena, btda, btrec,
                      None if missing is None else np.asarray(missing, dtype=bool))
 
 

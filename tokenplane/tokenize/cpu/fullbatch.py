@@ -73,15 +73,16 @@ def _starts(form, cps, feat, sb, digits, whole_at_end, cls_table, rare):
 # allocates its output and scratch per call (~0.5 us of a short text). Arrays reach the stages as borrowed views
 # (borrow.py): a call per text would otherwise count ~20 references in and out.
 def _batch_impl(s, spans, cps, feat, starts, buf, bounds, form, feat_table, cls_table, digits, whole_at_end,
-                has_missing, missing, byte_ids, ptab, batch, whole, wkeys, wids, tok_flat, tok_off, wmap, slots, arena,
-                state):
+                has_missing, missing, byte_ids, ptab, batch, whole, wkeys, wids, tok_flat, tok_off, wmap, btda, btrec,
+                slots, arena, state, valid):
     cps, feat, starts, buf, bounds, feat_table = _borrowed(cps), _borrowed(feat), _borrowed(starts), \
         _borrowed(buf), _borrowed(bounds), _borrowed(feat_table)
     cls_table, missing, byte_ids, ptab, wkeys = _borrowed(cls_table), _borrowed(missing), _borrowed(byte_ids), \
         _borrowed(ptab), _borrowed(wkeys)
     wids, tok_flat, tok_off, wmap, slots = _borrowed(wids), _borrowed(tok_flat), _borrowed(tok_off), \
         _borrowed(wmap), _borrowed(slots)
-    arena, state = _borrowed(arena), _borrowed(state)
+    arena, state, btda, btrec, valid = _borrowed(arena), _borrowed(state), _borrowed(btda), _borrowed(btrec), \
+        _borrowed(valid)
     end = s[:0]     # no lookahead: a span ends its text (an empty str of the text's type, not a literal)
     s = _borrowed(s)
     counts, out, longest = _start(spans)
@@ -107,8 +108,8 @@ def _batch_impl(s, spans, cps, feat, starts, buf, bounds, form, feat_table, cls_
             grown[:o] = out[:o]
             out = grown
         end_o, status = _walk_into(bf, bd, nb, _borrowed(out), o, _borrowed(ms), _borrowed(heap), has_missing,
-                                   missing, byte_ids, ptab, batch, whole, wkeys, wids, tok_flat, tok_off, wmap, slots,
-                                   arena, state)
+                                   missing, byte_ids, ptab, batch, whole, wkeys, wids, tok_flat, tok_off, wmap, btda,
+                                   btrec, slots, arena, state, valid)
         if status != OK:
             return out[:0], counts, status
         counts[j] = end_o - o

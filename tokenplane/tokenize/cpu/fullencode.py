@@ -197,7 +197,7 @@ def _pad(buf, size):
 
 @njit(cache=True, nogil=True)
 def _finish(cps, n, starts, buf, bounds, has_missing, missing, byte_ids, ptab, batch, whole, wkeys, wids, tok_flat,
-            tok_off, wmap, slots, arena, state):
+            tok_off, wmap, btda, btrec, slots, arena, state, valid):
     """UTF-8 + piece bounds (strbuf's one pass, into the scratch `buf` and `bounds` when long enough), then the piece
     map walk."""
     if cps.shape[0] > n and not starts[n]:    # the lookahead character must start a piece (a stable cut)
@@ -208,18 +208,18 @@ def _finish(cps, n, starts, buf, bounds, has_missing, missing, byte_ids, ptab, b
     nb, size = strbuf._utf8_and_bounds(cps, n, starts, buf, bounds)
     _pad(buf, size)
     return _walk(buf, bounds, nb, has_missing, missing, byte_ids, ptab, batch, whole, wkeys, wids, tok_flat, tok_off,
-                 wmap, slots, arena, state)
+                 wmap, btda, btrec, slots, arena, state, valid)
 
 
 @njit(cache=True, nogil=True, inline="always")
 def _walked(buf, bounds, nb, status, has_missing, missing, byte_ids, ptab, batch, whole, wkeys, wids, tok_flat,
-            tok_off, wmap, slots, arena, state):
+            tok_off, wmap, btda, btrec, slots, arena, state, valid):
     """The piece map walk of `_pieces_utf8`'s pieces (one call site per family kernel: the walk is compiled once, not
     once per code unit width)."""
     if nb == 0:
         return _declined(status)
     return _walk(buf, bounds, nb, has_missing, missing, byte_ids, ptab, batch, whole, wkeys, wids, tok_flat, tok_off,
-                 wmap, slots, arena, state)
+                 wmap, btda, btrec, slots, arena, state, valid)
 
 
 @njit(cache=True, nogil=True)
@@ -261,7 +261,8 @@ def _gpt4_front(c, n, feat, starts, buf, bounds, feat_table, digits, whole_at_en
 
 
 def _full_gpt4_impl(s, a, b, extra, cps, feat, starts, buf, bounds, feat_table, digits, whole_at_end, has_missing,
-                    missing, byte_ids, ptab, batch, whole, wkeys, wids, tok_flat, tok_off, wmap, slots, arena, state):
+                    missing, byte_ids, ptab, batch, whole, wkeys, wids, tok_flat, tok_off, wmap, btda, btrec, slots,
+                    arena, state, valid):
     # the bit-parallel pre-tokenizer (startbits.py: the same starts as pretokenize._gpt4_loop)
     kind = _in_place(s, a, b, extra)
     if kind == 1:
@@ -278,7 +279,7 @@ def _full_gpt4_impl(s, a, b, extra, cps, feat, starts, buf, bounds, feat_table, 
         startbits._gpt4_bits(cps.view(np.int32), feat, digits, whole_at_end, sb)
         buf, bounds, nb, status = _pieces_utf8(cps, b - a, sb, buf, bounds, size, wide_pos, wide_add, nw)
     return _walked(buf, bounds, nb, status, has_missing, missing, byte_ids, ptab, batch, whole, wkeys, wids, tok_flat,
-                   tok_off, wmap, slots, arena, state)
+                   tok_off, wmap, btda, btrec, slots, arena, state, valid)
 
 
 def _deepseek_front(c, n, feat, starts, buf, bounds, feat_table):
@@ -291,7 +292,8 @@ def _deepseek_front(c, n, feat, starts, buf, bounds, feat_table):
 
 
 def _full_deepseek_impl(s, a, b, extra, cps, feat, starts, buf, bounds, feat_table, has_missing, missing, byte_ids,
-                        ptab, batch, whole, wkeys, wids, tok_flat, tok_off, wmap, slots, arena, state):
+                        ptab, batch, whole, wkeys, wids, tok_flat, tok_off, wmap, btda, btrec, slots, arena, state,
+                        valid):
     # the bit-parallel pre-tokenizer (deepseekbits.py: the same starts as pretokenize._deepseek_loop)
     kind = _in_place(s, a, b, extra)
     if kind == 1:
@@ -308,7 +310,7 @@ def _full_deepseek_impl(s, a, b, extra, cps, feat, starts, buf, bounds, feat_tab
         deepseekbits._deepseek_bits(cps.view(np.int32), feat, sb)
         buf, bounds, nb, status = _pieces_utf8(cps, b - a, sb, buf, bounds, size, wide_pos, wide_add, nw)
     return _walked(buf, bounds, nb, status, has_missing, missing, byte_ids, ptab, batch, whole, wkeys, wids, tok_flat,
-                   tok_off, wmap, slots, arena, state)
+                   tok_off, wmap, btda, btrec, slots, arena, state, valid)
 
 
 def _smollm2_front(c, n, feat, starts, buf, bounds, feat_table):
@@ -321,7 +323,8 @@ def _smollm2_front(c, n, feat, starts, buf, bounds, feat_table):
 
 
 def _full_smollm2_impl(s, a, b, extra, cps, feat, starts, buf, bounds, feat_table, has_missing, missing, byte_ids,
-                       ptab, batch, whole, wkeys, wids, tok_flat, tok_off, wmap, slots, arena, state):
+                       ptab, batch, whole, wkeys, wids, tok_flat, tok_off, wmap, btda, btrec, slots, arena, state,
+                       valid):
     # the bit-parallel pre-tokenizer (startbits.py: the same starts as pretokenize._smollm2_loop)
     kind = _in_place(s, a, b, extra)
     if kind == 1:
@@ -338,7 +341,7 @@ def _full_smollm2_impl(s, a, b, extra, cps, feat, starts, buf, bounds, feat_tabl
         startbits._smollm2_bits(cps.view(np.int32), feat, sb)
         buf, bounds, nb, status = _pieces_utf8(cps, b - a, sb, buf, bounds, size, wide_pos, wide_add, nw)
     return _walked(buf, bounds, nb, status, has_missing, missing, byte_ids, ptab, batch, whole, wkeys, wids, tok_flat,
-                   tok_off, wmap, slots, arena, state)
+                   tok_off, wmap, btda, btrec, slots, arena, state, valid)
 
 
 def _o200k_front(c, n, feat, starts, buf, bounds, feat_table, cls_table):
@@ -354,7 +357,8 @@ def _o200k_front(c, n, feat, starts, buf, bounds, feat_table, cls_table):
 
 
 def _full_o200k_impl(s, a, b, extra, cps, feat, starts, buf, bounds, feat_table, cls_table, has_missing, missing,
-                     byte_ids, ptab, batch, whole, wkeys, wids, tok_flat, tok_off, wmap, slots, arena, state):
+                     byte_ids, ptab, batch, whole, wkeys, wids, tok_flat, tok_off, wmap, btda, btrec, slots, arena,
+                     state, valid):
     # the bit-parallel pre-tokenizer (o200kbits.py: the same starts and rare positions as pretokenize._o200k_loop),
     # then the rescan of the windows around the rare positions (o200k_rescan._rescan_bits; cls_table: the class
     # table its matcher reads)
@@ -376,7 +380,7 @@ def _full_o200k_impl(s, a, b, extra, cps, feat, starts, buf, bounds, feat_table,
             return _declined(OVERRUN)
         buf, bounds, nb, status = _pieces_utf8(cps, b - a, sb, buf, bounds, size, wide_pos, wide_add, nw)
     return _walked(buf, bounds, nb, status, has_missing, missing, byte_ids, ptab, batch, whole, wkeys, wids, tok_flat,
-                   tok_off, wmap, slots, arena, state)
+                   tok_off, wmap, btda, btrec, slots, arena, state, valid)
 
 
 _gpt4_front = njit(cache=True, nogil=True)(_gpt4_front)

@@ -45,7 +45,8 @@ KEY_VERSION = 1                         # bump when what goes into the module ch
 _HERE = Path(__file__).resolve().parent
 # The modules whose source decides the compiled code: the kernels, this table of signatures, the lazy decorator.
 SOURCES = ("strbuf.py", "pretokenize.py", "o200k_rescan.py", "runbits.py", "startbits.py", "maskbits.py",
-           "deepseekbits.py", "o200kbits.py", "simdbits.py", "borrow.py", "bpe.py", "merge.py", "boundary.py",
+           "deepseekbits.py", "o200kbits.py", "simdbits.py", "borrow.py", "bpe.py", "merge.py", "backtrack.py",
+           "boundary.py",
            "segments.py", "window.py", "piecemap.py", "fullencode.py", "fullbatch.py", "packed.py", "../appendwin.py",
            "../records.py", "../splice.py", "../textstore.py", "../packedrun.py", "lazyjit.py", "kernels.py",
            "aotbuild.py")
@@ -68,11 +69,12 @@ BPE_ARGS = (A("int32"), A("uint64", 2), B, B, A("uint64"), A("int32"), A("uint8"
 WINDOW_HEAD = (S, I, I, A("int64", 2), I)
 WINDOW_RET = "Tuple((uint32[::1], int64[::1], int64[::1], int64))"
 # the fused full-encode block kernels (fullencode.py): text, a, b, lookahead, scratch (code points, classes, starts,
-# UTF-8, bounds) | family tables | missing bytes, BPE tables, the small whole-token map (piecemap.whole_map), the
-# thread's piece map (piecemap.py: slots, arena, state)
+# UTF-8, bounds) | family tables | missing bytes, BPE tables, the small whole-token map (piecemap.whole_map),
+# backtrack.py's tables, the thread's piece map (piecemap.py: slots, arena, state) and its pair-validity memo
 FULL_HEAD = (S, I, I, S, A("uint32"))
 FULL_SCRATCH = (A("boolean"), A("uint8"), A("int64"))
-FULL_TAIL = (B, A("boolean"), *BPE_ARGS[:8], A("uint64", 2), A("uint64", 2), A("uint32"), A("int64"))
+FULL_TAIL = (B, A("boolean"), *BPE_ARGS[:8], A("uint64", 2), A("uint64"), A("int64", 2), A("uint64", 2), A("uint32"),
+             A("int64"), A("uint64"))
 FULL_RET = "Tuple((int32[::1], int64))"
 # a window's tail: token_chars, then the walk's (piecemap.walk_tail: the thread's piece map, as a full encode)
 WINDOW_TAIL = (A("uint16"), *FULL_TAIL)

@@ -23,8 +23,8 @@ text: 2,048 direct-mapped long slots for ~24K distinct CJK runs); a miss re-runs
   output): on 1M characters every piece of which was in the map, 2.2-2.6 ms against 2.8-3.3 before for english and
   code (1.25x, one core, alternated in one process); single-byte pieces are kept in the map like any other;
 * a long piece's hash and its byte compare read whole words of the text's UTF-8 where it lies (no copy of the piece);
-* a miss runs bpe.py's own merge kernels (whole-piece lookup, then the scan kernel up to HEAP_MIN_BYTES, the heap
-  above) on the piece's bytes: the same IDs.
+* a miss runs bpe.py's own merge kernels (whole-piece lookup, then the scan kernel up to HEAP_MIN_BYTES; above,
+  backtrack.py's kernel where the tokenizer has its tables, else the heap) on the piece's bytes: the same IDs.
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ from typing import Any
 
 import numpy as np
 
+from . import backtrack as bt_mod
 from . import bpe as bpe_mod
 from . import merge as merge_mod
 from .lazyjit import njit, numba_global  # numba itself only when a JIT kernel runs (lazyjit.py)
@@ -54,6 +55,10 @@ SEED_LOAD = 0.4              # whole_map's slots, sized so the seed fills at mos
 # 33-48 bytes (qwen3 CJK runs); up to 16 bytes merge._merge_piece_scan is the fastest (its docstring; bpe.HEAP_MIN_BYTES
 # is 48 in the staged path, which keeps the rounds kernel).
 HEAP_MIN_BYTES = 16
+# Longer pieces go to backtrack.py's kernel where the tokenizer has its tables (same IDs; its docstring has the
+# figures: 318 vs 382 ns a piece at 9-16 bytes against the scan kernel, 2.0-2.6x less than the heap above 32 bytes);
+# up to 8 bytes the scan kernel stays faster (183 vs 218).
+BACKTRACK_MIN_BYTES = 16
 _K = 0x9E3779B97F4A7C15
 # whole_map's filter: cap >> 5 rows after its slots, 2 words a row (1/16 of the slots' words, as the pair filter)
 WMAP_FILTER_SHIFT = 5
@@ -89,6 +94,8 @@ class PieceMap:
         # entries, arena words used, the entry limit, times emptied, seeded entries, seeded arena words
         self.state = np.array([nseed, nwords, limit, 0, nseed, nwords], dtype=np.int64)
         self.bound: dict[str, Any] = {}     # fullencode kernels with these arrays bound, by family
+        # backtrack._valid_memo's answers (pure functions of the tokenizer's tables: never stale, never cleared)
+        self.valid = np.zeros(bt_mod.VALID_SLOTS, dtype=np.uint64)
 
     def clear(self) -> None:
         if self.seed is not None:
@@ -173,19 +180,19 @@ def _whole_small(wmap, key, m):
 
 @njit(cache=True, nogil=True)
 def _walk(buf, bounds, nb, has_missing, missing, byte_ids, ptab, batch, whole, wkeys, wids, tok_flat, tok_off,
-          wmap, slots, arena, state):
+          wmap, btda, btrec, slots, arena, state, valid):
     """(IDs of the pieces buf[bounds[j]:bounds[j+1]], j < nb - 1, status OK or DROPPED: a byte the vocabulary
     lacks). buf: the UTF-8, with at least 16 bytes after the last piece."""
     out = np.empty(bounds[nb - 1] + 16, np.int32)        # a piece yields at most one ID per byte
     o, status = _walk_into(buf, bounds, nb, out, 0, np.empty(5 * 64, np.int32), np.empty(3 * 64, np.int64),
                            has_missing, missing, byte_ids, ptab, batch, whole, wkeys, wids, tok_flat, tok_off, wmap,
-                           slots, arena, state)
+                           btda, btrec, slots, arena, state, valid)
     return (out[:o] if status == OK else out[:0]), status
 
 
 @njit(cache=True, nogil=True)
 def _walk_into(buf, bounds, nb, out, o, ms, heap, has_missing, missing, byte_ids, ptab, batch, whole, wkeys, wids,
-               tok_flat, tok_off, wmap, slots, arena, state):
+               tok_flat, tok_off, wmap, btda, btrec, slots, arena, state, valid):
     """`_walk` writing the IDs into out from o on (out: at least o + bounds[nb - 1] + 16 entries); ms (int32, 5 x
     k) and heap (int64, >= 3 x k): the merge kernels' scratch for pieces up to k bytes (a longer one gets its own).
     (o after the last ID, OK), or (o, DROPPED). Allocates nothing while every piece fits the scratch: a batch of
@@ -197,6 +204,8 @@ def _walk_into(buf, bounds, nb, out, o, ms, heap, has_missing, missing, byte_ids
     wkeys, wids, tok_flat, tok_off, wmap = _borrowed(wkeys), _borrowed(wids), _borrowed(tok_flat), \
         _borrowed(tok_off), _borrowed(wmap)
     slots, arena, state, out = _borrowed(slots), _borrowed(arena), _borrowed(state), _borrowed(out)
+    btda, btrec, valid = _borrowed(btda), _borrowed(btrec), _borrowed(valid)
+    backtrack = btda.shape[0] > 0
     scratch = ms.shape[0] // 5
     sym, rk, nw, prk, pnw = _split5(_borrowed(ms), scratch)
     heap = _borrowed(heap)
@@ -297,7 +306,7 @@ def _walk_into(buf, bounds, nb, out, o, ms, heap, has_missing, missing, byte_ids
             for k in range(a, b):
                 if missing[buf[k]]:
                     return o, DROPPED
-        if m > scratch:     # (the grown scratch lives to the end of this call)
+        if m >= scratch:    # (the grown scratch lives to the end of this call; backtracking reads m + 1)
             scratch = 2 * m
             sym, rk, nw, prk, pnw = _split5(np.empty(5 * scratch, np.int32), scratch)
             heap = np.empty(3 * scratch, np.int64)
@@ -316,12 +325,20 @@ def _walk_into(buf, bounds, nb, out, o, ms, heap, has_missing, missing, byte_ids
         elif not batch:     # the plain one-merge-a-round schedule (kept to measure against)
             o = merge_mod._merge_piece(buf, a, b, byte_ids, ptab, batch, _borrowed(sym), _borrowed(rk),
                                        _borrowed(nw), _borrowed(out), o)
-        elif m > HEAP_MIN_BYTES:
-            o = merge_mod._merge_piece_heap(buf, a, b, byte_ids, ptab, _borrowed(sym), _borrowed(rk), _borrowed(nw),
-                                            _borrowed(prk), _borrowed(pnw), _borrowed(heap), _borrowed(out), o)
         else:
-            o = merge_mod._merge_piece_scan(buf, a, b, byte_ids, ptab, _borrowed(sym), _borrowed(rk), _borrowed(nw),
-                                            _borrowed(out), o)
+            o1 = -1
+            if backtrack and m > BACKTRACK_MIN_BYTES:
+                o1 = bt_mod._merge_piece(buf, a, b, ptab, tok_off, btda, btrec, valid, _borrowed(sym), _borrowed(rk),
+                                         _borrowed(out), o)
+            if o1 >= 0:
+                o = o1
+            elif m > HEAP_MIN_BYTES:
+                o = merge_mod._merge_piece_heap(buf, a, b, byte_ids, ptab, _borrowed(sym), _borrowed(rk),
+                                                _borrowed(nw), _borrowed(prk), _borrowed(pnw), _borrowed(heap),
+                                                _borrowed(out), o)
+            else:
+                o = merge_mod._merge_piece_scan(buf, a, b, byte_ids, ptab, _borrowed(sym), _borrowed(rk),
+                                                _borrowed(nw), _borrowed(out), o)
         # -- insert (the slot found empty above, unless the map is emptied first)
         cnt = o - o0
         inline = small and cnt <= 2
@@ -462,7 +479,7 @@ def walk_tail(bpe: bpe_mod.BPE) -> tuple[Any, ...]:
     pm = thread_map(bpe)
     missing = bpe.missing if bpe.missing is not None else _NO_MISSING
     return (bpe.missing is not None, missing, bpe.byte_ids, bpe.ptab, bpe.batch, bpe.whole, bpe.wkeys, bpe.wids,
-            bpe.tok_flat, bpe.tok_off, bpe.wmap, pm.slots, pm.arena, pm.state)
+            bpe.tok_flat, bpe.tok_off, bpe.wmap, bpe.btda, bpe.btrec, pm.slots, pm.arena, pm.state, pm.valid)
 
 
 __all__ = ["CUT_REJECTED", "DROPPED", "OK", "PieceMap", "SURROGATE", "thread_map", "walk_tail", "whole_map"]

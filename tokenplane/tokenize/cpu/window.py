@@ -80,7 +80,7 @@ def _declined(status):
 
 @njit(cache=True, nogil=True)
 def _window_finish(cps, offsets, starts, lo, spans, shift, tc, has_missing, missing, byte_ids, ptab, batch, whole,
-                   wkeys, wids, tok_flat, tok_off, wmap, slots, arena, state):
+                   wkeys, wids, tok_flat, tok_off, wmap, btda, btrec, slots, arena, state, valid):
     """UTF-8 + piece bounds, the piece map walk (the thread's map: piecemap.py), then each token's end (absolute:
     + shift) and the tokens per span."""
     n = cps.shape[0]
@@ -93,7 +93,7 @@ def _window_finish(cps, offsets, starts, lo, spans, shift, tc, has_missing, miss
     _pad(buf, size)     # (the walk reads a small piece's two words)
     counts = np.zeros(k, np.int64)
     raw, status = piecemap._walk(buf, bounds, nb, has_missing, missing, byte_ids, ptab, batch, whole, wkeys, wids,
-                                 tok_flat, tok_off, wmap, slots, arena, state)
+                                 tok_flat, tok_off, wmap, btda, btrec, slots, arena, state, valid)
     if status != piecemap.OK:       # DROPPED: a byte the vocabulary lacks
         return np.empty(0, np.uint32), np.empty(0, np.int64), counts, DROPPED
     m = raw.shape[0]
@@ -118,7 +118,8 @@ def _window_finish(cps, offsets, starts, lo, spans, shift, tc, has_missing, miss
 
 
 def _window_gpt4_impl(s, lo, hi, spans, shift, kind_table, digits, whole_at_end, tc, has_missing, missing, byte_ids,
-                      ptab, batch, whole, wkeys, wids, tok_flat, tok_off, wmap, slots, arena, state):
+                      ptab, batch, whole, wkeys, wids, tok_flat, tok_off, wmap, btda, btrec, slots, arena, state,
+                      valid):
     cps, offsets, kind, starts, bad = _window_start(s, lo, hi, spans, kind_table)
     if bad >= 0:
         return _declined(SURROGATE)
@@ -127,11 +128,11 @@ def _window_gpt4_impl(s, lo, hi, spans, shift, kind_table, digits, whole_at_end,
         a, b = offsets[j], offsets[j + 1]
         pt._gpt4_loop(c[a:b], kind[a:b], digits, whole_at_end, starts[a:b])
     return _window_finish(cps, offsets, starts, lo, spans, shift, tc, has_missing, missing, byte_ids, ptab, batch,
-                          whole, wkeys, wids, tok_flat, tok_off, wmap, slots, arena, state)
+                          whole, wkeys, wids, tok_flat, tok_off, wmap, btda, btrec, slots, arena, state, valid)
 
 
 def _window_o200k_impl(s, lo, hi, spans, shift, feat_table, cls_table, tc, has_missing, missing, byte_ids, ptab,
-                       batch, whole, wkeys, wids, tok_flat, tok_off, wmap, slots, arena, state):
+                       batch, whole, wkeys, wids, tok_flat, tok_off, wmap, btda, btrec, slots, arena, state, valid):
     # the run loop on each span, then the compiled rescan of the windows around its rare shapes (cls_table: the
     # matcher's class table); RARE only where the matcher overran a window (the staged path raises there)
     cps, offsets, feat, starts, bad = _window_start(s, lo, hi, spans, feat_table)
@@ -145,11 +146,11 @@ def _window_o200k_impl(s, lo, hi, spans, shift, feat_table, cls_table, tc, has_m
         if nr > 0 and o200k_rescan._rescan_mask(cps[a:b], cls_table, np.sort(rare[a:a + nr]), starts[a:b]) < 0:
             return _declined(RARE)
     return _window_finish(cps, offsets, starts, lo, spans, shift, tc, has_missing, missing, byte_ids, ptab, batch,
-                          whole, wkeys, wids, tok_flat, tok_off, wmap, slots, arena, state)
+                          whole, wkeys, wids, tok_flat, tok_off, wmap, btda, btrec, slots, arena, state, valid)
 
 
 def _window_deepseek_impl(s, lo, hi, spans, shift, feat_table, tc, has_missing, missing, byte_ids, ptab, batch,
-                          whole, wkeys, wids, tok_flat, tok_off, wmap, slots, arena, state):
+                          whole, wkeys, wids, tok_flat, tok_off, wmap, btda, btrec, slots, arena, state, valid):
     cps, offsets, feat, starts, bad = _window_start(s, lo, hi, spans, feat_table)
     if bad >= 0:
         return _declined(SURROGATE)
@@ -158,11 +159,11 @@ def _window_deepseek_impl(s, lo, hi, spans, shift, feat_table, tc, has_missing, 
         a, b = offsets[j], offsets[j + 1]
         pt._deepseek_loop(c[a:b], feat[a:b], starts[a:b])
     return _window_finish(cps, offsets, starts, lo, spans, shift, tc, has_missing, missing, byte_ids, ptab, batch,
-                          whole, wkeys, wids, tok_flat, tok_off, wmap, slots, arena, state)
+                          whole, wkeys, wids, tok_flat, tok_off, wmap, btda, btrec, slots, arena, state, valid)
 
 
 def _window_smollm2_impl(s, lo, hi, spans, shift, kind_table, tc, has_missing, missing, byte_ids, ptab, batch,
-                         whole, wkeys, wids, tok_flat, tok_off, wmap, slots, arena, state):
+                         whole, wkeys, wids, tok_flat, tok_off, wmap, btda, btrec, slots, arena, state, valid):
     cps, offsets, kind, starts, bad = _window_start(s, lo, hi, spans, kind_table)
     if bad >= 0:
         return _declined(SURROGATE)
@@ -171,7 +172,7 @@ def _window_smollm2_impl(s, lo, hi, spans, shift, kind_table, tc, has_missing, m
         a, b = offsets[j], offsets[j + 1]
         pt._smollm2_loop(c[a:b], kind[a:b], starts[a:b])
     return _window_finish(cps, offsets, starts, lo, spans, shift, tc, has_missing, missing, byte_ids, ptab, batch,
-                          whole, wkeys, wids, tok_flat, tok_off, wmap, slots, arena, state)
+                          whole, wkeys, wids, tok_flat, tok_off, wmap, btda, btrec, slots, arena, state, valid)
 
 
 _window_gpt4 = njit(cache=True, nogil=True)(_window_gpt4_impl)
