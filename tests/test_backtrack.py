@@ -5,7 +5,7 @@ import random
 
 import numpy as np
 import pytest
-from test_bpe import FAMILIES, encoder
+from test_bpe import FAMILIES, encoder, token_and_text_pieces
 from test_pretokenize import _corpus_docs
 
 from tokenplane.tokenize.cpu import backtrack as bt
@@ -63,11 +63,7 @@ def test_backtracking_equals_the_merge_kernels(name):
     ref = encoder(name).tok.reference
     rng = random.Random(name + "bt")
     toks = ref.token_bytes[:ref.n_ordinary]
-    pieces = [toks[t] for t in rng.sample(range(len(toks)), 2000)]
-    text = " ".join(_corpus_docs(4000)).encode()
-    for _ in range(3000):
-        a = rng.randrange(max(1, len(text) - 80))
-        pieces.append(text[a:a + rng.randint(2, 80)])
+    pieces = token_and_text_pieces(ref, rng, 2000, 80)
     for alpha in ("的一是不了人我在有他这中大来上国个到说们为子和你地出道也时年", "ありがとうございます日本語のテキスト",
                   "abcdefghij", "ab", "\u0301e", "0123456789", "ÿé\u4e00🙂"):
         for _ in range(60):

@@ -187,6 +187,18 @@ def test_every_vocab_token_alone(name):
         _check(name, f" {s} {s}{s}")
 
 
+def token_and_text_pieces(ref, rng: random.Random, n_tokens: int, longest: int) -> list[bytes]:
+    """n_tokens sampled ordinary tokens' own bytes, then 3,000 slices of 2..longest bytes of the shipped corpus text
+    (cut anywhere: also inside a character)."""
+    toks = ref.token_bytes[:ref.n_ordinary]
+    pieces = [toks[t] for t in rng.sample(range(len(toks)), n_tokens)]
+    text = " ".join(_corpus_docs(4000)).encode()
+    for _ in range(3000):
+        a = rng.randrange(max(1, len(text) - longest))
+        pieces.append(text[a:a + rng.randint(2, longest)])
+    return pieces
+
+
 @pytest.mark.parametrize("name", FAMILIES)
 def test_own_pairs_merge_as_every_pair(name):
     """The kernels' table keeps one pair per self-encoding token (bpetables._own_pairs); the table of every pair
@@ -203,12 +215,7 @@ def test_own_pairs_merge_as_every_pair(name):
     full = merge_mod.pair_records(*bpe_mod._build_pairs(*every, bpe_mod.table_cap(len(every[0]))))
     assert len(every[0]) >= b.n_pairs
     rng = random.Random(name + "own")
-    toks = ref.token_bytes[:ref.n_ordinary]
-    pieces = [toks[t] for t in rng.sample(range(len(toks)), 3000)]
-    text = " ".join(_corpus_docs(4000)).encode()
-    for _ in range(3000):
-        a = rng.randrange(max(1, len(text) - 40))
-        pieces.append(text[a:a + rng.randint(2, 40)])
+    pieces = token_and_text_pieces(ref, rng, 3000, 40)
     pieces += [bytes(rng.randrange(256) for _ in range(rng.randint(2, 24))) for _ in range(1000)]
     pieces += [x * n for x in (b"a", b"ab", b" ", b"0", "é".encode(), "的".encode()) for n in (2, 3, 9, 17, 64)]
     keep = b.byte_ids >= 0
