@@ -137,3 +137,27 @@ def test_no_tables_keep_the_merge_kernels():
     pm.valid[:] = 0
     assert enc.encode(text, parallel=False).tolist() == enc.tok.reference.encode_ordinary(text).tolist()
     assert not pm.valid.any()
+
+
+@pytest.mark.campaign
+@pytest.mark.parametrize("name", [f for f in FAMILIES if MONOTONE[f]])
+def test_every_corpus_piece_campaign(name):
+    """Every distinct piece of the whole corpus (mixed + nonen; TOKENPLANE_CORPUS points at build_corpus.py's
+    output for the full one) through both kernels, pieces cut by the family's own pre-tokenizer (~180K a family)."""
+    from realtext import corpus_texts
+
+    from tokenplane.tokenize.cpu import pretokenize, strbuf
+
+    enc = encoder(name)
+    b = enc.bpe
+    keep = b.byte_ids >= 0
+    pieces: set[bytes] = set()
+    for text in corpus_texts("mixed") + corpus_texts("nonen"):
+        norm = enc.tok.normalize(text)
+        cps = strbuf.codepoints(norm, 0, len(norm))
+        starts = np.flatnonzero(pretokenize.piece_starts(enc.family, cps)[:len(norm)]).tolist() + [len(norm)]
+        pieces.update(norm[x:y].encode() for x, y in zip(starts, starts[1:]))
+    memo = np.zeros(bt.VALID_SLOTS, np.uint64)
+    for p in pieces:
+        if len(p) >= 2 and all(keep[c] for c in p):
+            assert _backtrack(b, p, memo) == _heap(b, p), (name, p)
