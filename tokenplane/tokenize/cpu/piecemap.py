@@ -55,9 +55,10 @@ SEED_LOAD = 0.4              # whole_map's slots, sized so the seed fills at mos
 # 33-48 bytes (qwen3 CJK runs); up to 16 bytes merge._merge_piece_scan is the fastest (its docstring; bpe.HEAP_MIN_BYTES
 # is 48 in the staged path, which keeps the rounds kernel).
 HEAP_MIN_BYTES = 16
-# Longer pieces go to backtrack.py's kernel where the tokenizer has its tables (same IDs; its docstring has the
-# figures: 318 vs 382 ns a piece at 9-16 bytes against the scan kernel, 2.0-2.6x less than the heap above 32 bytes);
-# up to 8 bytes the scan kernel stays faster (183 vs 218).
+# Longer pieces go to backtrack.py's kernel where the tokenizer has its tables (same IDs; 2.0-2.6x less time than
+# the heap above 32 bytes, its docstring). Alone it also beats the scan kernel at 9-16 bytes (318 vs 382 ns), but in
+# the walk a threshold of 8 made english and code encodes 0.77-0.88x (its trie and records are cold where few pieces
+# need them) and CJK gained less (1.16x against 1.21x; warm 1M, alternated in one process).
 BACKTRACK_MIN_BYTES = 16
 _K = 0x9E3779B97F4A7C15
 # whole_map's filter: cap >> 5 rows after its slots, 2 words a row (1/16 of the slots' words, as the pair filter)
@@ -204,9 +205,10 @@ def _walk_into(buf, bounds, nb, out, o, ms, heap, has_missing, missing, byte_ids
     wkeys, wids, tok_flat, tok_off, wmap = _borrowed(wkeys), _borrowed(wids), _borrowed(tok_flat), \
         _borrowed(tok_off), _borrowed(wmap)
     slots, arena, state, out = _borrowed(slots), _borrowed(arena), _borrowed(state), _borrowed(out)
-    # backtrack.py's arrays stay owned: borrowed, they made the all-hit path 5% slower than before they were added
-    # (cl100k code, qwen3 english, o200k code; JIT, alternated in one process); owned, it ran 1.08-1.21x faster than
-    # before, and the long misses that read them pay ~50 ns of reference counts against ~0.5-1.4 us of BPE
+    # backtrack.py's arrays stay owned: borrowed, they made the JIT-compiled all-hit walk 5% slower than before they
+    # were added (cl100k code, qwen3 english, o200k code; alternated in one process), owned 1.08-1.21x faster (the
+    # AOT build: within noise either way); the long misses that read them pay ~50 ns of reference counts against
+    # ~0.5-1.4 us of BPE
     backtrack = btda.shape[0] > 0
     scratch = ms.shape[0] // 5
     sym, rk, nw, prk, pnw = _split5(_borrowed(ms), scratch)
