@@ -4,7 +4,8 @@ merge.py merges a new piece bottom-up: every adjacent pair probed in the pair ta
 two neighbours, ~2.5 probes a byte of dependent loads into a 2-4 MB table. A warm 1M-character CJK encode spends
 most of its time there (qwen3 / DeepSeek V4 split CJK runs into pieces of 20 bytes on average, 65+ for some;
 fastokens' whole BPE of the same 22K new pieces took 4.4 ms where ours took 20-22). This kernel builds the answer
-left to right instead (the encoder of GitHub's `bpe` crate, which fastokens also uses, in our own form):
+left to right instead (the backtracking encoder of GitHub's `bpe` crate, in our own form; fastokens' binary carries
+the double-array matcher that crate uses):
 
 * the BPE of a text is its one *valid* tokenization: re-encoding its bytes gives it back. A sequence of tokens is
   valid iff each token is a self-encoding token and every adjacent pair is valid (the span argument of
@@ -15,7 +16,7 @@ left to right instead (the encoder of GitHub's `bpe` crate, which fastokens also
   else try the next shorter prefix token, and when none is left pop the previous token and mark that position dead
   (each position dies at most once: linear time);
 * a pair (t1, t2) is valid iff BPE of their concatenated bytes merges nothing across the boundary. Where every
-  token's own merge orders above its two parts' (`build` checks it; `orders are monotone`), merges happen in
+  token's own merge orders above its two parts' (the orders are monotone; `build` checks it), merges happen in
   increasing order and the boundary between the two tokens' merge trees moves only when a token on the left one's
   right spine or on the right one's left spine is made; walking both spines down from the top, the pair straddling
   the boundary in each state must not be in the pair table with an order below the event that ended that state
@@ -37,8 +38,9 @@ from .lazyjit import njit  # numba itself only when a JIT kernel runs (lazyjit.p
 
 _INF = 0x7FFFFFFF
 _F21 = (1 << 21) - 1
-# one double-array entry (uint64): the parent state + 1 (0: a free entry), the state's base, its token + 1 (0: none)
-_CHECK_BITS, _BASE_SHIFT, _TOKEN_SHIFT = 21, 21, 42
+# one double-array entry (uint64): bits 0-20 the parent state + 1 (0: a free entry), 21-41 the state's base, 42-62
+# its token + 1 (0: none)
+_BASE_SHIFT, _TOKEN_SHIFT = 21, 42
 VALID_SLOTS = 1 << 14     # a thread's memo of pair validity (128 KB, direct-mapped)
 
 
@@ -198,6 +200,8 @@ def build(tok_flat: np.ndarray, tok_off: np.ndarray, byte_ids: np.ndarray, ptab:
     if not monotone:
         return np.zeros(0, np.uint64), np.zeros((0, 2), np.int64)
     entry = _double_array(*_trie(tok_flat, tok_off, rec, n))
+    if entry.shape[0] > _F21:       # (states are 21-bit fields of an entry)
+        return np.zeros(0, np.uint64), np.zeros((0, 2), np.int64)
     return entry, rec
 
 
