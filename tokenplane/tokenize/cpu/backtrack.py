@@ -189,19 +189,24 @@ def _double_array(first, sibling, label, token):
     return entry[:top + 256]     # (a base's block may reach 255 entries past the last used one)
 
 
+def _no_tables() -> tuple[np.ndarray, np.ndarray]:
+    return np.zeros(0, np.uint64), np.zeros((0, 2), np.int64)
+
+
 def build(tok_flat: np.ndarray, tok_off: np.ndarray, byte_ids: np.ndarray, ptab: np.ndarray
           ) -> tuple[np.ndarray, np.ndarray]:
-    """(double array uint64[L], records int64[n_vocab, 2]) for `_merge_piece`, or two empty arrays where the
-    tokenizer's orders are not monotone (the walk then keeps merge.py's kernels)."""
+    """(double array uint64[L], records int64[n_vocab, 2]) for `_merge_piece`, or two empty arrays (the walk then
+    keeps merge.py's kernels) where the tokenizer's orders are not monotone, or its token IDs or the trie's states do
+    not fit the 21-bit fields."""
     n = tok_off.shape[0] - 1
     if n >= 1 << 21:
-        return np.zeros(0, np.uint64), np.zeros((0, 2), np.int64)
+        return _no_tables()
     rec, monotone = _records(ptab, byte_ids, n)
     if not monotone:
-        return np.zeros(0, np.uint64), np.zeros((0, 2), np.int64)
+        return _no_tables()
     entry = _double_array(*_trie(tok_flat, tok_off, rec, n))
-    if entry.shape[0] > _F21:       # (states are 21-bit fields of an entry)
-        return np.zeros(0, np.uint64), np.zeros((0, 2), np.int64)
+    if entry.shape[0] > _F21:
+        return _no_tables()
     return entry, rec
 
 
