@@ -103,7 +103,12 @@ def test_batch_errors_name_the_text():
 @pytest.mark.parametrize("name", ["cl100k_base", "qwen3", "smollm2"])
 def test_single_token_lookups(name):
     tok = tokenplane.load(name)
-    for t in (0, 1000, 5000, tok.n_vocab - len(tok.specials) - 1):
+    last = tok.n_vocab - len(tok.specials) - 1
+    while not tok.decode_single_token_bytes(last):      # (cl100k: IDs 100256 and 100261-100275 are unused)
+        last -= 1
+    with pytest.raises(KeyError):
+        tok.encode_single_token(b"")
+    for t in (0, 1000, 5000, last):
         raw = tok.decode_single_token_bytes(t)
         assert raw == tok.decode_bytes([t])
         assert tok.decode_bytes([tok.encode_single_token(raw)]) == raw
@@ -146,3 +151,57 @@ def test_batch_of_short_texts_goes_in_few_calls(name, monkeypatch):
     with pytest.raises(InvalidTextError) as ei:
         tok.encode_batch(texts[:5] + ["bad \ud800"] + texts[5:10], num_threads=1)
     assert ei.value.index == 5
+
+
+FACE_TEXT = "Hello world! naïve 你好世界 🙂👍🏽 don't\r\n\tx = f(1234567)  # ok"
+
+
+@pytest.mark.parametrize("name", ["cl100k_base", "o200k_base", "llama3"])
+def test_tiktoken_face_answers_as_tiktoken(name):
+    """The rest of tiktoken's Encoding face gives tiktoken's own answers on the same vocabulary."""
+    tok = tokenplane.load(name)
+    ref = tok.reference.encoding
+    assert tok.max_token_value == ref.max_token_value
+    assert tok.special_tokens_set == ref.special_tokens_set
+    if "<|endoftext|>" in tok.specials:
+        assert tok.eot_token == ref.eot_token
+    else:
+        with pytest.raises(KeyError):
+            _ = tok.eot_token
+    probe = [*tok.specials.values(), 0, 1, 255, 256, tok.n_vocab // 2, min(tok.specials.values()) - 1]
+    assert [tok.is_special_token(t) for t in probe] == [ref.is_special_token(t) for t in probe]
+    assert tok.token_byte_values() == ref.token_byte_values()
+    ids = tok.encode(FACE_TEXT)
+    assert np.array_equal(tok.encode_to_numpy(FACE_TEXT), ref.encode_to_numpy(FACE_TEXT, disallowed_special=()))
+    assert tok.decode_tokens_bytes(ids) == ref.decode_tokens_bytes(ids.tolist())
+    assert tok.decode_with_offsets(ids) == ref.decode_with_offsets(ids.tolist())
+    halves = [ids[:7].tolist(), ids[7:].tolist(), []]
+    assert tok.decode_bytes_batch(halves) == ref.decode_bytes_batch(halves)
+
+
+@pytest.mark.parametrize("name", ["qwen3", "deepseek_v4", "smollm2"])
+def test_tiktoken_face_on_hf_vocabularies(name):
+    """The same face on an HF vocabulary: offsets where each token starts (a token inside a multi-byte character
+    starts at that character), the special set, the largest ID and `<|endoftext|>` where the vocabulary has it."""
+    tok = tokenplane.load(name)
+    ids = tok.encode(FACE_TEXT)
+    text, offsets = tok.decode_with_offsets(ids)
+    assert text == tok.decode(ids) and len(offsets) == len(ids)
+    parts = tok.decode_tokens_bytes(ids)
+    assert b"".join(parts) == text.encode()
+    for k, off in enumerate(offsets):     # the token's first byte lies in the character at its offset
+        start = len(b"".join(parts[:k]))
+        assert len(text[:off].encode()) <= start < len(text[:off + 1].encode())
+    assert tok.special_tokens_set == set(tok.specials)
+    assert all(tok.is_special_token(t) for t in tok.specials.values()) and not tok.is_special_token(int(ids[0]))
+    assert tok.max_token_value == tok.n_vocab - 1
+    if "<|endoftext|>" in tok.specials:
+        assert tok.eot_token == tok.specials["<|endoftext|>"]
+    else:
+        with pytest.raises(KeyError, match="endoftext"):
+            _ = tok.eot_token
+    values = tok.token_byte_values()
+    assert values == sorted(set(values)) and tok.encode_single_token(values[len(values) // 2]) >= 0
+    split = next(ids for ids in map(tok.encode, ("🙂", "🫠", "𝔘", "𓀀")) if len(ids) > 1)
+    with pytest.raises(UnicodeDecodeError):
+        tok.decode_with_offsets(split[:1])      # part of a character does not decode strictly

@@ -311,6 +311,59 @@ class Tokenizer:
         """`decode` of each sequence, in order (tiktoken's decode_batch)."""
         return [self.decode(ids, errors=errors) for ids in batch]
 
+    # -- the rest of tiktoken's Encoding face (same names and answers, for code written against tiktoken) -----------
+    def decode_bytes_batch(self, batch: Iterable[Iterable[int]]) -> list[bytes]:
+        """`decode_bytes` of each sequence, in order."""
+        return [self.decode_bytes(ids) for ids in batch]
+
+    def decode_tokens_bytes(self, tokens: Iterable[int]) -> list[bytes]:
+        """Each token's bytes, one entry a token (a character split between tokens stays split)."""
+        return [self.decode_single_token_bytes(t) for t in tokens]
+
+    def decode_with_offsets(self, tokens: Iterable[int]) -> tuple[str, list[int]]:
+        """(text, the character offset where each token starts in it), as tiktoken: a token that begins inside a
+        multi-byte character starts at that character; the bytes must decode strictly (UnicodeDecodeError)."""
+        token_bytes = self.decode_tokens_bytes(tokens)
+        text_len, offsets = 0, []
+        for raw in token_bytes:
+            offsets.append(max(0, text_len - (bool(raw) and 0x80 <= raw[0] < 0xC0)))
+            text_len += sum(1 for c in raw if not 0x80 <= c < 0xC0)
+        return b"".join(token_bytes).decode("utf-8", errors="strict"), offsets
+
+    def encode_to_numpy(self, text: str | bytes, *, allowed_special: AllowedSpecial = (),
+                        path: EncodePath = "auto") -> np.ndarray:
+        """`encode` (its IDs are already a uint32 array, as tiktoken's encode_to_numpy returns)."""
+        return self.encode(text, allowed_special=allowed_special, path=path)
+
+    def token_byte_values(self) -> list[bytes]:
+        """The bytes of every ordinary token, sorted (tiktoken's token_byte_values)."""
+        return sorted(self._token_ids)
+
+    @property
+    def special_tokens_set(self) -> set[str]:
+        return set(self.specials)
+
+    def is_special_token(self, token: int) -> bool:
+        return int(token) in self._special_ids
+
+    @cached_property
+    def _special_ids(self) -> frozenset[int]:
+        return frozenset(self.specials.values())
+
+    @property
+    def max_token_value(self) -> int:
+        """The largest token ID, ordinary or special."""
+        return max(self.n_vocab - 1, max(self.specials.values(), default=0))
+
+    @property
+    def eot_token(self) -> int:
+        """The ID of `<|endoftext|>` (tiktoken's eot_token); KeyError for a vocabulary without that literal (llama3
+        ends text with `<|end_of_text|>`, DeepSeek V4 with its end-of-sentence literal: see `specials`)."""
+        try:
+            return self.specials["<|endoftext|>"]
+        except KeyError:
+            raise KeyError(f"{self.name} has no <|endoftext|> special token") from None
+
     @cached_property
     def _token_ids(self) -> dict[bytes, int]:
         """Token bytes -> id over the ordinary vocabulary (the lowest id where two tokens share bytes)."""
@@ -325,7 +378,9 @@ class Tokenizer:
         ids: dict[bytes, int] = {}
         for t in range(n):
             if t not in special_ids:
-                ids.setdefault(token_bytes(t), t)
+                got = token_bytes(t)
+                if got:     # (an unused ID has no bytes: cl100k's 100256)
+                    ids.setdefault(got, t)
         return ids
 
     def encode_ordinary(self, text: str, *, path: EncodePath | str = "auto") -> np.ndarray:
