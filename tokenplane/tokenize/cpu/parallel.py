@@ -21,6 +21,7 @@ from __future__ import annotations
 import bisect
 import os
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, Callable, Iterator
 
@@ -107,6 +108,9 @@ class CpuEncoder:
         # the fused block kernels against; every supported family has one)
         self.full_kernel = True
         self.stats = {"serial": 0, "parallel": 0, "chunks": 0, "cut_rejected": 0}
+        # a list: each chunk of a parallel encode appends (thread ident, start, end, perf_counter at its start and
+        # at its end) to it (benchmarks/parallel_contention.py); None: nothing is recorded
+        self.chunk_trace: list[tuple[int, int, int, float, float]] | None = None
         # Plain NFC (qwen3): chunks are cut in raw text and normalized by their own threads (encode_parallel).
         self._nfc_inert = None
         if tok.plain_nfc:
@@ -359,13 +363,18 @@ class CpuEncoder:
         if first is not None:
             results.append(None)
 
+        trace = self.chunk_trace
+
         def encode_span(i: int, a: int, b: int) -> None:
+            t0 = time.perf_counter() if trace is not None else 0.0
             try:
                 if normalize:
                     chunk = norm_of(s[a:b])
                     results[i] = self._encode_blocks(chunk, 0, len(chunk), s[b:b + 1])
                 else:
                     results[i] = self._encode_blocks(s, a, b, s[b:b + 1])
+                if trace is not None:
+                    trace.append((threading.get_ident(), a, b, t0, time.perf_counter()))
             except BaseException:
                 with lock:
                     cuts.stop()     # the text is encoded serially: no thread should start another chunk
