@@ -258,6 +258,27 @@ def test_nfc_cut_needs_inert_neighbours():
     assert cut is None or cut > p + 1
 
 
+@pytest.mark.parametrize("name", ["cl100k_base", "qwen3"])
+def test_chunk_trace_covers_the_text_once(name):
+    """`chunk_trace`: one entry a chunk of a parallel encode, the spans tiling the text in order of position, each
+    with its thread and a start before its end; nothing is recorded while it is None."""
+    enc = encoder(name)
+    text = "".join(_corpus_docs(200_000))[:300_000] + " naïve 你好"      # (qwen3: raw chunks, normalized per thread)
+    trace: list = []
+    enc.chunk_trace = trace
+    try:
+        ids = enc.encode_parallel(text, n_chunks=6)
+    finally:
+        enc.chunk_trace = None
+    assert np.array_equal(ids, enc.tok.reference.encode_ordinary(enc.tok.reference.normalize(text)))
+    spans = sorted((a, b) for _, a, b, _, _ in trace)
+    assert len(spans) == 6 and spans[0][0] == 0 and spans[-1][1] == len(text)
+    assert all(spans[k][1] == spans[k + 1][0] for k in range(5))
+    assert all(t0 <= t1 for *_, t0, t1 in trace) and all(isinstance(th, int) for th, *_ in trace)
+    enc.encode_parallel(text, n_chunks=6)
+    assert len(trace) == 6
+
+
 @pytest.mark.parametrize("name", FAMILIES)
 def test_guided_chunks(name):
     enc = encoder(name)
