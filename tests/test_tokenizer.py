@@ -205,3 +205,25 @@ def test_tiktoken_face_on_hf_vocabularies(name):
     split = next(ids for ids in map(tok.encode, ("🙂", "🫠", "𝔘", "𓀀")) if len(ids) > 1)
     with pytest.raises(UnicodeDecodeError):
         tok.decode_with_offsets(split[:1])      # part of a character does not decode strictly
+
+
+@pytest.mark.parametrize("name", ["qwen3", "deepseek_v4", "smollm2"])
+def test_token_names_are_hf_names(name):
+    """id_to_token / token_to_id name every ID as HF tokenizers does (byte-level strings, special literals)."""
+    tok = tokenplane.load(name)
+    hf = tok.reference.full
+    for t in range(tok.n_vocab + 2):
+        want = hf.id_to_token(t)
+        assert tok.id_to_token(t) == want, t
+        if want is not None:
+            assert tok.token_to_id(want) == hf.token_to_id(want), (t, want)
+    for bad in ("", "definitely-not-a-token-name", "\u4f60\u597d"):    # (unmapped characters: no byte-level name)
+        assert tok.token_to_id(bad) == hf.token_to_id(bad)
+
+
+def test_token_names_on_a_tiktoken_vocabulary():
+    tok = tokenplane.load("cl100k_base")
+    assert tok.id_to_token(tok.encode(" hello")[0]) == "\u0120hello"
+    assert tok.token_to_id("\u0120hello") == tok.encode_single_token(" hello")
+    assert tok.token_to_id("<|endoftext|>") == tok.eot_token and tok.id_to_token(tok.eot_token) == "<|endoftext|>"
+    assert tok.id_to_token(100256) is None and tok.id_to_token(-1) is None and tok.id_to_token(tok.n_vocab) is None

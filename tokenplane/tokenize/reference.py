@@ -15,7 +15,7 @@ from __future__ import annotations
 import base64
 import json
 from dataclasses import dataclass
-from functools import cached_property
+from functools import cache, cached_property
 from typing import Iterable, Protocol
 
 import numpy as np
@@ -46,7 +46,8 @@ def parse_tiktoken(data: bytes) -> dict[bytes, int]:
     return ranks
 
 
-def _bytes_to_unicode() -> dict[int, str]:
+@cache
+def bytes_to_unicode() -> dict[int, str]:
     """GPT-2's byte <-> printable-char table used by ByteLevel vocabularies."""
     bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
     cs = bs[:]
@@ -250,7 +251,7 @@ class HFReference(ReferenceEngine):
         if hf_normalizer(config) == "none":
             self._normalizer = None
         vocab = config["model"]["vocab"]
-        decode_byte = {c: b for b, c in _bytes_to_unicode().items()}
+        decode_byte = {c: b for b, c in bytes_to_unicode().items()}
         n = max(max(vocab.values()), max(self.specials.values(), default=0)) + 1
         table: list[bytes] = [b""] * n
         for tok, rank in vocab.items():
@@ -262,10 +263,10 @@ class HFReference(ReferenceEngine):
             table[rank] = text.encode()
         self.token_bytes = table
         self.n_ordinary = len(vocab)
-        missing = np.array([c not in vocab for c in _bytes_to_unicode().values()], dtype=bool)
+        missing = np.array([c not in vocab for c in bytes_to_unicode().values()], dtype=bool)
         if missing.any() and not (config["model"].get("byte_fallback") or config["model"].get("unk_token")):
             self.missing_bytes = np.zeros(256, dtype=bool)
-            self.missing_bytes[[b for b, c in _bytes_to_unicode().items() if c not in vocab]] = True
+            self.missing_bytes[[b for b, c in bytes_to_unicode().items() if c not in vocab]] = True
 
     @cached_property
     def full(self):

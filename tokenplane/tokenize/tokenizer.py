@@ -20,7 +20,7 @@ from . import batch
 from .cpu import nfc
 from .cpu.segments import with_literals
 from .errors import InvalidTextError, PathUnavailableError, TextTooLargeError, validate_text  # noqa: F401
-from .reference import ReferenceEngine, make_reference
+from .reference import ReferenceEngine, bytes_to_unicode, make_reference
 from .router import encode_segments_on, segment_encoder
 from .spec.families import Family
 from .spec.vocabmeta import VocabFacts, cached_facts, cached_meta
@@ -83,6 +83,11 @@ class SpecialMatcher:
         if pos < len(text) or not out:
             out.append((text[pos:], None))
         return out
+
+
+@cache
+def _byte_of_char() -> dict[str, int]:
+    return {c: b for b, c in bytes_to_unicode().items()}
 
 
 class Tokenizer:
@@ -354,6 +359,34 @@ class Tokenizer:
     def max_token_value(self) -> int:
         """The largest token ID, ordinary or special."""
         return max(self.n_vocab - 1, max(self.specials.values(), default=0))
+
+    # -- HF tokenizers' names of tokens: the byte-level strings ("Ġhello") of the ByteLevel vocabularies here (the
+    # tiktoken families' converted tokenizer.json files name their tokens the same way); a special token by its literal
+    def id_to_token(self, token: int) -> str | None:
+        """The token's name, or None for an ID outside the vocabulary or without bytes (HF's id_to_token)."""
+        t = int(token)
+        literal = self._special_literals.get(t)
+        if literal is not None:
+            return literal
+        if not 0 <= t < self.n_vocab:
+            return None
+        raw = self.decode_single_token_bytes(t)
+        chars = bytes_to_unicode()
+        return "".join(chars[b] for b in raw) if raw else None
+
+    def token_to_id(self, token: str) -> int | None:
+        """The ID named `token` (a special literal, else a byte-level string), or None (HF's token_to_id)."""
+        special = self.specials.get(token)
+        if special is not None:
+            return special
+        byte_of = _byte_of_char()
+        if not token or any(c not in byte_of for c in token):
+            return None
+        return self._token_ids.get(bytes(byte_of[c] for c in token))
+
+    @cached_property
+    def _special_literals(self) -> dict[int, str]:
+        return {i: literal for literal, i in self.specials.items()}
 
     @property
     def eot_token(self) -> int:

@@ -23,7 +23,7 @@ from typing import Callable
 
 import numpy as np
 
-from ..reference import HFReference, ReferenceEngine, _bytes_to_unicode
+from ..reference import HFReference, ReferenceEngine, bytes_to_unicode
 from ..spec.artifacts import cache_dir
 from . import backtrack
 from .bpe import _build_pairs, _build_whole, _pair_entries, table_cap
@@ -136,7 +136,7 @@ def build(reference: ReferenceEngine, content_hash: str) -> BpeTables:
             raise ValueError(f"{fam.name}: BPE options outside what this kernel implements")
         left, right, rank, new = _hf_pairs(model)
         vocab = model["vocab"]
-        byte_map = {b: vocab[c] for b, c in _bytes_to_unicode().items() if c in vocab}
+        byte_map = {b: vocab[c] for b, c in bytes_to_unicode().items() if c in vocab}
         ignore_merges = bool(model.get("ignore_merges") or False)
     missing = reference.missing_bytes
     if len(byte_map) != 256 and (missing is None or int(missing.sum()) != 256 - len(byte_map)):
