@@ -32,7 +32,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from full_encode import FAMILIES, OURS_SERIAL, cells, fresh_copies, our_factories, peer_factories  # noqa: E402
-from record_files import write_record  # noqa: E402
+from record_files import cell_label, ratio_bars, save_figure, write_record  # noqa: E402
 
 PEERS = ("gigatoken", "fastokens")
 
@@ -131,15 +131,10 @@ def plot(rows: list[dict], path: Path) -> None:
     if not rs:
         return
     fig, ax = plt.subplots(figsize=(max(6, 0.45 * len(rs)), 4))
-    labels = [f"{r['family']}\n{r['category']} {r['size']}" for r in rs]
-    ax.bar(range(len(rs)), [r["ratio_p50"] for r in rs], color=["tab:blue" if r["ratio_p50"] >= 1 else "tab:gray"
-                                                                 for r in rs])
-    ax.axhline(1.0, color="k", lw=0.8)
-    ax.set_xticks(range(len(rs)), labels, rotation=90, fontsize=7)
-    ax.set_ylabel("tokenplane / fastest exact peer (warm, one core)")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    labels = [cell_label(r) for r in rs]
+    ratio_bars(ax, labels, [r["ratio_p50"] for r in rs], "tokenplane / fastest exact peer (warm, one core)",
+               ["tab:blue" if r["ratio_p50"] >= 1 else "tab:gray" for r in rs])
+    save_figure(fig, path)
 
 
 def main() -> int:

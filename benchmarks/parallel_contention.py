@@ -32,7 +32,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from full_encode import cells  # noqa: E402
-from record_files import write_record  # noqa: E402
+from record_files import cell_label, ratio_bars, save_figure, write_record  # noqa: E402
 
 
 def _median(xs: list[float]) -> float:
@@ -192,22 +192,17 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
     enc = [r for r in rows if "loop" not in r]
     syn = [r for r in rows if "loop" in r]
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
-    labels = [f"{r['family']}\n{r['category']} {r['size']}" for r in enc]
-    axes[0].bar(range(len(enc)), [r["inflation"] for r in enc], color="tab:orange")
-    axes[0].axhline(1.0, color="k", lw=0.8)
-    axes[0].set_xticks(range(len(enc)), labels, rotation=90, fontsize=7)
-    axes[0].set_ylabel("busy time with two threads / one thread")
-    axes[1].bar(range(len(syn)), [r["slowdown"] for r in syn], color="tab:gray")
-    axes[1].axhline(1.0, color="k", lw=0.8)
-    axes[1].set_xticks(range(len(syn)), [r["loop"] for r in syn], rotation=90, fontsize=7)
-    axes[1].set_ylabel("two threads at once / one thread")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    labels = [cell_label(r) for r in enc]
+    ratio_bars(axes[0], labels, [r["inflation"] for r in enc], "busy time with two threads / one thread", "tab:orange")
+    ratio_bars(axes[1], [r["loop"] for r in syn], [r["slowdown"] for r in syn], "two threads at once / one thread",
+               "tab:gray")
+    save_figure(fig, path)
 
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--corpus", default=os.path.join(os.environ.get("TMPDIR", "/tmp"), "tokenplane_corpus"))
+    p.add_argument("--out", default="benchmarks/results/parallel_contention")
     p.add_argument("--families", default="cl100k_base,o200k_base,qwen3,deepseek_v4")
     p.add_argument("--categories", default="english,code")
     p.add_argument("--sizes", default="1M,4M")
@@ -216,8 +211,6 @@ def main() -> int:
     p.add_argument("--warmup-ms", type=float, default=60.0,
                    help="untimed parallel encodes right before each round's timed one (0: a second vCPU that idled)")
     p.add_argument("--tables-mb", default="2,4,8,16", help="table sizes of the synthetic random-read loop")
-    p.add_argument("--corpus", default=os.path.join(os.environ.get("TMPDIR", "/tmp"), "tokenplane_corpus"))
-    p.add_argument("--out", default="benchmarks/results/parallel_contention")
     args = p.parse_args()
     started, t_start, load0 = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), time.time(), os.getloadavg()
     rows: list[dict[str, Any]] = []
