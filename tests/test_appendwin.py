@@ -18,6 +18,7 @@ from test_pretokenize import ALPHABET, FRAGMENTS
 
 import tokenplane
 from tokenplane.tokenize import appendwin
+from tokenplane.tokenize import session as session_mod
 from tokenplane.tokenize.cpu import nfc
 from tokenplane.tokenize.evidence import traces
 from tokenplane.tokenize.repair import WindowRepair
@@ -36,6 +37,7 @@ def _replay(tok, steps, *, fused: bool, monkeypatch, allowed=()):
     with monkeypatch.context() as m:
         if not fused:
             m.setattr(WindowRepair, "_fused_append", lambda *a, **k: None)
+            m.setattr(session_mod, "append_ascii", lambda *a, **k: None)     # (asciiappend.py: the same call)
         sess = tok.session(encode_path="cpu", allowed_special=allowed)
         out = []
         for kind, text in steps:

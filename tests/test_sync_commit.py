@@ -13,6 +13,7 @@ from test_pretokenize import ALPHABET, FRAGMENTS
 
 import tokenplane
 from tokenplane.tokenize import appendwin, textstore
+from tokenplane.tokenize import session as session_mod
 from tokenplane.tokenize.records import Records
 from tokenplane.tokenize.repair import WindowRepair
 
@@ -50,6 +51,7 @@ def _replay(tok, steps, *, fused: bool, monkeypatch, hold: bool):
     with monkeypatch.context() as m:
         if not fused:
             m.setattr(WindowRepair, "_fused_append", lambda *a, **k: None)
+            m.setattr(session_mod, "append_ascii", lambda *a, **k: None)     # (asciiappend.py: the same call)
         sess = tok.session(encode_path="cpu")
         out, held = [], []
         for kind, arg in steps:

@@ -223,11 +223,18 @@ class _Bound:
         next call (the session copies them into its records at commit, before any other repair on this thread).
         `commit`: also write them into the records (`ids` / `ck`) when that is the plain tail write (see
         `_finish`), answering COMMITTED; the caller then sets the record count to keep + len(mid_ids)."""
+        status, keep, count = self.counted(text, base, d, w, ids, ck, ex_i, ex_v, n, commit)
+        return status, keep, self.out_ids[:count], self.out_ends[:count]
+
+    def counted(self, text: str, base: int, d: int, w: int, ids: np.ndarray, ck: np.ndarray, ex_i: np.ndarray,
+                ex_v: np.ndarray, n: int, commit: bool = False) -> tuple[int, int, int]:
+        """`__call__` answering the mid records' count instead of views of them (they are out_ids[:count],
+        out_ends[:count]): a caller that commits them in place never looks at them."""
         status, keep, count = self.fn(text, base, d, w, ids, ck, ex_i, ex_v, n, commit)
         if status == SCRATCH:       # `keep` says how many records the window needs: once per larger window
             self._grow(max(2 * keep, MIN_SCRATCH))
             status, keep, count = self.fn(text, base, d, w, ids, ck, ex_i, ex_v, n, commit)
-        return status, keep, self.out_ids[:count], self.out_ends[:count]
+        return status, keep, count
 
 
 def append_encoder(bpe: bpe_mod.BPE, family: str, tc: np.ndarray, search: splice.SpliceSearch,

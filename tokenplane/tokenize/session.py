@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Collection, Literal
 
 import numpy as np
 
+from .asciiappend import append_ascii
 from .cpu import boundary, nfc
 from .errors import SessionError, StaleRevisionError, TextTooLargeError, validate_text  # noqa: F401
 from .nfcmap import EMPTY_MAP, MappedText, NfcMap, build_map
@@ -224,7 +225,13 @@ class Session:
     # -- write side -----------------------------------------------------------------------------------------------
     def append(self, text: str | bytes, *, expect_revision: int | None = None) -> Splice:
         """Append raw text; returns the splice that turns the previous IDs into the new ones."""
-        self._check_revision(expect_revision)
+        if expect_revision is not None and expect_revision != self.revision:
+            self._check_revision(expect_revision)
+        if type(text) is str and self._norm is None and text.isascii():     # (asciiappend.py: the common case)
+            keep = append_ascii(self._repairer, self._raw, self._rec, self._nmap, self._path, text, self.stats)
+            if keep is not None:
+                self.revision += 1
+                return Splice(keep, self._rec.exported(keep), self.revision, "window")
         return self._append(text, None)
 
     def _append(self, text: str | bytes, whole: str | None) -> Splice:

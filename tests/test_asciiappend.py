@@ -1,0 +1,121 @@
+"""The ASCII append path (tokenize/asciiappend.py) against the general append of the same session state: the same
+records, text chunks and counters, or a decline that leaves everything as it was."""
+
+import random
+
+import numpy as np
+import pytest
+from test_pretokenize import _corpus_docs
+
+import tokenplane
+from tokenplane import TextTooLargeError
+from tokenplane.tokenize import asciiappend
+from tokenplane.tokenize import session as session_mod
+from tokenplane.tokenize.errors import StaleRevisionError
+from tokenplane.tokenize.textstore import CHUNK_MERGE
+
+FAMILIES = ["cl100k_base", "o200k_base", "llama3", "qwen3", "deepseek_v4", "smollm2"]
+
+
+def _state(s):
+    raw = s._raw
+    return (np.asarray(s.ids).tolist(), raw.chunks, raw.starts, raw.length, s.revision,
+            s.stats.repairs, s.stats.windows_tried, s.stats.first_window_accepts, s.stats.last_path)
+
+
+def _twins(tok, text, **options):
+    a, b = tok.session(**options), tok.session(**options)
+    a.append(text)
+    b.append(text)
+    return a, b
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_ascii_appends_equal_the_general_path(name, monkeypatch):
+    """Random ASCII appends (code, prose, whitespace runs, digits) to a session that holds wide and Latin-1 text
+    too: the fast path (taken on every one) and the general path leave identical state, equal to a full encode."""
+    tok = tokenplane.load(name)
+    text = "".join(_corpus_docs(40_000))[:30_000] + " café ünïcödé 你好 🙂\n"
+    fast, general = _twins(tok, text)
+    taken = []
+    real = asciiappend.append_ascii
+
+    def spy(*args):
+        out = real(*args)
+        taken.append(out is not None)
+        return out
+
+    monkeypatch.setattr(session_mod, "append_ascii", spy)
+    rng = random.Random(name + "ascii")
+    pieces = ["def f(x):\n    return x + 1\n", " the quick brown fox", "  \n\n\t", "12345678901", "'s", "(a, b)",
+              "x" * 70, " " * 40, "\r\n", "Don't", "ALLCAPS", "a.b.c"]
+    for _ in range(60):
+        chunk = "".join(rng.choice(pieces) for _ in range(rng.randint(1, 12)))
+        sp_fast = fast.append(chunk)
+        sp_general = general._append(chunk, None)
+        assert sp_fast.keep == sp_general.keep and np.array_equal(sp_fast.ids, sp_general.ids)
+        assert _state(fast)[:-1] == _state(general)[:-1]
+    assert all(taken) and len(taken) == 60
+    assert np.array_equal(np.asarray(fast.ids), tok.encode(fast.text))
+
+
+@pytest.mark.parametrize("name", ["cl100k_base", "qwen3"])
+def test_text_store_chunks_as_the_general_append(name):
+    """The store's merge rule at its edges: a last chunk near CHUNK_MERGE, a Latin-1 and a wide last chunk."""
+    tok = tokenplane.load(name)
+    for head in ("a" * (CHUNK_MERGE - 10), "x " * 2000 + "é", "x " * 2000 + "你"):
+        fast, general = _twins(tok, head)
+        for chunk in ("0123456789", "abcdefghijklmnop", " tail"):
+            fast.append(chunk)
+            general._append(chunk, None)
+            assert _state(fast)[:-1] == _state(general)[:-1], (head[-3:], chunk)
+        assert np.array_equal(np.asarray(fast.ids), tok.encode(fast.text))
+
+
+def test_declines_leave_the_session_as_it_was(monkeypatch):
+    """What the fast path does not take goes to the general path, with its errors: an empty session, allowed
+    literals, the reference path, non-ASCII text, a stale revision, text over the size limit."""
+    tok = tokenplane.load("cl100k_base")
+    answers = []
+    real = asciiappend.append_ascii
+
+    def spy(*args):
+        out = real(*args)
+        answers.append(out)
+        return out
+
+    monkeypatch.setattr(session_mod, "append_ascii", spy)
+    s = tok.session()
+    s.append("hello world")                       # empty session: declined
+    assert answers[-1] is None
+    lit = tok.session(allowed_special="all", text="a <|endoftext|> b")
+    lit.append(" more text")
+    assert answers[-1] is None and np.array_equal(lit.ids, tok.encode(lit.text, allowed_special="all"))
+    ref = tok.session(text="some text", encode_path="reference")
+    ref.append(" and more")
+    assert answers[-1] is None and np.array_equal(ref.ids, tok.encode(ref.text))
+    n = len(answers)
+    s.append(" naïve")                            # not ASCII: never asked
+    assert len(answers) == n
+    with pytest.raises(StaleRevisionError):
+        s.append(" x", expect_revision=s.revision - 1)
+    before = _state(s)
+    small = tokenplane.load("cl100k_base", max_chars=40)
+    t = small.session(text="x" * 30)
+    with pytest.raises(TextTooLargeError):
+        t.append("y" * 20)
+    assert answers[-1] is None and t.text == "x" * 30
+    s.append(" ok")
+    assert answers[-1] is not None and _state(s)[4] == before[4] + 1
+
+
+def test_nfc_session_with_changed_regions_declines():
+    """qwen3 text whose NFC differs from it (a map of changed regions): the fast path declines, the general path
+    appends in normalized coordinates."""
+    tok = tokenplane.load("qwen3")
+    s = tok.session(text="cafe\u0301 e\u0301t\u00e9 " * 50)
+    assert s._nmap is not None and len(s._nmap) > 0
+    keep = asciiappend.append_ascii(s._repairer, s._raw, s._rec, s._nmap, s._path, " plain ascii", s.stats)
+    assert keep is None
+    s.append(" plain ascii")
+    assert np.array_equal(np.asarray(s.ids), tok.encode(s.text))

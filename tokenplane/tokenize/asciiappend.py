@@ -1,0 +1,117 @@
+"""A session's append of ASCII text in the fewest Python steps: the same fused call and commit as
+Session._fast_append (appendwin.py's kernel, WindowRepair.append_commit), reached without the layers between.
+
+An append that arrives after other work has pushed the process out of the caches (a server between an agent's
+calls; the peers' re-encodes interleaved in benchmarks/session_repair.py; a 128 MB sweep) pays for every Python
+function it runs with its code and data coming back from memory: ~9 us for the call of an empty function on the AMD
+EPYC VM, against well under 1 us warm. The general path made ~30 such calls around one ~90-110 us kernel call
+(validation, the plan's helpers, the encoder lookups of the router and the thread cache, the text store's width
+runs); this one makes a handful: measured on qwen3 and cl100k sessions of 1M characters, 1.4K-character appends after
+a 128 MB sweep took 140-170 us here against 370-460 us (scratch harness, the two alternated, IDs equal).
+
+It answers only the common case and declines (None, nothing changed) everything else, which the general path then
+takes with its checks and errors: text that is not ASCII, a session with allowed literals or with text whose NFC
+differs from it, an empty session, the reference path, a window a GPU would take, a kernel that declines.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import TYPE_CHECKING
+
+from . import appendwin
+from .cpu import kernels
+from .router import SEGMENTS_MAX_CHARS, Router, segment_encoder
+from .textstore import CHUNK_MERGE, char_width
+
+if TYPE_CHECKING:
+    from .nfcmap import NfcMap
+    from .records import Records
+    from .repair import SessionStats, WindowRepair
+    from .textstore import TextStore
+
+_local = threading.local()      # this thread's bindings: (repairer, path) -> (bound kernel, its BPE, window limit)
+
+
+def _binding(rep: WindowRepair, path: str) -> tuple[appendwin._Bound, object, int] | None:
+    """This thread's fused append kernel for `rep` and `path` (appendwin.append_encoder, made once a thread), the BPE
+    it was bound with and the longest window it may take (a longer one goes to a GPU or over the segment limit)."""
+    cache = getattr(_local, "bindings", None)
+    if cache is None:
+        cache = _local.bindings = {}
+    key = (id(rep), path)
+    entry = cache.get(key)
+    if entry is not None and entry[3] is rep:
+        bound, bpe = entry[0], entry[1]
+        if bound.kernels is kernels._active and bound.batch == bpe.batch and bound.whole == bpe.whole:
+            return entry[0], entry[1], entry[2]
+    encoder = rep.tokenizer.path(path)
+    cpu = segment_encoder(encoder, 0)
+    if cpu is None:
+        return None
+    limit = SEGMENTS_MAX_CHARS - 1
+    if isinstance(encoder, Router):
+        limit = min(limit, encoder.gpu_min_chars)
+    if rep.nfc and rep._inert is None:
+        from .cpu import nfc
+        rep._inert = nfc.inert_table()
+    bound = appendwin.append_encoder(cpu.bpe, rep.family, rep.token_chars, rep.search, rep._inert)
+    cache[key] = (bound, cpu.bpe, limit, rep)
+    return bound, cpu.bpe, limit
+
+
+def append_ascii(rep: WindowRepair, raw: TextStore, rec: Records, nmap: NfcMap | None, path: str, text: str,
+                 stats: SessionStats) -> int | None:
+    """Append `text` (an ASCII str) to a session whose normalized text is its raw text: the kept record count, with
+    the records, the text store and `stats` updated as Session._fast_append updates them; None, with nothing
+    changed, where this path does not apply."""
+    end = raw.length
+    n = rec.n
+    if (not n or not text or not rep.fused or path == "reference" or (nmap is not None and nmap.texts)
+            or end + len(text) > rep.tokenizer.max_chars):
+        return None
+    w = rep.window
+    base = end - 2 * w if end > 2 * w else 0
+    if len(text) > CHUNK_MERGE:
+        return None
+    b = _binding(rep, path)
+    if b is None or end + len(text) - base > b[2]:
+        return None
+    bound = b[0]
+    t0 = time.perf_counter()
+    stats.last_encode_s = 0.0
+    chunks = raw.chunks
+    lo = raw.starts[-1]
+    last = chunks[-1]
+    new = (last[base - lo:] if base >= lo and isinstance(last, str) else raw.slice(base, end)) + text
+    added = len(text)
+    need = n + (added * n) // end + (added >> 4) + 32      # (WindowRepair.append_commit's reservation)
+    if need > len(rec.buf):
+        rec.reserve(need)
+    rec.detach()        # the kernel may write over records an exported view shows
+    t1 = time.perf_counter()
+    status, keep, count = bound.counted(new, base, end, w, rec.buf, rec.ck, rec.ex_i, rec.ex_v, n, True)
+    stats.last_encode_s += time.perf_counter() - t1
+    if status == appendwin.COMMITTED:
+        rec.n = keep + count
+    elif status == appendwin.OK:
+        rec.splice(keep, bound.out_ids[:count], bound.out_ends[:count], n, added)
+    else:
+        return None
+    # the text store's append of one ASCII run (TextStore.append: merged into a last chunk of one byte a character
+    # while it stays under CHUNK_MERGE and the chunk budget allows, else a chunk of its own)
+    if isinstance(last, str) and len(last) + added <= CHUNK_MERGE and (
+            last.isascii() or char_width(last) == 1 or len(chunks) > 64 + end // 8192):
+        raw.chunks = (*chunks[:-1], last + text)
+        raw.length = end + added
+    else:
+        raw.append(text)
+    stats.repairs += 1
+    stats.first_window_accepts += 1
+    stats.windows_tried += 1
+    stats.last_path = "window"
+    dt = time.perf_counter() - t0
+    stats.last_repair_s = dt
+    stats.total_repair_s += dt
+    return keep
