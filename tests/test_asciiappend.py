@@ -12,7 +12,7 @@ from tokenplane import TextTooLargeError
 from tokenplane.tokenize import asciiappend
 from tokenplane.tokenize import session as session_mod
 from tokenplane.tokenize.errors import StaleRevisionError
-from tokenplane.tokenize.textstore import CHUNK_MERGE
+from tokenplane.tokenize.textstore import ADOPT_MAX, CHUNK_MERGE
 
 FAMILIES = ["cl100k_base", "o200k_base", "llama3", "qwen3", "deepseek_v4", "smollm2"]
 
@@ -55,6 +55,8 @@ def test_ascii_appends_equal_the_general_path(name, monkeypatch):
         sp_general = general._append(chunk, None)
         assert sp_fast.keep == sp_general.keep and np.array_equal(sp_fast.ids, sp_general.ids)
         assert _state(fast)[:-1] == _state(general)[:-1]
+        if len(text) <= ADOPT_MAX:      # the resent str itself is the stored text (no copy), as the general route
+            assert fast._raw.chunks[-1] is text and general._raw.chunks[-1] is text
     assert all(taken) and len(taken) == 60
     assert np.array_equal(np.asarray(fast.ids), tok.encode(fast.text))
 
@@ -119,3 +121,35 @@ def test_nfc_session_with_changed_regions_declines():
     assert keep is None
     s.append(" plain ascii")
     assert np.array_equal(np.asarray(s.ids), tok.encode(s.text))
+
+
+@pytest.mark.parametrize("name", ["cl100k_base", "qwen3", "smollm2"])
+def test_ascii_resends_equal_the_general_sync(name, monkeypatch):
+    """Session.sync of a resent ASCII text that extends the stored one (the server's path): read in place, adopted
+    by the store, state equal to the general route's (the fast path switched off for the twin)."""
+    tok = tokenplane.load(name)
+    docs = [d.encode("ascii", "replace").decode() for d in _corpus_docs(60_000)]
+    fast, general = tok.session(), tok.session()
+    off, taken = [False], []
+    real = asciiappend.append_ascii
+
+    def switch(*args):
+        if off[0]:
+            return None
+        out = real(*args)
+        taken.append(out is not None)
+        return out
+
+    monkeypatch.setattr(session_mod, "append_ascii", switch)
+    text = ""
+    for doc in docs[:40]:
+        text += doc[:3000]
+        sp_fast = fast.sync(text)
+        off[0] = True
+        sp_general = general.sync(text)
+        off[0] = False
+        assert sp_fast.keep == sp_general.keep and np.array_equal(sp_fast.ids, sp_general.ids)
+        assert _state(fast)[:-1] == _state(general)[:-1]
+        if len(text) <= ADOPT_MAX:      # the resent str itself is the stored text (no copy), as the general route
+            assert fast._raw.chunks[-1] is text and general._raw.chunks[-1] is text
+    assert all(taken) and len(taken) >= 20 and np.array_equal(np.asarray(fast.ids), tok.encode(fast.text))

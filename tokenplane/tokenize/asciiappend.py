@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from . import appendwin
 from .cpu import kernels
@@ -31,12 +31,12 @@ if TYPE_CHECKING:
     from .repair import SessionStats, WindowRepair
     from .textstore import TextStore
 
-_local = threading.local()      # this thread's bindings: (repairer, path) -> (bound kernel, its BPE, window limit)
+_local = threading.local()      # this thread's bindings: (repairer, path) -> (bound kernel, its BPE, router, repairer)
 
 
-def _binding(rep: WindowRepair, path: str) -> tuple[appendwin._Bound, object, int] | None:
+def _binding(rep: WindowRepair, path: str) -> tuple[appendwin._Bound, Any, Router | None] | None:
     """This thread's fused append kernel for `rep` and `path` (appendwin.append_encoder, made once a thread), the BPE
-    it was bound with and the longest window it may take (a longer one goes to a GPU or over the segment limit)."""
+    it was bound with and the router of the path, if it is one (a window over its GPU size may go to its GPU)."""
     cache = getattr(_local, "bindings", None)
     if cache is None:
         cache = _local.bindings = {}
@@ -45,47 +45,50 @@ def _binding(rep: WindowRepair, path: str) -> tuple[appendwin._Bound, object, in
     if entry is not None and entry[3] is rep:
         bound, bpe = entry[0], entry[1]
         if bound.kernels is kernels._active and bound.batch == bpe.batch and bound.whole == bpe.whole:
-            return entry[0], entry[1], entry[2]
+            return bound, bpe, entry[2]
     encoder = rep.tokenizer.path(path)
     cpu = segment_encoder(encoder, 0)
     if cpu is None:
         return None
-    limit = SEGMENTS_MAX_CHARS - 1
-    if isinstance(encoder, Router):
-        limit = min(limit, encoder.gpu_min_chars)
     if rep.nfc and rep._inert is None:
         from .cpu import nfc
         rep._inert = nfc.inert_table()
     bound = appendwin.append_encoder(cpu.bpe, rep.family, rep.token_chars, rep.search, rep._inert)
-    cache[key] = (bound, cpu.bpe, limit, rep)
-    return bound, cpu.bpe, limit
+    router = encoder if isinstance(encoder, Router) else None
+    cache[key] = (bound, cpu.bpe, router, rep)
+    return bound, cpu.bpe, router
 
 
 def append_ascii(rep: WindowRepair, raw: TextStore, rec: Records, nmap: NfcMap | None, path: str, text: str,
-                 stats: SessionStats) -> int | None:
+                 stats: SessionStats, whole: str | None = None) -> int | None:
     """Append `text` (an ASCII str) to a session whose normalized text is its raw text: the kept record count, with
     the records, the text store and `stats` updated as Session._fast_append updates them; None, with nothing
-    changed, where this path does not apply."""
+    changed, where this path does not apply. `whole`: the whole new text as one ASCII str (sync's resent text;
+    `text` is then its new part): read in place by the kernel and adopted by the store, as `_fast_append` does."""
     end = raw.length
     n = rec.n
+    added = len(text)
     if (not n or not text or not rep.fused or path == "reference" or (nmap is not None and nmap.texts)
-            or end + len(text) > rep.tokenizer.max_chars):
+            or end + added > rep.tokenizer.max_chars or added > CHUNK_MERGE):
         return None
     w = rep.window
     base = end - 2 * w if end > 2 * w else 0
-    if len(text) > CHUNK_MERGE:
+    span = end + added - base       # (WindowRepair._fused_append's window and its limits)
+    b = _binding(rep, path) if span < SEGMENTS_MAX_CHARS else None
+    if b is None:
         return None
-    b = _binding(rep, path)
-    if b is None or end + len(text) - base > b[2]:
+    bound, router = b[0], b[2]
+    if router is not None and span > router.gpu_min_chars and router.gpu() is not None:
         return None
-    bound = b[0]
     t0 = time.perf_counter()
     stats.last_encode_s = 0.0
     chunks = raw.chunks
-    lo = raw.starts[-1]
     last = chunks[-1]
-    new = (last[base - lo:] if base >= lo and isinstance(last, str) else raw.slice(base, end)) + text
-    added = len(text)
+    if whole is not None:
+        new, base = whole, 0
+    else:
+        lo = raw.starts[-1]
+        new = (last[base - lo:] if base >= lo and isinstance(last, str) else raw.slice(base, end)) + text
     need = n + (added * n) // end + (added >> 4) + 32      # (WindowRepair.append_commit's reservation)
     if need > len(rec.buf):
         rec.reserve(need)
@@ -101,7 +104,9 @@ def append_ascii(rep: WindowRepair, raw: TextStore, rec: Records, nmap: NfcMap |
         return None
     # the text store's append of one ASCII run (TextStore.append: merged into a last chunk of one byte a character
     # while it stays under CHUNK_MERGE and the chunk budget allows, else a chunk of its own)
-    if isinstance(last, str) and len(last) + added <= CHUNK_MERGE and (
+    if whole is not None:
+        raw.adopt(whole)
+    elif isinstance(last, str) and len(last) + added <= CHUNK_MERGE and (
             last.isascii() or char_width(last) == 1 or len(chunks) > 64 + end // 8192):
         raw.chunks = (*chunks[:-1], last + text)
         raw.length = end + added

@@ -307,6 +307,12 @@ class Session:
         if nmap is not None and len(nmap):   # NFC regions: the resent str is raw, the fused call reads normalized text
             return self._append_committed(validate_text(full_text[length:], self.tokenizer.max_chars))
         if full_text.isascii():
+            if self._norm is None:      # (asciiappend.py: the common case)
+                keep = append_ascii(self._repairer, self._raw, self._rec, nmap, self._path, full_text[length:],
+                                    self.stats, full_text)
+                if keep is not None:
+                    self.revision += 1
+                    return Splice(keep, self._rec.exported(keep), self.revision, "window")
             return self._fast_append(None, full_text, 0, full_text)
         tail = validate_text(full_text[length:], self.tokenizer.max_chars)     # lone surrogates refused here
         return self._fast_append(tail, full_text, 0, None)
