@@ -315,6 +315,11 @@ class Session:
                     return Splice(keep, self._rec.exported(keep), self.revision, "window")
             return self._fast_append(None, full_text, 0, full_text)
         tail = validate_text(full_text[length:], self.tokenizer.max_chars)     # lone surrogates refused here
+        if self._norm is None and tail.isascii():     # (a wide stored text, an ASCII tail: read from the store)
+            keep = append_ascii(self._repairer, self._raw, self._rec, nmap, self._path, tail, self.stats)
+            if keep is not None:
+                self.revision += 1
+                return Splice(keep, self._rec.exported(keep), self.revision, "window")
         return self._fast_append(tail, full_text, 0, None)
 
     def _append_committed(self, text: str) -> Splice | None:
