@@ -12,7 +12,7 @@ from tokenplane import TextTooLargeError
 from tokenplane.tokenize import asciiappend
 from tokenplane.tokenize import session as session_mod
 from tokenplane.tokenize.errors import StaleRevisionError
-from tokenplane.tokenize.textstore import ADOPT_MAX, CHUNK_MERGE
+from tokenplane.tokenize.textstore import ADOPT_MAX, CHUNK_MERGE, TextStore, _offsets, _str, width_runs
 
 FAMILIES = ["cl100k_base", "o200k_base", "llama3", "qwen3", "deepseek_v4", "smollm2"]
 
@@ -72,6 +72,34 @@ def test_text_store_chunks_as_the_general_append(name):
             general._append(chunk, None)
             assert _state(fast)[:-1] == _state(general)[:-1], (head[-3:], chunk)
         assert np.array_equal(np.asarray(fast.ids), tok.encode(fast.text))
+
+
+def test_text_store_one_run_merge_equals_its_run_by_run_route():
+    """TextStore.append's merge of one ASCII run into the last chunk (the branch every ASCII session append takes)
+    leaves the chunks, offsets and length that its run-by-run route (`width_runs`, `_add`) leaves."""
+    def by_runs(store, text):
+        chunks, starts = list(store.chunks), list(store.starts)
+        for run in width_runs(text):
+            store._add(chunks, starts, run)
+        store.chunks, store.starts = tuple(chunks), _offsets(starts)
+
+    # appended part by part; the last: narrow and wide parts alternating until the chunk budget merges across widths
+    heads = [["a" * (CHUNK_MERGE - 10)], ["x " * 2000 + "\u00e9"], ["x " * 2000 + "\u4f60"], ["y" * 100],
+             [p for i in range(90) for p in ("z" * 700, f"{i}\u4f60")]]
+    for parts in heads:
+        head = "".join(parts)
+        for text in ("0123456789", "tail", "q" * 11, "w" * 5000, "a" * CHUNK_MERGE):
+            fast, slow = TextStore(), TextStore()
+            for part in parts:
+                fast.append(part)
+                slow.append(part)
+            fast.append(text)
+            by_runs(slow, text)
+            shape = [(type(c), _str(c)) for c in fast.chunks], fast.starts, fast.length    # (packed runs: by content)
+            assert shape == ([(type(c), _str(c)) for c in slow.chunks], slow.starts, slow.length), (head[-3:], text)
+            full, n, o = head + text, fast.length, fast.starts[-1]
+            for x, y in ((0, n), (n - 1, n), (o, n), (o - 1, n), (o + 3, n - 2), (n - 5, n + 10), (o, o + 1)):
+                assert fast.slice(x, y) == full[max(x, 0):min(y, n)], (x, y)     # (the last chunk's own slice)
 
 
 def test_declines_leave_the_session_as_it_was(monkeypatch):

@@ -6,8 +6,9 @@ calls; the peers' re-encodes interleaved in benchmarks/session_repair.py; a 128 
 function it runs with its code and data coming back from memory: ~9 us for the call of an empty function on the AMD
 EPYC VM, against well under 1 us warm. The general path made ~30 such calls around one ~90-110 us kernel call
 (validation, the plan's helpers, the encoder lookups of the router and the thread cache, the text store's width
-runs); this one makes a handful: measured on qwen3 and cl100k sessions of 1M characters, 1.4K-character appends after
-a 128 MB sweep took 140-170 us here against 370-460 us (scratch harness, the two alternated, IDs equal).
+runs); this one makes a handful. 1.4K-character appends to 1M-character sessions after a 128 MB sweep, the two paths
+alternated in one process (IDs equal): qwen3 273 vs 329 us P50, smollm2 263 vs 305 us; what is left is mostly the
+kernel call itself (~180 us cold for qwen3, ~50 warm).
 
 It answers only the common case and declines (None, nothing changed) everything else, which the general path then
 takes with its checks and errors: text that is not ASCII, a session with allowed literals or with text whose NFC
@@ -23,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 from . import appendwin
 from .cpu import kernels
 from .router import SEGMENTS_MAX_CHARS, Router, segment_encoder
-from .textstore import CHUNK_MERGE, char_width
+from .textstore import CHUNK_MERGE
 
 if TYPE_CHECKING:
     from .nfcmap import NfcMap
@@ -50,10 +51,7 @@ def _binding(rep: WindowRepair, path: str) -> tuple[appendwin._Bound, Any, Route
     cpu = segment_encoder(encoder, 0)
     if cpu is None:
         return None
-    if rep.nfc and rep._inert is None:
-        from .cpu import nfc
-        rep._inert = nfc.inert_table()
-    bound = appendwin.append_encoder(cpu.bpe, rep.family, rep.token_chars, rep.search, rep._inert)
+    bound = appendwin.append_encoder(cpu.bpe, rep.family, rep.token_chars, rep.search, rep.inert())
     router = encoder if isinstance(encoder, Router) else None
     cache[key] = (bound, cpu.bpe, router, rep)
     return bound, cpu.bpe, router
@@ -82,13 +80,10 @@ def append_ascii(rep: WindowRepair, raw: TextStore, rec: Records, nmap: NfcMap |
         return None
     t0 = time.perf_counter()
     stats.last_encode_s = 0.0
-    chunks = raw.chunks
-    last = chunks[-1]
     if whole is not None:
         new, base = whole, 0
     else:
-        lo = raw.starts[-1]
-        new = (last[base - lo:] if base >= lo and isinstance(last, str) else raw.slice(base, end)) + text
+        new = raw.slice(base, end) + text
     need = n + (added * n) // end + (added >> 4) + 32      # (WindowRepair.append_commit's reservation)
     if need > len(rec.buf):
         rec.reserve(need)
@@ -102,14 +97,8 @@ def append_ascii(rep: WindowRepair, raw: TextStore, rec: Records, nmap: NfcMap |
         rec.splice(keep, bound.out_ids[:count], bound.out_ends[:count], n, added)
     else:
         return None
-    # the text store's append of one ASCII run (TextStore.append: merged into a last chunk of one byte a character
-    # while it stays under CHUNK_MERGE and the chunk budget allows, else a chunk of its own)
     if whole is not None:
         raw.adopt(whole)
-    elif isinstance(last, str) and len(last) + added <= CHUNK_MERGE and (
-            last.isascii() or char_width(last) == 1 or len(chunks) > 64 + end // 8192):
-        raw.chunks = (*chunks[:-1], last + text)
-        raw.length = end + added
     else:
         raw.append(text)
     stats.repairs += 1

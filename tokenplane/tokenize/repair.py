@@ -71,6 +71,16 @@ class SessionStats:
                 ((f, getattr(self, f)) for f in self.__slots__)}
 
 
+@dataclass(frozen=True)
+class Splice:
+    """The change to a session's ID sequence: new_ids == old_ids[:keep] + ids (`ids`: a read-only view that later
+    mutations of the session leave as it is; see Session.ids)."""
+    keep: int
+    ids: np.ndarray
+    revision: int
+    path: Literal["window", "full", "noop"] = "window"
+
+
 @dataclass
 class RecordSplice:
     """The records after a mutation: old[:keep] + mid + old[right_from:], the last part's ends moved by delta."""
@@ -116,6 +126,12 @@ class WindowRepair:
     @property
     def reference(self) -> ReferenceEngine:
         return self.tokenizer.reference      # built on first use: only the "reference" window path needs it
+
+    def inert(self) -> np.ndarray | None:
+        """The NFC inert table the fused append window reads (loaded on first use), None without a normalizer."""
+        if self.nfc and self._inert is None:
+            self._inert = nfc.inert_table()
+        return self._inert
 
     def repair(self, rec: Records, old_norm: TextReader, new: SplicedText, d: int, e_new: int, specials: Specials,
                stats: SessionStats, path: str) -> RecordSplice:
@@ -217,9 +233,7 @@ class WindowRepair:
         cpu = segment_encoder(self.tokenizer.path(path), new_len - base)
         if cpu is None:
             return None
-        if self.nfc and self._inert is None:
-            self._inert = nfc.inert_table()
-        fn = append_encoder(cpu.bpe, self.family, self.token_chars, self.search, self._inert)
+        fn = append_encoder(cpu.bpe, self.family, self.token_chars, self.search, self.inert())
         if whole is not None:
             if str_base > base:
                 return None     # the str starts right of where the window may start: the general repair reads it

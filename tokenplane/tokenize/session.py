@@ -30,7 +30,7 @@ from .cpu import boundary, nfc
 from .errors import SessionError, StaleRevisionError, TextTooLargeError, validate_text  # noqa: F401
 from .nfcmap import EMPTY_MAP, MappedText, NfcMap, build_map
 from .records import Records
-from .repair import RecordSplice, SessionStats, Specials, no_specials
+from .repair import RecordSplice, SessionStats, Specials, Splice, no_specials
 from .textstore import (
     Append,
     Replace,
@@ -56,16 +56,6 @@ DEFAULT_WINDOW = 256
 MAX_WIDENINGS = 5
 _INERT_SCAN = 1 << 14      # appended non-ASCII text up to this long is checked for NFC-inert code points
 _NFC_REACH = 1 << 16        # how far an NFC split point (an ASCII character) is searched for before a full renormalize
-
-
-@dataclass(frozen=True)
-class Splice:
-    """The change to the ID sequence: new_ids == old_ids[:keep] + ids (`ids`: a read-only view that later mutations
-    of the session leave as it is; see Session.ids)."""
-    keep: int
-    ids: np.ndarray
-    revision: int
-    path: Literal["window", "full", "noop"] = "window"
 
 
 # -- repair plan --------------------------------------------------------------------------------------------------
@@ -225,14 +215,24 @@ class Session:
     # -- write side -----------------------------------------------------------------------------------------------
     def append(self, text: str | bytes, *, expect_revision: int | None = None) -> Splice:
         """Append raw text; returns the splice that turns the previous IDs into the new ones."""
-        if expect_revision is not None and expect_revision != self.revision:
+        if expect_revision is not None:
             self._check_revision(expect_revision)
-        if type(text) is str and self._norm is None and text.isascii():     # (asciiappend.py: the common case)
-            keep = append_ascii(self._repairer, self._raw, self._rec, self._nmap, self._path, text, self.stats)
-            if keep is not None:
-                self.revision += 1
-                return Splice(keep, self._rec.exported(keep), self.revision, "window")
+        if type(text) is str and text.isascii():     # (asciiappend.py: the common case)
+            done = self._ascii_append(text, None)
+            if done is not None:
+                return done
         return self._append(text, None)
+
+    def _ascii_append(self, text: str, whole: str | None) -> Splice | None:
+        """asciiappend.append_ascii on this session: the splice, or None with nothing changed where it declines (or
+        where the normalized text is not the raw text)."""
+        if self._norm is not None:
+            return None
+        keep = append_ascii(self._repairer, self._raw, self._rec, self._nmap, self._path, text, self.stats, whole)
+        if keep is None:
+            return None
+        self.revision += 1
+        return Splice(keep, self._rec.exported(keep), self.revision, "window")
 
     def _append(self, text: str | bytes, whole: str | None) -> Splice:
         """`append` after the revision check; `whole`: the whole new raw text as one str when the caller holds it
@@ -307,20 +307,12 @@ class Session:
         if nmap is not None and len(nmap):   # NFC regions: the resent str is raw, the fused call reads normalized text
             return self._append_committed(validate_text(full_text[length:], self.tokenizer.max_chars))
         if full_text.isascii():
-            if self._norm is None:      # (asciiappend.py: the common case)
-                keep = append_ascii(self._repairer, self._raw, self._rec, nmap, self._path, full_text[length:],
-                                    self.stats, full_text)
-                if keep is not None:
-                    self.revision += 1
-                    return Splice(keep, self._rec.exported(keep), self.revision, "window")
-            return self._fast_append(None, full_text, 0, full_text)
+            done = self._ascii_append(full_text[length:], full_text)
+            return done if done is not None else self._fast_append(None, full_text, 0, full_text)
         tail = validate_text(full_text[length:], self.tokenizer.max_chars)     # lone surrogates refused here
-        if self._norm is None and tail.isascii():     # (a wide stored text, an ASCII tail: read from the store)
-            keep = append_ascii(self._repairer, self._raw, self._rec, nmap, self._path, tail, self.stats)
-            if keep is not None:
-                self.revision += 1
-                return Splice(keep, self._rec.exported(keep), self.revision, "window")
-        return self._fast_append(tail, full_text, 0, None)
+        # (a wide stored text, an ASCII tail: read from the store)
+        done = self._ascii_append(tail, None) if tail.isascii() else None
+        return done if done is not None else self._fast_append(tail, full_text, 0, None)
 
     def _append_committed(self, text: str) -> Splice | None:
         """`append` of validated text as `_fast_append`: the fused call reads the stored text from 2 windows left

@@ -240,6 +240,15 @@ class TextStore:
     def append(self, s: str) -> None:
         if not s:
             return
+        last = self.chunks[-1] if self.chunks else None
+        if (isinstance(last, str) and s.isascii() and len(last) + len(s) <= CHUNK_MERGE
+                and (last.isascii() or char_width(last) == 1)):
+            # one narrow run merged into a narrow last chunk: `_add`'s merge without its lists (a session's every
+            # ASCII append, asciiappend.py: each Python step costs when the process's caches are cold); the rest,
+            # the chunk budget's merges included, goes run by run below
+            self.chunks = (*self.chunks[:-1], last + s)
+            self.length += len(s)
+            return
         chunks, starts = list(self.chunks), list(self.starts)
         if len(s) > 4 * CHUNK_MERGE:
             # large texts are kept as chunks of at most 64K characters (a bounded copy per later merge)
@@ -285,6 +294,9 @@ class TextStore:
         a, b = max(a, 0), min(b, self.length)
         if a >= b:
             return ""
+        o = self.starts[-1]
+        if a >= o and isinstance(last := self.chunks[-1], str):      # (an append's window: the last chunk's tail)
+            return last[a - o:b - o]
         i, j = self._locate(a), self._locate(b - 1)
         if i == j:
             o = self.starts[i]
