@@ -566,3 +566,22 @@ def test_background_build_starts_once_and_not_after_a_failure(tmp_path, monkeypa
     marker.unlink()
     assert kernels.start_background_build() and started[0][1:3] == ["-m", "tokenplane.tokenize.cpu.aotbuild"]
     assert not kernels.start_background_build() and len(started) == 1      # once per process
+
+
+def test_key_sources_cover_every_kernel_module():
+    """The AOT key hashes kernels.SOURCES: every module a kernel's code comes from must be there (a kernel module,
+    or one whose intrinsics the kernels name through lazyjit.numba_global), else an edit of it would leave a
+    stale module loaded under the old key."""
+    import re
+
+    cpu = Path(kernels.__file__).parent
+    keyed = {(cpu / s).resolve() for s in kernels.SOURCES}
+    assert all(p.exists() for p in keyed)
+    named = set()
+    for path in [*cpu.glob("*.py"), *cpu.parent.glob("*.py")]:
+        src = path.read_text()
+        named.update(re.findall(r'numba_global\(\s*"tokenplane\.tokenize\.([\w.]+)"', src))
+        if "@njit" in src:
+            named.add(str(path.relative_to(cpu.parent).with_suffix("")).replace("/", "."))
+    missing = sorted(m for m in named if (cpu.parent / (m.replace(".", "/") + ".py")).resolve() not in keyed)
+    assert not missing, missing

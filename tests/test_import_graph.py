@@ -126,7 +126,7 @@ def test_no_import_cycles_in_tokenplane():
 
 # tokenize/, bottom layer first: a module may import its own layer and the ones before it, never a later one.
 TOKENIZE_LAYERS = [["errors"], ["reference"], ["spec"], ["cpu"], ["gpu"], ["router"], ["batch"], ["packedrun", "textstore", "splice", "nfcmap", "records"],
-                   ["repair", "appendwin", "asciiappend"], ["session"], ["tokenizer"], ["registry"], ["verify", "warmup"],
+                   ["repair", "appendwin", "asciiappend", "plan"], ["session"], ["tokenizer"], ["registry"], ["verify", "warmup"],
                    ["evidence"]]
 
 

@@ -384,6 +384,31 @@ def test_exported_ids_survive_later_edits(toks):
     assert (view == kept_v).all() and sess._rec.buf is not buf() and not view.flags.writeable
 
 
+def test_splice_ids_read_later_show_their_mutation(toks):
+    """A splice's IDs are viewed only when read (Splice holds the records buffer until then): read after later
+    appends and edits, each still shows the IDs its own mutation made, read-only; a splice nobody reads leaves the
+    records to be written in place once it is gone."""
+    tok = toks["cl100k_base"]
+    sess = tok.session(text=PROSE * 20)
+    steps = []
+    for k, op in enumerate(["append", "edit", "append", "sync", "append"]):
+        if op == "append":
+            sp = sess.append(f" more text {k}")
+        elif op == "edit":
+            sp = sess.edit(100, 110, "an edit")
+        else:
+            sp = sess.sync(sess.text + f" resent {k}")
+        steps.append((sp, tok.encode(sess.text)))
+    for sp, ref in steps:
+        assert (sp.ids == ref[sp.keep:]).all() and not sp.ids.flags.writeable
+        assert sp.ids is sp.ids                 # viewed once
+    del steps, sp
+    buf = weakref.ref(sess._rec.buf)
+    sess.append(" unread")                      # (its splice dropped at once)
+    sess.edit(10, 12, "zz")
+    assert sess._rec.buf is buf() and (sess.ids == tok.encode(sess.text)).all()
+
+
 @pytest.mark.parametrize("name", NAMES)
 def test_full_fallback_keeps_early_specials(toks, name):
     """A fallback (window too small to certify) re-encodes everything: literals far from the seam must still split."""

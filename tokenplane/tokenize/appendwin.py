@@ -210,9 +210,11 @@ class _Bound:
         self.kernels, self.batch, self.whole = kernels.get(), bpe.batch, bpe.whole
         self.tc, self.search, self.inert = tc, search, inert
         self.loop, self.tail = loop, tail
-        self._grow(MIN_SCRATCH)
+        self.grow(0)
 
-    def _grow(self, size: int) -> None:
+    def grow(self, need: int) -> None:
+        """Scratch for a window of `need` new records (what a SCRATCH answer says), with room to spare."""
+        size = max(2 * need, MIN_SCRATCH)
         self.out_ids = np.empty(size, np.uint32)
         self.out_ends = np.empty(size, np.int64)
         self.fn = self.kernels.bind(f"append_{self.loop}", 10, *self.tail, self.out_ids, self.out_ends)
@@ -232,7 +234,7 @@ class _Bound:
         out_ends[:count]): a caller that commits them in place never looks at them."""
         status, keep, count = self.fn(text, base, d, w, ids, ck, ex_i, ex_v, n, commit)
         if status == SCRATCH:       # `keep` says how many records the window needs: once per larger window
-            self._grow(max(2 * keep, MIN_SCRATCH))
+            self.grow(keep)
             status, keep, count = self.fn(text, base, d, w, ids, ck, ex_i, ex_v, n, commit)
         return status, keep, count
 

@@ -35,26 +35,21 @@ if TYPE_CHECKING:
 _local = threading.local()      # this thread's bindings: (repairer, path) -> (bound kernel, its BPE, router, repairer)
 
 
-def _binding(rep: WindowRepair, path: str) -> tuple[appendwin._Bound, Any, Router | None] | None:
-    """This thread's fused append kernel for `rep` and `path` (appendwin.append_encoder, made once a thread), the BPE
-    it was bound with and the router of the path, if it is one (a window over its GPU size may go to its GPU)."""
-    cache = getattr(_local, "bindings", None)
-    if cache is None:
-        cache = _local.bindings = {}
-    key = (id(rep), path)
-    entry = cache.get(key)
-    if entry is not None and entry[3] is rep:
-        bound, bpe = entry[0], entry[1]
-        if bound.kernels is kernels._active and bound.batch == bpe.batch and bound.whole == bpe.whole:
-            return bound, bpe, entry[2]
+def _bind(rep: WindowRepair, path: str) -> tuple[appendwin._Bound, Any, Router | None, WindowRepair] | None:
+    """This thread's fused append kernel for `rep` and `path` (appendwin.append_encoder, made once a thread and kept
+    in `_local.bindings`), the BPE it was bound with, the router of the path, if it is one (a window over its GPU
+    size may go to its GPU), and `rep`. `append_ascii` checks a kept entry inline (a call is a cost cold)."""
     encoder = rep.tokenizer.path(path)
     cpu = segment_encoder(encoder, 0)
     if cpu is None:
         return None
     bound = appendwin.append_encoder(cpu.bpe, rep.family, rep.token_chars, rep.search, rep.inert())
     router = encoder if isinstance(encoder, Router) else None
-    cache[key] = (bound, cpu.bpe, router, rep)
-    return bound, cpu.bpe, router
+    cache = getattr(_local, "bindings", None)
+    if cache is None:
+        cache = _local.bindings = {}
+    entry = cache[(id(rep), path)] = (bound, cpu.bpe, router, rep)
+    return entry
 
 
 def append_ascii(rep: WindowRepair, raw: TextStore, rec: Records, nmap: NfcMap | None, path: str, text: str,
@@ -72,14 +67,19 @@ def append_ascii(rep: WindowRepair, raw: TextStore, rec: Records, nmap: NfcMap |
     w = rep.window
     base = end - 2 * w if end > 2 * w else 0
     span = end + added - base       # (WindowRepair._fused_append's window and its limits)
-    b = _binding(rep, path) if span < SEGMENTS_MAX_CHARS else None
-    if b is None:
+    if span >= SEGMENTS_MAX_CHARS:
         return None
+    cache = getattr(_local, "bindings", None)
+    b = cache.get((id(rep), path)) if cache is not None else None
+    if (b is None or b[3] is not rep or b[0].kernels is not kernels._active or b[0].batch != b[1].batch
+            or b[0].whole != b[1].whole):
+        b = _bind(rep, path)
+        if b is None:
+            return None
     bound, router = b[0], b[2]
     if router is not None and span > router.gpu_min_chars and router.gpu() is not None:
         return None
     t0 = time.perf_counter()
-    stats.last_encode_s = 0.0
     if whole is not None:
         new, base = whole, 0
     else:
@@ -90,7 +90,7 @@ def append_ascii(rep: WindowRepair, raw: TextStore, rec: Records, nmap: NfcMap |
     rec.detach()        # the kernel may write over records an exported view shows
     t1 = time.perf_counter()
     status, keep, count = bound.counted(new, base, end, w, rec.buf, rec.ck, rec.ex_i, rec.ex_v, n, True)
-    stats.last_encode_s += time.perf_counter() - t1
+    stats.last_encode_s = time.perf_counter() - t1
     if status == appendwin.COMMITTED:
         rec.n = keep + count
     elif status == appendwin.OK:

@@ -205,7 +205,10 @@ class Records:
     """IDs (uint32, edited in place, grown by a fraction), block checkpoints and end exceptions of one session.
     `tc`: characters per token ID (the vocabulary's `token_chars`), shared by all sessions of a tokenizer."""
 
-    __slots__ = ("tc", "buf", "ck", "ex_i", "ex_v", "n")
+    # _ro: a read-only view of the whole of buf (None until an export needs it; dropped whenever buf is replaced or
+    # resized), so that an export is one slice of it: setflags on each new view cost ~14 us more with the process's
+    # caches cold (an agent's call after other work), as much as the slice itself
+    __slots__ = ("tc", "buf", "ck", "ex_i", "ex_v", "n", "_ro")
 
     def __init__(self, tc: np.ndarray):
         self.tc = tc
@@ -213,6 +216,7 @@ class Records:
         self.ck = np.zeros((MIN_CAPACITY >> SHIFT) + 2, np.int64)
         self.ex_i, self.ex_v = _EMPTY_I, _EMPTY_I
         self.n = 0
+        self._ro: np.ndarray | None = None
 
     @property
     def ids(self) -> np.ndarray:
@@ -221,15 +225,19 @@ class Records:
 
     def exported(self, start: int = 0) -> np.ndarray:
         """ids[start:] as a read-only view that later splices never change (see the module docstring)."""
-        v = self.buf[start:self.n]
-        v.setflags(write=False)
-        return v
+        ro = self._ro
+        if ro is None:
+            ro = self._ro = self.buf.view()
+            ro.flags.writeable = False
+        return ro[start:self.n]
 
     def detach(self) -> None:
-        """Before an in-place write: give the buffer to the live views of it and keep writing into a copy. Two
-        references are this object's and getrefcount's argument; any more is a view (or a caller) holding it."""
-        if sys.getrefcount(self.buf) > 2:
+        """Before an in-place write: give the buffer to the live views of it and keep writing into a copy. The
+        references that are not a holder: this object's, getrefcount's argument and `_ro`'s (a view's base is
+        the buffer itself, however it was derived); any more is a view (or a caller) holding it."""
+        if sys.getrefcount(self.buf) > (2 if self._ro is None else 3):
             self.buf = self.buf.copy()
+            self._ro = None
 
     def kernel_args(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray, int]:
         """(ids, ck, tc, ex_i, ex_v, n): what the kernels of this module and splice.py read."""
@@ -322,7 +330,7 @@ class Records:
             grown[:self.n] = self.buf[:self.n]
             ck = np.zeros((cap >> SHIFT) + 2, np.int64)
             ck[:len(self.ck)] = self.ck
-            self.buf, self.ck = grown, ck
+            self.buf, self.ck, self._ro = grown, ck, None
 
     def _capacity(self, need: int) -> int:
         return need + min(need // GROWTH, MAX_SLACK) + 16 if self.n else need
@@ -331,6 +339,7 @@ class Records:
         """An append's growth as a realloc of both arrays (no new buffer, no Python-level copy: ~1 us instead of ~4
         for a 12K-record session): only while no exported view holds the buffer (numpy's refcheck refuses the
         resize then, and the caller copies into a new buffer instead, leaving the views as they are)."""
+        self._ro = None         # (its reference would fail the refcheck)
         try:
             self.buf.resize(cap)
         except ValueError:
@@ -351,6 +360,6 @@ class Records:
             grown[dst:new_n] = buf[right_from:right_from + n_right]
             ck = np.zeros((cap >> SHIFT) + 2, np.int64)
             ck[:len(self.ck)] = self.ck
-            self.buf, self.ck = grown, ck
+            self.buf, self.ck, self._ro = grown, ck, None
         elif n_right and dst != right_from:
             ctypes.memmove(buf.ctypes.data + 4 * dst, buf.ctypes.data + 4 * right_from, 4 * n_right)

@@ -71,14 +71,32 @@ class SessionStats:
                 ((f, getattr(self, f)) for f in self.__slots__)}
 
 
-@dataclass(frozen=True)
 class Splice:
     """The change to a session's ID sequence: new_ids == old_ids[:keep] + ids (`ids`: a read-only view that later
-    mutations of the session leave as it is; see Session.ids)."""
-    keep: int
-    ids: np.ndarray
-    revision: int
-    path: Literal["window", "full", "noop"] = "window"
+    mutations of the session leave as it is; see Session.ids).
+
+    Made by a session with `end`: `ids` is then its records buffer and the splice's IDs are ids[keep:end], viewed on
+    first access. Holding the buffer protects those IDs as the view would (records.py copies a held buffer before
+    writing into it), and a view made with the process's caches cold (an agent's call after other work) costs
+    ~25 us that callers which read the session's IDs instead (a server) would pay for nothing."""
+
+    __slots__ = ("keep", "revision", "path", "_ids", "_end")
+
+    def __init__(self, keep: int, ids: np.ndarray, revision: int,
+                 path: Literal["window", "full", "noop"] = "window", end: int = -1):
+        self.keep, self.revision, self.path = keep, revision, path
+        self._ids, self._end = ids, end
+
+    @property
+    def ids(self) -> np.ndarray:
+        if self._end >= 0:
+            v = self._ids[self.keep:self._end]
+            v.flags.writeable = False
+            self._ids, self._end = v, -1
+        return self._ids
+
+    def __repr__(self) -> str:
+        return f"Splice(keep={self.keep}, ids=<{len(self.ids)} IDs>, revision={self.revision}, path={self.path!r})"
 
 
 @dataclass

@@ -12,7 +12,7 @@ fraction, each token's character end derived from its ID, ~4.3 bytes/token), so 
 work, not O(context). Text is kept once, in a chunked store (textstore.py); families with plain NFC (qwen3) keep the
 raw text the user sent plus a map of the regions where its NFC differs (nfcmap.py: the normalized text is read
 through it, and edits stay local); with allowed specials, the normalized text is kept beside the raw one instead. A
-mutation is planned first (`_Plan`: text and literal changes as values, and the record splice that repair.py
+mutation is planned first (plan.py: text and literal changes as values, and the record splice that repair.py
 certifies) and applied by `_commit`. A session is single-writer: callers serialize mutations.
 """
 
@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import bisect
 import time
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Collection, Literal
 
 import numpy as np
@@ -29,8 +28,9 @@ from .asciiappend import append_ascii
 from .cpu import boundary, nfc
 from .errors import SessionError, StaleRevisionError, TextTooLargeError, validate_text  # noqa: F401
 from .nfcmap import EMPTY_MAP, MappedText, NfcMap, build_map
+from .plan import NO_LITERALS, Literals, Plan, ReplaceLiteralsFrom, SetLiterals
 from .records import Records
-from .repair import RecordSplice, SessionStats, Specials, Splice, no_specials
+from .repair import SessionStats, Specials, Splice, no_specials
 from .textstore import (
     Append,
     Replace,
@@ -56,47 +56,6 @@ DEFAULT_WINDOW = 256
 MAX_WIDENINGS = 5
 _INERT_SCAN = 1 << 14      # appended non-ASCII text up to this long is checked for NFC-inert code points
 _NFC_REACH = 1 << 16        # how far an NFC split point (an ASCII character) is searched for before a full renormalize
-
-
-# -- repair plan --------------------------------------------------------------------------------------------------
-# A literal entry: (raw_start, raw_end, norm_start, norm_end, id), id = -1 for a literal that is not allowed.
-LiteralEntry = tuple[int, int, int, int, int]
-Literals = list[LiteralEntry] | tuple[LiteralEntry, ...]
-NO_LITERALS: tuple[LiteralEntry, ...] = ()     # shared by every session without literal matches (a list is 56 bytes)
-
-
-@dataclass(frozen=True)
-class ReplaceLiteralsFrom:
-    """Literal entries from index `keep` on are replaced by `added` (an append rescans only the tail)."""
-    keep: int
-    added: list[LiteralEntry]
-
-    def apply(self, entries: Literals) -> Literals:
-        if not self.keep and not self.added:
-            return NO_LITERALS
-        if isinstance(entries, tuple):      # the shared empty entries of a session that had none
-            entries = list(entries)
-        del entries[self.keep:]
-        entries.extend(self.added)
-        return entries
-
-
-@dataclass(frozen=True)
-class SetLiterals:
-    entries: list[LiteralEntry]
-
-    def apply(self, entries: Literals) -> Literals:
-        return self.entries or NO_LITERALS
-
-
-@dataclass
-class _Plan:
-    """Everything a mutation changes, computed before anything is mutated."""
-    raw_change: TextChange
-    norm_change: TextChange | None              # None: the normalized text equals the raw text
-    lits: ReplaceLiteralsFrom | SetLiterals | None    # None: literal entries unchanged
-    nmap: NfcMap | None = None                  # the NFC map after the change (None: unchanged)
-    records: RecordSplice | None = None         # filled by the repair
 
 
 class Session:
@@ -232,7 +191,7 @@ class Session:
         if keep is None:
             return None
         self.revision += 1
-        return Splice(keep, self._rec.exported(keep), self.revision, "window")
+        return Splice(keep, self._rec.buf, self.revision, "window", self._rec.n)
 
     def _append(self, text: str | bytes, whole: str | None) -> Splice:
         """`append` after the revision check; `whole`: the whole new raw text as one str when the caller holds it
@@ -279,7 +238,8 @@ class Session:
     def sync(self, full_text: str | bytes, *, expect_revision: int | None = None) -> Splice:
         """Bring the session to `full_text` (clients that resend the whole context): an append when the stored text
         is a prefix, else an edit of the changed middle (common prefix and suffix kept)."""
-        self._check_revision(expect_revision)
+        if expect_revision is not None:
+            self._check_revision(expect_revision)
         if isinstance(full_text, str):
             # Validate only what is new: the kept prefix (and suffix) equal the stored, already validated text, and
             # the comparison runs on the str's own buffer (memcmp for chunks of the same kind). append/edit below
@@ -363,7 +323,7 @@ class Session:
         stats.total_repair_s += dt
         stats.windows_tried += 1
         stats.last_path = "window"
-        return Splice(keep, self._rec.exported(keep), self.revision, "window")
+        return Splice(keep, self._rec.buf, self.revision, "window", self._rec.n)
 
     def reset(self, text: str | bytes = "", *, expect_revision: int | None = None) -> Splice:
         """Drop the state and start over from `text` (a session-state miss)."""
@@ -391,12 +351,12 @@ class Session:
                 for a, b, lit in self.tokenizer.special_matches(text)]
 
     # -- planning -------------------------------------------------------------------------------------------------
-    def _plan_append(self, text: str, whole: str | None = None) -> _Plan:
+    def _plan_append(self, text: str, whole: str | None = None) -> Plan:
         L0 = len(self._raw)
         if not self._repairer.nfc and not self._repairer.literals and self._norm is None:
             # the common append (no normalizer, no allowed literals: normalized text == raw text): the general plan
             # below with every literal and NFC step empty, without building them
-            plan = _Plan(raw_change=Append(text), norm_change=None, lits=None)
+            plan = Plan(raw_change=Append(text), norm_change=None, lits=None)
             new = SplicedText(self._raw, L0, text, L0, whole)
             self._repair(plan, new, L0, new.length, no_specials)
             return plan
@@ -405,7 +365,7 @@ class Session:
             # NFC(raw) + text (cpu/nfc.py), so the map stands and the normalized text grows by `text` alone
             norm = self._normtext
             N0 = len(norm)
-            plan = _Plan(raw_change=Append(text), norm_change=None, lits=None)
+            plan = Plan(raw_change=Append(text), norm_change=None, lits=None)
             new = SplicedText(norm, N0, text, N0, None if len(self._nmap) else whole)   # no region: raw == NFC
             self._repair(plan, new, N0, new.length, no_specials)
             return plan
@@ -469,7 +429,7 @@ class Session:
             raw_is_norm = not len(new_map)
         else:
             raw_is_norm = self._norm is None and (not self._repairer.nfc or mid == norm.slice(d0, N0) + text)
-        plan = _Plan(raw_change=Append(text),
+        plan = Plan(raw_change=Append(text),
                      norm_change=None if raw_is_norm else Replace(d0, N0, mid),
                      lits=ReplaceLiteralsFrom(keep_from, added) if self._repairer.literals else None, nmap=new_map)
         added_sp = [(e[2], e[3], e[4]) for e in added if e[4] >= 0]
@@ -496,7 +456,7 @@ class Session:
         plan, whose NFC split is cheaper than a table gather over all of it)."""
         return text.isascii() or (len(text) <= _INERT_SCAN and nfc.all_inert(text))
 
-    def _plan_edit(self, start: int, end: int, replacement: str) -> _Plan:
+    def _plan_edit(self, start: int, end: int, replacement: str) -> Plan:
         raw_len = len(self._raw)
         if self._repairer.literals or (self._repairer.nfc and self._nmap is None and self._norm is not None):
             new_raw = self._raw.slice(0, start) + replacement + self._raw.slice(end, raw_len)
@@ -527,12 +487,12 @@ class Session:
         cp = common_prefix_len(old_mid, mid, 0)
         cs = common_suffix_len(old_mid[cp:], mid[cp:])
         new = SplicedText(norm, d0, mid, e_old)
-        plan = _Plan(raw_change=Replace(start, end, replacement),
+        plan = Plan(raw_change=Replace(start, end, replacement),
                      norm_change=None if raw_is_norm else Replace(d0, e_old, mid), lits=None, nmap=new_map)
         self._repair(plan, new, d0 + cp, d0 + len(mid) - cs, lambda lo, hi: [])
         return plan
 
-    def _plan_rebuild(self, new_raw: str, raw_change: TextChange) -> _Plan:
+    def _plan_rebuild(self, new_raw: str, raw_change: TextChange) -> Plan:
         """Full renormalization / literal rescan of the new raw text, then the same certified repair on the diff.
         O(N) in the text (documented: edits with allowed specials, edits of NFC text whose raw form is not NFC)."""
         self.stats.renormalizations += 1
@@ -580,19 +540,19 @@ class Session:
         d = min(d, e_new)
         e_old = e_new - delta
         raw_is_norm = new_norm == new_raw
-        plan = _Plan(raw_change=raw_change, norm_change=None if raw_is_norm else SetText(new_norm),
+        plan = Plan(raw_change=raw_change, norm_change=None if raw_is_norm else SetText(new_norm),
                      lits=SetLiterals(entries) if self._repairer.literals else None, nmap=new_map)
         new = SplicedText(TextStore([old_norm]), d, new_norm[d:e_new], e_old)
         self._repair(plan, new, d, e_new, lambda lo, hi: [x for x in new_sp if x[1] > lo and x[0] < hi])
         return plan
 
     # -- commit ---------------------------------------------------------------------------------------------------
-    def _repair(self, plan: _Plan, new: SplicedText, d: int, e_new: int, specials: Specials) -> None:
+    def _repair(self, plan: Plan, new: SplicedText, d: int, e_new: int, specials: Specials) -> None:
         """The certified record splice of the planned text change (repair.py), read against the old state."""
         plan.records = self._repairer.repair(self._rec, self._normtext, new, d, e_new, specials, self.stats,
                                              self._path)
 
-    def _commit(self, plan: _Plan, t0: float) -> Splice:
+    def _commit(self, plan: Plan, t0: float) -> Splice:
         rs = plan.records
         assert rs is not None       # every plan is repaired before its commit
         self._rec.splice(rs.keep, rs.mid_ids, rs.mid_ends, rs.right_from, rs.delta)
@@ -613,4 +573,4 @@ class Session:
         self.stats.windows_tried += rs.attempts
         self.stats.widenings += max(0, rs.attempts - 1)
         self.stats.last_path = rs.path
-        return Splice(rs.keep, self._rec.exported(rs.keep), self.revision, rs.path)
+        return Splice(rs.keep, self._rec.buf, self.revision, rs.path, self._rec.n)

@@ -45,11 +45,10 @@ KEY_VERSION = 1                         # bump when what goes into the module ch
 _HERE = Path(__file__).resolve().parent
 # The modules whose source decides the compiled code: the kernels, this table of signatures, the lazy decorator.
 SOURCES = ("strbuf.py", "pretokenize.py", "o200k_rescan.py", "runbits.py", "startbits.py", "maskbits.py",
-           "deepseekbits.py", "o200kbits.py", "simdbits.py", "borrow.py", "bpe.py", "merge.py", "backtrack.py",
-           "boundary.py",
-           "segments.py", "window.py", "piecemap.py", "fullencode.py", "fullbatch.py", "packed.py", "../appendwin.py",
-           "../records.py", "../splice.py", "../textstore.py", "../packedrun.py", "lazyjit.py", "kernels.py",
-           "aotbuild.py")
+           "deepseekbits.py", "o200kbits.py", "simdbits.py", "borrow.py", "unaligned.py", "prefetch.py", "bpe.py",
+           "merge.py", "backtrack.py", "boundary.py", "segments.py", "window.py", "piecemap.py", "fullencode.py",
+           "fullbatch.py", "packed.py", "../appendwin.py", "../records.py", "../splice.py", "../textstore.py",
+           "../packedrun.py", "lazyjit.py", "kernels.py", "aotbuild.py")
 
 # -- the export table: name -> (module, attribute, return type, argument types) ------------------------------------
 # Argument types: "str" (a Python str, numba unicode_type), "int64", "boolean", or (dtype, ndim) for a C-contiguous

@@ -92,6 +92,7 @@ def _window_finish(cps, offsets, starts, lo, spans, shift, tc, has_missing, miss
     nb, size = strbuf._utf8_and_bounds(cps, n, starts, buf, bounds)
     _pad(buf, size)     # (the walk reads a small piece's two words)
     counts = np.zeros(k, np.int64)
+    piecemap._prefetch_homes(buf, bounds, nb, slots)
     raw, status = piecemap._walk(buf, bounds, nb, has_missing, missing, byte_ids, ptab, batch, whole, wkeys, wids,
                                  tok_flat, tok_off, wmap, btda, btrec, slots, arena, state, valid)
     if status != piecemap.OK:       # DROPPED: a byte the vocabulary lacks
