@@ -185,3 +185,37 @@ def test_ascii_resends_equal_the_general_sync(name, wide, monkeypatch):
             assert fast._raw.chunks[-1] is text and general._raw.chunks[-1] is text
     assert all(taken) and len(taken) >= 20
     assert np.array_equal(np.asarray(fast.ids), tok.encode(fast.text, path="reference"))
+
+
+def test_nfc_mapped_sessions_take_the_ascii_path(monkeypatch):
+    """A session of an NFC family whose raw text differs from its NFC (a decomposed character: an NFC map): ASCII
+    appends and resends take the fast path once no region is within two windows of the end, read the window
+    through the map's shift, and leave the state the general path leaves; a region near the end declines."""
+    tok = tokenplane.load("qwen3")      # (the NFC family)
+    head = "cafe\u0301 " + "".join(_corpus_docs(20_000))[:12_000].encode("ascii", "replace").decode()
+    fast, general = _twins(tok, head)
+    resent = tok.session(text=head)
+    assert len(fast._nmap) and fast.text != fast.normalized_text
+    answers = []
+    real = asciiappend.append_ascii
+
+    def spy(*args):
+        out = real(*args)
+        answers.append(out)
+        return out
+
+    monkeypatch.setattr(session_mod, "append_ascii", spy)
+    rng = random.Random("nfc map")
+    for k in range(30):
+        chunk = "".join(rng.choice([" the cafe", "\n\tx = 1", " 2024", "'s", "  "]) for _ in range(rng.randint(1, 9)))
+        if k == 20:     # a region at the end: the fast path must decline until two windows of ASCII follow it
+            chunk = " re\u0301sume\u0301"
+        sp_fast = fast.append(chunk)
+        sp_general = general._append(chunk, None)
+        resent.sync(general.text)
+        assert sp_fast.keep == sp_general.keep and np.array_equal(sp_fast.ids, sp_general.ids)
+        assert _state(fast)[:-1] == _state(general)[:-1]
+        ref = tok.encode(general.text, path="reference")
+        assert np.array_equal(np.asarray(fast.ids), ref) and np.array_equal(np.asarray(resent.ids), ref)
+    taken = [a is not None for a in answers]
+    assert sum(taken) >= 40 and not all(taken)      # (two calls a step: the append's and the resend's)

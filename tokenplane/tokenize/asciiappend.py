@@ -3,16 +3,18 @@ Session._fast_append (appendwin.py's kernel, WindowRepair.append_commit), reache
 
 An append that arrives after other work has pushed the process out of the caches (a server between an agent's
 calls; the peers' re-encodes interleaved in benchmarks/session_repair.py; a 128 MB sweep) pays for every Python
-function it runs with its code and data coming back from memory: ~9 us for the call of an empty function on the AMD
-EPYC VM, against well under 1 us warm. The general path made ~30 such calls around one ~90-110 us kernel call
-(validation, the plan's helpers, the encoder lookups of the router and the thread cache, the text store's width
-runs); this one makes a handful. 1.4K-character appends to 1M-character sessions after a 128 MB sweep, the two paths
-alternated in one process (IDs equal): qwen3 273 vs 329 us P50, smollm2 263 vs 305 us; what is left is mostly the
-kernel call itself (~180 us cold for qwen3, ~50 warm).
+step it runs with its code and data coming back from memory: on the AMD EPYC VM, after a 128 MB sweep, ~4 us for
+two clock reads with nothing between them, ~6 us with an empty function call between, ~12 us for a numpy slice
+and ~14 us more for setflags on it, against well under 1 us each warm. The general path made ~30 calls around one
+~90-110 us kernel call (validation, the plan's helpers, the encoder lookups of the router and the thread cache, the
+text store's width runs); this one makes a handful. After the same sweep, a tiny append first (which brings the
+code back, and little data) cut a qwen3 1.4K append to a 1M-character session from 185 to 101 us (kernel 94 to 69;
+warm 88 / 49): most of a cold append is its code and the interpreter's, not the tables.
 
 It answers only the common case and declines (None, nothing changed) everything else, which the general path then
-takes with its checks and errors: text that is not ASCII, a session with allowed literals or with text whose NFC
-differs from it, an empty session, the reference path, a window a GPU would take, a kernel that declines.
+takes with its checks and errors: text that is not ASCII, a session with allowed literals or a normalized text of
+its own, an NFC region within two windows of the end, an empty session, the reference path, a window a GPU would
+take, a kernel that declines.
 """
 
 from __future__ import annotations
@@ -54,17 +56,29 @@ def _bind(rep: WindowRepair, path: str) -> tuple[appendwin._Bound, Any, Router |
 
 def append_ascii(rep: WindowRepair, raw: TextStore, rec: Records, nmap: NfcMap | None, path: str, text: str,
                  stats: SessionStats, whole: str | None = None) -> int | None:
-    """Append `text` (an ASCII str) to a session whose normalized text is its raw text: the kept record count, with
-    the records, the text store and `stats` updated as Session._fast_append updates them; None, with nothing
-    changed, where this path does not apply. `whole`: the whole new text as one ASCII str (sync's resent text;
-    `text` is then its new part): read in place by the kernel and adopted by the store, as `_fast_append` does."""
-    end = raw.length
+    """Append `text` (an ASCII str) to a session with no allowed literals and no normalized text of its own: the
+    kept record count, with the records, the text store and `stats` updated as Session._fast_append updates them;
+    None, with nothing changed, where this path does not apply. `whole`: the whole new text as one ASCII str (sync's
+    resent text; `text` is then its new part): read in place by the kernel and adopted by the store, as
+    `_fast_append` does.
+
+    An NFC map (regions where the raw text differs from its NFC) is left as it is: ASCII text composes with nothing
+    before it, so NFC(raw + text) == NFC(raw) + text (Session._append_committed). The window is then read from the
+    raw text shifted by the regions' length change, where no region reaches into it; else this path declines."""
+    raw_end = end = raw.length
     n = rec.n
     added = len(text)
-    if (not n or not text or not rep.fused or path == "reference" or (nmap is not None and nmap.texts)
-            or end + added > rep.tokenizer.max_chars or added > CHUNK_MERGE):
+    if (not n or not text or not rep.fused or path == "reference" or raw_end + added > rep.tokenizer.max_chars
+            or added > CHUNK_MERGE):
         return None
     w = rep.window
+    shift = 0
+    if nmap is not None and nmap.texts:
+        k = len(nmap.texts) - 1
+        shift = nmap.nb(k) - nmap.rb(k)
+        end = raw_end + shift       # the normalized text's length: the kernel's offsets are normalized ones
+        if whole is not None or nmap.nb(k) > end - 2 * w:
+            return None
     base = end - 2 * w if end > 2 * w else 0
     span = end + added - base       # (WindowRepair._fused_append's window and its limits)
     if span >= SEGMENTS_MAX_CHARS:
@@ -83,7 +97,7 @@ def append_ascii(rep: WindowRepair, raw: TextStore, rec: Records, nmap: NfcMap |
     if whole is not None:
         new, base = whole, 0
     else:
-        new = raw.slice(base, end) + text
+        new = raw.slice(base - shift, raw_end) + text
     need = n + (added * n) // end + (added >> 4) + 32      # (WindowRepair.append_commit's reservation)
     if need > len(rec.buf):
         rec.reserve(need)

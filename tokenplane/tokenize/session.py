@@ -265,7 +265,9 @@ class Session:
         resent str in place (no slice of it unless its tail is not ASCII), which then becomes the stored text."""
         nmap = self._nmap
         if nmap is not None and len(nmap):   # NFC regions: the resent str is raw, the fused call reads normalized text
-            return self._append_committed(validate_text(full_text[length:], self.tokenizer.max_chars))
+            tail = validate_text(full_text[length:], self.tokenizer.max_chars)
+            done = self._ascii_append(tail, None) if tail.isascii() else None
+            return done if done is not None else self._append_committed(tail)
         if full_text.isascii():
             done = self._ascii_append(full_text[length:], full_text)
             return done if done is not None else self._fast_append(None, full_text, 0, full_text)
