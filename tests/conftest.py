@@ -31,7 +31,7 @@ def appendwin_statuses(monkeypatch):
     from tokenplane.tokenize import appendwin
 
     seen: list[int] = []
-    real = appendwin._Bound.counted     # (`__call__` goes through it, and so does asciiappend.py)
+    real = appendwin._Bound.counted     # (`__call__` goes through it)
 
     def spy(self, *args):
         out = real(self, *args)
@@ -39,6 +39,19 @@ def appendwin_statuses(monkeypatch):
         return out
 
     monkeypatch.setattr(appendwin._Bound, "counted", spy)
+    # asciiappend.py calls the unguarded kernel (`raw`, a slot set per binding): its slot read answers a spied callable
+    slot = appendwin._Bound.__dict__["raw"]
+
+    def raw(self):
+        fn = slot.__get__(self, appendwin._Bound)
+
+        def spied(*args):
+            out = fn(*args)
+            seen.append(out[0])
+            return out
+        return spied
+
+    monkeypatch.setattr(appendwin._Bound, "raw", property(raw, slot.__set__))
     return seen
 
 

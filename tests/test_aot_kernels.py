@@ -585,3 +585,24 @@ def test_key_sources_cover_every_kernel_module():
             named.add(str(path.relative_to(cpu.parent).with_suffix("")).replace("/", "."))
     missing = sorted(m for m in named if (cpu.parent / (m.replace(".", "/") + ".py")).resolve() not in keyed)
     assert not missing, missing
+
+
+def test_unchecked_binding_is_the_export_without_its_guard(aot, use):
+    """asciiappend.py calls the append kernel through Kernels.bind_unchecked: the module's packed export (AOT) or
+    the JIT kernel, with the tail bound as `bind` binds it; the session's IDs equal the reference either way."""
+    from tokenplane.tokenize import asciiappend
+
+    tok = tokenplane.load("cl100k_base")
+    for k in (aot, kernels.jit_kernels()):
+        use(k)
+        s = tok.session(text="hello world, " * 400)
+        for chunk in (" and more", " 12345 text\n", "  indented(x)"):
+            s.append(chunk)
+            assert s.ids.tolist() == tok.encode(s.text, path="reference").tolist()
+        bound = next(e[0] for e in asciiappend._local.bindings.values() if e[0].kernels is k)
+        if k.kind == "aot":
+            assert bound.raw is k._raw["append_gpt4_packed"] and len(bound.raw_tail) == 1
+        else:
+            assert bound.raw is kernels._jit_kernel("append_gpt4") and bound.raw_tail[-1] is bound.out_ends
+        with pytest.raises(TypeError):
+            k.bind_unchecked("append_gpt4", 10, 1)      # the tail is still checked against the signature

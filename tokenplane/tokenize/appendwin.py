@@ -203,7 +203,10 @@ MIN_SCRATCH = 4096          # records; grown to what a window needs (a declined 
 class _Bound:
     """One thread's fused kernel with its tables and scratch bound (kept on the BPE thread cache)."""
 
-    __slots__ = ("kernels", "batch", "whole", "tc", "search", "inert", "loop", "tail", "fn", "out_ids", "out_ends")
+    # fn: the kernel behind its per-call guard; raw, raw_tail: the same kernel unguarded, called as
+    # raw(*head, *raw_tail) by asciiappend.py, whose head arguments are a str, ints and the records' own arrays
+    __slots__ = ("kernels", "batch", "whole", "tc", "search", "inert", "loop", "tail", "fn", "raw", "raw_tail",
+                 "out_ids", "out_ends")
 
     def __init__(self, bpe: bpe_mod.BPE, tc: np.ndarray, search: splice.SpliceSearch, inert: np.ndarray | None,
                  loop: str, tail: tuple[object, ...]):
@@ -218,6 +221,8 @@ class _Bound:
         self.out_ids = np.empty(size, np.uint32)
         self.out_ends = np.empty(size, np.int64)
         self.fn = self.kernels.bind(f"append_{self.loop}", 10, *self.tail, self.out_ids, self.out_ends)
+        self.raw, self.raw_tail = self.kernels.bind_unchecked(f"append_{self.loop}", 10, *self.tail, self.out_ids,
+                                                              self.out_ends)
 
     def __call__(self, text: str, base: int, d: int, w: int, ids: np.ndarray, ck: np.ndarray, ex_i: np.ndarray,
                  ex_v: np.ndarray, n: int, commit: bool = False) -> tuple[int, int, np.ndarray, np.ndarray]:
