@@ -30,22 +30,40 @@ def _twins(tok, text, **options):
     return a, b
 
 
+class _Spy:
+    """asciiappend.append_ascii as the session calls it, its answers recorded (None: declined); `off` makes it
+    decline every call (the general path's twin)."""
+
+    def __init__(self):
+        self.answers, self.off = [], False
+
+    def taken(self):
+        return [a is not None for a in self.answers]
+
+
+@pytest.fixture
+def spy(monkeypatch):
+    s = _Spy()
+    real = asciiappend.append_ascii
+
+    def call(*args):
+        if s.off:
+            return None
+        out = real(*args)
+        s.answers.append(out)
+        return out
+
+    monkeypatch.setattr(session_mod, "append_ascii", call)
+    return s
+
+
 @pytest.mark.parametrize("name", FAMILIES)
-def test_ascii_appends_equal_the_general_path(name, monkeypatch):
+def test_ascii_appends_equal_the_general_path(name, spy):
     """Random ASCII appends (code, prose, whitespace runs, digits) to a session that holds wide and Latin-1 text
     too: the fast path (taken on every one) and the general path leave identical state, equal to a full encode."""
     tok = tokenplane.load(name)
     text = "".join(_corpus_docs(40_000))[:30_000] + " café ünïcödé 你好 🙂\n"
     fast, general = _twins(tok, text)
-    taken = []
-    real = asciiappend.append_ascii
-
-    def spy(*args):
-        out = real(*args)
-        taken.append(out is not None)
-        return out
-
-    monkeypatch.setattr(session_mod, "append_ascii", spy)
     rng = random.Random(name + "ascii")
     pieces = ["def f(x):\n    return x + 1\n", " the quick brown fox", "  \n\n\t", "12345678901", "'s", "(a, b)",
               "x" * 70, " " * 40, "\r\n", "Don't", "ALLCAPS", "a.b.c"]
@@ -56,7 +74,7 @@ def test_ascii_appends_equal_the_general_path(name, monkeypatch):
         assert sp_fast.keep == sp_general.keep and np.array_equal(sp_fast.ids, sp_general.ids)
         assert _state(fast)[:-1] == _state(general)[:-1]
         assert np.array_equal(np.asarray(fast.ids), tok.encode(fast.text, path="reference"))
-    assert all(taken) and len(taken) == 60
+    assert all(spy.taken()) and len(spy.answers) == 60
 
 
 @pytest.mark.parametrize("name", ["cl100k_base", "qwen3"])
@@ -100,19 +118,11 @@ def test_text_store_one_run_merge_equals_its_run_by_run_route():
                 assert fast.slice(x, y) == full[max(x, 0):min(y, n)], (x, y)     # (the last chunk's own slice)
 
 
-def test_declines_leave_the_session_as_it_was(monkeypatch):
+def test_declines_leave_the_session_as_it_was(spy):
     """What the fast path does not take goes to the general path, with its errors: an empty session, allowed
     literals, the reference path, non-ASCII text, a stale revision, text over the size limit."""
     tok = tokenplane.load("cl100k_base")
-    answers = []
-    real = asciiappend.append_ascii
-
-    def spy(*args):
-        out = real(*args)
-        answers.append(out)
-        return out
-
-    monkeypatch.setattr(session_mod, "append_ascii", spy)
+    answers = spy.answers
     s = tok.session()
     s.append("hello world")                       # empty session: declined
     assert answers[-1] is None
@@ -152,7 +162,7 @@ def test_nfc_session_with_changed_regions_declines():
 
 @pytest.mark.parametrize("wide", [False, True])
 @pytest.mark.parametrize("name", ["cl100k_base", "qwen3", "smollm2"])
-def test_ascii_resends_equal_the_general_sync(name, wide, monkeypatch):
+def test_ascii_resends_equal_the_general_sync(name, wide, spy):
     """Session.sync of a resent text that extends the stored one by ASCII text (the server's path): an ASCII text read
     in place and adopted by the store, a wide one's tail read from the store; state equal to the general route's
     (the fast path switched off for the twin)."""
@@ -161,33 +171,22 @@ def test_ascii_resends_equal_the_general_sync(name, wide, monkeypatch):
     if wide:    # a wide stored text: its ASCII tails are read from the store, not the resent str
         docs[0] = "na\u00efve \u4f60\u597d " + docs[0]
     fast, general = tok.session(), tok.session()
-    off, taken = [False], []
-    real = asciiappend.append_ascii
-
-    def switch(*args):
-        if off[0]:
-            return None
-        out = real(*args)
-        taken.append(out is not None)
-        return out
-
-    monkeypatch.setattr(session_mod, "append_ascii", switch)
     text = ""
     for doc in docs[:40]:
         text += doc[:3000]
         sp_fast = fast.sync(text)
-        off[0] = True
+        spy.off = True
         sp_general = general.sync(text)
-        off[0] = False
+        spy.off = False
         assert sp_fast.keep == sp_general.keep and np.array_equal(sp_fast.ids, sp_general.ids)
         assert _state(fast)[:-1] == _state(general)[:-1]
         if len(text) <= ADOPT_MAX and text.isascii():    # the resent str itself is the stored text (no copy)
             assert fast._raw.chunks[-1] is text and general._raw.chunks[-1] is text
-    assert all(taken) and len(taken) >= 20
+    assert all(spy.taken()) and len(spy.answers) >= 20
     assert np.array_equal(np.asarray(fast.ids), tok.encode(fast.text, path="reference"))
 
 
-def test_nfc_mapped_sessions_take_the_ascii_path(monkeypatch):
+def test_nfc_mapped_sessions_take_the_ascii_path(spy):
     """A session of an NFC family whose raw text differs from its NFC (a decomposed character: an NFC map): ASCII
     appends and resends take the fast path once no region is within two windows of the end, read the window
     through the map's shift, and leave the state the general path leaves; a region near the end declines."""
@@ -196,15 +195,6 @@ def test_nfc_mapped_sessions_take_the_ascii_path(monkeypatch):
     fast, general = _twins(tok, head)
     resent = tok.session(text=head)
     assert len(fast._nmap) and fast.text != fast.normalized_text
-    answers = []
-    real = asciiappend.append_ascii
-
-    def spy(*args):
-        out = real(*args)
-        answers.append(out)
-        return out
-
-    monkeypatch.setattr(session_mod, "append_ascii", spy)
     rng = random.Random("nfc map")
     for k in range(30):
         chunk = "".join(rng.choice([" the cafe", "\n\tx = 1", " 2024", "'s", "  "]) for _ in range(rng.randint(1, 9)))
@@ -217,5 +207,5 @@ def test_nfc_mapped_sessions_take_the_ascii_path(monkeypatch):
         assert _state(fast)[:-1] == _state(general)[:-1]
         ref = tok.encode(general.text, path="reference")
         assert np.array_equal(np.asarray(fast.ids), ref) and np.array_equal(np.asarray(resent.ids), ref)
-    taken = [a is not None for a in answers]
+    taken = spy.taken()
     assert sum(taken) >= 40 and not all(taken)      # (two calls a step: the append's and the resend's)

@@ -400,7 +400,8 @@ def test_splice_ids_read_later_show_their_mutation(toks):
             sp = sess.sync(sess.text + f" resent {k}")
         steps.append((sp, tok.encode(sess.text)))
     for sp, ref in steps:
-        assert (sp.ids == ref[sp.keep:]).all() and not sp.ids.flags.writeable
+        assert sp.count == len(ref) - sp.keep
+        assert (sp.ids == ref[sp.keep:]).all() and not sp.ids.flags.writeable and sp.count == len(sp.ids)
         assert sp.ids is sp.ids                 # viewed once
     del steps, sp
     buf = weakref.ref(sess._rec.buf)

@@ -151,7 +151,7 @@ class ConversationCache:
             held = SessionText(entry.id, entry.session.revision, entry.session.n_chars)
         self.store.resize(entry)
         self._remember(entry, keys)
-        report = TokenizationReport(path, int(splice.keep), int(len(splice.ids)), (time.perf_counter() - t0) * 1e3,
+        report = TokenizationReport(path, int(splice.keep), splice.count, (time.perf_counter() - t0) * 1e3,
                                     entry.id, origin, held)
         return ids, report
 
@@ -176,7 +176,7 @@ class ConversationCache:
             ids = take(entry.session.ids, origin)
             held = SessionText(entry.id, entry.session.revision, entry.session.n_chars)
         self.store.resize(entry)
-        return ids, TokenizationReport("session", int(splice.keep), int(len(splice.ids)),
+        return ids, TokenizationReport("session", int(splice.keep), splice.count,
                                        (time.perf_counter() - t0) * 1e3, entry.id, origin, held)
 
     def append_on(self, held: SessionText, tail: str, take: Take = copied) -> tuple[Any, TokenizationReport] | None:
@@ -202,7 +202,7 @@ class ConversationCache:
             now = SessionText(entry.id, session.revision, session.n_chars)
         self.hits += 1
         self.store.resize(entry)
-        return ids, TokenizationReport("session", int(splice.keep), int(len(splice.ids)),
+        return ids, TokenizationReport("session", int(splice.keep), splice.count,
                                        (time.perf_counter() - t0) * 1e3, entry.id, origin, now)
 
     def stats(self) -> dict[str, int]:

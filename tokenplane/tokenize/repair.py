@@ -95,8 +95,13 @@ class Splice:
             self._ids, self._end = v, -1
         return self._ids
 
+    @property
+    def count(self) -> int:
+        """len(ids), without viewing them."""
+        return self._end - self.keep if self._end >= 0 else len(self._ids)
+
     def __repr__(self) -> str:
-        return f"Splice(keep={self.keep}, ids=<{len(self.ids)} IDs>, revision={self.revision}, path={self.path!r})"
+        return f"Splice(keep={self.keep}, ids=<{self.count} IDs>, revision={self.revision}, path={self.path!r})"
 
 
 @dataclass

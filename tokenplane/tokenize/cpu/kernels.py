@@ -385,17 +385,9 @@ class Kernels:
         """Export `name` with its arguments after the first `n_head` fixed to `tail` (tables that stay the same
         across calls): checked once here, so each call's guard checks only the head. Tail arguments that do not
         match the signature bind the JIT kernel (counted in guard_fallbacks)."""
-        if len(tail) != len(EXPORTS[name][3]) - n_head:
-            raise TypeError(f"{name}: {n_head} head arguments + {len(tail)} bound != its signature")
-        raw = self._raw.get(name)
-        if raw is not None and _args_match(EXPORTS[name][3][n_head:], tail):
-            packed = self._raw.get(packed_name(name))
-            if packed is not None and PACKED.get(name) == n_head:
-                return _guarded(name, packed, (pack_tail(tail),), keep=tail)
-            return _guarded(name, raw, tail)
-        if raw is not None:
-            guard_fallbacks[name] = guard_fallbacks.get(name, 0) + 1
-        fn = _jit_kernel(name)
+        fn, rest = self.bind_unchecked(name, n_head, *tail)
+        if fn is not _jit_kernel(name):     # the module's export (or its packed form): the head checked per call
+            return _guarded(name, fn, rest, keep=tail)
 
         def call(*head: Any) -> Any:
             return fn(*head, *tail)
@@ -416,6 +408,8 @@ class Kernels:
             if packed is not None and PACKED.get(name) == n_head:
                 return packed, (pack_tail(tail),)
             return raw, tail
+        if raw is not None:
+            guard_fallbacks[name] = guard_fallbacks.get(name, 0) + 1
         return _jit_kernel(name), tail
 
     def __getattr__(self, name: str) -> Any:    # only for exports missing from funcs: never on the AOT path
