@@ -3,13 +3,13 @@ Session._fast_append (appendwin.py's kernel, WindowRepair.append_commit), reache
 
 An append that arrives after other work has pushed the process out of the caches (a server between an agent's
 calls; the peers' re-encodes interleaved in benchmarks/session_repair.py; a 128 MB sweep) pays for every Python
-step it runs with its code and data coming back from memory: on the AMD EPYC VM, after a 128 MB sweep, ~4 us for
-two clock reads with nothing between them, ~6 us with an empty function call between, ~12 us for a numpy slice
-and ~14 us more for setflags on it, against well under 1 us each warm. The general path made ~30 calls around one
-~90-110 us kernel call (validation, the plan's helpers, the encoder lookups of the router and the thread cache, the
-text store's width runs); this one makes a handful. After the same sweep, a tiny append first (which brings the
-code back, and little data) cut a qwen3 1.4K append to a 1M-character session from 185 to 101 us (kernel 94 to 69;
-warm 88 / 49): most of a cold append is its code and the interpreter's, not the tables.
+step it runs with its code and data coming back from memory (benchmarks/cold_append.py, AMD EPYC VM, 128 MB
+sweep: an empty call ~2-5 us, a numpy slice ~6-14, `setflags` on it as much again, the kernel guard's checks
+~21-29, against well under 1 us each warm). The general path made ~30 calls around one ~90-110 us kernel call
+(validation, the plan's helpers, the encoder lookups of the router and the thread cache, the text store's width
+runs); this one makes a handful. About half of a cold append is its code and the interpreter's coming back, not the
+tables: 1.4K-character appends to 1M-character sessions measured 110-171 us P50 after the sweep and 71-84 when a
+2-character append to another session came first (warm 37-50).
 
 It answers only the common case and declines (None, nothing changed) everything else, which the general path then
 takes with its checks and errors: text that is not ASCII, a session with allowed literals or a normalized text of
