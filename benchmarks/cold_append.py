@@ -25,7 +25,6 @@ import argparse
 import functools
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -36,7 +35,7 @@ from typing import Any, Callable
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from record_files import save_figure, write_record  # noqa: E402
+from record_files import RunMeta, save_figure, write_record  # noqa: E402
 
 import tokenplane  # noqa: E402
 from tokenplane.tokenize.cpu import kernels  # noqa: E402
@@ -184,7 +183,7 @@ def main() -> int:
     args = p.parse_args()
     if args.cpu is not None:
         os.sched_setaffinity(0, {args.cpu})
-    started, t_start, load0 = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), time.time(), os.getloadavg()
+    run = RunMeta()
     pool = ascii_pool(Path(args.corpus))
     sweep = np.ones(args.flush_mb << 17, np.float64)
     evict = functools.partial(np.add, sweep, 1.0, out=sweep)
@@ -207,11 +206,7 @@ def main() -> int:
         print(family, {s: round(row[s]["p50_us"]) for s in STATES}, "exact" if row["exact"] else "NOT EXACT", flush=True)
     if args.python_steps:
         rows += python_steps(evict, args.steps)
-    k = kernels.get()
-    meta = {"command": "python " + " ".join(sys.argv), "machine": f"{platform.machine()}, {os.cpu_count()} CPUs",
-            "started": started, "wall_s": time.time() - t_start, "flush_mb": args.flush_mb, "kernels": k.kind,
-            "own_process": args.own_process,
-            "load_start": " ".join(f"{x:.2f}" for x in load0), "load_end": " ".join(f"{x:.2f}" for x in os.getloadavg())}
+    meta = run.meta(flush_mb=args.flush_mb, kernels=kernels.get().kind, own_process=args.own_process)
     print(write_record(Path(args.out), meta, rows, markdown, plot))
     return 0 if all(r.get("exact", True) for r in rows) else 1
 

@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import sys
 import time
@@ -32,7 +31,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from full_encode import FAMILIES, OURS_SERIAL, cells, fresh_copies, our_factories, peer_factories  # noqa: E402
-from record_files import cell_label, ratio_bars, save_figure, write_record  # noqa: E402
+from record_files import RunMeta, cell_label, ratio_bars, save_figure, write_record  # noqa: E402
 
 PEERS = ("gigatoken", "fastokens")
 
@@ -152,7 +151,7 @@ def main() -> int:
     import tokenplane
 
     families = FAMILIES if args.families == "all" else tuple(args.families.split(","))
-    started, t_start, load0 = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), time.time(), os.getloadavg()
+    run = RunMeta()
     rows = []
     for family in families:
         tok, ours = our_factories(family, 1)
@@ -172,10 +171,7 @@ def main() -> int:
             rows.append(row)
             print(json.dumps({k: row[k] for k in ("family", "category", "size", "ratio_p50", "wins", "pairs")
                               if k in row}), flush=True)
-    meta = {"command": "python " + " ".join(sys.argv), "machine": f"{platform.machine()}, {os.cpu_count()} CPUs",
-            "cpu": args.cpu, "started": started, "wall_s": time.time() - t_start,
-            "load_start": " ".join(f"{x:.2f}" for x in load0),
-            "load_end": " ".join(f"{x:.2f}" for x in os.getloadavg()), "tokenplane": tokenplane.__file__}
+    meta = run.meta(cpu=args.cpu, tokenplane=tokenplane.__file__)
     print(write_record(Path(args.out), meta, rows, markdown, plot))
     return 0
 

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
 import statistics
 import sys
 import threading
@@ -32,7 +31,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from full_encode import cells  # noqa: E402
-from record_files import cell_label, ratio_bars, save_figure, write_record  # noqa: E402
+from record_files import RunMeta, cell_label, ratio_bars, save_figure, write_record  # noqa: E402
 
 
 def _median(xs: list[float]) -> float:
@@ -212,7 +211,7 @@ def main() -> int:
                    help="untimed parallel encodes right before each round's timed one (0: a second vCPU that idled)")
     p.add_argument("--tables-mb", default="2,4,8,16", help="table sizes of the synthetic random-read loop")
     args = p.parse_args()
-    started, t_start, load0 = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), time.time(), os.getloadavg()
+    run = RunMeta()
     rows: list[dict[str, Any]] = []
     for cat, size, docs, _, _ in cells(Path(args.corpus), args.sizes.split(","), 1_000_000):
         if cat not in args.categories.split(","):
@@ -224,9 +223,7 @@ def main() -> int:
                   f"start {row['start_ms']:.3f} ms, tail {row['tail_ms']:.3f} ms, idle {row['idle_ms']:.3f} ms",
                   flush=True)
     rows += synthetic([int(x) for x in args.tables_mb.split(",")], args.rounds)
-    meta = {"command": "python " + " ".join(sys.argv), "machine": f"{platform.machine()}, {os.cpu_count()} CPUs",
-            "started": started, "wall_s": time.time() - t_start, "warmup_ms": args.warmup_ms, "load_start": " ".join(f"{x:.2f}" for x in load0),
-            "load_end": " ".join(f"{x:.2f}" for x in os.getloadavg())}
+    meta = run.meta(warmup_ms=args.warmup_ms)
     print(write_record(Path(args.out), meta, rows, markdown, plot))
     return 0
 

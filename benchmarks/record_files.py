@@ -3,8 +3,27 @@
 from __future__ import annotations
 
 import json
+import os
+import platform
+import sys
+import time
 from pathlib import Path
 from typing import Any, Callable
+
+
+class RunMeta:
+    """A record's run facts: made when the run starts, `meta(**extra)` when it ends (the command, the machine, the
+    start time and wall time, the load average at both ends, and the benchmark's own fields)."""
+
+    def __init__(self) -> None:
+        self.started = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+        self.t0, self.load0 = time.time(), os.getloadavg()
+
+    def meta(self, **extra: Any) -> dict[str, Any]:
+        return {"command": "python " + " ".join(sys.argv), "machine": f"{platform.machine()}, {os.cpu_count()} CPUs",
+                "started": self.started, "wall_s": time.time() - self.t0,
+                "load_start": " ".join(f"{x:.2f}" for x in self.load0),
+                "load_end": " ".join(f"{x:.2f}" for x in os.getloadavg()), **extra}
 
 
 def write_record(out: Path, meta: dict[str, Any], rows: list[dict[str, Any]],

@@ -209,3 +209,22 @@ def test_nfc_mapped_sessions_take_the_ascii_path(spy):
         assert np.array_equal(np.asarray(fast.ids), ref) and np.array_equal(np.asarray(resent.ids), ref)
     taken = spy.taken()
     assert sum(taken) >= 40 and not all(taken)      # (two calls a step: the append's and the resend's)
+
+
+def test_a_window_larger_than_the_scratch_grows_it(spy, appendwin_statuses):
+    """An ASCII append whose window needs more records than the thread's scratch holds: the kernel answers SCRATCH,
+    the path grows the scratch and calls again, and the IDs equal the reference (no records lost or doubled)."""
+    from tokenplane.tokenize import appendwin
+
+    tok = tokenplane.load("cl100k_base")
+    s = tok.session(text="hello world. " * 50)
+    s.append(" warm")       # (binds this thread's kernel)
+    bound = next(e[0] for e in asciiappend._local.bindings.values() if e[3] is s._repairer)
+    bound.grow(0)           # back to MIN_SCRATCH records, whatever earlier tests grew it to
+    big = " ".join(f"word{k % 997} x={k};" for k in range(6000))[:CHUNK_MERGE - 10]
+    assert big.isascii() and len(tok.encode(big)) > appendwin.MIN_SCRATCH
+    n = len(spy.answers)
+    s.append(big)
+    assert spy.answers[n] is not None and appendwin.SCRATCH in appendwin_statuses
+    assert len(bound.out_ids) > appendwin.MIN_SCRATCH
+    assert np.array_equal(np.asarray(s.ids), tok.encode(s.text, path="reference"))

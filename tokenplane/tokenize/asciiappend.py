@@ -105,8 +105,10 @@ def append_ascii(rep: WindowRepair, raw: TextStore, rec: Records, nmap: NfcMap |
     t1 = time.perf_counter()
     # unguarded (kernels.bind_unchecked): `new` is a str, the rest ints and the records' arrays
     status, keep, count = bound.raw(new, base, end, w, rec.buf, rec.ck, rec.ex_i, rec.ex_v, n, True, *bound.raw_tail)
-    if status == appendwin.SCRATCH:     # (once per larger window: counted grows the scratch and calls again)
-        status, keep, count = bound.counted(new, base, end, w, rec.buf, rec.ck, rec.ex_i, rec.ex_v, n, True)
+    if status == appendwin.SCRATCH:     # `keep`: the records the window needs (once per larger window)
+        bound.grow(keep)
+        status, keep, count = bound.raw(new, base, end, w, rec.buf, rec.ck, rec.ex_i, rec.ex_v, n, True,
+                                        *bound.raw_tail)
     stats.last_encode_s = time.perf_counter() - t1
     if status == appendwin.COMMITTED:
         rec.n = keep + count
