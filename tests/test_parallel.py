@@ -249,6 +249,50 @@ def test_qwen3_serial_blocks_normalize_in_raw_coordinates(monkeypatch):
     assert kinds["spliced"] > 30 and kinds["crossed"] > 30, kinds
 
 
+def test_qwen3_parallel_chunks_in_place_or_spliced(monkeypatch):
+    """qwen3's parallel path scans the raw text once for what NFC changes: a chunk holding no changed region is
+    encoded from the text's own buffer, any other is built from its text and regions, or normalized anew when a
+    region crosses its cut. Over mostly-NFC texts with a few changed regions every kind of chunk occurs, the IDs
+    equal the reference, and a text NFC leaves alone is never sliced or normalized chunk by chunk."""
+    enc = encoder("qwen3")
+    rng = random.Random("qwen3-parallel-chunks")
+    kinds = {"in place": 0, "spliced": 0, "crossed": 0}
+    chunk_nfc, spliced = enc._chunk_nfc, nfc_mod.splice
+
+    def count_chunk(s, a, b, *rest):
+        block = chunk_nfc(s, a, b, *rest)
+        kinds["in place"] += block is None
+        return block
+
+    def count_spliced(text, a, b, *rest):
+        block = spliced(text, a, b, *rest)
+        if b - a < len(text):
+            kinds["spliced" if block is not None else "crossed"] += 1
+        return block
+
+    monkeypatch.setattr(nfc_mod, "splice", count_spliced)
+    enc._chunk_nfc = count_chunk
+    base = "".join(_corpus_docs(20_000))
+    for i in range(80):
+        a = rng.randrange(len(base) - 8_000)
+        text = base[a:a + rng.randint(2_000, 8_000)] + "\u00e9"
+        for _ in range(rng.randint(1, 4)):
+            p = rng.randrange(len(text))
+            text = text[:p] + "".join(rng.choice(NFC_FRAGMENTS) for _ in range(rng.randint(1, 3))) + text[p:]
+        if i % 4 == 0:      # a stretch NFC changes densely: regions merged across inert characters and cuts
+            p = rng.randrange(len(text))
+            dense = "".join(rng.choice(ALPHABET + NFC_FRAGMENTS * 3) for _ in range(rng.randint(200, 2_000)))
+            text = text[:p] + dense + text[p:]
+        got = enc.encode_parallel(text, n_chunks=rng.randint(2, 24))
+        assert got.tolist() == enc.tok.reference.encode_ordinary(text).tolist(), repr(text[:200])
+    assert kinds["in place"] > 100 and kinds["spliced"] > 30 and kinds["crossed"] > 3, kinds
+    before = dict(kinds)
+    text = base[:6_000] + " naïve 你好"       # non-ASCII, its own NFC: chunks of the normalized path, no NFC call
+    monkeypatch.setattr(enc.tok, "normalize", lambda t: pytest.fail("normalized a chunk of NFC text"))
+    assert enc.encode_parallel(text, n_chunks=5).tolist() == enc.tok.reference.encode_ordinary(text).tolist()
+    assert kinds == before
+
+
 def test_nfc_cut_needs_inert_neighbours():
     enc = encoder("qwen3")
     text = "word e\u0301 word"

@@ -32,7 +32,7 @@ from typing import Callable
 import numpy as np
 
 from ..spec.artifacts import cached_array
-from .strbuf import false_at  # GIL-free: chunk threads of the parallel encoder normalize their own chunks
+from .strbuf import false_at  # GIL-free: a scan of the str's own buffer, no text-sized arrays
 
 N_CODEPOINTS = 0x110000
 SMALL_TEXT = 512        # below this the reference normalizer is cheaper than the scan
