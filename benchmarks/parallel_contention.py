@@ -68,11 +68,9 @@ def run_cell(family: str, doc: str, rounds: int, warmup: int, warmup_s: float) -
         x = (doc + "\0")[:-1]
         raw_chunks = enc._nfc_inert is not None and not x.isascii()     # as CpuEncoder.encode_parallel cuts them
         t2 = time.perf_counter()
-        changes = tok.nfc_changes(x) if raw_chunks else []
         s = x if raw_chunks else tok.normalize(x)
-        ends = [e for _, e, _ in changes]
         for a, b in spans:      # the chunks' own work (parallel._encode_parallel's encode_span), on this thread
-            chunk = enc._chunk_nfc(s, a, b, changes, ends) if changes else None
+            chunk = enc._chunk_nfc(s, a, b) if raw_chunks else None
             if chunk is not None:
                 enc._encode_blocks(chunk, 0, len(chunk), s[b:b + 1])
             else:

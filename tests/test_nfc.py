@@ -109,6 +109,10 @@ def test_regions_scan_equals_a_code_point_gather():
         assert strbuf.false_at(text, nfc.inert_table()).tolist() == want.tolist()
         assert nfc.regions(text).tolist() == nfc._spans(want).tolist()
         assert nfc.all_inert(text) == (want.size == 0)
+        for _ in range(4):      # a range of the text, read in place: the positions in it, as positions in text
+            a = rng.randint(0, len(text))
+            b = rng.randint(a, len(text) + 2)
+            assert strbuf.false_at(text, nfc.inert_table(), a, b).tolist() == [i for i in want if a <= i < b]
     # mostly ASCII (the scan skips 64 ASCII units a step) with marks on the steps' edges, in each kind; and a table
     # that marks an ASCII letter (no step is skipped then)
     marked = nfc.inert_table().copy()

@@ -250,28 +250,22 @@ def test_qwen3_serial_blocks_normalize_in_raw_coordinates(monkeypatch):
 
 
 def test_qwen3_parallel_chunks_in_place_or_spliced(monkeypatch):
-    """qwen3's parallel path scans the raw text once for what NFC changes: a chunk holding no changed region is
-    encoded from the text's own buffer, any other is built from its text and regions, or normalized anew when a
-    region crosses its cut. Over mostly-NFC texts with a few changed regions every kind of chunk occurs, the IDs
-    equal the reference, and a text NFC leaves alone is never sliced or normalized chunk by chunk."""
+    """qwen3's parallel path: each chunk's thread scans its chunk where it lies for what NFC changes; a chunk holding
+    no changed region is encoded from the text's own buffer, any other is built from its text and regions. Over
+    mostly-NFC texts with a few changed regions (and some dense stretches) both kinds of chunk occur, the IDs equal
+    the reference, and no chunk is sliced and normalized whole."""
     enc = encoder("qwen3")
     rng = random.Random("qwen3-parallel-chunks")
-    kinds = {"in place": 0, "spliced": 0, "crossed": 0}
-    chunk_nfc, spliced = enc._chunk_nfc, nfc_mod.splice
+    kinds = {"in place": 0, "spliced": 0}
+    chunk_nfc = enc._chunk_nfc
 
-    def count_chunk(s, a, b, *rest):
-        block = chunk_nfc(s, a, b, *rest)
-        kinds["in place"] += block is None
+    def count_chunk(s, a, b):
+        block = chunk_nfc(s, a, b)
+        kinds["in place" if block is None else "spliced"] += 1
         return block
 
-    def count_spliced(text, a, b, *rest):
-        block = spliced(text, a, b, *rest)
-        if b - a < len(text):
-            kinds["spliced" if block is not None else "crossed"] += 1
-        return block
-
-    monkeypatch.setattr(nfc_mod, "splice", count_spliced)
     enc._chunk_nfc = count_chunk
+    monkeypatch.setattr(enc.tok, "normalize", lambda t: pytest.fail("normalized a chunk whole"))
     base = "".join(_corpus_docs(20_000))
     for i in range(80):
         a = rng.randrange(len(base) - 8_000)
@@ -279,18 +273,32 @@ def test_qwen3_parallel_chunks_in_place_or_spliced(monkeypatch):
         for _ in range(rng.randint(1, 4)):
             p = rng.randrange(len(text))
             text = text[:p] + "".join(rng.choice(NFC_FRAGMENTS) for _ in range(rng.randint(1, 3))) + text[p:]
-        if i % 4 == 0:      # a stretch NFC changes densely: regions merged across inert characters and cuts
+        if i % 4 == 0:      # a stretch NFC changes densely: regions merged across inert characters
             p = rng.randrange(len(text))
             dense = "".join(rng.choice(ALPHABET + NFC_FRAGMENTS * 3) for _ in range(rng.randint(200, 2_000)))
             text = text[:p] + dense + text[p:]
         got = enc.encode_parallel(text, n_chunks=rng.randint(2, 24))
         assert got.tolist() == enc.tok.reference.encode_ordinary(text).tolist(), repr(text[:200])
-    assert kinds["in place"] > 100 and kinds["spliced"] > 30 and kinds["crossed"] > 3, kinds
-    before = dict(kinds)
-    text = base[:6_000] + " naïve 你好"       # non-ASCII, its own NFC: chunks of the normalized path, no NFC call
-    monkeypatch.setattr(enc.tok, "normalize", lambda t: pytest.fail("normalized a chunk of NFC text"))
-    assert enc.encode_parallel(text, n_chunks=5).tolist() == enc.tok.reference.encode_ordinary(text).tolist()
-    assert kinds == before
+    assert kinds["in place"] > 100 and kinds["spliced"] > 100, kinds
+
+
+def test_nfc_changes_in_a_range_are_those_of_its_slice():
+    """`Tokenizer.nfc_changes(text, a, b)` (the chunk threads' scan, read in place) gives the regions of
+    text[a:b] as positions in text: spliced, they are NFC(text[a:b]), and shifted by a they equal the regions of the
+    slice itself, for ranges cut where NFC cannot act across and for the text's own ends; every PEP 393 kind."""
+    tok = tokenplane.load("qwen3")
+    enc = encoder("qwen3")
+    ref = enc.tok.reference._normalizer.normalize_str
+    rng = random.Random("nfc-changes-in")
+    for i in range(120):
+        text = "".join(rng.choice(ALPHABET + FRAGMENTS + NFC_FRAGMENTS) for _ in range(rng.randint(50, 600)))
+        text += ["", "\u00ff", "\u4e00", "\U0001f600"][i % 4]
+        edges = [0, *enc.cuts(text, rng.randint(2, 8), enc._nfc_inert), len(text)]
+        for a, b in zip(edges, edges[1:]):
+            found = tok.nfc_changes(text, a, b)
+            assert all(a <= x < y <= b for x, y, _ in found)
+            assert nfc_mod.splice(text, a, b, found) == ref(text[a:b])
+            assert [(x - a, y - a, d) for x, y, d in found] == tok.nfc_changes(text[a:b], 0, b - a)
 
 
 def test_nfc_cut_needs_inert_neighbours():

@@ -443,12 +443,15 @@ class Tokenizer:
             return nfc.normalize(text, _hf_nfc())
         return self.reference.normalize(text)
 
-    def nfc_changes(self, text: str) -> list[tuple[int, int, str]]:
+    def nfc_changes(self, text: str, a: int = 0, b: int | None = None) -> list[tuple[int, int, str]]:
         """Plain NFC families only: the regions of text `normalize` changes, as (start, end, normalized) in order
-        (cpu/nfc.py `changes`); `normalize(text)` is text with each replaced."""
+        (cpu/nfc.py `changes`); `normalize(text)` is text with each replaced. `a`, `b`: those of text[a:b], as
+        positions in text, read in place (a and b: positions NFC cannot act across, cpu/nfc.py `changes_in`)."""
         if not self.plain_nfc:
             raise ValueError(f"{self.family.name} has no plain NFC normalizer")
-        return nfc.changes(text, _hf_nfc())
+        if a == 0 and b is None:
+            return nfc.changes(text, _hf_nfc())
+        return nfc.changes_in(text, a, len(text) if b is None else b, _hf_nfc())
 
     def normalize_texts(self, texts: list[str], joined: str, check: Callable[[int], None]) -> list[str]:
         """`normalize` of each text; `joined`: their concatenation (plain NFC scans it once, cpu/nfc.py).

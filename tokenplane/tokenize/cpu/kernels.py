@@ -91,7 +91,7 @@ EXPORTS: dict[str, tuple[str, str, str, tuple[Any, ...]]] = {
     # strbuf: code points / UTF-8 straight from the str's buffer
     "codepoints": ("strbuf", "_codepoints", "int64", (S, I, I, A("uint32"))),
     "sampled_sizes": ("strbuf", "_sampled_sizes", "void", (S, I, A("int64"))),
-    "false_at": ("strbuf", "_false_at", "int64[::1]", (S, A("boolean"))),
+    "false_at": ("strbuf", "_false_at", "int64[::1]", (S, I, I, A("boolean"))),
     "utf8_and_bounds": ("strbuf", "_utf8_and_bounds", "UniTuple(int64, 2)",
                         (A("uint32"), I, A("boolean"), A("uint8"), A("int64"))),
     # pretokenize: per-code-point feature gathers (one per table dtype) and the family loops

@@ -118,7 +118,7 @@ def regions(text: str) -> np.ndarray:
     return _spans(false_at(text, inert_table()))
 
 
-def _spans(bad: np.ndarray) -> np.ndarray:
+def _spans(bad: np.ndarray, lo: int = 0) -> np.ndarray:
     if bad.size == 0:
         return np.zeros((0, 2), dtype=np.int64)
     new = np.empty(bad.size, dtype=bool)
@@ -126,7 +126,7 @@ def _spans(bad: np.ndarray) -> np.ndarray:
     np.greater(np.diff(bad), MERGE_GAP, out=new[1:])
     first = bad[new]
     last = bad[np.append(np.flatnonzero(new)[1:] - 1, bad.size - 1)]
-    return np.stack([np.maximum(first - 1, 0), last + 1], axis=1)
+    return np.stack([np.maximum(first - 1, lo), last + 1], axis=1)
 
 
 def normalize_many(texts: list[str], joined: str, reference_nfc: Callable[[str], str],
@@ -189,7 +189,19 @@ def changes(text: str, reference_nfc: Callable[[str], str]) -> list[tuple[int, i
     if len(text) < SMALL_TEXT:
         done = reference_nfc(text)
         return [] if done == text else [(0, len(text), done)]
-    spans = regions(text)
+    return _changed(text, regions(text), reference_nfc)
+
+
+def changes_in(text: str, a: int, b: int, reference_nfc: Callable[[str], str]) -> list[tuple[int, int, str]]:
+    """`changes` of text[a:b], as positions in text, without slicing it: the scan reads text[a:b] in place
+    (GIL-free: a chunk thread of the parallel encoder scans its own chunk) and the reference normalizer sees only
+    the regions. a and b must be positions NFC cannot act across (the text's ends, or cuts with inert characters
+    around them: parallel.py); then `splice(text, a, b, changes_in(text, a, b, nfc))` is NFC(text[a:b])."""
+    return _changed(text, _spans(false_at(text, inert_table(), a, b), a), reference_nfc)
+
+
+def _changed(text: str, spans: np.ndarray, reference_nfc: Callable[[str], str]) -> list[tuple[int, int, str]]:
+    """The regions among `spans` (int64[k, 2], as `regions` gives them) that NFC changes, with their NFC."""
     if spans.shape[0] == 0:
         return []
     bounds = spans.tolist()
@@ -199,8 +211,8 @@ def changes(text: str, reference_nfc: Callable[[str], str]) -> list[tuple[int, i
     if sep is None:
         done_list = [reference_nfc(d) for d in dirty]
     else:
-        # sep is inert and every region starts at an inert code point (or at 0, only the first), so one call over
-        # the joined regions equals one call per region; NFC never produces a control character.
+        # sep is inert and every region starts at an inert code point (or at the scan's start, only the first), so
+        # one call over the joined regions equals one call per region; NFC never produces a control character.
         done_list = reference_nfc(sep.join(dirty)).split(sep)
         if len(done_list) != len(dirty):   # pragma: no cover - would mean the normalizer produced sep
             done_list = [reference_nfc(d) for d in dirty]

@@ -329,24 +329,19 @@ class CpuEncoder:
             return self._pool
 
     def encode_parallel(self, text: str, *, n_chunks: int | None = None) -> np.ndarray:
-        """Chunk-parallel encode of raw text; equals the serial encode. Plain-NFC families (qwen3): one scan of the
-        raw text for the regions NFC changes (Tokenizer.nfc_changes: the str's own buffer, ~0.1 ms a 1M-character
-        2-byte str), and where it changes some, the chunks are cut in raw coordinates at positions NFC cannot touch
-        (see `_cut_at_or_after`); a chunk that holds no changed region is encoded from the text's own buffer and any
-        other is built from its text and regions (`nfc.splice`), by its own thread. Slicing and normalizing every
-        chunk's str instead cost its threads a copy of the text (qwen3 english 1M, one core: the chunks' work
-        3.35 ms against 2.83 in place)."""
+        """Chunk-parallel encode of raw text; equals the serial encode. Plain-NFC families (qwen3) are cut in raw
+        coordinates at positions NFC cannot touch (see `_cut_at_or_after`), and each chunk's thread finds the
+        regions NFC changes in its chunk (`_chunk_nfc`): no serial whole-text NFC pass stands in front of the
+        threads."""
         if self._nfc_inert is None or text.isascii():
             return self._encode_parallel(self.tok.normalize(text), n_chunks)
-        changes = self.tok.nfc_changes(text)
-        return self._encode_parallel(text, n_chunks, changes or None)
+        return self._encode_parallel(text, n_chunks, raw=True)
 
     def encode_parallel_normalized(self, norm: str, *, n_chunks: int | None = None) -> np.ndarray:
         """Chunk-parallel encode of already normalized text; equals the serial encode (see module docstring)."""
         return self._encode_parallel(norm, n_chunks)
 
-    def _encode_parallel(self, s: str, n_chunks: int | None,
-                         changes: list[tuple[int, int, str]] | None = None) -> np.ndarray:
+    def _encode_parallel(self, s: str, n_chunks: int | None, *, raw: bool = False) -> np.ndarray:
         """The calling thread and workers - 1 pool threads pull chunks from one queue: the caller works instead of
         waiting (measured: handing both halves of 1M characters to the pool and waiting gave 1.36-1.46x where the
         caller taking one gave 1.60-1.68x). Whoever pulls a chunk first finds its right cut (_LazyCuts), so the cut
@@ -354,19 +349,17 @@ class CpuEncoder:
         chunk's span (the byte profile and one cut) is found before the helpers are woken: a helper woken first
         wanted the GIL at every nogil call of that search, and each hand-off cost ~30 us (the first chunk began
         ~110 us into a 1M-character encode; alternated with the former order in one process, 24 pairs a cell:
-        1.02-1.16x on seven 1M-character cells, 1.01x on three of 4M). `changes`: s is the raw text of a plain-NFC
-        family and these are the regions NFC changes (encode_parallel); None: s is normalized."""
+        1.02-1.16x on seven 1M-character cells, 1.01x on three of 4M). `raw`: s is the raw text of a plain-NFC
+        family (encode_parallel), else normalized."""
         norm_of = self.tok.normalize
-        normalize = changes is not None
-        ends = [e for _, e, _ in changes] if changes else []
         fractions = self._chunk_fractions(len(s), n_chunks)
         if not fractions:
             self.stats["serial"] += 1
             try:
-                return self._encode_norm(norm_of(s) if normalize else s)
+                return self._encode_norm(norm_of(s) if raw else s)
             except DroppedBytes:
                 return self._reference(s)
-        cuts = _LazyCuts(self, s, lambda: self._targets(s, fractions), self._nfc_inert if normalize else None)
+        cuts = _LazyCuts(self, s, lambda: self._targets(s, fractions), self._nfc_inert if raw else None)
         results: list[np.ndarray] = []
         lock = threading.Lock()
         first = cuts.next_span()        # (the helpers are not woken yet: no lock to take)
@@ -378,8 +371,8 @@ class CpuEncoder:
         def encode_span(i: int, a: int, b: int) -> None:
             t0 = time.perf_counter() if trace is not None else 0.0
             try:
-                if normalize:
-                    chunk = self._chunk_nfc(s, a, b, changes or [], ends)
+                if raw:
+                    chunk = self._chunk_nfc(s, a, b)
                     results[i] = self._encode_blocks(chunk, 0, len(chunk), s[b:b + 1]) if chunk is not None \
                         else self._encode_blocks(s, a, b, s[b:b + 1])
                 else:
@@ -413,7 +406,7 @@ class CpuEncoder:
             self.stats["cut_rejected"] += 1
             self.stats["serial"] += 1
             try:
-                return self._encode_norm(norm_of(s) if normalize else s)
+                return self._encode_norm(norm_of(s) if raw else s)
             except DroppedBytes:
                 return self._reference(s)
         except DroppedBytes:
@@ -425,13 +418,16 @@ class CpuEncoder:
         self.stats["chunks"] += len(results)
         return np.concatenate(results)
 
-    def _chunk_nfc(self, s: str, a: int, b: int, changes: list[tuple[int, int, str]], ends: list[int]) -> str | None:
-        """NFC of the raw chunk s[a:b] (a and b: cuts NFC cannot act across), or None when it is its own NFC (no
-        changed region in it: encode s[a:b] in place). `changes`: the text's changed regions; `ends`: their ends."""
-        k = bisect.bisect_right(ends, a)      # the first changed region that ends after a
-        if k == len(changes) or changes[k][0] >= b:
+    def _chunk_nfc(self, s: str, a: int, b: int) -> str | None:
+        """NFC of the raw chunk s[a:b] (a and b: cuts NFC cannot act across), or None when it is its own NFC: then
+        s[a:b] is encoded in place. The chunk is scanned where it lies (GIL-free) and the reference normalizer sees
+        only its changed regions. Slicing every chunk's str and normalizing that cost the threads a copy of the text
+        (qwen3 english 1M, one core: the chunks' work 3.35 ms against 2.83 in place); one whole-text scan in front of
+        the threads instead cost 0.4-1.2 ms before they started at 4M characters."""
+        found = self.tok.nfc_changes(s, a, b)
+        if not found:
             return None
-        block = nfc.splice(s, a, b, changes, k)
+        block = nfc.splice(s, a, b, found)
         return block if block is not None else self.tok.normalize(s[a:b])
 
     def close(self) -> None:

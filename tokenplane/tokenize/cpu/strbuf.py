@@ -282,27 +282,29 @@ def _put_utf8(buf, pos, c):
     return pos + 4
 
 
-def _false_at_impl(s, table):
-    # Positions i where table[ord(s[i])] is False, read from the str's own buffer (no code point copy). They are rare
-    # where this is used (NFC's non-inert characters of real text): one scan into a small array, and a second into
-    # one of the exact size only when the first overflowed (an array grown inside the loop kept it from compiling
-    # tight: ~5 ns a character against ~0.3).
+def _false_at_impl(s, a, b, table):
+    # Positions i in [a, b) where table[ord(s[i])] is False, read from the str's own buffer (no code point copy).
+    # They are rare where this is used (NFC's non-inert characters of real text): one scan into a small array, and a
+    # second into one of the exact size only when the first overflowed (an array grown inside the loop kept it from
+    # compiling tight: ~5 ns a character against ~0.3).
     out = np.empty(64, np.int64)
-    count = _false_scan(s, table, out)
+    count = _false_scan(s, a, b, table, out)
     if count > out.shape[0]:
         out = np.empty(count, np.int64)
-        _false_scan(s, table, out)
+        _false_scan(s, a, b, table, out)
+    for k in range(count):
+        out[k] += a
     return out[:count]
 
 
-def _false_scan(s, table, out):
-    # The count of such positions; the first out.shape[0] of them into out, from the str's own code units.
+def _false_scan(s, a, b, table, out):
+    # The count of such positions; the first out.shape[0] of them (from a) into out, from the str's own code units.
     kind = s._kind
     if kind == 1:
-        return _false_units(_str_units8(s), table, out)
+        return _false_units(_str_units8(s)[a:b], table, out)
     if kind == 2:
-        return _false_units(_str_units16(s), table, out)
-    return _false_units(_str_units32(s), table, out)
+        return _false_units(_str_units16(s)[a:b], table, out)
+    return _false_units(_str_units32(s)[a:b], table, out)
 
 
 def _false_units(c, table, out):
@@ -381,10 +383,15 @@ def codepoints(s: str, a: int = 0, b: int | None = None, extra: str = "",
     return out
 
 
-def false_at(s: str, table: np.ndarray) -> np.ndarray:
-    """int64 positions i of s where table[ord(s[i])] is False (table: bool[0x110000]), read from the str's buffer;
-    equal to `np.flatnonzero(~table[codepoints(s)])` without its text-sized arrays."""
-    return kernels.get().false_at(s, table)
+def false_at(s: str, table: np.ndarray, a: int = 0, b: int | None = None) -> np.ndarray:
+    """int64 positions i of s[a:b] (as positions in s) where table[ord(s[i])] is False (table: bool[0x110000]), read
+    from the str's buffer; equal to `a + np.flatnonzero(~table[codepoints(s[a:b])])` without its text-sized arrays
+    or the slice. GIL-free (chunk threads of the parallel encoder scan their own chunks)."""
+    n = len(s)
+    b = n if b is None else max(a, min(b, n))
+    if not 0 <= a <= n:
+        raise IndexError("false_at: a is out of range")
+    return kernels.get().false_at(s, a, b, table)
 
 
 def sampled_utf8_sizes(s: str, step: int) -> np.ndarray:
