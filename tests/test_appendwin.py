@@ -22,6 +22,7 @@ from tokenplane.tokenize import session as session_mod
 from tokenplane.tokenize.cpu import nfc
 from tokenplane.tokenize.evidence import traces
 from tokenplane.tokenize.repair import WindowRepair
+from tokenplane.tokenize.router import segment_encoder
 
 FAMILIES = ["cl100k_base", "o200k_base", "llama3", "qwen3", "deepseek_v4", "smollm2"]
 
@@ -136,3 +137,46 @@ def test_scratch_grows_for_a_large_append(statuses, monkeypatch):
     fused, _ = _replay(tok, steps, fused=True, monkeypatch=monkeypatch)
     assert fused == general
     assert len(fused[1][1]) > appendwin.MIN_SCRATCH and sum(x in appendwin.ACCEPTED for x in statuses) == 2
+
+
+@pytest.mark.parametrize("name", ["cl100k_base", "o200k_base", "deepseek_v4"])
+@pytest.mark.parametrize("scratch", [0, 6_000])
+def test_a_window_beyond_its_scratch_takes_new_arrays(name, scratch, statuses, monkeypatch):
+    """The fused append carves its window's arrays from the thread's scratch (window.py `_take`) and takes new ones
+    for whatever does not fit: with no scratch or one a small window outgrows part way, the answers are the general
+    repair's and the reference's, and the fused call still accepts."""
+    from tokenplane.tokenize.cpu import piecemap
+    from tokenplane.tokenize.registry import build
+    from tokenplane.tokenize.spec.artifacts import artifact_bytes
+
+    monkeypatch.setattr(piecemap, "WINDOW_SCRATCH", scratch)
+    tok = build(name, tokenplane.load(name).family, artifact_bytes(name))     # new thread maps, this scratch size
+    assert piecemap.thread_map(segment_encoder(tok.path("cpu"), 0).bpe).window_scratch.shape[0] == scratch
+    steps = _adversarial_steps(name + "scratch", 30)
+    general, _ = _replay(tok, steps, fused=False, monkeypatch=monkeypatch)
+    fused, _ = _replay(tok, steps, fused=True, monkeypatch=monkeypatch)
+    assert fused == general
+    assert set(appendwin.ACCEPTED) & set(statuses)
+
+
+def test_the_fused_append_writes_its_window_into_the_scratch(statuses):
+    """An accepted fused append leaves its window's arrays in the thread's scratch (no per-call arrays), while the
+    general path's window kernel answers arrays of its own: a second call leaves the first one's IDs as they were."""
+    from tokenplane.tokenize.cpu import piecemap, window
+
+    tok = tokenplane.load("cl100k_base")
+    sess = tok.session(encode_path="cpu")
+    sess.sync("hello world. " * 200)
+    bpe = segment_encoder(tok.path("cpu"), 0).bpe
+    ws = piecemap.thread_map(bpe).window_scratch
+    ws[:] = 0
+    sess.append(" and a little more text to append")
+    assert statuses and statuses[-1] in appendwin.ACCEPTED
+    assert ws.any()
+    fn = window.window_encoder(bpe, "cl100k_base", tok.vocab_facts.token_chars)
+    text = "first text to encode, then another one"
+    ids, ends, _, st = fn(text, 0, len(text), window.NO_SPANS, 0)
+    first = ids.copy()
+    other = "something else entirely " * 20
+    fn(other, 0, len(other), window.NO_SPANS, 0)
+    assert st == window.OK and ids.tolist() == first.tolist() == tok.encode(text, path="reference").tolist()

@@ -124,14 +124,14 @@ def _pre(text, base, d, w, nfc, inert, ids, ck, tc, ex_i, ex_v, n, cont):
 def _append_gpt4_impl(text, base, d, w, ids, ck, ex_i, ex_v, n, commit, nfc, inert, cont, sig, pair, use_stable,
                       max_chars, max_stable, max_cand, kind_table, digits, whole_at_end, tc, has_missing, missing,
                       byte_ids, ptab, batch, whole, wkeys, wids, tok_flat, tok_off, wmap, btda, btrec, slots, arena,
-                      state, valid, out_ids, out_ends):
+                      state, valid, ws, out_ids, out_ends):
     s, status = _pre(text, base, d, w, nfc, inert, ids, ck, tc, ex_i, ex_v, n, cont)
     if status != OK:
         return _declined(status)
     f_ids, f_ends, _, st = window._window_gpt4(
         text, s - base, len(text), np.zeros((0, 2), np.int64), base, kind_table, digits, whole_at_end, tc,
         has_missing, missing, byte_ids, ptab, batch, whole, wkeys, wids, tok_flat, tok_off, wmap, btda, btrec, slots,
-        arena, state, valid)
+        arena, state, valid, ws)
     if st != window.OK:
         return _declined(WINDOW_DECLINED)
     return _finish(text, base, s, d, f_ids, f_ends, ids, ck, tc, ex_i, ex_v, n, commit, cont, sig, pair,
@@ -141,13 +141,14 @@ def _append_gpt4_impl(text, base, d, w, ids, ck, ex_i, ex_v, n, commit, nfc, ine
 def _append_o200k_impl(text, base, d, w, ids, ck, ex_i, ex_v, n, commit, nfc, inert, cont, sig, pair,
                        use_stable, max_chars, max_stable, max_cand, table, cls_table, tc, has_missing, missing,
                        byte_ids, ptab, batch, whole, wkeys, wids, tok_flat, tok_off, wmap, btda, btrec, slots, arena,
-                       state, valid, out_ids, out_ends):
+                       state, valid, ws, out_ids, out_ends):
     s, status = _pre(text, base, d, w, nfc, inert, ids, ck, tc, ex_i, ex_v, n, cont)
     if status != OK:
         return _declined(status)
     f_ids, f_ends, _, st = window._window_o200k(
         text, s - base, len(text), np.zeros((0, 2), np.int64), base, table, cls_table, tc, has_missing, missing,
-        byte_ids, ptab, batch, whole, wkeys, wids, tok_flat, tok_off, wmap, btda, btrec, slots, arena, state, valid)
+        byte_ids, ptab, batch, whole, wkeys, wids, tok_flat, tok_off, wmap, btda, btrec, slots, arena, state, valid,
+        ws)
     if st != window.OK:
         return _declined(WINDOW_DECLINED)
     return _finish(text, base, s, d, f_ids, f_ends, ids, ck, tc, ex_i, ex_v, n, commit, cont, sig, pair,
@@ -157,13 +158,13 @@ def _append_o200k_impl(text, base, d, w, ids, ck, ex_i, ex_v, n, commit, nfc, in
 def _append_deepseek_impl(text, base, d, w, ids, ck, ex_i, ex_v, n, commit, nfc, inert, cont, sig, pair,
                           use_stable, max_chars, max_stable, max_cand, table, tc, has_missing, missing, byte_ids, ptab,
                           batch, whole, wkeys, wids, tok_flat, tok_off, wmap, btda, btrec, slots, arena, state, valid,
-                          out_ids, out_ends):
+                          ws, out_ids, out_ends):
     s, status = _pre(text, base, d, w, nfc, inert, ids, ck, tc, ex_i, ex_v, n, cont)
     if status != OK:
         return _declined(status)
     f_ids, f_ends, _, st = window._window_deepseek(
         text, s - base, len(text), np.zeros((0, 2), np.int64), base, table, tc, has_missing, missing, byte_ids, ptab,
-        batch, whole, wkeys, wids, tok_flat, tok_off, wmap, btda, btrec, slots, arena, state, valid)
+        batch, whole, wkeys, wids, tok_flat, tok_off, wmap, btda, btrec, slots, arena, state, valid, ws)
     if st != window.OK:
         return _declined(WINDOW_DECLINED)
     return _finish(text, base, s, d, f_ids, f_ends, ids, ck, tc, ex_i, ex_v, n, commit, cont, sig, pair,
@@ -173,13 +174,13 @@ def _append_deepseek_impl(text, base, d, w, ids, ck, ex_i, ex_v, n, commit, nfc,
 def _append_smollm2_impl(text, base, d, w, ids, ck, ex_i, ex_v, n, commit, nfc, inert, cont, sig, pair,
                          use_stable, max_chars, max_stable, max_cand, table, tc, has_missing, missing, byte_ids, ptab,
                          batch, whole, wkeys, wids, tok_flat, tok_off, wmap, btda, btrec, slots, arena, state, valid,
-                         out_ids, out_ends):
+                         ws, out_ids, out_ends):
     s, status = _pre(text, base, d, w, nfc, inert, ids, ck, tc, ex_i, ex_v, n, cont)
     if status != OK:
         return _declined(status)
     f_ids, f_ends, _, st = window._window_smollm2(
         text, s - base, len(text), np.zeros((0, 2), np.int64), base, table, tc, has_missing, missing, byte_ids, ptab,
-        batch, whole, wkeys, wids, tok_flat, tok_off, wmap, btda, btrec, slots, arena, state, valid)
+        batch, whole, wkeys, wids, tok_flat, tok_off, wmap, btda, btrec, slots, arena, state, valid, ws)
     if st != window.OK:
         return _declined(WINDOW_DECLINED)
     return _finish(text, base, s, d, f_ids, f_ends, ids, ck, tc, ex_i, ex_v, n, commit, cont, sig, pair,
@@ -257,7 +258,7 @@ def append_encoder(bpe: bpe_mod.BPE, family: str, tc: np.ndarray, search: splice
     loop, fam_args = pt.loop_tables(family)
     tail = (inert is not None, inert if inert is not None else _NO_INERT, search.cont, search.sig, search.pair,
             search.use_stable, search.max_token_chars, splice.MAX_STABLE, splice.MAX_CANDIDATES, *fam_args,
-            np.ascontiguousarray(tc, np.uint16), *piecemap.walk_tail(bpe))
+            np.ascontiguousarray(tc, np.uint16), *piecemap.walk_tail(bpe), piecemap.thread_map(bpe).window_scratch)
     e = c.bound["append:" + family] = _Bound(bpe, tc, search, inert, loop, tail)
     return e
 

@@ -76,7 +76,7 @@ FULL_TAIL = (B, A("boolean"), *BPE_ARGS[:8], A("uint64", 2), A("uint64"), A("int
              A("int64"), A("uint64"))
 FULL_RET = "Tuple((int32[::1], int64))"
 # a window's tail: token_chars, then the walk's (piecemap.walk_tail: the thread's piece map, as a full encode)
-WINDOW_TAIL = (A("uint16"), *FULL_TAIL)
+WINDOW_TAIL = (A("uint16"), *FULL_TAIL, A("uint8"))     # + the window's scratch (window.py `_take`)
 BATCH_HEAD = (S, A("int64", 2), A("uint32"))
 BATCH_RET = "Tuple((int32[::1], int64[::1], int64))"
 # the fused append window (tokenize/appendwin.py): text, base, d, w, the records (no tc), commit flag | NFC flag and

@@ -35,6 +35,7 @@ import numpy as np
 
 from . import backtrack as bt_mod
 from . import bpe as bpe_mod
+from . import hugepages
 from . import merge as merge_mod
 from .lazyjit import njit, numba_global  # numba itself only when a JIT kernel runs (lazyjit.py)
 
@@ -51,6 +52,7 @@ ARENA_WORDS = 1 << 21        # 8 MB of IDs and bytes of pieces that do not fit a
 MAX_BYTES = 1024             # longer pieces (long whitespace or symbol runs) are merged each time, not kept
 SEED_MAX_BYTES = MAX_BYTES   # a seeded map holds every whole token up to this length (no lookup for such a miss)
 SEED_LOAD = 0.4              # whole_map's slots, sized so the seed fills at most this part of a seeded map
+WINDOW_SCRATCH = 2 << 20      # bytes of a thread's scratch for the append path's window arrays (window.py `_take`)
 # Pieces longer than this merge through bpe.py's heap kernel (same IDs): on the multi-token pieces a warm 1M-character
 # encode misses (one core, hot tables), the heap took 2,161 vs 2,450 ns for 17-32 bytes and 2,970 vs 3,864 ns for
 # 33-48 bytes (qwen3 CJK runs); up to 16 bytes merge._merge_piece_scan is the fastest (its docstring; bpe.HEAP_MIN_BYTES
@@ -78,11 +80,11 @@ class PieceMap:
                  seed: np.ndarray | None = None, seed_arena: np.ndarray | None = None):
         self.seed = self.seed_arena = None
         nseed = nwords = 0
-        self.arena = np.zeros(arena_words, dtype=np.uint32)
+        self.arena = hugepages.zeros(arena_words, np.uint32)      # (hugepages.py: probed at random)
         if seed is not None:
             cap = 1 << (seed.shape[0].bit_length() - 1)     # (its slots; the rows after them are whole_map's filter)
             self.seed = seed[:cap]
-            self.slots = self.seed.copy()
+            self.slots = hugepages.copy(self.seed)
             nseed = int(np.count_nonzero(self.slots[:, 1]))
             if seed_arena is None:
                 raise ValueError("a seeded piece map needs the seed's arena (whole_map's warena)")
@@ -91,13 +93,15 @@ class PieceMap:
             self.arena[:nwords] = seed_arena
             slots = cap
         else:
-            self.slots = np.zeros((slots, 2), dtype=np.uint64)      # word 1 == 0: empty slot
+            self.slots = hugepages.zeros((slots, 2), np.uint64)     # word 1 == 0: empty slot
         limit = max_load if max_load is not None else int(slots * LOAD)
         # entries, arena words used, the entry limit, times emptied, seeded entries, seeded arena words
         self.state = np.array([nseed, nwords, limit, 0, nseed, nwords], dtype=np.int64)
         self.bound: dict[str, Any] = {}     # fullencode kernels with these arrays bound, by family
         # backtrack._valid_memo's answers (pure functions of the tokenizer's tables: never stale, never cleared)
         self.valid = np.zeros(bt_mod.VALID_SLOTS, dtype=np.uint64)
+        # the fused append kernel's window arrays (appendwin.py): one huge page, touched only where a window uses it
+        self.window_scratch = hugepages.zeros(WINDOW_SCRATCH, np.uint8)
 
     def clear(self) -> None:
         if self.seed is not None:
