@@ -577,8 +577,9 @@ def test_char_width_reads_the_storage_kind():
 
 
 def test_a_str_holding_its_utf8_form_is_cut_and_stored_exactly():
-    """A Latin-1 str whose UTF-8 form some C API has cached reads wider than it is (char_width is a size read): the
-    store still keeps it exactly and in one narrow run (a campaign replay hit this as an IndexError in width_runs)."""
+    """A str whose UTF-8 form some C API has cached (HF `tokenizers` asks for it) keeps its width (char_width reads
+    the kind bits, not the size), of every kind and for the one-character Latin-1 singletons every slice returns;
+    the store keeps such text exactly and in one narrow run (a campaign replay hit an IndexError in width_runs)."""
     import ctypes
 
     from tokenplane.tokenize.textstore import TextStore, char_width, width_runs
@@ -589,6 +590,14 @@ def test_a_str_holding_its_utf8_form_is_cut_and_stored_exactly():
     s = "def f(x):\n    return x + 1\n\u00b112345$ ls -la\n<tool_call>\n\r**121e-9\n" * 3    # 64 < len <= 1K
     assert char_width(s) == 1
     as_utf8(s, None)
+    assert char_width(s) == 1
+    for text, width in (("caf\u00e9" * 40, 1), ("\u0416\u4e2d" * 30, 2), ("a\U0001f600" * 20, 4)):
+        cached = (text + "!")[:-1]      # (a str of its own: not one a later test holds)
+        as_utf8(cached, None)
+        assert char_width(cached) == width
+    one = "x\u00e9"[1:]                 # CPython's singleton for U+00E9
+    as_utf8(one, None)
+    assert char_width(one) == 1 and char_width("caf\u00e9"[3:]) == 1
     assert "".join(width_runs(s)) == s
     store = TextStore()
     store.append("x" * 100)
