@@ -25,21 +25,23 @@ import numpy as np
 HUGE_PAGE = 2 << 20
 
 
-def zeros(shape: int | tuple[int, ...], dtype: np.dtype | type) -> np.ndarray:
-    """A zero-filled C-contiguous array on its own 2 MB-aligned anonymous mapping (a new mapping reads as zeros),
-    advised for transparent huge pages. The array keeps the mapping alive (its base)."""
+def zeros(shape: int | tuple[int, ...], dtype: np.dtype | type, *, huge: bool = True) -> np.ndarray:
+    """A zero-filled C-contiguous array on an anonymous mapping of its own (a new mapping reads as zeros; its pages
+    are taken at their first touch), 2 MB-aligned and advised for transparent huge pages unless `huge` is False (a
+    scratch touched only in part: its resident size stays what it uses). The array keeps the mapping alive."""
     dt = np.dtype(dtype)
     nbytes = int(np.prod(shape, dtype=np.int64)) * dt.itemsize
     if nbytes == 0:
         return np.zeros(shape, dt)
-    mm = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    if hasattr(mmap, "MADV_HUGEPAGE"):
+    pad = HUGE_PAGE if huge else 0
+    mm = mmap.mmap(-1, nbytes + pad, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    if huge and hasattr(mmap, "MADV_HUGEPAGE"):
         try:
             mm.madvise(mmap.MADV_HUGEPAGE)
         except OSError:     # (a kernel without THP: plain pages)
             pass
     raw = np.frombuffer(mm, dtype=np.uint8)
-    off = (-raw.ctypes.data) % HUGE_PAGE
+    off = (-raw.ctypes.data) % HUGE_PAGE if huge else 0
     return raw[off:off + nbytes].view(dt).reshape(shape)
 
 

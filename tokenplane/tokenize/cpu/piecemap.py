@@ -100,8 +100,9 @@ class PieceMap:
         self.bound: dict[str, Any] = {}     # fullencode kernels with these arrays bound, by family
         # backtrack._valid_memo's answers (pure functions of the tokenizer's tables: never stale, never cleared)
         self.valid = np.zeros(bt_mod.VALID_SLOTS, dtype=np.uint64)
-        # the fused append kernel's window arrays (appendwin.py): one huge page, touched only where a window uses it
-        self.window_scratch = hugepages.zeros(WINDOW_SCRATCH, np.uint8)
+        # the fused append kernel's window arrays (appendwin.py): a mapping of its own (independent of the heap's
+        # state), 4 KB pages touched only where a window reaches (~0.3 MB for a 1.4K-character append's)
+        self.window_scratch = hugepages.zeros(WINDOW_SCRATCH, np.uint8, huge=False)
 
     def clear(self) -> None:
         if self.seed is not None:
