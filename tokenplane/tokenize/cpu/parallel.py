@@ -428,7 +428,8 @@ class CpuEncoder:
         if not found:
             return None
         block = nfc.splice(s, a, b, found)
-        return block if block is not None else self.tok.normalize(s[a:b])
+        assert block is not None    # (the regions lie within [a, b): none crosses a cut)
+        return block
 
     def close(self) -> None:
         with self._pool_lock:

@@ -118,13 +118,19 @@ def _gather(table, cps):
     """table[cps] as a compiled loop: numpy's fancy index holds the GIL and costs ~3x this on 4M characters, and
     it runs once per chunk thread."""
     out = np.empty(cps.shape[0], dtype=table.dtype)
+    _gather_into(table, cps, out)
+    return out
+
+
+def _gather_into(table, cps, out):
+    """`_gather` into out[:len(cps)] (the fused append window's scratch, window.py)."""
     for i in range(cps.shape[0]):
         out[i] = table[cps[i]]
-    return out
 
 
 _whitespace_run_cuts = njit(cache=True, nogil=True, inline="always")(_whitespace_run_cuts)
 _whitespace_run_loop = njit(cache=True, nogil=True, inline="always")(_whitespace_run_loop)
+_gather_into = njit(cache=True, nogil=True, inline="always")(_gather_into)
 _gather = njit(cache=True, nogil=True)(_gather)
 
 

@@ -88,8 +88,7 @@ def _window_start(s, lo, hi, spans, table, ws, at):
     feat = raw.view(table.dtype)
     if bad >= 0:
         return cps, offsets, feat[:0], starts, bad, at
-    for i in range(n):
-        feat[i] = table[cps[i]]
+    pt._gather_into(table, cps, feat)
     return cps, offsets, feat, starts, bad, at
 
 
