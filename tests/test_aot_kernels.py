@@ -249,6 +249,51 @@ def test_cross_kind_prefix_compare_equals_startswith(aot):
                             assert (want if r == 1 else r == 2) == want, (k.kind, ck, tk, n, where, off, r)
 
 
+def test_common_prefix_and_suffix_equal_a_character_loop(aot):
+    """The text store's common prefix and suffix (textstore._common_prefix / _common_suffix: blocks of one loop per
+    pair of str widths, eight 1-byte characters a load) on both kernel sets, every pair of PEP 393 kinds, one
+    difference planted at and around the 2,048-character block edges or none, offsets past either end clamped:
+    equal to a loop over the characters."""
+    rng = random.Random(12)
+    pools = {1: ["a", " ", "\u00e9"], 2: ["a", "\u4e2d", "\u0100"], 4: ["a", "\u4e2d", "\U0001F642"]}
+
+    def make(kind: int, n: int) -> str:
+        return "".join(rng.choice(pools[kind]) for _ in range(n)) + {1: "\u00ff", 2: "\uffff", 4: "\U0010ffff"}[kind]
+
+    def prefix(a: str, ao: int, b: str, bo: int, n: int) -> int:
+        i = 0
+        while i < n and ao + i < len(a) and bo + i < len(b) and a[ao + i] == b[bo + i]:
+            i += 1
+        return i
+
+    def suffix(a: str, ae: int, b: str, be: int, n: int) -> int:
+        if ae > len(a) or be > len(b):
+            return 0
+        k = 0
+        while k < min(n, ae, be) and a[ae - 1 - k] == b[be - 1 - k]:
+            k += 1
+        return k
+
+    for k in (aot, kernels.jit_kernels()):
+        for ak in (1, 2, 4):
+            for bk in (1, 2, 4):
+                for n in (0, 7, 2047, 2049, 5000):
+                    a = make(ak, n)
+                    for where in (None, 0, 2047, 2048, 2049, len(a) - 1):
+                        body = a[:-1] + ("b" if bk == 1 else "\u4e2d" if bk == 2 else "\U0001F642")
+                        b = body
+                        if where is not None and where < len(a) - 1:
+                            b = b[:where] + ("c" if b[where] != "c" else "d") + b[where + 1:]
+                        for ao, bo, m in ((0, 0, len(a)), (0, 0, len(a) + 9), (3, 3, len(a)), (0, len(b) + 2, 5),
+                                          (-1, 0, 4)):
+                            want = prefix(a, ao, b, bo, m) if ao >= 0 else 0
+                            assert k.text_common_prefix(a, ao, b, bo, m) == want, (k.kind, ak, bk, n, where, ao, m)
+                        for ae, be, m in ((len(a), len(b), len(a)), (len(a) - 1, len(b) - 1, 9000),
+                                          (len(a), len(b) + 1, 4), (2, 2, 1)):
+                            want = suffix(a, ae, b, be, m)
+                            assert k.text_common_suffix(a, ae, b, be, m) == want, (k.kind, ak, bk, n, where, ae, m)
+
+
 def test_packed_run_compare_equals_startswith(aot):
     """A packed wide run's prefix check (packedrun._match_at: low bytes and the count of wide characters in one pass,
     then the exceptions) on both kernel sets: resent text of 2 and 4 bytes a character, a change planted at an

@@ -12,7 +12,7 @@ from tokenplane import TextTooLargeError
 from tokenplane.tokenize import asciiappend
 from tokenplane.tokenize import session as session_mod
 from tokenplane.tokenize.errors import StaleRevisionError
-from tokenplane.tokenize.textstore import ADOPT_MAX, CHUNK_MERGE, TextStore, _offsets, _str, width_runs
+from tokenplane.tokenize.textstore import CHUNK_MERGE, TextStore, _offsets, _str, width_runs
 
 FAMILIES = ["cl100k_base", "o200k_base", "llama3", "qwen3", "deepseek_v4", "smollm2"]
 
@@ -180,7 +180,7 @@ def test_ascii_resends_equal_the_general_sync(name, wide, spy):
         spy.off = False
         assert sp_fast.keep == sp_general.keep and np.array_equal(sp_fast.ids, sp_general.ids)
         assert _state(fast)[:-1] == _state(general)[:-1]
-        if len(text) <= ADOPT_MAX and text.isascii():    # the resent str itself is the stored text (no copy)
+        if text.isascii():    # the resent str itself is the stored text (no copy)
             assert fast._raw.chunks[-1] is text and general._raw.chunks[-1] is text
     assert all(spy.taken()) and len(spy.answers) >= 20
     assert np.array_equal(np.asarray(fast.ids), tok.encode(fast.text, path="reference"))

@@ -1,7 +1,7 @@
 """Session.sync's and Session.append's committed append (Session._fast_append: the fused append window writes the
 records itself; a resent ASCII str becomes the stored text): every step equals the general plan-and-commit path (the fused call
 switched off) and the reference encode, with exported IDs held across steps (copy-on-write), through record growth
-in place and by copy, non-ASCII tails, edits after an adopted text, and resends past the adoption limit."""
+in place and by copy, non-ASCII tails, edits after an adopted text, and long resends and their edits."""
 
 from __future__ import annotations
 
@@ -116,7 +116,7 @@ def test_prefix_check_across_widths_and_long_chunks():
     assert not store.is_prefix_of(text[:-1])
 
 
-def test_adopted_text_and_its_limit():
+def test_an_adopted_text_of_any_length_is_one_chunk_until_cut():
     store = textstore.TextStore()
     store.append("hello ")
     text = "hello world " * 10
@@ -125,20 +125,48 @@ def test_adopted_text_and_its_limit():
     assert store.is_prefix_of(text + "more") and not store.is_prefix_of("hellO" + text[5:])
     store.replace(3, 5, "XY")
     assert store.joined() == "helXY" + text[5:]
-    big = "a" * (textstore.ADOPT_MAX + 10)
+    big = "".join(random.Random(3).choice(FRAGMENTS) for _ in range(120_000))
+    big = big.encode("ascii", "replace").decode()
+    assert len(big) > 8 * textstore.CHUNK_MERGE      # (what a cut keeps of it on either side is over 4 chunks)
     store = textstore.TextStore(["a" * 100])
     store.adopt(big)
-    assert store.joined() == big and max(len(c) for c in store.chunks) <= 4 * textstore.CHUNK_MERGE
+    assert store.chunks == (big,) and store.chunks[0] is big
+    assert store.is_prefix_of(big + "x") and not store.is_prefix_of(big[:-1])
+    # a cut keeps what it leaves of the long chunk as CHUNK_MERGE chunks (later cuts copy at most a chunk)
+    mid = len(big) // 2
+    store.replace(mid, mid + 7, "\u4e2d")
+    want = big[:mid] + "\u4e2d" + big[mid + 7:]
+    assert store.joined() == want and max(len(c) for c in store.chunks) <= 4 * textstore.CHUNK_MERGE
+    assert store.common_prefix(want[:mid] + "Q") == mid and store.common_suffix("Q" + want[mid:], len(want)) == \
+        len(want) - mid
+    store = textstore.TextStore()
+    store.adopt(big)
+    store.replace(len(big) - 3, len(big), "e\u0301")       # (a tail replace, as NFC appends make)
+    assert store.joined() == big[:-3] + "e\u0301" and max(len(c) for c in store.chunks) <= 4 * textstore.CHUNK_MERGE
 
 
-def test_sync_past_the_adoption_limit_stays_exact():
-    tok = tokenplane.load("cl100k_base")
+@pytest.mark.parametrize("name", ["cl100k_base", "qwen3"])
+def test_long_resends_and_their_edits_stay_exact(name):
+    """Resends that grow an ASCII text far past a chunk (each adopted whole), then resends that change its middle
+    (the store keeps the ASCII resend itself) or put a wide character there (the store cuts it), then appends."""
+    tok = tokenplane.load(name)
     rng = random.Random(7)
-    text = "".join(rng.choice(FRAGMENTS) for _ in range(textstore.ADOPT_MAX // 8))
+    text = "".join(rng.choice(FRAGMENTS) for _ in range(2000)).encode("ascii", "replace").decode()
     sess = tok.session(encode_path="cpu")
     sess.sync(text)
-    while len(text) < textstore.ADOPT_MAX + 5000:
-        text += "".join(rng.choice(FRAGMENTS) for _ in range(300))
+    while len(text) < 4 * textstore.CHUNK_MERGE + 5000:
+        text += "".join(rng.choice(FRAGMENTS) for _ in range(3000)).encode("ascii", "replace").decode()
+        sess.sync(text)
+        assert sess._raw.chunks == (text,) and sess._raw.chunks[0] is text
+    for k, repl in enumerate(["Edited middle: x = 1", "", "caf\u00e9 \u4e2d", "more ASCII again", "\U0001F44D"]):
+        a = rng.randrange(len(text) // 5, 4 * len(text) // 5)
+        text = text[:a] + repl + text[a + 25:]
+        sess.sync(text)
+        if text.isascii():
+            assert sess._raw.chunks[0] is text
+        assert sess.text == text, k
+        assert sess.ids.tolist() == np.asarray(tok.encode(text, path="reference")).tolist(), k
+        text += f" tail {k}"
         sess.sync(text)
     assert sess.text == text
     assert sess.ids.tolist() == np.asarray(tok.encode(text, path="reference")).tolist()

@@ -215,6 +215,12 @@ class Session:
              expect_revision: int | None = None) -> Splice:
         """Replace text[start:end] (character offsets into `text`) by `replacement`."""
         self._check_revision(expect_revision)
+        return self._edit(start, end, replacement, None)
+
+    def _edit(self, start: int, end: int, replacement: str | bytes, whole: str | None) -> Splice:
+        """`edit` after the revision check; `whole`: the whole new text as one ASCII str when the caller holds it
+        (sync's resent text), which the text store then keeps as it is instead of cutting its chunks around the
+        replacement."""
         length = len(self._raw)
         for v in (start, end):
             if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
@@ -232,7 +238,7 @@ class Session:
             return Splice(self._rec.n, np.zeros(0, np.uint32), self.revision, "noop")
         t0 = time.perf_counter()
         self.stats.last_encode_s = 0.0
-        plan = self._plan_edit(start, end, replacement)
+        plan = self._plan_edit(start, end, replacement, whole)
         return self._commit(plan, t0)
 
     def sync(self, full_text: str | bytes, *, expect_revision: int | None = None) -> Splice:
@@ -258,7 +264,8 @@ class Session:
             return self._append(full_text[length:], full_text)
         cp = self._raw.common_prefix(full_text)
         cs = self._raw.common_suffix(full_text, min(length, len(full_text)) - cp)
-        return self.edit(cp, length - cs, full_text[cp:len(full_text) - cs])
+        return self._edit(cp, length - cs, full_text[cp:len(full_text) - cs],
+                          full_text if type(full_text) is str and full_text.isascii() else None)
 
     def _sync_append(self, full_text: str, length: int) -> Splice | None:
         """A resend that appends to the stored text, the common sync of agent traffic: `_fast_append` reading the
@@ -458,7 +465,7 @@ class Session:
         plan, whose NFC split is cheaper than a table gather over all of it)."""
         return text.isascii() or (len(text) <= _INERT_SCAN and nfc.all_inert(text))
 
-    def _plan_edit(self, start: int, end: int, replacement: str) -> Plan:
+    def _plan_edit(self, start: int, end: int, replacement: str, whole: str | None = None) -> Plan:
         raw_len = len(self._raw)
         if self._repairer.literals or (self._repairer.nfc and self._nmap is None and self._norm is not None):
             new_raw = self._raw.slice(0, start) + replacement + self._raw.slice(end, raw_len)
@@ -489,7 +496,8 @@ class Session:
         cp = common_prefix_len(old_mid, mid, 0)
         cs = common_suffix_len(old_mid[cp:], mid[cp:])
         new = SplicedText(norm, d0, mid, e_old)
-        plan = Plan(raw_change=Replace(start, end, replacement),
+        assert whole is None or len(whole) == raw_len - (end - start) + len(replacement)
+        plan = Plan(raw_change=Replace(start, end, replacement) if whole is None else SetText(whole),
                      norm_change=None if raw_is_norm else Replace(d0, e_old, mid), lits=None, nmap=new_map)
         self._repair(plan, new, d0 + cp, d0 + len(mid) - cs, lambda lo, hi: [])
         return plan

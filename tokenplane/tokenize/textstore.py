@@ -26,12 +26,13 @@ from .packedrun import PackedRun, pack
 _deref_uint8 = numba_global("numba.cpython.unicode", "deref_uint8")
 _deref_uint16 = numba_global("numba.cpython.unicode", "deref_uint16")
 _deref_uint32 = numba_global("numba.cpython.unicode", "deref_uint32")
+_str_units8 = numba_global("tokenplane.tokenize.cpu.borrow", "str_units8")
+_load_u64 = numba_global("tokenplane.tokenize.cpu.unaligned", "load_u64")
 
 CHUNK_MERGE = 1 << 16      # appends smaller than this merge into the last text chunk (bounded copy)
 WIDTH_RUN = 1024           # narrow gaps shorter than this stay inside a wide run (fewer, larger chunks: a prefix
                            # check costs ~0.5 us per chunk, ~3 us for one of another kind than the resent text)
 WIDTH_FINE = 64            # granularity of a wide run's edges
-ADOPT_MAX = 2 * CHUNK_MERGE     # an ASCII resent text up to this long is kept as the store's one chunk (`adopt`)
 _ONE_START = (0,)           # the offsets of every one-chunk store (`_offsets`)
 
 # A compact non-ASCII str is this header plus (len + 1) * kind bytes, kind = 1, 2 or 4 bytes per character (the
@@ -177,43 +178,120 @@ TextChange = Append | Replace | SetText
 
 
 def common_prefix_len(a: str, b: str, b_off: int) -> int:
-    """Length of the common prefix of a and b[b_off:], at memcmp speed (block compare, then bisect one block)."""
+    """Length of the common prefix of a and b[b_off:], compared in both strs' own buffers (`_common_run`)."""
     n = min(len(a), len(b) - b_off)
-    step, pos = 4096, 0
-    while pos < n and b.startswith(a[pos:min(pos + step, n)], b_off + pos):
-        pos += step
-    if pos >= n:
-        return n
-    lo, hi = pos, min(pos + step, n)      # a[:lo] matches, a[:hi] does not
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        if b.startswith(a[pos:mid], b_off + pos):
-            lo = mid
-        else:
-            hi = mid
-    return lo
+    return kernels.get().text_common_prefix(a, 0, b, b_off, n) if n > 0 else 0
 
 
 def common_suffix_len(a: str, b: str, b_end: int | None = None) -> int:
-    """Length of the common suffix of a and b[:b_end], block-compared from the end (no reversed copies)."""
+    """Length of the common suffix of a and b[:b_end], compared in both strs' own buffers (`_common_run`)."""
     b_end = len(b) if b_end is None else b_end
     n = min(len(a), b_end)
-    step, k = 4096, 0
+    return kernels.get().text_common_suffix(a, len(a), b, b_end, n) if n > 0 else 0
+
+
+@njit(cache=True, inline="always")
+def _unit(d, kind, i):
+    if kind == 1:
+        return np.uint32(_deref_uint8(d, i))
+    if kind == 2:
+        return np.uint32(_deref_uint16(d, i))
+    return np.uint32(_deref_uint32(d, i))
+
+
+@njit(cache=True)
+def _block_differs(ad, ak, ai, bd, bk, bi, m):
+    """Whether the m characters of one str's buffer (data ad, kind ak) from index ai differ from another's from bi:
+    one loop per pair of kinds, its accumulator truncated to the wider kind (`_match_at`: LLVM vectorizes it)."""
+    if ak > bk:
+        ad, ak, ai, bd, bk, bi = bd, bk, bi, ad, ak, ai
+    if ak == bk == 1:
+        acc8 = np.uint8(0)
+        for j in range(m):
+            acc8 = np.uint8(acc8 | np.uint8(_deref_uint8(ad, ai + j) ^ _deref_uint8(bd, bi + j)))
+        return acc8 != 0
+    if ak == 1 and bk == 2:
+        acc16 = np.uint16(0)
+        for j in range(m):
+            acc16 = np.uint16(acc16 | np.uint16(np.uint16(_deref_uint8(ad, ai + j)) ^ _deref_uint16(bd, bi + j)))
+        return acc16 != 0
+    if ak == bk == 2:
+        acc16 = np.uint16(0)
+        for j in range(m):
+            acc16 = np.uint16(acc16 | np.uint16(_deref_uint16(ad, ai + j) ^ _deref_uint16(bd, bi + j)))
+        return acc16 != 0
+    acc = np.uint32(0)
+    if ak == 1:
+        for j in range(m):
+            acc = np.uint32(acc | np.uint32(np.uint32(_deref_uint8(ad, ai + j)) ^ _deref_uint32(bd, bi + j)))
+    elif ak == 2:
+        for j in range(m):
+            acc = np.uint32(acc | np.uint32(np.uint32(_deref_uint16(ad, ai + j)) ^ _deref_uint32(bd, bi + j)))
+    else:
+        for j in range(m):
+            acc = np.uint32(acc | np.uint32(_deref_uint32(ad, ai + j) ^ _deref_uint32(bd, bi + j)))
+    return acc != 0
+
+
+_RUN_BLOCK = 2048
+
+
+@njit(cache=True, inline="always")
+def _bytes_differ(ua, ai, ub, bi, m):
+    """`_block_differs` of two 1-byte strs' buffers (views `ua`, `ub`), eight characters a load."""
+    acc = np.uint64(0)
+    w = m >> 3
+    for q in range(w):
+        acc |= _load_u64(ua, ai + 8 * q) ^ _load_u64(ub, bi + 8 * q)
+    for j in range(8 * w, m):
+        acc |= np.uint64(ua[ai + j] ^ ub[bi + j])
+    return acc != 0
+
+
+@njit(cache=True)
+def _common_prefix(a, a_off, b, b_off, n):
+    """How many of the n characters from a[a_off] and from b[b_off] are equal before the first that differs: blocks
+    compared whole (`_block_differs`), the first differing one character by character. A Python loop of block
+    compares of slices (the common prefix of a sync's edit, of a store that keeps a resent text as one chunk)
+    copied each block and ran ~0.5 us a 4K block."""
+    if a_off < 0 or b_off < 0:
+        return 0
+    n = min(n, len(a) - a_off, len(b) - b_off)      # (never read past either str)
+    ad, ak, bd, bk = a._data, a._kind, b._data, b._kind
+    narrow = ak == bk == 1
+    ua, ub = _str_units8(a if narrow else ""), _str_units8(b if narrow else "")
+    i = 0
+    while i < n:
+        m = min(_RUN_BLOCK, n - i)
+        if (_bytes_differ(ua, a_off + i, ub, b_off + i, m) if narrow
+                else _block_differs(ad, ak, a_off + i, bd, bk, b_off + i, m)):
+            for j in range(i, i + m):
+                if _unit(ad, ak, a_off + j) != _unit(bd, bk, b_off + j):
+                    return j
+        i += m
+    return max(n, 0)
+
+
+@njit(cache=True)
+def _common_suffix(a, a_end, b, b_end, n):
+    """`_common_prefix` from the ends: how many of the n characters before a[a_end] and before b[b_end] are equal,
+    counted back to the first that differs."""
+    if a_end > len(a) or b_end > len(b):
+        return 0
+    n = min(n, a_end, b_end)
+    ad, ak, bd, bk = a._data, a._kind, b._data, b._kind
+    narrow = ak == bk == 1
+    ua, ub = _str_units8(a if narrow else ""), _str_units8(b if narrow else "")
+    k = 0
     while k < n:
-        m = min(step, n - k)
-        if not b.endswith(a[len(a) - k - m:len(a) - k], 0, b_end - k):
-            break
+        m = min(_RUN_BLOCK, n - k)
+        if (_bytes_differ(ua, a_end - k - m, ub, b_end - k - m, m) if narrow
+                else _block_differs(ad, ak, a_end - k - m, bd, bk, b_end - k - m, m)):
+            for j in range(k, k + m):
+                if _unit(ad, ak, a_end - 1 - j) != _unit(bd, bk, b_end - 1 - j):
+                    return j
         k += m
-    if k >= n:
-        return n
-    lo, hi = 0, min(step, n - k)          # a suffix of length lo of the block matches, hi does not
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        if b.endswith(a[len(a) - k - mid:len(a) - k], 0, b_end - k):
-            lo = mid
-        else:
-            hi = mid
-    return k + lo
+    return max(n, 0)
 
 
 Chunk = str | PackedRun
@@ -225,6 +303,16 @@ def _str(c: Chunk) -> str:
 
 def _starts_with(text: str, c: Chunk, off: int) -> bool:
     return starts_with_at(text, c, off) if isinstance(c, str) else c.match_at(text, off)
+
+
+def _bounded(c: Chunk) -> list[Chunk]:
+    """What a cut keeps of a chunk, as chunks of CHUNK_MERGE characters where it is a str longer than any `append`
+    makes (an adopted resend: later cuts and merges then copy at most a chunk); [] for nothing kept."""
+    if not len(c):
+        return []
+    if isinstance(c, str) and len(c) > 4 * CHUNK_MERGE:
+        return [c[k:k + CHUNK_MERGE] for k in range(0, len(c), CHUNK_MERGE)]
+    return [c]
 
 
 def _offsets(starts: list[int] | tuple[int, ...]) -> tuple[int, ...]:
@@ -287,11 +375,9 @@ class TextStore:
 
     def adopt(self, text: str) -> None:
         """Become `text`, an ASCII str this store's text is a prefix of (sync's resent text): kept as it is, one chunk
-        at one byte per character, no copy, while it is at most ADOPT_MAX characters (an edit rejoins a chunk that
-        size, as `replace` does); a longer text appends its new part as `append` does."""
-        if len(text) > ADOPT_MAX:
-            self.append(text[self.length:])
-            return
+        at one byte per character, no copy, at any length, so the next resend's prefix check is one memcmp (a 1M
+        character text kept as 64K chunks took one Python-level compare a chunk: ~0.35 us each, 17 at 1M, 63 at 4M,
+        on top of the memcmp). Cutting such a chunk (`replace`) splits what it keeps into CHUNK_MERGE chunks, once."""
         self.chunks = (text,)
         self.starts = _ONE_START
         self.length = len(text)
@@ -338,7 +424,7 @@ class TextStore:
             i = self._locate(a) if a < self.length else len(self.chunks)
             if i < len(self.chunks):
                 head = self.chunks[i][:a - self.starts[i]]
-                self._set([*self.chunks[:i], head] if head else list(self.chunks[:i]))
+                self._set([*self.chunks[:i], *_bounded(head)])
             self.append(s)
             return
         # the chunks holding a and b are cut and rejoined around s: one chunk again when they are of one width and
@@ -350,7 +436,7 @@ class TextStore:
                 and char_width(left) == char_width(s) == char_width(right)):
             pieces = [m] if (m := left + s + right) else []
         else:
-            pieces = [c for c in (left, s, right) if c]
+            pieces = [*_bounded(left), *([s] if s else []), *_bounded(right)]
         starts, o = [], self.starts[i]
         for c in pieces:
             starts.append(o)
@@ -409,18 +495,23 @@ class TextStore:
         for c, o in zip(reversed(self.chunks), reversed(self.starts)):
             lo = max(o, self.length - limit)
             end = o + len(c) + shift
-            if lo == o and isinstance(c, PackedRun):    # a whole packed run: its compiled check, no str rebuilt
+            if isinstance(c, str):      # (compared where it lies: no slice of a chunk, however long)
+                m = o + len(c) - lo
+                r = kernels.get().text_common_suffix(c, len(c), text, end, m) if m > 0 and end > 0 else 0
+                k += r
+                if r < m or lo > o:
+                    break
+                continue
+            if lo == o:     # a whole packed run: its compiled check, no str rebuilt
                 if o + shift >= 0 and c.match_at(text, o + shift):
                     k += len(c)
                     continue
                 seg = str(c)
             else:
-                seg = _str(c) if lo == o else c[lo - o:]
+                seg = c[lo - o:]
                 if text.endswith(seg, 0, end):
                     k += len(seg)
-                    if lo > o:
-                        break
-                    continue
+                    break
             k += common_suffix_len(seg, text, end)
             break
         return min(k, limit)

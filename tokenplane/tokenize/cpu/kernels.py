@@ -153,12 +153,15 @@ EXPORTS: dict[str, tuple[str, str, str, tuple[Any, ...]]] = {
                        (A("uint32"), A("int64"), I, A("uint16"), A("int64"), A("int64"), I)),
     "rec_append_tail": ("..records", "_append_tail", "boolean",
                         (A("uint32"), A("int64"), A("uint16"), I, I, A("uint32"), A("int64"))),
-    # the certified splice-point search (..splice) and the text store's cross-kind prefix compare (..textstore)
+    # the certified splice-point search (..splice) and the text store's compares (..textstore: cross-kind prefix,
+    # common prefix and suffix)
     "splice_search": ("..splice", "_search", "UniTuple(int64, 3)",
                       (S, I, I, I, A("int64"), A("uint8"), A("uint8", 2), B, *REC, I, A("uint32"), A("int64"), I,
                        A("boolean"), I, B, I, I, I, I)),
     "splice_clean_before": ("..splice", "_clean_before", "UniTuple(int64, 2)", (*REC, I, A("boolean"), I, I)),
     "text_match_at": ("..textstore", "_match_at", "int64", (S, S, I)),
+    "text_common_prefix": ("..textstore", "_common_prefix", "int64", (S, I, S, I, I)),
+    "text_common_suffix": ("..textstore", "_common_suffix", "int64", (S, I, S, I, I)),
     "packed_match_at": ("..packedrun", "_match_at", "int64", (A("uint8"), A("uint32"), S, I)),
 }
 HOLDS_GIL = frozenset({"scan_first_stable"})
