@@ -432,6 +432,7 @@ class TextStore:
         i, j = self._locate(a), self._locate(b)
         ci, cj = self.chunks[i], self.chunks[j]
         left, right = ci[:a - self.starts[i]], cj[b - self.starts[j]:]
+        pieces: list[Chunk]
         if (len(left) + len(s) + len(right) <= 2 * CHUNK_MERGE
                 and char_width(left) == char_width(s) == char_width(right)):
             pieces = [m] if (m := left + s + right) else []
