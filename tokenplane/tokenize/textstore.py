@@ -301,10 +301,6 @@ def _str(c: Chunk) -> str:
     return c if isinstance(c, str) else str(c)
 
 
-def _starts_with(text: str, c: Chunk, off: int) -> bool:
-    return starts_with_at(text, c, off) if isinstance(c, str) else c.match_at(text, off)
-
-
 def _bounded(c: Chunk) -> list[Chunk]:
     """What a cut keeps of a chunk, as chunks of CHUNK_MERGE characters where it is a str longer than any `append`
     makes (an adopted resend: later cuts and merges then copy at most a chunk); [] for nothing kept."""
@@ -486,8 +482,12 @@ class TextStore:
 
     def common_prefix(self, text: str) -> int:
         for c, o in zip(self.chunks, self.starts):
-            if not _starts_with(text, c, o):
-                return o + common_prefix_len(_str(c), text, o) if o <= len(text) else len(text)
+            if isinstance(c, str):      # (one pass to the first difference, no whole-chunk compare before it)
+                k = common_prefix_len(c, text, o)
+                if k < len(c):
+                    return o + k
+            elif not c.match_at(text, o):
+                return o + common_prefix_len(str(c), text, o) if o <= len(text) else len(text)
         return min(self.length, len(text))
 
     def common_suffix(self, text: str, limit: int) -> int:
