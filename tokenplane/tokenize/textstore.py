@@ -250,46 +250,40 @@ def _bytes_differ(ua, ai, ub, bi, m):
 
 @njit(cache=True)
 def _common_prefix(a, a_off, b, b_off, n):
-    """How many of the n characters from a[a_off] and from b[b_off] are equal before the first that differs: blocks
-    compared whole (`_block_differs`), the first differing one character by character. A Python loop of block
-    compares of slices (the common prefix of a sync's edit, of a store that keeps a resent text as one chunk)
-    copied each block and ran ~0.5 us a 4K block."""
+    """How many of the n characters from a[a_off] and from b[b_off] are equal before the first that differs
+    (`_common_run`). A Python loop of block compares of slices (the common prefix of a sync's edit, of a store that
+    keeps a resent text as one chunk) copied each block and ran ~0.5 us a 4K block."""
     if a_off < 0 or b_off < 0:
         return 0
-    n = min(n, len(a) - a_off, len(b) - b_off)      # (never read past either str)
-    ad, ak, bd, bk = a._data, a._kind, b._data, b._kind
-    narrow = ak == bk == 1
-    ua, ub = _str_units8(a if narrow else ""), _str_units8(b if narrow else "")
-    i = 0
-    while i < n:
-        m = min(_RUN_BLOCK, n - i)
-        if (_bytes_differ(ua, a_off + i, ub, b_off + i, m) if narrow
-                else _block_differs(ad, ak, a_off + i, bd, bk, b_off + i, m)):
-            for j in range(i, i + m):
-                if _unit(ad, ak, a_off + j) != _unit(bd, bk, b_off + j):
-                    return j
-        i += m
-    return max(n, 0)
+    return _common_run(a, a_off, b, b_off, min(n, len(a) - a_off, len(b) - b_off), False)   # (never past a str)
 
 
 @njit(cache=True)
 def _common_suffix(a, a_end, b, b_end, n):
-    """`_common_prefix` from the ends: how many of the n characters before a[a_end] and before b[b_end] are equal,
-    counted back to the first that differs."""
+    """How many of the n characters before a[a_end] and before b[b_end] are equal, counted back to the first that
+    differs (`_common_run`)."""
     if a_end > len(a) or b_end > len(b):
         return 0
-    n = min(n, a_end, b_end)
+    return _common_run(a, a_end, b, b_end, min(n, a_end, b_end), True)
+
+
+@njit(cache=True, inline="always")
+def _common_run(a, a_at, b, b_at, n, back):
+    """The equal run of n characters at most from a[a_at] and b[b_at] on (back: before them, backwards): blocks
+    compared whole (`_bytes_differ` for two 1-byte strs, else `_block_differs`), the first differing one character
+    by character."""
     ad, ak, bd, bk = a._data, a._kind, b._data, b._kind
     narrow = ak == bk == 1
     ua, ub = _str_units8(a if narrow else ""), _str_units8(b if narrow else "")
     k = 0
     while k < n:
         m = min(_RUN_BLOCK, n - k)
-        if (_bytes_differ(ua, a_end - k - m, ub, b_end - k - m, m) if narrow
-                else _block_differs(ad, ak, a_end - k - m, bd, bk, b_end - k - m, m)):
-            for j in range(k, k + m):
-                if _unit(ad, ak, a_end - 1 - j) != _unit(bd, bk, b_end - 1 - j):
-                    return j
+        ai, bi = (a_at - k - m, b_at - k - m) if back else (a_at + k, b_at + k)
+        if _bytes_differ(ua, ai, ub, bi, m) if narrow else _block_differs(ad, ak, ai, bd, bk, bi, m):
+            for j in range(m):
+                x = m - 1 - j if back else j
+                if _unit(ad, ak, ai + x) != _unit(bd, bk, bi + x):
+                    return k + j
         k += m
     return max(n, 0)
 
