@@ -219,7 +219,9 @@ def test_a_window_larger_than_the_scratch_grows_it(spy, appendwin_statuses):
     tok = tokenplane.load("cl100k_base")
     s = tok.session(text="hello world. " * 50)
     s.append(" warm")       # (binds this thread's kernel)
-    bound = next(e[0] for e in asciiappend._local.bindings.values() if e[3] is s._repairer)
+    # this session's own binding: sessions of one tokenizer share their repairer, and another test's session of it
+    # on another encode path has an entry (another binding) for it too
+    bound = asciiappend._local.bindings[(id(s._repairer), s._path)][0]
     bound.grow(0)           # back to MIN_SCRATCH records, whatever earlier tests grew it to
     big = " ".join(f"word{k % 997} x={k};" for k in range(6000))[:CHUNK_MERGE - 10]
     assert big.isascii() and len(tok.encode(big)) > appendwin.MIN_SCRATCH
