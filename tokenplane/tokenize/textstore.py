@@ -106,10 +106,7 @@ def _match_at(chunk, text, off):
     """1: the strs have the same kind (the caller's `startswith` is one memcmp); otherwise 2 if text[off:] starts
     with chunk, 0 if not. CPython compares strs of different kinds one character at a time through a kind switch
     (~0.3 ns/char). Here a chunk of a wider kind than the text never matches (a compact str is stored at the width
-    of its widest character), and a narrower one is compared in blocks, one loop per pair of widths whose
-    accumulator is truncated to the wider width each step: numba widens `a ^ b` of small unsigned integers to 64
-    bits, and LLVM vectorizes such a loop four lanes at a time (~0.13 ns/char for 1 vs 2 bytes) where the truncated
-    one takes sixteen (~0.06)."""
+    of its widest character), and a narrower one is compared in blocks (`_block_differs`)."""
     ck = chunk._kind
     tk = text._kind
     if ck == tk:
@@ -117,30 +114,12 @@ def _match_at(chunk, text, off):
     n = len(chunk)
     if ck > tk or off + n > len(text):
         return 0
-    cd = chunk._data
-    td = text._data
     i = 0
     while i < n:
-        e = min(n, i + 4096)
-        if tk == 2:     # chunk of 1 byte a character
-            acc16 = np.uint16(0)
-            for j in range(i, e):
-                acc16 = np.uint16(acc16 | np.uint16(np.uint16(_deref_uint8(cd, j)) ^ _deref_uint16(td, off + j)))
-            if acc16:
-                return 0
-        elif ck == 1:   # 1 against 4 bytes
-            acc = np.uint32(0)
-            for j in range(i, e):
-                acc = np.uint32(acc | np.uint32(np.uint32(_deref_uint8(cd, j)) ^ _deref_uint32(td, off + j)))
-            if acc:
-                return 0
-        else:           # 2 against 4 bytes
-            acc = np.uint32(0)
-            for j in range(i, e):
-                acc = np.uint32(acc | np.uint32(np.uint32(_deref_uint16(cd, j)) ^ _deref_uint32(td, off + j)))
-            if acc:
-                return 0
-        i = e
+        m = min(4096, n - i)
+        if _block_differs(chunk, i, text, off + i, m):
+            return 0
+        i += m
     return 2
 
 
@@ -199,26 +178,32 @@ def _unit(d, kind, i):
     return np.uint32(_deref_uint32(d, i))
 
 
-@njit(cache=True)
-def _block_differs(ad, ak, ai, bd, bk, bi, m):
-    """Whether the m characters of one str's buffer (data ad, kind ak) from index ai differ from another's from bi:
-    one loop per pair of kinds, its accumulator truncated to the wider kind (`_match_at`: LLVM vectorizes it)."""
-    if ak > bk:
-        ad, ak, ai, bd, bk, bi = bd, bk, bi, ad, ak, ai
-    if ak == bk == 1:
-        acc8 = np.uint8(0)
-        for j in range(m):
-            acc8 = np.uint8(acc8 | np.uint8(_deref_uint8(ad, ai + j) ^ _deref_uint8(bd, bi + j)))
-        return acc8 != 0
-    if ak == 1 and bk == 2:
+@njit(cache=True, inline="always")
+def _block_differs(a, ai, b, bi, m):
+    """Whether the m characters of str a from index ai differ from those of str b from bi (indices in range): two
+    1-byte strs eight characters a 64-bit load; other kinds one loop per pair of kinds, its accumulator truncated
+    to the wider kind (numba widens `x ^ y` of small unsigned integers to 64 bits, and LLVM vectorizes such a loop
+    four lanes at a time, ~0.13 ns/char for 1 vs 2 bytes, where the truncated one takes sixteen, ~0.06)."""
+    if a._kind > b._kind:
+        a, ai, b, bi = b, bi, a, ai
+    ad, ak, bd, bk = a._data, a._kind, b._data, b._kind
+    if bk == 1:
+        ua, ub = _str_units8(a), _str_units8(b)
+        acc64 = np.uint64(0)
+        w = m >> 3
+        for q in range(w):
+            acc64 |= _load_u64(ua, ai + 8 * q) ^ _load_u64(ub, bi + 8 * q)
+        for j in range(8 * w, m):
+            acc64 |= np.uint64(ua[ai + j] ^ ub[bi + j])
+        return acc64 != 0
+    if bk == 2:
         acc16 = np.uint16(0)
-        for j in range(m):
-            acc16 = np.uint16(acc16 | np.uint16(np.uint16(_deref_uint8(ad, ai + j)) ^ _deref_uint16(bd, bi + j)))
-        return acc16 != 0
-    if ak == bk == 2:
-        acc16 = np.uint16(0)
-        for j in range(m):
-            acc16 = np.uint16(acc16 | np.uint16(_deref_uint16(ad, ai + j) ^ _deref_uint16(bd, bi + j)))
+        if ak == 1:
+            for j in range(m):
+                acc16 = np.uint16(acc16 | np.uint16(np.uint16(_deref_uint8(ad, ai + j)) ^ _deref_uint16(bd, bi + j)))
+        else:
+            for j in range(m):
+                acc16 = np.uint16(acc16 | np.uint16(_deref_uint16(ad, ai + j) ^ _deref_uint16(bd, bi + j)))
         return acc16 != 0
     acc = np.uint32(0)
     if ak == 1:
@@ -234,18 +219,6 @@ def _block_differs(ad, ak, ai, bd, bk, bi, m):
 
 
 _RUN_BLOCK = 2048
-
-
-@njit(cache=True, inline="always")
-def _bytes_differ(ua, ai, ub, bi, m):
-    """`_block_differs` of two 1-byte strs' buffers (views `ua`, `ub`), eight characters a load."""
-    acc = np.uint64(0)
-    w = m >> 3
-    for q in range(w):
-        acc |= _load_u64(ua, ai + 8 * q) ^ _load_u64(ub, bi + 8 * q)
-    for j in range(8 * w, m):
-        acc |= np.uint64(ua[ai + j] ^ ub[bi + j])
-    return acc != 0
 
 
 @njit(cache=True)
@@ -270,16 +243,13 @@ def _common_suffix(a, a_end, b, b_end, n):
 @njit(cache=True, inline="always")
 def _common_run(a, a_at, b, b_at, n, back):
     """The equal run of n characters at most from a[a_at] and b[b_at] on (back: before them, backwards): blocks
-    compared whole (`_bytes_differ` for two 1-byte strs, else `_block_differs`), the first differing one character
-    by character."""
+    compared whole (`_block_differs`), the first differing one character by character."""
     ad, ak, bd, bk = a._data, a._kind, b._data, b._kind
-    narrow = ak == bk == 1
-    ua, ub = _str_units8(a if narrow else ""), _str_units8(b if narrow else "")
     k = 0
     while k < n:
         m = min(_RUN_BLOCK, n - k)
         ai, bi = (a_at - k - m, b_at - k - m) if back else (a_at + k, b_at + k)
-        if _bytes_differ(ua, ai, ub, bi, m) if narrow else _block_differs(ad, ak, ai, bd, bk, bi, m):
+        if _block_differs(a, ai, b, bi, m):
             for j in range(m):
                 x = m - 1 - j if back else j
                 if _unit(ad, ak, ai + x) != _unit(bd, bk, bi + x):
